@@ -1,0 +1,18 @@
+"""distmoe: distributed Mixture-of-Experts expert MLPs for NVIDIA Hopper GPUs.
+
+Public API (DESIGN.md): :class:`MoEConfig`, :func:`plan_memory`, :class:`MoEContext`,
+:func:`launch`, and the reference in :mod:`distmoe.reference`.
+"""
+
+from .kernels.interpreter import use_interpreter_if_no_gpu
+
+# On a machine without CUDA, Triton kernels run through the interpreter (with its bf16 tl.dot
+# corrected); this must happen before any kernel module is imported.
+use_interpreter_if_no_gpu()
+
+from .config import MoEConfig  # noqa: E402
+from .launch import launch  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = ["MoEConfig", "launch", "__version__"]

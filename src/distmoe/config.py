@@ -1,0 +1,161 @@
+"""Layer configuration: :class:`MoEConfig`, a frozen, keyword-only, validated dataclass.
+
+Every rule that can be checked without knowing the expert-parallel group size is checked at
+construction; rules that need ``ep_size`` live in :meth:`MoEConfig.check_ep_size`, which the
+planner and the context call where the group is known.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+Precision = Literal["bf16", "mxfp8", "nvfp4"]
+PRECISIONS: tuple[str, ...] = ("bf16", "mxfp8", "nvfp4")
+
+# Expert ids travel between ranks as int16 (DESIGN.md, routing buffers).
+MAX_EXPERTS = 2**15 - 1
+
+
+def _require_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise ValueError(f"{name} ({value}) must be >= {minimum}")
+
+
+def _require_number(name: str, value: object, minimum: float, *, strict: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} ({value!r})")
+    if not math.isfinite(value) or value < minimum or (strict and value == minimum):
+        rule = ">" if strict else ">="
+        raise ValueError(f"{name} ({value}) must be finite and {rule} {minimum}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Static description of one routed-expert MoE layer and its memory budget.
+
+    Shapes of one call on one rank (DESIGN.md, Public API): ``x [T, D]`` bf16 with
+    ``T <= max_tokens``, ``expert_ids [T, K]`` integer, ``scores [T, K]`` float,
+    ``w13 [E_local, 2, F, D]`` bf16 and ``w2 [E_local, D, F]`` bf16 where
+    ``E_local = num_experts / ep_size``.
+
+    Attributes:
+        hidden: D, the token width. bf16 needs a multiple of 8 (rows are whole 16-byte
+            stores), mxfp8 a multiple of 32 (one E8M0 scale per 32 values), nvfp4 of 16.
+        ffn: F, the expert intermediate width (same multiples as ``hidden``).
+        num_experts: E, global routed experts (at most 32767: ids travel as int16).
+        top_k: K, experts chosen per token, ``1 <= top_k <= num_experts``.
+        max_tokens: T_max, the largest physical token count per rank; every buffer is sized
+            from it.
+        precision: ``"bf16"``, ``"mxfp8"`` or ``"nvfp4"`` (nvfp4 is inference only).
+        training: keep state for backward.
+        row_block: rows of one GEMM tile; each local expert's rows are padded to a multiple
+            of it. A power of two in [16, 256].
+        activation_factor: saved-state slot capacity as a multiple of the balanced
+            full-save demand above the inputs-only minimum (0 = inputs only, 1 = balanced full
+            save). Ignored when ``activation_bytes`` is given.
+        activation_bytes: exact per-slot capacity in bytes (overrides the factor).
+        device_scratch_factor: receive bound in units of the balanced rows ``T*K``: a rank
+            can execute at most ``ceil(device_scratch_factor * T_max * K)`` received rows
+            from device scratch.
+        total_scratch_factor: optional larger receive bound whose scratch beyond the device
+            tier is backed by pinned host pages (VMM tier); ``None`` = device tier only.
+        num_slots: activation slots (pipeline stage-microbatch owners alive at once).
+        max_layers_per_slot: MoE layers whose state one slot holds.
+    """
+
+    hidden: int
+    ffn: int
+    num_experts: int
+    top_k: int
+    max_tokens: int
+    precision: Precision = "bf16"
+    training: bool = True
+    row_block: int = 128
+    activation_factor: float = 1.0
+    activation_bytes: int | None = None
+    device_scratch_factor: float = 2.0
+    total_scratch_factor: float | None = None
+    num_slots: int = 1
+    max_layers_per_slot: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "ffn", "num_experts", "top_k", "max_tokens"):
+            _require_int(name, getattr(self, name), 1)
+        if self.num_experts > MAX_EXPERTS:
+            raise ValueError(
+                f"num_experts ({self.num_experts}) must be <= {MAX_EXPERTS}: "
+                "expert ids travel between ranks as int16"
+            )
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})"
+            )
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision ({self.precision!r}) must be one of {PRECISIONS}")
+        if not isinstance(self.training, bool):
+            raise TypeError(f"training must be a bool, got {type(self.training).__name__}")
+        if self.precision == "nvfp4" and self.training:
+            raise ValueError(
+                "precision 'nvfp4' is inference only: training (True) must be False"
+            )
+        multiple = {"bf16": 8, "mxfp8": 32, "nvfp4": 16}[self.precision]
+        for name in ("hidden", "ffn"):
+            value = getattr(self, name)
+            if value % multiple:
+                raise ValueError(
+                    f"{name} ({value}) must be a multiple of {multiple} for precision "
+                    f"{self.precision!r}"
+                )
+        _require_int("row_block", self.row_block, 16)
+        if self.row_block > 256 or self.row_block & (self.row_block - 1):
+            raise ValueError(f"row_block ({self.row_block}) must be a power of two in [16, 256]")
+        _require_number("activation_factor", self.activation_factor, 0.0)
+        if self.activation_bytes is not None:
+            _require_int("activation_bytes", self.activation_bytes, 0)
+        _require_number("device_scratch_factor", self.device_scratch_factor, 0.0, strict=True)
+        if self.total_scratch_factor is not None:
+            _require_number("total_scratch_factor", self.total_scratch_factor, 0.0, strict=True)
+            if self.total_scratch_factor < self.device_scratch_factor:
+                raise ValueError(
+                    f"total_scratch_factor ({self.total_scratch_factor}) must be >= "
+                    f"device_scratch_factor ({self.device_scratch_factor})"
+                )
+        _require_int("num_slots", self.num_slots, 1)
+        _require_int("max_layers_per_slot", self.max_layers_per_slot, 1)
+
+    # ----------------------------------------------------------------- group-size rules
+    def check_ep_size(self, ep_size: int) -> None:
+        """Raise ``ValueError`` unless this layer can be split over ``ep_size`` ranks."""
+        _require_int("ep_size", ep_size, 1)
+        if self.num_experts % ep_size:
+            raise ValueError(
+                f"num_experts ({self.num_experts}) must be divisible by ep_size ({ep_size})"
+            )
+
+    def experts_per_rank(self, ep_size: int) -> int:
+        """E_local = num_experts / ep_size (validated)."""
+        self.check_ep_size(ep_size)
+        return self.num_experts // ep_size
+
+    @property
+    def balanced_rows(self) -> int:
+        """R at balanced routing: ``max_tokens * top_k`` rows received per rank."""
+        return self.max_tokens * self.top_k
+
+    def max_possible_rows(self, ep_size: int) -> int:
+        """Most rows one rank can ever receive: every token of every rank routes
+        ``min(K, E_local)`` of its routes to it."""
+        return ep_size * self.max_tokens * min(self.top_k, self.experts_per_rank(ep_size))
+
+    def receive_bound(self, ep_size: int, *, total: bool = False) -> int:
+        """Executable received rows per rank: ``ceil(factor * T_max * K)``, capped at
+        :meth:`max_possible_rows`. ``total=True`` uses ``total_scratch_factor`` (VMM tier)
+        when set."""
+        factor = self.device_scratch_factor
+        if total and self.total_scratch_factor is not None:
+            factor = self.total_scratch_factor
+        return min(math.ceil(factor * self.balanced_rows), self.max_possible_rows(ep_size))

@@ -1,0 +1,396 @@
+"""Helpers shared by the forward expert kernels (W13 gather + SwiGLU, W2 scatter, combine).
+
+* :class:`GemmConfig`: the frozen launch configuration of a grouped GEMM; each GEMM module
+  subclasses it (``W13Config``, ``W2Config``) with its own ``from_heuristic`` / ``all_configs``.
+* :func:`ensure_tma_allocator`: device-side TMA descriptors (``tl.make_tensor_descriptor``)
+  need a global scratch allocator; this installs one that allocates a torch tensor.
+* Input validation helpers that raise ``TypeError`` / ``ValueError`` naming the argument.
+* Row-address helpers for the plain-PyTorch references: kernels receive absolute byte
+  addresses of bf16 rows (rows of this process's tensors or of peers' buffers mapped into this
+  address space); :func:`rows_at` and :func:`write_rows_at` turn those addresses back into
+  (tensor, row) pairs so a reference can read and write the same rows.
+* Triton helpers used by both GEMM kernels: the expert of a row tile (:func:`tile_expert`) and
+  the group-M tile swizzle (:func:`swizzle_tile`).
+
+Padded expert-major row layout (the contract of both GEMMs): ``R_cap`` rows, a multiple of
+``block_m``; ``padded_offsets`` int32 ``[E_local + 1]`` on the device; local expert ``e`` owns
+rows ``[padded_offsets[e], padded_offsets[e+1])``, each segment a multiple of ``block_m``;
+rows at or beyond ``padded_offsets[E_local]`` are idle. Grids are sized from ``R_cap`` only, so
+launches never read routed counts on the host (no synchronisation, CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from distmoe.kernels.interpreter import interpreter_active
+
+# TMA: every stride but the last and every base address must be a multiple of 16 bytes.
+TMA_ALIGN_BYTES = 16
+# Programs of a persistent grid when kernels run on the CPU interpreter: small, so that tests
+# cover programs that walk several tiles.
+_INTERPRETER_NUM_SMS = 3
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= ``n`` (1 for ``n <= 1``)."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def _is_power_of_2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configuration
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class GemmConfig:
+    """Launch configuration of one grouped GEMM (frozen; choose it from shapes only).
+
+    Attributes:
+        block_m: rows per tile. Must equal the padding multiple of the expert segments
+            (the routing layer pads every expert to a multiple of it); power of two, 16-256.
+        block_n: output columns per tile (for W13: per half, i.e. gate and up each get
+            ``block_n`` columns); power of two, 16-256.
+        block_k: reduction step; power of two, 16-256 (64 = one 128-byte bf16 TMA row).
+        num_warps: 4 or 8 (one or two Hopper warpgroups).
+        num_stages: software-pipeline depth of the K loop (>= 1).
+        group_m: row tiles per group of the group-M swizzle (L2 reuse of weight tiles), >= 1.
+        persistent: one program per SM walking the live tiles (device-side tile count), instead
+            of one program per tile of the ``R_cap`` bound with idle programs exiting at once.
+    """
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    group_m: int = 8
+    persistent: bool = False
+
+    # bf16 B tiles loaded per K step (W13 loads gate and up: 2).
+    _B_TILES = 1
+    # fp32 accumulators per tile (W13: gate and up).
+    _ACCUMULATORS = 1
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+            if not (_is_power_of_2(value) and 16 <= value <= 256):
+                raise ValueError(f"{name} ({value}) must be a power of two in [16, 256]")
+        if self.num_warps not in (4, 8):
+            raise ValueError(f"num_warps ({self.num_warps}) must be 4 or 8")
+        for name in ("num_stages", "group_m"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} ({value!r}) must be an int >= 1")
+        if not isinstance(self.persistent, bool):
+            raise TypeError(f"persistent must be a bool, got {type(self.persistent).__name__}")
+
+    def smem_bytes(self) -> int:
+        """Shared memory of the K-loop pipeline (bf16 A and B tiles of every stage)."""
+        per_stage = (self.block_m + self._B_TILES * self.block_n) * self.block_k * 2
+        return self.num_stages * per_stage
+
+    def accumulator_regs_per_thread(self) -> int:
+        """fp32 accumulator registers per thread (Hopper has 255 per thread in all)."""
+        return self._ACCUMULATORS * self.block_m * self.block_n // (32 * self.num_warps)
+
+    def fits_hopper(self) -> bool:
+        """Heuristic fit on SM90: pipeline SMEM <= 200 KiB (of 227 KiB, leaving the epilogue
+        its scratch) and at most 128 accumulator registers per thread."""
+        return self.smem_bytes() <= 200 * 1024 and self.accumulator_regs_per_thread() <= 128
+
+
+def validate_block_m(config: GemmConfig, block_m: int | None) -> None:
+    """``block_m`` given beside ``config`` must agree with it."""
+    if block_m is not None and block_m != config.block_m:
+        raise ValueError(
+            f"block_m ({block_m}) must equal config.block_m ({config.block_m}): both name the "
+            "padding multiple of the expert segments"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Allocation, device and grid helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    # Triton launches on the current device (launchers enter ``torch.cuda.device``), so the
+    # scratch belongs there. Allocated through torch's caching allocator: stream-ordered, and
+    # inside CUDA-graph capture it comes from the graph's private pool. torch's CUDA blocks are
+    # 512-byte aligned, above the 128 bytes a TMA descriptor needs.
+    del alignment, stream
+    if torch.cuda.is_available() and not interpreter_active():
+        return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
+    return torch.empty(size, dtype=torch.int8)
+
+
+def ensure_tma_allocator() -> None:
+    """Install a torch-backed Triton scratch allocator unless one is already set.
+
+    Kernels that build TMA descriptors on the device need 128 bytes of global scratch per
+    descriptor and program. ``triton.set_allocator`` is a per-thread context variable, so this
+    runs before every launch; an allocator that the caller installed is kept.
+    """
+    try:
+        from triton.runtime import _allocation
+
+        current = _allocation._allocator.get()
+        if not isinstance(current, _allocation.NullAllocator):
+            return
+    except (ImportError, AttributeError):  # private API moved: install ours unconditionally
+        pass
+    triton.set_allocator(_torch_scratch)
+
+
+def device_context(device: torch.device):
+    """Context in which Triton launches on ``device``."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (a small fixed number on the interpreter)."""
+    if device.type != "cuda" or interpreter_active():
+        return _INTERPRETER_NUM_SMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _num_sms(index)
+
+
+def gemm_grid(config: GemmConfig, num_tiles_cap: int, device: torch.device) -> int:
+    """Programs of a GEMM launch: one per tile of the capacity bound, or one per SM."""
+    if config.persistent:
+        return max(1, min(num_tiles_cap, num_sms(device)))
+    return num_tiles_cap
+
+
+# --------------------------------------------------------------------------------------------
+# Input validation
+# --------------------------------------------------------------------------------------------
+
+
+def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
+    return " or ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(
+    name: str,
+    value: object,
+    *,
+    dtypes: Sequence[torch.dtype],
+    ndim: int | None = None,
+    shape: Sequence[int] | None = None,
+    shape_text: str = "",
+    contiguous: bool = True,
+) -> torch.Tensor:
+    """Validate one tensor argument; raise ``TypeError``/``ValueError`` naming it."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {_dtype_names(dtypes)}, got {value.dtype}")
+    if ndim is not None and value.dim() != ndim:
+        raise ValueError(
+            f"{name} must be {ndim}-D{' ' + shape_text if shape_text else ''}, "
+            f"got shape {list(value.shape)}"
+        )
+    if shape is not None and list(value.shape) != list(shape):
+        raise ValueError(
+            f"{name} must have shape {list(shape)}{' ' + shape_text if shape_text else ''}, "
+            f"got {list(value.shape)}"
+        )
+    if contiguous and not value.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {list(value.stride())}")
+    return value
+
+
+def check_devices(named: dict[str, torch.Tensor], *, for_kernel: bool = True) -> torch.device:
+    """All tensors on one device; for a kernel, a CUDA device unless the interpreter runs."""
+    items = list(named.items())
+    first_name, first = items[0]
+    for name, tensor in items[1:]:
+        if tensor.device != first.device:
+            raise ValueError(
+                f"{name} must be on the same device as {first_name} ({first.device}), "
+                f"got {tensor.device}"
+            )
+    if for_kernel and first.device.type != "cuda" and not interpreter_active():
+        raise ValueError(
+            f"{first_name} must be on a CUDA device (or TRITON_INTERPRET=1 for CPU), "
+            f"got {first.device}"
+        )
+    return first.device
+
+
+def check_tma_aligned(name: str, tensor: torch.Tensor) -> None:
+    """A TMA descriptor's base must be 16-byte aligned."""
+    if tensor.data_ptr() % TMA_ALIGN_BYTES:
+        raise ValueError(
+            f"{name} must start at a 16-byte aligned address (TMA descriptor base), "
+            f"got {tensor.data_ptr():#x}"
+        )
+
+
+def check_width(name: str, value: int) -> None:
+    """A row width (D or F) must be a positive multiple of 8 (whole 16-byte bf16 vectors)."""
+    if value <= 0 or value % 8:
+        raise ValueError(
+            f"{name} ({value}) must be a positive multiple of 8 (16-byte bf16 rows: TMA "
+            "strides and vectorised row loads/stores)"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Row addresses (references and tests)
+# --------------------------------------------------------------------------------------------
+
+
+def row_address(tensor: torch.Tensor, row: int | torch.Tensor, *, row_elems: int) -> torch.Tensor:
+    """int64 absolute byte address of row ``row`` of ``tensor`` seen as rows of ``row_elems``."""
+    if not tensor.is_contiguous():
+        raise ValueError("tensor must be contiguous to address its rows")
+    row = torch.as_tensor(row, dtype=torch.int64)
+    return tensor.data_ptr() + row * (row_elems * tensor.element_size())
+
+
+def locate_rows(
+    addresses: torch.Tensor, tensors: Sequence[torch.Tensor], *, row_elems: int, name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Map absolute row addresses to ``(tensor index, row index)`` (CPU int64 tensors).
+
+    Address 0 is a null row (tensor index -1). Every other address must be the start of a
+    row of ``row_elems`` elements inside one of ``tensors`` (contiguous); otherwise a
+    ``ValueError`` names the argument and the first offending address.
+    """
+    addr = addresses.detach().to("cpu", torch.int64).reshape(-1)
+    which = torch.full_like(addr, -1)
+    row = torch.zeros_like(addr)
+    for i, tensor in enumerate(tensors):
+        if not tensor.is_contiguous() or tensor.numel() % row_elems:
+            raise ValueError(
+                f"row source {i} must be contiguous with a multiple of {row_elems} elements, "
+                f"got shape {list(tensor.shape)} strides {list(tensor.stride())}"
+            )
+        base = tensor.data_ptr()
+        row_bytes = row_elems * tensor.element_size()
+        offset = addr - base
+        inside = (offset >= 0) & (offset < tensor.numel() * tensor.element_size())
+        misaligned = inside & (offset % row_bytes != 0)
+        if bool(misaligned.any()):
+            bad = int(addr[misaligned][0])
+            raise ValueError(f"{name} holds {bad:#x}, not the start of a row of tensor {i}")
+        which[inside] = i
+        row[inside] = offset[inside] // row_bytes
+    unknown = (addr != 0) & (which < 0)
+    if bool(unknown.any()):
+        bad = int(addr[unknown][0])
+        raise ValueError(f"{name} holds {bad:#x}, which lies in none of the given tensors")
+    return which, row
+
+
+def rows_at(
+    addresses: torch.Tensor, tensors: Sequence[torch.Tensor], *, row_elems: int, name: str
+) -> torch.Tensor:
+    """Rows at ``addresses`` as ``[N, row_elems]`` float32 (zeros for null addresses)."""
+    which, row = locate_rows(addresses, tensors, row_elems=row_elems, name=name)
+    device = tensors[0].device if tensors else addresses.device
+    out = torch.zeros(which.numel(), row_elems, dtype=torch.float32, device=device)
+    for i, tensor in enumerate(tensors):
+        hit = (which == i).nonzero().reshape(-1)
+        if hit.numel():
+            src = tensor.reshape(-1, row_elems)[row[hit].to(tensor.device)]
+            out[hit.to(device)] = src.to(device=device, dtype=torch.float32)
+    return out
+
+
+def write_rows_at(
+    addresses: torch.Tensor,
+    values: torch.Tensor,
+    tensors: Sequence[torch.Tensor],
+    *,
+    name: str,
+) -> None:
+    """Write ``values[i]`` into the row at ``addresses[i]`` (skipped where the address is 0)."""
+    row_elems = values.shape[-1]
+    which, row = locate_rows(addresses, tensors, row_elems=row_elems, name=name)
+    for i, tensor in enumerate(tensors):
+        hit = (which == i).nonzero().reshape(-1)
+        if hit.numel():
+            rows_view = tensor.view(-1, row_elems)
+            rows_view[row[hit].to(tensor.device)] = values[hit.to(values.device)].to(
+                device=tensor.device, dtype=tensor.dtype
+            )
+
+
+def expert_segments(padded_offsets: torch.Tensor) -> list[tuple[int, int]]:
+    """``[(start, end)]`` row ranges of the local experts (host copy: references only)."""
+    offsets = padded_offsets.detach().to("cpu", torch.int64).tolist()
+    return list(zip(offsets[:-1], offsets[1:], strict=True))
+
+
+def check_padded_offsets_host(padded_offsets: torch.Tensor, *, block_m: int, r_cap: int) -> None:
+    """Check the padded layout on the host (references only: it synchronises)."""
+    offsets = padded_offsets.detach().to("cpu", torch.int64).tolist()
+    if offsets[0] != 0:
+        raise ValueError(f"padded_offsets[0] ({offsets[0]}) must be 0")
+    for e, (start, end) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
+        if end < start or (end - start) % block_m:
+            raise ValueError(
+                f"padded_offsets segment of expert {e} [{start}, {end}) must be non-negative "
+                f"and a multiple of block_m ({block_m})"
+            )
+    if offsets[-1] > r_cap:
+        raise ValueError(f"padded_offsets[-1] ({offsets[-1]}) must be <= R_cap ({r_cap})")
+
+
+# --------------------------------------------------------------------------------------------
+# Triton helpers
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def tile_expert(
+    padded_offsets_ptr, row_start, NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr
+):
+    """Local expert owning the row tile that starts at ``row_start``.
+
+    Counts the segment ends ``padded_offsets[1:]`` at or below ``row_start`` (empty experts
+    included), clamped to the last expert (callers only ask for live tiles).
+    ``EXPERTS_POW2`` is ``next_power_of_2(NUM_EXPERTS)``.
+    """
+    idx = tl.arange(0, EXPERTS_POW2)
+    ends = tl.load(padded_offsets_ptr + 1 + idx, mask=idx < NUM_EXPERTS, other=2147483647)
+    expert = tl.sum((ends <= row_start).to(tl.int32), axis=0)
+    return tl.minimum(expert, NUM_EXPERTS - 1)
+
+
+@triton.jit
+def swizzle_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Group-M order: ``GROUP_M`` consecutive row tiles sweep the columns together, so
+    programs running at the same time share weight tiles (and row tiles) in L2."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (tile_id % num_pid_in_group) % group_size_m
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n

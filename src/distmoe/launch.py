@@ -1,0 +1,202 @@
+"""Run a function on N ranks: CPU processes over gloo, or GPU processes over NCCL.
+
+``launch(fn, world_size)`` spawns ``world_size`` processes, initialises a process group in each
+and calls ``fn(rank, world_size, *args)``. It returns the list of per-rank return values
+(which must pickle). The first rank that raises has its exception re-raised here, with the
+rank's formatted traceback attached as the cause. A rank that dies without reporting, or ranks
+that are still running when ``timeout`` expires, make the launcher stop every rank and raise
+``RuntimeError``/``TimeoutError`` naming them: never a silent hang.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.multiprocessing as mp
+
+from .runtime.cpu_shm import PREFIX_ENV, SHM_DIR
+
+
+class RemoteTraceback(Exception):
+    """Carries a rank's formatted traceback as the ``__cause__`` of a re-raised exception."""
+
+    def __init__(self, rank: int, tb: str) -> None:
+        super().__init__(f"\n--- traceback of rank {rank} ---\n{tb}")
+        self.rank = rank
+
+
+class RankFailed(RuntimeError):
+    """A rank raised an exception that could not be pickled back, or died without reporting."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, device: str, gpus: Sequence[int], port: int,
+            prefix: str, fn: Callable, args: tuple, results: Any) -> None:
+    os.environ[PREFIX_ENV] = prefix
+    import torch.distributed as dist
+
+    try:
+        if device == "cuda":
+            torch.cuda.set_device(gpus[rank % len(gpus)])
+        dist.init_process_group(
+            backend="nccl" if device == "cuda" else "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            **({"device_id": torch.device("cuda", torch.cuda.current_device())}
+               if device == "cuda" else {}),
+        )
+        value = fn(rank, world_size, *args)
+        results.put(("ok", rank, value))
+    except BaseException as exc:  # report everything, KeyboardInterrupt included
+        tb = traceback.format_exc()
+        try:
+            payload = pickle.dumps(exc)
+        except Exception:
+            payload = None
+        results.put(("error", rank, (payload, tb, f"{type(exc).__name__}: {exc}")))
+        return
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def _clean_shm(prefix: str) -> None:
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(prefix + "-"):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except OSError:
+                pass
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    device: Literal["cpu", "cuda"] = "cpu",
+    args: tuple = (),
+    timeout: float = 300.0,
+    gpus: Sequence[int] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks and return their results.
+
+    Args:
+        fn: a picklable (module-level) function.
+        world_size: number of ranks (>= 1).
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL; rank r uses GPU ``gpus[r % len(gpus)]``,
+            so several ranks may share one GPU).
+        args: extra positional arguments passed to ``fn`` (must pickle).
+        timeout: seconds for the whole run; on expiry every rank is stopped and
+            ``TimeoutError`` names the ranks that had not finished.
+        gpus: CUDA device indices to use (default: all visible).
+    Returns:
+        ``[result of rank 0, ..., result of rank world_size-1]``.
+    Raises:
+        The first failing rank's exception (with ``RemoteTraceback`` as cause); ``RankFailed``
+        if it cannot be re-created or a rank died without reporting; ``TimeoutError``.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size ({world_size!r}) must be a positive int")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device ({device!r}) must be 'cpu' or 'cuda'")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device ('cuda') needs CUDA, but torch.cuda.is_available() is False")
+        gpus = list(range(torch.cuda.device_count())) if gpus is None else list(gpus)
+        if not gpus:
+            raise ValueError("gpus must name at least one CUDA device")
+    else:
+        gpus = []
+    if timeout <= 0:
+        raise ValueError(f"timeout ({timeout}) must be > 0 seconds")
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    prefix = f"distmoe-{uuid.uuid4().hex[:10]}"
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, device, gpus, port, prefix, fn, args,
+                                          results), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    values: dict[int, Any] = {}
+    failure: tuple[int, Any] | None = None
+    deadline = time.monotonic() + timeout
+    try:
+        while len(values) < world_size and failure is None:
+            try:
+                kind, rank, payload = results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if r not in values and p.exitcode is not None]
+                if dead:
+                    # Let a report that raced the exit arrive before calling it a death.
+                    try:
+                        kind, rank, payload = results.get(timeout=1.0)
+                    except queue.Empty:
+                        r = dead[0]
+                        raise RankFailed(
+                            f"rank {r} of {world_size} died with exit code {procs[r].exitcode} "
+                            "without reporting a result"
+                        ) from None
+                elif time.monotonic() > deadline:
+                    pending = [r for r in range(world_size) if r not in values]
+                    raise TimeoutError(
+                        f"launch timed out after {timeout:.0f} s; ranks still running: {pending}"
+                    )
+                else:
+                    continue
+            if kind == "ok":
+                values[rank] = payload
+            else:
+                failure = (rank, payload)
+        if failure is not None:
+            rank, (pickled, tb, summary) = failure
+            cause = RemoteTraceback(rank, tb)
+            exc = None
+            if pickled is not None:
+                try:
+                    exc = pickle.loads(pickled)
+                except Exception:
+                    exc = None
+            if isinstance(exc, BaseException):
+                raise exc from cause
+            raise RankFailed(f"rank {rank} of {world_size} failed: {summary}") from cause
+        return [values[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            p.join(timeout=2.0 if failure is None else 0.5)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=5.0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+        results.close()
+        _clean_shm(prefix)

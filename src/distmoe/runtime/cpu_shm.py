@@ -1,0 +1,97 @@
+"""CPU backend of the symmetric heap: POSIX shared-memory segments mapped by every rank.
+
+Each rank creates one segment per buffer under /dev/shm, every rank maps every peer's segment
+(so each process builds its own int64 table of peer base addresses, exactly as on GPU), and
+the creator unlinks its segment as soon as all ranks have mapped it. From then on the memory
+lives only as long as the mappings: no file remains in /dev/shm, whether the ranks close the
+heap, exit, or die. The only window in which a file exists is between creation and the
+mapping barrier; :func:`distmoe.launch` removes leftovers of its ranks (prefix
+``DISTMOE_SHM_PREFIX``) after they exit.
+
+Barriers are gloo barriers: on CPU the interpreter's kernels run synchronously, so a host
+barrier orders all earlier writes.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from .heap import SymmetricHeap
+
+SHM_DIR = "/dev/shm"
+PREFIX_ENV = "DISTMOE_SHM_PREFIX"
+
+
+def shm_prefix() -> str:
+    """Name prefix of this process tree's segments (set by :func:`distmoe.launch`)."""
+    return os.environ.get(PREFIX_ENV, "distmoe")
+
+
+class CpuShmHeap(SymmetricHeap):
+    backend = "cpu"
+
+    def __init__(self, group, device) -> None:
+        super().__init__(group, device)
+        token = [uuid.uuid4().hex[:12]]
+        dist.broadcast_object_list(token, src=dist.get_global_rank(self.group, 0),
+                                   group=self.group)
+        self._token = token[0]
+        self._maps: dict[str, list[mmap.mmap]] = {}
+        self._views: dict[str, list[torch.Tensor]] = {}
+
+    def _segment_path(self, name: str, rank: int) -> str:
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+        return os.path.join(SHM_DIR, f"{shm_prefix()}-{self._token}-r{rank}-{safe}")
+
+    def _allocate(self, name: str, size: int) -> list[int]:
+        own = self._segment_path(name, self.rank)
+        fd = os.open(own, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        maps: list[mmap.mmap] = []
+        try:
+            dist.barrier(group=self.group)  # every segment exists
+            for r in range(self.world_size):
+                fd = os.open(self._segment_path(name, r), os.O_RDWR)
+                try:
+                    maps.append(mmap.mmap(fd, size))
+                finally:
+                    os.close(fd)
+            dist.barrier(group=self.group)  # every rank has mapped every segment
+        finally:
+            # Unlink as early as possible; mappings keep the memory alive.
+            try:
+                os.unlink(own)
+            except FileNotFoundError:
+                pass
+        views = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
+        self._maps[name] = maps
+        self._views[name] = views
+        return [v.data_ptr() for v in views]
+
+    def _peer(self, name: str, rank: int) -> torch.Tensor:
+        return self._views[name][rank]
+
+    def barrier(self) -> None:
+        self._check_open()
+        dist.barrier(group=self.group)
+
+    def _close(self) -> None:
+        # Tensors handed out may still reference the maps; drop ours and let the mappings go
+        # when the last reference does (mmap.close refuses while buffers are exported).
+        self._views.clear()
+        for maps in self._maps.values():
+            for m in maps:
+                try:
+                    m.close()
+                except BufferError:
+                    pass
+        self._maps.clear()

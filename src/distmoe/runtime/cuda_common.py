@@ -1,0 +1,29 @@
+"""Shared part of the two CUDA heap backends: the device-side barrier on a signal buffer."""
+
+from __future__ import annotations
+
+import torch
+
+from .heap import ALIGNMENT, SymmetricHeap
+
+SIGNAL = "__signal__"
+
+
+class CudaHeapBase(SymmetricHeap):
+    """Adds the signal buffer and the stream-ordered :func:`device_barrier` to a CUDA heap."""
+
+    def __init__(self, group, device) -> None:
+        super().__init__(group, device)
+        self._epoch = torch.zeros(1, dtype=torch.int64, device=device)
+        bases = self._allocate(SIGNAL, ALIGNMENT)
+        self._sizes[SIGNAL] = ALIGNMENT
+        self._tables[SIGNAL] = torch.tensor(bases, dtype=torch.int64, device=device)
+        self.local(SIGNAL).zero_()
+        torch.cuda.synchronize(device)  # set-up only: the zeroed signals precede any barrier
+        torch.distributed.barrier(group=self.group)
+
+    def barrier(self) -> None:
+        from .barrier import device_barrier
+
+        self._check_open()
+        device_barrier(self._tables[SIGNAL], self._epoch, self.rank)

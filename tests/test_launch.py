@@ -1,0 +1,81 @@
+"""launch(): results, exception propagation with traceback, dead ranks, hangs."""
+
+import os
+import time
+
+import pytest
+
+import distmoe
+from distmoe.launch import RankFailed, RemoteTraceback
+
+
+def _square(rank, world, offset):
+    return rank * rank + offset
+
+
+def test_results_in_rank_order():
+    assert distmoe.launch(_square, 3, args=(10,)) == [10, 11, 14]
+
+
+def _fail_on_two(rank, world):
+    if rank == 2:
+        raise KeyError("missing thing on rank 2")
+    time.sleep(30)  # the others would hang; the launcher must stop them
+    return rank
+
+
+def test_first_failure_is_reraised_with_its_traceback():
+    start = time.monotonic()
+    with pytest.raises(KeyError, match="missing thing on rank 2") as info:
+        distmoe.launch(_fail_on_two, 3, timeout=120)
+    assert time.monotonic() - start < 25
+    cause = info.value.__cause__
+    assert isinstance(cause, RemoteTraceback) and cause.rank == 2
+    assert "_fail_on_two" in str(cause)
+
+
+def _die(rank, world):
+    if rank == 1:
+        os._exit(3)
+    time.sleep(30)
+
+
+def test_dead_rank_is_named():
+    with pytest.raises(RankFailed, match=r"rank 1 of 2 died with exit code 3"):
+        distmoe.launch(_die, 2, timeout=120)
+
+
+def _hang(rank, world):
+    if rank == 0:
+        return 0
+    time.sleep(60)
+
+
+def test_hang_times_out_naming_the_ranks():
+    with pytest.raises(TimeoutError, match=r"ranks still running: \[1\]"):
+        distmoe.launch(_hang, 2, timeout=8)
+
+
+class _Unpicklable(Exception):
+    def __init__(self, a, b):
+        super().__init__(a)
+        self.lock = __import__("threading").Lock()
+
+
+def _raise_unpicklable(rank, world):
+    raise _Unpicklable("cannot travel", 2)
+
+
+def test_unpicklable_exception_becomes_rank_failed():
+    with pytest.raises(RankFailed, match=r"rank 0 of 1 failed: _Unpicklable: cannot travel"):
+        distmoe.launch(_raise_unpicklable, 1)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(world_size=0), r"world_size \(0\) must be a positive int"),
+    (dict(world_size=1, device="tpu"), r"device \('tpu'\) must be 'cpu' or 'cuda'"),
+    (dict(world_size=1, timeout=0), r"timeout \(0\) must be > 0"),
+])
+def test_bad_arguments(kw, match):
+    with pytest.raises(ValueError, match=match):
+        distmoe.launch(_square, **kw)
