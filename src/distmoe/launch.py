@@ -44,8 +44,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, device: str, gpus: Sequence[int], port: int,
-            prefix: str, fn: Callable, args: tuple, results: Any) -> None:
+def _worker(rank: int, world_size: int, device: str, backend: str, gpus: Sequence[int],
+            port: int, prefix: str, fn: Callable, args: tuple, results: Any) -> None:
     os.environ[PREFIX_ENV] = prefix
     import torch.distributed as dist
 
@@ -53,12 +53,12 @@ def _worker(rank: int, world_size: int, device: str, gpus: Sequence[int], port: 
         if device == "cuda":
             torch.cuda.set_device(gpus[rank % len(gpus)])
         dist.init_process_group(
-            backend="nccl" if device == "cuda" else "gloo",
+            backend=backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
             **({"device_id": torch.device("cuda", torch.cuda.current_device())}
-               if device == "cuda" else {}),
+               if backend == "nccl" else {}),
         )
         value = fn(rank, world_size, *args)
         results.put(("ok", rank, value))
@@ -99,6 +99,7 @@ def launch(
     args: tuple = (),
     timeout: float = 300.0,
     gpus: Sequence[int] | None = None,
+    backend: Literal["auto", "gloo", "nccl"] = "auto",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks and return their results.
 
@@ -111,6 +112,9 @@ def launch(
         timeout: seconds for the whole run; on expiry every rank is stopped and
             ``TimeoutError`` names the ranks that had not finished.
         gpus: CUDA device indices to use (default: all visible).
+        backend: process-group backend; ``"auto"`` = NCCL when every rank has a GPU of its
+            own, gloo otherwise (NCCL refuses two ranks on one GPU; the CUDA IPC heap then
+            carries the data and gloo only exchanges handles and host barriers).
     Returns:
         ``[result of rank 0, ..., result of rank world_size-1]``.
     Raises:
@@ -129,6 +133,12 @@ def launch(
             raise ValueError("gpus must name at least one CUDA device")
     else:
         gpus = []
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend ({backend!r}) must be 'auto', 'gloo' or 'nccl'")
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" and world_size <= len(gpus) else "gloo"
+    if backend == "nccl" and device != "cuda":
+        raise ValueError("backend ('nccl') needs device 'cuda'")
     if timeout <= 0:
         raise ValueError(f"timeout ({timeout}) must be > 0 seconds")
 
@@ -137,7 +147,7 @@ def launch(
     port = _free_port()
     prefix = f"distmoe-{uuid.uuid4().hex[:10]}"
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, device, gpus, port, prefix, fn, args,
+        ctx.Process(target=_worker, args=(r, world_size, device, backend, gpus, port, prefix, fn, args,
                                           results), daemon=True)
         for r in range(world_size)
     ]

@@ -21,9 +21,9 @@ def symmetric_memory_usable(group, device: torch.device) -> bool:
     group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     seen = [None] * world
-    dist.all_gather_object(seen, (ok, torch.cuda.get_device_properties(device).uuid.hex
-                                  if hasattr(torch.cuda.get_device_properties(device), "uuid")
-                                  else str(device)), group=group)
+    props = torch.cuda.get_device_properties(device)
+    ident = str(getattr(props, "uuid", device))
+    dist.all_gather_object(seen, (ok, ident), group=group)
     devices = [s[1] for s in seen]
     return all(s[0] for s in seen) and len(set(devices)) == world
 
