@@ -1,0 +1,85 @@
+"""Routing tables against an independent loop construction, bit-exactly."""
+
+import pytest
+import torch
+
+from distmoe.reference import random_routing
+from distmoe.routing import build_routing_tables, row_capacity
+
+ROW_BYTES = 64 * 2
+DISPATCH = torch.tensor([10_000_000, 20_000_000, 30_000_000, 40_000_000])
+COMBINE = torch.tensor([50_000_000, 60_000_000, 70_000_000, 80_000_000])
+
+
+def loop_tables(ids, rank, E_local, block, cap, training):
+    """Walk experts in order and routes in (src, t, k) order: the obvious way."""
+    EP, T, K = ids.shape
+    gather = [0] * cap
+    scatter = [0] * cap
+    bwd = [0] * cap
+    offsets = [0]
+    recv = dropped = 0
+    for e in range(E_local):
+        g = rank * E_local + e
+        routes = [(s, t, k) for s in range(EP) for t in range(T) for k in range(K)
+                  if int(ids[s, t, k]) == g]
+        base = offsets[-1]
+        for j, (s, t, k) in enumerate(routes):
+            recv += 1
+            row = base + j
+            if row >= cap:
+                dropped += 1
+                continue
+            gather[row] = int(DISPATCH[s]) + t * ROW_BYTES
+            scatter[row] = int(COMBINE[s]) + (t * K + k) * ROW_BYTES
+            bwd[row] = int(DISPATCH[s]) + (t * K + k) * ROW_BYTES
+        offsets.append(base + -(-len(routes) // block) * block)
+    return offsets, gather, scatter, bwd, recv, dropped
+
+
+def ids_for(EP, T, K, E, kind):
+    if kind == "random":
+        ids = torch.stack([random_routing(T, E, K, inactive_fraction=0.25)[0] for _ in range(EP)])
+    elif kind == "one_expert":  # all tokens to expert 1 (K=1)
+        ids = torch.full((EP, T, K), 1)
+    elif kind == "all_inactive":
+        ids = torch.full((EP, T, K), -1)
+    return ids.to(torch.int16)
+
+
+@pytest.mark.parametrize("kind", ["random", "one_expert", "all_inactive"])
+@pytest.mark.parametrize("EP, T, K, E, block", [(3, 7, 2, 6, 4), (1, 5, 3, 4, 16), (4, 9, 4, 8, 2)])
+def test_tables_match_loop_construction(kind, EP, T, K, E, block):
+    if kind == "one_expert":
+        K = 1
+    ids = ids_for(EP, T, K, E, kind)
+    E_local = E // EP
+    for rank in range(EP):
+        cap = row_capacity(EP * T * K, E_local, block)
+        tab = build_routing_tables(ids, rank=rank, num_local_experts=E_local, row_block=block,
+                                   row_capacity=cap, dispatch_bases_EP=DISPATCH[:EP],
+                                   combine_bases_EP=COMBINE[:EP], row_bytes=ROW_BYTES,
+                                   training=True)
+        offsets, gather, scatter, bwd, recv, dropped = loop_tables(ids, rank, E_local, block, cap,
+                                                                    True)
+        assert tab.padded_offsets.tolist() == offsets
+        assert torch.equal(tab.gather_ptrs, torch.tensor(gather))
+        assert torch.equal(tab.scatter_ptrs, torch.tensor(scatter))
+        assert torch.equal(tab.bwd_scatter_ptrs, torch.tensor(bwd))
+        assert int(tab.num_recv_rows) == recv and int(tab.num_dropped_rows) == dropped == 0
+
+
+def test_overflow_is_counted_and_never_written_past_capacity():
+    EP, T, K, E, block = 2, 16, 2, 4, 4
+    ids = torch.zeros(EP, T, K, dtype=torch.int16)
+    ids[:, :, 1] = 1  # rank 0 receives all 64 routes
+    cap = 24  # far below 64
+    tab = build_routing_tables(ids, rank=0, num_local_experts=2, row_block=block,
+                               row_capacity=cap, dispatch_bases_EP=DISPATCH[:EP],
+                               combine_bases_EP=COMBINE[:EP], row_bytes=ROW_BYTES,
+                               training=False)
+    offsets, gather, scatter, _, recv, dropped = loop_tables(ids, 0, 2, block, cap, False)
+    assert tab.gather_ptrs.shape == (cap,) and tab.bwd_scatter_ptrs is None
+    assert torch.equal(tab.gather_ptrs, torch.tensor(gather))
+    assert torch.equal(tab.scatter_ptrs, torch.tensor(scatter))
+    assert int(tab.num_recv_rows) == 64 and int(tab.num_dropped_rows) == dropped == 40
