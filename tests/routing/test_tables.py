@@ -67,6 +67,7 @@ def test_tables_match_loop_construction(kind, EP, T, K, E, block):
         assert torch.equal(tab.scatter_ptrs, torch.tensor(scatter))
         assert torch.equal(tab.bwd_scatter_ptrs, torch.tensor(bwd))
         assert int(tab.num_recv_rows) == recv and int(tab.num_dropped_rows) == dropped == 0
+        assert torch.equal(tab.is_route_executed_TK, (ids[rank] >= 0))
 
 
 def test_overflow_is_counted_and_never_written_past_capacity():
@@ -83,3 +84,16 @@ def test_overflow_is_counted_and_never_written_past_capacity():
     assert torch.equal(tab.gather_ptrs, torch.tensor(gather))
     assert torch.equal(tab.scatter_ptrs, torch.tensor(scatter))
     assert int(tab.num_recv_rows) == 64 and int(tab.num_dropped_rows) == dropped == 40
+    # Rank 0's own routes: expert 0 rows 0..15 fit (its tokens come first), expert 1 none.
+    executed = torch.zeros(T, K, dtype=torch.bool)
+    executed[:, 0] = True
+    assert torch.equal(tab.is_route_executed_TK, executed)
+    # Rank 1 computes the same fate for its routes without any communication.
+    tab1 = build_routing_tables(ids, rank=1, num_local_experts=2, row_block=block,
+                                row_capacity=cap, dispatch_bases_EP=DISPATCH[:EP],
+                                combine_bases_EP=COMBINE[:EP], row_bytes=ROW_BYTES,
+                                training=False)
+    executed1 = torch.zeros(T, K, dtype=torch.bool)
+    executed1[:8, 0] = True  # expert 0 rows 16..23 are rank 1's first 8 tokens
+    assert torch.equal(tab1.is_route_executed_TK, executed1)
+    assert int(tab1.num_recv_rows) == 0

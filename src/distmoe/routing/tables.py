@@ -43,6 +43,10 @@ class RoutingTables:
         route_of_row: int64 [R_cap] flat route index src*T*K + t*K + k of each row, -1 = null.
         num_recv_rows: int64 [] routes received by this rank in this call.
         num_dropped_rows: int64 [] received routes that did not fit in R_cap.
+        is_route_executed_TK: bool [T, K] for this rank's own routes: True when the
+            destination rank executes the route (active and within its R_cap); the owner
+            combines only those (a dropped route's return slot is never written).
+        num_invalid_ids: int64 [] ids of any rank outside [-1, E) (treated as inactive).
     """
 
     padded_offsets: torch.Tensor
@@ -53,6 +57,8 @@ class RoutingTables:
     route_of_row: torch.Tensor
     num_recv_rows: torch.Tensor
     num_dropped_rows: torch.Tensor
+    is_route_executed_TK: torch.Tensor
+    num_invalid_ids: torch.Tensor
 
 
 def row_capacity(receive_bound: int, num_local_experts: int, row_block: int) -> int:
@@ -90,28 +96,38 @@ def build_routing_tables(
     EP, T, K = expert_ids_EPTK.shape
     device = expert_ids_EPTK.device
     E_local = num_local_experts
+    E = EP * E_local
+    # Every rank sorts all EP*T*K routes by global expert, so each rank also knows where its
+    # own routes land on their destination ranks (and whether they fit there).
     ids_i = expert_ids_EPTK.reshape(-1).to(torch.int64)
-    local_e = ids_i - rank * E_local
-    is_mine = (ids_i >= 0) & (local_e >= 0) & (local_e < E_local)
-    key_i = torch.where(is_mine, local_e, torch.full_like(local_e, E_local))
+    is_active = (ids_i >= 0) & (ids_i < E)
+    key_i = torch.where(is_active, ids_i, torch.full_like(ids_i, E))
 
-    counts = torch.zeros(E_local + 1, dtype=torch.int64, device=device)
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=device)
     counts.scatter_add_(0, key_i, torch.ones_like(key_i))
-    rows_per_expert = counts[:E_local]
-    padded = (rows_per_expert + row_block - 1) // row_block * row_block
-    padded_offsets = torch.zeros(E_local + 1, dtype=torch.int64, device=device)
-    torch.cumsum(padded, 0, out=padded_offsets[1:])
-    unpadded_offsets = torch.zeros(E_local + 2, dtype=torch.int64, device=device)
+    padded = (counts[:E] + row_block - 1) // row_block * row_block
+    # Exclusive prefix sum of padded counts inside each destination rank.
+    padded_ends = padded.view(EP, E_local).cumsum(1)
+    padded_starts = torch.cat([padded_ends.new_zeros(EP, 1), padded_ends], 1)  # [EP, E_local+1]
+    unpadded_offsets = torch.zeros(E + 2, dtype=torch.int64, device=device)
     torch.cumsum(counts, 0, out=unpadded_offsets[1:])
 
     key_sorted, order = torch.sort(key_i, stable=True)
     position = torch.arange(key_sorted.numel(), device=device) - unpadded_offsets[key_sorted]
-    padded_offsets_ext = torch.cat([padded_offsets, padded_offsets[-1:]])
-    row = padded_offsets_ext[key_sorted] + position
-    is_mine_sorted = key_sorted < E_local
-    fits = is_mine_sorted & (row < row_capacity)
-    # Rows that are not executed go to a dump slot past the end, sliced away below.
+    start_of_expert = torch.cat([padded_starts[:, :E_local].reshape(-1),
+                                 padded.new_zeros(1)])  # [E + 1], inactive -> 0
+    row = start_of_expert[key_sorted] + position
+    fits_sorted = (key_sorted < E) & (row < row_capacity)
+    is_route_executed = torch.zeros_like(fits_sorted)
+    is_route_executed[order] = fits_sorted
+
+    dest_rank = key_sorted // E_local
+    mine = (key_sorted < E) & (dest_rank == rank)
+    fits = mine & fits_sorted
+    # Rows that are not executed here go to a dump slot past the end, sliced away below.
     row = torch.where(fits, row, torch.full_like(row, row_capacity))
+    padded_offsets = padded_starts[rank]
+    rows_per_expert = counts[rank * E_local:(rank + 1) * E_local]
 
     src = order // (T * K)
     t = (order // K) % T
@@ -127,7 +143,8 @@ def build_routing_tables(
         bwd = torch.zeros(row_capacity + 1, dtype=torch.int64, device=device)
         bwd[row] = torch.where(fits, dispatch_bases_EP[src] + tk * row_bytes, 0)
         bwd = bwd[:row_capacity]
-    num_recv = is_mine.sum()
+    num_recv = mine.sum()
+    own = is_route_executed.view(EP, T, K)[rank]
     return RoutingTables(
         padded_offsets=padded_offsets.to(torch.int32),
         rows_per_expert=rows_per_expert.to(torch.int32),
@@ -137,4 +154,6 @@ def build_routing_tables(
         route_of_row=route_of_row[:row_capacity],
         num_recv_rows=num_recv,
         num_dropped_rows=num_recv - fits.sum(),
+        is_route_executed_TK=own,
+        num_invalid_ids=((ids_i < -1) | (ids_i >= E)).sum(),
     )
