@@ -12,7 +12,9 @@ use_interpreter_if_no_gpu()
 
 from .config import MoEConfig  # noqa: E402
 from .launch import launch  # noqa: E402
+from .memory import MemoryPlan, plan_memory  # noqa: E402
+from .ops import MoEContext  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["MoEConfig", "launch", "__version__"]
+__all__ = ["MemoryPlan", "MoEConfig", "MoEContext", "launch", "plan_memory", "__version__"]

@@ -50,13 +50,9 @@ def _check_lifetimes(lifetimes: Sequence[tuple[int, int]]) -> None:
         start, end = item
         for name, value in (("start", start), ("end", end)):
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(
-                    f"lifetimes[{i}] {name} must be an int, got {type(value).__name__}"
-                )
+                raise TypeError(f"lifetimes[{i}] {name} must be an int, got {type(value).__name__}")
         if start < 0 or end < start:
-            raise ValueError(
-                f"lifetimes[{i}] ({start}, {end}) must satisfy 0 <= start <= end"
-            )
+            raise ValueError(f"lifetimes[{i}] ({start}, {end}) must satisfy 0 <= start <= end")
 
 
 def live_counts(lifetimes: Sequence[tuple[int, int]]) -> list[int]:

@@ -1,0 +1,501 @@
+"""``python -m distmoe plan``: print an activation-memory plan, optionally draw it.
+
+The subcommand builds a :class:`~distmoe.config.MoEConfig` from its flags, runs
+:func:`~distmoe.memory.plan_memory` and prints the table. For training it also shows the
+save/replay decisions of one slot, either for received rows read from ``--rows-json`` (a
+JSON list ``[layer][rank]`` of row counts, or an object with a ``"received_rows"`` key) or
+for a demo routing in which one rank per layer (rotating) receives ``--imbalance`` times the
+balanced rows and the others share the rest. ``--png`` draws the regions and the per-rank
+slot packing (matplotlib, Agg backend); ``--json`` writes every number.
+
+With no flags it plans a Qwen3-30B-A3B-like layer (D 2048, F 768, E 128, K 8) at T 4096
+tokens per rank on EP 8, four layers per slot, bf16 training.
+
+Wiring (done in ``distmoe/__main__.py``)::
+
+    sub = subparsers.add_parser("plan")
+    plan_cli.add_arguments(sub)
+    ...
+    return plan_cli.run(args)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+
+from distmoe.config import PRECISIONS, MoEConfig
+from distmoe.memory import (
+    MemoryPlan,
+    format_breakdown,
+    format_bytes,
+    plan_memory,
+)
+
+DEFAULT_IMBALANCE = "1.0,1.5,1.25,1.75"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``plan`` flags to ``parser``."""
+    parser.description = "Print the activation-memory plan of one MoE layer configuration."
+    shape = parser.add_argument_group("layer shape")
+    shape.add_argument("--hidden", type=int, default=2048, help="D, token width (2048)")
+    shape.add_argument("--ffn", type=int, default=768, help="F, expert width (768)")
+    shape.add_argument("--experts", type=int, default=128, help="E, global experts (128)")
+    shape.add_argument("--top-k", type=int, default=8, help="K, experts per token (8)")
+    shape.add_argument("--tokens", type=int, default=4096, help="T_max tokens per rank (4096)")
+    shape.add_argument("--ep", type=int, default=8, help="EP ranks (8)")
+    shape.add_argument("--precision", choices=PRECISIONS, default="bf16")
+    shape.add_argument("--inference", action="store_true", help="no backward, no saved state")
+    shape.add_argument("--row-block", type=int, default=128, help="GEMM row block (128)")
+
+    budget = parser.add_argument_group("memory budget")
+    cap = budget.add_mutually_exclusive_group()
+    cap.add_argument(
+        "--activation-factor",
+        type=float,
+        default=None,
+        help="slot capacity: 0 = inputs only, 1 = balanced full save (default 1)",
+    )
+    cap.add_argument("--activation-bytes", type=int, default=None, help="exact slot capacity")
+    budget.add_argument(
+        "--device-scratch-factor",
+        type=float,
+        default=2.0,
+        help="device receive bound in units of T*K rows (2)",
+    )
+    budget.add_argument(
+        "--total-scratch-factor",
+        type=float,
+        default=None,
+        help="larger receive bound; scratch beyond the device tier is host-backed (VMM)",
+    )
+    budget.add_argument("--slots", type=int, default=1, help="activation slots (1)")
+    budget.add_argument(
+        "--layers-per-slot",
+        type=int,
+        default=None,
+        help="MoE layers per slot (4, or the layer count of --rows-json)",
+    )
+
+    decide = parser.add_argument_group("save/replay decisions (training)")
+    decide.add_argument(
+        "--rows-json",
+        default=None,
+        metavar="FILE",
+        help="received rows [layer][rank] (JSON) to decide save/replay for",
+    )
+    decide.add_argument(
+        "--imbalance",
+        default=DEFAULT_IMBALANCE,
+        help="demo routing without --rows-json: per-layer load of the hot rank in units of "
+        f"T*K, comma-separated, cycled over the layers ({DEFAULT_IMBALANCE}); 'none' = off",
+    )
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--tensors", action="store_true", help="print tensor-by-tensor costs")
+    out.add_argument("--png", default=None, metavar="FILE", help="draw the plan")
+    out.add_argument("--json", default=None, metavar="FILE", help="write the numbers")
+
+
+# --------------------------------------------------------------------------- helpers
+def demo_rows(cfg: MoEConfig, ep_size: int, imbalance: Sequence[float]) -> list[list[int]]:
+    """Demo ``[layer][rank]`` rows: in layer l, rank ``l % ep_size`` receives
+    ``imbalance[l % len(imbalance)] * T * K`` rows (clipped to the receive bound) and the
+    other ranks share the remaining ``ep_size * T * K`` routes as evenly as possible."""
+    total = ep_size * cfg.balanced_rows
+    bound = cfg.receive_bound(ep_size, total=True)
+    rows = []
+    for layer in range(cfg.max_layers_per_slot):
+        factor = imbalance[layer % len(imbalance)]
+        if ep_size == 1:
+            rows.append([min(total, bound)])
+            continue
+        hot = min(round(factor * cfg.balanced_rows), bound, total)
+        rest, extra = divmod(total - hot, ep_size - 1)
+        cold = [rest + (i < extra) for i in range(ep_size - 1)]
+        hot_rank = layer % ep_size
+        rows.append(cold[:hot_rank] + [hot] + cold[hot_rank:])
+    return rows
+
+
+def _read_rows(path: str) -> list[list[int]]:
+    with open(path) as f:
+        data = json.load(f)
+    if isinstance(data, dict):
+        if "received_rows" not in data:
+            raise ValueError(f"--rows-json {path}: an object must have a 'received_rows' key")
+        data = data["received_rows"]
+    if not isinstance(data, list) or not all(isinstance(r, list) for r in data):
+        raise ValueError(f"--rows-json {path}: expected a list of layers, each a list of ints")
+    return data
+
+
+def _parse_imbalance(text: str) -> list[float] | None:
+    if text.strip().lower() in ("", "none", "off"):
+        return None
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--imbalance ({text!r}) must be comma-separated numbers") from None
+    if any(v < 0 for v in values):
+        raise ValueError(f"--imbalance ({text!r}) values must be >= 0")
+    return values
+
+
+def build_plan(args: argparse.Namespace) -> MemoryPlan:
+    """Config, received rows and plan from parsed arguments (raises ValueError/TypeError)."""
+    rows = _read_rows(args.rows_json) if args.rows_json else None
+    layers = args.layers_per_slot
+    if layers is None:
+        layers = len(rows) if rows else 4
+    extra = {}
+    if args.activation_factor is not None:
+        extra["activation_factor"] = args.activation_factor
+    cfg = MoEConfig(
+        hidden=args.hidden,
+        ffn=args.ffn,
+        num_experts=args.experts,
+        top_k=args.top_k,
+        max_tokens=args.tokens,
+        precision=args.precision,
+        training=not args.inference,
+        row_block=args.row_block,
+        activation_bytes=args.activation_bytes,
+        device_scratch_factor=args.device_scratch_factor,
+        total_scratch_factor=args.total_scratch_factor,
+        num_slots=args.slots,
+        max_layers_per_slot=layers,
+        **extra,
+    )
+    cfg.check_ep_size(args.ep)
+    if rows is None and cfg.training:
+        imbalance = _parse_imbalance(args.imbalance)
+        if imbalance is not None:
+            rows = demo_rows(cfg, args.ep, imbalance)
+    if not cfg.training:
+        rows = None
+    return plan_memory(cfg, args.ep, received_rows=rows)
+
+
+# --------------------------------------------------------------------------- drawing
+def draw_plan(plan: MemoryPlan, path: str) -> None:
+    """Save a PNG: the region strip on top, the per-rank slot packing (or, without
+    decisions, the per-layer costs) below."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    saves = plan.saves
+    num_ranks = saves.num_ranks if saves is not None else 0
+    bottom_height = min(10.0, max(2.6, 0.42 * num_ranks + 1.9)) if saves is not None else 2.8
+    fig, (ax_strip, ax_low) = plt.subplots(
+        2,
+        1,
+        figsize=(12, 1.9 + bottom_height),
+        gridspec_kw={"height_ratios": [1.35, bottom_height]},
+    )
+    cfg = plan.cfg
+    mode = "training" if cfg.training else "inference"
+    fig.suptitle(
+        f"distmoe memory plan: {cfg.precision} {mode}, EP {plan.ep_size}, T {cfg.max_tokens}, "
+        f"D {cfg.hidden}, F {cfg.ffn}, E {cfg.num_experts}, K {cfg.top_k}",
+        fontsize=12,
+        fontweight="bold",
+        x=0.01,
+        ha="left",
+    )
+    _draw_strip(ax_strip, plan)
+    if saves is not None:
+        _draw_packing(ax_low, plan, Patch)
+    else:
+        _draw_costs(ax_low, plan)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+_SLOT_COLORS = ("#4C72B0", "#6A8FC8", "#88A9DA", "#A5C2EA")
+_HOST_COLOR = "#C9A227"
+_SCRATCH_COLOR = "#DD8452"
+
+
+def _draw_strip(ax, plan: MemoryPlan) -> None:
+    total = plan.virtual_range_bytes
+    for i, region in enumerate(plan.regions):
+        if region.name.startswith("slot"):
+            color = _SLOT_COLORS[i % len(_SLOT_COLORS)]
+        else:
+            color = _HOST_COLOR if region.tier == "host" else _SCRATCH_COLOR
+        hatch = "//" if region.tier == "host" else None
+        ax.barh(
+            0,
+            region.num_bytes,
+            left=region.offset_bytes,
+            height=0.6,
+            color=color,
+            edgecolor="white",
+            linewidth=1.5,
+            hatch=hatch,
+        )
+        if region.num_bytes == 0:
+            continue
+        label = f"{region.name}\n{format_bytes(region.num_bytes)}"
+        if region.tier == "host":
+            label = f"host scratch (VMM)\n{format_bytes(region.num_bytes)}"
+        if region.num_bytes / total > 0.09:
+            ax.text(
+                region.offset_bytes + region.num_bytes / 2,
+                0,
+                label,
+                ha="center",
+                va="center",
+                fontsize=9,
+                fontweight="bold",
+                color="black" if region.tier == "host" else "white",
+                bbox={"facecolor": color, "edgecolor": "none", "pad": 1.5}
+                if region.tier == "host"
+                else None,
+            )
+    allocation = (
+        f"device allocation {format_bytes(plan.activation_buffer_bytes)} "
+        f"({plan.activation_buffer_bytes:,} B) = "
+    )
+    if plan.slot_capacity_bytes:
+        allocation += (
+            f"{plan.num_slots} slot{'s' * (plan.num_slots > 1)} x "
+            f"{format_bytes(plan.slot_capacity_bytes)} + "
+        )
+    parts = [allocation + f"device scratch {format_bytes(plan.scratch_bytes)}"]
+    if plan.host_scratch_bytes:
+        parts.append(f"host-backed scratch {format_bytes(plan.host_scratch_bytes)}")
+    ax.set_title(
+        "Activation range (offset from its base)   " + "; ".join(parts), fontsize=9.5, loc="left"
+    )
+    ax.set_xlim(0, total)
+    ax.set_ylim(-0.5, 0.5)
+    ax.set_yticks([])
+    _bytes_axis(ax, total)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+
+
+def _bytes_axis(ax, limit: int) -> None:
+    """Ticks at round values of a binary unit that suits ``limit``."""
+    from matplotlib.ticker import FuncFormatter, MultipleLocator
+
+    unit, scale = "B", 1
+    for name, power in (("KiB", 1), ("MiB", 2), ("GiB", 3)):
+        if limit >= 2 * 1024**power:
+            unit, scale = name, 1024**power
+    raw = max(limit / scale / 7, 1e-9)
+    magnitude = 10 ** math.floor(math.log10(raw))
+    step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
+    ax.xaxis.set_major_locator(MultipleLocator(step * scale))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / scale:g}"))
+    ax.set_xlabel(unit, fontsize=9, loc="right")
+    ax.tick_params(labelsize=8)
+
+
+def _draw_packing(ax, plan: MemoryPlan, patch_cls) -> None:
+    import matplotlib.pyplot as plt
+
+    saves = plan.saves
+    assert saves is not None, "packing needs decisions"
+    cmap = plt.get_cmap("tab10")
+    capacity = saves.capacity_bytes
+    most = max(capacity, *(max(s) for s in saves.saved_bytes))
+    handles = []
+    for layer in range(saves.num_layers):
+        color = cmap(layer % 10)
+        saved = saves.decisions[layer]
+        for rank in range(saves.num_ranks):
+            before = saves.saved_bytes[layer - 1][rank] if layer else 0
+            width = saves.saved_bytes[layer][rank] - before
+            ax.barh(
+                rank,
+                width,
+                left=before,
+                height=0.7,
+                color=color if saved else "white",
+                edgecolor=color,
+                hatch=None if saved else "////",
+                linewidth=1.0,
+            )
+        what = "full state" if saved else "replay: input kept"
+        handles.append(
+            patch_cls(
+                facecolor=color if saved else "white",
+                edgecolor=color,
+                hatch=None if saved else "////",
+                label=f"L{layer} {what}",
+            )
+        )
+    # The rejected alternative of each replayed layer, drawn on the rank that decided it:
+    # its full state (dashed) plus the inputs reserved for the later layers (dotted).
+    # Several replayed layers decided on one rank share its band, one thin lane each.
+    ghosts: dict[int, list[int]] = {}
+    for layer in range(saves.num_layers):
+        if not saves.decisions[layer]:
+            before = saves.saved_bytes[layer - 1] if layer else (0,) * saves.num_ranks
+            full = saves.full_bytes[layer]
+            rank = max(range(saves.num_ranks), key=lambda r: before[r] + full[r])
+            ghosts.setdefault(rank, []).append(layer)
+    for rank, layers in ghosts.items():
+        lane = 0.8 / len(layers)
+        for k, layer in enumerate(layers):
+            color = cmap(layer % 10)
+            before = saves.saved_bytes[layer - 1][rank] if layer else 0
+            full = saves.full_bytes[layer][rank]
+            need = saves.required_bytes[layer]
+            y = rank - 0.4 + (k + 0.5) * lane
+            ax.barh(
+                y,
+                full,
+                left=before,
+                height=lane * 0.85,
+                fill=False,
+                edgecolor=color,
+                linestyle="--",
+                linewidth=1.2,
+            )
+            if need > before + full:
+                ax.barh(
+                    y,
+                    need - before - full,
+                    left=before + full,
+                    height=lane * 0.85,
+                    fill=False,
+                    edgecolor="grey",
+                    linestyle=":",
+                    linewidth=1.2,
+                )
+            ax.text(
+                need,
+                y,
+                f"  L{layer} full state would need {format_bytes(need)}",
+                va="center",
+                fontsize=8 if len(layers) < 3 else 6.5,
+                color=color,
+            )
+            most = max(most, need * 1.25)
+    if not all(saves.decisions):
+        handles.append(
+            patch_cls(
+                fill=False,
+                edgecolor="black",
+                linestyle="--",
+                label="rejected full state (deciding rank)",
+            )
+        )
+    if any(not d and layer < saves.num_layers - 1 for layer, d in enumerate(saves.decisions)):
+        handles.append(
+            patch_cls(
+                fill=False,
+                edgecolor="grey",
+                linestyle=":",
+                label="inputs reserved for later layers",
+            )
+        )
+    ax.axvline(capacity, color="#C44E52", linestyle="--", linewidth=1.5)
+    ax.text(
+        capacity,
+        -0.65,
+        f" slot capacity {format_bytes(capacity)}",
+        color="#C44E52",
+        fontsize=9,
+        va="center",
+        ha="left",
+    )
+    ax.set_ylim(saves.num_ranks - 0.4, -1.0)
+    every = 1 if saves.num_ranks <= 32 else 4  # keep labels legible on large groups
+    shown = [r for r in range(saves.num_ranks) if r % every == 0]
+    ax.set_yticks(shown, [f"rank {r}" for r in shown], fontsize=8)
+    ax.set_xlim(0, most * 1.12)
+    _bytes_axis(ax, int(most * 1.12))
+    choice = ", ".join(f"L{i} {'save' if d else 'replay'}" for i, d in enumerate(saves.decisions))
+    ax.set_title(
+        f"Slot packing per rank, layers in forward order ({choice}). Layer l saves iff "
+        "max over ranks (kept + full state) + later layers' inputs <= capacity",
+        fontsize=9.5,
+        loc="left",
+    )
+    ax.legend(
+        handles=handles,
+        loc="upper left",
+        bbox_to_anchor=(0.0, -0.09 - 1.6 / max(6, 2.4 * saves.num_ranks)),
+        fontsize=8,
+        ncol=min(5, len(handles)),
+        frameon=False,
+    )
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+
+
+def _draw_costs(ax, plan: MemoryPlan) -> None:
+    columns = [("balanced", plan.balanced_costs), ("receive bound", plan.bound_costs)]
+    labels, values = [], []
+    for name, c in columns:
+        if plan.cfg.training:
+            labels += [f"input ({name})", f"full state ({name})"]
+            values += [c.input_bytes, c.full_state_bytes]
+        labels.append(f"forward scratch ({name})")
+        values.append(c.forward_scratch.peak_bytes)
+        if c.backward_scratch is not None:
+            labels.append(f"backward replay scratch ({name})")
+            values.append(c.backward_scratch.peak_bytes)
+    colors = ["#4C72B0" if "balanced" in lab else "#DD8452" for lab in labels]
+    ax.barh(range(len(values)), values, color=colors)
+    for i, v in enumerate(values):
+        ax.text(v, i, f" {format_bytes(v)}", va="center", fontsize=8)
+    ax.set_yticks(range(len(values)), labels, fontsize=8)
+    ax.invert_yaxis()
+    _bytes_axis(ax, int(max(values) * 1.15))
+    ax.set_xlim(0, max(values) * 1.15)
+    ax.set_title(
+        f"Per-layer costs at balanced R={plan.balanced_rows:,} and at the receive bound "
+        f"R={plan.receive_bound:,} rows" + ("" if plan.cfg.training else " (inference)"),
+        fontsize=9.5,
+        loc="left",
+    )
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+
+
+# --------------------------------------------------------------------------- entry point
+def run(args: argparse.Namespace) -> int:
+    """Run the subcommand; returns the process exit status (0 ok, 2 bad input)."""
+    try:
+        plan = build_plan(args)
+    except (ValueError, TypeError, OSError) as exc:
+        print(f"distmoe plan: error: {exc}", file=sys.stderr)
+        return 2
+    print(plan)
+    if args.tensors:
+        print()
+        print(format_breakdown(plan.balanced_costs))
+        print()
+        print(format_breakdown(plan.bound_costs))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(plan.to_dict(), f, indent=2)
+            f.write("\n")
+    if args.png:
+        draw_plan(plan, args.png)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Stand-alone entry (``python -m distmoe.tools.plan_cli``)."""
+    parser = argparse.ArgumentParser(prog="distmoe plan")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
