@@ -61,7 +61,9 @@ def _worker(rank: int, world_size: int, device: str, backend: str, gpus: Sequenc
                if backend == "nccl" else {}),
         )
         value = fn(rank, world_size, *args)
-        results.put(("ok", rank, value))
+        # Plain pickle copies tensor data into bytes; torch.multiprocessing's queue would
+        # share it through this process, which may have exited by the time it is read.
+        results.put(("ok", rank, pickle.dumps(value)))
     except BaseException as exc:  # report everything, KeyboardInterrupt included
         tb = traceback.format_exc()
         try:
@@ -181,7 +183,7 @@ def launch(
                 else:
                     continue
             if kind == "ok":
-                values[rank] = payload
+                values[rank] = pickle.loads(payload)
             else:
                 failure = (rank, payload)
         if failure is not None:
