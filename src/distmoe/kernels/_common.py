@@ -164,7 +164,7 @@ def device_context(device: torch.device):
     return contextlib.nullcontext()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

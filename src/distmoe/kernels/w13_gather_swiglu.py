@@ -1,0 +1,485 @@
+"""Grouped W13 GEMM with a row-gather prologue and a SwiGLU epilogue (forward, bf16).
+
+For every row ``r`` of the padded expert-major layout (see :mod:`distmoe.kernels._common`)
+owned by local expert ``e``::
+
+    x   = the D bf16 values at byte address gather_ptrs[r]      (zeros when the address is 0)
+    g   = x @ w13[e, 0]^T        u = x @ w13[e, 1]^T            (fp32 accumulation)
+    h2[r] = silu(g) * u                                         (bf16, width F)
+    h1[r] = [g | u]                                             (bf16, width 2F, optional)
+    x_out[r] = x                                                (bf16, width D, optional)
+
+Algorithm: one program computes a ``block_m x block_n`` tile of h2 with two fp32 accumulators
+(gate and up) that share the gathered A tile. A rows are pointer loads from absolute
+addresses (they may point into a peer GPU's buffer mapped into this address space; Hopper has
+no TMA gather), weights come through one TMA descriptor over ``w13`` seen as ``[2 E_local, F, D]``
+(out-of-range F/D tiles read zeros), encoded on the host at launch by default or built on the
+device (``W13Config.host_descriptors``). A tile's expert is found on the
+device from ``padded_offsets``; tiles at or beyond ``padded_offsets[E_local]`` do no work.
+The grid is sized from ``R_cap`` (one program per tile, idle ones exit at once) or is
+persistent (one program per SM walking the live tiles), never from routed counts.
+
+Memory: nothing is allocated (device-built descriptors: Triton's scratch, 128 bytes per
+program).
+Reads ``R_used x D`` gathered values once per column tile (from L2 after the first), the
+expert weights once per row-tile group; writes h2 (and h1 / x_out when given).
+
+Sync points: none on the host. The gathered rows must be complete before the launch (the
+caller orders this with a barrier or signal); all outputs are local and read by later kernels.
+
+Requirements: D and F multiples of 8; every non-null gather address 16-byte aligned (rows of
+16-byte aligned buffers); ``R_cap`` a multiple of ``block_m``, and each expert segment a
+multiple of ``block_m`` (the routing layer's padding; not checked on the device).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from distmoe.kernels._common import (
+    GemmConfig,
+    check_devices,
+    check_padded_offsets_host,
+    check_tensor,
+    check_tma_aligned,
+    check_width,
+    device_context,
+    ensure_tma_allocator,
+    expert_segments,
+    gemm_grid,
+    next_power_of_2,
+    rows_at,
+    swizzle_tile,
+    tile_expert,
+    validate_block_m,
+)
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _w13_tile(
+    w_desc,
+    gather_ptrs_ptr,
+    padded_offsets_ptr,
+    h2_ptr,
+    h1_ptr,
+    x_out_ptr,
+    pid_m,
+    pid_n,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    FFN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    WRITE_H1: tl.constexpr,
+    WRITE_X: tl.constexpr,
+):
+    """One ``BLOCK_M x BLOCK_N`` tile of h2 (and of both h1 halves) for a live row tile."""
+    NUM_K: tl.constexpr = (HIDDEN + BLOCK_K - 1) // BLOCK_K
+    row_start = pid_m * BLOCK_M
+    expert = tile_expert(padded_offsets_ptr, row_start, NUM_EXPERTS, EXPERTS_POW2)
+
+    rows = row_start + tl.arange(0, BLOCK_M)
+    # Source row addresses, once per tile. 0 marks a null (padding) row: masked, reads zeros.
+    # Every address is a multiple of 16 bytes (module requirement). The hint must sit on the
+    # pointer tensor (on the loaded int64 it is lost at int_to_ptr): with it the row loads
+    # become 16-byte vectors, which the pipeliner turns into cp.async; without it they are
+    # 2-byte loads that are not pipelined at all (checked in the sm_90 PTX).
+    src = tl.load(gather_ptrs_ptr + rows)
+    is_live_row = src != 0
+    a_rows = tl.multiple_of(src.to(tl.pointer_type(tl.bfloat16)), 16)
+    offs_k = tl.arange(0, BLOCK_K)
+    n0 = pid_n * BLOCK_N
+
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, NUM_K):
+        kk = k * BLOCK_K + offs_k
+        if EVEN_K:
+            a_mask = is_live_row[:, None]
+        else:
+            a_mask = is_live_row[:, None] & (kk < HIDDEN)[None, :]
+        a = tl.load(a_rows[:, None] + kk[None, :], mask=a_mask, other=0.0)
+        gate = w_desc.load([2 * expert, n0, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K)
+        up = w_desc.load([2 * expert + 1, n0, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K)
+        acc_g = tl.dot(a, gate.T, acc_g)
+        acc_u = tl.dot(a, up.T, acc_u)
+
+    # Epilogue: SwiGLU in fp32, bf16 stores. Null rows hold g = u = 0, so they store zeros.
+    h2 = acc_g * tl.sigmoid(acc_g) * acc_u
+    rows64 = rows.to(tl.int64)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    if EVEN_N:
+        out_mask = None
+    else:
+        out_mask = (cols < FFN)[None, :]
+    tl.store(h2_ptr + rows64[:, None] * FFN + cols[None, :], h2.to(tl.bfloat16), mask=out_mask)
+    if WRITE_H1:
+        h1_tile = h1_ptr + rows64[:, None] * (2 * FFN) + cols[None, :]
+        tl.store(h1_tile, acc_g.to(tl.bfloat16), mask=out_mask)
+        tl.store(h1_tile + FFN, acc_u.to(tl.bfloat16), mask=out_mask)
+    if WRITE_X:
+        # The first column tile of each row tile saves the gathered rows (training keeps them
+        # for WGRAD). A second pass rather than a store inside the K loop keeps the main loop a
+        # plain load/dot pipeline; the rows were just read, so this pass mostly hits L2.
+        if pid_n == 0:
+            for k in range(0, NUM_K):
+                kk = k * BLOCK_K + offs_k
+                if EVEN_K:
+                    a_mask = is_live_row[:, None]
+                    x_mask = None
+                else:
+                    a_mask = is_live_row[:, None] & (kk < HIDDEN)[None, :]
+                    x_mask = (kk < HIDDEN)[None, :]
+                a = tl.load(a_rows[:, None] + kk[None, :], mask=a_mask, other=0.0)
+                tl.store(x_out_ptr + rows64[:, None] * HIDDEN + kk[None, :], a, mask=x_mask)
+
+
+@triton.jit
+def _w13_weight_desc(
+    w13,
+    NUM_EXPERTS: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    FFN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HOST_DESC: tl.constexpr,
+):
+    """TMA descriptor over w13 seen as ``[2 E_local, F, D]``: the host-built one passed in,
+    or one built on the device (128 bytes of global scratch, a tensormap fence)."""
+    if HOST_DESC:
+        return w13
+    else:
+        return tl.make_tensor_descriptor(
+            w13,
+            shape=[2 * NUM_EXPERTS, FFN, HIDDEN],
+            strides=[FFN * HIDDEN, HIDDEN, 1],
+            block_shape=[1, BLOCK_N, BLOCK_K],
+        )
+
+
+@triton.jit
+def _gather_w13_swiglu_kernel(
+    gather_ptrs_ptr,
+    padded_offsets_ptr,
+    w13,
+    h2_ptr,
+    h1_ptr,
+    x_out_ptr,
+    num_pid_m,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    FFN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+    HOST_DESC: tl.constexpr,
+    WRITE_H1: tl.constexpr,
+    WRITE_X: tl.constexpr,
+):
+    """``w13`` is a host TMA descriptor (``HOST_DESC``) or the weight tensor itself."""
+    NUM_PID_N: tl.constexpr = (FFN + BLOCK_N - 1) // BLOCK_N
+    total_rows = tl.load(padded_offsets_ptr + NUM_EXPERTS)
+    if PERSISTENT:
+        # One descriptor per program, reused by every tile it walks. The live tile count is
+        # read on the device; a while loop (not range) keeps the interpreter working too.
+        w_desc = _w13_weight_desc(w13, NUM_EXPERTS, HIDDEN, FFN, BLOCK_N, BLOCK_K, HOST_DESC)
+        num_live_m = total_rows // BLOCK_M
+        num_tiles = num_live_m * NUM_PID_N
+        tile_id = tl.program_id(0)
+        while tile_id < num_tiles:
+            pid_m, pid_n = swizzle_tile(tile_id, num_live_m, NUM_PID_N, GROUP_M)
+            _w13_tile(
+                w_desc, gather_ptrs_ptr, padded_offsets_ptr, h2_ptr, h1_ptr, x_out_ptr,
+                pid_m, pid_n, NUM_EXPERTS, EXPERTS_POW2, HIDDEN, FFN, BLOCK_M, BLOCK_N,
+                BLOCK_K, EVEN_K, EVEN_N, WRITE_H1, WRITE_X,
+            )  # fmt: skip
+            tile_id += tl.num_programs(0)
+    else:
+        pid_m, pid_n = swizzle_tile(tl.program_id(0), num_pid_m, NUM_PID_N, GROUP_M)
+        # Idle tiles (beyond the used rows) exit before building a descriptor or loading.
+        if pid_m * BLOCK_M < total_rows:
+            w_desc = _w13_weight_desc(w13, NUM_EXPERTS, HIDDEN, FFN, BLOCK_N, BLOCK_K, HOST_DESC)
+            _w13_tile(
+                w_desc, gather_ptrs_ptr, padded_offsets_ptr, h2_ptr, h1_ptr, x_out_ptr,
+                pid_m, pid_n, NUM_EXPERTS, EXPERTS_POW2, HIDDEN, FFN, BLOCK_M, BLOCK_N,
+                BLOCK_K, EVEN_K, EVEN_N, WRITE_H1, WRITE_X,
+            )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configuration
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class W13Config(GemmConfig):
+    """Launch configuration of :func:`gather_w13_swiglu` (see :class:`GemmConfig`).
+
+    ``block_n`` counts h2 columns: each program loads a gate and an up tile of ``block_n``
+    rows of ``w13`` and keeps two fp32 accumulators, so a 128 x 128 tile is a 128 x 256 GEMM
+    tile with 128 accumulator registers per thread at 8 warps.
+
+    ``host_descriptors``: the weight TMA descriptor is encoded on the host at launch and
+    passed as a kernel parameter (no device work); False builds it on the device in every
+    program (``tl.make_tensor_descriptor``: 128 bytes of scratch and a tensormap fence per
+    program, through the allocator that :func:`ensure_tma_allocator` installs).
+    """
+
+    host_descriptors: bool = True
+
+    _B_TILES = 2
+    _ACCUMULATORS = 2
+
+    @classmethod
+    def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128) -> W13Config:
+        """Config from the shapes (D = ``hidden``, F = ``ffn``) and the padding multiple.
+
+        Hopper defaults: 128 x 128 x 64 tiles, 8 warps, 3 stages (48 KiB of SMEM per stage),
+        group-M 8, one program per tile. Smaller dimensions shrink the tiles.
+        """
+        block_n = min(128, max(16, next_power_of_2(ffn)))
+        block_k = min(64, max(16, next_power_of_2(hidden)))
+        num_warps = 8 if block_m * block_n >= 128 * 128 else 4
+        per_stage = (block_m + 2 * block_n) * block_k * 2
+        num_stages = max(2, min(4, (160 * 1024) // per_stage))
+        return cls(
+            block_m=block_m,
+            block_n=block_n,
+            block_k=block_k,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            group_m=8,
+        )
+
+    @classmethod
+    def all_configs(cls, *, block_m: int = 128) -> list[W13Config]:
+        """Candidates for a benchmark sweep at one padding multiple (fitting SM90)."""
+        configs = []
+        for block_n in (64, 128):
+            for block_k in (64, 128):
+                for num_warps in (4, 8):
+                    for num_stages in (2, 3, 4, 5):
+                        for persistent in (False, True):
+                            config = cls(
+                                block_m=block_m,
+                                block_n=block_n,
+                                block_k=block_k,
+                                num_warps=num_warps,
+                                num_stages=num_stages,
+                                group_m=8,
+                                persistent=persistent,
+                            )
+                            if config.fits_hopper():
+                                configs.append(config)
+        return configs
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.host_descriptors, bool):
+            raise TypeError(
+                f"host_descriptors must be a bool, got {type(self.host_descriptors).__name__}"
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------
+
+
+def _check_w13_args(
+    gather_ptrs, padded_offsets, w13, h2_out, h1_out, x_out, *, for_kernel: bool
+) -> tuple[int, int, int, int]:
+    check_tensor("w13", w13, dtypes=(torch.bfloat16,), ndim=4, shape_text="[E_local, 2, F, D]")
+    num_experts, two, ffn, hidden = w13.shape
+    if two != 2 or num_experts < 1:
+        raise ValueError(
+            f"w13 must have shape [E_local >= 1, 2, F, D] (gate, up), got {list(w13.shape)}"
+        )
+    check_width("w13's D (hidden)", hidden)
+    check_width("w13's F (ffn)", ffn)
+    check_tensor("gather_ptrs", gather_ptrs, dtypes=(torch.int64,), ndim=1, shape_text="[R_cap]")
+    r_cap = gather_ptrs.shape[0]
+    check_tensor(
+        "padded_offsets",
+        padded_offsets,
+        dtypes=(torch.int32,),
+        shape=[num_experts + 1],
+        shape_text="[E_local + 1]",
+    )
+    check_tensor(
+        "h2_out", h2_out, dtypes=(torch.bfloat16,), shape=[r_cap, ffn], shape_text="[R_cap, F]"
+    )
+    named = {"gather_ptrs": gather_ptrs, "padded_offsets": padded_offsets, "w13": w13}
+    named["h2_out"] = h2_out
+    if h1_out is not None:
+        check_tensor(
+            "h1_out",
+            h1_out,
+            dtypes=(torch.bfloat16,),
+            shape=[r_cap, 2 * ffn],
+            shape_text="[R_cap, 2F]",
+        )
+        named["h1_out"] = h1_out
+    if x_out is not None:
+        check_tensor(
+            "x_out", x_out, dtypes=(torch.bfloat16,), shape=[r_cap, hidden], shape_text="[R_cap, D]"
+        )
+        named["x_out"] = x_out
+    check_devices(named, for_kernel=for_kernel)
+    if for_kernel:
+        check_tma_aligned("w13", w13)
+    return r_cap, num_experts, ffn, hidden
+
+
+def _check_r_cap(r_cap: int, block_m: int) -> None:
+    if r_cap % block_m:
+        raise ValueError(
+            f"R_cap ({r_cap}, rows of gather_ptrs) must be a multiple of block_m ({block_m})"
+        )
+
+
+def gather_w13_swiglu(
+    gather_ptrs: torch.Tensor,
+    padded_offsets: torch.Tensor,
+    w13: torch.Tensor,
+    h2_out: torch.Tensor,
+    *,
+    h1_out: torch.Tensor | None = None,
+    x_out: torch.Tensor | None = None,
+    config: W13Config | None = None,
+    block_m: int | None = None,
+) -> torch.Tensor:
+    """Gathered rows @ W13 with SwiGLU, into the padded expert-major layout.
+
+    Args:
+        gather_ptrs: int64 ``[R_cap]``, absolute byte address of each row's D bf16 source
+            values (16-byte aligned; may be a peer's mapped memory), 0 = null row.
+        padded_offsets: int32 ``[E_local + 1]``: expert ``e`` owns rows
+            ``[padded_offsets[e], padded_offsets[e+1])``, each a multiple of ``block_m``.
+        w13: bf16 ``[E_local, 2, F, D]`` contiguous (``w13[e, 0]`` gate, ``w13[e, 1]`` up).
+        h2_out: bf16 ``[R_cap, F]``: receives ``silu(g) * u``.
+        h1_out: optional bf16 ``[R_cap, 2F]``: receives ``[g | u]`` (training).
+        x_out: optional bf16 ``[R_cap, D]``: receives the gathered rows (training).
+        config: launch configuration; default :meth:`W13Config.from_heuristic`.
+        block_m: the padding multiple (default 128); must match ``config.block_m`` if both
+            are given.
+
+    Rows ``< padded_offsets[E_local]`` of every output are written (null rows as zeros);
+    rows beyond it are left untouched. Returns ``h2_out``.
+    """
+    r_cap, num_experts, ffn, hidden = _check_w13_args(
+        gather_ptrs, padded_offsets, w13, h2_out, h1_out, x_out, for_kernel=True
+    )
+    if config is None:
+        config = W13Config.from_heuristic(
+            hidden=hidden, ffn=ffn, block_m=128 if block_m is None else block_m
+        )
+    elif not isinstance(config, W13Config):
+        raise TypeError(f"config must be a W13Config, got {type(config).__name__}")
+    validate_block_m(config, block_m)
+    _check_r_cap(r_cap, config.block_m)
+    if r_cap == 0:
+        return h2_out
+
+    num_pid_m = r_cap // config.block_m
+    num_pid_n = triton.cdiv(ffn, config.block_n)
+    device = gather_ptrs.device
+    grid = gemm_grid(config, num_pid_m * num_pid_n, device)
+    if config.host_descriptors:
+        w13_arg = TensorDescriptor(
+            w13,
+            shape=[2 * num_experts, ffn, hidden],
+            strides=[ffn * hidden, hidden, 1],
+            block_shape=[1, config.block_n, config.block_k],
+        )
+    else:
+        w13_arg = w13
+        ensure_tma_allocator()
+    with device_context(device):
+        _gather_w13_swiglu_kernel[(grid,)](
+            gather_ptrs,
+            padded_offsets,
+            w13_arg,
+            h2_out,
+            h2_out if h1_out is None else h1_out,  # placeholder: never touched (WRITE_H1)
+            h2_out if x_out is None else x_out,  # placeholder: never touched (WRITE_X)
+            num_pid_m,
+            NUM_EXPERTS=num_experts,
+            EXPERTS_POW2=next_power_of_2(num_experts),
+            HIDDEN=hidden,
+            FFN=ffn,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            GROUP_M=config.group_m,
+            EVEN_K=hidden % config.block_k == 0,
+            EVEN_N=ffn % config.block_n == 0,
+            PERSISTENT=config.persistent,
+            HOST_DESC=config.host_descriptors,
+            WRITE_H1=h1_out is not None,
+            WRITE_X=x_out is not None,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+    return h2_out
+
+
+# --------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------
+
+
+def gather_w13_swiglu_ref(
+    gather_ptrs: torch.Tensor,
+    padded_offsets: torch.Tensor,
+    w13: torch.Tensor,
+    h2_out: torch.Tensor,
+    *,
+    h1_out: torch.Tensor | None = None,
+    x_out: torch.Tensor | None = None,
+    sources: Sequence[torch.Tensor],
+    block_m: int = 128,
+) -> torch.Tensor:
+    """Plain-PyTorch :func:`gather_w13_swiglu` (any device; synchronises; for tests).
+
+    ``sources`` lists the tensors the addresses point into (contiguous bf16, seen as rows of
+    D values): an address is resolved to its (tensor, row) on the host. fp32 matmuls, outputs
+    rounded to bf16 like the kernel's; rows from ``padded_offsets[E_local]`` on are untouched.
+    """
+    r_cap, num_experts, ffn, hidden = _check_w13_args(
+        gather_ptrs, padded_offsets, w13, h2_out, h1_out, x_out, for_kernel=False
+    )
+    _check_r_cap(r_cap, block_m)
+    check_padded_offsets_host(padded_offsets, block_m=block_m, r_cap=r_cap)
+    x = rows_at(gather_ptrs, sources, row_elems=hidden, name="gather_ptrs").to(w13.device)
+    for e, (start, end) in enumerate(expert_segments(padded_offsets)):
+        if start == end:
+            continue
+        xe = x[start:end]
+        g = xe @ w13[e, 0].float().T
+        u = xe @ w13[e, 1].float().T
+        h2_out[start:end] = (torch.nn.functional.silu(g) * u).to(torch.bfloat16)
+        if h1_out is not None:
+            h1_out[start:end] = torch.cat([g, u], dim=1).to(torch.bfloat16)
+        if x_out is not None:
+            x_out[start:end] = xe.to(torch.bfloat16)
+    return h2_out

@@ -1,0 +1,407 @@
+"""Grouped W2 GEMM with a row-scatter epilogue (forward, bf16).
+
+For every row ``r`` of the padded expert-major layout (see :mod:`distmoe.kernels._common`)
+owned by local expert ``e``::
+
+    h3 = h2[r] @ w2[e]^T        (fp32 accumulation, rounded to bf16, width D)
+    store h3 at byte address scatter_ptrs[r]   (skipped when the address is 0)
+
+The destination is normally the route's slot ``t*K + k`` in the owner rank's combine buffer,
+possibly in a peer GPU's memory mapped into this address space.
+
+Algorithm: one program computes a ``block_m x block_n`` tile of h3. Both operands come through
+TMA descriptors (encoded on the host at launch by default, or built on the device:
+``W2Config.host_descriptors``): h2 over ``[R_cap, F]`` (local, contiguous rows) and the
+weights over ``w2`` ``[E_local, D, F]`` (out-of-range F/D tiles read zeros). The epilogue stores each
+row with plain ``tl.store`` through its own address: a peer reads these rows after a
+release/acquire signal, and in Triton 3.6 a later release does not order a TMA store. A tile's
+expert is found on the device from ``padded_offsets``; tiles at or beyond
+``padded_offsets[E_local]``, and tiles whose rows are all skipped, do no GEMM work. The grid is
+sized from ``R_cap`` (or is persistent), never from routed counts.
+
+Memory: nothing is allocated (device-built descriptors: Triton's scratch, 256 bytes per
+program).
+
+Sync points: none on the host. The caller signals the destination ranks after the kernel
+(or after a kernel boundary); the stores are plain global stores, 16-byte vectors per row.
+
+Requirements: D and F multiples of 8; every non-null scatter address 16-byte aligned;
+``R_cap`` a multiple of ``block_m`` and every expert segment a multiple of ``block_m``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from distmoe.kernels._common import (
+    GemmConfig,
+    check_devices,
+    check_padded_offsets_host,
+    check_tensor,
+    check_tma_aligned,
+    check_width,
+    device_context,
+    ensure_tma_allocator,
+    expert_segments,
+    gemm_grid,
+    next_power_of_2,
+    swizzle_tile,
+    tile_expert,
+    validate_block_m,
+    write_rows_at,
+)
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _w2_tile(
+    h2_desc,
+    w_desc,
+    padded_offsets_ptr,
+    scatter_ptrs_ptr,
+    pid_m,
+    pid_n,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    FFN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+):
+    """One ``BLOCK_M x BLOCK_N`` tile of h3, scattered row by row."""
+    NUM_K: tl.constexpr = (FFN + BLOCK_K - 1) // BLOCK_K
+    row_start = pid_m * BLOCK_M
+    rows = row_start + tl.arange(0, BLOCK_M)
+    # Destination addresses, read first: a tile whose rows are all skipped does no GEMM.
+    # Every address is a multiple of 16 bytes (module requirement); the hint sits on the
+    # pointer tensor (on the loaded int64 it is lost at int_to_ptr): 16-byte vector stores.
+    dst = tl.load(scatter_ptrs_ptr + rows)
+    is_live_row = dst != 0
+    if tl.max(is_live_row.to(tl.int32), axis=0) > 0:
+        expert = tile_expert(padded_offsets_ptr, row_start, NUM_EXPERTS, EXPERTS_POW2)
+        n0 = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, NUM_K):
+            a = h2_desc.load([row_start, k * BLOCK_K])
+            b = w_desc.load([expert, n0, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K)
+            acc = tl.dot(a, b.T, acc)
+
+        cols = n0 + tl.arange(0, BLOCK_N)
+        mask = is_live_row[:, None]
+        if not EVEN_N:
+            mask = mask & (cols < HIDDEN)[None, :]
+        out_rows = tl.multiple_of(dst.to(tl.pointer_type(tl.bfloat16)), 16)
+        tl.store(out_rows[:, None] + cols[None, :], acc.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _w2_descs(
+    h2,
+    w2,
+    r_cap,
+    NUM_EXPERTS: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    FFN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HOST_DESC: tl.constexpr,
+):
+    """TMA descriptors over h2 ``[R_cap, F]`` and w2 ``[E_local, D, F]``: the host-built ones
+    passed in, or built on the device (128 bytes of scratch each, a tensormap fence)."""
+    if HOST_DESC:
+        return h2, w2
+    else:
+        h2_desc = tl.make_tensor_descriptor(
+            h2, shape=[r_cap, FFN], strides=[FFN, 1], block_shape=[BLOCK_M, BLOCK_K]
+        )
+        w_desc = tl.make_tensor_descriptor(
+            w2,
+            shape=[NUM_EXPERTS, HIDDEN, FFN],
+            strides=[HIDDEN * FFN, FFN, 1],
+            block_shape=[1, BLOCK_N, BLOCK_K],
+        )
+        return h2_desc, w_desc
+
+
+@triton.jit
+def _w2_scatter_kernel(
+    h2,
+    padded_offsets_ptr,
+    w2,
+    scatter_ptrs_ptr,
+    r_cap,
+    num_pid_m,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    FFN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+    HOST_DESC: tl.constexpr,
+):
+    """``h2`` and ``w2`` are host TMA descriptors (``HOST_DESC``) or the tensors themselves."""
+    NUM_PID_N: tl.constexpr = (HIDDEN + BLOCK_N - 1) // BLOCK_N
+    total_rows = tl.load(padded_offsets_ptr + NUM_EXPERTS)
+    if PERSISTENT:
+        h2_desc, w_desc = _w2_descs(
+            h2, w2, r_cap, NUM_EXPERTS, HIDDEN, FFN, BLOCK_M, BLOCK_N, BLOCK_K, HOST_DESC
+        )
+        num_live_m = total_rows // BLOCK_M
+        num_tiles = num_live_m * NUM_PID_N
+        tile_id = tl.program_id(0)
+        while tile_id < num_tiles:
+            pid_m, pid_n = swizzle_tile(tile_id, num_live_m, NUM_PID_N, GROUP_M)
+            _w2_tile(
+                h2_desc, w_desc, padded_offsets_ptr, scatter_ptrs_ptr, pid_m, pid_n,
+                NUM_EXPERTS, EXPERTS_POW2, HIDDEN, FFN, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N,
+            )  # fmt: skip
+            tile_id += tl.num_programs(0)
+    else:
+        pid_m, pid_n = swizzle_tile(tl.program_id(0), num_pid_m, NUM_PID_N, GROUP_M)
+        # Idle tiles (beyond the used rows) exit before building descriptors or loading.
+        if pid_m * BLOCK_M < total_rows:
+            h2_desc, w_desc = _w2_descs(
+                h2, w2, r_cap, NUM_EXPERTS, HIDDEN, FFN, BLOCK_M, BLOCK_N, BLOCK_K, HOST_DESC
+            )
+            _w2_tile(
+                h2_desc, w_desc, padded_offsets_ptr, scatter_ptrs_ptr, pid_m, pid_n,
+                NUM_EXPERTS, EXPERTS_POW2, HIDDEN, FFN, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N,
+            )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configuration
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class W2Config(GemmConfig):
+    """Launch configuration of :func:`w2_scatter` (see :class:`GemmConfig`).
+
+    ``block_n`` counts h3 columns (of D), ``block_k`` steps over F.
+
+    ``host_descriptors``: the h2 and w2 TMA descriptors are encoded on the host at launch and
+    passed as kernel parameters (no device work); False builds them on the device in every
+    program (``tl.make_tensor_descriptor``: 128 bytes of scratch each and a tensormap fence,
+    through the allocator that :func:`ensure_tma_allocator` installs).
+    """
+
+    host_descriptors: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.host_descriptors, bool):
+            raise TypeError(
+                f"host_descriptors must be a bool, got {type(self.host_descriptors).__name__}"
+            )
+
+    @classmethod
+    def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128) -> W2Config:
+        """Config from the shapes (D = ``hidden``, F = ``ffn``) and the padding multiple.
+
+        Hopper defaults: 128 x 128 x 64 tiles, 8 warps, 4 stages (32 KiB of SMEM per stage),
+        group-M 8, one program per tile. Smaller dimensions shrink the tiles.
+        """
+        block_n = min(128, max(16, next_power_of_2(hidden)))
+        block_k = min(64, max(16, next_power_of_2(ffn)))
+        num_warps = 8 if block_m * block_n >= 128 * 128 else 4
+        per_stage = (block_m + block_n) * block_k * 2
+        num_stages = max(2, min(4, (160 * 1024) // per_stage))
+        return cls(
+            block_m=block_m,
+            block_n=block_n,
+            block_k=block_k,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            group_m=8,
+        )
+
+    @classmethod
+    def all_configs(cls, *, block_m: int = 128) -> list[W2Config]:
+        """Candidates for a benchmark sweep at one padding multiple (fitting SM90)."""
+        configs = []
+        for block_n in (64, 128, 256):
+            for block_k in (64, 128):
+                for num_warps in (4, 8):
+                    for num_stages in (2, 3, 4, 5):
+                        for persistent in (False, True):
+                            config = cls(
+                                block_m=block_m,
+                                block_n=block_n,
+                                block_k=block_k,
+                                num_warps=num_warps,
+                                num_stages=num_stages,
+                                group_m=8,
+                                persistent=persistent,
+                            )
+                            if config.fits_hopper():
+                                configs.append(config)
+        return configs
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------
+
+
+def _check_w2_args(
+    h2, padded_offsets, w2, scatter_ptrs, *, for_kernel: bool
+) -> tuple[int, int, int, int]:
+    check_tensor("w2", w2, dtypes=(torch.bfloat16,), ndim=3, shape_text="[E_local, D, F]")
+    num_experts, hidden, ffn = w2.shape
+    if num_experts < 1:
+        raise ValueError(f"w2 must have shape [E_local >= 1, D, F], got {list(w2.shape)}")
+    check_width("w2's D (hidden)", hidden)
+    check_width("w2's F (ffn)", ffn)
+    check_tensor("h2", h2, dtypes=(torch.bfloat16,), ndim=2, shape_text="[R_cap, F]")
+    r_cap = h2.shape[0]
+    if h2.shape[1] != ffn:
+        raise ValueError(f"h2 must have shape [R_cap, F={ffn}] (F from w2), got {list(h2.shape)}")
+    check_tensor(
+        "padded_offsets",
+        padded_offsets,
+        dtypes=(torch.int32,),
+        shape=[num_experts + 1],
+        shape_text="[E_local + 1]",
+    )
+    check_tensor(
+        "scatter_ptrs", scatter_ptrs, dtypes=(torch.int64,), shape=[r_cap], shape_text="[R_cap]"
+    )
+    check_devices(
+        {"h2": h2, "padded_offsets": padded_offsets, "w2": w2, "scatter_ptrs": scatter_ptrs},
+        for_kernel=for_kernel,
+    )
+    if for_kernel:
+        check_tma_aligned("h2", h2)
+        check_tma_aligned("w2", w2)
+    return r_cap, num_experts, hidden, ffn
+
+
+def _check_r_cap(r_cap: int, block_m: int) -> None:
+    if r_cap % block_m:
+        raise ValueError(f"R_cap ({r_cap}, rows of h2) must be a multiple of block_m ({block_m})")
+
+
+def w2_scatter(
+    h2: torch.Tensor,
+    padded_offsets: torch.Tensor,
+    w2: torch.Tensor,
+    scatter_ptrs: torch.Tensor,
+    *,
+    config: W2Config | None = None,
+    block_m: int | None = None,
+) -> None:
+    """h2 @ W2 per expert, each result row stored at its own absolute address.
+
+    Args:
+        h2: bf16 ``[R_cap, F]`` contiguous, the padded expert-major SwiGLU output.
+        padded_offsets: int32 ``[E_local + 1]``: expert ``e`` owns rows
+            ``[padded_offsets[e], padded_offsets[e+1])``, each a multiple of ``block_m``.
+        w2: bf16 ``[E_local, D, F]`` contiguous.
+        scatter_ptrs: int64 ``[R_cap]``: absolute byte address receiving the D bf16 values of
+            each row (16-byte aligned; may be a peer's mapped memory), 0 = skip the row.
+        config: launch configuration; default :meth:`W2Config.from_heuristic`.
+        block_m: the padding multiple (default 128); must match ``config.block_m`` if both
+            are given.
+
+    Only rows below ``padded_offsets[E_local]`` with a non-zero address are stored.
+    """
+    r_cap, num_experts, hidden, ffn = _check_w2_args(
+        h2, padded_offsets, w2, scatter_ptrs, for_kernel=True
+    )
+    if config is None:
+        config = W2Config.from_heuristic(
+            hidden=hidden, ffn=ffn, block_m=128 if block_m is None else block_m
+        )
+    elif not isinstance(config, W2Config):
+        raise TypeError(f"config must be a W2Config, got {type(config).__name__}")
+    validate_block_m(config, block_m)
+    _check_r_cap(r_cap, config.block_m)
+    if r_cap == 0:
+        return
+
+    num_pid_m = r_cap // config.block_m
+    num_pid_n = triton.cdiv(hidden, config.block_n)
+    device = h2.device
+    grid = gemm_grid(config, num_pid_m * num_pid_n, device)
+    if config.host_descriptors:
+        h2_arg = TensorDescriptor(
+            h2, shape=[r_cap, ffn], strides=[ffn, 1], block_shape=[config.block_m, config.block_k]
+        )
+        w2_arg = TensorDescriptor(
+            w2,
+            shape=[num_experts, hidden, ffn],
+            strides=[hidden * ffn, ffn, 1],
+            block_shape=[1, config.block_n, config.block_k],
+        )
+    else:
+        h2_arg, w2_arg = h2, w2
+        ensure_tma_allocator()
+    with device_context(device):
+        _w2_scatter_kernel[(grid,)](
+            h2_arg,
+            padded_offsets,
+            w2_arg,
+            scatter_ptrs,
+            r_cap,
+            num_pid_m,
+            NUM_EXPERTS=num_experts,
+            EXPERTS_POW2=next_power_of_2(num_experts),
+            HIDDEN=hidden,
+            FFN=ffn,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            GROUP_M=config.group_m,
+            EVEN_N=hidden % config.block_n == 0,
+            PERSISTENT=config.persistent,
+            HOST_DESC=config.host_descriptors,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------
+
+
+def w2_scatter_ref(
+    h2: torch.Tensor,
+    padded_offsets: torch.Tensor,
+    w2: torch.Tensor,
+    scatter_ptrs: torch.Tensor,
+    *,
+    targets: Sequence[torch.Tensor],
+    block_m: int = 128,
+) -> None:
+    """Plain-PyTorch :func:`w2_scatter` (any device; synchronises; for tests).
+
+    ``targets`` lists the tensors the addresses point into (contiguous bf16, seen as rows of
+    D values); each address is resolved to its (tensor, row) on the host. fp32 matmuls,
+    results rounded to bf16 like the kernel's.
+    """
+    r_cap, _, _, _ = _check_w2_args(h2, padded_offsets, w2, scatter_ptrs, for_kernel=False)
+    _check_r_cap(r_cap, block_m)
+    check_padded_offsets_host(padded_offsets, block_m=block_m, r_cap=r_cap)
+    for e, (start, end) in enumerate(expert_segments(padded_offsets)):
+        if start == end:
+            continue
+        h3 = (h2[start:end].float() @ w2[e].float().T).to(torch.bfloat16)
+        write_rows_at(scatter_ptrs[start:end], h3, targets, name="scatter_ptrs")

@@ -1,0 +1,242 @@
+"""MoEContext: the collective object that owns a layer's peer buffers and runs it.
+
+Per rank, on the symmetric heap (DESIGN.md, Buffers per rank):
+
+    routing   128-byte header (int32 token count) + int16 expert ids [T_max, K]
+    dispatch  [T_max * K, D] bf16: x at rows 0..T-1 in forward
+    combine   [T_max * K, D] bf16: expert results at route slot t*K + k
+
+plus local scratch sized from the configured receive bound: h2 [R_cap, F] bf16 (and, when
+training, h1 [R_cap, 2F] and the gathered x [R_cap, D]).
+
+Forward of one call (no host synchronisation; every step is a device op on the current stream,
+so the whole call can be captured in a CUDA graph and replayed with new inputs written into
+the same tensors):
+
+    1. publish: header <- T, ids -> routing buffer (int16), x -> dispatch rows 0..T-1
+    2. barrier                                 (everyone's ids and x are visible)
+    3. gather every rank's ids [EP, T, K]; build expert-major tables (distmoe.routing)
+    4. W13 grouped GEMM, gather prologue reads source rows from the owners' dispatch buffers,
+       SwiGLU epilogue -> h2
+    5. W2 grouped GEMM, scatter epilogue stores each row into its owner's combine slot
+    6. barrier                                 (all results have landed; all gathers done)
+    7. owner combine y[t] = sum_k score[t,k] * combine[t*K+k] over executed routes, fp32
+
+Barrier 6 also makes the next call's step 1 safe: no peer still reads this rank's dispatch.
+
+Receive bound: a rank executes at most R_cap rows (cfg.receive_bound plus per-expert
+padding). Routes beyond are never written anywhere; they are counted on the device
+(:meth:`MoEContext.stats`), their owners leave them out of the combine, and
+``check=True`` turns them into a RuntimeError naming the rank, the rows and the bound.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..config import MoEConfig
+from ..routing import build_routing_tables, row_capacity
+from ..runtime import create_heap
+from ..runtime.heap import round_up
+
+HEADER_BYTES = 128
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+class MoEContext:
+    """Collective owner of one MoE layer's peer buffers on every rank of an EP group.
+
+    Args:
+        cfg: the layer (:class:`distmoe.MoEConfig`); ``cfg.num_experts`` must be divisible
+            by the group size.
+        group: the expert-parallel process group (default: the world group).
+        device: this rank's device (default: the current CUDA device, else CPU).
+        backend: heap backend (``"auto"``, ``"cpu"``, ``"cuda_ipc"``, ``"cuda_symm"``).
+        check: debugging mode: after each call, synchronise and raise ``ValueError`` on ids
+            outside [-1, E) or non-zero scores on inactive routes, and ``RuntimeError`` when
+            a rank received more rows than its receive bound. Off by default (it syncs).
+
+    Call: ``y = ctx(x, expert_ids, scores, w13, w2)`` with x [T, D] bf16 (T <= max_tokens, the
+    same T on every rank), expert_ids [T, K] integer (global ids, -1 inactive), scores [T, K]
+    float, w13 [E_local, 2, F, D] bf16, w2 [E_local, D, F] bf16, all contiguous on ``device``.
+    Returns y [T, D] bf16.
+    """
+
+    def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | None = None, *,
+                 device: torch.device | str | None = None, backend: str = "auto",
+                 check: bool = False) -> None:
+        if not isinstance(cfg, MoEConfig):
+            raise TypeError(f"cfg must be a distmoe.MoEConfig, got {type(cfg).__name__}")
+        if cfg.precision != "bf16":
+            raise ValueError(
+                f"precision ({cfg.precision!r}): only 'bf16' is implemented so far"
+            )
+        self.cfg = cfg
+        self.check = bool(check)
+        self._closed = False
+        self.heap = create_heap(group, backend=backend, device=device)
+        self.group = self.heap.group
+        self.rank, self.ep_size = self.heap.rank, self.heap.world_size
+        self.device = self.heap.device
+        self.num_local_experts = cfg.experts_per_rank(self.ep_size)
+        T, K, D, F = cfg.max_tokens, cfg.top_k, cfg.hidden, cfg.ffn
+        self.receive_bound = cfg.receive_bound(self.ep_size)
+        self.row_capacity = row_capacity(self.receive_bound, self.num_local_experts,
+                                         cfg.row_block)
+        self.row_bytes = D * 2
+        heap = self.heap
+        heap.allocate("routing", HEADER_BYTES + round_up(T * K * 2, 128))
+        heap.allocate("dispatch", T * K * D * 2)
+        heap.allocate("combine", T * K * D * 2)
+        self._headers = [heap.view("routing", r, torch.int32, (HEADER_BYTES // 4,))
+                         for r in range(self.ep_size)]
+        self._ids = [heap.view("routing", r, torch.int16, (T, K), HEADER_BYTES)
+                     for r in range(self.ep_size)]
+        self._dispatch = heap.view("dispatch", self.rank, torch.bfloat16, (T * K, D))
+        self._combine = heap.view("combine", self.rank, torch.bfloat16, (T * K, D))
+        R = self.row_capacity
+        self._h2 = torch.empty(R, F, dtype=torch.bfloat16, device=self.device)
+        # Device-side counters: [last received rows, max received rows, dropped rows total,
+        # invalid ids total, calls].
+        self._counters = torch.zeros(5, dtype=torch.int64, device=self.device)
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self, x, expert_ids, scores, w13, w2) -> None:
+        cfg = self.cfg
+        named = {"x": x, "expert_ids": expert_ids, "scores": scores, "w13": w13, "w2": w2}
+        for name, t in named.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.device != self.device:
+                raise ValueError(f"{name} must be on {self.device}, got {t.device}")
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
+        for name in ("x", "w13", "w2"):
+            if named[name].dtype != torch.bfloat16:
+                raise TypeError(f"{name} must be torch.bfloat16, got {named[name].dtype}")
+        if expert_ids.dtype not in _INT_DTYPES:
+            raise TypeError(f"expert_ids must have an integer dtype, got {expert_ids.dtype}")
+        if not scores.is_floating_point():
+            raise TypeError(f"scores must have a floating dtype, got {scores.dtype}")
+        if x.dim() != 2 or x.shape[1] != cfg.hidden:
+            raise ValueError(f"x must be [T, {cfg.hidden}], got {tuple(x.shape)}")
+        T = x.shape[0]
+        if T > cfg.max_tokens:
+            raise ValueError(f"x has T = {T} tokens, above max_tokens ({cfg.max_tokens})")
+        for name in ("expert_ids", "scores"):
+            if tuple(named[name].shape) != (T, cfg.top_k):
+                raise ValueError(
+                    f"{name} must be [T, K] = {(T, cfg.top_k)}, got {tuple(named[name].shape)}"
+                )
+        E_l, F, D = self.num_local_experts, cfg.ffn, cfg.hidden
+        if tuple(w13.shape) != (E_l, 2, F, D):
+            raise ValueError(f"w13 must be [E_local, 2, F, D] = {(E_l, 2, F, D)}, got "
+                             f"{tuple(w13.shape)}")
+        if tuple(w2.shape) != (E_l, D, F):
+            raise ValueError(f"w2 must be [E_local, D, F] = {(E_l, D, F)}, got {tuple(w2.shape)}")
+
+    def _validate_values(self, expert_ids, scores) -> None:
+        E = self.cfg.num_experts
+        bad = (expert_ids < -1) | (expert_ids >= E)
+        if bool(bad.any()):
+            v = int(expert_ids[bad][0])
+            raise ValueError(f"expert_ids must lie in [-1, {E}); found {v}")
+        inactive = expert_ids == -1
+        if bool((scores[inactive] != 0).any()):
+            raise ValueError("scores must be 0 on inactive routes (expert id -1)")
+
+    # ------------------------------------------------------------------ forward
+    def __call__(self, x, expert_ids, scores, w13, w2) -> torch.Tensor:
+        self._check_open()
+        self._validate(x, expert_ids, scores, w13, w2)
+        if self.check:
+            self._validate_values(expert_ids, scores)
+        y, tables = self._forward(x, expert_ids, scores, w13, w2)
+        if self.check:
+            self._check_bound()
+        return y
+
+    def _publish_and_route(self, x, expert_ids):
+        T = x.shape[0]
+        self._headers[self.rank][0].fill_(T)
+        self._ids[self.rank][:T].copy_(expert_ids)
+        self._dispatch[:T].copy_(x)
+        self.heap.barrier()
+        ids_EPTK = torch.stack([ids[:T] for ids in self._ids])
+        tables = build_routing_tables(
+            ids_EPTK, rank=self.rank, num_local_experts=self.num_local_experts,
+            row_block=self.cfg.row_block, row_capacity=self.row_capacity,
+            dispatch_bases_EP=self.heap.base_table("dispatch"),
+            combine_bases_EP=self.heap.base_table("combine"),
+            row_bytes=self.row_bytes, training=self.cfg.training,
+        )
+        c = self._counters
+        c[0].copy_(tables.num_recv_rows)
+        torch.maximum(c[1], tables.num_recv_rows, out=c[1])
+        c[2].add_(tables.num_dropped_rows)
+        c[3].add_(tables.num_invalid_ids)
+        c[4].add_(1)
+        return tables
+
+    def _forward(self, x, expert_ids, scores, w13, w2):
+        from ..kernels.combine import combine
+        from ..kernels.w2_scatter import w2_scatter
+        from ..kernels.w13_gather_swiglu import gather_w13_swiglu
+
+        tables = self._publish_and_route(x, expert_ids)
+        block = self.cfg.row_block
+        gather_w13_swiglu(tables.gather_ptrs, tables.padded_offsets, w13, self._h2,
+                          block_m=block)
+        w2_scatter(self._h2, tables.padded_offsets, w2, tables.scatter_ptrs, block_m=block)
+        self.heap.barrier()
+        T, K = expert_ids.shape
+        ids_executed = torch.where(tables.is_route_executed_TK, expert_ids.to(torch.int32), -1)
+        y = torch.empty_like(x)
+        combine(self._combine[:T * K], ids_executed, scores.float(), y)
+        return y, tables
+
+    # ------------------------------------------------------------------ bounds and stats
+    def stats(self) -> dict:
+        """Counters of this rank (reads device memory: synchronises; not for the hot path).
+
+        Returns a dict: ``rank``, ``receive_bound`` (rows), ``row_capacity`` (padded rows),
+        ``last_recv_rows``, ``max_recv_rows``, ``dropped_rows`` (received routes that were
+        not executed, summed over calls), ``invalid_ids`` (summed), ``calls``.
+        """
+        self._check_open()
+        last, mx, dropped, invalid, calls = (int(v) for v in self._counters.tolist())
+        return dict(rank=self.rank, receive_bound=self.receive_bound,
+                    row_capacity=self.row_capacity, last_recv_rows=last, max_recv_rows=mx,
+                    dropped_rows=dropped, invalid_ids=invalid, calls=calls)
+
+    def _check_bound(self) -> None:
+        s = self.stats()
+        if s["invalid_ids"]:
+            raise ValueError(f"rank {self.rank}: {s['invalid_ids']} expert ids outside "
+                             f"[-1, {self.cfg.num_experts}) were seen (treated as inactive)")
+        if s["last_recv_rows"] > self.receive_bound or s["dropped_rows"]:
+            raise RuntimeError(
+                f"rank {self.rank} received {s['last_recv_rows']} rows, above its receive "
+                f"bound of {self.receive_bound} rows (device_scratch_factor "
+                f"{self.cfg.device_scratch_factor} x T_max*K {self.cfg.balanced_rows}); "
+                f"{s['dropped_rows']} routes were not executed. Raise device_scratch_factor."
+            )
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """*Collective.* Free the heap buffers (idempotent); the context is unusable after."""
+        if self._closed:
+            return
+        self._closed = True
+        self.heap.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this MoEContext is closed")
+
+    def __enter__(self) -> MoEContext:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
