@@ -1,0 +1,125 @@
+"""MoEContext: bad input is refused before any buffer is touched; the receive bound is
+enforced (overflowing routes are counted and never written); close() is idempotent."""
+
+import pytest
+import torch
+
+import distmoe as dm
+
+D, F, E, K, T = 32, 32, 4, 2, 8
+
+
+def _inputs():
+    x = torch.randn(T, D).bfloat16()
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    scores = torch.rand(T, K)
+    w13 = torch.randn(E, 2, F, D).bfloat16() / 8
+    w2 = torch.randn(E, D, F).bfloat16() / 8
+    return x, ids, scores, w13, w2
+
+
+def _bad_inputs_rank(rank, world):
+    cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
+                       training=False, row_block=16)
+    ctx = dm.MoEContext(cfg, device="cpu", check=True)
+    good = _inputs()
+    dispatch = ctx.heap.local("dispatch").clone()
+    routing = ctx.heap.local("routing").clone()
+    cases = {
+        "x dtype": (good[0].float(),) + good[1:],
+        "x width": (torch.randn(T, D + 8).bfloat16(),) + good[1:],
+        "too many tokens": (torch.randn(T + 1, D).bfloat16(), torch.zeros(T + 1, K, dtype=torch.long),
+                            torch.zeros(T + 1, K), *good[3:]),
+        "ids float": (good[0], good[1].float(), *good[2:]),
+        "ids shape": (good[0], good[1][:, :1].contiguous(), *good[2:]),
+        "w13 shape": (*good[:3], good[3][:, :, :F - 8].contiguous(), good[4]),
+        "w2 dtype": (*good[:4], good[4].float()),
+        "non-contiguous x": (good[0].t().contiguous().t(),) + good[1:],
+        "id out of range": (good[0], good[1].masked_fill(good[1] == 0, E), *good[2:]),
+        "score on inactive": (good[0], good[1].masked_fill(good[1] == 0, -1), *good[2:]),
+    }
+    msgs = {}
+    for name, args in cases.items():
+        try:
+            ctx(*args)
+        except (ValueError, TypeError) as exc:
+            msgs[name] = f"{type(exc).__name__}: {exc}"
+    untouched = torch.equal(dispatch, ctx.heap.local("dispatch")) and \
+        torch.equal(routing, ctx.heap.local("routing"))
+    ctx.close()
+    ctx.close()
+    try:
+        ctx(*good)
+    except RuntimeError as exc:
+        msgs["closed"] = str(exc)
+    return msgs, untouched
+
+
+def test_bad_inputs_raise_before_buffers_are_touched():
+    msgs, untouched = dm.launch(_bad_inputs_rank, 1)[0]
+    assert untouched
+    expected = {
+        "x dtype": r"TypeError: x must be torch.bfloat16, got torch.float32",
+        "x width": r"x must be \[T, 32\], got \(8, 40\)",
+        "too many tokens": r"x has T = 9 tokens, above max_tokens \(8\)",
+        "ids float": r"TypeError: expert_ids must have an integer dtype",
+        "ids shape": r"expert_ids must be \[T, K\] = \(8, 2\), got \(8, 1\)",
+        "w13 shape": r"w13 must be \[E_local, 2, F, D\] = \(4, 2, 32, 32\)",
+        "w2 dtype": r"TypeError: w2 must be torch.bfloat16",
+        "non-contiguous x": r"x must be contiguous",
+        "id out of range": r"expert_ids must lie in \[-1, 4\); found 4",
+        "score on inactive": r"scores must be 0 on inactive routes",
+        "closed": r"this MoEContext is closed",
+    }
+    import re
+
+    for name, pattern in expected.items():
+        assert name in msgs, f"{name}: no error raised"
+        assert re.search(pattern, msgs[name]), (name, msgs[name])
+
+
+def _overflow_rank(rank, world, check):
+    # Everyone routes everything to rank 0's experts; rank 0's bound is half its load.
+    T2 = 32
+    cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T2,
+                       training=False, row_block=16, device_scratch_factor=0.5)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(T2, D, generator=g).bfloat16()
+    ids = torch.tensor([[0, 1]] * T2)
+    scores = torch.rand(T2, K, generator=g)
+    w13 = torch.randn(E // world, 2, F, D, generator=g).bfloat16() / 8
+    w2 = torch.randn(E // world, D, F, generator=g).bfloat16() / 8
+    with dm.MoEContext(cfg, device="cpu", check=check) as ctx:
+        # canaries: every heap buffer and the scratch beyond R_cap must keep their bytes
+        h2_before = ctx._h2.clone()
+        combine = ctx.heap.view("combine", rank, torch.bfloat16, (T2 * K, D))
+        combine.fill_(1234.0)
+        ctx.heap.barrier()
+        try:
+            y = ctx(x, ids, scores, w13, w2)
+            err = None
+        except RuntimeError as exc:
+            y, err = None, str(exc)
+        stats = ctx.stats()
+        ctx.heap.barrier()
+        untouched_slots = int((combine == 1234.0).all(1).sum())
+        return dict(stats=stats, err=err, untouched_slots=untouched_slots,
+                    h2_shape_same=ctx._h2.shape == h2_before.shape, y=y)
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_receive_bound_overflow_is_counted_and_never_written(check):
+    out = dm.launch(_overflow_rank, 2, args=(check,))
+    r0, r1 = out
+    s = r0["stats"]
+    # rank 0 receives 2 ranks x 32 tokens x 2 routes = 128 rows; bound = 0.5 * 32 * 2 = 32
+    assert s["last_recv_rows"] == 128 and s["receive_bound"] == 32
+    assert s["dropped_rows"] == 128 - s["row_capacity"]  # R_cap = 32 + 2*15 -> 64
+    assert r1["stats"]["last_recv_rows"] == 0
+    # every dropped route's return slot kept its canary on its owner
+    assert r0["untouched_slots"] + r1["untouched_slots"] == s["dropped_rows"]
+    if check:
+        assert r0["err"] is not None and "rank 0 received 128 rows, above its receive bound of 32" in r0["err"]
+        assert r1["err"] is None
+    else:
+        assert r0["err"] is None and r0["y"] is not None and torch.isfinite(r0["y"].float()).all()
