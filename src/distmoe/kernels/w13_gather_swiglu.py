@@ -12,17 +12,21 @@ owned by local expert ``e``::
 Algorithm: one program computes a ``block_m x block_n`` tile of h2 with two fp32 accumulators
 (gate and up) that share the gathered A tile. A rows are pointer loads from absolute
 addresses (they may point into a peer GPU's buffer mapped into this address space; Hopper has
-no TMA gather), weights come through one TMA descriptor over ``w13`` seen as ``[2 E_local, F, D]``
+no TMA gather), issued as 16-byte ``cp.async`` and software-pipelined with the weights. The
+weights come through one TMA descriptor over ``w13`` seen as ``[2 E_local, F, D]``
 (out-of-range F/D tiles read zeros), encoded on the host at launch by default or built on the
-device (``W13Config.host_descriptors``). A tile's expert is found on the
-device from ``padded_offsets``; tiles at or beyond ``padded_offsets[E_local]`` do no work.
-The grid is sized from ``R_cap`` (one program per tile, idle ones exit at once) or is
-persistent (one program per SM walking the live tiles), never from routed counts.
+device (``W13Config.host_descriptors``). A tile's expert is found on the device from
+``padded_offsets``; tiles at or beyond ``padded_offsets[E_local]`` do no work. The grid is
+sized from ``R_cap`` (one program per tile, idle ones exit at once) or is persistent (one
+program per SM walking the live tiles), never from routed counts.
 
 Memory: nothing is allocated (device-built descriptors: Triton's scratch, 128 bytes per
-program).
-Reads ``R_used x D`` gathered values once per column tile (from L2 after the first), the
-expert weights once per row-tile group; writes h2 (and h1 / x_out when given).
+program). Each gathered row is read once per column tile (``ceil(F / block_n)`` times):
+local rows mostly come from L2 after the first read; rows in a peer GPU's memory may cross
+NVLink on every read (peer memory is, as far as we know, not cached in the reader's L2; to be
+measured), which can make the kernel NVLink-bound; staging remote rows into a local buffer
+first would avoid that.
+Writes h2 (and h1 / x_out when given).
 
 Sync points: none on the host. The gathered rows must be complete before the launch (the
 caller orders this with a barrier or signal); all outputs are local and read by later kernels.

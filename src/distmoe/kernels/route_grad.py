@@ -1,0 +1,364 @@
+"""Owner-side backward of the score-weighted combine, and the reduction of returned input
+gradients.
+
+Forward, on the token owner: ``y[t] = sum_k score[t, k] * h3[t, k]`` (fp32), where
+``h3[t, k]`` is the bf16 row that the expert returned into route slot ``t*K + k``. Backward:
+
+* :func:`route_grads` (before the expert backward):
+
+      grad_scores[t, k]     = dot(grad_y[t], h3[t, k])          fp32 accumulation
+      grad_routes[t*K + k]  = bf16(score[t, k] * grad_y[t])     one row per active route
+
+  Inactive routes (expert id -1) get ``grad_scores = 0``; their ``h3`` rows are never read
+  and their ``grad_routes`` rows never written. ``grad_routes`` is the buffer that the experts
+  gather from for W2 DGRAD/WGRAD (DESIGN.md: the combine buffer carries the route output
+  gradients in backward).
+* :func:`reduce_routes` (after the expert backward): every route's expert returned one input
+  gradient row into slot ``t*K + k`` (the dispatch buffer); ``grad_x[t]`` is their fp32 sum,
+  rounded to bf16 once. Inactive routes are never read, so their slots may hold anything; a
+  token without active routes gets exact zeros.
+
+Memory: both kernels stream their rows once (``route_grads`` reads ``grad_y`` once per route,
+served by L1/L2 since the K routes of a token sit in the same program). No atomics, no
+synchronisation: the caller orders the peer writes (barrier) before ``reduce_routes``.
+Grids come from the static ``T`` and ``D`` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from distmoe.kernels._common import (
+    check_devices,
+    check_tensor,
+    check_width,
+    device_context,
+    next_power_of_2,
+)
+
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _route_grads_kernel(
+    grad_y_ptr,  # bf16 [T, D]
+    h3_ptr,  # bf16 [>= T*K, D]: route (t, k) at row t*K + k
+    expert_ids_ptr,  # int [T*K]
+    scores_ptr,  # fp32 [T*K]
+    grad_routes_ptr,  # bf16 [>= T*K, D]
+    grad_scores_ptr,  # fp32 [T*K]
+    num_routes,  # T*K
+    TOP_K: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    route = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_range = route < num_routes
+    expert = tl.load(expert_ids_ptr + route, mask=in_range, other=-1)
+    is_active = in_range & (expert >= 0)
+    score = tl.load(scores_ptr + route, mask=is_active, other=0.0)
+    route64 = route.to(tl.int64)
+    token64 = route64 // TOP_K
+    dot = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for d0 in tl.range(0, HIDDEN, BLOCK_D):
+        col = d0 + tl.arange(0, BLOCK_D)
+        mask = is_active[:, None] & (col < HIDDEN)[None, :]
+        gy = tl.load(grad_y_ptr + token64[:, None] * HIDDEN + col[None, :], mask=mask, other=0.0)
+        gy = gy.to(tl.float32)
+        h3 = tl.load(h3_ptr + route64[:, None] * HIDDEN + col[None, :], mask=mask, other=0.0)
+        dot += tl.sum(gy * h3.to(tl.float32), axis=1)
+        grad_route = (gy * score[:, None]).to(tl.bfloat16)
+        tl.store(grad_routes_ptr + route64[:, None] * HIDDEN + col[None, :], grad_route, mask=mask)
+    tl.store(grad_scores_ptr + route, dot, mask=in_range)
+
+
+@triton.jit
+def _reduce_routes_kernel(
+    route_rows_ptr,  # bf16 [>= T*K, D]
+    expert_ids_ptr,  # int [T*K]
+    grad_x_ptr,  # bf16 [T, D]
+    num_tokens,
+    TOP_K: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    col = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    in_range = token < num_tokens
+    col_ok = col < HIDDEN
+    token64 = token.to(tl.int64)
+    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        route64 = token64 * TOP_K + k
+        expert = tl.load(expert_ids_ptr + route64, mask=in_range, other=-1)
+        mask = (in_range & (expert >= 0))[:, None] & col_ok[None, :]
+        row = tl.load(
+            route_rows_ptr + route64[:, None] * HIDDEN + col[None, :], mask=mask, other=0.0
+        )
+        acc += row.to(tl.float32)
+    out_mask = in_range[:, None] & col_ok[None, :]
+    tl.store(
+        grad_x_ptr + token64[:, None] * HIDDEN + col[None, :], acc.to(tl.bfloat16), mask=out_mask
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configuration
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouteGradConfig:
+    """Launch configuration of :func:`route_grads` and :func:`reduce_routes`.
+
+    Attributes:
+        block_rows: routes (``route_grads``) or tokens (``reduce_routes``) per program; power
+            of two in [1, 256].
+        block_d: hidden columns per step; power of two in [16, 4096].
+        num_warps: 1, 2, 4 or 8.
+    """
+
+    block_rows: int = 16
+    block_d: int = 256
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name, low, high in (("block_rows", 1, 256), ("block_d", 16, 4096)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+            if value < low or value > high or value & (value - 1):
+                raise ValueError(f"{name} ({value}) must be a power of two in [{low}, {high}]")
+        if self.num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"num_warps ({self.num_warps}) must be 1, 2, 4 or 8")
+
+    @classmethod
+    def from_heuristic(cls, *, hidden: int) -> RouteGradConfig:
+        """Tiles of about 4096 elements (16 bf16 values per thread at 4 warps): memory-bound
+        rows, one 16-byte vector per load per thread and a few loads in flight."""
+        block_d = min(512, max(16, next_power_of_2(hidden)))
+        return cls(block_rows=max(1, 4096 // block_d), block_d=block_d, num_warps=4)
+
+    @classmethod
+    def all_configs(cls, *, hidden: int) -> list[RouteGradConfig]:
+        """Candidates for tuning (all valid for any ``hidden``)."""
+        widest = max(16, next_power_of_2(hidden))
+        out = []
+        for block_d in (128, 256, 512, 1024):
+            block_d = min(block_d, widest)
+            for elems in (2048, 4096, 8192):
+                for num_warps in (4, 8):
+                    cfg = cls(
+                        block_rows=max(1, elems // block_d), block_d=block_d, num_warps=num_warps
+                    )
+                    if cfg not in out:
+                        out.append(cfg)
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+
+
+def _check_ids_scores(expert_ids: object, scores: object | None) -> tuple[int, int]:
+    check_tensor("expert_ids", expert_ids, dtypes=_INT_DTYPES, ndim=2, shape_text="[T, K]")
+    num_tokens, top_k = expert_ids.shape
+    if top_k < 1:
+        raise ValueError(f"expert_ids must have K >= 1 columns, got shape {list(expert_ids.shape)}")
+    if scores is not None:
+        check_tensor(
+            "scores",
+            scores,
+            dtypes=(torch.float32,),
+            shape=[num_tokens, top_k],
+            shape_text="[T, K] like expert_ids",
+        )
+    return num_tokens, top_k
+
+
+def _check_route_rows(name: str, value: object, num_routes: int, hidden: int) -> None:
+    check_tensor(name, value, dtypes=(torch.bfloat16,), ndim=2, shape_text="[T_max*K, D]")
+    if value.shape[0] < num_routes or value.shape[1] != hidden:
+        raise ValueError(
+            f"{name} must have shape [R, {hidden}] with R >= T*K ({num_routes}), "
+            f"got {list(value.shape)}"
+        )
+
+
+def _check_config(config: object, hidden: int) -> RouteGradConfig:
+    if config is None:
+        return RouteGradConfig.from_heuristic(hidden=hidden)
+    if not isinstance(config, RouteGradConfig):
+        raise TypeError(f"config must be a RouteGradConfig or None, got {type(config).__name__}")
+    return config
+
+
+def route_grads(
+    grad_y: torch.Tensor,
+    h3_routes: torch.Tensor,
+    expert_ids: torch.Tensor,
+    scores: torch.Tensor,
+    grad_routes_out: torch.Tensor,
+    grad_scores_out: torch.Tensor,
+    *,
+    config: RouteGradConfig | None = None,
+) -> None:
+    """Score and route-output gradients of the owner combine (see the module docstring).
+
+    Args:
+        grad_y: ``[T, D]`` bf16, gradient of the layer output.
+        h3_routes: ``[T_max*K, D]`` bf16 (``T_max >= T``), the expert results saved in
+            forward; route ``(t, k)`` at row ``t*K + k``. Rows of inactive routes are not read.
+        expert_ids: ``[T, K]`` any integer dtype; -1 marks an inactive route.
+        scores: ``[T, K]`` fp32 routing scores.
+        grad_routes_out: ``[T_max*K, D]`` bf16; row ``t*K + k`` receives
+            ``bf16(scores[t, k] * grad_y[t])`` for every active route, other rows untouched.
+        grad_scores_out: ``[T, K]`` fp32; receives ``dot(grad_y[t], h3[t*K + k])`` (0 where
+            inactive).
+        config: launch configuration; ``None`` picks :meth:`RouteGradConfig.from_heuristic`.
+
+    All tensors contiguous, on one CUDA device (CPU under the Triton interpreter).
+    """
+    num_tokens, top_k = _check_ids_scores(expert_ids, scores)
+    check_tensor("grad_y", grad_y, dtypes=(torch.bfloat16,), ndim=2, shape_text="[T, D]")
+    if grad_y.shape[0] != num_tokens:
+        raise ValueError(
+            f"grad_y must have T = {num_tokens} rows like expert_ids, got {list(grad_y.shape)}"
+        )
+    hidden = grad_y.shape[1]
+    check_width("D (grad_y.shape[1])", hidden)
+    num_routes = num_tokens * top_k
+    _check_route_rows("h3_routes", h3_routes, num_routes, hidden)
+    _check_route_rows("grad_routes_out", grad_routes_out, num_routes, hidden)
+    check_tensor(
+        "grad_scores_out",
+        grad_scores_out,
+        dtypes=(torch.float32,),
+        shape=[num_tokens, top_k],
+        shape_text="[T, K]",
+    )
+    device = check_devices(
+        {
+            "grad_y": grad_y,
+            "h3_routes": h3_routes,
+            "expert_ids": expert_ids,
+            "scores": scores,
+            "grad_routes_out": grad_routes_out,
+            "grad_scores_out": grad_scores_out,
+        }
+    )
+    config = _check_config(config, hidden)
+    if num_routes == 0:
+        return
+    grid = (triton.cdiv(num_routes, config.block_rows),)
+    with device_context(device):
+        _route_grads_kernel[grid](
+            grad_y,
+            h3_routes,
+            expert_ids,
+            scores,
+            grad_routes_out,
+            grad_scores_out,
+            num_routes,
+            TOP_K=top_k,
+            HIDDEN=hidden,
+            BLOCK_R=config.block_rows,
+            BLOCK_D=config.block_d,
+            num_warps=config.num_warps,
+        )
+
+
+def reduce_routes(
+    route_rows: torch.Tensor,
+    expert_ids: torch.Tensor,
+    grad_x_out: torch.Tensor,
+    *,
+    config: RouteGradConfig | None = None,
+) -> None:
+    """``grad_x[t] = bf16(sum over active k of route_rows[t*K + k])`` with fp32 accumulation.
+
+    Args:
+        route_rows: ``[T_max*K, D]`` bf16 (``T_max >= T``): the input-gradient row of route
+            ``(t, k)`` at row ``t*K + k``. Rows of inactive routes are never read.
+        expert_ids: ``[T, K]`` any integer dtype; -1 marks an inactive route.
+        grad_x_out: ``[T, D]`` bf16; every row is written (exact zeros for a token without
+            active routes).
+        config: launch configuration (``block_rows`` = tokens per program); ``None`` picks
+            :meth:`RouteGradConfig.from_heuristic`.
+    """
+    num_tokens, top_k = _check_ids_scores(expert_ids, None)
+    check_tensor("grad_x_out", grad_x_out, dtypes=(torch.bfloat16,), ndim=2, shape_text="[T, D]")
+    if grad_x_out.shape[0] != num_tokens:
+        raise ValueError(
+            f"grad_x_out must have T = {num_tokens} rows like expert_ids, "
+            f"got {list(grad_x_out.shape)}"
+        )
+    hidden = grad_x_out.shape[1]
+    check_width("D (grad_x_out.shape[1])", hidden)
+    _check_route_rows("route_rows", route_rows, num_tokens * top_k, hidden)
+    device = check_devices(
+        {"route_rows": route_rows, "expert_ids": expert_ids, "grad_x_out": grad_x_out}
+    )
+    config = _check_config(config, hidden)
+    if num_tokens == 0:
+        return
+    grid = (triton.cdiv(num_tokens, config.block_rows), triton.cdiv(hidden, config.block_d))
+    with device_context(device):
+        _reduce_routes_kernel[grid](
+            route_rows,
+            expert_ids,
+            grad_x_out,
+            num_tokens,
+            TOP_K=top_k,
+            HIDDEN=hidden,
+            BLOCK_T=config.block_rows,
+            BLOCK_D=config.block_d,
+            num_warps=config.num_warps,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# References (plain PyTorch, any device)
+# --------------------------------------------------------------------------------------------
+
+
+def route_grads_ref(
+    grad_y: torch.Tensor,
+    h3_routes: torch.Tensor,
+    expert_ids: torch.Tensor,
+    scores: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`route_grads` in fp32 (fp64 if ``grad_y`` is fp64).
+
+    Returns ``(grad_routes [T*K, D], grad_scores [T, K])``; ``grad_routes`` rows of inactive
+    routes are zeros (the kernel leaves them untouched) and no rounding to bf16 is applied.
+    """
+    dtype = torch.float64 if grad_y.dtype == torch.float64 else torch.float32
+    num_tokens, top_k = expert_ids.shape
+    is_active = (expert_ids.long() >= 0).to(dtype)
+    gy = grad_y.to(dtype)
+    h3 = h3_routes[: num_tokens * top_k].to(dtype).reshape(num_tokens, top_k, -1)
+    h3 = torch.where(is_active[..., None] > 0, h3, torch.zeros((), dtype=dtype, device=h3.device))
+    grad_scores = torch.einsum("td,tkd->tk", gy, h3) * is_active
+    grad_routes = gy[:, None, :] * (scores.to(dtype) * is_active)[..., None]
+    return grad_routes.reshape(num_tokens * top_k, -1), grad_scores
+
+
+def reduce_routes_ref(route_rows: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    """Reference of :func:`reduce_routes`: ``[T, D]`` fp32 sum of the active routes' rows."""
+    num_tokens, top_k = expert_ids.shape
+    rows = route_rows[: num_tokens * top_k].float().reshape(num_tokens, top_k, -1)
+    is_active = (expert_ids.long() >= 0)[..., None]
+    return torch.where(is_active, rows, torch.zeros((), device=rows.device)).sum(dim=1)

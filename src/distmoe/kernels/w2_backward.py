@@ -1,0 +1,846 @@
+"""W2 backward: DGRAD with the SwiGLU backward fused into its epilogue, and the grouped WGRAD.
+
+Per routed row (padded expert-major layout, see :mod:`distmoe.kernels._common`), with
+``h1 = [g | u]`` saved by the forward and ``W2 = w2[e]`` of shape ``[D, F]``:
+
+    grad_h2 = grad_h3 @ W2                         [R, D] @ [D, F], fp32 accumulation
+    s       = sigmoid(g)
+    grad_g  = grad_h2 * u * s * (1 + g * (1 - s))  (= grad_h2 * u * dsilu(g))
+    grad_u  = grad_h2 * silu(g)
+    grad_h1 = [grad_g | grad_u]                    bf16 [R, 2F]
+    h2      = silu(g) * u                          bf16 [R, F], rebuilt (never saved)
+    grad_W2[e] += grad_h3_e^T @ h2_e               fp32 [D, F]
+
+:func:`w2_dgrad_swiglu_bwd`
+    ``grad_h3`` rows live wherever the owner's combine buffer is (this or a peer process):
+    the kernel reads them through ``grad_h3_ptrs``, absolute row addresses (0 = null row,
+    read as zeros). With ``grad_h3_out`` it runs two launches: a row gather that copies every
+    live row once into ``grad_h3_out`` (local, contiguous: WGRAD needs it anyway), then the GEMM
+    reading those rows through TMA. Without it the GEMM gathers through the pointers in its
+    K loop, so each row is read once per column tile (``F / block_n`` times): meant for local
+    rows. Weights come through a 3-D TMA descriptor ``[E, D, F]`` (encoded on the host at
+    launch by default, or built in every program: ``host_descriptors``); the
+    epilogue reads the ``[g | u]`` tile pair, writes ``[grad_g | grad_u]`` and optionally h2.
+    Each program reads and writes the same ``h1`` columns, so ``grad_h1_out`` may be ``h1``
+    itself (in place: saves the ``R*2F*2`` bytes of a separate gradient buffer).
+    Null rows produce zeros in every output; idle tiles (rows at/after
+    ``padded_offsets[E]``) exit before loading anything and leave their rows untouched.
+
+:func:`w2_wgrad`
+    One program per (expert, output tile ``[block_out_m, block_out_n]`` of ``grad_w2[e]``,
+    row split). It walks its expert's rows ``[padded_offsets[e], padded_offsets[e+1])`` on
+    the device, ``block_k`` rows per step, both operands through TMA, and adds the fp32 tile
+    into ``grad_w2`` (read-add-write: ``.grad`` accumulation semantics; experts without rows
+    leave ``grad_w2[e]`` untouched). The row loop is a ``for`` over a device-side trip count
+    on the GPU (software-pipelined by Triton) and a ``while`` loop under the interpreter, which
+    cannot take loop bounds from ``tl.load``; the loop body is the same.
+    ``split_rows > 1`` (split-K over rows) interleaves ``block_k`` row steps over that many
+    programs and adds with fp32 atomics (non-deterministic summation order); it pays off when
+    ``E_local * tiles`` is below the SM count or one expert holds most rows. The default is 1:
+    deterministic, and at training shapes the tile count already fills the GPU.
+    The same kernel serves W13 WGRAD (:mod:`distmoe.kernels.w13_backward`).
+
+Sync points: none inside; kernel boundaries order the launches. Grids are sized from
+``R_cap`` and the weight shapes only (CUDA-graph safe, no host synchronisation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from distmoe.kernels._common import (
+    GemmConfig,
+    check_devices,
+    check_tensor,
+    check_tma_aligned,
+    check_width,
+    device_context,
+    ensure_tma_allocator,
+    expert_segments,
+    next_power_of_2,
+    rows_at,
+    swizzle_tile,
+    tile_expert,
+)
+from distmoe.kernels.interpreter import interpreter_active
+
+# Rows of the standalone row-gather program (a divisor of every legal block_m).
+_GATHER_BLOCK_ROWS = 16
+
+
+def _pow2_clamped(n: int, low: int, high: int) -> int:
+    return min(high, max(low, next_power_of_2(n)))
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gather_rows_kernel(
+    row_ptrs_ptr,  # int64 [R_cap]: absolute addresses of bf16 rows of WIDTH (0 = null)
+    padded_offsets_ptr,  # int32 [E + 1]
+    out_ptr,  # bf16 [R_cap, WIDTH]
+    WIDTH: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    row0 = tl.program_id(0) * BLOCK_ROWS
+    live_end = tl.load(padded_offsets_ptr + NUM_EXPERTS)
+    if row0 >= live_end:
+        return
+    rows = row0 + tl.arange(0, BLOCK_ROWS)
+    is_live = rows < live_end
+    addr = tl.load(row_ptrs_ptr + rows, mask=is_live, other=0)
+    is_row = addr != 0
+    # Row addresses are 16-byte aligned (contract). The hint goes on the pointer (its
+    # divisibility counts bytes); on the int64 before the cast it is lost: 2-byte loads.
+    src = tl.multiple_of(addr.to(tl.pointer_type(tl.bfloat16)), 16)
+    col = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    col_ok = col < WIDTH
+    vals = tl.load(src[:, None] + col[None, :], mask=is_row[:, None] & col_ok[None, :], other=0.0)
+    dst = out_ptr + rows.to(tl.int64)[:, None] * WIDTH + col[None, :]
+    tl.store(dst, vals, mask=is_live[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _swiglu_bwd_epilogue(
+    grad_h2,
+    h1_ptr,
+    grad_h1_ptr,
+    h2_ptr,
+    rows,
+    is_row,
+    n0,
+    FFN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STORE_H2: tl.constexpr,
+):
+    """SwiGLU backward of columns ``[n0, n0 + BLOCK_N)`` of F for the tile's rows: reads the
+    ``g``/``u`` tile pair, writes ``grad_g``/``grad_u`` (and ``h2``). Null rows load zeros and
+    (their ``grad_h2`` being zero) produce zeros."""
+    col = n0 + tl.arange(0, BLOCK_N)
+    col_ok = col < FFN
+    row_off = rows.to(tl.int64)[:, None] * (2 * FFN)
+    load_mask = is_row[:, None] & col_ok[None, :]
+    g = tl.load(h1_ptr + row_off + col[None, :], mask=load_mask, other=0.0).to(tl.float32)
+    u = tl.load(h1_ptr + row_off + FFN + col[None, :], mask=load_mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(g)
+    silu = g * s
+    grad_g = grad_h2 * u * (s * (1.0 + g * (1.0 - s)))
+    grad_u = grad_h2 * silu
+    store_mask = col_ok[None, :]
+    tl.store(grad_h1_ptr + row_off + col[None, :], grad_g.to(tl.bfloat16), mask=store_mask)
+    tl.store(grad_h1_ptr + row_off + FFN + col[None, :], grad_u.to(tl.bfloat16), mask=store_mask)
+    if STORE_H2:
+        h2_off = rows.to(tl.int64)[:, None] * FFN + col[None, :]
+        tl.store(h2_ptr + h2_off, (silu * u).to(tl.bfloat16), mask=store_mask)
+
+
+@triton.jit
+def _w2_dgrad_swiglu_kernel(
+    grad_h3_ptrs_ptr,  # int64 [R_cap]: addresses of the bf16 grad_h3 rows (0 = null)
+    grad_h3_rows,  # bf16 [R_cap, D] gathered rows, or its TMA descriptor (not GATHER_IN_LOOP)
+    padded_offsets_ptr,  # int32 [E + 1]
+    w2,  # bf16 [E, D, F], or its TMA descriptor (HOST_DESC)
+    h1_ptr,  # bf16 [R_cap, 2F]
+    grad_h1_ptr,  # bf16 [R_cap, 2F] (may be h1_ptr)
+    h2_ptr,  # bf16 [R_cap, F] (written when STORE_H2)
+    num_rows,  # R_cap
+    HIDDEN: tl.constexpr,
+    FFN: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    GATHER_IN_LOOP: tl.constexpr,
+    STORE_H2: tl.constexpr,
+    HOST_DESC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    num_pid_m = num_rows // BLOCK_M
+    num_pid_n = tl.cdiv(FFN, BLOCK_N)
+    pid_m, pid_n = swizzle_tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    row0 = pid_m * BLOCK_M
+    if row0 >= tl.load(padded_offsets_ptr + NUM_EXPERTS):
+        return  # idle tile: no loads, no stores
+    expert = tile_expert(padded_offsets_ptr, row0, NUM_EXPERTS, EXPERTS_POW2)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    addr = tl.load(grad_h3_ptrs_ptr + rows)
+    is_row = addr != 0
+    n0 = pid_n * BLOCK_N
+
+    if HOST_DESC:
+        w_desc = w2
+    else:
+        w_desc = tl.make_tensor_descriptor(
+            w2,
+            shape=[NUM_EXPERTS, HIDDEN, FFN],
+            strides=[HIDDEN * FFN, FFN, 1],
+            block_shape=[1, BLOCK_K, BLOCK_N],
+        )
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if GATHER_IN_LOOP:
+        src = tl.multiple_of(addr.to(tl.pointer_type(tl.bfloat16)), 16)  # 16-byte aligned rows
+        for k0 in range(0, HIDDEN, BLOCK_K):
+            col = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(
+                src[:, None] + col[None, :],
+                mask=is_row[:, None] & (col < HIDDEN)[None, :],
+                other=0.0,
+            )
+            b = w_desc.load([expert, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+            acc = tl.dot(a, b, acc)
+    else:
+        if HOST_DESC:
+            a_desc = grad_h3_rows
+        else:
+            a_desc = tl.make_tensor_descriptor(
+                grad_h3_rows,
+                shape=[num_rows, HIDDEN],
+                strides=[HIDDEN, 1],
+                block_shape=[BLOCK_M, BLOCK_K],
+            )
+        for k0 in range(0, HIDDEN, BLOCK_K):
+            a = a_desc.load([row0, k0])
+            b = w_desc.load([expert, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+            acc = tl.dot(a, b, acc)
+
+    # SwiGLU backward in two column halves: the whole 128 x 128 tile with its g/u pair and
+    # their 64-bit addresses needs more than 255 registers per thread (spills); halves need
+    # about 180 on SM90.
+    if BLOCK_N >= 32:
+        halves = tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), (0, 2, 1))
+        acc_lo, acc_hi = tl.split(halves)
+        _swiglu_bwd_epilogue(
+            acc_lo, h1_ptr, grad_h1_ptr, h2_ptr, rows, is_row, n0, FFN, BLOCK_N // 2, STORE_H2
+        )
+        _swiglu_bwd_epilogue(
+            acc_hi,
+            h1_ptr,
+            grad_h1_ptr,
+            h2_ptr,
+            rows,
+            is_row,
+            n0 + BLOCK_N // 2,
+            FFN,
+            BLOCK_N // 2,
+            STORE_H2,
+        )
+    else:
+        _swiglu_bwd_epilogue(
+            acc, h1_ptr, grad_h1_ptr, h2_ptr, rows, is_row, n0, FFN, BLOCK_N, STORE_H2
+        )
+
+
+@triton.jit
+def _wgrad_tile_step(a_desc, b_desc, row, p0, q0, acc):
+    a = a_desc.load([row, p0])
+    b = b_desc.load([row, q0])
+    return tl.dot(tl.trans(a), b, acc)
+
+
+@triton.jit
+def _grouped_wgrad_kernel(
+    a,  # bf16 [R_cap, P], or its TMA descriptor (HOST_DESC)
+    b,  # bf16 [R_cap, Q], or its TMA descriptor (HOST_DESC)
+    padded_offsets_ptr,  # int32 [E + 1]
+    out_ptr,  # fp32 [E, P, Q], accumulated into
+    num_rows,  # R_cap
+    P: tl.constexpr,
+    Q: tl.constexpr,
+    SPLIT_ROWS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    HOST_DESC: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+):
+    num_q = tl.cdiv(Q, BLOCK_Q)
+    tiles = tl.cdiv(P, BLOCK_P) * num_q
+    pid = tl.program_id(0)
+    # Expert slowest: the programs of one expert run together and share its rows in L2.
+    expert = pid // (SPLIT_ROWS * tiles)
+    rest = pid % (SPLIT_ROWS * tiles)
+    split = rest // tiles
+    tile = rest % tiles
+    p0 = (tile // num_q) * BLOCK_P
+    q0 = (tile % num_q) * BLOCK_Q
+    first = tl.load(padded_offsets_ptr + expert) + split * BLOCK_K
+    end = tl.load(padded_offsets_ptr + expert + 1)
+    if first >= end:
+        return  # no rows for this program: grad_w stays as it is
+    if HOST_DESC:
+        a_desc = a
+        b_desc = b
+    else:
+        a_desc = tl.make_tensor_descriptor(
+            a, shape=[num_rows, P], strides=[P, 1], block_shape=[BLOCK_K, BLOCK_P]
+        )
+        b_desc = tl.make_tensor_descriptor(
+            b, shape=[num_rows, Q], strides=[Q, 1], block_shape=[BLOCK_K, BLOCK_Q]
+        )
+    acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
+    step = SPLIT_ROWS * BLOCK_K
+    if INTERPRETED:
+        row = first
+        while row < end:
+            acc = _wgrad_tile_step(a_desc, b_desc, row, p0, q0, acc)
+            row += step
+    else:
+        num_steps = (end - first + step - 1) // step
+        for i in range(0, num_steps):
+            acc = _wgrad_tile_step(a_desc, b_desc, first + i * step, p0, q0, acc)
+
+    p = p0 + tl.arange(0, BLOCK_P)
+    q = q0 + tl.arange(0, BLOCK_Q)
+    mask = (p < P)[:, None] & (q < Q)[None, :]
+    out = out_ptr + expert.to(tl.int64) * (P * Q) + p.to(tl.int64)[:, None] * Q + q[None, :]
+    if SPLIT_ROWS == 1:
+        tl.store(out, tl.load(out, mask=mask, other=0.0) + acc, mask=mask)
+    else:
+        tl.atomic_add(out, acc, mask=mask, sem="relaxed")
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configurations
+# --------------------------------------------------------------------------------------------
+
+
+def check_backward_gemm_config(config: GemmConfig) -> None:
+    """Rules that the backward DGRAD configs add to :class:`GemmConfig`."""
+    if config.persistent:
+        raise ValueError("persistent (True) is not supported by the backward GEMMs yet")
+    if not isinstance(config.host_descriptors, bool):
+        raise TypeError(
+            f"host_descriptors must be a bool, got {type(config.host_descriptors).__name__}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class W2DgradConfig(GemmConfig):
+    """Launch configuration of :func:`w2_dgrad_swiglu_bwd` (see :class:`GemmConfig`).
+
+    ``block_m`` rows (the padding multiple), ``block_n`` columns of F (each tile writes
+    ``block_n`` columns of grad_g and of grad_u), ``block_k`` step over D. ``persistent`` is
+    not supported yet (one program per tile of the ``R_cap`` bound).
+
+    ``host_descriptors``: the TMA descriptors (w2, and the gathered grad_h3 rows) are encoded
+    on the host at launch and passed as kernel parameters (no device work); False builds them
+    in every program (``tl.make_tensor_descriptor``: 128 bytes of scratch and a tensormap
+    fence each, through the allocator that ``ensure_tma_allocator`` installs).
+    """
+
+    host_descriptors: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_backward_gemm_config(self)
+
+    @classmethod
+    def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128) -> W2DgradConfig:
+        """128 x 128 x 64 tiles, 8 warps, 4 stages (128 KiB of SMEM) at training shapes;
+        narrower tiles for narrow F/D. The SwiGLU epilogue needs about 180 registers per
+        thread at 8 warps (sm_90 build), so one CTA per SM: the SMEM is there for a deeper
+        pipeline."""
+        block_n = _pow2_clamped(ffn, 16, 128)
+        block_k = _pow2_clamped(hidden, 16, 64)
+        num_warps = 8 if block_m * block_n >= 128 * 128 else 4
+        return cls(
+            block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=4
+        )
+
+    @classmethod
+    def all_configs(cls, *, hidden: int, ffn: int, block_m: int = 128) -> list[W2DgradConfig]:
+        """Tuning candidates that fit an SM90 (shared memory and accumulator registers)."""
+        out = []
+        for block_n in (64, 128, 256):
+            for block_k in (32, 64, 128):
+                for num_warps in (4, 8):
+                    for num_stages in (2, 3, 4):
+                        cfg = cls(
+                            block_m=block_m,
+                            block_n=min(block_n, _pow2_clamped(ffn, 16, 256)),
+                            block_k=min(block_k, _pow2_clamped(hidden, 16, 256)),
+                            num_warps=num_warps,
+                            num_stages=num_stages,
+                        )
+                        if cfg.fits_hopper() and cfg not in out:
+                            out.append(cfg)
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class WgradConfig:
+    """Launch configuration of the grouped WGRAD (:func:`w2_wgrad`, ``w13_wgrad``).
+
+    The GEMM is ``grad_w[e] (+)= A_e^T @ B_e`` with ``A`` ``[R_cap, P]`` and ``B`` ``[R_cap, Q]``
+    (W2: P = D, Q = F; W13: P = 2F, Q = D).
+
+    Attributes:
+        block_m: padding multiple of the expert segments (same as the DGRAD ``block_m``).
+        block_k: routed rows per step of the row loop; power of two in [16, 256] dividing
+            ``block_m``.
+        block_out_m: rows (P) of the output tile; power of two in [16, 256].
+        block_out_n: columns (Q) of the output tile; power of two in [16, 256].
+        split_rows: programs sharing one output tile, each taking every ``split_rows``-th
+            row step and adding with fp32 atomics; 1 = deterministic read-add-write.
+        num_warps: 4 or 8.
+        num_stages: software-pipeline depth of the row loop (>= 1).
+        host_descriptors: TMA descriptors of both operands encoded on the host at launch
+            (True) or built on the device in every program (False).
+    """
+
+    block_m: int = 128
+    block_k: int = 64
+    block_out_m: int = 128
+    block_out_n: int = 128
+    split_rows: int = 1
+    num_warps: int = 8
+    num_stages: int = 4
+    host_descriptors: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_k", "block_out_m", "block_out_n"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+            if not (16 <= value <= 256 and value & (value - 1) == 0):
+                raise ValueError(f"{name} ({value}) must be a power of two in [16, 256]")
+        if self.block_m % self.block_k:
+            raise ValueError(
+                f"block_k ({self.block_k}) must divide block_m ({self.block_m}): a row step "
+                "never crosses an expert segment"
+            )
+        for name in ("split_rows", "num_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} ({value!r}) must be an int >= 1")
+        if self.num_warps not in (4, 8):
+            raise ValueError(f"num_warps ({self.num_warps}) must be 4 or 8")
+        if not isinstance(self.host_descriptors, bool):
+            raise TypeError(
+                f"host_descriptors must be a bool, got {type(self.host_descriptors).__name__}"
+            )
+
+    def smem_bytes(self) -> int:
+        """Shared memory of the row-loop pipeline (bf16 A and B tiles of every stage)."""
+        return self.num_stages * self.block_k * (self.block_out_m + self.block_out_n) * 2
+
+    def fits_hopper(self) -> bool:
+        """Pipeline SMEM <= 200 KiB and at most 128 fp32 accumulator registers per thread."""
+        regs = self.block_out_m * self.block_out_n // (32 * self.num_warps)
+        return self.smem_bytes() <= 200 * 1024 and regs <= 128
+
+    @classmethod
+    def from_heuristic(cls, *, out_rows: int, out_cols: int, block_m: int = 128) -> WgradConfig:
+        """128 x 128 output tiles, 64 rows per step, 8 warps, 4 stages (128 KiB of SMEM);
+        narrower tiles for narrow weights. ``out_rows``/``out_cols`` are P and Q. About 150
+        registers per thread (sm_90 build: the fp32 read-add-write epilogue), so one CTA per
+        SM and the SMEM goes to the pipeline."""
+        block_out_m = _pow2_clamped(out_rows, 16, 128)
+        block_out_n = _pow2_clamped(out_cols, 16, 128)
+        num_warps = 8 if block_out_m * block_out_n >= 128 * 128 else 4
+        return cls(
+            block_m=block_m,
+            block_k=min(64, block_m),
+            block_out_m=block_out_m,
+            block_out_n=block_out_n,
+            num_warps=num_warps,
+            num_stages=4,
+        )
+
+    @classmethod
+    def all_configs(cls, *, out_rows: int, out_cols: int, block_m: int = 128) -> list[WgradConfig]:
+        """Tuning candidates that fit an SM90."""
+        out = []
+        for block_out_m in (64, 128, 256):
+            for block_out_n in (64, 128, 256):
+                for block_k in (32, 64, 128):
+                    for num_stages in (3, 4, 5):
+                        for split_rows in (1, 2, 4):
+                            for num_warps in (4, 8):
+                                if block_m % block_k:
+                                    continue
+                                cfg = cls(
+                                    block_m=block_m,
+                                    block_k=block_k,
+                                    block_out_m=min(block_out_m, _pow2_clamped(out_rows, 16, 256)),
+                                    block_out_n=min(block_out_n, _pow2_clamped(out_cols, 16, 256)),
+                                    split_rows=split_rows,
+                                    num_warps=num_warps,
+                                    num_stages=num_stages,
+                                )
+                                if cfg.fits_hopper() and cfg not in out:
+                                    out.append(cfg)
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+def check_disjoint(
+    named: dict[str, torch.Tensor], *, same_ok: tuple[str, str] | None = None
+) -> None:
+    """Raise ``ValueError`` if two of the tensors share bytes (``same_ok`` names one pair that
+    may be the identical tensor storage, e.g. an in-place output)."""
+    items = [(n, t) for n, t in named.items() if t is not None and t.numel() > 0]
+    for i, (name_a, a) in enumerate(items):
+        lo_a, hi_a = _byte_range(a)
+        for name_b, b in items[i + 1 :]:
+            lo_b, hi_b = _byte_range(b)
+            if lo_a < hi_b and lo_b < hi_a:
+                identical = (lo_a, hi_a) == (lo_b, hi_b) and a.shape == b.shape
+                if identical and same_ok is not None and {name_a, name_b} == set(same_ok):
+                    continue
+                raise ValueError(
+                    f"{name_a} and {name_b} must not overlap in memory, got "
+                    f"[{lo_a:#x}, {hi_a:#x}) and [{lo_b:#x}, {hi_b:#x})"
+                )
+
+
+def check_padded_offsets(padded_offsets: object, num_experts: int) -> None:
+    """``padded_offsets`` must be int32 ``[E_local + 1]``."""
+    check_tensor(
+        "padded_offsets",
+        padded_offsets,
+        dtypes=(torch.int32,),
+        shape=[num_experts + 1],
+        shape_text="[E_local + 1]",
+    )
+
+
+def check_row_table(name: str, table: object) -> int:
+    """An int64 ``[R_cap]`` table of absolute row addresses; returns ``R_cap``."""
+    check_tensor(name, table, dtypes=(torch.int64,), ndim=1, shape_text="[R_cap]")
+    return table.shape[0]
+
+
+def check_rows_cap(num_rows: int, block_m: int) -> None:
+    """``R_cap`` must be a multiple of the padding multiple ``block_m``."""
+    if num_rows % block_m:
+        raise ValueError(
+            f"R_cap ({num_rows}) must be a multiple of config.block_m ({block_m}), the padding "
+            "multiple of the expert segments"
+        )
+
+
+def check_wgrad_config(config: object, *, out_rows: int, out_cols: int) -> WgradConfig:
+    if config is None:
+        return WgradConfig.from_heuristic(out_rows=out_rows, out_cols=out_cols)
+    if not isinstance(config, WgradConfig):
+        raise TypeError(f"config must be a WgradConfig or None, got {type(config).__name__}")
+    return config
+
+
+def launch_grouped_wgrad(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    padded_offsets: torch.Tensor,
+    out: torch.Tensor,
+    config: WgradConfig,
+    device: torch.device,
+) -> None:
+    """``out[e] += a[rows_e]^T @ b[rows_e]`` for every local expert (inputs validated by the
+    caller: ``a`` ``[R_cap, P]``, ``b`` ``[R_cap, Q]`` bf16, ``out`` fp32 ``[E, P, Q]``)."""
+    num_rows, width_p = a.shape
+    width_q = b.shape[1]
+    num_experts = padded_offsets.shape[0] - 1
+    check_rows_cap(num_rows, config.block_m)
+    if num_rows == 0 or num_experts == 0:
+        return
+    tiles = triton.cdiv(width_p, config.block_out_m) * triton.cdiv(width_q, config.block_out_n)
+    grid = (num_experts * config.split_rows * tiles,)
+    if config.host_descriptors:
+        a = TensorDescriptor(
+            a,
+            shape=[num_rows, width_p],
+            strides=[width_p, 1],
+            block_shape=[config.block_k, config.block_out_m],
+        )
+        b = TensorDescriptor(
+            b,
+            shape=[num_rows, width_q],
+            strides=[width_q, 1],
+            block_shape=[config.block_k, config.block_out_n],
+        )
+    else:
+        ensure_tma_allocator()
+    with device_context(device):
+        _grouped_wgrad_kernel[grid](
+            a,
+            b,
+            padded_offsets,
+            out,
+            num_rows,
+            P=width_p,
+            Q=width_q,
+            SPLIT_ROWS=config.split_rows,
+            INTERPRETED=interpreter_active(),
+            HOST_DESC=config.host_descriptors,
+            BLOCK_K=config.block_k,
+            BLOCK_P=config.block_out_m,
+            BLOCK_Q=config.block_out_n,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+
+
+def w2_dgrad_swiglu_bwd(
+    grad_h3_ptrs: torch.Tensor,
+    padded_offsets: torch.Tensor,
+    w2: torch.Tensor,
+    h1: torch.Tensor,
+    grad_h1_out: torch.Tensor,
+    *,
+    h2_out: torch.Tensor | None = None,
+    grad_h3_out: torch.Tensor | None = None,
+    config: W2DgradConfig | None = None,
+) -> None:
+    """W2 DGRAD + SwiGLU backward over padded expert-major rows (module docstring).
+
+    Args:
+        grad_h3_ptrs: int64 ``[R_cap]`` absolute byte addresses of the bf16 ``grad_h3`` rows
+            (``D`` values each, 16-byte aligned; 0 = null row, read as zeros).
+        padded_offsets: int32 ``[E_local + 1]``, the expert segments (multiples of
+            ``config.block_m``); rows at/after ``padded_offsets[E_local]`` are idle.
+        w2: bf16 ``[E_local, D, F]``.
+        h1: bf16 ``[R_cap, 2F]``, the forward's ``[g | u]``.
+        grad_h1_out: bf16 ``[R_cap, 2F]``, receives ``[grad_g | grad_u]`` on live rows; may be
+            ``h1`` itself (in place).
+        h2_out: optional bf16 ``[R_cap, F]``, receives ``silu(g) * u`` on live rows.
+        grad_h3_out: optional bf16 ``[R_cap, D]``, receives the gathered ``grad_h3`` rows on
+            live rows (zeros for null rows).
+        config: :class:`W2DgradConfig`; ``None`` = ``from_heuristic`` with ``block_m`` 128.
+
+    D and F must be multiples of 8. Live rows of every output are written (null rows as
+    zeros); idle rows are left untouched.
+    """
+    check_tensor("w2", w2, dtypes=(torch.bfloat16,), ndim=3, shape_text="[E_local, D, F]")
+    num_experts, hidden, ffn = w2.shape
+    check_width("D (w2.shape[1])", hidden)
+    check_width("F (w2.shape[2])", ffn)
+    if num_experts < 1:
+        raise ValueError(f"w2 must hold at least one expert, got shape {list(w2.shape)}")
+    num_rows = check_row_table("grad_h3_ptrs", grad_h3_ptrs)
+    check_padded_offsets(padded_offsets, num_experts)
+    check_tensor(
+        "h1", h1, dtypes=(torch.bfloat16,), shape=[num_rows, 2 * ffn], shape_text="[R_cap, 2F]"
+    )
+    check_tensor(
+        "grad_h1_out",
+        grad_h1_out,
+        dtypes=(torch.bfloat16,),
+        shape=[num_rows, 2 * ffn],
+        shape_text="[R_cap, 2F]",
+    )
+    if h2_out is not None:
+        check_tensor(
+            "h2_out",
+            h2_out,
+            dtypes=(torch.bfloat16,),
+            shape=[num_rows, ffn],
+            shape_text="[R_cap, F]",
+        )
+    if grad_h3_out is not None:
+        check_tensor(
+            "grad_h3_out",
+            grad_h3_out,
+            dtypes=(torch.bfloat16,),
+            shape=[num_rows, hidden],
+            shape_text="[R_cap, D]",
+        )
+        check_tma_aligned("grad_h3_out", grad_h3_out)
+    check_tma_aligned("w2", w2)
+    named = {
+        "grad_h3_ptrs": grad_h3_ptrs,
+        "padded_offsets": padded_offsets,
+        "w2": w2,
+        "h1": h1,
+        "grad_h1_out": grad_h1_out,
+    }
+    if h2_out is not None:
+        named["h2_out"] = h2_out
+    if grad_h3_out is not None:
+        named["grad_h3_out"] = grad_h3_out
+    device = check_devices(named)
+    check_disjoint(named, same_ok=("h1", "grad_h1_out"))
+    if config is None:
+        config = W2DgradConfig.from_heuristic(hidden=hidden, ffn=ffn)
+    elif not isinstance(config, W2DgradConfig):
+        raise TypeError(f"config must be a W2DgradConfig or None, got {type(config).__name__}")
+    check_rows_cap(num_rows, config.block_m)
+    if num_rows == 0:
+        return
+
+    gather_in_loop = grad_h3_out is None
+    w2_arg, rows_arg = w2, grad_h3_ptrs if gather_in_loop else grad_h3_out
+    if config.host_descriptors:
+        w2_arg = TensorDescriptor(
+            w2,
+            shape=[num_experts, hidden, ffn],
+            strides=[hidden * ffn, ffn, 1],
+            block_shape=[1, config.block_k, config.block_n],
+        )
+        if not gather_in_loop:
+            rows_arg = TensorDescriptor(
+                grad_h3_out,
+                shape=[num_rows, hidden],
+                strides=[hidden, 1],
+                block_shape=[config.block_m, config.block_k],
+            )
+    else:
+        ensure_tma_allocator()
+    with device_context(device):
+        if not gather_in_loop:
+            block_cols = _pow2_clamped(hidden, 16, 512)
+            _gather_rows_kernel[(num_rows // _GATHER_BLOCK_ROWS, triton.cdiv(hidden, block_cols))](
+                grad_h3_ptrs,
+                padded_offsets,
+                grad_h3_out,
+                WIDTH=hidden,
+                NUM_EXPERTS=num_experts,
+                BLOCK_ROWS=_GATHER_BLOCK_ROWS,
+                BLOCK_COLS=block_cols,
+                num_warps=4,
+            )
+        grid = ((num_rows // config.block_m) * triton.cdiv(ffn, config.block_n),)
+        _w2_dgrad_swiglu_kernel[grid](
+            grad_h3_ptrs,
+            rows_arg,
+            padded_offsets,
+            w2_arg,
+            h1,
+            grad_h1_out,
+            h2_out if h2_out is not None else h1,
+            num_rows,  # h1: placeholder
+            HIDDEN=hidden,
+            FFN=ffn,
+            NUM_EXPERTS=num_experts,
+            EXPERTS_POW2=next_power_of_2(num_experts),
+            GATHER_IN_LOOP=gather_in_loop,
+            STORE_H2=h2_out is not None,
+            HOST_DESC=config.host_descriptors,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            GROUP_M=config.group_m,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+
+
+def w2_wgrad(
+    grad_h3: torch.Tensor,
+    h2: torch.Tensor,
+    padded_offsets: torch.Tensor,
+    grad_w2: torch.Tensor,
+    *,
+    config: WgradConfig | None = None,
+) -> None:
+    """``grad_w2[e] += grad_h3_e^T @ h2_e`` over every local expert's rows (fp32, in place).
+
+    Args:
+        grad_h3: bf16 ``[R_cap, D]`` gathered route output gradients (``grad_h3_out`` of
+            :func:`w2_dgrad_swiglu_bwd`); rows of the expert segments are read (null rows must
+            be zeros or finite, as the DGRAD writes them).
+        h2: bf16 ``[R_cap, F]`` (``h2_out`` of :func:`w2_dgrad_swiglu_bwd`).
+        padded_offsets: int32 ``[E_local + 1]`` (segments multiples of ``config.block_m``).
+        grad_w2: fp32 ``[E_local, D, F]``, accumulated into (experts without rows untouched).
+        config: :class:`WgradConfig`; ``None`` = ``from_heuristic`` with ``block_m`` 128.
+    """
+    check_tensor("grad_w2", grad_w2, dtypes=(torch.float32,), ndim=3, shape_text="[E_local, D, F]")
+    num_experts, hidden, ffn = grad_w2.shape
+    check_width("D (grad_w2.shape[1])", hidden)
+    check_width("F (grad_w2.shape[2])", ffn)
+    check_tensor("grad_h3", grad_h3, dtypes=(torch.bfloat16,), ndim=2, shape_text="[R_cap, D]")
+    num_rows = grad_h3.shape[0]
+    if grad_h3.shape[1] != hidden:
+        raise ValueError(f"grad_h3 must have shape [R_cap, {hidden}], got {list(grad_h3.shape)}")
+    check_tensor(
+        "h2",
+        h2,
+        dtypes=(torch.bfloat16,),
+        shape=[num_rows, ffn],
+        shape_text="[R_cap, F] like grad_h3",
+    )
+    check_padded_offsets(padded_offsets, num_experts)
+    check_tma_aligned("grad_h3", grad_h3)
+    check_tma_aligned("h2", h2)
+    named = {"grad_h3": grad_h3, "h2": h2, "padded_offsets": padded_offsets, "grad_w2": grad_w2}
+    device = check_devices(named)
+    check_disjoint(named)
+    config = check_wgrad_config(config, out_rows=hidden, out_cols=ffn)
+    launch_grouped_wgrad(grad_h3, h2, padded_offsets, grad_w2, config, device)
+
+
+# --------------------------------------------------------------------------------------------
+# References (plain PyTorch; they read padded_offsets on the host)
+# --------------------------------------------------------------------------------------------
+
+
+def w2_dgrad_swiglu_bwd_ref(
+    grad_h3_ptrs: torch.Tensor,
+    padded_offsets: torch.Tensor,
+    w2: torch.Tensor,
+    h1: torch.Tensor,
+    *,
+    row_sources: list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference of :func:`w2_dgrad_swiglu_bwd` in fp32.
+
+    ``row_sources`` are the tensors that ``grad_h3_ptrs`` points into. Returns
+    ``(grad_h1 [R_cap, 2F], h2 [R_cap, F], grad_h3 [R_cap, D])`` in fp32, without rounding to
+    bf16; null and idle rows are zeros (the kernel leaves idle rows untouched).
+    """
+    hidden, ffn = w2.shape[1], w2.shape[2]
+    grad_h3 = rows_at(grad_h3_ptrs, row_sources, row_elems=hidden, name="grad_h3_ptrs")
+    grad_h3 = grad_h3.to(h1.device)
+    is_row = (grad_h3_ptrs != 0).to(h1.device)[:, None]
+    num_rows = grad_h3_ptrs.shape[0]
+    grad_h1 = torch.zeros(num_rows, 2 * ffn, dtype=torch.float32, device=h1.device)
+    h2 = torch.zeros(num_rows, ffn, dtype=torch.float32, device=h1.device)
+    gathered = torch.zeros(num_rows, hidden, dtype=torch.float32, device=h1.device)
+    zero = torch.zeros((), device=h1.device)
+    for e, (start, end) in enumerate(expert_segments(padded_offsets)):
+        if end == start:
+            continue
+        live = is_row[start:end]
+        gh3 = torch.where(live, grad_h3[start:end], zero)
+        grad_h2 = gh3 @ w2[e].float()
+        g = torch.where(live, h1[start:end, :ffn].float(), zero)
+        u = torch.where(live, h1[start:end, ffn:].float(), zero)
+        s = torch.sigmoid(g)
+        grad_h1[start:end, :ffn] = grad_h2 * u * s * (1 + g * (1 - s))
+        grad_h1[start:end, ffn:] = grad_h2 * g * s
+        h2[start:end] = g * s * u
+        gathered[start:end] = gh3
+    return grad_h1, h2, gathered
+
+
+def w2_wgrad_ref(
+    grad_h3: torch.Tensor,
+    h2: torch.Tensor,
+    padded_offsets: torch.Tensor,
+    grad_w2: torch.Tensor,
+) -> torch.Tensor:
+    """Reference of :func:`w2_wgrad`: returns ``grad_w2 + sum`` as a new fp32 tensor."""
+    out = grad_w2.float().clone()
+    for e, (start, end) in enumerate(expert_segments(padded_offsets)):
+        if end > start:
+            out[e] += grad_h3[start:end].float().t() @ h2[start:end].float()
+    return out
