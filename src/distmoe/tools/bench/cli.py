@@ -1,0 +1,759 @@
+"""``python -m distmoe bench``: the benchmark suite of issue 6.
+
+Default suite (about six minutes on one H200, see benchmarks/README.md): ceilings, then the
+shapes ``issue-a issue-b fine deepseek-v3`` at their default T, forward and
+forward+backward, balanced routing, providers distmoe / torch / torch_compile. ``--full`` adds
+every named shape, imbalance 1 4 8, the micro-benchmarks with their long sweeps and the
+roofline model. One GPU runs EP = 1 on a private one-rank process group; under ``torchrun`` the
+world is the EP group (EP = world size) and rank 0 writes the outputs.
+
+Case order: shape -> tokens -> mode -> imbalance -> provider, so a provider built for one
+(shape, tokens, mode) (a distmoe context, a torch.compile graph) serves every imbalance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from distmoe.tools.bench import ceilings as ceilings_mod
+from distmoe.tools.bench import micro as micro_mod
+from distmoe.tools.bench import models, report
+from distmoe.tools.bench.baseline import torch_moe
+from distmoe.tools.bench.groups import (
+    BenchGroup,
+    init_single_process_group,
+    init_torchrun_group,
+    launched_by_torchrun,
+)
+from distmoe.tools.bench.providers import PROVIDERS, Provider, build_provider, make_step
+from distmoe.tools.bench.timing import TimingConfig, benchmark
+from distmoe.tools.bench.workloads import (
+    DEFAULT_SHAPES,
+    FULL_SHAPES,
+    SHAPES,
+    LayerInputs,
+    MoEShape,
+    make_layer_inputs,
+    make_weights,
+)
+
+FULL_IMBALANCE = (1.0, 4.0, 8.0)
+# 1 .. 65536 in quarter octaves (eq. 94 curves)
+ROOFLINE_TOKENS = tuple(sorted({round(2 ** (i / 4)) for i in range(65)}))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``bench`` options to ``parser`` (a subparser of ``python -m distmoe``)."""
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        metavar="NAME",
+        choices=[*SHAPES, "all"],
+        help=f"named shapes (default: {' '.join(DEFAULT_SHAPES)}; 'all' = every GPU shape)",
+    )
+    parser.add_argument(
+        "--tokens",
+        nargs="+",
+        type=int,
+        metavar="T",
+        help="tokens per rank for every shape (default: each shape's own T)",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=("fwd", "fwdbwd", "both"),
+        default="both",
+        help="forward (inference), forward+backward (training) or both (default)",
+    )
+    parser.add_argument(
+        "--imbalance",
+        nargs="+",
+        type=float,
+        metavar="F",
+        help="tracked-group load factors (default 1; --full: 1 4 8)",
+    )
+    parser.add_argument(
+        "--imbalance-groups",
+        type=int,
+        default=8,
+        metavar="G",
+        help="EP=1 only: expert groups of the imbalance knob; group 0 stands for "
+        "rank 0's experts at EP=G (default 8)",
+    )
+    parser.add_argument(
+        "--providers",
+        nargs="+",
+        choices=PROVIDERS,
+        default=list(PROVIDERS),
+        help="implementations to time (default: all)",
+    )
+    parser.add_argument(
+        "--micro",
+        action="store_true",
+        help="also run the grouped-GEMM micro-benchmarks (seed 000 A.7-A.11)",
+    )
+    parser.add_argument(
+        "--roofline",
+        action="store_true",
+        help="also write the eq. 94 roofline model (CSV and plot)",
+    )
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="all shapes, imbalance 1 4 8, long micro sweeps, roofline model",
+    )
+    parser.add_argument(
+        "--out", metavar="DIR", help="output directory (default out/bench-<UTC time>)"
+    )
+    parser.add_argument("--warmup", type=int, default=10, help="warm-up iterations (default 10)")
+    parser.add_argument("--windows", type=int, default=5, help="timed windows (default 5)")
+    parser.add_argument("--iters", type=int, default=30, help="iterations per window (default 30)")
+    parser.add_argument(
+        "--capture-iters",
+        type=int,
+        default=None,
+        help="iterations per CUDA graph (default: one window; 1 = replay a one-step graph)",
+    )
+    parser.add_argument("--no-graph", action="store_true", help="time eagerly (no CUDA graphs)")
+    parser.add_argument("--no-ceilings", action="store_true", help="skip the ceiling measurements")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument(
+        "--archive",
+        metavar="FILE",
+        help="also pack every written file into this .tar.gz (one file to copy back)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="auto: CUDA when available (cpu is for smoke runs of the harness)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of inputs and routing")
+    parser.add_argument(
+        "--git-sha",
+        metavar="SHA",
+        help="record this commit (for copies of the tree without .git; default: git rev-parse)",
+    )
+    parser.add_argument("--list", action="store_true", help="list the named shapes and exit")
+    return parser
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchPlan:
+    """Resolved options: what to run."""
+
+    shapes: tuple[MoEShape, ...]
+    tokens: tuple[int, ...] | None
+    modes: tuple[str, ...]
+    imbalances: tuple[float, ...]
+    providers: tuple[str, ...]
+    micro: bool
+    micro_full: bool
+    roofline: bool
+    timing: TimingConfig
+    seed: int = 0
+    imbalance_groups: int = 8
+
+    def tokens_for(self, shape: MoEShape) -> tuple[int, ...]:
+        return self.tokens if self.tokens else (shape.tokens,)
+
+    def num_cases(self) -> int:
+        return (
+            sum(len(self.tokens_for(s)) for s in self.shapes)
+            * len(self.modes)
+            * len(self.imbalances)
+            * len(self.providers)
+        )
+
+
+def resolve_plan(args: argparse.Namespace) -> BenchPlan:
+    """Turn parsed arguments into a :class:`BenchPlan` (``--full`` fills what was not given)."""
+    if args.shapes is None:
+        names = FULL_SHAPES if args.full else DEFAULT_SHAPES
+    elif "all" in args.shapes:
+        names = FULL_SHAPES
+    else:
+        names = tuple(dict.fromkeys(args.shapes))
+    imbalances = args.imbalance or (FULL_IMBALANCE if args.full else (1.0,))
+    if any(not f >= 1 for f in imbalances):
+        raise ValueError(f"--imbalance values ({imbalances}) must be >= 1")
+    if args.imbalance_groups < 1:
+        raise ValueError(f"--imbalance-groups ({args.imbalance_groups}) must be >= 1")
+    if args.tokens and any(t < 1 for t in args.tokens):
+        raise ValueError(f"--tokens values ({args.tokens}) must be >= 1")
+    capture = args.capture_iters if args.capture_iters is not None else args.iters
+    timing = TimingConfig(
+        num_warmup=args.warmup,
+        num_windows=args.windows,
+        iters_per_window=args.iters,
+        capture_iters=capture,
+        use_cuda_graph=not args.no_graph,
+    )
+    return BenchPlan(
+        shapes=tuple(SHAPES[n] for n in names),
+        tokens=tuple(args.tokens) if args.tokens else None,
+        modes=("fwd", "fwdbwd") if args.mode == "both" else (args.mode,),
+        imbalances=tuple(float(f) for f in imbalances),
+        providers=tuple(dict.fromkeys(args.providers)),
+        micro=args.micro or args.full,
+        micro_full=args.full,
+        roofline=args.roofline or args.full,
+        timing=timing,
+        seed=args.seed,
+        imbalance_groups=args.imbalance_groups,
+    )
+
+
+# ----------------------------------------------------------------------------- one case
+
+
+def _rel_err(y: torch.Tensor, y_ref: torch.Tensor | None) -> float | None:
+    if y_ref is None:
+        return None
+    scale = y_ref.float().abs().max().item()
+    return (y.float() - y_ref.float()).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+@dataclass
+class _Context:
+    plan: BenchPlan
+    device: torch.device
+    bench_group: BenchGroup
+    dense_tflops: float | None
+
+
+def _base_result(
+    ctx: _Context, provider: str, shape: MoEShape, tokens: int, mode: str, imbalance: float
+) -> report.CaseResult:
+    return report.CaseResult(
+        provider=provider,
+        status="ok",
+        shape=shape.name,
+        tokens=tokens,
+        hidden=shape.hidden,
+        ffn=shape.ffn,
+        num_experts=shape.num_experts,
+        top_k=shape.top_k,
+        ep_size=ctx.bench_group.world_size,
+        imbalance=imbalance,
+        precision="bf16",
+        mode=mode,
+    )
+
+
+def case_work(row: report.CaseResult) -> tuple[float, float, float]:
+    """Useful FLOPs, modeled HBM bytes and modeled NVLink bytes of one iteration of ``row``."""
+    kw = {"tokens": row.tokens, "hidden": row.hidden, "top_k": row.top_k, "mode": row.mode}
+    flops = models.useful_flops(ffn=row.ffn, **kw)
+    hbm = models.modeled_hbm_bytes(
+        ffn=row.ffn, num_local_experts=row.num_experts // row.ep_size, **kw
+    )
+    nvlink = models.nvlink_bytes(ep_size=row.ep_size, **kw).total
+    return flops, hbm, nvlink
+
+
+def fill_metrics(row: report.CaseResult, dense_tflops: float | None) -> float:
+    """Rates of ``row`` from its iteration time; returns the modeled intensity (FLOP/byte)."""
+    flops, hbm, nvlink = case_work(row)
+    row.tflops = models.per_second(flops, row.iter_ms) / 1e12
+    row.hbm_gbps = models.per_second(hbm, row.iter_ms) / 1e9
+    row.nvlink_gbps = models.per_second(nvlink, row.iter_ms) / 1e9
+    if dense_tflops:
+        row.pct_dense = 100.0 * row.tflops / dense_tflops
+    return flops / hbm
+
+
+def run_case(
+    ctx: _Context,
+    provider: Provider,
+    inputs: LayerInputs,
+    row: report.CaseResult,
+    y_ref: torch.Tensor | None,
+) -> float | None:
+    """Time one provider on one set of inputs, filling ``row``; returns the modeled intensity."""
+    start = time.perf_counter()
+    row.baseline_path = provider.baseline_path
+    row.achieved_imbalance = inputs.routing.achieved_imbalance
+    row.tracked_rows = inputs.routing.tracked_rows
+    intensity = None
+    if provider.status != "ok":
+        row.status, row.note = provider.status, provider.note
+        return None
+    step = make_step(provider.layer, inputs, row.mode)
+    args = (inputs.x_TD, inputs.expert_ids_TK, inputs.scores_TK, inputs.w13_e2FD, inputs.w2_eDF)
+    try:
+        # Priming call in the mode's grad setting (torch.compile compiles here, untimed), and a
+        # numerical check of the forward output against the torch baseline.
+        with torch.set_grad_enabled(row.mode == "fwdbwd"):
+            y = provider.layer(*args).detach()
+        row.max_rel_err_vs_torch = _rel_err(y, y_ref)
+        del y
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+        group = ctx.bench_group.group if ctx.bench_group.world_size > 1 else None
+        res = benchmark(
+            step,
+            config=ctx.plan.timing,
+            group=group,
+            device=ctx.device,
+            graph_safe=provider.graph_safe,
+        )
+        row.timing_method = res.method
+        row.iter_ms, row.window_min_ms, row.window_max_ms = (
+            res.stats.iter_ms,
+            res.stats.min_ms,
+            res.stats.max_ms,
+        )
+        row.window_ms = list(res.stats.window_ms)
+        notes = [provider.note] if provider.note else []
+        if res.fallback_reason:
+            notes.append("eager timing: " + res.fallback_reason)
+        if row.max_rel_err_vs_torch is not None and row.max_rel_err_vs_torch > 0.05:
+            notes.append("OUTPUT DIFFERS FROM TORCH BASELINE")
+        row.note = "; ".join(notes)
+        if ctx.device.type == "cuda":
+            row.peak_mem_gib = torch.cuda.max_memory_allocated(ctx.device) / 2**30
+        intensity = fill_metrics(row, ctx.dense_tflops)
+    except Exception as exc:  # a failing provider is a result, not a harness error
+        row.status, row.note = "failed", report.error_text(exc)
+    row.case_seconds = time.perf_counter() - start
+    return intensity
+
+
+# ----------------------------------------------------------------------------- the suite
+
+
+def _reference_output(inputs: LayerInputs, ctx: _Context) -> torch.Tensor | None:
+    group = ctx.bench_group.group if ctx.bench_group.world_size > 1 else None
+    try:
+        with torch.no_grad():
+            return torch_moe(
+                inputs.x_TD,
+                inputs.expert_ids_TK,
+                inputs.scores_TK,
+                inputs.w13_e2FD,
+                inputs.w2_eDF,
+                group=group,
+            )
+    except Exception:
+        return None
+
+
+def run_cases(
+    ctx: _Context,
+    results: list[report.CaseResult],
+    intensity: dict[int, float],
+    progress=None,
+    on_case=None,
+) -> None:
+    """Every case of the plan, appended to ``results`` as it finishes (so a crash keeps what
+    was measured); ``intensity[id(row)]`` receives each timed case's modeled FLOP/byte."""
+    plan, bg = ctx.plan, ctx.bench_group
+    # EP > 1: group 0 is rank 0's experts; EP = 1: the configured number of expert groups.
+    groups = bg.world_size if bg.world_size > 1 else plan.imbalance_groups
+    for shape in plan.shapes:
+        if shape.num_experts % bg.world_size:
+            for t in plan.tokens_for(shape):
+                for mode in plan.modes:
+                    for f in plan.imbalances:
+                        for p in plan.providers:
+                            row = _base_result(ctx, p, shape, t, mode, f)
+                            row.status = "skipped"
+                            row.note = f"num_experts {shape.num_experts} not divisible by EP {bg.world_size}"
+                            results.append(row)
+                            if progress:
+                                progress.update(1)
+            continue
+        weights = make_weights(
+            shape,
+            num_local_experts=shape.num_experts // bg.world_size,
+            device=ctx.device,
+            seed=plan.seed + 11 + 1000 * bg.rank,
+        )
+        for t in plan.tokens_for(shape):
+            for mode in plan.modes:
+                training = mode == "fwdbwd"
+                if "torch_compile" in plan.providers:
+                    import torch._dynamo
+
+                    torch._dynamo.reset()  # new static shapes: start from an empty cache
+                built: dict[str, Provider] = {}
+                for f in plan.imbalances:
+                    try:
+                        inputs = make_layer_inputs(
+                            shape,
+                            tokens=t,
+                            ep_size=bg.world_size,
+                            rank=bg.rank,
+                            imbalance=f,
+                            num_groups=groups,
+                            training=training,
+                            device=ctx.device,
+                            seed=plan.seed,
+                            weights=weights,
+                        )
+                    except ValueError as exc:
+                        for p in plan.providers:
+                            row = _base_result(ctx, p, shape, t, mode, f)
+                            row.status, row.note = "infeasible", str(exc)
+                            results.append(row)
+                            if progress:
+                                progress.update(1)
+                        continue
+                    y_ref = _reference_output(inputs, ctx)
+                    for p in plan.providers:
+                        if p not in built:
+                            built[p] = build_provider(
+                                p,
+                                shape=shape,
+                                tokens=t,
+                                training=training,
+                                bench_group=bg,
+                                device=ctx.device,
+                                max_imbalance=max(plan.imbalances),
+                            )
+                        row = _base_result(ctx, p, shape, t, mode, f)
+                        value = run_case(ctx, built[p], inputs, row, y_ref)
+                        if value is not None:
+                            intensity[id(row)] = value
+                        results.append(row)
+                        if on_case is not None:
+                            on_case()
+                        if progress:
+                            progress.update(1)
+                            progress.set_postfix_str(
+                                f"{shape.name} T{t} {mode} x{f:g} {p}", refresh=False
+                            )
+                    del inputs, y_ref
+                for prov in built.values():
+                    try:
+                        prov.close()
+                    except Exception:
+                        pass
+                del built
+                _free(ctx.device)
+        del weights
+        _free(ctx.device)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_micro(device: torch.device, timing: TimingConfig, full: bool) -> tuple[list[dict], dict]:
+    """The three micro-benchmarks; failures are recorded, not raised."""
+    rows: list[dict] = []
+    summary: dict = {}
+    if device.type != "cuda":
+        return rows, {"note": "micro-benchmarks need CUDA"}
+    try:
+        gv, crossings = micro_mod.grouped_vs_bmm(device, timing)
+        rows += [r.as_dict() for r in gv]
+        summary["grouped_vs_bmm_crossover"] = {
+            str(d): (list(c) if c else None) for d, c in crossings.items()
+        }
+    except Exception as exc:
+        summary["grouped_vs_bmm_error"] = report.error_text(exc)
+    _free(device)
+    try:
+        tokens = micro_mod.MATCHED_TOKENS_FULL if full else micro_mod.MATCHED_TOKENS_DEFAULT
+        rows += [r.as_dict() for r in micro_mod.matched_projection(device, timing, tokens=tokens)]
+    except Exception as exc:
+        summary["matched_projection_error"] = report.error_text(exc)
+    _free(device)
+    try:
+        bases = (0, 3, 6, 9, 12) if full else (0,)
+        rows += [r.as_dict() for r in micro_mod.histogram_effect(device, timing, bases=bases)]
+    except Exception as exc:
+        summary["histogram_error"] = report.error_text(exc)
+    _free(device)
+    return rows, summary
+
+
+def roofline_model(
+    shapes: tuple[MoEShape, ...],
+    peak_flops: float,
+    bytes_per_s: float,
+    marks: dict[str, tuple[int, ...]] | None = None,
+) -> dict[str, list[dict]]:
+    """Eq. 94 curves for the seed's configuration (N64 K4 d=h=4096) and each selected shape.
+
+    ``marks[name]`` token counts are added to that shape's curve (the T it was benchmarked at).
+    """
+    configs = {"seed N64 K4 d=h=4096": (64, 4, 4096, 4096)}
+    for s in shapes:
+        configs[s.name] = (s.num_experts, s.top_k, s.hidden, s.ffn)
+    curves = {}
+    for name, (n, k, d, h) in configs.items():
+        tokens = sorted(set(ROOFLINE_TOKENS) | set((marks or {}).get(name, ())))
+        pts = models.roofline_curve(
+            tokens, top_k=k, num_experts=n, d=d, h=h, peak_flops=peak_flops, bytes_per_s=bytes_per_s
+        )
+        curves[name] = [
+            {"tokens": p.tokens, "dense_fraction": p.dense_fraction, "moe_fraction": p.moe_fraction}
+            for p in pts
+        ]
+    return curves
+
+
+class _TextProgress:
+    """Stand-in for tqdm when it is not installed: one line per finished case on stderr."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.postfix = total, 0, ""
+
+    def update(self, n: int) -> None:
+        self.done += n
+
+    def set_postfix_str(self, text: str, refresh: bool = False) -> None:
+        print(f"bench [{self.done}/{self.total}] {text}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _TextProgress(total)
+    return tqdm(total=total, desc="bench", unit="case", file=sys.stderr)
+
+
+def _select_device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda requested but CUDA is not available")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the suite described by ``args`` (from :func:`add_arguments`); returns an exit code."""
+    if args.list:
+        for s in SHAPES.values():
+            print(
+                f"{s.name:<18} T{s.tokens:<6} D{s.hidden:<5} F{s.ffn:<5} E{s.num_experts:<4} K{s.top_k:<2} "
+                f"{s.description}"
+            )
+        return 0
+    try:
+        plan = resolve_plan(args)
+        device = _select_device(args.device)
+    except ValueError as exc:
+        print(f"distmoe bench: error: {exc}", file=sys.stderr)
+        return 2
+    if launched_by_torchrun():
+        bench_group, device = init_torchrun_group(device.type)
+    else:
+        bench_group = init_single_process_group(device)
+    is_rank0 = bench_group.rank == 0
+    try:
+        return _run(args, plan, device, bench_group, is_rank0)
+    finally:
+        bench_group.close()
+
+
+def _run(
+    args, plan: BenchPlan, device: torch.device, bench_group: BenchGroup, is_rank0: bool
+) -> int:
+    started = time.perf_counter()
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    out_dir = Path(args.out or f"out/bench-{stamp}")
+    if is_rank0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    env = report.environment()
+    if args.git_sha:
+        env["git_sha"] = args.git_sha
+    env["ep_size"] = bench_group.world_size
+    env["device"] = str(device)
+
+    # Ceilings first (rank 0 only; the other ranks wait).
+    ceilings = ceilings_mod.Ceilings(items=[])
+    if not args.no_ceilings and is_rank0:
+        ceilings = ceilings_mod.measure_all(device, plan.timing)
+    dense = ceilings.value("dense_bf16")
+    if bench_group.world_size > 1:
+        box = [dense]
+        dist.broadcast_object_list(box, src=0)
+        dense = box[0]
+
+    ctx = _Context(plan=plan, device=device, bench_group=bench_group, dense_tflops=dense)
+    progress = _progress(plan.num_cases()) if is_rank0 else None
+    cases: list[report.CaseResult] = []
+    intensity: dict[int, float] = {}
+    aborted = ""
+
+    def checkpoint() -> None:
+        # cases.csv after every case: a run killed at its time limit keeps what it measured
+        if is_rank0:
+            report.write_csv(
+                out_dir / "cases.csv", (c.as_row() for c in cases), list(report.CASE_COLUMNS)
+            )
+
+    try:
+        run_cases(ctx, cases, intensity, progress, on_case=checkpoint)
+    except Exception as exc:  # keep and write what was measured before the failure
+        aborted = f"suite aborted after {len(cases)} cases: {report.error_text(exc)}"
+    finally:
+        if progress is not None:
+            progress.close()
+
+    micro_rows, micro_summary = [], {}
+    if plan.micro:
+        if bench_group.world_size > 1:
+            micro_summary = {"note": "micro-benchmarks run only in single-process runs"}
+        elif is_rank0:
+            micro_rows, micro_summary = run_micro(device, plan.timing, plan.micro_full)
+
+    copy = ceilings.value("device_copy")
+    peak_tflops = dense or models.H200_BF16_DENSE_FLOPS / 1e12
+    hbm_gbps = copy or models.H200_HBM_BYTES_PER_S / 1e9
+    source = (
+        "measured"
+        if dense and copy
+        else "H200 datasheet"
+        if not (dense or copy)
+        else "mixed measured/datasheet"
+    )
+    marks = {s.name: plan.tokens_for(s) for s in plan.shapes}
+    curves = (
+        roofline_model(plan.shapes, peak_tflops * 1e12, hbm_gbps * 1e9, marks)
+        if plan.roofline
+        else {}
+    )
+
+    if not is_rank0:
+        return 0
+    written = [
+        report.write_csv(
+            out_dir / "cases.csv", (c.as_row() for c in cases), list(report.CASE_COLUMNS)
+        ),
+        report.write_csv(
+            out_dir / "ceilings.csv",
+            ceilings.as_dicts(),
+            [
+                "name",
+                "value",
+                "unit",
+                "detail",
+                "iter_ms",
+                "window_min_ms",
+                "window_max_ms",
+                "method",
+                "note",
+            ],
+        ),
+    ]
+    if plan.micro:
+        written.append(report.write_csv(out_dir / "micro.csv", micro_rows, micro_mod.MICRO_COLUMNS))
+    if curves:
+        flat = [{"config": name, **p} for name, pts in curves.items() for p in pts]
+        written.append(
+            report.write_csv(
+                out_dir / "roofline_model.csv",
+                flat,
+                ["config", "tokens", "dense_fraction", "moe_fraction"],
+            )
+        )
+    payload = {
+        "environment": env,
+        "arguments": {k: v for k, v in vars(args).items() if not callable(v)},
+        "timing": {
+            "num_warmup": plan.timing.num_warmup,
+            "num_windows": plan.timing.num_windows,
+            "iters_per_window": plan.timing.iters_per_window,
+            "capture_iters": plan.timing.capture_iters,
+            "use_cuda_graph": plan.timing.use_cuda_graph,
+        },
+        "ceilings": ceilings.as_dicts(),
+        "cases": [c.as_dict() for c in cases],
+        "micro": {"rows": micro_rows, "summary": micro_summary},
+        "roofline_model": {
+            "source": source,
+            "peak_tflops": peak_tflops,
+            "hbm_gbps": hbm_gbps,
+            "balance_point_flop_per_byte": models.balance_point(peak_tflops * 1e12, hbm_gbps * 1e9),
+            "curves": curves,
+        }
+        if curves
+        else {},
+        "elapsed_s": time.perf_counter() - started,
+        "aborted": aborted,
+    }
+    written.append(report.write_json(out_dir / "results.json", payload))
+    plot_note = ""
+    if not args.no_plots:
+        try:
+            for p in (
+                report.plot_tflops(cases, dense, out_dir / "tflops.png"),
+                report.plot_roofline(
+                    cases,
+                    peak_tflops=peak_tflops,
+                    hbm_gbps=hbm_gbps,
+                    intensity=intensity,
+                    path=out_dir / "roofline.png",
+                    source=source,
+                ),
+                report.plot_roofline_model(
+                    curves, source=source, path=out_dir / "roofline_model.png", marks=marks
+                )
+                if curves
+                else None,
+            ):
+                if p is not None:
+                    written.append(p)
+            if micro_rows:
+                written += report.plot_micro(micro_rows, out_dir)
+        except Exception as exc:  # the CSV and JSON are already written; plots are extras
+            plot_note = "plots incomplete: " + report.error_text(exc)
+    if args.archive:
+        archive = Path(args.archive)
+        archive.parent.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(archive, "w:gz") as tar:
+            for p in written:
+                tar.add(p, arcname=f"{out_dir.name}/{p.name}")
+
+    elapsed = time.perf_counter() - started
+    print(f"\nwrote {len(written)} files to {out_dir}/: {' '.join(p.name for p in written)}")
+    if args.archive:
+        print(f"archived them in {args.archive}")
+    for note in (aborted, plot_note):
+        if note:
+            print(note)
+    for key, value in micro_summary.items():
+        print(f"micro {key}: {value}")
+    print(
+        f"elapsed {elapsed:.0f} s on {env['gpu']} (EP={bench_group.world_size}, torch {env['torch']})\n"
+    )
+    print(report.format_table(cases, ceilings.as_dicts()))
+    return 1 if aborted else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m distmoe bench", description=__doc__.split("\n")[0]
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,164 @@
+"""Benchmark providers: the implementations a case is timed on, behind one calling convention.
+
+Every provider is a layer ``layer(x, expert_ids, scores, w13, w2) -> y`` (the distmoe public
+API's signature, shared/DESIGN.md) plus facts the timer needs:
+
+- ``"distmoe"``: ``distmoe.MoEContext(MoEConfig(...), group=pg)``, when the package has it
+  (otherwise the provider is recorded as ``"unavailable"`` and skipped).
+- ``"torch"``: :func:`distmoe.tools.bench.baseline.torch_moe`.
+- ``"torch_compile"``: ``torch.compile`` of the same function; a compilation failure shows up
+  at the first call (the harness's priming call) and is recorded as ``"failed"``.
+
+:func:`make_step` turns a layer into one timed iteration: forward under ``torch.no_grad()``
+(inference) or forward plus ``torch.autograd.grad`` with respect to x, scores, w13 and w2
+(training; gradients are returned, not accumulated into ``.grad``, so iterations are
+independent and replayable).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from distmoe.tools.bench.baseline import grouped_mm_path, torch_moe
+from distmoe.tools.bench.groups import BenchGroup
+from distmoe.tools.bench.report import error_text
+from distmoe.tools.bench.workloads import LayerInputs, MoEShape
+
+PROVIDERS: tuple[str, ...] = ("distmoe", "torch", "torch_compile")
+
+Layer = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
+
+
+@dataclass
+class Provider:
+    """A built provider.
+
+    Attributes:
+        name: one of :data:`PROVIDERS`.
+        status: ``"ok"``, ``"unavailable"`` or ``"failed"``.
+        note: why it is not ok, or details (e.g. the baseline's grouped-GEMM path).
+        layer: the callable (``None`` unless ok).
+        graph_safe: False when the layer synchronises with the host (no CUDA-graph capture).
+        baseline_path: grouped-GEMM path of the torch baseline (``""`` for distmoe).
+    """
+
+    name: str
+    status: str
+    note: str = ""
+    layer: Layer | None = None
+    graph_safe: bool = True
+    baseline_path: str = ""
+    close: Callable[[], None] = field(default=lambda: None, repr=False)
+
+
+def build_provider(
+    name: str,
+    *,
+    shape: MoEShape,
+    tokens: int,
+    training: bool,
+    bench_group: BenchGroup,
+    device: torch.device,
+    max_imbalance: float = 1.0,
+) -> Provider:
+    """Build provider ``name`` for one (shape, tokens, mode); never raises for provider failures.
+
+    ``max_imbalance``: the largest imbalance factor the provider will see. At EP > 1 the
+    tracked rank receives that many times its balanced rows, so distmoe's receive bound
+    (``device_scratch_factor``, default 2) is raised to it; otherwise routes beyond the bound
+    would be dropped and the case would time less work.
+    """
+    if name not in PROVIDERS:
+        raise ValueError(f"provider ({name!r}) must be one of {PROVIDERS}")
+    ep_size = bench_group.world_size
+    if name == "distmoe":
+        return _build_distmoe(
+            shape=shape,
+            tokens=tokens,
+            training=training,
+            bench_group=bench_group,
+            receive_factor=max_imbalance if ep_size > 1 else 1.0,
+        )
+    path, reason = grouped_mm_path(device, torch.bfloat16)
+    note = f"grouped GEMM: {path}" + (f" ({reason})" if reason else "")
+    group = bench_group.group if ep_size > 1 else None
+    layer: Layer = functools.partial(torch_moe, group=group, path=path)
+    if name == "torch_compile":
+        try:
+            layer = torch.compile(layer, dynamic=False)
+        except Exception as exc:
+            return Provider(name=name, status="failed", note="torch.compile: " + error_text(exc))
+    # EP > 1 copies split sizes to the host (.tolist()): not capturable.
+    return Provider(
+        name=name, status="ok", note=note, layer=layer, graph_safe=ep_size == 1, baseline_path=path
+    )
+
+
+def _build_distmoe(
+    *, shape: MoEShape, tokens: int, training: bool, bench_group: BenchGroup, receive_factor: float
+) -> Provider:
+    try:
+        import distmoe as dm
+    except Exception as exc:
+        return Provider(
+            name="distmoe", status="unavailable", note="import distmoe: " + error_text(exc)
+        )
+    if not hasattr(dm, "MoEContext") or not hasattr(dm, "MoEConfig"):
+        return Provider(
+            name="distmoe",
+            status="unavailable",
+            note="distmoe.MoEContext is not available in this build",
+        )
+    kwargs = {}
+    fields = getattr(dm.MoEConfig, "__dataclass_fields__", {})
+    if receive_factor > 2.0 and "device_scratch_factor" in fields:
+        kwargs["device_scratch_factor"] = float(receive_factor)
+    try:
+        cfg = dm.MoEConfig(
+            hidden=shape.hidden,
+            ffn=shape.ffn,
+            num_experts=shape.num_experts,
+            top_k=shape.top_k,
+            max_tokens=tokens,
+            precision="bf16",
+            training=training,
+            row_block=128,
+            **kwargs,
+        )
+        ctx = dm.MoEContext(cfg, group=bench_group.group)
+    except Exception as exc:
+        return Provider(name="distmoe", status="failed", note="MoEContext: " + error_text(exc))
+    return Provider(
+        name="distmoe",
+        status="ok",
+        layer=ctx,
+        graph_safe=True,
+        close=getattr(ctx, "close", lambda: None),
+    )
+
+
+def make_step(layer: Layer, inputs: LayerInputs, mode: str) -> Callable[[], None]:
+    """One iteration of ``mode`` (``"fwd"`` or ``"fwdbwd"``) on fixed inputs; returns nothing."""
+    args = (inputs.x_TD, inputs.expert_ids_TK, inputs.scores_TK, inputs.w13_e2FD, inputs.w2_eDF)
+    if mode == "fwd":
+
+        def step() -> None:
+            with torch.no_grad():
+                layer(*args)
+
+        return step
+    if mode != "fwdbwd":
+        raise ValueError(f"mode ({mode!r}) must be 'fwd' or 'fwdbwd'")
+    wrt = (inputs.x_TD, inputs.scores_TK, inputs.w13_e2FD, inputs.w2_eDF)
+
+    def step() -> None:
+        y = layer(*args)
+        torch.autograd.grad(y, wrt, inputs.grad_y_TD)
+
+    return step

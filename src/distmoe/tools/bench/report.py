@@ -1,0 +1,568 @@
+"""Benchmark outputs: environment record, CSV and JSON writers, PNG plots and a text table.
+
+Files of one run (in the output directory):
+
+    cases.csv            one row per (provider, shape, tokens, imbalance, mode): CASE_COLUMNS
+    ceilings.csv         measured ceilings (dense bf16, fp8 rowwise, device copy, peer copy)
+    micro.csv            micro-benchmark rows (--micro): MICRO_COLUMNS of micro.py
+    roofline_model.csv   eq. 94 curves (--roofline)
+    results.json         everything above plus the environment, arguments and window times
+    tflops.png           useful TFLOP/s per provider per shape, dense ceiling as a line
+    roofline.png         cases on the measured roofline (useful FLOPs / modeled HBM bytes)
+    roofline_model.png   modeled dense and MoE GEMM-pair rates versus T (--roofline)
+    micro_*.png          micro-benchmark plots (--micro)
+
+Plots use matplotlib's Agg backend (no display). Missing values are empty CSV cells and JSON
+``null``.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+# Column name -> type, in CSV order.
+CASE_COLUMNS: dict[str, type] = {
+    "provider": str,
+    "status": str,
+    "shape": str,
+    "tokens": int,
+    "hidden": int,
+    "ffn": int,
+    "num_experts": int,
+    "top_k": int,
+    "ep_size": int,
+    "imbalance": float,
+    "achieved_imbalance": float,
+    "tracked_rows": int,
+    "precision": str,
+    "mode": str,
+    "timing_method": str,
+    "iter_ms": float,
+    "window_min_ms": float,
+    "window_max_ms": float,
+    "tflops": float,
+    "pct_dense": float,
+    "hbm_gbps": float,
+    "nvlink_gbps": float,
+    "peak_mem_gib": float,
+    "max_rel_err_vs_torch": float,
+    "baseline_path": str,
+    "case_seconds": float,
+    "note": str,
+}
+
+
+@dataclass(kw_only=True)
+class CaseResult:
+    """One benchmark case; fields are :data:`CASE_COLUMNS` plus the window times (JSON only).
+
+    ``tflops`` is useful TFLOP/s (models.useful_flops / iter time), ``pct_dense`` its
+    percentage of the dense bf16 matmul measured in the same run, ``hbm_gbps`` and
+    ``nvlink_gbps`` modeled bytes (models.py) / iter time, ``peak_mem_gib`` the peak of
+    ``torch.cuda.max_memory_allocated`` during the case (inputs and weights included).
+    """
+
+    provider: str
+    status: str
+    shape: str
+    tokens: int
+    hidden: int
+    ffn: int
+    num_experts: int
+    top_k: int
+    ep_size: int
+    imbalance: float
+    precision: str
+    mode: str
+    achieved_imbalance: float | None = None
+    tracked_rows: int | None = None
+    timing_method: str = ""
+    iter_ms: float | None = None
+    window_min_ms: float | None = None
+    window_max_ms: float | None = None
+    tflops: float | None = None
+    pct_dense: float | None = None
+    hbm_gbps: float | None = None
+    nvlink_gbps: float | None = None
+    peak_mem_gib: float | None = None
+    max_rel_err_vs_torch: float | None = None
+    baseline_path: str = ""
+    case_seconds: float | None = None
+    note: str = ""
+    window_ms: list[float] = field(default_factory=list)
+
+    def as_row(self) -> dict:
+        d = asdict(self)
+        return {k: d[k] for k in CASE_COLUMNS}
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+assert set(CASE_COLUMNS) <= set(CaseResult.__dataclass_fields__), "CASE_COLUMNS out of sync"
+
+
+def error_text(exc: BaseException) -> str:
+    """``"TypeName: first line of the message"``, at most 300 characters (for notes)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+# ----------------------------------------------------------------------------- environment
+
+
+def _git_sha(repo: Path) -> str:
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10
+        )
+        if sha.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _distmoe_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("distmoe")
+    except Exception:
+        pass
+    try:
+        import distmoe
+
+        return str(getattr(distmoe, "__version__", "source tree"))
+    except Exception:
+        return "unknown"
+
+
+def environment(argv: Sequence[str] | None = None) -> dict:
+    """GPU, versions, git SHA, UTC date and command line of this run."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:
+        triton_version = "unavailable"
+    gpus = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            gpus.append(
+                {
+                    "index": i,
+                    "name": p.name,
+                    "memory_gib": round(p.total_memory / 2**30, 2),
+                    "capability": f"{p.major}.{p.minor}",
+                    "sm_count": p.multi_processor_count,
+                }
+            )
+    if argv is None:  # the interpreter's own command line keeps "-m distmoe bench"
+        argv = list(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))[1:]
+    return {
+        "gpu": gpus[0]["name"] if gpus else "none (CPU)",
+        "gpus": gpus,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "",
+        "triton": triton_version,
+        "distmoe": _distmoe_version(),
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "git_sha": _git_sha(Path(__file__).resolve().parent),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(a) for a in [sys.executable, *argv]),
+    }
+
+
+# ----------------------------------------------------------------------------- CSV / JSON
+
+
+def _cell(value) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def write_csv(path: str | os.PathLike, rows: Iterable[Mapping], columns: Sequence[str]) -> Path:
+    """CSV with a header of ``columns``; missing/None/NaN values are empty cells."""
+    path = Path(path)
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(columns)
+        for row in rows:
+            w.writerow([_cell(row.get(c)) for c in columns])
+    return path
+
+
+def read_cases_csv(path: str | os.PathLike) -> list[dict]:
+    """Read ``cases.csv`` back with :data:`CASE_COLUMNS` types (empty cells become None)."""
+    out = []
+    with Path(path).open(newline="") as f:
+        for raw in csv.DictReader(f):
+            out.append(
+                {
+                    k: (None if raw[k] == "" and t is not str else t(raw[k]))
+                    for k, t in CASE_COLUMNS.items()
+                }
+            )
+    return out
+
+
+def _json_safe(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def write_json(path: str | os.PathLike, payload: Mapping) -> Path:
+    """Strict JSON (NaN and inf written as null)."""
+    path = Path(path)
+    path.write_text(json.dumps(_json_safe(payload), indent=1, allow_nan=False) + "\n")
+    return path
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+_PROVIDER_COLORS = {"distmoe": "#1b9e77", "torch": "#7570b3", "torch_compile": "#d95f02"}
+
+
+def _ok(cases: Sequence[CaseResult]) -> list[CaseResult]:
+    return [
+        c for c in cases if c.status == "ok" and c.tflops is not None and math.isfinite(c.tflops)
+    ]
+
+
+def plot_tflops(
+    cases: Sequence[CaseResult], dense_tflops: float | None, path: str | os.PathLike
+) -> Path | None:
+    """Bars of useful TFLOP/s per provider per (shape, imbalance), one panel per mode.
+
+    Whiskers span the slowest and fastest window; the dashed line is the dense bf16 matmul
+    measured in the same run; each bar is labelled with its % of that line.
+    """
+    ok = _ok(cases)
+    if not ok:
+        return None
+    plt = _pyplot()
+    modes = sorted({c.mode for c in ok}, key=lambda m: (m != "fwd", m))
+    providers = [p for p in _PROVIDER_COLORS if any(c.provider == p for c in ok)]
+    fig, axes = plt.subplots(
+        len(modes),
+        1,
+        figsize=(
+            max(8, 1.6 * len({(c.shape, c.tokens, c.imbalance) for c in ok})),
+            4.2 * len(modes),
+        ),
+        squeeze=False,
+    )
+    for ax, mode in zip(axes[:, 0], modes, strict=True):
+        sel = [c for c in ok if c.mode == mode]
+        groups = list(dict.fromkeys((c.shape, c.tokens, c.imbalance) for c in sel))  # run order
+        width = 0.8 / max(1, len(providers))
+        for j, prov in enumerate(providers):
+            for i, g in enumerate(groups):
+                match = [
+                    c for c in sel if c.provider == prov and (c.shape, c.tokens, c.imbalance) == g
+                ]
+                if not match:
+                    continue
+                c = match[0]
+                x = i - 0.4 + width * (j + 0.5)
+                lo = c.tflops * c.iter_ms / c.window_max_ms if c.window_max_ms else c.tflops
+                hi = c.tflops * c.iter_ms / c.window_min_ms if c.window_min_ms else c.tflops
+                ax.bar(
+                    x,
+                    c.tflops,
+                    width,
+                    color=_PROVIDER_COLORS[prov],
+                    label=prov if i == 0 else None,
+                    yerr=[[c.tflops - lo], [hi - c.tflops]],
+                    capsize=2,
+                )
+                if c.pct_dense is not None and math.isfinite(c.pct_dense):
+                    ax.text(x, hi, f"{c.pct_dense:.0f}%", ha="center", va="bottom", fontsize=7)
+        if dense_tflops:
+            ax.axhline(
+                dense_tflops,
+                color="black",
+                linestyle="--",
+                linewidth=1,
+                label=f"dense bf16 matmul {dense_tflops:.0f}",
+            )
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels(
+            [f"{s}\nT{t}" + (f" x{f:g}" if f != 1 else "") for s, t, f in groups], fontsize=8
+        )
+        ax.set_ylabel("useful TFLOP/s")
+        ax.set_title(f"{mode}: useful TFLOP/s (median of windows; whiskers: window range)")
+        ax.legend(fontsize=8, loc="upper left")
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_roofline(
+    cases: Sequence[CaseResult],
+    *,
+    peak_tflops: float,
+    hbm_gbps: float,
+    intensity: Mapping[int, float],
+    path: str | os.PathLike,
+    source: str,
+) -> Path | None:
+    """Cases on a log-log roofline: x = useful FLOPs / modeled HBM bytes, y = TFLOP/s.
+
+    ``intensity`` maps ``id(case)`` to its modeled intensity; ``source`` says where the two
+    ceilings came from (measured in this run or datasheet).
+    """
+    ok = [c for c in _ok(cases) if id(c) in intensity]
+    if not ok:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    xs = [intensity[id(c)] for c in ok]
+    knee = peak_tflops * 1e12 / (hbm_gbps * 1e9)  # balance point, FLOP/byte (eq. 91)
+    lo, hi = min(xs + [knee]) / 4, max(xs + [knee]) * 4
+    grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    ax.plot(
+        grid,
+        [min(peak_tflops, x * hbm_gbps / 1e3) for x in grid],
+        color="black",
+        linewidth=1.2,
+        label=f"roofline ({source}): {peak_tflops:.0f} TFLOP/s, {hbm_gbps:.0f} GB/s",
+    )
+    markers = {"fwd": "o", "fwdbwd": "s"}
+    for prov, color in _PROVIDER_COLORS.items():
+        for mode, marker in markers.items():
+            sel = [c for c in ok if c.provider == prov and c.mode == mode]
+            if sel:
+                ax.scatter(
+                    [intensity[id(c)] for c in sel],
+                    [c.tflops for c in sel],
+                    color=color,
+                    marker=marker,
+                    label=f"{prov} {mode}",
+                    zorder=3,
+                )
+                for c in sel:
+                    ax.annotate(
+                        c.shape,
+                        (intensity[id(c)], c.tflops),
+                        fontsize=5,
+                        alpha=0.7,
+                        xytext=(3, 2),
+                        textcoords="offset points",
+                    )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("useful FLOPs / modeled HBM bytes (FLOP/byte)")
+    ax.set_ylabel("useful TFLOP/s")
+    ax.set_title("Cases against the roofline (HBM bytes modeled, not measured)")
+    ax.grid(which="both", alpha=0.25)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_roofline_model(
+    curves: Mapping[str, Sequence[Mapping]],
+    *,
+    source: str,
+    path: str | os.PathLike,
+    marks: Mapping[str, Sequence[int]] | None = None,
+) -> Path | None:
+    """Eq. 94: modeled rate / compute ceiling versus T, dense (dashed) and MoE (solid) per config.
+
+    ``marks`` maps a config name to token counts (present in its curve) to highlight, e.g. the
+    T a shape was benchmarked at.
+    """
+    if not curves:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for i, (name, pts) in enumerate(curves.items()):
+        color = f"C{i % 10}"
+        ts = [p["tokens"] for p in pts]
+        ax.plot(ts, [p["moe_fraction"] for p in pts], color=color, label=f"{name} MoE")
+        ax.plot(
+            ts,
+            [p["dense_fraction"] for p in pts],
+            color=color,
+            linestyle="--",
+            alpha=0.7,
+            label=f"{name} dense",
+        )
+        wanted = set((marks or {}).get(name, ()))
+        hits = [p for p in pts if p["tokens"] in wanted]
+        if hits:
+            ax.scatter(
+                [p["tokens"] for p in hits],
+                [p["moe_fraction"] for p in hits],
+                color=color,
+                zorder=3,
+                s=25,
+            )
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("tokens T")
+    ax.set_ylabel("modeled rate / compute ceiling")
+    ax.set_title(f"Forward GEMM pair roofline, equal FLOPs ({source}); dots: benchmarked T")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2, loc="center right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_micro(rows: Sequence[Mapping], out_dir: str | os.PathLike) -> list[Path]:
+    """One PNG per micro-benchmark present in ``rows`` (dicts of MicroRow fields)."""
+    plt = _pyplot()
+    out_dir, written = Path(out_dir), []
+    ok = [r for r in rows if r.get("tflops") is not None and math.isfinite(r["tflops"])]
+
+    gv = [r for r in ok if r["benchmark"] == "grouped_vs_bmm"]
+    if gv:
+        widths = sorted({r["d"] for r in gv}, reverse=True)
+        fig, axes = plt.subplots(1, len(widths), figsize=(6 * len(widths), 4.2), squeeze=False)
+        for ax, d in zip(axes[0], widths, strict=True):
+            for prov, style in (("grouped_mm", "o-"), ("bmm", "s--")):
+                sel = sorted(
+                    (r for r in gv if r["d"] == d and r["provider"] == prov),
+                    key=lambda r: r["rows"],
+                )
+                ax.plot(
+                    [r["rows"] for r in sel],
+                    [r["tflops"] for r in sel],
+                    style,
+                    label="grouped GEMM (valid rows)"
+                    if prov == "grouped_mm"
+                    else "BMM (1.25x capacity)",
+                )
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("total routed rows M (16 experts)")
+            ax.set_ylabel("useful TFLOP/s")
+            ax.set_title(f"d = h = {d}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(out_dir / "micro_grouped_vs_bmm.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+
+    mp = [r for r in ok if r["benchmark"] == "matched_projection"]
+    if mp:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for prov in sorted({r["provider"] for r in mp}):
+            sel = sorted((r for r in mp if r["provider"] == prov), key=lambda r: r["rows"])
+            ax.plot([r["rows"] for r in sel], [r["tflops"] for r in sel], "o-", label=prov)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens T")
+        ax.set_ylabel("useful TFLOP/s")
+        ax.set_title("Matched projection: dense [T,8192]x[8192,81920] vs split into experts")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(out_dir / "micro_matched_projection.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+
+    hist = [r for r in ok if r["benchmark"] == "histogram"]
+    if hist:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for variant, marker in (("balanced", "o"), ("single_spike", "^"), ("three_hot", "s")):
+            sel = sorted((r for r in hist if r["variant"] == variant), key=lambda r: r["rows"])
+            ax.plot(
+                [r["rows"] for r in sel],
+                [r["relative"] for r in sel],
+                marker,
+                linestyle="-",
+                label=f"{variant} (I_max {sel[0]['max_load_ratio']:.2f})" if sel else variant,
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("total routed rows M (16 experts, d = h = 4096)")
+        ax.set_ylabel("TFLOP/s relative to balanced")
+        ax.set_title("Same maximum load, different expert histograms")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(out_dir / "micro_histogram.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    return written
+
+
+# ----------------------------------------------------------------------------- text table
+
+
+def _fmt(value, spec: str) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return format(value, spec)
+
+
+def format_table(cases: Sequence[CaseResult], ceilings: Sequence[Mapping] = ()) -> str:
+    """A short fixed-width table of the cases, then the ceilings, for the terminal."""
+    header = (
+        f"{'provider':<14}{'shape':<18}{'T':>6}{'mode':>7}{'imb':>5}{'ms':>9}{'range':>16}"
+        f"{'TFLOP/s':>9}{'%dense':>7}{'HBM GB/s':>9}  status"
+    )
+    lines = [header, "-" * len(header)]
+    for c in cases:
+        rng = f"{_fmt(c.window_min_ms, '.3f')}-{_fmt(c.window_max_ms, '.3f')}"
+        status = c.status if c.status == "ok" else f"{c.status}: {c.note[:60]}"
+        lines.append(
+            f"{c.provider:<14}{c.shape:<18}{c.tokens:>6}{c.mode:>7}{c.imbalance:>5g}"
+            f"{_fmt(c.iter_ms, '.3f'):>9}{rng:>16}{_fmt(c.tflops, '.1f'):>9}{_fmt(c.pct_dense, '.0f'):>7}"
+            f"{_fmt(c.hbm_gbps, '.0f'):>9}  {status}"
+        )
+    if ceilings:
+        lines.append("")
+        for c in ceilings:
+            value = _fmt(c.get("value"), ".1f")
+            lines.append(
+                f"ceiling {c['name']:<12} {value:>8} {c['unit']:<8} {c.get('detail', '')} {c.get('note', '')}".rstrip()
+            )
+    return "\n".join(lines)

@@ -1,0 +1,144 @@
+"""Command line: option resolution, and an end-to-end CPU smoke run of the harness."""
+
+import argparse
+import json
+import tarfile
+
+import pytest
+import torch
+
+from distmoe.tools.bench import baseline, cli, providers, report, workloads
+from distmoe.tools.bench.groups import init_single_process_group
+
+
+def _parse(argv):
+    return cli.add_arguments(argparse.ArgumentParser()).parse_args(argv)
+
+
+def test_default_plan():
+    plan = cli.resolve_plan(_parse([]))
+    assert tuple(s.name for s in plan.shapes) == workloads.DEFAULT_SHAPES
+    assert workloads.DEFAULT_SHAPES == ("issue-a", "issue-b", "fine", "deepseek-v3")
+    assert plan.modes == ("fwd", "fwdbwd")
+    assert plan.imbalances == (1.0,)
+    assert plan.providers == ("distmoe", "torch", "torch_compile")
+    assert not plan.micro and not plan.roofline
+    cfg = plan.timing
+    assert (cfg.num_warmup, cfg.num_windows, cfg.iters_per_window, cfg.capture_iters) == (
+        10,
+        5,
+        30,
+        30,
+    )
+    assert plan.num_cases() == len(workloads.DEFAULT_SHAPES) * 2 * 3
+
+
+def test_full_and_explicit_plan():
+    full = cli.resolve_plan(_parse(["--full"]))
+    assert tuple(s.name for s in full.shapes) == workloads.FULL_SHAPES
+    assert full.imbalances == (1.0, 4.0, 8.0) and full.micro and full.micro_full and full.roofline
+    plan = cli.resolve_plan(
+        _parse(
+            [
+                "--shapes",
+                "fine",
+                "olmoe",
+                "--tokens",
+                "1024",
+                "2048",
+                "--mode",
+                "fwd",
+                "--imbalance",
+                "1",
+                "4",
+                "--providers",
+                "torch",
+                "--capture-iters",
+                "1",
+            ]
+        )
+    )
+    assert [s.name for s in plan.shapes] == ["fine", "olmoe"]
+    assert plan.tokens_for(plan.shapes[0]) == (1024, 2048)
+    assert plan.modes == ("fwd",) and plan.providers == ("torch",)
+    assert plan.timing.capture_iters == 1
+    assert plan.num_cases() == 2 * 2 * 1 * 2 * 1
+    with pytest.raises(ValueError, match="imbalance"):
+        cli.resolve_plan(_parse(["--imbalance", "0.5"]))
+    with pytest.raises(SystemExit):
+        _parse(["--shapes", "mixtral"])
+
+
+def test_distmoe_provider_unavailable_without_context(monkeypatch):
+    import distmoe
+
+    monkeypatch.delattr(distmoe, "MoEContext", raising=False)
+    bg = init_single_process_group("cpu")
+    try:
+        p = providers.build_provider(
+            "distmoe",
+            shape=workloads.SHAPES["smoke"],
+            tokens=64,
+            training=False,
+            bench_group=bg,
+            device=torch.device("cpu"),
+        )
+    finally:
+        bg.close()
+    assert p.status == "unavailable" and p.layer is None and "MoEContext" in p.note
+
+
+def test_cpu_smoke_run_writes_outputs(tmp_path, capsys):
+    out = tmp_path / "bench"
+    args = _parse(
+        [
+            "--shapes",
+            "smoke",
+            "--device",
+            "cpu",
+            "--providers",
+            "torch",
+            "--imbalance",
+            "1",
+            "2",
+            "--warmup",
+            "1",
+            "--windows",
+            "2",
+            "--iters",
+            "1",
+            "--roofline",
+            "--out",
+            str(out),
+            "--archive",
+            str(tmp_path / "bench.tar.gz"),
+        ]
+    )
+    assert cli.run(args) == 0
+    names = {p.name for p in out.iterdir()}
+    assert {
+        "cases.csv",
+        "ceilings.csv",
+        "results.json",
+        "roofline_model.csv",
+        "tflops.png",
+        "roofline.png",
+        "roofline_model.png",
+    } <= names
+    rows = report.read_cases_csv(out / "cases.csv")
+    assert len(rows) == 4  # 2 modes x 2 imbalances x 1 provider
+    assert {r["status"] for r in rows} == {"ok"}
+    assert {r["timing_method"] for r in rows} == {"cpu"}
+    assert {r["achieved_imbalance"] for r in rows} == {1.0, 2.0}
+    assert all(r["max_rel_err_vs_torch"] == 0.0 for r in rows)  # the reference is the baseline
+    assert {r["baseline_path"] for r in rows} == {baseline.grouped_mm_path("cpu")[0]}
+    data = json.loads((out / "results.json").read_text())
+    assert data["environment"]["ep_size"] == 1
+    assert len(data["cases"][0]["window_ms"]) == 2
+    assert data["roofline_model"]["source"] == "H200 datasheet"  # no ceilings on CPU
+    with tarfile.open(tmp_path / "bench.tar.gz") as tar:
+        assert {m.name for m in tar.getmembers()} == {f"bench/{n}" for n in names}
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-1].startswith("ceiling peer_read")  # the text table comes last
+    assert any(line.startswith("provider") for line in printed)
+    assert not torch.distributed.is_initialized()  # the private group was torn down

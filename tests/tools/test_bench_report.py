@@ -1,0 +1,190 @@
+"""Benchmark outputs: CSV schema and types, strict JSON, plots, table, environment record."""
+
+import csv
+import json
+import math
+
+from distmoe.tools.bench import report
+from distmoe.tools.bench.micro import MICRO_COLUMNS, MicroRow
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _case(provider="torch", status="ok", mode="fwd", tflops=500.0, **kw):
+    base = dict(
+        provider=provider,
+        status=status,
+        shape="issue-a",
+        tokens=8192,
+        hidden=4096,
+        ffn=2048,
+        num_experts=32,
+        top_k=8,
+        ep_size=1,
+        imbalance=1.0,
+        precision="bf16",
+        mode=mode,
+    )
+    if status == "ok":
+        base.update(
+            timing_method="cuda_graph",
+            iter_ms=2.0,
+            window_min_ms=1.9,
+            window_max_ms=2.2,
+            tflops=tflops,
+            pct_dense=tflops / 7.5,
+            hbm_gbps=1800.0,
+            nvlink_gbps=0.0,
+            peak_mem_gib=12.5,
+            achieved_imbalance=1.0,
+            tracked_rows=8192,
+            max_rel_err_vs_torch=0.0,
+            case_seconds=3.0,
+            window_ms=[2.0, 1.9, 2.2, 2.0, 2.1],
+        )
+    base.update(kw)
+    return report.CaseResult(**base)
+
+
+def test_case_csv_columns_and_types(tmp_path):
+    cases = [
+        _case(),
+        _case(provider="distmoe", status="unavailable", note="no MoEContext"),
+        _case(mode="fwdbwd", tflops=math.nan),
+    ]
+    path = report.write_csv(
+        tmp_path / "cases.csv", [c.as_row() for c in cases], list(report.CASE_COLUMNS)
+    )
+    with path.open(newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader)
+        body = list(reader)
+    assert header == list(report.CASE_COLUMNS)
+    for col in (
+        "provider",
+        "shape",
+        "imbalance",
+        "precision",
+        "mode",
+        "iter_ms",
+        "window_min_ms",
+        "window_max_ms",
+        "tflops",
+        "pct_dense",
+        "hbm_gbps",
+        "nvlink_gbps",
+        "peak_mem_gib",
+    ):
+        assert col in header
+    assert len(body) == 3 and all(len(r) == len(header) for r in body)
+
+    rows = report.read_cases_csv(path)
+    ok, missing, nan = rows
+    for name, typ in report.CASE_COLUMNS.items():
+        assert ok[name] is None or isinstance(ok[name], typ), name
+    assert ok["iter_ms"] == 2.0 and ok["tokens"] == 8192 and ok["timing_method"] == "cuda_graph"
+    assert missing["status"] == "unavailable" and missing["iter_ms"] is None
+    assert missing["note"] == "no MoEContext"
+    assert nan["tflops"] is None  # NaN is written as an empty cell
+
+
+def test_json_is_strict_and_keeps_windows(tmp_path):
+    payload = {"cases": [_case().as_dict(), _case(tflops=math.inf).as_dict()], "x": (1, math.nan)}
+    text = report.write_json(tmp_path / "r.json", payload).read_text()
+    data = json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+    assert data["cases"][0]["window_ms"] == [2.0, 1.9, 2.2, 2.0, 2.1]
+    assert data["cases"][1]["tflops"] is None
+    assert data["x"] == [1, None]
+
+
+def test_micro_csv_columns(tmp_path):
+    row = MicroRow(
+        benchmark="histogram",
+        provider="grouped_mm",
+        variant="three_hot",
+        experts=16,
+        d=4096,
+        h=4096,
+        rows=65536,
+        iter_ms=1.0,
+        tflops=900.0,
+        relative=0.9,
+    )
+    path = report.write_csv(tmp_path / "micro.csv", [row.as_dict()], MICRO_COLUMNS)
+    with path.open(newline="") as f:
+        got = list(csv.DictReader(f))
+    assert list(got[0]) == list(MICRO_COLUMNS)
+    assert got[0]["variant"] == "three_hot" and float(got[0]["tflops"]) == 900.0
+    assert got[0]["window_min_ms"] == ""  # unmeasured -> empty
+
+
+def test_plots_are_written(tmp_path):
+    cases = [
+        _case(),
+        _case(provider="torch_compile", tflops=550.0),
+        _case(mode="fwdbwd", tflops=400.0),
+        _case(provider="distmoe", status="failed"),
+    ]
+    intensity = {id(c): 300.0 for c in cases}
+    paths = [
+        report.plot_tflops(cases, 750.0, tmp_path / "tflops.png"),
+        report.plot_roofline(
+            cases,
+            peak_tflops=750.0,
+            hbm_gbps=4200.0,
+            intensity=intensity,
+            path=tmp_path / "roofline.png",
+            source="measured",
+        ),
+        report.plot_roofline_model(
+            {
+                "seed": [
+                    {"tokens": 1, "dense_fraction": 0.1, "moe_fraction": 0.01},
+                    {"tokens": 2, "dense_fraction": 0.2, "moe_fraction": 0.02},
+                ]
+            },
+            source="measured",
+            path=tmp_path / "model.png",
+        ),
+    ]
+    micro_rows = [
+        MicroRow(benchmark="grouped_vs_bmm", provider=p, d=2048, h=2048, rows=m, tflops=t).as_dict()
+        for p, m, t in (
+            ("grouped_mm", 4096, 300.0),
+            ("bmm", 4096, 350.0),
+            ("grouped_mm", 8192, 500.0),
+            ("bmm", 8192, 450.0),
+        )
+    ] + [
+        MicroRow(
+            benchmark="histogram",
+            provider="grouped_mm",
+            variant=v,
+            rows=65536,
+            tflops=1.0,
+            relative=r,
+            max_load_ratio=5.07,
+        ).as_dict()
+        for v, r in (("balanced", 1.0), ("single_spike", 0.9), ("three_hot", 0.8))
+    ]
+    paths += report.plot_micro(micro_rows, tmp_path)
+    assert len(paths) == 5
+    for p in paths:
+        assert p is not None and p.read_bytes()[:8] == PNG_MAGIC
+    assert report.plot_tflops([_case(status="failed")], None, tmp_path / "none.png") is None
+
+
+def test_table_and_environment():
+    text = report.format_table(
+        [_case(), _case(provider="distmoe", status="unavailable", note="x")],
+        [{"name": "dense_bf16", "value": 750.0, "unit": "TFLOP/s"}],
+    )
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["provider", "shape", "T"]
+    assert any(line.startswith("torch") and "500.0" in line for line in lines)
+    assert any(line.startswith("distmoe") and "unavailable" in line for line in lines)
+    assert lines[-1].startswith("ceiling dense_bf16")
+    env = report.environment(["bench", "--full"])
+    for key in ("gpu", "torch", "triton", "distmoe", "git_sha", "date_utc", "command"):
+        assert isinstance(env[key], str) and env[key]
+    assert env["command"].endswith("bench --full")

@@ -1,0 +1,68 @@
+"""Window statistics of the timing harness (pure functions) and the CPU timing path."""
+
+import pytest
+
+from distmoe.tools.bench.timing import (
+    TimingConfig,
+    benchmark,
+    max_over_ranks,
+    per_iteration_ms,
+    reduce_windows,
+)
+
+
+def test_per_iteration_divides_window_totals():
+    assert per_iteration_ms([30.0, 60.0, 45.0], 30) == [1.0, 2.0, 1.5]
+    with pytest.raises(ValueError, match="iters_per_window"):
+        per_iteration_ms([1.0], 0)
+
+
+def test_max_over_ranks_is_per_window():
+    per_rank = [[1.0, 5.0, 3.0], [2.0, 4.0, 3.5]]
+    assert max_over_ranks(per_rank) == [2.0, 5.0, 3.5]
+    with pytest.raises(ValueError, match="same"):
+        max_over_ranks([[1.0, 2.0], [1.0]])
+    with pytest.raises(ValueError, match="at least one rank"):
+        max_over_ranks([])
+
+
+def test_reduce_windows_median_of_rank_maxima_and_range():
+    # rank maxima per window: [2, 2, 3, 9, 5] -> median 3, range 2..9
+    stats = reduce_windows([[1, 2, 3, 4, 5], [2, 1, 3, 9, 0]])
+    assert stats.window_ms == (2.0, 2.0, 3.0, 9.0, 5.0)
+    assert stats.iter_ms == 3.0
+    assert (stats.min_ms, stats.max_ms) == (2.0, 9.0)
+
+
+def test_reduce_windows_median_not_max_of_medians():
+    # per-rank medians are 3 and 3, but the slowest rank per window gives [9, 9, 3] -> 9
+    stats = reduce_windows([[9, 1, 3], [1, 9, 3]])
+    assert stats.window_ms == (9.0, 9.0, 3.0)
+    assert stats.iter_ms == 9.0
+
+
+def test_reduce_windows_even_count_and_single_rank():
+    stats = reduce_windows([[4.0, 1.0, 2.0, 3.0]])
+    assert stats.iter_ms == 2.5  # median of an even count averages the middle two
+    assert (stats.min_ms, stats.max_ms) == (1.0, 4.0)
+
+
+def test_timing_config_validation():
+    with pytest.raises(ValueError, match="capture_iters"):
+        TimingConfig(iters_per_window=30, capture_iters=7)
+    with pytest.raises(ValueError, match=">= 1"):
+        TimingConfig(num_windows=0)
+    with pytest.raises(TypeError, match="num_warmup"):
+        TimingConfig(num_warmup=1.5)
+    assert TimingConfig().capture_iters == TimingConfig().iters_per_window == 30
+
+
+def test_cpu_benchmark_counts_calls_and_records_method():
+    calls = []
+    cfg = TimingConfig(num_warmup=2, num_windows=3, iters_per_window=4, capture_iters=4)
+    res = benchmark(lambda: calls.append(1), config=cfg, device="cpu")
+    assert len(calls) == 2 + 3 * 4
+    assert res.method == "cpu"
+    assert res.fallback_reason == ""
+    assert len(res.stats.window_ms) == 3
+    assert res.stats.min_ms <= res.iter_ms <= res.stats.max_ms
