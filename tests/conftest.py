@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import distmoe  # noqa: F401  (selects the interpreter before kernel modules import)
-from distmoe.kernels.interpreter import patch_interpreter_bf16_dot, interpreter_active
+from distmoe.kernels.interpreter import interpreter_active, patch_interpreter_bf16_dot
 
 if interpreter_active():
     patch_interpreter_bf16_dot()

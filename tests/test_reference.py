@@ -53,7 +53,7 @@ def test_backward_matches_einsum_in_float64():
                                 [x, scores, w13, w2])
     grads_ref = torch.autograd.grad((einsum_reference(x, ids, scores, w13, w2) * gy).sum(),
                                     [x, scores, w13, w2])
-    for g, r in zip(grads, grads_ref):
+    for g, r in zip(grads, grads_ref, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
 
 

@@ -179,7 +179,7 @@ def launch(
                     pending = [r for r in range(world_size) if r not in values]
                     raise TimeoutError(
                         f"launch timed out after {timeout:.0f} s; ranks still running: {pending}"
-                    )
+                    ) from None
                 else:
                     continue
             if kind == "ok":

@@ -1,9 +1,6 @@
 """Distributed bf16 forward on CPU ranks (Triton interpreter) against the reference."""
 
 import pytest
-import torch
-
-import distmoe as dm
 from forward_cases import (
     CASES,
     check_against_reference,
@@ -11,6 +8,8 @@ from forward_cases import (
     forward_rank,
     make_problem,
 )
+
+import distmoe as dm
 
 D, F = 32, 32
 

@@ -3,10 +3,10 @@ heap); CUDA-graph replay with new inputs equals eager; no host synchronisation."
 
 import pytest
 import torch
+from forward_cases import CASES, check_against_reference, forward_cases_rank, make_problem
 
 import distmoe as dm
 from distmoe.reference import moe_reference, split_global_problem
-from forward_cases import CASES, check_against_reference, forward_cases_rank, make_problem
 
 D, F = 256, 128
 
@@ -50,7 +50,7 @@ def _graph_rank(rank, world, T, E, K):
         results = []
         for p in problems[::-1] + problems:
             new = [p.x, p.expert_ids, p.scores]
-            for dst, src in zip(static[:3], new):
+            for dst, src in zip(static[:3], new, strict=True):
                 dst.copy_(src.to(dev))
             graph.replay()
             replayed = y_static.clone()

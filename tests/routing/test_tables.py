@@ -71,7 +71,7 @@ def test_tables_match_loop_construction(kind, EP, T, K, E, block):
 
 
 def test_overflow_is_counted_and_never_written_past_capacity():
-    EP, T, K, E, block = 2, 16, 2, 4, 4
+    EP, T, K, block = 2, 16, 2, 4  # E = 4 experts, 2 per rank
     ids = torch.zeros(EP, T, K, dtype=torch.int16)
     ids[:, :, 1] = 1  # rank 0 receives all 64 routes
     cap = 24  # far below 64

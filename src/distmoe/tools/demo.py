@@ -52,6 +52,7 @@ def _problem(args):
 
 def _rank(rank, world, args):
     import distmoe as dm
+
     from ..reference import split_global_problem
 
     dev = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" \
@@ -93,6 +94,7 @@ def _rank(rank, world, args):
 
 def run(args) -> int:
     import distmoe as dm
+
     from ..reference import moe_reference
 
     _defaults(args)
