@@ -61,6 +61,11 @@ class MoEContext:
     same T on every rank), expert_ids [T, K] integer (global ids, -1 inactive), scores [T, K]
     float, w13 [E_local, 2, F, D] bf16, w2 [E_local, D, F] bf16, all contiguous on ``device``.
     Returns y [T, D] bf16.
+
+    Training: with ``cfg.training``, grad mode on and any of x / scores / w13 / w2 requiring
+    grad, the call goes through :class:`distmoe.ops.autograd.MoEFunction` (y has a grad_fn).
+    Its backward is collective: every rank must take that path for the same calls and run
+    their backwards in the same order (see :mod:`distmoe.ops.autograd`).
     """
 
     def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | None = None, *,
@@ -152,7 +157,11 @@ class MoEContext:
         self._validate(x, expert_ids, scores, w13, w2)
         if self.check:
             self._validate_values(expert_ids, scores)
-        y, tables = self._forward(x, expert_ids, scores, w13, w2)
+        if self._wants_autograd(x, scores, w13, w2):
+            from .autograd import MoEFunction
+            y = MoEFunction.apply(self, x, expert_ids, scores, w13, w2)
+        else:
+            y, _ = self._forward(x, expert_ids, scores, w13, w2)
         if self.check:
             self._check_bound()
         return y
@@ -179,22 +188,49 @@ class MoEContext:
         c[4].add_(1)
         return tables
 
-    def _forward(self, x, expert_ids, scores, w13, w2):
+
+    def _wants_autograd(self, x, scores, w13, w2) -> bool:
+        """Training call with autograd: cfg.training, grad mode on and an input requiring
+        grad. The backward is collective (distmoe.ops.autograd): every rank must take the
+        same path and run the backward of the same calls in the same order."""
+        return (self.cfg.training and torch.is_grad_enabled()
+                and any(t.requires_grad for t in (x, scores, w13, w2)))
+
+    def _forward(self, x, expert_ids, scores, w13, w2, *, save: bool = False):
+        """Steps 1-7 of the module docstring; returns ``(y, saved)``.
+
+        With ``save`` (training), also keeps what the backward needs, in per-call tensors:
+        h1 [R_cap, 2F], the gathered x rows [R_cap, D], a copy of this rank's returned route
+        results [T*K, D] (taken before the combine), the tables, the executed ids (others
+        -1) and fp32 scores; otherwise ``saved`` is None."""
         from ..kernels.combine import combine
         from ..kernels.w2_scatter import w2_scatter
         from ..kernels.w13_gather_swiglu import gather_w13_swiglu
 
+        cfg = self.cfg
         tables = self._publish_and_route(x, expert_ids)
-        block = self.cfg.row_block
+        block = cfg.row_block
+        h1 = x_rows = None
+        if save:
+            R, D, F = self.row_capacity, cfg.hidden, cfg.ffn
+            h1 = torch.zeros(R, 2 * F, dtype=torch.bfloat16, device=self.device)
+            x_rows = torch.zeros(R, D, dtype=torch.bfloat16, device=self.device)
         gather_w13_swiglu(tables.gather_ptrs, tables.padded_offsets, w13, self._h2,
-                          block_m=block)
+                          h1_out=h1, x_out=x_rows, block_m=block)
         w2_scatter(self._h2, tables.padded_offsets, w2, tables.scatter_ptrs, block_m=block)
         self.heap.barrier()
         T, K = expert_ids.shape
         ids_executed = torch.where(tables.is_route_executed_TK, expert_ids.to(torch.int32), -1)
+        h3_routes = self._combine[:T * K]
+        if save:
+            h3_routes = h3_routes.clone()
+        scores_f32 = scores.float().contiguous()
         y = torch.empty_like(x)
-        combine(self._combine[:T * K], ids_executed, scores.float(), y)
-        return y, tables
+        combine(h3_routes, ids_executed, scores_f32, y)
+        if not save:
+            return y, None
+        return y, dict(tables=tables, h1=h1, x_rows=x_rows, h3_routes=h3_routes,
+                       ids_executed=ids_executed, scores_f32=scores_f32)
 
     # ------------------------------------------------------------------ bounds and stats
     def stats(self) -> dict:
