@@ -81,6 +81,7 @@ def test_overflow_is_counted_and_never_written_past_capacity():
                                training=False)
     offsets, gather, scatter, _, recv, dropped = loop_tables(ids, 0, 2, block, cap, False)
     assert tab.gather_ptrs.shape == (cap,) and tab.bwd_scatter_ptrs is None
+    assert tab.padded_offsets.tolist() == [0, 24, 24]  # clamped to the capacity
     assert torch.equal(tab.gather_ptrs, torch.tensor(gather))
     assert torch.equal(tab.scatter_ptrs, torch.tensor(scatter))
     assert int(tab.num_recv_rows) == 64 and int(tab.num_dropped_rows) == dropped == 40

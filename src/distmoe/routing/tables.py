@@ -33,8 +33,8 @@ class RoutingTables:
     Attributes:
         padded_offsets: int32 [E_local + 1]; local expert e owns rows
             [padded_offsets[e], padded_offsets[e+1]), a multiple of the row block each; the
-            last entry is the number of used rows (it may exceed R_cap on overflow; rows at or
-            beyond R_cap are never executed).
+            last entry is the number of used rows. Offsets are clamped to R_cap: on overflow
+            the experts past the capacity get empty segments.
         rows_per_expert: int32 [E_local] routes received per local expert (unpadded).
         gather_ptrs: int64 [R_cap] source row address (owner's dispatch buffer, row t) or 0.
         scatter_ptrs: int64 [R_cap] return address (owner's combine buffer, row t*K+k) or 0.
@@ -126,7 +126,9 @@ def build_routing_tables(
     fits = mine & fits_sorted
     # Rows that are not executed here go to a dump slot past the end, sliced away below.
     row = torch.where(fits, row, torch.full_like(row, row_capacity))
-    padded_offsets = padded_starts[rank]
+    # Clamped to R_cap so that no kernel walking an expert's segment (WGRAD row loops) can
+    # step past the capacity on overflow; clamped ends stay multiples of the row block.
+    padded_offsets = padded_starts[rank].clamp(max=row_capacity)
     rows_per_expert = counts[rank * E_local:(rank + 1) * E_local]
 
     src = order // (T * K)
