@@ -1,12 +1,25 @@
 """Backward kernels (route_grad, w2_backward, w13_backward) against plain-PyTorch references.
 
-Every kernel output is poisoned (NaN) before the run: rows a kernel must not write keep their
-poison bit for bit, and rows it must not read are NaN in its inputs, so reading them shows up
-as NaN in a compared output. The chain test runs all six kernels on one small problem and
-compares grad_x, grad_scores, grad_w13 and grad_w2 with torch autograd of the fp64 reference
-layer (distmoe.reference.moe_reference) on the same bf16 inputs.
+Row layout under test: padded expert-major rows schedule the tiles and index the pointer
+tables; activations are compact (``row_offsets``): expert ``e``'s ``n_e`` live rows come first
+in its padded segment, padding rows follow and have no activation row. The layouts here have
+row counts that are not multiples of ``block_m`` (padding in every segment), an empty expert
+(no segment), an expert with a whole tile of padding rows, idle tiles after the last segment,
+and spare activation rows past ``row_offsets[E_local]``.
 
-Without CUDA the kernels run through Triton's interpreter at small shapes.
+Every kernel output is poisoned (NaN) before the run: rows a kernel must not write keep their
+poison bit for bit, and rows it must not read are NaN in its inputs (spare activation rows
+included), so reading them shows up as NaN in a compared output. Pointer-table entries of
+padding and idle rows point at canary rows (NaN rows for W2 DGRAD, rows that W13 DGRAD must
+leave untouched): kernels must not use those entries. The chain test runs all six kernels on
+one small problem, with plain tensors and with the device-offset paths (h1_offset with grad_h1
+in place, x_offset, h3_addr in place over the combine buffer), and compares grad_x,
+grad_scores, grad_w13 and grad_w2 with torch autograd of the fp64 reference layer
+(distmoe.reference.moe_reference) on the same bf16 inputs.
+
+Without CUDA the kernels run through Triton's interpreter at small shapes. The interpreter runs
+a program's operations one whole block at a time, so the in-place tests check the results of
+the in-place paths, not the GPU's ordering of loads before stores within a program.
 """
 
 from distmoe.kernels.interpreter import use_interpreter_if_no_gpu
@@ -30,6 +43,7 @@ from distmoe.kernels.route_grad import (  # noqa: E402
 from distmoe.kernels.w2_backward import (  # noqa: E402
     W2DgradConfig,
     WgradConfig,
+    compact_segments,
     w2_dgrad_swiglu_bwd,
     w2_dgrad_swiglu_bwd_ref,
     w2_wgrad,
@@ -88,6 +102,20 @@ def assert_bf16_close(actual: torch.Tensor, expected: torch.Tensor, *, floor: fl
     assert (excess <= 0).all(), f"max excess {excess.max().item():.3e} (scale {scale:.3e})"
 
 
+def assert_wgrad_close(actual, a, b, layout, before, *, rows_sum):
+    """fp32 WGRAD against the reference, per element: both sides sum exact bf16 products in
+    fp32 (at most ~50 terms plus ``before``), only in different orders, so each is within
+    n * 2^-24 (< 1e-5 / 2) of the exact sum relative to ``|before| + sum |a_i b_i|``. The
+    bound is computed from the operands, so experts whose rows are large keep their own
+    scale: a row of the next (large) expert leaking into a small expert breaks it by orders
+    of magnitude."""
+    expected = rows_sum(a, b, layout.padded_offsets, layout.row_offsets, before)
+    magnitude = rows_sum(a.abs(), b.abs(), layout.padded_offsets, layout.row_offsets, before.abs())
+    assert torch.isfinite(actual).all(), "WGRAD output holds NaN/inf"
+    excess = (actual - expected).abs() - 1e-5 * magnitude
+    assert (excess <= 0).all(), f"max excess {excess.max().item():.3e}"
+
+
 def make_ids(num_tokens: int, top_k: int, experts: list[int], *, inactive: float = 0.2):
     """[T, K] int64 ids: distinct experts per token drawn from ``experts``, about ``inactive``
     of the routes -1, and token 0 without any active route."""
@@ -102,74 +130,125 @@ def make_ids(num_tokens: int, top_k: int, experts: list[int], *, inactive: float
 
 @dataclass
 class Layout:
-    """Padded expert-major rows of one rank (the routing layer's contract).
+    """Padded tile schedule + compact activation rows of one rank (the routing contract).
 
-    padded_offsets: int32 [E + 1] on DEVICE; route_of_row: int64 [R_cap] on the CPU, route
-    index ``t*K + k`` of each row, -1 for null rows and -2 for idle rows.
+    padded_offsets / row_offsets: int32 [E + 1] on DEVICE. route_of_row: int64 [R_cap] on the
+    CPU, route index ``t*K + k`` of each live padded row, -1 for padding rows and -2 for idle
+    rows. act_of_row: activation row of each live padded row (-1 elsewhere). route_of_act:
+    int64 [R_act], route of each activation row, -2 for spare rows past the live end.
     """
 
     padded_offsets: torch.Tensor
+    row_offsets: torch.Tensor
     route_of_row: torch.Tensor
-    num_rows: int
+    act_of_row: torch.Tensor
+    route_of_act: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return self.route_of_row.numel()
+
+    @property
+    def num_act(self) -> int:
+        return self.route_of_act.numel()
 
     @property
     def live_end(self) -> int:
-        return int(self.padded_offsets[-1])
+        return int(self.row_offsets[-1])
 
     @property
     def is_live(self) -> torch.Tensor:
-        return self.route_of_row >= -1
-
-    @property
-    def is_route(self) -> torch.Tensor:
+        """[R_cap] live padded rows."""
         return self.route_of_row >= 0
 
+    def live_act(self, device=DEVICE) -> torch.Tensor:
+        """[R_act] activation rows below ``row_offsets[E]``."""
+        return (torch.arange(self.num_act) < self.live_end).to(device)
 
-def build_layout(
-    ids: torch.Tensor, num_experts: int, block_m: int, *, idle_tiles: int = 2, shuffle: bool = True
+
+def layout_from_routes(
+    routes: list[torch.Tensor],
+    block_m: int,
+    *,
+    idle_tiles: int = 2,
+    extra_tiles: dict[int, int] | None = None,
+    spare_rows: int = 3,
 ) -> Layout:
-    """Each expert's routes padded with null rows to a multiple of ``block_m`` (null rows
-    scattered inside the segment when ``shuffle``), then ``idle_tiles`` idle tiles."""
-    flat = ids.reshape(-1)
-    offsets = [0]
-    rows = []
-    for e in range(num_experts):
-        routes = (flat == e).nonzero().reshape(-1)
-        size = math.ceil(routes.numel() / block_m) * block_m
-        seg = torch.cat([routes, torch.full((size - routes.numel(),), -1, dtype=torch.int64)])
-        if shuffle:
-            seg = seg[torch.randperm(size)]
-        rows.append(seg)
-        offsets.append(offsets[-1] + size)
-    rows.append(torch.full((idle_tiles * block_m,), -2, dtype=torch.int64))
-    route_of_row = torch.cat(rows)
-    return Layout(
-        torch.tensor(offsets, dtype=torch.int32, device=DEVICE), route_of_row, route_of_row.numel()
+    """``routes[e]``: route indices of expert ``e`` (its activation rows, in order). Each
+    segment is padded to a multiple of ``block_m`` (plus ``extra_tiles[e]`` whole tiles of
+    padding rows), then ``idle_tiles`` idle tiles; ``spare_rows`` activation rows follow the
+    live ones."""
+    extra_tiles = extra_tiles or {}
+    padded, rows, act_of_row = [0], [0], []
+    route_of_row = []
+    for e, r in enumerate(routes):
+        count = r.numel()
+        size = (math.ceil(count / block_m) + extra_tiles.get(e, 0)) * block_m
+        route_of_row.append(torch.cat([r, torch.full((size - count,), -1, dtype=torch.int64)]))
+        act_of_row.append(
+            torch.cat([rows[-1] + torch.arange(count), torch.full((size - count,), -1)])
+        )
+        padded.append(padded[-1] + size)
+        rows.append(rows[-1] + count)
+    route_of_row.append(torch.full((idle_tiles * block_m,), -2, dtype=torch.int64))
+    act_of_row.append(torch.full((idle_tiles * block_m,), -1, dtype=torch.int64))
+    route_of_act = torch.cat([*routes, torch.full((spare_rows,), -2, dtype=torch.int64)])
+    layout = Layout(
+        torch.tensor(padded, dtype=torch.int32, device=DEVICE),
+        torch.tensor(rows, dtype=torch.int32, device=DEVICE),
+        torch.cat(route_of_row),
+        torch.cat(act_of_row),
+        route_of_act,
     )
+    compact_segments(layout.padded_offsets, layout.row_offsets)  # the layout obeys the rules
+    return layout
 
 
-def row_table(layout: Layout, buffer: torch.Tensor, *, idle_target: torch.Tensor | None = None):
-    """int64 [R_cap] addresses of ``buffer`` rows (route index = row), 0 for null rows; idle
-    rows point at rows of ``idle_target`` (kernels must never touch them) or are 0."""
+def build_layout(ids: torch.Tensor, num_experts: int, block_m: int, **kwargs) -> Layout:
+    """Each expert's routes (shuffled) as its live rows; see :func:`layout_from_routes`."""
+    flat = ids.reshape(-1).cpu()
+    routes = []
+    for e in range(num_experts):
+        r = (flat == e).nonzero().reshape(-1)
+        routes.append(r[torch.randperm(r.numel())])
+    return layout_from_routes(routes, block_m, **kwargs)
+
+
+def layout_from_counts(counts: list[int], block_m: int, **kwargs) -> Layout:
+    """Live row counts per expert (route indices 0, 1, ... in order)."""
+    starts = [sum(counts[:e]) for e in range(len(counts))]
+    routes = [torch.arange(s, s + c) for s, c in zip(starts, counts, strict=True)]
+    return layout_from_routes(routes, block_m, **kwargs)
+
+
+def row_table(
+    layout: Layout,
+    buffer: torch.Tensor,
+    *,
+    canary: torch.Tensor | None = None,
+    null_rows: torch.Tensor | None = None,
+):
+    """int64 [R_cap] addresses of ``buffer`` rows (route index = row) for live rows; padding
+    and idle rows point at rows of ``canary`` (kernels must never use those entries) or are 0
+    (the routing layer's padding value). ``null_rows`` (bool [R_cap]) zeroes live entries."""
     row_bytes = buffer.shape[-1] * buffer.element_size()
     route = layout.route_of_row
     table = torch.where(route >= 0, buffer.data_ptr() + route.clamp(min=0) * row_bytes, 0)
-    if idle_target is not None:
-        idle = (route == -2).nonzero().reshape(-1)
-        target_rows = torch.arange(idle.numel()) % idle_target.shape[0]
-        table[idle] = idle_target.data_ptr() + target_rows * row_bytes
+    if canary is not None:
+        other = (route < 0).nonzero().reshape(-1)
+        target_rows = torch.arange(other.numel()) % canary.shape[0]
+        table[other] = canary.data_ptr() + target_rows * row_bytes
+    if null_rows is not None:
+        table[null_rows] = 0
     return table.to(DEVICE)
 
 
-def gathered_rows(
-    layout: Layout, source: torch.Tensor, *, top_k: int = 1, idle=float("nan")
-) -> torch.Tensor:
-    """``source[route // top_k]`` per row (``top_k`` = K: the route's token), zeros for null
-    rows and ``idle`` for idle rows."""
-    route = layout.route_of_row.to(DEVICE)
+def act_rows(layout: Layout, source: torch.Tensor, *, top_k: int = 1, spare=float("nan")):
+    """[R_act, width] activation rows ``source[route // top_k]`` (``top_k`` = K: the route's
+    token), ``spare`` in the rows past the live end."""
+    route = layout.route_of_act.to(DEVICE)
     out = source[route.clamp(min=0) // top_k].clone()
-    out[route == -1] = 0
-    out[route == -2] = idle
+    out[route < 0] = spare
     return out
 
 
@@ -178,21 +257,26 @@ def gathered_rows(
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "hidden,block_d,top_k",
-    [
-        (40, 16, 3),  # D tail in the last step
-        (64, 64, 1),
-    ],  # one step; K = 1
-)
-def test_route_grads(hidden, block_d, top_k):
-    num_tokens, t_max = 7, 9  # odd T; buffers sized for T_max > T
+def _route_problem(num_tokens, t_max, top_k, hidden):
     ids = make_ids(num_tokens, top_k, [0, 1, 2, 3]).to(torch.int16).to(DEVICE)  # int16 ids
     active = ids.long().reshape(-1) >= 0
     scores = torch.rand(num_tokens, top_k, device=DEVICE) * (ids >= 0)
     grad_y = torch.randn(num_tokens, hidden, device=DEVICE).bfloat16()
     h3 = torch.randn(t_max * top_k, hidden, device=DEVICE).bfloat16()
     h3[: num_tokens * top_k][~active] = float("nan")  # inactive routes: never read
+    return ids, active, scores, grad_y, h3
+
+
+@pytest.mark.parametrize(
+    "hidden,block_d,top_k",
+    [
+        (40, 16, 3),  # D tail in the last step
+        (64, 64, 1),  # one step; K = 1
+    ],
+)
+def test_route_grads(hidden, block_d, top_k):
+    num_tokens, t_max = 7, 9  # odd T; buffers sized for T_max > T
+    ids, active, scores, grad_y, h3 = _route_problem(num_tokens, t_max, top_k, hidden)
     grad_routes = torch.randn(t_max * top_k, hidden, device=DEVICE).bfloat16()
     before = grad_routes.clone()
     grad_scores = poisoned(num_tokens, top_k, dtype=torch.float32)
@@ -209,6 +293,52 @@ def test_route_grads(hidden, block_d, top_k):
     # grad_scores: fp32 sums of exact bf16 products; only the summation order differs.
     torch.testing.assert_close(grad_scores, ref_scores.float(), rtol=1e-5, atol=1e-5)
     assert (grad_scores.reshape(-1)[~active] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "addr",  # h3 rows at a device-side address inside a larger buffer
+        "addr_in_place",  # h3_addr names the rows of grad_routes_out (combine buffer)
+        "tensor_in_place",  # h3_routes is grad_routes_out
+    ],
+)
+def test_route_grads_h3_addr(mode):
+    num_tokens, t_max, top_k, hidden = 7, 9, 3, 40
+    ids, active, scores, grad_y, h3 = _route_problem(num_tokens, t_max, top_k, hidden)
+    config = RouteGradConfig(block_rows=4, block_d=16, num_warps=4)  # 3 column steps, D tail
+    # The plain path (separate tensors) is the reference: same kernel arithmetic, bit-exact.
+    plain_routes = poisoned(t_max * top_k, hidden)
+    plain_scores = poisoned(num_tokens, top_k, dtype=torch.float32)
+    route_grads(grad_y, h3, ids, scores, plain_routes, plain_scores, config=config)
+
+    grad_scores = poisoned(num_tokens, top_k, dtype=torch.float32)
+    if mode == "addr":
+        lead = 5  # route row 0 sits 5 rows into the buffer (a non-zero, 16-byte aligned offset)
+        buffer = torch.randn(lead + t_max * top_k + 2, hidden, device=DEVICE).bfloat16()
+        buffer[lead : lead + t_max * top_k] = h3
+        buffer_before = buffer.clone()
+        addr = torch.tensor([buffer[lead].data_ptr()], dtype=torch.int64, device=DEVICE)
+        grad_routes = poisoned(t_max * top_k, hidden)
+        route_grads(
+            grad_y, None, ids, scores, grad_routes, grad_scores, h3_addr=addr, config=config
+        )
+        assert same_bits(buffer, buffer_before)  # h3 rows: read only
+        assert same_bits(grad_routes, plain_routes)  # inactive and spare rows still poison
+    else:
+        grad_routes = h3.clone()  # the combine buffer holds the routes' results
+        if mode == "addr_in_place":
+            addr = torch.tensor([grad_routes.data_ptr()], dtype=torch.int64, device=DEVICE)
+            route_grads(
+                grad_y, None, ids, scores, grad_routes, grad_scores, h3_addr=addr, config=config
+            )
+        else:
+            route_grads(grad_y, grad_routes, ids, scores, grad_routes, grad_scores, config=config)
+        n = num_tokens * top_k
+        expected = h3.clone()  # inactive routes and rows past T*K keep the h3 values
+        expected[:n][active] = plain_routes[:n][active]
+        assert same_bits(grad_routes, expected)
+    assert same_bits(grad_scores, plain_scores)
 
 
 def test_reduce_routes():
@@ -232,19 +362,27 @@ def test_reduce_routes():
 
 
 def _w2_problem(hidden, ffn, block_m, *, one_expert=False):
+    """Expert 3 gets no routes (no segment); expert 1 gets a whole extra tile of padding rows;
+    one live row has a null table entry; h1 rows that must not be read are NaN."""
     num_experts, num_tokens, top_k, t_max = 4, 11, 3, 12
-    experts = [2] if one_expert else [0, 1, 2]  # expert 3 (and 0, 1) may get zero rows
+    experts = [2] if one_expert else [0, 1, 2]
     ids = make_ids(num_tokens, top_k, experts)
-    layout = build_layout(ids, num_experts, block_m)
+    layout = build_layout(ids, num_experts, block_m, extra_tiles={1: 1})
     combine = torch.randn(t_max * top_k, hidden, device=DEVICE).bfloat16()
     route = layout.route_of_row.to(DEVICE)
     unrouted = torch.ones(combine.shape[0], dtype=torch.bool, device=DEVICE)
     unrouted[route[route >= 0]] = False
-    combine[unrouted] = float("nan")  # rows no table entry names: never read
+    combine[unrouted] = float("nan")  # rows no live table entry names: never read
+    null_rows = torch.zeros(layout.num_rows, dtype=torch.bool)
+    null_rows[layout.is_live.nonzero()[1]] = True  # one live row with a null address
     w2 = (torch.randn(num_experts, hidden, ffn, device=DEVICE) / math.sqrt(hidden)).bfloat16()
-    h1 = torch.randn(layout.num_rows, 2 * ffn, device=DEVICE).bfloat16() * 2
-    h1[route < 0] = float("nan")  # null and idle rows of h1: never read
-    return layout, combine, w2, h1
+    h1 = torch.randn(layout.num_act, 2 * ffn, device=DEVICE).bfloat16() * 2
+    h1[~layout.live_act()] = float("nan")  # spare rows past the live end: never read
+    h1[layout.act_of_row[null_rows].to(DEVICE)] = float("nan")  # null rows: never read
+    # Padding and idle entries point at a (NaN) row of combine that no live entry names.
+    canary = unrouted.nonzero()[0].item()
+    ptrs = row_table(layout, combine, canary=combine[canary : canary + 1], null_rows=null_rows)
+    return layout, combine, w2, h1, ptrs, null_rows
 
 
 @pytest.mark.parametrize(
@@ -256,18 +394,19 @@ def _w2_problem(hidden, ffn, block_m, *, one_expert=False):
         "one_expert",  # every route to one expert
         "grad_h1_only",  # neither h2_out nor grad_h3_out
         "narrow_tiles",  # block_n 16: the epilogue without column halves
-        "device_descriptors",
-    ],  # TMA descriptors built in the kernel, not on the host
+        "device_descriptors",  # TMA descriptors built in the kernel, not on the host
+    ],
 )
 def test_w2_dgrad_swiglu_bwd(mode):
     hidden, ffn, block_m = 48, 40, 16  # D and F not multiples of the tiles: masked tails
-    layout, combine, w2, h1 = _w2_problem(hidden, ffn, block_m, one_expert=mode == "one_expert")
-    ptrs = row_table(layout, combine, idle_target=combine)
-    rows = layout.num_rows
+    layout, combine, w2, h1, ptrs, null_rows = _w2_problem(
+        hidden, ffn, block_m, one_expert=mode == "one_expert"
+    )
+    num_act = layout.num_act
     h1_saved = h1.clone()
-    grad_h1 = h1 if mode == "in_place" else poisoned(rows, 2 * ffn)
-    h2 = None if mode == "grad_h1_only" else poisoned(rows, ffn)
-    grad_h3 = None if mode in ("gather_in_loop", "grad_h1_only") else poisoned(rows, hidden)
+    grad_h1 = h1 if mode == "in_place" else poisoned(num_act, 2 * ffn)
+    h2 = None if mode == "grad_h1_only" else poisoned(num_act, ffn)
+    grad_h3 = None if mode in ("gather_in_loop", "grad_h1_only") else poisoned(num_act, hidden)
     block_n = 16 if mode == "narrow_tiles" else 32
     config = W2DgradConfig(
         block_m=block_m,
@@ -279,29 +418,92 @@ def test_w2_dgrad_swiglu_bwd(mode):
     )
 
     w2_dgrad_swiglu_bwd(
-        ptrs, layout.padded_offsets, w2, h1, grad_h1, h2_out=h2, grad_h3_out=grad_h3, config=config
+        ptrs,
+        layout.padded_offsets,
+        layout.row_offsets,
+        w2,
+        h1,
+        grad_h1,
+        h2_out=h2,
+        grad_h3_out=grad_h3,
+        config=config,
     )
 
     ref_grad_h1, ref_h2, ref_grad_h3 = w2_dgrad_swiglu_bwd_ref(
-        ptrs, layout.padded_offsets, w2, h1_saved, row_sources=[combine]
+        ptrs, layout.padded_offsets, layout.row_offsets, w2, h1_saved, row_sources=[combine]
     )
-    live = layout.is_live.to(DEVICE)
-    idle = ~live
+    live = layout.live_act()
+    spare = ~live
+    num_spare = int(spare.sum())
+    assert num_spare > 0
     # grad_h1 and h2: an fp32 GEMM plus fp32 SwiGLU terms, rounded to bf16 once.
     assert_bf16_close(grad_h1[live], ref_grad_h1[live])
     if mode == "in_place":
-        assert same_bits(grad_h1[idle], h1_saved[idle])
+        assert same_bits(grad_h1[spare], h1_saved[spare])
     else:
-        assert same_bits(grad_h1[idle], poisoned(int(idle.sum()), 2 * ffn))
-    null = (layout.route_of_row == -1).to(DEVICE)
+        assert same_bits(grad_h1[spare], poisoned(num_spare, 2 * ffn))
+    null = layout.act_of_row[null_rows].to(DEVICE)
     assert (grad_h1[null] == 0).all()
     if h2 is not None:
         assert_bf16_close(h2[live], ref_h2[live])
         assert (h2[null] == 0).all()
-        assert same_bits(h2[idle], poisoned(int(idle.sum()), ffn))
+        assert same_bits(h2[spare], poisoned(num_spare, ffn))
     if grad_h3 is not None:  # data movement: bit-exact, zeros for null rows
         assert same_bits(grad_h3[live], ref_grad_h3[live].bfloat16())
-        assert same_bits(grad_h3[idle], poisoned(int(idle.sum()), hidden))
+        assert same_bits(grad_h3[spare], poisoned(num_spare, hidden))
+
+
+@pytest.mark.parametrize("gather_once", [True, False])
+def test_w2_dgrad_h1_offset(gather_once):
+    """h1 at a device-side offset into a 1-D base, out of place and in place (grad_h1_out
+    over the very h1 rows): bit-exact equal to the plain 2-D path (same kernel arithmetic)."""
+    hidden, ffn, block_m = 48, 40, 16
+    # combine must outlive the launches: ptrs point into it.
+    layout, combine, w2, h1, ptrs, _ = _w2_problem(hidden, ffn, block_m)
+    num_act = layout.num_act
+    config = W2DgradConfig(block_m=block_m, block_n=32, block_k=32, num_warps=4, group_m=2)
+    outs = {}
+
+    def run(name, h1_arg, grad_h1_out, h1_offset=None):
+        h2 = poisoned(num_act, ffn)
+        grad_h3 = poisoned(num_act, hidden) if gather_once else None
+        w2_dgrad_swiglu_bwd(
+            ptrs,
+            layout.padded_offsets,
+            layout.row_offsets,
+            w2,
+            h1_arg,
+            grad_h1_out,
+            h1_offset=h1_offset,
+            h2_out=h2,
+            grad_h3_out=grad_h3,
+            config=config,
+        )
+        outs[name] = (grad_h1_out.clone(), h2, grad_h3)
+
+    run("plain", h1, poisoned(num_act, 2 * ffn))
+    offset = 8 * 7  # elements: 16-byte aligned, not a multiple of a row (2F = 80)
+    base = torch.randn(offset + num_act * 2 * ffn + 24, device=DEVICE).bfloat16()
+    base[offset : offset + num_act * 2 * ffn] = h1.reshape(-1)
+    base_before = base.clone()
+    h1_offset = torch.tensor([offset], dtype=torch.int64, device=DEVICE)
+    run("offset", base, poisoned(num_act, 2 * ffn), h1_offset)
+    assert same_bits(base, base_before)  # out of place: the base is only read
+    rows_view = base[offset : offset + num_act * 2 * ffn].view(num_act, 2 * ffn)
+    run("in_place", base, rows_view, h1_offset)
+
+    live = layout.live_act()
+    for name in ("offset", "in_place"):
+        for got, want in zip(outs[name][1:], outs["plain"][1:], strict=True):
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert same_bits(got, want)
+    assert same_bits(outs["offset"][0], outs["plain"][0])
+    assert same_bits(outs["in_place"][0][live], outs["plain"][0][live])
+    # In place: the base outside the live rows keeps its bits (spare rows, lead, tail).
+    expected = base_before.clone()
+    expected[offset : offset + layout.live_end * 2 * ffn] = outs["plain"][0][live].reshape(-1)
+    assert same_bits(base, expected)
 
 
 # --------------------------------------------------------------------------------------------
@@ -314,29 +516,33 @@ def test_w2_dgrad_swiglu_bwd(mode):
     [
         (False, True),
         (True, True),  # every route to one expert
-        (False, False),
-    ],  # TMA descriptors built in the kernel
+        (False, False),  # TMA descriptors built in the kernel
+    ],
 )
 def test_w13_dgrad_scatter(one_expert, host_descriptors):
     num_experts, num_tokens, top_k, t_max = 5, 11, 3, 12  # prime E
     hidden, ffn, block_m = 40, 24, 16  # 2F = 48: a K tail with block_k 32; D tail too
     ids = make_ids(num_tokens, top_k, [1] if one_expert else [0, 1, 4])  # 2, 3: no rows
-    layout = build_layout(ids, num_experts, block_m)
+    # Expert 2 has no routes but a whole tile of padding rows; expert 0 an extra tile too.
+    layout = build_layout(ids, num_experts, block_m, extra_tiles={0: 1, 2: 1})
     w13 = (torch.randn(num_experts, 2, ffn, hidden, device=DEVICE) / math.sqrt(ffn)).bfloat16()
-    grad_h1 = torch.randn(layout.num_rows, 2 * ffn, device=DEVICE).bfloat16()
-    grad_h1[~layout.is_live.to(DEVICE)] = float("nan")  # idle rows: never read
+    # Spare rows past the live end: read by the last tile's padding rows, never stored.
+    grad_h1 = torch.randn(layout.num_act, 2 * ffn, device=DEVICE).bfloat16()
+    grad_h1[~layout.live_act()] = float("nan")
     dispatch = torch.randn(t_max * top_k, hidden, device=DEVICE).bfloat16()
-    canary = torch.randn(3, hidden, device=DEVICE).bfloat16()  # idle rows' table entries
+    canary = torch.randn(3, hidden, device=DEVICE).bfloat16()  # padding and idle entries
     dispatch_before, canary_before = dispatch.clone(), canary.clone()
-    ptrs = row_table(layout, dispatch, idle_target=canary)
+    ptrs = row_table(layout, dispatch, canary=canary)
 
     config = W13DgradConfig(
         block_m=block_m, block_n=32, block_k=32, num_warps=4, host_descriptors=host_descriptors
     )
-    w13_dgrad_scatter(grad_h1, layout.padded_offsets, w13, ptrs, config=config)
+    w13_dgrad_scatter(grad_h1, layout.padded_offsets, layout.row_offsets, w13, ptrs, config=config)
 
-    ref = w13_dgrad_scatter_ref(grad_h1, layout.padded_offsets, w13)
-    is_route = layout.is_route.to(DEVICE)
+    ref = w13_dgrad_scatter_ref(
+        grad_h1, layout.padded_offsets, layout.row_offsets, w13, num_rows=layout.num_rows
+    )
+    is_route = layout.is_live.to(DEVICE)
     targets = layout.route_of_row.to(DEVICE)[is_route]
     # One fp32 GEMM rounded to bf16.
     assert_bf16_close(dispatch[targets], ref[is_route])
@@ -352,18 +558,28 @@ def test_w13_dgrad_scatter(one_expert, host_descriptors):
 # --------------------------------------------------------------------------------------------
 
 
+def _wgrad_operand(layout, width, *, big_experts):
+    """bf16 [R_act, width] activation rows; rows of ``big_experts`` scaled by 2^10 (what the
+    last, partial row step of the expert before them loads), NaN in the spare rows."""
+    out = torch.randn(layout.num_act, width, device=DEVICE)
+    rows = layout.row_offsets.tolist()
+    for e in big_experts:
+        out[rows[e] : rows[e + 1]] *= 1024.0
+    out = out.bfloat16()
+    out[~layout.live_act()] = float("nan")
+    return out
+
+
 @pytest.mark.parametrize("split_rows", [1, 3])
 @pytest.mark.parametrize("one_expert", [False, True])
 def test_w2_wgrad(split_rows, one_expert):
-    num_experts, hidden, ffn, block_m = 4, 48, 40, 16
-    ids = make_ids(13, 3, [3] if one_expert else [0, 2, 3])  # expert 1 has no rows
-    layout = build_layout(ids, num_experts, block_m)
-    live = layout.is_live.to(DEVICE)
-    null = (layout.route_of_row == -1).to(DEVICE)
-    grad_h3 = torch.randn(layout.num_rows, hidden, device=DEVICE).bfloat16()
-    h2 = torch.randn(layout.num_rows, ffn, device=DEVICE).bfloat16()
-    grad_h3[null], h2[null] = 0, 0  # as the DGRAD writes them
-    grad_h3[~live], h2[~live] = float("nan"), float("nan")  # idle rows: never read
+    num_experts, hidden, ffn, block_m = 5, 48, 40, 16
+    # Live rows per expert (block_k 16): partial last steps of 5 rows, an empty expert, a
+    # whole-step count (32) and, with split_rows 3, programs whose only step is partial.
+    counts = [0, 0, 0, 45, 0] if one_expert else [21, 0, 32, 37, 5]
+    layout = layout_from_counts(counts, block_m, extra_tiles={1: 1})
+    grad_h3 = _wgrad_operand(layout, hidden, big_experts=[2, 4])
+    h2 = _wgrad_operand(layout, ffn, big_experts=[2, 4])
     grad_w2 = torch.randn(num_experts, hidden, ffn, device=DEVICE)  # existing .grad
     before = grad_w2.clone()
     config = WgradConfig(
@@ -376,15 +592,11 @@ def test_w2_wgrad(split_rows, one_expert):
         num_stages=2,
     )
 
-    w2_wgrad(grad_h3, h2, layout.padded_offsets, grad_w2, config=config)
+    w2_wgrad(grad_h3, h2, layout.padded_offsets, layout.row_offsets, grad_w2, config=config)
 
-    # fp32 sums of exact bf16 products on both sides: only the summation order differs.
-    torch.testing.assert_close(
-        grad_w2, w2_wgrad_ref(grad_h3, h2, layout.padded_offsets, before), rtol=1e-5, atol=1e-4
-    )
-    offsets = layout.padded_offsets.tolist()
-    for e in range(num_experts):
-        if offsets[e + 1] == offsets[e]:  # experts without rows: bit-exact untouched
+    assert_wgrad_close(grad_w2, grad_h3, h2, layout, before, rows_sum=w2_wgrad_ref)
+    for e, count in enumerate(counts):
+        if count == 0:  # experts without rows: bit-exact untouched
             assert same_bits(grad_w2[e], before[e])
 
 
@@ -394,14 +606,10 @@ def test_w2_wgrad(split_rows, one_expert):
 )
 def test_w13_wgrad(split_rows, host_descriptors):
     num_experts, hidden, ffn, block_m = 3, 40, 24, 32
-    ids = make_ids(20, 2, [0, 2])  # expert 1 has no rows
-    layout = build_layout(ids, num_experts, block_m, idle_tiles=1)
-    live = layout.is_live.to(DEVICE)
-    null = (layout.route_of_row == -1).to(DEVICE)
-    grad_h1 = torch.randn(layout.num_rows, 2 * ffn, device=DEVICE).bfloat16()
-    x = torch.randn(layout.num_rows, hidden, device=DEVICE).bfloat16()
-    grad_h1[null], x[null] = 0, 0
-    grad_h1[~live], x[~live] = float("nan"), float("nan")
+    counts = [40, 0, 19]  # expert 1: no rows; partial last steps (8 and 3 rows)
+    layout = layout_from_counts(counts, block_m, idle_tiles=1)
+    grad_h1 = _wgrad_operand(layout, 2 * ffn, big_experts=[2])
+    x = _wgrad_operand(layout, hidden, big_experts=[2])
     grad_w13 = torch.randn(num_experts, 2, ffn, hidden, device=DEVICE)
     before = grad_w13.clone()
     config = WgradConfig(
@@ -415,12 +623,51 @@ def test_w13_wgrad(split_rows, host_descriptors):
         host_descriptors=host_descriptors,
     )
 
-    w13_wgrad(grad_h1, x, layout.padded_offsets, grad_w13, config=config)
+    w13_wgrad(grad_h1, x, layout.padded_offsets, layout.row_offsets, grad_w13, config=config)
 
-    torch.testing.assert_close(
-        grad_w13, w13_wgrad_ref(grad_h1, x, layout.padded_offsets, before), rtol=1e-5, atol=1e-4
-    )
+    assert_wgrad_close(grad_w13, grad_h1, x, layout, before, rows_sum=w13_wgrad_ref)
     assert same_bits(grad_w13[1], before[1])
+
+
+@pytest.mark.parametrize("host_descriptors", [True, False])
+def test_w13_wgrad_x_offset(host_descriptors):
+    """x_gathered at a device-side offset into a 1-D base (device-built descriptor, bounded by
+    the live rows): bit-exact equal to the plain path (same row steps, same order)."""
+    num_experts, hidden, ffn, block_m = 3, 40, 24, 32
+    layout = layout_from_counts([40, 0, 19], block_m, idle_tiles=1)
+    grad_h1 = _wgrad_operand(layout, 2 * ffn, big_experts=[2])
+    x = _wgrad_operand(layout, hidden, big_experts=[2])
+    before = torch.randn(num_experts, 2, ffn, hidden, device=DEVICE)
+    config = WgradConfig(
+        block_m=block_m,
+        block_k=16,
+        block_out_m=32,
+        block_out_n=16,
+        num_warps=4,
+        num_stages=2,
+        host_descriptors=host_descriptors,
+    )
+    plain = before.clone()
+    w13_wgrad(grad_h1, x, layout.padded_offsets, layout.row_offsets, plain, config=config)
+
+    offset = 8 * 9  # elements: 16-byte aligned, not a multiple of a row (D = 40)
+    # Only the live rows sit in the base, followed by NaN: nothing past row_offsets[E] is read.
+    live_x = x[: layout.live_end].reshape(-1)
+    base = torch.full((offset + live_x.numel() + 3 * hidden,), float("nan"), device=DEVICE)
+    base = base.bfloat16()
+    base[offset : offset + live_x.numel()] = live_x
+    x_offset = torch.tensor([offset], dtype=torch.int64, device=DEVICE)
+    got = before.clone()
+    w13_wgrad(
+        grad_h1,
+        base,
+        layout.padded_offsets,
+        layout.row_offsets,
+        got,
+        x_offset=x_offset,
+        config=config,
+    )
+    assert same_bits(got, plain)
 
 
 # --------------------------------------------------------------------------------------------
@@ -428,63 +675,100 @@ def test_w13_wgrad(split_rows, host_descriptors):
 # --------------------------------------------------------------------------------------------
 
 
-def _run_chain(x, ids, scores, w13, w2, grad_y, *, block_m, configs, t_max):
+def _run_chain(x, ids, scores, w13, w2, grad_y, *, block_m, configs, t_max, offsets):
     """Saved forward state from the fp64 reference rounded to bf16 (what the forward kernels
-    keep), then the six backward kernels in order. Returns (grad_x, grad_scores, grad_w13,
-    grad_w2 increments)."""
+    keep), then the six backward kernels in order. ``offsets``: the saved state in one 1-D
+    slot at device-side offsets (h1_offset with grad_h1 in place, x_offset) and h3 read in
+    place from the combine buffer (h3_addr); else plain tensors. Returns (grad_x, grad_scores,
+    grad_w13, grad_w2 increments)."""
     num_tokens, top_k = ids.shape
     num_experts, _, ffn, hidden = w13.shape
-    layout = build_layout(ids.cpu(), num_experts, block_m)
-    route = layout.route_of_row.to(DEVICE)
-    offsets = layout.padded_offsets.tolist()
+    layout = build_layout(ids.cpu(), num_experts, block_m, extra_tiles={0: 1})
+    rows = layout.row_offsets.tolist()
+    num_act = layout.num_act
 
-    # Forward state: x_gathered, h1 (bf16, null rows zero), h3 per route slot (bf16).
-    x_gathered = gathered_rows(layout, x, top_k=top_k)
-    h1_exact = torch.zeros(layout.num_rows, 2 * ffn, dtype=torch.float64, device=DEVICE)
-    h3_exact = torch.zeros(layout.num_rows, hidden, dtype=torch.float64, device=DEVICE)
+    # Forward state in activation rows: x_gathered, h1 (bf16), h3 per route slot (bf16).
+    x_gathered = act_rows(layout, x, top_k=top_k)
+    h1_exact = torch.zeros(num_act, 2 * ffn, dtype=torch.float64, device=DEVICE)
+    h3_exact = torch.zeros(num_act, hidden, dtype=torch.float64, device=DEVICE)
     for e in range(num_experts):
-        rows = slice(offsets[e], offsets[e + 1])
-        h1_exact[rows] = x_gathered[rows].double() @ w13[e].double().reshape(2 * ffn, hidden).t()
-        g, u = h1_exact[rows, :ffn], h1_exact[rows, ffn:]
-        h3_exact[rows] = (torch.nn.functional.silu(g) * u) @ w2[e].double().t()
+        r = slice(rows[e], rows[e + 1])
+        h1_exact[r] = x_gathered[r].double() @ w13[e].double().reshape(2 * ffn, hidden).t()
+        g, u = h1_exact[r, :ffn], h1_exact[r, ffn:]
+        h3_exact[r] = (torch.nn.functional.silu(g) * u) @ w2[e].double().t()
+    live = layout.live_act()
     h1 = h1_exact.bfloat16()
-    h1[route == -1] = 0
-    h1[route == -2] = float("nan")
+    h1[~live] = float("nan")
+    route_of_act = layout.route_of_act.to(DEVICE)
     h3_routes = poisoned(t_max * top_k, hidden)
-    h3_routes[route[route >= 0]] = h3_exact[route >= 0].bfloat16()
+    h3_routes[route_of_act[live]] = h3_exact[live].bfloat16()
 
     # Owner buffers (combine / dispatch) and outputs, poisoned.
     combine = poisoned(t_max * top_k, hidden)
     dispatch = poisoned(t_max * top_k, hidden)
     grad_scores = poisoned(num_tokens, top_k, dtype=torch.float32)
     grad_x = poisoned(num_tokens, hidden)
-    grad_h3 = poisoned(layout.num_rows, hidden)
-    h2 = poisoned(layout.num_rows, ffn)
+    grad_h3 = poisoned(num_act, hidden)
+    h2 = poisoned(num_act, ffn)
     grad_w2_before = torch.randn(num_experts, hidden, ffn, device=DEVICE)
     grad_w13_before = torch.randn(num_experts, 2, ffn, hidden, device=DEVICE)
     grad_w2, grad_w13 = grad_w2_before.clone(), grad_w13_before.clone()
 
-    route_grads(grad_y, h3_routes, ids, scores, combine, grad_scores)
+    if offsets:
+        # One slot: [8 lead elements | x_gathered rows | h1 rows], offsets on the device.
+        x_off, h1_off = 8, 8 + num_act * hidden
+        slot = poisoned(h1_off + num_act * 2 * ffn)
+        slot[x_off:h1_off] = x_gathered.reshape(-1)
+        slot[h1_off:] = h1.reshape(-1)
+        x_offset = torch.tensor([x_off], dtype=torch.int64, device=DEVICE)
+        h1_offset = torch.tensor([h1_off], dtype=torch.int64, device=DEVICE)
+        grad_h1 = slot[h1_off:].view(num_act, 2 * ffn)  # in place over the h1 rows
+        combine.copy_(h3_routes)  # the combine buffer still holds the routes' results
+        h3_addr = torch.tensor([combine.data_ptr()], dtype=torch.int64, device=DEVICE)
+        route_grads(grad_y, None, ids, scores, combine, grad_scores, h3_addr=h3_addr)
+        h1_arg, x_arg = slot, slot
+    else:
+        x_offset = h1_offset = None
+        grad_h1 = h1  # in place
+        route_grads(grad_y, h3_routes, ids, scores, combine, grad_scores)
+        h1_arg, x_arg = h1, x_gathered
     w2_dgrad_swiglu_bwd(
         row_table(layout, combine),
         layout.padded_offsets,
+        layout.row_offsets,
         w2,
-        h1,
-        h1,
+        h1_arg,
+        grad_h1,
+        h1_offset=h1_offset,
         h2_out=h2,
         grad_h3_out=grad_h3,
         config=configs["w2_dgrad"],
     )
-    grad_h1 = h1  # in place
-    w2_wgrad(grad_h3, h2, layout.padded_offsets, grad_w2, config=configs["w2_wgrad"])
+    w2_wgrad(
+        grad_h3,
+        h2,
+        layout.padded_offsets,
+        layout.row_offsets,
+        grad_w2,
+        config=configs["w2_wgrad"],
+    )
     w13_dgrad_scatter(
         grad_h1,
         layout.padded_offsets,
+        layout.row_offsets,
         w13,
         row_table(layout, dispatch),
         config=configs["w13_dgrad"],
     )
-    w13_wgrad(grad_h1, x_gathered, layout.padded_offsets, grad_w13, config=configs["w13_wgrad"])
+    w13_wgrad(
+        grad_h1,
+        x_arg,
+        layout.padded_offsets,
+        layout.row_offsets,
+        grad_w13,
+        x_offset=x_offset,
+        config=configs["w13_wgrad"],
+    )
     reduce_routes(dispatch, ids, grad_x)
     return grad_x, grad_scores, grad_w13 - grad_w13_before, grad_w2 - grad_w2_before
 
@@ -502,7 +786,9 @@ def _autograd_grads(x, ids, scores, w13, w2, grad_y, dtype):
     return [t.grad.double().cpu() for t in leaves]
 
 
-def _chain_check(num_tokens, top_k, num_experts, experts, hidden, ffn, block_m, configs):
+def _chain_check(
+    num_tokens, top_k, num_experts, experts, hidden, ffn, block_m, configs, *, offsets=False
+):
     t_max = num_tokens + 2
     x = torch.randn(num_tokens, hidden, device=DEVICE).bfloat16()
     ids = make_ids(num_tokens, top_k, experts).to(DEVICE)
@@ -512,7 +798,16 @@ def _chain_check(num_tokens, top_k, num_experts, experts, hidden, ffn, block_m, 
     grad_y = torch.randn(num_tokens, hidden, device=DEVICE).bfloat16()
 
     ours = _run_chain(
-        x, ids, scores, w13, w2, grad_y, block_m=block_m, configs=configs, t_max=t_max
+        x,
+        ids,
+        scores,
+        w13,
+        w2,
+        grad_y,
+        block_m=block_m,
+        configs=configs,
+        t_max=t_max,
+        offsets=offsets,
     )
     exact = _autograd_grads(x, ids, scores, w13, w2, grad_y, torch.float64)
     torch_bf16 = _autograd_grads(x, ids, scores, w13, w2, grad_y, torch.bfloat16)
@@ -531,7 +826,8 @@ def _chain_check(num_tokens, top_k, num_experts, experts, hidden, ffn, block_m, 
     assert (ours[0][0] == 0).all()  # token 0 has no active route: exact zeros
 
 
-def test_backward_chain():
+@pytest.mark.parametrize("offsets", [False, True])
+def test_backward_chain(offsets):
     block_m = 16
     configs = {
         "w2_dgrad": W2DgradConfig(block_m=block_m, block_n=32, block_k=32, num_warps=4),
@@ -553,11 +849,13 @@ def test_backward_chain():
         ffn=32,
         block_m=block_m,
         configs=configs,
+        offsets=offsets,
     )
 
 
 @pytest.mark.gpu
-def test_backward_chain_gpu_default_configs():
+@pytest.mark.parametrize("offsets", [False, True])
+def test_backward_chain_gpu_default_configs(offsets):
     # Production tiles (block_m 128, 128-wide tiles, 8 warps, TMA, pipelined row loops).
     configs = {
         "w2_dgrad": W2DgradConfig.from_heuristic(hidden=512, ffn=384),
@@ -574,6 +872,7 @@ def test_backward_chain_gpu_default_configs():
         ffn=384,
         block_m=128,
         configs=configs,
+        offsets=offsets,
     )
 
 
@@ -604,52 +903,62 @@ def test_validation_errors():
     w2 = torch.zeros(2, hidden, ffn, dtype=torch.bfloat16, device=DEVICE)
     ptrs = torch.zeros(rows, dtype=torch.int64, device=DEVICE)
     offsets = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    row_offsets = torch.zeros(3, dtype=torch.int32, device=DEVICE)
     h1 = torch.zeros(rows, 2 * ffn, dtype=torch.bfloat16, device=DEVICE)
     cfg = W2DgradConfig(block_m=16, block_n=16, block_k=16, num_warps=4)
     with pytest.raises(TypeError, match=r"grad_h3_ptrs must have dtype int64, got torch.int32"):
-        w2_dgrad_swiglu_bwd(ptrs.int(), offsets, w2, h1, h1.clone(), config=cfg)
+        w2_dgrad_swiglu_bwd(ptrs.int(), offsets, row_offsets, w2, h1, h1.clone(), config=cfg)
     with pytest.raises(
-        ValueError, match=r"h1 must have shape \[32, 32\] \[R_cap, 2F\], got \[32, 24\]"
+        ValueError, match=r"h1 must have shape \[32, 32\] \[R_act, 2F\] like grad_h1_out"
     ):
-        w2_dgrad_swiglu_bwd(ptrs, offsets, w2, h1[:, :24], h1.clone(), config=cfg)
+        w2_dgrad_swiglu_bwd(ptrs, offsets, row_offsets, w2, h1[:, :24], h1.clone(), config=cfg)
     with pytest.raises(ValueError, match=r"R_cap \(24\) must be a multiple of config.block_m"):
-        w2_dgrad_swiglu_bwd(ptrs[:24], offsets, w2, h1[:24], h1[:24].clone(), config=cfg)
+        w2_dgrad_swiglu_bwd(ptrs[:24], offsets, row_offsets, w2, h1, h1.clone(), config=cfg)
     scratch = torch.zeros(rows * 3 * ffn, dtype=torch.bfloat16, device=DEVICE)
     grad_h1 = scratch[: rows * 2 * ffn].view(rows, 2 * ffn)
     h2_overlapping = scratch[rows * ffn : rows * 2 * ffn].view(rows, ffn)
     with pytest.raises(ValueError, match=r"grad_h1_out and h2_out must not overlap in memory"):
-        w2_dgrad_swiglu_bwd(ptrs, offsets, w2, h1, grad_h1, h2_out=h2_overlapping, config=cfg)
+        w2_dgrad_swiglu_bwd(
+            ptrs, offsets, row_offsets, w2, h1, grad_h1, h2_out=h2_overlapping, config=cfg
+        )
+    shifted = torch.zeros((rows + 1) * 2 * ffn, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"h1 and grad_h1_out must not overlap in memory"):
+        w2_dgrad_swiglu_bwd(
+            ptrs,
+            offsets,
+            row_offsets,
+            w2,
+            shifted[: rows * 2 * ffn].view(rows, 2 * ffn),
+            shifted[2 * ffn :].view(rows, 2 * ffn),  # one row further: not the same rows
+            config=cfg,
+        )
     with pytest.raises(ValueError, match=r"padded_offsets must have shape \[3\]"):
-        w2_dgrad_swiglu_bwd(ptrs, offsets[:2], w2, h1, h1.clone(), config=cfg)
+        w2_dgrad_swiglu_bwd(ptrs, offsets[:2], row_offsets, w2, h1, h1.clone(), config=cfg)
     with pytest.raises(TypeError, match=r"config must be a W2DgradConfig"):
-        w2_dgrad_swiglu_bwd(ptrs, offsets, w2, h1, h1.clone(), config=WgradConfig())
+        w2_dgrad_swiglu_bwd(ptrs, offsets, row_offsets, w2, h1, h1.clone(), config=WgradConfig())
     with pytest.raises(ValueError, match=r"F \(w2.shape\[2\]\) \(12\) must be a positive multiple"):
         w2_dgrad_swiglu_bwd(
             ptrs,
             offsets,
+            row_offsets,
             w2[..., :12].contiguous(),
             h1[:, :24].contiguous(),
             h1[:, :24].contiguous(),
             config=cfg,
         )
     grad_w2 = torch.zeros(2, hidden, ffn, device=DEVICE)
+    grad_h3 = torch.zeros(rows, hidden, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(TypeError, match=r"grad_w2 must have dtype float32, got torch.bfloat16"):
-        w2_wgrad(
-            torch.zeros(rows, hidden, dtype=torch.bfloat16, device=DEVICE),
-            h1[:, :ffn],
-            offsets,
-            grad_w2.bfloat16(),
-        )
+        w2_wgrad(grad_h3, h1[:, :ffn], offsets, row_offsets, grad_w2.bfloat16())
     with pytest.raises(ValueError, match=r"h2 must be contiguous"):
-        w2_wgrad(
-            torch.zeros(rows, hidden, dtype=torch.bfloat16, device=DEVICE),
-            h1[:, :ffn],
-            offsets,
-            grad_w2,
-        )
+        w2_wgrad(grad_h3, h1[:, :ffn], offsets, row_offsets, grad_w2)
+    with pytest.raises(
+        ValueError, match=r"h2 must have shape \[32, 16\] \[R_act, F\] like grad_h3, got \[16, 16\]"
+    ):
+        w2_wgrad(grad_h3, h1[:16, :ffn].contiguous(), offsets, row_offsets, grad_w2)
     w13 = torch.zeros(2, 2, ffn, hidden, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(ValueError, match=r"w13 must have shape \[E_local, 2, F, D\]"):
-        w13_dgrad_scatter(h1, offsets, w13.reshape(2, 4, ffn // 2, hidden), ptrs)
+        w13_dgrad_scatter(h1, offsets, row_offsets, w13.reshape(2, 4, ffn // 2, hidden), ptrs)
     with pytest.raises(ValueError, match=r"scores must have shape \[4, 2\]"):
         ids = torch.zeros(4, 2, dtype=torch.int64, device=DEVICE)
         route_grads(
@@ -666,3 +975,107 @@ def test_validation_errors():
             torch.zeros(4, 2, dtype=torch.int64, device=DEVICE),
             torch.zeros(4, hidden, dtype=torch.bfloat16, device=DEVICE),
         )
+
+
+def test_validation_errors_new_arguments():
+    """row_offsets, h1_offset, x_offset and h3_addr: each rule named with its value."""
+    ffn, hidden, rows = 16, 32, 32
+    w2 = torch.zeros(2, hidden, ffn, dtype=torch.bfloat16, device=DEVICE)
+    ptrs = torch.zeros(rows, dtype=torch.int64, device=DEVICE)
+    offsets = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    row_offsets = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    h1 = torch.zeros(rows, 2 * ffn, dtype=torch.bfloat16, device=DEVICE)
+    base = torch.zeros(8 + rows * 2 * ffn, dtype=torch.bfloat16, device=DEVICE)
+    off = torch.tensor([8], dtype=torch.int64, device=DEVICE)
+    cfg = W2DgradConfig(block_m=16, block_n=16, block_k=16, num_warps=4)
+
+    # row_offsets (every kernel that takes it)
+    with pytest.raises(TypeError, match=r"row_offsets must have dtype int32, got torch.int64"):
+        w2_dgrad_swiglu_bwd(ptrs, offsets, row_offsets.long(), w2, h1, h1.clone(), config=cfg)
+    with pytest.raises(
+        ValueError, match=r"row_offsets must have shape \[3\] \[E_local \+ 1\].*got \[2\]"
+    ):
+        w2_dgrad_swiglu_bwd(ptrs, offsets, row_offsets[:2], w2, h1, h1.clone(), config=cfg)
+    grad_w2 = torch.zeros(2, hidden, ffn, device=DEVICE)
+    grad_h3 = torch.zeros(rows, hidden, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"row_offsets must have shape \[3\]"):
+        w2_wgrad(grad_h3, h1[:, :ffn].contiguous(), offsets, row_offsets[:2], grad_w2)
+    w13 = torch.zeros(2, 2, ffn, hidden, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(TypeError, match=r"row_offsets must be a torch.Tensor, got list"):
+        w13_dgrad_scatter(h1, offsets, [0, 0, 0], w13, ptrs)
+    with pytest.raises(ValueError, match=r"grad_h1 must have shape \[R_act, 32\].*got \[32, 24\]"):
+        w13_dgrad_scatter(h1[:, :24].contiguous(), offsets, row_offsets, w13, ptrs)
+
+    # h1_offset
+    with pytest.raises(TypeError, match=r"h1_offset must have dtype int64, got torch.int32"):
+        w2_dgrad_swiglu_bwd(
+            ptrs, offsets, row_offsets, w2, base, h1, h1_offset=off.int(), config=cfg
+        )
+    with pytest.raises(ValueError, match=r"h1_offset must have shape \[1\].*got \[2\]"):
+        w2_dgrad_swiglu_bwd(
+            ptrs, offsets, row_offsets, w2, base, h1, h1_offset=off.repeat(2), config=cfg
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"h1 must be a 1-D bf16 base tensor when h1_offset is given .*got shape \[32, 32\]",
+    ):
+        w2_dgrad_swiglu_bwd(ptrs, offsets, row_offsets, w2, h1, h1.clone(), h1_offset=off)
+    with pytest.raises(TypeError, match=r"h1 must have dtype bfloat16, got torch.float32"):
+        w2_dgrad_swiglu_bwd(
+            ptrs, offsets, row_offsets, w2, base.float(), h1, h1_offset=off, config=cfg
+        )
+    with pytest.raises(ValueError, match=r"h1 must start at a 16-byte aligned address"):
+        w2_dgrad_swiglu_bwd(ptrs, offsets, row_offsets, w2, base[1:], h1, h1_offset=off, config=cfg)
+    with pytest.raises(ValueError, match=r"h1_offset must be on the same device as grad_h3_ptrs"):
+        w2_dgrad_swiglu_bwd(
+            ptrs, offsets, row_offsets, w2, base, h1, h1_offset=off.to("meta"), config=cfg
+        )
+    # With h1_offset the base may hold the grad_h1 rows (in place: not checkable on the host).
+    w2_dgrad_swiglu_bwd(
+        ptrs,
+        offsets,
+        row_offsets,
+        w2,
+        base,
+        base[8:].view(rows, 2 * ffn),
+        h1_offset=off,
+        config=cfg,
+    )
+
+    # x_offset
+    grad_w13 = torch.zeros(2, 2, ffn, hidden, device=DEVICE)
+    x_base = torch.zeros(8 + rows * hidden, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(TypeError, match=r"x_offset must have dtype int64, got torch.float32"):
+        w13_wgrad(h1, x_base, offsets, row_offsets, grad_w13, x_offset=off.float())
+    with pytest.raises(
+        ValueError,
+        match=r"x_gathered must be a 1-D bf16 base tensor when x_offset is given .*\[32, 32\]",
+    ):
+        w13_wgrad(h1, grad_h3, offsets, row_offsets, grad_w13, x_offset=off)
+    with pytest.raises(ValueError, match=r"x_gathered must have shape \[32, 32\] \[R_act, D\]"):
+        w13_wgrad(h1, x_base, offsets, row_offsets, grad_w13)
+    with pytest.raises(ValueError, match=r"x_gathered must start at a 16-byte aligned address"):
+        w13_wgrad(h1, x_base[3:], offsets, row_offsets, grad_w13, x_offset=off)
+
+    # h3_addr
+    ids = torch.zeros(4, 2, dtype=torch.int64, device=DEVICE)
+    grad_y = torch.zeros(4, hidden, dtype=torch.bfloat16, device=DEVICE)
+    scores = torch.zeros(4, 2, device=DEVICE)
+    routes = torch.zeros(8, hidden, dtype=torch.bfloat16, device=DEVICE)
+    grad_scores = torch.zeros(4, 2, device=DEVICE)
+    addr = torch.tensor([routes.data_ptr()], dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"h3_routes must be None when h3_addr is given"):
+        route_grads(grad_y, routes, ids, scores, routes.clone(), grad_scores, h3_addr=addr)
+    with pytest.raises(TypeError, match=r"h3_routes must be a torch.Tensor when h3_addr is not"):
+        route_grads(grad_y, None, ids, scores, routes, grad_scores)
+    with pytest.raises(TypeError, match=r"h3_addr must have dtype int64, got torch.int32"):
+        route_grads(grad_y, None, ids, scores, routes, grad_scores, h3_addr=addr.int())
+    with pytest.raises(ValueError, match=r"h3_addr must have shape \[1\].*got \[1, 1\]"):
+        route_grads(grad_y, None, ids, scores, routes, grad_scores, h3_addr=addr[None])
+    with pytest.raises(ValueError, match=r"h3_addr must be on the same device as grad_y"):
+        route_grads(grad_y, None, ids, scores, routes, grad_scores, h3_addr=addr.to("meta"))
+    with pytest.raises(
+        ValueError, match=r"h3_routes and grad_routes_out must be disjoint or start at the same row"
+    ):
+        nine = torch.zeros(9, hidden, dtype=torch.bfloat16, device=DEVICE)
+        route_grads(grad_y, nine[1:], ids, scores, nine[:-1], grad_scores)  # one row apart

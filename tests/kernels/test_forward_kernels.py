@@ -3,10 +3,18 @@
 On CPU the kernels run through Triton's interpreter at small shapes (block_m 16, D/F 32-64);
 the ``gpu`` tests repeat them at Hopper tile sizes. Every output is poisoned with NaN before a
 run: a row the kernel must write cannot pass the tolerance check while still poisoned, and a
-row it must not touch is compared bit-exactly with the poison.
+row it must not touch is compared bit-exactly with the poison. Inputs a kernel must not read
+(padding rows' pointer-table entries, activation rows beyond ``row_offsets[-1]``, inactive
+routes) point at or hold NaN, so reading them shows up in a compared output.
+
+Layouts: padded expert-major rows (``padded_offsets``, the tile schedule and the index of the
+pointer tables) with each expert's live rows first, and compact activation rows
+(``row_offsets``) for h2 / h1 / x. Expert row counts are mostly not multiples of block_m
+(padding present), with empty experts.
 
 Tolerances (``assert_bf16_close``): every kernel computes in fp32 and rounds once to bf16,
-compared against an fp64 result from the same bf16 inputs.
+compared against an fp64 result from the same bf16 inputs. Copies (saved x, saved h3) and
+runs that must not differ (``enable`` = 1 against a plain run) are compared bit-exactly.
 """
 
 from distmoe.kernels.interpreter import use_interpreter_if_no_gpu
@@ -14,7 +22,7 @@ from distmoe.kernels.interpreter import use_interpreter_if_no_gpu
 ON_INTERPRETER = use_interpreter_if_no_gpu()
 
 import math  # noqa: E402
-from dataclasses import replace  # noqa: E402
+from dataclasses import dataclass, replace  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -75,30 +83,68 @@ def assert_untouched(tensor: torch.Tensor, *, what: str) -> None:
     assert torch.equal(tensor.view(torch.int16), poison), f"{what}: written, must be untouched"
 
 
+def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, *, what: str) -> None:
+    """Bit-exact equality of bf16 tensors (NaN poison included)."""
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert torch.equal(actual.view(torch.int16), expected.view(torch.int16)), f"{what}: differs"
+
+
 def addr(tensor: torch.Tensor, row: int, row_elems: int) -> int:
     """Absolute byte address of ``row`` of a contiguous bf16 tensor seen as rows."""
     return tensor.data_ptr() + row * row_elems * tensor.element_size()
 
 
-def build_layout(counts, *, r_cap, block_m=BM, min_rows=None):
-    """Padded expert-major layout: int32 padded_offsets and, per expert, its live rows.
+def device_int(values, dtype) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=DEVICE)
 
-    Each expert's segment is ``ceil(n / block_m) * block_m`` rows (at least ``min_rows[e]``:
-    a routing layer may pad an empty expert to a whole null tile); the ``n`` live rows sit at
-    random positions of the segment, so null rows are interspersed, not only trailing.
+
+@dataclass
+class Layout:
+    """Padded expert-major rows (tile schedule) and compact activation rows of one call.
+
+    ``padded[e]``/``act[e]``: host copies of ``padded_offsets``/``row_offsets``; ``live[e]``:
+    the padded rows of expert ``e``'s live rows (the first ``n_e`` of its segment);
+    ``padding``: the padded rows of the segments beyond their live rows.
     """
-    offsets = [0]
-    live = []
+
+    padded_offsets: torch.Tensor
+    row_offsets: torch.Tensor
+    padded: list[int]
+    act: list[int]
+    live: list[list[int]]
+    padding: list[int]
+
+    @property
+    def num_act(self) -> int:
+        return self.act[-1]
+
+    def expert_of_act(self) -> list[int]:
+        return [e for e in range(len(self.live)) for _ in self.live[e]]
+
+
+def build_layout(counts, *, r_cap, block_m=BM, min_rows=None) -> Layout:
+    """Each expert's segment is ``ceil(n / block_m) * block_m`` rows (at least ``min_rows[e]``:
+    a routing layer may pad an empty expert to a whole tile of padding); its ``n`` live rows
+    come first. Activation rows are the exclusive prefix sum of the counts."""
+    padded, act, live, padding = [0], [0], [], []
     for e, n in enumerate(counts):
         seg = math.ceil(n / block_m) * block_m
         if min_rows is not None:
             seg = max(seg, min_rows[e])
-        start = offsets[-1]
-        live.append(sorted((torch.randperm(seg)[:n] + start).tolist()))
-        offsets.append(start + seg)
-    assert offsets[-1] <= r_cap, "test layout exceeds R_cap"
-    padded_offsets = torch.tensor(offsets, dtype=torch.int32, device=DEVICE)
-    return padded_offsets, offsets, live
+        start = padded[-1]
+        live.append(list(range(start, start + n)))
+        padding.extend(range(start + n, start + seg))
+        padded.append(start + seg)
+        act.append(act[-1] + n)
+    assert padded[-1] <= r_cap, "test layout exceeds R_cap"
+    return Layout(
+        padded_offsets=device_int(padded, torch.int32),
+        row_offsets=device_int(act, torch.int32),
+        padded=padded,
+        act=act,
+        live=live,
+        padding=padding,
+    )
 
 
 def peer_sources(hidden: int) -> list[torch.Tensor]:
@@ -112,29 +158,40 @@ def peer_sources(hidden: int) -> list[torch.Tensor]:
     ]
 
 
-def gather_table(live, r_cap, sources, hidden):
-    """gather_ptrs for the live rows (random rows of random sources) and the fp64 rows."""
+def gather_table(layout, r_cap, sources, hidden, *, garbage=None, null_live=()):
+    """gather_ptrs for the live rows (random rows of random sources) and the fp64 rows in
+    activation-row order. Live rows listed in ``null_live`` (activation rows) get address 0;
+    padding rows and rows beyond ``padded[-1]`` point at ``garbage`` (NaN rows) when given,
+    which the kernel must never read."""
     ptrs = torch.zeros(r_cap, dtype=torch.int64)
-    x = torch.zeros(r_cap, hidden, dtype=torch.float64)
-    for rows in live:
+    if garbage is not None:
+        for r in range(r_cap):
+            ptrs[r] = addr(garbage, r % garbage.shape[0], hidden)
+    x = torch.zeros(layout.num_act, hidden, dtype=torch.float64)
+    a = 0
+    for rows in layout.live:
         for r in rows:
-            i = int(torch.randint(len(sources), ()))
-            src = sources[i].reshape(-1, hidden)
-            j = int(torch.randint(src.shape[0], ()))
-            ptrs[r] = addr(sources[i], j, hidden)
-            x[r] = src[j].double().cpu()
+            if a in null_live:
+                ptrs[r] = 0
+            else:
+                i = int(torch.randint(len(sources), ()))
+                src = sources[i].reshape(-1, hidden)
+                j = int(torch.randint(src.shape[0], ()))
+                ptrs[r] = addr(sources[i], j, hidden)
+                x[a] = src[j].double().cpu()
+            a += 1
     return ptrs.to(DEVICE), x
 
 
-def w13_expected(x, w13, offsets):
-    """fp64 g, u, h2 for the used rows ``[0, offsets[-1])``."""
-    total = offsets[-1]
+def w13_expected(x, w13, layout):
+    """fp64 g, u, h2 of the activation rows ``[0, row_offsets[-1])``."""
     ffn = w13.shape[2]
-    g = torch.zeros(total, ffn, dtype=torch.float64)
-    u = torch.zeros(total, ffn, dtype=torch.float64)
-    for e, (start, end) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
-        g[start:end] = x[start:end] @ w13[e, 0].double().cpu().T
-        u[start:end] = x[start:end] @ w13[e, 1].double().cpu().T
+    g = torch.zeros(layout.num_act, ffn, dtype=torch.float64)
+    u = torch.zeros(layout.num_act, ffn, dtype=torch.float64)
+    for e in range(len(layout.live)):
+        rows = slice(layout.act[e], layout.act[e + 1])
+        g[rows] = x[rows] @ w13[e, 0].double().cpu().T
+        u[rows] = x[rows] @ w13[e, 1].double().cpu().T
     return g, u, torch.nn.functional.silu(g) * u
 
 
@@ -145,74 +202,90 @@ def random_weights(num_experts, hidden, ffn):
     return w13.to(torch.bfloat16), w2.to(torch.bfloat16)
 
 
-# --------------------------------------------------------------------------------------------
-# W13 gather + SwiGLU
-# --------------------------------------------------------------------------------------------
-
-
-def run_w13_case(
-    counts, *, hidden, ffn, r_cap, config, min_rows=None, training=True, use_ref=False
-):
-    padded_offsets, offsets, live = build_layout(
-        counts, r_cap=r_cap, block_m=config.block_m, min_rows=min_rows
-    )
-    sources = peer_sources(hidden)
-    gather_ptrs, x = gather_table(live, r_cap, sources, hidden)
-    w13, _ = random_weights(len(counts), hidden, ffn)
-    h2 = poisoned(r_cap, ffn)
-    h1 = poisoned(r_cap, 2 * ffn) if training else None
-    x_out = poisoned(r_cap, hidden) if training else None
-    if use_ref:
-        gather_w13_swiglu_ref(
-            gather_ptrs,
-            padded_offsets,
-            w13,
-            h2,
-            h1_out=h1,
-            x_out=x_out,
-            sources=sources,
-            block_m=config.block_m,
-        )
-    else:
-        gather_w13_swiglu(
-            gather_ptrs, padded_offsets, w13, h2, h1_out=h1, x_out=x_out, config=config
-        )
-
-    total = offsets[-1]
-    g, u, h2_exp = w13_expected(x, w13, offsets)
-    assert_bf16_close(h2[:total], h2_exp, what="h2")
-    assert_untouched(h2[total:], what="h2 rows beyond padded_offsets[-1]")
-    null = torch.ones(r_cap, dtype=torch.bool)
-    null[[r for rows in live for r in rows]] = False
-    null[total:] = False
-    # Null rows read zeros: h2 (and h1, x_out) rows are exact zeros.
-    assert torch.equal(
-        h2[null.to(DEVICE)].float(), torch.zeros(int(null.sum()), ffn, device=DEVICE)
-    )
-    if training:
-        assert_bf16_close(h1[:total], torch.cat([g, u], dim=1), what="h1")
-        assert_untouched(h1[total:], what="h1 rows beyond padded_offsets[-1]")
-        # The saved rows are a bit-exact copy of the gathered bf16 rows (zeros for null rows).
-        assert torch.equal(x_out[:total].double().cpu(), x[:total]), (
-            "x_out is not the gathered rows"
-        )
-        assert_untouched(x_out[total:], what="x_out rows beyond padded_offsets[-1]")
-    return h2
-
-
 GRIDS = pytest.mark.parametrize(
     "persistent, host_descriptors",
     [(False, True), (True, True), (False, False), (True, False)],
     ids=["tile_grid", "persistent", "tile_grid-device_desc", "persistent-device_desc"],
 )
+PERSISTENT = pytest.mark.parametrize("persistent", [False, True], ids=["tile_grid", "persistent"])
+
+
+# --------------------------------------------------------------------------------------------
+# W13 gather + SwiGLU
+# --------------------------------------------------------------------------------------------
+
+
+class W13Case:
+    """Inputs of one W13 call and their fp64 expectation (activation rows)."""
+
+    def __init__(self, counts, *, hidden, ffn, r_cap, block_m=BM, min_rows=None, null_live=()):
+        self.hidden, self.ffn, self.r_cap = hidden, ffn, r_cap
+        self.layout = build_layout(counts, r_cap=r_cap, block_m=block_m, min_rows=min_rows)
+        self.sources = peer_sources(hidden)
+        self.garbage = poisoned(3, hidden)
+        self.gather_ptrs, self.x = gather_table(
+            self.layout, r_cap, self.sources, hidden, garbage=self.garbage, null_live=null_live
+        )
+        self.null_live = list(null_live)
+        self.w13, _ = random_weights(len(counts), hidden, ffn)
+        self.g, self.u, self.h2 = w13_expected(self.x, self.w13, self.layout)
+
+    def run(self, h2_out, *, config, use_ref=False, **kwargs):
+        args = (self.gather_ptrs, self.layout.padded_offsets, self.layout.row_offsets, self.w13)
+        if use_ref:
+            gather_w13_swiglu_ref(
+                *args, h2_out, sources=self.sources, block_m=config.block_m, **kwargs
+            )
+        else:
+            gather_w13_swiglu(*args, h2_out, config=config, **kwargs)
+
+    def check_rows(self, name, rows, *, tail=None):
+        """``rows``: the ``row_offsets[-1]`` activation rows of output ``name``; ``tail``:
+        what lies beyond them in the same tensor (must be untouched)."""
+        n = self.layout.num_act
+        if name == "h2":
+            assert_bf16_close(rows, self.h2, what="h2")
+        elif name == "h1":
+            assert_bf16_close(rows, torch.cat([self.g, self.u], dim=1), what="h1")
+        else:
+            # The saved rows are a bit-exact copy of the gathered bf16 rows.
+            assert torch.equal(rows.double().cpu(), self.x), "x_out is not the gathered rows"
+        if self.null_live:
+            # Live rows with a null address read zeros: their outputs are exact zeros.
+            assert not rows[self.null_live].float().any(), f"{name}: null rows not zero"
+        if tail is not None:
+            assert_untouched(tail, what=f"{name} beyond row_offsets[-1] ({n})")
+
+
+def run_w13_case(
+    counts, *, hidden, ffn, r_cap, config, min_rows=None, training=True, use_ref=False,
+    act_slack=3, null_live=(),
+):  # fmt: skip
+    case = W13Case(
+        counts, hidden=hidden, ffn=ffn, r_cap=r_cap, block_m=config.block_m, min_rows=min_rows,
+        null_live=null_live,
+    )  # fmt: skip
+    n = case.layout.num_act
+    r_act = n + act_slack  # activation rows: independent of R_cap
+    h2 = poisoned(r_act, ffn)
+    h1 = poisoned(r_act, 2 * ffn) if training else None
+    x_out = poisoned(r_act, hidden) if training else None
+    case.run(h2, h1_out=h1, x_out=x_out, config=config, use_ref=use_ref)
+    case.check_rows("h2", h2[:n], tail=h2[n:])
+    if training:
+        case.check_rows("h1", h1[:n], tail=h1[n:])
+        case.check_rows("x", x_out[:n], tail=x_out[n:])
+    return case
 
 
 @GRIDS
 def test_w13_mixed_experts(persistent, host_descriptors):
-    # Experts with 5, 0, 16 and 21 rows (one empty, one exactly one tile), peers' rows from
-    # three sources, F=48 not a multiple of block_n=32, two idle tiles beyond the used rows.
+    # Experts with 5, 0, 16 and 21 live rows (padding after 5 and 21, one empty, one exactly
+    # one tile), peers' rows from three sources, a live row with a null address, padding
+    # rows' gather entries pointing at NaN rows (never read), F=48 not a multiple of
+    # block_n=32, two idle tiles, three activation rows beyond row_offsets[-1].
     config = replace(W13_SMALL, persistent=persistent, host_descriptors=host_descriptors)
-    run_w13_case([5, 0, 16, 21], hidden=64, ffn=48, r_cap=96, config=config)
+    run_w13_case([5, 0, 16, 21], hidden=64, ffn=48, r_cap=96, config=config, null_live=[7])
 
 
 def test_w13_hidden_not_multiple_of_block_k():
@@ -221,12 +294,14 @@ def test_w13_hidden_not_multiple_of_block_k():
 
 
 def test_w13_one_expert_all_rows():
-    # Every row goes to the last of three experts; R_cap exactly full (no idle tile).
-    run_w13_case([0, 0, 37], hidden=32, ffn=32, r_cap=48, config=W13_SMALL)
+    # Every row goes to the last of three experts; R_cap exactly full (no idle tile); the
+    # activations hold exactly row_offsets[-1] rows (no slack).
+    run_w13_case([0, 0, 37], hidden=32, ffn=32, r_cap=48, config=W13_SMALL, act_slack=0)
 
 
-def test_w13_all_null_tile_and_inference():
-    # Expert 1 is empty but padded to a whole null tile (zeros out); inference: no h1/x_out.
+def test_w13_padding_tile_and_inference():
+    # Expert 1 is empty but padded to a whole tile of padding rows (nothing stored: its
+    # activation row range is empty); inference: no h1/x_out.
     run_w13_case(
         [3, 0, 9],
         hidden=32,
@@ -238,35 +313,130 @@ def test_w13_all_null_tile_and_inference():
     )
 
 
-def test_w13_no_rows():
+@PERSISTENT
+def test_w13_no_rows(persistent):
     # No routed rows at all: every tile is idle and nothing is written.
     r_cap, hidden, ffn = 32, 32, 32
-    padded_offsets = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    offsets = torch.zeros(3, dtype=torch.int32, device=DEVICE)
     gather_ptrs = torch.zeros(r_cap, dtype=torch.int64, device=DEVICE)
     w13, _ = random_weights(2, hidden, ffn)
-    h2, h1, x_out = poisoned(r_cap, ffn), poisoned(r_cap, 2 * ffn), poisoned(r_cap, hidden)
+    h2, h1, x_out = poisoned(4, ffn), poisoned(4, 2 * ffn), poisoned(4, hidden)
+    config = replace(W13_SMALL, persistent=persistent)
     gather_w13_swiglu(
-        gather_ptrs, padded_offsets, w13, h2, h1_out=h1, x_out=x_out, config=W13_SMALL
+        gather_ptrs, offsets, offsets.clone(), w13, h2, h1_out=h1, x_out=x_out, config=config
     )
     for name, out in (("h2", h2), ("h1", h1), ("x_out", x_out)):
         assert_untouched(out, what=name)
 
 
+def test_w13_empty_padding_only_layout():
+    # Live rows only in the middle expert, whose count (1) leaves 15 padding rows; empty
+    # experts on both sides padded to whole tiles. Only activation row 0 may be written.
+    run_w13_case([0, 1, 0], hidden=32, ffn=32, r_cap=64, config=W13_SMALL, min_rows=[16, 0, 16])
+
+
 def test_w13_default_config_from_block_m():
     # config=None: the heuristic config at the caller's padding multiple.
-    padded_offsets, offsets, live = build_layout([4, 20], r_cap=48)
-    sources = peer_sources(32)
-    gather_ptrs, x = gather_table(live, 48, sources, 32)
-    w13, _ = random_weights(2, 32, 32)
-    h2 = poisoned(48, 32)
-    gather_w13_swiglu(gather_ptrs, padded_offsets, w13, h2, block_m=BM)
-    assert_bf16_close(h2[: offsets[-1]], w13_expected(x, w13, offsets)[2], what="h2")
-    assert_untouched(h2[offsets[-1] :], what="idle rows")
+    case = W13Case([4, 20], hidden=32, ffn=32, r_cap=48)
+    n = case.layout.num_act
+    h2 = poisoned(n + 2, 32)
+    gather_w13_swiglu(
+        case.gather_ptrs, case.layout.padded_offsets, case.layout.row_offsets, case.w13, h2,
+        block_m=BM,
+    )  # fmt: skip
+    case.check_rows("h2", h2[:n], tail=h2[n:])
 
 
 def test_w13_reference():
     # The plain-PyTorch reference obeys the same contract (within the same tolerance).
-    run_w13_case([5, 0, 21], hidden=32, ffn=48, r_cap=64, config=W13_SMALL, use_ref=True)
+    run_w13_case(
+        [5, 0, 21], hidden=32, ffn=48, r_cap=64, config=W13_SMALL, use_ref=True, null_live=[2]
+    )
+
+
+OUT_OFFSET_CASES = pytest.mark.parametrize(
+    "h1_at, x_at, same_base",
+    [
+        (8, 24, True),  # both saved into one base, x after h1 with a gap
+        (-1, 16, True),  # h1 skipped
+        (40, -8, True),  # x skipped
+        (-1, -1, True),  # nothing saved (h2 still written)
+        (64, 8, False),  # separate bases
+    ],
+    ids=["both", "h1_skipped", "x_skipped", "none", "separate_bases"],
+)
+
+
+@OUT_OFFSET_CASES
+@pytest.mark.parametrize("impl", ["kernel", "reference"])
+def test_w13_out_offsets(h1_at, x_at, same_base, impl):
+    # h1 / x stored at device-side element offsets into poisoned 1-D bases: exactly the
+    # row_offsets[-1] rows of each saved output land at its offset; a negative offset
+    # writes nothing for that output; every other element of the bases stays poisoned.
+    # ``h1_at`` / ``x_at``: element offsets; x's is relative to the end of h1's range when
+    # both share one base (so the ranges do not overlap).
+    case = W13Case([5, 0, 19], hidden=32, ffn=48, r_cap=64, null_live=[3])
+    n, ffn, hidden = case.layout.num_act, case.ffn, case.hidden
+    h1_size, x_size = n * 2 * ffn, n * hidden
+    if same_base:
+        x_off = -1 if x_at < 0 else max(h1_at, 0) + h1_size + x_at
+        h1_base = x_base = poisoned(max(h1_at, 0) + h1_size + x_at + x_size + 40)
+    else:
+        x_off = x_at
+        h1_base, x_base = poisoned(h1_at + h1_size + 24), poisoned(x_at + x_size + 24)
+    h1_off = h1_at
+    h2 = poisoned(n + 1, ffn)
+    case.run(
+        h2,
+        h1_out=h1_base,
+        x_out=x_base,
+        out_offsets=device_int([h1_off, x_off], torch.int64),
+        config=W13_SMALL,
+        use_ref=impl == "reference",
+    )
+    case.check_rows("h2", h2[:n], tail=h2[n:])
+    written = {id(h1_base): torch.zeros(h1_base.numel(), dtype=torch.bool)}
+    written.setdefault(id(x_base), torch.zeros(x_base.numel(), dtype=torch.bool))
+    for name, base, off, width in (("h1", h1_base, h1_off, 2 * ffn), ("x", x_base, x_off, hidden)):
+        if off < 0:
+            continue
+        case.check_rows(name, base[off : off + n * width].view(n, width))
+        written[id(base)][off : off + n * width] = True
+    for base in {id(h1_base): h1_base, id(x_base): x_base}.values():
+        assert_untouched(base[~written[id(base)].to(DEVICE)], what="base outside saved ranges")
+
+
+@PERSISTENT
+def test_w13_enable(persistent):
+    # enable = 1 equals the plain run bit for bit; enable = 0 writes nothing anywhere (the
+    # same for the reference).
+    config = replace(W13_SMALL, persistent=persistent)
+    case = W13Case([6, 0, 17], hidden=32, ffn=32, r_cap=64, null_live=[0])
+    n = case.layout.num_act
+
+    def outputs():
+        return poisoned(n + 2, 32), poisoned(n + 2, 64), poisoned(n + 2, 32)
+
+    plain = outputs()
+    case.run(plain[0], h1_out=plain[1], x_out=plain[2], config=config)
+    case.check_rows("h2", plain[0][:n], tail=plain[0][n:])
+    on = outputs()
+    case.run(on[0], h1_out=on[1], x_out=on[2], config=config, enable=device_int([1], torch.int32))
+    for name, got, want in zip(("h2", "h1", "x_out"), on, plain, strict=True):
+        assert_bits_equal(got, want, what=f"{name} with enable=1")
+    for use_ref in (False, True):
+        off = outputs()
+        base = poisoned(n * 96 + 16)
+        case.run(
+            off[0], h1_out=off[1], x_out=off[2], config=config, use_ref=use_ref,
+            enable=device_int([0], torch.int32),
+        )  # fmt: skip
+        case.run(
+            off[0], h1_out=base, x_out=base, out_offsets=device_int([0, n * 64], torch.int64),
+            config=config, use_ref=use_ref, enable=device_int([0], torch.int32),
+        )  # fmt: skip
+        for name, out in (("h2", off[0]), ("h1", off[1]), ("x_out", off[2]), ("base", base)):
+            assert_untouched(out, what=f"{name} with enable=0 ({'ref' if use_ref else 'kernel'})")
 
 
 def _w13_inputs(r_cap=32, hidden=32, ffn=32, num_experts=2):
@@ -274,9 +444,24 @@ def _w13_inputs(r_cap=32, hidden=32, ffn=32, num_experts=2):
     return dict(
         gather_ptrs=torch.zeros(r_cap, dtype=torch.int64, device=DEVICE),
         padded_offsets=torch.zeros(num_experts + 1, dtype=torch.int32, device=DEVICE),
+        row_offsets=torch.zeros(num_experts + 1, dtype=torch.int32, device=DEVICE),
         w13=w13,
-        h2_out=poisoned(r_cap, ffn),
+        h2_out=poisoned(5, ffn),
     )
+
+
+def _with_bases(**extra):
+    """An update that switches to the out_offsets path (valid unless ``extra`` breaks it)."""
+
+    def change(a):
+        a.update(h1_out=poisoned(64), x_out=poisoned(64))
+        a.update(out_offsets=torch.zeros(2, dtype=torch.int64, device=DEVICE))
+        a.update(**extra)
+
+    return change
+
+
+META_I32 = torch.zeros(3, dtype=torch.int32, device="meta")
 
 
 @pytest.mark.parametrize(
@@ -289,10 +474,28 @@ def _w13_inputs(r_cap=32, hidden=32, ffn=32, num_experts=2):
         (lambda a: a.update(w13=a["w13"].transpose(2, 3)), ValueError, "w13 must be contiguous"),
         (lambda a: a.update(padded_offsets=a["padded_offsets"][:2]), ValueError, r"padded_offsets must have shape \[3\]"),
         (lambda a: a.update(padded_offsets=a["padded_offsets"].long()), TypeError, "padded_offsets must have dtype int32"),
-        (lambda a: a.update(h2_out=a["h2_out"][:, :16].contiguous()), ValueError, r"h2_out must have shape \[32, 32\]"),
-        (lambda a: a.update(h1_out=poisoned(32, 32)), ValueError, r"h1_out must have shape \[32, 64\]"),
+        (lambda a: a.update(row_offsets=a["row_offsets"].long()), TypeError, "row_offsets must have dtype int32, got torch.int64"),
+        (lambda a: a.update(row_offsets=a["row_offsets"][:2]), ValueError, r"row_offsets must have shape \[3\] \[E_local \+ 1\], got \[2\]"),
+        (lambda a: a.update(row_offsets=META_I32), ValueError, r"row_offsets must be on the same device as gather_ptrs \(cpu\), got meta"),
+        (lambda a: a.update(h2_out=a["h2_out"][:, :16].contiguous()), ValueError, r"h2_out must have shape \[R_act, F=32\]"),
+        (lambda a: a.update(h2_out=poisoned(0, 32)), ValueError, r"h2_out must have R_act >= 1 rows .* got shape \[0, 32\]"),
+        (lambda a: a.update(h2_out=poisoned(160)), ValueError, r"h2_out must be 2-D \[R_act, F\], got shape \[160\]"),
+        (lambda a: a.update(h1_out=poisoned(32, 32)), ValueError, r"h1_out must have shape \[R_act, 2F=64\]"),
+        (lambda a: a.update(h1_out=poisoned(0, 64)), ValueError, r"h1_out must have R_act >= 1 rows"),
+        (lambda a: a.update(h1_out=poisoned(64)), ValueError, r"h1_out must be 2-D \[R_act, 2F\]"),
         (lambda a: a.update(x_out=poisoned(32, 32).float()), TypeError, "x_out must have dtype bfloat16"),
-        (lambda a: a.update(gather_ptrs=a["gather_ptrs"][:24], h2_out=a["h2_out"][:24]), ValueError, r"R_cap \(24, rows of gather_ptrs\) must be a multiple of block_m \(16\)"),
+        (_with_bases(out_offsets=torch.zeros(2, dtype=torch.int32, device=DEVICE)), TypeError, "out_offsets must have dtype int64, got torch.int32"),
+        (_with_bases(out_offsets=torch.zeros(3, dtype=torch.int64, device=DEVICE)), ValueError, r"out_offsets must have shape \[2\] \(h1, x\), got \[3\]"),
+        (_with_bases(out_offsets=torch.zeros(2, dtype=torch.int64, device="meta")), ValueError, "out_offsets must be on the same device as gather_ptrs"),
+        (_with_bases(x_out=None), ValueError, "x_out must be given with out_offsets"),
+        (_with_bases(h1_out=None), ValueError, "h1_out must be given with out_offsets"),
+        (_with_bases(h1_out=poisoned(4, 64)), ValueError, r"h1_out must be 1-D \(a bf16 base\), got shape \[4, 64\]"),
+        (_with_bases(x_out=poisoned(64).float()), TypeError, "x_out must have dtype bfloat16"),
+        (_with_bases(x_out=poisoned(64)[1:]), ValueError, "x_out must start at a 16-byte aligned address"),
+        (lambda a: a.update(enable=torch.ones(1, dtype=torch.int64, device=DEVICE)), TypeError, "enable must have dtype int32, got torch.int64"),
+        (lambda a: a.update(enable=torch.ones((), dtype=torch.int32, device=DEVICE)), ValueError, r"enable must have shape \[1\] \(0 = skip\), got \[\]"),
+        (lambda a: a.update(enable=torch.ones(1, dtype=torch.int32, device="meta")), ValueError, "enable must be on the same device as gather_ptrs"),
+        (lambda a: a.update(gather_ptrs=a["gather_ptrs"][:24]), ValueError, r"R_cap \(24, rows of gather_ptrs\) must be a multiple of block_m \(16\)"),
         (lambda a: a.update(block_m=32), ValueError, r"block_m \(32\) must equal config.block_m \(16\)"),
         (lambda a: a.update(config=W2_SMALL), TypeError, "config must be a W13Config"),
     ],
@@ -305,97 +508,168 @@ def test_w13_rejects_bad_inputs(change, error, match):
         gather_w13_swiglu(**args)
 
 
+def test_w13_reference_rejects_bad_layout():
+    # The reference checks the device-side layout on the host (the kernel cannot).
+    args = _w13_inputs()
+    args["padded_offsets"] = device_int([0, 16, 16], torch.int32)
+    args["row_offsets"] = device_int([0, 17, 17], torch.int32)
+    with pytest.raises(ValueError, match=r"expert 0 17 live rows; must be in \[0, 16\]"):
+        gather_w13_swiglu_ref(**args, sources=[], block_m=BM)
+    args["padded_offsets"] = device_int([0, 16, 32], torch.int32)
+    args["row_offsets"] = device_int([0, 7, 9], torch.int32)
+    with pytest.raises(ValueError, match=r"row_offsets\[-1\] \(9\) must be <= R_act \(5"):
+        gather_w13_swiglu_ref(**args, sources=[], block_m=BM)
+
+
 # --------------------------------------------------------------------------------------------
 # W2 scatter
 # --------------------------------------------------------------------------------------------
 
 
-def run_w2_case(counts, *, hidden, ffn, r_cap, config, min_rows=None, use_ref=False):
-    padded_offsets, offsets, live = build_layout(
-        counts, r_cap=r_cap, block_m=config.block_m, min_rows=min_rows
-    )
-    total = offsets[-1]
-    num_live = sum(len(rows) for rows in live)
-    # Peers' combine buffers: every live row gets its own destination row in one of them.
-    targets = [poisoned(num_live, hidden), poisoned(9, 2, hidden), poisoned(num_live + 3, hidden)]
-    slots = [(i, j) for i, t in enumerate(targets) for j in range(t.numel() // hidden)]
-    order = torch.randperm(len(slots)).tolist()
-    scatter_ptrs = torch.zeros(r_cap, dtype=torch.int64)
-    destination = {}
-    for n, r in enumerate(r for rows in live for r in rows):
-        i, j = slots[order[n]]
-        scatter_ptrs[r] = addr(targets[i], j, hidden)
-        destination[r] = (i, j)
-    # Rows beyond padded_offsets[-1] carry addresses too: idle tiles must not store them.
-    canary = poisoned(r_cap - total, hidden)
-    for n, r in enumerate(range(total, r_cap)):
-        scatter_ptrs[r] = addr(canary, n, hidden)
-    scatter_ptrs = scatter_ptrs.to(DEVICE)
+class W2Case:
+    """Inputs of one W2 call: h2 in activation rows (NaN beyond ``row_offsets[-1]``), every
+    live row with its own destination in one of three peer buffers (except ``skip_live``
+    rows, address 0), and padding / idle rows addressing a canary that must stay poisoned."""
 
-    h2 = torch.randn(r_cap, ffn, device=DEVICE).to(torch.bfloat16)
-    _, w2 = random_weights(len(counts), hidden, ffn)
-    if use_ref:
-        w2_scatter_ref(
-            h2, padded_offsets, w2, scatter_ptrs, targets=targets, block_m=config.block_m
-        )
-    else:
-        w2_scatter(h2, padded_offsets, w2, scatter_ptrs, config=config)
+    def __init__(self, counts, *, hidden, ffn, r_cap, block_m=BM, min_rows=None, act_slack=3,
+                 skip_live=()):  # fmt: skip
+        self.hidden, self.r_cap = hidden, r_cap
+        self.layout = layout = build_layout(counts, r_cap=r_cap, block_m=block_m, min_rows=min_rows)
+        n = layout.num_act
+        self.targets = [poisoned(n, hidden), poisoned(9, 2, hidden), poisoned(n + 3, hidden)]
+        slots = [(i, j) for i, t in enumerate(self.targets) for j in range(t.numel() // hidden)]
+        order = torch.randperm(len(slots)).tolist()
+        ptrs = torch.zeros(r_cap, dtype=torch.int64)
+        self.destination = {}  # activation row -> (target, row)
+        for a, r in enumerate(r for rows in layout.live for r in rows):
+            if a in skip_live:
+                continue
+            i, j = slots[order[a]]
+            ptrs[r] = addr(self.targets[i], j, hidden)
+            self.destination[a] = (i, j)
+        # Padding rows and rows beyond padded_offsets[-1] carry addresses too: never stored.
+        unused = layout.padding + list(range(layout.padded[-1], r_cap))
+        self.canary = poisoned(max(1, len(unused)), hidden)
+        for c, r in enumerate(unused):
+            ptrs[r] = addr(self.canary, c, hidden)
+        self.scatter_ptrs = ptrs.to(DEVICE)
+        # Rows beyond row_offsets[-1] are NaN: tiles read them past a segment's live rows
+        # (or TMA zero-fills past R_act) and must discard the results.
+        self.h2 = torch.randn(n + act_slack, ffn, device=DEVICE).to(torch.bfloat16)
+        self.h2[n:] = float("nan")
+        _, self.w2 = random_weights(len(counts), hidden, ffn)
 
-    written = [torch.zeros(t.numel() // hidden, dtype=torch.bool) for t in targets]
-    for e, (start, end) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
-        h3 = h2[start:end].double().cpu() @ w2[e].double().cpu().T
-        for r in live[e]:
-            i, j = destination[r]
-            got = targets[i].reshape(-1, hidden)[j]
-            assert_bf16_close(got, h3[r - start], what=f"h3 row {r} (expert {e})")
+    def run(self, *, config, use_ref=False, **kwargs):
+        args = (self.h2, self.layout.padded_offsets, self.layout.row_offsets, self.w2)
+        if use_ref:
+            w2_scatter_ref(
+                *args, self.scatter_ptrs, targets=self.targets, block_m=config.block_m, **kwargs
+            )
+        else:
+            w2_scatter(*args, self.scatter_ptrs, config=config, **kwargs)
+
+    def outputs(self):
+        return [*self.targets, self.canary]
+
+    def repoison(self):
+        for out in self.outputs():
+            out.fill_(float("nan"))
+
+    def check(self):
+        hidden = self.hidden
+        experts = self.layout.expert_of_act()
+        written = [torch.zeros(t.numel() // hidden, dtype=torch.bool) for t in self.targets]
+        for a, (i, j) in self.destination.items():
+            e = experts[a]
+            h3 = self.h2[a].double().cpu() @ self.w2[e].double().cpu().T
+            got = self.targets[i].reshape(-1, hidden)[j]
+            assert_bf16_close(got, h3, what=f"h3 of activation row {a} (expert {e})")
             written[i][j] = True
-    for i, t in enumerate(targets):
-        rows = t.reshape(-1, hidden)
-        # Rows no live row points at (skipped, null or spare) keep the poison bit-exactly.
-        assert_untouched(rows[(~written[i]).to(DEVICE)], what=f"target {i} rows not addressed")
-    assert_untouched(canary, what="rows addressed by idle tiles")
+        for i, t in enumerate(self.targets):
+            rows = t.reshape(-1, hidden)
+            # Rows no stored row points at (skipped or spare) keep the poison bit-exactly.
+            assert_untouched(rows[(~written[i]).to(DEVICE)], what=f"target {i} rows not addressed")
+        assert_untouched(self.canary, what="rows addressed by padding rows and idle tiles")
+
+
+def run_w2_case(counts, *, hidden, ffn, r_cap, config, min_rows=None, use_ref=False,
+                act_slack=3, skip_live=()):  # fmt: skip
+    case = W2Case(
+        counts, hidden=hidden, ffn=ffn, r_cap=r_cap, block_m=config.block_m, min_rows=min_rows,
+        act_slack=act_slack, skip_live=skip_live,
+    )  # fmt: skip
+    case.run(config=config, use_ref=use_ref)
+    case.check()
+    return case
 
 
 @GRIDS
 def test_w2_scatter_mixed_experts(persistent, host_descriptors):
-    # Experts with 5, 0, 16 and 21 rows, an empty expert padded to a whole null tile
-    # (skipped), D=48 not a multiple of block_n=32, F=40 not a multiple of block_k=32,
-    # destinations in three peer buffers, idle tiles with live-looking addresses.
+    # Experts with 5, 0, 16 and 21 live rows, the empty one padded to a whole tile of padding,
+    # D=48 not a multiple of block_n=32, F=40 not a multiple of block_k=32, destinations in
+    # three peer buffers, one live row skipped (address 0), padding rows and idle tiles with
+    # live-looking addresses, NaN activation rows beyond row_offsets[-1].
     config = replace(W2_SMALL, persistent=persistent, host_descriptors=host_descriptors)
-    run_w2_case([5, 0, 16, 21], hidden=48, ffn=40, r_cap=112, config=config, min_rows=[0, 16, 0, 0])
+    run_w2_case(
+        [5, 0, 16, 21], hidden=48, ffn=40, r_cap=112, config=config, min_rows=[0, 16, 0, 0],
+        skip_live=[9],
+    )  # fmt: skip
 
 
-def test_w2_scatter_one_expert_all_rows():
-    # All rows go to the middle of three experts; R_cap exactly full.
-    run_w2_case([0, 40, 0], hidden=32, ffn=64, r_cap=48, config=W2_SMALL)
+@pytest.mark.parametrize("host_descriptors", [True, False], ids=["host_desc", "device_desc"])
+def test_w2_scatter_one_expert_all_rows(host_descriptors):
+    # All rows go to the middle of three experts; R_cap exactly full; h2 holds exactly
+    # row_offsets[-1] = 40 rows, so the last tile's TMA load runs past R_act (zero fill).
+    config = replace(W2_SMALL, host_descriptors=host_descriptors)
+    run_w2_case([0, 40, 0], hidden=32, ffn=64, r_cap=48, config=config, act_slack=0)
+
+
+def test_w2_scatter_all_live_rows_skipped_in_a_tile():
+    # Expert 0's only tile has all its live rows skipped (no GEMM work); expert 1 is stored.
+    run_w2_case([3, 10], hidden=32, ffn=32, r_cap=48, config=W2_SMALL, skip_live=[0, 1, 2])
 
 
 def test_w2_scatter_default_config_from_block_m():
-    padded_offsets, offsets, live = build_layout([9, 3], r_cap=48)
-    hidden, ffn = 32, 32
-    target = poisoned(12, hidden)
-    scatter_ptrs = torch.zeros(48, dtype=torch.int64)
-    rows = [r for rs in live for r in rs]
-    for n, r in enumerate(rows):
-        scatter_ptrs[r] = addr(target, n, hidden)
-    h2 = torch.randn(48, ffn, device=DEVICE).to(torch.bfloat16)
-    _, w2 = random_weights(2, hidden, ffn)
-    w2_scatter(h2, padded_offsets, w2, scatter_ptrs.to(DEVICE), block_m=BM)
-    for n, r in enumerate(rows):
-        e = 0 if r < offsets[1] else 1
-        assert_bf16_close(target[n], h2[r].double().cpu() @ w2[e].double().cpu().T, what="h3")
+    case = W2Case([9, 3], hidden=32, ffn=32, r_cap=48)
+    layout = case.layout
+    w2_scatter(
+        case.h2, layout.padded_offsets, layout.row_offsets, case.w2, case.scatter_ptrs, block_m=BM
+    )
+    case.check()
 
 
 def test_w2_scatter_reference():
     # The plain-PyTorch reference obeys the same contract (within the same tolerance).
-    run_w2_case([5, 0, 21], hidden=32, ffn=48, r_cap=64, config=W2_SMALL, use_ref=True)
+    run_w2_case([5, 0, 21], hidden=32, ffn=48, r_cap=64, config=W2_SMALL, use_ref=True,
+                skip_live=[4])  # fmt: skip
+
+
+@PERSISTENT
+def test_w2_scatter_enable(persistent):
+    # enable = 1 equals the plain run bit for bit; enable = 0 writes nothing (no target row,
+    # no canary), for the kernel and the reference.
+    config = replace(W2_SMALL, persistent=persistent)
+    case = W2Case([5, 0, 21], hidden=32, ffn=48, r_cap=64, min_rows=[0, 16, 0])
+    case.run(config=config)
+    case.check()
+    plain = [out.clone() for out in case.outputs()]
+    case.repoison()
+    case.run(config=config, enable=device_int([1], torch.int32))
+    for i, (got, want) in enumerate(zip(case.outputs(), plain, strict=True)):
+        assert_bits_equal(got, want, what=f"output buffer {i} with enable=1")
+    for use_ref in (False, True):
+        case.repoison()
+        case.run(config=config, use_ref=use_ref, enable=device_int([0], torch.int32))
+        for i, out in enumerate(case.outputs()):
+            assert_untouched(out, what=f"output buffer {i} with enable=0 (ref={use_ref})")
 
 
 def _w2_inputs(r_cap=32, hidden=32, ffn=32, num_experts=2):
     _, w2 = random_weights(num_experts, hidden, ffn)
     return dict(
-        h2=torch.zeros(r_cap, ffn, dtype=torch.bfloat16, device=DEVICE),
+        h2=torch.zeros(7, ffn, dtype=torch.bfloat16, device=DEVICE),
         padded_offsets=torch.zeros(num_experts + 1, dtype=torch.int32, device=DEVICE),
+        row_offsets=torch.zeros(num_experts + 1, dtype=torch.int32, device=DEVICE),
         w2=w2,
         scatter_ptrs=torch.zeros(r_cap, dtype=torch.int64, device=DEVICE),
     )
@@ -405,12 +679,20 @@ def _w2_inputs(r_cap=32, hidden=32, ffn=32, num_experts=2):
     "change, error, match",
     [
         (lambda a: a.update(h2=a["h2"].half()), TypeError, "h2 must have dtype bfloat16"),
-        (lambda a: a.update(h2=a["h2"][:, :16].contiguous()), ValueError, r"h2 must have shape \[R_cap, F=32\]"),
+        (lambda a: a.update(h2=a["h2"][:, :16].contiguous()), ValueError, r"h2 must have shape \[R_act, F=32\]"),
         (lambda a: a.update(h2=a["h2"].t()), ValueError, "h2 must be contiguous"),
+        (lambda a: a.update(h2=a["h2"][:0]), ValueError, r"h2 must have R_act >= 1 rows .* when R_cap \(32\) > 0"),
         (lambda a: a.update(w2=a["w2"][:, :20].contiguous()), ValueError, r"D \(hidden\) \(20\) must be a positive multiple of 8"),
-        (lambda a: a.update(scatter_ptrs=a["scatter_ptrs"][:16]), ValueError, r"scatter_ptrs must have shape \[32\]"),
+        (lambda a: a.update(scatter_ptrs=a["scatter_ptrs"][None]), ValueError, r"scatter_ptrs must be 1-D \[R_cap\]"),
         (lambda a: a.update(scatter_ptrs=a["scatter_ptrs"].float()), TypeError, "scatter_ptrs must have dtype int64"),
+        (lambda a: a.update(scatter_ptrs=a["scatter_ptrs"][:24]), ValueError, r"R_cap \(24, rows of scatter_ptrs\) must be a multiple of block_m \(16\)"),
         (lambda a: a.update(padded_offsets=a["padded_offsets"][None]), ValueError, r"padded_offsets must have shape \[3\]"),
+        (lambda a: a.update(row_offsets=a["row_offsets"].long()), TypeError, "row_offsets must have dtype int32, got torch.int64"),
+        (lambda a: a.update(row_offsets=a["row_offsets"][:1]), ValueError, r"row_offsets must have shape \[3\] \[E_local \+ 1\], got \[1\]"),
+        (lambda a: a.update(row_offsets=META_I32), ValueError, r"row_offsets must be on the same device as h2 \(cpu\), got meta"),
+        (lambda a: a.update(enable=torch.ones(1, dtype=torch.bool, device=DEVICE)), TypeError, "enable must have dtype int32, got torch.bool"),
+        (lambda a: a.update(enable=torch.ones(2, dtype=torch.int32, device=DEVICE)), ValueError, r"enable must have shape \[1\] \(0 = skip\), got \[2\]"),
+        (lambda a: a.update(enable=torch.ones(1, dtype=torch.int32, device="meta")), ValueError, "enable must be on the same device as h2"),
         (lambda a: a.update(config=W13_SMALL), TypeError, "config must be a W2Config"),
     ],
 )  # fmt: skip
@@ -427,7 +709,24 @@ def test_w2_scatter_rejects_bad_inputs(change, error, match):
 # --------------------------------------------------------------------------------------------
 
 
-def run_combine_case(num_tokens, max_tokens, top_k, hidden, *, id_dtype, score_dtype, config, use_ref=False, three_d=False):  # fmt: skip
+# bf16 bits of a NaN whose payload differs from torch's NaN (0x7FC0): the h3 save base is
+# filled with it, so a copied NaN row (an inactive route's) cannot pass for untouched.
+SAVE_SENTINEL = 0x7F81
+
+
+def sentinel_base(numel: int) -> torch.Tensor:
+    return torch.full((numel,), SAVE_SENTINEL, dtype=torch.int16, device=DEVICE).view(
+        torch.bfloat16
+    )
+
+
+def assert_sentinel(tensor: torch.Tensor, *, what: str) -> None:
+    assert bool((tensor.view(torch.int16) == SAVE_SENTINEL).all()), f"{what}: written"
+
+
+def run_combine_case(num_tokens, max_tokens, top_k, hidden, *, id_dtype, score_dtype, config, use_ref=False, three_d=False, save_at=None):  # fmt: skip
+    """``save_at``: also save h3 into a sentinel-filled base at this element offset (negative:
+    the save is skipped on the device)."""
     expert_ids = torch.randint(0, 5, (num_tokens, top_k))
     expert_ids[torch.rand(num_tokens, top_k) < 0.3] = -1
     if num_tokens > 2:
@@ -449,16 +748,33 @@ def run_combine_case(num_tokens, max_tokens, top_k, hidden, *, id_dtype, score_d
     rows_arg = rows.reshape(max_tokens, top_k, hidden) if three_d else rows
     y = poisoned(num_tokens, hidden)
     args = (rows_arg.to(DEVICE), expert_ids.to(id_dtype).to(DEVICE), scores.to(DEVICE), y)
+    save = {}
+    if save_at is not None:
+        base = sentinel_base(max(save_at, 0) + max_tokens * top_k * hidden + 24)
+        save = dict(h3_save=base, h3_save_offset=device_int([save_at], torch.int64))
     if use_ref:
         combine_ref(*args)
     else:
-        combine(*args, config=config)
+        combine(*args, config=config, **save)
     assert_bf16_close(y, expected, what="y")
     none_active = ~is_active.any(dim=1)
     # Tokens with no active route are exact zeros.
     assert torch.equal(
         y[none_active.to(DEVICE)].float().cpu(), torch.zeros(int(none_active.sum()), hidden)
     )
+    if save_at is not None:
+        base = save["h3_save"]
+        if save_at < 0:
+            assert_sentinel(base, what="h3_save with a negative offset")
+            return
+        region = base[save_at : save_at + num_tokens * top_k * hidden].view(-1, hidden)
+        active = is_active.reshape(-1).to(DEVICE)
+        # Active routes' rows: a bit-exact copy of the rows combined.
+        assert_bits_equal(region[active], rows[: num_tokens * top_k].to(DEVICE)[active],
+                          what="saved h3 rows")  # fmt: skip
+        assert_sentinel(region[~active], what="h3_save rows of inactive routes")
+        assert_sentinel(base[:save_at], what="h3_save before the offset")
+        assert_sentinel(base[save_at + num_tokens * top_k * hidden :], what="h3_save past T*K rows")
 
 
 COMBINE_SMALL = CombineConfig(block_t=4, block_d=32, num_warps=4)
@@ -487,6 +803,22 @@ def test_combine_no_tokens():
     assert y.shape == (0, 32)
 
 
+@pytest.mark.parametrize("save_at", [0, 40, -8], ids=["at_0", "at_40", "negative"])
+@pytest.mark.parametrize("hidden", [48, 20], ids=["D48", "D20"])
+def test_combine_h3_save(save_at, hidden):
+    # The route rows the combine reads are also saved at a device-side offset: active routes
+    # bit-exactly, inactive routes (NaN rows) and everything around untouched; a negative
+    # offset saves nothing. D=20 is not a multiple of 8 (no 16-byte rows: no vector hint).
+    run_combine_case(
+        13, 16, 3, hidden, id_dtype=torch.int32, score_dtype=torch.float32,
+        config=COMBINE_SMALL, save_at=save_at,
+    )  # fmt: skip
+
+
+def test_combine_h3_save_three_d_rows_default_config():
+    run_combine_case(7, 8, 2, 64, id_dtype=torch.int64, score_dtype=torch.bfloat16, config=None, three_d=True, save_at=64)  # fmt: skip
+
+
 def test_combine_reference():
     run_combine_case(13, 16, 3, 48, id_dtype=torch.int16, score_dtype=torch.float32, config=None, use_ref=True)  # fmt: skip
 
@@ -502,6 +834,14 @@ def test_combine_reference():
         (lambda a: a.update(combine_rows=a["combine_rows"][:, :8].contiguous()), ValueError, "combine_rows must have shape"),
         (lambda a: a.update(combine_rows=a["combine_rows"].t().contiguous().t()), ValueError, "combine_rows must be contiguous"),
         (lambda a: a.update(expert_ids=a["expert_ids"].t()), ValueError, "expert_ids must be contiguous"),
+        (lambda a: a.update(h3_save=poisoned(256)), ValueError, "h3_save is given but h3_save_offset is None: give both or neither"),
+        (lambda a: a.update(h3_save_offset=torch.zeros(1, dtype=torch.int64, device=DEVICE)), ValueError, "h3_save_offset is given but h3_save is None"),
+        (lambda a: a.update(h3_save=poisoned(16, 16), h3_save_offset=torch.zeros(1, dtype=torch.int64, device=DEVICE)), ValueError, r"h3_save must be 1-D \(a bf16 base\), got shape \[16, 16\]"),
+        (lambda a: a.update(h3_save=poisoned(256).float(), h3_save_offset=torch.zeros(1, dtype=torch.int64, device=DEVICE)), TypeError, "h3_save must have dtype bfloat16, got torch.float32"),
+        (lambda a: a.update(h3_save=poisoned(256)[3:], h3_save_offset=torch.zeros(1, dtype=torch.int64, device=DEVICE)), ValueError, "h3_save must start at a 16-byte aligned address"),
+        (lambda a: a.update(h3_save=poisoned(256), h3_save_offset=torch.zeros(1, dtype=torch.int32, device=DEVICE)), TypeError, "h3_save_offset must have dtype int64, got torch.int32"),
+        (lambda a: a.update(h3_save=poisoned(256), h3_save_offset=torch.zeros(2, dtype=torch.int64, device=DEVICE)), ValueError, r"h3_save_offset must have shape \[1\] .* got \[2\]"),
+        (lambda a: a.update(h3_save=poisoned(256), h3_save_offset=torch.zeros(1, dtype=torch.int64, device="meta")), ValueError, r"h3_save_offset must be on the same device as combine_rows \(cpu\), got meta"),
     ],
 )  # fmt: skip
 def test_combine_rejects_bad_inputs(change, error, match):
@@ -563,12 +903,14 @@ def run_forward_chain(num_tokens, top_k, num_experts, hidden, ffn, *, block_m, w
     scores = torch.where(expert_ids >= 0, scores, 0.0)
     w13, w2 = random_weights(num_experts, hidden, ffn)
 
-    # Routing tables (host-side here; the routing layer builds them on the device).
+    # Routing tables (host-side here; the routing layer builds them on the device): live rows
+    # first in each padded segment, compact activation rows.
     ids = expert_ids.cpu()
     counts = [int((ids == e).sum()) for e in range(num_experts)]
-    offsets = [0]
+    offsets, act = [0], [0]
     for n in counts:
         offsets.append(offsets[-1] + math.ceil(n / block_m) * block_m)
+        act.append(act[-1] + n)
     r_cap = math.ceil(num_tokens * top_k / block_m) * block_m + num_experts * block_m
     combine_rows = poisoned(num_tokens * top_k, hidden)
     gather_ptrs = torch.zeros(r_cap, dtype=torch.int64)
@@ -582,13 +924,22 @@ def run_forward_chain(num_tokens, top_k, num_experts, hidden, ffn, *, block_m, w
             gather_ptrs[fill[e]] = addr(x, t, hidden)
             scatter_ptrs[fill[e]] = addr(combine_rows, t * top_k + k, hidden)
             fill[e] += 1
-    padded_offsets = torch.tensor(offsets, dtype=torch.int32, device=DEVICE)
+    padded_offsets = device_int(offsets, torch.int32)
+    row_offsets = device_int(act, torch.int32)
     gather_ptrs, scatter_ptrs = gather_ptrs.to(DEVICE), scatter_ptrs.to(DEVICE)
 
-    h2 = poisoned(r_cap, ffn)
-    gather_w13_swiglu(gather_ptrs, padded_offsets, w13, h2, config=w13_config, block_m=block_m)
-    w2_scatter(h2, padded_offsets, w2, scatter_ptrs, config=w2_config, block_m=block_m)
-    y = combine(combine_rows, expert_ids, scores, poisoned(num_tokens, hidden))
+    h2 = poisoned(max(1, act[-1]), ffn)  # activation rows only
+    gather_w13_swiglu(
+        gather_ptrs, padded_offsets, row_offsets, w13, h2, config=w13_config, block_m=block_m
+    )
+    w2_scatter(h2, padded_offsets, row_offsets, w2, scatter_ptrs, config=w2_config, block_m=block_m)
+    h3_save = poisoned(8 + num_tokens * top_k * hidden)
+    y = combine(
+        combine_rows, expert_ids, scores, poisoned(num_tokens, hidden), h3_save=h3_save,
+        h3_save_offset=device_int([8], torch.int64),
+    )  # fmt: skip
+    # The saved h3 is the combine buffer as the combine read it (inactive slots: poison).
+    assert_bits_equal(h3_save[8:], combine_rows.reshape(-1), what="saved h3")
 
     # fp64 layer and the first-order bound of the three bf16 roundings.
     y64 = torch.zeros(num_tokens, hidden, dtype=torch.float64)
@@ -661,30 +1012,34 @@ def test_gpu_combine_large():
 
 @pytest.mark.gpu
 def test_gpu_cuda_graph_replay_with_new_routing():
-    # Capture W13 and W2 once; new routing tables written in place replay correctly (grids
-    # depend on R_cap only, counts are read on the device); unaddressed rows stay untouched.
-    hidden, ffn, num_experts, r_cap = 256, 256, 4, 1024
+    # Capture W13 and W2 once; new routing tables and a new enable flag written in place
+    # replay correctly (grids depend on R_cap only, counts and the flag are read on the
+    # device); unaddressed rows stay untouched; enable = 0 writes nothing.
+    hidden, ffn, num_experts, r_cap, r_act = 256, 256, 4, 1024, 600
     w13, w2 = random_weights(num_experts, hidden, ffn)
     x = torch.randn(64, hidden, device=DEVICE).to(torch.bfloat16)
     gather_ptrs = torch.zeros(r_cap, dtype=torch.int64, device=DEVICE)
     scatter_ptrs = torch.zeros(r_cap, dtype=torch.int64, device=DEVICE)
     padded_offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=DEVICE)
-    h2 = torch.zeros(r_cap, ffn, dtype=torch.bfloat16, device=DEVICE)
+    row_offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=DEVICE)
+    enable = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    h2 = torch.zeros(r_act, ffn, dtype=torch.bfloat16, device=DEVICE)
     out = torch.zeros(r_cap, hidden, dtype=torch.bfloat16, device=DEVICE)
 
     def forward():
-        gather_w13_swiglu(gather_ptrs, padded_offsets, w13, h2)
-        w2_scatter(h2, padded_offsets, w2, scatter_ptrs)
+        gather_w13_swiglu(gather_ptrs, padded_offsets, row_offsets, w13, h2, enable=enable)
+        w2_scatter(h2, padded_offsets, row_offsets, w2, scatter_ptrs, enable=enable)
 
     forward()  # compile before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         forward()
-    for counts in ([64, 0, 200, 3], [0, 500, 1, 0]):
-        offsets = [0]
+    for counts, flag in (([64, 0, 200, 3], 1), ([0, 500, 1, 0], 1), ([7, 9, 0, 130], 0)):
+        offsets, act = [0], [0]
         for n in counts:
             offsets.append(offsets[-1] + math.ceil(n / 128) * 128)
+            act.append(act[-1] + n)
         g = torch.zeros(r_cap, dtype=torch.int64)
         s = torch.zeros(r_cap, dtype=torch.int64)
         src_rows = torch.zeros(r_cap, dtype=torch.int64)
@@ -697,9 +1052,17 @@ def test_gpu_cuda_graph_replay_with_new_routing():
         gather_ptrs.copy_(g)
         scatter_ptrs.copy_(s)
         padded_offsets.copy_(torch.tensor(offsets, dtype=torch.int32))
+        row_offsets.copy_(torch.tensor(act, dtype=torch.int32))
+        enable.fill_(flag)
         out.fill_(float("nan"))
+        h2.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
+        if not flag:
+            assert_untouched(out, what="out with enable=0")
+            assert_untouched(h2, what="h2 with enable=0")
+            continue
+        assert_untouched(h2[act[-1] :], what="h2 beyond row_offsets[-1]")
         is_live = torch.zeros(r_cap, dtype=torch.bool)
         for e, n in enumerate(counts):
             is_live[offsets[e] : offsets[e] + n] = True

@@ -114,7 +114,7 @@ def test_receive_bound_overflow_is_counted_and_never_written(check):
     s = r0["stats"]
     # rank 0 receives 2 ranks x 32 tokens x 2 routes = 128 rows; bound = 0.5 * 32 * 2 = 32
     assert s["last_recv_rows"] == 128 and s["receive_bound"] == 32
-    assert s["dropped_rows"] == 128 - s["row_capacity"]  # R_cap = 32 + 2*15 -> 64
+    assert s["dropped_rows"] == 128 - s["receive_bound"]  # exactly the bound's rows run
     assert r1["stats"]["last_recv_rows"] == 0
     # every dropped route's return slot kept its canary on its owner
     assert r0["untouched_slots"] + r1["untouched_slots"] == s["dropped_rows"]

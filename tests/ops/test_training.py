@@ -25,17 +25,30 @@ def _upstream(seed, rows):
     return torch.randn(rows, D, generator=g).bfloat16().float()  # bf16-exact
 
 
+DEVICE = {"dev": torch.device("cpu")}  # set per rank process by training_rank
+
+
 def _leaf(t):
-    return t.clone().requires_grad_(True)
+    return t.to(DEVICE["dev"]).clone().requires_grad_(True)
 
 
-def _cfg(world):
-    return dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T, training=True,
-                        row_block=BLOCK, device_scratch_factor=float(world))
+def _cfg(world, mode):
+    """Two layers per slot (the stack test shares one context). ``save``: a slot that keeps
+    every layer whole whatever the routing (the backward's replay steps are skipped);
+    ``replay``: the inputs-only minimum, every layer replays in backward."""
+    base = dict(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T, training=True,
+                row_block=BLOCK, device_scratch_factor=float(world), max_layers_per_slot=2)
+    plan = dm.plan_memory(dm.MoEConfig(**base), world)
+    cap = plan.useful_max_slot_bytes if mode == "save" else plan.min_slot_bytes
+    return dm.MoEConfig(**base, activation_bytes=cap)
 
 
 def _grads(*ts):
-    return [None if t.grad is None else t.grad.clone() for t in ts]
+    return [None if t.grad is None else t.grad.cpu() for t in ts]
+
+
+def _dev(t):
+    return t.to(DEVICE["dev"])
 
 
 def _layer_case(rank, world, seed, case_name, ctx):
@@ -43,9 +56,9 @@ def _layer_case(rank, world, seed, case_name, ctx):
     mine = split_global_problem(x, ids, scores, w13, w2, world)[rank]
     gy = _upstream(seed, world * T)[rank * T:(rank + 1) * T]
     xs, ss, a, b = (_leaf(t) for t in (mine.x, mine.scores, mine.w13, mine.w2))
-    y = ctx(xs, mine.expert_ids, ss, a, b)
-    (y.float() * gy).sum().backward()
-    return [y.detach()] + _grads(xs, ss, a, b)
+    y = ctx(xs, _dev(mine.expert_ids), ss, a, b)
+    (y.float() * _dev(gy)).sum().backward()
+    return [y.detach().cpu()] + _grads(xs, ss, a, b)
 
 
 def _stack_problem(seed, world):
@@ -61,17 +74,21 @@ def _stack(rank, world, seed, ctx1, ctx2):
     gy = _upstream(seed, world * T)[rank * T:(rank + 1) * T]
     leaves = [_leaf(t) for t in (p1.x, p1.scores, p1.w13, p1.w2, p2.scores, p2.w13, p2.w2)]
     xs, s1, a1, b1, s2, a2, b2 = leaves
-    y1 = ctx1(xs, p1.expert_ids, s1, a1, b1)
-    y2 = ctx2(y1, p2.expert_ids, s2, a2, b2)
-    (y2.float() * gy).sum().backward()
-    return [y2.detach()] + _grads(*leaves)
+    y1 = ctx1(xs, _dev(p1.expert_ids), s1, a1, b1)
+    y2 = ctx2(y1, _dev(p2.expert_ids), s2, a2, b2)
+    (y2.float() * _dev(gy)).sum().backward()
+    return [y2.detach().cpu()] + _grads(*leaves)
 
 
-def training_rank(rank, world, seed):
-    cfg = _cfg(world)
+def training_rank(rank, world, seed, mode, device="cpu"):
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" \
+        else torch.device("cpu")
+    DEVICE["dev"] = dev
+    cfg = _cfg(world, mode)
     out = {}
-    with dm.MoEContext(cfg, device="cpu", check=True) as ctx, \
-            dm.MoEContext(cfg, device="cpu", check=True) as ctx2:
+    with dm.MoEContext(cfg, device=dev, check=True) as ctx, \
+            dm.MoEContext(cfg, device=dev, check=True) as ctx2:
+        out["always_saves"] = ctx.activations.always_saves
         for name in NAMES:
             out[name] = _layer_case(rank, world, seed, name, ctx)
         out["stack"] = _stack(rank, world, seed, ctx, ctx2)
@@ -82,16 +99,17 @@ def training_rank(rank, world, seed):
         gy = _upstream(seed, world * T)[rank * T:(rank + 1) * T]
         b = _leaf(mine.w2)
         b.grad = torch.ones_like(b)
-        y = ctx(mine.x, mine.expert_ids, mine.scores, mine.w13, b)
-        (y.float() * gy).sum().backward()
-        out["accumulated_w2_grad"] = b.grad
+        y = ctx(_dev(mine.x), _dev(mine.expert_ids), _dev(mine.scores), _dev(mine.w13), b)
+        (y.float() * _dev(gy)).sum().backward()
+        out["accumulated_w2_grad"] = b.grad.cpu()
         # inference path unchanged under no_grad
         x, ids, scores, w13, w2 = make_problem(seed, world, T, D, F, E, K, "balanced")
         mine = split_global_problem(x, ids, scores, w13, w2, world)[rank]
         with torch.no_grad():
-            y_ng = ctx(_leaf(mine.x), mine.expert_ids, mine.scores, mine.w13, mine.w2)
+            y_ng = ctx(_leaf(mine.x), _dev(mine.expert_ids), _dev(mine.scores),
+                       _dev(mine.w13), _dev(mine.w2))
         out["no_grad_requires_grad"] = y_ng.requires_grad
-        out["no_grad_y"] = y_ng
+        out["no_grad_y"] = y_ng.cpu()
     return out
 
 
@@ -121,10 +139,11 @@ def _compare(label, per_rank_grads, ref64, ref16, expert_slots):
         _check(f"{label}[{i}]", ours, ref64[i], ref16[i])
 
 
-@pytest.mark.parametrize("EP", [1, 2])
-def test_training_matches_torch_autograd(EP):
+def check_training(EP, mode, device):
     seed = 4321 + EP
-    per_rank = dm.launch(training_rank, EP, args=(seed,))
+    kw = dict(device="cuda", gpus=[0], timeout=600) if device == "cuda" else {}
+    per_rank = dm.launch(training_rank, EP, args=(seed, mode, device), **kw)
+    assert all(r["always_saves"] == (mode == "save") for r in per_rank)
     gy = _upstream(seed, EP * T)
     for name in NAMES:
         x, ids, scores, w13, w2 = make_problem(seed, EP, T, D, F, E, K, name)
@@ -160,3 +179,9 @@ def test_training_matches_torch_autograd(EP):
         grad_w2 = r["balanced"][4]
         assert grad_w2.dtype == torch.bfloat16
         assert torch.equal(r["accumulated_w2_grad"], torch.ones_like(grad_w2) + grad_w2)
+
+
+@pytest.mark.parametrize("mode", ["save", "replay"])
+@pytest.mark.parametrize("EP", [1, 2])
+def test_training_matches_torch_autograd(EP, mode):
+    check_training(EP, mode, "cpu")

@@ -11,30 +11,37 @@ DISPATCH = torch.tensor([10_000_000, 20_000_000, 30_000_000, 40_000_000])
 COMBINE = torch.tensor([50_000_000, 60_000_000, 70_000_000, 80_000_000])
 
 
-def loop_tables(ids, rank, E_local, block, cap, training):
-    """Walk experts in order and routes in (src, t, k) order: the obvious way."""
+def loop_tables(ids, rank, E_local, block, bound, training):
+    """Walk experts in order and routes in (src, t, k) order: the obvious way. A route runs
+    iff fewer than ``bound`` routes to this rank come before it."""
     EP, T, K = ids.shape
+    cap = row_capacity(bound, E_local, block)
     gather = [0] * cap
     scatter = [0] * cap
     bwd = [0] * cap
     offsets = [0]
+    compact = [0]
     recv = dropped = 0
     for e in range(E_local):
         g = rank * E_local + e
         routes = [(s, t, k) for s in range(EP) for t in range(T) for k in range(K)
                   if int(ids[s, t, k]) == g]
         base = offsets[-1]
+        executed = 0
         for j, (s, t, k) in enumerate(routes):
             recv += 1
-            row = base + j
-            if row >= cap:
+            if recv > bound:
                 dropped += 1
                 continue
+            row = base + j
+            executed += 1
             gather[row] = int(DISPATCH[s]) + t * ROW_BYTES
             scatter[row] = int(COMBINE[s]) + (t * K + k) * ROW_BYTES
             bwd[row] = int(DISPATCH[s]) + (t * K + k) * ROW_BYTES
-        offsets.append(base + -(-len(routes) // block) * block)
-    return offsets, gather, scatter, bwd, recv, dropped
+        offsets.append(base + -(-executed // block) * block)
+        compact.append(compact[-1] + executed)
+    assert offsets[-1] <= cap
+    return offsets, compact, gather, scatter, bwd, recv, dropped
 
 
 def ids_for(EP, T, K, E, kind):
@@ -55,14 +62,18 @@ def test_tables_match_loop_construction(kind, EP, T, K, E, block):
     ids = ids_for(EP, T, K, E, kind)
     E_local = E // EP
     for rank in range(EP):
-        cap = row_capacity(EP * T * K, E_local, block)
+        bound = EP * T * K
         tab = build_routing_tables(ids, rank=rank, num_local_experts=E_local, row_block=block,
-                                   row_capacity=cap, dispatch_bases_EP=DISPATCH[:EP],
+                                   receive_bound=bound, dispatch_bases_EP=DISPATCH[:EP],
                                    combine_bases_EP=COMBINE[:EP], row_bytes=ROW_BYTES,
                                    training=True)
-        offsets, gather, scatter, bwd, recv, dropped = loop_tables(ids, rank, E_local, block, cap,
-                                                                    True)
+        offsets, compact, gather, scatter, bwd, recv, dropped = loop_tables(
+            ids, rank, E_local, block, bound, True)
         assert tab.padded_offsets.tolist() == offsets
+        assert tab.row_offsets.tolist() == compact
+        executed_EP = [loop_tables(ids, r, E_local, block, bound, True)[1][-1]
+                       for r in range(EP)]
+        assert tab.executed_rows_EP.tolist() == executed_EP
         assert torch.equal(tab.gather_ptrs, torch.tensor(gather))
         assert torch.equal(tab.scatter_ptrs, torch.tensor(scatter))
         assert torch.equal(tab.bwd_scatter_ptrs, torch.tensor(bwd))
@@ -74,27 +85,31 @@ def test_overflow_is_counted_and_never_written_past_capacity():
     EP, T, K, block = 2, 16, 2, 4  # E = 4 experts, 2 per rank
     ids = torch.zeros(EP, T, K, dtype=torch.int16)
     ids[:, :, 1] = 1  # rank 0 receives all 64 routes
-    cap = 24  # far below 64
+    bound = 22  # far below 64, not a multiple of the block
+    cap = row_capacity(bound, 2, block)
     tab = build_routing_tables(ids, rank=0, num_local_experts=2, row_block=block,
-                               row_capacity=cap, dispatch_bases_EP=DISPATCH[:EP],
+                               receive_bound=bound, dispatch_bases_EP=DISPATCH[:EP],
                                combine_bases_EP=COMBINE[:EP], row_bytes=ROW_BYTES,
                                training=False)
-    offsets, gather, scatter, _, recv, dropped = loop_tables(ids, 0, 2, block, cap, False)
+    offsets, compact, gather, scatter, _, recv, dropped = loop_tables(ids, 0, 2, block, bound,
+                                                                      False)
     assert tab.gather_ptrs.shape == (cap,) and tab.bwd_scatter_ptrs is None
-    assert tab.padded_offsets.tolist() == [0, 24, 24]  # clamped to the capacity
+    assert tab.padded_offsets.tolist() == offsets == [0, 24, 24]
+    assert tab.row_offsets.tolist() == compact == [0, 22, 22]
+    assert tab.executed_rows_EP.tolist() == [22, 0]
     assert torch.equal(tab.gather_ptrs, torch.tensor(gather))
     assert torch.equal(tab.scatter_ptrs, torch.tensor(scatter))
-    assert int(tab.num_recv_rows) == 64 and int(tab.num_dropped_rows) == dropped == 40
+    assert int(tab.num_recv_rows) == 64 and int(tab.num_dropped_rows) == dropped == 42
     # Rank 0's own routes: expert 0 rows 0..15 fit (its tokens come first), expert 1 none.
     executed = torch.zeros(T, K, dtype=torch.bool)
     executed[:, 0] = True
     assert torch.equal(tab.is_route_executed_TK, executed)
     # Rank 1 computes the same fate for its routes without any communication.
     tab1 = build_routing_tables(ids, rank=1, num_local_experts=2, row_block=block,
-                                row_capacity=cap, dispatch_bases_EP=DISPATCH[:EP],
+                                receive_bound=bound, dispatch_bases_EP=DISPATCH[:EP],
                                 combine_bases_EP=COMBINE[:EP], row_bytes=ROW_BYTES,
                                 training=False)
     executed1 = torch.zeros(T, K, dtype=torch.bool)
-    executed1[:8, 0] = True  # expert 0 rows 16..23 are rank 1's first 8 tokens
+    executed1[:6, 0] = True  # expert 0 rows 16..21 are rank 1's first 6 tokens
     assert torch.equal(tab1.is_route_executed_TK, executed1)
     assert int(tab1.num_recv_rows) == 0

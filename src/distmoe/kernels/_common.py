@@ -12,11 +12,20 @@
 * Triton helpers used by both GEMM kernels: the expert of a row tile (:func:`tile_expert`) and
   the group-M tile swizzle (:func:`swizzle_tile`).
 
-Padded expert-major row layout (the contract of both GEMMs): ``R_cap`` rows, a multiple of
-``block_m``; ``padded_offsets`` int32 ``[E_local + 1]`` on the device; local expert ``e`` owns
-rows ``[padded_offsets[e], padded_offsets[e+1])``, each segment a multiple of ``block_m``;
-rows at or beyond ``padded_offsets[E_local]`` are idle. Grids are sized from ``R_cap`` only, so
-launches never read routed counts on the host (no synchronisation, CUDA-graph safe).
+Row layouts (the contract of every grouped kernel, forward and backward):
+
+* **padded rows**, the tile schedule: ``R_cap`` rows, a multiple of ``block_m``;
+  ``padded_offsets`` int32 ``[E_local + 1]`` on the device; local expert ``e`` owns rows
+  ``[padded_offsets[e], padded_offsets[e+1])``, each segment a multiple of ``block_m``; rows
+  at or beyond ``padded_offsets[E_local]`` are idle. Pointer tables (gather / scatter
+  addresses) are indexed by padded row.
+* **activation rows**, compact, what activation tensors hold: ``row_offsets`` int32
+  ``[E_local + 1]``; expert ``e`` has ``n_e = row_offsets[e+1] - row_offsets[e]`` live rows;
+  padded row ``padded_offsets[e] + j`` is live iff ``j < n_e`` and is activation row
+  ``row_offsets[e] + j``. Padding rows are never stored and never contribute to a live output.
+
+Grids are sized from ``R_cap`` only, so launches never read routed counts on the host (no
+synchronisation, CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -394,3 +403,92 @@ def swizzle_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     pid_m = first_pid_m + (tile_id % num_pid_in_group) % group_size_m
     pid_n = (tile_id % num_pid_in_group) // group_size_m
     return pid_m, pid_n
+
+
+# --------------------------------------------------------------------------------------------
+# Compact activation rows (forward kernels)
+# --------------------------------------------------------------------------------------------
+#
+# Activation tensors (h2, h1, saved x) hold one row per *live* row, expert-major and without
+# padding. ``row_offsets`` int32 ``[E_local + 1]`` on the device is the exclusive prefix sum of
+# live rows per local expert: expert ``e`` has ``n_e = row_offsets[e+1] - row_offsets[e]``
+# live rows (``n_e`` <= its padded segment length); padded row ``padded_offsets[e] + j`` is
+# live iff ``j < n_e`` and its activation row is ``row_offsets[e] + j``. The padded rows stay
+# the tile schedule and the index of the pointer tables.
+
+
+def check_bf16_base(name: str, value: object) -> torch.Tensor:
+    """A 1-D contiguous bf16 base tensor indexed by device-side element offsets.
+
+    Its start must be 16-byte aligned (the kernels store 16-byte vectors at ``base + offset``
+    with offsets that are multiples of 8 elements).
+    """
+    check_tensor(name, value, dtypes=(torch.bfloat16,), ndim=1, shape_text="(a bf16 base)")
+    if value.data_ptr() % TMA_ALIGN_BYTES:
+        raise ValueError(
+            f"{name} must start at a 16-byte aligned address (16-byte vector stores), "
+            f"got {value.data_ptr():#x}"
+        )
+    return value
+
+
+def check_activation_rows(name: str, tensor: torch.Tensor, *, r_cap: int) -> int:
+    """Rows ``R_act`` of a 2-D activation tensor: at least 1 when there is work (``r_cap > 0``).
+
+    ``R_act >= row_offsets[E_local]`` is the caller's contract (a device value: not checked).
+    """
+    r_act = tensor.shape[0]
+    if r_cap > 0 and r_act < 1:
+        raise ValueError(
+            f"{name} must have R_act >= 1 rows (activation rows, R_act >= row_offsets[E_local]) "
+            f"when R_cap ({r_cap}) > 0, got shape {list(tensor.shape)}"
+        )
+    return r_act
+
+
+def activation_segments(
+    padded_offsets: torch.Tensor, row_offsets: torch.Tensor
+) -> list[tuple[int, int, int]]:
+    """``[(padded_start, activation_start, live_rows)]`` per local expert (host copy: references
+    and tests only; it synchronises)."""
+    padded = padded_offsets.detach().to("cpu", torch.int64).tolist()
+    act = row_offsets.detach().to("cpu", torch.int64).tolist()
+    return [(padded[e], act[e], act[e + 1] - act[e]) for e in range(len(padded) - 1)]
+
+
+def check_row_offsets_host(
+    padded_offsets: torch.Tensor, row_offsets: torch.Tensor, *, r_act: int | None = None
+) -> None:
+    """Check ``row_offsets`` against the padded layout on the host (references only)."""
+    padded = padded_offsets.detach().to("cpu", torch.int64).tolist()
+    act = row_offsets.detach().to("cpu", torch.int64).tolist()
+    if act[0] != 0:
+        raise ValueError(f"row_offsets[0] ({act[0]}) must be 0")
+    for e in range(len(act) - 1):
+        live, seg = act[e + 1] - act[e], padded[e + 1] - padded[e]
+        if not 0 <= live <= seg:
+            raise ValueError(
+                f"row_offsets gives expert {e} {live} live rows; must be in [0, {seg}] (its "
+                f"padded segment [{padded[e]}, {padded[e + 1]}))"
+            )
+    if r_act is not None and act[-1] > r_act:
+        raise ValueError(
+            f"row_offsets[-1] ({act[-1]}) must be <= R_act ({r_act}, rows of the activations)"
+        )
+
+
+@triton.jit
+def tile_activation_rows(padded_offsets_ptr, row_offsets_ptr, expert, row_start):
+    """Activation rows of the row tile at padded row ``row_start`` of ``expert``.
+
+    Returns ``(act_start, num_live)``: the tile's padded row ``row_start + i`` maps to
+    activation row ``act_start + i`` (int64) and is live iff ``i < num_live`` (``num_live``
+    int32, <= 0 for a tile of padding rows only, may exceed ``BLOCK_M``).
+    """
+    seg_start = tl.load(padded_offsets_ptr + expert)
+    act_begin = tl.load(row_offsets_ptr + expert)
+    act_end = tl.load(row_offsets_ptr + expert + 1)
+    local = row_start - seg_start
+    act_start = act_begin.to(tl.int64) + local
+    num_live = act_end - act_begin - local
+    return act_start, num_live

@@ -8,12 +8,23 @@ accumulated in fp32 and rounded to bf16 once. A route with a negative expert id 
 inactive) is never read (its row and score may hold anything, NaN included); a token whose
 routes are all inactive gets exact zeros.
 
+Optionally (training: the score gradients need the returned rows) the rows read are also
+saved: with ``h3_save`` (a 1-D bf16 base tensor) and ``h3_save_offset`` (int64 ``[1]`` on the
+device, a bf16 element offset, e.g. a slot cursor), the row of every active route ``(t, k)``
+is copied bit-exactly to ``h3_save + offset + (t*K + k)*D``; inactive routes' save rows are
+not written, and a negative offset (read on the device by every program) skips the save.
+
 Algorithm: one program owns ``block_t`` tokens x ``block_d`` columns; the K routes are
 unrolled so their row loads are in flight together. Memory-bound: reads ``T*K*D`` bf16 (only
-active routes) and writes ``T*D`` bf16. Nothing is allocated.
+active routes) and writes ``T*D`` bf16 (plus ``T*K*D`` for the save: each loaded row is stored
+again from registers). Nothing is allocated.
 
 Sync points: none on the host. The returned rows must be complete before the launch (the
 caller waits for the experts' signal or barrier first).
+
+Requirements (the device-side ones are not checked): with a save, ``h3_save`` starts 16-byte
+aligned (checked), a non-negative offset is a multiple of 8 elements (16 bytes) and the base
+holds ``offset + T*K*D`` elements.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ import triton.language as tl
 
 from distmoe.kernels._common import (
     _is_power_of_2,
+    check_bf16_base,
     check_devices,
     check_tensor,
     device_context,
@@ -46,28 +58,41 @@ def _combine_kernel(
     expert_ids_ptr,
     scores_ptr,
     y_ptr,
+    save_ptr,
+    save_offset_ptr,
     num_tokens,
     TOP_K: tl.constexpr,
     HIDDEN: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SAVE: tl.constexpr,
 ):
+    """``save_ptr`` / ``save_offset_ptr`` (``SAVE``): the h3 save base and its element offset,
+    read once per program; without a save, placeholders that are never touched."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     is_token = tokens < num_tokens
     col_mask = (cols < HIDDEN)[None, :]
     routes0 = tokens.to(tl.int64) * TOP_K
+    if SAVE:
+        save_offset = tl.load(save_offset_ptr)
+        do_save = save_offset >= 0
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     for k in tl.static_range(TOP_K):
         route = routes0 + k
         expert = tl.load(expert_ids_ptr + route, mask=is_token, other=-1)
         is_active = is_token & (expert >= 0)
         score = tl.load(scores_ptr + route, mask=is_active, other=0.0).to(tl.float32)
-        row = tl.load(
-            rows_ptr + route[:, None] * HIDDEN + cols[None, :],
-            mask=is_active[:, None] & col_mask,
-            other=0.0,
-        )
+        row_mask = is_active[:, None] & col_mask
+        row = tl.load(rows_ptr + route[:, None] * HIDDEN + cols[None, :], mask=row_mask, other=0.0)
+        if SAVE:
+            if do_save:
+                save_rows = save_ptr + save_offset + route * HIDDEN
+                if HIDDEN % 8 == 0:
+                    # 16-byte rows at a 16-byte aligned offset (module requirement): vector
+                    # stores although the offset is a device value.
+                    save_rows = tl.multiple_of(save_rows, 16)
+                tl.store(save_rows[:, None] + cols[None, :], row, mask=row_mask)
         acc += score[:, None] * row.to(tl.float32)
     y_tile = y_ptr + tokens.to(tl.int64)[:, None] * HIDDEN + cols[None, :]
     tl.store(y_tile, acc.to(tl.bfloat16), mask=is_token[:, None] & col_mask)
@@ -126,7 +151,7 @@ class CombineConfig:
 
 
 def _check_combine_args(
-    combine_rows, expert_ids, scores, y_out, *, for_kernel: bool
+    combine_rows, expert_ids, scores, y_out, h3_save=None, h3_save_offset=None, *, for_kernel: bool
 ) -> tuple[torch.Tensor, int, int, int]:
     check_tensor("expert_ids", expert_ids, dtypes=_ID_DTYPES, ndim=2, shape_text="[T, K]")
     num_tokens, top_k = expert_ids.shape
@@ -155,10 +180,27 @@ def _check_combine_args(
             f"combine_rows must have shape [T_max*K, D] or [T_max, K, D] with K={top_k}, "
             f"D={hidden} and T_max >= T={num_tokens}, got {list(combine_rows.shape)}"
         )
-    check_devices(
-        {"combine_rows": combine_rows, "expert_ids": expert_ids, "scores": scores, "y_out": y_out},
-        for_kernel=for_kernel,
-    )
+    named = {"combine_rows": combine_rows, "expert_ids": expert_ids, "scores": scores}
+    named["y_out"] = y_out
+    if (h3_save is None) != (h3_save_offset is None):
+        given, missing = (
+            ("h3_save", "h3_save_offset")
+            if h3_save_offset is None
+            else ("h3_save_offset", "h3_save")
+        )
+        raise ValueError(f"{given} is given but {missing} is None: give both or neither")
+    if h3_save is not None:
+        check_bf16_base("h3_save", h3_save)
+        check_tensor(
+            "h3_save_offset",
+            h3_save_offset,
+            dtypes=(torch.int64,),
+            shape=[1],
+            shape_text="(bf16 element offset into h3_save)",
+        )
+        named["h3_save"] = h3_save
+        named["h3_save_offset"] = h3_save_offset
+    check_devices(named, for_kernel=for_kernel)
     return rows, num_tokens, top_k, hidden
 
 
@@ -168,6 +210,8 @@ def combine(
     scores: torch.Tensor,
     y_out: torch.Tensor,
     *,
+    h3_save: torch.Tensor | None = None,
+    h3_save_offset: torch.Tensor | None = None,
     config: CombineConfig | None = None,
 ) -> torch.Tensor:
     """Score-weighted fp32 sum of each token's K returned rows, into ``y_out``.
@@ -178,12 +222,17 @@ def combine(
         expert_ids: integer ``[T, K]`` contiguous (int8/16/32/64, uint8); negative = inactive.
         scores: float32 / bf16 / fp16 ``[T, K]`` contiguous.
         y_out: bf16 ``[T, D]`` contiguous; every row is written.
+        h3_save: optional 1-D contiguous bf16 base tensor (16-byte aligned): the row of every
+            active route ``(t, k)`` is also copied to elements
+            ``[offset + (t*K + k)*D, offset + (t*K + k + 1)*D)``; nothing else is written.
+        h3_save_offset: int64 ``[1]`` on the device, given with ``h3_save``: that ``offset``
+            (bf16 elements, a multiple of 8); negative = skip the save.
         config: launch configuration; default :meth:`CombineConfig.from_heuristic`.
 
     Returns ``y_out``.
     """
     rows, num_tokens, top_k, hidden = _check_combine_args(
-        combine_rows, expert_ids, scores, y_out, for_kernel=True
+        combine_rows, expert_ids, scores, y_out, h3_save, h3_save_offset, for_kernel=True
     )
     if config is None:
         config = CombineConfig.from_heuristic(hidden=hidden)
@@ -198,11 +247,14 @@ def combine(
             expert_ids,
             scores,
             y_out,
+            y_out if h3_save is None else h3_save,  # placeholder: never touched (SAVE)
+            expert_ids if h3_save_offset is None else h3_save_offset,  # placeholder: never read
             num_tokens,
             TOP_K=top_k,
             HIDDEN=hidden,
             BLOCK_T=config.block_t,
             BLOCK_D=config.block_d,
+            SAVE=h3_save is not None,
             num_warps=config.num_warps,
         )
     return y_out
@@ -219,7 +271,8 @@ def combine_ref(
     scores: torch.Tensor,
     y_out: torch.Tensor,
 ) -> torch.Tensor:
-    """Plain-PyTorch :func:`combine` (any device): fp32 sum, bf16 result into ``y_out``."""
+    """Plain-PyTorch :func:`combine` (any device): fp32 sum, bf16 result into ``y_out``
+    (no save: the saved rows are a bit-exact copy of the active routes' rows)."""
     rows, num_tokens, top_k, hidden = _check_combine_args(
         combine_rows, expert_ids, scores, y_out, for_kernel=False
     )

@@ -12,7 +12,13 @@ Forward, on the token owner: ``y[t] = sum_k score[t, k] * h3[t, k]`` (fp32), whe
   Inactive routes (expert id -1) get ``grad_scores = 0``; their ``h3`` rows are never read
   and their ``grad_routes`` rows never written. ``grad_routes`` is the buffer that the experts
   gather from for W2 DGRAD/WGRAD (DESIGN.md: the combine buffer carries the route output
-  gradients in backward).
+  gradients in backward). The h3 rows are a tensor (``h3_routes``) or sit at a device-side
+  byte address (``h3_addr``, e.g. the owner's combine buffer that still holds the routes'
+  results), and may be exactly the rows of ``grad_routes`` (in place): each route row is read
+  and written by one program only, and in that mode the program finishes reading every
+  ``h3`` element of a column step before it writes that step's ``grad_routes`` elements (a
+  CTA barrier between the loads and the stores: the stores do not depend on ``h3``, so no
+  data dependency orders them).
 * :func:`reduce_routes` (after the expert backward): every route's expert returned one input
   gradient row into slot ``t*K + k`` (the dispatch buffer); ``grad_x[t]`` is their fp32 sum,
   rounded to bf16 once. Inactive routes are never read, so their slots may hold anything; a
@@ -20,7 +26,8 @@ Forward, on the token owner: ``y[t] = sum_k score[t, k] * h3[t, k]`` (fp32), whe
 
 Memory: both kernels stream their rows once (``route_grads`` reads ``grad_y`` once per route,
 served by L1/L2 since the K routes of a token sit in the same program). No atomics, no
-synchronisation: the caller orders the peer writes (barrier) before ``reduce_routes``.
+host synchronisation (the in-place mode of ``route_grads`` adds one CTA barrier per column
+step): the caller orders the peer writes (barrier) before ``reduce_routes``.
 Grids come from the static ``T`` and ``D`` only.
 """
 
@@ -51,17 +58,23 @@ _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
 @triton.jit
 def _route_grads_kernel(
     grad_y_ptr,  # bf16 [T, D]
-    h3_ptr,  # bf16 [>= T*K, D]: route (t, k) at row t*K + k
+    h3_ptr,  # bf16 [>= T*K, D]: route (t, k) at row t*K + k; int64 [1] address (H3_ADDR)
     expert_ids_ptr,  # int [T*K]
     scores_ptr,  # fp32 [T*K]
-    grad_routes_ptr,  # bf16 [>= T*K, D]
+    grad_routes_ptr,  # bf16 [>= T*K, D] (may be the h3 rows: IN_PLACE)
     grad_scores_ptr,  # fp32 [T*K]
     num_routes,  # T*K
     TOP_K: tl.constexpr,
     HIDDEN: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    H3_ADDR: tl.constexpr,
+    IN_PLACE: tl.constexpr,
 ):
+    if H3_ADDR:
+        # Byte address of route row 0, 16-byte aligned (contract); the hint sits on the pointer
+        # (divisibility in bytes) so the row loads stay 16-byte vectors.
+        h3_ptr = tl.multiple_of(tl.load(h3_ptr).to(tl.pointer_type(tl.bfloat16)), 16)
     route = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = route < num_routes
     expert = tl.load(expert_ids_ptr + route, mask=in_range, other=-1)
@@ -78,6 +91,11 @@ def _route_grads_kernel(
         h3 = tl.load(h3_ptr + route64[:, None] * HIDDEN + col[None, :], mask=mask, other=0.0)
         dot += tl.sum(gy * h3.to(tl.float32), axis=1)
         grad_route = (gy * score[:, None]).to(tl.bfloat16)
+        if IN_PLACE:
+            # grad_route does not depend on h3, and the thread storing an element need not be
+            # the one that loaded it: the barrier makes every h3 load of this step performed
+            # before any store of it. Only this program touches these rows.
+            tl.debug_barrier()
         tl.store(grad_routes_ptr + route64[:, None] * HIDDEN + col[None, :], grad_route, mask=mask)
     tl.store(grad_scores_ptr + route, dot, mask=in_range)
 
@@ -207,12 +225,13 @@ def _check_config(config: object, hidden: int) -> RouteGradConfig:
 
 def route_grads(
     grad_y: torch.Tensor,
-    h3_routes: torch.Tensor,
+    h3_routes: torch.Tensor | None,
     expert_ids: torch.Tensor,
     scores: torch.Tensor,
     grad_routes_out: torch.Tensor,
     grad_scores_out: torch.Tensor,
     *,
+    h3_addr: torch.Tensor | None = None,
     config: RouteGradConfig | None = None,
 ) -> None:
     """Score and route-output gradients of the owner combine (see the module docstring).
@@ -221,12 +240,22 @@ def route_grads(
         grad_y: ``[T, D]`` bf16, gradient of the layer output.
         h3_routes: ``[T_max*K, D]`` bf16 (``T_max >= T``), the expert results saved in
             forward; route ``(t, k)`` at row ``t*K + k``. Rows of inactive routes are not read.
+            May be ``grad_routes_out`` itself, or a view starting at the same row (in place);
+            any other overlap is an error. Must be ``None`` when ``h3_addr`` is given.
         expert_ids: ``[T, K]`` any integer dtype; -1 marks an inactive route.
         scores: ``[T, K]`` fp32 routing scores.
         grad_routes_out: ``[T_max*K, D]`` bf16; row ``t*K + k`` receives
             ``bf16(scores[t, k] * grad_y[t])`` for every active route, other rows untouched.
         grad_scores_out: ``[T, K]`` fp32; receives ``dot(grad_y[t], h3[t*K + k])`` (0 where
             inactive).
+        h3_addr: optional int64 ``[1]`` device tensor, the absolute byte address of route row 0
+            of the h3 rows (row ``t*K + k`` at ``h3_addr[0] + (t*K + k)*D*2``; 16-byte aligned,
+            not checked: the value lives on the device). Those rows may be exactly the rows of
+            ``grad_routes_out`` (in place: the owner reads the routes' results from its combine
+            buffer and overwrites them with the route gradients): every h3 element a program
+            reads is read before that program writes the same element of ``grad_routes_out``,
+            and no other program writes it (module docstring). Always run in that ordered mode,
+            since the host cannot tell whether the rows coincide.
         config: launch configuration; ``None`` picks :meth:`RouteGradConfig.from_heuristic`.
 
     All tensors contiguous, on one CUDA device (CPU under the Triton interpreter).
@@ -240,7 +269,23 @@ def route_grads(
     hidden = grad_y.shape[1]
     check_width("D (grad_y.shape[1])", hidden)
     num_routes = num_tokens * top_k
-    _check_route_rows("h3_routes", h3_routes, num_routes, hidden)
+    if h3_addr is None:
+        if h3_routes is None:
+            raise TypeError("h3_routes must be a torch.Tensor when h3_addr is not given, got None")
+        _check_route_rows("h3_routes", h3_routes, num_routes, hidden)
+    else:
+        if h3_routes is not None:
+            raise ValueError(
+                "h3_routes must be None when h3_addr is given (the h3 rows are read at "
+                f"h3_addr), got a tensor of shape {list(h3_routes.shape)}"
+            )
+        check_tensor(
+            "h3_addr",
+            h3_addr,
+            dtypes=(torch.int64,),
+            shape=[1],
+            shape_text="(byte address of route row 0 of h3)",
+        )
     _check_route_rows("grad_routes_out", grad_routes_out, num_routes, hidden)
     check_tensor(
         "grad_scores_out",
@@ -249,16 +294,18 @@ def route_grads(
         shape=[num_tokens, top_k],
         shape_text="[T, K]",
     )
+    h3_name = "h3_routes" if h3_addr is None else "h3_addr"
     device = check_devices(
         {
             "grad_y": grad_y,
-            "h3_routes": h3_routes,
+            h3_name: h3_routes if h3_addr is None else h3_addr,
             "expert_ids": expert_ids,
             "scores": scores,
             "grad_routes_out": grad_routes_out,
             "grad_scores_out": grad_scores_out,
         }
     )
+    in_place = h3_addr is not None or _rows_coincide(h3_routes, grad_routes_out)
     config = _check_config(config, hidden)
     if num_routes == 0:
         return
@@ -266,7 +313,7 @@ def route_grads(
     with device_context(device):
         _route_grads_kernel[grid](
             grad_y,
-            h3_routes,
+            h3_routes if h3_addr is None else h3_addr,
             expert_ids,
             scores,
             grad_routes_out,
@@ -276,8 +323,27 @@ def route_grads(
             HIDDEN=hidden,
             BLOCK_R=config.block_rows,
             BLOCK_D=config.block_d,
+            H3_ADDR=h3_addr is not None,
+            IN_PLACE=in_place,
             num_warps=config.num_warps,
         )
+
+
+def _rows_coincide(h3_routes: torch.Tensor, grad_routes_out: torch.Tensor) -> bool:
+    """True when both start at the same row (in place); ``ValueError`` on any other overlap
+    (a route row read by one program would be written by another)."""
+    lo_a = h3_routes.data_ptr()
+    hi_a = lo_a + h3_routes.numel() * h3_routes.element_size()
+    lo_b = grad_routes_out.data_ptr()
+    hi_b = lo_b + grad_routes_out.numel() * grad_routes_out.element_size()
+    if not (lo_a < hi_b and lo_b < hi_a) or h3_routes.numel() == 0:
+        return False
+    if lo_a != lo_b:
+        raise ValueError(
+            "h3_routes and grad_routes_out must be disjoint or start at the same row (in "
+            f"place), got [{lo_a:#x}, {hi_a:#x}) and [{lo_b:#x}, {hi_b:#x})"
+        )
+    return True
 
 
 def reduce_routes(

@@ -1,30 +1,49 @@
 """W13 backward: DGRAD with a scatter epilogue that returns route input gradients, and WGRAD.
 
-Per routed row (padded expert-major layout, see :mod:`distmoe.kernels._common`), with
-``grad_h1 = [grad_g | grad_u]`` from :func:`distmoe.kernels.w2_backward.w2_dgrad_swiglu_bwd`
-and ``W13 = w13[e]`` viewed ``[2F, D]``:
+Row layout: the padded tile schedule and compact activation rows of
+:mod:`distmoe.kernels.w2_backward` (``padded_offsets`` schedules the tiles and indexes
+``scatter_ptrs``; ``row_offsets`` maps live padded row ``padded_offsets[e] + j``, ``j < n_e``,
+to activation row ``row_offsets[e] + j``; padding rows have no activation row; ``grad_h1`` and
+``x_gathered`` are in activation rows, ``[R_act, width]`` with ``R_act >= row_offsets[E_local]``).
+Per live row, with ``grad_h1 = [grad_g | grad_u]`` from
+:func:`distmoe.kernels.w2_backward.w2_dgrad_swiglu_bwd` and ``W13 = w13[e]`` viewed ``[2F, D]``::
 
     grad_x_route = grad_h1 @ W13              [R, 2F] @ [2F, D], fp32 accumulation -> bf16
     grad_W13[e] += grad_h1_e^T @ x_e          fp32 [2F, D] (= [2, F, D])
 
 :func:`w13_dgrad_scatter`
-    One program per (row tile, ``block_n`` columns of D) of the ``R_cap`` bound; idle tiles
-    exit at once. ``grad_h1`` (local, contiguous) and the weights come through TMA
-    descriptors (``[R_cap, 2F]`` and ``[E, 2F, D]``; encoded on the host at launch by default,
-    or built in every program). The epilogue stores each bf16 row with a
-    plain ``tl.store`` to ``scatter_ptrs[row]``, an absolute address (usually route slot
-    ``t*K + k`` of the token owner's dispatch buffer, possibly in a peer's memory); 0 = skip.
-    Never a TMA store: the owner reads these rows after a release/acquire signal, and in
-    triton 3.6 a later release does not order a TMA store. Every destination row is written
-    by exactly one program per column tile, so no atomics.
+    One program per (padded row tile, ``block_n`` columns of D) of the ``R_cap`` bound; idle
+    tiles and tiles of padding rows only exit at once. ``grad_h1`` (local, contiguous) and the
+    weights come through TMA descriptors (``[R_act, 2F]`` and ``[E, 2F, D]``; encoded on the
+    host at launch by default, or built in every program). A tile reads the ``block_m``
+    activation rows that follow its first row's; its padding rows thereby read the next
+    expert's rows, rows past the live end or TMA zeros, and their results are discarded. The
+    epilogue stores each live bf16 row with a plain ``tl.store`` to ``scatter_ptrs[row]``
+    (indexed by padded row), an absolute address (usually route slot ``t*K + k`` of the token
+    owner's dispatch buffer, possibly in a peer's memory); 0 = skip. Entries of padding and
+    idle rows are never read (masked loads). Never a TMA store: the owner reads these rows
+    after a release/acquire signal, and in triton 3.6 a later release does not order a TMA
+    store. Every destination row is written by exactly one program per column tile, so no
+    atomics.
 
 :func:`w13_wgrad`
     The grouped WGRAD kernel of :mod:`distmoe.kernels.w2_backward` with ``A = grad_h1``
-    (P = 2F) and ``B = x_gathered`` (Q = D), accumulated in place into fp32
-    ``grad_w13 [E, 2, F, D]`` viewed ``[E, 2F, D]``.
+    (P = 2F) and ``B = x_gathered`` (Q = D), walking each expert's activation rows (the last,
+    partial row step masked), accumulated in place into fp32 ``grad_w13 [E, 2, F, D]`` viewed
+    ``[E, 2F, D]``. ``x_gathered`` is a 2-D tensor or, with ``x_offset`` (int64 ``[1]`` on the
+    device, a bf16 element offset such as a slot cursor), a 1-D base with activation row ``a``
+    at ``x_gathered + x_offset[0] + a*D``. A host-encoded TMA descriptor cannot see that
+    offset, so on that path this operand's descriptor is built in every program
+    (``tl.make_tensor_descriptor`` over ``row_offsets[E_local]`` rows from the offset base),
+    while ``grad_h1`` keeps its host descriptor unless ``host_descriptors`` is False.
+
+Requirements (device-side, not checked): the layout rules; non-null scatter addresses 16-byte
+aligned; ``x_offset[0]`` a multiple of 8 elements (16-byte aligned TMA base) and the base
+holding ``x_offset[0] + row_offsets[E_local]*D`` elements.
 
 Sync points: none inside. The caller signals the owners after ``w13_dgrad_scatter``
-(barrier) before they run ``reduce_routes``. Grids come from ``R_cap`` and weight shapes.
+(barrier) before they run ``reduce_routes``. Grids come from ``R_cap``, ``E_local`` and the
+weight shapes (no host synchronisation).
 """
 
 from __future__ import annotations
@@ -44,20 +63,25 @@ from distmoe.kernels._common import (
     check_width,
     device_context,
     ensure_tma_allocator,
-    expert_segments,
     next_power_of_2,
     swizzle_tile,
     tile_expert,
 )
 from distmoe.kernels.w2_backward import (
     WgradConfig,
+    check_activation_rows,
     check_backward_gemm_config,
+    check_base_tensor,
+    check_device_scalar,
     check_disjoint,
     check_padded_offsets,
+    check_row_offsets,
     check_row_table,
     check_rows_cap,
     check_wgrad_config,
+    compact_segments,
     launch_grouped_wgrad,
+    tile_live_rows,
 )
 
 
@@ -72,11 +96,13 @@ def _pow2_clamped(n: int, low: int, high: int) -> int:
 
 @triton.jit
 def _w13_dgrad_scatter_kernel(
-    grad_h1,  # bf16 [R_cap, 2F], or its TMA descriptor (HOST_DESC)
+    grad_h1,  # bf16 [R_act, 2F], or its TMA descriptor (HOST_DESC)
     padded_offsets_ptr,  # int32 [E + 1]
+    row_offsets_ptr,  # int32 [E + 1]
     w13,  # bf16 [E, 2F, D], or its TMA descriptor (HOST_DESC)
     scatter_ptrs_ptr,  # int64 [R_cap]: destination addresses of bf16 [D] rows (0 = skip)
     num_rows,  # R_cap
+    num_act_rows,  # R_act
     HIDDEN: tl.constexpr,
     FFN: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
@@ -94,13 +120,19 @@ def _w13_dgrad_scatter_kernel(
     if row0 >= tl.load(padded_offsets_ptr + NUM_EXPERTS):
         return  # idle tile
     expert = tile_expert(padded_offsets_ptr, row0, NUM_EXPERTS, EXPERTS_POW2)
+    act0, num_live = tile_live_rows(padded_offsets_ptr, row_offsets_ptr, expert, row0)
+    if num_live <= 0:
+        return  # padding rows only
     n0 = pid_n * BLOCK_N
     if HOST_DESC:
         a_desc = grad_h1
         w_desc = w13
     else:
         a_desc = tl.make_tensor_descriptor(
-            grad_h1, shape=[num_rows, 2 * FFN], strides=[2 * FFN, 1], block_shape=[BLOCK_M, BLOCK_K]
+            grad_h1,
+            shape=[num_act_rows, 2 * FFN],
+            strides=[2 * FFN, 1],
+            block_shape=[BLOCK_M, BLOCK_K],
         )
         w_desc = tl.make_tensor_descriptor(
             w13,
@@ -109,13 +141,17 @@ def _w13_dgrad_scatter_kernel(
             block_shape=[1, BLOCK_K, BLOCK_N],
         )
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # Activation rows [act0, act0 + BLOCK_M): the tile's padding rows read past its expert's
+    # rows (TMA zero-fills rows past R_act); their results are discarded below.
     for k0 in range(0, 2 * FFN, BLOCK_K):
-        a = a_desc.load([row0, k0])
+        a = a_desc.load([act0, k0])
         b = w_desc.load([expert, k0, n0]).reshape(BLOCK_K, BLOCK_N)
         acc = tl.dot(a, b, acc)
 
-    rows = row0 + tl.arange(0, BLOCK_M)
-    addr = tl.load(scatter_ptrs_ptr + rows)
+    idx = tl.arange(0, BLOCK_M)
+    is_live = idx < num_live
+    # Entries of padding rows are not read (the routing layer writes 0 there anyway).
+    addr = tl.load(scatter_ptrs_ptr + row0 + idx, mask=is_live, other=0)
     is_row = addr != 0
     # Destination rows are 16-byte aligned (contract): 16-byte vector stores. The hint goes on
     # the pointer (divisibility in bytes); on the int64 before the cast it would be lost.
@@ -184,6 +220,7 @@ class W13DgradConfig(GemmConfig):
 def w13_dgrad_scatter(
     grad_h1: torch.Tensor,
     padded_offsets: torch.Tensor,
+    row_offsets: torch.Tensor,
     w13: torch.Tensor,
     scatter_ptrs: torch.Tensor,
     *,
@@ -192,12 +229,17 @@ def w13_dgrad_scatter(
     """``grad_x_route = bf16(grad_h1 @ W13)`` stored to ``scatter_ptrs[row]`` (module docstring).
 
     Args:
-        grad_h1: bf16 ``[R_cap, 2F]`` (``[grad_g | grad_u]``).
-        padded_offsets: int32 ``[E_local + 1]`` (segments multiples of ``config.block_m``).
+        grad_h1: bf16 ``[R_act, 2F]`` (``[grad_g | grad_u]``) in activation rows,
+            ``R_act >= row_offsets[E_local]``.
+        padded_offsets: int32 ``[E_local + 1]``, the expert segments of padded rows (multiples
+            of ``config.block_m``).
+        row_offsets: int32 ``[E_local + 1]``, exclusive prefix sum of the live rows per expert:
+            padded row ``padded_offsets[e] + j`` is live iff ``j < n_e``, at activation row
+            ``row_offsets[e] + j``.
         w13: bf16 ``[E_local, 2, F, D]``.
-        scatter_ptrs: int64 ``[R_cap]`` absolute byte addresses of bf16 rows of ``D`` values
-            (16-byte aligned; 0 = skip). Only live, non-null rows are written; nothing else is
-            touched.
+        scatter_ptrs: int64 ``[R_cap]``, indexed by padded row: absolute byte addresses of bf16
+            rows of ``D`` values (16-byte aligned; 0 = skip). Only live, non-null rows are
+            written; nothing else is touched, and entries of padding rows are not read.
         config: :class:`W13DgradConfig`; ``None`` = ``from_heuristic`` with ``block_m`` 128.
     """
     check_tensor("w13", w13, dtypes=(torch.bfloat16,), ndim=4, shape_text="[E_local, 2, F, D]")
@@ -210,19 +252,15 @@ def w13_dgrad_scatter(
     check_width("F (w13.shape[2])", ffn)
     num_rows = check_row_table("scatter_ptrs", scatter_ptrs)
     check_padded_offsets(padded_offsets, num_experts)
-    check_tensor(
-        "grad_h1",
-        grad_h1,
-        dtypes=(torch.bfloat16,),
-        shape=[num_rows, 2 * ffn],
-        shape_text="[R_cap, 2F]",
-    )
+    check_row_offsets(row_offsets, num_experts)
+    num_act = check_activation_rows("grad_h1", grad_h1, 2 * ffn, "2F")
     check_tma_aligned("grad_h1", grad_h1)
     check_tma_aligned("w13", w13)
     device = check_devices(
         {
             "grad_h1": grad_h1,
             "padded_offsets": padded_offsets,
+            "row_offsets": row_offsets,
             "w13": w13,
             "scatter_ptrs": scatter_ptrs,
         }
@@ -232,13 +270,13 @@ def w13_dgrad_scatter(
     elif not isinstance(config, W13DgradConfig):
         raise TypeError(f"config must be a W13DgradConfig or None, got {type(config).__name__}")
     check_rows_cap(num_rows, config.block_m)
-    if num_rows == 0:
-        return
+    if num_rows == 0 or num_act == 0:
+        return  # no padded rows, or (R_act >= row_offsets[E]) no live rows
     grad_h1_arg, w13_arg = grad_h1, w13
     if config.host_descriptors:
         grad_h1_arg = TensorDescriptor(
             grad_h1,
-            shape=[num_rows, 2 * ffn],
+            shape=[num_act, 2 * ffn],
             strides=[2 * ffn, 1],
             block_shape=[config.block_m, config.block_k],
         )
@@ -255,9 +293,11 @@ def w13_dgrad_scatter(
         _w13_dgrad_scatter_kernel[grid](
             grad_h1_arg,
             padded_offsets,
+            row_offsets,
             w13_arg,
             scatter_ptrs,
             num_rows,
+            num_act,
             HIDDEN=hidden,
             FFN=ffn,
             NUM_EXPERTS=num_experts,
@@ -276,18 +316,32 @@ def w13_wgrad(
     grad_h1: torch.Tensor,
     x_gathered: torch.Tensor,
     padded_offsets: torch.Tensor,
+    row_offsets: torch.Tensor,
     grad_w13: torch.Tensor,
     *,
+    x_offset: torch.Tensor | None = None,
     config: WgradConfig | None = None,
 ) -> None:
-    """``grad_w13[e] += grad_h1_e^T @ x_e`` over every local expert's rows (fp32, in place).
+    """``grad_w13[e] += grad_h1_e^T @ x_e`` over every local expert's activation rows
+    ``[row_offsets[e], row_offsets[e+1])`` (fp32, in place; module docstring).
 
     Args:
-        grad_h1: bf16 ``[R_cap, 2F]``.
-        x_gathered: bf16 ``[R_cap, D]``, the forward's gathered input rows (null rows zeros).
-        padded_offsets: int32 ``[E_local + 1]`` (segments multiples of ``config.block_m``).
+        grad_h1: bf16 ``[R_act, 2F]`` in activation rows (``R_act >= row_offsets[E_local]``).
+        x_gathered: the forward's gathered input rows (null rows zeros) in activation rows:
+            bf16 ``[R_act, D]`` like ``grad_h1``, or, with ``x_offset``, a 1-D contiguous bf16
+            base tensor (16-byte aligned start) with activation row ``a`` at
+            ``x_gathered + x_offset[0] + a*D``; only rows ``< row_offsets[E_local]`` are read
+            there.
+        padded_offsets: int32 ``[E_local + 1]``, validated with the rest of the layout; the row
+            walk itself needs only ``row_offsets``.
+        row_offsets: int32 ``[E_local + 1]``, exclusive prefix sum of the live rows per expert.
+            Rows past an expert's end that its last row step loads are zeroed, so they may
+            hold anything, NaN included.
         grad_w13: fp32 ``[E_local, 2, F, D]``, accumulated into (experts without rows
             untouched).
+        x_offset: optional int64 ``[1]`` device tensor, the bf16 element offset of activation
+            row 0 in ``x_gathered`` (a multiple of 8 elements; not checked). The base is left
+            out of the overlap check (the rows it covers are known on the device only).
         config: :class:`WgradConfig` (output tile over ``[2F, D]``); ``None`` =
             ``from_heuristic`` with ``block_m`` 128.
     """
@@ -299,54 +353,71 @@ def w13_wgrad(
         raise ValueError(f"grad_w13 must have shape [E_local, 2, F, D], got {list(grad_w13.shape)}")
     check_width("D (grad_w13.shape[3])", hidden)
     check_width("F (grad_w13.shape[2])", ffn)
-    check_tensor("grad_h1", grad_h1, dtypes=(torch.bfloat16,), ndim=2, shape_text="[R_cap, 2F]")
-    num_rows = grad_h1.shape[0]
-    if grad_h1.shape[1] != 2 * ffn:
-        raise ValueError(f"grad_h1 must have shape [R_cap, {2 * ffn}], got {list(grad_h1.shape)}")
-    check_tensor(
-        "x_gathered",
-        x_gathered,
-        dtypes=(torch.bfloat16,),
-        shape=[num_rows, hidden],
-        shape_text="[R_cap, D] like grad_h1",
-    )
+    num_act = check_activation_rows("grad_h1", grad_h1, 2 * ffn, "2F")
+    if x_offset is None:
+        check_tensor(
+            "x_gathered",
+            x_gathered,
+            dtypes=(torch.bfloat16,),
+            shape=[num_act, hidden],
+            shape_text="[R_act, D] like grad_h1 (or a 1-D base with x_offset)",
+        )
+        check_tma_aligned("x_gathered", x_gathered)
+    else:
+        check_device_scalar("x_offset", x_offset, "[1] (bf16 element offset of x_gathered's row 0)")
+        check_base_tensor(
+            "x_gathered", x_gathered, "x_offset", "row a at x_gathered + x_offset[0] + a*D"
+        )
     check_padded_offsets(padded_offsets, num_experts)
+    check_row_offsets(row_offsets, num_experts)
     check_tma_aligned("grad_h1", grad_h1)
-    check_tma_aligned("x_gathered", x_gathered)
     named = {
         "grad_h1": grad_h1,
         "x_gathered": x_gathered,
         "padded_offsets": padded_offsets,
+        "row_offsets": row_offsets,
         "grad_w13": grad_w13,
     }
+    if x_offset is not None:
+        named["x_offset"] = x_offset
     device = check_devices(named)
+    if x_offset is not None:
+        del named["x_gathered"]  # rows at a device-side offset: not checkable on the host
     check_disjoint(named)
     config = check_wgrad_config(config, out_rows=2 * ffn, out_cols=hidden)
     launch_grouped_wgrad(
         grad_h1,
         x_gathered,
-        padded_offsets,
+        row_offsets,
         grad_w13.view(num_experts, 2 * ffn, hidden),
         config,
         device,
+        b_offset=x_offset,
     )
 
 
 # --------------------------------------------------------------------------------------------
-# References (plain PyTorch; they read padded_offsets on the host)
+# References (plain PyTorch; they read the offsets on the host)
 # --------------------------------------------------------------------------------------------
 
 
 def w13_dgrad_scatter_ref(
-    grad_h1: torch.Tensor, padded_offsets: torch.Tensor, w13: torch.Tensor
+    grad_h1: torch.Tensor,
+    padded_offsets: torch.Tensor,
+    row_offsets: torch.Tensor,
+    w13: torch.Tensor,
+    *,
+    num_rows: int,
 ) -> torch.Tensor:
-    """Reference of :func:`w13_dgrad_scatter`: the fp32 ``[R_cap, D]`` rows that the kernel
-    stores (row ``i`` goes to ``scatter_ptrs[i]`` unless that is 0); idle rows are zeros."""
+    """Reference of :func:`w13_dgrad_scatter`: the fp32 ``[R_cap, D]`` rows (``num_rows`` =
+    ``R_cap``, indexed by padded row) that the kernel stores (row ``i`` goes to
+    ``scatter_ptrs[i]`` unless that is 0); padding and idle rows are zeros (never stored)."""
     num_experts, _, ffn, hidden = w13.shape
-    out = torch.zeros(grad_h1.shape[0], hidden, dtype=torch.float32, device=grad_h1.device)
-    for e, (start, end) in enumerate(expert_segments(padded_offsets)):
-        if end > start:
-            out[start:end] = grad_h1[start:end].float() @ w13[e].reshape(2 * ffn, hidden).float()
+    out = torch.zeros(num_rows, hidden, dtype=torch.float32, device=grad_h1.device)
+    for e, (pad, act, count) in enumerate(compact_segments(padded_offsets, row_offsets)):
+        if count:
+            weight = w13[e].reshape(2 * ffn, hidden).float()
+            out[pad : pad + count] = grad_h1[act : act + count].float() @ weight
     return out
 
 
@@ -354,13 +425,16 @@ def w13_wgrad_ref(
     grad_h1: torch.Tensor,
     x_gathered: torch.Tensor,
     padded_offsets: torch.Tensor,
+    row_offsets: torch.Tensor,
     grad_w13: torch.Tensor,
 ) -> torch.Tensor:
-    """Reference of :func:`w13_wgrad`: returns ``grad_w13 + sum`` as a new fp32 tensor."""
+    """Reference of :func:`w13_wgrad` (``x_gathered`` 2-D in activation rows): returns
+    ``grad_w13 + sum`` as a new fp32 tensor."""
     num_experts, _, ffn, hidden = grad_w13.shape
     out = grad_w13.float().clone()
-    for e, (start, end) in enumerate(expert_segments(padded_offsets)):
-        if end > start:
-            grad = grad_h1[start:end].float().t() @ x_gathered[start:end].float()
+    for e, (_, act, count) in enumerate(compact_segments(padded_offsets, row_offsets)):
+        if count:
+            rows = slice(act, act + count)
+            grad = grad_h1[rows].float().t() @ x_gathered[rows].float()
             out[e] += grad.reshape(2, ffn, hidden)
     return out

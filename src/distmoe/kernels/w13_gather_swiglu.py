@@ -1,13 +1,24 @@
 """Grouped W13 GEMM with a row-gather prologue and a SwiGLU epilogue (forward, bf16).
 
-For every row ``r`` of the padded expert-major layout (see :mod:`distmoe.kernels._common`)
-owned by local expert ``e``::
+Two row numberings (see :mod:`distmoe.kernels._common`): the *padded* expert-major rows are
+the tile schedule and index ``gather_ptrs``; the outputs are in compact *activation* rows.
+Local expert ``e`` owns padded rows ``[padded_offsets[e], padded_offsets[e+1])`` and has
+``n_e = row_offsets[e+1] - row_offsets[e]`` live rows; padded row ``padded_offsets[e] + j`` is
+live iff ``j < n_e``, and then its activation row is ``a = row_offsets[e] + j``. For every
+live row::
 
     x   = the D bf16 values at byte address gather_ptrs[r]      (zeros when the address is 0)
     g   = x @ w13[e, 0]^T        u = x @ w13[e, 1]^T            (fp32 accumulation)
-    h2[r] = silu(g) * u                                         (bf16, width F)
-    h1[r] = [g | u]                                             (bf16, width 2F, optional)
-    x_out[r] = x                                                (bf16, width D, optional)
+    h2[a] = silu(g) * u                                         (bf16, width F)
+    h1[a] = [g | u]                                             (bf16, width 2F, optional)
+    x_out[a] = x                                                (bf16, width D, optional)
+
+Padding rows (``j >= n_e``) are neither gathered nor stored. h1 and x_out are either 2-D
+tensors in activation rows or, with ``out_offsets`` (an int64 ``[2]`` device tensor of bf16
+element offsets, e.g. a slot cursor), 1-D bf16 base tensors: row ``a`` of h1 at
+``h1_out + out_offsets[0] + a*2F``, of x at ``x_out + out_offsets[1] + a*D``; a negative
+offset skips that output (read on the device by every program). ``enable`` (int32 ``[1]``
+on the device) set to 0 makes every program return at once (nothing is written).
 
 Algorithm: one program computes a ``block_m x block_n`` tile of h2 with two fp32 accumulators
 (gate and up) that share the gathered A tile. A rows are pointer loads from absolute
@@ -15,10 +26,13 @@ addresses (they may point into a peer GPU's buffer mapped into this address spac
 no TMA gather), issued as 16-byte ``cp.async`` and software-pipelined with the weights. The
 weights come through one TMA descriptor over ``w13`` seen as ``[2 E_local, F, D]``
 (out-of-range F/D tiles read zeros), encoded on the host at launch by default or built on the
-device (``W13Config.host_descriptors``). A tile's expert is found on the device from
-``padded_offsets``; tiles at or beyond ``padded_offsets[E_local]`` do no work. The grid is
-sized from ``R_cap`` (one program per tile, idle ones exit at once) or is persistent (one
-program per SM walking the live tiles), never from routed counts.
+device (``W13Config.host_descriptors``). A tile's expert, its activation rows and its live
+row count are found on the device from ``padded_offsets`` and ``row_offsets``; tiles at or
+beyond ``padded_offsets[E_local]`` and tiles of padding rows only do no work. Outputs are
+plain 16-byte vector stores through row pointers (activation row offsets and the dynamic
+element offsets are device values). The grid is sized from ``R_cap`` (one program per tile,
+idle ones exit at once) or is persistent (one program per SM walking the live tiles), never
+from routed counts.
 
 Memory: nothing is allocated (device-built descriptors: Triton's scratch, 128 bytes per
 program). Each gathered row is read once per column tile (``ceil(F / block_n)`` times):
@@ -26,14 +40,19 @@ local rows mostly come from L2 after the first read; rows in a peer GPU's memory
 NVLink on every read (peer memory is, as far as we know, not cached in the reader's L2; to be
 measured), which can make the kernel NVLink-bound; staging remote rows into a local buffer
 first would avoid that.
-Writes h2 (and h1 / x_out when given).
+Writes h2 (and h1 / x_out when given), live rows only.
 
 Sync points: none on the host. The gathered rows must be complete before the launch (the
 caller orders this with a barrier or signal); all outputs are local and read by later kernels.
 
-Requirements: D and F multiples of 8; every non-null gather address 16-byte aligned (rows of
-16-byte aligned buffers); ``R_cap`` a multiple of ``block_m``, and each expert segment a
-multiple of ``block_m`` (the routing layer's padding; not checked on the device).
+Requirements (the device-side ones are not checked): D and F multiples of 8; every non-null
+gather address 16-byte aligned (rows of 16-byte aligned buffers); ``R_cap`` a multiple of
+``block_m``, and each expert's padded segment a multiple of ``block_m`` (the routing layer's
+padding); ``row_offsets[0] = 0`` and ``0 <= n_e <=`` the expert's padded segment length;
+every 2-D output has ``R_act >= row_offsets[E_local]`` rows (at least 1 is checked); with
+``out_offsets``, each non-negative offset is a multiple of 8 elements (16 bytes) and its base
+holds ``offset + row_offsets[E_local] * width`` elements, and the bases start 16-byte aligned
+(checked).
 """
 
 from __future__ import annotations
@@ -48,18 +67,22 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from distmoe.kernels._common import (
     GemmConfig,
+    activation_segments,
+    check_activation_rows,
+    check_bf16_base,
     check_devices,
     check_padded_offsets_host,
+    check_row_offsets_host,
     check_tensor,
     check_tma_aligned,
     check_width,
     device_context,
     ensure_tma_allocator,
-    expert_segments,
     gemm_grid,
     next_power_of_2,
     rows_at,
     swizzle_tile,
+    tile_activation_rows,
     tile_expert,
     validate_block_m,
 )
@@ -74,9 +97,12 @@ def _w13_tile(
     w_desc,
     gather_ptrs_ptr,
     padded_offsets_ptr,
+    row_offsets_ptr,
     h2_ptr,
     h1_ptr,
     x_out_ptr,
+    h1_off,
+    x_off,
     pid_m,
     pid_n,
     NUM_EXPERTS: tl.constexpr,
@@ -91,65 +117,84 @@ def _w13_tile(
     WRITE_H1: tl.constexpr,
     WRITE_X: tl.constexpr,
 ):
-    """One ``BLOCK_M x BLOCK_N`` tile of h2 (and of both h1 halves) for a live row tile."""
+    """One ``BLOCK_M x BLOCK_N`` tile of h2 (and of both h1 halves) for a live row tile.
+
+    ``h1_off`` / ``x_off``: element offsets of the h1 / x outputs (0, or device values; a
+    negative one skips that output).
+    """
     NUM_K: tl.constexpr = (HIDDEN + BLOCK_K - 1) // BLOCK_K
     row_start = pid_m * BLOCK_M
     expert = tile_expert(padded_offsets_ptr, row_start, NUM_EXPERTS, EXPERTS_POW2)
+    act_start, num_live = tile_activation_rows(
+        padded_offsets_ptr, row_offsets_ptr, expert, row_start
+    )
+    # Live rows come first in a segment: a tile starting at a padding row has none.
+    if num_live > 0:
+        idx = tl.arange(0, BLOCK_M)
+        is_live = idx < num_live
+        # Source row addresses of the live rows, once per tile (padding rows are not read).
+        # 0 marks a null row: masked, reads zeros. Every address is a multiple of 16 bytes
+        # (module requirement). The hint must sit on the pointer tensor (on the loaded int64
+        # it is lost at int_to_ptr): with it the row loads become 16-byte vectors, which the
+        # pipeliner turns into cp.async; without it they are 2-byte loads that are not
+        # pipelined at all (checked in the sm_90 PTX).
+        src = tl.load(gather_ptrs_ptr + row_start + idx, mask=is_live, other=0)
+        is_read_row = src != 0
+        a_rows = tl.multiple_of(src.to(tl.pointer_type(tl.bfloat16)), 16)
+        offs_k = tl.arange(0, BLOCK_K)
+        n0 = pid_n * BLOCK_N
 
-    rows = row_start + tl.arange(0, BLOCK_M)
-    # Source row addresses, once per tile. 0 marks a null (padding) row: masked, reads zeros.
-    # Every address is a multiple of 16 bytes (module requirement). The hint must sit on the
-    # pointer tensor (on the loaded int64 it is lost at int_to_ptr): with it the row loads
-    # become 16-byte vectors, which the pipeliner turns into cp.async; without it they are
-    # 2-byte loads that are not pipelined at all (checked in the sm_90 PTX).
-    src = tl.load(gather_ptrs_ptr + rows)
-    is_live_row = src != 0
-    a_rows = tl.multiple_of(src.to(tl.pointer_type(tl.bfloat16)), 16)
-    offs_k = tl.arange(0, BLOCK_K)
-    n0 = pid_n * BLOCK_N
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, NUM_K):
+            kk = k * BLOCK_K + offs_k
+            if EVEN_K:
+                a_mask = is_read_row[:, None]
+            else:
+                a_mask = is_read_row[:, None] & (kk < HIDDEN)[None, :]
+            a = tl.load(a_rows[:, None] + kk[None, :], mask=a_mask, other=0.0)
+            gate = w_desc.load([2 * expert, n0, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K)
+            up = w_desc.load([2 * expert + 1, n0, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K)
+            acc_g = tl.dot(a, gate.T, acc_g)
+            acc_u = tl.dot(a, up.T, acc_u)
 
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, NUM_K):
-        kk = k * BLOCK_K + offs_k
-        if EVEN_K:
-            a_mask = is_live_row[:, None]
+        # Epilogue: SwiGLU in fp32, bf16 stores of the live rows only, at their activation
+        # rows (null rows hold g = u = 0 and store zeros). Row pointers carry the 16-byte
+        # hint (widths are multiples of 8 elements, offsets too: module requirement) so the
+        # stores stay 16-byte vectors although the row offsets are device values.
+        h2_val = acc_g * tl.sigmoid(acc_g) * acc_u
+        act_rows = act_start + idx
+        cols = n0 + tl.arange(0, BLOCK_N)
+        if EVEN_N:
+            out_mask = is_live[:, None]
         else:
-            a_mask = is_live_row[:, None] & (kk < HIDDEN)[None, :]
-        a = tl.load(a_rows[:, None] + kk[None, :], mask=a_mask, other=0.0)
-        gate = w_desc.load([2 * expert, n0, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K)
-        up = w_desc.load([2 * expert + 1, n0, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K)
-        acc_g = tl.dot(a, gate.T, acc_g)
-        acc_u = tl.dot(a, up.T, acc_u)
-
-    # Epilogue: SwiGLU in fp32, bf16 stores. Null rows hold g = u = 0, so they store zeros.
-    h2 = acc_g * tl.sigmoid(acc_g) * acc_u
-    rows64 = rows.to(tl.int64)
-    cols = n0 + tl.arange(0, BLOCK_N)
-    if EVEN_N:
-        out_mask = None
-    else:
-        out_mask = (cols < FFN)[None, :]
-    tl.store(h2_ptr + rows64[:, None] * FFN + cols[None, :], h2.to(tl.bfloat16), mask=out_mask)
-    if WRITE_H1:
-        h1_tile = h1_ptr + rows64[:, None] * (2 * FFN) + cols[None, :]
-        tl.store(h1_tile, acc_g.to(tl.bfloat16), mask=out_mask)
-        tl.store(h1_tile + FFN, acc_u.to(tl.bfloat16), mask=out_mask)
-    if WRITE_X:
-        # The first column tile of each row tile saves the gathered rows (training keeps them
-        # for WGRAD). A second pass rather than a store inside the K loop keeps the main loop a
-        # plain load/dot pipeline; the rows were just read, so this pass mostly hits L2.
-        if pid_n == 0:
-            for k in range(0, NUM_K):
-                kk = k * BLOCK_K + offs_k
-                if EVEN_K:
-                    a_mask = is_live_row[:, None]
-                    x_mask = None
-                else:
-                    a_mask = is_live_row[:, None] & (kk < HIDDEN)[None, :]
-                    x_mask = (kk < HIDDEN)[None, :]
-                a = tl.load(a_rows[:, None] + kk[None, :], mask=a_mask, other=0.0)
-                tl.store(x_out_ptr + rows64[:, None] * HIDDEN + kk[None, :], a, mask=x_mask)
+            out_mask = is_live[:, None] & (cols < FFN)[None, :]
+        h2_rows = tl.multiple_of(h2_ptr + act_rows * FFN, 16)
+        tl.store(h2_rows[:, None] + cols[None, :], h2_val.to(tl.bfloat16), mask=out_mask)
+        if WRITE_H1:
+            if h1_off >= 0:
+                h1_rows = tl.multiple_of(h1_ptr + h1_off + act_rows * (2 * FFN), 16)
+                h1_tile = h1_rows[:, None] + cols[None, :]
+                tl.store(h1_tile, acc_g.to(tl.bfloat16), mask=out_mask)
+                tl.store(h1_tile + FFN, acc_u.to(tl.bfloat16), mask=out_mask)
+        if WRITE_X:
+            # The first column tile of each row tile saves the gathered rows (training keeps
+            # them for WGRAD). A second pass rather than a store inside the K loop keeps the
+            # main loop a plain load/dot pipeline; the rows were just read, so this pass
+            # mostly hits L2.
+            if pid_n == 0:
+                if x_off >= 0:
+                    x_rows = tl.multiple_of(x_out_ptr + x_off + act_rows * HIDDEN, 16)
+                    for k in range(0, NUM_K):
+                        kk = k * BLOCK_K + offs_k
+                        if EVEN_K:
+                            a_mask = is_read_row[:, None]
+                            x_mask = is_live[:, None]
+                        else:
+                            a_mask = is_read_row[:, None] & (kk < HIDDEN)[None, :]
+                            x_mask = is_live[:, None] & (kk < HIDDEN)[None, :]
+                        a = tl.load(a_rows[:, None] + kk[None, :], mask=a_mask, other=0.0)
+                        tl.store(x_rows[:, None] + kk[None, :], a, mask=x_mask)
 
 
 @triton.jit
@@ -179,10 +224,13 @@ def _w13_weight_desc(
 def _gather_w13_swiglu_kernel(
     gather_ptrs_ptr,
     padded_offsets_ptr,
+    row_offsets_ptr,
     w13,
     h2_ptr,
     h1_ptr,
     x_out_ptr,
+    out_offsets_ptr,
+    enable_ptr,
     num_pid_m,
     NUM_EXPERTS: tl.constexpr,
     EXPERTS_POW2: tl.constexpr,
@@ -198,34 +246,51 @@ def _gather_w13_swiglu_kernel(
     HOST_DESC: tl.constexpr,
     WRITE_H1: tl.constexpr,
     WRITE_X: tl.constexpr,
+    DYN_OFFSETS: tl.constexpr,
+    HAS_ENABLE: tl.constexpr,
 ):
-    """``w13`` is a host TMA descriptor (``HOST_DESC``) or the weight tensor itself."""
+    """``w13`` is a host TMA descriptor (``HOST_DESC``) or the weight tensor itself.
+
+    ``out_offsets_ptr`` (``DYN_OFFSETS``) and ``enable_ptr`` (``HAS_ENABLE``) are read once
+    per program; without them they are placeholders that are never read.
+    """
     NUM_PID_N: tl.constexpr = (FFN + BLOCK_N - 1) // BLOCK_N
     total_rows = tl.load(padded_offsets_ptr + NUM_EXPERTS)
+    if HAS_ENABLE:
+        # The device decides whether this launch runs: disabled, every tile is idle.
+        total_rows = tl.where(tl.load(enable_ptr) != 0, total_rows, 0)
+    if DYN_OFFSETS:
+        h1_off = tl.load(out_offsets_ptr)
+        x_off = tl.load(out_offsets_ptr + 1)
+    else:
+        h1_off = 0
+        x_off = 0
     if PERSISTENT:
         # One descriptor per program, reused by every tile it walks. The live tile count is
         # read on the device; a while loop (not range) keeps the interpreter working too.
-        w_desc = _w13_weight_desc(w13, NUM_EXPERTS, HIDDEN, FFN, BLOCK_N, BLOCK_K, HOST_DESC)
+        # Programs without a tile (a disabled launch, fewer tiles than programs) exit at once.
         num_live_m = total_rows // BLOCK_M
         num_tiles = num_live_m * NUM_PID_N
         tile_id = tl.program_id(0)
-        while tile_id < num_tiles:
-            pid_m, pid_n = swizzle_tile(tile_id, num_live_m, NUM_PID_N, GROUP_M)
-            _w13_tile(
-                w_desc, gather_ptrs_ptr, padded_offsets_ptr, h2_ptr, h1_ptr, x_out_ptr,
-                pid_m, pid_n, NUM_EXPERTS, EXPERTS_POW2, HIDDEN, FFN, BLOCK_M, BLOCK_N,
-                BLOCK_K, EVEN_K, EVEN_N, WRITE_H1, WRITE_X,
-            )  # fmt: skip
-            tile_id += tl.num_programs(0)
+        if tile_id < num_tiles:
+            w_desc = _w13_weight_desc(w13, NUM_EXPERTS, HIDDEN, FFN, BLOCK_N, BLOCK_K, HOST_DESC)
+            while tile_id < num_tiles:
+                pid_m, pid_n = swizzle_tile(tile_id, num_live_m, NUM_PID_N, GROUP_M)
+                _w13_tile(
+                    w_desc, gather_ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h2_ptr,
+                    h1_ptr, x_out_ptr, h1_off, x_off, pid_m, pid_n, NUM_EXPERTS, EXPERTS_POW2,
+                    HIDDEN, FFN, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, WRITE_H1, WRITE_X,
+                )  # fmt: skip
+                tile_id += tl.num_programs(0)
     else:
         pid_m, pid_n = swizzle_tile(tl.program_id(0), num_pid_m, NUM_PID_N, GROUP_M)
         # Idle tiles (beyond the used rows) exit before building a descriptor or loading.
         if pid_m * BLOCK_M < total_rows:
             w_desc = _w13_weight_desc(w13, NUM_EXPERTS, HIDDEN, FFN, BLOCK_N, BLOCK_K, HOST_DESC)
             _w13_tile(
-                w_desc, gather_ptrs_ptr, padded_offsets_ptr, h2_ptr, h1_ptr, x_out_ptr,
-                pid_m, pid_n, NUM_EXPERTS, EXPERTS_POW2, HIDDEN, FFN, BLOCK_M, BLOCK_N,
-                BLOCK_K, EVEN_K, EVEN_N, WRITE_H1, WRITE_X,
+                w_desc, gather_ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr,
+                x_out_ptr, h1_off, x_off, pid_m, pid_n, NUM_EXPERTS, EXPERTS_POW2, HIDDEN, FFN,
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, WRITE_H1, WRITE_X,
             )  # fmt: skip
 
 
@@ -310,7 +375,17 @@ class W13Config(GemmConfig):
 
 
 def _check_w13_args(
-    gather_ptrs, padded_offsets, w13, h2_out, h1_out, x_out, *, for_kernel: bool
+    gather_ptrs,
+    padded_offsets,
+    row_offsets,
+    w13,
+    h2_out,
+    h1_out,
+    x_out,
+    out_offsets,
+    enable,
+    *,
+    for_kernel: bool,
 ) -> tuple[int, int, int, int]:
     check_tensor("w13", w13, dtypes=(torch.bfloat16,), ndim=4, shape_text="[E_local, 2, F, D]")
     num_experts, two, ffn, hidden = w13.shape
@@ -322,32 +397,64 @@ def _check_w13_args(
     check_width("w13's F (ffn)", ffn)
     check_tensor("gather_ptrs", gather_ptrs, dtypes=(torch.int64,), ndim=1, shape_text="[R_cap]")
     r_cap = gather_ptrs.shape[0]
-    check_tensor(
-        "padded_offsets",
-        padded_offsets,
-        dtypes=(torch.int32,),
-        shape=[num_experts + 1],
-        shape_text="[E_local + 1]",
-    )
-    check_tensor(
-        "h2_out", h2_out, dtypes=(torch.bfloat16,), shape=[r_cap, ffn], shape_text="[R_cap, F]"
-    )
-    named = {"gather_ptrs": gather_ptrs, "padded_offsets": padded_offsets, "w13": w13}
+    for name, offsets in (("padded_offsets", padded_offsets), ("row_offsets", row_offsets)):
+        check_tensor(
+            name,
+            offsets,
+            dtypes=(torch.int32,),
+            shape=[num_experts + 1],
+            shape_text="[E_local + 1]",
+        )
+    named = {
+        "gather_ptrs": gather_ptrs,
+        "padded_offsets": padded_offsets,
+        "row_offsets": row_offsets,
+        "w13": w13,
+    }
+    check_tensor("h2_out", h2_out, dtypes=(torch.bfloat16,), ndim=2, shape_text="[R_act, F]")
+    if h2_out.shape[1] != ffn:
+        raise ValueError(
+            f"h2_out must have shape [R_act, F={ffn}] (F from w13), got {list(h2_out.shape)}"
+        )
+    check_activation_rows("h2_out", h2_out, r_cap=r_cap)
     named["h2_out"] = h2_out
-    if h1_out is not None:
+    if out_offsets is None:
+        for name, out, width, text in (
+            ("h1_out", h1_out, 2 * ffn, "2F"),
+            ("x_out", x_out, hidden, "D"),
+        ):
+            if out is None:
+                continue
+            check_tensor(
+                name,
+                out,
+                dtypes=(torch.bfloat16,),
+                ndim=2,
+                shape_text=f"[R_act, {text}] (a 1-D base needs out_offsets)",
+            )
+            if out.shape[1] != width:
+                raise ValueError(
+                    f"{name} must have shape [R_act, {text}={width}] (activation rows; a 1-D "
+                    f"base needs out_offsets), got {list(out.shape)}"
+                )
+            check_activation_rows(name, out, r_cap=r_cap)
+            named[name] = out
+    else:
         check_tensor(
-            "h1_out",
-            h1_out,
-            dtypes=(torch.bfloat16,),
-            shape=[r_cap, 2 * ffn],
-            shape_text="[R_cap, 2F]",
+            "out_offsets", out_offsets, dtypes=(torch.int64,), shape=[2], shape_text="(h1, x)"
         )
-        named["h1_out"] = h1_out
-    if x_out is not None:
-        check_tensor(
-            "x_out", x_out, dtypes=(torch.bfloat16,), shape=[r_cap, hidden], shape_text="[R_cap, D]"
-        )
-        named["x_out"] = x_out
+        named["out_offsets"] = out_offsets
+        for name, out in (("h1_out", h1_out), ("x_out", x_out)):
+            if out is None:
+                raise ValueError(
+                    f"{name} must be given with out_offsets (both h1_out and x_out, 1-D bf16 "
+                    "base tensors; a negative offset skips an output), got None"
+                )
+            check_bf16_base(name, out)
+            named[name] = out
+    if enable is not None:
+        check_tensor("enable", enable, dtypes=(torch.int32,), shape=[1], shape_text="(0 = skip)")
+        named["enable"] = enable
     check_devices(named, for_kernel=for_kernel)
     if for_kernel:
         check_tma_aligned("w13", w13)
@@ -364,34 +471,63 @@ def _check_r_cap(r_cap: int, block_m: int) -> None:
 def gather_w13_swiglu(
     gather_ptrs: torch.Tensor,
     padded_offsets: torch.Tensor,
+    row_offsets: torch.Tensor,
     w13: torch.Tensor,
     h2_out: torch.Tensor,
     *,
     h1_out: torch.Tensor | None = None,
     x_out: torch.Tensor | None = None,
+    out_offsets: torch.Tensor | None = None,
+    enable: torch.Tensor | None = None,
     config: W13Config | None = None,
     block_m: int | None = None,
 ) -> torch.Tensor:
-    """Gathered rows @ W13 with SwiGLU, into the padded expert-major layout.
+    """Gathered rows @ W13 with SwiGLU, into compact activation rows.
 
     Args:
-        gather_ptrs: int64 ``[R_cap]``, absolute byte address of each row's D bf16 source
-            values (16-byte aligned; may be a peer's mapped memory), 0 = null row.
-        padded_offsets: int32 ``[E_local + 1]``: expert ``e`` owns rows
-            ``[padded_offsets[e], padded_offsets[e+1])``, each a multiple of ``block_m``.
+        gather_ptrs: int64 ``[R_cap]`` indexed by padded row: absolute byte address of each
+            row's D bf16 source values (16-byte aligned; may be a peer's mapped memory),
+            0 = null row (reads zeros). Entries of padding rows are never read.
+        padded_offsets: int32 ``[E_local + 1]`` (device): expert ``e`` owns padded rows
+            ``[padded_offsets[e], padded_offsets[e+1])``, each a multiple of ``block_m``
+            (the tile schedule).
+        row_offsets: int32 ``[E_local + 1]`` (device): exclusive prefix sum of live rows per
+            expert; padded row ``padded_offsets[e] + j`` is live iff
+            ``j < row_offsets[e+1] - row_offsets[e]``, and its activation row is
+            ``row_offsets[e] + j``.
         w13: bf16 ``[E_local, 2, F, D]`` contiguous (``w13[e, 0]`` gate, ``w13[e, 1]`` up).
-        h2_out: bf16 ``[R_cap, F]``: receives ``silu(g) * u``.
-        h1_out: optional bf16 ``[R_cap, 2F]``: receives ``[g | u]`` (training).
-        x_out: optional bf16 ``[R_cap, D]``: receives the gathered rows (training).
+        h2_out: bf16 ``[R_act, F]`` (``R_act >= row_offsets[E_local]``, >= 1): receives
+            ``silu(g) * u`` at the activation rows.
+        h1_out: optional (training), receives ``[g | u]``: bf16 ``[R_act, 2F]`` in activation
+            rows, or with ``out_offsets`` a 1-D bf16 base (row ``a`` at element
+            ``out_offsets[0] + a*2F``).
+        x_out: optional (training), receives the gathered rows: bf16 ``[R_act, D]``, or with
+            ``out_offsets`` a 1-D bf16 base (row ``a`` at element ``out_offsets[1] + a*D``;
+            may be the same tensor as ``h1_out``).
+        out_offsets: optional int64 ``[2]`` on the device: bf16 element offsets of h1 and x
+            into their bases (multiples of 8; e.g. a slot cursor); a negative offset means
+            that output is not stored. Requires both ``h1_out`` and ``x_out``.
+        enable: optional int32 ``[1]`` on the device: 0 = every program returns at once
+            (nothing is written), anything else = run.
         config: launch configuration; default :meth:`W13Config.from_heuristic`.
         block_m: the padding multiple (default 128); must match ``config.block_m`` if both
             are given.
 
-    Rows ``< padded_offsets[E_local]`` of every output are written (null rows as zeros);
-    rows beyond it are left untouched. Returns ``h2_out``.
+    Only the live rows' activation rows ``< row_offsets[E_local]`` of every output are
+    written (null rows as zeros); padding rows are not stored and every other row or element
+    is left untouched. Returns ``h2_out``.
     """
     r_cap, num_experts, ffn, hidden = _check_w13_args(
-        gather_ptrs, padded_offsets, w13, h2_out, h1_out, x_out, for_kernel=True
+        gather_ptrs,
+        padded_offsets,
+        row_offsets,
+        w13,
+        h2_out,
+        h1_out,
+        x_out,
+        out_offsets,
+        enable,
+        for_kernel=True,
     )
     if config is None:
         config = W13Config.from_heuristic(
@@ -422,10 +558,13 @@ def gather_w13_swiglu(
         _gather_w13_swiglu_kernel[(grid,)](
             gather_ptrs,
             padded_offsets,
+            row_offsets,
             w13_arg,
             h2_out,
             h2_out if h1_out is None else h1_out,  # placeholder: never touched (WRITE_H1)
             h2_out if x_out is None else x_out,  # placeholder: never touched (WRITE_X)
+            padded_offsets if out_offsets is None else out_offsets,  # placeholder: never read
+            padded_offsets if enable is None else enable,  # placeholder: never read
             num_pid_m,
             NUM_EXPERTS=num_experts,
             EXPERTS_POW2=next_power_of_2(num_experts),
@@ -441,6 +580,8 @@ def gather_w13_swiglu(
             HOST_DESC=config.host_descriptors,
             WRITE_H1=h1_out is not None,
             WRITE_X=x_out is not None,
+            DYN_OFFSETS=out_offsets is not None,
+            HAS_ENABLE=enable is not None,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
@@ -452,38 +593,84 @@ def gather_w13_swiglu(
 # --------------------------------------------------------------------------------------------
 
 
+def _output_rows(
+    name: str, out: torch.Tensor, offset: int | None, start: int, count: int, width: int
+) -> torch.Tensor:
+    """Rows ``[start, start + count)`` of an output: a 2-D tensor, or a 1-D base at ``offset``."""
+    if offset is None:
+        rows = out[start : start + count]
+    else:
+        lo = offset + start * width
+        rows = out[lo : lo + count * width]
+        rows = rows.view(-1, width) if rows.numel() == count * width else rows
+    if rows.shape != (count, width):
+        raise ValueError(
+            f"{name} is too small: activation rows [{start}, {start + count}) of width "
+            f"{width}{'' if offset is None else f' at element offset {offset}'} do not fit in "
+            f"shape {list(out.shape)}"
+        )
+    return rows
+
+
 def gather_w13_swiglu_ref(
     gather_ptrs: torch.Tensor,
     padded_offsets: torch.Tensor,
+    row_offsets: torch.Tensor,
     w13: torch.Tensor,
     h2_out: torch.Tensor,
     *,
     h1_out: torch.Tensor | None = None,
     x_out: torch.Tensor | None = None,
+    out_offsets: torch.Tensor | None = None,
+    enable: torch.Tensor | None = None,
     sources: Sequence[torch.Tensor],
     block_m: int = 128,
 ) -> torch.Tensor:
     """Plain-PyTorch :func:`gather_w13_swiglu` (any device; synchronises; for tests).
 
-    ``sources`` lists the tensors the addresses point into (contiguous bf16, seen as rows of
-    D values): an address is resolved to its (tensor, row) on the host. fp32 matmuls, outputs
-    rounded to bf16 like the kernel's; rows from ``padded_offsets[E_local]`` on are untouched.
+    Same arguments and contract; ``enable``, ``out_offsets`` and the layout are read and
+    checked on the host. ``sources`` lists the tensors the addresses point into (contiguous
+    bf16, seen as rows of D values): an address is resolved to its (tensor, row) on the host.
+    fp32 matmuls, outputs rounded to bf16 like the kernel's; only live rows are written.
     """
-    r_cap, num_experts, ffn, hidden = _check_w13_args(
-        gather_ptrs, padded_offsets, w13, h2_out, h1_out, x_out, for_kernel=False
+    r_cap, _, _, hidden = _check_w13_args(
+        gather_ptrs,
+        padded_offsets,
+        row_offsets,
+        w13,
+        h2_out,
+        h1_out,
+        x_out,
+        out_offsets,
+        enable,
+        for_kernel=False,
     )
     _check_r_cap(r_cap, block_m)
     check_padded_offsets_host(padded_offsets, block_m=block_m, r_cap=r_cap)
-    x = rows_at(gather_ptrs, sources, row_elems=hidden, name="gather_ptrs").to(w13.device)
-    for e, (start, end) in enumerate(expert_segments(padded_offsets)):
-        if start == end:
+    check_row_offsets_host(padded_offsets, row_offsets, r_act=h2_out.shape[0])
+    if enable is not None and int(enable.item()) == 0:
+        return h2_out
+    h1_off = x_off = None
+    if out_offsets is not None:
+        h1_off, x_off = (int(v) for v in out_offsets.tolist())
+    for e, (pad_start, act_start, count) in enumerate(
+        activation_segments(padded_offsets, row_offsets)
+    ):
+        if count == 0:
             continue
-        xe = x[start:end]
+        xe = rows_at(
+            gather_ptrs[pad_start : pad_start + count],
+            sources,
+            row_elems=hidden,
+            name="gather_ptrs",
+        ).to(w13.device)
         g = xe @ w13[e, 0].float().T
         u = xe @ w13[e, 1].float().T
-        h2_out[start:end] = (torch.nn.functional.silu(g) * u).to(torch.bfloat16)
-        if h1_out is not None:
-            h1_out[start:end] = torch.cat([g, u], dim=1).to(torch.bfloat16)
-        if x_out is not None:
-            x_out[start:end] = xe.to(torch.bfloat16)
+        h2 = _output_rows("h2_out", h2_out, None, act_start, count, g.shape[1])
+        h2.copy_((torch.nn.functional.silu(g) * u).to(torch.bfloat16))
+        if h1_out is not None and (h1_off is None or h1_off >= 0):
+            h1 = _output_rows("h1_out", h1_out, h1_off, act_start, count, 2 * g.shape[1])
+            h1.copy_(torch.cat([g, u], dim=1).to(torch.bfloat16))
+        if x_out is not None and (x_off is None or x_off >= 0):
+            _output_rows("x_out", x_out, x_off, act_start, count, hidden).copy_(xe)
     return h2_out

@@ -1,7 +1,26 @@
 """W2 backward: DGRAD with the SwiGLU backward fused into its epilogue, and the grouped WGRAD.
 
-Per routed row (padded expert-major layout, see :mod:`distmoe.kernels._common`), with
-``h1 = [g | u]`` saved by the forward and ``W2 = w2[e]`` of shape ``[D, F]``:
+Row layout (every backward GEMM; the forward kernels use the same one). Two row numberings:
+
+* *Padded* expert-major rows, the tile schedule: ``padded_offsets`` int32 ``[E_local + 1]``
+  (device); local expert ``e`` owns padded rows ``[padded_offsets[e], padded_offsets[e+1])``,
+  a multiple of ``block_m``; rows at/after ``padded_offsets[E_local]`` are idle. The pointer
+  tables (``grad_h3_ptrs`` here, ``scatter_ptrs`` in W13 DGRAD: int64 ``[R_cap]``) are indexed
+  by padded row; ``R_cap`` is a multiple of ``block_m`` and sizes the DGRAD grids.
+* Compact *activation* rows, the storage of h1, grad_h1, h2, grad_h3 and x_gathered:
+  ``row_offsets`` int32 ``[E_local + 1]`` (device, exclusive prefix sum of live rows per
+  expert, ``row_offsets[0] = 0``). Expert ``e`` has ``n_e = row_offsets[e+1] - row_offsets[e]``
+  live rows (``n_e <=`` its padded segment length); padded row ``padded_offsets[e] + j`` is
+  *live* iff ``j < n_e``, and then its activation row is ``row_offsets[e] + j``; the other
+  rows of the segment are *padding* and have no activation row. Activation tensors are
+  ``[R_act, width]`` with ``R_act >= row_offsets[E_local]``, independent of ``R_cap`` (the
+  host cannot check this bound: the counts live on the device). Rows at/after
+  ``row_offsets[E_local]`` are never written and their contents never reach an output.
+
+No kernel stores an activation row for a padding row, and padding rows never affect a live
+output. Neither offset table is read on the host.
+
+Per live row (``h1 = [g | u]`` saved by the forward, ``W2 = w2[e]`` of shape ``[D, F]``)::
 
     grad_h2 = grad_h3 @ W2                         [R, D] @ [D, F], fp32 accumulation
     s       = sigmoid(g)
@@ -13,35 +32,55 @@ Per routed row (padded expert-major layout, see :mod:`distmoe.kernels._common`),
 
 :func:`w2_dgrad_swiglu_bwd`
     ``grad_h3`` rows live wherever the owner's combine buffer is (this or a peer process):
-    the kernel reads them through ``grad_h3_ptrs``, absolute row addresses (0 = null row,
-    read as zeros). With ``grad_h3_out`` it runs two launches: a row gather that copies every
-    live row once into ``grad_h3_out`` (local, contiguous: WGRAD needs it anyway), then the GEMM
-    reading those rows through TMA. Without it the GEMM gathers through the pointers in its
-    K loop, so each row is read once per column tile (``F / block_n`` times): meant for local
-    rows. Weights come through a 3-D TMA descriptor ``[E, D, F]`` (encoded on the host at
-    launch by default, or built in every program: ``host_descriptors``); the
-    epilogue reads the ``[g | u]`` tile pair, writes ``[grad_g | grad_u]`` and optionally h2.
-    Each program reads and writes the same ``h1`` columns, so ``grad_h1_out`` may be ``h1``
-    itself (in place: saves the ``R*2F*2`` bytes of a separate gradient buffer).
-    Null rows produce zeros in every output; idle tiles (rows at/after
-    ``padded_offsets[E]``) exit before loading anything and leave their rows untouched.
+    the kernel reads them through ``grad_h3_ptrs``, absolute row addresses indexed by padded
+    row (0 = null row, read as zeros; entries of padding and idle rows are never read). With
+    ``grad_h3_out`` it runs two launches: a row gather that copies every live row once into
+    ``grad_h3_out`` at its activation row (local, contiguous: WGRAD needs it anyway), then the
+    GEMM reading those rows through TMA (a tile's padding rows read past their expert's rows,
+    the next expert's rows or TMA zeros, and their results are discarded). Without it the
+    GEMM gathers through the pointers in its K loop, so each row is read once per column
+    tile (``F / block_n`` times): meant for local rows. Weights come through a 3-D TMA
+    descriptor ``[E, D, F]`` (encoded on the host at launch by default, or built in every
+    program: ``host_descriptors``); the epilogue reads the ``[g | u]`` tile pair of the live
+    rows, writes ``[grad_g | grad_u]`` and optionally h2. ``h1`` is a 2-D tensor in
+    activation rows or, with ``h1_offset`` (int64 ``[1]`` on the device, a bf16 element
+    offset such as a slot cursor), a 1-D base with activation row ``a`` at
+    ``h1 + h1_offset[0] + a*2F``.
+    In place: ``grad_h1_out`` may be exactly the memory that h1 reads (same rows: saves the
+    ``R*2F*2`` bytes of a separate gradient buffer). Each program reads and writes the same
+    elements only (its live rows, its ``g`` and ``u`` columns), and every stored
+    ``grad_g``/``grad_u`` element is computed from the ``g`` and ``u`` values loaded at the
+    same positions, so each program has loaded its h1 elements before it stores those
+    elements of grad_h1 (a data dependency on the GPU, whichever thread stores them); no
+    other program touches them.
+    Null live rows produce zeros in every output; tiles of padding rows only and idle tiles
+    (rows at/after ``padded_offsets[E]``) exit before loading anything.
 
 :func:`w2_wgrad`
     One program per (expert, output tile ``[block_out_m, block_out_n]`` of ``grad_w2[e]``,
-    row split). It walks its expert's rows ``[padded_offsets[e], padded_offsets[e+1])`` on
-    the device, ``block_k`` rows per step, both operands through TMA, and adds the fp32 tile
-    into ``grad_w2`` (read-add-write: ``.grad`` accumulation semantics; experts without rows
-    leave ``grad_w2[e]`` untouched). The row loop is a ``for`` over a device-side trip count
-    on the GPU (software-pipelined by Triton) and a ``while`` loop under the interpreter, which
-    cannot take loop bounds from ``tl.load``; the loop body is the same.
+    row split). It walks its expert's activation rows ``[row_offsets[e], row_offsets[e+1])``
+    on the device, ``block_k`` rows per step, both operands through TMA, and adds the fp32
+    tile into ``grad_w2`` (read-add-write: ``.grad`` accumulation semantics; experts without
+    rows leave ``grad_w2[e]`` untouched). Every step but the last is whole and unmasked; the
+    last step, when partial, is peeled and zeroes the rows past the expert's end in both
+    operands (they are the next expert's rows, rows past ``row_offsets[E]`` holding anything,
+    or TMA zeros). The row loop is a ``for`` over a device-side trip count on the GPU
+    (software-pipelined by Triton) and a ``while`` loop under the interpreter, which cannot
+    take loop bounds from ``tl.load``; the loop body is the same.
     ``split_rows > 1`` (split-K over rows) interleaves ``block_k`` row steps over that many
     programs and adds with fp32 atomics (non-deterministic summation order); it pays off when
     ``E_local * tiles`` is below the SM count or one expert holds most rows. The default is 1:
     deterministic, and at training shapes the tile count already fills the GPU.
-    The same kernel serves W13 WGRAD (:mod:`distmoe.kernels.w13_backward`).
+    The same kernel serves W13 WGRAD (:mod:`distmoe.kernels.w13_backward`), whose second
+    operand may sit at a device-side offset (device-built TMA descriptor).
+
+Requirements (device-side, not checked): the layout rules above; non-null row addresses
+16-byte aligned; ``h1_offset[0]`` a multiple of 8 elements (16 bytes: activation rows are
+16-byte aligned, like the slot cursor's 128-byte steps) and the base holding
+``h1_offset[0] + row_offsets[E_local]*2F`` elements.
 
 Sync points: none inside; kernel boundaries order the launches. Grids are sized from
-``R_cap`` and the weight shapes only (CUDA-graph safe, no host synchronisation).
+``R_cap``, ``E_local`` and the weight shapes only (CUDA-graph safe, no host synchronisation).
 """
 
 from __future__ import annotations
@@ -61,7 +100,6 @@ from distmoe.kernels._common import (
     check_width,
     device_context,
     ensure_tma_allocator,
-    expert_segments,
     next_power_of_2,
     rows_at,
     swizzle_tile,
@@ -69,7 +107,8 @@ from distmoe.kernels._common import (
 )
 from distmoe.kernels.interpreter import interpreter_active
 
-# Rows of the standalone row-gather program (a divisor of every legal block_m).
+# Rows of the standalone row-gather program (a divisor of every legal block_m, so a block
+# never straddles two expert segments).
 _GATHER_BLOCK_ROWS = 16
 
 
@@ -83,22 +122,42 @@ def _pow2_clamped(n: int, low: int, high: int) -> int:
 
 
 @triton.jit
+def tile_live_rows(padded_offsets_ptr, row_offsets_ptr, expert, row_start):
+    """Activation rows of the padded rows from ``row_start`` on (inside ``expert``'s segment).
+
+    Returns ``(act_start, num_live)``, both int32: padded row ``row_start + i`` is live iff
+    ``i < num_live`` (``num_live <= 0``: padding rows only; it may exceed the block) and then
+    maps to activation row ``act_start + i``.
+    """
+    seg_start = tl.load(padded_offsets_ptr + expert)
+    act_begin = tl.load(row_offsets_ptr + expert)
+    act_end = tl.load(row_offsets_ptr + expert + 1)
+    local = row_start - seg_start
+    return act_begin + local, act_end - act_begin - local
+
+
+@triton.jit
 def _gather_rows_kernel(
     row_ptrs_ptr,  # int64 [R_cap]: absolute addresses of bf16 rows of WIDTH (0 = null)
     padded_offsets_ptr,  # int32 [E + 1]
-    out_ptr,  # bf16 [R_cap, WIDTH]
+    row_offsets_ptr,  # int32 [E + 1]
+    out_ptr,  # bf16 [R_act, WIDTH], activation rows
     WIDTH: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
     row0 = tl.program_id(0) * BLOCK_ROWS
-    live_end = tl.load(padded_offsets_ptr + NUM_EXPERTS)
-    if row0 >= live_end:
-        return
-    rows = row0 + tl.arange(0, BLOCK_ROWS)
-    is_live = rows < live_end
-    addr = tl.load(row_ptrs_ptr + rows, mask=is_live, other=0)
+    if row0 >= tl.load(padded_offsets_ptr + NUM_EXPERTS):
+        return  # idle rows
+    expert = tile_expert(padded_offsets_ptr, row0, NUM_EXPERTS, EXPERTS_POW2)
+    act0, num_live = tile_live_rows(padded_offsets_ptr, row_offsets_ptr, expert, row0)
+    if num_live <= 0:
+        return  # padding rows only
+    idx = tl.arange(0, BLOCK_ROWS)
+    is_live = idx < num_live
+    addr = tl.load(row_ptrs_ptr + row0 + idx, mask=is_live, other=0)
     is_row = addr != 0
     # Row addresses are 16-byte aligned (contract). The hint goes on the pointer (its
     # divisibility counts bytes); on the int64 before the cast it is lost: 2-byte loads.
@@ -106,8 +165,8 @@ def _gather_rows_kernel(
     col = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     col_ok = col < WIDTH
     vals = tl.load(src[:, None] + col[None, :], mask=is_row[:, None] & col_ok[None, :], other=0.0)
-    dst = out_ptr + rows.to(tl.int64)[:, None] * WIDTH + col[None, :]
-    tl.store(dst, vals, mask=is_live[:, None] & col_ok[None, :])
+    dst = tl.multiple_of(out_ptr + (act0 + idx).to(tl.int64) * WIDTH, 16)
+    tl.store(dst[:, None] + col[None, :], vals, mask=is_live[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -116,7 +175,8 @@ def _swiglu_bwd_epilogue(
     h1_ptr,
     grad_h1_ptr,
     h2_ptr,
-    rows,
+    act_rows,
+    is_live,
     is_row,
     n0,
     FFN: tl.constexpr,
@@ -124,36 +184,48 @@ def _swiglu_bwd_epilogue(
     STORE_H2: tl.constexpr,
 ):
     """SwiGLU backward of columns ``[n0, n0 + BLOCK_N)`` of F for the tile's rows: reads the
-    ``g``/``u`` tile pair, writes ``grad_g``/``grad_u`` (and ``h2``). Null rows load zeros and
-    (their ``grad_h2`` being zero) produce zeros."""
+    ``g``/``u`` tile pair of the non-null live rows, writes ``grad_g``/``grad_u`` (and ``h2``)
+    of the live rows at their activation rows ``act_rows`` (int64). Null rows load zeros and
+    (their ``grad_h2`` being zero) store zeros; padding rows load and store nothing.
+
+    In place (``grad_h1_ptr`` over the h1 rows): every stored element is a function of the
+    ``g`` and ``u`` loaded at the same row and column, so its load precedes its store."""
     col = n0 + tl.arange(0, BLOCK_N)
     col_ok = col < FFN
-    row_off = rows.to(tl.int64)[:, None] * (2 * FFN)
+    # Activation rows are 16-byte aligned (F multiple of 8, offset multiple of 8 elements):
+    # the hint keeps 16-byte vector accesses although the row offsets are device values.
+    h1_rows = tl.multiple_of(h1_ptr + act_rows * (2 * FFN), 16)
+    g_ptrs = h1_rows[:, None] + col[None, :]
     load_mask = is_row[:, None] & col_ok[None, :]
-    g = tl.load(h1_ptr + row_off + col[None, :], mask=load_mask, other=0.0).to(tl.float32)
-    u = tl.load(h1_ptr + row_off + FFN + col[None, :], mask=load_mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptrs, mask=load_mask, other=0.0).to(tl.float32)
+    u = tl.load(g_ptrs + FFN, mask=load_mask, other=0.0).to(tl.float32)
     s = tl.sigmoid(g)
     silu = g * s
     grad_g = grad_h2 * u * (s * (1.0 + g * (1.0 - s)))
     grad_u = grad_h2 * silu
-    store_mask = col_ok[None, :]
-    tl.store(grad_h1_ptr + row_off + col[None, :], grad_g.to(tl.bfloat16), mask=store_mask)
-    tl.store(grad_h1_ptr + row_off + FFN + col[None, :], grad_u.to(tl.bfloat16), mask=store_mask)
+    store_mask = is_live[:, None] & col_ok[None, :]
+    grad_rows = tl.multiple_of(grad_h1_ptr + act_rows * (2 * FFN), 16)
+    grad_ptrs = grad_rows[:, None] + col[None, :]
+    tl.store(grad_ptrs, grad_g.to(tl.bfloat16), mask=store_mask)
+    tl.store(grad_ptrs + FFN, grad_u.to(tl.bfloat16), mask=store_mask)
     if STORE_H2:
-        h2_off = rows.to(tl.int64)[:, None] * FFN + col[None, :]
-        tl.store(h2_ptr + h2_off, (silu * u).to(tl.bfloat16), mask=store_mask)
+        h2_rows = tl.multiple_of(h2_ptr + act_rows * FFN, 16)
+        tl.store(h2_rows[:, None] + col[None, :], (silu * u).to(tl.bfloat16), mask=store_mask)
 
 
 @triton.jit
 def _w2_dgrad_swiglu_kernel(
     grad_h3_ptrs_ptr,  # int64 [R_cap]: addresses of the bf16 grad_h3 rows (0 = null)
-    grad_h3_rows,  # bf16 [R_cap, D] gathered rows, or its TMA descriptor (not GATHER_IN_LOOP)
+    grad_h3_rows,  # bf16 [R_act, D] gathered rows, or its TMA descriptor (not GATHER_IN_LOOP)
     padded_offsets_ptr,  # int32 [E + 1]
+    row_offsets_ptr,  # int32 [E + 1]
     w2,  # bf16 [E, D, F], or its TMA descriptor (HOST_DESC)
-    h1_ptr,  # bf16 [R_cap, 2F]
-    grad_h1_ptr,  # bf16 [R_cap, 2F] (may be h1_ptr)
-    h2_ptr,  # bf16 [R_cap, F] (written when STORE_H2)
+    h1_ptr,  # bf16 [R_act, 2F], or a 1-D bf16 base (H1_OFFSET)
+    h1_offset_ptr,  # int64 [1]: element offset of activation row 0 in h1 (H1_OFFSET)
+    grad_h1_ptr,  # bf16 [R_act, 2F] (may be the h1 rows)
+    h2_ptr,  # bf16 [R_act, F] (written when STORE_H2)
     num_rows,  # R_cap
+    num_act_rows,  # R_act
     HIDDEN: tl.constexpr,
     FFN: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
@@ -161,6 +233,7 @@ def _w2_dgrad_swiglu_kernel(
     GATHER_IN_LOOP: tl.constexpr,
     STORE_H2: tl.constexpr,
     HOST_DESC: tl.constexpr,
+    H1_OFFSET: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -173,9 +246,15 @@ def _w2_dgrad_swiglu_kernel(
     if row0 >= tl.load(padded_offsets_ptr + NUM_EXPERTS):
         return  # idle tile: no loads, no stores
     expert = tile_expert(padded_offsets_ptr, row0, NUM_EXPERTS, EXPERTS_POW2)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    addr = tl.load(grad_h3_ptrs_ptr + rows)
+    act0, num_live = tile_live_rows(padded_offsets_ptr, row_offsets_ptr, expert, row0)
+    if num_live <= 0:
+        return  # padding rows only: nothing to load or store
+    idx = tl.arange(0, BLOCK_M)
+    is_live = idx < num_live
+    # Pointer entries of padding rows are not read (masked): they may hold anything.
+    addr = tl.load(grad_h3_ptrs_ptr + row0 + idx, mask=is_live, other=0)
     is_row = addr != 0
+    act_rows = (act0 + idx).to(tl.int64)
     n0 = pid_n * BLOCK_N
 
     if HOST_DESC:
@@ -205,14 +284,19 @@ def _w2_dgrad_swiglu_kernel(
         else:
             a_desc = tl.make_tensor_descriptor(
                 grad_h3_rows,
-                shape=[num_rows, HIDDEN],
+                shape=[num_act_rows, HIDDEN],
                 strides=[HIDDEN, 1],
                 block_shape=[BLOCK_M, BLOCK_K],
             )
+        # Activation rows [act0, act0 + BLOCK_M): the padding rows of the tile read the next
+        # expert's rows, rows past the live end or TMA zeros; their results are never stored.
         for k0 in range(0, HIDDEN, BLOCK_K):
-            a = a_desc.load([row0, k0])
+            a = a_desc.load([act0, k0])
             b = w_desc.load([expert, k0, n0]).reshape(BLOCK_K, BLOCK_N)
             acc = tl.dot(a, b, acc)
+
+    if H1_OFFSET:
+        h1_ptr = h1_ptr + tl.load(h1_offset_ptr)
 
     # SwiGLU backward in two column halves: the whole 128 x 128 tile with its g/u pair and
     # their 64-bit addresses needs more than 255 registers per thread (spills); halves need
@@ -221,14 +305,25 @@ def _w2_dgrad_swiglu_kernel(
         halves = tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), (0, 2, 1))
         acc_lo, acc_hi = tl.split(halves)
         _swiglu_bwd_epilogue(
-            acc_lo, h1_ptr, grad_h1_ptr, h2_ptr, rows, is_row, n0, FFN, BLOCK_N // 2, STORE_H2
+            acc_lo,
+            h1_ptr,
+            grad_h1_ptr,
+            h2_ptr,
+            act_rows,
+            is_live,
+            is_row,
+            n0,
+            FFN,
+            BLOCK_N // 2,
+            STORE_H2,
         )
         _swiglu_bwd_epilogue(
             acc_hi,
             h1_ptr,
             grad_h1_ptr,
             h2_ptr,
-            rows,
+            act_rows,
+            is_live,
             is_row,
             n0 + BLOCK_N // 2,
             FFN,
@@ -237,7 +332,7 @@ def _w2_dgrad_swiglu_kernel(
         )
     else:
         _swiglu_bwd_epilogue(
-            acc, h1_ptr, grad_h1_ptr, h2_ptr, rows, is_row, n0, FFN, BLOCK_N, STORE_H2
+            acc, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row, n0, FFN, BLOCK_N, STORE_H2
         )
 
 
@@ -249,17 +344,33 @@ def _wgrad_tile_step(a_desc, b_desc, row, p0, q0, acc):
 
 
 @triton.jit
+def _wgrad_tail_step(a_desc, b_desc, row, end, p0, q0, acc, BLOCK_K: tl.constexpr):
+    """The last, partial row step: rows at/after ``end`` (the next expert's rows, stale rows
+    past the live end, or TMA zeros) are zeroed in both operands, so neither a large value nor
+    a NaN there reaches the sum."""
+    keep = ((row + tl.arange(0, BLOCK_K)) < end)[:, None]
+    a = a_desc.load([row, p0])
+    b = b_desc.load([row, q0])
+    a = tl.where(keep, a, tl.zeros_like(a))
+    b = tl.where(keep, b, tl.zeros_like(b))
+    return tl.dot(tl.trans(a), b, acc)
+
+
+@triton.jit
 def _grouped_wgrad_kernel(
-    a,  # bf16 [R_cap, P], or its TMA descriptor (HOST_DESC)
-    b,  # bf16 [R_cap, Q], or its TMA descriptor (HOST_DESC)
-    padded_offsets_ptr,  # int32 [E + 1]
+    a,  # bf16 [R_act, P], or its TMA descriptor (HOST_DESC)
+    b,  # bf16 [R_act, Q], or its TMA descriptor (HOST_DESC), or a 1-D bf16 base (B_OFFSET)
+    b_offset_ptr,  # int64 [1]: element offset of activation row 0 in b (B_OFFSET)
+    row_offsets_ptr,  # int32 [E + 1]
     out_ptr,  # fp32 [E, P, Q], accumulated into
-    num_rows,  # R_cap
+    num_act_rows,  # R_act
     P: tl.constexpr,
     Q: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
     SPLIT_ROWS: tl.constexpr,
     INTERPRETED: tl.constexpr,
     HOST_DESC: tl.constexpr,
+    B_OFFSET: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -274,31 +385,50 @@ def _grouped_wgrad_kernel(
     tile = rest % tiles
     p0 = (tile // num_q) * BLOCK_P
     q0 = (tile % num_q) * BLOCK_Q
-    first = tl.load(padded_offsets_ptr + expert) + split * BLOCK_K
-    end = tl.load(padded_offsets_ptr + expert + 1)
+    first = tl.load(row_offsets_ptr + expert) + split * BLOCK_K
+    end = tl.load(row_offsets_ptr + expert + 1)
     if first >= end:
         return  # no rows for this program: grad_w stays as it is
     if HOST_DESC:
         a_desc = a
-        b_desc = b
     else:
         a_desc = tl.make_tensor_descriptor(
-            a, shape=[num_rows, P], strides=[P, 1], block_shape=[BLOCK_K, BLOCK_P]
+            a, shape=[num_act_rows, P], strides=[P, 1], block_shape=[BLOCK_K, BLOCK_P]
         )
+    if B_OFFSET:
+        # A host descriptor cannot see a device-side offset: build this one on the device,
+        # bounded by the live rows (nothing past row_offsets[E] is read; offset a multiple of
+        # 8 elements, so the base stays 16-byte aligned).
+        b_base = tl.multiple_of(b + tl.load(b_offset_ptr), 16)
         b_desc = tl.make_tensor_descriptor(
-            b, shape=[num_rows, Q], strides=[Q, 1], block_shape=[BLOCK_K, BLOCK_Q]
+            b_base,
+            shape=[tl.load(row_offsets_ptr + NUM_EXPERTS), Q],
+            strides=[Q, 1],
+            block_shape=[BLOCK_K, BLOCK_Q],
+        )
+    elif HOST_DESC:
+        b_desc = b
+    else:
+        b_desc = tl.make_tensor_descriptor(
+            b, shape=[num_act_rows, Q], strides=[Q, 1], block_shape=[BLOCK_K, BLOCK_Q]
         )
     acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
     step = SPLIT_ROWS * BLOCK_K
+    # Whole steps (all BLOCK_K rows before `end`): unmasked. Only the last step of a program
+    # can be partial (a partial step ends past `end`, so every later one starts past it).
+    # end - first >= 1 and step >= BLOCK_K keep the numerator positive.
+    num_full = (end - first - BLOCK_K + step) // step
     if INTERPRETED:
-        row = first
-        while row < end:
-            acc = _wgrad_tile_step(a_desc, b_desc, row, p0, q0, acc)
-            row += step
-    else:
-        num_steps = (end - first + step - 1) // step
-        for i in range(0, num_steps):
+        i = 0
+        while i < num_full:
             acc = _wgrad_tile_step(a_desc, b_desc, first + i * step, p0, q0, acc)
+            i += 1
+    else:
+        for i in range(0, num_full):
+            acc = _wgrad_tile_step(a_desc, b_desc, first + i * step, p0, q0, acc)
+    tail = first + num_full * step
+    if tail < end:
+        acc = _wgrad_tail_step(a_desc, b_desc, tail, end, p0, q0, acc, BLOCK_K)
 
     p = p0 + tl.arange(0, BLOCK_P)
     q = q0 + tl.arange(0, BLOCK_Q)
@@ -382,13 +512,15 @@ class W2DgradConfig(GemmConfig):
 class WgradConfig:
     """Launch configuration of the grouped WGRAD (:func:`w2_wgrad`, ``w13_wgrad``).
 
-    The GEMM is ``grad_w[e] (+)= A_e^T @ B_e`` with ``A`` ``[R_cap, P]`` and ``B`` ``[R_cap, Q]``
-    (W2: P = D, Q = F; W13: P = 2F, Q = D).
+    The GEMM is ``grad_w[e] (+)= A_e^T @ B_e`` over expert ``e``'s activation rows, with ``A``
+    ``[R_act, P]`` and ``B`` ``[R_act, Q]`` (W2: P = D, Q = F; W13: P = 2F, Q = D).
 
     Attributes:
-        block_m: padding multiple of the expert segments (same as the DGRAD ``block_m``).
-        block_k: routed rows per step of the row loop; power of two in [16, 256] dividing
-            ``block_m``.
+        block_m: padding multiple of the expert segments (same as the DGRAD ``block_m``). The
+            compact row walk does not depend on it; it only bounds ``block_k``.
+        block_k: activation rows per step of the row loop; power of two in [16, 256] dividing
+            ``block_m``. A step may run past its expert's last row (compact rows are not
+            padded): the last, partial step of each program is masked.
         block_out_m: rows (P) of the output tile; power of two in [16, 256].
         block_out_n: columns (Q) of the output tile; power of two in [16, 256].
         split_rows: programs sharing one output tile, each taking every ``split_rows``-th
@@ -417,8 +549,8 @@ class WgradConfig:
                 raise ValueError(f"{name} ({value}) must be a power of two in [16, 256]")
         if self.block_m % self.block_k:
             raise ValueError(
-                f"block_k ({self.block_k}) must divide block_m ({self.block_m}): a row step "
-                "never crosses an expert segment"
+                f"block_k ({self.block_k}) must divide block_m ({self.block_m}): a row step is "
+                "at most one padding multiple"
             )
         for name in ("split_rows", "num_stages"):
             value = getattr(self, name)
@@ -524,6 +656,50 @@ def check_padded_offsets(padded_offsets: object, num_experts: int) -> None:
     )
 
 
+def check_row_offsets(row_offsets: object, num_experts: int) -> None:
+    """``row_offsets`` must be int32 ``[E_local + 1]`` (its values are device-side)."""
+    check_tensor(
+        "row_offsets",
+        row_offsets,
+        dtypes=(torch.int32,),
+        shape=[num_experts + 1],
+        shape_text="[E_local + 1] (live rows per expert, exclusive prefix sum)",
+    )
+
+
+def check_device_scalar(name: str, value: object, rule: str) -> None:
+    """A device-side int64 ``[1]`` argument (offset or address); ``rule`` says what it holds."""
+    check_tensor(name, value, dtypes=(torch.int64,), shape=[1], shape_text=rule)
+
+
+def check_base_tensor(name: str, value: object, offset_name: str, row_text: str) -> None:
+    """The 1-D contiguous bf16 base that ``offset_name`` indexes (16-byte aligned start)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dim() != 1:
+        raise ValueError(
+            f"{name} must be a 1-D bf16 base tensor when {offset_name} is given "
+            f"({row_text}), got shape {list(value.shape)}"
+        )
+    check_tensor(name, value, dtypes=(torch.bfloat16,), ndim=1, shape_text=f"({row_text})")
+    if value.data_ptr() % 16:
+        raise ValueError(
+            f"{name} must start at a 16-byte aligned address ({offset_name} counts from it and "
+            f"activation rows are 16-byte aligned), got {value.data_ptr():#x}"
+        )
+
+
+def check_activation_rows(name: str, value: object, width: int, width_text: str) -> int:
+    """A 2-D bf16 ``[R_act, width]`` tensor in activation rows; returns ``R_act``."""
+    check_tensor(name, value, dtypes=(torch.bfloat16,), ndim=2, shape_text=f"[R_act, {width_text}]")
+    if value.shape[1] != width:
+        raise ValueError(
+            f"{name} must have shape [R_act, {width}] ([R_act, {width_text}], activation rows), "
+            f"got {list(value.shape)}"
+        )
+    return value.shape[0]
+
+
 def check_row_table(name: str, table: object) -> int:
     """An int64 ``[R_cap]`` table of absolute row addresses; returns ``R_cap``."""
     check_tensor(name, table, dtypes=(torch.int64,), ndim=1, shape_text="[R_cap]")
@@ -550,48 +726,55 @@ def check_wgrad_config(config: object, *, out_rows: int, out_cols: int) -> Wgrad
 def launch_grouped_wgrad(
     a: torch.Tensor,
     b: torch.Tensor,
-    padded_offsets: torch.Tensor,
+    row_offsets: torch.Tensor,
     out: torch.Tensor,
     config: WgradConfig,
     device: torch.device,
+    *,
+    b_offset: torch.Tensor | None = None,
 ) -> None:
-    """``out[e] += a[rows_e]^T @ b[rows_e]`` for every local expert (inputs validated by the
-    caller: ``a`` ``[R_cap, P]``, ``b`` ``[R_cap, Q]`` bf16, ``out`` fp32 ``[E, P, Q]``)."""
-    num_rows, width_p = a.shape
-    width_q = b.shape[1]
-    num_experts = padded_offsets.shape[0] - 1
-    check_rows_cap(num_rows, config.block_m)
-    if num_rows == 0 or num_experts == 0:
-        return
+    """``out[e] += a[rows_e]^T @ b[rows_e]`` over every local expert's activation rows
+    ``rows_e = [row_offsets[e], row_offsets[e+1])`` (inputs validated by the caller: ``a``
+    ``[R_act, P]`` bf16, ``b`` ``[R_act, Q]`` bf16, or with ``b_offset`` (int64 ``[1]``) a
+    1-D bf16 base with row ``r`` at ``b + b_offset[0] + r*Q``; ``out`` fp32 ``[E, P, Q]``)."""
+    num_act_rows, width_p = a.shape
+    width_q = out.shape[2]
+    num_experts = row_offsets.shape[0] - 1
+    if num_act_rows == 0 or num_experts == 0:
+        return  # R_act >= row_offsets[E]: no live rows
     tiles = triton.cdiv(width_p, config.block_out_m) * triton.cdiv(width_q, config.block_out_n)
     grid = (num_experts * config.split_rows * tiles,)
     if config.host_descriptors:
         a = TensorDescriptor(
             a,
-            shape=[num_rows, width_p],
+            shape=[num_act_rows, width_p],
             strides=[width_p, 1],
             block_shape=[config.block_k, config.block_out_m],
         )
-        b = TensorDescriptor(
-            b,
-            shape=[num_rows, width_q],
-            strides=[width_q, 1],
-            block_shape=[config.block_k, config.block_out_n],
-        )
-    else:
+        if b_offset is None:
+            b = TensorDescriptor(
+                b,
+                shape=[num_act_rows, width_q],
+                strides=[width_q, 1],
+                block_shape=[config.block_k, config.block_out_n],
+            )
+    if not config.host_descriptors or b_offset is not None:
         ensure_tma_allocator()
     with device_context(device):
         _grouped_wgrad_kernel[grid](
             a,
             b,
-            padded_offsets,
+            b_offset if b_offset is not None else row_offsets,  # placeholder unless B_OFFSET
+            row_offsets,
             out,
-            num_rows,
+            num_act_rows,
             P=width_p,
             Q=width_q,
+            NUM_EXPERTS=num_experts,
             SPLIT_ROWS=config.split_rows,
             INTERPRETED=interpreter_active(),
             HOST_DESC=config.host_descriptors,
+            B_OFFSET=b_offset is not None,
             BLOCK_K=config.block_k,
             BLOCK_P=config.block_out_m,
             BLOCK_Q=config.block_out_n,
@@ -603,32 +786,50 @@ def launch_grouped_wgrad(
 def w2_dgrad_swiglu_bwd(
     grad_h3_ptrs: torch.Tensor,
     padded_offsets: torch.Tensor,
+    row_offsets: torch.Tensor,
     w2: torch.Tensor,
     h1: torch.Tensor,
     grad_h1_out: torch.Tensor,
     *,
+    h1_offset: torch.Tensor | None = None,
     h2_out: torch.Tensor | None = None,
     grad_h3_out: torch.Tensor | None = None,
     config: W2DgradConfig | None = None,
 ) -> None:
-    """W2 DGRAD + SwiGLU backward over padded expert-major rows (module docstring).
+    """W2 DGRAD + SwiGLU backward: padded tile schedule, compact activation rows (module
+    docstring).
 
     Args:
-        grad_h3_ptrs: int64 ``[R_cap]`` absolute byte addresses of the bf16 ``grad_h3`` rows
-            (``D`` values each, 16-byte aligned; 0 = null row, read as zeros).
-        padded_offsets: int32 ``[E_local + 1]``, the expert segments (multiples of
-            ``config.block_m``); rows at/after ``padded_offsets[E_local]`` are idle.
+        grad_h3_ptrs: int64 ``[R_cap]``, indexed by padded row: absolute byte addresses of the
+            bf16 ``grad_h3`` rows (``D`` values each, 16-byte aligned; 0 = null row, read as
+            zeros). Entries of padding and idle rows are never read.
+        padded_offsets: int32 ``[E_local + 1]``, the expert segments of padded rows (multiples
+            of ``config.block_m``); rows at/after ``padded_offsets[E_local]`` are idle.
+        row_offsets: int32 ``[E_local + 1]``, exclusive prefix sum of the live rows per expert
+            (``n_e <=`` the expert's padded segment length): padded row
+            ``padded_offsets[e] + j`` is live iff ``j < n_e``, at activation row
+            ``row_offsets[e] + j``.
         w2: bf16 ``[E_local, D, F]``.
-        h1: bf16 ``[R_cap, 2F]``, the forward's ``[g | u]``.
-        grad_h1_out: bf16 ``[R_cap, 2F]``, receives ``[grad_g | grad_u]`` on live rows; may be
-            ``h1`` itself (in place).
-        h2_out: optional bf16 ``[R_cap, F]``, receives ``silu(g) * u`` on live rows.
-        grad_h3_out: optional bf16 ``[R_cap, D]``, receives the gathered ``grad_h3`` rows on
-            live rows (zeros for null rows).
+        h1: the forward's ``[g | u]`` in activation rows: bf16 ``[R_act, 2F]`` like
+            ``grad_h1_out``; or, with ``h1_offset``, a 1-D contiguous bf16 base tensor
+            (16-byte aligned start) with activation row ``a`` at ``h1 + h1_offset[0] + a*2F``.
+            Rows of null and padding rows are not read.
+        grad_h1_out: bf16 ``[R_act, 2F]`` (``R_act >= row_offsets[E_local]``), receives
+            ``[grad_g | grad_u]`` on the live rows. May be exactly the memory that h1 reads
+            (in place, the same rows): each program loads its h1 elements before it stores
+            the same elements of grad_h1 (module docstring). Without ``h1_offset`` that means
+            ``grad_h1_out`` is ``h1`` (the identical tensor; any other overlap is an error);
+            with it the overlap is not checked (the offset lives on the device).
+        h1_offset: optional int64 ``[1]`` device tensor, the bf16 element offset of activation
+            row 0 in ``h1`` (a multiple of 8 elements: 16-byte aligned rows; not checked).
+        h2_out: optional bf16 ``[R_act, F]``, receives ``silu(g) * u`` on the live rows.
+        grad_h3_out: optional bf16 ``[R_act, D]``, receives the gathered ``grad_h3`` rows on the
+            live rows (zeros for null rows); also switches on the gather-once path.
         config: :class:`W2DgradConfig`; ``None`` = ``from_heuristic`` with ``block_m`` 128.
 
     D and F must be multiples of 8. Live rows of every output are written (null rows as
-    zeros); idle rows are left untouched.
+    zeros); activation rows at/after ``row_offsets[E_local]`` are left untouched. Nothing is
+    read on the host from the device tensors (no synchronisation).
     """
     check_tensor("w2", w2, dtypes=(torch.bfloat16,), ndim=3, shape_text="[E_local, D, F]")
     num_experts, hidden, ffn = w2.shape
@@ -638,54 +839,65 @@ def w2_dgrad_swiglu_bwd(
         raise ValueError(f"w2 must hold at least one expert, got shape {list(w2.shape)}")
     num_rows = check_row_table("grad_h3_ptrs", grad_h3_ptrs)
     check_padded_offsets(padded_offsets, num_experts)
-    check_tensor(
-        "h1", h1, dtypes=(torch.bfloat16,), shape=[num_rows, 2 * ffn], shape_text="[R_cap, 2F]"
-    )
-    check_tensor(
-        "grad_h1_out",
-        grad_h1_out,
-        dtypes=(torch.bfloat16,),
-        shape=[num_rows, 2 * ffn],
-        shape_text="[R_cap, 2F]",
-    )
+    check_row_offsets(row_offsets, num_experts)
+    num_act = check_activation_rows("grad_h1_out", grad_h1_out, 2 * ffn, "2F")
+    if h1_offset is None:
+        check_tensor(
+            "h1",
+            h1,
+            dtypes=(torch.bfloat16,),
+            shape=[num_act, 2 * ffn],
+            shape_text="[R_act, 2F] like grad_h1_out (or a 1-D base with h1_offset)",
+        )
+    else:
+        check_device_scalar("h1_offset", h1_offset, "[1] (bf16 element offset of h1's row 0)")
+        check_base_tensor("h1", h1, "h1_offset", "row a at h1 + h1_offset[0] + a*2F")
     if h2_out is not None:
         check_tensor(
             "h2_out",
             h2_out,
             dtypes=(torch.bfloat16,),
-            shape=[num_rows, ffn],
-            shape_text="[R_cap, F]",
+            shape=[num_act, ffn],
+            shape_text="[R_act, F] like grad_h1_out",
         )
     if grad_h3_out is not None:
         check_tensor(
             "grad_h3_out",
             grad_h3_out,
             dtypes=(torch.bfloat16,),
-            shape=[num_rows, hidden],
-            shape_text="[R_cap, D]",
+            shape=[num_act, hidden],
+            shape_text="[R_act, D] like grad_h1_out",
         )
         check_tma_aligned("grad_h3_out", grad_h3_out)
     check_tma_aligned("w2", w2)
     named = {
         "grad_h3_ptrs": grad_h3_ptrs,
         "padded_offsets": padded_offsets,
+        "row_offsets": row_offsets,
         "w2": w2,
         "h1": h1,
         "grad_h1_out": grad_h1_out,
     }
+    if h1_offset is not None:
+        named["h1_offset"] = h1_offset
     if h2_out is not None:
         named["h2_out"] = h2_out
     if grad_h3_out is not None:
         named["grad_h3_out"] = grad_h3_out
     device = check_devices(named)
+    if h1_offset is not None:
+        # The rows h1 reads start at a device-side offset: the host cannot tell them apart
+        # from the rest of the base (often the whole activation buffer), so the base is left
+        # out of the overlap check.
+        del named["h1"]
     check_disjoint(named, same_ok=("h1", "grad_h1_out"))
     if config is None:
         config = W2DgradConfig.from_heuristic(hidden=hidden, ffn=ffn)
     elif not isinstance(config, W2DgradConfig):
         raise TypeError(f"config must be a W2DgradConfig or None, got {type(config).__name__}")
     check_rows_cap(num_rows, config.block_m)
-    if num_rows == 0:
-        return
+    if num_rows == 0 or num_act == 0:
+        return  # no padded rows, or (R_act >= row_offsets[E]) no live rows
 
     gather_in_loop = grad_h3_out is None
     w2_arg, rows_arg = w2, grad_h3_ptrs if gather_in_loop else grad_h3_out
@@ -699,21 +911,24 @@ def w2_dgrad_swiglu_bwd(
         if not gather_in_loop:
             rows_arg = TensorDescriptor(
                 grad_h3_out,
-                shape=[num_rows, hidden],
+                shape=[num_act, hidden],
                 strides=[hidden, 1],
                 block_shape=[config.block_m, config.block_k],
             )
     else:
         ensure_tma_allocator()
+    experts_pow2 = next_power_of_2(num_experts)
     with device_context(device):
         if not gather_in_loop:
             block_cols = _pow2_clamped(hidden, 16, 512)
             _gather_rows_kernel[(num_rows // _GATHER_BLOCK_ROWS, triton.cdiv(hidden, block_cols))](
                 grad_h3_ptrs,
                 padded_offsets,
+                row_offsets,
                 grad_h3_out,
                 WIDTH=hidden,
                 NUM_EXPERTS=num_experts,
+                EXPERTS_POW2=experts_pow2,
                 BLOCK_ROWS=_GATHER_BLOCK_ROWS,
                 BLOCK_COLS=block_cols,
                 num_warps=4,
@@ -723,18 +938,22 @@ def w2_dgrad_swiglu_bwd(
             grad_h3_ptrs,
             rows_arg,
             padded_offsets,
+            row_offsets,
             w2_arg,
             h1,
+            h1_offset if h1_offset is not None else row_offsets,  # placeholder: never read
             grad_h1_out,
-            h2_out if h2_out is not None else h1,
-            num_rows,  # h1: placeholder
+            h2_out if h2_out is not None else grad_h1_out,  # placeholder: never touched
+            num_rows,
+            num_act,
             HIDDEN=hidden,
             FFN=ffn,
             NUM_EXPERTS=num_experts,
-            EXPERTS_POW2=next_power_of_2(num_experts),
+            EXPERTS_POW2=experts_pow2,
             GATHER_IN_LOOP=gather_in_loop,
             STORE_H2=h2_out is not None,
             HOST_DESC=config.host_descriptors,
+            H1_OFFSET=h1_offset is not None,
             BLOCK_M=config.block_m,
             BLOCK_N=config.block_n,
             BLOCK_K=config.block_k,
@@ -748,18 +967,23 @@ def w2_wgrad(
     grad_h3: torch.Tensor,
     h2: torch.Tensor,
     padded_offsets: torch.Tensor,
+    row_offsets: torch.Tensor,
     grad_w2: torch.Tensor,
     *,
     config: WgradConfig | None = None,
 ) -> None:
-    """``grad_w2[e] += grad_h3_e^T @ h2_e`` over every local expert's rows (fp32, in place).
+    """``grad_w2[e] += grad_h3_e^T @ h2_e`` over every local expert's activation rows
+    ``[row_offsets[e], row_offsets[e+1])`` (fp32, in place; module docstring).
 
     Args:
-        grad_h3: bf16 ``[R_cap, D]`` gathered route output gradients (``grad_h3_out`` of
-            :func:`w2_dgrad_swiglu_bwd`); rows of the expert segments are read (null rows must
-            be zeros or finite, as the DGRAD writes them).
-        h2: bf16 ``[R_cap, F]`` (``h2_out`` of :func:`w2_dgrad_swiglu_bwd`).
-        padded_offsets: int32 ``[E_local + 1]`` (segments multiples of ``config.block_m``).
+        grad_h3: bf16 ``[R_act, D]`` gathered route output gradients in activation rows
+            (``grad_h3_out`` of :func:`w2_dgrad_swiglu_bwd`; null rows zeros or finite).
+        h2: bf16 ``[R_act, F]`` (``h2_out`` of :func:`w2_dgrad_swiglu_bwd`).
+        padded_offsets: int32 ``[E_local + 1]``, validated with the rest of the layout; the row
+            walk itself needs only ``row_offsets`` (padding rows have no activation rows).
+        row_offsets: int32 ``[E_local + 1]``, exclusive prefix sum of the live rows per expert
+            (``R_act >= row_offsets[E_local]``). Rows past an expert's end that its last row
+            step loads are zeroed, so they may hold anything, NaN included.
         grad_w2: fp32 ``[E_local, D, F]``, accumulated into (experts without rows untouched).
         config: :class:`WgradConfig`; ``None`` = ``from_heuristic`` with ``block_m`` 128.
     """
@@ -767,35 +991,66 @@ def w2_wgrad(
     num_experts, hidden, ffn = grad_w2.shape
     check_width("D (grad_w2.shape[1])", hidden)
     check_width("F (grad_w2.shape[2])", ffn)
-    check_tensor("grad_h3", grad_h3, dtypes=(torch.bfloat16,), ndim=2, shape_text="[R_cap, D]")
-    num_rows = grad_h3.shape[0]
-    if grad_h3.shape[1] != hidden:
-        raise ValueError(f"grad_h3 must have shape [R_cap, {hidden}], got {list(grad_h3.shape)}")
+    num_act = check_activation_rows("grad_h3", grad_h3, hidden, "D")
     check_tensor(
         "h2",
         h2,
         dtypes=(torch.bfloat16,),
-        shape=[num_rows, ffn],
-        shape_text="[R_cap, F] like grad_h3",
+        shape=[num_act, ffn],
+        shape_text="[R_act, F] like grad_h3",
     )
     check_padded_offsets(padded_offsets, num_experts)
+    check_row_offsets(row_offsets, num_experts)
     check_tma_aligned("grad_h3", grad_h3)
     check_tma_aligned("h2", h2)
-    named = {"grad_h3": grad_h3, "h2": h2, "padded_offsets": padded_offsets, "grad_w2": grad_w2}
+    named = {
+        "grad_h3": grad_h3,
+        "h2": h2,
+        "padded_offsets": padded_offsets,
+        "row_offsets": row_offsets,
+        "grad_w2": grad_w2,
+    }
     device = check_devices(named)
     check_disjoint(named)
     config = check_wgrad_config(config, out_rows=hidden, out_cols=ffn)
-    launch_grouped_wgrad(grad_h3, h2, padded_offsets, grad_w2, config, device)
+    launch_grouped_wgrad(grad_h3, h2, row_offsets, grad_w2, config, device)
 
 
 # --------------------------------------------------------------------------------------------
-# References (plain PyTorch; they read padded_offsets on the host)
+# References (plain PyTorch; they read the offsets on the host)
 # --------------------------------------------------------------------------------------------
+
+
+def compact_segments(
+    padded_offsets: torch.Tensor, row_offsets: torch.Tensor
+) -> list[tuple[int, int, int]]:
+    """``[(padded_start, act_start, n_e)]`` per local expert (host copy: references and tests
+    only). Raises ``ValueError`` where the layout breaks its rules (``row_offsets[0] = 0``,
+    ``0 <= n_e <=`` the padded segment length)."""
+    padded = padded_offsets.detach().to("cpu", torch.int64).tolist()
+    rows = row_offsets.detach().to("cpu", torch.int64).tolist()
+    if len(padded) != len(rows):
+        raise ValueError(
+            f"row_offsets must have {len(padded)} entries like padded_offsets, got {len(rows)}"
+        )
+    if rows[0] != 0:
+        raise ValueError(f"row_offsets[0] ({rows[0]}) must be 0")
+    out = []
+    for e in range(len(padded) - 1):
+        count, seg = rows[e + 1] - rows[e], padded[e + 1] - padded[e]
+        if not 0 <= count <= seg:
+            raise ValueError(
+                f"expert {e} has {count} live rows (row_offsets), which must be in [0, {seg}] "
+                "(its padded segment length)"
+            )
+        out.append((padded[e], rows[e], count))
+    return out
 
 
 def w2_dgrad_swiglu_bwd_ref(
     grad_h3_ptrs: torch.Tensor,
     padded_offsets: torch.Tensor,
+    row_offsets: torch.Tensor,
     w2: torch.Tensor,
     h1: torch.Tensor,
     *,
@@ -803,32 +1058,34 @@ def w2_dgrad_swiglu_bwd_ref(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference of :func:`w2_dgrad_swiglu_bwd` in fp32.
 
-    ``row_sources`` are the tensors that ``grad_h3_ptrs`` points into. Returns
-    ``(grad_h1 [R_cap, 2F], h2 [R_cap, F], grad_h3 [R_cap, D])`` in fp32, without rounding to
-    bf16; null and idle rows are zeros (the kernel leaves idle rows untouched).
+    ``h1`` is bf16 ``[R_act, 2F]`` in activation rows; ``row_sources`` are the tensors that
+    ``grad_h3_ptrs`` points into. Returns ``(grad_h1 [R_act, 2F], h2 [R_act, F],
+    grad_h3 [R_act, D])`` in fp32 activation rows, without rounding to bf16; null rows and rows
+    at/after ``row_offsets[E_local]`` are zeros (the kernel leaves the latter untouched).
     """
     hidden, ffn = w2.shape[1], w2.shape[2]
-    grad_h3 = rows_at(grad_h3_ptrs, row_sources, row_elems=hidden, name="grad_h3_ptrs")
-    grad_h3 = grad_h3.to(h1.device)
-    is_row = (grad_h3_ptrs != 0).to(h1.device)[:, None]
-    num_rows = grad_h3_ptrs.shape[0]
-    grad_h1 = torch.zeros(num_rows, 2 * ffn, dtype=torch.float32, device=h1.device)
-    h2 = torch.zeros(num_rows, ffn, dtype=torch.float32, device=h1.device)
-    gathered = torch.zeros(num_rows, hidden, dtype=torch.float32, device=h1.device)
-    zero = torch.zeros((), device=h1.device)
-    for e, (start, end) in enumerate(expert_segments(padded_offsets)):
-        if end == start:
+    num_act = h1.shape[0]
+    device = h1.device
+    grad_h1 = torch.zeros(num_act, 2 * ffn, dtype=torch.float32, device=device)
+    h2 = torch.zeros(num_act, ffn, dtype=torch.float32, device=device)
+    gathered = torch.zeros(num_act, hidden, dtype=torch.float32, device=device)
+    zero = torch.zeros((), device=device)
+    for e, (pad, act, count) in enumerate(compact_segments(padded_offsets, row_offsets)):
+        if count == 0:
             continue
-        live = is_row[start:end]
-        gh3 = torch.where(live, grad_h3[start:end], zero)
+        ptrs = grad_h3_ptrs[pad : pad + count]
+        live = (ptrs != 0).to(device)[:, None]
+        gh3 = rows_at(ptrs, row_sources, row_elems=hidden, name="grad_h3_ptrs").to(device)
+        gh3 = torch.where(live, gh3, zero)
+        rows = slice(act, act + count)
         grad_h2 = gh3 @ w2[e].float()
-        g = torch.where(live, h1[start:end, :ffn].float(), zero)
-        u = torch.where(live, h1[start:end, ffn:].float(), zero)
+        g = torch.where(live, h1[rows, :ffn].float(), zero)
+        u = torch.where(live, h1[rows, ffn:].float(), zero)
         s = torch.sigmoid(g)
-        grad_h1[start:end, :ffn] = grad_h2 * u * s * (1 + g * (1 - s))
-        grad_h1[start:end, ffn:] = grad_h2 * g * s
-        h2[start:end] = g * s * u
-        gathered[start:end] = gh3
+        grad_h1[rows, :ffn] = grad_h2 * u * s * (1 + g * (1 - s))
+        grad_h1[rows, ffn:] = grad_h2 * g * s
+        h2[rows] = g * s * u
+        gathered[rows] = gh3
     return grad_h1, h2, gathered
 
 
@@ -836,11 +1093,14 @@ def w2_wgrad_ref(
     grad_h3: torch.Tensor,
     h2: torch.Tensor,
     padded_offsets: torch.Tensor,
+    row_offsets: torch.Tensor,
     grad_w2: torch.Tensor,
 ) -> torch.Tensor:
-    """Reference of :func:`w2_wgrad`: returns ``grad_w2 + sum`` as a new fp32 tensor."""
+    """Reference of :func:`w2_wgrad` (activation rows): returns ``grad_w2 + sum`` as a new
+    fp32 tensor."""
     out = grad_w2.float().clone()
-    for e, (start, end) in enumerate(expert_segments(padded_offsets)):
-        if end > start:
-            out[e] += grad_h3[start:end].float().t() @ h2[start:end].float()
+    for e, (_, act, count) in enumerate(compact_segments(padded_offsets, row_offsets)):
+        if count:
+            rows = slice(act, act + count)
+            out[e] += grad_h3[rows].float().t() @ h2[rows].float()
     return out

@@ -1,47 +1,67 @@
-"""Autograd for :class:`distmoe.ops.MoEContext` (training, full-save version).
+"""Autograd for :class:`distmoe.ops.MoEContext` (training).
 
-Forward (same barriers as inference, see :mod:`distmoe.ops.context`): the W13 kernel also
-writes ``h1 = [g | u]`` and the gathered input rows ``x`` into per-call tensors ``[R_cap, 2F]``
-and ``[R_cap, D]`` that are saved for backward, and the owner keeps a copy of its returned
-route results (combine rows ``[T*K, D]``, needed for the score gradients) before combining.
-The routing tables, ids (non-executed routes as -1) and scores are saved too. Nothing of a
-call lives in the context's buffers after the forward, so several forwards (layers sharing
-one context, or not) may run before their backwards.
+Forward (same barriers as inference, see :mod:`distmoe.ops.context`): the layer's state goes
+to the selected slot of the context's activation buffer (:mod:`distmoe.ops.activations`):
+a *saved* layer keeps its gathered rows ``x_rows [R, D]``, ``h1 [R, 2F]`` and its returned
+route results ``h3 [T_max*K, D]``; a *replayed* layer keeps only its input ``x [T, D]``. The
+device decides which (worst rank's rows), so the host never waits. Per call, the autograd ctx
+keeps the routing tables, the slot record (slot id, layer index, cursors, offsets), the
+executed ids (others -1), fp32 scores and the weights.
 
-Backward is **collective**: every rank of the EP group must run the backward of the same
-calls in the same order (one call's backward on one rank pairs with the same call's backward
-on every other rank). Per call:
+Backward is **collective**: every rank must run the backward of the same calls in the same
+order, and the layers of a slot in reverse order of their forwards. Per call:
 
-    1. owner:  route_grads: combine[t*K+k] <- bf16(score[t,k] * grad_y[t]) for executed routes;
-               grad_scores[t,k] = <grad_y[t], h3[t,k]>
+    0. rewind the slot cursor to where the forward started
+    (replay steps, skipped entirely when the slot is large enough for every layer to save;
+     otherwise launched always and turned off on the device for saved layers)
+    r1. owner: copy the kept x back into its dispatch rows 0..T-1
+    r2. barrier                    (republished x visible)
+    r3. expert: W13 again into scratch (xs, h1g, h2); W2 again, scattering h3 into the
+        owners' combine slots
+    r4. barrier                    (h3 routes back with their owners)
+    1. owner:  route_grads: grad_scores[t,k] = <grad_y[t], h3[t,k]> with h3 read from the slot
+               (saved) or from the combine slots (replayed, in place); combine[t*K+k] <-
+               bf16(score[t,k] * grad_y[t]) for executed routes
     2. barrier                     (route output gradients visible to the experts)
     3. expert: w2_dgrad_swiglu_bwd gathers grad_h3 from the owners' combine slots
-               (tables.scatter_ptrs), writes grad_h1, h2 and the gathered grad_h3;
-               w2_wgrad and w13_wgrad accumulate fp32 weight gradients;
-               w13_dgrad_scatter stores each route's input gradient into the owner's
-               dispatch row t*K+k (tables.bwd_scatter_ptrs)
+               (tables.scatter_ptrs), reads h1 (slot or scratch h1g), writes grad_h1 into
+               scratch h1g (in place over a replayed h1), h2 and the gathered grad_h3;
+               w2_wgrad and w13_wgrad accumulate fp32 weight gradients (x_rows from the slot
+               or scratch xs); w13_dgrad_scatter stores each route's input gradient into the
+               owner's dispatch row t*K+k (tables.bwd_scatter_ptrs)
     4. barrier                     (all route input gradients have landed)
     5. owner:  reduce_routes: grad_x[t] = bf16(sum_k dispatch[t*K+k]) over executed routes
 
 Why the peer writes are safe:
 
-* step 1 writes this rank's combine buffer. Its last readers are peers in step 3 of the
-  previous backward on this context, and those finished before that backward's barrier 4,
-  which this rank has passed. The next forward's W2 scatter writes it only after that
-  forward's first barrier, which peers reach after their step 3 of this backward.
+* r1 writes this rank's dispatch rows; their last readers were this rank's step 5 of the
+  previous backward (same stream) and peers' gathers of earlier calls, finished before
+  barriers this rank has passed. r3's gathers read those rows and finish before r4, which
+  every rank passes before any step 3 scatter writes dispatch rows again.
+* r3's W2 scatter and step 1 write combine slots; their previous readers (peers' step 3 of
+  the previous backward) finished before that backward's barrier 4, which everyone passed
+  before r2 / before this backward began.
 * step 3's scatter writes peers' dispatch rows. Peers read their dispatch in forward (the
-  W13 gather, finished before the forward's second barrier) and in step 5 of the previous
-  backward on this context (finished before they entered barrier 2 of this one, which the
-  writer has passed). Nothing else reads dispatch.
+  W13 gather, finished before the forward's second barrier), in r3 (before r4) and in step 5
+  of the previous backward (finished before they entered barrier 2 of this one).
 * No barrier after step 5: the only reader of this rank's dispatch in step 5 is this rank,
-  and the next write into it is either this rank's own next-forward publish (ordered after
-  step 5 on the same stream) or a peer's write after a later barrier (the next forward's
-  first barrier, or barrier 2 of the next backward), which this rank enters only after its
-  step 5.
+  and the next write into it is either this rank's own publish or r1 (ordered after step 5
+  on the same stream) or a peer's write after a later barrier, which this rank enters only
+  after its step 5.
+
+torch.utils.checkpoint: with ``use_reentrant=True`` the checkpointed forward runs without
+grad (nothing enters a slot) and the recomputation in backward appends the layer at the
+rewound cursor, right before its own backward. With ``use_reentrant=False`` this function
+saves no tensors through autograd, so a region holding only MoE calls is not recomputed and
+keeps its slot state; a region that also holds ops that save tensors would re-run the MoE
+forward during backward, which breaks the slot order (a RuntimeError names it): use the
+reentrant variant there.
 
 Returned gradients: x (bf16), scores (scores' dtype), w13 and w2 in the parameters' dtype
 (fp32 buffers accumulated by the WGRAD kernels, then cast; autograd adds them into ``.grad``).
-Routes beyond the receive bound are not executed: they get zero gradients everywhere.
+Routes beyond the receive bound are not executed: they get zero gradients everywhere. Saved
+and replayed layers run the same kernels on the same values, so their gradients are
+bit-identical.
 """
 
 from __future__ import annotations
@@ -61,17 +81,27 @@ class MoEFunction(torch.autograd.Function):
         y, saved = moe._forward(x, expert_ids, scores, w13, w2, save=True)
         ctx.moe = moe
         ctx.tables = saved["tables"]
+        ctx.record = saved["record"]
         ctx.scores_dtype = scores.dtype
-        ctx.save_for_backward(saved["h1"], saved["x_rows"], saved["h3_routes"],
-                              saved["ids_executed"], saved["scores_f32"], w13, w2)
+        # Plain attributes, not save_for_backward: the layer's state lives in the activation
+        # buffer, and a non-reentrant torch.utils.checkpoint around this call must not re-run
+        # it (a re-run would append to the slot during backward).
+        ctx.inputs = (saved["ids_executed"], saved["scores_f32"], w13, w2)
         ctx.x_shape = tuple(x.shape)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
+        from ..kernels.offset_copy import offset_copy
+        from ..kernels.w2_scatter import w2_scatter
+        from ..kernels.w13_gather_swiglu import gather_w13_swiglu
+
         moe = ctx.moe
         moe._check_open()
-        h1, x_rows, h3_routes, ids_executed, scores_f32, w13, w2 = ctx.saved_tensors
+        acts = moe.activations
+        rec = ctx.record
+        acts.end_layer(rec)  # 0. checks the order, rewinds the cursor
+        ids_executed, scores_f32, w13, w2 = ctx.inputs
         tables = ctx.tables
         heap = moe.heap
         cfg = moe.cfg
@@ -79,34 +109,52 @@ class MoEFunction(torch.autograd.Function):
         T, K = ids_executed.shape
         D, F = cfg.hidden, cfg.ffn
         E_l = moe.num_local_experts
-        R = moe.row_capacity
         dev = moe.device
+        po, ro = tables.padded_offsets, tables.row_offsets
+        elements = acts.elements
+        scratch = acts.scratch
         grad_y = grad_y.to(torch.bfloat16).contiguous()
         combine_rows = moe._combine[:T * K]
         dispatch_rows = moe._dispatch[:T * K]
+        replay = rec.replay
+
+        if not acts.always_saves:
+            # r1-r4: rebuild a replayed layer's state (every kernel is off on the device for a
+            # saved layer; the barriers run either way so that all ranks stay paired).
+            offset_copy(moe._dispatch, elements, T * D, src_offset=rec.offsets[3:4])
+            heap.barrier()
+            enable = replay.to(torch.int32)
+            gather_w13_swiglu(tables.gather_ptrs, po, ro, w13, scratch["h2"], h1_out=elements,
+                              x_out=elements, out_offsets=moe._replay_offsets, enable=enable,
+                              block_m=block)
+            w2_scatter(scratch["h2"], po, ro, w2, tables.scatter_ptrs, enable=enable,
+                       block_m=block)
+            heap.barrier()
+        addr = moe._addresses
+        h3_addr = torch.where(replay, addr[0:1], addr[1:2] + 2 * rec.offsets[2:3])
+        h1_offset = torch.where(replay, moe._replay_offsets[0:1], rec.offsets[0:1])
+        x_offset = torch.where(replay, moe._replay_offsets[1:2], rec.offsets[1:2])
 
         # 1. owner: score gradients and route output gradients into its combine slots
         grad_scores = torch.empty(T, K, dtype=torch.float32, device=dev)
-        route_grads(grad_y, h3_routes, ids_executed, scores_f32, combine_rows, grad_scores)
+        route_grads(grad_y, None, ids_executed, scores_f32, combine_rows, grad_scores,
+                    h3_addr=h3_addr)
         # 2. route output gradients visible to the experts
         heap.barrier()
         # 3. expert side
-        offsets = tables.padded_offsets
-        grad_h1 = torch.zeros(R, 2 * F, dtype=torch.bfloat16, device=dev)
-        h2 = torch.zeros(R, F, dtype=torch.bfloat16, device=dev)
-        grad_h3 = torch.zeros(R, D, dtype=torch.bfloat16, device=dev)
-        w2_dgrad_swiglu_bwd(tables.scatter_ptrs, offsets, w2, h1, grad_h1, h2_out=h2,
-                            grad_h3_out=grad_h3,
+        w2_dgrad_swiglu_bwd(tables.scatter_ptrs, po, ro, w2, elements, scratch["h1g"],
+                            h1_offset=h1_offset, h2_out=scratch["h2"],
+                            grad_h3_out=scratch["gh3"],
                             config=W2DgradConfig.from_heuristic(hidden=D, ffn=F, block_m=block))
         grad_w2 = torch.zeros(E_l, D, F, dtype=torch.float32, device=dev)
-        w2_wgrad(grad_h3, h2, offsets, grad_w2,
+        w2_wgrad(scratch["gh3"], scratch["h2"], po, ro, grad_w2,
                  config=WgradConfig.from_heuristic(out_rows=D, out_cols=F, block_m=block))
         grad_w13 = torch.zeros(E_l, 2, F, D, dtype=torch.float32, device=dev)
-        w13_wgrad(grad_h1, x_rows, offsets, grad_w13,
+        w13_wgrad(scratch["h1g"], elements, po, ro, grad_w13, x_offset=x_offset,
                   config=WgradConfig.from_heuristic(out_rows=2 * F, out_cols=D, block_m=block))
         # Route input gradients into the owners' dispatch rows t*K+k (see the module
         # docstring for why no peer reads dispatch now).
-        w13_dgrad_scatter(grad_h1, offsets, w13, tables.bwd_scatter_ptrs,
+        w13_dgrad_scatter(scratch["h1g"], po, ro, w13, tables.bwd_scatter_ptrs,
                           config=W13DgradConfig.from_heuristic(hidden=D, ffn=F, block_m=block))
         # 4. all route input gradients have landed
         heap.barrier()

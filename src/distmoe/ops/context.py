@@ -6,8 +6,12 @@ Per rank, on the symmetric heap (DESIGN.md, Buffers per rank):
     dispatch  [T_max * K, D] bf16: x at rows 0..T-1 in forward
     combine   [T_max * K, D] bf16: expert results at route slot t*K + k
 
-plus local scratch sized from the configured receive bound: h2 [R_cap, F] bf16 (and, when
-training, h1 [R_cap, 2F] and the gathered x [R_cap, D]).
+plus local memory in activation rows (compact: executed row j of local expert e is row
+``row_offsets[e] + j``, see :mod:`distmoe.routing.tables`), ``R_b`` = the receive bound:
+
+    inference  h2 [R_b, F] bf16 scratch
+    training   the activation buffer sized by ``plan_memory`` (:mod:`distmoe.ops.activations`):
+               slots that keep saved state until backward, and one shared scratch region
 
 Forward of one call (no host synchronisation; every step is a device op on the current stream,
 so the whole call can be captured in a CUDA graph and replayed with new inputs written into
@@ -24,8 +28,8 @@ the same tensors):
 
 Barrier 6 also makes the next call's step 1 safe: no peer still reads this rank's dispatch.
 
-Receive bound: a rank executes at most R_cap rows (cfg.receive_bound plus per-expert
-padding). Routes beyond are never written anywhere; they are counted on the device
+Receive bound: a rank executes at most R_b = cfg.receive_bound(EP) rows. Routes beyond are
+never written anywhere; they are counted on the device
 (:meth:`MoEContext.stats`), their owners leave them out of the combine, and
 ``check=True`` turns them into a RuntimeError naming the rank, the rows and the bound.
 """
@@ -39,6 +43,7 @@ from ..config import MoEConfig
 from ..routing import build_routing_tables, row_capacity
 from ..runtime import create_heap
 from ..runtime.heap import round_up
+from .activations import ActivationBuffer
 
 HEADER_BYTES = 128
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -66,6 +71,13 @@ class MoEContext:
     grad, the call goes through :class:`distmoe.ops.autograd.MoEFunction` (y has a grad_fn).
     Its backward is collective: every rank must take that path for the same calls and run
     their backwards in the same order (see :mod:`distmoe.ops.autograd`).
+
+    A training context owns one activation buffer (``ctx.activations``, exactly
+    ``plan_memory(cfg, EP).activation_buffer_bytes`` bytes): one context serves a stack of
+    layers of the same shape (pass each layer's weights). Each autograd call appends its state
+    to the selected slot (``select_slot``), saving it whole or keeping only its input for a
+    replay in backward, decided on the device with the worst rank's rows. A slot holds at most
+    ``cfg.max_layers_per_slot`` layers, whose backwards run in reverse order.
     """
 
     def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | None = None, *,
@@ -100,8 +112,22 @@ class MoEContext:
                      for r in range(self.ep_size)]
         self._dispatch = heap.view("dispatch", self.rank, torch.bfloat16, (T * K, D))
         self._combine = heap.view("combine", self.rank, torch.bfloat16, (T * K, D))
-        R = self.row_capacity
-        self._h2 = torch.empty(R, F, dtype=torch.bfloat16, device=self.device)
+        self.activations: ActivationBuffer | None = None
+        if cfg.training:
+            self.activations = ActivationBuffer(cfg, self.ep_size, self.rank, self.device)
+            self._h2 = self.activations.scratch["h2"]
+            acts = self.activations
+            so = acts.scratch_elem_offsets
+            # [h1g, xs] element offsets (the replay's W13 outputs), then absolute addresses of
+            # this rank's combine buffer and of the activation buffer.
+            self._replay_offsets = torch.tensor([so["h1g"], so["xs"]], dtype=torch.int64,
+                                                device=self.device)
+            self._addresses = torch.tensor(
+                [self._combine.data_ptr(), acts.elements.data_ptr()], dtype=torch.int64,
+                device=self.device)
+        else:
+            self._h2 = torch.empty(self.receive_bound, F, dtype=torch.bfloat16,
+                                   device=self.device)
         # Device-side counters: [last received rows, max received rows, dropped rows total,
         # invalid ids total, calls].
         self._counters = torch.zeros(5, dtype=torch.int64, device=self.device)
@@ -175,7 +201,7 @@ class MoEContext:
         ids_EPTK = torch.stack([ids[:T] for ids in self._ids])
         tables = build_routing_tables(
             ids_EPTK, rank=self.rank, num_local_experts=self.num_local_experts,
-            row_block=self.cfg.row_block, row_capacity=self.row_capacity,
+            row_block=self.cfg.row_block, receive_bound=self.receive_bound,
             dispatch_bases_EP=self.heap.base_table("dispatch"),
             combine_bases_EP=self.heap.base_table("combine"),
             row_bytes=self.row_bytes, training=self.cfg.training,
@@ -199,38 +225,64 @@ class MoEContext:
     def _forward(self, x, expert_ids, scores, w13, w2, *, save: bool = False):
         """Steps 1-7 of the module docstring; returns ``(y, saved)``.
 
-        With ``save`` (training), also keeps what the backward needs, in per-call tensors:
-        h1 [R_cap, 2F], the gathered x rows [R_cap, D], a copy of this rank's returned route
-        results [T*K, D] (taken before the combine), the tables, the executed ids (others
-        -1) and fp32 scores; otherwise ``saved`` is None."""
+        With ``save`` (training under autograd), the layer's state goes to the selected slot
+        of the activation buffer (:meth:`ActivationBuffer.begin_layer` decides save or replay
+        on the device): W13 writes h1 and the gathered rows there, the combine copies the
+        returned route results there, or, for a replayed layer, x is copied there. ``saved``
+        is then a dict with the tables, the slot record, the executed ids (others -1) and
+        fp32 scores; otherwise None."""
         from ..kernels.combine import combine
+        from ..kernels.offset_copy import offset_copy
         from ..kernels.w2_scatter import w2_scatter
         from ..kernels.w13_gather_swiglu import gather_w13_swiglu
 
-        cfg = self.cfg
-        tables = self._publish_and_route(x, expert_ids)
-        block = cfg.row_block
-        h1 = x_rows = None
+        acts = self.activations
         if save:
-            R, D, F = self.row_capacity, cfg.hidden, cfg.ffn
-            h1 = torch.zeros(R, 2 * F, dtype=torch.bfloat16, device=self.device)
-            x_rows = torch.zeros(R, D, dtype=torch.bfloat16, device=self.device)
-        gather_w13_swiglu(tables.gather_ptrs, tables.padded_offsets, w13, self._h2,
-                          h1_out=h1, x_out=x_rows, block_m=block)
-        w2_scatter(self._h2, tables.padded_offsets, w2, tables.scatter_ptrs, block_m=block)
+            acts.check_room()  # before anything is published
+        tables = self._publish_and_route(x, expert_ids)
+        block = self.cfg.row_block
+        po, ro = tables.padded_offsets, tables.row_offsets
+        rec = None
+        if save:
+            rec = acts.begin_layer(tables.executed_rows_EP)
+            elements = acts.elements
+            gather_w13_swiglu(tables.gather_ptrs, po, ro, w13, self._h2, h1_out=elements,
+                              x_out=elements, out_offsets=rec.offsets[0:2], block_m=block)
+            offset_copy(elements, x, x.numel(), dst_offset=rec.offsets[3:4])
+        else:
+            gather_w13_swiglu(tables.gather_ptrs, po, ro, w13, self._h2, block_m=block)
+        w2_scatter(self._h2, po, ro, w2, tables.scatter_ptrs, block_m=block)
         self.heap.barrier()
         T, K = expert_ids.shape
         ids_executed = torch.where(tables.is_route_executed_TK, expert_ids.to(torch.int32), -1)
-        h3_routes = self._combine[:T * K]
-        if save:
-            h3_routes = h3_routes.clone()
         scores_f32 = scores.float().contiguous()
         y = torch.empty_like(x)
-        combine(h3_routes, ids_executed, scores_f32, y)
-        if not save:
-            return y, None
-        return y, dict(tables=tables, h1=h1, x_rows=x_rows, h3_routes=h3_routes,
-                       ids_executed=ids_executed, scores_f32=scores_f32)
+        if save:
+            combine(self._combine[:T * K], ids_executed, scores_f32, y, h3_save=acts.elements,
+                    h3_save_offset=rec.offsets[2:3])
+            return y, dict(tables=tables, record=rec, ids_executed=ids_executed,
+                           scores_f32=scores_f32)
+        combine(self._combine[:T * K], ids_executed, scores_f32, y)
+        return y, None
+
+    # ------------------------------------------------------------------ slots
+    def select_slot(self, slot: int) -> None:
+        """Select the activation slot that the next training forwards append to (host int in
+        ``[0, cfg.num_slots)``). A backward always uses the slot its forward recorded."""
+        self._check_open()
+        self._require_training("select_slot")
+        self.activations.select_slot(slot)
+
+    def reset_slots(self) -> None:
+        """Empty every slot (after an aborted schedule, once no pending backward owns their
+        state; a later backward of an older forward then raises)."""
+        self._check_open()
+        self._require_training("reset_slots")
+        self.activations.reset_slots()
+
+    def _require_training(self, what: str) -> None:
+        if self.activations is None:
+            raise ValueError(f"{what} needs a training context (cfg.training=True)")
 
     # ------------------------------------------------------------------ bounds and stats
     def stats(self) -> dict:
@@ -238,13 +290,17 @@ class MoEContext:
 
         Returns a dict: ``rank``, ``receive_bound`` (rows), ``row_capacity`` (padded rows),
         ``last_recv_rows``, ``max_recv_rows``, ``dropped_rows`` (received routes that were
-        not executed, summed over calls), ``invalid_ids`` (summed), ``calls``.
+        not executed, summed over calls), ``invalid_ids`` (summed), ``calls``; training
+        contexts add ``activations`` (:meth:`ActivationBuffer.stats`).
         """
         self._check_open()
         last, mx, dropped, invalid, calls = (int(v) for v in self._counters.tolist())
-        return dict(rank=self.rank, receive_bound=self.receive_bound,
-                    row_capacity=self.row_capacity, last_recv_rows=last, max_recv_rows=mx,
-                    dropped_rows=dropped, invalid_ids=invalid, calls=calls)
+        out = dict(rank=self.rank, receive_bound=self.receive_bound,
+                   row_capacity=self.row_capacity, last_recv_rows=last, max_recv_rows=mx,
+                   dropped_rows=dropped, invalid_ids=invalid, calls=calls)
+        if self.activations is not None:
+            out["activations"] = self.activations.stats()
+        return out
 
     def _check_bound(self) -> None:
         s = self.stats()

@@ -1,0 +1,210 @@
+"""The device activation buffer of a training context: slots, scratch, save/replay on device.
+
+One allocation of exactly ``plan.activation_buffer_bytes`` bytes (:func:`distmoe.memory.
+plan_memory`), laid out as the plan's regions::
+
+    [ slot 0 | slot 1 | ... | slot S-1 | scratch ]
+      each slot_capacity_bytes           scratch_bytes (device tier)
+
+**Slots** keep what backward needs until the backward runs. The layers of one slot pack one
+after the other from the slot's cursor. For layer ``l`` of ``L = cfg.max_layers_per_slot`` in
+a slot, every rank evaluates on its device, with every rank's executed rows ``R_r`` (the
+routing tables give them to every rank without communication), the planner's rule::
+
+    full_r = align128(R_r*D*2) + align128(R_r*2F*2) + align128(T_max*K*D*2)
+    save   = max_r(saved_r + full_r) + (L - 1 - l) * align128(T_max*D*2) <= slot_capacity
+
+so all ranks take the same decision, inside CUDA-graph replay too. A saved layer keeps its
+gathered rows, h1 and its returned route results (``x_rows [R, D] | h1 [R, 2F] | h3 [T_max*K,
+D]`` at the cursor); a replayed layer keeps its input ``x [T, D]`` only and rebuilds the rest
+in backward. Every rank advances every rank's cursor (``saved_r``) the same way, so the
+cursors stay identical replicas. Backward runs in reverse layer order and restores the cursor
+that its forward started from; it uses the slot id its forward recorded, whatever slot is
+selected later.
+
+**Scratch** is shared by all calls, one at a time (activation rows, ``R = R_b`` the device
+receive bound)::
+
+    xs   [R, D]   replayed gathered rows            (backward of a replayed layer)
+    h1g  [R, 2F]  replayed h1, then grad_h1 in place (backward)
+    h2   [R, F]   SwiGLU output (forward, and backward for W2 WGRAD)
+    gh3  [R, D]   gathered route output gradients   (backward, W2 WGRAD)
+
+``2R(2D + 3F)`` bytes before alignment, never more than the planner's peak ``scratch_bytes``
+(checked at construction; the planner's layout keeps grad_h2 separately, ours writes grad_h1
+over h1 instead).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import MoEConfig
+from ..memory import MemoryPlan, align128, plan_memory
+
+
+def _a128(t: torch.Tensor) -> torch.Tensor:
+    return (t + 127) // 128 * 128
+
+
+@dataclass
+class LayerRecord:
+    """What a forward leaves for its backward (per call, on the autograd ctx).
+
+    slot / layer: host ints (the slot id snapshot and the layer index in the slot).
+    cursor_before: int64 [EP] device copy of the slot cursors when the forward started.
+    replay: bool [1] device flag, True when the layer keeps only its input.
+    offsets: int64 [4] device element offsets (bf16 elements from the buffer base) of this
+        rank's saved h1, x_rows, h3 routes (or -1 when replayed) and of the kept input x
+        (-1 when saved). The order matches the W13 kernel's ``out_offsets = [h1, x]``.
+    """
+
+    slot: int
+    layer: int
+    cursor_before: torch.Tensor
+    replay: torch.Tensor
+    offsets: torch.Tensor
+
+
+class ActivationBuffer:
+    """Slots + scratch of one training context on one rank (see the module docstring).
+
+    Args:
+        cfg: the layer configuration (``cfg.training`` must be True).
+        ep_size / rank: the EP group size and this rank.
+        device: where to allocate.
+    """
+
+    def __init__(self, cfg: MoEConfig, ep_size: int, rank: int, device: torch.device) -> None:
+        if not cfg.training:
+            raise ValueError("ActivationBuffer needs cfg.training=True")
+        if cfg.total_scratch_factor is not None:
+            raise ValueError(
+                f"total_scratch_factor ({cfg.total_scratch_factor}): host-backed (VMM) scratch "
+                "is not implemented; leave it None"
+            )
+        plan = plan_memory(cfg, ep_size)
+        self.plan: MemoryPlan = plan
+        self.cfg = cfg
+        self.ep_size, self.rank, self.device = ep_size, rank, device
+        T, K, D, F = cfg.max_tokens, cfg.top_k, cfg.hidden, cfg.ffn
+        R = plan.device_receive_bound
+        self.rows = R
+        self.num_slots = plan.num_slots
+        self.layers_per_slot = plan.layers_per_slot
+        self.slot_bytes = plan.slot_capacity_bytes
+        self.input_bytes = plan.input_bytes
+        self.h3_bytes = align128(T * K * D * 2)
+        # Static: does every layer save whatever the routing? (then backward never replays)
+        self.always_saves = self.layers_per_slot * plan.full_state_bytes(R) <= self.slot_bytes
+
+        self.storage = torch.empty(plan.activation_buffer_bytes, dtype=torch.uint8,
+                                   device=device)
+        self.elements = self.storage.view(torch.bfloat16)  # base of every offset
+        # Scratch views, in activation rows.
+        base = plan.slots_bytes
+        layout = {}
+        for name, width in (("xs", D), ("h1g", 2 * F), ("h2", F), ("gh3", D)):
+            layout[name] = (base, width)
+            base += align128(R * width * 2)
+        used = base - plan.slots_bytes
+        if used > plan.scratch_bytes:
+            raise RuntimeError(  # a planner/buffer mismatch is a bug, not a user error
+                f"internal: scratch layout needs {used} B, the plan reserves "
+                f"{plan.scratch_bytes} B"
+            )
+        self.scratch_layout = {n: (off, w) for n, (off, w) in layout.items()}
+        self.scratch = {
+            name: self.storage[off:off + R * w * 2].view(torch.bfloat16).view(R, w)
+            for name, (off, w) in layout.items()
+        }
+        self.scratch_elem_offsets = {name: off // 2 for name, (off, _) in layout.items()}
+
+        # Device state: per-slot cursors of every rank (bytes from the slot start).
+        self.cursors = torch.zeros(self.num_slots, ep_size, dtype=torch.int64, device=device)
+        # Host state: layers currently held by each slot, and the selected slot.
+        self.depth = [0] * self.num_slots
+        self.slot = 0
+        self._consts = torch.tensor([D * 2, 2 * F * 2], dtype=torch.int64, device=device)
+
+    # ----------------------------------------------------------------- slot selection
+    def select_slot(self, slot: int) -> None:
+        if isinstance(slot, bool) or not isinstance(slot, int):
+            raise TypeError(f"slot must be an int, got {type(slot).__name__} ({slot!r})")
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot ({slot}) must lie in [0, num_slots={self.num_slots})")
+        self.slot = slot
+
+    def reset_slots(self) -> None:
+        """Forget every slot's layers (after an aborted schedule, once no backward owns
+        their state)."""
+        self.cursors.zero_()
+        self.depth = [0] * self.num_slots
+
+    def check_room(self) -> None:
+        """Before a forward touches anything: the selected slot must have a free layer."""
+        s = self.slot
+        if self.depth[s] >= self.layers_per_slot:
+            raise ValueError(
+                f"slot {s} already holds {self.depth[s]} layers, its limit "
+                f"(max_layers_per_slot={self.layers_per_slot}); run their backwards, "
+                f"select another slot (select_slot) or raise max_layers_per_slot"
+            )
+
+    # ----------------------------------------------------------------- forward
+    def begin_layer(self, executed_rows_EP: torch.Tensor) -> LayerRecord:
+        """Decide save/replay on the device for the next layer of the selected slot, advance
+        the cursors and return the record for backward (no host synchronisation)."""
+        self.check_room()
+        s = self.slot
+        l = self.depth[s]
+        rows = executed_rows_EP.to(torch.int64)
+        full = _a128(rows * self._consts[0]) + _a128(rows * self._consts[1]) + self.h3_bytes
+        cur = self.cursors[s]
+        before = cur.clone()
+        reserve = (self.layers_per_slot - 1 - l) * self.input_bytes
+        need = (cur + full).max() + reserve
+        save = need <= self.slot_bytes
+        replay = (~save).reshape(1)
+        cur.add_(torch.where(save, full, torch.full_like(full, self.input_bytes)))
+        start = (s * self.slot_bytes + before[self.rank]) // 2
+        my_rows = rows[self.rank]
+        x_rows_off = start
+        h1_off = start + _a128(my_rows * self._consts[0]) // 2
+        h3_off = h1_off + _a128(my_rows * self._consts[1]) // 2
+        neg = torch.full_like(start, -1)
+        offsets = torch.stack([
+            torch.where(save, h1_off, neg),
+            torch.where(save, x_rows_off, neg),
+            torch.where(save, h3_off, neg),
+            torch.where(save, neg, start),
+        ])
+        self.depth[s] = l + 1
+        return LayerRecord(slot=s, layer=l, cursor_before=before, replay=replay,
+                           offsets=offsets)
+
+    def abandon_layer(self, rec: LayerRecord) -> None:
+        """Undo :meth:`begin_layer` (a forward that failed before autograd recorded it)."""
+        self.cursors[rec.slot].copy_(rec.cursor_before)
+        self.depth[rec.slot] = rec.layer
+
+    # ----------------------------------------------------------------- backward
+    def end_layer(self, rec: LayerRecord) -> None:
+        """Backward of ``rec``'s layer: it must be the slot's last layer; rewind the cursor."""
+        if self.depth[rec.slot] != rec.layer + 1:
+            raise RuntimeError(
+                f"backward of layer {rec.layer} of slot {rec.slot} while the slot holds "
+                f"{self.depth[rec.slot]} layers: the layers of a slot must run their backwards "
+                "in reverse order of their forwards"
+            )
+        self.cursors[rec.slot].copy_(rec.cursor_before)
+        self.depth[rec.slot] = rec.layer
+
+    def stats(self) -> dict:
+        """Host view (synchronises): allocation, per-slot depth and cursors (bytes)."""
+        return dict(activation_buffer_bytes=self.storage.numel(),
+                    slot_capacity_bytes=self.slot_bytes, num_slots=self.num_slots,
+                    scratch_bytes=self.plan.scratch_bytes, slot_depth=list(self.depth),
+                    slot_cursors=self.cursors.tolist(), always_saves=self.always_saves)

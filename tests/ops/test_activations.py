@@ -1,0 +1,186 @@
+"""The activation buffer: planner-sized allocation, device-side save/replay, slots, replay in
+backward (bit-identical gradients), torch.utils.checkpoint."""
+
+import pytest
+import torch
+import torch.utils.checkpoint as ckpt
+from forward_cases import make_problem
+
+import distmoe as dm
+from distmoe.memory import trace_saves
+from distmoe.ops.activations import ActivationBuffer
+from distmoe.reference import split_global_problem
+
+# ----------------------------------------------------------------------------- decisions
+
+
+def _worked_cfg(capacity):
+    # DESIGN.md's worked example: EP=2, T=2, K=2, D=F=256, four layers in one slot.
+    return dm.MoEConfig(hidden=256, ffn=256, num_experts=4, top_k=2, max_tokens=2,
+                        row_block=16, device_scratch_factor=2.0, max_layers_per_slot=4,
+                        activation_bytes=capacity)
+
+
+ROWS = [[4, 4], [4, 4], [5, 3], [5, 3]]  # [layer][rank]
+
+
+@pytest.mark.parametrize("capacity, replays", [(28_672, [False, False, False, True]),
+                                               (24_576, [False, False, True, True])])
+def test_device_decisions_follow_the_planner(capacity, replays):
+    cfg = _worked_cfg(capacity)
+    trace = trace_saves(cfg, capacity, ROWS)
+    assert [not d for d in trace.decisions] == replays
+    for rank in (0, 1):
+        buf = ActivationBuffer(cfg, 2, rank, torch.device("cpu"))
+        recs = []
+        for layer, rows in enumerate(ROWS):
+            rec = buf.begin_layer(torch.tensor(rows))
+            recs.append(rec)
+            assert bool(rec.replay) == replays[layer]
+            assert buf.cursors[0].tolist() == list(trace.saved_bytes[layer])
+            start = rec.cursor_before[rank].item() // 2
+            mine = rows[rank]
+            if replays[layer]:
+                assert rec.offsets.tolist() == [-1, -1, -1, start]
+            else:
+                x_bytes, h1_bytes = mine * 256 * 2, mine * 512 * 2  # both multiples of 128
+                assert rec.offsets.tolist() == [start + x_bytes // 2, start,
+                                                start + (x_bytes + h1_bytes) // 2, -1]
+        with pytest.raises(ValueError, match="slot 0 already holds 4 layers"):
+            buf.begin_layer(torch.tensor([1, 1]))
+        with pytest.raises(RuntimeError, match="reverse order"):
+            buf.end_layer(recs[1])
+        for layer in reversed(range(4)):
+            buf.end_layer(recs[layer])
+            expected = trace.saved_bytes[layer - 1] if layer else (0, 0)
+            assert buf.cursors[0].tolist() == list(expected)
+        assert buf.depth == [0]
+
+
+def test_buffer_bytes_equal_the_plan():
+    for kw in (dict(), dict(activation_factor=0.3, max_layers_per_slot=3, num_slots=2),
+               dict(hidden=96, ffn=32, activation_bytes=1 << 20)):
+        base = dict(hidden=64, ffn=128, num_experts=8, top_k=2, max_tokens=24, row_block=16)
+        cfg = dm.MoEConfig(**{**base, **kw})
+        for ep in (1, 2, 4):
+            buf = ActivationBuffer(cfg, ep, 0, torch.device("cpu"))
+            plan = dm.plan_memory(cfg, ep)
+            assert buf.storage.numel() * buf.storage.element_size() == \
+                plan.activation_buffer_bytes
+            # the scratch views lie inside the plan's scratch region
+            for name, view in buf.scratch.items():
+                lo = view.data_ptr() - buf.storage.data_ptr()
+                assert plan.slots_bytes <= lo
+                assert lo + view.numel() * 2 <= plan.activation_buffer_bytes, name
+
+
+def test_slot_arguments_are_checked():
+    cfg = dm.MoEConfig(hidden=64, ffn=64, num_experts=4, top_k=2, max_tokens=8, num_slots=2)
+    buf = ActivationBuffer(cfg, 1, 0, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"slot \(2\) must lie in \[0, num_slots=2\)"):
+        buf.select_slot(2)
+    with pytest.raises(TypeError, match="slot must be an int"):
+        buf.select_slot(1.0)
+    with pytest.raises(ValueError, match="host-backed"):
+        ActivationBuffer(dm.MoEConfig(hidden=64, ffn=64, num_experts=4, top_k=2, max_tokens=8,
+                                      total_scratch_factor=4.0), 1, 0, torch.device("cpu"))
+
+
+# ----------------------------------------------------------------------------- stacks on ranks
+
+D, F, T, E, K, BLOCK = 32, 32, 12, 8, 2, 16
+LAYERS = ["balanced", "imbalance_8x", "inactive_mix", "all_to_one_expert", "balanced",
+          "zero_live_tokens_on_last_rank"]
+
+
+def _cfg(world, layers, *, num_slots=1, mode="mixed"):
+    base = dict(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T, row_block=BLOCK,
+                device_scratch_factor=float(world), max_layers_per_slot=layers,
+                num_slots=num_slots)
+    plan = dm.plan_memory(dm.MoEConfig(**base), world)
+    if mode == "save":
+        cap = plan.useful_max_slot_bytes
+    else:  # between the inputs-only minimum and the balanced full save
+        cap = (plan.min_slot_bytes + plan.balanced_slot_bytes) // 2
+    return dm.MoEConfig(**base, activation_bytes=cap)
+
+
+def _stack_rank(rank, world, seed, mode, checkpointed=None):
+    """``checkpointed``: {layer: use_reentrant} for layers run under torch.utils.checkpoint."""
+    checkpointed = checkpointed or {}
+    cfg = _cfg(world, len(LAYERS), mode=mode)
+    problems = [split_global_problem(*make_problem(seed + i, world, T, D, F, E, K, name),
+                                     world)[rank] for i, name in enumerate(LAYERS)]
+    g = torch.Generator().manual_seed(seed)
+    gy = torch.randn(world * T, D, generator=g).bfloat16()[rank * T:(rank + 1) * T]
+    with dm.MoEContext(cfg, device="cpu") as ctx:
+        x = problems[0].x.clone().requires_grad_(True)
+        leaves, replays, h = [x], [], x
+        for i, p in enumerate(problems):
+            s, a, b = (t.clone().requires_grad_(True) for t in (p.scores, p.w13, p.w2))
+            leaves += [s, a, b]
+            if i in checkpointed:
+                h = ckpt.checkpoint(ctx, h, p.expert_ids, s, a, b,
+                                    use_reentrant=checkpointed[i])
+            else:
+                h = ctx(h, p.expert_ids, s, a, b)
+                replays.append(bool(h.grad_fn.record.replay))
+        (h.float() * gy.float()).sum().backward()
+        stats = ctx.stats()["activations"]
+        return dict(y=h.detach(), grads=[t.grad for t in leaves], replays=replays,
+                    depth=stats["slot_depth"], cursors=stats["slot_cursors"],
+                    always_saves=stats["always_saves"])
+
+
+def test_six_layer_stack_replay_is_bit_identical_to_save_all():
+    seed, world = 99, 2
+    saved = dm.launch(_stack_rank, world, args=(seed, "save"))
+    mixed = dm.launch(_stack_rank, world, args=(seed, "mixed"))
+    checkpointed = dm.launch(_stack_rank, world,
+                             args=(seed, "mixed", {2: True, 4: False}))
+    for rank in range(world):
+        s, m, c = saved[rank], mixed[rank], checkpointed[rank]
+        assert s["always_saves"] and not any(s["replays"])
+        assert not m["always_saves"]
+        assert any(m["replays"]) and not all(m["replays"]), m["replays"]
+        # every rank took the same decisions (worst-rank rule)
+        assert m["replays"] == mixed[0]["replays"]
+        assert len(c["replays"]) == len(LAYERS) - 2  # checkpointed layers: no record kept
+        for run in (m, c):
+            assert torch.equal(run["y"], s["y"])
+            for i, (ga, gb) in enumerate(zip(run["grads"], s["grads"], strict=True)):
+                assert ga is not None and torch.equal(ga, gb), f"gradient {i} differs"
+            assert run["depth"] == [0] and run["cursors"] == [[0, 0]]  # all rewound
+
+
+def _slots_rank(rank, world, seed):
+    """Layer A in slot 0, layer B in slot 1, slot 0 reselected before the backward: each
+    backward must use the slot its forward recorded."""
+    two = _cfg(world, 1, num_slots=2, mode="save")
+    one = _cfg(world, 2, mode="save")
+    problems = [split_global_problem(*make_problem(seed + i, world, T, D, F, E, K, name),
+                                     world)[rank] for i, name in enumerate(LAYERS[:2])]
+    out = {}
+    for label, cfg in (("two_slots", two), ("one_slot", one)):
+        with dm.MoEContext(cfg, device="cpu") as ctx:
+            x = problems[0].x.clone().requires_grad_(True)
+            ws = [(p.w13.clone().requires_grad_(True), p.w2.clone().requires_grad_(True))
+                  for p in problems]
+            y = ctx(x, problems[0].expert_ids, problems[0].scores, *ws[0])
+            if label == "two_slots":
+                with pytest.raises(ValueError, match="slot 0 already holds 1 layers"):
+                    ctx(y, problems[1].expert_ids, problems[1].scores, *ws[1])
+                ctx.select_slot(1)
+            y = ctx(y, problems[1].expert_ids, problems[1].scores, *ws[1])
+            if label == "two_slots":
+                ctx.select_slot(0)
+                assert y.grad_fn.record.slot == 1
+            y.float().square().sum().backward()
+            out[label] = [x.grad] + [w.grad for pair in ws for w in pair]
+    return out
+
+
+def test_backward_uses_the_slot_its_forward_recorded():
+    for r in dm.launch(_slots_rank, 2, args=(5,)):
+        for a, b in zip(r["two_slots"], r["one_slot"], strict=True):
+            assert torch.equal(a, b)
