@@ -159,12 +159,12 @@ class ActivationBuffer:
         the cursors and return the record for backward (no host synchronisation)."""
         self.check_room()
         s = self.slot
-        l = self.depth[s]
+        layer = self.depth[s]
         rows = executed_rows_EP.to(torch.int64)
         full = _a128(rows * self._consts[0]) + _a128(rows * self._consts[1]) + self.h3_bytes
         cur = self.cursors[s]
         before = cur.clone()
-        reserve = (self.layers_per_slot - 1 - l) * self.input_bytes
+        reserve = (self.layers_per_slot - 1 - layer) * self.input_bytes
         need = (cur + full).max() + reserve
         save = need <= self.slot_bytes
         replay = (~save).reshape(1)
@@ -181,8 +181,8 @@ class ActivationBuffer:
             torch.where(save, h3_off, neg),
             torch.where(save, neg, start),
         ])
-        self.depth[s] = l + 1
-        return LayerRecord(slot=s, layer=l, cursor_before=before, replay=replay,
+        self.depth[s] = layer + 1
+        return LayerRecord(slot=s, layer=layer, cursor_before=before, replay=replay,
                            offsets=offsets)
 
     def abandon_layer(self, rec: LayerRecord) -> None:
