@@ -57,6 +57,26 @@ def test_device_decisions_follow_the_planner(capacity, replays):
         assert buf.depth == [0]
 
 
+def test_dropped_graphs_free_their_slot_space():
+    cfg = _worked_cfg(28_672)
+    buf = ActivationBuffer(cfg, 2, 0, torch.device("cpu"))
+    a = buf.begin_layer(torch.tensor(ROWS[0]))
+    b = buf.begin_layer(torch.tensor(ROWS[1]))
+    buf.release(a)  # a's graph dropped while b is still live: nothing moves yet
+    assert buf.depth == [2]
+    buf.end_layer(b)  # b's backward rewinds to b's start, then the dead a is popped too
+    buf.check_room()
+    assert buf.depth == [0] and buf.cursors.tolist() == [[0, 0]]
+    c = buf.begin_layer(torch.tensor(ROWS[2]))
+    buf.release(c)  # on top: popped at once
+    assert buf.depth == [0] and buf.cursors.tolist() == [[0, 0]]
+    buf.release(c)  # idempotent
+    d = buf.begin_layer(torch.tensor(ROWS[3]))
+    buf.reset_slots()
+    with pytest.raises(RuntimeError, match="reset after its forward"):
+        buf.end_layer(d)
+
+
 def test_buffer_bytes_equal_the_plan():
     for kw in (dict(), dict(activation_factor=0.3, max_layers_per_slot=3, num_slots=2),
                dict(hidden=96, ffn=32, activation_bytes=1 << 20)):
@@ -177,6 +197,10 @@ def _slots_rank(rank, world, seed):
                 assert y.grad_fn.record.slot == 1
             y.float().square().sum().backward()
             out[label] = [x.grad] + [w.grad for pair in ws for w in pair]
+            # an output computed with grad and dropped (no backward) frees its slot space
+            for _ in range(3):
+                ctx(x, problems[0].expert_ids, problems[0].scores, *ws[0])
+            out[label + "_depth"] = ctx.stats()["activations"]["slot_depth"]
     return out
 
 
@@ -184,3 +208,4 @@ def test_backward_uses_the_slot_its_forward_recorded():
     for r in dm.launch(_slots_rank, 2, args=(5,)):
         for a, b in zip(r["two_slots"], r["one_slot"], strict=True):
             assert torch.equal(a, b)
+        assert r["two_slots_depth"] == [0, 0] and r["one_slot_depth"] == [0]

@@ -66,6 +66,7 @@ class LayerRecord:
     cursor_before: torch.Tensor
     replay: torch.Tensor
     offsets: torch.Tensor
+    state: str = "live"  # "live" -> "done" (its backward ran) or "dead" (graph dropped)
 
 
 class ActivationBuffer:
@@ -124,8 +125,9 @@ class ActivationBuffer:
 
         # Device state: per-slot cursors of every rank (bytes from the slot start).
         self.cursors = torch.zeros(self.num_slots, ep_size, dtype=torch.int64, device=device)
-        # Host state: layers currently held by each slot, and the selected slot.
-        self.depth = [0] * self.num_slots
+        # Host state: the records of the layers each slot holds (bottom first), and the
+        # selected slot.
+        self.stacks: list[list[LayerRecord]] = [[] for _ in range(self.num_slots)]
         self.slot = 0
         self._consts = torch.tensor([D * 2, 2 * F * 2], dtype=torch.int64, device=device)
 
@@ -137,18 +139,40 @@ class ActivationBuffer:
             raise ValueError(f"slot ({slot}) must lie in [0, num_slots={self.num_slots})")
         self.slot = slot
 
+    @property
+    def depth(self) -> list[int]:
+        """Layers each slot holds."""
+        return [len(stack) for stack in self.stacks]
+
     def reset_slots(self) -> None:
         """Forget every slot's layers (after an aborted schedule, once no backward owns
-        their state)."""
+        their state); a later backward of one of them raises."""
+        for stack in self.stacks:
+            for rec in stack:
+                rec.state = "done"
+        self.stacks = [[] for _ in range(self.num_slots)]
         self.cursors.zero_()
-        self.depth = [0] * self.num_slots
+
+    def release(self, rec: LayerRecord) -> None:
+        """The autograd graph holding ``rec`` was freed. If its backward never ran, the layer
+        is dead: dead layers on top of their slot are popped and the cursor rewound."""
+        if rec.state == "live":
+            rec.state = "dead"
+            self._pop_dead(rec.slot)
+
+    def _pop_dead(self, slot: int) -> None:
+        stack = self.stacks[slot]
+        while stack and stack[-1].state == "dead":
+            self.cursors[slot].copy_(stack.pop().cursor_before)
 
     def check_room(self) -> None:
         """Before a forward touches anything: the selected slot must have a free layer."""
         s = self.slot
-        if self.depth[s] >= self.layers_per_slot:
+        self._pop_dead(s)
+        held = len(self.stacks[s])
+        if held >= self.layers_per_slot:
             raise ValueError(
-                f"slot {s} already holds {self.depth[s]} layers, its limit "
+                f"slot {s} already holds {held} layers, its limit "
                 f"(max_layers_per_slot={self.layers_per_slot}); run their backwards, "
                 f"select another slot (select_slot) or raise max_layers_per_slot"
             )
@@ -159,7 +183,7 @@ class ActivationBuffer:
         the cursors and return the record for backward (no host synchronisation)."""
         self.check_room()
         s = self.slot
-        layer = self.depth[s]
+        layer = len(self.stacks[s])
         rows = executed_rows_EP.to(torch.int64)
         full = _a128(rows * self._consts[0]) + _a128(rows * self._consts[1]) + self.h3_bytes
         cur = self.cursors[s]
@@ -181,26 +205,25 @@ class ActivationBuffer:
             torch.where(save, h3_off, neg),
             torch.where(save, neg, start),
         ])
-        self.depth[s] = layer + 1
-        return LayerRecord(slot=s, layer=layer, cursor_before=before, replay=replay,
-                           offsets=offsets)
-
-    def abandon_layer(self, rec: LayerRecord) -> None:
-        """Undo :meth:`begin_layer` (a forward that failed before autograd recorded it)."""
-        self.cursors[rec.slot].copy_(rec.cursor_before)
-        self.depth[rec.slot] = rec.layer
+        rec = LayerRecord(slot=s, layer=layer, cursor_before=before, replay=replay,
+                          offsets=offsets)
+        self.stacks[s].append(rec)
+        return rec
 
     # ----------------------------------------------------------------- backward
     def end_layer(self, rec: LayerRecord) -> None:
-        """Backward of ``rec``'s layer: it must be the slot's last layer; rewind the cursor."""
-        if self.depth[rec.slot] != rec.layer + 1:
-            raise RuntimeError(
-                f"backward of layer {rec.layer} of slot {rec.slot} while the slot holds "
-                f"{self.depth[rec.slot]} layers: the layers of a slot must run their backwards "
-                "in reverse order of their forwards"
-            )
+        """Backward of ``rec``'s layer: it must be the slot's last live layer; rewind the
+        cursor."""
+        self._pop_dead(rec.slot)
+        stack = self.stacks[rec.slot]
+        if rec.state != "live" or not stack or stack[-1] is not rec:
+            why = ("the slots were reset after its forward" if rec.state != "live" else
+                   f"the slot holds {len(stack)} layers: the layers of a slot must run their "
+                   "backwards in reverse order of their forwards")
+            raise RuntimeError(f"backward of layer {rec.layer} of slot {rec.slot}: {why}")
+        stack.pop()
+        rec.state = "done"
         self.cursors[rec.slot].copy_(rec.cursor_before)
-        self.depth[rec.slot] = rec.layer
 
     def stats(self) -> dict:
         """Host view (synchronises): allocation, per-slot depth and cursors (bytes)."""

@@ -66,6 +66,8 @@ bit-identical.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..kernels.route_grad import reduce_routes, route_grads
@@ -82,6 +84,9 @@ class MoEFunction(torch.autograd.Function):
         ctx.moe = moe
         ctx.tables = saved["tables"]
         ctx.record = saved["record"]
+        # A graph dropped without backward (an output computed with grad and thrown away)
+        # frees its slot space when autograd frees this node.
+        weakref.finalize(ctx, moe.activations.release, saved["record"])
         ctx.scores_dtype = scores.dtype
         # Plain attributes, not save_for_backward: the layer's state lives in the activation
         # buffer, and a non-reentrant torch.utils.checkpoint around this call must not re-run

@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Per-kernel GPU times of one distmoe layer (EP=1), forward or forward+backward.
+
+Usage (repository root, one GPU):
+    PYTHONPATH=src python3 tools/profile_layer.py [--shape issue-a] [--mode fwdbwd]
+        [--steps 5] [--rows 25] [--trace FILE.json]
+
+Runs a few untimed steps (compilation), then ``--steps`` steps under ``torch.profiler`` and
+prints the CUDA kernels sorted by total time (per step), then the step's wall time. Routing is
+balanced random (the bench's default shapes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def main() -> int:
+    import distmoe as dm
+    from distmoe.reference import random_routing
+    from distmoe.tools.bench.workloads import SHAPES
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="issue-a", choices=sorted(SHAPES))
+    ap.add_argument("--mode", default="fwdbwd", choices=["fwd", "fwdbwd"])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rows", type=int, default=25, help="kernels to list")
+    ap.add_argument("--trace", default=None, help="also write a Chrome trace here")
+    args = ap.parse_args()
+    shape = SHAPES[args.shape]
+    T, D, F, E, K = shape.tokens, shape.hidden, shape.ffn, shape.num_experts, shape.top_k
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29555", rank=0, world_size=1)
+    training = args.mode == "fwdbwd"
+    cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
+                       training=training)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, D, generator=g).bfloat16().to(dev)
+    ids, scores = random_routing(T, E, K, generator=g)
+    ids, scores = ids.to(dev), scores.to(dev)
+    w13 = (torch.randn(E, 2, F, D, generator=g) / D**0.5).bfloat16().to(dev)
+    w2 = (torch.randn(E, D, F, generator=g) / F**0.5).bfloat16().to(dev)
+    gy = torch.randn(T, D, generator=g).bfloat16().to(dev)
+    params = [t.requires_grad_(training) for t in (w13, w2)]
+    with dm.MoEContext(cfg, device=dev) as ctx:
+        def step():
+            if training:
+                xs = x.detach().requires_grad_(True)
+                y = ctx(xs, ids, scores, *params)
+                y.backward(gy)
+            else:
+                with torch.no_grad():
+                    ctx(x, ids, scores, w13, w2)
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3 / args.steps
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                step()
+            torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        cuda_us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if cuda_us > 0:
+            rows.append((cuda_us / args.steps / 1e3, ev.count // args.steps, ev.key))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    print(f"{args.shape} {args.mode}: T={T} D={D} F={F} E={E} K={K}, EP=1, "
+          f"{torch.cuda.get_device_name(dev)}")
+    print(f"{'ms/step':>9} {'calls':>6}  kernel")
+    for ms, calls, name in rows[:args.rows]:
+        print(f"{ms:9.3f} {calls:6d}  {name[:100]}")
+    print(f"{total:9.3f}         sum of kernel time per step; wall {wall_ms:.3f} ms/step (eager)")
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
