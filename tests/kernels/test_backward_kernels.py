@@ -670,6 +670,38 @@ def test_w13_wgrad_x_offset(host_descriptors):
     assert same_bits(got, plain)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_wgrad_overwrite(out_dtype):
+    """accumulate=False: every element written (zeros for the expert without rows) over a
+    NaN-poisoned output; fp32 equals accumulating into zeros bit for bit (same row steps, same
+    order, and 0 + acc is exact); bf16 is that fp32 result rounded once (RNE)."""
+    num_experts, hidden, ffn, block_m = 3, 40, 24, 32
+    layout = layout_from_counts([40, 0, 19], block_m, idle_tiles=1)
+    grad_h1 = _wgrad_operand(layout, 2 * ffn, big_experts=[2])
+    x = _wgrad_operand(layout, hidden, big_experts=[2])
+    grad_h3 = _wgrad_operand(layout, hidden, big_experts=[2])
+    h2 = _wgrad_operand(layout, ffn, big_experts=[2])
+    config = WgradConfig(block_m=block_m, block_k=16, block_out_m=32, block_out_n=16,
+                         num_warps=4, num_stages=2)
+    po, ro = layout.padded_offsets, layout.row_offsets
+    acc13 = torch.zeros(num_experts, 2, ffn, hidden, device=DEVICE)
+    w13_wgrad(grad_h1, x, po, ro, acc13, config=config)
+    acc2 = torch.zeros(num_experts, hidden, ffn, device=DEVICE)
+    w2_wgrad(grad_h3, h2, po, ro, acc2, config=config)
+    got13 = poisoned(num_experts, 2, ffn, hidden, dtype=out_dtype)
+    w13_wgrad(grad_h1, x, po, ro, got13, accumulate=False, config=config)
+    got2 = poisoned(num_experts, hidden, ffn, dtype=out_dtype)
+    w2_wgrad(grad_h3, h2, po, ro, got2, accumulate=False, config=config)
+    assert same_bits(got13, acc13.to(out_dtype)) and same_bits(got2, acc2.to(out_dtype))
+    assert not got13[1].any() and not got2[1].any()  # the expert without rows: zeros
+    split = WgradConfig(block_m=block_m, block_k=16, block_out_m=32, block_out_n=16,
+                        split_rows=2, num_warps=4, num_stages=2)
+    with pytest.raises(ValueError, match=r"accumulate=False needs config.split_rows == 1"):
+        w2_wgrad(grad_h3, h2, po, ro, got2, accumulate=False, config=split)
+    with pytest.raises(TypeError, match=r"grad_w2 must have dtype .*float32.*, got torch.bfloat16"):
+        w2_wgrad(grad_h3, h2, po, ro, got2.bfloat16(), config=config)
+
+
 # --------------------------------------------------------------------------------------------
 # The whole backward chain against autograd
 # --------------------------------------------------------------------------------------------

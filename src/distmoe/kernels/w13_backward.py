@@ -320,10 +320,14 @@ def w13_wgrad(
     grad_w13: torch.Tensor,
     *,
     x_offset: torch.Tensor | None = None,
+    accumulate: bool = True,
     config: WgradConfig | None = None,
 ) -> None:
     """``grad_w13[e] += grad_h1_e^T @ x_e`` over every local expert's activation rows
-    ``[row_offsets[e], row_offsets[e+1])`` (fp32, in place; module docstring).
+    ``[row_offsets[e], row_offsets[e+1])`` (fp32, in place; module docstring). With
+    ``accumulate=False``: ``grad_w13[e] = ...`` (fp32 accumulation, one rounding to
+    grad_w13's dtype, zeros for experts without rows; needs ``config.split_rows == 1``), so
+    grad_w13 needs no zero fill and may be bf16.
 
     Args:
         grad_h1: bf16 ``[R_act, 2F]`` in activation rows (``R_act >= row_offsets[E_local]``).
@@ -338,15 +342,16 @@ def w13_wgrad(
             Rows past an expert's end that its last row step loads are zeroed, so they may
             hold anything, NaN included.
         grad_w13: fp32 ``[E_local, 2, F, D]``, accumulated into (experts without rows
-            untouched).
+            untouched); fp32 or bf16 with ``accumulate=False``.
         x_offset: optional int64 ``[1]`` device tensor, the bf16 element offset of activation
             row 0 in ``x_gathered`` (a multiple of 8 elements; not checked). The base is left
             out of the overlap check (the rows it covers are known on the device only).
         config: :class:`WgradConfig` (output tile over ``[2F, D]``); ``None`` =
             ``from_heuristic`` with ``block_m`` 128.
     """
+    out_dtypes = (torch.float32,) if accumulate else (torch.float32, torch.bfloat16)
     check_tensor(
-        "grad_w13", grad_w13, dtypes=(torch.float32,), ndim=4, shape_text="[E_local, 2, F, D]"
+        "grad_w13", grad_w13, dtypes=out_dtypes, ndim=4, shape_text="[E_local, 2, F, D]"
     )
     num_experts, two, ffn, hidden = grad_w13.shape
     if two != 2:
@@ -384,7 +389,8 @@ def w13_wgrad(
     if x_offset is not None:
         del named["x_gathered"]  # rows at a device-side offset: not checkable on the host
     check_disjoint(named)
-    config = check_wgrad_config(config, out_rows=2 * ffn, out_cols=hidden)
+    config = check_wgrad_config(config, out_rows=2 * ffn, out_cols=hidden,
+                                accumulate=accumulate)
     launch_grouped_wgrad(
         grad_h1,
         x_gathered,
@@ -393,6 +399,7 @@ def w13_wgrad(
         config,
         device,
         b_offset=x_offset,
+        accumulate=accumulate,
     )
 
 

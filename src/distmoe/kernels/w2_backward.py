@@ -362,12 +362,13 @@ def _grouped_wgrad_kernel(
     b,  # bf16 [R_act, Q], or its TMA descriptor (HOST_DESC), or a 1-D bf16 base (B_OFFSET)
     b_offset_ptr,  # int64 [1]: element offset of activation row 0 in b (B_OFFSET)
     row_offsets_ptr,  # int32 [E + 1]
-    out_ptr,  # fp32 [E, P, Q], accumulated into
+    out_ptr,  # fp32 [E, P, Q] accumulated into, or fp32/bf16 overwritten (OVERWRITE)
     num_act_rows,  # R_act
     P: tl.constexpr,
     Q: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
     SPLIT_ROWS: tl.constexpr,
+    OVERWRITE: tl.constexpr,
     INTERPRETED: tl.constexpr,
     HOST_DESC: tl.constexpr,
     B_OFFSET: tl.constexpr,
@@ -387,8 +388,17 @@ def _grouped_wgrad_kernel(
     q0 = (tile % num_q) * BLOCK_Q
     first = tl.load(row_offsets_ptr + expert) + split * BLOCK_K
     end = tl.load(row_offsets_ptr + expert + 1)
+    p = p0 + tl.arange(0, BLOCK_P)
+    q = q0 + tl.arange(0, BLOCK_Q)
+    mask = (p < P)[:, None] & (q < Q)[None, :]
+    out = out_ptr + expert.to(tl.int64) * (P * Q) + p.to(tl.int64)[:, None] * Q + q[None, :]
     if first >= end:
-        return  # no rows for this program: grad_w stays as it is
+        # no rows for this program: accumulating, grad_w stays as it is; overwriting (one
+        # program per tile), the expert's gradient is zero
+        if OVERWRITE:
+            tl.store(out, tl.zeros([BLOCK_P, BLOCK_Q], dtype=out_ptr.dtype.element_ty),
+                     mask=mask)
+        return
     if HOST_DESC:
         a_desc = a
     else:
@@ -430,11 +440,9 @@ def _grouped_wgrad_kernel(
     if tail < end:
         acc = _wgrad_tail_step(a_desc, b_desc, tail, end, p0, q0, acc, BLOCK_K)
 
-    p = p0 + tl.arange(0, BLOCK_P)
-    q = q0 + tl.arange(0, BLOCK_Q)
-    mask = (p < P)[:, None] & (q < Q)[None, :]
-    out = out_ptr + expert.to(tl.int64) * (P * Q) + p.to(tl.int64)[:, None] * Q + q[None, :]
-    if SPLIT_ROWS == 1:
+    if OVERWRITE:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    elif SPLIT_ROWS == 1:
         tl.store(out, tl.load(out, mask=mask, other=0.0) + acc, mask=mask)
     else:
         tl.atomic_add(out, acc, mask=mask, sem="relaxed")
@@ -715,11 +723,19 @@ def check_rows_cap(num_rows: int, block_m: int) -> None:
         )
 
 
-def check_wgrad_config(config: object, *, out_rows: int, out_cols: int) -> WgradConfig:
+def check_wgrad_config(config: object, *, out_rows: int, out_cols: int,
+                       accumulate: bool = True) -> WgradConfig:
+    if not isinstance(accumulate, bool):
+        raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
     if config is None:
-        return WgradConfig.from_heuristic(out_rows=out_rows, out_cols=out_cols)
+        config = WgradConfig.from_heuristic(out_rows=out_rows, out_cols=out_cols)
     if not isinstance(config, WgradConfig):
         raise TypeError(f"config must be a WgradConfig or None, got {type(config).__name__}")
+    if not accumulate and config.split_rows != 1:
+        raise ValueError(
+            f"accumulate=False needs config.split_rows == 1 (one program per output tile), "
+            f"got {config.split_rows}"
+        )
     return config
 
 
@@ -732,15 +748,21 @@ def launch_grouped_wgrad(
     device: torch.device,
     *,
     b_offset: torch.Tensor | None = None,
+    accumulate: bool = True,
 ) -> None:
-    """``out[e] += a[rows_e]^T @ b[rows_e]`` over every local expert's activation rows
+    """``out[e] += a[rows_e]^T @ b[rows_e]`` (``out[e] = ...`` without ``accumulate``: every
+    element written, zeros for an expert without rows) over every local expert's activation rows
     ``rows_e = [row_offsets[e], row_offsets[e+1])`` (inputs validated by the caller: ``a``
     ``[R_act, P]`` bf16, ``b`` ``[R_act, Q]`` bf16, or with ``b_offset`` (int64 ``[1]``) a
     1-D bf16 base with row ``r`` at ``b + b_offset[0] + r*Q``; ``out`` fp32 ``[E, P, Q]``)."""
     num_act_rows, width_p = a.shape
     width_q = out.shape[2]
     num_experts = row_offsets.shape[0] - 1
-    if num_act_rows == 0 or num_experts == 0:
+    if num_experts == 0:
+        return
+    if num_act_rows == 0:
+        if not accumulate:
+            out.zero_()
         return  # R_act >= row_offsets[E]: no live rows
     tiles = triton.cdiv(width_p, config.block_out_m) * triton.cdiv(width_q, config.block_out_n)
     grid = (num_experts * config.split_rows * tiles,)
@@ -772,6 +794,7 @@ def launch_grouped_wgrad(
             Q=width_q,
             NUM_EXPERTS=num_experts,
             SPLIT_ROWS=config.split_rows,
+            OVERWRITE=not accumulate,
             INTERPRETED=interpreter_active(),
             HOST_DESC=config.host_descriptors,
             B_OFFSET=b_offset is not None,
@@ -970,10 +993,14 @@ def w2_wgrad(
     row_offsets: torch.Tensor,
     grad_w2: torch.Tensor,
     *,
+    accumulate: bool = True,
     config: WgradConfig | None = None,
 ) -> None:
     """``grad_w2[e] += grad_h3_e^T @ h2_e`` over every local expert's activation rows
-    ``[row_offsets[e], row_offsets[e+1])`` (fp32, in place; module docstring).
+    ``[row_offsets[e], row_offsets[e+1])`` (fp32, in place; module docstring). With
+    ``accumulate=False``: ``grad_w2[e] = ...`` (fp32 accumulation, one rounding to
+    grad_w2's dtype, zeros for experts without rows; needs ``config.split_rows == 1``), so
+    grad_w2 needs no zero fill and may be bf16.
 
     Args:
         grad_h3: bf16 ``[R_act, D]`` gathered route output gradients in activation rows
@@ -984,10 +1011,12 @@ def w2_wgrad(
         row_offsets: int32 ``[E_local + 1]``, exclusive prefix sum of the live rows per expert
             (``R_act >= row_offsets[E_local]``). Rows past an expert's end that its last row
             step loads are zeroed, so they may hold anything, NaN included.
-        grad_w2: fp32 ``[E_local, D, F]``, accumulated into (experts without rows untouched).
+        grad_w2: fp32 ``[E_local, D, F]``, accumulated into (experts without rows untouched);
+            fp32 or bf16 with ``accumulate=False``.
         config: :class:`WgradConfig`; ``None`` = ``from_heuristic`` with ``block_m`` 128.
     """
-    check_tensor("grad_w2", grad_w2, dtypes=(torch.float32,), ndim=3, shape_text="[E_local, D, F]")
+    out_dtypes = (torch.float32,) if accumulate else (torch.float32, torch.bfloat16)
+    check_tensor("grad_w2", grad_w2, dtypes=out_dtypes, ndim=3, shape_text="[E_local, D, F]")
     num_experts, hidden, ffn = grad_w2.shape
     check_width("D (grad_w2.shape[1])", hidden)
     check_width("F (grad_w2.shape[2])", ffn)
@@ -1012,8 +1041,9 @@ def w2_wgrad(
     }
     device = check_devices(named)
     check_disjoint(named)
-    config = check_wgrad_config(config, out_rows=hidden, out_cols=ffn)
-    launch_grouped_wgrad(grad_h3, h2, row_offsets, grad_w2, config, device)
+    config = check_wgrad_config(config, out_rows=hidden, out_cols=ffn, accumulate=accumulate)
+    launch_grouped_wgrad(grad_h3, h2, row_offsets, grad_w2, config, device,
+                         accumulate=accumulate)
 
 
 # --------------------------------------------------------------------------------------------

@@ -58,7 +58,8 @@ forward during backward, which breaks the slot order (a RuntimeError names it): 
 reentrant variant there.
 
 Returned gradients: x (bf16), scores (scores' dtype), w13 and w2 in the parameters' dtype
-(fp32 buffers accumulated by the WGRAD kernels, then cast; autograd adds them into ``.grad``).
+(bf16: the WGRAD kernels accumulate in fp32 and round once when they store; autograd adds
+them into ``.grad``). Weight gradients that no input needs are not computed.
 Routes beyond the receive bound are not executed: they get zero gradients everywhere. Saved
 and replayed layers run the same kernels on the same values, so their gradients are
 bit-identical.
@@ -151,12 +152,19 @@ class MoEFunction(torch.autograd.Function):
                             h1_offset=h1_offset, h2_out=scratch["h2"],
                             grad_h3_out=scratch["gh3"],
                             config=W2DgradConfig.from_heuristic(hidden=D, ffn=F, block_m=block))
-        grad_w2 = torch.zeros(E_l, D, F, dtype=torch.float32, device=dev)
-        w2_wgrad(scratch["gh3"], scratch["h2"], po, ro, grad_w2,
-                 config=WgradConfig.from_heuristic(out_rows=D, out_cols=F, block_m=block))
-        grad_w13 = torch.zeros(E_l, 2, F, D, dtype=torch.float32, device=dev)
-        w13_wgrad(scratch["h1g"], elements, po, ro, grad_w13, x_offset=x_offset,
-                  config=WgradConfig.from_heuristic(out_rows=2 * F, out_cols=D, block_m=block))
+        # WGRAD: fp32 accumulation, one rounding straight into the weights' dtype (one program
+        # per output tile writes it whole: no zero fill, no conversion pass)
+        need = ctx.needs_input_grad
+        if need[5]:
+            grad_w2 = torch.empty(E_l, D, F, dtype=w2.dtype, device=dev)
+            w2_wgrad(scratch["gh3"], scratch["h2"], po, ro, grad_w2, accumulate=False,
+                     config=WgradConfig.from_heuristic(out_rows=D, out_cols=F, block_m=block))
+        if need[4]:
+            grad_w13 = torch.empty(E_l, 2, F, D, dtype=w13.dtype, device=dev)
+            w13_wgrad(scratch["h1g"], elements, po, ro, grad_w13, x_offset=x_offset,
+                      accumulate=False,
+                      config=WgradConfig.from_heuristic(out_rows=2 * F, out_cols=D,
+                                                        block_m=block))
         # Route input gradients into the owners' dispatch rows t*K+k (see the module
         # docstring for why no peer reads dispatch now).
         w13_dgrad_scatter(scratch["h1g"], po, ro, w13, tables.bwd_scatter_ptrs,
@@ -167,12 +175,11 @@ class MoEFunction(torch.autograd.Function):
         grad_x = torch.empty(ctx.x_shape, dtype=torch.bfloat16, device=dev)
         reduce_routes(dispatch_rows, ids_executed, grad_x)
 
-        need = ctx.needs_input_grad
         return (
             None,
             grad_x if need[1] else None,
             None,
             grad_scores.to(ctx.scores_dtype) if need[3] else None,
-            grad_w13.to(w13.dtype) if need[4] else None,
-            grad_w2.to(w2.dtype) if need[5] else None,
+            grad_w13 if need[4] else None,
+            grad_w2 if need[5] else None,
         )
