@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Time the grouped WGRAD kernels over launch configurations on one GPU.
+
+Usage (repository root, one GPU):
+    PYTHONPATH=src python3 tools/tune_wgrad.py [--shapes fine issue-a] [--csv FILE]
+
+For each named bench shape (EP=1, balanced random routing: T*K rows spread over E experts),
+times ``w13_wgrad`` and ``w2_wgrad`` (overwrite mode, bf16 output, as autograd runs them) for
+a set of candidate configs and the current heuristic, with ``triton.testing.do_bench``
+(median of repeated runs, L2 not flushed). Prints one table per kernel, fastest first, with
+TFLOP/s (2 * rows * P * Q per call), and writes every row to ``--csv`` when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+
+import torch
+
+
+def _candidates(WgradConfig, out_rows, out_cols):
+    out = [WgradConfig.from_heuristic(out_rows=out_rows, out_cols=out_cols)]
+    for (bm, bn), bk, stages, warps in itertools.product(
+        [(128, 128), (128, 256), (256, 128), (64, 128), (128, 64)], [64, 128], [3, 4], [8]
+    ):
+        cfg = WgradConfig(block_m=128, block_k=bk, block_out_m=min(bm, out_rows),
+                          block_out_n=min(bn, out_cols), num_warps=warps, num_stages=stages)
+        if cfg.fits_hopper() and cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def main() -> int:
+    import triton.testing
+
+    from distmoe.kernels.w2_backward import WgradConfig, w2_wgrad
+    from distmoe.kernels.w13_backward import w13_wgrad
+    from distmoe.tools.bench.workloads import SHAPES
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", default=["fine", "issue-a"], choices=sorted(SHAPES))
+    ap.add_argument("--csv", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda", 0)
+    rows_out = []
+    for name in args.shapes:
+        s = SHAPES[name]
+        T, D, F, E, K = s.tokens, s.hidden, s.ffn, s.num_experts, s.top_k
+        R = T * K
+        counts = torch.bincount(torch.randint(0, E, (R,)), minlength=E)
+        ro = torch.zeros(E + 1, dtype=torch.int32)
+        ro[1:] = counts.cumsum(0)
+        padded = (counts + 127) // 128 * 128
+        po = torch.zeros(E + 1, dtype=torch.int32)
+        po[1:] = padded.cumsum(0)
+        ro, po = ro.to(dev), po.to(dev)
+        x = torch.randn(R, D, device=dev).bfloat16()
+        gh1 = torch.randn(R, 2 * F, device=dev).bfloat16()
+        gh3 = torch.randn(R, D, device=dev).bfloat16()
+        h2 = torch.randn(R, F, device=dev).bfloat16()
+        g13 = torch.empty(E, 2, F, D, device=dev, dtype=torch.bfloat16)
+        g2 = torch.empty(E, D, F, device=dev, dtype=torch.bfloat16)
+        def run13(c, gh1=gh1, x=x, po=po, ro=ro, g13=g13):
+            w13_wgrad(gh1, x, po, ro, g13, accumulate=False, config=c)
+
+        def run2(c, gh3=gh3, h2=h2, po=po, ro=ro, g2=g2):
+            w2_wgrad(gh3, h2, po, ro, g2, accumulate=False, config=c)
+
+        for kernel, (P, Q), fn in (("w13_wgrad", (2 * F, D), run13),
+                                   ("w2_wgrad", (D, F), run2)):
+            results = []
+            for i, cfg in enumerate(_candidates(WgradConfig, P, Q)):
+                try:
+                    ms = triton.testing.do_bench(lambda cfg=cfg, fn=fn: fn(cfg), warmup=5,
+                                                 rep=30)
+                except Exception as exc:  # a config that does not compile is a result
+                    print(f"{name} {kernel} {cfg}: {type(exc).__name__}: {str(exc)[:80]}")
+                    continue
+                tflops = 2 * R * P * Q / ms / 1e9
+                results.append((ms, tflops, i == 0, cfg))
+                rows_out.append(dict(shape=name, kernel=kernel, ms=ms, tflops=tflops,
+                                     heuristic=i == 0, **vars(cfg)))
+            results.sort(key=lambda r: r[0])
+            print(f"\n{name} {kernel}: T={T} D={D} F={F} E={E} K={K} (P={P}, Q={Q})")
+            for ms, tflops, heur, cfg in results[:6] + [r for r in results if r[2]]:
+                print(f"  {ms:8.3f} ms {tflops:7.1f} TFLOP/s {'HEURISTIC ' if heur else ''}"
+                      f"out {cfg.block_out_m}x{cfg.block_out_n} k{cfg.block_k} "
+                      f"s{cfg.num_stages} w{cfg.num_warps}")
+    if args.csv and rows_out:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows_out[0]))
+            w.writeheader()
+            w.writerows(rows_out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
