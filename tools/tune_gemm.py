@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Time the forward grouped GEMMs over launch configurations, beside torch._grouped_mm.
+
+Usage (repository root, one GPU):
+    PYTHONPATH=src python3 tools/tune_gemm.py [--shapes issue-a fine] [--csv FILE]
+
+For each named bench shape (EP=1, balanced random routing: T*K rows over E experts, padded
+tile schedule, compact activation rows), times with ``triton.testing.do_bench``:
+
+* ``gather_w13_swiglu`` (rows gathered by pointer from a [T, D] source, SwiGLU epilogue) for
+  candidate ``W13Config``s, against ``torch._grouped_mm`` of the pre-gathered rows with W13
+  alone (no gather, no SwiGLU): issue 7's first target is ratio >= 1;
+* ``w2_scatter`` (scatter epilogue into a [T*K, D] buffer) for candidate ``W2Config``s, against
+  ``torch._grouped_mm`` of h2 with W2 alone.
+
+Prints one table per kernel, fastest first, TFLOP/s and the ratio to the grouped_mm time;
+``--csv`` writes every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+
+import torch
+
+
+def _layout(T, K, E, dev):
+    R = T * K
+    counts = torch.bincount(torch.randint(0, E, (R,)), minlength=E)
+    ro = torch.zeros(E + 1, dtype=torch.int32)
+    ro[1:] = counts.cumsum(0)
+    po = torch.zeros(E + 1, dtype=torch.int32)
+    po[1:] = ((counts + 127) // 128 * 128).cumsum(0)
+    r_cap = int(po[-1]) + 128 * 4  # some idle tiles, as the receive bound leaves
+    token = torch.randint(0, T, (R,))
+    return counts, ro.to(dev), po.to(dev), r_cap, token
+
+
+def main() -> int:
+    import triton.testing
+
+    from distmoe.kernels.w2_scatter import W2Config, w2_scatter
+    from distmoe.kernels.w13_gather_swiglu import W13Config, gather_w13_swiglu
+    from distmoe.tools.bench.workloads import SHAPES
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", default=["issue-a", "fine"], choices=sorted(SHAPES))
+    ap.add_argument("--csv", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda", 0)
+    out_rows = []
+    for name in args.shapes:
+        s = SHAPES[name]
+        T, D, F, E, K = s.tokens, s.hidden, s.ffn, s.num_experts, s.top_k
+        R = T * K
+        counts, ro, po, r_cap, token = _layout(T, K, E, dev)
+        x = torch.randn(T, D, device=dev).bfloat16()
+        w13 = (torch.randn(E, 2, F, D, device=dev) / D**0.5).bfloat16()
+        w2 = (torch.randn(E, D, F, device=dev) / F**0.5).bfloat16()
+        # padded-row pointer tables: live rows first in each segment
+        gather = torch.zeros(r_cap, dtype=torch.int64)
+        scatter = torch.zeros(r_cap, dtype=torch.int64)
+        combine = torch.empty(R, D, device=dev, dtype=torch.bfloat16)
+        pos = 0
+        starts = po.tolist()
+        for e in range(E):
+            n = int(counts[e])
+            rows = torch.arange(starts[e], starts[e] + n)
+            gather[rows] = x.data_ptr() + token[pos:pos + n] * D * 2
+            scatter[rows] = combine.data_ptr() + torch.arange(pos, pos + n) * D * 2
+            pos += n
+        gather, scatter = gather.to(dev), scatter.to(dev)
+        h2 = torch.empty(R, F, device=dev, dtype=torch.bfloat16)
+        # torch._grouped_mm references on pre-gathered rows
+        x_g = x[token.to(dev)].contiguous()
+        offs = ro[1:].contiguous()
+        w13_t = w13.view(E, 2 * F, D).transpose(-2, -1)
+        w2_t = w2.transpose(-2, -1)
+        h2_g = torch.randn(R, F, device=dev).bfloat16()
+        ref = {
+            "w13": triton.testing.do_bench(lambda: torch._grouped_mm(x_g, w13_t, offs=offs),
+                                           warmup=5, rep=40),
+            "w2": triton.testing.do_bench(lambda: torch._grouped_mm(h2_g, w2_t, offs=offs),
+                                          warmup=5, rep=40),
+        }
+        flops = {"w13": 2 * R * 2 * F * D, "w2": 2 * R * D * F}
+        cands = {
+            "w13": [W13Config.from_heuristic(hidden=D, ffn=F)] + [
+                W13Config(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st,
+                          group_m=gm, persistent=pe)
+                for bn, st, gm, pe in itertools.product([128, 64], [3, 4], [8, 16],
+                                                        [False, True])],
+            "w2": [W2Config.from_heuristic(hidden=D, ffn=F)] + [
+                W2Config(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st,
+                         group_m=gm, persistent=pe)
+                for bn, st, gm, pe in itertools.product([128, 256], [3, 4], [8], [False, True])],
+        }
+
+        def run13(c, gather=gather, po=po, ro=ro, w13=w13, h2=h2):
+            gather_w13_swiglu(gather, po, ro, w13, h2, config=c)
+
+        def run2(c, h2=h2, po=po, ro=ro, w2=w2, scatter=scatter):
+            w2_scatter(h2, po, ro, w2, scatter, config=c)
+
+        for kernel, fn in (("w13", run13), ("w2", run2)):
+            results = []
+            seen = []
+            for i, cfg in enumerate(cands[kernel]):
+                if cfg in seen or not cfg.fits_hopper():
+                    continue
+                seen.append(cfg)
+                try:
+                    ms = triton.testing.do_bench(lambda cfg=cfg, fn=fn: fn(cfg), warmup=5,
+                                                 rep=40)
+                except Exception as exc:  # a config that does not build is a result
+                    print(f"{name} {kernel} {cfg}: {type(exc).__name__}: {str(exc)[:100]}")
+                    continue
+                results.append((ms, i == 0, cfg))
+                out_rows.append(dict(shape=name, kernel=kernel, ms=ms,
+                                     tflops=flops[kernel] / ms / 1e9,
+                                     vs_grouped_mm=ref[kernel] / ms, heuristic=i == 0,
+                                     **vars(cfg)))
+            results.sort(key=lambda r: r[0])
+            print(f"\n{name} {kernel}: T={T} D={D} F={F} E={E} K={K}; torch._grouped_mm on "
+                  f"pre-gathered rows {ref[kernel]:.3f} ms "
+                  f"({flops[kernel] / ref[kernel] / 1e9:.0f} TFLOP/s)")
+            for ms, heur, cfg in results[:5] + [r for r in results if r[1]]:
+                print(f"  {ms:8.3f} ms {flops[kernel] / ms / 1e9:6.0f} TFLOP/s "
+                      f"{ref[kernel] / ms:5.2f}x grouped_mm {'HEURISTIC ' if heur else ''}"
+                      f"n{cfg.block_n} k{cfg.block_k} s{cfg.num_stages} g{cfg.group_m} "
+                      f"{'persistent' if cfg.persistent else 'tiles'}")
+    if args.csv and out_rows:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(out_rows[0]))
+            w.writeheader()
+            w.writerows(out_rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
