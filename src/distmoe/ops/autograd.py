@@ -132,9 +132,9 @@ class MoEFunction(torch.autograd.Function):
             enable = replay.to(torch.int32)
             gather_w13_swiglu(tables.gather_ptrs, po, ro, w13, scratch["h2"], h1_out=elements,
                               x_out=elements, out_offsets=moe._replay_offsets, enable=enable,
-                              block_m=block)
+                              config=moe._w13_cfg)
             w2_scatter(scratch["h2"], po, ro, w2, tables.scatter_ptrs, enable=enable,
-                       block_m=block)
+                       config=moe._w2_cfg)
             heap.barrier()
         addr = moe._addresses
         h3_addr = torch.where(replay, addr[0:1], addr[1:2] + 2 * rec.offsets[2:3])
@@ -155,7 +155,7 @@ class MoEFunction(torch.autograd.Function):
         # WGRAD: fp32 accumulation, one rounding straight into the weights' dtype (one program
         # per output tile writes it whole: no zero fill, no conversion pass)
         need = ctx.needs_input_grad
-        rows_hint = cfg.balanced_rows // E_l  # balanced rows per local expert (a shape key)
+        rows_hint = moe.rows_per_expert_hint  # balanced rows per local expert (a shape key)
         if need[5]:
             grad_w2 = torch.empty(E_l, D, F, dtype=w2.dtype, device=dev)
             w2_wgrad(scratch["gh3"], scratch["h2"], po, ro, grad_w2, accumulate=False,

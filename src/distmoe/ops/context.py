@@ -112,6 +112,16 @@ class MoEContext:
                      for r in range(self.ep_size)]
         self._dispatch = heap.view("dispatch", self.rank, torch.bfloat16, (T * K, D))
         self._combine = heap.view("combine", self.rank, torch.bfloat16, (T * K, D))
+        # Launch configs keyed on shapes only (balanced rows per local expert), never on
+        # routed counts: the same kernels run whatever the routing, in graphs too.
+        from ..kernels.w2_scatter import W2Config
+        from ..kernels.w13_gather_swiglu import W13Config
+
+        self.rows_per_expert_hint = max(1, T * K // self.num_local_experts)
+        self._w13_cfg = W13Config.from_heuristic(hidden=D, ffn=F, block_m=cfg.row_block,
+                                                 rows_per_expert=self.rows_per_expert_hint)
+        self._w2_cfg = W2Config.from_heuristic(hidden=D, ffn=F, block_m=cfg.row_block,
+                                               rows_per_expert=self.rows_per_expert_hint)
         self.activations: ActivationBuffer | None = None
         if cfg.training:
             self.activations = ActivationBuffer(cfg, self.ep_size, self.rank, self.device)
@@ -240,18 +250,18 @@ class MoEContext:
         if save:
             acts.check_room()  # before anything is published
         tables = self._publish_and_route(x, expert_ids)
-        block = self.cfg.row_block
         po, ro = tables.padded_offsets, tables.row_offsets
         rec = None
         if save:
             rec = acts.begin_layer(tables.executed_rows_EP)
             elements = acts.elements
             gather_w13_swiglu(tables.gather_ptrs, po, ro, w13, self._h2, h1_out=elements,
-                              x_out=elements, out_offsets=rec.offsets[0:2], block_m=block)
+                              x_out=elements, out_offsets=rec.offsets[0:2],
+                              config=self._w13_cfg)
             offset_copy(elements, x, x.numel(), dst_offset=rec.offsets[3:4])
         else:
-            gather_w13_swiglu(tables.gather_ptrs, po, ro, w13, self._h2, block_m=block)
-        w2_scatter(self._h2, po, ro, w2, tables.scatter_ptrs, block_m=block)
+            gather_w13_swiglu(tables.gather_ptrs, po, ro, w13, self._h2, config=self._w13_cfg)
+        w2_scatter(self._h2, po, ro, w2, tables.scatter_ptrs, config=self._w2_cfg)
         self.heap.barrier()
         T, K = expert_ids.shape
         ids_executed = torch.where(tables.is_route_executed_TK, expert_ids.to(torch.int32), -1)
