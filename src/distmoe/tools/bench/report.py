@@ -547,7 +547,7 @@ def format_table(cases: Sequence[CaseResult], ceilings: Sequence[Mapping] = ()) 
     """A short fixed-width table of the cases, then the ceilings, for the terminal."""
     header = (
         f"{'provider':<14}{'shape':<18}{'T':>6}{'mode':>7}{'imb':>5}{'ms':>9}{'range':>16}"
-        f"{'TFLOP/s':>9}{'%dense':>7}{'HBM GB/s':>9}  status"
+        f"{'TFLOP/s':>9}{'%dense':>7}{'HBM GB/s':>9}{'peak GiB':>9}  status"
     )
     lines = [header, "-" * len(header)]
     for c in cases:
@@ -556,7 +556,7 @@ def format_table(cases: Sequence[CaseResult], ceilings: Sequence[Mapping] = ()) 
         lines.append(
             f"{c.provider:<14}{c.shape:<18}{c.tokens:>6}{c.mode:>7}{c.imbalance:>5g}"
             f"{_fmt(c.iter_ms, '.3f'):>9}{rng:>16}{_fmt(c.tflops, '.1f'):>9}{_fmt(c.pct_dense, '.0f'):>7}"
-            f"{_fmt(c.hbm_gbps, '.0f'):>9}  {status}"
+            f"{_fmt(c.hbm_gbps, '.0f'):>9}{_fmt(c.peak_mem_gib, '.2f'):>9}  {status}"
         )
     if ceilings:
         lines.append("")
