@@ -11,7 +11,11 @@ tile schedule, compact activation rows), times with ``triton.testing.do_bench``:
   candidate ``W13Config``s, against ``torch._grouped_mm`` of the pre-gathered rows with W13
   alone (no gather, no SwiGLU): issue 7's first target is ratio >= 1;
 * ``w2_scatter`` (scatter epilogue into a [T*K, D] buffer) for candidate ``W2Config``s, against
-  ``torch._grouped_mm`` of h2 with W2 alone.
+  ``torch._grouped_mm`` of h2 with W2 alone;
+* with ``--backward``, also the DGRAD kernels: ``w2_dgrad_swiglu_bwd`` (grad_h3 rows gathered
+  by pointer, SwiGLU backward epilogue, h2 and grad_h3 stored for WGRAD) against
+  ``torch._grouped_mm`` of grad_h3 with W2, and ``w13_dgrad_scatter`` (route input gradients
+  scattered by pointer) against ``torch._grouped_mm`` of grad_h1 with W13.
 
 Prints one table per kernel, fastest first, TFLOP/s and the ratio to the grouped_mm time;
 ``--csv`` writes every row.
@@ -41,13 +45,16 @@ def _layout(T, K, E, dev):
 def main() -> int:
     import triton.testing
 
+    from distmoe.kernels.w2_backward import W2DgradConfig, w2_dgrad_swiglu_bwd
     from distmoe.kernels.w2_scatter import W2Config, w2_scatter
+    from distmoe.kernels.w13_backward import W13DgradConfig, w13_dgrad_scatter
     from distmoe.kernels.w13_gather_swiglu import W13Config, gather_w13_swiglu
     from distmoe.tools.bench.workloads import SHAPES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=["issue-a", "fine"], choices=sorted(SHAPES))
     ap.add_argument("--csv", default=None)
+    ap.add_argument("--backward", action="store_true", help="also the DGRAD kernels")
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
     out_rows = []
@@ -105,7 +112,39 @@ def main() -> int:
         def run2(c, h2=h2, po=po, ro=ro, w2=w2, scatter=scatter):
             w2_scatter(h2, po, ro, w2, scatter, config=c)
 
-        for kernel, fn in (("w13", run13), ("w2", run2)):
+        kernels = [("w13", run13), ("w2", run2)]
+        if args.backward:
+            h1 = torch.randn(R, 2 * F, device=dev).bfloat16()
+            grad_h1 = torch.empty(R, 2 * F, device=dev, dtype=torch.bfloat16)
+            gh3_rows = torch.empty(R, D, device=dev, dtype=torch.bfloat16)
+            dispatch = torch.empty(R, D, device=dev, dtype=torch.bfloat16)
+            bwd_scatter = scatter - combine.data_ptr() + dispatch.data_ptr()
+            bwd_scatter = torch.where(scatter == 0, 0, bwd_scatter)
+            combine.normal_()
+            ref["w2_dgrad"] = triton.testing.do_bench(
+                grouped(gh3_rows.normal_(), w2), warmup=5, rep=40)
+            ref["w13_dgrad"] = triton.testing.do_bench(
+                grouped(torch.randn(R, 2 * F, device=dev).bfloat16(), w13.view(E, 2 * F, D)),
+                warmup=5, rep=40)
+            flops["w2_dgrad"] = flops["w2"]
+            flops["w13_dgrad"] = flops["w13"]
+            cands["w2_dgrad"] = [W2DgradConfig.from_heuristic(hidden=D, ffn=F)] + [
+                W2DgradConfig(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st)
+                for bn, st in itertools.product([128, 256], [3, 4])]
+            cands["w13_dgrad"] = [W13DgradConfig.from_heuristic(hidden=D, ffn=F)] + [
+                W13DgradConfig(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st)
+                for bn, st in itertools.product([128, 256], [3, 4])]
+
+            def run2d(c, po=po, ro=ro, w2=w2, h1=h1, grad_h1=grad_h1, h2=h2,
+                      gh3_rows=gh3_rows, scatter=scatter):
+                w2_dgrad_swiglu_bwd(scatter, po, ro, w2, h1, grad_h1, h2_out=h2,
+                                    grad_h3_out=gh3_rows, config=c)
+
+            def run13d(c, po=po, ro=ro, w13=w13, grad_h1=grad_h1, bwd=bwd_scatter):
+                w13_dgrad_scatter(grad_h1, po, ro, w13, bwd, config=c)
+
+            kernels += [("w2_dgrad", run2d), ("w13_dgrad", run13d)]
+        for kernel, fn in kernels:
             results = []
             seen = []
             for i, cfg in enumerate(cands[kernel]):
