@@ -57,22 +57,25 @@ def test_device_decisions_follow_the_planner(capacity, replays):
         assert buf.depth == [0]
 
 
-def test_dropped_graphs_free_their_slot_space():
+def test_abandon_reset_and_backward_errors():
     cfg = _worked_cfg(28_672)
     buf = ActivationBuffer(cfg, 2, 0, torch.device("cpu"))
     a = buf.begin_layer(torch.tensor(ROWS[0]))
     b = buf.begin_layer(torch.tensor(ROWS[1]))
-    buf.release(a)  # a's graph dropped while b is still live: nothing moves yet
-    assert buf.depth == [2]
-    buf.end_layer(b)  # b's backward rewinds to b's start, then the dead a is popped too
-    buf.check_room()
+    buf.abandon_layer(b)  # a forward that failed after begin_layer: undone
+    assert buf.depth == [1] and buf.cursors.tolist() == [list(trace_saves(
+        cfg, 28_672, ROWS[:1]).saved_bytes[0])]
+    buf.end_layer(a)
     assert buf.depth == [0] and buf.cursors.tolist() == [[0, 0]]
-    c = buf.begin_layer(torch.tensor(ROWS[2]))
-    buf.release(c)  # on top: popped at once
-    assert buf.depth == [0] and buf.cursors.tolist() == [[0, 0]]
-    buf.release(c)  # idempotent
-    d = buf.begin_layer(torch.tensor(ROWS[3]))
+    with pytest.raises(RuntimeError, match="its backward already ran"):
+        buf.end_layer(a)
+    d = buf.begin_layer(torch.tensor(ROWS[3]))  # e.g. an output dropped without backward
+    with pytest.raises(ValueError, match=r"ctx.reset_slots\(\)"):
+        for _ in range(4):
+            buf.check_room()
+            buf.begin_layer(torch.tensor(ROWS[0]))
     buf.reset_slots()
+    assert buf.depth == [0] and buf.cursors.tolist() == [[0, 0]]
     with pytest.raises(RuntimeError, match="reset after its forward"):
         buf.end_layer(d)
 
@@ -146,10 +149,11 @@ def _stack_rank(rank, world, seed, mode, checkpointed=None):
                 h = ctx(h, p.expert_ids, s, a, b)
                 replays.append(bool(h.grad_fn.record.replay))
         (h.float() * gy.float()).sum().backward()
-        stats = ctx.stats()["activations"]
+        all_stats = ctx.stats()
+        stats = all_stats["activations"]
         return dict(y=h.detach(), grads=[t.grad for t in leaves], replays=replays,
                     depth=stats["slot_depth"], cursors=stats["slot_cursors"],
-                    always_saves=stats["always_saves"])
+                    always_saves=stats["always_saves"], calls=all_stats["calls"])
 
 
 def test_six_layer_stack_replay_is_bit_identical_to_save_all():
@@ -165,7 +169,9 @@ def test_six_layer_stack_replay_is_bit_identical_to_save_all():
         assert any(m["replays"]) and not all(m["replays"]), m["replays"]
         # every rank took the same decisions (worst-rank rule)
         assert m["replays"] == mixed[0]["replays"]
-        assert len(c["replays"]) == len(LAYERS) - 2  # checkpointed layers: no record kept
+        # the reentrant layer ran twice (without grad, then recomputed in backward); the
+        # non-reentrant one once (it saves no tensors through autograd, so no recompute)
+        assert m["calls"] == len(LAYERS) and c["calls"] == len(LAYERS) + 1
         for run in (m, c):
             assert torch.equal(run["y"], s["y"])
             for i, (ga, gb) in enumerate(zip(run["grads"], s["grads"], strict=True)):
@@ -197,9 +203,11 @@ def _slots_rank(rank, world, seed):
                 assert y.grad_fn.record.slot == 1
             y.float().square().sum().backward()
             out[label] = [x.grad] + [w.grad for pair in ws for w in pair]
-            # an output computed with grad and dropped (no backward) frees its slot space
-            for _ in range(3):
-                ctx(x, problems[0].expert_ids, problems[0].scores, *ws[0])
+            # an output computed with grad and dropped (no backward) keeps its layer until
+            # reset_slots (on every rank)
+            ctx(x, problems[0].expert_ids, problems[0].scores, *ws[0])
+            out[label + "_dropped"] = ctx.stats()["activations"]["slot_depth"]
+            ctx.reset_slots()
             out[label + "_depth"] = ctx.stats()["activations"]["slot_depth"]
     return out
 
@@ -208,4 +216,5 @@ def test_backward_uses_the_slot_its_forward_recorded():
     for r in dm.launch(_slots_rank, 2, args=(5,)):
         for a, b in zip(r["two_slots"], r["one_slot"], strict=True):
             assert torch.equal(a, b)
+        assert r["two_slots_dropped"] == [1, 0] and r["one_slot_dropped"] == [1]
         assert r["two_slots_depth"] == [0, 0] and r["one_slot_depth"] == [0]

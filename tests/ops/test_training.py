@@ -26,6 +26,7 @@ def _upstream(seed, rows):
 
 
 DEVICE = {"dev": torch.device("cpu")}  # set per rank process by training_rank
+REPLAYS = []  # replay flag of every single-layer case, per rank process
 
 
 def _leaf(t):
@@ -57,6 +58,7 @@ def _layer_case(rank, world, seed, case_name, ctx):
     gy = _upstream(seed, world * T)[rank * T:(rank + 1) * T]
     xs, ss, a, b = (_leaf(t) for t in (mine.x, mine.scores, mine.w13, mine.w2))
     y = ctx(xs, _dev(mine.expert_ids), ss, a, b)
+    REPLAYS.append(bool(y.grad_fn.record.replay))
     (y.float() * _dev(gy)).sum().backward()
     return [y.detach().cpu()] + _grads(xs, ss, a, b)
 
@@ -91,6 +93,7 @@ def training_rank(rank, world, seed, mode, device="cpu"):
         out["always_saves"] = ctx.activations.always_saves
         for name in NAMES:
             out[name] = _layer_case(rank, world, seed, name, ctx)
+        out["replays"] = list(REPLAYS)
         out["stack"] = _stack(rank, world, seed, ctx, ctx2)
         out["stack_shared_ctx"] = _stack(rank, world, seed, ctx, ctx)
         # only w2 requires grad, and its .grad already holds ones: autograd adds into it
@@ -144,6 +147,8 @@ def check_training(EP, mode, device):
     kw = dict(device="cuda", gpus=[0], timeout=600) if device == "cuda" else {}
     per_rank = dm.launch(training_rank, EP, args=(seed, mode, device), **kw)
     assert all(r["always_saves"] == (mode == "save") for r in per_rank)
+    for r in per_rank:  # every case took the path the budget forces
+        assert r["replays"] == [mode == "replay"] * len(NAMES), r["replays"]
     gy = _upstream(seed, EP * T)
     for name in NAMES:
         x, ids, scores, w13, w2 = make_problem(seed, EP, T, D, F, E, K, name)

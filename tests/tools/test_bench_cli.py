@@ -142,3 +142,17 @@ def test_cpu_smoke_run_writes_outputs(tmp_path, capsys):
     assert printed[-1].startswith("ceiling peer_read")  # the text table comes last
     assert any(line.startswith("provider") for line in printed)
     assert not torch.distributed.is_initialized()  # the private group was torn down
+
+
+def test_cpu_smoke_run_distmoe_training(tmp_path):
+    """distmoe forward+backward through the harness (priming, warm-up and timed steps on one
+    context): every step's backward releases its slot, so no step finds the slot full."""
+    out = tmp_path / "bench"
+    args = _parse(["--shapes", "smoke", "--device", "cpu", "--providers", "distmoe",
+                   "--mode", "fwdbwd", "--warmup", "1", "--windows", "2", "--iters", "1",
+                   "--no-plots", "--no-ceilings", "--out", str(out)])
+    assert cli.run(args) == 0
+    rows = report.read_cases_csv(out / "cases.csv")
+    assert [(r["provider"], r["mode"], r["status"]) for r in rows] == \
+        [("distmoe", "fwdbwd", "ok")], rows
+    assert rows[0]["max_rel_err_vs_torch"] < 0.05

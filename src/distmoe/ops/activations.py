@@ -66,7 +66,7 @@ class LayerRecord:
     cursor_before: torch.Tensor
     replay: torch.Tensor
     offsets: torch.Tensor
-    state: str = "live"  # "live" -> "done" (its backward ran) or "dead" (graph dropped)
+    state: str = "live"  # "live" -> "done" (its backward ran) or "reset" (reset_slots)
 
 
 class ActivationBuffer:
@@ -145,36 +145,29 @@ class ActivationBuffer:
         return [len(stack) for stack in self.stacks]
 
     def reset_slots(self) -> None:
-        """Forget every slot's layers (after an aborted schedule, once no backward owns
-        their state); a later backward of one of them raises."""
+        """Forget every slot's layers. Call it on every rank at the same point (the state is
+        replicated, never exchanged): after an aborted schedule, or after forwards whose
+        outputs were dropped without a backward (their layers stay in the slot otherwise; they
+        are not released when their graphs are freed, because garbage collection runs at a
+        different moment on each rank and the ranks' decisions would drift apart). A later
+        backward of a forgotten layer raises."""
         for stack in self.stacks:
             for rec in stack:
-                rec.state = "done"
+                rec.state = "reset"
         self.stacks = [[] for _ in range(self.num_slots)]
         self.cursors.zero_()
-
-    def release(self, rec: LayerRecord) -> None:
-        """The autograd graph holding ``rec`` was freed. If its backward never ran, the layer
-        is dead: dead layers on top of their slot are popped and the cursor rewound."""
-        if rec.state == "live":
-            rec.state = "dead"
-            self._pop_dead(rec.slot)
-
-    def _pop_dead(self, slot: int) -> None:
-        stack = self.stacks[slot]
-        while stack and stack[-1].state == "dead":
-            self.cursors[slot].copy_(stack.pop().cursor_before)
 
     def check_room(self) -> None:
         """Before a forward touches anything: the selected slot must have a free layer."""
         s = self.slot
-        self._pop_dead(s)
         held = len(self.stacks[s])
         if held >= self.layers_per_slot:
             raise ValueError(
                 f"slot {s} already holds {held} layers, its limit "
                 f"(max_layers_per_slot={self.layers_per_slot}); run their backwards, "
-                f"select another slot (select_slot) or raise max_layers_per_slot"
+                f"select another slot (select_slot) or raise max_layers_per_slot. A training "
+                f"forward whose output was dropped without a backward keeps its layer until "
+                f"ctx.reset_slots() (called on every rank)"
             )
 
     # ----------------------------------------------------------------- forward
@@ -210,16 +203,28 @@ class ActivationBuffer:
         self.stacks[s].append(rec)
         return rec
 
+    def abandon_layer(self, rec: LayerRecord) -> None:
+        """Undo :meth:`begin_layer` of a forward that failed before autograd recorded it."""
+        stack = self.stacks[rec.slot]
+        if stack and stack[-1] is rec:
+            stack.pop()
+            self.cursors[rec.slot].copy_(rec.cursor_before)
+        rec.state = "reset"
+
     # ----------------------------------------------------------------- backward
     def end_layer(self, rec: LayerRecord) -> None:
         """Backward of ``rec``'s layer: it must be the slot's last live layer; rewind the
         cursor."""
-        self._pop_dead(rec.slot)
         stack = self.stacks[rec.slot]
         if rec.state != "live" or not stack or stack[-1] is not rec:
-            why = ("the slots were reset after its forward" if rec.state != "live" else
-                   f"the slot holds {len(stack)} layers: the layers of a slot must run their "
-                   "backwards in reverse order of their forwards")
+            if rec.state == "done":
+                why = ("its backward already ran (a second backward through a MoE layer needs "
+                       "its state, which the first one released)")
+            elif rec.state == "reset":
+                why = "the slots were reset after its forward"
+            else:
+                why = (f"the slot holds {len(stack)} layers: the layers of a slot must run "
+                       "their backwards in reverse order of their forwards")
             raise RuntimeError(f"backward of layer {rec.layer} of slot {rec.slot}: {why}")
         stack.pop()
         rec.state = "done"

@@ -50,12 +50,18 @@ Why the peer writes are safe:
   after its step 5.
 
 torch.utils.checkpoint: with ``use_reentrant=True`` the checkpointed forward runs without
-grad (nothing enters a slot) and the recomputation in backward appends the layer at the
-rewound cursor, right before its own backward. With ``use_reentrant=False`` this function
+grad (nothing enters a slot) and the recomputation in backward appends the layer to the
+slot selected *at that time*, right before its own backward (select the layer's slot again
+before backward if a pipeline schedule moved on). With ``use_reentrant=False`` this function
 saves no tensors through autograd, so a region holding only MoE calls is not recomputed and
-keeps its slot state; a region that also holds ops that save tensors would re-run the MoE
-forward during backward, which breaks the slot order (a RuntimeError names it): use the
-reentrant variant there.
+keeps its slot state. A non-reentrant region that also holds ops that save tensors re-runs
+the MoE forward during backward: an extra collective forward whose layer stays in the
+selected slot (until ``reset_slots``), or a ValueError if that slot is full. Use the
+reentrant variant, or checkpoint the MoE call alone.
+
+Forwards whose outputs are dropped without a backward keep their layer in the slot until
+``ctx.reset_slots()`` (on every rank): releasing them when Python frees the graph would
+happen at a different moment on each rank and split the ranks' save/replay decisions.
 
 Returned gradients: x (bf16), scores (scores' dtype), w13 and w2 in the parameters' dtype
 (bf16: the WGRAD kernels accumulate in fp32 and round once when they store; autograd adds
@@ -66,8 +72,6 @@ bit-identical.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 
@@ -85,9 +89,6 @@ class MoEFunction(torch.autograd.Function):
         ctx.moe = moe
         ctx.tables = saved["tables"]
         ctx.record = saved["record"]
-        # A graph dropped without backward (an output computed with grad and thrown away)
-        # frees its slot space when autograd frees this node.
-        weakref.finalize(ctx, moe.activations.release, saved["record"])
         ctx.scores_dtype = scores.dtype
         # Plain attributes, not save_for_backward: the layer's state lives in the activation
         # buffer, and a non-reentrant torch.utils.checkpoint around this call must not re-run

@@ -251,29 +251,35 @@ class MoEContext:
             acts.check_room()  # before anything is published
         tables = self._publish_and_route(x, expert_ids)
         po, ro = tables.padded_offsets, tables.row_offsets
-        rec = None
-        if save:
-            rec = acts.begin_layer(tables.executed_rows_EP)
+        T, K = expert_ids.shape
+        scores_f32 = scores.float().contiguous()
+        y = torch.empty_like(x)
+        if not save:
+            gather_w13_swiglu(tables.gather_ptrs, po, ro, w13, self._h2, config=self._w13_cfg)
+            w2_scatter(self._h2, po, ro, w2, tables.scatter_ptrs, config=self._w2_cfg)
+            self.heap.barrier()
+            ids_executed = torch.where(tables.is_route_executed_TK,
+                                       expert_ids.to(torch.int32), -1)
+            combine(self._combine[:T * K], ids_executed, scores_f32, y)
+            return y, None
+        rec = acts.begin_layer(tables.executed_rows_EP)
+        try:
             elements = acts.elements
             gather_w13_swiglu(tables.gather_ptrs, po, ro, w13, self._h2, h1_out=elements,
                               x_out=elements, out_offsets=rec.offsets[0:2],
                               config=self._w13_cfg)
             offset_copy(elements, x, x.numel(), dst_offset=rec.offsets[3:4])
-        else:
-            gather_w13_swiglu(tables.gather_ptrs, po, ro, w13, self._h2, config=self._w13_cfg)
-        w2_scatter(self._h2, po, ro, w2, tables.scatter_ptrs, config=self._w2_cfg)
-        self.heap.barrier()
-        T, K = expert_ids.shape
-        ids_executed = torch.where(tables.is_route_executed_TK, expert_ids.to(torch.int32), -1)
-        scores_f32 = scores.float().contiguous()
-        y = torch.empty_like(x)
-        if save:
-            combine(self._combine[:T * K], ids_executed, scores_f32, y, h3_save=acts.elements,
+            w2_scatter(self._h2, po, ro, w2, tables.scatter_ptrs, config=self._w2_cfg)
+            self.heap.barrier()
+            ids_executed = torch.where(tables.is_route_executed_TK,
+                                       expert_ids.to(torch.int32), -1)
+            combine(self._combine[:T * K], ids_executed, scores_f32, y, h3_save=elements,
                     h3_save_offset=rec.offsets[2:3])
-            return y, dict(tables=tables, record=rec, ids_executed=ids_executed,
-                           scores_f32=scores_f32)
-        combine(self._combine[:T * K], ids_executed, scores_f32, y)
-        return y, None
+        except BaseException:
+            acts.abandon_layer(rec)  # keep the slot consistent on this rank
+            raise
+        return y, dict(tables=tables, record=rec, ids_executed=ids_executed,
+                       scores_f32=scores_f32)
 
     # ------------------------------------------------------------------ slots
     def select_slot(self, slot: int) -> None:
@@ -284,8 +290,9 @@ class MoEContext:
         self.activations.select_slot(slot)
 
     def reset_slots(self) -> None:
-        """Empty every slot (after an aborted schedule, once no pending backward owns their
-        state; a later backward of an older forward then raises)."""
+        """*Call on every rank at the same point.* Empty every slot: after an aborted schedule
+        or after training forwards whose outputs were dropped without a backward (those keep
+        their layer otherwise). A later backward of a forgotten layer raises."""
         self._check_open()
         self._require_training("reset_slots")
         self.activations.reset_slots()
