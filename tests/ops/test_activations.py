@@ -57,6 +57,40 @@ def test_device_decisions_follow_the_planner(capacity, replays):
         assert buf.depth == [0]
 
 
+@pytest.mark.parametrize("ep, layers", [(3, 5), (4, 6), (8, 3)])
+def test_device_decisions_match_the_planner_on_random_rows(ep, layers):
+    """Random received rows per layer and rank, capacities from the inputs-only minimum to
+    beyond the useful maximum: every rank's device decisions and cursors equal trace_saves."""
+    g = torch.Generator().manual_seed(ep * 100 + layers)
+    cfg0 = dm.MoEConfig(hidden=96, ffn=160, num_experts=8 * ep, top_k=4, max_tokens=24,
+                        device_scratch_factor=2.5, max_layers_per_slot=layers)
+    plan = dm.plan_memory(cfg0, ep)
+    bound = plan.device_receive_bound
+    seen = set()
+    for trial in range(6):
+        cap = int(torch.randint(plan.min_slot_bytes, plan.useful_max_slot_bytes + 4096, (1,),
+                                generator=g)) // 128 * 128
+        cfg = dm.MoEConfig(**{**vars(cfg0), "activation_bytes": cap})
+        # executed rows: the routes of a random skew, some inactive, clamped to the bound
+        total = ep * cfg.max_tokens * cfg.top_k
+        rows = []
+        for _ in range(layers):
+            weights = torch.rand(ep, generator=g) ** 4 + 1e-3
+            active = int(torch.randint(total // 2, total + 1, (1,), generator=g))
+            owners = torch.multinomial(weights, active, replacement=True, generator=g)
+            rows.append(torch.bincount(owners, minlength=ep).clamp(max=bound).tolist())
+        trace = trace_saves(cfg, cap, rows)
+        seen.update(trace.decisions)
+        for rank in (0, ep - 1):
+            buf = ActivationBuffer(cfg, ep, rank, torch.device("cpu"))
+            for layer in range(layers):
+                rec = buf.begin_layer(torch.tensor(rows[layer]))
+                assert bool(rec.replay) == (not trace.decisions[layer]), (trial, layer)
+                assert buf.cursors[0].tolist() == list(trace.saved_bytes[layer])
+                assert buf.cursors[0].max().item() <= cap  # never past the slot
+    assert seen == {True, False}  # both saves and replays were exercised
+
+
 def test_abandon_reset_and_backward_errors():
     cfg = _worked_cfg(28_672)
     buf = ActivationBuffer(cfg, 2, 0, torch.device("cpu"))
