@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -77,6 +78,10 @@ class GemmConfig:
         group_m: row tiles per group of the group-M swizzle (L2 reuse of weight tiles), >= 1.
         persistent: one program per SM walking the live tiles (device-side tile count), instead
             of one program per tile of the ``R_cap`` bound with idle programs exiting at once.
+        host_descriptors: the TMA descriptors are encoded on the host at launch and passed as
+            kernel parameters (no device work); False builds them in every program
+            (``tl.make_tensor_descriptor``: 128 bytes of scratch and a tensormap fence each,
+            through the allocator that :func:`ensure_tma_allocator` installs).
     """
 
     block_m: int = 128
@@ -86,6 +91,7 @@ class GemmConfig:
     num_stages: int = 3
     group_m: int = 8
     persistent: bool = False
+    host_descriptors: bool = True
 
     # bf16 B tiles loaded per K step (W13 loads gate and up: 2).
     _B_TILES = 1
@@ -105,8 +111,26 @@ class GemmConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} ({value!r}) must be an int >= 1")
-        if not isinstance(self.persistent, bool):
-            raise TypeError(f"persistent must be a bool, got {type(self.persistent).__name__}")
+        for name in ("persistent", "host_descriptors"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+    @classmethod
+    def sweep(cls, *, block_m: int, block_ns: Sequence[int], block_ks: Sequence[int],
+              num_warps: Sequence[int] = (4, 8), num_stages: Sequence[int] = (2, 3, 4, 5),
+              persistent: Sequence[bool] = (False,), max_n: int = 256,
+              max_k: int = 256) -> list:
+        """Every combination (``block_n``/``block_k`` clamped to ``max_n``/``max_k``, group-M
+        8) that constructs and fits an SM90, without repeats, in a stable order."""
+        out = []
+        for n, k, w, st, pe in itertools.product(block_ns, block_ks, num_warps, num_stages,
+                                                 persistent):
+            cfg = cls(block_m=block_m, block_n=min(n, max_n), block_k=min(k, max_k),
+                      num_warps=w, num_stages=st, group_m=8, persistent=pe)
+            if cfg.fits_hopper() and cfg not in out:
+                out.append(cfg)
+        return out
 
     def smem_bytes(self) -> int:
         """Shared memory of the K-loop pipeline (bf16 A and B tiles of every stage)."""

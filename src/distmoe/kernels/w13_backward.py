@@ -174,11 +174,9 @@ class W13DgradConfig(GemmConfig):
     """Launch configuration of :func:`w13_dgrad_scatter` (see :class:`GemmConfig`).
 
     ``block_m`` rows (the padding multiple), ``block_n`` columns of D per tile, ``block_k``
-    step over 2F. ``persistent`` is not supported yet. ``host_descriptors``: the grad_h1 and
-    w13 TMA descriptors are encoded on the host at launch (True) or built in every program.
+    step over 2F. ``persistent`` is not supported yet. ``host_descriptors`` covers the
+    grad_h1 and w13 TMA descriptors.
     """
-
-    host_descriptors: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -200,21 +198,9 @@ class W13DgradConfig(GemmConfig):
     @classmethod
     def all_configs(cls, *, hidden: int, ffn: int, block_m: int = 128) -> list[W13DgradConfig]:
         """Tuning candidates that fit an SM90."""
-        out = []
-        for block_n in (64, 128, 256):
-            for block_k in (32, 64, 128):
-                for num_warps in (4, 8):
-                    for num_stages in (3, 4, 5):
-                        cfg = cls(
-                            block_m=block_m,
-                            block_n=min(block_n, _pow2_clamped(hidden, 16, 256)),
-                            block_k=min(block_k, _pow2_clamped(2 * ffn, 16, 256)),
-                            num_warps=num_warps,
-                            num_stages=num_stages,
-                        )
-                        if cfg.fits_hopper() and cfg not in out:
-                            out.append(cfg)
-        return out
+        return cls.sweep(block_m=block_m, block_ns=(64, 128, 256), block_ks=(32, 64, 128),
+                         num_stages=(3, 4, 5), max_n=_pow2_clamped(hidden, 16, 256),
+                         max_k=_pow2_clamped(2 * ffn, 16, 256))
 
 
 def w13_dgrad_scatter(

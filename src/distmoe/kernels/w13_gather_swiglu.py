@@ -305,15 +305,9 @@ class W13Config(GemmConfig):
 
     ``block_n`` counts h2 columns: each program loads a gate and an up tile of ``block_n``
     rows of ``w13`` and keeps two fp32 accumulators, so a 128 x 128 tile is a 128 x 256 GEMM
-    tile with 128 accumulator registers per thread at 8 warps.
-
-    ``host_descriptors``: the weight TMA descriptor is encoded on the host at launch and
-    passed as a kernel parameter (no device work); False builds it on the device in every
-    program (``tl.make_tensor_descriptor``: 128 bytes of scratch and a tensormap fence per
-    program, through the allocator that :func:`ensure_tma_allocator` installs).
+    tile with 128 accumulator registers per thread at 8 warps. ``host_descriptors`` covers
+    the weight TMA descriptor.
     """
-
-    host_descriptors: bool = True
 
     _B_TILES = 2
     _ACCUMULATORS = 2
@@ -354,31 +348,8 @@ class W13Config(GemmConfig):
     @classmethod
     def all_configs(cls, *, block_m: int = 128) -> list[W13Config]:
         """Candidates for a benchmark sweep at one padding multiple (fitting SM90)."""
-        configs = []
-        for block_n in (64, 128):
-            for block_k in (64, 128):
-                for num_warps in (4, 8):
-                    for num_stages in (2, 3, 4, 5):
-                        for persistent in (False, True):
-                            config = cls(
-                                block_m=block_m,
-                                block_n=block_n,
-                                block_k=block_k,
-                                num_warps=num_warps,
-                                num_stages=num_stages,
-                                group_m=8,
-                                persistent=persistent,
-                            )
-                            if config.fits_hopper():
-                                configs.append(config)
-        return configs
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not isinstance(self.host_descriptors, bool):
-            raise TypeError(
-                f"host_descriptors must be a bool, got {type(self.host_descriptors).__name__}"
-            )
+        return cls.sweep(block_m=block_m, block_ns=(64, 128), block_ks=(64, 128),
+                         persistent=(False, True))
 
 
 # --------------------------------------------------------------------------------------------

@@ -457,10 +457,6 @@ def check_backward_gemm_config(config: GemmConfig) -> None:
     """Rules that the backward DGRAD configs add to :class:`GemmConfig`."""
     if config.persistent:
         raise ValueError("persistent (True) is not supported by the backward GEMMs yet")
-    if not isinstance(config.host_descriptors, bool):
-        raise TypeError(
-            f"host_descriptors must be a bool, got {type(config.host_descriptors).__name__}"
-        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -469,15 +465,9 @@ class W2DgradConfig(GemmConfig):
 
     ``block_m`` rows (the padding multiple), ``block_n`` columns of F (each tile writes
     ``block_n`` columns of grad_g and of grad_u), ``block_k`` step over D. ``persistent`` is
-    not supported yet (one program per tile of the ``R_cap`` bound).
-
-    ``host_descriptors``: the TMA descriptors (w2, and the gathered grad_h3 rows) are encoded
-    on the host at launch and passed as kernel parameters (no device work); False builds them
-    in every program (``tl.make_tensor_descriptor``: 128 bytes of scratch and a tensormap
-    fence each, through the allocator that ``ensure_tma_allocator`` installs).
+    not supported yet (one program per tile of the ``R_cap`` bound). ``host_descriptors``
+    covers the w2 and gathered grad_h3 TMA descriptors.
     """
-
-    host_descriptors: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -499,21 +489,9 @@ class W2DgradConfig(GemmConfig):
     @classmethod
     def all_configs(cls, *, hidden: int, ffn: int, block_m: int = 128) -> list[W2DgradConfig]:
         """Tuning candidates that fit an SM90 (shared memory and accumulator registers)."""
-        out = []
-        for block_n in (64, 128, 256):
-            for block_k in (32, 64, 128):
-                for num_warps in (4, 8):
-                    for num_stages in (2, 3, 4):
-                        cfg = cls(
-                            block_m=block_m,
-                            block_n=min(block_n, _pow2_clamped(ffn, 16, 256)),
-                            block_k=min(block_k, _pow2_clamped(hidden, 16, 256)),
-                            num_warps=num_warps,
-                            num_stages=num_stages,
-                        )
-                        if cfg.fits_hopper() and cfg not in out:
-                            out.append(cfg)
-        return out
+        return cls.sweep(block_m=block_m, block_ns=(64, 128, 256), block_ks=(32, 64, 128),
+                         num_stages=(2, 3, 4), max_n=_pow2_clamped(ffn, 16, 256),
+                         max_k=_pow2_clamped(hidden, 16, 256))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -233,22 +233,9 @@ def _w2_scatter_kernel(
 class W2Config(GemmConfig):
     """Launch configuration of :func:`w2_scatter` (see :class:`GemmConfig`).
 
-    ``block_n`` counts h3 columns (of D), ``block_k`` steps over F.
-
-    ``host_descriptors``: the h2 and w2 TMA descriptors are encoded on the host at launch and
-    passed as kernel parameters (no device work); False builds them on the device in every
-    program (``tl.make_tensor_descriptor``: 128 bytes of scratch each and a tensormap fence,
-    through the allocator that :func:`ensure_tma_allocator` installs).
+    ``block_n`` counts h3 columns (of D), ``block_k`` steps over F. ``host_descriptors``
+    covers the h2 and w2 TMA descriptors.
     """
-
-    host_descriptors: bool = True
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not isinstance(self.host_descriptors, bool):
-            raise TypeError(
-                f"host_descriptors must be a bool, got {type(self.host_descriptors).__name__}"
-            )
 
     @classmethod
     def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128,
@@ -282,24 +269,8 @@ class W2Config(GemmConfig):
     @classmethod
     def all_configs(cls, *, block_m: int = 128) -> list[W2Config]:
         """Candidates for a benchmark sweep at one padding multiple (fitting SM90)."""
-        configs = []
-        for block_n in (64, 128, 256):
-            for block_k in (64, 128):
-                for num_warps in (4, 8):
-                    for num_stages in (2, 3, 4, 5):
-                        for persistent in (False, True):
-                            config = cls(
-                                block_m=block_m,
-                                block_n=block_n,
-                                block_k=block_k,
-                                num_warps=num_warps,
-                                num_stages=num_stages,
-                                group_m=8,
-                                persistent=persistent,
-                            )
-                            if config.fits_hopper():
-                                configs.append(config)
-        return configs
+        return cls.sweep(block_m=block_m, block_ns=(64, 128, 256), block_ks=(64, 128),
+                         persistent=(False, True))
 
 
 # --------------------------------------------------------------------------------------------
