@@ -2,7 +2,11 @@
 """Build, check and time distmoe on a GPU machine in one call; prints a short table last.
 
 Usage (repository root, no install needed):
-    python3 tools/gpu_check.py [--tests EXPR] [--bench ARGS] [--out DIR]
+    python3 tools/gpu_check.py [--tests EXPR] [--bench ARGS] [--bench-nproc N] [--out DIR]
+
+Issue 8 (four or eight GPUs), in one call:
+    python3 tools/gpu_check.py --paths tests --bench-nproc 8 \
+        --bench "--mode both --imbalance 1 8" --out $OUT
 
 Steps:
   1. environment: GPU name and count, torch / triton versions;
@@ -54,6 +58,8 @@ def main() -> int:
     ap.add_argument("--paths", nargs="+", default=["tests"], help="test paths")
     ap.add_argument("--no-tests", action="store_true", help="skip the GPU test suite")
     ap.add_argument("--bench", default=None, help="arguments for `python -m distmoe bench`")
+    ap.add_argument("--bench-nproc", type=int, default=1,
+                    help="ranks for the bench (> 1: torchrun, one GPU per rank, EP = ranks)")
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, "gpu_check_out")))
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds per step")
     args = ap.parse_args()
@@ -90,6 +96,9 @@ def main() -> int:
         log = os.path.join(args.out, "bench.log")
         cmd = [sys.executable, "-m", "distmoe", "bench", "--out", args.out,
                *shlex.split(args.bench)]
+        if args.bench_nproc > 1:
+            cmd[1:3] = ["-m", "torch.distributed.run", "--standalone",
+                        f"--nproc-per-node={args.bench_nproc}", "-m", "distmoe"]
         rc, secs = _run(cmd, log, args.timeout)
         print(_tail(log, 80), flush=True)
         rows.append(("bench", f"rc={rc}", secs))

@@ -142,9 +142,11 @@ def _compare(label, per_rank_grads, ref64, ref16, expert_slots):
         _check(f"{label}[{i}]", ours, ref64[i], ref16[i])
 
 
-def check_training(EP, mode, device):
+def check_training(EP, mode, device, gpus=(0,)):
+    """Training against torch autograd at EP ranks; on CUDA, rank r uses ``gpus[r % len]``
+    (one GPU shared by every rank by default)."""
     seed = 4321 + EP
-    kw = dict(device="cuda", gpus=[0], timeout=600) if device == "cuda" else {}
+    kw = dict(device="cuda", gpus=list(gpus), timeout=600) if device == "cuda" else {}
     per_rank = dm.launch(training_rank, EP, args=(seed, mode, device), **kw)
     assert all(r["always_saves"] == (mode == "save") for r in per_rank)
     for r in per_rank:  # every case took the path the budget forces
