@@ -15,7 +15,8 @@ tile schedule, compact activation rows), times with ``triton.testing.do_bench``:
 * with ``--backward``, also the DGRAD kernels: ``w2_dgrad_swiglu_bwd`` (grad_h3 rows gathered
   by pointer, SwiGLU backward epilogue, h2 and grad_h3 stored for WGRAD) against
   ``torch._grouped_mm`` of grad_h3 with W2, and ``w13_dgrad_scatter`` (route input gradients
-  scattered by pointer) against ``torch._grouped_mm`` of grad_h1 with W13.
+  scattered by pointer) against ``torch._grouped_mm`` of grad_h1 with W13; every DGRAD
+  candidate on both grids (one program per tile, and persistent).
 
 Prints one table per kernel, fastest first, TFLOP/s and the ratio to the grouped_mm time;
 ``--csv`` writes every row.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import csv
 import itertools
+from dataclasses import replace
 
 import torch
 
@@ -40,6 +42,11 @@ def _layout(T, K, E, dev):
     r_cap = int(po[-1]) + 128 * 4  # some idle tiles, as the receive bound leaves
     token = torch.randint(0, T, (R,))
     return counts, ro.to(dev), po.to(dev), r_cap, token
+
+
+def _both_grids(configs):
+    """Each config followed by its persistent twin (order kept)."""
+    return [c for cfg in configs for c in (cfg, replace(cfg, persistent=not cfg.persistent))]
 
 
 def main() -> int:
@@ -128,12 +135,14 @@ def main() -> int:
                 warmup=5, rep=40)
             flops["w2_dgrad"] = flops["w2"]
             flops["w13_dgrad"] = flops["w13"]
-            cands["w2_dgrad"] = [W2DgradConfig.from_heuristic(hidden=D, ffn=F)] + [
+            # Each candidate on both grids: one program per tile and persistent (heuristic
+            # first: the results mark index 0 as the heuristic).
+            cands["w2_dgrad"] = _both_grids([W2DgradConfig.from_heuristic(hidden=D, ffn=F)] + [
                 W2DgradConfig(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st)
-                for bn, st in itertools.product([128, 256], [3, 4])]
-            cands["w13_dgrad"] = [W13DgradConfig.from_heuristic(hidden=D, ffn=F)] + [
+                for bn, st in itertools.product([128, 256], [3, 4])])
+            cands["w13_dgrad"] = _both_grids([W13DgradConfig.from_heuristic(hidden=D, ffn=F)] + [
                 W13DgradConfig(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st)
-                for bn, st in itertools.product([128, 256], [3, 4])]
+                for bn, st in itertools.product([128, 256], [3, 4])])
 
             def run2d(c, po=po, ro=ro, w2=w2, h1=h1, grad_h1=grad_h1, h2=h2,
                       gh3_rows=gh3_rows, scatter=scatter):

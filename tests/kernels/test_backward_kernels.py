@@ -28,11 +28,12 @@ INTERPRETED = use_interpreter_if_no_gpu()
 
 import math  # noqa: E402
 import zlib  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
+from dataclasses import dataclass, replace  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from distmoe.kernels._common import gemm_grid  # noqa: E402
 from distmoe.kernels.route_grad import (  # noqa: E402
     RouteGradConfig,
     reduce_routes,
@@ -506,9 +507,131 @@ def test_w2_dgrad_h1_offset(gather_once):
     assert same_bits(base, expected)
 
 
+def assert_walks_several_tiles(config, num_tiles_cap, live_tiles):
+    """Under the interpreter a persistent grid has fewer programs than live tiles, so programs
+    walk several tiles (on a GPU the grid is one program per SM)."""
+    programs = gemm_grid(config, num_tiles_cap, DEVICE)
+    if INTERPRETED:
+        assert programs < live_tiles, (programs, live_tiles)
+
+
+@pytest.mark.parametrize("host_descriptors", [True, False], ids=["host_desc", "device_desc"])
+@pytest.mark.parametrize("gather_once", [True, False], ids=["gather_once", "gather_in_loop"])
+def test_w2_dgrad_persistent(gather_once, host_descriptors):
+    """persistent=True is bit-identical to one program per tile (every tile is computed the
+    same way; only the order and the program differ): plain h1, and h1 at a device-side offset
+    in place (the offset is read once per persistent program). Poison outside the live rows
+    stays, the padding tile, the empty expert and the idle tiles are skipped."""
+    hidden, ffn, block_m, block_n = 48, 40, 16, 32
+    layout, combine, w2, h1, ptrs, null_rows = _w2_problem(hidden, ffn, block_m)
+    num_act = layout.num_act
+    h1_saved = h1.clone()
+    live_tiles = int(layout.padded_offsets[-1]) // block_m * math.ceil(ffn / block_n)
+    configs = {
+        persistent: W2DgradConfig(block_m=block_m, block_n=block_n, block_k=32, num_warps=4,
+                                  group_m=2, persistent=persistent,
+                                  host_descriptors=host_descriptors)
+        for persistent in (False, True)
+    }
+    assert_walks_several_tiles(
+        configs[True], layout.num_rows // block_m * math.ceil(ffn / block_n), live_tiles
+    )
+
+    def run(persistent, h1_arg, grad_h1_out, h1_offset=None):
+        h2 = poisoned(num_act, ffn)
+        grad_h3 = poisoned(num_act, hidden) if gather_once else None
+        w2_dgrad_swiglu_bwd(
+            ptrs,
+            layout.padded_offsets,
+            layout.row_offsets,
+            w2,
+            h1_arg,
+            grad_h1_out,
+            h1_offset=h1_offset,
+            h2_out=h2,
+            grad_h3_out=grad_h3,
+            config=configs[persistent],
+        )
+        return grad_h1_out, h2, grad_h3
+
+    tiles = run(False, h1, poisoned(num_act, 2 * ffn))
+    walked = run(True, h1, poisoned(num_act, 2 * ffn))
+    for got, want in zip(walked, tiles, strict=True):
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert same_bits(got, want)  # poisoned spare rows included
+    assert same_bits(h1, h1_saved)  # out of place: h1 is only read
+
+    # The persistent outputs themselves: against the reference, poison kept past the live end.
+    ref_grad_h1, ref_h2, ref_grad_h3 = w2_dgrad_swiglu_bwd_ref(
+        ptrs, layout.padded_offsets, layout.row_offsets, w2, h1_saved, row_sources=[combine]
+    )
+    live, spare = layout.live_act(), ~layout.live_act()
+    num_spare = int(spare.sum())
+    grad_h1, h2, grad_h3 = walked
+    assert_bf16_close(grad_h1[live], ref_grad_h1[live])
+    assert_bf16_close(h2[live], ref_h2[live])
+    assert same_bits(grad_h1[spare], poisoned(num_spare, 2 * ffn))
+    assert same_bits(h2[spare], poisoned(num_spare, ffn))
+    assert (grad_h1[layout.act_of_row[null_rows].to(DEVICE)] == 0).all()
+    if gather_once:
+        assert same_bits(grad_h3[live], ref_grad_h3[live].bfloat16())
+        assert same_bits(grad_h3[spare], poisoned(num_spare, hidden))
+
+    # h1 at a device-side offset, grad_h1 in place over those rows.
+    offset = 8 * 7  # elements: 16-byte aligned, not a multiple of a row (2F = 80)
+    base = torch.randn(offset + num_act * 2 * ffn + 24, device=DEVICE).bfloat16()
+    base[offset : offset + num_act * 2 * ffn] = h1_saved.reshape(-1)
+    base_before = base.clone()
+    rows_view = base[offset : offset + num_act * 2 * ffn].view(num_act, 2 * ffn)
+    h1_offset = torch.tensor([offset], dtype=torch.int64, device=DEVICE)
+    _, h2_in_place, grad_h3_in_place = run(True, base, rows_view, h1_offset)
+    assert same_bits(h2_in_place, tiles[1])
+    if gather_once:
+        assert same_bits(grad_h3_in_place, tiles[2])
+    expected = base_before.clone()
+    expected[offset : offset + layout.live_end * 2 * ffn] = tiles[0][live].reshape(-1)
+    assert same_bits(base, expected)  # live rows: the gradients; all else keeps its bits
+
+
 # --------------------------------------------------------------------------------------------
 # W13 DGRAD + scatter
 # --------------------------------------------------------------------------------------------
+
+
+def _w13_problem(num_experts, hidden, ffn, block_m, experts):
+    """Experts not in ``experts`` get no rows; experts 0 and 2 an extra tile of padding rows
+    (expert 2 with no routes: a padding tile only). Spare grad_h1 rows past the live end are
+    NaN (read by the last tile's padding rows, never stored)."""
+    num_tokens, top_k = 11, 3
+    ids = make_ids(num_tokens, top_k, experts)
+    layout = build_layout(ids, num_experts, block_m, extra_tiles={0: 1, 2: 1})
+    w13 = (torch.randn(num_experts, 2, ffn, hidden, device=DEVICE) / math.sqrt(ffn)).bfloat16()
+    grad_h1 = torch.randn(layout.num_act, 2 * ffn, device=DEVICE).bfloat16()
+    grad_h1[~layout.live_act()] = float("nan")
+    return layout, w13, grad_h1
+
+
+def _w13_targets(layout, hidden, *, t_max=12, top_k=3):
+    """A dispatch buffer (route rows) and canary rows for the padding and idle entries (both
+    random: rows that must stay untouched), and the pointer table into them."""
+    dispatch = torch.randn(t_max * top_k, hidden, device=DEVICE).bfloat16()
+    canary = torch.randn(3, hidden, device=DEVICE).bfloat16()
+    return dispatch, canary, row_table(layout, dispatch, canary=canary)
+
+
+def _check_w13_scatter(layout, dispatch, dispatch_before, canary, canary_before, ref):
+    """Live routes hold the reference rounded once; every other dispatch row and the canaries
+    keep their bits."""
+    is_route = layout.is_live.to(DEVICE)
+    targets = layout.route_of_row.to(DEVICE)[is_route]
+    # One fp32 GEMM rounded to bf16.
+    assert_bf16_close(dispatch[targets], ref[is_route])
+    untouched = torch.ones(dispatch.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[targets] = False  # inactive routes and rows beyond T*K: not written
+    assert untouched.any()
+    assert same_bits(dispatch[untouched], dispatch_before[untouched])
+    assert same_bits(canary, canary_before)
 
 
 @pytest.mark.parametrize(
@@ -520,19 +643,13 @@ def test_w2_dgrad_h1_offset(gather_once):
     ],
 )
 def test_w13_dgrad_scatter(one_expert, host_descriptors):
-    num_experts, num_tokens, top_k, t_max = 5, 11, 3, 12  # prime E
-    hidden, ffn, block_m = 40, 24, 16  # 2F = 48: a K tail with block_k 32; D tail too
-    ids = make_ids(num_tokens, top_k, [1] if one_expert else [0, 1, 4])  # 2, 3: no rows
-    # Expert 2 has no routes but a whole tile of padding rows; expert 0 an extra tile too.
-    layout = build_layout(ids, num_experts, block_m, extra_tiles={0: 1, 2: 1})
-    w13 = (torch.randn(num_experts, 2, ffn, hidden, device=DEVICE) / math.sqrt(ffn)).bfloat16()
-    # Spare rows past the live end: read by the last tile's padding rows, never stored.
-    grad_h1 = torch.randn(layout.num_act, 2 * ffn, device=DEVICE).bfloat16()
-    grad_h1[~layout.live_act()] = float("nan")
-    dispatch = torch.randn(t_max * top_k, hidden, device=DEVICE).bfloat16()
-    canary = torch.randn(3, hidden, device=DEVICE).bfloat16()  # padding and idle entries
+    num_experts, hidden, ffn, block_m = 5, 40, 24, 16  # prime E; 2F = 48: a K tail with
+    # block_k 32; D tail too. Experts 2 and 3 get no rows.
+    layout, w13, grad_h1 = _w13_problem(
+        num_experts, hidden, ffn, block_m, [1] if one_expert else [0, 1, 4]
+    )
+    dispatch, canary, ptrs = _w13_targets(layout, hidden)
     dispatch_before, canary_before = dispatch.clone(), canary.clone()
-    ptrs = row_table(layout, dispatch, canary=canary)
 
     config = W13DgradConfig(
         block_m=block_m, block_n=32, block_k=32, num_warps=4, host_descriptors=host_descriptors
@@ -542,15 +659,69 @@ def test_w13_dgrad_scatter(one_expert, host_descriptors):
     ref = w13_dgrad_scatter_ref(
         grad_h1, layout.padded_offsets, layout.row_offsets, w13, num_rows=layout.num_rows
     )
-    is_route = layout.is_live.to(DEVICE)
-    targets = layout.route_of_row.to(DEVICE)[is_route]
-    # One fp32 GEMM rounded to bf16.
-    assert_bf16_close(dispatch[targets], ref[is_route])
-    untouched = torch.ones(dispatch.shape[0], dtype=torch.bool, device=DEVICE)
-    untouched[targets] = False  # inactive routes and rows beyond T*K: not written
-    assert untouched.any()
-    assert same_bits(dispatch[untouched], dispatch_before[untouched])
-    assert same_bits(canary, canary_before)
+    _check_w13_scatter(layout, dispatch, dispatch_before, canary, canary_before, ref)
+
+
+@pytest.mark.parametrize("host_descriptors", [True, False], ids=["host_desc", "device_desc"])
+def test_w13_dgrad_persistent(host_descriptors):
+    """persistent=True is bit-identical to one program per tile (same tiles, computed the same
+    way): every destination row, the untouched ones and the canaries included."""
+    num_experts, hidden, ffn, block_m, block_n = 5, 40, 24, 16, 32
+    layout, w13, grad_h1 = _w13_problem(num_experts, hidden, ffn, block_m, [0, 1, 4])
+    live_tiles = int(layout.padded_offsets[-1]) // block_m * math.ceil(hidden / block_n)
+    results = {}
+    for persistent in (False, True):
+        torch.manual_seed(1)  # the same destination contents for both grids
+        dispatch, canary, ptrs = _w13_targets(layout, hidden)
+        dispatch_before, canary_before = dispatch.clone(), canary.clone()
+        config = W13DgradConfig(block_m=block_m, block_n=block_n, block_k=32, num_warps=4,
+                                persistent=persistent, host_descriptors=host_descriptors)
+        if persistent:
+            assert_walks_several_tiles(
+                config, layout.num_rows // block_m * math.ceil(hidden / block_n), live_tiles
+            )
+        w13_dgrad_scatter(
+            grad_h1, layout.padded_offsets, layout.row_offsets, w13, ptrs, config=config
+        )
+        results[persistent] = (dispatch, dispatch_before, canary, canary_before)
+    assert same_bits(results[True][0], results[False][0])
+    assert same_bits(results[True][1], results[False][1])  # same contents before the runs
+    ref = w13_dgrad_scatter_ref(
+        grad_h1, layout.padded_offsets, layout.row_offsets, w13, num_rows=layout.num_rows
+    )
+    _check_w13_scatter(layout, *results[True], ref)
+
+
+@pytest.mark.parametrize("counts", [[0, 0, 0], [0, 5, 0]], ids=["no_live_tile", "two_tiles"])
+def test_dgrad_persistent_few_tiles(counts):
+    """Fewer live tiles than persistent programs (none, or 2 of the interpreter's 3): programs
+    without a tile exit at once; the outputs equal the tile grid's bit for bit (poison kept)."""
+    hidden, ffn, block_m = 48, 40, 16  # two column tiles of 32 in both kernels
+    layout = layout_from_counts(counts, block_m)
+    num_act = layout.num_act
+    combine = torch.randn(max(sum(counts), 1), hidden, device=DEVICE).bfloat16()
+    ptrs = row_table(layout, combine)
+    w2 = (torch.randn(3, hidden, ffn, device=DEVICE) / math.sqrt(hidden)).bfloat16()
+    h1 = torch.randn(num_act, 2 * ffn, device=DEVICE).bfloat16()
+    h1[~layout.live_act()] = float("nan")
+    w13 = (torch.randn(3, 2, ffn, hidden, device=DEVICE) / math.sqrt(ffn)).bfloat16()
+    outs = {}
+    for persistent in (False, True):
+        cfg = dict(block_m=block_m, block_n=32, block_k=32, num_warps=4, persistent=persistent)
+        grad_h1, h2, grad_h3 = (poisoned(num_act, w) for w in (2 * ffn, ffn, hidden))
+        w2_dgrad_swiglu_bwd(ptrs, layout.padded_offsets, layout.row_offsets, w2, h1, grad_h1,
+                            h2_out=h2, grad_h3_out=grad_h3, config=W2DgradConfig(**cfg))
+        dispatch = poisoned(max(sum(counts), 1), hidden)
+        w13_dgrad_scatter(h1, layout.padded_offsets, layout.row_offsets, w13,
+                          row_table(layout, dispatch), config=W13DgradConfig(**cfg))
+        outs[persistent] = (grad_h1, h2, grad_h3, dispatch)
+    for got, want in zip(outs[True], outs[False], strict=True):
+        assert same_bits(got, want)
+    if sum(counts) == 0:  # nothing written at all
+        for out in outs[True]:
+            assert out.isnan().all()
+    else:
+        assert not outs[True][3].isnan().any()  # every route row written
 
 
 # --------------------------------------------------------------------------------------------
@@ -926,8 +1097,14 @@ def test_configs():
     assert W2DgradConfig.from_heuristic(hidden=4096, ffn=2048).block_n == 128
     with pytest.raises(ValueError, match=r"block_k \(64\) must divide block_m \(32\)"):
         WgradConfig(block_m=32, block_k=64)
-    with pytest.raises(ValueError, match=r"persistent \(True\) is not supported"):
-        W2DgradConfig(persistent=True)
+    # Persistent grids: accepted, swept, never the default (until measured on an H200).
+    for cls in (W2DgradConfig, W13DgradConfig):
+        assert cls(persistent=True).persistent
+        assert not cls.from_heuristic(hidden=4096, ffn=2048).persistent
+        swept = cls.all_configs(hidden=4096, ffn=2048)
+        assert {c.persistent for c in swept} == {False, True}
+        tiles = [replace(c, persistent=False) for c in swept if c.persistent]
+        assert tiles and all(c in swept for c in tiles)  # a persistent twin of each tile grid
 
 
 def test_validation_errors():

@@ -13,7 +13,10 @@ Per live row, with ``grad_h1 = [grad_g | grad_u]`` from
 
 :func:`w13_dgrad_scatter`
     One program per (padded row tile, ``block_n`` columns of D) of the ``R_cap`` bound; idle
-    tiles and tiles of padding rows only exit at once. ``grad_h1`` (local, contiguous) and the
+    tiles and tiles of padding rows only exit at once. With ``persistent``: one program per SM
+    (at most one per tile of the bound), each walking the live tiles (their count read on the
+    device from ``padded_offsets[E]``) with a stride of the grid, its descriptors built once;
+    every tile is computed the same way on both grids. ``grad_h1`` (local, contiguous) and the
     weights come through TMA descriptors (``[R_act, 2F]`` and ``[E, 2F, D]``; encoded on the
     host at launch by default, or built in every program). A tile reads the ``block_m``
     activation rows that follow its first row's; its padding rows thereby read the next
@@ -42,8 +45,8 @@ aligned; ``x_offset[0]`` a multiple of 8 elements (16-byte aligned TMA base) and
 holding ``x_offset[0] + row_offsets[E_local]*D`` elements.
 
 Sync points: none inside. The caller signals the owners after ``w13_dgrad_scatter``
-(barrier) before they run ``reduce_routes``. Grids come from ``R_cap``, ``E_local`` and the
-weight shapes (no host synchronisation).
+(barrier) before they run ``reduce_routes``. Grids come from ``R_cap``, ``E_local``, the
+weight shapes and (persistent DGRAD) the SM count (no host synchronisation).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from distmoe.kernels._common import (
     check_width,
     device_context,
     ensure_tma_allocator,
+    gemm_grid,
     next_power_of_2,
     swizzle_tile,
     tile_expert,
@@ -95,6 +99,98 @@ def _pow2_clamped(n: int, low: int, high: int) -> int:
 
 
 @triton.jit
+def _w13_dgrad_descs(
+    grad_h1,
+    w13,
+    num_act_rows,
+    HIDDEN: tl.constexpr,
+    FFN: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """TMA descriptors built on the device (128 bytes of scratch and a tensormap fence each)
+    over grad_h1 ``[R_act, 2F]`` and w13 ``[E, 2F, D]``."""
+    a_desc = tl.make_tensor_descriptor(
+        grad_h1,
+        shape=[num_act_rows, 2 * FFN],
+        strides=[2 * FFN, 1],
+        block_shape=[BLOCK_M, BLOCK_K],
+    )
+    w_desc = tl.make_tensor_descriptor(
+        w13,
+        shape=[NUM_EXPERTS, 2 * FFN, HIDDEN],
+        strides=[2 * FFN * HIDDEN, HIDDEN, 1],
+        block_shape=[1, BLOCK_K, BLOCK_N],
+    )
+    return a_desc, w_desc
+
+
+@triton.jit
+def _w13_dgrad_tile(
+    grad_h1,
+    padded_offsets_ptr,
+    row_offsets_ptr,
+    w13,
+    scatter_ptrs_ptr,
+    num_act_rows,
+    pid_m,
+    pid_n,
+    HIDDEN: tl.constexpr,
+    FFN: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    DESC_READY: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One ``BLOCK_M x BLOCK_N`` tile of grad_x_route, scattered, for a row tile below
+    ``padded_offsets[E]``. A tile of padding rows only loads and stores nothing.
+
+    ``grad_h1`` / ``w13``: TMA descriptors (``DESC_READY``: host-encoded, or built once per
+    persistent program), else the tensors, whose descriptors are built here once the tile is
+    known to hold live rows.
+    """
+    row0 = pid_m * BLOCK_M
+    expert = tile_expert(padded_offsets_ptr, row0, NUM_EXPERTS, EXPERTS_POW2)
+    act0, num_live = tile_live_rows(padded_offsets_ptr, row_offsets_ptr, expert, row0)
+    # Live rows come first in a segment: a tile starting at a padding row has none.
+    if num_live > 0:
+        n0 = pid_n * BLOCK_N
+        if DESC_READY:
+            a_desc = grad_h1
+            w_desc = w13
+        else:
+            a_desc, w_desc = _w13_dgrad_descs(
+                grad_h1, w13, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, BLOCK_M, BLOCK_N, BLOCK_K
+            )
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # Activation rows [act0, act0 + BLOCK_M): the tile's padding rows read past its
+        # expert's rows (TMA zero-fills rows past R_act); their results are discarded below.
+        for k0 in range(0, 2 * FFN, BLOCK_K):
+            a = a_desc.load([act0, k0])
+            b = w_desc.load([expert, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+            acc = tl.dot(a, b, acc)
+
+        idx = tl.arange(0, BLOCK_M)
+        is_live = idx < num_live
+        # Entries of padding rows are not read (the routing layer writes 0 there anyway).
+        addr = tl.load(scatter_ptrs_ptr + row0 + idx, mask=is_live, other=0)
+        is_row = addr != 0
+        # Destination rows are 16-byte aligned (contract): 16-byte vector stores. The hint goes
+        # on the pointer (divisibility in bytes); on the int64 before the cast it would be lost.
+        dst = tl.multiple_of(addr.to(tl.pointer_type(tl.bfloat16)), 16)
+        col = n0 + tl.arange(0, BLOCK_N)
+        tl.store(
+            dst[:, None] + col[None, :],
+            acc.to(tl.bfloat16),
+            mask=is_row[:, None] & (col < HIDDEN)[None, :],
+        )
+
+
+@triton.jit
 def _w13_dgrad_scatter_kernel(
     grad_h1,  # bf16 [R_act, 2F], or its TMA descriptor (HOST_DESC)
     padded_offsets_ptr,  # int32 [E + 1]
@@ -108,60 +204,48 @@ def _w13_dgrad_scatter_kernel(
     NUM_EXPERTS: tl.constexpr,
     EXPERTS_POW2: tl.constexpr,
     HOST_DESC: tl.constexpr,
+    PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    num_pid_m = num_rows // BLOCK_M
-    num_pid_n = tl.cdiv(HIDDEN, BLOCK_N)
-    pid_m, pid_n = swizzle_tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-    row0 = pid_m * BLOCK_M
-    if row0 >= tl.load(padded_offsets_ptr + NUM_EXPERTS):
-        return  # idle tile
-    expert = tile_expert(padded_offsets_ptr, row0, NUM_EXPERTS, EXPERTS_POW2)
-    act0, num_live = tile_live_rows(padded_offsets_ptr, row_offsets_ptr, expert, row0)
-    if num_live <= 0:
-        return  # padding rows only
-    n0 = pid_n * BLOCK_N
-    if HOST_DESC:
-        a_desc = grad_h1
-        w_desc = w13
+    NUM_PID_N: tl.constexpr = (HIDDEN + BLOCK_N - 1) // BLOCK_N
+    total_rows = tl.load(padded_offsets_ptr + NUM_EXPERTS)
+    if PERSISTENT:
+        # Each program walks the live tiles (count read on the device) with a stride of the
+        # grid; a while loop (not range) keeps the interpreter working too. Descriptors are
+        # built once per program, and only by a program that has a tile: the others (fewer
+        # live tiles than programs) exit at once.
+        num_live_m = total_rows // BLOCK_M
+        num_tiles = num_live_m * NUM_PID_N
+        tile_id = tl.program_id(0)
+        if tile_id < num_tiles:
+            if HOST_DESC:
+                a_desc = grad_h1
+                w_desc = w13
+            else:
+                a_desc, w_desc = _w13_dgrad_descs(
+                    grad_h1, w13, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, BLOCK_M, BLOCK_N,
+                    BLOCK_K,
+                )  # fmt: skip
+            while tile_id < num_tiles:
+                pid_m, pid_n = swizzle_tile(tile_id, num_live_m, NUM_PID_N, GROUP_M)
+                _w13_dgrad_tile(
+                    a_desc, padded_offsets_ptr, row_offsets_ptr, w_desc, scatter_ptrs_ptr,
+                    num_act_rows, pid_m, pid_n, HIDDEN, FFN, NUM_EXPERTS, EXPERTS_POW2, True,
+                    BLOCK_M, BLOCK_N, BLOCK_K,
+                )  # fmt: skip
+                tile_id += tl.num_programs(0)
     else:
-        a_desc = tl.make_tensor_descriptor(
-            grad_h1,
-            shape=[num_act_rows, 2 * FFN],
-            strides=[2 * FFN, 1],
-            block_shape=[BLOCK_M, BLOCK_K],
-        )
-        w_desc = tl.make_tensor_descriptor(
-            w13,
-            shape=[NUM_EXPERTS, 2 * FFN, HIDDEN],
-            strides=[2 * FFN * HIDDEN, HIDDEN, 1],
-            block_shape=[1, BLOCK_K, BLOCK_N],
-        )
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # Activation rows [act0, act0 + BLOCK_M): the tile's padding rows read past its expert's
-    # rows (TMA zero-fills rows past R_act); their results are discarded below.
-    for k0 in range(0, 2 * FFN, BLOCK_K):
-        a = a_desc.load([act0, k0])
-        b = w_desc.load([expert, k0, n0]).reshape(BLOCK_K, BLOCK_N)
-        acc = tl.dot(a, b, acc)
-
-    idx = tl.arange(0, BLOCK_M)
-    is_live = idx < num_live
-    # Entries of padding rows are not read (the routing layer writes 0 there anyway).
-    addr = tl.load(scatter_ptrs_ptr + row0 + idx, mask=is_live, other=0)
-    is_row = addr != 0
-    # Destination rows are 16-byte aligned (contract): 16-byte vector stores. The hint goes on
-    # the pointer (divisibility in bytes); on the int64 before the cast it would be lost.
-    dst = tl.multiple_of(addr.to(tl.pointer_type(tl.bfloat16)), 16)
-    col = n0 + tl.arange(0, BLOCK_N)
-    tl.store(
-        dst[:, None] + col[None, :],
-        acc.to(tl.bfloat16),
-        mask=is_row[:, None] & (col < HIDDEN)[None, :],
-    )
+        pid_m, pid_n = swizzle_tile(tl.program_id(0), num_rows // BLOCK_M, NUM_PID_N, GROUP_M)
+        # Idle tiles (rows at/after padded_offsets[E]): no loads, no stores.
+        if pid_m * BLOCK_M < total_rows:
+            _w13_dgrad_tile(
+                grad_h1, padded_offsets_ptr, row_offsets_ptr, w13, scatter_ptrs_ptr, num_act_rows,
+                pid_m, pid_n, HIDDEN, FFN, NUM_EXPERTS, EXPERTS_POW2, HOST_DESC, BLOCK_M, BLOCK_N,
+                BLOCK_K,
+            )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,8 +258,9 @@ class W13DgradConfig(GemmConfig):
     """Launch configuration of :func:`w13_dgrad_scatter` (see :class:`GemmConfig`).
 
     ``block_m`` rows (the padding multiple), ``block_n`` columns of D per tile, ``block_k``
-    step over 2F. ``persistent`` is not supported yet. ``host_descriptors`` covers the
-    grad_h1 and w13 TMA descriptors.
+    step over 2F. ``persistent``: one program per SM walking the live tiles (else one program
+    per tile of the ``R_cap`` bound; the default until measured on an H200).
+    ``host_descriptors`` covers the grad_h1 and w13 TMA descriptors.
     """
 
     def __post_init__(self) -> None:
@@ -199,7 +284,8 @@ class W13DgradConfig(GemmConfig):
     def all_configs(cls, *, hidden: int, ffn: int, block_m: int = 128) -> list[W13DgradConfig]:
         """Tuning candidates that fit an SM90."""
         return cls.sweep(block_m=block_m, block_ns=(64, 128, 256), block_ks=(32, 64, 128),
-                         num_stages=(3, 4, 5), max_n=_pow2_clamped(hidden, 16, 256),
+                         num_stages=(3, 4, 5), persistent=(False, True),
+                         max_n=_pow2_clamped(hidden, 16, 256),
                          max_k=_pow2_clamped(2 * ffn, 16, 256))
 
 
@@ -274,9 +360,9 @@ def w13_dgrad_scatter(
         )
     else:
         ensure_tma_allocator()
-    grid = ((num_rows // config.block_m) * triton.cdiv(hidden, config.block_n),)
+    num_tiles_cap = (num_rows // config.block_m) * triton.cdiv(hidden, config.block_n)
     with device_context(device):
-        _w13_dgrad_scatter_kernel[grid](
+        _w13_dgrad_scatter_kernel[(gemm_grid(config, num_tiles_cap, device),)](
             grad_h1_arg,
             padded_offsets,
             row_offsets,
@@ -289,6 +375,7 @@ def w13_dgrad_scatter(
             NUM_EXPERTS=num_experts,
             EXPERTS_POW2=next_power_of_2(num_experts),
             HOST_DESC=config.host_descriptors,
+            PERSISTENT=config.persistent,
             BLOCK_M=config.block_m,
             BLOCK_N=config.block_n,
             BLOCK_K=config.block_k,

@@ -6,7 +6,8 @@ Row layout (every backward GEMM; the forward kernels use the same one). Two row 
   (device); local expert ``e`` owns padded rows ``[padded_offsets[e], padded_offsets[e+1])``,
   a multiple of ``block_m``; rows at/after ``padded_offsets[E_local]`` are idle. The pointer
   tables (``grad_h3_ptrs`` here, ``scatter_ptrs`` in W13 DGRAD: int64 ``[R_cap]``) are indexed
-  by padded row; ``R_cap`` is a multiple of ``block_m`` and sizes the DGRAD grids.
+  by padded row; ``R_cap`` is a multiple of ``block_m`` and sizes the DGRAD grids (bounds
+  them, with ``persistent``).
 * Compact *activation* rows, the storage of h1, grad_h1, h2, grad_h3 and x_gathered:
   ``row_offsets`` int32 ``[E_local + 1]`` (device, exclusive prefix sum of live rows per
   expert, ``row_offsets[0] = 0``). Expert ``e`` has ``n_e = row_offsets[e+1] - row_offsets[e]``
@@ -55,6 +56,12 @@ Per live row (``h1 = [g | u]`` saved by the forward, ``W2 = w2[e]`` of shape ``[
     other program touches them.
     Null live rows produce zeros in every output; tiles of padding rows only and idle tiles
     (rows at/after ``padded_offsets[E]``) exit before loading anything.
+    Grid: one program per (row tile, ``block_n`` columns of F) of the ``R_cap`` bound, or with
+    ``persistent`` one program per SM (at most one per tile of the bound), each walking the
+    live tiles ``padded_offsets[E] / block_m * ceil(F / block_n)`` (a device value) with a
+    stride of the grid; its descriptors are built, and ``h1_offset`` read, once per program.
+    Every tile is computed the same way on both grids (bit-identical outputs). The row gather
+    of the gather-once path keeps its own grid (``R_cap / 16`` row blocks).
 
 :func:`w2_wgrad`
     One program per (expert, output tile ``[block_out_m, block_out_n]`` of ``grad_w2[e]``,
@@ -80,7 +87,8 @@ Requirements (device-side, not checked): the layout rules above; non-null row ad
 ``h1_offset[0] + row_offsets[E_local]*2F`` elements.
 
 Sync points: none inside; kernel boundaries order the launches. Grids are sized from
-``R_cap``, ``E_local`` and the weight shapes only (CUDA-graph safe, no host synchronisation).
+``R_cap``, ``E_local``, the weight shapes and (persistent DGRAD) the SM count only (CUDA-graph
+safe, no host synchronisation).
 """
 
 from __future__ import annotations
@@ -100,6 +108,7 @@ from distmoe.kernels._common import (
     check_width,
     device_context,
     ensure_tma_allocator,
+    gemm_grid,
     next_power_of_2,
     rows_at,
     swizzle_tile,
@@ -214,6 +223,141 @@ def _swiglu_bwd_epilogue(
 
 
 @triton.jit
+def _w2_dgrad_descs(
+    grad_h3_rows,
+    w2,
+    num_act_rows,
+    HIDDEN: tl.constexpr,
+    FFN: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    GATHER_IN_LOOP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """TMA descriptors built on the device (128 bytes of scratch and a tensormap fence each):
+    ``(rows, w2)`` over the gathered grad_h3 rows ``[R_act, D]`` and w2 ``[E, D, F]``; with
+    ``GATHER_IN_LOOP`` the first is ``grad_h3_rows`` itself (unused: the K loop gathers
+    through the row pointers)."""
+    w_desc = tl.make_tensor_descriptor(
+        w2,
+        shape=[NUM_EXPERTS, HIDDEN, FFN],
+        strides=[HIDDEN * FFN, FFN, 1],
+        block_shape=[1, BLOCK_K, BLOCK_N],
+    )
+    if GATHER_IN_LOOP:
+        a_desc = grad_h3_rows
+    else:
+        a_desc = tl.make_tensor_descriptor(
+            grad_h3_rows,
+            shape=[num_act_rows, HIDDEN],
+            strides=[HIDDEN, 1],
+            block_shape=[BLOCK_M, BLOCK_K],
+        )
+    return a_desc, w_desc
+
+
+@triton.jit
+def _w2_dgrad_tile(
+    grad_h3_ptrs_ptr,
+    grad_h3_rows,
+    padded_offsets_ptr,
+    row_offsets_ptr,
+    w2,
+    h1_ptr,
+    h1_offset_ptr,
+    grad_h1_ptr,
+    h2_ptr,
+    num_act_rows,
+    pid_m,
+    pid_n,
+    HIDDEN: tl.constexpr,
+    FFN: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    GATHER_IN_LOOP: tl.constexpr,
+    STORE_H2: tl.constexpr,
+    DESC_READY: tl.constexpr,
+    H1_OFFSET: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One ``BLOCK_M x BLOCK_N`` tile of grad_h2 and its SwiGLU backward, for a row tile below
+    ``padded_offsets[E]``. A tile of padding rows only loads and stores nothing.
+
+    ``grad_h3_rows`` / ``w2``: TMA descriptors (``DESC_READY``: host-encoded, or built once per
+    persistent program), else the tensors, whose descriptors are built here once the tile is
+    known to hold live rows. ``H1_OFFSET``: ``h1_ptr`` still needs ``h1_offset[0]`` added
+    (else it already points at activation row 0).
+    """
+    row0 = pid_m * BLOCK_M
+    expert = tile_expert(padded_offsets_ptr, row0, NUM_EXPERTS, EXPERTS_POW2)
+    act0, num_live = tile_live_rows(padded_offsets_ptr, row_offsets_ptr, expert, row0)
+    # Live rows come first in a segment: a tile starting at a padding row has none.
+    if num_live > 0:
+        idx = tl.arange(0, BLOCK_M)
+        is_live = idx < num_live
+        # Pointer entries of padding rows are not read (masked): they may hold anything.
+        addr = tl.load(grad_h3_ptrs_ptr + row0 + idx, mask=is_live, other=0)
+        is_row = addr != 0
+        act_rows = (act0 + idx).to(tl.int64)
+        n0 = pid_n * BLOCK_N
+
+        if DESC_READY:
+            a_desc = grad_h3_rows
+            w_desc = w2
+        else:
+            a_desc, w_desc = _w2_dgrad_descs(
+                grad_h3_rows, w2, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, GATHER_IN_LOOP,
+                BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if GATHER_IN_LOOP:
+            src = tl.multiple_of(addr.to(tl.pointer_type(tl.bfloat16)), 16)  # 16-byte aligned
+            for k0 in range(0, HIDDEN, BLOCK_K):
+                col = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(
+                    src[:, None] + col[None, :],
+                    mask=is_row[:, None] & (col < HIDDEN)[None, :],
+                    other=0.0,
+                )
+                b = w_desc.load([expert, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+                acc = tl.dot(a, b, acc)
+        else:
+            # Activation rows [act0, act0 + BLOCK_M): the padding rows of the tile read the
+            # next expert's rows, rows past the live end or TMA zeros; their results are never
+            # stored.
+            for k0 in range(0, HIDDEN, BLOCK_K):
+                a = a_desc.load([act0, k0])
+                b = w_desc.load([expert, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+                acc = tl.dot(a, b, acc)
+
+        if H1_OFFSET:
+            h1_ptr = h1_ptr + tl.load(h1_offset_ptr)
+
+        # SwiGLU backward in two column halves: the whole 128 x 128 tile with its g/u pair and
+        # their 64-bit addresses needs more than 255 registers per thread (spills); halves
+        # need about 180 on SM90.
+        if BLOCK_N >= 32:
+            halves = tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), (0, 2, 1))
+            acc_lo, acc_hi = tl.split(halves)
+            _swiglu_bwd_epilogue(
+                acc_lo, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row, n0, FFN,
+                BLOCK_N // 2, STORE_H2,
+            )  # fmt: skip
+            _swiglu_bwd_epilogue(
+                acc_hi, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row,
+                n0 + BLOCK_N // 2, FFN, BLOCK_N // 2, STORE_H2,
+            )  # fmt: skip
+        else:
+            _swiglu_bwd_epilogue(
+                acc, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row, n0, FFN, BLOCK_N,
+                STORE_H2,
+            )  # fmt: skip
+
+
+@triton.jit
 def _w2_dgrad_swiglu_kernel(
     grad_h3_ptrs_ptr,  # int64 [R_cap]: addresses of the bf16 grad_h3 rows (0 = null)
     grad_h3_rows,  # bf16 [R_act, D] gathered rows, or its TMA descriptor (not GATHER_IN_LOOP)
@@ -234,106 +378,53 @@ def _w2_dgrad_swiglu_kernel(
     STORE_H2: tl.constexpr,
     HOST_DESC: tl.constexpr,
     H1_OFFSET: tl.constexpr,
+    PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    num_pid_m = num_rows // BLOCK_M
-    num_pid_n = tl.cdiv(FFN, BLOCK_N)
-    pid_m, pid_n = swizzle_tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-    row0 = pid_m * BLOCK_M
-    if row0 >= tl.load(padded_offsets_ptr + NUM_EXPERTS):
-        return  # idle tile: no loads, no stores
-    expert = tile_expert(padded_offsets_ptr, row0, NUM_EXPERTS, EXPERTS_POW2)
-    act0, num_live = tile_live_rows(padded_offsets_ptr, row_offsets_ptr, expert, row0)
-    if num_live <= 0:
-        return  # padding rows only: nothing to load or store
-    idx = tl.arange(0, BLOCK_M)
-    is_live = idx < num_live
-    # Pointer entries of padding rows are not read (masked): they may hold anything.
-    addr = tl.load(grad_h3_ptrs_ptr + row0 + idx, mask=is_live, other=0)
-    is_row = addr != 0
-    act_rows = (act0 + idx).to(tl.int64)
-    n0 = pid_n * BLOCK_N
-
-    if HOST_DESC:
-        w_desc = w2
+    NUM_PID_N: tl.constexpr = (FFN + BLOCK_N - 1) // BLOCK_N
+    total_rows = tl.load(padded_offsets_ptr + NUM_EXPERTS)
+    if PERSISTENT:
+        # Each program walks the live tiles (count read on the device) with a stride of the
+        # grid; a while loop (not range) keeps the interpreter working too. Descriptors and
+        # the h1 offset are set up once per program, and only by a program that has a tile:
+        # the others (fewer live tiles than programs) exit at once.
+        num_live_m = total_rows // BLOCK_M
+        num_tiles = num_live_m * NUM_PID_N
+        tile_id = tl.program_id(0)
+        if tile_id < num_tiles:
+            if HOST_DESC:
+                a_desc = grad_h3_rows
+                w_desc = w2
+            else:
+                a_desc, w_desc = _w2_dgrad_descs(
+                    grad_h3_rows, w2, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, GATHER_IN_LOOP,
+                    BLOCK_M, BLOCK_N, BLOCK_K,
+                )  # fmt: skip
+            h1_rows_ptr = h1_ptr
+            if H1_OFFSET:
+                h1_rows_ptr = h1_ptr + tl.load(h1_offset_ptr)
+            while tile_id < num_tiles:
+                pid_m, pid_n = swizzle_tile(tile_id, num_live_m, NUM_PID_N, GROUP_M)
+                _w2_dgrad_tile(
+                    grad_h3_ptrs_ptr, a_desc, padded_offsets_ptr, row_offsets_ptr, w_desc,
+                    h1_rows_ptr, h1_offset_ptr, grad_h1_ptr, h2_ptr, num_act_rows, pid_m, pid_n,
+                    HIDDEN, FFN, NUM_EXPERTS, EXPERTS_POW2, GATHER_IN_LOOP, STORE_H2, True,
+                    False, BLOCK_M, BLOCK_N, BLOCK_K,
+                )  # fmt: skip
+                tile_id += tl.num_programs(0)
     else:
-        w_desc = tl.make_tensor_descriptor(
-            w2,
-            shape=[NUM_EXPERTS, HIDDEN, FFN],
-            strides=[HIDDEN * FFN, FFN, 1],
-            block_shape=[1, BLOCK_K, BLOCK_N],
-        )
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if GATHER_IN_LOOP:
-        src = tl.multiple_of(addr.to(tl.pointer_type(tl.bfloat16)), 16)  # 16-byte aligned rows
-        for k0 in range(0, HIDDEN, BLOCK_K):
-            col = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(
-                src[:, None] + col[None, :],
-                mask=is_row[:, None] & (col < HIDDEN)[None, :],
-                other=0.0,
-            )
-            b = w_desc.load([expert, k0, n0]).reshape(BLOCK_K, BLOCK_N)
-            acc = tl.dot(a, b, acc)
-    else:
-        if HOST_DESC:
-            a_desc = grad_h3_rows
-        else:
-            a_desc = tl.make_tensor_descriptor(
-                grad_h3_rows,
-                shape=[num_act_rows, HIDDEN],
-                strides=[HIDDEN, 1],
-                block_shape=[BLOCK_M, BLOCK_K],
-            )
-        # Activation rows [act0, act0 + BLOCK_M): the padding rows of the tile read the next
-        # expert's rows, rows past the live end or TMA zeros; their results are never stored.
-        for k0 in range(0, HIDDEN, BLOCK_K):
-            a = a_desc.load([act0, k0])
-            b = w_desc.load([expert, k0, n0]).reshape(BLOCK_K, BLOCK_N)
-            acc = tl.dot(a, b, acc)
-
-    if H1_OFFSET:
-        h1_ptr = h1_ptr + tl.load(h1_offset_ptr)
-
-    # SwiGLU backward in two column halves: the whole 128 x 128 tile with its g/u pair and
-    # their 64-bit addresses needs more than 255 registers per thread (spills); halves need
-    # about 180 on SM90.
-    if BLOCK_N >= 32:
-        halves = tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), (0, 2, 1))
-        acc_lo, acc_hi = tl.split(halves)
-        _swiglu_bwd_epilogue(
-            acc_lo,
-            h1_ptr,
-            grad_h1_ptr,
-            h2_ptr,
-            act_rows,
-            is_live,
-            is_row,
-            n0,
-            FFN,
-            BLOCK_N // 2,
-            STORE_H2,
-        )
-        _swiglu_bwd_epilogue(
-            acc_hi,
-            h1_ptr,
-            grad_h1_ptr,
-            h2_ptr,
-            act_rows,
-            is_live,
-            is_row,
-            n0 + BLOCK_N // 2,
-            FFN,
-            BLOCK_N // 2,
-            STORE_H2,
-        )
-    else:
-        _swiglu_bwd_epilogue(
-            acc, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row, n0, FFN, BLOCK_N, STORE_H2
-        )
+        pid_m, pid_n = swizzle_tile(tl.program_id(0), num_rows // BLOCK_M, NUM_PID_N, GROUP_M)
+        # Idle tiles (rows at/after padded_offsets[E]): no loads, no stores.
+        if pid_m * BLOCK_M < total_rows:
+            _w2_dgrad_tile(
+                grad_h3_ptrs_ptr, grad_h3_rows, padded_offsets_ptr, row_offsets_ptr, w2, h1_ptr,
+                h1_offset_ptr, grad_h1_ptr, h2_ptr, num_act_rows, pid_m, pid_n, HIDDEN, FFN,
+                NUM_EXPERTS, EXPERTS_POW2, GATHER_IN_LOOP, STORE_H2, HOST_DESC, H1_OFFSET,
+                BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -454,9 +545,12 @@ def _grouped_wgrad_kernel(
 
 
 def check_backward_gemm_config(config: GemmConfig) -> None:
-    """Rules that the backward DGRAD configs add to :class:`GemmConfig`."""
-    if config.persistent:
-        raise ValueError("persistent (True) is not supported by the backward GEMMs yet")
+    """Rules that the backward DGRAD configs add to :class:`GemmConfig`.
+
+    None today: both DGRAD kernels take every :class:`GemmConfig`, ``persistent`` and
+    ``host_descriptors`` in any combination. Kept as the one place for DGRAD-only rules.
+    """
+    del config
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -464,9 +558,10 @@ class W2DgradConfig(GemmConfig):
     """Launch configuration of :func:`w2_dgrad_swiglu_bwd` (see :class:`GemmConfig`).
 
     ``block_m`` rows (the padding multiple), ``block_n`` columns of F (each tile writes
-    ``block_n`` columns of grad_g and of grad_u), ``block_k`` step over D. ``persistent`` is
-    not supported yet (one program per tile of the ``R_cap`` bound). ``host_descriptors``
-    covers the w2 and gathered grad_h3 TMA descriptors.
+    ``block_n`` columns of grad_g and of grad_u), ``block_k`` step over D. ``persistent``: one
+    program per SM walking the live tiles (else one program per tile of the ``R_cap`` bound;
+    the default until measured on an H200); the gather-once row copy keeps its own grid.
+    ``host_descriptors`` covers the w2 and gathered grad_h3 TMA descriptors.
     """
 
     def __post_init__(self) -> None:
@@ -490,8 +585,8 @@ class W2DgradConfig(GemmConfig):
     def all_configs(cls, *, hidden: int, ffn: int, block_m: int = 128) -> list[W2DgradConfig]:
         """Tuning candidates that fit an SM90 (shared memory and accumulator registers)."""
         return cls.sweep(block_m=block_m, block_ns=(64, 128, 256), block_ks=(32, 64, 128),
-                         num_stages=(2, 3, 4), max_n=_pow2_clamped(ffn, 16, 256),
-                         max_k=_pow2_clamped(hidden, 16, 256))
+                         num_stages=(2, 3, 4), persistent=(False, True),
+                         max_n=_pow2_clamped(ffn, 16, 256), max_k=_pow2_clamped(hidden, 16, 256))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -948,8 +1043,8 @@ def w2_dgrad_swiglu_bwd(
                 BLOCK_COLS=block_cols,
                 num_warps=4,
             )
-        grid = ((num_rows // config.block_m) * triton.cdiv(ffn, config.block_n),)
-        _w2_dgrad_swiglu_kernel[grid](
+        num_tiles_cap = (num_rows // config.block_m) * triton.cdiv(ffn, config.block_n)
+        _w2_dgrad_swiglu_kernel[(gemm_grid(config, num_tiles_cap, device),)](
             grad_h3_ptrs,
             rows_arg,
             padded_offsets,
@@ -969,6 +1064,7 @@ def w2_dgrad_swiglu_bwd(
             STORE_H2=h2_out is not None,
             HOST_DESC=config.host_descriptors,
             H1_OFFSET=h1_offset is not None,
+            PERSISTENT=config.persistent,
             BLOCK_M=config.block_m,
             BLOCK_N=config.block_n,
             BLOCK_K=config.block_k,
