@@ -188,7 +188,7 @@ def check_training(EP, mode, device, gpus=(0,)):
         assert torch.equal(r["accumulated_w2_grad"], torch.ones_like(grad_w2) + grad_w2)
 
 
-@pytest.mark.parametrize("mode", ["save", "replay"])
-@pytest.mark.parametrize("EP", [1, 2])
+@pytest.mark.parametrize("EP, mode", [(1, "save"), (1, "replay"), (2, "save"), (2, "replay"),
+                                      (4, "replay")])  # EP=4: issue 8's CPU share
 def test_training_matches_torch_autograd(EP, mode):
     check_training(EP, mode, "cpu")
