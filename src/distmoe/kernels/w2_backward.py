@@ -112,6 +112,7 @@ from distmoe.kernels._common import (
     next_power_of_2,
     rows_at,
     swizzle_tile,
+    tile_activation_rows,
     tile_expert,
 )
 from distmoe.kernels.interpreter import interpreter_active
@@ -132,17 +133,11 @@ def _pow2_clamped(n: int, low: int, high: int) -> int:
 
 @triton.jit
 def tile_live_rows(padded_offsets_ptr, row_offsets_ptr, expert, row_start):
-    """Activation rows of the padded rows from ``row_start`` on (inside ``expert``'s segment).
-
-    Returns ``(act_start, num_live)``, both int32: padded row ``row_start + i`` is live iff
-    ``i < num_live`` (``num_live <= 0``: padding rows only; it may exceed the block) and then
-    maps to activation row ``act_start + i``.
-    """
-    seg_start = tl.load(padded_offsets_ptr + expert)
-    act_begin = tl.load(row_offsets_ptr + expert)
-    act_end = tl.load(row_offsets_ptr + expert + 1)
-    local = row_start - seg_start
-    return act_begin + local, act_end - act_begin - local
+    """:func:`tile_activation_rows` with an int32 ``act_start``: the backward kernels use it
+    as a TMA row coordinate (int32) and in int32 row arithmetic."""
+    act_start, num_live = tile_activation_rows(padded_offsets_ptr, row_offsets_ptr, expert,
+                                               row_start)
+    return act_start.to(tl.int32), num_live
 
 
 @triton.jit
