@@ -454,6 +454,19 @@ def test_w2_dgrad_swiglu_bwd(mode):
         assert same_bits(grad_h3[spare], poisoned(num_spare, hidden))
 
 
+def _run_w2_dgrad(layout, ptrs, w2, h1_arg, grad_h1_out, config, *, gather_once,
+                  h1_offset=None):
+    """One w2_dgrad_swiglu_bwd into NaN-poisoned h2 (and grad_h3 when gathering once);
+    returns (grad_h1_out, h2, grad_h3)."""
+    num_act, ffn = layout.num_act, w2.shape[2]
+    h2 = poisoned(num_act, ffn)
+    grad_h3 = poisoned(num_act, w2.shape[1]) if gather_once else None
+    w2_dgrad_swiglu_bwd(ptrs, layout.padded_offsets, layout.row_offsets, w2, h1_arg,
+                        grad_h1_out, h1_offset=h1_offset, h2_out=h2, grad_h3_out=grad_h3,
+                        config=config)
+    return grad_h1_out, h2, grad_h3
+
+
 @pytest.mark.parametrize("gather_once", [True, False])
 def test_w2_dgrad_h1_offset(gather_once):
     """h1 at a device-side offset into a 1-D base, out of place and in place (grad_h1_out
@@ -466,20 +479,9 @@ def test_w2_dgrad_h1_offset(gather_once):
     outs = {}
 
     def run(name, h1_arg, grad_h1_out, h1_offset=None):
-        h2 = poisoned(num_act, ffn)
-        grad_h3 = poisoned(num_act, hidden) if gather_once else None
-        w2_dgrad_swiglu_bwd(
-            ptrs,
-            layout.padded_offsets,
-            layout.row_offsets,
-            w2,
-            h1_arg,
-            grad_h1_out,
-            h1_offset=h1_offset,
-            h2_out=h2,
-            grad_h3_out=grad_h3,
-            config=config,
-        )
+        grad_h1_out, h2, grad_h3 = _run_w2_dgrad(
+            layout, ptrs, w2, h1_arg, grad_h1_out, config, gather_once=gather_once,
+            h1_offset=h1_offset)
         outs[name] = (grad_h1_out.clone(), h2, grad_h3)
 
     run("plain", h1, poisoned(num_act, 2 * ffn))
@@ -538,21 +540,8 @@ def test_w2_dgrad_persistent(gather_once, host_descriptors):
     )
 
     def run(persistent, h1_arg, grad_h1_out, h1_offset=None):
-        h2 = poisoned(num_act, ffn)
-        grad_h3 = poisoned(num_act, hidden) if gather_once else None
-        w2_dgrad_swiglu_bwd(
-            ptrs,
-            layout.padded_offsets,
-            layout.row_offsets,
-            w2,
-            h1_arg,
-            grad_h1_out,
-            h1_offset=h1_offset,
-            h2_out=h2,
-            grad_h3_out=grad_h3,
-            config=configs[persistent],
-        )
-        return grad_h1_out, h2, grad_h3
+        return _run_w2_dgrad(layout, ptrs, w2, h1_arg, grad_h1_out, configs[persistent],
+                             gather_once=gather_once, h1_offset=h1_offset)
 
     tiles = run(False, h1, poisoned(num_act, 2 * ffn))
     walked = run(True, h1, poisoned(num_act, 2 * ffn))

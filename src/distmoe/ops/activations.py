@@ -45,10 +45,6 @@ from ..config import MoEConfig
 from ..memory import MemoryPlan, align128, plan_memory
 
 
-def _a128(t: torch.Tensor) -> torch.Tensor:
-    return (t + 127) // 128 * 128
-
-
 @dataclass
 class LayerRecord:
     """What a forward leaves for its backward (per call, on the autograd ctx).
@@ -178,7 +174,7 @@ class ActivationBuffer:
         s = self.slot
         layer = len(self.stacks[s])
         rows = executed_rows_EP.to(torch.int64)
-        full = _a128(rows * self._consts[0]) + _a128(rows * self._consts[1]) + self.h3_bytes
+        full = align128(rows * self._consts[0]) + align128(rows * self._consts[1]) + self.h3_bytes
         cur = self.cursors[s]
         before = cur.clone()
         reserve = (self.layers_per_slot - 1 - layer) * self.input_bytes
@@ -189,8 +185,8 @@ class ActivationBuffer:
         start = (s * self.slot_bytes + before[self.rank]) // 2
         my_rows = rows[self.rank]
         x_rows_off = start
-        h1_off = start + _a128(my_rows * self._consts[0]) // 2
-        h3_off = h1_off + _a128(my_rows * self._consts[1]) // 2
+        h1_off = start + align128(my_rows * self._consts[0]) // 2
+        h3_off = h1_off + align128(my_rows * self._consts[1]) // 2
         neg = torch.full_like(start, -1)
         offsets = torch.stack([
             torch.where(save, h1_off, neg),
