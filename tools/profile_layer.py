@@ -3,11 +3,13 @@
 
 Usage (repository root, one GPU):
     PYTHONPATH=src python3 tools/profile_layer.py [--shape issue-a] [--mode fwdbwd]
-        [--steps 5] [--rows 25] [--trace FILE.json]
+        [--steps 5] [--rows 25] [--tokens T] [--trace FILE.json]
 
 Runs a few untimed steps (compilation), then ``--steps`` steps under ``torch.profiler`` and
 prints the CUDA kernels sorted by total time (per step), then the step's wall time. Routing is
-balanced random (the bench's default shapes).
+balanced random (the bench's default shapes). Training steps take gradients with respect to
+x, scores, w13 and w2 through ``torch.autograd.grad`` like the bench (returned, not
+accumulated into ``.grad``).
 """
 
 from __future__ import annotations
@@ -29,9 +31,15 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rows", type=int, default=25, help="kernels to list")
     ap.add_argument("--trace", default=None, help="also write a Chrome trace here")
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="tokens instead of the shape's own T (e.g. 16 for decode)")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     T, D, F, E, K = shape.tokens, shape.hidden, shape.ffn, shape.num_experts, shape.top_k
+    if args.tokens is not None:
+        if args.tokens < 1:
+            raise SystemExit(f"--tokens must be >= 1, got {args.tokens}")
+        T = args.tokens
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     import torch.distributed as dist
@@ -48,12 +56,14 @@ def main() -> int:
     w2 = (torch.randn(E, D, F, generator=g) / F**0.5).bfloat16().to(dev)
     gy = torch.randn(T, D, generator=g).bfloat16().to(dev)
     params = [t.requires_grad_(training) for t in (w13, w2)]
+    scores_g = scores.float().requires_grad_(training)
     with dm.MoEContext(cfg, device=dev) as ctx:
         def step():
             if training:
                 xs = x.detach().requires_grad_(True)
-                y = ctx(xs, ids, scores, *params)
-                y.backward(gy)
+                y = ctx(xs, ids, scores_g, *params)
+                # like the bench: gradients returned, not accumulated into .grad
+                torch.autograd.grad(y, (xs, scores_g, *params), gy)
             else:
                 with torch.no_grad():
                     ctx(x, ids, scores, w13, w2)

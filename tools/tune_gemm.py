@@ -69,6 +69,7 @@ def main() -> int:
         s = SHAPES[name]
         T, D, F, E, K = s.tokens, s.hidden, s.ffn, s.num_experts, s.top_k
         R = T * K
+        hint = max(1, R // E)  # the layer's shape key (balanced rows per local expert, EP=1)
         counts, ro, po, r_cap, token = _layout(T, K, E, dev)
         x = torch.randn(T, D, device=dev).bfloat16()
         w13 = (torch.randn(E, 2, F, D, device=dev) / D**0.5).bfloat16()
@@ -102,12 +103,12 @@ def main() -> int:
         }
         flops = {"w13": 2 * R * 2 * F * D, "w2": 2 * R * D * F}
         cands = {
-            "w13": [W13Config.from_heuristic(hidden=D, ffn=F)] + [
+            "w13": [W13Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)] + [
                 W13Config(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st,
                           group_m=gm, persistent=pe)
                 for bn, st, gm, pe in itertools.product([128, 64], [3, 4], [8, 16],
                                                         [False, True])],
-            "w2": [W2Config.from_heuristic(hidden=D, ffn=F)] + [
+            "w2": [W2Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)] + [
                 W2Config(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st,
                          group_m=gm, persistent=pe)
                 for bn, st, gm, pe in itertools.product([128, 256], [3, 4], [8], [False, True])],
@@ -137,10 +138,12 @@ def main() -> int:
             flops["w13_dgrad"] = flops["w13"]
             # Each candidate on both grids: one program per tile and persistent (heuristic
             # first: the results mark index 0 as the heuristic).
-            cands["w2_dgrad"] = _both_grids([W2DgradConfig.from_heuristic(hidden=D, ffn=F)] + [
+            cands["w2_dgrad"] = _both_grids([W2DgradConfig.from_heuristic(hidden=D, ffn=F,
+                                                                   rows_per_expert=hint)] + [
                 W2DgradConfig(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st)
                 for bn, st in itertools.product([128, 256], [3, 4])])
-            cands["w13_dgrad"] = _both_grids([W13DgradConfig.from_heuristic(hidden=D, ffn=F)] + [
+            cands["w13_dgrad"] = _both_grids([W13DgradConfig.from_heuristic(hidden=D, ffn=F,
+                                                                     rows_per_expert=hint)] + [
                 W13DgradConfig(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st)
                 for bn, st in itertools.product([128, 256], [3, 4])])
 

@@ -830,8 +830,9 @@ def test_w13_wgrad_x_offset(host_descriptors):
     assert same_bits(got, plain)
 
 
+@pytest.mark.parametrize("host_descriptors", [True, False], ids=["host_desc", "device_desc"])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_wgrad_overwrite(out_dtype):
+def test_wgrad_overwrite(out_dtype, host_descriptors):
     """accumulate=False: every element written (zeros for the expert without rows) over a
     NaN-poisoned output; fp32 equals accumulating into zeros bit for bit (same row steps, same
     order, and 0 + acc is exact); bf16 is that fp32 result rounded once (RNE)."""
@@ -842,7 +843,7 @@ def test_wgrad_overwrite(out_dtype):
     grad_h3 = _wgrad_operand(layout, hidden, big_experts=[2])
     h2 = _wgrad_operand(layout, ffn, big_experts=[2])
     config = WgradConfig(block_m=block_m, block_k=16, block_out_m=32, block_out_n=16,
-                         num_warps=4, num_stages=2)
+                         num_warps=4, num_stages=2, host_descriptors=host_descriptors)
     po, ro = layout.padded_offsets, layout.row_offsets
     acc13 = torch.zeros(num_experts, 2, ffn, hidden, device=DEVICE)
     w13_wgrad(grad_h1, x, po, ro, acc13, config=config)
@@ -854,6 +855,13 @@ def test_wgrad_overwrite(out_dtype):
     w2_wgrad(grad_h3, h2, po, ro, got2, accumulate=False, config=config)
     assert same_bits(got13, acc13.to(out_dtype)) and same_bits(got2, acc2.to(out_dtype))
     assert not got13[1].any() and not got2[1].any()  # the expert without rows: zeros
+    # The epilogue is a TMA store when out is 16-byte aligned (above), pointer stores when not
+    # (an out starting one element into its storage): same bits.
+    unaligned = poisoned(num_experts * hidden * ffn + 1, dtype=out_dtype)[1:]
+    unaligned = unaligned.view(num_experts, hidden, ffn)
+    assert unaligned.data_ptr() % 16
+    w2_wgrad(grad_h3, h2, po, ro, unaligned, accumulate=False, config=config)
+    assert same_bits(unaligned, got2)
     split = WgradConfig(block_m=block_m, block_k=16, block_out_m=32, block_out_n=16,
                         split_rows=2, num_warps=4, num_stages=2)
     with pytest.raises(ValueError, match=r"accumulate=False needs config.split_rows == 1"):
@@ -1047,14 +1055,20 @@ def test_backward_chain(offsets):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("offsets", [False, True])
-def test_backward_chain_gpu_default_configs(offsets):
-    # Production tiles (block_m 128, 128-wide tiles, 8 warps, TMA, pipelined row loops).
+@pytest.mark.parametrize("hint", [None, 2048], ids=["no_hint", "layer_hint"])
+def test_backward_chain_gpu_default_configs(offsets, hint):
+    # Production tiles (block_m 128, 8 warps, TMA, pipelined row loops). With the layer's
+    # shape hint: the tuned 128 x 256 DGRAD tiles (F = 384: a half-empty last tile), the
+    # persistent W13 DGRAD grid and 128 x 256 WGRAD tiles.
     configs = {
-        "w2_dgrad": W2DgradConfig.from_heuristic(hidden=512, ffn=384),
-        "w2_wgrad": WgradConfig.from_heuristic(out_rows=512, out_cols=384),
-        "w13_dgrad": W13DgradConfig.from_heuristic(hidden=512, ffn=384),
-        "w13_wgrad": WgradConfig.from_heuristic(out_rows=768, out_cols=512),
+        "w2_dgrad": W2DgradConfig.from_heuristic(hidden=512, ffn=384, rows_per_expert=hint),
+        "w2_wgrad": WgradConfig.from_heuristic(out_rows=512, out_cols=384, rows_per_expert=hint),
+        "w13_dgrad": W13DgradConfig.from_heuristic(hidden=512, ffn=384, rows_per_expert=hint),
+        "w13_wgrad": WgradConfig.from_heuristic(out_rows=768, out_cols=512,
+                                                rows_per_expert=hint),
     }
+    if hint is not None:
+        assert configs["w2_dgrad"].block_n == configs["w13_dgrad"].block_n == 256
     _chain_check(
         num_tokens=300,
         top_k=4,
@@ -1094,6 +1108,18 @@ def test_configs():
         assert {c.persistent for c in swept} == {False, True}
         tiles = [replace(c, persistent=False) for c in swept if c.persistent]
         assert tiles and all(c in swept for c in tiles)  # a persistent twin of each tile grid
+    # With the layer's shape hint (balanced rows per local expert): the tuned 128 x 256 tiles
+    # when the dimension they split is wide enough, else the defaults above.
+    w2d = W2DgradConfig.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048)
+    assert (w2d.block_n, w2d.num_stages, w2d.persistent) == (256, 4, False)
+    w13d = W13DgradConfig.from_heuristic(hidden=2048, ffn=768, rows_per_expert=256)
+    assert (w13d.block_n, w13d.num_stages, w13d.persistent) == (256, 4, True)
+    assert w2d.fits_hopper() and w13d.fits_hopper()
+    for cls in (W2DgradConfig, W13DgradConfig):
+        assert cls.from_heuristic(hidden=128, ffn=128, rows_per_expert=2048) \
+            == cls.from_heuristic(hidden=128, ffn=128)
+        assert cls.from_heuristic(hidden=4096, ffn=2048, block_m=64, rows_per_expert=2048) \
+            == cls.from_heuristic(hidden=4096, ffn=2048, block_m=64)
 
 
 def test_validation_errors():

@@ -152,7 +152,9 @@ class MoEFunction(torch.autograd.Function):
         w2_dgrad_swiglu_bwd(tables.scatter_ptrs, po, ro, w2, elements, scratch["h1g"],
                             h1_offset=h1_offset, h2_out=scratch["h2"],
                             grad_h3_out=scratch["gh3"],
-                            config=W2DgradConfig.from_heuristic(hidden=D, ffn=F, block_m=block))
+                            config=W2DgradConfig.from_heuristic(
+                                hidden=D, ffn=F, block_m=block,
+                                rows_per_expert=moe.rows_per_expert_hint))
         # WGRAD: fp32 accumulation, one rounding straight into the weights' dtype (one program
         # per output tile writes it whole: no zero fill, no conversion pass)
         need = ctx.needs_input_grad
@@ -172,7 +174,9 @@ class MoEFunction(torch.autograd.Function):
         # Route input gradients into the owners' dispatch rows t*K+k (see the module
         # docstring for why no peer reads dispatch now).
         w13_dgrad_scatter(scratch["h1g"], po, ro, w13, tables.bwd_scatter_ptrs,
-                          config=W13DgradConfig.from_heuristic(hidden=D, ffn=F, block_m=block))
+                          config=W13DgradConfig.from_heuristic(
+                              hidden=D, ffn=F, block_m=block,
+                              rows_per_expert=moe.rows_per_expert_hint))
         # 4. all route input gradients have landed
         heap.barrier()
         # 5. owner: sum its routes' input gradients (no barrier after: module docstring)
