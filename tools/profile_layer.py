@@ -3,7 +3,7 @@
 
 Usage (repository root, one GPU):
     PYTHONPATH=src python3 tools/profile_layer.py [--shape issue-a] [--mode fwdbwd]
-        [--steps 5] [--rows 25] [--tokens T] [--trace FILE.json]
+        [--steps 5] [--rows 25] [--tokens T] [--graph] [--trace FILE.json]
 
 Runs a few untimed steps (compilation), then ``--steps`` steps under ``torch.profiler`` and
 prints the CUDA kernels sorted by total time (per step), then the step's wall time. Routing is
@@ -33,6 +33,8 @@ def main() -> int:
     ap.add_argument("--trace", default=None, help="also write a Chrome trace here")
     ap.add_argument("--tokens", type=int, default=None,
                     help="tokens instead of the shape's own T (e.g. 16 for decode)")
+    ap.add_argument("--graph", action="store_true",
+                    help="capture one step in a CUDA graph and profile its replays")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     T, D, F, E, K = shape.tokens, shape.hidden, shape.ffn, shape.num_experts, shape.top_k
@@ -71,16 +73,24 @@ def main() -> int:
         for _ in range(3):
             step()
         torch.cuda.synchronize()
+        run = step
+        if args.graph:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            run = graph.replay
+            run()
+            torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(args.steps):
-            step()
+            run()
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - start) * 1e3 / args.steps
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(args.steps):
-                step()
+                run()
             torch.cuda.synchronize()
     rows = []
     for ev in prof.key_averages():
@@ -94,7 +104,8 @@ def main() -> int:
     print(f"{'ms/step':>9} {'calls':>6}  kernel")
     for ms, calls, name in rows[:args.rows]:
         print(f"{ms:9.3f} {calls:6d}  {name[:100]}")
-    print(f"{total:9.3f}         sum of kernel time per step; wall {wall_ms:.3f} ms/step (eager)")
+    print(f"{total:9.3f}         sum of kernel time per step; wall {wall_ms:.3f} ms/step "
+          f"({'CUDA graph replay' if args.graph else 'eager'})")
     if args.trace:
         prof.export_chrome_trace(args.trace)
     dist.destroy_process_group()

@@ -288,6 +288,15 @@ def test_w13_mixed_experts(persistent, host_descriptors):
     run_w13_case([5, 0, 16, 21], hidden=64, ffn=48, r_cap=96, config=config, null_live=[7])
 
 
+@pytest.mark.parametrize("hidden, ffn", [(96, 48), (32, 96), (72, 80)],
+                         ids=["more_k_steps", "more_column_tiles", "both_ragged"])
+def test_w13_x_out_shared_by_column_tiles(hidden, ffn):
+    # The column tiles of a row tile share the copy of its gathered rows (tile n copies the K
+    # steps n, n + tiles, ...): 3 K steps over 2 column tiles, 1 K step over 3 column tiles,
+    # and ragged D and F (3 K steps, the last partial, over 3 column tiles, the last partial).
+    run_w13_case([9, 0, 23], hidden=hidden, ffn=ffn, r_cap=64, config=W13_SMALL)
+
+
 def test_w13_hidden_not_multiple_of_block_k():
     # D=40 against block_k=32: the last K step is masked (rows) / zero-filled (TMA weights).
     run_w13_case([7, 18], hidden=40, ffn=32, r_cap=64, config=W13_SMALL)

@@ -178,23 +178,27 @@ def _w13_tile(
                 tl.store(h1_tile, acc_g.to(tl.bfloat16), mask=out_mask)
                 tl.store(h1_tile + FFN, acc_u.to(tl.bfloat16), mask=out_mask)
         if WRITE_X:
-            # The first column tile of each row tile saves the gathered rows (training keeps
-            # them for WGRAD). A second pass rather than a store inside the K loop keeps the
-            # main loop a plain load/dot pipeline; the rows were just read, so this pass
-            # mostly hits L2.
-            if pid_n == 0:
+            # The column tiles of a row tile share saving its gathered rows (training keeps
+            # them for WGRAD): tile pid_n copies the K steps pid_n, pid_n + NUM_PID_N, ...,
+            # so no tile carries the whole copy. A second pass rather than a store inside the
+            # K loop keeps the main loop a plain load/dot pipeline; the rows were just read,
+            # so this pass mostly hits L2.
+            NUM_PID_N: tl.constexpr = (FFN + BLOCK_N - 1) // BLOCK_N
+            if pid_n < NUM_K:
                 if x_off >= 0:
                     x_rows = tl.multiple_of(x_out_ptr + x_off + act_rows * HIDDEN, 16)
-                    for k in range(0, NUM_K):
-                        kk = k * BLOCK_K + offs_k
-                        if EVEN_K:
-                            a_mask = is_read_row[:, None]
-                            x_mask = is_live[:, None]
-                        else:
-                            a_mask = is_read_row[:, None] & (kk < HIDDEN)[None, :]
-                            x_mask = is_live[:, None] & (kk < HIDDEN)[None, :]
-                        a = tl.load(a_rows[:, None] + kk[None, :], mask=a_mask, other=0.0)
-                        tl.store(x_rows[:, None] + kk[None, :], a, mask=x_mask)
+                    for j in range(0, (NUM_K + NUM_PID_N - 1) // NUM_PID_N):
+                        k = pid_n + j * NUM_PID_N
+                        if k < NUM_K:
+                            kk = k * BLOCK_K + offs_k
+                            if EVEN_K:
+                                a_mask = is_read_row[:, None]
+                                x_mask = is_live[:, None]
+                            else:
+                                a_mask = is_read_row[:, None] & (kk < HIDDEN)[None, :]
+                                x_mask = is_live[:, None] & (kk < HIDDEN)[None, :]
+                            a = tl.load(a_rows[:, None] + kk[None, :], mask=a_mask, other=0.0)
+                            tl.store(x_rows[:, None] + kk[None, :], a, mask=x_mask)
 
 
 @triton.jit
