@@ -20,8 +20,10 @@ import itertools
 import torch
 
 
-def _candidates(WgradConfig, out_rows, out_cols):
-    out = [WgradConfig.from_heuristic(out_rows=out_rows, out_cols=out_cols)]
+def _candidates(WgradConfig, out_rows, out_cols, hint):
+    # first: what the layer runs (the heuristic with its shape hint)
+    out = [WgradConfig.from_heuristic(out_rows=out_rows, out_cols=out_cols,
+                                      rows_per_expert=hint)]
     for (bm, bn), bk, stages, warps in itertools.product(
         [(128, 128), (128, 256), (256, 128), (64, 128), (128, 64)], [64, 128], [3, 4], [8]
     ):
@@ -71,7 +73,7 @@ def main() -> int:
         for kernel, (P, Q), fn in (("w13_wgrad", (2 * F, D), run13),
                                    ("w2_wgrad", (D, F), run2)):
             results = []
-            for i, cfg in enumerate(_candidates(WgradConfig, P, Q)):
+            for i, cfg in enumerate(_candidates(WgradConfig, P, Q, max(1, R // E))):
                 try:
                     ms = triton.testing.do_bench(lambda cfg=cfg, fn=fn: fn(cfg), warmup=5,
                                                  rep=30)

@@ -679,20 +679,22 @@ class WgradConfig:
         """64 rows per step, 8 warps. ``rows_per_expert`` is a *shape* hint (the balanced
         rows per local expert, ``T*K*EP/E``), never a routed count:
 
-        * long row loops (hint >= 1024) with wide weights: 128 x 256 output tiles, 4 stages
-          (192 KiB of SMEM);
+        * long row loops (hint >= 1024) with wide weights: 128 x 256 output tiles, 3 stages
+          (144 KiB of SMEM, and the TMA-store staging of the epilogue);
         * otherwise 128 x 128 tiles (narrower for narrow weights), 3 stages, so two CTAs fit
           an SM and one's epilogue overlaps the other's loads.
 
         Measured on one H200 (2026-11-29, ``tools/tune_wgrad.py``, overwrite mode): at T=8192
         D=4096 F=2048 E=32 K=8, 128x256/4 stages 3.18 ms (W13) and 1.58 ms (W2) against 3.74 and
         1.84 for 128x128/4; at T=4096 D=2048 F=768 E=128 K=8, 128x128/3 stages 0.65 and 0.35 ms
-        against 0.99 and 0.54 for 4 stages.
+        against 0.99 and 0.54 for 4 stages. With the TMA-store epilogue (a later run, same
+        tool): 128x256/3 stages 3.24 and 1.59 ms against 3.36 and 1.62 for 4 stages at the
+        first shape; 128x128/3 stages 0.634 and 0.337 ms at the second.
         """
         if rows_per_expert is not None and rows_per_expert >= 1024 and out_rows >= 128 \
                 and out_cols >= 256:
             return cls(block_m=block_m, block_k=min(64, block_m), block_out_m=128,
-                       block_out_n=256, num_warps=8, num_stages=4)
+                       block_out_n=256, num_warps=8, num_stages=3)
         block_out_m = _pow2_clamped(out_rows, 16, 128)
         block_out_n = _pow2_clamped(out_cols, 16, 128)
         num_warps = 8 if block_out_m * block_out_n >= 128 * 128 else 4
