@@ -54,9 +54,13 @@ def ids_for(EP, T, K, E, kind):
     return ids.to(torch.int16)
 
 
+IMPLS = pytest.mark.parametrize("impl", ["torch", "fused"])
+
+
+@IMPLS
 @pytest.mark.parametrize("kind", ["random", "one_expert", "all_inactive"])
 @pytest.mark.parametrize("EP, T, K, E, block", [(3, 7, 2, 6, 4), (1, 5, 3, 4, 16), (4, 9, 4, 8, 2)])
-def test_tables_match_loop_construction(kind, EP, T, K, E, block):
+def test_tables_match_loop_construction(kind, EP, T, K, E, block, impl):
     if kind == "one_expert":
         K = 1
     ids = ids_for(EP, T, K, E, kind)
@@ -66,7 +70,7 @@ def test_tables_match_loop_construction(kind, EP, T, K, E, block):
         tab = build_routing_tables(ids, rank=rank, num_local_experts=E_local, row_block=block,
                                    receive_bound=bound, dispatch_bases_EP=DISPATCH[:EP],
                                    combine_bases_EP=COMBINE[:EP], row_bytes=ROW_BYTES,
-                                   training=True)
+                                   training=True, impl=impl)
         offsets, compact, gather, scatter, bwd, recv, dropped = loop_tables(
             ids, rank, E_local, block, bound, True)
         assert tab.padded_offsets.tolist() == offsets
@@ -81,7 +85,8 @@ def test_tables_match_loop_construction(kind, EP, T, K, E, block):
         assert torch.equal(tab.is_route_executed_TK, (ids[rank] >= 0))
 
 
-def test_overflow_is_counted_and_never_written_past_capacity():
+@IMPLS
+def test_overflow_is_counted_and_never_written_past_capacity(impl):
     EP, T, K, block = 2, 16, 2, 4  # E = 4 experts, 2 per rank
     ids = torch.zeros(EP, T, K, dtype=torch.int16)
     ids[:, :, 1] = 1  # rank 0 receives all 64 routes
@@ -90,7 +95,7 @@ def test_overflow_is_counted_and_never_written_past_capacity():
     tab = build_routing_tables(ids, rank=0, num_local_experts=2, row_block=block,
                                receive_bound=bound, dispatch_bases_EP=DISPATCH[:EP],
                                combine_bases_EP=COMBINE[:EP], row_bytes=ROW_BYTES,
-                               training=False)
+                               training=False, impl=impl)
     offsets, compact, gather, scatter, _, recv, dropped = loop_tables(ids, 0, 2, block, bound,
                                                                       False)
     assert tab.gather_ptrs.shape == (cap,) and tab.bwd_scatter_ptrs is None
@@ -108,8 +113,86 @@ def test_overflow_is_counted_and_never_written_past_capacity():
     tab1 = build_routing_tables(ids, rank=1, num_local_experts=2, row_block=block,
                                 receive_bound=bound, dispatch_bases_EP=DISPATCH[:EP],
                                 combine_bases_EP=COMBINE[:EP], row_bytes=ROW_BYTES,
-                                training=False)
+                                training=False, impl=impl)
     executed1 = torch.zeros(T, K, dtype=torch.bool)
     executed1[:6, 0] = True  # expert 0 rows 16..21 are rank 1's first 6 tokens
     assert torch.equal(tab1.is_route_executed_TK, executed1)
     assert int(tab1.num_recv_rows) == 0
+
+
+def _both(ids, *, device=None, **kw):
+    if device is not None:
+        ids = ids.to(device)
+        for name in ("dispatch_bases_EP", "combine_bases_EP"):
+            kw[name] = kw[name].to(device)
+    return [build_routing_tables(ids, impl=impl, **kw) for impl in ("torch", "fused")]
+
+
+def _assert_same_tables(a, b):
+    for name in a.__dataclass_fields__:
+        x, y = getattr(a, name), getattr(b, name)
+        if x is None or y is None:
+            assert x is None and y is None, name
+            continue
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fused_tables_equal_torch_tables(seed, device=None):
+    """Random calls, bit for bit: EP 1-4, drops under a small receive bound, inactive and
+    invalid ids (int64 values that would wrap into range as int32), every id dtype."""
+    g = torch.Generator().manual_seed(seed)
+    EP = [1, 2, 3, 4, 2, 1][seed]
+    E_local = int(torch.randint(1, 9, (1,), generator=g))
+    T = int(torch.randint(1, 40, (1,), generator=g))
+    K = int(torch.randint(1, min(4, EP * E_local) + 1, (1,), generator=g))
+    E = EP * E_local
+    block = [2, 4, 16, 128, 8, 32][seed]
+    ids = torch.randint(-1, E, (EP, T, K), generator=g, dtype=torch.int64)
+    if seed % 2:  # invalid ids, counted and treated as inactive
+        ids[0, 0, 0] = E
+        ids[-1, -1, -1] = -5
+        ids[0, -1, 0] = 2**32 + 1  # 1 after an int32 wrap
+    dtype = [torch.int16, torch.int32, torch.int64][seed % 3]
+    if dtype != torch.int64:
+        ids = ids.clamp(-2, E).to(dtype)
+    bound = max(1, int(EP * T * K * [1.0, 0.3, 0.6][seed % 3]))
+    for rank in range(EP):
+        for training in (False, True):
+            a, b = _both(ids, device=device, rank=rank, num_local_experts=E_local,
+                         row_block=block,
+                         receive_bound=bound, dispatch_bases_EP=DISPATCH[:EP],
+                         combine_bases_EP=COMBINE[:EP], row_bytes=ROW_BYTES,
+                         training=training)
+            _assert_same_tables(a, b)
+
+
+@pytest.mark.gpu
+def test_fused_tables_equal_torch_tables_gpu():
+    # The compiled kernel (CTA barriers between scratch writes and reads, 4-8 warps).
+    for seed in range(6):
+        test_fused_tables_equal_torch_tables(seed, device=torch.device("cuda"))
+    test_fused_tables_largest_call(device=torch.device("cuda"))
+
+
+def test_fused_tables_largest_call(device=None):
+    # At the size limit (4096 routes, the largest in-register sort) with many experts.
+    from distmoe.routing.fused import MAX_FUSED_ROUTES
+
+    EP, K, E = 2, 8, 256
+    T = MAX_FUSED_ROUTES // (EP * K)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.stack([random_routing(T, E, K, generator=g)[0] for _ in range(EP)])
+    kw = dict(num_local_experts=E // EP, row_block=128, receive_bound=T * K + 100,
+              dispatch_bases_EP=DISPATCH[:EP], combine_bases_EP=COMBINE[:EP],
+              row_bytes=ROW_BYTES, training=True)
+    for rank in range(EP):
+        _assert_same_tables(*_both(ids, device=device, rank=rank, **kw))
+    if device is not None:
+        return
+    with pytest.raises(ValueError, match=r"impl='fused' takes at most 4096 routes"):
+        build_routing_tables(torch.zeros(EP, T + 1, K, dtype=torch.int16), rank=0,
+                             impl="fused", **kw)
+    with pytest.raises(ValueError, match=r"impl \('sorted'\) must be"):
+        build_routing_tables(ids, rank=0, impl="sorted", **kw)

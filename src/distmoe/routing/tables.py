@@ -14,7 +14,8 @@ Two row numberings (see also :mod:`distmoe.kernels._common`):
   is activation row row_offsets[e] + j. The memory planner counts these rows.
 
 Algorithm (all torch ops on the rank's device, fixed shapes, no host synchronisation, so the
-whole thing can be captured in a CUDA graph):
+whole thing can be captured in a CUDA graph; calls of at most 4096 routes instead run one
+Triton program that gives the same tables, :mod:`distmoe.routing.fused`):
 
 1. flatten the gathered ids ``expert_ids_EPTK`` to routes i = (src, t, k); its key is its
    global expert, or E for inactive and invalid ids;
@@ -36,6 +37,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .fused import (
+    MAX_FUSED_EXPERTS,
+    MAX_FUSED_ROUTES,
+    build_routing_tables_fused,
+    fused_eligible,
+)
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,7 @@ def build_routing_tables(
     combine_bases_EP: torch.Tensor,
     row_bytes: int,
     training: bool,
+    impl: str = "auto",
 ) -> RoutingTables:
     """Build this rank's tables from all ranks' ids (see the module docstring).
 
@@ -111,12 +120,30 @@ def build_routing_tables(
             dispatch and combine buffers (heap base tables).
         row_bytes: bytes of one row (D * 2 for bf16).
         training: also build the backward return table.
+        impl: ``"auto"`` (one Triton program for small calls, see
+            :mod:`distmoe.routing.fused`, else torch ops), ``"torch"`` or ``"fused"`` (a
+            ``ValueError`` when the call is too large for it). All give the same tables.
     """
     EP, T, K = expert_ids_EPTK.shape
     device = expert_ids_EPTK.device
     E_local = num_local_experts
     E = EP * E_local
     cap = row_capacity(receive_bound, E_local, row_block)
+    if impl not in ("auto", "torch", "fused"):
+        raise ValueError(f"impl ({impl!r}) must be 'auto', 'torch' or 'fused'")
+    eligible = fused_eligible(EP * T * K, E, device)
+    if impl == "fused" and not eligible:
+        raise ValueError(
+            f"impl='fused' takes at most {MAX_FUSED_ROUTES} routes (EP*T*K = {EP * T * K}) and "
+            f"E + 2 <= {MAX_FUSED_EXPERTS} (E = {E}), on a CUDA device or under Triton's "
+            "interpreter"
+        )
+    if impl != "torch" and eligible:
+        return RoutingTables(**build_routing_tables_fused(
+            expert_ids_EPTK, rank=rank, num_local_experts=E_local, row_block=row_block,
+            receive_bound=receive_bound, cap=cap, dispatch_bases_EP=dispatch_bases_EP,
+            combine_bases_EP=combine_bases_EP, row_bytes=row_bytes, training=training,
+        ))
     # Every rank sorts all EP*T*K routes by global expert, so each rank also knows where its
     # own routes land on their destination ranks (and whether they are executed there).
     ids_i = expert_ids_EPTK.reshape(-1).to(torch.int64)
