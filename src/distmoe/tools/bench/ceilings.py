@@ -137,9 +137,7 @@ def device_copy(device: torch.device, config: TimingConfig, nbytes: int = COPY_B
     """``dst.copy_(src)`` GB/s on one device, counting read + write bytes."""
     c = Ceiling(name="device_copy", unit="GB/s")
     try:
-        # 8-byte elements: a uint8 copy_ ran at about 2.7 TB/s (read + write) on an H200
-        # while the layer's decode forward streamed weights faster than that (2026-11-29).
-        src = torch.empty(nbytes // 8, dtype=torch.int64, device=device).fill_(1)
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
         dst = torch.empty_like(src)
         res = benchmark(lambda dst=dst, src=src: dst.copy_(src), config=config, device=device)
         _record(
