@@ -125,7 +125,7 @@ def _both(ids, *, device=None, **kw):
         ids = ids.to(device)
         for name in ("dispatch_bases_EP", "combine_bases_EP"):
             kw[name] = kw[name].to(device)
-    return [build_routing_tables(ids, impl=impl, **kw) for impl in ("torch", "fused")]
+    return [build_routing_tables(ids, impl=impl, **kw) for impl in ("torch", "fused", "blocked")]
 
 
 def _assert_same_tables(a, b):
@@ -139,9 +139,13 @@ def _assert_same_tables(a, b):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_fused_tables_equal_torch_tables(seed, device=None):
+def test_fused_tables_equal_torch_tables(seed, monkeypatch, device=None):
     """Random calls, bit for bit: EP 1-4, drops under a small receive bound, inactive and
-    invalid ids (int64 values that would wrap into range as int32), every id dtype."""
+    invalid ids (int64 values that would wrap into range as int32), every id dtype; the
+    blocked path with 64 routes per program (several blocks)."""
+    from distmoe.routing import fused
+
+    monkeypatch.setattr(fused, "BLOCKED_ROUTES_PER_PROGRAM", 64)
     g = torch.Generator().manual_seed(seed)
     EP = [1, 2, 3, 4, 2, 1][seed]
     E_local = int(torch.randint(1, 9, (1,), generator=g))
@@ -160,20 +164,26 @@ def test_fused_tables_equal_torch_tables(seed, device=None):
     bound = max(1, int(EP * T * K * [1.0, 0.3, 0.6][seed % 3]))
     for rank in range(EP):
         for training in (False, True):
-            a, b = _both(ids, device=device, rank=rank, num_local_experts=E_local,
-                         row_block=block,
-                         receive_bound=bound, dispatch_bases_EP=DISPATCH[:EP],
-                         combine_bases_EP=COMBINE[:EP], row_bytes=ROW_BYTES,
-                         training=training)
-            _assert_same_tables(a, b)
+            a, *others = _both(ids, device=device, rank=rank, num_local_experts=E_local,
+                               row_block=block, receive_bound=bound,
+                               dispatch_bases_EP=DISPATCH[:EP], combine_bases_EP=COMBINE[:EP],
+                               row_bytes=ROW_BYTES, training=training)
+            for b in others:
+                _assert_same_tables(a, b)
 
 
 @pytest.mark.gpu
 def test_fused_tables_equal_torch_tables_gpu():
     # The compiled kernel (CTA barriers between scratch writes and reads, 4-8 warps).
-    for seed in range(6):
-        test_fused_tables_equal_torch_tables(seed, device=torch.device("cuda"))
-    test_fused_tables_largest_call(device=torch.device("cuda"))
+    cuda = torch.device("cuda")
+    mp = pytest.MonkeyPatch()
+    try:
+        for seed in range(6):
+            test_fused_tables_equal_torch_tables(seed, mp, device=cuda)
+        test_blocked_tables_many_blocks(16, mp, device=cuda)
+    finally:
+        mp.undo()
+    test_fused_tables_largest_call(device=cuda)  # 1024 routes per program (the default)
 
 
 def test_fused_tables_largest_call(device=None):
@@ -188,7 +198,9 @@ def test_fused_tables_largest_call(device=None):
               dispatch_bases_EP=DISPATCH[:EP], combine_bases_EP=COMBINE[:EP],
               row_bytes=ROW_BYTES, training=True)
     for rank in range(EP):
-        _assert_same_tables(*_both(ids, device=device, rank=rank, **kw))
+        a, *others = _both(ids, device=device, rank=rank, **kw)
+        for b in others:
+            _assert_same_tables(a, b)
     if device is not None:
         return
     with pytest.raises(ValueError, match=r"impl='fused' takes at most 4096 routes"):
@@ -196,3 +208,32 @@ def test_fused_tables_largest_call(device=None):
                              impl="fused", **kw)
     with pytest.raises(ValueError, match=r"impl \('sorted'\) must be"):
         build_routing_tables(ids, rank=0, impl="sorted", **kw)
+
+
+@pytest.mark.parametrize("block", [16, 64])
+def test_blocked_tables_many_blocks(block, monkeypatch, device=None):
+    """The blocked path across many blocks (positions carried between blocks, counters
+    summed by atomics) equals the torch construction, with drops and an invalid id."""
+    from distmoe.routing import fused
+
+    monkeypatch.setattr(fused, "BLOCKED_ROUTES_PER_PROGRAM", block)
+    g = torch.Generator().manual_seed(block)
+    EP, T, K, E_local = 3, 37, 3, 5
+    ids = torch.randint(-1, EP * E_local, (EP, T, K), generator=g)
+    ids[1, 3, 2] = 99  # invalid
+    kw = dict(num_local_experts=E_local, row_block=8, receive_bound=90,
+              dispatch_bases_EP=DISPATCH[:EP], combine_bases_EP=COMBINE[:EP],
+              row_bytes=ROW_BYTES)
+    if device is not None:
+        ids = ids.to(device)
+        kw["dispatch_bases_EP"] = kw["dispatch_bases_EP"].to(device)
+        kw["combine_bases_EP"] = kw["combine_bases_EP"].to(device)
+    dropped = 0
+    for rank in range(EP):
+        for training in (False, True):
+            want = build_routing_tables(ids, rank=rank, training=training, impl="torch", **kw)
+            got = build_routing_tables(ids, rank=rank, training=training, impl="blocked", **kw)
+            _assert_same_tables(want, got)
+            assert int(got.num_invalid_ids) == 1
+            dropped += int(got.num_dropped_rows)
+    assert dropped > 0  # the receive bound bites somewhere

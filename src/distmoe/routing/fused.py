@@ -50,6 +50,99 @@ def fused_eligible(num_routes: int, num_experts: int, device: torch.device) -> b
 
 
 @triton.jit
+def _keys(ids_ptr, i, valid, E: tl.constexpr):
+    """Route keys: the global expert of an active route, E for an inactive or invalid id,
+    E + 1 for lanes past the last route; and the invalid-id flags. Comparisons run in the ids'
+    own dtype, so a wide invalid id never wraps into range."""
+    raw = tl.load(ids_ptr + i, mask=valid, other=-1)
+    active = (raw >= 0) & (raw < E)
+    invalid = valid & ((raw < -1) | (raw >= E))
+    key = tl.where(active, raw, E).to(tl.int32)
+    return tl.where(valid, key, E + 1), invalid
+
+
+@triton.jit
+def _expert_layout(
+    counts, scratch_ptr, padded_offsets_ptr, row_offsets_ptr, rows_per_expert_ptr,
+    executed_ep_ptr, RANK, RECEIVE_BOUND, E: tl.constexpr, E_LOCAL: tl.constexpr,
+    EP: tl.constexpr, ROW_BLOCK: tl.constexpr, EB: tl.constexpr, EPB: tl.constexpr,
+):  # fmt: skip
+    """From the routes per key (``counts`` over EB expert lanes): every expert's compact
+    start on its destination rank, executed rows, padded start and activation-row start.
+    Writes this rank's offsets, every rank's executed rows, and into ``scratch`` (int32
+    ``[5 * EB]``) the exclusive prefix of the counts at ``[0, EB)``, the compact starts at
+    ``[3 EB, 4 EB)`` and the padded starts at ``[4 EB, 5 EB)``. Ends with a CTA barrier, so
+    any thread of the program may read them."""
+    e = tl.arange(0, EB)
+    excl = tl.cumsum(counts, 0) - counts
+    tl.store(scratch_ptr + e, excl)
+    tl.debug_barrier()
+    first = (e // E_LOCAL) * E_LOCAL  # first expert of e's destination rank
+    starts = excl - tl.load(scratch_ptr + first)  # compact start inside the rank
+    ends = starts + counts
+    executed = tl.minimum(ends, RECEIVE_BOUND) - tl.minimum(starts, RECEIVE_BOUND)
+    executed = tl.where(e < E, executed, 0)
+    padded = (executed + ROW_BLOCK - 1) // ROW_BLOCK * ROW_BLOCK
+    padded_excl = tl.cumsum(padded, 0) - padded
+    exec_excl = tl.cumsum(executed, 0) - executed
+    tl.store(scratch_ptr + EB + e, padded_excl)
+    tl.store(scratch_ptr + 2 * EB + e, exec_excl)
+    tl.store(scratch_ptr + 3 * EB + e, starts)
+    tl.debug_barrier()
+    padded_start = padded_excl - tl.load(scratch_ptr + EB + first)
+    row_start = exec_excl - tl.load(scratch_ptr + 2 * EB + first)
+    tl.store(scratch_ptr + 4 * EB + e, padded_start)
+    # this rank's per-expert outputs
+    mine_e = (e >= RANK * E_LOCAL) & (e < (RANK + 1) * E_LOCAL)
+    j = e - RANK * E_LOCAL
+    tl.store(padded_offsets_ptr + j, padded_start, mask=mine_e)
+    tl.store(row_offsets_ptr + j, row_start, mask=mine_e)
+    tl.store(rows_per_expert_ptr + j, counts, mask=mine_e)
+    tl.store(padded_offsets_ptr + E_LOCAL, tl.sum(tl.where(mine_e, padded, 0), 0))
+    tl.store(row_offsets_ptr + E_LOCAL, tl.sum(tl.where(mine_e, executed, 0), 0))
+    # executed rows of every rank: exec_excl[(r+1)*E_LOCAL] - exec_excl[r*E_LOCAL]
+    r = tl.arange(0, EPB)
+    r_ok = r < EP
+    hi = tl.load(scratch_ptr + 2 * EB + (r + 1) * E_LOCAL, mask=r_ok, other=0)
+    lo = tl.load(scratch_ptr + 2 * EB + r * E_LOCAL, mask=r_ok, other=0)
+    tl.store(executed_ep_ptr + r, (hi - lo).to(tl.int64), mask=r_ok)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _route_stores(
+    key, pos, route, scratch_ptr, dispatch_bases_ptr, combine_bases_ptr, tables_ptr,
+    route_of_row_ptr, executed_tk_ptr, T, RANK, RECEIVE_BOUND, CAP, ROW_BYTES,
+    K: tl.constexpr, E: tl.constexpr, E_LOCAL: tl.constexpr, EB: tl.constexpr,
+    TRAINING: tl.constexpr,
+):  # fmt: skip
+    """Each route's fate and, when this rank runs it, its row's addresses. ``key`` as from
+    :func:`_keys`, ``pos`` the route's position inside its expert (in route order), ``route``
+    its flat index ``src*T*K + t*K + k``; the compact and padded starts come from the scratch
+    that :func:`_expert_layout` wrote. Returns ``(mine, fits)``: received here, and executed
+    here."""
+    routed = key < E
+    compact = tl.load(scratch_ptr + 3 * EB + key) + pos
+    fits_anywhere = routed & (compact < RECEIVE_BOUND)
+    mine = routed & (key // E_LOCAL == RANK)
+    fits = mine & fits_anywhere
+    row = tl.where(fits, tl.load(scratch_ptr + 4 * EB + key) + pos, 0)
+    src = route // (T * K)
+    t = (route // K) % T
+    tk = (route % (T * K)).to(tl.int64)
+    own = (key <= E) & (src == RANK)  # this rank's own routes (not lanes past the last)
+    tl.store(executed_tk_ptr + tk, fits_anywhere, mask=own)
+    dispatch = tl.load(dispatch_bases_ptr + src, mask=fits, other=0)
+    combine = tl.load(combine_bases_ptr + src, mask=fits, other=0)
+    tl.store(tables_ptr + row, dispatch + t.to(tl.int64) * ROW_BYTES, mask=fits)
+    tl.store(tables_ptr + CAP + row, combine + tk * ROW_BYTES, mask=fits)
+    if TRAINING:
+        tl.store(tables_ptr + 2 * CAP + row, dispatch + tk * ROW_BYTES, mask=fits)
+    tl.store(route_of_row_ptr + row, route.to(tl.int64), mask=fits)
+    return mine, fits
+
+
+@triton.jit
 def _routing_tables_kernel(
     ids_ptr,  # [N] integer ids, flattened [EP, T, K]
     dispatch_bases_ptr,  # int64 [EP]
@@ -59,8 +152,8 @@ def _routing_tables_kernel(
     row_offsets_ptr,  # int32 [E_LOCAL + 1]
     rows_per_expert_ptr,  # int32 [E_LOCAL]
     executed_ep_ptr,  # int64 [EP]
-    tables_ptr,  # int64 [3, CAP]: gather, scatter, bwd (prefilled with 0)
-    route_of_row_ptr,  # int64 [CAP] (prefilled with -1)
+    tables_ptr,  # int64 [2 or 3, CAP]: gather, scatter (, bwd), prefilled with 0
+    route_of_row_ptr,  # int64 [CAP], prefilled with -1
     counters_ptr,  # int64 [3]: received, dropped, invalid ids
     executed_tk_ptr,  # bool [T * K]: this rank's own routes
     N,
@@ -79,81 +172,169 @@ def _routing_tables_kernel(
     EPB: tl.constexpr,
     TRAINING: tl.constexpr,
 ):
-    # ---- keys (comparisons in the ids' own dtype: a wide invalid id never wraps into range)
+    """One program: every route of the call in registers (NP lanes)."""
     lane = tl.arange(0, NP)
-    valid = lane < N
-    raw = tl.load(ids_ptr + lane, mask=valid, other=-1)
-    active = (raw >= 0) & (raw < E)
-    invalid = valid & ((raw < -1) | (raw >= E))
-    key = tl.where(active, raw, E).to(tl.int32)
-    key = tl.where(valid, key, E + 1)
-    # ---- stable expert-major order: sort (key, route index) packed in one int32
+    key, invalid = _keys(ids_ptr, lane, lane < N, E)
+    # stable expert-major order: sort (key, route index) packed in one int32
     packed = tl.sort(key * NP + lane)
     key_s = packed // NP
-    order = packed % NP
-    # ---- per-expert counts and prefix sums (expert lanes)
-    e = tl.arange(0, EB)
-    counts = tl.histogram(key, EB)
-    excl = tl.cumsum(counts, 0) - counts
-    tl.store(scratch_ptr + e, excl)
-    tl.debug_barrier()
-    first = (e // E_LOCAL) * E_LOCAL  # first expert of e's destination rank
-    is_expert = e < E
-    starts = excl - tl.load(scratch_ptr + first)  # compact start inside the rank
-    ends = starts + counts
-    executed = tl.minimum(ends, RECEIVE_BOUND) - tl.minimum(starts, RECEIVE_BOUND)
-    executed = tl.where(is_expert, executed, 0)
-    padded = (executed + ROW_BLOCK - 1) // ROW_BLOCK * ROW_BLOCK
-    padded_excl = tl.cumsum(padded, 0) - padded
-    exec_excl = tl.cumsum(executed, 0) - executed
-    tl.store(scratch_ptr + EB + e, padded_excl)
-    tl.store(scratch_ptr + 2 * EB + e, exec_excl)
-    tl.store(scratch_ptr + 3 * EB + e, starts)
-    tl.debug_barrier()
-    padded_start = padded_excl - tl.load(scratch_ptr + EB + first)
-    row_start = exec_excl - tl.load(scratch_ptr + 2 * EB + first)
-    tl.store(scratch_ptr + 4 * EB + e, padded_start)
-    # ---- this rank's per-expert outputs
-    mine_e = (e >= RANK * E_LOCAL) & (e < (RANK + 1) * E_LOCAL)
-    j = e - RANK * E_LOCAL
-    tl.store(padded_offsets_ptr + j, padded_start, mask=mine_e)
-    tl.store(row_offsets_ptr + j, row_start, mask=mine_e)
-    tl.store(rows_per_expert_ptr + j, counts, mask=mine_e)
-    tl.store(padded_offsets_ptr + E_LOCAL, tl.sum(tl.where(mine_e, padded, 0), 0))
-    tl.store(row_offsets_ptr + E_LOCAL, tl.sum(tl.where(mine_e, executed, 0), 0))
-    tl.debug_barrier()
-    # ---- executed rows of every rank: exec_excl[(r+1)*E_LOCAL] - exec_excl[r*E_LOCAL]
-    r = tl.arange(0, EPB)
-    r_ok = r < EP
-    hi = tl.load(scratch_ptr + 2 * EB + (r + 1) * E_LOCAL, mask=r_ok, other=0)
-    lo = tl.load(scratch_ptr + 2 * EB + r * E_LOCAL, mask=r_ok, other=0)
-    tl.store(executed_ep_ptr + r, (hi - lo).to(tl.int64), mask=r_ok)
-    # ---- routes, in sorted order (lane = sorted position)
-    routed = key_s < E
+    _expert_layout(
+        tl.histogram(key, EB), scratch_ptr, padded_offsets_ptr, row_offsets_ptr,
+        rows_per_expert_ptr, executed_ep_ptr, RANK, RECEIVE_BOUND, E, E_LOCAL, EP, ROW_BLOCK,
+        EB, EPB,
+    )  # fmt: skip
+    # routes in sorted order: a lane's sorted position minus its key's first position
     pos = lane - tl.load(scratch_ptr + key_s)
-    compact = tl.load(scratch_ptr + 3 * EB + key_s) + pos
-    fits_sorted = routed & (compact < RECEIVE_BOUND)
-    mine = routed & (key_s // E_LOCAL == RANK)
-    fits = mine & fits_sorted
-    row = tl.load(scratch_ptr + 4 * EB + key_s) + pos
-    row = tl.where(fits, row, 0)
-    src = order // (T * K)
-    t = (order // K) % T
-    tk = (order % (T * K)).to(tl.int64)
-    is_route = key_s <= E  # not a padding lane
-    own = is_route & (src == RANK)
-    tl.store(executed_tk_ptr + tk, fits_sorted, mask=own)
-    dispatch = tl.load(dispatch_bases_ptr + src, mask=fits, other=0)
-    combine = tl.load(combine_bases_ptr + src, mask=fits, other=0)
-    tl.store(tables_ptr + row, dispatch + t.to(tl.int64) * ROW_BYTES, mask=fits)
-    tl.store(tables_ptr + CAP + row, combine + tk * ROW_BYTES, mask=fits)
-    if TRAINING:
-        tl.store(tables_ptr + 2 * CAP + row, dispatch + tk * ROW_BYTES, mask=fits)
-    tl.store(route_of_row_ptr + row, order.to(tl.int64), mask=fits)
+    mine, fits = _route_stores(
+        key_s, pos, packed % NP, scratch_ptr, dispatch_bases_ptr, combine_bases_ptr,
+        tables_ptr, route_of_row_ptr, executed_tk_ptr, T, RANK, RECEIVE_BOUND, CAP, ROW_BYTES,
+        K, E, E_LOCAL, EB, TRAINING,
+    )  # fmt: skip
     num_recv = tl.sum(mine.to(tl.int64), 0)
     tl.store(counters_ptr, num_recv)
     tl.store(counters_ptr + 1, num_recv - tl.sum(fits.to(tl.int64), 0))
     tl.store(counters_ptr + 2, tl.sum(invalid.to(tl.int64), 0))
+
+
+@triton.jit
+def _block_ranks_kernel(
+    ids_ptr,  # [N] integer ids
+    hist_ptr,  # int32 [NB, EB]: routes per key in each block of BLOCK routes
+    scratch_ptr,  # int32 [NB, EB]: per block, exclusive prefix of its counts
+    rank_ptr,  # int32 [N]: a route's position among its block's routes of the same key
+    N,
+    E: tl.constexpr,
+    BLOCK: tl.constexpr,
+    EB: tl.constexpr,
+):
+    """Blocked path, step 1 (one program per block of routes)."""
+    b = tl.program_id(0)
+    lane = tl.arange(0, BLOCK)
+    i = b * BLOCK + lane
+    key, _ = _keys(ids_ptr, i, i < N, E)
+    counts = tl.histogram(key, EB)
+    e = tl.arange(0, EB)
+    tl.store(hist_ptr + b * EB + e, counts)
+    tl.store(scratch_ptr + b * EB + e, tl.cumsum(counts, 0) - counts)
+    tl.debug_barrier()
+    packed = tl.sort(key * BLOCK + lane)
+    key_s = packed // BLOCK
+    route = b * BLOCK + packed % BLOCK
+    pos = lane - tl.load(scratch_ptr + b * EB + key_s)
+    tl.store(rank_ptr + route, pos, mask=route < N)
+
+
+@triton.jit
+def _blocked_layout_kernel(
+    counts_ptr,  # int32 [EB]: routes per key over all blocks
+    scratch_ptr,  # int32 [5 * EB]
+    padded_offsets_ptr,
+    row_offsets_ptr,
+    rows_per_expert_ptr,
+    executed_ep_ptr,
+    RANK,
+    RECEIVE_BOUND,
+    E: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    EP: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+    EB: tl.constexpr,
+    EPB: tl.constexpr,
+):
+    """Blocked path, step 2 (one program)."""
+    counts = tl.load(counts_ptr + tl.arange(0, EB))
+    _expert_layout(
+        counts, scratch_ptr, padded_offsets_ptr, row_offsets_ptr, rows_per_expert_ptr,
+        executed_ep_ptr, RANK, RECEIVE_BOUND, E, E_LOCAL, EP, ROW_BLOCK, EB, EPB,
+    )  # fmt: skip
+
+
+@triton.jit
+def _blocked_routes_kernel(
+    ids_ptr,
+    hist_ptr,  # int32 [NB, EB]
+    incl_ptr,  # int32 [NB, EB]: inclusive prefix of hist over blocks
+    rank_ptr,  # int32 [N]
+    scratch_ptr,  # int32 [5 * EB] from step 2
+    dispatch_bases_ptr,
+    combine_bases_ptr,
+    tables_ptr,
+    route_of_row_ptr,
+    counters_ptr,  # int64 [3], zeroed; summed with integer atomics (order-independent)
+    executed_tk_ptr,
+    N,
+    T,
+    RANK,
+    RECEIVE_BOUND,
+    CAP,
+    ROW_BYTES,
+    K: tl.constexpr,
+    E: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    EB: tl.constexpr,
+    TRAINING: tl.constexpr,
+):
+    """Blocked path, step 3 (one program per block of routes, in route order)."""
+    b = tl.program_id(0)
+    i = b * BLOCK + tl.arange(0, BLOCK)
+    valid = i < N
+    key, invalid = _keys(ids_ptr, i, valid, E)
+    # routes of the same key in earlier blocks, then earlier in this block
+    cell = b * EB + key
+    pos = tl.load(incl_ptr + cell) - tl.load(hist_ptr + cell)
+    pos += tl.load(rank_ptr + i, mask=valid, other=0)
+    mine, fits = _route_stores(
+        key, pos, i, scratch_ptr, dispatch_bases_ptr, combine_bases_ptr, tables_ptr,
+        route_of_row_ptr, executed_tk_ptr, T, RANK, RECEIVE_BOUND, CAP, ROW_BYTES, K, E,
+        E_LOCAL, EB, TRAINING,
+    )  # fmt: skip
+    tl.atomic_add(counters_ptr, tl.sum(mine.to(tl.int64), 0))
+    tl.atomic_add(counters_ptr + 1, tl.sum((mine & ~fits).to(tl.int64), 0))
+    tl.atomic_add(counters_ptr + 2, tl.sum(invalid.to(tl.int64), 0))
+
+class _Outputs:
+    """The output tensors of one call (shapes in :class:`~distmoe.routing.RoutingTables`)."""
+
+    def __init__(self, EP, T, K, E_local, cap, training, device, *, zero_counters=False):
+        i32 = dict(dtype=torch.int32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        self.padded_offsets = torch.empty(E_local + 1, **i32)
+        self.row_offsets = torch.empty(E_local + 1, **i32)
+        self.rows_per_expert = torch.empty(E_local, **i32)
+        self.executed_EP = torch.empty(EP, **i64)
+        self.tables = torch.zeros(3 if training else 2, cap, **i64)
+        self.route_of_row = torch.full((cap,), -1, **i64)
+        self.counters = (torch.zeros if zero_counters else torch.empty)(3, **i64)
+        self.executed_TK = torch.empty(T, K, dtype=torch.bool, device=device)
+        self.training = training
+
+    def empty_call(self):
+        """No routes (T = 0): an empty layout."""
+        for t in (self.padded_offsets, self.row_offsets, self.rows_per_expert,
+                  self.executed_EP, self.counters):
+            t.zero_()
+
+    def fields(self) -> dict:
+        return dict(
+            padded_offsets=self.padded_offsets,
+            row_offsets=self.row_offsets,
+            rows_per_expert=self.rows_per_expert,
+            executed_rows_EP=self.executed_EP,
+            gather_ptrs=self.tables[0],
+            scatter_ptrs=self.tables[1],
+            bwd_scatter_ptrs=self.tables[2] if self.training else None,
+            route_of_row=self.route_of_row,
+            num_recv_rows=self.counters[0],
+            num_dropped_rows=self.counters[1],
+            is_route_executed_TK=self.executed_TK,
+            num_invalid_ids=self.counters[2],
+        )
+
+
+def _flat_ids(expert_ids_EPTK: torch.Tensor) -> torch.Tensor:
+    ids = expert_ids_EPTK.reshape(-1)
+    return ids if ids.is_contiguous() else ids.contiguous()
 
 
 def build_routing_tables_fused(
@@ -168,58 +349,95 @@ def build_routing_tables_fused(
     combine_bases_EP: torch.Tensor,
     row_bytes: int,
     training: bool,
-):
+) -> dict:
     """:func:`distmoe.routing.build_routing_tables` in one Triton program (arguments as
     there, plus ``cap`` = R_cap); the caller checks :func:`fused_eligible`. Returns the
     :class:`~distmoe.routing.RoutingTables` fields as a dict."""
     EP, T, K = expert_ids_EPTK.shape
     device = expert_ids_EPTK.device
-    E_local = num_local_experts
-    E = EP * E_local
+    E = EP * num_local_experts
     N = EP * T * K
     NP = max(16, next_power_of_2(N))
     EB = max(16, next_power_of_2(E + 2))
-    ids = expert_ids_EPTK.reshape(-1)
-    if not ids.is_contiguous():
-        ids = ids.contiguous()
-    i32 = dict(dtype=torch.int32, device=device)
-    i64 = dict(dtype=torch.int64, device=device)
-    scratch = torch.empty(5 * EB, **i32)
-    padded_offsets = torch.empty(E_local + 1, **i32)
-    row_offsets = torch.empty(E_local + 1, **i32)
-    rows_per_expert = torch.empty(E_local, **i32)
-    executed_EP = torch.empty(EP, **i64)
-    tables = torch.zeros(3 if training else 2, cap, **i64)
-    route_of_row = torch.full((cap,), -1, **i64)
-    counters = torch.empty(3, **i64)
-    executed_TK = torch.empty(T, K, dtype=torch.bool, device=device)
-    if N > 0:
-        with device_context(device):
-            _routing_tables_kernel[(1,)](
-                ids, dispatch_bases_EP, combine_bases_EP, scratch, padded_offsets,
-                row_offsets, rows_per_expert, executed_EP, tables, route_of_row, counters,
-                executed_TK, N, T, rank, receive_bound, cap, row_bytes,
-                K=K, E=E, E_LOCAL=E_local, EP=EP, ROW_BLOCK=row_block, NP=NP, EB=EB,
-                EPB=max(2, next_power_of_2(EP)), TRAINING=training,
-                num_warps=4 if NP <= 1024 else 8,
-            )  # fmt: skip
-    else:  # no tokens: empty layout
-        padded_offsets.zero_()
-        row_offsets.zero_()
-        rows_per_expert.zero_()
-        executed_EP.zero_()
-        counters.zero_()
-    return dict(
-        padded_offsets=padded_offsets,
-        row_offsets=row_offsets,
-        rows_per_expert=rows_per_expert,
-        executed_rows_EP=executed_EP,
-        gather_ptrs=tables[0],
-        scatter_ptrs=tables[1],
-        bwd_scatter_ptrs=tables[2] if training else None,
-        route_of_row=route_of_row,
-        num_recv_rows=counters[0],
-        num_dropped_rows=counters[1],
-        is_route_executed_TK=executed_TK,
-        num_invalid_ids=counters[2],
-    )
+    out = _Outputs(EP, T, K, num_local_experts, cap, training, device)
+    if N == 0:
+        out.empty_call()
+        return out.fields()
+    scratch = torch.empty(5 * EB, dtype=torch.int32, device=device)
+    with device_context(device):
+        _routing_tables_kernel[(1,)](
+            _flat_ids(expert_ids_EPTK), dispatch_bases_EP, combine_bases_EP, scratch,
+            out.padded_offsets, out.row_offsets, out.rows_per_expert, out.executed_EP,
+            out.tables, out.route_of_row, out.counters, out.executed_TK, N, T, rank,
+            receive_bound, cap, row_bytes,
+            K=K, E=E, E_LOCAL=num_local_experts, EP=EP, ROW_BLOCK=row_block, NP=NP, EB=EB,
+            EPB=max(2, next_power_of_2(EP)), TRAINING=training,
+            num_warps=4 if NP <= 1024 else 8,
+        )  # fmt: skip
+    return out.fields()
+
+
+#: Routes per program of the blocked path (sorted in registers).
+BLOCKED_ROUTES_PER_PROGRAM = 1024
+
+
+def build_routing_tables_blocked(
+    expert_ids_EPTK: torch.Tensor,
+    *,
+    rank: int,
+    num_local_experts: int,
+    row_block: int,
+    receive_bound: int,
+    cap: int,
+    dispatch_bases_EP: torch.Tensor,
+    combine_bases_EP: torch.Tensor,
+    row_bytes: int,
+    training: bool,
+) -> dict:
+    """The same tables for calls of any size in three Triton launches and one prefix sum:
+
+    1. per block of :data:`BLOCKED_ROUTES_PER_PROGRAM` routes, its routes per key and each
+       route's position among its block's routes of the same key (an in-register sort);
+    2. ``torch.cumsum`` of the block counts over blocks; one program lays out the experts
+       from the totals;
+    3. per block, each route's position in its expert (earlier blocks' count plus its
+       in-block position) and its stores; the counters are integer atomics, so the result
+       does not depend on the order in which blocks run.
+
+    Not chosen by ``impl="auto"`` yet: it is tested for equality on CPU and GPU but has no
+    timing yet. Requires ``E + 2 <= MAX_FUSED_EXPERTS`` like the one-program path.
+    """
+    EP, T, K = expert_ids_EPTK.shape
+    device = expert_ids_EPTK.device
+    E = EP * num_local_experts
+    N = EP * T * K
+    BLOCK = BLOCKED_ROUTES_PER_PROGRAM
+    NB = triton.cdiv(N, BLOCK)
+    EB = max(16, next_power_of_2(E + 2))
+    out = _Outputs(EP, T, K, num_local_experts, cap, training, device, zero_counters=True)
+    if N == 0:
+        out.empty_call()
+        return out.fields()
+    ids = _flat_ids(expert_ids_EPTK)
+    hist = torch.empty(NB, EB, dtype=torch.int32, device=device)
+    block_scratch = torch.empty(NB, EB, dtype=torch.int32, device=device)
+    ranks = torch.empty(N, dtype=torch.int32, device=device)
+    scratch = torch.empty(5 * EB, dtype=torch.int32, device=device)
+    with device_context(device):
+        _block_ranks_kernel[(NB,)](ids, hist, block_scratch, ranks, N, E=E, BLOCK=BLOCK, EB=EB,
+                                   num_warps=4)
+        incl = torch.cumsum(hist, 0, dtype=torch.int32)
+        _blocked_layout_kernel[(1,)](
+            incl[-1], scratch, out.padded_offsets, out.row_offsets, out.rows_per_expert,
+            out.executed_EP, rank, receive_bound,
+            E=E, E_LOCAL=num_local_experts, EP=EP, ROW_BLOCK=row_block, EB=EB,
+            EPB=max(2, next_power_of_2(EP)), num_warps=4,
+        )  # fmt: skip
+        _blocked_routes_kernel[(NB,)](
+            ids, hist, incl, ranks, scratch, dispatch_bases_EP, combine_bases_EP, out.tables,
+            out.route_of_row, out.counters, out.executed_TK, N, T, rank, receive_bound, cap,
+            row_bytes,
+            K=K, E=E, E_LOCAL=num_local_experts, BLOCK=BLOCK, EB=EB, TRAINING=training,
+            num_warps=4,
+        )  # fmt: skip
+    return out.fields()

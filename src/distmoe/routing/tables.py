@@ -41,6 +41,7 @@ import torch
 from .fused import (
     MAX_FUSED_EXPERTS,
     MAX_FUSED_ROUTES,
+    build_routing_tables_blocked,
     build_routing_tables_fused,
     fused_eligible,
 )
@@ -121,16 +122,28 @@ def build_routing_tables(
         row_bytes: bytes of one row (D * 2 for bf16).
         training: also build the backward return table.
         impl: ``"auto"`` (one Triton program for small calls, see
-            :mod:`distmoe.routing.fused`, else torch ops), ``"torch"`` or ``"fused"`` (a
-            ``ValueError`` when the call is too large for it). All give the same tables.
+            :mod:`distmoe.routing.fused`, else torch ops), ``"torch"``, ``"fused"`` (a
+            ``ValueError`` when the call is too large for it) or ``"blocked"`` (Triton at
+            any size; not timed yet, so ``"auto"`` does not choose it). All give the same
+            tables.
     """
     EP, T, K = expert_ids_EPTK.shape
     device = expert_ids_EPTK.device
     E_local = num_local_experts
     E = EP * E_local
     cap = row_capacity(receive_bound, E_local, row_block)
-    if impl not in ("auto", "torch", "fused"):
-        raise ValueError(f"impl ({impl!r}) must be 'auto', 'torch' or 'fused'")
+    if impl not in ("auto", "torch", "fused", "blocked"):
+        raise ValueError(f"impl ({impl!r}) must be 'auto', 'torch', 'fused' or 'blocked'")
+    kw = dict(rank=rank, num_local_experts=E_local, row_block=row_block,
+              receive_bound=receive_bound, cap=cap, dispatch_bases_EP=dispatch_bases_EP,
+              combine_bases_EP=combine_bases_EP, row_bytes=row_bytes, training=training)
+    if impl == "blocked":
+        if not fused_eligible(0, E, device):
+            raise ValueError(
+                f"impl='blocked' needs E + 2 <= {MAX_FUSED_EXPERTS} (E = {E}), on a CUDA "
+                "device or under Triton's interpreter"
+            )
+        return RoutingTables(**build_routing_tables_blocked(expert_ids_EPTK, **kw))
     eligible = fused_eligible(EP * T * K, E, device)
     if impl == "fused" and not eligible:
         raise ValueError(
@@ -139,11 +152,7 @@ def build_routing_tables(
             "interpreter"
         )
     if impl != "torch" and eligible:
-        return RoutingTables(**build_routing_tables_fused(
-            expert_ids_EPTK, rank=rank, num_local_experts=E_local, row_block=row_block,
-            receive_bound=receive_bound, cap=cap, dispatch_bases_EP=dispatch_bases_EP,
-            combine_bases_EP=combine_bases_EP, row_bytes=row_bytes, training=training,
-        ))
+        return RoutingTables(**build_routing_tables_fused(expert_ids_EPTK, **kw))
     # Every rank sorts all EP*T*K routes by global expert, so each rank also knows where its
     # own routes land on their destination ranks (and whether they are executed there).
     ids_i = expert_ids_EPTK.reshape(-1).to(torch.int64)
