@@ -54,7 +54,7 @@ def ids_for(EP, T, K, E, kind):
     return ids.to(torch.int16)
 
 
-IMPLS = pytest.mark.parametrize("impl", ["torch", "fused"])
+IMPLS = pytest.mark.parametrize("impl", ["torch", "fused", "blocked"])
 
 
 @IMPLS
@@ -237,3 +237,46 @@ def test_blocked_tables_many_blocks(block, monkeypatch, device=None):
             assert int(got.num_invalid_ids) == 1
             dropped += int(got.num_dropped_rows)
     assert dropped > 0  # the receive bound bites somewhere
+
+
+@pytest.mark.parametrize(
+    "EP, T, K, E_local, block, bound, dtype",
+    [
+        (1, 0, 2, 4, 16, 8, torch.int16),  # no tokens: an empty layout
+        (2, 9, 3, 7, 4, 0, torch.int32),  # receive bound 0: everything dropped
+        (1, 11, 3, 14, 8, 20, torch.int64),  # E + 2 = 16, a power of two (tight expert lanes)
+        (1, 13, 4, 15, 8, 30, torch.int16),  # E + 1 = 16: one lane short if EB were E + 1
+        (8, 5, 8, 1, 256, 50, torch.int32),  # EP 8, K = E, row block 256
+        (1, 17, 4, 200, 16, 40, torch.int8),  # narrow ids with E above the int8 range
+        (1, 17, 4, 200, 16, 40, torch.uint8),
+    ],
+)
+def test_tables_edge_cases(EP, T, K, E_local, block, bound, dtype, monkeypatch):
+    """Every implementation against the torch construction at the edges: no tokens, a zero
+    receive bound, tight expert lanes, wide groups, narrow id dtypes, strided base tables."""
+    from distmoe.routing import fused
+
+    monkeypatch.setattr(fused, "BLOCKED_ROUTES_PER_PROGRAM", 16)
+    E = EP * E_local
+    g = torch.Generator().manual_seed(T * 31 + E)
+    if K == E:  # every token picks every expert
+        ids = torch.arange(E).repeat(EP, T, 1)
+    else:
+        ids = torch.randint(-1, E, (EP, T, K), generator=g)
+    if dtype == torch.uint8:
+        ids = ids.clamp(min=0)  # no -1 in an unsigned dtype
+        if ids.numel():
+            ids.view(-1)[0] = 255  # invalid (>= E)
+    ids = ids.to(dtype) if dtype != torch.int8 else ids.clamp(max=127).to(dtype)
+    # strided base tables (every other entry of a wider table)
+    wide = torch.stack([torch.arange(EP) * 10**9 + 10**6, torch.zeros(EP, dtype=torch.int64)], 1)
+    kw = dict(num_local_experts=E_local, row_block=block, receive_bound=bound,
+              dispatch_bases_EP=wide[:, 0], combine_bases_EP=wide[:, 0] + 5 * 10**8,
+              row_bytes=ROW_BYTES)
+    assert EP == 1 or not kw["dispatch_bases_EP"].is_contiguous()
+    for rank in sorted({0, EP - 1}):
+        for training in (False, True):
+            want = build_routing_tables(ids, rank=rank, training=training, impl="torch", **kw)
+            for impl in ("fused", "blocked"):
+                got = build_routing_tables(ids, rank=rank, training=training, impl=impl, **kw)
+                _assert_same_tables(want, got)

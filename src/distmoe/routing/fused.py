@@ -52,9 +52,10 @@ def fused_eligible(num_routes: int, num_experts: int, device: torch.device) -> b
 @triton.jit
 def _keys(ids_ptr, i, valid, E: tl.constexpr):
     """Route keys: the global expert of an active route, E for an inactive or invalid id,
-    E + 1 for lanes past the last route; and the invalid-id flags. Comparisons run in the ids'
-    own dtype, so a wide invalid id never wraps into range."""
-    raw = tl.load(ids_ptr + i, mask=valid, other=-1)
+    E + 1 for lanes past the last route; and the invalid-id flags. Ids are widened to int64
+    before any comparison, so a wide invalid id never wraps into range and E fits beside a
+    narrow id dtype."""
+    raw = tl.load(ids_ptr + i, mask=valid, other=-1).to(tl.int64)
     active = (raw >= 0) & (raw < E)
     invalid = valid & ((raw < -1) | (raw >= E))
     key = tl.where(active, raw, E).to(tl.int32)
@@ -337,6 +338,13 @@ def _flat_ids(expert_ids_EPTK: torch.Tensor) -> torch.Tensor:
     return ids if ids.is_contiguous() else ids.contiguous()
 
 
+def _bases(dispatch_bases_EP: torch.Tensor, combine_bases_EP: torch.Tensor):
+    """The kernels index the base tables as flat arrays: contiguous int64 views (no copy for
+    the heap's own tables)."""
+    return (dispatch_bases_EP.to(torch.int64).contiguous(),
+            combine_bases_EP.to(torch.int64).contiguous())
+
+
 def build_routing_tables_fused(
     expert_ids_EPTK: torch.Tensor,
     *,
@@ -364,6 +372,7 @@ def build_routing_tables_fused(
         out.empty_call()
         return out.fields()
     scratch = torch.empty(5 * EB, dtype=torch.int32, device=device)
+    dispatch_bases_EP, combine_bases_EP = _bases(dispatch_bases_EP, combine_bases_EP)
     with device_context(device):
         _routing_tables_kernel[(1,)](
             _flat_ids(expert_ids_EPTK), dispatch_bases_EP, combine_bases_EP, scratch,
@@ -423,6 +432,7 @@ def build_routing_tables_blocked(
     block_scratch = torch.empty(NB, EB, dtype=torch.int32, device=device)
     ranks = torch.empty(N, dtype=torch.int32, device=device)
     scratch = torch.empty(5 * EB, dtype=torch.int32, device=device)
+    dispatch_bases_EP, combine_bases_EP = _bases(dispatch_bases_EP, combine_bases_EP)
     with device_context(device):
         _block_ranks_kernel[(NB,)](ids, hist, block_scratch, ranks, N, E=E, BLOCK=BLOCK, EB=EB,
                                    num_warps=4)

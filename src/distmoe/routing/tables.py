@@ -14,8 +14,9 @@ Two row numberings (see also :mod:`distmoe.kernels._common`):
   is activation row row_offsets[e] + j. The memory planner counts these rows.
 
 Algorithm (all torch ops on the rank's device, fixed shapes, no host synchronisation, so the
-whole thing can be captured in a CUDA graph; calls of at most 4096 routes instead run one
-Triton program that gives the same tables, :mod:`distmoe.routing.fused`):
+whole thing can be captured in a CUDA graph; calls of at most 4096 routes with E + 2 <= 1024,
+on a CUDA device or under Triton's interpreter, instead run one Triton program that gives
+the same tables, :mod:`distmoe.routing.fused`):
 
 1. flatten the gathered ids ``expert_ids_EPTK`` to routes i = (src, t, k); its key is its
    global expert, or E for inactive and invalid ids;
