@@ -41,7 +41,7 @@ MAX_FUSED_EXPERTS = 1024
 
 
 def fused_eligible(num_routes: int, num_experts: int, device: torch.device) -> bool:
-    """True when :func:`build_routing_tables_fused` takes this call: at most
+    """True when the one-program path takes this call: at most
     :data:`MAX_FUSED_ROUTES` routes and ``E + 2 <= MAX_FUSED_EXPERTS``, on a CUDA device or
     under Triton's interpreter."""
     if num_routes > MAX_FUSED_ROUTES or num_experts + 2 > MAX_FUSED_EXPERTS:
@@ -345,54 +345,14 @@ def _bases(dispatch_bases_EP: torch.Tensor, combine_bases_EP: torch.Tensor):
             combine_bases_EP.to(torch.int64).contiguous())
 
 
-def build_routing_tables_fused(
-    expert_ids_EPTK: torch.Tensor,
-    *,
-    rank: int,
-    num_local_experts: int,
-    row_block: int,
-    receive_bound: int,
-    cap: int,
-    dispatch_bases_EP: torch.Tensor,
-    combine_bases_EP: torch.Tensor,
-    row_bytes: int,
-    training: bool,
-) -> dict:
-    """:func:`distmoe.routing.build_routing_tables` in one Triton program (arguments as
-    there, plus ``cap`` = R_cap); the caller checks :func:`fused_eligible`. Returns the
-    :class:`~distmoe.routing.RoutingTables` fields as a dict."""
-    EP, T, K = expert_ids_EPTK.shape
-    device = expert_ids_EPTK.device
-    E = EP * num_local_experts
-    N = EP * T * K
-    NP = max(16, next_power_of_2(N))
-    EB = max(16, next_power_of_2(E + 2))
-    out = _Outputs(EP, T, K, num_local_experts, cap, training, device)
-    if N == 0:
-        out.empty_call()
-        return out.fields()
-    scratch = torch.empty(5 * EB, dtype=torch.int32, device=device)
-    dispatch_bases_EP, combine_bases_EP = _bases(dispatch_bases_EP, combine_bases_EP)
-    with device_context(device):
-        _routing_tables_kernel[(1,)](
-            _flat_ids(expert_ids_EPTK), dispatch_bases_EP, combine_bases_EP, scratch,
-            out.padded_offsets, out.row_offsets, out.rows_per_expert, out.executed_EP,
-            out.tables, out.route_of_row, out.counters, out.executed_TK, N, T, rank,
-            receive_bound, cap, row_bytes,
-            K=K, E=E, E_LOCAL=num_local_experts, EP=EP, ROW_BLOCK=row_block, NP=NP, EB=EB,
-            EPB=max(2, next_power_of_2(EP)), TRAINING=training,
-            num_warps=4 if NP <= 1024 else 8,
-        )  # fmt: skip
-    return out.fields()
-
-
 #: Routes per program of the blocked path (sorted in registers).
 BLOCKED_ROUTES_PER_PROGRAM = 1024
 
 
-def build_routing_tables_blocked(
+def build_routing_tables_triton(
     expert_ids_EPTK: torch.Tensor,
     *,
+    blocked: bool,
     rank: int,
     num_local_experts: int,
     row_block: int,
@@ -403,7 +363,13 @@ def build_routing_tables_blocked(
     row_bytes: int,
     training: bool,
 ) -> dict:
-    """The same tables for calls of any size in three Triton launches and one prefix sum:
+    """:func:`distmoe.routing.build_routing_tables` in Triton (arguments as there, plus
+    ``cap`` = R_cap); returns the :class:`~distmoe.routing.RoutingTables` fields as a dict.
+    Both paths need ``E + 2 <= MAX_FUSED_EXPERTS``.
+
+    ``blocked=False``: one program holds every route (the caller checks
+    :func:`fused_eligible`). ``blocked=True``: calls of any size in three Triton launches and
+    one prefix sum:
 
     1. per block of :data:`BLOCKED_ROUTES_PER_PROGRAM` routes, its routes per key and each
        route's position among its block's routes of the same key (an in-register sort);
@@ -413,26 +379,40 @@ def build_routing_tables_blocked(
        in-block position) and its stores; the counters are integer atomics, so the result
        does not depend on the order in which blocks run.
 
-    Not chosen by ``impl="auto"`` yet: it is tested for equality on CPU and GPU but has no
-    timing yet. Requires ``E + 2 <= MAX_FUSED_EXPERTS`` like the one-program path.
+    The blocked path is not chosen by ``impl="auto"`` yet: it is tested for equality but has
+    no GPU timing yet.
     """
     EP, T, K = expert_ids_EPTK.shape
     device = expert_ids_EPTK.device
     E = EP * num_local_experts
     N = EP * T * K
-    BLOCK = BLOCKED_ROUTES_PER_PROGRAM
-    NB = triton.cdiv(N, BLOCK)
     EB = max(16, next_power_of_2(E + 2))
-    out = _Outputs(EP, T, K, num_local_experts, cap, training, device, zero_counters=True)
+    EPB = max(2, next_power_of_2(EP))
+    # the blocked path sums its counters with atomics: they start at zero
+    out = _Outputs(EP, T, K, num_local_experts, cap, training, device, zero_counters=blocked)
     if N == 0:
         out.empty_call()
         return out.fields()
     ids = _flat_ids(expert_ids_EPTK)
+    scratch = torch.empty(5 * EB, dtype=torch.int32, device=device)
+    dispatch_bases_EP, combine_bases_EP = _bases(dispatch_bases_EP, combine_bases_EP)
+    if not blocked:
+        NP = max(16, next_power_of_2(N))
+        with device_context(device):
+            _routing_tables_kernel[(1,)](
+                ids, dispatch_bases_EP, combine_bases_EP, scratch, out.padded_offsets,
+                out.row_offsets, out.rows_per_expert, out.executed_EP, out.tables,
+                out.route_of_row, out.counters, out.executed_TK, N, T, rank, receive_bound, cap,
+                row_bytes,
+                K=K, E=E, E_LOCAL=num_local_experts, EP=EP, ROW_BLOCK=row_block, NP=NP, EB=EB,
+                EPB=EPB, TRAINING=training, num_warps=4 if NP <= 1024 else 8,
+            )  # fmt: skip
+        return out.fields()
+    BLOCK = BLOCKED_ROUTES_PER_PROGRAM
+    NB = triton.cdiv(N, BLOCK)
     hist = torch.empty(NB, EB, dtype=torch.int32, device=device)
     block_scratch = torch.empty(NB, EB, dtype=torch.int32, device=device)
     ranks = torch.empty(N, dtype=torch.int32, device=device)
-    scratch = torch.empty(5 * EB, dtype=torch.int32, device=device)
-    dispatch_bases_EP, combine_bases_EP = _bases(dispatch_bases_EP, combine_bases_EP)
     with device_context(device):
         _block_ranks_kernel[(NB,)](ids, hist, block_scratch, ranks, N, E=E, BLOCK=BLOCK, EB=EB,
                                    num_warps=4)
@@ -440,8 +420,8 @@ def build_routing_tables_blocked(
         _blocked_layout_kernel[(1,)](
             incl[-1], scratch, out.padded_offsets, out.row_offsets, out.rows_per_expert,
             out.executed_EP, rank, receive_bound,
-            E=E, E_LOCAL=num_local_experts, EP=EP, ROW_BLOCK=row_block, EB=EB,
-            EPB=max(2, next_power_of_2(EP)), num_warps=4,
+            E=E, E_LOCAL=num_local_experts, EP=EP, ROW_BLOCK=row_block, EB=EB, EPB=EPB,
+            num_warps=4,
         )  # fmt: skip
         _blocked_routes_kernel[(NB,)](
             ids, hist, incl, ranks, scratch, dispatch_bases_EP, combine_bases_EP, out.tables,

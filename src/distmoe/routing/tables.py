@@ -42,8 +42,7 @@ import torch
 from .fused import (
     MAX_FUSED_EXPERTS,
     MAX_FUSED_ROUTES,
-    build_routing_tables_blocked,
-    build_routing_tables_fused,
+    build_routing_tables_triton,
     fused_eligible,
 )
 
@@ -144,7 +143,7 @@ def build_routing_tables(
                 f"impl='blocked' needs E + 2 <= {MAX_FUSED_EXPERTS} (E = {E}), on a CUDA "
                 "device or under Triton's interpreter"
             )
-        return RoutingTables(**build_routing_tables_blocked(expert_ids_EPTK, **kw))
+        return RoutingTables(**build_routing_tables_triton(expert_ids_EPTK, blocked=True, **kw))
     eligible = fused_eligible(EP * T * K, E, device)
     if impl == "fused" and not eligible:
         raise ValueError(
@@ -153,7 +152,7 @@ def build_routing_tables(
             "interpreter"
         )
     if impl != "torch" and eligible:
-        return RoutingTables(**build_routing_tables_fused(expert_ids_EPTK, **kw))
+        return RoutingTables(**build_routing_tables_triton(expert_ids_EPTK, blocked=False, **kw))
     # Every rank sorts all EP*T*K routes by global expert, so each rank also knows where its
     # own routes land on their destination ranks (and whether they are executed there).
     ids_i = expert_ids_EPTK.reshape(-1).to(torch.int64)
