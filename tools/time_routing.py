@@ -18,7 +18,6 @@ run of the tool, not a measurement).
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import time
 
@@ -32,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     from distmoe.reference import random_routing
     from distmoe.routing import build_routing_tables, row_capacity
     from distmoe.routing.fused import MAX_FUSED_ROUTES, fused_eligible
+    from distmoe.tools.bench.report import write_csv
     from distmoe.tools.bench.workloads import SHAPES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -96,10 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['shape']:<12} {r['tokens']:>6} {r['ep']:>3} {r['routes']:>7} "
               f"{r['impl']:<8} {r['ms']:>9.4f}")
     if args.csv and rows:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(args.csv, rows, list(rows[0]))
     return 0
 
 

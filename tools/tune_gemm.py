@@ -25,7 +25,6 @@ Prints one table per kernel, fastest first, TFLOP/s and the ratio to the grouped
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 from dataclasses import replace
 
@@ -56,6 +55,7 @@ def main() -> int:
     from distmoe.kernels.w2_scatter import W2Config, w2_scatter
     from distmoe.kernels.w13_backward import W13DgradConfig, w13_dgrad_scatter
     from distmoe.kernels.w13_gather_swiglu import W13Config, gather_w13_swiglu
+    from distmoe.tools.bench.report import write_csv
     from distmoe.tools.bench.workloads import SHAPES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -184,10 +184,7 @@ def main() -> int:
                       f"n{cfg.block_n} k{cfg.block_k} s{cfg.num_stages} g{cfg.group_m} "
                       f"{'persistent' if cfg.persistent else 'tiles'}")
     if args.csv and out_rows:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(out_rows[0]))
-            w.writeheader()
-            w.writerows(out_rows)
+        write_csv(args.csv, out_rows, list(out_rows[0]))
     return 0
 
 

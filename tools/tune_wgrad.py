@@ -14,7 +14,6 @@ TFLOP/s (2 * rows * P * Q per call), and writes every row to ``--csv`` when give
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 
 import torch
@@ -39,6 +38,7 @@ def main() -> int:
 
     from distmoe.kernels.w2_backward import WgradConfig, w2_wgrad
     from distmoe.kernels.w13_backward import w13_wgrad
+    from distmoe.tools.bench.report import write_csv
     from distmoe.tools.bench.workloads import SHAPES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -91,10 +91,7 @@ def main() -> int:
                       f"out {cfg.block_out_m}x{cfg.block_out_n} k{cfg.block_k} "
                       f"s{cfg.num_stages} w{cfg.num_warps}")
     if args.csv and rows_out:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows_out[0]))
-            w.writeheader()
-            w.writerows(rows_out)
+        write_csv(args.csv, rows_out, list(rows_out[0]))
     return 0
 
 
