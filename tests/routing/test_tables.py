@@ -280,3 +280,16 @@ def test_tables_edge_cases(EP, T, K, E_local, block, bound, dtype, monkeypatch):
             for impl in ("fused", "blocked"):
                 got = build_routing_tables(ids, rank=rank, training=training, impl=impl, **kw)
                 _assert_same_tables(want, got)
+
+
+def test_auto_choice_depends_on_shapes_alone():
+    from distmoe.routing.fused import AUTO_FUSED_ROUTES, MAX_FUSED_EXPERTS, auto_impl
+
+    cuda = torch.device("cuda")  # only its type is read: no GPU needed
+    assert auto_impl(16, 128, cuda) == "fused"
+    assert auto_impl(AUTO_FUSED_ROUTES, 128, cuda) == "fused"
+    assert auto_impl(AUTO_FUSED_ROUTES + 1, 128, cuda) == "blocked"
+    assert auto_impl(1 << 20, 256, cuda) == "blocked"
+    assert auto_impl(16, MAX_FUSED_EXPERTS - 1, cuda) == "torch"
+    assert auto_impl(1 << 20, MAX_FUSED_EXPERTS - 2, cuda) == "blocked"
+

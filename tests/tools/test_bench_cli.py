@@ -69,6 +69,21 @@ def test_full_and_explicit_plan():
         _parse(["--shapes", "mixtral"])
 
 
+def test_rank_share_divides_the_experts():
+    plan = cli.resolve_plan(_parse(["--shapes", "issue-a", "fine", "--rank-share-of", "2"]))
+    a, fine = plan.shapes
+    assert (a.name, a.num_experts, a.tokens, a.top_k) == ("issue-a/ep2", 16, 8192, 8)
+    assert (fine.name, fine.num_experts) == ("fine/ep2", 64)
+    assert (a.hidden, a.ffn) == (workloads.SHAPES["issue-a"].hidden, workloads.SHAPES["issue-a"].ffn)
+    assert cli.resolve_plan(_parse(["--shapes", "fine"])).shapes[0] is workloads.SHAPES["fine"]
+    # issue-a has E=32, K=8: a share of 8 ranks leaves 4 experts, fewer than top_k.
+    with pytest.raises(ValueError, match=r"--rank-share-of \(8\) must divide the experts of "
+                       r"shape 'issue-a' \(E=32\) and leave at least top_k \(8\)"):
+        cli.resolve_plan(_parse(["--shapes", "issue-a", "--rank-share-of", "8"]))
+    with pytest.raises(ValueError, match=r"--rank-share-of \(0\) must be an int >= 1"):
+        cli.resolve_plan(_parse(["--shapes", "fine", "--rank-share-of", "0"]))
+
+
 def test_distmoe_provider_unavailable_without_context(monkeypatch):
     import distmoe
 

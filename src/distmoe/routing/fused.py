@@ -38,6 +38,11 @@ from ..kernels.interpreter import interpreter_active
 MAX_FUSED_ROUTES = 4096
 #: Largest ``E + 2`` (expert lanes with the inactive and padding keys).
 MAX_FUSED_EXPERTS = 1024
+#: ``impl="auto"`` takes the one-program path up to this many routes and the blocked path
+#: above. One H200, 2026-11-29, ``tools/time_routing.py`` (docs/performance.md, run 8): at
+#: 128 routes one program 0.006 ms against 0.017 blocked; at 4096 routes 0.066 against 0.021
+#: (the single program's sort grows with N; the blocked path's blocks run in parallel).
+AUTO_FUSED_ROUTES = 1024
 
 
 def fused_eligible(num_routes: int, num_experts: int, device: torch.device) -> bool:
@@ -47,6 +52,17 @@ def fused_eligible(num_routes: int, num_experts: int, device: torch.device) -> b
     if num_routes > MAX_FUSED_ROUTES or num_experts + 2 > MAX_FUSED_EXPERTS:
         return False
     return device.type == "cuda" or interpreter_active()
+
+
+def auto_impl(num_routes: int, num_experts: int, device: torch.device) -> str:
+    """The implementation ``build_routing_tables(impl="auto")`` runs: ``"fused"`` for at most
+    :data:`AUTO_FUSED_ROUTES` routes, ``"blocked"`` above, both only with
+    ``E + 2 <= MAX_FUSED_EXPERTS`` on a CUDA device or under Triton's interpreter;
+    ``"torch"`` otherwise. Depends on shapes alone (never on routed counts), so a captured
+    graph and an eager call take the same path."""
+    if not fused_eligible(0, num_experts, device):
+        return "torch"
+    return "fused" if num_routes <= AUTO_FUSED_ROUTES else "blocked"
 
 
 @triton.jit
@@ -379,8 +395,8 @@ def build_routing_tables_triton(
        in-block position) and its stores; the counters are integer atomics, so the result
        does not depend on the order in which blocks run.
 
-    The blocked path is not chosen by ``impl="auto"`` yet: it is tested for equality but has
-    no GPU timing yet.
+    ``impl="auto"`` takes the blocked path above :data:`AUTO_FUSED_ROUTES` routes
+    (:func:`auto_impl`).
     """
     EP, T, K = expert_ids_EPTK.shape
     device = expert_ids_EPTK.device

@@ -14,9 +14,9 @@ Two row numberings (see also :mod:`distmoe.kernels._common`):
   is activation row row_offsets[e] + j. The memory planner counts these rows.
 
 Algorithm (all torch ops on the rank's device, fixed shapes, no host synchronisation, so the
-whole thing can be captured in a CUDA graph; calls of at most 4096 routes with E + 2 <= 1024,
-on a CUDA device or under Triton's interpreter, instead run one Triton program that gives
-the same tables, :mod:`distmoe.routing.fused`):
+whole thing can be captured in a CUDA graph). With E + 2 <= 1024, on a CUDA device or under
+Triton's interpreter, Triton kernels in :mod:`distmoe.routing.fused` give the same tables
+instead: one program for calls of at most 1024 routes, a blocked construction above):
 
 1. flatten the gathered ids ``expert_ids_EPTK`` to routes i = (src, t, k); its key is its
    global expert, or E for inactive and invalid ids;
@@ -42,6 +42,7 @@ import torch
 from .fused import (
     MAX_FUSED_EXPERTS,
     MAX_FUSED_ROUTES,
+    auto_impl,
     build_routing_tables_triton,
     fused_eligible,
 )
@@ -121,10 +122,10 @@ def build_routing_tables(
             dispatch and combine buffers (heap base tables).
         row_bytes: bytes of one row (D * 2 for bf16).
         training: also build the backward return table.
-        impl: ``"auto"`` (one Triton program for small calls, see
-            :mod:`distmoe.routing.fused`, else torch ops), ``"torch"``, ``"fused"`` (a
-            ``ValueError`` when the call is too large for it) or ``"blocked"`` (Triton at
-            any size; not timed yet, so ``"auto"`` does not choose it). All give the same
+        impl: ``"auto"`` (:func:`distmoe.routing.fused.auto_impl`: one Triton program for
+            small calls, the blocked Triton construction for larger ones, torch ops where
+            neither applies), ``"torch"``, ``"fused"`` (a ``ValueError`` when the call is
+            too large for it) or ``"blocked"`` (Triton at any size). All give the same
             tables.
     """
     EP, T, K = expert_ids_EPTK.shape
@@ -137,6 +138,8 @@ def build_routing_tables(
     kw = dict(rank=rank, num_local_experts=E_local, row_block=row_block,
               receive_bound=receive_bound, cap=cap, dispatch_bases_EP=dispatch_bases_EP,
               combine_bases_EP=combine_bases_EP, row_bytes=row_bytes, training=training)
+    if impl == "auto":
+        impl = auto_impl(EP * T * K, E, device)
     if impl == "blocked":
         if not fused_eligible(0, E, device):
             raise ValueError(
@@ -144,14 +147,13 @@ def build_routing_tables(
                 "device or under Triton's interpreter"
             )
         return RoutingTables(**build_routing_tables_triton(expert_ids_EPTK, blocked=True, **kw))
-    eligible = fused_eligible(EP * T * K, E, device)
-    if impl == "fused" and not eligible:
-        raise ValueError(
-            f"impl='fused' takes at most {MAX_FUSED_ROUTES} routes (EP*T*K = {EP * T * K}) and "
-            f"E + 2 <= {MAX_FUSED_EXPERTS} (E = {E}), on a CUDA device or under Triton's "
-            "interpreter"
-        )
-    if impl != "torch" and eligible:
+    if impl == "fused":
+        if not fused_eligible(EP * T * K, E, device):
+            raise ValueError(
+                f"impl='fused' takes at most {MAX_FUSED_ROUTES} routes (EP*T*K = {EP * T * K}) "
+                f"and E + 2 <= {MAX_FUSED_EXPERTS} (E = {E}), on a CUDA device or under "
+                "Triton's interpreter"
+            )
         return RoutingTables(**build_routing_tables_triton(expert_ids_EPTK, blocked=False, **kw))
     # Every rank sorts all EP*T*K routes by global expert, so each rank also knows where its
     # own routes land on their destination ranks (and whether they are executed there).

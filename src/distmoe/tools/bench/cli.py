@@ -19,6 +19,7 @@ import gc
 import sys
 import tarfile
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +89,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="G",
         help="EP=1 only: expert groups of the imbalance knob; group 0 stands for "
         "rank 0's experts at EP=G (default 8)",
+    )
+    parser.add_argument(
+        "--rank-share-of",
+        type=int,
+        default=1,
+        metavar="N",
+        help="EP=1 only: run each shape with E/N experts, one rank's work at EP=N under "
+        "balanced routing (T tokens, T*K rows, E/N local experts); the EP=1 side of an "
+        "EP=N scaling comparison (default 1: the shape as named)",
     )
     parser.add_argument(
         "--providers",
@@ -175,6 +185,26 @@ class BenchPlan:
         )
 
 
+def rank_share(shape: MoEShape, ranks: int) -> MoEShape:
+    """``shape`` with ``E / ranks`` experts, named ``<name>/ep<ranks>`` (``shape`` itself for
+    one rank): what one rank computes at EP = ``ranks`` with balanced routing, run on one GPU."""
+    if not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"--rank-share-of ({ranks!r}) must be an int >= 1")
+    if ranks == 1:
+        return shape
+    if shape.num_experts % ranks or shape.num_experts // ranks < shape.top_k:
+        raise ValueError(
+            f"--rank-share-of ({ranks}) must divide the experts of shape {shape.name!r} "
+            f"(E={shape.num_experts}) and leave at least top_k ({shape.top_k}) of them"
+        )
+    return dataclasses.replace(
+        shape,
+        name=f"{shape.name}/ep{ranks}",
+        num_experts=shape.num_experts // ranks,
+        description=f"{shape.description}, one rank's share at EP={ranks}",
+    )
+
+
 def resolve_plan(args: argparse.Namespace) -> BenchPlan:
     """Turn parsed arguments into a :class:`BenchPlan` (``--full`` fills what was not given)."""
     if args.shapes is None:
@@ -190,6 +220,7 @@ def resolve_plan(args: argparse.Namespace) -> BenchPlan:
         raise ValueError(f"--imbalance-groups ({args.imbalance_groups}) must be >= 1")
     if args.tokens and any(t < 1 for t in args.tokens):
         raise ValueError(f"--tokens values ({args.tokens}) must be >= 1")
+    shapes = tuple(rank_share(SHAPES[n], args.rank_share_of) for n in names)
     capture = args.capture_iters if args.capture_iters is not None else args.iters
     timing = TimingConfig(
         num_warmup=args.warmup,
@@ -199,7 +230,7 @@ def resolve_plan(args: argparse.Namespace) -> BenchPlan:
         use_cuda_graph=not args.no_graph,
     )
     return BenchPlan(
-        shapes=tuple(SHAPES[n] for n in names),
+        shapes=shapes,
         tokens=tuple(args.tokens) if args.tokens else None,
         modes=("fwd", "fwdbwd") if args.mode == "both" else (args.mode,),
         imbalances=tuple(float(f) for f in imbalances),
@@ -559,6 +590,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"distmoe bench: error: {exc}", file=sys.stderr)
         return 2
     if launched_by_torchrun():
+        if args.rank_share_of != 1:
+            print(f"distmoe bench: error: --rank-share-of ({args.rank_share_of}) is for EP=1 "
+                  "runs; under torchrun each rank already runs its share", file=sys.stderr)
+            return 2
         bench_group, device = init_torchrun_group(device.type)
     else:
         bench_group = init_single_process_group(device)
