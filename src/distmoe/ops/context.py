@@ -6,7 +6,9 @@ Per rank, on the symmetric heap (DESIGN.md, Buffers per rank):
     dispatch  [T_max * K, D] bf16: x at rows 0..T-1 in forward
     combine   [T_max * K, D] bf16: expert results at route slot t*K + k
 
-plus local memory in activation rows (compact: executed row j of local expert e is row
+plus, at EP > 1, a pull buffer [R_cap, D] bf16 and its pointer table [R_cap] int64
+(:mod:`distmoe.kernels.pull_rows`: each peer row the GEMMs read is copied once over NVLink
+instead of once per column tile), plus local memory in activation rows (compact: executed row j of local expert e is row
 ``row_offsets[e] + j``, see :mod:`distmoe.routing.tables`), ``R_b`` = the receive bound:
 
     inference  h2 [R_b, F] bf16 scratch
@@ -20,8 +22,8 @@ the same tensors):
     1. publish: header <- T, ids -> routing buffer (int16), x -> dispatch rows 0..T-1
     2. barrier                                 (everyone's ids and x are visible)
     3. gather every rank's ids [EP, T, K]; build expert-major tables (distmoe.routing)
-    4. W13 grouped GEMM, gather prologue reads source rows from the owners' dispatch buffers,
-       SwiGLU epilogue -> h2
+    4. W13 grouped GEMM, gather prologue reads source rows from the owners' dispatch buffers
+       (at EP > 1 peers' rows are first pulled once into local memory), SwiGLU epilogue -> h2
     5. W2 grouped GEMM, scatter epilogue stores each row into its owner's combine slot
     6. barrier                                 (all results have landed; all gathers done)
     7. owner combine y[t] = sum_k score[t,k] * combine[t*K+k] over executed routes, fp32
@@ -138,6 +140,11 @@ class MoEContext:
         else:
             self._h2 = torch.empty(self.receive_bound, F, dtype=torch.bfloat16,
                                    device=self.device)
+        if self.ep_size > 1:
+            self._pulled = torch.empty(self.row_capacity, D, dtype=torch.bfloat16,
+                                       device=self.device)
+            self._pulled_ptrs = torch.empty(self.row_capacity, dtype=torch.int64,
+                                            device=self.device)
         # Device-side counters: [last received rows, max received rows, dropped rows total,
         # invalid ids total, calls].
         self._counters = torch.zeros(5, dtype=torch.int64, device=self.device)
@@ -225,6 +232,18 @@ class MoEContext:
         return tables
 
 
+    def _read_table(self, ptrs, tables, local, enable=None):
+        """The pointer table a GEMM reads its A rows through: ``ptrs`` itself at EP = 1; at
+        EP > 1 a copy whose peer rows point at local copies pulled once (see
+        :mod:`distmoe.kernels.pull_rows`; ``local`` is this rank's buffer ``ptrs`` points
+        into, ``enable`` an optional device predicate)."""
+        if self.ep_size == 1:
+            return ptrs
+        from ..kernels.pull_rows import pull_rows
+
+        return pull_rows(ptrs, tables.padded_offsets[self.num_local_experts:], self._pulled,
+                         self._pulled_ptrs, local, enable=enable)
+
     def _wants_autograd(self, x, scores, w13, w2) -> bool:
         """Training call with autograd: cfg.training, grad mode on and an input requiring
         grad. The backward is collective (distmoe.ops.autograd): every rank must take the
@@ -254,8 +273,9 @@ class MoEContext:
         T, K = expert_ids.shape
         scores_f32 = scores.float().contiguous()
         y = torch.empty_like(x)
+        gather_ptrs = self._read_table(tables.gather_ptrs, tables, self._dispatch)
         if not save:
-            gather_w13_swiglu(tables.gather_ptrs, po, ro, w13, self._h2, config=self._w13_cfg)
+            gather_w13_swiglu(gather_ptrs, po, ro, w13, self._h2, config=self._w13_cfg)
             w2_scatter(self._h2, po, ro, w2, tables.scatter_ptrs, config=self._w2_cfg)
             self.heap.barrier()
             ids_executed = torch.where(tables.is_route_executed_TK,
@@ -265,7 +285,7 @@ class MoEContext:
         rec = acts.begin_layer(tables.executed_rows_EP)
         try:
             elements = acts.elements
-            gather_w13_swiglu(tables.gather_ptrs, po, ro, w13, self._h2, h1_out=elements,
+            gather_w13_swiglu(gather_ptrs, po, ro, w13, self._h2, h1_out=elements,
                               x_out=elements, out_offsets=rec.offsets[0:2],
                               config=self._w13_cfg)
             offset_copy(elements, x, x.numel(), dst_offset=rec.offsets[3:4])
