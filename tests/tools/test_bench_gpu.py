@@ -54,6 +54,8 @@ def test_tiny_ceilings_and_micro():
     assert dense.value and dense.value > 0 and dense.method == "cuda_graph"
     copy = ceilings.device_copy(dev, TINY, nbytes=1 << 24)
     assert copy.value and copy.value > 0
+    read = ceilings.device_read(dev, TINY, nbytes=1 << 24)
+    assert read.value and read.value > 0 and read.method == "cuda_graph", read.note
     rows, crossings = micro.grouped_vs_bmm(dev, TINY, widths=(256,), total_rows=(1024, 2048))
     assert len(rows) == 4 and all(math.isfinite(r.tflops) for r in rows)
     assert set(crossings) == {256}

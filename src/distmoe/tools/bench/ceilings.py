@@ -5,18 +5,20 @@
   per-column (B) fp32 scales and a bf16 output, with and without fast accumulation, best of;
 - device copy GB/s: ``dst.copy_(src)`` of a 2 GiB buffer, counting bytes read plus bytes
   written (2 x size per copy);
+- device read GB/s: ``torch.sum`` of a 2 GiB fp32 buffer, counting the bytes read (the bound
+  for work that streams weights and writes little, such as decode);
 - peer copy GB/s between GPU 0 and GPU 1 when two are visible: one direction each, counting the
   bytes moved once (write: GPU 0 -> GPU 1 issued on GPU 0; read: GPU 1 -> GPU 0 issued on GPU 0).
 
-All use :func:`distmoe.tools.bench.timing.benchmark` (CUDA-graph windows) so ceilings and
-cases are timed alike. GFLOP/s figures are decimal (1e9). Everything returns ``None``-valued
+All use :func:`distmoe.tools.bench.timing.benchmark` (CUDA-graph windows, except the peer
+copies, timed eagerly) so ceilings and cases are timed alike. GFLOP/s figures are decimal (1e9). Everything returns ``None``-valued
 fields rather than raising when a ceiling cannot be measured (no CUDA, no fp8 support, one
 GPU); the reason is kept in :attr:`Ceiling.note`.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -38,7 +40,8 @@ class Ceiling:
     """One measured ceiling.
 
     Attributes:
-        name: ``dense_bf16``, ``fp8_rowwise``, ``device_copy``, ``peer_write``, ``peer_read``.
+        name: ``dense_bf16``, ``fp8_rowwise``, ``device_copy``, ``device_read``, ``peer_write``,
+            ``peer_read``.
         value: best measured rate (TFLOP/s for matmuls, GB/s for copies), ``None`` if unmeasured.
         unit: ``"TFLOP/s"`` or ``"GB/s"``.
         detail: the configuration of the best measurement (shape, bytes, accumulation mode).
@@ -149,6 +152,21 @@ def device_copy(device: torch.device, config: TimingConfig, nbytes: int = COPY_B
     return c
 
 
+def device_read(device: torch.device, config: TimingConfig, nbytes: int = COPY_BYTES) -> Ceiling:
+    """``torch.sum`` of an fp32 buffer of ``nbytes`` GB/s, counting the bytes read."""
+    c = Ceiling(name="device_read", unit="GB/s")
+    try:
+        src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+        out = torch.empty((), dtype=torch.float32, device=device)
+        res = benchmark(lambda src=src, out=out: torch.sum(src, out=out), config=config,
+                        device=device)
+        _record(c, f"{nbytes / 2**30:g} GiB read", nbytes / (res.iter_ms * 1e-3) / 1e9, res)
+        del src, out
+    except Exception as exc:
+        c.note = error_text(exc)
+    return c
+
+
 def peer_copies(config: TimingConfig, nbytes: int = PEER_BYTES) -> list[Ceiling]:
     """GPU 0 <-> GPU 1 copy GB/s, one direction each, bytes counted once; needs two GPUs."""
     write = Ceiling(name="peer_write", unit="GB/s")
@@ -157,6 +175,11 @@ def peer_copies(config: TimingConfig, nbytes: int = PEER_BYTES) -> list[Ceiling]
         write.note = read.note = "needs two visible GPUs"
         return [write, read]
     d0, d1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    # Timed eagerly: the cross-device copy's capture failed (the timing fell back to eager),
+    # and every run with two GPUs visible then aborted at exit with torch 2.11's
+    # "captures_underway.empty()" allocator assert (two H200s, 2026-11-29); runs on one GPU
+    # did not. A 1 GiB copy needs no graph to hide launch overhead.
+    config = replace(config, use_cuda_graph=False)
     try:
         with torch.cuda.device(d0):
             a0 = torch.empty(nbytes, dtype=torch.uint8, device=d0).fill_(1)
@@ -193,12 +216,14 @@ def measure_all(device: torch.device, config: TimingConfig, *, peer: bool = True
                 ("dense_bf16", "TFLOP/s"),
                 ("fp8_rowwise", "TFLOP/s"),
                 ("device_copy", "GB/s"),
+                ("device_read", "GB/s"),
                 ("peer_write", "GB/s"),
                 ("peer_read", "GB/s"),
             )
         ]
         return Ceilings(items=items)
-    items = [dense_bf16(device, config), fp8_rowwise(device, config), device_copy(device, config)]
+    items = [dense_bf16(device, config), fp8_rowwise(device, config), device_copy(device, config),
+             device_read(device, config)]
     if peer:
         items += peer_copies(config)
     torch.cuda.empty_cache()
