@@ -35,8 +35,6 @@ def main() -> int:
                     help="tokens instead of the shape's own T (e.g. 16 for decode)")
     ap.add_argument("--graph", action="store_true",
                     help="capture one step in a CUDA graph and profile its replays")
-    ap.add_argument("--overlap-wgrad", type=int, choices=(0, 1), default=None,
-                    help="set MoEContext.overlap_wgrad (default: the context's own choice)")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     T, D, F, E, K = shape.tokens, shape.hidden, shape.ffn, shape.num_experts, shape.top_k
@@ -62,8 +60,6 @@ def main() -> int:
     params = [t.requires_grad_(training) for t in (w13, w2)]
     scores_g = scores.float().requires_grad_(training)
     with dm.MoEContext(cfg, device=dev) as ctx:
-        if args.overlap_wgrad is not None:
-            ctx.overlap_wgrad = bool(args.overlap_wgrad)
         def step():
             if training:
                 xs = x.detach().requires_grad_(True)

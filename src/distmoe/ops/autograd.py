@@ -73,8 +73,6 @@ bit-identical.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from ..kernels.route_grad import reduce_routes, route_grads
@@ -160,30 +158,21 @@ class MoEFunction(torch.autograd.Function):
                                 hidden=D, ffn=F, block_m=block,
                                 rows_per_expert=moe.rows_per_expert_hint))
         # WGRAD: fp32 accumulation, one rounding straight into the weights' dtype (one program
-        # per output tile writes it whole: no zero fill, no conversion pass). On CUDA the two
-        # WGRADs run on a side stream beside W13 DGRAD (they only read what W2 DGRAD wrote;
-        # nothing writes it before the join at the end), so the write-bound WGRAD tiles share
-        # the GPU with the compute-bound DGRAD. Their outputs are allocated on this stream
-        # before the fork, so the allocator ties them to it.
+        # per output tile writes it whole: no zero fill, no conversion pass)
         need = ctx.needs_input_grad
         rows_hint = moe.rows_per_expert_hint  # balanced rows per local expert (a shape key)
-        grad_w2 = torch.empty(E_l, D, F, dtype=w2.dtype, device=dev) if need[5] else None
-        grad_w13 = torch.empty(E_l, 2, F, D, dtype=w13.dtype, device=dev) if need[4] else None
-        side = moe._wgrad_stream if moe.overlap_wgrad else None
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            if need[5]:
-                w2_wgrad(scratch["gh3"], scratch["h2"], po, ro, grad_w2, accumulate=False,
-                         config=WgradConfig.from_heuristic(out_rows=D, out_cols=F,
-                                                           block_m=block,
-                                                           rows_per_expert=rows_hint))
-            if need[4]:
-                w13_wgrad(scratch["h1g"], elements, po, ro, grad_w13, x_offset=x_offset,
-                          accumulate=False,
-                          config=WgradConfig.from_heuristic(out_rows=2 * F, out_cols=D,
-                                                            block_m=block,
-                                                            rows_per_expert=rows_hint))
+        if need[5]:
+            grad_w2 = torch.empty(E_l, D, F, dtype=w2.dtype, device=dev)
+            w2_wgrad(scratch["gh3"], scratch["h2"], po, ro, grad_w2, accumulate=False,
+                     config=WgradConfig.from_heuristic(out_rows=D, out_cols=F, block_m=block,
+                                                       rows_per_expert=rows_hint))
+        if need[4]:
+            grad_w13 = torch.empty(E_l, 2, F, D, dtype=w13.dtype, device=dev)
+            w13_wgrad(scratch["h1g"], elements, po, ro, grad_w13, x_offset=x_offset,
+                      accumulate=False,
+                      config=WgradConfig.from_heuristic(out_rows=2 * F, out_cols=D,
+                                                        block_m=block,
+                                                        rows_per_expert=rows_hint))
         # Route input gradients into the owners' dispatch rows t*K+k (see the module
         # docstring for why no peer reads dispatch now).
         w13_dgrad_scatter(scratch["h1g"], po, ro, w13, tables.bwd_scatter_ptrs,
@@ -195,8 +184,6 @@ class MoEFunction(torch.autograd.Function):
         # 5. owner: sum its routes' input gradients (no barrier after: module docstring)
         grad_x = torch.empty(ctx.x_shape, dtype=torch.bfloat16, device=dev)
         reduce_routes(dispatch_rows, ids_executed, grad_x)
-        if side is not None:
-            torch.cuda.current_stream(dev).wait_stream(side)  # join: WGRAD done
 
         return (
             None,

@@ -140,11 +140,6 @@ class MoEContext:
         else:
             self._h2 = torch.empty(self.receive_bound, F, dtype=torch.bfloat16,
                                    device=self.device)
-        # Backward runs the WGRADs on this side stream beside W13 DGRAD (CUDA only;
-        # distmoe.ops.autograd). Set ``overlap_wgrad = False`` to run them in line.
-        self.overlap_wgrad = self.device.type == "cuda"
-        self._wgrad_stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda"
-                              else None)
         if self.ep_size > 1:
             self._pulled = torch.empty(self.row_capacity, D, dtype=torch.bfloat16,
                                        device=self.device)
