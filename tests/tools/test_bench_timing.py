@@ -66,3 +66,15 @@ def test_cpu_benchmark_counts_calls_and_records_method():
     assert res.fallback_reason == ""
     assert len(res.stats.window_ms) == 3
     assert res.stats.min_ms <= res.iter_ms <= res.stats.max_ms
+
+
+def test_copy_and_read_ceilings_run_on_cpu():
+    # The ceilings' own code (not only their timing) runs here; the GPU test checks values.
+    import torch
+
+    from distmoe.tools.bench import ceilings
+
+    cfg = TimingConfig(num_warmup=1, num_windows=2, iters_per_window=2, capture_iters=2)
+    for fn in (ceilings.device_copy, ceilings.device_read):
+        c = fn(torch.device("cpu"), cfg, nbytes=1 << 16)
+        assert c.note == "" and c.value > 0 and c.method == "cpu", (c.name, c.note)

@@ -158,7 +158,7 @@ def device_read(device: torch.device, config: TimingConfig, nbytes: int = COPY_B
     try:
         src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
         out = torch.empty((), dtype=torch.float32, device=device)
-        res = benchmark(lambda src=src, out=out: torch.sum(src, out=out), config=config,
+        res = benchmark(lambda src=src, out=out: torch.sum(src, 0, out=out), config=config,
                         device=device)
         _record(c, f"{nbytes / 2**30:g} GiB read", nbytes / (res.iter_ms * 1e-3) / 1e9, res)
         del src, out
