@@ -256,6 +256,15 @@ def check_tensor(
     return value
 
 
+def check_offsets(padded_offsets: object, row_offsets: object, num_experts: int) -> None:
+    """The two layout tables of every grouped-GEMM launcher: int32 ``[E_local + 1]`` each
+    (their values live on the device and are not read here)."""
+    check_tensor("padded_offsets", padded_offsets, dtypes=(torch.int32,),
+                 shape=[num_experts + 1], shape_text="[E_local + 1]")
+    check_tensor("row_offsets", row_offsets, dtypes=(torch.int32,), shape=[num_experts + 1],
+                 shape_text="[E_local + 1] (live rows per expert, exclusive prefix sum)")
+
+
 def check_devices(named: dict[str, torch.Tensor], *, for_kernel: bool = True) -> torch.device:
     """All tensors on one device; for a kernel, a CUDA device unless the interpreter runs."""
     items = list(named.items())

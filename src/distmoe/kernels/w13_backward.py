@@ -61,6 +61,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from distmoe.kernels._common import (
     GemmConfig,
     check_devices,
+    check_offsets,
     check_tensor,
     check_tma_aligned,
     check_width,
@@ -78,8 +79,6 @@ from distmoe.kernels.w2_backward import (
     check_base_tensor,
     check_device_scalar,
     check_disjoint,
-    check_padded_offsets,
-    check_row_offsets,
     check_row_table,
     check_rows_cap,
     check_wgrad_config,
@@ -335,8 +334,7 @@ def w13_dgrad_scatter(
     check_width("D (w13.shape[3])", hidden)
     check_width("F (w13.shape[2])", ffn)
     num_rows = check_row_table("scatter_ptrs", scatter_ptrs)
-    check_padded_offsets(padded_offsets, num_experts)
-    check_row_offsets(row_offsets, num_experts)
+    check_offsets(padded_offsets, row_offsets, num_experts)
     num_act = check_activation_rows("grad_h1", grad_h1, 2 * ffn, "2F")
     check_tma_aligned("grad_h1", grad_h1)
     check_tma_aligned("w13", w13)
@@ -458,8 +456,7 @@ def w13_wgrad(
         check_base_tensor(
             "x_gathered", x_gathered, "x_offset", "row a at x_gathered + x_offset[0] + a*D"
         )
-    check_padded_offsets(padded_offsets, num_experts)
-    check_row_offsets(row_offsets, num_experts)
+    check_offsets(padded_offsets, row_offsets, num_experts)
     check_tma_aligned("grad_h1", grad_h1)
     named = {
         "grad_h1": grad_h1,

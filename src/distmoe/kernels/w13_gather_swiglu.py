@@ -71,6 +71,7 @@ from distmoe.kernels._common import (
     check_activation_rows,
     check_bf16_base,
     check_devices,
+    check_offsets,
     check_padded_offsets_host,
     check_row_offsets_host,
     check_tensor,
@@ -384,14 +385,7 @@ def _check_w13_args(
     check_width("w13's F (ffn)", ffn)
     check_tensor("gather_ptrs", gather_ptrs, dtypes=(torch.int64,), ndim=1, shape_text="[R_cap]")
     r_cap = gather_ptrs.shape[0]
-    for name, offsets in (("padded_offsets", padded_offsets), ("row_offsets", row_offsets)):
-        check_tensor(
-            name,
-            offsets,
-            dtypes=(torch.int32,),
-            shape=[num_experts + 1],
-            shape_text="[E_local + 1]",
-        )
+    check_offsets(padded_offsets, row_offsets, num_experts)
     named = {
         "gather_ptrs": gather_ptrs,
         "padded_offsets": padded_offsets,

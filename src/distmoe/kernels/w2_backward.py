@@ -103,6 +103,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from distmoe.kernels._common import (
     GemmConfig,
     check_devices,
+    check_offsets,
     check_tensor,
     check_tma_aligned,
     check_width,
@@ -762,28 +763,6 @@ def check_disjoint(
                 )
 
 
-def check_padded_offsets(padded_offsets: object, num_experts: int) -> None:
-    """``padded_offsets`` must be int32 ``[E_local + 1]``."""
-    check_tensor(
-        "padded_offsets",
-        padded_offsets,
-        dtypes=(torch.int32,),
-        shape=[num_experts + 1],
-        shape_text="[E_local + 1]",
-    )
-
-
-def check_row_offsets(row_offsets: object, num_experts: int) -> None:
-    """``row_offsets`` must be int32 ``[E_local + 1]`` (its values are device-side)."""
-    check_tensor(
-        "row_offsets",
-        row_offsets,
-        dtypes=(torch.int32,),
-        shape=[num_experts + 1],
-        shape_text="[E_local + 1] (live rows per expert, exclusive prefix sum)",
-    )
-
-
 def check_device_scalar(name: str, value: object, rule: str) -> None:
     """A device-side int64 ``[1]`` argument (offset or address); ``rule`` says what it holds."""
     check_tensor(name, value, dtypes=(torch.int64,), shape=[1], shape_text=rule)
@@ -984,8 +963,7 @@ def w2_dgrad_swiglu_bwd(
     if num_experts < 1:
         raise ValueError(f"w2 must hold at least one expert, got shape {list(w2.shape)}")
     num_rows = check_row_table("grad_h3_ptrs", grad_h3_ptrs)
-    check_padded_offsets(padded_offsets, num_experts)
-    check_row_offsets(row_offsets, num_experts)
+    check_offsets(padded_offsets, row_offsets, num_experts)
     num_act = check_activation_rows("grad_h1_out", grad_h1_out, 2 * ffn, "2F")
     if h1_offset is None:
         check_tensor(
@@ -1152,8 +1130,7 @@ def w2_wgrad(
         shape=[num_act, ffn],
         shape_text="[R_act, F] like grad_h3",
     )
-    check_padded_offsets(padded_offsets, num_experts)
-    check_row_offsets(row_offsets, num_experts)
+    check_offsets(padded_offsets, row_offsets, num_experts)
     check_tma_aligned("grad_h3", grad_h3)
     check_tma_aligned("h2", h2)
     named = {

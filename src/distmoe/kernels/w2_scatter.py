@@ -57,6 +57,7 @@ from distmoe.kernels._common import (
     activation_segments,
     check_activation_rows,
     check_devices,
+    check_offsets,
     check_padded_offsets_host,
     check_row_offsets_host,
     check_tensor,
@@ -296,14 +297,7 @@ def _check_w2_args(
     if h2.shape[1] != ffn:
         raise ValueError(f"h2 must have shape [R_act, F={ffn}] (F from w2), got {list(h2.shape)}")
     r_act = check_activation_rows("h2", h2, r_cap=r_cap)
-    for name, offsets in (("padded_offsets", padded_offsets), ("row_offsets", row_offsets)):
-        check_tensor(
-            name,
-            offsets,
-            dtypes=(torch.int32,),
-            shape=[num_experts + 1],
-            shape_text="[E_local + 1]",
-        )
+    check_offsets(padded_offsets, row_offsets, num_experts)
     named = {
         "h2": h2,
         "padded_offsets": padded_offsets,

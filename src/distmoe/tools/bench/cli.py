@@ -14,12 +14,12 @@ Case order: shape -> tokens -> mode -> imbalance -> provider, so a provider buil
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import sys
 import tarfile
 import time
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
