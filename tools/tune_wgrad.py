@@ -3,38 +3,26 @@
 
 Usage (repository root, one GPU):
     PYTHONPATH=src python3 tools/tune_wgrad.py [--shapes fine issue-a] [--csv FILE]
-        [--groups 1 4 8] [--only-heuristic]
 
 For each named bench shape (EP=1, balanced random routing: T*K rows spread over E experts),
 times ``w13_wgrad`` and ``w2_wgrad`` (overwrite mode, bf16 output, as autograd runs them) for
 a set of candidate configs and the current heuristic, with ``triton.testing.do_bench``
 (median of repeated runs, L2 not flushed). Prints one table per kernel, fastest first, with
 TFLOP/s (2 * rows * P * Q per call), and writes every row to ``--csv`` when given.
-``--groups`` also times every candidate with those ``experts_per_program`` values; each such
-output is first checked bit for bit against the same config with one expert per program.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 
 import torch
 
 
-def _candidates(WgradConfig, out_rows, out_cols, hint, groups, only_heuristic):
+def _candidates(WgradConfig, out_rows, out_cols, hint):
     # first: what the layer runs (the heuristic with its shape hint)
     out = [WgradConfig.from_heuristic(out_rows=out_rows, out_cols=out_cols,
                                       rows_per_expert=hint)]
-    if not only_heuristic:
-        out += _sweep(WgradConfig, out_rows, out_cols, out[0])
-    return out + [dataclasses.replace(c, experts_per_program=g) for c in out for g in groups
-                  if g != c.experts_per_program]
-
-
-def _sweep(WgradConfig, out_rows, out_cols, first):
-    out = [first]
     for (bm, bn), bk, stages, warps in itertools.product(
         [(128, 128), (128, 256), (256, 128), (64, 128), (128, 64)], [64, 128], [3, 4], [8]
     ):
@@ -42,7 +30,7 @@ def _sweep(WgradConfig, out_rows, out_cols, first):
                           block_out_n=min(bn, out_cols), num_warps=warps, num_stages=stages)
         if cfg.fits_hopper() and cfg not in out:
             out.append(cfg)
-    return out[1:]
+    return out
 
 
 def main() -> int:
@@ -56,10 +44,6 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=["fine", "issue-a"], choices=sorted(SHAPES))
     ap.add_argument("--csv", default=None)
-    ap.add_argument("--groups", nargs="+", type=int, default=[],
-                    help="also time each candidate with these experts_per_program values")
-    ap.add_argument("--only-heuristic", action="store_true",
-                    help="time the layer's config (and its --groups variants) only")
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
     rows_out = []
@@ -82,24 +66,14 @@ def main() -> int:
         g2 = torch.empty(E, D, F, device=dev, dtype=torch.bfloat16)
         def run13(c, gh1=gh1, x=x, po=po, ro=ro, g13=g13):
             w13_wgrad(gh1, x, po, ro, g13, accumulate=False, config=c)
-            return g13
 
         def run2(c, gh3=gh3, h2=h2, po=po, ro=ro, g2=g2):
             w2_wgrad(gh3, h2, po, ro, g2, accumulate=False, config=c)
-            return g2
 
         for kernel, (P, Q), fn in (("w13_wgrad", (2 * F, D), run13),
                                    ("w2_wgrad", (D, F), run2)):
             results = []
-            cands = _candidates(WgradConfig, P, Q, max(1, R // E), args.groups,
-                                args.only_heuristic)
-            for i, cfg in enumerate(cands):
-                if cfg.experts_per_program > 1:
-                    want = fn(dataclasses.replace(cfg, experts_per_program=1)).clone()
-                    got = fn(cfg)
-                    if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
-                        print(f"{name} {kernel} {cfg}: MISMATCH against one expert per program")
-                        continue
+            for i, cfg in enumerate(_candidates(WgradConfig, P, Q, max(1, R // E))):
                 try:
                     ms = triton.testing.do_bench(lambda cfg=cfg, fn=fn: fn(cfg), warmup=5,
                                                  rep=30)
@@ -115,7 +89,7 @@ def main() -> int:
             for ms, tflops, heur, cfg in results[:6] + [r for r in results if r[2]]:
                 print(f"  {ms:8.3f} ms {tflops:7.1f} TFLOP/s {'HEURISTIC ' if heur else ''}"
                       f"out {cfg.block_out_m}x{cfg.block_out_n} k{cfg.block_k} "
-                      f"s{cfg.num_stages} w{cfg.num_warps} g{cfg.experts_per_program}")
+                      f"s{cfg.num_stages} w{cfg.num_warps}")
     if args.csv and rows_out:
         write_csv(args.csv, rows_out, list(rows_out[0]))
     return 0

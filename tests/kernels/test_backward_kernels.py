@@ -870,68 +870,6 @@ def test_wgrad_overwrite(out_dtype, host_descriptors):
         w2_wgrad(grad_h3, h2, po, ro, got2.bfloat16(), config=config)
 
 
-@pytest.mark.parametrize("group", [2, 4])
-@pytest.mark.parametrize("host_descriptors", [True, False], ids=["host_desc", "device_desc"])
-def test_wgrad_expert_groups_equal_one_expert_per_program(group, host_descriptors):
-    """experts_per_program > 1 (one row loop over several experts' tiles) gives the bits of
-    one program per expert: the same row steps in the same order. Empty experts first, in the
-    middle and last; partial last steps; a group past the last expert (5 experts); rows of the
-    next expert scaled by 2^10 and NaN spare rows (what a partial step loads beside its own
-    rows); the x rows also at a device-side offset into a base that holds only live rows."""
-    counts = [0, 21, 0, 37, 0]  # group 2: the third group has one expert; group 4: two groups
-    num_experts, hidden, ffn, block_m = len(counts), 40, 24, 16
-    layout = layout_from_counts(counts, block_m, idle_tiles=1)
-    big = [e for e in range(num_experts) if e % 2]
-    grad_h1 = _wgrad_operand(layout, 2 * ffn, big_experts=big)
-    x = _wgrad_operand(layout, hidden, big_experts=big)
-    grad_h3 = _wgrad_operand(layout, hidden, big_experts=big)
-    h2 = _wgrad_operand(layout, ffn, big_experts=big)
-    po, ro = layout.padded_offsets, layout.row_offsets
-    base_cfg = dict(block_m=block_m, block_k=16, block_out_m=32, block_out_n=16, num_warps=4,
-                    num_stages=2, host_descriptors=host_descriptors)
-    one, grouped = WgradConfig(**base_cfg), WgradConfig(**base_cfg, experts_per_program=group)
-    offset = 8 * 9
-    live_x = x[: layout.live_end].reshape(-1)
-    x_base = torch.full((offset + live_x.numel() + 2 * hidden,), float("nan"), device=DEVICE)
-    x_base = x_base.bfloat16()
-    x_base[offset : offset + live_x.numel()] = live_x
-    x_offset = torch.tensor([offset], dtype=torch.int64, device=DEVICE)
-    for out_dtype in (torch.float32, torch.bfloat16):
-        outs = {}
-        for name, cfg in (("one", one), ("grouped", grouped)):
-            g13 = poisoned(num_experts, 2, ffn, hidden, dtype=out_dtype)
-            w13_wgrad(grad_h1, x, po, ro, g13, accumulate=False, config=cfg)
-            g13_off = poisoned(num_experts, 2, ffn, hidden, dtype=out_dtype)
-            w13_wgrad(grad_h1, x_base, po, ro, g13_off, x_offset=x_offset, accumulate=False,
-                      config=cfg)
-            g2 = poisoned(num_experts, hidden, ffn, dtype=out_dtype)
-            w2_wgrad(grad_h3, h2, po, ro, g2, accumulate=False, config=cfg)
-            outs[name] = (g13, g13_off, g2)
-        for got, want in zip(outs["grouped"], outs["one"], strict=True):
-            assert not got.isnan().any()
-            assert same_bits(got, want)
-        g13, _, g2 = outs["grouped"]
-        for e, count in enumerate(counts):
-            if count == 0:
-                assert not g13[e].any() and not g2[e].any()
-        if out_dtype == torch.float32:  # the values themselves, against the reference
-            zeros = torch.zeros(num_experts, hidden, ffn, device=DEVICE)
-            assert_wgrad_close(g2, grad_h3, h2, layout, zeros, rows_sum=w2_wgrad_ref)
-
-
-def test_wgrad_expert_group_config_rules():
-    with pytest.raises(ValueError, match=r"experts_per_program \(3\) must be a power of two"):
-        WgradConfig(experts_per_program=3)
-    with pytest.raises(ValueError, match=r"experts_per_program \(2\) > 1 needs split_rows == 1"):
-        WgradConfig(experts_per_program=2, split_rows=2)
-    layout = layout_from_counts([3, 5], 16)
-    a = _wgrad_operand(layout, 32, big_experts=[])
-    out = torch.zeros(2, 32, 32, device=DEVICE)
-    with pytest.raises(ValueError, match=r"experts_per_program \(2\) > 1 needs accumulate=False"):
-        w2_wgrad(a, a.clone(), layout.padded_offsets, layout.row_offsets, out,
-                 config=WgradConfig(block_m=16, block_k=16, experts_per_program=2))
-
-
 # --------------------------------------------------------------------------------------------
 # The whole backward chain against autograd
 # --------------------------------------------------------------------------------------------

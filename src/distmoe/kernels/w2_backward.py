@@ -444,13 +444,51 @@ def _wgrad_tail_step(a_desc, b_desc, row, end, p0, q0, acc, BLOCK_K: tl.constexp
 
 
 @triton.jit
-def _wgrad_in_descs(a, b, b_offset_ptr, row_offsets_ptr, num_act_rows, P: tl.constexpr,
-                    Q: tl.constexpr, NUM_EXPERTS: tl.constexpr, HOST_DESC: tl.constexpr,
-                    B_OFFSET: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-                    BLOCK_Q: tl.constexpr):
-    """The TMA descriptors of both WGRAD operands (host-encoded ones passed through).
-    Device-built ones span ``num_act_rows`` rows, except a ``b`` at a device offset, which
-    ends at the live rows (pass ``row_offsets[E]`` as ``num_act_rows`` to bound both)."""
+def _grouped_wgrad_kernel(
+    a,  # bf16 [R_act, P], or its TMA descriptor (HOST_DESC)
+    b,  # bf16 [R_act, Q], or its TMA descriptor (HOST_DESC), or a 1-D bf16 base (B_OFFSET)
+    b_offset_ptr,  # int64 [1]: element offset of activation row 0 in b (B_OFFSET)
+    row_offsets_ptr,  # int32 [E + 1]
+    out_ptr,  # fp32 [E, P, Q] accumulated into, or fp32/bf16 overwritten (OVERWRITE)
+    out_desc,  # TMA descriptor of out [E, P, Q], block [1, BLOCK_P, BLOCK_Q] (TMA_STORE and
+    #            HOST_DESC; otherwise a placeholder)
+    num_act_rows,  # R_act
+    P: tl.constexpr,
+    Q: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    SPLIT_ROWS: tl.constexpr,
+    OVERWRITE: tl.constexpr,
+    TMA_STORE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    HOST_DESC: tl.constexpr,
+    B_OFFSET: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+):
+    num_q = tl.cdiv(Q, BLOCK_Q)
+    tiles = tl.cdiv(P, BLOCK_P) * num_q
+    pid = tl.program_id(0)
+    # Expert slowest: the programs of one expert run together and share its rows in L2.
+    expert = pid // (SPLIT_ROWS * tiles)
+    rest = pid % (SPLIT_ROWS * tiles)
+    split = rest // tiles
+    tile = rest % tiles
+    p0 = (tile // num_q) * BLOCK_P
+    q0 = (tile % num_q) * BLOCK_Q
+    first = tl.load(row_offsets_ptr + expert) + split * BLOCK_K
+    end = tl.load(row_offsets_ptr + expert + 1)
+    p = p0 + tl.arange(0, BLOCK_P)
+    q = q0 + tl.arange(0, BLOCK_Q)
+    mask = (p < P)[:, None] & (q < Q)[None, :]
+    out = out_ptr + expert.to(tl.int64) * (P * Q) + p.to(tl.int64)[:, None] * Q + q[None, :]
+    if first >= end:
+        # no rows for this program: accumulating, grad_w stays as it is; overwriting (one
+        # program per tile), the expert's gradient is zero
+        if OVERWRITE:
+            tl.store(out, tl.zeros([BLOCK_P, BLOCK_Q], dtype=out_ptr.dtype.element_ty),
+                     mask=mask)
+        return
     if HOST_DESC:
         a_desc = a
     else:
@@ -474,193 +512,42 @@ def _wgrad_in_descs(a, b, b_offset_ptr, row_offsets_ptr, num_act_rows, P: tl.con
         b_desc = tl.make_tensor_descriptor(
             b, shape=[num_act_rows, Q], strides=[Q, 1], block_shape=[BLOCK_K, BLOCK_Q]
         )
-    return a_desc, b_desc
-
-
-@triton.jit
-def _wgrad_out_desc(out_ptr, out_desc, P: tl.constexpr, Q: tl.constexpr,
-                    NUM_EXPERTS: tl.constexpr, HOST_DESC: tl.constexpr, BLOCK_P: tl.constexpr,
-                    BLOCK_Q: tl.constexpr):
-    """TMA descriptor of ``out`` ``[E, P, Q]`` with ``[1, BLOCK_P, BLOCK_Q]`` blocks (bounds
-    per dimension: a tile past P or Q is clipped there, never spills into the next expert)."""
-    if HOST_DESC:
-        o_desc = out_desc
+    acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
+    step = SPLIT_ROWS * BLOCK_K
+    # Whole steps (all BLOCK_K rows before `end`): unmasked. Only the last step of a program
+    # can be partial (a partial step ends past `end`, so every later one starts past it).
+    # end - first >= 1 and step >= BLOCK_K keep the numerator positive.
+    num_full = (end - first - BLOCK_K + step) // step
+    if INTERPRETED:
+        i = 0
+        while i < num_full:
+            acc = _wgrad_tile_step(a_desc, b_desc, first + i * step, p0, q0, acc)
+            i += 1
     else:
-        o_desc = tl.make_tensor_descriptor(
-            out_ptr, shape=[NUM_EXPERTS, P, Q], strides=[P * Q, Q, 1],
-            block_shape=[1, BLOCK_P, BLOCK_Q],
-        )
-    return o_desc
+        for i in range(0, num_full):
+            acc = _wgrad_tile_step(a_desc, b_desc, first + i * step, p0, q0, acc)
+    tail = first + num_full * step
+    if tail < end:
+        acc = _wgrad_tail_step(a_desc, b_desc, tail, end, p0, q0, acc, BLOCK_K)
 
-
-@triton.jit
-def _wgrad_group_step(a_desc, b_desc, o_desc, row_offsets_ptr, out_ptr, acc, expert, row, end,
-                      p0, q0, NUM_EXPERTS: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """One row step of :func:`_wgrad_expert_group`: rows ``[row, row + BLOCK_K)`` of
-    ``expert`` (whose rows end at ``end``); stores and resets the tile after the expert's last
-    step. Returns the next ``(acc, expert, row, end)``."""
-    a = a_desc.load([row, p0])
-    b = b_desc.load([row, q0])
-    # Rows at/after `end` are the next expert's (finite) or TMA zeros past the live rows (the
-    # descriptors are bounded there): zeroing them in `a` alone keeps them out of the sum, and
-    # `b` stays in shared memory for the MMA.
-    keep = ((row + tl.arange(0, BLOCK_K)) < end)[:, None]
-    a = tl.where(keep, a, tl.zeros_like(a))
-    acc = tl.dot(tl.trans(a), b, acc)
-    if row + BLOCK_K >= end:
+    if OVERWRITE and TMA_STORE:
+        # One asynchronous TMA store of the whole tile (bounds per dimension: a tile past P or
+        # Q is clipped there, never spills into the next expert).
+        if HOST_DESC:
+            o_desc = out_desc
+        else:
+            o_desc = tl.make_tensor_descriptor(
+                out_ptr, shape=[NUM_EXPERTS, P, Q], strides=[P * Q, Q, 1],
+                block_shape=[1, BLOCK_P, BLOCK_Q],
+            )
         o_desc.store([expert, p0, q0],
                      tl.reshape(acc.to(out_ptr.dtype.element_ty), [1, BLOCK_P, BLOCK_Q]))
-        acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
-        expert += 1
-        row = end
-        end = tl.load(row_offsets_ptr + tl.minimum(expert + 1, NUM_EXPERTS))
+    elif OVERWRITE:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    elif SPLIT_ROWS == 1:
+        tl.store(out, tl.load(out, mask=mask, other=0.0) + acc, mask=mask)
     else:
-        row += BLOCK_K
-    return acc, expert, row, end
-
-
-@triton.jit
-def _wgrad_expert_group(a_desc, b_desc, o_desc, row_offsets_ptr, out_ptr, e0, p0, q0,
-                        NUM_EXPERTS: tl.constexpr, GROUP: tl.constexpr,
-                        INTERPRETED: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """Overwrite one output tile of experts ``e0 .. e0 + GROUP - 1`` in one row loop.
-
-    Compact activation rows are expert-major and contiguous, so the experts' row steps run
-    back to back: each expert's steps start at its first row (the last one partial and
-    masked; an expert without rows takes one fully masked step), and its tile is stored when
-    its last step is done. One loop over all the group's steps keeps the load pipeline full
-    across experts, where one program per expert refilled it for every few steps (256 rows,
-    4 steps, per expert at T=4096 K=8 E=128).
-    """
-    g = e0 + tl.arange(0, GROUP)
-    in_range = g < NUM_EXPERTS
-    lo = tl.load(row_offsets_ptr + g, mask=in_range, other=0)
-    hi = tl.load(row_offsets_ptr + g + 1, mask=in_range, other=0)
-    steps = tl.where(in_range, tl.maximum((hi - lo + BLOCK_K - 1) // BLOCK_K, 1), 0)
-    total = tl.sum(steps, axis=0)
-    expert = e0
-    row = tl.load(row_offsets_ptr + e0)
-    end = tl.load(row_offsets_ptr + e0 + 1)
-    acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
-    if INTERPRETED:  # the interpreter cannot take a range bound loaded from memory
-        it = 0
-        while it < total:
-            acc, expert, row, end = _wgrad_group_step(
-                a_desc, b_desc, o_desc, row_offsets_ptr, out_ptr, acc, expert, row, end, p0,
-                q0, NUM_EXPERTS, BLOCK_K, BLOCK_P, BLOCK_Q,
-            )  # fmt: skip
-            it += 1
-    else:  # a for loop, so the software pipeliner keeps loads in flight across experts
-        for _ in range(0, total):
-            acc, expert, row, end = _wgrad_group_step(
-                a_desc, b_desc, o_desc, row_offsets_ptr, out_ptr, acc, expert, row, end, p0,
-                q0, NUM_EXPERTS, BLOCK_K, BLOCK_P, BLOCK_Q,
-            )  # fmt: skip
-
-
-@triton.jit
-def _grouped_wgrad_kernel(
-    a,  # bf16 [R_act, P], or its TMA descriptor (HOST_DESC)
-    b,  # bf16 [R_act, Q], or its TMA descriptor (HOST_DESC), or a 1-D bf16 base (B_OFFSET)
-    b_offset_ptr,  # int64 [1]: element offset of activation row 0 in b (B_OFFSET)
-    row_offsets_ptr,  # int32 [E + 1]
-    out_ptr,  # fp32 [E, P, Q] accumulated into, or fp32/bf16 overwritten (OVERWRITE)
-    out_desc,  # TMA descriptor of out [E, P, Q], block [1, BLOCK_P, BLOCK_Q] (TMA_STORE and
-    #            HOST_DESC; otherwise a placeholder)
-    num_act_rows,  # R_act
-    P: tl.constexpr,
-    Q: tl.constexpr,
-    NUM_EXPERTS: tl.constexpr,
-    SPLIT_ROWS: tl.constexpr,
-    OVERWRITE: tl.constexpr,
-    TMA_STORE: tl.constexpr,
-    INTERPRETED: tl.constexpr,
-    HOST_DESC: tl.constexpr,
-    B_OFFSET: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    EXPERTS_PER_PROGRAM: tl.constexpr,
-):
-    num_q = tl.cdiv(Q, BLOCK_Q)
-    tiles = tl.cdiv(P, BLOCK_P) * num_q
-    pid = tl.program_id(0)
-    if EXPERTS_PER_PROGRAM > 1:
-        # overwrite mode with a TMA-store epilogue, one split (the launcher checks)
-        # Operand descriptors built here and bounded by the live rows (TMA zeros past them):
-        # the group loop masks only `a` (see _wgrad_group_step).
-        tile = pid % tiles
-        a_desc, b_desc = _wgrad_in_descs(
-            a, b, b_offset_ptr, row_offsets_ptr, tl.load(row_offsets_ptr + NUM_EXPERTS), P, Q,
-            NUM_EXPERTS, False, B_OFFSET, BLOCK_K, BLOCK_P, BLOCK_Q,
-        )  # fmt: skip
-        o_desc = _wgrad_out_desc(out_ptr, out_desc, P, Q, NUM_EXPERTS, HOST_DESC, BLOCK_P,
-                                 BLOCK_Q)
-        _wgrad_expert_group(
-            a_desc, b_desc, o_desc, row_offsets_ptr, out_ptr,
-            (pid // tiles) * EXPERTS_PER_PROGRAM, (tile // num_q) * BLOCK_P,
-            (tile % num_q) * BLOCK_Q, NUM_EXPERTS, EXPERTS_PER_PROGRAM, INTERPRETED, BLOCK_K,
-            BLOCK_P, BLOCK_Q,
-        )  # fmt: skip
-    else:  # a static else: this code is not even built for an expert group
-        # (code after a return under a constexpr if still is, with the other path's
-        # argument types)
-        # Expert slowest: the programs of one expert run together and share its rows in L2.
-        expert = pid // (SPLIT_ROWS * tiles)
-        rest = pid % (SPLIT_ROWS * tiles)
-        split = rest // tiles
-        tile = rest % tiles
-        p0 = (tile // num_q) * BLOCK_P
-        q0 = (tile % num_q) * BLOCK_Q
-        first = tl.load(row_offsets_ptr + expert) + split * BLOCK_K
-        end = tl.load(row_offsets_ptr + expert + 1)
-        p = p0 + tl.arange(0, BLOCK_P)
-        q = q0 + tl.arange(0, BLOCK_Q)
-        mask = (p < P)[:, None] & (q < Q)[None, :]
-        out = out_ptr + expert.to(tl.int64) * (P * Q) + p.to(tl.int64)[:, None] * Q + q[None, :]
-        if first >= end:
-            # no rows for this program: accumulating, grad_w stays as it is; overwriting (one
-            # program per tile), the expert's gradient is zero
-            if OVERWRITE:
-                tl.store(out, tl.zeros([BLOCK_P, BLOCK_Q], dtype=out_ptr.dtype.element_ty),
-                         mask=mask)
-            return
-        a_desc, b_desc = _wgrad_in_descs(
-            a, b, b_offset_ptr, row_offsets_ptr, num_act_rows, P, Q, NUM_EXPERTS, HOST_DESC,
-            B_OFFSET, BLOCK_K, BLOCK_P, BLOCK_Q,
-        )  # fmt: skip
-        acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
-        step = SPLIT_ROWS * BLOCK_K
-        # Whole steps (all BLOCK_K rows before `end`): unmasked. Only the last step of a program
-        # can be partial (a partial step ends past `end`, so every later one starts past it).
-        # end - first >= 1 and step >= BLOCK_K keep the numerator positive.
-        num_full = (end - first - BLOCK_K + step) // step
-        if INTERPRETED:
-            i = 0
-            while i < num_full:
-                acc = _wgrad_tile_step(a_desc, b_desc, first + i * step, p0, q0, acc)
-                i += 1
-        else:
-            for i in range(0, num_full):
-                acc = _wgrad_tile_step(a_desc, b_desc, first + i * step, p0, q0, acc)
-        tail = first + num_full * step
-        if tail < end:
-            acc = _wgrad_tail_step(a_desc, b_desc, tail, end, p0, q0, acc, BLOCK_K)
-
-        if OVERWRITE and TMA_STORE:
-            # One asynchronous TMA store of the whole tile.
-            o_desc = _wgrad_out_desc(out_ptr, out_desc, P, Q, NUM_EXPERTS, HOST_DESC, BLOCK_P,
-                                     BLOCK_Q)
-            o_desc.store([expert, p0, q0],
-                         tl.reshape(acc.to(out_ptr.dtype.element_ty), [1, BLOCK_P, BLOCK_Q]))
-        elif OVERWRITE:
-            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        elif SPLIT_ROWS == 1:
-            tl.store(out, tl.load(out, mask=mask, other=0.0) + acc, mask=mask)
-        else:
-            tl.atomic_add(out, acc, mask=mask, sem="relaxed")
+        tl.atomic_add(out, acc, mask=mask, sem="relaxed")
 
 
 # --------------------------------------------------------------------------------------------
@@ -744,10 +631,6 @@ class WgradConfig:
         num_stages: software-pipeline depth of the row loop (>= 1).
         host_descriptors: TMA descriptors of both operands encoded on the host at launch
             (True) or built on the device in every program (False).
-        experts_per_program: experts whose tiles at one output position one program walks
-            in a single row loop (power of two in [1, 64]). Above 1 it needs overwrite mode
-            (``split_rows`` 1); when ``out`` does not allow the TMA-store epilogue the launch
-            falls back to one expert per program.
     """
 
     block_m: int = 128
@@ -758,7 +641,6 @@ class WgradConfig:
     num_warps: int = 8
     num_stages: int = 4
     host_descriptors: bool = True
-    experts_per_program: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_k", "block_out_m", "block_out_n"):
@@ -781,13 +663,6 @@ class WgradConfig:
         if not isinstance(self.host_descriptors, bool):
             raise TypeError(
                 f"host_descriptors must be a bool, got {type(self.host_descriptors).__name__}"
-            )
-        g = self.experts_per_program
-        if isinstance(g, bool) or not isinstance(g, int) or not (1 <= g <= 64 and g & (g - 1) == 0):
-            raise ValueError(f"experts_per_program ({g!r}) must be a power of two in [1, 64]")
-        if g > 1 and self.split_rows != 1:
-            raise ValueError(
-                f"experts_per_program ({g}) > 1 needs split_rows == 1, got {self.split_rows}"
             )
 
     def smem_bytes(self) -> int:
@@ -949,11 +824,6 @@ def check_wgrad_config(config: object, *, out_rows: int, out_cols: int,
             f"accumulate=False needs config.split_rows == 1 (one program per output tile), "
             f"got {config.split_rows}"
         )
-    if accumulate and config.experts_per_program != 1:
-        raise ValueError(
-            f"config.experts_per_program ({config.experts_per_program}) > 1 needs "
-            "accumulate=False (overwrite mode)"
-        )
     return config
 
 
@@ -983,15 +853,11 @@ def launch_grouped_wgrad(
             out.zero_()
         return  # R_act >= row_offsets[E]: no live rows
     tiles = triton.cdiv(width_p, config.block_out_m) * triton.cdiv(width_q, config.block_out_n)
+    grid = (num_experts * config.split_rows * tiles,)
     # Overwriting: the epilogue is one TMA store when out meets TMA's alignment (16-byte base
     # and row pitch); accumulating reads the old values, so it keeps pointer stores.
     tma_store = (not accumulate and out.is_contiguous() and out.data_ptr() % 16 == 0
                  and (width_q * out.element_size()) % 16 == 0)
-    group = config.experts_per_program if tma_store else 1
-    grid = (triton.cdiv(num_experts, group) * config.split_rows * tiles,)
-    # The expert-group path builds its operand descriptors on the device (bounded by the
-    # live rows); its output descriptor may still come from the host.
-    host_in = config.host_descriptors and group == 1
     out_desc = row_offsets  # placeholder unless TMA_STORE with host descriptors
     if tma_store and config.host_descriptors:
         out_desc = TensorDescriptor(
@@ -1000,7 +866,7 @@ def launch_grouped_wgrad(
             strides=[width_p * width_q, width_q, 1],
             block_shape=[1, config.block_out_m, config.block_out_n],
         )
-    if host_in:
+    if config.host_descriptors:
         a = TensorDescriptor(
             a,
             shape=[num_act_rows, width_p],
@@ -1014,7 +880,7 @@ def launch_grouped_wgrad(
                 strides=[width_q, 1],
                 block_shape=[config.block_k, config.block_out_n],
             )
-    if not host_in or b_offset is not None:
+    if not config.host_descriptors or b_offset is not None:
         ensure_tma_allocator()
     with device_context(device):
         _grouped_wgrad_kernel[grid](
@@ -1037,7 +903,6 @@ def launch_grouped_wgrad(
             BLOCK_K=config.block_k,
             BLOCK_P=config.block_out_m,
             BLOCK_Q=config.block_out_n,
-            EXPERTS_PER_PROGRAM=group,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
