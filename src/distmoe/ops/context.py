@@ -326,14 +326,19 @@ class MoEContext:
         """Counters of this rank (reads device memory: synchronises; not for the hot path).
 
         Returns a dict: ``rank``, ``receive_bound`` (rows), ``row_capacity`` (padded rows),
+        ``pull_buffer_bytes`` (the EP > 1 pull buffer and its pointer table; 0 at EP = 1),
         ``last_recv_rows``, ``max_recv_rows``, ``dropped_rows`` (received routes that were
         not executed, summed over calls), ``invalid_ids`` (summed), ``calls``; training
         contexts add ``activations`` (:meth:`ActivationBuffer.stats`).
         """
         self._check_open()
         last, mx, dropped, invalid, calls = (int(v) for v in self._counters.tolist())
+        pull = 0
+        if self.ep_size > 1:
+            pull = self._pulled.numel() * 2 + self._pulled_ptrs.numel() * 8
         out = dict(rank=self.rank, receive_bound=self.receive_bound,
-                   row_capacity=self.row_capacity, last_recv_rows=last, max_recv_rows=mx,
+                   row_capacity=self.row_capacity, pull_buffer_bytes=pull,
+                   last_recv_rows=last, max_recv_rows=mx,
                    dropped_rows=dropped, invalid_ids=invalid, calls=calls)
         if self.activations is not None:
             out["activations"] = self.activations.stats()
