@@ -24,7 +24,7 @@ order, and the layers of a slot in reverse order of their forwards. Per call:
                bf16(score[t,k] * grad_y[t]) for executed routes
     2. barrier                     (route output gradients visible to the experts)
     3. expert: w2_dgrad_swiglu_bwd gathers grad_h3 from the owners' combine slots
-               (tables.scatter_ptrs; at EP > 1 peers' rows pulled once into local memory), reads h1 (slot or scratch h1g), writes grad_h1 into
+               (tables.scatter_ptrs, each row read once into the gathered grad_h3), reads h1 (slot or scratch h1g), writes grad_h1 into
                scratch h1g (in place over a replayed h1), h2 and the gathered grad_h3;
                w2_wgrad and w13_wgrad accumulate fp32 weight gradients (x_rows from the slot
                or scratch xs); w13_dgrad_scatter stores each route's input gradient into the
@@ -131,7 +131,7 @@ class MoEFunction(torch.autograd.Function):
             offset_copy(moe._dispatch, elements, T * D, src_offset=rec.offsets[3:4])
             heap.barrier()
             enable = replay.to(torch.int32)
-            gather_ptrs = moe._read_table(tables.gather_ptrs, tables, moe._dispatch, enable)
+            gather_ptrs = moe._gather_table(tables.gather_ptrs, enable)
             gather_w13_swiglu(gather_ptrs, po, ro, w13, scratch["h2"], h1_out=elements,
                               x_out=elements, out_offsets=moe._replay_offsets, enable=enable,
                               config=moe._w13_cfg)
@@ -150,8 +150,7 @@ class MoEFunction(torch.autograd.Function):
         # 2. route output gradients visible to the experts
         heap.barrier()
         # 3. expert side
-        grad_h3_ptrs = moe._read_table(tables.scatter_ptrs, tables, moe._combine)
-        w2_dgrad_swiglu_bwd(grad_h3_ptrs, po, ro, w2, elements, scratch["h1g"],
+        w2_dgrad_swiglu_bwd(tables.scatter_ptrs, po, ro, w2, elements, scratch["h1g"],
                             h1_offset=h1_offset, h2_out=scratch["h2"],
                             grad_h3_out=scratch["gh3"],
                             config=W2DgradConfig.from_heuristic(

@@ -6,9 +6,10 @@ Per rank, on the symmetric heap (DESIGN.md, Buffers per rank):
     dispatch  [T_max * K, D] bf16: x at rows 0..T-1 in forward
     combine   [T_max * K, D] bf16: expert results at route slot t*K + k
 
-plus, at EP > 1, a pull buffer [R_cap, D] bf16 and its pointer table [R_cap] int64
-(:mod:`distmoe.kernels.pull_rows`: each peer row the GEMMs read is copied once over NVLink
-instead of once per column tile), plus local memory in activation rows (compact: executed row j of local expert e is row
+plus, at EP > 1, a pull buffer [EP * T_max, D] bf16 with int8 flags [EP * T_max] and a
+pointer table [R_cap] int64 (:mod:`distmoe.kernels.pull_tokens`: each peer token W13 reads
+crosses NVLink once instead of once per route and column tile), plus local memory in
+activation rows (compact: executed row j of local expert e is row
 ``row_offsets[e] + j``, see :mod:`distmoe.routing.tables`), ``R_b`` = the receive bound:
 
     inference  h2 [R_b, F] bf16 scratch
@@ -23,7 +24,7 @@ the same tensors):
     2. barrier                                 (everyone's ids and x are visible)
     3. gather every rank's ids [EP, T, K]; build expert-major tables (distmoe.routing)
     4. W13 grouped GEMM, gather prologue reads source rows from the owners' dispatch buffers
-       (at EP > 1 peers' rows are first pulled once into local memory), SwiGLU epilogue -> h2
+       (at EP > 1 peers' tokens are first pulled once into local memory), SwiGLU epilogue -> h2
     5. W2 grouped GEMM, scatter epilogue stores each row into its owner's combine slot
     6. barrier                                 (all results have landed; all gathers done)
     7. owner combine y[t] = sum_k score[t,k] * combine[t*K+k] over executed routes, fp32
@@ -141,8 +142,10 @@ class MoEContext:
             self._h2 = torch.empty(self.receive_bound, F, dtype=torch.bfloat16,
                                    device=self.device)
         if self.ep_size > 1:
-            self._pulled = torch.empty(self.row_capacity, D, dtype=torch.bfloat16,
+            self._pulled = torch.empty(self.ep_size * T, D, dtype=torch.bfloat16,
                                        device=self.device)
+            self._pull_flags = torch.zeros(self.ep_size * T, dtype=torch.int8,
+                                           device=self.device)
             self._pulled_ptrs = torch.empty(self.row_capacity, dtype=torch.int64,
                                             device=self.device)
         # Device-side counters: [last received rows, max received rows, dropped rows total,
@@ -232,17 +235,16 @@ class MoEContext:
         return tables
 
 
-    def _read_table(self, ptrs, tables, local, enable=None):
-        """The pointer table a GEMM reads its A rows through: ``ptrs`` itself at EP = 1; at
-        EP > 1 a copy whose peer rows point at local copies pulled once (see
-        :mod:`distmoe.kernels.pull_rows`; ``local`` is this rank's buffer ``ptrs`` points
-        into, ``enable`` an optional device predicate)."""
+    def _gather_table(self, gather_ptrs, enable=None):
+        """The table W13 reads its A rows through: ``gather_ptrs`` itself at EP = 1; at
+        EP > 1 a copy whose peer tokens point at local copies, pulled once per token (see
+        :mod:`distmoe.kernels.pull_tokens`; ``enable`` an optional device predicate)."""
         if self.ep_size == 1:
-            return ptrs
-        from ..kernels.pull_rows import pull_rows
+            return gather_ptrs
+        from ..kernels.pull_tokens import pull_tokens
 
-        return pull_rows(ptrs, tables.padded_offsets[self.num_local_experts:], self._pulled,
-                         self._pulled_ptrs, local, enable=enable)
+        return pull_tokens(gather_ptrs, self.heap.base_table("dispatch"), self.rank,
+                           self._pulled, self._pull_flags, self._pulled_ptrs, enable=enable)
 
     def _wants_autograd(self, x, scores, w13, w2) -> bool:
         """Training call with autograd: cfg.training, grad mode on and an input requiring
@@ -273,7 +275,7 @@ class MoEContext:
         T, K = expert_ids.shape
         scores_f32 = scores.float().contiguous()
         y = torch.empty_like(x)
-        gather_ptrs = self._read_table(tables.gather_ptrs, tables, self._dispatch)
+        gather_ptrs = self._gather_table(tables.gather_ptrs)
         if not save:
             gather_w13_swiglu(gather_ptrs, po, ro, w13, self._h2, config=self._w13_cfg)
             w2_scatter(self._h2, po, ro, w2, tables.scatter_ptrs, config=self._w2_cfg)
@@ -326,7 +328,8 @@ class MoEContext:
         """Counters of this rank (reads device memory: synchronises; not for the hot path).
 
         Returns a dict: ``rank``, ``receive_bound`` (rows), ``row_capacity`` (padded rows),
-        ``pull_buffer_bytes`` (the EP > 1 pull buffer and its pointer table; 0 at EP = 1),
+        ``pull_buffer_bytes`` (the EP > 1 pull buffer, its flags and pointer table; 0 at
+        EP = 1),
         ``last_recv_rows``, ``max_recv_rows``, ``dropped_rows`` (received routes that were
         not executed, summed over calls), ``invalid_ids`` (summed), ``calls``; training
         contexts add ``activations`` (:meth:`ActivationBuffer.stats`).
@@ -335,7 +338,8 @@ class MoEContext:
         last, mx, dropped, invalid, calls = (int(v) for v in self._counters.tolist())
         pull = 0
         if self.ep_size > 1:
-            pull = self._pulled.numel() * 2 + self._pulled_ptrs.numel() * 8
+            pull = (self._pulled.numel() * 2 + self._pull_flags.numel()
+                    + self._pulled_ptrs.numel() * 8)
         out = dict(rank=self.rank, receive_bound=self.receive_bound,
                    row_capacity=self.row_capacity, pull_buffer_bytes=pull,
                    last_recv_rows=last, max_recv_rows=mx,

@@ -1,0 +1,153 @@
+"""Pull the peer tokens a W13 gather table names into local memory, once per token (EP > 1).
+
+W13 reads its A rows through ``gather_ptrs`` (absolute addresses of token rows in the owners'
+dispatch buffers), once per column tile. On the rank's own memory the re-reads hit L2; a
+GPU does not keep a peer's memory in its L2, so every re-read of a peer row crosses NVLink.
+At T=8192, D=4096, F=2048, E=32, K=8 on two H200s W13 has 16 column tiles, about 4.3 GB of
+NVLink reads per rank, and the EP=2 forward took 2.7x the EP=1 time of the same per-rank work
+(docs/performance.md, run 8). A token routed to several experts of this rank is named by
+several rows of the table (about K/EP of them), so the copy is keyed on the token rather than
+on the row: each needed peer token crosses NVLink once.
+
+With ``span = T_max * ROW_BYTES`` (the token rows 0..T_max-1 of each rank's dispatch buffer):
+
+    owner(p)    = the rank s != rank with bases[s] <= src_ptrs[p] < bases[s] + span, if any
+    slot(p)     = owner(p) * T_max + (src_ptrs[p] - bases[owner(p)]) / ROW_BYTES
+    out_ptrs[p] = dst_base + slot(p) * ROW_BYTES     if owner(p) exists, else src_ptrs[p]
+    dst[slot]   = the token row at bases[s] + t * ROW_BYTES, for every slot some row names
+
+for every padded row p < R_cap (null, own and other addresses are left as they are). Two
+launches: the first rewrites the table and flags the needed slots (``flags``, int8
+``[EP * T_max]``), the second copies each flagged slot once and clears its flag, so the flags
+are zero again for the next call. Grids come from the static ``R_cap`` and ``EP * T_max``;
+no host synchronisation, so it runs inside CUDA-graph capture. The backward needs no pull:
+W2 DGRAD already gathers each route's gradient row once (``grad_h3_out``) before its GEMM.
+
+Reads happen where W13's reads used to (after the same barrier, before the next), so the
+safety argument of :mod:`distmoe.ops.context` and :mod:`distmoe.ops.autograd` is unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from distmoe.kernels._common import check_tensor, device_context, next_power_of_2
+
+_BLOCK_R = 128
+_BLOCK_T = 16
+_BLOCK_D = 512
+
+
+@triton.jit
+def _mark_tokens_kernel(src_ptrs_ptr, bases_ptr, out_ptrs_ptr, flags_ptr, enable_ptr, dst_base,
+                        r_cap, rank, T_MAX: tl.constexpr, EP: tl.constexpr,
+                        ROW_BYTES: tl.constexpr, BLOCK_R: tl.constexpr,
+                        HAS_ENABLE: tl.constexpr):
+    if HAS_ENABLE:
+        if tl.load(enable_ptr) == 0:
+            return
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_cap = rows < r_cap
+    src = tl.load(src_ptrs_ptr + rows, mask=in_cap, other=0)
+    owner = tl.full([BLOCK_R], -1, tl.int32)
+    owner_base = tl.zeros([BLOCK_R], dtype=tl.int64)
+    for s in tl.static_range(EP):
+        base = tl.load(bases_ptr + s)
+        hit = (src >= base) & (src < base + T_MAX * ROW_BYTES) & (s != rank)
+        owner = tl.where(hit, s, owner)
+        owner_base = tl.where(hit, base, owner_base)
+    pulled = in_cap & (src != 0) & (owner >= 0)
+    slot = owner.to(tl.int64) * T_MAX + (src - owner_base) // ROW_BYTES
+    tl.store(out_ptrs_ptr + rows, tl.where(pulled, dst_base + slot * ROW_BYTES, src), mask=in_cap)
+    tl.store(flags_ptr + slot, tl.full([BLOCK_R], 1, tl.int8), mask=pulled)
+
+
+@triton.jit
+def _pull_tokens_kernel(bases_ptr, flags_ptr, dst_ptr, enable_ptr, T_MAX: tl.constexpr,
+                        EP: tl.constexpr, ROW_ELEMS: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_D: tl.constexpr, HAS_ENABLE: tl.constexpr):
+    if HAS_ENABLE:
+        if tl.load(enable_ptr) == 0:
+            return
+    slots = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_range = slots < EP * T_MAX
+    need = tl.load(flags_ptr + slots, mask=in_range, other=0) != 0
+    if tl.max(need.to(tl.int32), axis=0) > 0:
+        owner = slots // T_MAX
+        base = tl.load(bases_ptr + owner, mask=need, other=0)
+        # Token rows and dst rows are 16-byte aligned (ROW_ELEMS * 2 is a multiple of 16):
+        # the hints keep the copies 16-byte vectors.
+        src_rows = tl.multiple_of(
+            (base + (slots - owner * T_MAX) * (ROW_ELEMS * 2)).to(tl.pointer_type(tl.bfloat16)),
+            16)
+        dst_rows = tl.multiple_of(dst_ptr + slots * ROW_ELEMS, 16)
+        for d in range(0, ROW_ELEMS, BLOCK_D):
+            cols = d + tl.arange(0, BLOCK_D)
+            mask = need[:, None] & (cols < ROW_ELEMS)[None, :]
+            vals = tl.load(src_rows[:, None] + cols[None, :], mask=mask)
+            tl.store(dst_rows[:, None] + cols[None, :], vals, mask=mask)
+        tl.store(flags_ptr + slots, tl.zeros([BLOCK_T], dtype=tl.int8), mask=need)
+
+
+def pull_tokens(src_ptrs: torch.Tensor, bases: torch.Tensor, rank: int, dst: torch.Tensor,
+                flags: torch.Tensor, out_ptrs: torch.Tensor, *,
+                enable: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy the peer tokens ``src_ptrs`` names into ``dst`` once each; returns ``out_ptrs``,
+    the table W13 reads instead (see the module docstring).
+
+    Args:
+        src_ptrs: int64 ``[R_cap]`` absolute byte addresses of bf16 token rows (0 = null):
+            ``bases[s] + t * D * 2`` for token ``t < T_max`` of rank ``s``.
+        bases: int64 ``[EP]`` base addresses of every rank's dispatch buffer, as mapped here.
+        rank: this rank (its own tokens are read in place).
+        dst: bf16 ``[EP * T_max, D]`` contiguous local buffer; slot ``s * T_max + t`` receives
+            token ``t`` of rank ``s`` when some row names it (other slots untouched).
+        flags: int8 ``[EP * T_max]``, all zero before the call and again after it (allocate
+            it with zeros once).
+        out_ptrs: int64 ``[R_cap]`` (written).
+        enable: optional int32 ``[1]`` on the device: 0 = nothing is read or written (the
+            consumer is off too, as for a saved layer's replay steps).
+    Returns:
+        ``out_ptrs``.
+    """
+    check_tensor("src_ptrs", src_ptrs, dtypes=(torch.int64,), ndim=1, shape_text="[R_cap]")
+    r_cap = src_ptrs.shape[0]
+    check_tensor("bases", bases, dtypes=(torch.int64,), ndim=1, shape_text="[EP]")
+    ep = bases.shape[0]
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ep:
+        raise ValueError(f"rank ({rank!r}) must be an int in [0, EP={ep})")
+    check_tensor("dst", dst, dtypes=(torch.bfloat16,), ndim=2, shape_text="[EP * T_max, D]")
+    if dst.shape[0] % ep or dst.shape[0] == 0:
+        raise ValueError(f"dst must have EP * T_max rows (EP={ep}, T_max >= 1), got shape "
+                         f"{list(dst.shape)}")
+    t_max, row_elems = dst.shape[0] // ep, dst.shape[1]
+    if (row_elems * 2) % 16 or dst.data_ptr() % 16:
+        raise ValueError(f"dst rows must be 16-byte aligned, got D={row_elems} at address "
+                         f"{dst.data_ptr():#x}")
+    check_tensor("flags", flags, dtypes=(torch.int8,), shape=[ep * t_max],
+                 shape_text="[EP * T_max]")
+    check_tensor("out_ptrs", out_ptrs, dtypes=(torch.int64,), shape=[r_cap],
+                 shape_text="[R_cap]")
+    if enable is not None:
+        check_tensor("enable", enable, dtypes=(torch.int32,), shape=[1], shape_text="(0 = skip)")
+    for name, t in (("src_ptrs", src_ptrs), ("bases", bases), ("flags", flags),
+                    ("out_ptrs", out_ptrs), ("enable", src_ptrs if enable is None else enable)):
+        if t.device != dst.device:
+            raise ValueError(f"{name} must be on {dst.device}, got {t.device}")
+    if r_cap == 0:
+        return out_ptrs
+    enable_arg = bases if enable is None else enable  # placeholder: never read
+    with device_context(dst.device):
+        _mark_tokens_kernel[(triton.cdiv(r_cap, _BLOCK_R),)](
+            src_ptrs, bases, out_ptrs, flags, enable_arg, dst.data_ptr(), r_cap, rank,
+            T_MAX=t_max, EP=ep, ROW_BYTES=row_elems * 2, BLOCK_R=_BLOCK_R,
+            HAS_ENABLE=enable is not None,
+        )
+        _pull_tokens_kernel[(triton.cdiv(ep * t_max, _BLOCK_T),)](
+            bases, flags, dst, enable_arg, T_MAX=t_max, EP=ep, ROW_ELEMS=row_elems,
+            BLOCK_T=_BLOCK_T, BLOCK_D=min(_BLOCK_D, next_power_of_2(row_elems)),
+            HAS_ENABLE=enable is not None,
+        )
+    return out_ptrs

@@ -1,0 +1,107 @@
+"""pull_tokens: the peer tokens a W13 gather table names, copied once each into local memory,
+and the table W13 reads instead.
+
+Every rank's dispatch buffer is a region of one tensor here (the kernels only compare
+addresses with the base table). Rows are random bf16 (never zeros), outputs are poisoned
+first, and data movement is compared bit for bit: pulled slots equal their source tokens,
+slots no row names keep the poison, the returned table is checked entry by entry, and the
+flags are zero again after every call.
+"""
+
+from distmoe.kernels.interpreter import use_interpreter_if_no_gpu
+
+use_interpreter_if_no_gpu()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from distmoe.kernels.pull_tokens import pull_tokens  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+POISON_PTR = 0x7EAD_BEEF_0000
+
+
+def _problem(ep, t_max, D, r_cap, rank, *, seed):
+    """Dispatch regions of ``2 * t_max`` rows per rank (token rows 0..t_max-1, then route rows
+    the forward never names); a table naming tokens of every rank, with repeats, nulls and a
+    few rows past the token region (left in place)."""
+    g = torch.Generator().manual_seed(seed)
+    heap = torch.randn(ep, 2 * t_max, D, generator=g).to(torch.bfloat16).to(DEVICE)
+    bases = torch.tensor([heap[s].data_ptr() for s in range(ep)], dtype=torch.int64)
+    src = torch.randint(0, ep, (r_cap,), generator=g)
+    tok = torch.randint(0, max(1, t_max // 2), (r_cap,), generator=g)  # many repeats
+    kind = torch.randint(0, 10, (r_cap,), generator=g)
+    row = torch.where(kind == 9, tok + t_max, tok)  # 10%: a row past the token region
+    ptrs = bases[src] + row * (D * 2)
+    ptrs[kind == 0] = 0  # 10%: null
+    return heap, bases.to(DEVICE), src, row, ptrs.to(DEVICE)
+
+
+@pytest.mark.parametrize("ep,rank,t_max,D,r_cap", [(2, 0, 24, 64, 80), (2, 1, 8, 1024, 48),
+                                                    (4, 2, 20, 24, 131)])
+def test_pull_tokens_copies_each_peer_token_once_and_rewrites_the_table(ep, rank, t_max, D,
+                                                                        r_cap):
+    heap, bases, src, row, ptrs = _problem(ep, t_max, D, r_cap, rank, seed=ep * 100 + D)
+    dst = torch.full((ep * t_max, D), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    flags = torch.zeros(ep * t_max, dtype=torch.int8, device=DEVICE)
+    out = torch.full((r_cap,), POISON_PTR, dtype=torch.int64, device=DEVICE)
+    before = ptrs.clone()
+    assert pull_tokens(ptrs, bases, rank, dst, flags, out) is out
+
+    assert torch.equal(ptrs, before) and not flags.any()
+    pulled = (ptrs.cpu() != 0) & (src != rank) & (row < t_max)
+    slot = src * t_max + row
+    want = ptrs.cpu().clone()
+    want[pulled] = dst.data_ptr() + slot[pulled] * D * 2
+    assert torch.equal(out.cpu(), want)
+    assert pulled.any() and (~pulled & (ptrs.cpu() != 0)).any()  # both kinds present
+    got = dst.cpu().view(torch.int16)
+    named = set(slot[pulled].tolist())
+    for s in range(ep * t_max):
+        if s in named:
+            assert torch.equal(got[s], heap[s // t_max, s % t_max].cpu().view(torch.int16)), s
+        else:
+            assert torch.isnan(dst[s].float()).all(), f"slot {s} written"
+
+
+def test_pull_tokens_second_call_and_disabled_call():
+    ep, rank, t_max, D, r_cap = 2, 0, 16, 64, 64
+    heap, bases, src, row, ptrs = _problem(ep, t_max, D, r_cap, rank, seed=7)
+    dst = torch.full((ep * t_max, D), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    flags = torch.zeros(ep * t_max, dtype=torch.int8, device=DEVICE)
+    out = torch.full((r_cap,), POISON_PTR, dtype=torch.int64, device=DEVICE)
+    off = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    pull_tokens(ptrs, bases, rank, dst, flags, out, enable=off)
+    assert torch.isnan(dst.float()).all() and (out == POISON_PTR).all() and not flags.any()
+    pull_tokens(ptrs, bases, rank, dst, flags, out, enable=off + 1)
+    first = dst.clone()
+    # new values in the peer's tokens, the same table: a second call copies them again
+    heap[1, :t_max] = torch.randn(t_max, D, device=DEVICE).to(torch.bfloat16)
+    pull_tokens(ptrs, bases, rank, dst, flags, out)
+    assert not flags.any()
+    peer = (ptrs.cpu() != 0) & (src == 1) & (row < t_max)
+    for s in set((src * t_max + row)[peer].tolist()):
+        assert torch.equal(dst[s].view(torch.int16), heap[1, s - t_max].view(torch.int16))
+        assert not torch.equal(dst[s].view(torch.int16), first[s].view(torch.int16))
+
+
+def test_pull_tokens_rejects_bad_arguments_before_running():
+    ptrs = torch.zeros(16, dtype=torch.int64, device=DEVICE)
+    bases = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    dst = torch.empty(2 * 8, 64, dtype=torch.bfloat16, device=DEVICE)
+    flags = torch.zeros(16, dtype=torch.int8, device=DEVICE)
+    out = torch.empty(16, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(TypeError, match="src_ptrs must have dtype"):
+        pull_tokens(ptrs.int(), bases, 0, dst, flags, out)
+    with pytest.raises(ValueError, match=r"rank \(2\) must be an int in \[0, EP=2\)"):
+        pull_tokens(ptrs, bases, 2, dst, flags, out)
+    with pytest.raises(ValueError, match=r"dst must have EP \* T_max rows \(EP=2"):
+        pull_tokens(ptrs, bases, 0, dst[:15], flags, out)
+    with pytest.raises(ValueError, match=r"dst rows must be 16-byte aligned, got D=4"):
+        pull_tokens(ptrs, bases, 0, dst[:, :4].contiguous(), flags, out)
+    with pytest.raises(ValueError, match=r"flags must have shape \[16\]"):
+        pull_tokens(ptrs, bases, 0, dst, flags[:8], out)
+    with pytest.raises(ValueError, match="out_ptrs must have shape"):
+        pull_tokens(ptrs, bases, 0, dst, flags, out[:8])
+    with pytest.raises(ValueError, match="enable"):
+        pull_tokens(ptrs, bases, 0, dst, flags, out, enable=torch.zeros(2, dtype=torch.int32))
