@@ -24,8 +24,9 @@ order, and the layers of a slot in reverse order of their forwards. Per call:
                bf16(score[t,k] * grad_y[t]) for executed routes
     2. barrier                     (route output gradients visible to the experts)
     3. expert: w2_dgrad_swiglu_bwd gathers grad_h3 from the owners' combine slots
-               (tables.scatter_ptrs, each row read once into the gathered grad_h3), reads h1 (slot or scratch h1g), writes grad_h1 into
-               scratch h1g (in place over a replayed h1), h2 and the gathered grad_h3;
+               (tables.scatter_ptrs; each row is read once, into the gathered grad_h3),
+               reads h1 (slot or scratch h1g), writes grad_h1 into scratch h1g (in place
+               over a replayed h1), h2 and the gathered grad_h3;
                w2_wgrad and w13_wgrad accumulate fp32 weight gradients (x_rows from the slot
                or scratch xs); w13_dgrad_scatter stores each route's input gradient into the
                owner's dispatch row t*K+k (tables.bwd_scatter_ptrs)

@@ -9,8 +9,8 @@ Per rank, on the symmetric heap (DESIGN.md, Buffers per rank):
 plus, at EP > 1, a pull buffer [EP * T_max, D] bf16 with int8 flags [EP * T_max] and a
 pointer table [R_cap] int64 (:mod:`distmoe.kernels.pull_tokens`: each peer token W13 reads
 crosses NVLink once instead of once per route and column tile), plus local memory in
-activation rows (compact: executed row j of local expert e is row
-``row_offsets[e] + j``, see :mod:`distmoe.routing.tables`), ``R_b`` = the receive bound:
+activation rows (compact: executed row j of local expert e is row ``row_offsets[e] + j``,
+see :mod:`distmoe.routing.tables`), ``R_b`` = the receive bound:
 
     inference  h2 [R_b, F] bf16 scratch
     training   the activation buffer sized by ``plan_memory`` (:mod:`distmoe.ops.activations`):
@@ -233,7 +233,6 @@ class MoEContext:
         c[3].add_(tables.num_invalid_ids)
         c[4].add_(1)
         return tables
-
 
     def _gather_table(self, gather_ptrs, enable=None):
         """The table W13 reads its A rows through: ``gather_ptrs`` itself at EP = 1; at
