@@ -4,11 +4,16 @@
 Usage (repository root, one GPU):
     PYTHONPATH=src python3 tools/tune_wgrad.py [--shapes fine issue-a] [--csv FILE]
 
-For each named bench shape (EP=1, balanced random routing: T*K rows spread over E experts),
-times ``w13_wgrad`` and ``w2_wgrad`` (overwrite mode, bf16 output, as autograd runs them) for
-a set of candidate configs and the current heuristic, with ``triton.testing.do_bench``
-(median of repeated runs, L2 not flushed). Prints one table per kernel, fastest first, with
-TFLOP/s (2 * rows * P * Q per call), and writes every row to ``--csv`` when given.
+For each named bench shape (EP=1) and routing (``random``: T*K rows spread at random over E
+experts, so most experts end in a partial row step; ``balanced``: T*K/E rows each, as the
+layer benchmark routes), times ``w13_wgrad`` and ``w2_wgrad`` (overwrite mode, bf16 output,
+as autograd runs them) for a set of candidate configs and the current heuristic, with
+``triton.testing.do_bench`` (median of repeated runs, L2 not flushed). Before timing, each
+config writes a NaN-poisoned output once and ``err`` is its largest difference from the
+heuristic's output, relative to that output's largest magnitude (same row steps in the same
+order: expect 0 or rounding-level differences; NaN means an element was not written).
+Prints one table per kernel, fastest first, with TFLOP/s (2 * rows * P * Q per call), and
+writes every row to ``--csv`` when given.
 """
 
 from __future__ import annotations
@@ -19,15 +24,25 @@ import itertools
 import torch
 
 
-def _candidates(WgradConfig, out_rows, out_cols, hint):
+def _candidates(WgradConfig, out_rows, out_cols, hint, persistent_only=False):
     # first: what the layer runs (the heuristic with its shape hint)
     out = [WgradConfig.from_heuristic(out_rows=out_rows, out_cols=out_cols,
                                       rows_per_expert=hint)]
     for (bm, bn), bk, stages, warps in itertools.product(
-        [(128, 128), (128, 256), (256, 128), (64, 128), (128, 64)], [64, 128], [3, 4], [8]
+        [] if persistent_only else [(128, 128), (128, 256), (256, 128), (64, 128), (128, 64)],
+        [64, 128], [3, 4], [8]
     ):
         cfg = WgradConfig(block_m=128, block_k=bk, block_out_m=min(bm, out_rows),
                           block_out_n=min(bn, out_cols), num_warps=warps, num_stages=stages)
+        if cfg.fits_hopper() and cfg not in out:
+            out.append(cfg)
+    # persistent: one program per SM, the flat loop's lookahead set by num_stages
+    for (bm, bn), bk, stages in itertools.product(
+        [(128, 128), (128, 256)], [32, 64], [4, 5, 6]
+    ):
+        cfg = WgradConfig(block_m=128, block_k=bk, block_out_m=min(bm, out_rows),
+                          block_out_n=min(bn, out_cols), num_warps=8, num_stages=stages,
+                          programs_per_sm=1)
         if cfg.fits_hopper() and cfg not in out:
             out.append(cfg)
     return out
@@ -44,14 +59,24 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=["fine", "issue-a"], choices=sorted(SHAPES))
     ap.add_argument("--csv", default=None)
+    ap.add_argument("--routing", nargs="+", default=["random", "balanced"],
+                    choices=["random", "balanced"],
+                    help="random: multinomial counts (partial last steps); balanced: T*K/E "
+                         "rows per expert, as the layer benchmark routes")
+    ap.add_argument("--persistent-only", action="store_true",
+                    help="time the heuristic and the persistent candidates only")
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
     rows_out = []
-    for name in args.shapes:
+    for name, routing in itertools.product(args.shapes, args.routing):
         s = SHAPES[name]
         T, D, F, E, K = s.tokens, s.hidden, s.ffn, s.num_experts, s.top_k
         R = T * K
-        counts = torch.bincount(torch.randint(0, E, (R,)), minlength=E)
+        if routing == "random":
+            counts = torch.bincount(torch.randint(0, E, (R,)), minlength=E)
+        else:
+            counts = torch.full((E,), R // E, dtype=torch.int64)
+            counts[: R % E] += 1
         ro = torch.zeros(E + 1, dtype=torch.int32)
         ro[1:] = counts.cumsum(0)
         padded = (counts + 127) // 128 * 128
@@ -73,23 +98,36 @@ def main() -> int:
         for kernel, (P, Q), fn in (("w13_wgrad", (2 * F, D), run13),
                                    ("w2_wgrad", (D, F), run2)):
             results = []
-            for i, cfg in enumerate(_candidates(WgradConfig, P, Q, max(1, R // E))):
+            first_out = None
+            out_t = g13 if kernel == "w13_wgrad" else g2
+            for i, cfg in enumerate(_candidates(WgradConfig, P, Q, max(1, R // E),
+                                                args.persistent_only)):
                 try:
+                    out_t.fill_(float("nan"))  # poisoned: every element must be written
+                    fn(cfg)
+                    got = out_t.float()
+                    if first_out is None:
+                        first_out = got.clone()  # the heuristic's result
+                    # same row steps, same order: equal up to the MMA's internal order
+                    err = ((got - first_out).abs().max() / first_out.abs().max()).item()
                     ms = triton.testing.do_bench(lambda cfg=cfg, fn=fn: fn(cfg), warmup=5,
                                                  rep=30)
                 except Exception as exc:  # a config that does not compile is a result
                     print(f"{name} {kernel} {cfg}: {type(exc).__name__}: {str(exc)[:80]}")
                     continue
                 tflops = 2 * R * P * Q / ms / 1e9
-                results.append((ms, tflops, i == 0, cfg))
-                rows_out.append(dict(shape=name, kernel=kernel, ms=ms, tflops=tflops,
-                                     heuristic=i == 0, **vars(cfg)))
+                results.append((ms, tflops, i == 0, cfg, err))
+                rows_out.append(dict(shape=name, routing=routing, kernel=kernel, ms=ms,
+                                     tflops=tflops, heuristic=i == 0, rel_err=err,
+                                     **vars(cfg)))
             results.sort(key=lambda r: r[0])
-            print(f"\n{name} {kernel}: T={T} D={D} F={F} E={E} K={K} (P={P}, Q={Q})")
-            for ms, tflops, heur, cfg in results[:6] + [r for r in results if r[2]]:
+            print(f"\n{name} ({routing}) {kernel}: T={T} D={D} F={F} E={E} K={K} "
+                  f"(P={P}, Q={Q})")
+            for ms, tflops, heur, cfg, err in results[:6] + [r for r in results if r[2]]:
                 print(f"  {ms:8.3f} ms {tflops:7.1f} TFLOP/s {'HEURISTIC ' if heur else ''}"
                       f"out {cfg.block_out_m}x{cfg.block_out_n} k{cfg.block_k} "
-                      f"s{cfg.num_stages} w{cfg.num_warps}")
+                      f"s{cfg.num_stages} w{cfg.num_warps} pps{cfg.programs_per_sm} "
+                      f"err {err:.1e}")
     if args.csv and rows_out:
         write_csv(args.csv, rows_out, list(rows_out[0]))
     return 0
