@@ -20,31 +20,35 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from dataclasses import replace
 
 import torch
 
 
-def _candidates(WgradConfig, out_rows, out_cols, hint, persistent_only=False):
+def _candidates(WgradConfig, out_rows, out_cols, hint, bounds_only=False):
     # first: what the layer runs (the heuristic with its shape hint)
-    out = [WgradConfig.from_heuristic(out_rows=out_rows, out_cols=out_cols,
-                                      rows_per_expert=hint)]
+    heuristic = WgradConfig.from_heuristic(out_rows=out_rows, out_cols=out_cols,
+                                           rows_per_expert=hint)
+    out = [heuristic]
     for (bm, bn), bk, stages, warps in itertools.product(
-        [] if persistent_only else [(128, 128), (128, 256), (256, 128), (64, 128), (128, 64)],
-        [64, 128], [3, 4], [8]
+        [(128, 128), (128, 256), (256, 128), (64, 128), (128, 64)], [64, 128], [3, 4], [8]
     ):
         cfg = WgradConfig(block_m=128, block_k=bk, block_out_m=min(bm, out_rows),
                           block_out_n=min(bn, out_cols), num_warps=warps, num_stages=stages)
         if cfg.fits_hopper() and cfg not in out:
             out.append(cfg)
-    # persistent: one program per SM, the flat loop's lookahead set by num_stages
-    for (bm, bn), bk, stages in itertools.product(
-        [(128, 128), (128, 256)], [32, 64], [4, 5, 6]
-    ):
-        cfg = WgradConfig(block_m=128, block_k=bk, block_out_m=min(bm, out_rows),
-                          block_out_n=min(bn, out_cols), num_warps=8, num_stages=stages,
-                          programs_per_sm=1)
-        if cfg.fits_hopper() and cfg not in out:
-            out.append(cfg)
+    if bounds_only:
+        out = out[:1]
+    # the same tiles with expert-bounded descriptors (no masked last step)
+    for cfg in list(out if not bounds_only else [
+        heuristic,
+        replace(heuristic, block_out_n=min(128, out_cols), num_stages=3),
+        replace(heuristic, block_out_n=min(128, out_cols), num_stages=4),
+        replace(heuristic, block_out_n=min(256, out_cols), num_stages=3),
+    ]):
+        bounded = replace(cfg, expert_bounds=True)
+        if bounded.fits_hopper() and bounded not in out:
+            out.append(bounded)
     return out
 
 
@@ -63,8 +67,8 @@ def main() -> int:
                     choices=["random", "balanced"],
                     help="random: multinomial counts (partial last steps); balanced: T*K/E "
                          "rows per expert, as the layer benchmark routes")
-    ap.add_argument("--persistent-only", action="store_true",
-                    help="time the heuristic and the persistent candidates only")
+    ap.add_argument("--bounds-only", action="store_true",
+                    help="time the heuristic and a few expert-bounded tile configs only")
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
     rows_out = []
@@ -101,7 +105,7 @@ def main() -> int:
             first_out = None
             out_t = g13 if kernel == "w13_wgrad" else g2
             for i, cfg in enumerate(_candidates(WgradConfig, P, Q, max(1, R // E),
-                                                args.persistent_only)):
+                                                args.bounds_only)):
                 try:
                     out_t.fill_(float("nan"))  # poisoned: every element must be written
                     fn(cfg)
@@ -126,7 +130,8 @@ def main() -> int:
             for ms, tflops, heur, cfg, err in results[:6] + [r for r in results if r[2]]:
                 print(f"  {ms:8.3f} ms {tflops:7.1f} TFLOP/s {'HEURISTIC ' if heur else ''}"
                       f"out {cfg.block_out_m}x{cfg.block_out_n} k{cfg.block_k} "
-                      f"s{cfg.num_stages} w{cfg.num_warps} pps{cfg.programs_per_sm} "
+                      f"s{cfg.num_stages} w{cfg.num_warps} "
+                      f"{'bounds ' if cfg.expert_bounds else ''}"
                       f"err {err:.1e}")
     if args.csv and rows_out:
         write_csv(args.csv, rows_out, list(rows_out[0]))

@@ -873,15 +873,15 @@ def test_wgrad_overwrite(out_dtype, host_descriptors):
 @pytest.mark.parametrize(
     "mode,host_descriptors",
     [("accumulate", True), ("overwrite_bf16", True), ("overwrite_bf16", False),
-     ("overwrite_fp32_unaligned", True), ("x_offset", False)],
+     ("overwrite_fp32_unaligned", True), ("x_offset", True), ("split_rows", False)],
 )
-def test_wgrad_persistent(mode, host_descriptors):
-    """programs_per_sm > 0 (one flat, pipelined loop over each program's tiles): bit-equal to
-    one program per tile (same row steps, same order), over NaN-poisoned outputs. Counts
-    (block_k 16) give whole steps only (32), partial last steps (21, 37), an expert with
-    fewer rows than one step (5: its one flat step reads TMA zeros) and empty experts; 3
-    interpreter SMs x 2 programs = 6 programs over 5 experts x 6 tiles, so each program walks
-    several tiles of several experts."""
+def test_wgrad_expert_bounds(mode, host_descriptors):
+    """expert_bounds=True (descriptors bounded at the expert's end: TMA zeros instead of a
+    masked last step): bit-equal to the masked path (same row steps, same order, the same
+    zeros past the end), over NaN-poisoned outputs and NaN in the rows past the live end.
+    Counts (block_k 16): whole steps only (32), partial last steps (21, 37), an expert with
+    fewer rows than one step (5) and an empty one; the next expert's rows are 2^10 larger,
+    so a leak past an expert's end shows."""
     num_experts, hidden, ffn, block_m = 5, 48, 40, 16
     counts = [21, 0, 32, 37, 5]
     layout = layout_from_counts(counts, block_m, extra_tiles={1: 1})
@@ -889,11 +889,11 @@ def test_wgrad_persistent(mode, host_descriptors):
     grad_h1 = _wgrad_operand(layout, 2 * ffn, big_experts=[2, 4])
     x = _wgrad_operand(layout, hidden, big_experts=[2, 4])
     base = dict(block_m=block_m, block_k=16, block_out_m=32, block_out_n=32, num_warps=4,
-                num_stages=2, host_descriptors=host_descriptors)
-    plain_cfg = WgradConfig(**base)
-    pers_cfg = WgradConfig(**base, programs_per_sm=2)
-    assert 6 < num_experts * 3 * 2  # fewer programs than tiles (W13: 3 x 2 tiles per expert)
-    accumulate = mode == "accumulate"
+                num_stages=2, host_descriptors=host_descriptors,
+                split_rows=3 if mode == "split_rows" else 1)
+    masked_cfg = WgradConfig(**base)
+    bounded_cfg = WgradConfig(**base, expert_bounds=True)
+    accumulate = mode in ("accumulate", "split_rows")
     dtype = torch.bfloat16 if mode == "overwrite_bf16" else torch.float32
     kwargs = {}
     x_arg = x
@@ -907,45 +907,38 @@ def test_wgrad_persistent(mode, host_descriptors):
     shape = (num_experts, 2, ffn, hidden)
     if accumulate:
         start = torch.randn(*shape, device=DEVICE)
-        plain, got = start.clone(), start.clone()
+        masked, got = start.clone(), start.clone()
     elif mode == "overwrite_fp32_unaligned":
         n = math.prod(shape)
-        plain = poisoned(n + 1, dtype=dtype)[1:].view(shape)
+        masked = poisoned(n + 1, dtype=dtype)[1:].view(shape)
         got = poisoned(n + 1, dtype=dtype)[1:].view(shape)
         assert got.data_ptr() % 16  # pointer-store epilogue
     else:
-        plain, got = poisoned(*shape, dtype=dtype), poisoned(*shape, dtype=dtype)
-    w13_wgrad(grad_h1, x, po, ro, plain, accumulate=accumulate, config=plain_cfg)
-    w13_wgrad(grad_h1, x_arg, po, ro, got, accumulate=accumulate, config=pers_cfg, **kwargs)
-    assert same_bits(got, plain)
+        masked, got = poisoned(*shape, dtype=dtype), poisoned(*shape, dtype=dtype)
+    w13_wgrad(grad_h1, x, po, ro, masked, accumulate=accumulate, config=masked_cfg)
+    w13_wgrad(grad_h1, x_arg, po, ro, got, accumulate=accumulate, config=bounded_cfg,
+              **kwargs)
+    if mode == "split_rows":  # fp32 atomics: order differs, bits may
+        assert_wgrad_close(got, grad_h1, x, layout, start, rows_sum=w13_wgrad_ref)
+    else:
+        assert same_bits(got, masked)
     if accumulate:
         assert same_bits(got[1], start[1])  # the expert without rows: untouched
         assert_wgrad_close(got, grad_h1, x, layout, start, rows_sum=w13_wgrad_ref)
     else:
         assert not got[1].any()  # the expert without rows: zeros
-        if dtype == torch.float32:  # (bf16: plain's rounding, checked by test_wgrad_overwrite)
+        if dtype == torch.float32:  # (bf16: the masked path's rounding, test_wgrad_overwrite)
             zeros = torch.zeros(shape, device=DEVICE)
             assert_wgrad_close(got, grad_h1, x, layout, zeros, rows_sum=w13_wgrad_ref)
     # W2 (P = D, Q = F) through the same kernel
     grad_h3 = _wgrad_operand(layout, hidden, big_experts=[2])
     h2 = _wgrad_operand(layout, ffn, big_experts=[2])
-    plain2 = poisoned(num_experts, hidden, ffn)
-    got2 = poisoned(num_experts, hidden, ffn)
-    w2_wgrad(grad_h3, h2, po, ro, plain2, accumulate=False, config=plain_cfg)
-    w2_wgrad(grad_h3, h2, po, ro, got2, accumulate=False, config=pers_cfg)
-    assert same_bits(got2, plain2)
-
-
-def test_wgrad_persistent_config_rules():
-    with pytest.raises(ValueError, match=r"programs_per_sm \(2\) needs split_rows == 1"):
-        WgradConfig(split_rows=2, programs_per_sm=2)
-    with pytest.raises(ValueError, match=r"programs_per_sm \(9\) must be an int in \[0, 8\]"):
-        WgradConfig(programs_per_sm=9)
-    # 128x128 tiles: 4 row-step buffers of 32 KiB and 32 KiB staging fit one program per SM,
-    # not two; 128x256: 4 x 48 + 64 KiB do not fit
-    assert WgradConfig(num_stages=5, programs_per_sm=1).fits_hopper()
-    assert not WgradConfig(num_stages=3, programs_per_sm=2).fits_hopper()
-    assert not WgradConfig(block_out_n=256, num_stages=5, programs_per_sm=1).fits_hopper()
+    masked2, got2 = poisoned(num_experts, hidden, ffn), poisoned(num_experts, hidden, ffn)
+    one = dict(base, split_rows=1)
+    w2_wgrad(grad_h3, h2, po, ro, masked2, accumulate=False, config=WgradConfig(**one))
+    w2_wgrad(grad_h3, h2, po, ro, got2, accumulate=False,
+             config=WgradConfig(**one, expert_bounds=True))
+    assert same_bits(got2, masked2)
 
 
 # --------------------------------------------------------------------------------------------

@@ -111,7 +111,6 @@ from distmoe.kernels._common import (
     ensure_tma_allocator,
     gemm_grid,
     next_power_of_2,
-    num_sms,
     rows_at,
     swizzle_tile,
     tile_activation_rows,
@@ -463,6 +462,7 @@ def _grouped_wgrad_kernel(
     INTERPRETED: tl.constexpr,
     HOST_DESC: tl.constexpr,
     B_OFFSET: tl.constexpr,
+    EXPERT_BOUNDS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -490,35 +490,53 @@ def _grouped_wgrad_kernel(
             tl.store(out, tl.zeros([BLOCK_P, BLOCK_Q], dtype=out_ptr.dtype.element_ty),
                      mask=mask)
         return
-    if HOST_DESC:
-        a_desc = a
-    else:
+    if EXPERT_BOUNDS:
+        # Both descriptors built here with this expert's end as their row bound: TMA fills
+        # the rows of the last, partial step past it with zeros, so every step is a plain
+        # TMA step (no masked step). Rows before `first` are never addressed.
         a_desc = tl.make_tensor_descriptor(
-            a, shape=[num_act_rows, P], strides=[P, 1], block_shape=[BLOCK_K, BLOCK_P]
+            a, shape=[end, P], strides=[P, 1], block_shape=[BLOCK_K, BLOCK_P]
         )
-    if B_OFFSET:
-        # A host descriptor cannot see a device-side offset: build this one on the device,
-        # bounded by the live rows (nothing past row_offsets[E] is read; offset a multiple of
-        # 8 elements, so the base stays 16-byte aligned).
-        b_base = tl.multiple_of(b + tl.load(b_offset_ptr), 16)
+        if B_OFFSET:
+            b_base = tl.multiple_of(b + tl.load(b_offset_ptr), 16)
+        else:
+            b_base = b
         b_desc = tl.make_tensor_descriptor(
-            b_base,
-            shape=[tl.load(row_offsets_ptr + NUM_EXPERTS), Q],
-            strides=[Q, 1],
-            block_shape=[BLOCK_K, BLOCK_Q],
+            b_base, shape=[end, Q], strides=[Q, 1], block_shape=[BLOCK_K, BLOCK_Q]
         )
-    elif HOST_DESC:
-        b_desc = b
     else:
-        b_desc = tl.make_tensor_descriptor(
-            b, shape=[num_act_rows, Q], strides=[Q, 1], block_shape=[BLOCK_K, BLOCK_Q]
-        )
+        if HOST_DESC:
+            a_desc = a
+        else:
+            a_desc = tl.make_tensor_descriptor(
+                a, shape=[num_act_rows, P], strides=[P, 1], block_shape=[BLOCK_K, BLOCK_P]
+            )
+        if B_OFFSET:
+            # A host descriptor cannot see a device-side offset: build this one on the device,
+            # bounded by the live rows (nothing past row_offsets[E] is read; offset a multiple of
+            # 8 elements, so the base stays 16-byte aligned).
+            b_base = tl.multiple_of(b + tl.load(b_offset_ptr), 16)
+            b_desc = tl.make_tensor_descriptor(
+                b_base,
+                shape=[tl.load(row_offsets_ptr + NUM_EXPERTS), Q],
+                strides=[Q, 1],
+                block_shape=[BLOCK_K, BLOCK_Q],
+            )
+        elif HOST_DESC:
+            b_desc = b
+        else:
+            b_desc = tl.make_tensor_descriptor(
+                b, shape=[num_act_rows, Q], strides=[Q, 1], block_shape=[BLOCK_K, BLOCK_Q]
+            )
     acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
     step = SPLIT_ROWS * BLOCK_K
-    # Whole steps (all BLOCK_K rows before `end`): unmasked. Only the last step of a program
-    # can be partial (a partial step ends past `end`, so every later one starts past it).
-    # end - first >= 1 and step >= BLOCK_K keep the numerator positive.
-    num_full = (end - first - BLOCK_K + step) // step
+    if EXPERT_BOUNDS:
+        num_full = (end - first + step - 1) // step  # every step, the partial one included
+    else:
+        # Whole steps (all BLOCK_K rows before `end`): unmasked. Only the last step of a
+        # program can be partial (a partial step ends past `end`, so every later one starts
+        # past it). end - first >= 1 and step >= BLOCK_K keep the numerator positive.
+        num_full = (end - first - BLOCK_K + step) // step
     if INTERPRETED:
         i = 0
         while i < num_full:
@@ -527,23 +545,14 @@ def _grouped_wgrad_kernel(
     else:
         for i in range(0, num_full):
             acc = _wgrad_tile_step(a_desc, b_desc, first + i * step, p0, q0, acc)
-    tail = first + num_full * step
-    if tail < end:
-        acc = _wgrad_tail_step(a_desc, b_desc, tail, end, p0, q0, acc, BLOCK_K)
+    if not EXPERT_BOUNDS:
+        tail = first + num_full * step
+        if tail < end:
+            acc = _wgrad_tail_step(a_desc, b_desc, tail, end, p0, q0, acc, BLOCK_K)
 
-    o_desc = _wgrad_out_desc(out_ptr, out_desc, NUM_EXPERTS, P, Q, OVERWRITE, TMA_STORE,
-                             HOST_DESC, BLOCK_P, BLOCK_Q)
-    _wgrad_store_tile(acc, o_desc, out_ptr, expert, p0, q0, P, Q, SPLIT_ROWS, OVERWRITE,
-                      TMA_STORE, BLOCK_P, BLOCK_Q)
-
-
-@triton.jit
-def _wgrad_out_desc(out_ptr, out_desc, NUM_EXPERTS: tl.constexpr, P: tl.constexpr,
-                    Q: tl.constexpr, OVERWRITE: tl.constexpr, TMA_STORE: tl.constexpr,
-                    HOST_DESC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """The TMA descriptor of ``out`` ``[E, P, Q]`` for the TMA-store epilogue (the host's, or
-    built here); ``out_desc`` (a placeholder) when the epilogue uses pointer stores."""
     if OVERWRITE and TMA_STORE:
+        # One asynchronous TMA store of the whole tile (bounds per dimension: a tile past P or
+        # Q is clipped there, never spills into the next expert).
         if HOST_DESC:
             o_desc = out_desc
         else:
@@ -551,185 +560,14 @@ def _wgrad_out_desc(out_ptr, out_desc, NUM_EXPERTS: tl.constexpr, P: tl.constexp
                 out_ptr, shape=[NUM_EXPERTS, P, Q], strides=[P * Q, Q, 1],
                 block_shape=[1, BLOCK_P, BLOCK_Q],
             )
-    else:
-        o_desc = out_desc
-    return o_desc
-
-
-@triton.jit
-def _wgrad_store_tile(acc, o_desc, out_ptr, expert, p0, q0, P: tl.constexpr, Q: tl.constexpr,
-                      SPLIT_ROWS: tl.constexpr, OVERWRITE: tl.constexpr,
-                      TMA_STORE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """Write one fp32 output tile of expert ``expert`` at ``[p0, q0]``: overwrite (one TMA
-    store, or masked pointer stores), read-add-write, or fp32 atomics (``SPLIT_ROWS > 1``)."""
-    if OVERWRITE and TMA_STORE:
-        # One asynchronous TMA store of the whole tile (bounds per dimension: a tile past P or
-        # Q is clipped there, never spills into the next expert).
         o_desc.store([expert, p0, q0],
                      tl.reshape(acc.to(out_ptr.dtype.element_ty), [1, BLOCK_P, BLOCK_Q]))
+    elif OVERWRITE:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    elif SPLIT_ROWS == 1:
+        tl.store(out, tl.load(out, mask=mask, other=0.0) + acc, mask=mask)
     else:
-        p = p0 + tl.arange(0, BLOCK_P)
-        q = q0 + tl.arange(0, BLOCK_Q)
-        mask = (p < P)[:, None] & (q < Q)[None, :]
-        out = (out_ptr + expert.to(tl.int64) * (P * Q) + p.to(tl.int64)[:, None] * Q
-               + q[None, :])
-        if OVERWRITE:
-            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        elif SPLIT_ROWS == 1:
-            tl.store(out, tl.load(out, mask=mask, other=0.0) + acc, mask=mask)
-        else:
-            tl.atomic_add(out, acc, mask=mask, sem="relaxed")
-
-
-@triton.jit
-def _wgrad_tail_rows(a_ptr, b_ptr, row, end, p0, q0, acc, P: tl.constexpr, Q: tl.constexpr,
-                     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """The last, partial row step through masked pointer loads (persistent kernel): rows at or
-    after ``end`` read as zeros, so nothing from the next expert or past the live rows (NaN
-    included) reaches the sum, and the pipelined TMA loads of the whole steps stay unmasked."""
-    r = (row + tl.arange(0, BLOCK_K)).to(tl.int64)
-    keep = (r < end)[:, None]
-    p = p0 + tl.arange(0, BLOCK_P)
-    q = q0 + tl.arange(0, BLOCK_Q)
-    a = tl.load(a_ptr + r[:, None] * P + p[None, :], mask=keep & (p < P)[None, :], other=0.0)
-    b = tl.load(b_ptr + r[:, None] * Q + q[None, :], mask=keep & (q < Q)[None, :], other=0.0)
-    return tl.dot(tl.trans(a), b, acc)
-
-
-@triton.jit
-def _wgrad_flat_step(a_desc, b_desc, a_ptr, b_rows, o_desc, out_ptr, row_offsets_ptr, e,
-                     steps_e, start_e, end_e, tile0_e, it, pid, acc, num_act_rows, num_progs,
-                     tiles, num_q, P: tl.constexpr, Q: tl.constexpr, OVERWRITE: tl.constexpr,
-                     TMA_STORE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-                     BLOCK_Q: tl.constexpr):
-    """Flat iteration ``it`` of the persistent WGRAD: one whole row step of one output tile,
-    then, after the tile's last whole step, its partial step (if any) and its store.
-
-    Which tile and step is a closed form of ``it`` over the per-expert vectors (this
-    program's iterations per expert span ``[start_e, end_e)``, ``steps_e`` per tile, its
-    first tile of the expert is ``pid + tile0_e * num_progs``), not state carried from the
-    last iteration: Triton 3.6's pipeliner does not pipeline the loads when their address
-    hangs on a loop-carried value that a load or reduction of the previous iteration feeds
-    (checked by compiling for sm_90)."""
-    expert = tl.sum((end_e <= it).to(tl.int32))
-    sel = e == expert
-    local = it - tl.sum(tl.where(sel, start_e, 0))
-    n = tl.sum(tl.where(sel, steps_e, 0))
-    j = local % n
-    tile = (pid + (tl.sum(tl.where(sel, tile0_e, 0)) + local // n) * num_progs) % tiles
-    p0 = (tile // num_q) * BLOCK_P
-    q0 = (tile % num_q) * BLOCK_Q
-    first = tl.load(row_offsets_ptr + expert)
-    end = tl.load(row_offsets_ptr + expert + 1)
-    row = first + j * BLOCK_K
-    # A tile whose expert has fewer than BLOCK_K rows still takes one step: it reads at row
-    # R_act, past both descriptors' bounds, which TMA fills with zeros.
-    row = tl.where(row + BLOCK_K <= end, row, num_act_rows)
-    acc = _wgrad_tile_step(a_desc, b_desc, row, p0, q0, acc)
-    if j == n - 1:
-        tail = first + (end - first) // BLOCK_K * BLOCK_K
-        if tail < end:
-            acc = _wgrad_tail_rows(a_ptr, b_rows, tail, end, p0, q0, acc, P, Q, BLOCK_K,
-                                   BLOCK_P, BLOCK_Q)
-        if OVERWRITE:
-            _wgrad_store_tile(acc, o_desc, out_ptr, expert, p0, q0, P, Q, 1, OVERWRITE,
-                              TMA_STORE, BLOCK_P, BLOCK_Q)
-        elif end > first:  # accumulating: experts without rows stay untouched
-            _wgrad_store_tile(acc, o_desc, out_ptr, expert, p0, q0, P, Q, 1, OVERWRITE,
-                              TMA_STORE, BLOCK_P, BLOCK_Q)
-        acc = tl.zeros_like(acc)
-    return acc
-
-
-@triton.jit
-def _grouped_wgrad_persistent_kernel(
-    a,  # bf16 [R_act, P], or its TMA descriptor (HOST_DESC)
-    b,  # bf16 [R_act, Q], or its TMA descriptor (HOST_DESC), or a 1-D bf16 base (B_OFFSET)
-    a_ptr,  # bf16 [R_act, P]: the partial last steps read it through pointers
-    b_ptr,  # bf16 [R_act, Q], or the 1-D base (B_OFFSET)
-    b_offset_ptr,  # int64 [1]: element offset of activation row 0 in b (B_OFFSET)
-    row_offsets_ptr,  # int32 [E + 1]
-    out_ptr,  # fp32 [E, P, Q] accumulated into, or fp32/bf16 overwritten (OVERWRITE)
-    out_desc,  # TMA descriptor of out (TMA_STORE and HOST_DESC; otherwise a placeholder)
-    num_act_rows,  # R_act
-    num_progs,  # the grid
-    P: tl.constexpr,
-    Q: tl.constexpr,
-    NUM_EXPERTS: tl.constexpr,
-    EXPERTS_POW2: tl.constexpr,
-    OVERWRITE: tl.constexpr,
-    TMA_STORE: tl.constexpr,
-    INTERPRETED: tl.constexpr,
-    HOST_DESC: tl.constexpr,
-    B_OFFSET: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-):
-    """Persistent grouped WGRAD (module docstring): program ``pid`` takes the output tiles
-    ``pid + i*num_progs`` (expert slowest) and runs all their whole row steps as one flat
-    loop, so the software pipeline loads the next tile's first steps while this tile's last
-    step and store run. Per tile: the same row steps in the same order as
-    :func:`_grouped_wgrad_kernel`."""
-    pid = tl.program_id(0)
-    num_q = tl.cdiv(Q, BLOCK_Q)
-    tiles = tl.cdiv(P, BLOCK_P) * num_q
-    # Every expert's live row range, in registers (read once per program).
-    e = tl.arange(0, EXPERTS_POW2)
-    in_e = e < NUM_EXPERTS
-    lo = tl.load(row_offsets_ptr + e, mask=in_e, other=0)
-    hi = tl.load(row_offsets_ptr + e + 1, mask=in_e, other=0)
-    # Flat iterations: max(1, whole steps) per tile (a tile without a whole step takes one
-    # that loads TMA zeros, then its partial step and store). This program's tiles of expert
-    # e are pid + i*num_progs in [e*tiles, (e+1)*tiles): i in [tile0_e, tile1_e).
-    steps_e = tl.maximum((hi - lo) // BLOCK_K, 1)
-    tile1_e = (tl.maximum((e + 1) * tiles - pid, 0) + num_progs - 1) // num_progs
-    tile0_e = (tl.maximum(e * tiles - pid, 0) + num_progs - 1) // num_progs
-    iters_e = tl.where(in_e, (tile1_e - tile0_e) * steps_e, 0)
-    end_e = tl.cumsum(iters_e, 0)
-    start_e = end_e - iters_e
-    total = tl.sum(iters_e)
-
-    if HOST_DESC:
-        a_desc = a
-    else:
-        a_desc = tl.make_tensor_descriptor(
-            a, shape=[num_act_rows, P], strides=[P, 1], block_shape=[BLOCK_K, BLOCK_P]
-        )
-    if B_OFFSET:
-        b_rows = tl.multiple_of(b + tl.load(b_offset_ptr), 16)
-        b_desc = tl.make_tensor_descriptor(
-            b_rows,
-            shape=[tl.load(row_offsets_ptr + NUM_EXPERTS), Q],
-            strides=[Q, 1],
-            block_shape=[BLOCK_K, BLOCK_Q],
-        )
-    elif HOST_DESC:
-        b_rows = b_ptr
-        b_desc = b
-    else:
-        b_rows = b_ptr
-        b_desc = tl.make_tensor_descriptor(
-            b, shape=[num_act_rows, Q], strides=[Q, 1], block_shape=[BLOCK_K, BLOCK_Q]
-        )
-    o_desc = _wgrad_out_desc(out_ptr, out_desc, NUM_EXPERTS, P, Q, OVERWRITE, TMA_STORE,
-                             HOST_DESC, BLOCK_P, BLOCK_Q)
-
-    acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
-    if INTERPRETED:
-        it = 0
-        while it < total:
-            acc = _wgrad_flat_step(
-                a_desc, b_desc, a_ptr, b_rows, o_desc, out_ptr, row_offsets_ptr, e, steps_e,
-                start_e, end_e, tile0_e, it, pid, acc, num_act_rows, num_progs, tiles, num_q, P,
-                Q, OVERWRITE, TMA_STORE, BLOCK_K, BLOCK_P, BLOCK_Q)
-            it += 1
-    else:
-        for it in range(0, total):
-            acc = _wgrad_flat_step(
-                a_desc, b_desc, a_ptr, b_rows, o_desc, out_ptr, row_offsets_ptr, e, steps_e,
-                start_e, end_e, tile0_e, it, pid, acc, num_act_rows, num_progs, tiles, num_q, P,
-                Q, OVERWRITE, TMA_STORE, BLOCK_K, BLOCK_P, BLOCK_Q)
+        tl.atomic_add(out, acc, mask=mask, sem="relaxed")
 
 
 # --------------------------------------------------------------------------------------------
@@ -813,10 +651,10 @@ class WgradConfig:
         num_stages: software-pipeline depth of the row loop (>= 1).
         host_descriptors: TMA descriptors of both operands encoded on the host at launch
             (True) or built on the device in every program (False).
-        programs_per_sm: 0 = one program per (expert, output tile, row split); ``k > 0`` =
-            persistent: ``k`` programs per SM (at most one per tile), each running the whole
-            row steps of its tiles as one software-pipelined loop, so loads of a tile's first
-            steps overlap the previous tile's last step and store. Needs ``split_rows == 1``.
+        expert_bounds: build both operand descriptors in every program with its expert's
+            last live row as their row bound, so TMA zero-fills the rows of the last,
+            partial step and no step is masked (``host_descriptors`` then covers only the
+            output's descriptor).
     """
 
     block_m: int = 128
@@ -827,7 +665,7 @@ class WgradConfig:
     num_warps: int = 8
     num_stages: int = 4
     host_descriptors: bool = True
-    programs_per_sm: int = 0
+    expert_bounds: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_k", "block_out_m", "block_out_n"):
@@ -847,37 +685,19 @@ class WgradConfig:
                 raise ValueError(f"{name} ({value!r}) must be an int >= 1")
         if self.num_warps not in (4, 8):
             raise ValueError(f"num_warps ({self.num_warps}) must be 4 or 8")
-        if not isinstance(self.host_descriptors, bool):
-            raise TypeError(
-                f"host_descriptors must be a bool, got {type(self.host_descriptors).__name__}"
-            )
-        value = self.programs_per_sm
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 8:
-            raise ValueError(f"programs_per_sm ({value!r}) must be an int in [0, 8]")
-        if value and self.split_rows != 1:
-            raise ValueError(
-                f"programs_per_sm ({value}) needs split_rows == 1 (a persistent program owns "
-                f"whole output tiles), got split_rows {self.split_rows}"
-            )
+        for name in ("host_descriptors", "expert_bounds"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
     def smem_bytes(self) -> int:
         """Shared memory of the row-loop pipeline (bf16 A and B tiles of every stage)."""
         return self.num_stages * self.block_k * (self.block_out_m + self.block_out_n) * 2
 
     def fits_hopper(self) -> bool:
-        """Pipeline SMEM <= 200 KiB and at most 128 fp32 accumulator registers per thread;
-        persistent: ``programs_per_sm`` programs within an SM's 227 KiB and 64K registers
-        (about 40 beside the accumulator). A persistent program holds ``max(3, num_stages -
-        1)`` row-step buffers and a bf16 store staging tile (what Triton 3.6 allocates for
-        sm_90, read from compiled kernels)."""
+        """Pipeline SMEM <= 200 KiB and at most 128 fp32 accumulator registers per thread."""
         regs = self.block_out_m * self.block_out_n // (32 * self.num_warps)
-        if not (self.smem_bytes() <= 200 * 1024 and regs <= 128):
-            return False
-        k = self.programs_per_sm
-        stage = self.block_k * (self.block_out_m + self.block_out_n) * 2
-        smem = max(3, self.num_stages - 1) * stage + self.block_out_m * self.block_out_n * 2
-        return k == 0 or (k * smem <= 227 * 1024
-                          and k * self.num_warps * 32 * (regs + 40) <= 65536)
+        return self.smem_bytes() <= 200 * 1024 and regs <= 128
 
     @classmethod
     def from_heuristic(cls, *, out_rows: int, out_cols: int, block_m: int = 128,
@@ -1071,8 +891,7 @@ def launch_grouped_wgrad(
             strides=[width_p * width_q, width_q, 1],
             block_shape=[1, config.block_out_m, config.block_out_n],
         )
-    a_rows, b_rows = a, b  # the persistent kernel's partial steps read through pointers
-    if config.host_descriptors:
+    if config.host_descriptors and not config.expert_bounds:
         a = TensorDescriptor(
             a,
             shape=[num_act_rows, width_p],
@@ -1086,38 +905,8 @@ def launch_grouped_wgrad(
                 strides=[width_q, 1],
                 block_shape=[config.block_k, config.block_out_n],
             )
-    if not config.host_descriptors or b_offset is not None:
+    if not config.host_descriptors or b_offset is not None or config.expert_bounds:
         ensure_tma_allocator()
-    if config.programs_per_sm:
-        grid = (max(1, min(num_experts * tiles, config.programs_per_sm * num_sms(device))),)
-        with device_context(device):
-            _grouped_wgrad_persistent_kernel[grid](
-                a,
-                b,
-                a_rows,
-                b_rows,
-                b_offset if b_offset is not None else row_offsets,  # placeholder unless B_OFFSET
-                row_offsets,
-                out,
-                out_desc,
-                num_act_rows,
-                grid[0],
-                P=width_p,
-                Q=width_q,
-                NUM_EXPERTS=num_experts,
-                EXPERTS_POW2=next_power_of_2(num_experts),
-                OVERWRITE=not accumulate,
-                TMA_STORE=tma_store,
-                INTERPRETED=interpreter_active(),
-                HOST_DESC=config.host_descriptors,
-                B_OFFSET=b_offset is not None,
-                BLOCK_K=config.block_k,
-                BLOCK_P=config.block_out_m,
-                BLOCK_Q=config.block_out_n,
-                num_warps=config.num_warps,
-                num_stages=config.num_stages,
-            )
-        return
     with device_context(device):
         _grouped_wgrad_kernel[grid](
             a,
@@ -1136,6 +925,7 @@ def launch_grouped_wgrad(
             INTERPRETED=interpreter_active(),
             HOST_DESC=config.host_descriptors,
             B_OFFSET=b_offset is not None,
+            EXPERT_BOUNDS=config.expert_bounds,
             BLOCK_K=config.block_k,
             BLOCK_P=config.block_out_m,
             BLOCK_Q=config.block_out_n,
