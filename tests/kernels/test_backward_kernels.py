@@ -875,13 +875,13 @@ def test_wgrad_overwrite(out_dtype, host_descriptors):
     [("accumulate", True), ("overwrite_bf16", True), ("overwrite_bf16", False),
      ("overwrite_fp32_unaligned", True), ("x_offset", True), ("split_rows", False)],
 )
-def test_wgrad_expert_bounds(mode, host_descriptors):
-    """expert_bounds=True (descriptors bounded at the expert's end: TMA zeros instead of a
-    masked last step): bit-equal to the masked path (same row steps, same order, the same
-    zeros past the end), over NaN-poisoned outputs and NaN in the rows past the live end.
-    Counts (block_k 16): whole steps only (32), partial last steps (21, 37), an expert with
-    fewer rows than one step (5) and an empty one; the next expert's rows are 2^10 larger,
-    so a leak past an expert's end shows."""
+def test_wgrad_programs_per_sm(mode, host_descriptors):
+    """programs_per_sm > 0 (each program takes items pid, pid + grid, ...; descriptors built
+    once per program): bit-equal to one program per item (same items, same row steps, same
+    order), over NaN-poisoned outputs and NaN past the live rows. 3 interpreter SMs x 2 =
+    6 programs over 5 experts x 6 tiles, so each program walks several experts' tiles.
+    Counts (block_k 16): whole steps only (32), partial last steps (21, 37), fewer rows
+    than one step (5), an empty expert; the next expert's rows are 2^10 larger."""
     num_experts, hidden, ffn, block_m = 5, 48, 40, 16
     counts = [21, 0, 32, 37, 5]
     layout = layout_from_counts(counts, block_m, extra_tiles={1: 1})
@@ -891,12 +891,10 @@ def test_wgrad_expert_bounds(mode, host_descriptors):
     base = dict(block_m=block_m, block_k=16, block_out_m=32, block_out_n=32, num_warps=4,
                 num_stages=2, host_descriptors=host_descriptors,
                 split_rows=3 if mode == "split_rows" else 1)
-    masked_cfg = WgradConfig(**base)
-    bounded_cfg = WgradConfig(**base, expert_bounds=True)
+    plain_cfg, pers_cfg = WgradConfig(**base), WgradConfig(**base, programs_per_sm=2)
     accumulate = mode in ("accumulate", "split_rows")
     dtype = torch.bfloat16 if mode == "overwrite_bf16" else torch.float32
-    kwargs = {}
-    x_arg = x
+    kwargs, x_arg = {}, x
     if mode == "x_offset":
         offset = 8 * 5
         live_x = x[: layout.live_end].reshape(-1)
@@ -907,38 +905,39 @@ def test_wgrad_expert_bounds(mode, host_descriptors):
     shape = (num_experts, 2, ffn, hidden)
     if accumulate:
         start = torch.randn(*shape, device=DEVICE)
-        masked, got = start.clone(), start.clone()
+        plain, got = start.clone(), start.clone()
     elif mode == "overwrite_fp32_unaligned":
         n = math.prod(shape)
-        masked = poisoned(n + 1, dtype=dtype)[1:].view(shape)
+        plain = poisoned(n + 1, dtype=dtype)[1:].view(shape)
         got = poisoned(n + 1, dtype=dtype)[1:].view(shape)
         assert got.data_ptr() % 16  # pointer-store epilogue
     else:
-        masked, got = poisoned(*shape, dtype=dtype), poisoned(*shape, dtype=dtype)
-    w13_wgrad(grad_h1, x, po, ro, masked, accumulate=accumulate, config=masked_cfg)
-    w13_wgrad(grad_h1, x_arg, po, ro, got, accumulate=accumulate, config=bounded_cfg,
-              **kwargs)
-    if mode == "split_rows":  # fp32 atomics: order differs, bits may
+        plain, got = poisoned(*shape, dtype=dtype), poisoned(*shape, dtype=dtype)
+    w13_wgrad(grad_h1, x, po, ro, plain, accumulate=accumulate, config=plain_cfg)
+    w13_wgrad(grad_h1, x_arg, po, ro, got, accumulate=accumulate, config=pers_cfg, **kwargs)
+    if mode == "split_rows":  # fp32 atomics: the order of the adds may differ
         assert_wgrad_close(got, grad_h1, x, layout, start, rows_sum=w13_wgrad_ref)
     else:
-        assert same_bits(got, masked)
+        assert same_bits(got, plain)
     if accumulate:
         assert same_bits(got[1], start[1])  # the expert without rows: untouched
         assert_wgrad_close(got, grad_h1, x, layout, start, rows_sum=w13_wgrad_ref)
     else:
         assert not got[1].any()  # the expert without rows: zeros
-        if dtype == torch.float32:  # (bf16: the masked path's rounding, test_wgrad_overwrite)
+        if dtype == torch.float32:  # (bf16: plain's rounding, checked by test_wgrad_overwrite)
             zeros = torch.zeros(shape, device=DEVICE)
             assert_wgrad_close(got, grad_h1, x, layout, zeros, rows_sum=w13_wgrad_ref)
     # W2 (P = D, Q = F) through the same kernel
     grad_h3 = _wgrad_operand(layout, hidden, big_experts=[2])
     h2 = _wgrad_operand(layout, ffn, big_experts=[2])
-    masked2, got2 = poisoned(num_experts, hidden, ffn), poisoned(num_experts, hidden, ffn)
+    plain2, got2 = poisoned(num_experts, hidden, ffn), poisoned(num_experts, hidden, ffn)
     one = dict(base, split_rows=1)
-    w2_wgrad(grad_h3, h2, po, ro, masked2, accumulate=False, config=WgradConfig(**one))
+    w2_wgrad(grad_h3, h2, po, ro, plain2, accumulate=False, config=WgradConfig(**one))
     w2_wgrad(grad_h3, h2, po, ro, got2, accumulate=False,
-             config=WgradConfig(**one, expert_bounds=True))
-    assert same_bits(got2, masked2)
+             config=WgradConfig(**one, programs_per_sm=2))
+    assert same_bits(got2, plain2)
+    with pytest.raises(ValueError, match=r"programs_per_sm \(9\) must be an int in \[0, 8\]"):
+        WgradConfig(programs_per_sm=9)
 
 
 # --------------------------------------------------------------------------------------------

@@ -111,6 +111,7 @@ from distmoe.kernels._common import (
     ensure_tma_allocator,
     gemm_grid,
     next_power_of_2,
+    num_sms,
     rows_at,
     swizzle_tile,
     tile_activation_rows,
@@ -453,6 +454,7 @@ def _grouped_wgrad_kernel(
     out_desc,  # TMA descriptor of out [E, P, Q], block [1, BLOCK_P, BLOCK_Q] (TMA_STORE and
     #            HOST_DESC; otherwise a placeholder)
     num_act_rows,  # R_act
+    num_progs,  # the grid (PERSISTENT)
     P: tl.constexpr,
     Q: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
@@ -462,17 +464,74 @@ def _grouped_wgrad_kernel(
     INTERPRETED: tl.constexpr,
     HOST_DESC: tl.constexpr,
     B_OFFSET: tl.constexpr,
-    EXPERT_BOUNDS: tl.constexpr,
+    PERSISTENT: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_Q: tl.constexpr,
 ):
+    """One work item (expert, output tile, row split) per program, or with ``PERSISTENT``
+    the items ``pid + i*num_progs`` in turn, the descriptors built once per program."""
+    if HOST_DESC:
+        a_desc = a
+    else:
+        a_desc = tl.make_tensor_descriptor(
+            a, shape=[num_act_rows, P], strides=[P, 1], block_shape=[BLOCK_K, BLOCK_P]
+        )
+    if B_OFFSET:
+        # A host descriptor cannot see a device-side offset: build this one on the device,
+        # bounded by the live rows (nothing past row_offsets[E] is read; offset a multiple of
+        # 8 elements, so the base stays 16-byte aligned).
+        b_base = tl.multiple_of(b + tl.load(b_offset_ptr), 16)
+        b_desc = tl.make_tensor_descriptor(
+            b_base,
+            shape=[tl.load(row_offsets_ptr + NUM_EXPERTS), Q],
+            strides=[Q, 1],
+            block_shape=[BLOCK_K, BLOCK_Q],
+        )
+    elif HOST_DESC:
+        b_desc = b
+    else:
+        b_desc = tl.make_tensor_descriptor(
+            b, shape=[num_act_rows, Q], strides=[Q, 1], block_shape=[BLOCK_K, BLOCK_Q]
+        )
+    if OVERWRITE and TMA_STORE and not HOST_DESC:
+        o_desc = tl.make_tensor_descriptor(
+            out_ptr, shape=[NUM_EXPERTS, P, Q], strides=[P * Q, Q, 1],
+            block_shape=[1, BLOCK_P, BLOCK_Q],
+        )
+    else:
+        o_desc = out_desc  # the host's (TMA_STORE), or a placeholder (pointer stores)
+    pid = tl.program_id(0)
+    if PERSISTENT:
+        num_work = NUM_EXPERTS * SPLIT_ROWS * tl.cdiv(P, BLOCK_P) * tl.cdiv(Q, BLOCK_Q)
+        if INTERPRETED:
+            work = pid
+            while work < num_work:
+                _wgrad_work(a_desc, b_desc, o_desc, row_offsets_ptr, out_ptr, work, P, Q,
+                            SPLIT_ROWS, OVERWRITE, TMA_STORE, INTERPRETED, BLOCK_K, BLOCK_P,
+                            BLOCK_Q)
+                work += num_progs
+        else:
+            for work in range(pid, num_work, num_progs):
+                _wgrad_work(a_desc, b_desc, o_desc, row_offsets_ptr, out_ptr, work, P, Q,
+                            SPLIT_ROWS, OVERWRITE, TMA_STORE, INTERPRETED, BLOCK_K, BLOCK_P,
+                            BLOCK_Q)
+    else:
+        _wgrad_work(a_desc, b_desc, o_desc, row_offsets_ptr, out_ptr, pid, P, Q, SPLIT_ROWS,
+                    OVERWRITE, TMA_STORE, INTERPRETED, BLOCK_K, BLOCK_P, BLOCK_Q)
+
+
+@triton.jit
+def _wgrad_work(a_desc, b_desc, o_desc, row_offsets_ptr, out_ptr, work, P: tl.constexpr,
+                Q: tl.constexpr, SPLIT_ROWS: tl.constexpr, OVERWRITE: tl.constexpr,
+                TMA_STORE: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """Work item ``work`` of the grouped WGRAD: one (expert, output tile, row split)."""
     num_q = tl.cdiv(Q, BLOCK_Q)
     tiles = tl.cdiv(P, BLOCK_P) * num_q
-    pid = tl.program_id(0)
-    # Expert slowest: the programs of one expert run together and share its rows in L2.
-    expert = pid // (SPLIT_ROWS * tiles)
-    rest = pid % (SPLIT_ROWS * tiles)
+    # Expert slowest: the items of one expert run together and share its rows in L2.
+    expert = work // (SPLIT_ROWS * tiles)
+    rest = work % (SPLIT_ROWS * tiles)
     split = rest // tiles
     tile = rest % tiles
     p0 = (tile // num_q) * BLOCK_P
@@ -484,90 +543,41 @@ def _grouped_wgrad_kernel(
     mask = (p < P)[:, None] & (q < Q)[None, :]
     out = out_ptr + expert.to(tl.int64) * (P * Q) + p.to(tl.int64)[:, None] * Q + q[None, :]
     if first >= end:
-        # no rows for this program: accumulating, grad_w stays as it is; overwriting (one
-        # program per tile), the expert's gradient is zero
+        # no rows for this item: accumulating, grad_w stays as it is; overwriting (one item
+        # per tile), the expert's gradient is zero
         if OVERWRITE:
             tl.store(out, tl.zeros([BLOCK_P, BLOCK_Q], dtype=out_ptr.dtype.element_ty),
                      mask=mask)
-        return
-    if EXPERT_BOUNDS:
-        # Both descriptors built here with this expert's end as their row bound: TMA fills
-        # the rows of the last, partial step past it with zeros, so every step is a plain
-        # TMA step (no masked step). Rows before `first` are never addressed.
-        a_desc = tl.make_tensor_descriptor(
-            a, shape=[end, P], strides=[P, 1], block_shape=[BLOCK_K, BLOCK_P]
-        )
-        if B_OFFSET:
-            b_base = tl.multiple_of(b + tl.load(b_offset_ptr), 16)
-        else:
-            b_base = b
-        b_desc = tl.make_tensor_descriptor(
-            b_base, shape=[end, Q], strides=[Q, 1], block_shape=[BLOCK_K, BLOCK_Q]
-        )
     else:
-        if HOST_DESC:
-            a_desc = a
-        else:
-            a_desc = tl.make_tensor_descriptor(
-                a, shape=[num_act_rows, P], strides=[P, 1], block_shape=[BLOCK_K, BLOCK_P]
-            )
-        if B_OFFSET:
-            # A host descriptor cannot see a device-side offset: build this one on the device,
-            # bounded by the live rows (nothing past row_offsets[E] is read; offset a multiple of
-            # 8 elements, so the base stays 16-byte aligned).
-            b_base = tl.multiple_of(b + tl.load(b_offset_ptr), 16)
-            b_desc = tl.make_tensor_descriptor(
-                b_base,
-                shape=[tl.load(row_offsets_ptr + NUM_EXPERTS), Q],
-                strides=[Q, 1],
-                block_shape=[BLOCK_K, BLOCK_Q],
-            )
-        elif HOST_DESC:
-            b_desc = b
-        else:
-            b_desc = tl.make_tensor_descriptor(
-                b, shape=[num_act_rows, Q], strides=[Q, 1], block_shape=[BLOCK_K, BLOCK_Q]
-            )
-    acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
-    step = SPLIT_ROWS * BLOCK_K
-    if EXPERT_BOUNDS:
-        num_full = (end - first + step - 1) // step  # every step, the partial one included
-    else:
-        # Whole steps (all BLOCK_K rows before `end`): unmasked. Only the last step of a
-        # program can be partial (a partial step ends past `end`, so every later one starts
+        acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
+        step = SPLIT_ROWS * BLOCK_K
+        # Whole steps (all BLOCK_K rows before `end`): unmasked. Only the last step of an
+        # item can be partial (a partial step ends past `end`, so every later one starts
         # past it). end - first >= 1 and step >= BLOCK_K keep the numerator positive.
         num_full = (end - first - BLOCK_K + step) // step
-    if INTERPRETED:
-        i = 0
-        while i < num_full:
-            acc = _wgrad_tile_step(a_desc, b_desc, first + i * step, p0, q0, acc)
-            i += 1
-    else:
-        for i in range(0, num_full):
-            acc = _wgrad_tile_step(a_desc, b_desc, first + i * step, p0, q0, acc)
-    if not EXPERT_BOUNDS:
+        if INTERPRETED:
+            i = 0
+            while i < num_full:
+                acc = _wgrad_tile_step(a_desc, b_desc, first + i * step, p0, q0, acc)
+                i += 1
+        else:
+            for i in range(0, num_full):
+                acc = _wgrad_tile_step(a_desc, b_desc, first + i * step, p0, q0, acc)
         tail = first + num_full * step
         if tail < end:
             acc = _wgrad_tail_step(a_desc, b_desc, tail, end, p0, q0, acc, BLOCK_K)
 
-    if OVERWRITE and TMA_STORE:
-        # One asynchronous TMA store of the whole tile (bounds per dimension: a tile past P or
-        # Q is clipped there, never spills into the next expert).
-        if HOST_DESC:
-            o_desc = out_desc
+        if OVERWRITE and TMA_STORE:
+            # One asynchronous TMA store of the whole tile (bounds per dimension: a tile past
+            # P or Q is clipped there, never spills into the next expert).
+            o_desc.store([expert, p0, q0],
+                         tl.reshape(acc.to(out_ptr.dtype.element_ty), [1, BLOCK_P, BLOCK_Q]))
+        elif OVERWRITE:
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        elif SPLIT_ROWS == 1:
+            tl.store(out, tl.load(out, mask=mask, other=0.0) + acc, mask=mask)
         else:
-            o_desc = tl.make_tensor_descriptor(
-                out_ptr, shape=[NUM_EXPERTS, P, Q], strides=[P * Q, Q, 1],
-                block_shape=[1, BLOCK_P, BLOCK_Q],
-            )
-        o_desc.store([expert, p0, q0],
-                     tl.reshape(acc.to(out_ptr.dtype.element_ty), [1, BLOCK_P, BLOCK_Q]))
-    elif OVERWRITE:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    elif SPLIT_ROWS == 1:
-        tl.store(out, tl.load(out, mask=mask, other=0.0) + acc, mask=mask)
-    else:
-        tl.atomic_add(out, acc, mask=mask, sem="relaxed")
+            tl.atomic_add(out, acc, mask=mask, sem="relaxed")
 
 
 # --------------------------------------------------------------------------------------------
@@ -651,10 +661,10 @@ class WgradConfig:
         num_stages: software-pipeline depth of the row loop (>= 1).
         host_descriptors: TMA descriptors of both operands encoded on the host at launch
             (True) or built on the device in every program (False).
-        expert_bounds: build both operand descriptors in every program with its expert's
-            last live row as their row bound, so TMA zero-fills the rows of the last,
-            partial step and no step is masked (``host_descriptors`` then covers only the
-            output's descriptor).
+        programs_per_sm: 0 = one program per work item (expert, output tile, row split);
+            ``k > 0``: ``k`` programs per SM (at most one per item), each taking the items
+            ``pid + i * grid`` in turn, so device-built descriptors (``x_offset``, or
+            ``host_descriptors=False``) are built once per program, not once per item.
     """
 
     block_m: int = 128
@@ -665,7 +675,7 @@ class WgradConfig:
     num_warps: int = 8
     num_stages: int = 4
     host_descriptors: bool = True
-    expert_bounds: bool = False
+    programs_per_sm: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_k", "block_out_m", "block_out_n"):
@@ -685,10 +695,13 @@ class WgradConfig:
                 raise ValueError(f"{name} ({value!r}) must be an int >= 1")
         if self.num_warps not in (4, 8):
             raise ValueError(f"num_warps ({self.num_warps}) must be 4 or 8")
-        for name in ("host_descriptors", "expert_bounds"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        if not isinstance(self.host_descriptors, bool):
+            raise TypeError(
+                f"host_descriptors must be a bool, got {type(self.host_descriptors).__name__}"
+            )
+        value = self.programs_per_sm
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 8:
+            raise ValueError(f"programs_per_sm ({value!r}) must be an int in [0, 8]")
 
     def smem_bytes(self) -> int:
         """Shared memory of the row-loop pipeline (bf16 A and B tiles of every stage)."""
@@ -878,7 +891,11 @@ def launch_grouped_wgrad(
             out.zero_()
         return  # R_act >= row_offsets[E]: no live rows
     tiles = triton.cdiv(width_p, config.block_out_m) * triton.cdiv(width_q, config.block_out_n)
-    grid = (num_experts * config.split_rows * tiles,)
+    num_work = num_experts * config.split_rows * tiles
+    if config.programs_per_sm:
+        grid = (min(num_work, config.programs_per_sm * num_sms(device)),)
+    else:
+        grid = (num_work,)
     # Overwriting: the epilogue is one TMA store when out meets TMA's alignment (16-byte base
     # and row pitch); accumulating reads the old values, so it keeps pointer stores.
     tma_store = (not accumulate and out.is_contiguous() and out.data_ptr() % 16 == 0
@@ -891,7 +908,7 @@ def launch_grouped_wgrad(
             strides=[width_p * width_q, width_q, 1],
             block_shape=[1, config.block_out_m, config.block_out_n],
         )
-    if config.host_descriptors and not config.expert_bounds:
+    if config.host_descriptors:
         a = TensorDescriptor(
             a,
             shape=[num_act_rows, width_p],
@@ -905,7 +922,7 @@ def launch_grouped_wgrad(
                 strides=[width_q, 1],
                 block_shape=[config.block_k, config.block_out_n],
             )
-    if not config.host_descriptors or b_offset is not None or config.expert_bounds:
+    if not config.host_descriptors or b_offset is not None:
         ensure_tma_allocator()
     with device_context(device):
         _grouped_wgrad_kernel[grid](
@@ -916,6 +933,7 @@ def launch_grouped_wgrad(
             out,
             out_desc,
             num_act_rows,
+            grid[0],
             P=width_p,
             Q=width_q,
             NUM_EXPERTS=num_experts,
@@ -925,7 +943,7 @@ def launch_grouped_wgrad(
             INTERPRETED=interpreter_active(),
             HOST_DESC=config.host_descriptors,
             B_OFFSET=b_offset is not None,
-            EXPERT_BOUNDS=config.expert_bounds,
+            PERSISTENT=config.programs_per_sm > 0,
             BLOCK_K=config.block_k,
             BLOCK_P=config.block_out_m,
             BLOCK_Q=config.block_out_n,
