@@ -62,8 +62,8 @@ def main() -> int:
                     choices=["random", "balanced"],
                     help="random: multinomial counts (partial last steps); balanced: T*K/E "
                          "rows per expert, as the layer benchmark routes")
-    ap.add_argument("--bounds-only", action="store_true",
-                    help="time the heuristic and a few expert-bounded tile configs only")
+    ap.add_argument("--quick", action="store_true",
+                    help="time the heuristic and its persistent variants only")
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
     rows_out = []
@@ -99,13 +99,17 @@ def main() -> int:
         def run2(c, gh3=gh3, h2=h2, po=po, ro=ro, g2=g2):
             w2_wgrad(gh3, h2, po, ro, g2, accumulate=False, config=c)
 
+        def run13_2d(c, gh1=gh1, x=x, po=po, ro=ro, g13=g13):
+            w13_wgrad(gh1, x, po, ro, g13, accumulate=False, config=c)
+
         for kernel, (P, Q), fn in (("w13_wgrad", (2 * F, D), run13),
+                                   ("w13_wgrad_2d", (2 * F, D), run13_2d),
                                    ("w2_wgrad", (D, F), run2)):
             results = []
             first_out = None
-            out_t = g13 if kernel == "w13_wgrad" else g2
-            for i, cfg in enumerate(_candidates(WgradConfig, P, Q, max(1, R // E),
-                                                args.bounds_only)):
+            out_t = g2 if kernel == "w2_wgrad" else g13
+            cands = _candidates(WgradConfig, P, Q, max(1, R // E), args.quick)
+            for i, cfg in enumerate(cands[:1] if kernel == "w13_wgrad_2d" else cands):
                 try:
                     out_t.fill_(float("nan"))  # poisoned: every element must be written
                     fn(cfg)
@@ -131,7 +135,7 @@ def main() -> int:
                 print(f"  {ms:8.3f} ms {tflops:7.1f} TFLOP/s {'HEURISTIC ' if heur else ''}"
                       f"out {cfg.block_out_m}x{cfg.block_out_n} k{cfg.block_k} "
                       f"s{cfg.num_stages} w{cfg.num_warps} "
-                      f"{'bounds ' if cfg.expert_bounds else ''}"
+                      f"pps{cfg.programs_per_sm} "
                       f"err {err:.1e}")
     if args.csv and rows_out:
         write_csv(args.csv, rows_out, list(rows_out[0]))
