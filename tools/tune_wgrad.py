@@ -20,28 +20,20 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from dataclasses import replace
 
 import torch
 
 
 def _candidates(WgradConfig, out_rows, out_cols, hint, quick=False):
     # first: what the layer runs (the heuristic with its shape hint)
-    heuristic = WgradConfig.from_heuristic(out_rows=out_rows, out_cols=out_cols,
-                                           rows_per_expert=hint)
-    out = [heuristic]
+    out = [WgradConfig.from_heuristic(out_rows=out_rows, out_cols=out_cols,
+                                      rows_per_expert=hint)]
     for (bm, bn), bk, stages, warps in itertools.product(
         [] if quick else [(128, 128), (128, 256), (256, 128), (64, 128), (128, 64)],
         [64, 128], [3, 4], [8]
     ):
         cfg = WgradConfig(block_m=128, block_k=bk, block_out_m=min(bm, out_rows),
                           block_out_n=min(bn, out_cols), num_warps=warps, num_stages=stages)
-        if cfg.fits_hopper() and cfg not in out:
-            out.append(cfg)
-    # persistent programs (descriptors built once per program): the heuristic's tile, one
-    # program per SM (its pipeline and store staging do not fit twice) or two with 2 stages
-    for pps, stages in ((1, heuristic.num_stages), (1, 4), (2, 2)):
-        cfg = replace(heuristic, programs_per_sm=pps, num_stages=stages)
         if cfg.fits_hopper() and cfg not in out:
             out.append(cfg)
     return out
@@ -63,7 +55,7 @@ def main() -> int:
                     help="random: multinomial counts (partial last steps); balanced: T*K/E "
                          "rows per expert, as the layer benchmark routes")
     ap.add_argument("--quick", action="store_true",
-                    help="time the heuristic and its persistent variants only")
+                    help="time the heuristic only (with --routing: tails against none)")
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
     rows_out = []
@@ -134,9 +126,7 @@ def main() -> int:
             for ms, tflops, heur, cfg, err in results[:6] + [r for r in results if r[2]]:
                 print(f"  {ms:8.3f} ms {tflops:7.1f} TFLOP/s {'HEURISTIC ' if heur else ''}"
                       f"out {cfg.block_out_m}x{cfg.block_out_n} k{cfg.block_k} "
-                      f"s{cfg.num_stages} w{cfg.num_warps} "
-                      f"pps{cfg.programs_per_sm} "
-                      f"err {err:.1e}")
+                      f"s{cfg.num_stages} w{cfg.num_warps} err {err:.1e}")
     if args.csv and rows_out:
         write_csv(args.csv, rows_out, list(rows_out[0]))
     return 0

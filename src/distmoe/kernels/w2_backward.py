@@ -111,7 +111,6 @@ from distmoe.kernels._common import (
     ensure_tma_allocator,
     gemm_grid,
     next_power_of_2,
-    num_sms,
     rows_at,
     swizzle_tile,
     tile_activation_rows,
@@ -454,7 +453,6 @@ def _grouped_wgrad_kernel(
     out_desc,  # TMA descriptor of out [E, P, Q], block [1, BLOCK_P, BLOCK_Q] (TMA_STORE and
     #            HOST_DESC; otherwise a placeholder)
     num_act_rows,  # R_act
-    num_progs,  # the grid (PERSISTENT)
     P: tl.constexpr,
     Q: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
@@ -464,13 +462,33 @@ def _grouped_wgrad_kernel(
     INTERPRETED: tl.constexpr,
     HOST_DESC: tl.constexpr,
     B_OFFSET: tl.constexpr,
-    PERSISTENT: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_Q: tl.constexpr,
 ):
-    """One work item (expert, output tile, row split) per program, or with ``PERSISTENT``
-    the items ``pid + i*num_progs`` in turn, the descriptors built once per program."""
+    num_q = tl.cdiv(Q, BLOCK_Q)
+    tiles = tl.cdiv(P, BLOCK_P) * num_q
+    pid = tl.program_id(0)
+    # Expert slowest: the programs of one expert run together and share its rows in L2.
+    expert = pid // (SPLIT_ROWS * tiles)
+    rest = pid % (SPLIT_ROWS * tiles)
+    split = rest // tiles
+    tile = rest % tiles
+    p0 = (tile // num_q) * BLOCK_P
+    q0 = (tile % num_q) * BLOCK_Q
+    first = tl.load(row_offsets_ptr + expert) + split * BLOCK_K
+    end = tl.load(row_offsets_ptr + expert + 1)
+    p = p0 + tl.arange(0, BLOCK_P)
+    q = q0 + tl.arange(0, BLOCK_Q)
+    mask = (p < P)[:, None] & (q < Q)[None, :]
+    out = out_ptr + expert.to(tl.int64) * (P * Q) + p.to(tl.int64)[:, None] * Q + q[None, :]
+    if first >= end:
+        # no rows for this program: accumulating, grad_w stays as it is; overwriting (one
+        # program per tile), the expert's gradient is zero
+        if OVERWRITE:
+            tl.store(out, tl.zeros([BLOCK_P, BLOCK_Q], dtype=out_ptr.dtype.element_ty),
+                     mask=mask)
+        return
     if HOST_DESC:
         a_desc = a
     else:
@@ -494,90 +512,42 @@ def _grouped_wgrad_kernel(
         b_desc = tl.make_tensor_descriptor(
             b, shape=[num_act_rows, Q], strides=[Q, 1], block_shape=[BLOCK_K, BLOCK_Q]
         )
-    if OVERWRITE and TMA_STORE and not HOST_DESC:
-        o_desc = tl.make_tensor_descriptor(
-            out_ptr, shape=[NUM_EXPERTS, P, Q], strides=[P * Q, Q, 1],
-            block_shape=[1, BLOCK_P, BLOCK_Q],
-        )
+    acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
+    step = SPLIT_ROWS * BLOCK_K
+    # Whole steps (all BLOCK_K rows before `end`): unmasked. Only the last step of a program
+    # can be partial (a partial step ends past `end`, so every later one starts past it).
+    # end - first >= 1 and step >= BLOCK_K keep the numerator positive.
+    num_full = (end - first - BLOCK_K + step) // step
+    if INTERPRETED:
+        i = 0
+        while i < num_full:
+            acc = _wgrad_tile_step(a_desc, b_desc, first + i * step, p0, q0, acc)
+            i += 1
     else:
-        o_desc = out_desc  # the host's (TMA_STORE), or a placeholder (pointer stores)
-    pid = tl.program_id(0)
-    if PERSISTENT:
-        num_work = NUM_EXPERTS * SPLIT_ROWS * tl.cdiv(P, BLOCK_P) * tl.cdiv(Q, BLOCK_Q)
-        if INTERPRETED:
-            work = pid
-            while work < num_work:
-                _wgrad_work(a_desc, b_desc, o_desc, row_offsets_ptr, out_ptr, work, P, Q,
-                            SPLIT_ROWS, OVERWRITE, TMA_STORE, INTERPRETED, BLOCK_K, BLOCK_P,
-                            BLOCK_Q)
-                work += num_progs
+        for i in range(0, num_full):
+            acc = _wgrad_tile_step(a_desc, b_desc, first + i * step, p0, q0, acc)
+    tail = first + num_full * step
+    if tail < end:
+        acc = _wgrad_tail_step(a_desc, b_desc, tail, end, p0, q0, acc, BLOCK_K)
+
+    if OVERWRITE and TMA_STORE:
+        # One asynchronous TMA store of the whole tile (bounds per dimension: a tile past P or
+        # Q is clipped there, never spills into the next expert).
+        if HOST_DESC:
+            o_desc = out_desc
         else:
-            for work in range(pid, num_work, num_progs):
-                _wgrad_work(a_desc, b_desc, o_desc, row_offsets_ptr, out_ptr, work, P, Q,
-                            SPLIT_ROWS, OVERWRITE, TMA_STORE, INTERPRETED, BLOCK_K, BLOCK_P,
-                            BLOCK_Q)
+            o_desc = tl.make_tensor_descriptor(
+                out_ptr, shape=[NUM_EXPERTS, P, Q], strides=[P * Q, Q, 1],
+                block_shape=[1, BLOCK_P, BLOCK_Q],
+            )
+        o_desc.store([expert, p0, q0],
+                     tl.reshape(acc.to(out_ptr.dtype.element_ty), [1, BLOCK_P, BLOCK_Q]))
+    elif OVERWRITE:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    elif SPLIT_ROWS == 1:
+        tl.store(out, tl.load(out, mask=mask, other=0.0) + acc, mask=mask)
     else:
-        _wgrad_work(a_desc, b_desc, o_desc, row_offsets_ptr, out_ptr, pid, P, Q, SPLIT_ROWS,
-                    OVERWRITE, TMA_STORE, INTERPRETED, BLOCK_K, BLOCK_P, BLOCK_Q)
-
-
-@triton.jit
-def _wgrad_work(a_desc, b_desc, o_desc, row_offsets_ptr, out_ptr, work, P: tl.constexpr,
-                Q: tl.constexpr, SPLIT_ROWS: tl.constexpr, OVERWRITE: tl.constexpr,
-                TMA_STORE: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_K: tl.constexpr,
-                BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """Work item ``work`` of the grouped WGRAD: one (expert, output tile, row split)."""
-    num_q = tl.cdiv(Q, BLOCK_Q)
-    tiles = tl.cdiv(P, BLOCK_P) * num_q
-    # Expert slowest: the items of one expert run together and share its rows in L2.
-    expert = work // (SPLIT_ROWS * tiles)
-    rest = work % (SPLIT_ROWS * tiles)
-    split = rest // tiles
-    tile = rest % tiles
-    p0 = (tile // num_q) * BLOCK_P
-    q0 = (tile % num_q) * BLOCK_Q
-    first = tl.load(row_offsets_ptr + expert) + split * BLOCK_K
-    end = tl.load(row_offsets_ptr + expert + 1)
-    p = p0 + tl.arange(0, BLOCK_P)
-    q = q0 + tl.arange(0, BLOCK_Q)
-    mask = (p < P)[:, None] & (q < Q)[None, :]
-    out = out_ptr + expert.to(tl.int64) * (P * Q) + p.to(tl.int64)[:, None] * Q + q[None, :]
-    if first >= end:
-        # no rows for this item: accumulating, grad_w stays as it is; overwriting (one item
-        # per tile), the expert's gradient is zero
-        if OVERWRITE:
-            tl.store(out, tl.zeros([BLOCK_P, BLOCK_Q], dtype=out_ptr.dtype.element_ty),
-                     mask=mask)
-    else:
-        acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
-        step = SPLIT_ROWS * BLOCK_K
-        # Whole steps (all BLOCK_K rows before `end`): unmasked. Only the last step of an
-        # item can be partial (a partial step ends past `end`, so every later one starts
-        # past it). end - first >= 1 and step >= BLOCK_K keep the numerator positive.
-        num_full = (end - first - BLOCK_K + step) // step
-        if INTERPRETED:
-            i = 0
-            while i < num_full:
-                acc = _wgrad_tile_step(a_desc, b_desc, first + i * step, p0, q0, acc)
-                i += 1
-        else:
-            for i in range(0, num_full):
-                acc = _wgrad_tile_step(a_desc, b_desc, first + i * step, p0, q0, acc)
-        tail = first + num_full * step
-        if tail < end:
-            acc = _wgrad_tail_step(a_desc, b_desc, tail, end, p0, q0, acc, BLOCK_K)
-
-        if OVERWRITE and TMA_STORE:
-            # One asynchronous TMA store of the whole tile (bounds per dimension: a tile past
-            # P or Q is clipped there, never spills into the next expert).
-            o_desc.store([expert, p0, q0],
-                         tl.reshape(acc.to(out_ptr.dtype.element_ty), [1, BLOCK_P, BLOCK_Q]))
-        elif OVERWRITE:
-            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        elif SPLIT_ROWS == 1:
-            tl.store(out, tl.load(out, mask=mask, other=0.0) + acc, mask=mask)
-        else:
-            tl.atomic_add(out, acc, mask=mask, sem="relaxed")
+        tl.atomic_add(out, acc, mask=mask, sem="relaxed")
 
 
 # --------------------------------------------------------------------------------------------
@@ -661,10 +631,6 @@ class WgradConfig:
         num_stages: software-pipeline depth of the row loop (>= 1).
         host_descriptors: TMA descriptors of both operands encoded on the host at launch
             (True) or built on the device in every program (False).
-        programs_per_sm: 0 = one program per work item (expert, output tile, row split);
-            ``k > 0``: ``k`` programs per SM (at most one per item), each taking the items
-            ``pid + i * grid`` in turn, so device-built descriptors (``x_offset``, or
-            ``host_descriptors=False``) are built once per program, not once per item.
     """
 
     block_m: int = 128
@@ -675,7 +641,6 @@ class WgradConfig:
     num_warps: int = 8
     num_stages: int = 4
     host_descriptors: bool = True
-    programs_per_sm: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_k", "block_out_m", "block_out_n"):
@@ -699,9 +664,6 @@ class WgradConfig:
             raise TypeError(
                 f"host_descriptors must be a bool, got {type(self.host_descriptors).__name__}"
             )
-        value = self.programs_per_sm
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 8:
-            raise ValueError(f"programs_per_sm ({value!r}) must be an int in [0, 8]")
 
     def smem_bytes(self) -> int:
         """Shared memory of the row-loop pipeline (bf16 A and B tiles of every stage)."""
@@ -891,11 +853,7 @@ def launch_grouped_wgrad(
             out.zero_()
         return  # R_act >= row_offsets[E]: no live rows
     tiles = triton.cdiv(width_p, config.block_out_m) * triton.cdiv(width_q, config.block_out_n)
-    num_work = num_experts * config.split_rows * tiles
-    if config.programs_per_sm:
-        grid = (min(num_work, config.programs_per_sm * num_sms(device)),)
-    else:
-        grid = (num_work,)
+    grid = (num_experts * config.split_rows * tiles,)
     # Overwriting: the epilogue is one TMA store when out meets TMA's alignment (16-byte base
     # and row pitch); accumulating reads the old values, so it keeps pointer stores.
     tma_store = (not accumulate and out.is_contiguous() and out.data_ptr() % 16 == 0
@@ -933,7 +891,6 @@ def launch_grouped_wgrad(
             out,
             out_desc,
             num_act_rows,
-            grid[0],
             P=width_p,
             Q=width_q,
             NUM_EXPERTS=num_experts,
@@ -943,7 +900,6 @@ def launch_grouped_wgrad(
             INTERPRETED=interpreter_active(),
             HOST_DESC=config.host_descriptors,
             B_OFFSET=b_offset is not None,
-            PERSISTENT=config.programs_per_sm > 0,
             BLOCK_K=config.block_k,
             BLOCK_P=config.block_out_m,
             BLOCK_Q=config.block_out_n,
