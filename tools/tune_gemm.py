@@ -62,6 +62,9 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="+", default=["issue-a", "fine"], choices=sorted(SHAPES))
     ap.add_argument("--csv", default=None)
     ap.add_argument("--backward", action="store_true", help="also the DGRAD kernels")
+    ap.add_argument("--kernels", nargs="+", default=None,
+                    choices=["w13", "w2", "w2_dgrad", "w13_dgrad"],
+                    help="time only these kernels (default: all that the options select)")
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
     out_rows = []
@@ -138,10 +141,12 @@ def main() -> int:
             flops["w13_dgrad"] = flops["w13"]
             # Each candidate on both grids: one program per tile and persistent (heuristic
             # first: the results mark index 0 as the heuristic).
-            cands["w2_dgrad"] = _both_grids([W2DgradConfig.from_heuristic(hidden=D, ffn=F,
-                                                                   rows_per_expert=hint)] + [
+            w2d = [W2DgradConfig.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)] + [
                 W2DgradConfig(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st)
-                for bn, st in itertools.product([128, 256], [3, 4])])
+                for bn, st in itertools.product([128, 256], [3, 4])]
+            # each also with the h1 g/u prefetch before the K loop
+            cands["w2_dgrad"] = _both_grids(
+                [c for cfg in w2d for c in (cfg, replace(cfg, prefetch_h1=True))])
             cands["w13_dgrad"] = _both_grids([W13DgradConfig.from_heuristic(hidden=D, ffn=F,
                                                                      rows_per_expert=hint)] + [
                 W13DgradConfig(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st)
@@ -157,6 +162,8 @@ def main() -> int:
 
             kernels += [("w2_dgrad", run2d), ("w13_dgrad", run13d)]
         for kernel, fn in kernels:
+            if args.kernels and kernel not in args.kernels:
+                continue
             results = []
             seen = []
             for i, cfg in enumerate(cands[kernel]):
@@ -182,7 +189,8 @@ def main() -> int:
                 print(f"  {ms:8.3f} ms {flops[kernel] / ms / 1e9:6.0f} TFLOP/s "
                       f"{ref[kernel] / ms:5.2f}x grouped_mm {'HEURISTIC ' if heur else ''}"
                       f"n{cfg.block_n} k{cfg.block_k} s{cfg.num_stages} g{cfg.group_m} "
-                      f"{'persistent' if cfg.persistent else 'tiles'}")
+                      f"{'persistent' if cfg.persistent else 'tiles'}"
+                      f"{' prefetch_h1' if getattr(cfg, 'prefetch_h1', False) else ''}")
     if args.csv and out_rows:
         write_csv(args.csv, out_rows, list(out_rows[0]))
     return 0
