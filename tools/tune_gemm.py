@@ -141,12 +141,10 @@ def main() -> int:
             flops["w13_dgrad"] = flops["w13"]
             # Each candidate on both grids: one program per tile and persistent (heuristic
             # first: the results mark index 0 as the heuristic).
-            w2d = [W2DgradConfig.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)] + [
+            cands["w2_dgrad"] = _both_grids([W2DgradConfig.from_heuristic(hidden=D, ffn=F,
+                                                                   rows_per_expert=hint)] + [
                 W2DgradConfig(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st)
-                for bn, st in itertools.product([128, 256], [3, 4])]
-            # each also with the h1 g/u prefetch before the K loop
-            cands["w2_dgrad"] = _both_grids(
-                [c for cfg in w2d for c in (cfg, replace(cfg, prefetch_h1=True))])
+                for bn, st in itertools.product([128, 256], [3, 4])])
             cands["w13_dgrad"] = _both_grids([W13DgradConfig.from_heuristic(hidden=D, ffn=F,
                                                                      rows_per_expert=hint)] + [
                 W13DgradConfig(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st)
@@ -189,8 +187,7 @@ def main() -> int:
                 print(f"  {ms:8.3f} ms {flops[kernel] / ms / 1e9:6.0f} TFLOP/s "
                       f"{ref[kernel] / ms:5.2f}x grouped_mm {'HEURISTIC ' if heur else ''}"
                       f"n{cfg.block_n} k{cfg.block_k} s{cfg.num_stages} g{cfg.group_m} "
-                      f"{'persistent' if cfg.persistent else 'tiles'}"
-                      f"{' prefetch_h1' if getattr(cfg, 'prefetch_h1', False) else ''}")
+                      f"{'persistent' if cfg.persistent else 'tiles'}")
     if args.csv and out_rows:
         write_csv(args.csv, out_rows, list(out_rows[0]))
     return 0

@@ -395,10 +395,7 @@ def _w2_problem(hidden, ffn, block_m, *, one_expert=False):
         "one_expert",  # every route to one expert
         "grad_h1_only",  # neither h2_out nor grad_h3_out
         "narrow_tiles",  # block_n 16: the epilogue without column halves
-        "narrow_prefetch",  # block_n 16 with the g/u pair loaded before the K loop
-        "in_place_prefetch",  # in place, the first half's g/u loaded before the K loop
         "wide",  # block_n 256: the epilogue in four column parts (F = 200: the last masked)
-        "wide_prefetch",  # the same, the first part's g/u loaded before the K loop
         "device_descriptors",  # TMA descriptors built in the kernel, not on the host
     ],
 )
@@ -410,11 +407,10 @@ def test_w2_dgrad_swiglu_bwd(mode):
     )
     num_act = layout.num_act
     h1_saved = h1.clone()
-    in_place = mode.startswith("in_place")
-    grad_h1 = h1 if in_place else poisoned(num_act, 2 * ffn)
+    grad_h1 = h1 if mode == "in_place" else poisoned(num_act, 2 * ffn)
     h2 = None if mode == "grad_h1_only" else poisoned(num_act, ffn)
     grad_h3 = None if mode in ("gather_in_loop", "grad_h1_only") else poisoned(num_act, hidden)
-    block_n = {"narrow": 16, "wide": 256}.get(mode.split("_")[0], 32)
+    block_n = {"narrow_tiles": 16, "wide": 256}.get(mode, 32)
     config = W2DgradConfig(
         block_m=block_m,
         block_n=block_n,
@@ -422,7 +418,6 @@ def test_w2_dgrad_swiglu_bwd(mode):
         num_warps=4,
         group_m=2,
         host_descriptors=mode != "device_descriptors",
-        prefetch_h1=mode.endswith("prefetch"),
     )
 
     w2_dgrad_swiglu_bwd(
@@ -446,7 +441,7 @@ def test_w2_dgrad_swiglu_bwd(mode):
     assert num_spare > 0
     # grad_h1 and h2: an fp32 GEMM plus fp32 SwiGLU terms, rounded to bf16 once.
     assert_bf16_close(grad_h1[live], ref_grad_h1[live])
-    if in_place:
+    if mode == "in_place":
         assert same_bits(grad_h1[spare], h1_saved[spare])
     else:
         assert same_bits(grad_h1[spare], poisoned(num_spare, 2 * ffn))
@@ -474,13 +469,10 @@ def _run_w2_dgrad(layout, ptrs, w2, h1_arg, grad_h1_out, config, *, gather_once,
     return grad_h1_out, h2, grad_h3
 
 
-@pytest.mark.parametrize("prefetch_h1", [False, True], ids=["load_after", "prefetch"])
 @pytest.mark.parametrize("gather_once", [True, False])
-def test_w2_dgrad_h1_offset(gather_once, prefetch_h1):
+def test_w2_dgrad_h1_offset(gather_once):
     """h1 at a device-side offset into a 1-D base, out of place and in place (grad_h1_out
-    over the very h1 rows): bit-exact equal to the plain 2-D path (same kernel arithmetic).
-    With ``prefetch_h1`` the first column half's g/u pair is loaded before the K loop: the
-    same bits as loading it after (plain, no prefetch)."""
+    over the very h1 rows): bit-exact equal to the plain 2-D path (same kernel arithmetic)."""
     hidden, ffn, block_m = 48, 40, 16
     # combine must outlive the launches: ptrs point into it.
     layout, combine, w2, h1, ptrs, _ = _w2_problem(hidden, ffn, block_m)
@@ -489,9 +481,8 @@ def test_w2_dgrad_h1_offset(gather_once, prefetch_h1):
     outs = {}
 
     def run(name, h1_arg, grad_h1_out, h1_offset=None):
-        cfg = config if name == "plain" else replace(config, prefetch_h1=prefetch_h1)
         grad_h1_out, h2, grad_h3 = _run_w2_dgrad(
-            layout, ptrs, w2, h1_arg, grad_h1_out, cfg, gather_once=gather_once,
+            layout, ptrs, w2, h1_arg, grad_h1_out, config, gather_once=gather_once,
             h1_offset=h1_offset)
         outs[name] = (grad_h1_out.clone(), h2, grad_h3)
 

@@ -175,49 +175,40 @@ def _gather_rows_kernel(
 
 
 @triton.jit
-def _h1_pair(h1_ptr, act_rows, is_row, n0, FFN: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The bf16 ``g``/``u`` tile pair of columns ``[n0, n0 + BLOCK_N)`` of F at activation rows
-    ``act_rows`` (int64); rows that are not ``is_row`` (null, padding) load zeros."""
-    col = n0 + tl.arange(0, BLOCK_N)
-    # Activation rows are 16-byte aligned (F multiple of 8, offset multiple of 8 elements):
-    # the hint keeps 16-byte vector accesses although the row offsets are device values.
-    h1_rows = tl.multiple_of(h1_ptr + act_rows * (2 * FFN), 16)
-    g_ptrs = h1_rows[:, None] + col[None, :]
-    load_mask = is_row[:, None] & (col < FFN)[None, :]
-    g = tl.load(g_ptrs, mask=load_mask, other=0.0)
-    u = tl.load(g_ptrs + FFN, mask=load_mask, other=0.0)
-    return g, u
-
-
-@triton.jit
-def _swiglu_bwd_store(
+def _swiglu_bwd_epilogue(
     grad_h2,
-    g,
-    u,
+    h1_ptr,
     grad_h1_ptr,
     h2_ptr,
     act_rows,
     is_live,
+    is_row,
     n0,
     FFN: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STORE_H2: tl.constexpr,
 ):
-    """SwiGLU backward of columns ``[n0, n0 + BLOCK_N)`` of F from the tile's ``g``/``u``
-    pair (:func:`_h1_pair`): writes ``grad_g``/``grad_u`` (and ``h2``) of the live rows at
-    their activation rows ``act_rows`` (int64). Null rows hold zeros and (their ``grad_h2``
-    being zero) store zeros; padding rows store nothing.
+    """SwiGLU backward of columns ``[n0, n0 + BLOCK_N)`` of F for the tile's rows: reads the
+    ``g``/``u`` tile pair of the non-null live rows, writes ``grad_g``/``grad_u`` (and ``h2``)
+    of the live rows at their activation rows ``act_rows`` (int64). Null rows load zeros and
+    (their ``grad_h2`` being zero) store zeros; padding rows load and store nothing.
 
     In place (``grad_h1_ptr`` over the h1 rows): every stored element is a function of the
     ``g`` and ``u`` loaded at the same row and column, so its load precedes its store."""
     col = n0 + tl.arange(0, BLOCK_N)
-    g = g.to(tl.float32)
-    u = u.to(tl.float32)
+    col_ok = col < FFN
+    # Activation rows are 16-byte aligned (F multiple of 8, offset multiple of 8 elements):
+    # the hint keeps 16-byte vector accesses although the row offsets are device values.
+    h1_rows = tl.multiple_of(h1_ptr + act_rows * (2 * FFN), 16)
+    g_ptrs = h1_rows[:, None] + col[None, :]
+    load_mask = is_row[:, None] & col_ok[None, :]
+    g = tl.load(g_ptrs, mask=load_mask, other=0.0).to(tl.float32)
+    u = tl.load(g_ptrs + FFN, mask=load_mask, other=0.0).to(tl.float32)
     s = tl.sigmoid(g)
     silu = g * s
     grad_g = grad_h2 * u * (s * (1.0 + g * (1.0 - s)))
     grad_u = grad_h2 * silu
-    store_mask = is_live[:, None] & (col < FFN)[None, :]
+    store_mask = is_live[:, None] & col_ok[None, :]
     grad_rows = tl.multiple_of(grad_h1_ptr + act_rows * (2 * FFN), 16)
     grad_ptrs = grad_rows[:, None] + col[None, :]
     tl.store(grad_ptrs, grad_g.to(tl.bfloat16), mask=store_mask)
@@ -284,15 +275,12 @@ def _w2_dgrad_tile(
     STORE_H2: tl.constexpr,
     DESC_READY: tl.constexpr,
     H1_OFFSET: tl.constexpr,
-    PREFETCH_H1: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """One ``BLOCK_M x BLOCK_N`` tile of grad_h2 and its SwiGLU backward, for a row tile below
     ``padded_offsets[E]``. A tile of padding rows only loads and stores nothing.
-    ``PREFETCH_H1``: the first column half's ``g``/``u`` pair is loaded before the K loop, so
-    its latency hides behind the MMAs (registers held through the loop).
 
     ``grad_h3_rows`` / ``w2``: TMA descriptors (``DESC_READY``: host-encoded, or built once per
     persistent program), else the tensors, whose descriptors are built here once the tile is
@@ -320,13 +308,6 @@ def _w2_dgrad_tile(
                 grad_h3_rows, w2, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, GATHER_IN_LOOP,
                 BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
-        if H1_OFFSET:
-            h1_ptr = h1_ptr + tl.load(h1_offset_ptr)
-        # The epilogue works on column parts of PART columns (register pressure, below).
-        PART: tl.constexpr = (BLOCK_N // 4 if BLOCK_N >= 256
-                              else (BLOCK_N // 2 if BLOCK_N >= 32 else BLOCK_N))
-        if PREFETCH_H1:
-            g0, u0 = _h1_pair(h1_ptr, act_rows, is_row, n0, FFN, PART)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if GATHER_IN_LOOP:
             src = tl.multiple_of(addr.to(tl.pointer_type(tl.bfloat16)), 16)  # 16-byte aligned
@@ -348,48 +329,42 @@ def _w2_dgrad_tile(
                 b = w_desc.load([expert, k0, n0]).reshape(BLOCK_K, BLOCK_N)
                 acc = tl.dot(a, b, acc)
 
+        if H1_OFFSET:
+            h1_ptr = h1_ptr + tl.load(h1_offset_ptr)
+
         # SwiGLU backward in column parts: the whole 128 x 128 tile with its g/u pair and
         # their 64-bit addresses needs more than 255 registers per thread (spills); halves
         # need about 180 on SM90 (ptxas). A 128 x 256 tile in halves spilled about 540 bytes
-        # per thread; it works in quarters.
-        if not PREFETCH_H1:
-            g0, u0 = _h1_pair(h1_ptr, act_rows, is_row, n0, FFN, PART)
+        # per thread; in quarters 36 (run 12: 2.23 -> 2.15 ms at issue-a).
+        PART: tl.constexpr = (BLOCK_N // 4 if BLOCK_N >= 256
+                              else (BLOCK_N // 2 if BLOCK_N >= 32 else BLOCK_N))
         if BLOCK_N >= 256:
             lo, hi = _column_halves(acc, BLOCK_M, BLOCK_N)
             q0, q1 = _column_halves(lo, BLOCK_M, BLOCK_N // 2)
-            _swiglu_bwd_store(q0, g0, u0, grad_h1_ptr, h2_ptr, act_rows, is_live, n0, FFN,
-                              PART, STORE_H2)
-            _swiglu_bwd_part(q1, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row,
-                             n0 + PART, FFN, PART, STORE_H2)
+            _swiglu_bwd_epilogue(q0, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row, n0,
+                                 FFN, PART, STORE_H2)
+            _swiglu_bwd_epilogue(q1, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row,
+                                 n0 + PART, FFN, PART, STORE_H2)
             q2, q3 = _column_halves(hi, BLOCK_M, BLOCK_N // 2)
-            _swiglu_bwd_part(q2, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row,
-                             n0 + 2 * PART, FFN, PART, STORE_H2)
-            _swiglu_bwd_part(q3, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row,
-                             n0 + 3 * PART, FFN, PART, STORE_H2)
+            _swiglu_bwd_epilogue(q2, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row,
+                                 n0 + 2 * PART, FFN, PART, STORE_H2)
+            _swiglu_bwd_epilogue(q3, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row,
+                                 n0 + 3 * PART, FFN, PART, STORE_H2)
         elif BLOCK_N >= 32:
             lo, hi = _column_halves(acc, BLOCK_M, BLOCK_N)
-            _swiglu_bwd_store(lo, g0, u0, grad_h1_ptr, h2_ptr, act_rows, is_live, n0, FFN,
-                              PART, STORE_H2)
-            _swiglu_bwd_part(hi, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row,
-                             n0 + PART, FFN, PART, STORE_H2)
+            _swiglu_bwd_epilogue(lo, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row, n0,
+                                 FFN, PART, STORE_H2)
+            _swiglu_bwd_epilogue(hi, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row,
+                                 n0 + PART, FFN, PART, STORE_H2)
         else:
-            _swiglu_bwd_store(acc, g0, u0, grad_h1_ptr, h2_ptr, act_rows, is_live, n0, FFN,
-                              BLOCK_N, STORE_H2)
+            _swiglu_bwd_epilogue(acc, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row, n0,
+                                 FFN, BLOCK_N, STORE_H2)
 
 
 @triton.jit
 def _column_halves(x, ROWS: tl.constexpr, COLS: tl.constexpr):
     """``x[:, :COLS/2]`` and ``x[:, COLS/2:]`` of a ``[ROWS, COLS]`` tile."""
     return tl.split(tl.permute(tl.reshape(x, [ROWS, 2, COLS // 2]), (0, 2, 1)))
-
-
-@triton.jit
-def _swiglu_bwd_part(grad_h2, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row, n0,
-                     FFN: tl.constexpr, BLOCK_N: tl.constexpr, STORE_H2: tl.constexpr):
-    """Load the g/u pair of columns ``[n0, n0 + BLOCK_N)`` and run its SwiGLU backward."""
-    g, u = _h1_pair(h1_ptr, act_rows, is_row, n0, FFN, BLOCK_N)
-    _swiglu_bwd_store(grad_h2, g, u, grad_h1_ptr, h2_ptr, act_rows, is_live, n0, FFN, BLOCK_N,
-                      STORE_H2)
 
 
 @triton.jit
@@ -414,7 +389,6 @@ def _w2_dgrad_swiglu_kernel(
     HOST_DESC: tl.constexpr,
     H1_OFFSET: tl.constexpr,
     PERSISTENT: tl.constexpr,
-    PREFETCH_H1: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -448,7 +422,7 @@ def _w2_dgrad_swiglu_kernel(
                     grad_h3_ptrs_ptr, a_desc, padded_offsets_ptr, row_offsets_ptr, w_desc,
                     h1_rows_ptr, h1_offset_ptr, grad_h1_ptr, h2_ptr, num_act_rows, pid_m, pid_n,
                     HIDDEN, FFN, NUM_EXPERTS, EXPERTS_POW2, GATHER_IN_LOOP, STORE_H2, True,
-                    False, PREFETCH_H1, BLOCK_M, BLOCK_N, BLOCK_K,
+                    False, BLOCK_M, BLOCK_N, BLOCK_K,
                 )  # fmt: skip
                 tile_id += tl.num_programs(0)
     else:
@@ -459,7 +433,7 @@ def _w2_dgrad_swiglu_kernel(
                 grad_h3_ptrs_ptr, grad_h3_rows, padded_offsets_ptr, row_offsets_ptr, w2, h1_ptr,
                 h1_offset_ptr, grad_h1_ptr, h2_ptr, num_act_rows, pid_m, pid_n, HIDDEN, FFN,
                 NUM_EXPERTS, EXPERTS_POW2, GATHER_IN_LOOP, STORE_H2, HOST_DESC, H1_OFFSET,
-                PREFETCH_H1, BLOCK_M, BLOCK_N, BLOCK_K,
+                BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
 
 
@@ -613,17 +587,11 @@ class W2DgradConfig(GemmConfig):
     program per SM walking the live tiles (else one program per tile of the ``R_cap`` bound;
     the default until measured on an H200); the gather-once row copy keeps its own grid.
     ``host_descriptors`` covers the w2 and gathered grad_h3 TMA descriptors.
-    ``prefetch_h1``: load the h1 ``g``/``u`` pair of the tile's first column half before
-    the K loop (held in registers through it), so the epilogue does not wait for it.
     """
-
-    prefetch_h1: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_backward_gemm_config(self)
-        if not isinstance(self.prefetch_h1, bool):
-            raise TypeError(f"prefetch_h1 must be a bool, got {type(self.prefetch_h1).__name__}")
 
     @classmethod
     def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128,
@@ -637,7 +605,8 @@ class W2DgradConfig(GemmConfig):
         key, never a routed count), ``block_m`` 128 and F >= 256: 128 x 256 tiles, 4 stages.
         Measured on one H200 (2026-11-29, ``tools/tune_gemm.py --backward``): at T=8192
         D=4096 F=2048 E=32 K=8 2.23 ms against 2.44 for 128 x 128; at T=4096 D=2048 F=768
-        E=128 K=8 0.405 against 0.410 ms.
+        E=128 K=8 0.405 against 0.410 ms. With the epilogue in four column parts (run 12, same
+        tool, gather launch included): 2.15 and 0.368 ms.
         """
         if rows_per_expert is not None and block_m == 128 and ffn >= 256 and hidden >= 64:
             return cls(block_m=block_m, block_n=256, block_k=64, num_warps=8, num_stages=4)
@@ -1125,7 +1094,6 @@ def w2_dgrad_swiglu_bwd(
             HOST_DESC=config.host_descriptors,
             H1_OFFSET=h1_offset is not None,
             PERSISTENT=config.persistent,
-            PREFETCH_H1=config.prefetch_h1,
             BLOCK_M=config.block_m,
             BLOCK_N=config.block_n,
             BLOCK_K=config.block_k,
