@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import math
 import tarfile
 
 import pytest
@@ -171,3 +172,17 @@ def test_cpu_smoke_run_distmoe_training(tmp_path):
     assert [(r["provider"], r["mode"], r["status"]) for r in rows] == \
         [("distmoe", "fwdbwd", "ok")], rows
     assert rows[0]["max_rel_err_vs_torch"] < 0.05
+
+
+def test_fill_metrics_against_both_dense_ceilings():
+    row = report.CaseResult(provider="distmoe", status="ok", shape="issue-a", tokens=8192,
+                            hidden=4096, ffn=2048, num_experts=32, top_k=8, ep_size=1,
+                            imbalance=1.0, precision="bf16", mode="fwd", iter_ms=5.5)
+    cli.fill_metrics(row, 800.0, 680.0)
+    useful = 6 * 8192 * 8 * 4096 * 2048 / 5.5e-3 / 1e12
+    assert math.isclose(row.tflops, useful)
+    assert math.isclose(row.pct_dense, 100 * useful / 800.0)
+    assert math.isclose(row.pct_dense_sustained, 100 * useful / 680.0)
+    unmeasured = report.CaseResult(**{**row.__dict__, "pct_dense_sustained": None})
+    cli.fill_metrics(unmeasured, 800.0, None)  # no sustained ceiling: the field stays empty
+    assert unmeasured.pct_dense_sustained is None

@@ -52,6 +52,8 @@ def test_tiny_ceilings_and_micro():
     dev = torch.device("cuda")
     dense = ceilings.dense_bf16(dev, TINY, shapes=((512, 512, 512),))
     assert dense.value and dense.value > 0 and dense.method == "cuda_graph"
+    sustained = ceilings.dense_bf16_sustained(dev, TINY, window_ms=1.0, shape=(512, 512, 512))
+    assert sustained.value and sustained.value > 0 and sustained.method == "cuda_graph"
     copy = ceilings.device_copy(dev, TINY, nbytes=1 << 24)
     assert copy.value and copy.value > 0
     read = ceilings.device_read(dev, TINY, nbytes=1 << 24)

@@ -71,6 +71,7 @@ def test_case_csv_columns_and_types(tmp_path):
         "window_max_ms",
         "tflops",
         "pct_dense",
+        "pct_dense_sustained",
         "hbm_gbps",
         "nvlink_gbps",
         "peak_mem_gib",

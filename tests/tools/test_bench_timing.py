@@ -78,3 +78,22 @@ def test_copy_and_read_ceilings_run_on_cpu():
     for fn in (ceilings.device_copy, ceilings.device_read):
         c = fn(torch.device("cpu"), cfg, nbytes=1 << 16)
         assert c.note == "" and c.value > 0 and c.method == "cpu", (c.name, c.note)
+
+
+def test_sustained_dense_ceiling_runs_on_cpu():
+    """Its code runs here (windows sized from a burst timing, whole multiples of 30
+    iterations); the GPU test checks the value."""
+    import re
+
+    import torch
+
+    from distmoe.tools.bench import ceilings
+
+    cfg = TimingConfig(num_warmup=1, num_windows=2, iters_per_window=30, capture_iters=30)
+    c = ceilings.dense_bf16_sustained(torch.device("cpu"), cfg, window_ms=5.0,
+                                      shape=(32, 32, 32))
+    assert c.note == "" and c.value > 0 and c.method == "cpu", c.note
+    iters = int(re.fullmatch(r"32x32x32 x(\d+)/window", c.detail).group(1))
+    assert iters >= 30 and iters % 30 == 0
+    names = [x.name for x in ceilings.measure_all(torch.device("cpu"), cfg).items]
+    assert "dense_bf16_sustained" in names

@@ -1,6 +1,8 @@
 """Hardware ceilings measured in the same run as the benchmarks (shared/DESIGN.md, Baselines).
 
 - dense bf16 matmul TFLOP/s: ``torch.mm`` into a preallocated output, best of a few shapes;
+- the same at 4096^3 in windows as long as a large layer case's (``dense_bf16_sustained``):
+  the rate at the clock a GPU keeps under sustained load;
 - fp8 rowwise matmul TFLOP/s: ``torch._scaled_mm`` on e4m3 operands with per-row (A) and
   per-column (B) fp32 scales and a bf16 output, with and without fast accumulation, best of;
 - device copy GB/s: ``dst.copy_(src)`` of a 2 GiB buffer, counting bytes read plus bytes
@@ -18,6 +20,7 @@ GPU); the reason is kept in :attr:`Ceiling.note`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -33,6 +36,9 @@ DENSE_SHAPES: tuple[tuple[int, int, int], ...] = (
 FP8_SHAPES: tuple[tuple[int, int, int], ...] = ((8192, 8192, 8192), (16384, 8192, 8192))
 COPY_BYTES = 2 << 30
 PEER_BYTES = 1 << 30
+# Window of the sustained dense ceiling: about one window (30 iterations) of the issue-a
+# forward on an H200.
+SUSTAINED_WINDOW_MS = 160.0
 
 
 @dataclass(kw_only=True)
@@ -40,8 +46,8 @@ class Ceiling:
     """One measured ceiling.
 
     Attributes:
-        name: ``dense_bf16``, ``fp8_rowwise``, ``device_copy``, ``device_read``, ``peer_write``,
-            ``peer_read``.
+        name: ``dense_bf16``, ``dense_bf16_sustained``, ``fp8_rowwise``, ``device_copy``,
+            ``device_read``, ``peer_write``, ``peer_read``.
         value: best measured rate (TFLOP/s for matmuls, GB/s for copies), ``None`` if unmeasured.
         unit: ``"TFLOP/s"`` or ``"GB/s"``.
         detail: the configuration of the best measurement (shape, bytes, accumulation mode).
@@ -105,6 +111,41 @@ def dense_bf16(device: torch.device, config: TimingConfig, shapes=DENSE_SHAPES) 
             del a, b, out
         except Exception as exc:
             c.note = error_text(exc)
+    return c
+
+
+def dense_bf16_sustained(
+    device: torch.device, config: TimingConfig, *, window_ms: float = SUSTAINED_WINDOW_MS,
+    shape: tuple[int, int, int] = (4096, 4096, 4096),
+) -> Ceiling:
+    """``torch.mm`` bf16 TFLOP/s in windows at least ``window_ms`` long (whole multiples of 30
+    iterations, sized from a burst timing), back to back like the layer's windows.
+
+    The layer cases run 30 iterations per window, 5 ms to 0.2 s; the ``dense_bf16`` ceiling
+    runs 30 matmuls of about 0.17 ms (a 5 ms window). An H200 under seconds of full load
+    lowers its SM clock (one H200, 2026-11-29: 1980 MHz after a 5 ms window, 1530 after a
+    187 ms one, ``tools/sustained_check.py``), so this ceiling is the matmul rate at the clock
+    the long layer cases run at."""
+    m, n, k = shape
+    c = Ceiling(name="dense_bf16_sustained", unit="TFLOP/s")
+    try:
+        a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        b = torch.randn(n, k, device=device, dtype=torch.bfloat16).t()
+        out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+
+        def fn(a=a, b=b, out=out):
+            return torch.mm(a, b, out=out)
+
+        burst = benchmark(fn, config=config, device=device)
+        iters = 30 * max(1, math.ceil(window_ms / (30 * burst.stats.iter_ms)))
+        long = replace(config, iters_per_window=iters, capture_iters=iters,
+                       num_warmup=min(config.num_warmup, 2))
+        res = benchmark(fn, config=long, device=device)
+        _record(c, f"{m}x{n}x{k} x{iters}/window", 2 * m * n * k / (res.iter_ms * 1e-3) / 1e12,
+                res)
+        del a, b, out
+    except Exception as exc:
+        c.note = error_text(exc)
     return c
 
 
@@ -214,6 +255,7 @@ def measure_all(device: torch.device, config: TimingConfig, *, peer: bool = True
             Ceiling(name=n, unit=u, note="needs CUDA")
             for n, u in (
                 ("dense_bf16", "TFLOP/s"),
+                ("dense_bf16_sustained", "TFLOP/s"),
                 ("fp8_rowwise", "TFLOP/s"),
                 ("device_copy", "GB/s"),
                 ("device_read", "GB/s"),
@@ -222,8 +264,8 @@ def measure_all(device: torch.device, config: TimingConfig, *, peer: bool = True
             )
         ]
         return Ceilings(items=items)
-    items = [dense_bf16(device, config), fp8_rowwise(device, config), device_copy(device, config),
-             device_read(device, config)]
+    items = [dense_bf16(device, config), dense_bf16_sustained(device, config),
+             fp8_rowwise(device, config), device_copy(device, config), device_read(device, config)]
     if peer:
         items += peer_copies(config)
     torch.cuda.empty_cache()

@@ -260,6 +260,7 @@ class _Context:
     device: torch.device
     bench_group: BenchGroup
     dense_tflops: float | None
+    dense_sustained_tflops: float | None = None
 
 
 def _base_result(
@@ -292,7 +293,8 @@ def case_work(row: report.CaseResult) -> tuple[float, float, float]:
     return flops, hbm, nvlink
 
 
-def fill_metrics(row: report.CaseResult, dense_tflops: float | None) -> float:
+def fill_metrics(row: report.CaseResult, dense_tflops: float | None,
+                 dense_sustained_tflops: float | None = None) -> float:
     """Rates of ``row`` from its iteration time; returns the modeled intensity (FLOP/byte)."""
     flops, hbm, nvlink = case_work(row)
     row.tflops = models.per_second(flops, row.iter_ms) / 1e12
@@ -300,6 +302,8 @@ def fill_metrics(row: report.CaseResult, dense_tflops: float | None) -> float:
     row.nvlink_gbps = models.per_second(nvlink, row.iter_ms) / 1e9
     if dense_tflops:
         row.pct_dense = 100.0 * row.tflops / dense_tflops
+    if dense_sustained_tflops:
+        row.pct_dense_sustained = 100.0 * row.tflops / dense_sustained_tflops
     return flops / hbm
 
 
@@ -357,7 +361,7 @@ def run_case(
         row.note = "; ".join(notes)
         if ctx.device.type == "cuda":
             row.peak_mem_gib = torch.cuda.max_memory_allocated(ctx.device) / 2**30
-        intensity = fill_metrics(row, ctx.dense_tflops)
+        intensity = fill_metrics(row, ctx.dense_tflops, ctx.dense_sustained_tflops)
     except Exception as exc:  # a failing provider is a result, not a harness error
         row.status, row.note = "failed", report.error_text(exc)
     row.case_seconds = time.perf_counter() - start
@@ -623,12 +627,14 @@ def _run(
     if not args.no_ceilings and is_rank0:
         ceilings = ceilings_mod.measure_all(device, plan.timing)
     dense = ceilings.value("dense_bf16")
+    dense_sustained = ceilings.value("dense_bf16_sustained")
     if bench_group.world_size > 1:
-        box = [dense]
+        box = [dense, dense_sustained]
         dist.broadcast_object_list(box, src=0)
-        dense = box[0]
+        dense, dense_sustained = box
 
-    ctx = _Context(plan=plan, device=device, bench_group=bench_group, dense_tflops=dense)
+    ctx = _Context(plan=plan, device=device, bench_group=bench_group, dense_tflops=dense,
+                   dense_sustained_tflops=dense_sustained)
     progress = _progress(plan.num_cases()) if is_rank0 else None
     cases: list[report.CaseResult] = []
     intensity: dict[int, float] = {}

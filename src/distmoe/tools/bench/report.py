@@ -55,6 +55,7 @@ CASE_COLUMNS: dict[str, type] = {
     "window_max_ms": float,
     "tflops": float,
     "pct_dense": float,
+    "pct_dense_sustained": float,
     "hbm_gbps": float,
     "nvlink_gbps": float,
     "peak_mem_gib": float,
@@ -70,7 +71,9 @@ class CaseResult:
     """One benchmark case; fields are :data:`CASE_COLUMNS` plus the window times (JSON only).
 
     ``tflops`` is useful TFLOP/s (models.useful_flops / iter time), ``pct_dense`` its
-    percentage of the dense bf16 matmul measured in the same run, ``hbm_gbps`` and
+    percentage of the dense bf16 matmul measured in the same run (5 ms windows: the burst
+    clock), ``pct_dense_sustained`` of the same matmul in windows as long as a large case's
+    (the clock under sustained load, ``ceilings.dense_bf16_sustained``), ``hbm_gbps`` and
     ``nvlink_gbps`` modeled bytes (models.py) / iter time, ``peak_mem_gib`` the peak of
     ``torch.cuda.max_memory_allocated`` during the case (inputs and weights included).
     """
@@ -95,6 +98,7 @@ class CaseResult:
     window_max_ms: float | None = None
     tflops: float | None = None
     pct_dense: float | None = None
+    pct_dense_sustained: float | None = None
     hbm_gbps: float | None = None
     nvlink_gbps: float | None = None
     peak_mem_gib: float | None = None
@@ -547,7 +551,7 @@ def format_table(cases: Sequence[CaseResult], ceilings: Sequence[Mapping] = ()) 
     """A short fixed-width table of the cases, then the ceilings, for the terminal."""
     header = (
         f"{'provider':<14}{'shape':<18}{'T':>6}{'mode':>7}{'imb':>5}{'ms':>9}{'range':>16}"
-        f"{'TFLOP/s':>9}{'%dense':>7}{'HBM GB/s':>9}{'peak GiB':>9}  status"
+        f"{'TFLOP/s':>9}{'%dense':>7}{'%sust':>6}{'HBM GB/s':>9}{'peak GiB':>9}  status"
     )
     lines = [header, "-" * len(header)]
     for c in cases:
@@ -556,13 +560,13 @@ def format_table(cases: Sequence[CaseResult], ceilings: Sequence[Mapping] = ()) 
         lines.append(
             f"{c.provider:<14}{c.shape:<18}{c.tokens:>6}{c.mode:>7}{c.imbalance:>5g}"
             f"{_fmt(c.iter_ms, '.3f'):>9}{rng:>16}{_fmt(c.tflops, '.1f'):>9}{_fmt(c.pct_dense, '.0f'):>7}"
-            f"{_fmt(c.hbm_gbps, '.0f'):>9}{_fmt(c.peak_mem_gib, '.2f'):>9}  {status}"
+            f"{_fmt(c.pct_dense_sustained, '.0f'):>6}{_fmt(c.hbm_gbps, '.0f'):>9}{_fmt(c.peak_mem_gib, '.2f'):>9}  {status}"
         )
     if ceilings:
         lines.append("")
         for c in ceilings:
             value = _fmt(c.get("value"), ".1f")
             lines.append(
-                f"ceiling {c['name']:<12} {value:>8} {c['unit']:<8} {c.get('detail', '')} {c.get('note', '')}".rstrip()
+                f"ceiling {c['name']:<20} {value:>8} {c['unit']:<8} {c.get('detail', '')} {c.get('note', '')}".rstrip()
             )
     return "\n".join(lines)
