@@ -227,29 +227,36 @@ def _w2_dgrad_descs(
     FFN: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
     GATHER_IN_LOOP: tl.constexpr,
+    READY: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """TMA descriptors built on the device (128 bytes of scratch and a tensormap fence each):
-    ``(rows, w2)`` over the gathered grad_h3 rows ``[R_act, D]`` and w2 ``[E, D, F]``; with
-    ``GATHER_IN_LOOP`` the first is ``grad_h3_rows`` itself (unused: the K loop gathers
+    """``(rows, w2)`` TMA descriptors over the gathered grad_h3 rows ``[R_act, D]`` and w2
+    ``[E, D, F]``: ``READY``, the arguments themselves (host-encoded, or built earlier);
+    otherwise built here on the device (128 bytes of scratch and a tensormap fence each).
+    With ``GATHER_IN_LOOP`` the first is ``grad_h3_rows`` itself (unused: the K loop gathers
     through the row pointers)."""
-    w_desc = tl.make_tensor_descriptor(
-        w2,
-        shape=[NUM_EXPERTS, HIDDEN, FFN],
-        strides=[HIDDEN * FFN, FFN, 1],
-        block_shape=[1, BLOCK_K, BLOCK_N],
-    )
-    if GATHER_IN_LOOP:
+    # (an explicit else: Triton builds code after a constexpr-if return for both values)
+    if READY:
         a_desc = grad_h3_rows
+        w_desc = w2
     else:
-        a_desc = tl.make_tensor_descriptor(
-            grad_h3_rows,
-            shape=[num_act_rows, HIDDEN],
-            strides=[HIDDEN, 1],
-            block_shape=[BLOCK_M, BLOCK_K],
+        w_desc = tl.make_tensor_descriptor(
+            w2,
+            shape=[NUM_EXPERTS, HIDDEN, FFN],
+            strides=[HIDDEN * FFN, FFN, 1],
+            block_shape=[1, BLOCK_K, BLOCK_N],
         )
+        if GATHER_IN_LOOP:
+            a_desc = grad_h3_rows
+        else:
+            a_desc = tl.make_tensor_descriptor(
+                grad_h3_rows,
+                shape=[num_act_rows, HIDDEN],
+                strides=[HIDDEN, 1],
+                block_shape=[BLOCK_M, BLOCK_K],
+            )
     return a_desc, w_desc
 
 
@@ -300,14 +307,10 @@ def _w2_dgrad_tile(
         act_rows = (act0 + idx).to(tl.int64)
         n0 = pid_n * BLOCK_N
 
-        if DESC_READY:
-            a_desc = grad_h3_rows
-            w_desc = w2
-        else:
-            a_desc, w_desc = _w2_dgrad_descs(
-                grad_h3_rows, w2, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, GATHER_IN_LOOP,
-                BLOCK_M, BLOCK_N, BLOCK_K,
-            )  # fmt: skip
+        a_desc, w_desc = _w2_dgrad_descs(
+            grad_h3_rows, w2, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, GATHER_IN_LOOP,
+            DESC_READY, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if GATHER_IN_LOOP:
             src = tl.multiple_of(addr.to(tl.pointer_type(tl.bfloat16)), 16)  # 16-byte aligned
@@ -405,14 +408,10 @@ def _w2_dgrad_swiglu_kernel(
         num_tiles = num_live_m * NUM_PID_N
         tile_id = tl.program_id(0)
         if tile_id < num_tiles:
-            if HOST_DESC:
-                a_desc = grad_h3_rows
-                w_desc = w2
-            else:
-                a_desc, w_desc = _w2_dgrad_descs(
-                    grad_h3_rows, w2, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, GATHER_IN_LOOP,
-                    BLOCK_M, BLOCK_N, BLOCK_K,
-                )  # fmt: skip
+            a_desc, w_desc = _w2_dgrad_descs(
+                grad_h3_rows, w2, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, GATHER_IN_LOOP,
+                HOST_DESC, BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
             h1_rows_ptr = h1_ptr
             if H1_OFFSET:
                 h1_rows_ptr = h1_ptr + tl.load(h1_offset_ptr)
