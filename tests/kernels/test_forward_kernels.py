@@ -485,7 +485,7 @@ META_I32 = torch.zeros(3, dtype=torch.int32, device="meta")
         (lambda a: a.update(padded_offsets=a["padded_offsets"].long()), TypeError, "padded_offsets must have dtype int32"),
         (lambda a: a.update(row_offsets=a["row_offsets"].long()), TypeError, "row_offsets must have dtype int32, got torch.int64"),
         (lambda a: a.update(row_offsets=a["row_offsets"][:2]), ValueError, r"row_offsets must have shape \[3\] \[E_local \+ 1\] \(live rows per expert, exclusive prefix sum\), got \[2\]"),
-        (lambda a: a.update(row_offsets=META_I32), ValueError, r"row_offsets must be on the same device as gather_ptrs \(cpu\), got meta"),
+        (lambda a: a.update(row_offsets=META_I32), ValueError, r"row_offsets must be on the same device as gather_ptrs \((cpu|cuda:\d+)\), got meta"),
         (lambda a: a.update(h2_out=a["h2_out"][:, :16].contiguous()), ValueError, r"h2_out must have shape \[R_act, F=32\]"),
         (lambda a: a.update(h2_out=poisoned(0, 32)), ValueError, r"h2_out must have R_act >= 1 rows .* got shape \[0, 32\]"),
         (lambda a: a.update(h2_out=poisoned(160)), ValueError, r"h2_out must be 2-D \[R_act, F\], got shape \[160\]"),
@@ -698,7 +698,7 @@ def _w2_inputs(r_cap=32, hidden=32, ffn=32, num_experts=2):
         (lambda a: a.update(padded_offsets=a["padded_offsets"][None]), ValueError, r"padded_offsets must have shape \[3\]"),
         (lambda a: a.update(row_offsets=a["row_offsets"].long()), TypeError, "row_offsets must have dtype int32, got torch.int64"),
         (lambda a: a.update(row_offsets=a["row_offsets"][:1]), ValueError, r"row_offsets must have shape \[3\] \[E_local \+ 1\] \(live rows per expert, exclusive prefix sum\), got \[1\]"),
-        (lambda a: a.update(row_offsets=META_I32), ValueError, r"row_offsets must be on the same device as h2 \(cpu\), got meta"),
+        (lambda a: a.update(row_offsets=META_I32), ValueError, r"row_offsets must be on the same device as h2 \((cpu|cuda:\d+)\), got meta"),
         (lambda a: a.update(enable=torch.ones(1, dtype=torch.bool, device=DEVICE)), TypeError, "enable must have dtype int32, got torch.bool"),
         (lambda a: a.update(enable=torch.ones(2, dtype=torch.int32, device=DEVICE)), ValueError, r"enable must have shape \[1\] \(0 = skip\), got \[2\]"),
         (lambda a: a.update(enable=torch.ones(1, dtype=torch.int32, device="meta")), ValueError, "enable must be on the same device as h2"),
@@ -850,7 +850,7 @@ def test_combine_reference():
         (lambda a: a.update(h3_save=poisoned(256)[3:], h3_save_offset=torch.zeros(1, dtype=torch.int64, device=DEVICE)), ValueError, "h3_save must start at a 16-byte aligned address"),
         (lambda a: a.update(h3_save=poisoned(256), h3_save_offset=torch.zeros(1, dtype=torch.int32, device=DEVICE)), TypeError, "h3_save_offset must have dtype int64, got torch.int32"),
         (lambda a: a.update(h3_save=poisoned(256), h3_save_offset=torch.zeros(2, dtype=torch.int64, device=DEVICE)), ValueError, r"h3_save_offset must have shape \[1\] .* got \[2\]"),
-        (lambda a: a.update(h3_save=poisoned(256), h3_save_offset=torch.zeros(1, dtype=torch.int64, device="meta")), ValueError, r"h3_save_offset must be on the same device as combine_rows \(cpu\), got meta"),
+        (lambda a: a.update(h3_save=poisoned(256), h3_save_offset=torch.zeros(1, dtype=torch.int64, device="meta")), ValueError, r"h3_save_offset must be on the same device as combine_rows \((cpu|cuda:\d+)\), got meta"),
     ],
 )  # fmt: skip
 def test_combine_rejects_bad_inputs(change, error, match):
