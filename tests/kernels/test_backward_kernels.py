@@ -401,7 +401,7 @@ def _w2_problem(hidden, ffn, block_m, *, one_expert=False):
 )
 def test_w2_dgrad_swiglu_bwd(mode):
     hidden, block_m = 48, 16  # D and F not multiples of the tiles: masked tails
-    ffn = 200 if mode.startswith("wide") else 40
+    ffn = 200 if mode == "wide" else 40
     layout, combine, w2, h1, ptrs, null_rows = _w2_problem(
         hidden, ffn, block_m, one_expert=mode == "one_expert"
     )

@@ -32,6 +32,7 @@ def test_default_plan():
         30,
     )
     assert plan.num_cases() == len(workloads.DEFAULT_SHAPES) * 2 * 3
+    assert plan.routing == "exact"
 
 
 def test_full_and_explicit_plan():
@@ -172,6 +173,26 @@ def test_cpu_smoke_run_distmoe_training(tmp_path):
     assert [(r["provider"], r["mode"], r["status"]) for r in rows] == \
         [("distmoe", "fwdbwd", "ok")], rows
     assert rows[0]["max_rel_err_vs_torch"] < 0.05
+    assert rows[0]["routing"] == "exact"
+
+
+def test_sampled_routing_run_and_rules(tmp_path, capsys):
+    """--routing sampled reaches the cases (recorded in cases.csv, ``smp`` in the table) and
+    refuses an imbalance factor (the knob needs an exact histogram)."""
+    with pytest.raises(ValueError, match=r"--imbalance \(1 2\) needs --routing exact"):
+        cli.resolve_plan(_parse(["--routing", "sampled", "--imbalance", "1", "2"]))
+    with pytest.raises(SystemExit):  # argparse: not a choice
+        _parse(["--routing", "uniform"])
+    out = tmp_path / "bench"
+    args = _parse(["--shapes", "smoke", "--device", "cpu", "--providers", "torch",
+                   "--mode", "fwd", "--routing", "sampled", "--warmup", "1", "--windows", "2",
+                   "--iters", "1", "--no-plots", "--no-ceilings", "--out", str(out)])
+    assert cli.resolve_plan(args).routing == "sampled"
+    assert cli.run(args) == 0
+    rows = report.read_cases_csv(out / "cases.csv")
+    assert [(r["routing"], r["status"]) for r in rows] == [("sampled", "ok")], rows
+    table = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("torch") and " smp " in line for line in table)
 
 
 def test_fill_metrics_against_both_dense_ceilings():

@@ -149,3 +149,26 @@ def test_capacity_and_crossover():
     assert micro.crossover(rows, [1, 1, 1, 3], [2, 2, 2, 2]) is None
     # faster, slower, then faster again: the crossing after which it stays faster
     assert micro.crossover(rows, [1, 3, 1, 1], [2, 2, 2, 2]) == (8, 16)
+
+
+def test_sampled_routing_is_seeded_valid_and_not_exact():
+    kw = dict(tokens=4096, top_k=8, num_experts=128)
+    r = workloads.make_routing(**kw, seed=5, kind="sampled")
+    _assert_valid_routing(r.expert_ids_TK, list(r.rows_per_expert_E), 128)
+    again = workloads.make_routing(**kw, seed=5, kind="sampled")
+    assert torch.equal(r.expert_ids_TK, again.expert_ids_TK)  # seeded
+    other = workloads.make_routing(**kw, seed=6, kind="sampled")
+    assert not torch.equal(r.expert_ids_TK, other.expert_ids_TK)
+    counts = torch.tensor(r.rows_per_expert_E)
+    # balanced in expectation (256 rows each), not exactly: binomial spread, std about 16
+    assert counts.sum() == 4096 * 8 and counts.min() < 256 < counts.max()
+    assert abs(counts.float().mean() - 256) < 1e-6 and counts.float().std() < 40
+    with pytest.raises(ValueError, match=r"imbalance \(2.0\) needs routing kind 'exact'"):
+        workloads.make_routing(**kw, imbalance=2.0, num_groups=8, kind="sampled")
+    with pytest.raises(ValueError, match=r"routing kind \('uniform'\) must be one of"):
+        workloads.make_routing(**kw, kind="uniform")
+    inputs = workloads.make_layer_inputs(workloads.SHAPES["smoke"], tokens=64, seed=1,
+                                         routing_kind="sampled")
+    assert inputs.routing.rows_per_expert_E == tuple(
+        torch.bincount(inputs.expert_ids_TK.reshape(-1).cpu(),
+                       minlength=workloads.SHAPES["smoke"].num_experts).tolist())

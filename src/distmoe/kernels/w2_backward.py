@@ -337,8 +337,9 @@ def _w2_dgrad_tile(
 
         # SwiGLU backward in column parts: the whole 128 x 128 tile with its g/u pair and
         # their 64-bit addresses needs more than 255 registers per thread (spills); halves
-        # need about 180 on SM90 (ptxas). A 128 x 256 tile in halves spilled about 540 bytes
-        # per thread; in quarters 36 (run 12: 2.23 -> 2.15 ms at issue-a).
+        # need about 180 on SM90 (ptxas). A 128 x 256 tile in halves spilled 560-600 bytes
+        # per thread; in quarters none (tools/ptxas_report.py; run 12: 2.23 -> 2.15 ms at
+        # issue-a).
         PART: tl.constexpr = (BLOCK_N // 4 if BLOCK_N >= 256
                               else (BLOCK_N // 2 if BLOCK_N >= 32 else BLOCK_N))
         if BLOCK_N >= 256:

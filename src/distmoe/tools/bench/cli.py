@@ -41,6 +41,7 @@ from distmoe.tools.bench.timing import TimingConfig, benchmark
 from distmoe.tools.bench.workloads import (
     DEFAULT_SHAPES,
     FULL_SHAPES,
+    ROUTING_KINDS,
     SHAPES,
     LayerInputs,
     MoEShape,
@@ -81,6 +82,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=float,
         metavar="F",
         help="tracked-group load factors (default 1; --full: 1 4 8)",
+    )
+    parser.add_argument(
+        "--routing",
+        choices=ROUTING_KINDS,
+        default="exact",
+        help="exact: every expert gets exactly its share of the routes (the imbalance knob "
+        "applies); sampled: each token draws its experts at random, balanced in expectation "
+        "only, like a real router (no imbalance knob) (default exact)",
     )
     parser.add_argument(
         "--imbalance-groups",
@@ -172,6 +181,7 @@ class BenchPlan:
     timing: TimingConfig
     seed: int = 0
     imbalance_groups: int = 8
+    routing: str = "exact"
 
     def tokens_for(self, shape: MoEShape) -> tuple[int, ...]:
         return self.tokens if self.tokens else (shape.tokens,)
@@ -218,6 +228,12 @@ def resolve_plan(args: argparse.Namespace) -> BenchPlan:
         raise ValueError(f"--imbalance values ({imbalances}) must be >= 1")
     if args.imbalance_groups < 1:
         raise ValueError(f"--imbalance-groups ({args.imbalance_groups}) must be >= 1")
+    routing = getattr(args, "routing", "exact")
+    if routing == "sampled" and any(f != 1.0 for f in imbalances):
+        raise ValueError(
+            f"--imbalance ({' '.join(f'{f:g}' for f in imbalances)}) needs --routing exact: "
+            "sampled routing is balanced in expectation only"
+        )
     if args.tokens and any(t < 1 for t in args.tokens):
         raise ValueError(f"--tokens values ({args.tokens}) must be >= 1")
     shapes = tuple(rank_share(SHAPES[n], args.rank_share_of) for n in names)
@@ -241,6 +257,7 @@ def resolve_plan(args: argparse.Namespace) -> BenchPlan:
         timing=timing,
         seed=args.seed,
         imbalance_groups=args.imbalance_groups,
+        routing=routing,
     )
 
 
@@ -317,6 +334,7 @@ def run_case(
     """Time one provider on one set of inputs, filling ``row``; returns the modeled intensity."""
     start = time.perf_counter()
     row.baseline_path = provider.baseline_path
+    row.routing = ctx.plan.routing
     row.achieved_imbalance = inputs.routing.achieved_imbalance
     row.tracked_rows = inputs.routing.tracked_rows
     intensity = None
@@ -439,6 +457,7 @@ def run_cases(
                             device=ctx.device,
                             seed=plan.seed,
                             weights=weights,
+                            routing_kind=plan.routing,
                         )
                     except ValueError as exc:
                         for p in plan.providers:

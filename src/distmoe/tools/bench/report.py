@@ -45,6 +45,7 @@ CASE_COLUMNS: dict[str, type] = {
     "top_k": int,
     "ep_size": int,
     "imbalance": float,
+    "routing": str,
     "achieved_imbalance": float,
     "tracked_rows": int,
     "precision": str,
@@ -90,6 +91,7 @@ class CaseResult:
     imbalance: float
     precision: str
     mode: str
+    routing: str = "exact"
     achieved_imbalance: float | None = None
     tracked_rows: int | None = None
     timing_method: str = ""
@@ -547,6 +549,11 @@ def _fmt(value, spec: str) -> str:
     return format(value, spec)
 
 
+def _imb_text(c: CaseResult) -> str:
+    """The ``imb`` column: the imbalance factor, or ``smp`` for sampled routing."""
+    return "smp" if c.routing == "sampled" else format(c.imbalance, "g")
+
+
 def format_table(cases: Sequence[CaseResult], ceilings: Sequence[Mapping] = ()) -> str:
     """A short fixed-width table of the cases, then the ceilings, for the terminal."""
     header = (
@@ -558,7 +565,7 @@ def format_table(cases: Sequence[CaseResult], ceilings: Sequence[Mapping] = ()) 
         rng = f"{_fmt(c.window_min_ms, '.3f')}-{_fmt(c.window_max_ms, '.3f')}"
         status = c.status if c.status == "ok" else f"{c.status}: {c.note[:60]}"
         lines.append(
-            f"{c.provider:<14}{c.shape:<18}{c.tokens:>6}{c.mode:>7}{c.imbalance:>5g}"
+            f"{c.provider:<14}{c.shape:<18}{c.tokens:>6}{c.mode:>7}{_imb_text(c):>5}"
             f"{_fmt(c.iter_ms, '.3f'):>9}{rng:>16}{_fmt(c.tflops, '.1f'):>9}{_fmt(c.pct_dense, '.0f'):>7}"
             f"{_fmt(c.pct_dense_sustained, '.0f'):>6}{_fmt(c.hbm_gbps, '.0f'):>9}{_fmt(c.peak_mem_gib, '.2f'):>9}  {status}"
         )

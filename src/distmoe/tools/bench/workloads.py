@@ -17,6 +17,11 @@ Feasibility: a token picks an expert at most once, so no expert can hold more th
 f <= num_groups (group 0 cannot take more than all routes) and the tracked experts' share
 f*T*K/E_group must be <= T. Infeasible requests raise ``ValueError``.
 
+Sampled routing (``--routing sampled``): each token draws K distinct experts uniformly at
+random, so the histogram is balanced in expectation only, as a real router's is; per-expert row
+counts then end in partial kernel steps, which the exact histogram (multiples of T*K/E) can
+hide. It takes no imbalance knob.
+
 Construction of ids without duplicate experts per token: list the experts (in a seeded random
 order) each repeated by its count, a sequence of T*K entries; entry p goes to token p % T, slot
 p // T. An expert's run is at most T long, so it covers distinct tokens. Token order and the
@@ -251,6 +256,19 @@ class Routing:
         return sum(self.rows_per_expert_E[:e_group])
 
 
+ROUTING_KINDS = ("exact", "sampled")
+
+
+def sampled_expert_ids(*, tokens: int, top_k: int, num_experts: int, seed: int = 0) -> torch.Tensor:
+    """Expert ids ``[T, K]`` int64: each token draws ``K`` distinct experts uniformly at random
+    (seeded, CPU). The histogram is sampled, so expert loads vary around T*K/E as with a real
+    router at balance (and most experts' row counts are not multiples of a kernel's step)."""
+    if top_k > num_experts:
+        raise ValueError(f"top_k ({top_k}) must be <= num_experts ({num_experts})")
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(tokens, num_experts, generator=gen).topk(top_k, dim=1).indices
+
+
 def make_routing(
     *,
     tokens: int,
@@ -259,16 +277,30 @@ def make_routing(
     imbalance: float = 1.0,
     num_groups: int = 1,
     seed: int = 0,
+    kind: str = "exact",
 ) -> Routing:
-    """Seeded routing with an exact expert histogram (see the module docstring)."""
-    counts = imbalanced_expert_counts(
-        tokens=tokens,
-        top_k=top_k,
-        num_experts=num_experts,
-        imbalance=imbalance,
-        num_groups=num_groups,
-    )
-    ids = routing_from_counts(counts, tokens=tokens, top_k=top_k, seed=seed)
+    """Seeded routing. ``kind="exact"``: the expert histogram is exact (see the module
+    docstring), with the imbalance knob; ``"sampled"``: :func:`sampled_expert_ids`, balanced
+    in expectation only (``imbalance`` must be 1)."""
+    if kind not in ROUTING_KINDS:
+        raise ValueError(f"routing kind ({kind!r}) must be one of {ROUTING_KINDS}")
+    if kind == "sampled":
+        if imbalance != 1.0:
+            raise ValueError(
+                f"imbalance ({imbalance}) needs routing kind 'exact': sampled routing is "
+                "balanced in expectation only"
+            )
+        ids = sampled_expert_ids(tokens=tokens, top_k=top_k, num_experts=num_experts, seed=seed)
+        counts = torch.bincount(ids.reshape(-1), minlength=num_experts).tolist()
+    else:
+        counts = imbalanced_expert_counts(
+            tokens=tokens,
+            top_k=top_k,
+            num_experts=num_experts,
+            imbalance=imbalance,
+            num_groups=num_groups,
+        )
+        ids = routing_from_counts(counts, tokens=tokens, top_k=top_k, seed=seed)
     e_group = num_experts // num_groups
     achieved = sum(counts[:e_group]) / (tokens * top_k / num_groups)
     return Routing(
@@ -335,8 +367,10 @@ def make_layer_inputs(
     device: torch.device | str = "cpu",
     seed: int = 0,
     weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+    routing_kind: str = "exact",
 ) -> LayerInputs:
-    """Inputs of rank ``rank``: its own tokens and routing, its local expert shard of weights.
+    """Inputs of rank ``rank``: its own tokens and routing (``routing_kind``, see
+    :func:`make_routing`), its local expert shard of weights.
 
     ``weights`` (w13, w2) are reused when given (they do not depend on the routing), otherwise
     generated. In training, ``x``, ``scores`` and the weights require grad.
@@ -353,6 +387,7 @@ def make_layer_inputs(
         imbalance=imbalance,
         num_groups=num_groups,
         seed=rank_seed,
+        kind=routing_kind,
     )
     gen = torch.Generator(device=device).manual_seed(rank_seed + 7)
     x = torch.randn(tokens, shape.hidden, generator=gen, device=device, dtype=torch.bfloat16)
