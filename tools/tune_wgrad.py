@@ -7,7 +7,9 @@ Usage (repository root, one GPU):
 For each named bench shape (EP=1) and routing (``random``: T*K rows spread at random over E
 experts, so most experts end in a partial row step; ``balanced``: T*K/E rows each, as the
 layer benchmark routes), times ``w13_wgrad`` and ``w2_wgrad`` (overwrite mode, bf16 output,
-as autograd runs them) for a set of candidate configs and the current heuristic, with
+W13's x rows in a 1-D base at a device-side offset: as autograd runs them) for a set of
+candidate configs and the current heuristic (``w13_wgrad_2d``: the heuristic with x as a 2-D
+tensor, both descriptors from the host, to show what the device-built one costs), with
 ``triton.testing.do_bench`` (median of repeated runs, L2 not flushed). Before timing, each
 config writes a NaN-poisoned output once and ``err`` is its largest difference from the
 heuristic's output, relative to that output's largest magnitude (same row steps in the same
