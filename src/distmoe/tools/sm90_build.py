@@ -1,0 +1,234 @@
+"""sm_90 builds of the grouped-GEMM kernels without a GPU: compile errors and register spills.
+
+The Triton interpreter runs a kernel's Python on the CPU. It therefore misses what only the
+compiler sees: a ``constexpr`` branch ending in ``return`` is still built for the other
+value, and a descriptor-typed argument can reach a pointer-only op. It also says nothing
+about registers. This module compiles kernels for ``GPUTarget("cuda", 90, 32)`` and runs
+Triton's bundled ``ptxas -v`` on the PTX. Both need ``TRITON_INTERPRET=0`` when Triton is
+imported, so run it as its own process: ``tools/ptxas_report.py``.
+
+:func:`grouped_gemm_cases` lists the five grouped GEMMs of the training path (W13 and W2
+forward, both DGRADs, the grouped WGRAD):
+
+* *production* cases: the config each heuristic picks at a named shape, with the constexpr
+  flags and descriptor kinds the layer launches with. A spill there is a failure.
+* *variant* cases at the ``fine`` shape: the other flag combinations the launchers can
+  select (device-built descriptors, one program per tile, inference outputs, the in-loop
+  gather, split-row atomics). These only have to build.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+
+# Non-constexpr parameters: types by name (pointers default to bf16 tensors).
+_INTS = {"num_rows", "num_act_rows", "r_act", "num_pid_m", "num_progs"}
+_I64 = {"grad_h3_ptrs_ptr", "scatter_ptrs_ptr", "gather_ptrs_ptr", "h1_offset_ptr",
+        "b_offset_ptr", "out_offsets_ptr"}
+_I32 = {"padded_offsets_ptr", "row_offsets_ptr", "enable_ptr"}
+
+
+def _default_type(name: str) -> str:
+    if name in _INTS:
+        return "i32"
+    if name in _I64:
+        return "*i64"
+    if name in _I32:
+        return "*i32"
+    return "*bf16"
+
+
+def _desc(*block: int) -> str:
+    """Signature type of a host-built bf16 TMA descriptor with this block shape."""
+    return f"tensordesc<bf16[{','.join(str(b) for b in block)}]>"
+
+
+@dataclass(frozen=True)
+class BuildCase:
+    """One kernel build: non-constexpr parameter types (``descs`` overrides the name-based
+    defaults), constexpr values, launch options, and whether spills are a failure."""
+
+    label: str
+    kernel: object  # triton JITFunction
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+    descs: dict = field(default_factory=dict)
+    production: bool = False
+
+
+@dataclass
+class BuildReport:
+    """What the build gave: registers per thread, spill-store bytes, shared memory (bytes), or
+    the error that stopped it."""
+
+    case: BuildCase
+    regs: int | None = None
+    spill_bytes: int | None = None
+    smem_bytes: int | None = None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and not (self.case.production and self.spill_bytes)
+
+
+def build(case: BuildCase) -> BuildReport:
+    """Compile ``case`` for sm_90 and read ``ptxas -v``; errors are reported, not raised."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return BuildReport(case, error="TRITON_INTERPRET is set: run in a process without it")
+    kernel = case.kernel
+    sig, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in case.constexprs:
+            sig[name] = "constexpr"
+            continue
+        sig[name] = case.descs.get(name, _default_type(name))
+        if sig[name].startswith("*"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    report = BuildReport(case)
+    try:
+        compiled = triton.compile(
+            ASTSource(kernel, sig, constexprs=case.constexprs, attrs=attrs),
+            target=GPUTarget("cuda", 90, 32),
+            options=dict(num_warps=case.num_warps, num_stages=case.num_stages),
+        )
+    except Exception as exc:  # a build failure is the result
+        report.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        return report
+    report.smem_bytes = compiled.metadata.shared
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(compiled.asm["ptx"])
+        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull],
+                             capture_output=True, text=True)
+    regs = re.findall(r"Used (\d+) registers", out.stderr)
+    spills = re.findall(r"(\d+) bytes spill stores", out.stderr)
+    if out.returncode or not regs or not spills:
+        report.error = f"ptxas (rc {out.returncode}): {out.stderr.strip()[:200]}"
+        return report
+    report.regs, report.spill_bytes = int(regs[0]), int(spills[0])
+    return report
+
+
+def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
+                       variants: bool = True) -> list[BuildCase]:
+    """Production cases at each of ``shapes`` (EP=1 shape keys), then, with ``variants``,
+    the other flag combinations at the ``fine`` shape (module docstring)."""
+    from distmoe.kernels import w2_backward as w2b
+    from distmoe.kernels import w2_scatter as w2f
+    from distmoe.kernels import w13_backward as w13b
+    from distmoe.kernels import w13_gather_swiglu as w13f
+    from distmoe.kernels._common import next_power_of_2
+    from distmoe.tools.bench.workloads import SHAPES
+
+    cases: list[BuildCase] = []
+
+    def add(name, production, shape, *, w13=(), w2=(), w13d=(), w2d=(), wgrad=()):
+        s = SHAPES[shape]
+        D, F, E = s.hidden, s.ffn, s.num_experts
+        hint = s.tokens * s.top_k // E
+        ep2 = next_power_of_2(E)
+        # persistent None: the heuristic's choice
+        for host, persistent, train in w13:
+            c = w13f.W13Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)
+            persistent = c.persistent if persistent is None else persistent
+            cases.append(BuildCase(
+                f"{name} W13 fwd host={host} persistent={persistent} training={train}",
+                w13f._gather_w13_swiglu_kernel,
+                dict(NUM_EXPERTS=E, EXPERTS_POW2=ep2, HIDDEN=D, FFN=F, BLOCK_M=c.block_m,
+                     BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, EVEN_K=True,
+                     EVEN_N=True, PERSISTENT=persistent, HOST_DESC=host, WRITE_H1=train,
+                     WRITE_X=train, DYN_OFFSETS=train, HAS_ENABLE=train),
+                c.num_warps, c.num_stages,
+                descs={"w13": _desc(1, c.block_n, c.block_k)} if host else {},
+                production=production))
+        for host, persistent in w2:
+            c = w2f.W2Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)
+            persistent = c.persistent if persistent is None else persistent
+            descs = ({"h2": _desc(c.block_m, c.block_k), "w2": _desc(1, c.block_n, c.block_k)}
+                     if host else {})
+            cases.append(BuildCase(
+                f"{name} W2 fwd host={host} persistent={persistent}", w2f._w2_scatter_kernel,
+                dict(NUM_EXPERTS=E, EXPERTS_POW2=ep2, HIDDEN=D, FFN=F, BLOCK_M=c.block_m,
+                     BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, EVEN_N=True,
+                     PERSISTENT=persistent, HOST_DESC=host, HAS_ENABLE=True),
+                c.num_warps, c.num_stages, descs=descs, production=production))
+        for host, persistent in w13d:
+            c = w13b.W13DgradConfig.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)
+            persistent = c.persistent if persistent is None else persistent
+            descs = ({"grad_h1": _desc(c.block_m, c.block_k),
+                      "w13": _desc(1, c.block_k, c.block_n)} if host else {})
+            cases.append(BuildCase(
+                f"{name} W13 DGRAD host={host} persistent={persistent}",
+                w13b._w13_dgrad_scatter_kernel,
+                dict(HIDDEN=D, FFN=F, NUM_EXPERTS=E, EXPERTS_POW2=ep2, HOST_DESC=host,
+                     PERSISTENT=persistent, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+                     BLOCK_K=c.block_k, GROUP_M=c.group_m),
+                c.num_warps, c.num_stages, descs=descs, production=production))
+        for host, persistent, gather_in_loop in w2d:
+            c = w2b.W2DgradConfig.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)
+            persistent = c.persistent if persistent is None else persistent
+            descs = {}
+            if host:
+                descs["w2"] = _desc(1, c.block_k, c.block_n)
+                if not gather_in_loop:
+                    descs["grad_h3_rows"] = _desc(c.block_m, c.block_k)
+            cases.append(BuildCase(
+                f"{name} W2 DGRAD host={host} persistent={persistent} "
+                f"gather_in_loop={gather_in_loop}",
+                w2b._w2_dgrad_swiglu_kernel,
+                dict(HIDDEN=D, FFN=F, NUM_EXPERTS=E, EXPERTS_POW2=ep2,
+                     GATHER_IN_LOOP=gather_in_loop, STORE_H2=True, HOST_DESC=host,
+                     H1_OFFSET=True, PERSISTENT=persistent, BLOCK_M=c.block_m,
+                     BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m),
+                c.num_warps, c.num_stages, descs=descs, production=production))
+        for kind, host, split_rows, overwrite in wgrad:
+            P, Q = (2 * F, D) if kind == "W13" else (D, F)
+            c = w2b.WgradConfig.from_heuristic(out_rows=P, out_cols=Q, rows_per_expert=hint)
+            b_offset = kind == "W13"  # the layer passes W13's x at a device offset
+            tma_store = overwrite
+            descs = {}
+            if host:
+                descs["a"] = _desc(c.block_k, c.block_out_m)
+                if not b_offset:
+                    descs["b"] = _desc(c.block_k, c.block_out_n)
+                if tma_store:
+                    descs["out_desc"] = _desc(1, c.block_out_m, c.block_out_n)
+            if not (host and tma_store):
+                descs["out_desc"] = "*i32"  # a placeholder tensor
+            if not overwrite:
+                descs["out_ptr"] = "*fp32"  # accumulating: fp32 .grad
+            cases.append(BuildCase(
+                f"{name} {kind} WGRAD host={host} split_rows={split_rows} "
+                f"overwrite={overwrite}",
+                w2b._grouped_wgrad_kernel,
+                dict(P=P, Q=Q, NUM_EXPERTS=E, SPLIT_ROWS=split_rows, OVERWRITE=overwrite,
+                     TMA_STORE=tma_store, INTERPRETED=False, HOST_DESC=host,
+                     B_OFFSET=b_offset, BLOCK_K=c.block_k, BLOCK_P=c.block_out_m,
+                     BLOCK_Q=c.block_out_n),
+                c.num_warps, c.num_stages, descs=descs, production=production))
+
+    for shape in shapes:
+        # what the training layer launches (host descriptors: the GemmConfig default)
+        add(shape, True, shape, w13=[(True, None, True)], w2=[(True, None)],
+            w13d=[(True, None)], w2d=[(True, None, False)],
+            wgrad=[("W13", True, 1, True), ("W2", True, 1, True)])
+    if variants:
+        add("variant", False, "fine",
+            w13=[(False, True, True), (True, False, False), (False, False, False)],
+            w2=[(False, True), (True, False)],
+            w13d=[(False, False), (True, False)],
+            w2d=[(False, True, False), (True, True, True), (False, False, True)],
+            wgrad=[("W13", False, 1, True), ("W2", True, 3, False), ("W2", False, 1, False)])
+    return cases
