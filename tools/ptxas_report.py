@@ -5,7 +5,8 @@ Usage (repository root, any machine with triton):
     PYTHONPATH=src python3 tools/ptxas_report.py [--shapes issue-a fine] [--no-variants] [--check]
 
 Builds every case of :func:`distmoe.tools.sm90_build.grouped_gemm_cases` (the production
-configs the layer launches at each shape, then the other flag combinations at ``fine``) with
+configs the layer launches at each shape, then the other flag combinations at ``fine``) and
+of :func:`~distmoe.tools.sm90_build.other_kernel_cases` (every other kernel) with
 ``triton.compile`` for sm_90 and Triton's bundled ``ptxas -v``, and prints registers per
 thread, spill-store bytes and shared memory per case. ``--check`` exits 1 if a case fails to
 build or a production case spills (the CPU test suite runs it so). A spill in a K loop costs
@@ -23,17 +24,21 @@ os.environ["TRITON_INTERPRET"] = "0"  # build for the GPU target even on a CPU m
 
 def main() -> int:
     from distmoe.tools.bench.workloads import SHAPES
-    from distmoe.tools.sm90_build import build, grouped_gemm_cases
+    from distmoe.tools.sm90_build import build, grouped_gemm_cases, other_kernel_cases
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=["issue-a", "fine"], choices=sorted(SHAPES))
     ap.add_argument("--no-variants", action="store_true",
-                    help="production cases only (skip the other flag combinations)")
+                    help="production cases only (skip the other flag combinations and the "
+                         "other kernels)")
     ap.add_argument("--check", action="store_true",
                     help="exit 1 on a build failure or a spill in a production case")
     args = ap.parse_args()
     failed = 0
-    for case in grouped_gemm_cases(tuple(args.shapes), variants=not args.no_variants):
+    cases = grouped_gemm_cases(tuple(args.shapes), variants=not args.no_variants)
+    if not args.no_variants:
+        cases += other_kernel_cases()
+    for case in cases:
         r = build(case)
         if r.error:
             line = f"FAILED  {r.error}"

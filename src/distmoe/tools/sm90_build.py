@@ -15,6 +15,10 @@ forward, both DGRADs, the grouped WGRAD):
 * *variant* cases at the ``fine`` shape: the other flag combinations the launchers can
   select (device-built descriptors, one program per tile, inference outputs, the in-loop
   gather, split-row atomics). These only have to build.
+
+:func:`other_kernel_cases` lists the rest of the library's kernels (combine, route gradients,
+row gather, offset copy, token pull, routing tables, device barrier) at the ``fine`` shape
+with every flag value their launchers pass. They only have to build.
 """
 
 from __future__ import annotations
@@ -49,15 +53,16 @@ def _desc(*block: int) -> str:
 
 @dataclass(frozen=True)
 class BuildCase:
-    """One kernel build: non-constexpr parameter types (``descs`` overrides the name-based
-    defaults), constexpr values, launch options, and whether spills are a failure."""
+    """One kernel build: non-constexpr parameter types (``types`` overrides the name-based
+    defaults, e.g. with host-descriptor types), constexpr values, launch options, and whether
+    spills are a failure."""
 
     label: str
     kernel: object  # triton JITFunction
     constexprs: dict
     num_warps: int
     num_stages: int
-    descs: dict = field(default_factory=dict)
+    types: dict = field(default_factory=dict)
     production: bool = False
 
 
@@ -91,7 +96,7 @@ def build(case: BuildCase) -> BuildReport:
         if name in case.constexprs:
             sig[name] = "constexpr"
             continue
-        sig[name] = case.descs.get(name, _default_type(name))
+        sig[name] = case.types.get(name, _default_type(name))
         if sig[name].startswith("*"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     report = BuildReport(case)
@@ -151,7 +156,7 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
                      EVEN_N=True, PERSISTENT=persistent, HOST_DESC=host, WRITE_H1=train,
                      WRITE_X=train, DYN_OFFSETS=train, HAS_ENABLE=train),
                 c.num_warps, c.num_stages,
-                descs={"w13": _desc(1, c.block_n, c.block_k)} if host else {},
+                types={"w13": _desc(1, c.block_n, c.block_k)} if host else {},
                 production=production))
         for host, persistent in w2:
             c = w2f.W2Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)
@@ -163,7 +168,7 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
                 dict(NUM_EXPERTS=E, EXPERTS_POW2=ep2, HIDDEN=D, FFN=F, BLOCK_M=c.block_m,
                      BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, EVEN_N=True,
                      PERSISTENT=persistent, HOST_DESC=host, HAS_ENABLE=True),
-                c.num_warps, c.num_stages, descs=descs, production=production))
+                c.num_warps, c.num_stages, types=descs, production=production))
         for host, persistent in w13d:
             c = w13b.W13DgradConfig.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)
             persistent = c.persistent if persistent is None else persistent
@@ -175,7 +180,7 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
                 dict(HIDDEN=D, FFN=F, NUM_EXPERTS=E, EXPERTS_POW2=ep2, HOST_DESC=host,
                      PERSISTENT=persistent, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
                      BLOCK_K=c.block_k, GROUP_M=c.group_m),
-                c.num_warps, c.num_stages, descs=descs, production=production))
+                c.num_warps, c.num_stages, types=descs, production=production))
         for host, persistent, gather_in_loop in w2d:
             c = w2b.W2DgradConfig.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)
             persistent = c.persistent if persistent is None else persistent
@@ -192,7 +197,7 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
                      GATHER_IN_LOOP=gather_in_loop, STORE_H2=True, HOST_DESC=host,
                      H1_OFFSET=True, PERSISTENT=persistent, BLOCK_M=c.block_m,
                      BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m),
-                c.num_warps, c.num_stages, descs=descs, production=production))
+                c.num_warps, c.num_stages, types=descs, production=production))
         for kind, host, split_rows, overwrite in wgrad:
             P, Q = (2 * F, D) if kind == "W13" else (D, F)
             c = w2b.WgradConfig.from_heuristic(out_rows=P, out_cols=Q, rows_per_expert=hint)
@@ -217,7 +222,7 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
                      TMA_STORE=tma_store, INTERPRETED=False, HOST_DESC=host,
                      B_OFFSET=b_offset, BLOCK_K=c.block_k, BLOCK_P=c.block_out_m,
                      BLOCK_Q=c.block_out_n),
-                c.num_warps, c.num_stages, descs=descs, production=production))
+                c.num_warps, c.num_stages, types=descs, production=production))
 
     for shape in shapes:
         # what the training layer launches (host descriptors: the GemmConfig default)
@@ -231,4 +236,94 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
             w13d=[(False, False), (True, False)],
             w2d=[(False, True, False), (True, True, True), (False, False, True)],
             wgrad=[("W13", False, 1, True), ("W2", True, 3, False), ("W2", False, 1, False)])
+    return cases
+
+
+def other_kernel_cases() -> list[BuildCase]:
+    """Every other kernel of the library, each flag value its launcher passes (``fine``
+    shape: D=2048, E=128, K=8; EP=2 where a kernel takes it). Build only."""
+    from distmoe.kernels import combine as comb
+    from distmoe.kernels import offset_copy as oc
+    from distmoe.kernels import pull_tokens as pull
+    from distmoe.kernels import route_grad as rg
+    from distmoe.kernels import w2_backward as w2b
+    from distmoe.routing import fused
+    from distmoe.runtime import barrier
+
+    D, E, K, EP, T = 2048, 128, 8, 2, 4096
+    cases: list[BuildCase] = []
+    cc = comb.CombineConfig.from_heuristic(hidden=D)
+    for save in (False, True):
+        cases.append(BuildCase(
+            f"combine save={save}", comb._combine_kernel,
+            dict(TOP_K=K, HIDDEN=D, BLOCK_T=cc.block_t, BLOCK_D=cc.block_d, SAVE=save),
+            cc.num_warps, 1,
+            types={"expert_ids_ptr": "*i64", "scores_ptr": "*fp32", "save_offset_ptr": "*i64",
+                   "num_tokens": "i32"}))
+    rc = rg.RouteGradConfig.from_heuristic(hidden=D)
+    for h3_addr, in_place in ((False, False), (True, False), (False, True)):
+        cases.append(BuildCase(
+            f"route_grads h3_addr={h3_addr} in_place={in_place}", rg._route_grads_kernel,
+            dict(TOP_K=K, HIDDEN=D, BLOCK_R=rc.block_rows, BLOCK_D=rc.block_d, H3_ADDR=h3_addr,
+                 IN_PLACE=in_place),
+            rc.num_warps, 1,
+            types={"h3_ptr": "*i64" if h3_addr else "*bf16", "expert_ids_ptr": "*i64",
+                   "scores_ptr": "*fp32", "grad_scores_ptr": "*fp32", "num_routes": "i32"}))
+    cases.append(BuildCase(
+        "reduce_routes", rg._reduce_routes_kernel,
+        dict(TOP_K=K, HIDDEN=D, BLOCK_T=rc.block_rows, BLOCK_D=rc.block_d), rc.num_warps, 1,
+        types={"expert_ids_ptr": "*i64", "num_tokens": "i32"}))
+    cases.append(BuildCase(
+        "gather_rows", w2b._gather_rows_kernel,
+        dict(WIDTH=D, NUM_EXPERTS=E, EXPERTS_POW2=E, BLOCK_ROWS=w2b._GATHER_BLOCK_ROWS,
+             BLOCK_COLS=min(512, D)), 4, 1,
+        types={"row_ptrs_ptr": "*i64"}))
+    for src_off, dst_off in ((True, False), (False, True), (True, True)):
+        cases.append(BuildCase(
+            f"offset_copy src_off={src_off} dst_off={dst_off}", oc._offset_copy_kernel,
+            dict(HAS_SRC_OFF=src_off, HAS_DST_OFF=dst_off, BLOCK=oc._BLOCK), 4, 1,
+            types={"src_off_ptr": "*i64", "dst_off_ptr": "*i64", "numel": "i32"}))
+    for enable in (False, True):
+        cases.append(BuildCase(
+            f"mark_tokens enable={enable}", pull._mark_tokens_kernel,
+            dict(T_MAX=T, EP=EP, ROW_BYTES=2 * D, BLOCK_R=pull._BLOCK_R, HAS_ENABLE=enable),
+            4, 1,
+            types={"src_ptrs_ptr": "*i64", "bases_ptr": "*i64", "out_ptrs_ptr": "*i64",
+                   "flags_ptr": "*i8", "dst_base": "i64", "r_cap": "i32", "rank": "i32"}))
+        cases.append(BuildCase(
+            f"pull_tokens enable={enable}", pull._pull_tokens_kernel,
+            dict(T_MAX=T, EP=EP, ROW_ELEMS=D, BLOCK_T=pull._BLOCK_T, BLOCK_D=pull._BLOCK_D,
+                 HAS_ENABLE=enable),
+            4, 1, types={"bases_ptr": "*i64", "flags_ptr": "*i8"}))
+    EB = max(16, 1 << (E + 2 - 1).bit_length())
+    EPB = max(2, EP)
+    E_LOCAL = E // EP
+    common = {"ids_ptr": "*i64", "dispatch_bases_ptr": "*i64", "combine_bases_ptr": "*i64",
+              "scratch_ptr": "*i32", "rows_per_expert_ptr": "*i32", "executed_ep_ptr": "*i64",
+              "tables_ptr": "*i64", "route_of_row_ptr": "*i64", "counters_ptr": "*i64",
+              "executed_tk_ptr": "*i1", "N": "i32", "T": "i32", "RANK": "i32",
+              "RECEIVE_BOUND": "i32", "CAP": "i32", "ROW_BYTES": "i32"}
+    for training in (False, True):
+        cases.append(BuildCase(
+            f"routing_tables (one program) training={training}", fused._routing_tables_kernel,
+            dict(K=K, E=E, E_LOCAL=E_LOCAL, EP=EP, ROW_BLOCK=128, NP=1024, EB=EB, EPB=EPB,
+                 TRAINING=training), 4, 1, types=common))
+        cases.append(BuildCase(
+            f"blocked_routes training={training}", fused._blocked_routes_kernel,
+            dict(K=K, E=E, E_LOCAL=E_LOCAL, BLOCK=fused.BLOCKED_ROUTES_PER_PROGRAM, EB=EB,
+                 TRAINING=training), 4, 1,
+            types={**common, "hist_ptr": "*i32", "incl_ptr": "*i32", "rank_ptr": "*i32"}))
+    cases.append(BuildCase(
+        "block_ranks", fused._block_ranks_kernel,
+        dict(E=E, BLOCK=fused.BLOCKED_ROUTES_PER_PROGRAM, EB=EB), 4, 1,
+        types={"ids_ptr": "*i64", "hist_ptr": "*i32", "scratch_ptr": "*i32",
+               "rank_ptr": "*i32", "N": "i32"}))
+    cases.append(BuildCase(
+        "blocked_layout", fused._blocked_layout_kernel,
+        dict(E=E, E_LOCAL=E_LOCAL, EP=EP, ROW_BLOCK=128, EB=EB, EPB=EPB), 4, 1,
+        types={"counts_ptr": "*i32", "scratch_ptr": "*i32", "rows_per_expert_ptr": "*i32",
+               "executed_ep_ptr": "*i64", "RANK": "i32", "RECEIVE_BOUND": "i32"}))
+    cases.append(BuildCase(
+        "device_barrier", barrier._device_barrier_kernel, dict(WORLD=EP), 1, 1,
+        types={"signal_bases_ptr": "*i64", "epoch_ptr": "*i64", "rank": "i32"}))
     return cases
