@@ -228,8 +228,7 @@ def resolve_plan(args: argparse.Namespace) -> BenchPlan:
         raise ValueError(f"--imbalance values ({imbalances}) must be >= 1")
     if args.imbalance_groups < 1:
         raise ValueError(f"--imbalance-groups ({args.imbalance_groups}) must be >= 1")
-    routing = getattr(args, "routing", "exact")
-    if routing == "sampled" and any(f != 1.0 for f in imbalances):
+    if args.routing == "sampled" and any(f != 1.0 for f in imbalances):
         raise ValueError(
             f"--imbalance ({' '.join(f'{f:g}' for f in imbalances)}) needs --routing exact: "
             "sampled routing is balanced in expectation only"
@@ -257,7 +256,7 @@ def resolve_plan(args: argparse.Namespace) -> BenchPlan:
         timing=timing,
         seed=args.seed,
         imbalance_groups=args.imbalance_groups,
-        routing=routing,
+        routing=args.routing,
     )
 
 

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from distmoe.reference import random_routing
+
 # ----------------------------------------------------------------------------- named shapes
 
 
@@ -266,7 +268,7 @@ def sampled_expert_ids(*, tokens: int, top_k: int, num_experts: int, seed: int =
     if top_k > num_experts:
         raise ValueError(f"top_k ({top_k}) must be <= num_experts ({num_experts})")
     gen = torch.Generator().manual_seed(seed)
-    return torch.rand(tokens, num_experts, generator=gen).topk(top_k, dim=1).indices
+    return random_routing(tokens, num_experts, top_k, generator=gen)[0]
 
 
 def make_routing(
