@@ -8,7 +8,7 @@ For each named bench shape (EP=1) and routing (``random``: T*K rows spread at ra
 experts, so most experts end in a partial row step; ``balanced``: T*K/E rows each, as the
 layer benchmark routes), times ``w13_wgrad`` and ``w2_wgrad`` (overwrite mode, bf16 output,
 W13's x rows in a 1-D base at a device-side offset: as autograd runs them) for a set of
-candidate configs and the current heuristic (``w13_wgrad_2d``: the heuristic with x as a 2-D
+candidate configs, the persistent Gluon kernel's configs and the current heuristic (``w13_wgrad_2d``: the heuristic with x as a 2-D
 tensor, both descriptors from the host, to show what the device-built one costs), with
 ``triton.testing.do_bench`` (median of repeated runs, L2 not flushed). Before timing, each
 config writes a NaN-poisoned output once and ``err`` is its largest difference from the
@@ -27,6 +27,8 @@ import torch
 
 
 def _candidates(WgradConfig, out_rows, out_cols, hint, quick=False):
+    from distmoe.kernels.wgrad_gluon import GLUON_WGRAD_CONFIGS
+
     # first: what the layer runs (the heuristic with its shape hint)
     out = [WgradConfig.from_heuristic(out_rows=out_rows, out_cols=out_cols,
                                       rows_per_expert=hint)]
@@ -38,6 +40,12 @@ def _candidates(WgradConfig, out_rows, out_cols, hint, quick=False):
                           block_out_n=min(bn, out_cols), num_warps=warps, num_stages=stages)
         if cfg.fits_hopper() and cfg not in out:
             out.append(cfg)
+    # the persistent Gluon kernel (distmoe.kernels.wgrad_gluon), timed with --quick too
+    for bp, bq, stages, warps in GLUON_WGRAD_CONFIGS:
+        if out_rows % bp == 0:
+            out.append(WgradConfig(block_m=128, block_k=64, block_out_m=bp,
+                                   block_out_n=min(bq, out_cols), num_warps=warps,
+                                   num_stages=stages, gluon=True))
     return out
 
 
@@ -125,10 +133,12 @@ def main() -> int:
             results.sort(key=lambda r: r[0])
             print(f"\n{name} ({routing}) {kernel}: T={T} D={D} F={F} E={E} K={K} "
                   f"(P={P}, Q={Q})")
-            for ms, tflops, heur, cfg, err in results[:6] + [r for r in results if r[2]]:
+            shown = results[:6] + [r for r in results[6:] if r[2] or r[3].gluon]
+            for ms, tflops, heur, cfg, err in shown:
                 print(f"  {ms:8.3f} ms {tflops:7.1f} TFLOP/s {'HEURISTIC ' if heur else ''}"
                       f"out {cfg.block_out_m}x{cfg.block_out_n} k{cfg.block_k} "
-                      f"s{cfg.num_stages} w{cfg.num_warps} err {err:.1e}")
+                      f"s{cfg.num_stages} w{cfg.num_warps}{' GLUON' if cfg.gluon else ''} "
+                      f"err {err:.1e}")
     if args.csv and rows_out:
         write_csv(args.csv, rows_out, list(rows_out[0]))
     return 0

@@ -1305,3 +1305,99 @@ def test_validation_errors_new_arguments():
     ):
         nine = torch.zeros(9, hidden, dtype=torch.bfloat16, device=DEVICE)
         route_grads(grad_y, nine[1:], ids, scores, nine[:-1], grad_scores)  # one row apart
+
+
+# --------------------------------------------------------------------------------------------
+# The persistent Gluon WGRAD (Hopper only)
+# --------------------------------------------------------------------------------------------
+
+
+def _gluon_configs():
+    from distmoe.kernels.wgrad_gluon import GLUON_WGRAD_CONFIGS
+
+    return GLUON_WGRAD_CONFIGS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", [3, None], ids=["3_programs", "one_per_sm"])
+@pytest.mark.parametrize("kind", ["W2", "W13_x_offset"])
+@pytest.mark.parametrize("cfg", _gluon_configs(), ids=lambda c: "x".join(map(str, c)))
+def test_gluon_wgrad(cfg, kind, programs):
+    """The Gluon kernel (bf16 out, overwrite) over a NaN-poisoned output against the fp64-exact
+    sum of the same bf16 products: each element within one bf16 rounding (2^-8 relative) plus
+    fp32 accumulation on both sides (2 * rows * 2^-24 of the magnitude sum). Row counts: an empty expert
+    (zeros), fewer rows than one step, whole steps, partial last steps; the rows after each
+    small expert are scaled by 2^10 and the spare rows are NaN, so a partial step that reads
+    past its expert's end shows. With 3 programs every program walks several tiles (the load
+    stream crosses tile boundaries, empty tiles included). W13's x sits at a device offset
+    (descriptor built on the device)."""
+    from distmoe.kernels.wgrad_gluon import gluon_wgrad_supported, launch_gluon_wgrad
+
+    block_p, block_q, stages, warps = cfg
+    counts = [0, 37, 64, 200, 1, 128, 301, 0, 75]
+    layout = layout_from_counts(counts, 128, idle_tiles=1)
+    big = [e + 1 for e, c in enumerate(counts[:-1]) if 0 < c < 128]
+    hidden, ffn = 256, 192
+    if kind == "W2":
+        width_p, width_q = hidden, ffn  # Q below block_q: clipped columns
+    else:
+        width_p, width_q = 2 * ffn, hidden
+    a = _wgrad_operand(layout, width_p, big_experts=big)
+    b = _wgrad_operand(layout, width_q, big_experts=big)
+    out = poisoned(len(counts), width_p, width_q)
+    assert gluon_wgrad_supported(a, out, block_p, block_q) is None
+    b_offset = None
+    if kind == "W13_x_offset":
+        offset = 8 * 5  # elements: 16-byte aligned, not a multiple of a row
+        base = poisoned(offset + b.numel() + width_q)
+        base[offset:offset + b.numel()] = b.reshape(-1)
+        b_src, b_offset = base, torch.tensor([offset], dtype=torch.int64, device=DEVICE)
+    else:
+        b_src = b
+    launch_gluon_wgrad(a, b_src, layout.row_offsets, out, b_offset=b_offset, block_p=block_p,
+                       block_q=block_q, stages=stages, num_warps=warps, programs=programs)
+
+    zeros = torch.zeros(len(counts), width_p, width_q, device=DEVICE)
+    po, ro = layout.padded_offsets, layout.row_offsets
+    expected = w2_wgrad_ref(a, b, po, ro, zeros.clone())
+    magnitude = w2_wgrad_ref(a.abs(), b.abs(), po, ro, zeros.clone())
+    got = out.float()
+    assert torch.isfinite(got).all(), "an output element was not written (NaN poison left)"
+    # fp32 sums of up to max(counts) exact products on both sides, in different orders
+    acc_bound = 2 * max(counts) * 2.0**-24 * magnitude
+    excess = (got - expected).abs() - (ROUNDING_REL * expected.abs() + acc_bound)
+    assert (excess <= 0).all(), f"max excess {excess.max().item():.3e}"
+    for e, count in enumerate(counts):
+        if count == 0:
+            assert not got[e].any()  # an expert without rows: exact zeros
+    # The Triton kernel on the same rows: the same row steps in the same order.
+    triton_out = poisoned(len(counts), width_p, width_q)
+    config = WgradConfig(block_k=64, block_out_m=block_p, block_out_n=block_q,
+                         num_warps=warps, num_stages=3)
+    if kind == "W2":
+        w2_wgrad(a, b, po, ro, triton_out, accumulate=False, config=config)
+    else:
+        w13_wgrad(a, b_src, po, ro, triton_out.view(len(counts), 2, ffn, hidden),
+                  x_offset=b_offset, accumulate=False, config=config)
+    diff = (got - triton_out.float()).abs().max().item()
+    assert diff <= ROUNDING_REL * triton_out.float().abs().max().item(), diff
+    # Through the public entry point with gluon=True: the same bits as the direct launch
+    # (one program per SM here, so a different tile walk, same per-tile sums).
+    via = poisoned(len(counts), width_p, width_q)
+    gconfig = WgradConfig(block_k=64, block_out_m=block_p, block_out_n=block_q,
+                          num_warps=warps, num_stages=stages, gluon=True)
+    if kind == "W2":
+        w2_wgrad(a, b, po, ro, via, accumulate=False, config=gconfig)
+    else:
+        w13_wgrad(a, b_src, po, ro, via.view(len(counts), 2, ffn, hidden),
+                  x_offset=b_offset, accumulate=False, config=gconfig)
+    assert same_bits(via, out)
+
+
+def test_gluon_wgrad_config_rules():
+    with pytest.raises(ValueError, match=r"gluon=True needs split_rows == 1 \(got 2\)"):
+        WgradConfig(split_rows=2, gluon=True)
+    with pytest.raises(ValueError, match=r"block_out_m >= 16 \* num_warps \(got 64 and 8"):
+        WgradConfig(block_out_m=64, num_warps=8, gluon=True)
+    with pytest.raises(TypeError, match=r"gluon must be a bool, got int"):
+        WgradConfig(gluon=1)

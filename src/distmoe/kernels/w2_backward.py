@@ -646,6 +646,12 @@ class WgradConfig:
         num_stages: software-pipeline depth of the row loop (>= 1).
         host_descriptors: TMA descriptors of both operands encoded on the host at launch
             (True) or built on the device in every program (False).
+        gluon: run the persistent, hand-pipelined Gluon kernel
+            (:mod:`distmoe.kernels.wgrad_gluon`: one program per SM, one load stream across
+            tiles, partial steps zeroed in shared memory) wherever it can run: a Hopper GPU,
+            not the interpreter, overwrite mode into a contiguous bf16 output, ``P`` a multiple
+            of ``block_out_m``. Elsewhere the Triton kernel runs this config. Needs
+            ``split_rows == 1`` and ``block_out_m >= 16 * num_warps``.
     """
 
     block_m: int = 128
@@ -656,6 +662,7 @@ class WgradConfig:
     num_warps: int = 8
     num_stages: int = 4
     host_descriptors: bool = True
+    gluon: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_k", "block_out_m", "block_out_n"):
@@ -675,9 +682,15 @@ class WgradConfig:
                 raise ValueError(f"{name} ({value!r}) must be an int >= 1")
         if self.num_warps not in (4, 8):
             raise ValueError(f"num_warps ({self.num_warps}) must be 4 or 8")
-        if not isinstance(self.host_descriptors, bool):
-            raise TypeError(
-                f"host_descriptors must be a bool, got {type(self.host_descriptors).__name__}"
+        for name in ("host_descriptors", "gluon"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"{name} must be a bool, got {type(getattr(self, name)).__name__}"
+                )
+        if self.gluon and (self.split_rows != 1 or self.block_out_m < 16 * self.num_warps):
+            raise ValueError(
+                f"gluon=True needs split_rows == 1 (got {self.split_rows}) and block_out_m >= "
+                f"16 * num_warps (got {self.block_out_m} and {self.num_warps} warps)"
             )
 
     def smem_bytes(self) -> int:
@@ -867,6 +880,15 @@ def launch_grouped_wgrad(
         if not accumulate:
             out.zero_()
         return  # R_act >= row_offsets[E]: no live rows
+    if config.gluon and not accumulate:
+        from .wgrad_gluon import gluon_wgrad_supported, launch_gluon_wgrad
+
+        if gluon_wgrad_supported(a, out, config.block_out_m, config.block_out_n) is None:
+            launch_gluon_wgrad(a, b, row_offsets, out, b_offset=b_offset,
+                               block_p=config.block_out_m, block_q=config.block_out_n,
+                               stages=config.num_stages, num_warps=config.num_warps,
+                               block_k=config.block_k)
+            return
     tiles = triton.cdiv(width_p, config.block_out_m) * triton.cdiv(width_q, config.block_out_n)
     grid = (num_experts * config.split_rows * tiles,)
     # Overwriting: the epilogue is one TMA store when out meets TMA's alignment (16-byte base

@@ -1,0 +1,303 @@
+"""Persistent grouped WGRAD for Hopper, written in Gluon (``triton.experimental.gluon``).
+
+Same contract as the overwrite mode of :func:`distmoe.kernels.w2_backward.launch_grouped_wgrad`::
+
+    out[e] = A[rows_e]^T @ B[rows_e]        rows_e = [row_offsets[e], row_offsets[e+1])
+
+``A`` bf16 ``[R_act, P]``, ``B`` bf16 ``[R_act, Q]`` (or a 1-D bf16 base with row ``r`` at
+``b_offset[0] + r*Q``, ``b_offset`` an int64 device scalar), ``out`` bf16 ``[E, P, Q]``, fp32
+accumulation and one rounding; an expert without rows gets zeros.
+
+Why a second kernel. The Triton kernel runs one program per (expert, output tile). At
+T=4096, E=128, K=8 an expert has about 256 rows, four 64-row steps, so each program spends a
+large part of its life filling its pipeline and storing its tile, and under real (unbalanced)
+routing its last, partial step waits for its own loads after the pipelined loop (28% more
+time at that shape, docs/performance.md run 12). Triton 3.6 pipelines only loads whose
+address is a closed form of the loop counter, so it cannot run one pipeline through several
+tiles. Here the pipeline is written out by hand:
+
+* one program per SM walks the output tiles ``pid, pid + G, ...`` (``G`` programs);
+* one flat stream of TMA loads runs ``STAGES - 1`` row steps ahead of the MMAs, across tile
+  boundaries, so the next tile's first loads are in flight while this tile's last MMAs and
+  its epilogue run;
+* the epilogue rounds the fp32 tile to bf16 into shared memory and leaves with an
+  asynchronous TMA store, waited for only before the next tile's epilogue reuses the buffer;
+* a partial last step zeroes its rows past the expert's end in shared memory (both
+  operands: the rows there belong to the next expert, are stale, or are TMA zeros, and NaN
+  must not reach the sum), then runs the same shared-memory MMA as every other step;
+* every tile's row bounds are loaded one tile ahead, so tile switches do not wait on memory.
+
+Only for CUDA devices of compute capability 9.x and outside the interpreter; the launcher
+(:func:`gluon_wgrad_supported`) says when, and the Triton kernel serves everything else.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+try:  # Gluon ships with triton >= 3.4; keep the package importable without it
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed triton
+    HAVE_GLUON = False
+
+__all__ = ["HAVE_GLUON", "gluon_wgrad_supported", "launch_gluon_wgrad", "GLUON_WGRAD_CONFIGS"]
+
+# (block_p, block_q, stages, num_warps) candidates: the tuner times them all; the first is the
+# default. Shared memory: stages * 64 * (block_p + block_q) * 2 + block_p * block_q * 2 bytes.
+GLUON_WGRAD_CONFIGS = ((128, 256, 3, 8), (128, 128, 4, 8), (128, 128, 5, 8), (128, 128, 4, 4))
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _tile_rows(row_offsets_ptr, tile, num_tiles, TILES_PER_EXPERT: gl.constexpr):
+        """Row bounds ``(first, end)`` of ``tile``'s expert; ``(0, 0)`` past the last tile."""
+        first = 0
+        end = 0
+        if tile < num_tiles:
+            expert = tile // TILES_PER_EXPERT
+            first = gl.load(row_offsets_ptr + expert)
+            end = gl.load(row_offsets_ptr + expert + 1)
+        return first, end
+
+    @gluon.jit
+    def _tile_origin(tile, P: gl.constexpr, NUM_Q: gl.constexpr, TILES_PER_EXPERT: gl.constexpr,
+                     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr):
+        """Output row (in the ``[E*P, Q]`` view) and column of ``tile``'s first element, and its
+        first column of A (``p0``)."""
+        expert = tile // TILES_PER_EXPERT
+        rest = tile % TILES_PER_EXPERT
+        p0 = (rest // NUM_Q) * BLOCK_P
+        q0 = (rest % NUM_Q) * BLOCK_Q
+        return expert * P + p0, p0, q0
+
+    @gluon.jit
+    def _produce(a_desc, b_desc, a_bufs, b_bufs, bars, row_offsets_ptr, num_tiles, num_progs,
+                 p_tile, p_row, p_end, pf_first, pf_end, p_count,
+                 P: gl.constexpr, NUM_Q: gl.constexpr, TILES_PER_EXPERT: gl.constexpr,
+                 BLOCK_K: gl.constexpr, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr,
+                 STAGES: gl.constexpr):
+        """Issue the TMA loads of the next row step of the program's flat step stream into
+        stage ``p_count % STAGES`` (none once the stream has ended) and advance the cursor.
+        ``pf_*``: the bounds of tile ``p_tile + G``, loaded one tile ahead."""
+        while (p_row >= p_end) & (p_tile < num_tiles):
+            p_tile += num_progs
+            p_row = pf_first
+            p_end = pf_end
+            pf_first, pf_end = _tile_rows(row_offsets_ptr, p_tile + num_progs, num_tiles,
+                                          TILES_PER_EXPERT)
+        live = p_tile < num_tiles
+        _row, p0, q0 = _tile_origin(p_tile, P, NUM_Q, TILES_PER_EXPERT, BLOCK_P, BLOCK_Q)
+        stage = p_count % STAGES
+        bar = bars.index(stage)
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=live)
+        tma.async_copy_global_to_shared(a_desc, [p_row, p0], bar, a_bufs.index(stage), live)
+        tma.async_copy_global_to_shared(b_desc, [p_row, q0], bar, b_bufs.index(stage), live)
+        return p_tile, p_row + BLOCK_K, p_end, pf_first, pf_end, p_count + 1
+
+    @gluon.jit
+    def _zero_rows_from(buf, valid, BLOCK_K: gl.constexpr, WIDTH: gl.constexpr,
+                        num_warps: gl.constexpr):
+        """Rows ``>= valid`` of a ``[BLOCK_K, WIDTH]`` shared-memory tile set to zero."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        tile = buf.load(layout)
+        rows = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, layout))
+        keep = gl.expand_dims(rows < valid, 1)
+        buf.store(gl.where(keep, tile, gl.zeros_like(tile)))
+
+    @gluon.jit
+    def _gluon_wgrad_kernel(
+        a_desc,  # host descriptor of A [R_act, P], block [BLOCK_K, BLOCK_P]
+        b_desc,  # host descriptor of B [R_act, Q], block [BLOCK_K, BLOCK_Q] (not B_OFFSET)
+        b_base,  # 1-D bf16 base of B (B_OFFSET), else a placeholder
+        b_offset_ptr,  # int64 [1]: element offset of B's row 0 (B_OFFSET), else a placeholder
+        o_desc,  # host descriptor of out viewed [E*P, Q], block [BLOCK_P, BLOCK_Q]
+        row_offsets_ptr,  # int32 [E + 1]
+        P: gl.constexpr,
+        Q: gl.constexpr,
+        NUM_EXPERTS: gl.constexpr,
+        B_OFFSET: gl.constexpr,
+        B_LAYOUT: gl.constexpr,
+        BLOCK_K: gl.constexpr,
+        BLOCK_P: gl.constexpr,
+        BLOCK_Q: gl.constexpr,
+        STAGES: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        NUM_Q: gl.constexpr = (Q + BLOCK_Q - 1) // BLOCK_Q
+        TILES_PER_EXPERT: gl.constexpr = (P // BLOCK_P) * NUM_Q
+        num_tiles = NUM_EXPERTS * TILES_PER_EXPERT
+        pid = gl.program_id(0)
+        num_progs = gl.num_programs(0)
+
+        if B_OFFSET:
+            # The offset is a device value (a slot cursor): one descriptor per program, bounded
+            # by the live rows (offset a multiple of 8 elements: 16-byte aligned base).
+            b_src = tma.make_tensor_descriptor(
+                b_base + gl.load(b_offset_ptr),
+                shape=[gl.load(row_offsets_ptr + NUM_EXPERTS), Q],
+                strides=[Q, 1],
+                block_shape=[BLOCK_K, BLOCK_Q],
+                layout=B_LAYOUT,
+            )
+        else:
+            b_src = b_desc
+
+        a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_P], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_Q], B_LAYOUT)
+        c_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_P, BLOCK_Q], o_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+
+        # 16-row MMA atoms stacked over the warps (BLOCK_P >= 16 * num_warps), full width.
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_Q, 16])
+
+        # Producer cursor: its tile, next row, the tile's end, the bounds of tile + G.
+        p_tile = pid
+        p_row, p_end = _tile_rows(row_offsets_ptr, pid, num_tiles, TILES_PER_EXPERT)
+        pf_first, pf_end = _tile_rows(row_offsets_ptr, pid + num_progs, num_tiles,
+                                      TILES_PER_EXPERT)
+        p_count = 0
+        for _pre in gl.static_range(STAGES - 1):
+            p_tile, p_row, p_end, pf_first, pf_end, p_count = _produce(
+                a_desc, b_src, a_bufs, b_bufs, bars, row_offsets_ptr, num_tiles, num_progs,
+                p_tile, p_row, p_end, pf_first, pf_end, p_count,
+                P, NUM_Q, TILES_PER_EXPERT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES,
+            )  # fmt: skip
+
+        # Consumer: the program's tiles in order; each step's stage and phase follow the count.
+        c_count = 0
+        tile = pid
+        first, end = _tile_rows(row_offsets_ptr, tile, num_tiles, TILES_PER_EXPERT)
+        while tile < num_tiles:
+            next_first, next_end = _tile_rows(row_offsets_ptr, tile + num_progs, num_tiles,
+                                              TILES_PER_EXPERT)
+            out_row, _p0, q0 = _tile_origin(tile, P, NUM_Q, TILES_PER_EXPERT, BLOCK_P, BLOCK_Q)
+            acc = gl.zeros([BLOCK_P, BLOCK_Q], gl.float32, acc_layout)
+            row = first
+            while row < end:
+                stage = c_count % STAGES
+                mbarrier.wait(bars.index(stage), (c_count // STAGES) & 1)
+                a_tile = a_bufs.index(stage)
+                b_tile = b_bufs.index(stage)
+                if row + BLOCK_K > end:
+                    _zero_rows_from(a_tile, end - row, BLOCK_K, BLOCK_P, num_warps)
+                    _zero_rows_from(b_tile, end - row, BLOCK_K, BLOCK_Q, num_warps)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                acc = warpgroup_mma(a_tile.permute((1, 0)), b_tile, acc, is_async=True)
+                # The previous step's MMA is done in this warpgroup; after the barrier, in all
+                # of them, so its stage takes the load STAGES - 1 steps ahead.
+                acc = warpgroup_mma_wait(1, deps=(acc,))
+                gl.thread_barrier()
+                p_tile, p_row, p_end, pf_first, pf_end, p_count = _produce(
+                    a_desc, b_src, a_bufs, b_bufs, bars, row_offsets_ptr, num_tiles, num_progs,
+                    p_tile, p_row, p_end, pf_first, pf_end, p_count,
+                    P, NUM_Q, TILES_PER_EXPERT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES,
+                )  # fmt: skip
+                c_count += 1
+                row += BLOCK_K
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            # The previous tile's store has read c_smem (the wait is per issuing thread: the
+            # barrier publishes it to every thread).
+            tma.store_wait(0)
+            gl.thread_barrier()
+            c_smem.store(acc.to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(o_desc, [out_row, q0], c_smem)
+            tile += num_progs
+            first = next_first
+            end = next_end
+        tma.store_wait(0)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+
+
+def gluon_wgrad_supported(a: torch.Tensor, out: torch.Tensor, block_p: int,
+                          block_q: int) -> str | None:
+    """``None`` when :func:`launch_gluon_wgrad` can run this case, else why not (a sentence):
+    Gluon present, a CUDA device of compute capability 9.x, not the interpreter, bf16 output
+    overwritten (TMA store: contiguous, 16-byte aligned, 16-byte row pitch), ``P`` a multiple
+    of ``block_p`` (a tile never crosses into the next expert's rows of the ``[E*P, Q]`` view)."""
+    from .interpreter import interpreter_active
+
+    if not HAVE_GLUON:
+        return "this triton has no Gluon"
+    if interpreter_active():
+        return "the Triton interpreter runs no Gluon kernels"
+    if out.device.type != "cuda" or torch.cuda.get_device_capability(out.device)[0] != 9:
+        return "Gluon WGRAD is written for compute capability 9.x (Hopper)"
+    width_p, width_q = out.shape[1], out.shape[2]
+    if out.dtype != torch.bfloat16 or not out.is_contiguous() or out.data_ptr() % 16 \
+            or (width_q * 2) % 16:
+        return "out must be contiguous bf16 with a 16-byte aligned base and row pitch"
+    if width_p % block_p:
+        return f"P ({width_p}) must be a multiple of block_p ({block_p})"
+    if a.shape[0] >= 2**31:
+        return "more than 2**31 activation rows"
+    return None
+
+
+def launch_gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_offsets: torch.Tensor,
+                       out: torch.Tensor, *, b_offset: torch.Tensor | None = None,
+                       block_p: int = 128, block_q: int = 256, stages: int = 3,
+                       num_warps: int = 8, block_k: int = 64,
+                       programs: int | None = None) -> None:
+    """Launch the persistent Gluon WGRAD (overwrite mode; arguments validated by the caller,
+    :func:`gluon_wgrad_supported` returned ``None``): ``out[e] = a[rows_e]^T @ b[rows_e]``.
+
+    Args:
+        a: bf16 ``[R_act, P]``.
+        b: bf16 ``[R_act, Q]``, or a 1-D bf16 base with ``b_offset``.
+        row_offsets: int32 ``[E + 1]`` on the device.
+        out: bf16 ``[E, P, Q]``.
+        b_offset: int64 ``[1]`` device element offset of ``b``'s row 0 (a multiple of 8).
+        block_p / block_q / stages / num_warps: one of :data:`GLUON_WGRAD_CONFIGS`.
+        programs: grid size; default one per SM (at most one per tile). Tests pass fewer, so
+            that every program walks several tiles.
+    """
+    from ._common import device_context, ensure_tma_allocator
+
+    num_experts, width_p, width_q = out.shape
+    num_act_rows = a.shape[0]
+    a_layout = gl.NVMMASharedLayout.get_default_for([block_k, block_p], gl.bfloat16)
+    b_layout = gl.NVMMASharedLayout.get_default_for([block_k, block_q], gl.bfloat16)
+    o_layout = gl.NVMMASharedLayout.get_default_for([block_p, block_q], gl.bfloat16)
+    a_desc = GluonDescriptor(a, [num_act_rows, width_p], [width_p, 1], [block_k, block_p],
+                             a_layout)
+    if b_offset is None:
+        b_desc = GluonDescriptor(b, [num_act_rows, width_q], [width_q, 1], [block_k, block_q],
+                                 b_layout)
+        b_base, b_off = row_offsets, row_offsets  # placeholders, never read
+    else:
+        b_desc = a_desc  # placeholder, never read
+        b_base, b_off = b, b_offset
+        ensure_tma_allocator()
+    o_desc = GluonDescriptor(out.view(num_experts * width_p, width_q),
+                             [num_experts * width_p, width_q], [width_q, 1], [block_p, block_q],
+                             o_layout)
+    tiles = num_experts * (width_p // block_p) * triton.cdiv(width_q, block_q)
+    if programs is None:
+        programs = torch.cuda.get_device_properties(out.device).multi_processor_count
+    with device_context(out.device):
+        _gluon_wgrad_kernel[(max(1, min(programs, tiles)),)](
+            a_desc, b_desc, b_base, b_off, o_desc, row_offsets,
+            P=width_p, Q=width_q, NUM_EXPERTS=num_experts, B_OFFSET=b_offset is not None,
+            B_LAYOUT=b_layout, BLOCK_K=block_k, BLOCK_P=block_p, BLOCK_Q=block_q,
+            STAGES=stages, num_warps=num_warps,
+        )  # fmt: skip
