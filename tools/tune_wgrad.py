@@ -31,7 +31,10 @@ def _candidates(WgradConfig, out_rows, out_cols, hint, quick=False):
 
     # first: what the layer runs (the heuristic with its shape hint)
     out = [WgradConfig.from_heuristic(out_rows=out_rows, out_cols=out_cols,
-                                      rows_per_expert=hint)]
+                                      rows_per_expert=hint, device=torch.device("cuda", 0))]
+    # the Triton kernel's heuristic (what runs where Gluon cannot)
+    out.append(WgradConfig.from_heuristic(out_rows=out_rows, out_cols=out_cols,
+                                          rows_per_expert=hint))
     for (bm, bn), bk, stages, warps in itertools.product(
         [] if quick else [(128, 128), (128, 256), (256, 128), (64, 128), (128, 64)],
         [64, 128], [3, 4], [8]
@@ -42,7 +45,9 @@ def _candidates(WgradConfig, out_rows, out_cols, hint, quick=False):
             out.append(cfg)
     # the persistent Gluon kernel (distmoe.kernels.wgrad_gluon), timed with --quick too
     for bp, bq, stages, warps in GLUON_WGRAD_CONFIGS:
-        if out_rows % bp == 0:
+        if out_rows % bp == 0 and WgradConfig(
+                block_m=128, block_k=64, block_out_m=bp, block_out_n=min(bq, out_cols),
+                num_warps=warps, num_stages=stages, gluon=True) not in out:
             out.append(WgradConfig(block_m=128, block_k=64, block_out_m=bp,
                                    block_out_n=min(bq, out_cols), num_warps=warps,
                                    num_stages=stages, gluon=True))

@@ -569,6 +569,15 @@ def _grouped_wgrad_kernel(
 # --------------------------------------------------------------------------------------------
 
 
+def _gluon_device(device: torch.device | None) -> bool:
+    """A CUDA device of compute capability 9.x, outside the interpreter, with Gluon present."""
+    if device is None or torch.device(device).type != "cuda" or interpreter_active():
+        return False
+    from .wgrad_gluon import HAVE_GLUON
+
+    return HAVE_GLUON and torch.cuda.get_device_capability(device)[0] == 9
+
+
 def check_backward_gemm_config(config: GemmConfig) -> None:
     """Rules that the backward DGRAD configs add to :class:`GemmConfig`.
 
@@ -704,9 +713,20 @@ class WgradConfig:
 
     @classmethod
     def from_heuristic(cls, *, out_rows: int, out_cols: int, block_m: int = 128,
-                       rows_per_expert: int | None = None) -> WgradConfig:
+                       rows_per_expert: int | None = None,
+                       device: torch.device | None = None) -> WgradConfig:
         """64 rows per step, 8 warps. ``rows_per_expert`` is a *shape* hint (the balanced
-        rows per local expert, ``T*K*EP/E``), never a routed count:
+        rows per local expert, ``T*K*EP/E``), never a routed count.
+
+        On a Hopper ``device`` (and ``out_rows`` a multiple of 128) the persistent Gluon
+        kernel (``gluon=True``): 128 x 256 output tiles with 3 stages for long row loops
+        (hint >= 1024) with wide weights, else 128 x 128 tiles with 5 stages. Measured on one
+        H200 (2026-11-29, ``tools/tune_wgrad.py --quick``, docs/performance.md run 15), against
+        the Triton configs below: at T=4096 D=2048 F=768 E=128 K=8, balanced routing, W13
+        (x at a device offset) 0.418 against 0.555 ms and W2 0.210 against 0.268; at T=8192
+        D=4096 F=2048 E=32 K=8, W13 3.14 against 3.34 ms and W2 1.66 against 1.69.
+
+        Elsewhere (no ``device``, the interpreter, other GPUs) the Triton kernel:
 
         * long row loops (hint >= 1024) with wide weights: 128 x 256 output tiles, 3 stages
           (144 KiB of SMEM, and the TMA-store staging of the epilogue);
@@ -720,8 +740,16 @@ class WgradConfig:
         tool): 128x256/3 stages 3.24 and 1.59 ms against 3.36 and 1.62 for 4 stages at the
         first shape; 128x128/3 stages 0.634 and 0.337 ms at the second.
         """
-        if rows_per_expert is not None and rows_per_expert >= 1024 and out_rows >= 128 \
-                and out_cols >= 256:
+        long_loops = (rows_per_expert is not None and rows_per_expert >= 1024
+                      and out_rows >= 128 and out_cols >= 256)
+        if block_m >= 64 and out_rows % 128 == 0 and _gluon_device(device):
+            if long_loops:
+                return cls(block_m=block_m, block_k=64, block_out_m=128, block_out_n=256,
+                           num_warps=8, num_stages=3, gluon=True)
+            return cls(block_m=block_m, block_k=64, block_out_m=128,
+                       block_out_n=_pow2_clamped(out_cols, 16, 128), num_warps=8, num_stages=5,
+                       gluon=True)
+        if long_loops:
             return cls(block_m=block_m, block_k=min(64, block_m), block_out_m=128,
                        block_out_n=256, num_warps=8, num_stages=3)
         block_out_m = _pow2_clamped(out_rows, 16, 128)

@@ -54,9 +54,10 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 
 __all__ = ["HAVE_GLUON", "gluon_wgrad_supported", "launch_gluon_wgrad", "GLUON_WGRAD_CONFIGS"]
 
-# (block_p, block_q, stages, num_warps) candidates: the tuner times them all; the first is the
-# default. Shared memory: stages * 64 * (block_p + block_q) * 2 + block_p * block_q * 2 bytes.
-GLUON_WGRAD_CONFIGS = ((128, 256, 3, 8), (128, 128, 4, 8), (128, 128, 5, 8), (128, 128, 4, 4))
+# (block_p, block_q, stages, num_warps) candidates: the tuner times them all (the heuristic,
+# WgradConfig.from_heuristic, picks the first or the second). Shared memory:
+# stages * 64 * (block_p + block_q) * 2 + block_p * block_q * 2 bytes (at most 227 KiB).
+GLUON_WGRAD_CONFIGS = ((128, 256, 3, 8), (128, 128, 5, 8), (128, 128, 6, 8), (128, 128, 4, 4))
 
 
 if HAVE_GLUON:

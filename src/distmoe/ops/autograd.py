@@ -165,14 +165,15 @@ class MoEFunction(torch.autograd.Function):
             grad_w2 = torch.empty(E_l, D, F, dtype=w2.dtype, device=dev)
             w2_wgrad(scratch["gh3"], scratch["h2"], po, ro, grad_w2, accumulate=False,
                      config=WgradConfig.from_heuristic(out_rows=D, out_cols=F, block_m=block,
-                                                       rows_per_expert=rows_hint))
+                                                       rows_per_expert=rows_hint, device=dev))
         if need[4]:
             grad_w13 = torch.empty(E_l, 2, F, D, dtype=w13.dtype, device=dev)
             w13_wgrad(scratch["h1g"], elements, po, ro, grad_w13, x_offset=x_offset,
                       accumulate=False,
                       config=WgradConfig.from_heuristic(out_rows=2 * F, out_cols=D,
                                                         block_m=block,
-                                                        rows_per_expert=rows_hint))
+                                                        rows_per_expert=rows_hint,
+                                                        device=dev))
         # Route input gradients into the owners' dispatch rows t*K+k (see the module
         # docstring for why no peer reads dispatch now).
         w13_dgrad_scatter(scratch["h1g"], po, ro, w13, tables.bwd_scatter_ptrs,
