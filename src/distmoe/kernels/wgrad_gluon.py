@@ -22,8 +22,6 @@ tiles. Here the pipeline is written out by hand:
   its epilogue run;
 * the epilogue rounds the fp32 tile to bf16 into shared memory and leaves with an
   asynchronous TMA store, waited for only before the next tile's epilogue reuses the buffer;
-  where two accumulators fit in registers (128 x 128 tiles, 8 warps), a tile's epilogue runs
-  after the next tile's first MMA is issued, so the tensor cores keep working through it;
 * a partial last step zeroes its rows past the expert's end in shared memory (both
   operands: the rows there belong to the next expert, are stale, or are TMA zeros, and NaN
   must not reach the sum), then runs the same shared-memory MMA as every other step;
@@ -121,18 +119,6 @@ if HAVE_GLUON:
         buf.store(gl.where(keep, tile, gl.zeros_like(tile)))
 
     @gluon.jit
-    def _store_tile(acc, c_smem, o_desc, out_row, q0):
-        """Round ``acc`` to bf16 into ``c_smem`` and leave with an asynchronous TMA store at
-        ``[out_row, q0]``. First the previous store must have read ``c_smem`` (its wait is per
-        issuing thread: the barrier publishes it to every thread)."""
-        tma.store_wait(0)
-        gl.thread_barrier()
-        c_smem.store(acc.to(gl.bfloat16))
-        fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(o_desc, [out_row, q0], c_smem)
-
-    @gluon.jit
     def _gluon_wgrad_kernel(
         a_desc,  # host descriptor of A [R_act, P], block [BLOCK_K, BLOCK_P]
         b_desc,  # host descriptor of B [R_act, Q], block [BLOCK_K, BLOCK_Q] (not B_OFFSET)
@@ -195,26 +181,14 @@ if HAVE_GLUON:
             )  # fmt: skip
 
         # Consumer: the program's tiles in order; each step's stage and phase follow the count.
-        # DEFER (two accumulators fit: at most 64 fp32 registers each per thread): a tile's
-        # epilogue waits until the next tile's first MMA is issued, and runs under it.
-        DEFER: gl.constexpr = BLOCK_P * BLOCK_Q <= 64 * 32 * num_warps
         c_count = 0
         tile = pid
         first, end = _tile_rows(row_offsets_ptr, tile, num_tiles, TILES_PER_EXPERT)
-        pending = False  # DEFER: acc_prev holds a finished tile not stored yet
-        prev_row = 0
-        prev_q0 = 0
-        acc_prev = gl.zeros([BLOCK_P, BLOCK_Q], gl.float32, acc_layout)
         while tile < num_tiles:
             next_first, next_end = _tile_rows(row_offsets_ptr, tile + num_progs, num_tiles,
                                               TILES_PER_EXPERT)
             out_row, _p0, q0 = _tile_origin(tile, P, NUM_Q, TILES_PER_EXPERT, BLOCK_P, BLOCK_Q)
             acc = gl.zeros([BLOCK_P, BLOCK_Q], gl.float32, acc_layout)
-            if DEFER:
-                if pending & (first >= end):  # a tile without rows next: store the last first
-                    acc_prev = warpgroup_mma_wait(0, deps=(acc_prev,))
-                    _store_tile(acc_prev, c_smem, o_desc, prev_row, prev_q0)
-                    pending = False
             row = first
             while row < end:
                 stage = c_count % STAGES
@@ -227,43 +201,29 @@ if HAVE_GLUON:
                     fence_async_shared()
                     gl.thread_barrier()
                 acc = warpgroup_mma(a_tile.permute((1, 0)), b_tile, acc, is_async=True)
-                # The previous step's MMA (and every MMA of acc_prev) is done in this
-                # warpgroup; after the barrier, in all of them, so its stage takes the load
-                # STAGES - 1 steps ahead.
-                if DEFER:
-                    acc_prev, acc = warpgroup_mma_wait(1, deps=(acc_prev, acc))
-                else:
-                    acc = warpgroup_mma_wait(1, deps=(acc,))
+                # The previous step's MMA is done in this warpgroup; after the barrier, in all
+                # of them, so its stage takes the load STAGES - 1 steps ahead.
+                acc = warpgroup_mma_wait(1, deps=(acc,))
                 gl.thread_barrier()
                 p_tile, p_row, p_end, pf_first, pf_end, p_count = _produce(
                     a_desc, b_src, a_bufs, b_bufs, bars, row_offsets_ptr, num_tiles, num_progs,
                     p_tile, p_row, p_end, pf_first, pf_end, p_count,
                     P, NUM_Q, TILES_PER_EXPERT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES,
                 )  # fmt: skip
-                if DEFER:
-                    if pending:  # the previous tile's epilogue, under this tile's first MMA
-                        _store_tile(acc_prev, c_smem, o_desc, prev_row, prev_q0)
-                        pending = False
                 c_count += 1
                 row += BLOCK_K
-            if DEFER:
-                if first < end:
-                    acc_prev = acc
-                    prev_row = out_row
-                    prev_q0 = q0
-                    pending = True
-                else:
-                    _store_tile(acc, c_smem, o_desc, out_row, q0)  # zeros
-            else:
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                _store_tile(acc, c_smem, o_desc, out_row, q0)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            # The previous tile's store has read c_smem (the wait is per issuing thread: the
+            # barrier publishes it to every thread).
+            tma.store_wait(0)
+            gl.thread_barrier()
+            c_smem.store(acc.to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(o_desc, [out_row, q0], c_smem)
             tile += num_progs
             first = next_first
             end = next_end
-        if DEFER:
-            if pending:
-                acc_prev = warpgroup_mma_wait(0, deps=(acc_prev,))
-                _store_tile(acc_prev, c_smem, o_desc, prev_row, prev_q0)
         tma.store_wait(0)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
