@@ -8,8 +8,10 @@ Builds every case of :func:`distmoe.tools.sm90_build.grouped_gemm_cases` (the pr
 configs the layer launches at each shape, then the other flag combinations at ``fine``) and
 of :func:`~distmoe.tools.sm90_build.other_kernel_cases` (every other kernel) with
 ``triton.compile`` for sm_90 and Triton's bundled ``ptxas -v``, and prints registers per
-thread, spill-store bytes and shared memory per case. ``--check`` exits 1 if a case fails to
-build or a production case spills (the CPU test suite runs it so). A spill in a K loop costs
+thread, spill-store bytes and shared memory per case, and the persistent Gluon WGRAD's cases
+(:func:`~distmoe.tools.sm90_build.gluon_wgrad_cases`). ``--check`` exits 1 if a case fails to
+build, or a production case spills or has its wgmma pipeline serialized by ptxas (C7514: a
+non-wgmma instruction touching an in-flight accumulator); the CPU test suite runs it so. A spill in a K loop costs
 far more than one in an epilogue; the report says whether a kernel spills, not where.
 """
 
@@ -24,7 +26,12 @@ os.environ["TRITON_INTERPRET"] = "0"  # build for the GPU target even on a CPU m
 
 def main() -> int:
     from distmoe.tools.bench.workloads import SHAPES
-    from distmoe.tools.sm90_build import build, grouped_gemm_cases, other_kernel_cases
+    from distmoe.tools.sm90_build import (
+        build,
+        gluon_wgrad_cases,
+        grouped_gemm_cases,
+        other_kernel_cases,
+    )
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=["issue-a", "fine"], choices=sorted(SHAPES))
@@ -36,6 +43,8 @@ def main() -> int:
     args = ap.parse_args()
     failed = 0
     cases = grouped_gemm_cases(tuple(args.shapes), variants=not args.no_variants)
+    cases += [c for c in gluon_wgrad_cases(tuple(args.shapes))
+              if c.production or not args.no_variants]
     if not args.no_variants:
         cases += other_kernel_cases()
     for case in cases:
@@ -45,8 +54,10 @@ def main() -> int:
         else:
             line = (f"regs {r.regs:>4}  spill stores {r.spill_bytes:>5} B  "
                     f"smem {r.smem_bytes // 1024:>3} KiB")
+            if r.wgmma_serialized:
+                line += "  WGMMA SERIALIZED (ptxas C7514)"
             if not r.ok:
-                line += "  SPILLS (production config)"
+                line += "  (production config: fails --check)"
         failed += not r.ok
         print(f"{case.label:70s} {line}", flush=True)
     if failed:

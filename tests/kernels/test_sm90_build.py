@@ -4,8 +4,9 @@ The interpreter runs the kernels' Python on the CPU and misses what only the com
 constexpr branch ending in ``return`` is built for both values; a descriptor reaching a
 pointer-only op) and says nothing about registers. ``tools/ptxas_report.py --check`` compiles
 every case of :mod:`distmoe.tools.sm90_build` (the grouped GEMMs' production configs and flag
-variants, and every other kernel with each flag value its launcher passes) for sm_90 and reads
-Triton's bundled ``ptxas -v``; it runs as its own process because Triton must be imported
+variants, every other kernel with each flag value its launcher passes, and the persistent Gluon
+WGRAD) for sm_90 and reads Triton's bundled ``ptxas -v`` (a production case also fails when
+ptxas serializes its wgmma pipeline); it runs as its own process because Triton must be imported
 without ``TRITON_INTERPRET`` to build for a GPU target. No GPU is needed (about 30 s).
 """
 
@@ -35,3 +36,7 @@ def test_kernels_build_for_sm90_and_production_configs_do_not_spill():
     lines = [line for line in run.stdout.splitlines() if "regs" in line]
     assert len(lines) >= 45, run.stdout  # every case reported
     assert "device_barrier" in run.stdout and "issue-a W2 DGRAD" in run.stdout
+    from distmoe.kernels.wgrad_gluon import HAVE_GLUON
+
+    if HAVE_GLUON:  # the Gluon WGRAD's production configs: built, no spill, no serialized wgmma
+        assert "fine W13 WGRAD gluon" in run.stdout and "issue-a W2 WGRAD gluon" in run.stdout

@@ -740,16 +740,13 @@ class WgradConfig:
         tool): 128x256/3 stages 3.24 and 1.59 ms against 3.36 and 1.62 for 4 stages at the
         first shape; 128x128/3 stages 0.634 and 0.337 ms at the second.
         """
-        long_loops = (rows_per_expert is not None and rows_per_expert >= 1024
-                      and out_rows >= 128 and out_cols >= 256)
-        if block_m >= 64 and out_rows % 128 == 0 and _gluon_device(device):
-            if long_loops:
-                return cls(block_m=block_m, block_k=64, block_out_m=128, block_out_n=256,
-                           num_warps=8, num_stages=3, gluon=True)
-            return cls(block_m=block_m, block_k=64, block_out_m=128,
-                       block_out_n=_pow2_clamped(out_cols, 16, 128), num_warps=8, num_stages=5,
-                       gluon=True)
-        if long_loops:
+        if _gluon_device(device):
+            gluon = cls.hopper_gluon(out_rows=out_rows, out_cols=out_cols, block_m=block_m,
+                                     rows_per_expert=rows_per_expert)
+            if gluon is not None:
+                return gluon
+        if rows_per_expert is not None and rows_per_expert >= 1024 and out_rows >= 128 \
+                and out_cols >= 256:
             return cls(block_m=block_m, block_k=min(64, block_m), block_out_m=128,
                        block_out_n=256, num_warps=8, num_stages=3)
         block_out_m = _pow2_clamped(out_rows, 16, 128)
@@ -763,6 +760,20 @@ class WgradConfig:
             num_warps=num_warps,
             num_stages=3,
         )
+
+    @classmethod
+    def hopper_gluon(cls, *, out_rows: int, out_cols: int, block_m: int = 128,
+                     rows_per_expert: int | None = None) -> WgradConfig | None:
+        """The Gluon config :meth:`from_heuristic` picks on a Hopper device (None where the
+        Gluon kernel does not apply: ``out_rows`` not a multiple of 128, ``block_m`` < 64)."""
+        if block_m < 64 or out_rows % 128:
+            return None
+        if rows_per_expert is not None and rows_per_expert >= 1024 and out_cols >= 256:
+            return cls(block_m=block_m, block_k=64, block_out_m=128, block_out_n=256,
+                       num_warps=8, num_stages=3, gluon=True)
+        return cls(block_m=block_m, block_k=64, block_out_m=128,
+                   block_out_n=_pow2_clamped(out_cols, 16, 128), num_warps=8, num_stages=5,
+                   gluon=True)
 
     @classmethod
     def all_configs(cls, *, out_rows: int, out_cols: int, block_m: int = 128) -> list[WgradConfig]:

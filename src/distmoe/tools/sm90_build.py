@@ -64,6 +64,7 @@ class BuildCase:
     num_stages: int
     types: dict = field(default_factory=dict)
     production: bool = False
+    gluon: bool = False  # a Gluon kernel (built from GluonASTSource)
 
 
 @dataclass
@@ -76,10 +77,13 @@ class BuildReport:
     spill_bytes: int | None = None
     smem_bytes: int | None = None
     error: str = ""
+    wgmma_serialized: bool = False  # ptxas C7514: the wgmma pipeline was serialized
 
     @property
     def ok(self) -> bool:
-        return not self.error and not (self.case.production and self.spill_bytes)
+        """Built; a production case also spills nothing and keeps its wgmma pipeline."""
+        return not self.error and not (
+            self.case.production and (self.spill_bytes or self.wgmma_serialized))
 
 
 def build(case: BuildCase) -> BuildReport:
@@ -100,9 +104,12 @@ def build(case: BuildCase) -> BuildReport:
         if sig[name].startswith("*"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     report = BuildReport(case)
+    source_type = ASTSource
+    if case.gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource as source_type
     try:
         compiled = triton.compile(
-            ASTSource(kernel, sig, constexprs=case.constexprs, attrs=attrs),
+            source_type(kernel, sig, constexprs=case.constexprs, attrs=attrs),
             target=GPUTarget("cuda", 90, 32),
             options=dict(num_warps=case.num_warps, num_stages=case.num_stages),
         )
@@ -123,7 +130,56 @@ def build(case: BuildCase) -> BuildReport:
         report.error = f"ptxas (rc {out.returncode}): {out.stderr.strip()[:200]}"
         return report
     report.regs, report.spill_bytes = int(regs[0]), int(spills[0])
+    report.wgmma_serialized = "C7514" in out.stderr
     return report
+
+
+def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
+    """The persistent Gluon WGRAD (:mod:`distmoe.kernels.wgrad_gluon`): the config the Hopper
+    heuristic picks for W13 (x at a device offset) and W2 at each shape (production: no
+    spills, no serialized wgmma), then every other tuner config at ``fine`` (build only)."""
+    import torch
+    from triton.runtime.jit import mangle_type
+
+    from distmoe.kernels import w2_backward as w2b
+    from distmoe.kernels import wgrad_gluon as wg
+    from distmoe.tools.bench.workloads import SHAPES
+
+    if not wg.HAVE_GLUON:
+        return []
+    gl = wg.gl
+
+    def desc(rows, cols, block):  # signature type of a host descriptor (a CPU stand-in)
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+        t = torch.empty(rows, cols, dtype=torch.bfloat16)
+        return mangle_type(wg.GluonDescriptor(t, [rows, cols], [cols, 1], block, layout))
+
+    def case(label, P, Q, E, bp, bq, stages, warps, b_offset, production):
+        b_layout = gl.NVMMASharedLayout.get_default_for([64, bq], gl.bfloat16)
+        types = {"a_desc": desc(64, P, [64, bp]), "o_desc": desc(E * P, Q, [bp, bq]),
+                 "b_desc": desc(64, P, [64, bp]) if b_offset else desc(64, Q, [64, bq]),
+                 "b_base": "*bf16" if b_offset else "*i32",
+                 "b_offset_ptr": "*i64" if b_offset else "*i32"}
+        return BuildCase(
+            label, wg._gluon_wgrad_kernel,
+            dict(P=P, Q=Q, NUM_EXPERTS=E, B_OFFSET=b_offset, B_LAYOUT=b_layout, BLOCK_K=64,
+                 BLOCK_P=bp, BLOCK_Q=bq, STAGES=stages, num_warps=warps),
+            warps, 1, types=types, production=production, gluon=True)
+
+    cases = []
+    for name in shapes:
+        s = SHAPES[name]
+        D, F, E = s.hidden, s.ffn, s.num_experts
+        hint = s.tokens * s.top_k // E
+        for kind, P, Q in (("W13", 2 * F, D), ("W2", D, F)):
+            c = w2b.WgradConfig.hopper_gluon(out_rows=P, out_cols=Q, rows_per_expert=hint)
+            cases.append(case(f"{name} {kind} WGRAD gluon", P, Q, E, c.block_out_m,
+                              c.block_out_n, c.num_stages, c.num_warps, kind == "W13", True))
+    s = SHAPES["fine"]
+    for bp, bq, stages, warps in wg.GLUON_WGRAD_CONFIGS:
+        cases.append(case(f"variant W2 WGRAD gluon {bp}x{bq} s{stages} w{warps}", s.hidden,
+                          s.ffn, s.num_experts, bp, min(bq, s.ffn), stages, warps, False, False))
+    return cases
 
 
 def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
