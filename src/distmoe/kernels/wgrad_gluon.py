@@ -54,10 +54,11 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 
 __all__ = ["HAVE_GLUON", "gluon_wgrad_supported", "launch_gluon_wgrad", "GLUON_WGRAD_CONFIGS"]
 
-# (block_p, block_q, stages, num_warps) candidates: the tuner times them all (the heuristic,
+# (block_p, block_q, stages, num_warps, block_k) candidates: the tuner times them all (the heuristic,
 # WgradConfig.from_heuristic, picks the first or the second). Shared memory:
-# stages * 64 * (block_p + block_q) * 2 + block_p * block_q * 2 bytes (at most 227 KiB).
-GLUON_WGRAD_CONFIGS = ((128, 256, 3, 8), (128, 128, 5, 8), (128, 128, 6, 8), (128, 128, 4, 4))
+# stages * block_k * (block_p + block_q) * 2 + block_p * block_q * 2 bytes (at most 227 KiB).
+GLUON_WGRAD_CONFIGS = ((128, 256, 3, 8, 64), (128, 128, 5, 8, 64), (128, 128, 6, 8, 64),
+                       (128, 128, 4, 4, 64), (128, 128, 3, 8, 128), (256, 128, 3, 8, 64))
 
 
 if HAVE_GLUON:
@@ -268,7 +269,7 @@ def launch_gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_offsets: torch.Tens
         row_offsets: int32 ``[E + 1]`` on the device.
         out: bf16 ``[E, P, Q]``.
         b_offset: int64 ``[1]`` device element offset of ``b``'s row 0 (a multiple of 8).
-        block_p / block_q / stages / num_warps: one of :data:`GLUON_WGRAD_CONFIGS`.
+        block_p / block_q / stages / num_warps / block_k: one of :data:`GLUON_WGRAD_CONFIGS`.
         programs: grid size; default one per SM (at most one per tile). Tests pass fewer, so
             that every program walks several tiles.
     """

@@ -154,15 +154,15 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
         t = torch.empty(rows, cols, dtype=torch.bfloat16)
         return mangle_type(wg.GluonDescriptor(t, [rows, cols], [cols, 1], block, layout))
 
-    def case(label, P, Q, E, bp, bq, stages, warps, b_offset, production):
-        b_layout = gl.NVMMASharedLayout.get_default_for([64, bq], gl.bfloat16)
-        types = {"a_desc": desc(64, P, [64, bp]), "o_desc": desc(E * P, Q, [bp, bq]),
-                 "b_desc": desc(64, P, [64, bp]) if b_offset else desc(64, Q, [64, bq]),
+    def case(label, P, Q, E, bp, bq, stages, warps, b_offset, production, bk=64):
+        b_layout = gl.NVMMASharedLayout.get_default_for([bk, bq], gl.bfloat16)
+        types = {"a_desc": desc(bk, P, [bk, bp]), "o_desc": desc(E * P, Q, [bp, bq]),
+                 "b_desc": desc(bk, P, [bk, bp]) if b_offset else desc(bk, Q, [bk, bq]),
                  "b_base": "*bf16" if b_offset else "*i32",
                  "b_offset_ptr": "*i64" if b_offset else "*i32"}
         return BuildCase(
             label, wg._gluon_wgrad_kernel,
-            dict(P=P, Q=Q, NUM_EXPERTS=E, B_OFFSET=b_offset, B_LAYOUT=b_layout, BLOCK_K=64,
+            dict(P=P, Q=Q, NUM_EXPERTS=E, B_OFFSET=b_offset, B_LAYOUT=b_layout, BLOCK_K=bk,
                  BLOCK_P=bp, BLOCK_Q=bq, STAGES=stages, num_warps=warps),
             warps, 1, types=types, production=production, gluon=True)
 
@@ -174,11 +174,13 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
         for kind, P, Q in (("W13", 2 * F, D), ("W2", D, F)):
             c = w2b.WgradConfig.hopper_gluon(out_rows=P, out_cols=Q, rows_per_expert=hint)
             cases.append(case(f"{name} {kind} WGRAD gluon", P, Q, E, c.block_out_m,
-                              c.block_out_n, c.num_stages, c.num_warps, kind == "W13", True))
+                              c.block_out_n, c.num_stages, c.num_warps, kind == "W13", True,
+                              c.block_k))
     s = SHAPES["fine"]
-    for bp, bq, stages, warps in wg.GLUON_WGRAD_CONFIGS:
-        cases.append(case(f"variant W2 WGRAD gluon {bp}x{bq} s{stages} w{warps}", s.hidden,
-                          s.ffn, s.num_experts, bp, min(bq, s.ffn), stages, warps, False, False))
+    for bp, bq, stages, warps, bk in wg.GLUON_WGRAD_CONFIGS:
+        cases.append(case(f"variant W2 WGRAD gluon {bp}x{bq} k{bk} s{stages} w{warps}",
+                          s.hidden, s.ffn, s.num_experts, bp, min(bq, s.ffn), stages, warps,
+                          False, False, bk))
     return cases
 
 
