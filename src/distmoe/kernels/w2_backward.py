@@ -337,13 +337,12 @@ def _w2_dgrad_tile(
 
         # SwiGLU backward in column parts: the whole 128 x 128 tile with its g/u pair and
         # their 64-bit addresses needs more than 255 registers per thread (spills); halves
-        # need about 175 on SM90 (ptxas), quarters about 100, so that two CTAs of 8 warps fit
-        # an SM (with 3 stages, 96 KiB of SMEM each) and one's epilogue runs under the
-        # other's MMAs. A 128 x 256 tile in halves spilled 560-600 bytes per thread; in
-        # quarters none (tools/ptxas_report.py; run 12: 2.23 -> 2.15 ms at issue-a).
-        PART: tl.constexpr = (BLOCK_N // 4 if BLOCK_N >= 128
+        # need about 180 on SM90 (ptxas). A 128 x 256 tile in halves spilled 560-600 bytes
+        # per thread; in quarters none (tools/ptxas_report.py; run 12: 2.23 -> 2.15 ms at
+        # issue-a).
+        PART: tl.constexpr = (BLOCK_N // 4 if BLOCK_N >= 256
                               else (BLOCK_N // 2 if BLOCK_N >= 32 else BLOCK_N))
-        if BLOCK_N >= 128:
+        if BLOCK_N >= 256:
             lo, hi = _column_halves(acc, BLOCK_M, BLOCK_N)
             q0, q1 = _column_halves(lo, BLOCK_M, BLOCK_N // 2)
             _swiglu_bwd_epilogue(q0, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row, n0,
