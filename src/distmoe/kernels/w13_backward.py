@@ -275,19 +275,13 @@ class W13DgradConfig(GemmConfig):
         epilogue and scatter stores overlap the other's main loop.
 
         With a ``rows_per_expert`` hint (balanced rows per local expert ``T*K*EP/E``, a shape
-        key, never a routed count), ``block_m`` 128 and D >= 256: 128 x 256 tiles; 4 stages on
-        a persistent grid, or, for long row loops (hint >= 1024), 3 stages with one program
-        per tile. Measured on one H200 (2026-11-29, ``tools/tune_gemm.py --backward``): at
-        T=8192 D=4096 F=2048 E=32 K=8 3.00 ms against 3.64 for the default above (1.10x
-        ``torch._grouped_mm`` on pre-gathered rows); at T=4096 D=2048 F=768 E=128 K=8 0.410
-        against 0.446 ms. A later run of the same tool (docs/performance.md run 15): at the
-        first shape 2.96 ms for 3 stages, one program per tile, against 3.13 persistent with
-        4; at the second the persistent 4-stage config stays first (0.405 against 0.409).
+        key, never a routed count), ``block_m`` 128 and D >= 256: 128 x 256 tiles, 4 stages,
+        persistent grid. Measured on one H200 (2026-11-29, ``tools/tune_gemm.py
+        --backward``): at T=8192 D=4096 F=2048 E=32 K=8 3.00 ms against 3.64 for the default
+        above (1.10x ``torch._grouped_mm`` on pre-gathered rows); at T=4096 D=2048 F=768 E=128
+        K=8 0.410 against 0.446 ms.
         """
         if rows_per_expert is not None and block_m == 128 and hidden >= 256 and ffn >= 32:
-            if rows_per_expert >= 1024:
-                return cls(block_m=block_m, block_n=256, block_k=64, num_warps=8,
-                           num_stages=3)
             return cls(block_m=block_m, block_n=256, block_k=64, num_warps=8, num_stages=4,
                        persistent=True)
         block_n = _pow2_clamped(hidden, 16, 128)
