@@ -34,18 +34,23 @@ def test_device_decisions_follow_the_planner(capacity, replays):
         buf = ActivationBuffer(cfg, 2, rank, torch.device("cpu"))
         recs = []
         for layer, rows in enumerate(ROWS):
-            rec = buf.begin_layer(torch.tensor(rows))
+            combine_address = 4096 * (rank + 3)  # any address: only passed through
+            rec = buf.begin_layer(torch.tensor(rows), combine_address)
             recs.append(rec)
             assert bool(rec.replay) == replays[layer]
             assert buf.cursors[0].tolist() == list(trace.saved_bytes[layer])
             start = rec.cursor_before[rank].item() // 2
             mine = rows[rank]
+            scratch = buf.scratch_elem_offsets
             if replays[layer]:
                 assert rec.offsets.tolist() == [-1, -1, -1, start]
+                # the backward rebuilds h3 in the combine buffer, h1 and x_rows in scratch
+                assert rec.backward.tolist() == [combine_address, scratch["h1g"], scratch["xs"]]
             else:
                 x_bytes, h1_bytes = mine * 256 * 2, mine * 512 * 2  # both multiples of 128
-                assert rec.offsets.tolist() == [start + x_bytes // 2, start,
-                                                start + (x_bytes + h1_bytes) // 2, -1]
+                h1, h3 = start + x_bytes // 2, start + (x_bytes + h1_bytes) // 2
+                assert rec.offsets.tolist() == [h1, start, h3, -1]
+                assert rec.backward.tolist() == [buf.elements.data_ptr() + 2 * h3, h1, start]
         with pytest.raises(ValueError, match="slot 0 already holds 4 layers"):
             buf.begin_layer(torch.tensor([1, 1]))
         with pytest.raises(RuntimeError, match="reverse order"):

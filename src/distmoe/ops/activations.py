@@ -55,6 +55,9 @@ class LayerRecord:
     offsets: int64 [4] device element offsets (bf16 elements from the buffer base) of this
         rank's saved h1, x_rows, h3 routes (or -1 when replayed) and of the kept input x
         (-1 when saved). The order matches the W13 kernel's ``out_offsets = [h1, x]``.
+    backward: int64 [3] device values the backward reads its state through: the h3 routes'
+        absolute address (the combine buffer's when replayed), and the element offsets of h1
+        and x_rows (the scratch ``h1g`` / ``xs`` when replayed).
     """
 
     slot: int
@@ -62,6 +65,7 @@ class LayerRecord:
     cursor_before: torch.Tensor
     replay: torch.Tensor
     offsets: torch.Tensor
+    backward: torch.Tensor
     state: str = "live"  # "live" -> "done" (its backward ran) or "reset" (reset_slots)
 
 
@@ -125,7 +129,6 @@ class ActivationBuffer:
         # selected slot.
         self.stacks: list[list[LayerRecord]] = [[] for _ in range(self.num_slots)]
         self.slot = 0
-        self._consts = torch.tensor([D * 2, 2 * F * 2], dtype=torch.int64, device=device)
 
     # ----------------------------------------------------------------- slot selection
     def select_slot(self, slot: int) -> None:
@@ -167,35 +170,29 @@ class ActivationBuffer:
             )
 
     # ----------------------------------------------------------------- forward
-    def begin_layer(self, executed_rows_EP: torch.Tensor) -> LayerRecord:
+    def begin_layer(self, executed_rows_EP: torch.Tensor, combine_address: int = 0) -> LayerRecord:
         """Decide save/replay on the device for the next layer of the selected slot, advance
-        the cursors and return the record for backward (no host synchronisation)."""
+        the cursors and return the record for backward (no host synchronisation; one device
+        program, :mod:`distmoe.kernels.slot_cursor`). ``combine_address``: the absolute address
+        of this rank's combine buffer, where a replayed layer's backward finds its h3 routes."""
+        from ..kernels.slot_cursor import begin_layer_on_device
+
         self.check_room()
         s = self.slot
         layer = len(self.stacks[s])
-        rows = executed_rows_EP.to(torch.int64)
-        full = align128(rows * self._consts[0]) + align128(rows * self._consts[1]) + self.h3_bytes
-        cur = self.cursors[s]
-        before = cur.clone()
-        reserve = (self.layers_per_slot - 1 - layer) * self.input_bytes
-        need = (cur + full).max() + reserve
-        save = need <= self.slot_bytes
-        replay = (~save).reshape(1)
-        cur.add_(torch.where(save, full, torch.full_like(full, self.input_bytes)))
-        start = (s * self.slot_bytes + before[self.rank]) // 2
-        my_rows = rows[self.rank]
-        x_rows_off = start
-        h1_off = start + align128(my_rows * self._consts[0]) // 2
-        h3_off = h1_off + align128(my_rows * self._consts[1]) // 2
-        neg = torch.full_like(start, -1)
-        offsets = torch.stack([
-            torch.where(save, h1_off, neg),
-            torch.where(save, x_rows_off, neg),
-            torch.where(save, h3_off, neg),
-            torch.where(save, neg, start),
-        ])
+        D, F = self.cfg.hidden, self.cfg.ffn
+        so = self.scratch_elem_offsets
+        before, replay, offsets, backward = begin_layer_on_device(
+            executed_rows_EP.to(device=self.device, dtype=torch.int64).contiguous(),
+            self.cursors[s], rank=self.rank, slot_base=s * self.slot_bytes,
+            slot_bytes=self.slot_bytes, input_bytes=self.input_bytes,
+            reserve=(self.layers_per_slot - 1 - layer) * self.input_bytes,
+            h3_bytes=self.h3_bytes, x_row_bytes=D * 2, h1_row_bytes=2 * F * 2,
+            combine_address=combine_address, elements_address=self.elements.data_ptr(),
+            replay_offsets=(so["h1g"], so["xs"]),
+        )  # fmt: skip
         rec = LayerRecord(slot=s, layer=layer, cursor_before=before, replay=replay,
-                          offsets=offsets)
+                          offsets=offsets, backward=backward)
         self.stacks[s].append(rec)
         return rec
 

@@ -139,10 +139,8 @@ class MoEFunction(torch.autograd.Function):
             w2_scatter(scratch["h2"], po, ro, w2, tables.scatter_ptrs, enable=enable,
                        config=moe._w2_cfg)
             heap.barrier()
-        addr = moe._addresses
-        h3_addr = torch.where(replay, addr[0:1], addr[1:2] + 2 * rec.offsets[2:3])
-        h1_offset = torch.where(replay, moe._replay_offsets[0:1], rec.offsets[0:1])
-        x_offset = torch.where(replay, moe._replay_offsets[1:2], rec.offsets[1:2])
+        # where the state is, saved or rebuilt (decided with the forward's slot record)
+        h3_addr, h1_offset, x_offset = rec.backward[0:1], rec.backward[1:2], rec.backward[2:3]
 
         # 1. owner: score gradients and route output gradients into its combine slots
         grad_scores = torch.empty(T, K, dtype=torch.float32, device=dev)

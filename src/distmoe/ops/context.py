@@ -131,13 +131,9 @@ class MoEContext:
             self._h2 = self.activations.scratch["h2"]
             acts = self.activations
             so = acts.scratch_elem_offsets
-            # [h1g, xs] element offsets (the replay's W13 outputs), then absolute addresses of
-            # this rank's combine buffer and of the activation buffer.
+            # [h1g, xs] element offsets (the replay's W13 outputs)
             self._replay_offsets = torch.tensor([so["h1g"], so["xs"]], dtype=torch.int64,
                                                 device=self.device)
-            self._addresses = torch.tensor(
-                [self._combine.data_ptr(), acts.elements.data_ptr()], dtype=torch.int64,
-                device=self.device)
         else:
             self._h2 = torch.empty(self.receive_bound, F, dtype=torch.bfloat16,
                                    device=self.device)
@@ -283,7 +279,7 @@ class MoEContext:
                                        expert_ids.to(torch.int32), -1)
             combine(self._combine[:T * K], ids_executed, scores_f32, y)
             return y, None
-        rec = acts.begin_layer(tables.executed_rows_EP)
+        rec = acts.begin_layer(tables.executed_rows_EP, self._combine.data_ptr())
         try:
             elements = acts.elements
             gather_w13_swiglu(gather_ptrs, po, ro, w13, self._h2, h1_out=elements,

@@ -17,7 +17,8 @@ forward, both DGRADs, the grouped WGRAD):
   gather, split-row atomics). These only have to build.
 
 :func:`other_kernel_cases` lists the rest of the library's kernels (combine, route gradients,
-row gather, offset copy, token pull, routing tables, device barrier) at the ``fine`` shape
+row gather, offset copy, token pull, routing tables, slot cursor, device barrier) at the
+``fine`` shape
 with every flag value their launchers pass. They only have to build.
 """
 
@@ -304,6 +305,7 @@ def other_kernel_cases() -> list[BuildCase]:
     from distmoe.kernels import offset_copy as oc
     from distmoe.kernels import pull_tokens as pull
     from distmoe.kernels import route_grad as rg
+    from distmoe.kernels import slot_cursor
     from distmoe.kernels import w2_backward as w2b
     from distmoe.routing import fused
     from distmoe.runtime import barrier
@@ -381,6 +383,14 @@ def other_kernel_cases() -> list[BuildCase]:
         dict(E=E, E_LOCAL=E_LOCAL, EP=EP, ROW_BLOCK=128, EB=EB, EPB=EPB), 4, 1,
         types={"counts_ptr": "*i32", "scratch_ptr": "*i32", "rows_per_expert_ptr": "*i32",
                "executed_ep_ptr": "*i64", "RANK": "i32", "RECEIVE_BOUND": "i32"}))
+    i64 = ("slot_base", "slot_bytes", "input_bytes", "reserve", "h3_bytes", "combine_address",
+           "elements_address", "replay_h1_offset", "replay_x_offset")
+    cases.append(BuildCase(
+        "begin_layer (slot cursor)", slot_cursor._begin_layer_kernel,
+        dict(X_ROW_BYTES=2 * D, H1_ROW_BYTES=4 * 768, EP=EP, EP_POW2=EP), 1, 1,
+        types={**{n: "*i64" for n in ("rows_ptr", "cursors_ptr", "before_ptr", "offsets_ptr",
+                                      "backward_ptr")},
+               "replay_ptr": "*i1", "rank": "i32", **{n: "i64" for n in i64}}))
     cases.append(BuildCase(
         "device_barrier", barrier._device_barrier_kernel, dict(WORLD=EP), 1, 1,
         types={"signal_bases_ptr": "*i64", "epoch_ptr": "*i64", "rank": "i32"}))
