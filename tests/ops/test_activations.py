@@ -257,3 +257,35 @@ def test_backward_uses_the_slot_its_forward_recorded():
             assert torch.equal(a, b)
         assert r["two_slots_dropped"] == [1, 0] and r["one_slot_dropped"] == [1]
         assert r["two_slots_depth"] == [0, 0] and r["one_slot_depth"] == [0]
+
+
+@pytest.mark.parametrize("ep", [1, 3, 8])
+def test_slot_cursor_kernel_matches_torch_ops(ep):
+    """The one-program decision (the device path, interpreted on CPU) against the same rule
+    in torch ops, on random rows and cursors that straddle the save/replay boundary, with row
+    byte counts that are not multiples of 128 (the rounding matters)."""
+    from distmoe.kernels import slot_cursor as sc
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(ep)
+    outcomes = set()
+    for trial in range(8):
+        rows = torch.randint(0, 50, (ep,), generator=gen).to(dev)
+        cursors = (torch.randint(0, 200, (ep,), generator=gen) * 128).to(dev)
+        args = dict(rank=trial % ep, slot_base=3 * 65536, slot_bytes=14_000 + 3_000 * trial,
+                    input_bytes=1536, reserve=1536 * (trial % 3), h3_bytes=2048,
+                    x_row_bytes=2 * 40, h1_row_bytes=2 * 2 * 24, combine_address=7 * 4096,
+                    elements_address=11 * 4096, replay_offsets=(12_288, 20_480))
+        want_cur = cursors.clone()
+        want = [torch.empty(ep, dtype=torch.int64, device=dev),
+                torch.empty(1, dtype=torch.bool, device=dev),
+                torch.empty(4, dtype=torch.int64, device=dev),
+                torch.empty(3, dtype=torch.int64, device=dev)]
+        sc._begin_layer_torch(rows, want_cur, *want, **args)
+        got_cur = cursors.clone()
+        got = sc.begin_layer_on_device(rows, got_cur, **args)
+        assert torch.equal(got_cur, want_cur)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w), (trial, g, w)
+        outcomes.add(bool(got[1]))
+    assert outcomes == {False, True}  # both saved and replayed layers were compared

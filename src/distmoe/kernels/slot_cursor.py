@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from distmoe.kernels._common import device_context, next_power_of_2
+from distmoe.kernels.interpreter import interpreter_active
 
 __all__ = ["begin_layer_on_device"]
 
@@ -89,6 +90,33 @@ def _begin_layer_kernel(
     tl.store(backward_ptr + 2, tl.where(save, x_rows_off, replay_x_offset))
 
 
+def _begin_layer_torch(rows, cursors, before, replay, offsets, backward, *, rank, slot_base,
+                       slot_bytes, input_bytes, reserve, h3_bytes, x_row_bytes, h1_row_bytes,
+                       combine_address, elements_address, replay_offsets):
+    """The same decision as torch ops: CPU tensors outside the Triton interpreter (where no
+    kernel can take them), and the reference of the kernel's tests."""
+    def align(n):
+        return (n + 127) // 128 * 128
+
+    cur = cursors.clone()
+    full = align(rows * x_row_bytes) + align(rows * h1_row_bytes) + h3_bytes
+    save = (cur + full).max() + reserve <= slot_bytes
+    before.copy_(cur)
+    cursors.add_(torch.where(save, full, torch.full_like(full, input_bytes)))
+    start = (slot_base + cur[rank]) // 2
+    h1 = start + align(rows[rank] * x_row_bytes) // 2
+    h3 = h1 + align(rows[rank] * h1_row_bytes) // 2
+    neg = torch.full_like(start, -1)
+    replay.copy_(~save.reshape(1))
+    offsets.copy_(torch.stack([torch.where(save, v, neg) for v in (h1, start, h3)]
+                              + [torch.where(save, neg, start)]))
+    backward.copy_(torch.stack([
+        torch.where(save, elements_address + 2 * h3, torch.full_like(h3, combine_address)),
+        torch.where(save, h1, torch.full_like(h1, replay_offsets[0])),
+        torch.where(save, start, torch.full_like(start, replay_offsets[1])),
+    ]))
+
+
 def begin_layer_on_device(
     rows: torch.Tensor,
     cursors: torch.Tensor,
@@ -108,13 +136,20 @@ def begin_layer_on_device(
     """Launch the decision (module docstring); ``rows`` and ``cursors`` are int64 ``[EP]`` on
     one device (validated by the caller, :class:`~distmoe.ops.activations.ActivationBuffer`).
     Returns ``(before, replay, offsets, backward)``; ``cursors`` is advanced in place. Nothing
-    is read back on the host."""
+    is read back on the host. CPU tensors outside the interpreter take the torch-op path."""
     ep = cursors.shape[0]
     dev = cursors.device
     before = torch.empty(ep, dtype=torch.int64, device=dev)
     replay = torch.empty(1, dtype=torch.bool, device=dev)
     offsets = torch.empty(4, dtype=torch.int64, device=dev)
     backward = torch.empty(3, dtype=torch.int64, device=dev)
+    if dev.type == "cpu" and not interpreter_active():
+        _begin_layer_torch(
+            rows, cursors, before, replay, offsets, backward, rank=rank, slot_base=slot_base,
+            slot_bytes=slot_bytes, input_bytes=input_bytes, reserve=reserve, h3_bytes=h3_bytes,
+            x_row_bytes=x_row_bytes, h1_row_bytes=h1_row_bytes, combine_address=combine_address,
+            elements_address=elements_address, replay_offsets=replay_offsets)
+        return before, replay, offsets, backward
     with device_context(dev):
         _begin_layer_kernel[(1,)](
             rows, cursors, before, replay, offsets, backward, rank, slot_base, slot_bytes,
