@@ -174,6 +174,18 @@ def test_cpu_smoke_run_distmoe_training(tmp_path):
         [("distmoe", "fwdbwd", "ok")], rows
     assert rows[0]["max_rel_err_vs_torch"] < 0.05
     assert rows[0]["routing"] == "exact"
+    assert "activation_factor" not in rows[0]["note"]
+    # --activation-factor reaches the context (a larger slot) and the row's note
+    out2 = tmp_path / "bench2"
+    args = _parse(["--shapes", "smoke", "--device", "cpu", "--providers", "distmoe",
+                   "--mode", "fwdbwd", "--warmup", "1", "--windows", "2", "--iters", "1",
+                   "--activation-factor", "2", "--no-plots", "--no-ceilings", "--out", str(out2)])
+    assert cli.resolve_plan(args).activation_factor == 2.0
+    assert cli.run(args) == 0
+    rows = report.read_cases_csv(out2 / "cases.csv")
+    assert rows[0]["status"] == "ok" and "activation_factor=2" in rows[0]["note"], rows
+    with pytest.raises(ValueError, match=r"--activation-factor \(0.0\) must be > 0"):
+        cli.resolve_plan(_parse(["--activation-factor", "0"]))
 
 
 def test_sampled_routing_run_and_rules(tmp_path, capsys):

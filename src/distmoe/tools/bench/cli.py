@@ -92,6 +92,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "only, like a real router (no imbalance knob) (default exact)",
     )
     parser.add_argument(
+        "--activation-factor",
+        type=float,
+        default=None,
+        metavar="F",
+        help="distmoe training cases: MoEConfig.activation_factor, the saved-state slot as a "
+        "multiple of the balanced state (default: the config's, 1.0). An imbalanced case "
+        "whose loaded rank exceeds the slot replays its layer in backward (a second "
+        "forward); give at least the largest --imbalance to time saved layers only",
+    )
+    parser.add_argument(
         "--imbalance-groups",
         type=int,
         default=8,
@@ -182,6 +192,7 @@ class BenchPlan:
     seed: int = 0
     imbalance_groups: int = 8
     routing: str = "exact"
+    activation_factor: float | None = None
 
     def tokens_for(self, shape: MoEShape) -> tuple[int, ...]:
         return self.tokens if self.tokens else (shape.tokens,)
@@ -233,6 +244,8 @@ def resolve_plan(args: argparse.Namespace) -> BenchPlan:
             f"--imbalance ({' '.join(f'{f:g}' for f in imbalances)}) needs --routing exact: "
             "sampled routing is balanced in expectation only"
         )
+    if args.activation_factor is not None and not args.activation_factor > 0:
+        raise ValueError(f"--activation-factor ({args.activation_factor}) must be > 0")
     if args.tokens and any(t < 1 for t in args.tokens):
         raise ValueError(f"--tokens values ({args.tokens}) must be >= 1")
     shapes = tuple(rank_share(SHAPES[n], args.rank_share_of) for n in names)
@@ -257,6 +270,7 @@ def resolve_plan(args: argparse.Namespace) -> BenchPlan:
         seed=args.seed,
         imbalance_groups=args.imbalance_groups,
         routing=args.routing,
+        activation_factor=args.activation_factor,
     )
 
 
@@ -477,6 +491,7 @@ def run_cases(
                                 bench_group=bg,
                                 device=ctx.device,
                                 max_imbalance=max(plan.imbalances),
+                                activation_factor=plan.activation_factor,
                             )
                         row = _base_result(ctx, p, shape, t, mode, f)
                         value = run_case(ctx, built[p], inputs, row, y_ref)

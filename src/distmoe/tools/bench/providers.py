@@ -66,6 +66,7 @@ def build_provider(
     bench_group: BenchGroup,
     device: torch.device,
     max_imbalance: float = 1.0,
+    activation_factor: float | None = None,
 ) -> Provider:
     """Build provider ``name`` for one (shape, tokens, mode); never raises for provider failures.
 
@@ -73,6 +74,9 @@ def build_provider(
     tracked rank receives that many times its balanced rows, so distmoe's receive bound
     (``device_scratch_factor``, default 2) is raised to it; otherwise routes beyond the bound
     would be dropped and the case would time less work.
+
+    ``activation_factor``: distmoe's ``MoEConfig.activation_factor`` in training cases (None:
+    the config's default); the row note names it when given.
     """
     if name not in PROVIDERS:
         raise ValueError(f"provider ({name!r}) must be one of {PROVIDERS}")
@@ -84,6 +88,7 @@ def build_provider(
             training=training,
             bench_group=bench_group,
             receive_factor=max_imbalance if ep_size > 1 else 1.0,
+            activation_factor=activation_factor,
         )
     path, reason = grouped_mm_path(device, torch.bfloat16)
     note = f"grouped GEMM: {path}" + (f" ({reason})" if reason else "")
@@ -101,7 +106,8 @@ def build_provider(
 
 
 def _build_distmoe(
-    *, shape: MoEShape, tokens: int, training: bool, bench_group: BenchGroup, receive_factor: float
+    *, shape: MoEShape, tokens: int, training: bool, bench_group: BenchGroup, receive_factor: float,
+    activation_factor: float | None = None,
 ) -> Provider:
     try:
         import distmoe as dm
@@ -119,6 +125,10 @@ def _build_distmoe(
     fields = getattr(dm.MoEConfig, "__dataclass_fields__", {})
     if receive_factor > 2.0 and "device_scratch_factor" in fields:
         kwargs["device_scratch_factor"] = float(receive_factor)
+    note = ""
+    if training and activation_factor is not None and "activation_factor" in fields:
+        kwargs["activation_factor"] = float(activation_factor)
+        note = f"activation_factor={activation_factor:g}"
     try:
         cfg = dm.MoEConfig(
             hidden=shape.hidden,
@@ -137,6 +147,7 @@ def _build_distmoe(
     return Provider(
         name="distmoe",
         status="ok",
+        note=note,
         layer=ctx,
         graph_safe=True,
         close=getattr(ctx, "close", lambda: None),
