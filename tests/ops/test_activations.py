@@ -52,7 +52,9 @@ def test_device_decisions_follow_the_planner(capacity, replays):
                 assert rec.offsets.tolist() == [h1, start, h3, -1]
                 assert rec.backward.tolist() == [buf.elements.data_ptr() + 2 * h3, h1, start]
         with pytest.raises(ValueError, match="slot 0 already holds 4 layers"):
-            buf.begin_layer(torch.tensor([1, 1]))
+            buf.begin_layer(torch.tensor([1, 1]), 4096)
+        with pytest.raises(ValueError, match=r"combine_address \(0\) must be a positive int"):
+            buf.begin_layer(torch.tensor([1, 1]), 0)
         with pytest.raises(RuntimeError, match="reverse order"):
             buf.end_layer(recs[1])
         for layer in reversed(range(4)):
@@ -89,7 +91,7 @@ def test_device_decisions_match_the_planner_on_random_rows(ep, layers):
         for rank in (0, ep - 1):
             buf = ActivationBuffer(cfg, ep, rank, torch.device("cpu"))
             for layer in range(layers):
-                rec = buf.begin_layer(torch.tensor(rows[layer]))
+                rec = buf.begin_layer(torch.tensor(rows[layer]), 4096)
                 assert bool(rec.replay) == (not trace.decisions[layer]), (trial, layer)
                 assert buf.cursors[0].tolist() == list(trace.saved_bytes[layer])
                 assert buf.cursors[0].max().item() <= cap  # never past the slot
@@ -99,8 +101,8 @@ def test_device_decisions_match_the_planner_on_random_rows(ep, layers):
 def test_abandon_reset_and_backward_errors():
     cfg = _worked_cfg(28_672)
     buf = ActivationBuffer(cfg, 2, 0, torch.device("cpu"))
-    a = buf.begin_layer(torch.tensor(ROWS[0]))
-    b = buf.begin_layer(torch.tensor(ROWS[1]))
+    a = buf.begin_layer(torch.tensor(ROWS[0]), 4096)
+    b = buf.begin_layer(torch.tensor(ROWS[1]), 4096)
     buf.abandon_layer(b)  # a forward that failed after begin_layer: undone
     assert buf.depth == [1] and buf.cursors.tolist() == [list(trace_saves(
         cfg, 28_672, ROWS[:1]).saved_bytes[0])]
@@ -108,11 +110,11 @@ def test_abandon_reset_and_backward_errors():
     assert buf.depth == [0] and buf.cursors.tolist() == [[0, 0]]
     with pytest.raises(RuntimeError, match="its backward already ran"):
         buf.end_layer(a)
-    d = buf.begin_layer(torch.tensor(ROWS[3]))  # e.g. an output dropped without backward
+    d = buf.begin_layer(torch.tensor(ROWS[3]), 4096)  # e.g. an output dropped without backward
     with pytest.raises(ValueError, match=r"ctx.reset_slots\(\)"):
         for _ in range(4):
             buf.check_room()
-            buf.begin_layer(torch.tensor(ROWS[0]))
+            buf.begin_layer(torch.tensor(ROWS[0]), 4096)
     buf.reset_slots()
     assert buf.depth == [0] and buf.cursors.tolist() == [[0, 0]]
     with pytest.raises(RuntimeError, match="reset after its forward"):

@@ -170,13 +170,17 @@ class ActivationBuffer:
             )
 
     # ----------------------------------------------------------------- forward
-    def begin_layer(self, executed_rows_EP: torch.Tensor, combine_address: int = 0) -> LayerRecord:
+    def begin_layer(self, executed_rows_EP: torch.Tensor, combine_address: int) -> LayerRecord:
         """Decide save/replay on the device for the next layer of the selected slot, advance
         the cursors and return the record for backward (no host synchronisation; one device
         program, :mod:`distmoe.kernels.slot_cursor`). ``combine_address``: the absolute address
         of this rank's combine buffer, where a replayed layer's backward finds its h3 routes."""
         from ..kernels.slot_cursor import begin_layer_on_device
 
+        if isinstance(combine_address, bool) or not isinstance(combine_address, int) \
+                or combine_address <= 0:
+            raise ValueError(f"combine_address ({combine_address!r}) must be a positive int "
+                             "(the combine buffer's data_ptr())")
         self.check_room()
         s = self.slot
         layer = len(self.stacks[s])
