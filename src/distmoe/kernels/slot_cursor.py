@@ -8,8 +8,9 @@ a slot and on the device, the planner's rule over every rank's executed rows ``R
 
 advances every rank's cursor (by ``full_r`` when saving, else by ``input_bytes``) and writes
 this rank's element offsets and the three device values its backward needs. As plain torch
-ops this was about twenty launches of one-element kernels per layer (docs/performance.md run
-15: ~60 us of the 2.3 ms step at T=4096, D=2048, F=768, E=128); here it is one.
+ops this was about twenty launches of one-element kernels per layer and three more in its
+backward; here it is one (docs/performance.md runs 15c-16: 2.585 -> 2.560 ms of kernels per
+training step at T=4096, D=2048, F=768, E=128, K=8 on one H200).
 
 Outputs (all written by the single program):
 
