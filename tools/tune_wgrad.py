@@ -45,12 +45,10 @@ def _candidates(WgradConfig, out_rows, out_cols, hint, quick=False):
             out.append(cfg)
     # the persistent Gluon kernel (distmoe.kernels.wgrad_gluon), timed with --quick too
     for bp, bq, stages, warps, bk in GLUON_WGRAD_CONFIGS:
-        if out_rows % bp == 0 and WgradConfig(
-                block_m=128, block_k=bk, block_out_m=bp, block_out_n=min(bq, out_cols),
-                num_warps=warps, num_stages=stages, gluon=True) not in out:
-            out.append(WgradConfig(block_m=128, block_k=bk, block_out_m=bp,
-                                   block_out_n=min(bq, out_cols), num_warps=warps,
-                                   num_stages=stages, gluon=True))
+        cfg = WgradConfig(block_m=128, block_k=bk, block_out_m=bp, block_out_n=min(bq, out_cols),
+                          num_warps=warps, num_stages=stages, gluon=True)
+        if out_rows % bp == 0 and cfg not in out:
+            out.append(cfg)
     return out
 
 

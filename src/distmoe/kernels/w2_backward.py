@@ -570,12 +570,12 @@ def _grouped_wgrad_kernel(
 
 
 def _gluon_device(device: torch.device | None) -> bool:
-    """A CUDA device of compute capability 9.x, outside the interpreter, with Gluon present."""
-    if device is None or torch.device(device).type != "cuda" or interpreter_active():
+    """A device the Gluon WGRAD runs on (:func:`~distmoe.kernels.wgrad_gluon.gluon_device_reason`)."""
+    if device is None:
         return False
-    from .wgrad_gluon import HAVE_GLUON
+    from .wgrad_gluon import gluon_device_reason
 
-    return HAVE_GLUON and torch.cuda.get_device_capability(device)[0] == 9
+    return gluon_device_reason(torch.device(device)) is None
 
 
 def check_backward_gemm_config(config: GemmConfig) -> None:

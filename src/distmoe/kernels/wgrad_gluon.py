@@ -52,7 +52,8 @@ try:  # Gluon ships with triton >= 3.4; keep the package importable without it
 except ImportError:  # pragma: no cover - depends on the installed triton
     HAVE_GLUON = False
 
-__all__ = ["HAVE_GLUON", "gluon_wgrad_supported", "launch_gluon_wgrad", "GLUON_WGRAD_CONFIGS"]
+__all__ = ["HAVE_GLUON", "GLUON_WGRAD_CONFIGS", "gluon_device_reason", "gluon_wgrad_supported",
+           "launch_gluon_wgrad"]
 
 # (block_p, block_q, stages, num_warps, block_k) candidates: the tuner times them all (the heuristic,
 # WgradConfig.from_heuristic, picks the first or the second). Shared memory:
@@ -230,20 +231,29 @@ if HAVE_GLUON:
             mbarrier.invalidate(bars.index(i))
 
 
-def gluon_wgrad_supported(a: torch.Tensor, out: torch.Tensor, block_p: int,
-                          block_q: int) -> str | None:
-    """``None`` when :func:`launch_gluon_wgrad` can run this case, else why not (a sentence):
-    Gluon present, a CUDA device of compute capability 9.x, not the interpreter, bf16 output
-    overwritten (TMA store: contiguous, 16-byte aligned, 16-byte row pitch), ``P`` a multiple
-    of ``block_p`` (a tile never crosses into the next expert's rows of the ``[E*P, Q]`` view)."""
+def gluon_device_reason(device: torch.device) -> str | None:
+    """``None`` when Gluon kernels can run on ``device`` (Gluon present, not the interpreter, a
+    CUDA device of compute capability 9.x), else why not (a sentence)."""
     from .interpreter import interpreter_active
 
     if not HAVE_GLUON:
         return "this triton has no Gluon"
     if interpreter_active():
         return "the Triton interpreter runs no Gluon kernels"
-    if out.device.type != "cuda" or torch.cuda.get_device_capability(out.device)[0] != 9:
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return "Gluon WGRAD is written for compute capability 9.x (Hopper)"
+    return None
+
+
+def gluon_wgrad_supported(a: torch.Tensor, out: torch.Tensor, block_p: int,
+                          block_q: int) -> str | None:
+    """``None`` when :func:`launch_gluon_wgrad` can run this case, else why not (a sentence):
+    Gluon present, a CUDA device of compute capability 9.x, not the interpreter, bf16 output
+    overwritten (TMA store: contiguous, 16-byte aligned, 16-byte row pitch), ``P`` a multiple
+    of ``block_p`` (a tile never crosses into the next expert's rows of the ``[E*P, Q]`` view)."""
+    reason = gluon_device_reason(out.device)
+    if reason is not None:
+        return reason
     width_p, width_q = out.shape[1], out.shape[2]
     if out.dtype != torch.bfloat16 or not out.is_contiguous() or out.data_ptr() % 16 \
             or (width_q * 2) % 16:
