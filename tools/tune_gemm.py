@@ -10,6 +10,8 @@ tile schedule, compact activation rows), times with ``triton.testing.do_bench``:
 * ``gather_w13_swiglu`` (rows gathered by pointer from a [T, D] source, SwiGLU epilogue) for
   candidate ``W13Config``s, against ``torch._grouped_mm`` of the pre-gathered rows with W13
   alone (no gather, no SwiGLU): issue 7's first target is ratio >= 1;
+* ``w13_train``: the same kernel storing h1 and the gathered rows too (a training forward),
+  persistent grids with and without the TMA epilogue (``W13Config.tma_epilogue``);
 * ``w2_scatter`` (scatter epilogue into a [T*K, D] buffer) for candidate ``W2Config``s, against
   ``torch._grouped_mm`` of h2 with W2 alone;
 * with ``--backward``, also the DGRAD kernels: ``w2_dgrad_swiglu_bwd`` (grad_h3 rows gathered
@@ -63,7 +65,7 @@ def main() -> int:
     ap.add_argument("--csv", default=None)
     ap.add_argument("--backward", action="store_true", help="also the DGRAD kernels")
     ap.add_argument("--kernels", nargs="+", default=None,
-                    choices=["w13", "w2", "w2_dgrad", "w13_dgrad"],
+                    choices=["w13", "w13_train", "w2", "w2_dgrad", "w13_dgrad"],
                     help="time only these kernels (default: all that the options select)")
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
@@ -110,7 +112,16 @@ def main() -> int:
                 W13Config(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st,
                           group_m=gm, persistent=pe)
                 for bn, st, gm, pe in itertools.product([128, 64], [3, 4], [8, 16],
-                                                        [False, True])],
+                                                        [False, True])] + [
+                W13Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=st,
+                          group_m=gm, persistent=True, tma_epilogue=True)
+                for st, gm in itertools.product([3, 4], [8, 16])],
+            # Training: h1 and the gathered rows are stored too (the epilogue the layer runs
+            # in a training forward), persistent grids with and without the TMA epilogue.
+            "w13_train": [W13Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)] + [
+                W13Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=st,
+                          group_m=gm, persistent=True, tma_epilogue=tma)
+                for st, gm, tma in itertools.product([3, 4], [8, 16], [False, True])],
             "w2": [W2Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)] + [
                 W2Config(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st,
                          group_m=gm, persistent=pe)
@@ -123,7 +134,14 @@ def main() -> int:
         def run2(c, h2=h2, po=po, ro=ro, w2=w2, scatter=scatter):
             w2_scatter(h2, po, ro, w2, scatter, config=c)
 
-        kernels = [("w13", run13), ("w2", run2)]
+        h1_train = torch.empty(R, 2 * F, device=dev, dtype=torch.bfloat16)
+        x_train = torch.empty(R, D, device=dev, dtype=torch.bfloat16)
+
+        def run13t(c, gather=gather, po=po, ro=ro, w13=w13, h2=h2, h1=h1_train, xo=x_train):
+            gather_w13_swiglu(gather, po, ro, w13, h2, h1_out=h1, x_out=xo, config=c)
+
+        ref["w13_train"], flops["w13_train"] = ref["w13"], flops["w13"]
+        kernels = [("w13", run13), ("w13_train", run13t), ("w2", run2)]
         if args.backward:
             h1 = torch.randn(R, 2 * F, device=dev).bfloat16()
             grad_h1 = torch.empty(R, 2 * F, device=dev, dtype=torch.bfloat16)
@@ -187,7 +205,8 @@ def main() -> int:
                 print(f"  {ms:8.3f} ms {flops[kernel] / ms / 1e9:6.0f} TFLOP/s "
                       f"{ref[kernel] / ms:5.2f}x grouped_mm {'HEURISTIC ' if heur else ''}"
                       f"n{cfg.block_n} k{cfg.block_k} s{cfg.num_stages} g{cfg.group_m} "
-                      f"{'persistent' if cfg.persistent else 'tiles'}")
+                      f"{'persistent' if cfg.persistent else 'tiles'}"
+                      f"{' tma-epilogue' if getattr(cfg, 'tma_epilogue', False) else ''}")
     if args.csv and out_rows:
         write_csv(args.csv, out_rows, list(out_rows[0]))
     return 0

@@ -288,6 +288,22 @@ def test_w13_mixed_experts(persistent, host_descriptors):
     run_w13_case([5, 0, 16, 21], hidden=64, ffn=48, r_cap=96, config=config, null_live=[7])
 
 
+@pytest.mark.parametrize("host_descriptors", [True, False], ids=["host_desc", "device_desc"])
+@pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
+def test_w13_tma_epilogue(host_descriptors, training):
+    # Full tiles store through the program's TMA descriptors, partial ones through pointers:
+    # experts of 16 and 32 live rows (one and two full tiles) beside 5 and 21 (a partial last
+    # tile that must not spill into the next expert's rows), an empty one, a null row in a
+    # full tile; three poisoned activation rows past the live ones must stay untouched (the
+    # descriptors end at row_offsets[-1]). On the interpreter's 3 programs, the 5-row tile's
+    # second column tile runs after expert 1's (checked by mutation: a box store from the
+    # partial tile overwrites rows that were already final).
+    config = replace(W13_SMALL, persistent=True, host_descriptors=host_descriptors,
+                     tma_epilogue=True)
+    run_w13_case([5, 16, 0, 32, 21], hidden=64, ffn=64, r_cap=160, config=config,
+                 training=training, null_live=[8])
+
+
 @pytest.mark.parametrize("hidden, ffn", [(96, 48), (32, 96), (72, 80)],
                          ids=["more_k_steps", "more_column_tiles", "both_ragged"])
 def test_w13_x_out_shared_by_column_tiles(hidden, ffn):
@@ -377,14 +393,20 @@ OUT_OFFSET_CASES = pytest.mark.parametrize(
 
 
 @OUT_OFFSET_CASES
-@pytest.mark.parametrize("impl", ["kernel", "reference"])
+@pytest.mark.parametrize("impl", ["kernel", "reference", "kernel_tma_epilogue"])
 def test_w13_out_offsets(h1_at, x_at, same_base, impl):
     # h1 / x stored at device-side element offsets into poisoned 1-D bases: exactly the
     # row_offsets[-1] rows of each saved output land at its offset; a negative offset
     # writes nothing for that output; every other element of the bases stays poisoned.
     # ``h1_at`` / ``x_at``: element offsets; x's is relative to the end of h1's range when
-    # both share one base (so the ranges do not overlap).
-    case = W13Case([5, 0, 19], hidden=32, ffn=48, r_cap=64, null_live=[3])
+    # both share one base (so the ranges do not overlap). ``kernel_tma_epilogue``: full
+    # tiles (experts of 16 and 32 rows) store through descriptors built at those offsets.
+    config = W13_SMALL
+    if impl == "kernel_tma_epilogue":
+        config = replace(W13_SMALL, persistent=True, tma_epilogue=True)
+        case = W13Case([5, 16, 32], hidden=32, ffn=64, r_cap=96, null_live=[20])
+    else:
+        case = W13Case([5, 0, 19], hidden=32, ffn=48, r_cap=64, null_live=[3])
     n, ffn, hidden = case.layout.num_act, case.ffn, case.hidden
     h1_size, x_size = n * 2 * ffn, n * hidden
     if same_base:
@@ -400,7 +422,7 @@ def test_w13_out_offsets(h1_at, x_at, same_base, impl):
         h1_out=h1_base,
         x_out=x_base,
         out_offsets=device_int([h1_off, x_off], torch.int64),
-        config=W13_SMALL,
+        config=config,
         use_ref=impl == "reference",
     )
     case.check_rows("h2", h2[:n], tail=h2[n:])
@@ -878,6 +900,15 @@ def test_configs():
     assert (w2.block_m, w2.block_n, w2.block_k, w2.num_warps) == (128, 128, 64, 8)
     assert w2.fits_hopper()
     assert w13.host_descriptors and w2.host_descriptors and not (w13.persistent or w2.persistent)
+    assert not w13.tma_epilogue
+    # With the shape hint: persistent, 4 stages; the TMA epilogue only for inference with
+    # long expert segments (hint >= 1024).
+    for hint, training, tma in ((2048, False, True), (2048, True, False), (256, False, False)):
+        c = W13Config.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=hint,
+                                     training=training)
+        assert c.persistent and c.num_stages == 4 and c.tma_epilogue == tma and c.fits_hopper()
+    with pytest.raises(TypeError, match="tma_epilogue must be a bool"):
+        W13Config(tma_epilogue=1)
     for cls in (W13Config, W2Config):
         configs = cls.all_configs(block_m=128)
         assert configs and all(c.fits_hopper() and c.block_m == 128 for c in configs)
@@ -996,6 +1027,21 @@ def test_gpu_w13_hopper_tiles(persistent, host_descriptors):
     counts = [300, 0, 129, 1000, 1, 64, 128, 511]
     r_cap = sum(math.ceil(n / 128) * 128 for n in counts) + 3 * 128
     run_w13_case(counts, hidden=1024, ffn=768, r_cap=r_cap, config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("host_descriptors", [True, False], ids=["host_desc", "device_desc"])
+@pytest.mark.parametrize("stages, group_m", [(3, 8), (4, 16)])
+def test_gpu_w13_hopper_tiles_tma_epilogue(host_descriptors, stages, group_m):
+    # The TMA epilogue at Hopper tiles: full tiles (128, 1000 = 7 full + 1 partial, 128)
+    # next to partial ones, an empty expert, training outputs; the tile-grid fallback is
+    # covered above.
+    config = W13Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=stages,
+                       group_m=group_m, persistent=True, host_descriptors=host_descriptors,
+                       tma_epilogue=True)
+    counts = [300, 0, 128, 1000, 1, 64, 128, 511]
+    r_cap = sum(math.ceil(n / 128) * 128 for n in counts) + 3 * 128
+    run_w13_case(counts, hidden=1024, ffn=768, r_cap=r_cap, config=config, null_live=[5])
 
 
 @pytest.mark.gpu

@@ -94,6 +94,34 @@ from distmoe.kernels._common import (
 
 
 @triton.jit
+def _w13_store_rows(
+    h2_ptr,
+    h1_ptr,
+    h1_off,
+    acc_g,
+    acc_u,
+    h2_val,
+    act_rows,
+    cols,
+    out_mask,
+    FFN: tl.constexpr,
+    WRITE_H1: tl.constexpr,
+):
+    """Pointer stores of a tile's h2 (and h1) rows under ``out_mask`` (live rows, columns
+    < F). Row pointers carry the 16-byte hint (widths are multiples of 8 elements, offsets
+    too: module requirement) so the stores stay 16-byte vectors although the row offsets are
+    device values."""
+    h2_rows = tl.multiple_of(h2_ptr + act_rows * FFN, 16)
+    tl.store(h2_rows[:, None] + cols[None, :], h2_val.to(tl.bfloat16), mask=out_mask)
+    if WRITE_H1:
+        if h1_off >= 0:
+            h1_rows = tl.multiple_of(h1_ptr + h1_off + act_rows * (2 * FFN), 16)
+            h1_tile = h1_rows[:, None] + cols[None, :]
+            tl.store(h1_tile, acc_g.to(tl.bfloat16), mask=out_mask)
+            tl.store(h1_tile + FFN, acc_u.to(tl.bfloat16), mask=out_mask)
+
+
+@triton.jit
 def _w13_tile(
     w_desc,
     gather_ptrs_ptr,
@@ -102,6 +130,9 @@ def _w13_tile(
     h2_ptr,
     h1_ptr,
     x_out_ptr,
+    h2_desc,
+    h1_desc,
+    x_desc,
     h1_off,
     x_off,
     pid_m,
@@ -117,11 +148,16 @@ def _w13_tile(
     EVEN_N: tl.constexpr,
     WRITE_H1: tl.constexpr,
     WRITE_X: tl.constexpr,
+    TMA_STORE: tl.constexpr,
 ):
     """One ``BLOCK_M x BLOCK_N`` tile of h2 (and of both h1 halves) for a live row tile.
 
     ``h1_off`` / ``x_off``: element offsets of the h1 / x outputs (0, or device values; a
-    negative one skips that output).
+    negative one skips that output). With ``TMA_STORE`` (F a multiple of ``BLOCK_N``, D of
+    ``BLOCK_K``), ``h2_desc`` / ``h1_desc`` / ``x_desc`` are the program's TMA descriptors
+    over the live activation rows of each output, and a tile whose rows are all live stores
+    through them; a partial tile (its expert's last) keeps the masked pointer stores, since
+    a TMA box would run into the next expert's rows.
     """
     NUM_K: tl.constexpr = (HIDDEN + BLOCK_K - 1) // BLOCK_K
     row_start = pid_m * BLOCK_M
@@ -160,9 +196,7 @@ def _w13_tile(
             acc_u = tl.dot(a, up.T, acc_u)
 
         # Epilogue: SwiGLU in fp32, bf16 stores of the live rows only, at their activation
-        # rows (null rows hold g = u = 0 and store zeros). Row pointers carry the 16-byte
-        # hint (widths are multiples of 8 elements, offsets too: module requirement) so the
-        # stores stay 16-byte vectors although the row offsets are device values.
+        # rows (null rows hold g = u = 0 and store zeros).
         h2_val = acc_g * tl.sigmoid(acc_g) * acc_u
         act_rows = act_start + idx
         cols = n0 + tl.arange(0, BLOCK_N)
@@ -170,14 +204,22 @@ def _w13_tile(
             out_mask = is_live[:, None]
         else:
             out_mask = is_live[:, None] & (cols < FFN)[None, :]
-        h2_rows = tl.multiple_of(h2_ptr + act_rows * FFN, 16)
-        tl.store(h2_rows[:, None] + cols[None, :], h2_val.to(tl.bfloat16), mask=out_mask)
-        if WRITE_H1:
-            if h1_off >= 0:
-                h1_rows = tl.multiple_of(h1_ptr + h1_off + act_rows * (2 * FFN), 16)
-                h1_tile = h1_rows[:, None] + cols[None, :]
-                tl.store(h1_tile, acc_g.to(tl.bfloat16), mask=out_mask)
-                tl.store(h1_tile + FFN, acc_u.to(tl.bfloat16), mask=out_mask)
+        if TMA_STORE:
+            if num_live == BLOCK_M:
+                # Through shared memory: 128-byte bulk writes instead of the accumulator
+                # layout's scattered 4-byte stores.
+                row = act_start.to(tl.int32)  # descriptor offsets are 32-bit
+                h2_desc.store([row, n0], h2_val.to(tl.bfloat16))
+                if WRITE_H1:
+                    if h1_off >= 0:
+                        h1_desc.store([row, n0], acc_g.to(tl.bfloat16))
+                        h1_desc.store([row, FFN + n0], acc_u.to(tl.bfloat16))
+            else:
+                _w13_store_rows(h2_ptr, h1_ptr, h1_off, acc_g, acc_u, h2_val, act_rows, cols,
+                                out_mask, FFN, WRITE_H1)
+        else:
+            _w13_store_rows(h2_ptr, h1_ptr, h1_off, acc_g, acc_u, h2_val, act_rows, cols,
+                            out_mask, FFN, WRITE_H1)
         if WRITE_X:
             # The column tiles of a row tile share saving its gathered rows (training keeps
             # them for WGRAD): tile pid_n copies the K steps pid_n, pid_n + NUM_PID_N, ...,
@@ -199,7 +241,13 @@ def _w13_tile(
                                 a_mask = is_read_row[:, None] & (kk < HIDDEN)[None, :]
                                 x_mask = is_live[:, None] & (kk < HIDDEN)[None, :]
                             a = tl.load(a_rows[:, None] + kk[None, :], mask=a_mask, other=0.0)
-                            tl.store(x_rows[:, None] + kk[None, :], a, mask=x_mask)
+                            if TMA_STORE:
+                                if num_live == BLOCK_M:
+                                    x_desc.store([act_start.to(tl.int32), k * BLOCK_K], a)
+                                else:
+                                    tl.store(x_rows[:, None] + kk[None, :], a, mask=x_mask)
+                            else:
+                                tl.store(x_rows[:, None] + kk[None, :], a, mask=x_mask)
 
 
 @triton.jit
@@ -253,11 +301,14 @@ def _gather_w13_swiglu_kernel(
     WRITE_X: tl.constexpr,
     DYN_OFFSETS: tl.constexpr,
     HAS_ENABLE: tl.constexpr,
+    TMA_STORE: tl.constexpr,
 ):
     """``w13`` is a host TMA descriptor (``HOST_DESC``) or the weight tensor itself.
 
     ``out_offsets_ptr`` (``DYN_OFFSETS``) and ``enable_ptr`` (``HAS_ENABLE``) are read once
-    per program; without them they are placeholders that are never read.
+    per program; without them they are placeholders that are never read. ``TMA_STORE``
+    (persistent grids only): each program builds TMA descriptors over the live activation
+    rows of its outputs once, for the epilogues of its full tiles.
     """
     NUM_PID_N: tl.constexpr = (FFN + BLOCK_N - 1) // BLOCK_N
     total_rows = tl.load(padded_offsets_ptr + NUM_EXPERTS)
@@ -279,12 +330,34 @@ def _gather_w13_swiglu_kernel(
         tile_id = tl.program_id(0)
         if tile_id < num_tiles:
             w_desc = _w13_weight_desc(w13, NUM_EXPERTS, HIDDEN, FFN, BLOCK_N, BLOCK_K, HOST_DESC)
+            if TMA_STORE:
+                # Bounded by the live rows (row_offsets[E]): a box never reaches past them.
+                # A skipped output (negative offset) gets a descriptor at offset 0 that is
+                # never stored through.
+                live = tl.load(row_offsets_ptr + NUM_EXPERTS)
+                h2_desc = tl.make_tensor_descriptor(
+                    h2_ptr, shape=[live, FFN], strides=[FFN, 1], block_shape=[BLOCK_M, BLOCK_N])
+                h1_desc = h2_desc
+                x_desc = h2_desc
+                if WRITE_H1:
+                    h1_desc = tl.make_tensor_descriptor(
+                        h1_ptr + tl.maximum(h1_off, 0), shape=[live, 2 * FFN],
+                        strides=[2 * FFN, 1], block_shape=[BLOCK_M, BLOCK_N])
+                if WRITE_X:
+                    x_desc = tl.make_tensor_descriptor(
+                        x_out_ptr + tl.maximum(x_off, 0), shape=[live, HIDDEN],
+                        strides=[HIDDEN, 1], block_shape=[BLOCK_M, BLOCK_K])
+            else:
+                h2_desc = h2_ptr  # placeholders, never used
+                h1_desc = h2_ptr
+                x_desc = h2_ptr
             while tile_id < num_tiles:
                 pid_m, pid_n = swizzle_tile(tile_id, num_live_m, NUM_PID_N, GROUP_M)
                 _w13_tile(
                     w_desc, gather_ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h2_ptr,
-                    h1_ptr, x_out_ptr, h1_off, x_off, pid_m, pid_n, NUM_EXPERTS, EXPERTS_POW2,
-                    HIDDEN, FFN, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, WRITE_H1, WRITE_X,
+                    h1_ptr, x_out_ptr, h2_desc, h1_desc, x_desc, h1_off, x_off, pid_m, pid_n,
+                    NUM_EXPERTS, EXPERTS_POW2, HIDDEN, FFN, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                    EVEN_N, WRITE_H1, WRITE_X, TMA_STORE,
                 )  # fmt: skip
                 tile_id += tl.num_programs(0)
     else:
@@ -294,8 +367,9 @@ def _gather_w13_swiglu_kernel(
             w_desc = _w13_weight_desc(w13, NUM_EXPERTS, HIDDEN, FFN, BLOCK_N, BLOCK_K, HOST_DESC)
             _w13_tile(
                 w_desc, gather_ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr,
-                x_out_ptr, h1_off, x_off, pid_m, pid_n, NUM_EXPERTS, EXPERTS_POW2, HIDDEN, FFN,
-                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, WRITE_H1, WRITE_X,
+                x_out_ptr, h2_ptr, h2_ptr, h2_ptr, h1_off, x_off, pid_m, pid_n, NUM_EXPERTS,
+                EXPERTS_POW2, HIDDEN, FFN, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, WRITE_H1,
+                WRITE_X, False,
             )  # fmt: skip
 
 
@@ -317,29 +391,44 @@ class W13Config(GemmConfig):
     _B_TILES = 2
     _ACCUMULATORS = 2
 
+    #: Full tiles of a persistent grid store h2, h1 and x through TMA descriptors that each
+    #: program builds once (needs F a multiple of ``block_n`` and D of ``block_k``; otherwise,
+    #: and on a grid of one program per tile, every tile keeps pointer stores).
+    tma_epilogue: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.tma_epilogue, bool):
+            raise TypeError(
+                f"tma_epilogue must be a bool, got {type(self.tma_epilogue).__name__}")
+
     @classmethod
     def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128,
-                       rows_per_expert: int | None = None) -> W13Config:
+                       rows_per_expert: int | None = None, training: bool = False) -> W13Config:
         """Config from the shapes (D = ``hidden``, F = ``ffn``) and the padding multiple.
 
         Hopper defaults: 128 x 128 x 64 tiles, 8 warps, group-M 8, 3 stages (48 KiB of SMEM
         per stage). Smaller dimensions shrink the tiles. With a ``rows_per_expert`` hint (the
         balanced rows per local expert ``T*K*EP/E``, a shape key, never a routed count): a
-        persistent grid, and 4 stages when the hint is below 1024 (short expert segments).
+        persistent grid with 4 stages; for inference (``training`` False: only h2 is stored)
+        with long expert segments (hint >= 1024), also the TMA epilogue.
         Measured on one H200 (2026-11-29, ``tools/tune_gemm.py``): at T=8192 D=4096 F=2048
-        E=32 K=8 persistent/3 stages 3.23 ms against 3.45 for one program per tile; at T=4096
-        D=2048 F=768 E=128 K=8 persistent/4 stages 0.393 ms against 0.459.
+        E=32 K=8 persistent/3 stages 3.23 ms against 3.45 for one program per tile, and with
+        h1 and x stored (training) 4 stages 3.44 ms against 3.70 for 3; the TMA epilogue made
+        training slower there (each store waits for its buffer before the next) and the
+        T=4096 D=2048 F=768 E=128 K=8 shape too (0.41 against 0.39 ms); at that shape
+        persistent/4 stages 0.393 ms against 0.459 for one program per tile.
         """
         block_n = min(128, max(16, next_power_of_2(ffn)))
         block_k = min(64, max(16, next_power_of_2(hidden)))
         num_warps = 8 if block_m * block_n >= 128 * 128 else 4
         per_stage = (block_m + 2 * block_n) * block_k * 2
         num_stages = max(2, min(4, (160 * 1024) // per_stage))
-        persistent = False
+        persistent = tma_epilogue = False
         if rows_per_expert is not None:
             persistent = True
-            if rows_per_expert < 1024:
-                num_stages = max(2, min(4, (200 * 1024) // per_stage))
+            num_stages = max(2, min(4, (200 * 1024) // per_stage))
+            tma_epilogue = not training and rows_per_expert >= 1024
         return cls(
             block_m=block_m,
             block_n=block_n,
@@ -348,6 +437,7 @@ class W13Config(GemmConfig):
             num_stages=num_stages,
             group_m=8,
             persistent=persistent,
+            tma_epilogue=tma_epilogue,
         )
 
     @classmethod
@@ -534,6 +624,9 @@ def gather_w13_swiglu(
         )
     else:
         w13_arg = w13
+    tma_store = (config.tma_epilogue and config.persistent and ffn % config.block_n == 0
+                 and hidden % config.block_k == 0)
+    if tma_store or not config.host_descriptors:
         ensure_tma_allocator()
     with device_context(device):
         _gather_w13_swiglu_kernel[(grid,)](
@@ -563,6 +656,7 @@ def gather_w13_swiglu(
             WRITE_X=x_out is not None,
             DYN_OFFSETS=out_offsets is not None,
             HAS_ENABLE=enable is not None,
+            TMA_STORE=tma_store,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
