@@ -901,12 +901,14 @@ def test_configs():
     assert w2.fits_hopper()
     assert w13.host_descriptors and w2.host_descriptors and not (w13.persistent or w2.persistent)
     assert not w13.tma_epilogue
-    # With the shape hint: persistent, 4 stages; the TMA epilogue only for inference with
-    # long expert segments (hint >= 1024).
-    for hint, training, tma in ((2048, False, True), (2048, True, False), (256, False, False)):
+    # With the shape hint: persistent; 4 stages but for training with long expert segments
+    # (hint >= 1024); the TMA epilogue only for inference with long segments.
+    for hint, training, stages, tma in ((2048, False, 4, True), (2048, True, 3, False),
+                                        (256, False, 4, False), (256, True, 4, False)):
         c = W13Config.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=hint,
                                      training=training)
-        assert c.persistent and c.num_stages == 4 and c.tma_epilogue == tma and c.fits_hopper()
+        assert (c.persistent, c.num_stages, c.tma_epilogue) == (True, stages, tma)
+        assert c.fits_hopper()
     with pytest.raises(TypeError, match="tma_epilogue must be a bool"):
         W13Config(tma_epilogue=1)
     for cls in (W13Config, W2Config):

@@ -410,14 +410,17 @@ class W13Config(GemmConfig):
         Hopper defaults: 128 x 128 x 64 tiles, 8 warps, group-M 8, 3 stages (48 KiB of SMEM
         per stage). Smaller dimensions shrink the tiles. With a ``rows_per_expert`` hint (the
         balanced rows per local expert ``T*K*EP/E``, a shape key, never a routed count): a
-        persistent grid with 4 stages; for inference (``training`` False: only h2 is stored)
-        with long expert segments (hint >= 1024), also the TMA epilogue.
-        Measured on one H200 (2026-11-29, ``tools/tune_gemm.py``): at T=8192 D=4096 F=2048
-        E=32 K=8 persistent/3 stages 3.23 ms against 3.45 for one program per tile, and with
-        h1 and x stored (training) 4 stages 3.44 ms against 3.70 for 3; the TMA epilogue made
-        training slower there (each store waits for its buffer before the next) and the
-        T=4096 D=2048 F=768 E=128 K=8 shape too (0.41 against 0.39 ms); at that shape
-        persistent/4 stages 0.393 ms against 0.459 for one program per tile.
+        persistent grid with 4 stages, except 3 for training (h1 and x stored too) with long
+        expert segments (hint >= 1024); for inference (``training`` False: only h2 is
+        stored) with long segments, also the TMA epilogue.
+        Measured on one H200 (2026-11-29): at T=8192 D=4096 F=2048 E=32 K=8, persistent/3
+        stages 3.23 ms against 3.45 for one program per tile (``tools/tune_gemm.py``); the
+        inference layer forward 5.37 ms with 4 stages and the TMA epilogue against 5.55-5.57
+        with 3 stages and pointer stores (``python -m distmoe bench``, performance.md run
+        19). In training, 4 stages gave nothing at the layer (17.79 against 17.70 ms) and
+        the TMA epilogue was slower in the tuner (each store waits for its buffer before the
+        next), as it was at T=4096 D=2048 F=768 E=128 K=8 (0.41 against 0.39 ms). At that
+        shape persistent/4 stages: 0.393 ms against 0.459 for one program per tile.
         """
         block_n = min(128, max(16, next_power_of_2(ffn)))
         block_k = min(64, max(16, next_power_of_2(hidden)))
@@ -427,8 +430,10 @@ class W13Config(GemmConfig):
         persistent = tma_epilogue = False
         if rows_per_expert is not None:
             persistent = True
-            num_stages = max(2, min(4, (200 * 1024) // per_stage))
-            tma_epilogue = not training and rows_per_expert >= 1024
+            long_segments = rows_per_expert >= 1024
+            if not (training and long_segments):
+                num_stages = max(2, min(4, (200 * 1024) // per_stage))
+            tma_epilogue = not training and long_segments
         return cls(
             block_m=block_m,
             block_n=block_n,

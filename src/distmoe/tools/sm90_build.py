@@ -205,10 +205,12 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
         ep2 = next_power_of_2(E)
         # persistent None: the heuristic's choice
         for host, persistent, train in w13:
-            c = w13f.W13Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)
+            c = w13f.W13Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint,
+                                              training=train)
             persistent = c.persistent if persistent is None else persistent
             cases.append(BuildCase(
-                f"{name} W13 fwd host={host} persistent={persistent} training={train}",
+                f"{name} W13 fwd host={host} persistent={persistent} training={train} "
+                f"tma_epilogue={c.tma_epilogue and persistent}",
                 w13f._gather_w13_swiglu_kernel,
                 dict(NUM_EXPERTS=E, EXPERTS_POW2=ep2, HIDDEN=D, FFN=F, BLOCK_M=c.block_m,
                      BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, EVEN_K=True,
@@ -286,7 +288,7 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
 
     for shape in shapes:
         # what the training layer launches (host descriptors: the GemmConfig default)
-        add(shape, True, shape, w13=[(True, None, True)], w2=[(True, None)],
+        add(shape, True, shape, w13=[(True, None, True), (True, None, False)], w2=[(True, None)],
             w13d=[(True, None)], w2d=[(True, None, False)],
             wgrad=[("W13", True, 1, True), ("W2", True, 1, True)])
     if variants:
