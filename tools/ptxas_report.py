@@ -8,9 +8,10 @@ Builds every case of :func:`distmoe.tools.sm90_build.grouped_gemm_cases` (the pr
 configs the layer launches at each shape, then the other flag combinations at ``fine``) and
 of :func:`~distmoe.tools.sm90_build.other_kernel_cases` (every other kernel) with
 ``triton.compile`` for sm_90 and Triton's bundled ``ptxas -v``, and prints registers per
-thread, spill-store bytes and shared memory per case, and the persistent Gluon WGRAD's cases
-(:func:`~distmoe.tools.sm90_build.gluon_wgrad_cases`). ``--check`` exits 1 if a case fails to
-build, or a production case spills or has its wgmma pipeline serialized by ptxas (C7514: a
+thread, spill-store bytes and shared memory per case, and the persistent Gluon kernels' cases
+(:func:`~distmoe.tools.sm90_build.gluon_wgrad_cases`, :func:`~.gluon_w13_cases`). ``--check``
+exits 1 if a case fails to build or needs more than 227 KiB of shared memory, or a production
+case spills or has its wgmma pipeline serialized by ptxas (C7514: a
 non-wgmma instruction touching an in-flight accumulator); the CPU test suite runs it so. A spill in a K loop costs
 far more than one in an epilogue; the report says whether a kernel spills, not where.
 """
@@ -28,6 +29,7 @@ def main() -> int:
     from distmoe.tools.bench.workloads import SHAPES
     from distmoe.tools.sm90_build import (
         build,
+        gluon_w13_cases,
         gluon_wgrad_cases,
         grouped_gemm_cases,
         other_kernel_cases,
@@ -43,7 +45,7 @@ def main() -> int:
     args = ap.parse_args()
     failed = 0
     cases = grouped_gemm_cases(tuple(args.shapes), variants=not args.no_variants)
-    cases += [c for c in gluon_wgrad_cases(tuple(args.shapes))
+    cases += [c for c in gluon_wgrad_cases(tuple(args.shapes)) + gluon_w13_cases(tuple(args.shapes))
               if c.production or not args.no_variants]
     if not args.no_variants:
         cases += other_kernel_cases()

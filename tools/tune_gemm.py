@@ -11,7 +11,8 @@ tile schedule, compact activation rows), times with ``triton.testing.do_bench``:
   candidate ``W13Config``s, against ``torch._grouped_mm`` of the pre-gathered rows with W13
   alone (no gather, no SwiGLU): issue 7's first target is ratio >= 1;
 * ``w13_train``: the same kernel storing h1 and the gathered rows too (a training forward),
-  persistent grids with and without the TMA epilogue (``W13Config.tma_epilogue``);
+  persistent grids with and without the TMA epilogue (``W13Config.tma_epilogue``); both W13
+  lists also time the persistent Gluon kernel (``W13Config.gluon``);
 * ``w2_scatter`` (scatter epilogue into a [T*K, D] buffer) for candidate ``W2Config``s, against
   ``torch._grouped_mm`` of h2 with W2 alone;
 * with ``--backward``, also the DGRAD kernels: ``w2_dgrad_swiglu_bwd`` (grad_h3 rows gathered
@@ -107,6 +108,10 @@ def main() -> int:
             "w2": triton.testing.do_bench(grouped(h2_g, w2_t), warmup=5, rep=40),
         }
         flops = {"w13": 2 * R * 2 * F * D, "w2": 2 * R * D * F}
+        # the persistent Gluon kernel (W13Config.gluon; Hopper only, else the Triton kernel)
+        gluon = [W13Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=st,
+                           group_m=gm, persistent=True, gluon=True)
+                 for st, gm in ((3, 8), (3, 16), (2, 8))]
         cands = {
             "w13": [W13Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)] + [
                 W13Config(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st,
@@ -115,13 +120,14 @@ def main() -> int:
                                                         [False, True])] + [
                 W13Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=st,
                           group_m=gm, persistent=True, tma_epilogue=True)
-                for st, gm in itertools.product([3, 4], [8, 16])],
+                for st, gm in itertools.product([3, 4], [8, 16])] + gluon,
             # Training: h1 and the gathered rows are stored too (the epilogue the layer runs
             # in a training forward), persistent grids with and without the TMA epilogue.
-            "w13_train": [W13Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)] + [
+            "w13_train": [W13Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint,
+                                                   training=True)] + [
                 W13Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=st,
                           group_m=gm, persistent=True, tma_epilogue=tma)
-                for st, gm, tma in itertools.product([3, 4], [8, 16], [False, True])],
+                for st, gm, tma in itertools.product([3, 4], [8, 16], [False, True])] + gluon,
             "w2": [W2Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)] + [
                 W2Config(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st,
                          group_m=gm, persistent=pe)
@@ -206,7 +212,8 @@ def main() -> int:
                       f"{ref[kernel] / ms:5.2f}x grouped_mm {'HEURISTIC ' if heur else ''}"
                       f"n{cfg.block_n} k{cfg.block_k} s{cfg.num_stages} g{cfg.group_m} "
                       f"{'persistent' if cfg.persistent else 'tiles'}"
-                      f"{' tma-epilogue' if getattr(cfg, 'tma_epilogue', False) else ''}")
+                      f"{' tma-epilogue' if getattr(cfg, 'tma_epilogue', False) else ''}"
+                      f"{' GLUON' if getattr(cfg, 'gluon', False) else ''}")
     if args.csv and out_rows:
         write_csv(args.csv, out_rows, list(out_rows[0]))
     return 0

@@ -392,15 +392,23 @@ class W13Config(GemmConfig):
     _ACCUMULATORS = 2
 
     #: Full tiles of a persistent grid store h2, h1 and x through TMA descriptors that each
-    #: program builds once (needs F a multiple of ``block_n`` and D of ``block_k``; otherwise,
-    #: and on a grid of one program per tile, every tile keeps pointer stores).
+    #: program builds once (needs F a multiple of ``block_n``, D of ``block_k`` and 16-byte
+    #: aligned outputs; otherwise, and on a grid of one program per tile, every tile keeps
+    #: pointer stores).
     tma_epilogue: bool = False
+    #: Run the persistent Gluon kernel (:mod:`distmoe.kernels.w13_gluon`: a load stream across
+    #: tiles, saved rows stored from the MMA's A stage) where it can run (Hopper, not the
+    #: interpreter, 128 x 128 x 64 tiles with 8 warps, F a multiple of 128, D of 64, 16-byte
+    #: aligned outputs); elsewhere the Triton kernel runs this config. Uses ``num_stages``
+    #: and ``group_m``.
+    gluon: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.tma_epilogue, bool):
-            raise TypeError(
-                f"tma_epilogue must be a bool, got {type(self.tma_epilogue).__name__}")
+        for name in ("tma_epilogue", "gluon"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
     @classmethod
     def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128,
@@ -616,9 +624,21 @@ def gather_w13_swiglu(
     if r_cap == 0:
         return h2_out
 
+    device = gather_ptrs.device
+    # TMA stores need 16-byte aligned bases (1-D bases with out_offsets are checked above)
+    aligned = all(t is None or t.data_ptr() % 16 == 0 for t in (h2_out, h1_out, x_out))
+    if config.gluon and aligned:
+        from .w13_gluon import gluon_w13_reason, launch_gluon_w13
+
+        if gluon_w13_reason(device, hidden=hidden, ffn=ffn, block_m=config.block_m,
+                            block_n=config.block_n, block_k=config.block_k,
+                            num_warps=config.num_warps, stages=config.num_stages) is None:
+            launch_gluon_w13(gather_ptrs, padded_offsets, row_offsets, w13, h2_out,
+                             h1_out=h1_out, x_out=x_out, out_offsets=out_offsets,
+                             enable=enable, stages=config.num_stages, group_m=config.group_m)
+            return h2_out
     num_pid_m = r_cap // config.block_m
     num_pid_n = triton.cdiv(ffn, config.block_n)
-    device = gather_ptrs.device
     grid = gemm_grid(config, num_pid_m * num_pid_n, device)
     if config.host_descriptors:
         w13_arg = TensorDescriptor(
@@ -630,7 +650,7 @@ def gather_w13_swiglu(
     else:
         w13_arg = w13
     tma_store = (config.tma_epilogue and config.persistent and ffn % config.block_n == 0
-                 and hidden % config.block_k == 0)
+                 and hidden % config.block_k == 0 and aligned)
     if tma_store or not config.host_descriptors:
         ensure_tma_allocator()
     with device_context(device):

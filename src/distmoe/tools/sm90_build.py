@@ -30,6 +30,9 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 
+#: Shared memory one sm_90 thread block can use (227 KiB).
+SM90_SMEM_BYTES = 227 * 1024
+
 # Non-constexpr parameters: types by name (pointers default to bf16 tensors).
 _INTS = {"num_rows", "num_act_rows", "r_act", "num_pid_m", "num_progs"}
 _I64 = {"grad_h3_ptrs_ptr", "scatter_ptrs_ptr", "gather_ptrs_ptr", "h1_offset_ptr",
@@ -82,8 +85,9 @@ class BuildReport:
 
     @property
     def ok(self) -> bool:
-        """Built; a production case also spills nothing and keeps its wgmma pipeline."""
-        return not self.error and not (
+        """Built and fits an SM's 227 KiB of shared memory; a production case also spills
+        nothing and keeps its wgmma pipeline."""
+        return not self.error and (self.smem_bytes or 0) <= SM90_SMEM_BYTES and not (
             self.case.production and (self.spill_bytes or self.wgmma_serialized))
 
 
@@ -182,6 +186,47 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
         cases.append(case(f"variant W2 WGRAD gluon {bp}x{bq} k{bk} s{stages} w{warps}",
                           s.hidden, s.ffn, s.num_experts, bp, min(bq, s.ffn), stages, warps,
                           False, False, bk))
+    return cases
+
+
+def gluon_w13_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
+    """The persistent Gluon W13 forward (:mod:`distmoe.kernels.w13_gluon`) at each shape,
+    for training (h1 and the rows saved at device offsets, an enable flag) and inference
+    (production: no spills, no serialized wgmma), and 2 stages at ``fine`` (build only)."""
+    import torch
+    from triton.runtime.jit import mangle_type
+
+    from distmoe.kernels import w13_gluon as wg
+    from distmoe.kernels._common import next_power_of_2
+    from distmoe.tools.bench.workloads import SHAPES
+
+    if not wg.HAVE_GLUON:
+        return []
+    gl = wg.gl
+    bm, bn, bk, warps = wg.GLUON_W13_TILE
+
+    def case(label, shape, train, stages, production):
+        s = SHAPES[shape]
+        D, F, E = s.hidden, s.ffn, s.num_experts
+        layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16)
+        w = torch.empty(2 * E * F, D, dtype=torch.bfloat16)
+        types = {"w_desc": mangle_type(wg.GluonDescriptor(w, [2 * E * F, D], [D, 1], [bn, bk],
+                                                          layout)),
+                 "out_offsets_ptr": "*i64" if train else "*i32",
+                 "enable_ptr": "*i32"}
+        return BuildCase(
+            label, wg._gluon_w13_kernel,
+            dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E,
+                 EXPERTS_POW2=max(32 * warps, next_power_of_2(E)), GROUP_M=8, STAGES=stages,
+                 WRITE_H1=train, WRITE_X=train, DYN_OFFSETS=train, HAS_ENABLE=train,
+                 A_LAYOUT=gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16),
+                 H2_LAYOUT=gl.NVMMASharedLayout.get_default_for([bm, bn], gl.bfloat16),
+                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps),
+            warps, 1, types=types, production=production, gluon=True)
+
+    cases = [case(f"{name} W13 fwd gluon training={train}", name, train, 3, True)
+             for name in shapes for train in (True, False)]
+    cases.append(case("variant W13 fwd gluon s2", "fine", True, 2, False))
     return cases
 
 
