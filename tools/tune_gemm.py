@@ -12,7 +12,8 @@ tile schedule, compact activation rows), times with ``triton.testing.do_bench``:
   alone (no gather, no SwiGLU): issue 7's first target is ratio >= 1;
 * ``w13_train``: the same kernel storing h1 and the gathered rows too (a training forward),
   persistent grids with and without the TMA epilogue (``W13Config.tma_epilogue``); both W13
-  lists also time the persistent Gluon kernel (``W13Config.gluon``);
+  lists also time the persistent Gluon kernel (``W13Config.gluon``); ``w13_h1`` stores h1 but
+  not the rows (what saving the rows costs);
 * ``w2_scatter`` (scatter epilogue into a [T*K, D] buffer) for candidate ``W2Config``s, against
   ``torch._grouped_mm`` of h2 with W2 alone;
 * with ``--backward``, also the DGRAD kernels: ``w2_dgrad_swiglu_bwd`` (grad_h3 rows gathered
@@ -66,7 +67,7 @@ def main() -> int:
     ap.add_argument("--csv", default=None)
     ap.add_argument("--backward", action="store_true", help="also the DGRAD kernels")
     ap.add_argument("--kernels", nargs="+", default=None,
-                    choices=["w13", "w13_train", "w2", "w2_dgrad", "w13_dgrad"],
+                    choices=["w13", "w13_train", "w13_h1", "w2", "w2_dgrad", "w13_dgrad"],
                     help="time only these kernels (default: all that the options select)")
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
@@ -146,8 +147,13 @@ def main() -> int:
         def run13t(c, gather=gather, po=po, ro=ro, w13=w13, h2=h2, h1=h1_train, xo=x_train):
             gather_w13_swiglu(gather, po, ro, w13, h2, h1_out=h1, x_out=xo, config=c)
 
+        def run13h(c, gather=gather, po=po, ro=ro, w13=w13, h2=h2, h1=h1_train):
+            gather_w13_swiglu(gather, po, ro, w13, h2, h1_out=h1, config=c)
+
         ref["w13_train"], flops["w13_train"] = ref["w13"], flops["w13"]
-        kernels = [("w13", run13), ("w13_train", run13t), ("w2", run2)]
+        ref["w13_h1"], flops["w13_h1"] = ref["w13"], flops["w13"]
+        cands["w13_h1"] = cands["w13_train"]
+        kernels = [("w13", run13), ("w13_train", run13t), ("w13_h1", run13h), ("w2", run2)]
         if args.backward:
             h1 = torch.randn(R, 2 * F, device=dev).bfloat16()
             grad_h1 = torch.empty(R, 2 * F, device=dev, dtype=torch.bfloat16)
