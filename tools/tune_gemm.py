@@ -112,7 +112,7 @@ def main() -> int:
         # the persistent Gluon kernel (W13Config.gluon; Hopper only, else the Triton kernel)
         gluon = [W13Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=st,
                            group_m=gm, persistent=True, gluon=True)
-                 for st, gm in ((3, 8), (3, 16), (2, 8))]
+                 for st, gm in ((3, 8), (3, 16), (4, 8), (4, 16))]
         cands = {
             "w13": [W13Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)] + [
                 W13Config(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st,

@@ -1065,7 +1065,7 @@ def _assert_gluon_w13_runs(config):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
-@pytest.mark.parametrize("stages, group_m", [(3, 8), (3, 16), (2, 8)])
+@pytest.mark.parametrize("stages, group_m", [(3, 8), (3, 16), (2, 8), (4, 8)])
 def test_gpu_w13_gluon(training, stages, group_m):
     # The persistent Gluon kernel through gather_w13_swiglu (one program per SM).
     config = replace(GLUON_W13, num_stages=stages, group_m=group_m)

@@ -238,7 +238,10 @@ if HAVE_GLUON:
                                             w_desc.layout)
         bu_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K],
                                             w_desc.layout)
-        c_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], H2_LAYOUT)
+        # 4 stages leave no room for the h2 staging tile: h2 then takes pointer stores too
+        H2_TMA: gl.constexpr = STAGES <= 3
+        if H2_TMA:
+            c_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], H2_LAYOUT)
         src_smem = gl.allocate_shared_memory(
             gl.int64, [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -339,15 +342,19 @@ if HAVE_GLUON:
                 acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
                 n0 = n_idx * BLOCK_N
                 h2 = (acc_g / (1.0 + gl.exp(-acc_g)) * acc_u).to(gl.bfloat16)
-                if full:
-                    # The previous tile's h2 store has read c_smem (the wait is per issuing
-                    # thread: the barrier publishes it to every thread).
-                    tma.store_wait(0)
-                    gl.thread_barrier()
-                    c_smem.store(h2)
-                    fence_async_shared()
-                    gl.thread_barrier()
-                    tma.async_copy_shared_to_global(h2_desc, [act_start, n0], c_smem)
+                if H2_TMA:
+                    if full:
+                        # The previous tile's h2 store has read c_smem (the wait is per
+                        # issuing thread: the barrier publishes it to every thread).
+                        tma.store_wait(0)
+                        gl.thread_barrier()
+                        c_smem.store(h2)
+                        fence_async_shared()
+                        gl.thread_barrier()
+                        tma.async_copy_shared_to_global(h2_desc, [act_start, n0], c_smem)
+                    else:
+                        _store_rows(h2_ptr, act_start, num_live, n0, h2, FFN, BLOCK_M, BLOCK_N,
+                                    OUT_LAYOUT)
                 else:
                     _store_rows(h2_ptr, act_start, num_live, n0, h2, FFN, BLOCK_M, BLOCK_N,
                                 OUT_LAYOUT)
@@ -377,8 +384,8 @@ def gluon_w13_reason(device: torch.device, *, hidden: int, ffn: int, block_m: in
     if (block_m, block_n, block_k, num_warps) != GLUON_W13_TILE:
         return (f"the Gluon W13 kernel is written for (block_m, block_n, block_k, num_warps) = "
                 f"{GLUON_W13_TILE}, got {(block_m, block_n, block_k, num_warps)}")
-    if stages not in (2, 3):
-        return f"stages must be 2 or 3 (shared memory: 3 stages take 210 KiB), got {stages}"
+    if stages not in (2, 3, 4):
+        return f"stages must be 2, 3 or 4 (shared memory: 4 stages take 226 KiB), got {stages}"
     if ffn % block_n or hidden % block_k:
         return f"F ({ffn}) must be a multiple of {block_n} and D ({hidden}) of {block_k}"
     if hidden // block_k < stages:

@@ -192,7 +192,7 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
 def gluon_w13_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
     """The persistent Gluon W13 forward (:mod:`distmoe.kernels.w13_gluon`) at each shape,
     for training (h1 and the rows saved at device offsets, an enable flag) and inference
-    (production: no spills, no serialized wgmma), and 2 stages at ``fine`` (build only)."""
+    (production: no spills, no serialized wgmma), and 2 and 4 stages at ``fine`` (build only)."""
     import torch
     from triton.runtime.jit import mangle_type
 
@@ -226,7 +226,7 @@ def gluon_w13_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Build
 
     cases = [case(f"{name} W13 fwd gluon training={train}", name, train, 3, True)
              for name in shapes for train in (True, False)]
-    cases.append(case("variant W13 fwd gluon s2", "fine", True, 2, False))
+    cases += [case(f"variant W13 fwd gluon s{st}", "fine", True, st, False) for st in (2, 4)]
     return cases
 
 
