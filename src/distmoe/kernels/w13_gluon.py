@@ -25,7 +25,21 @@ written out by hand, as in :mod:`distmoe.kernels.wgrad_gluon`:
   only before the buffer is reused; partial tiles and h1 use masked 16-byte stores.
 
 Requirements beyond the shared contract (checked by :func:`gluon_w13_reason`): F a multiple
-of ``BLOCK_N`` (128) and D of ``BLOCK_K`` (64); the layer's gather addresses 16-byte aligned.
+of ``BLOCK_N`` (128) and D of ``BLOCK_K`` (64), at least ``STAGES`` K steps, 2-4 stages (4
+leave no shared memory for h2's staging tile, so h2 then takes pointer stores too); the
+layer's gather addresses 16-byte aligned.
+
+Status (performance.md run 21): correct on an H200 in every GPU test, but **slower than the
+Triton kernel**, so no heuristic selects it (``W13Config.gluon`` is off by default):
+``tools/tune_gemm.py`` measured 3.73-4.07 against 3.19-3.23 ms at T=8192 D=4096 F=2048 E=32
+K=8 (inference), 4.26-4.45 against 3.54 with the training outputs, and 0.47 against 0.39 ms
+at T=4096 D=2048 F=768 E=128 K=8. Two stages take twice as long as three, and four gain
+little over three. The cause is not found yet. Suspects, unmeasured: the two barriers and
+the proxy fence that every K step waits on here; the block-wide reductions of the tile
+lookup, which run in the MMA warps at every tile switch; and the epilogue, which still
+runs serialized with the MMAs. Warp specialisation (a producer warp group for the loads, two
+consumer warp groups taking turns at the epilogue) is the design this kernel is meant to
+grow into.
 """
 
 from __future__ import annotations
