@@ -316,11 +316,13 @@ if HAVE_GLUON:
                 for k in range(NUM_K):
                     stage = c_count % STAGES
                     # This thread's copies of step c_count have landed (groups are per step),
-                    # then the weights; the fence and barrier publish every thread's rows to
-                    # the MMA (and to a TMA store of the saved rows).
+                    # then the weights; the barrier publishes every thread's rows to the MMA.
+                    # No proxy fence here (the Triton kernel's pipeline has none either): a
+                    # fence.proxy.async after wait_group may also wait for this thread's
+                    # copies of the later steps still in flight, which would cut the load
+                    # stream to one step (run 21: 2 stages took twice as long as 3).
                     async_copy.wait_group(STAGES - 2)
                     mbarrier.wait(bars.index(stage), (c_count // STAGES) & 1)
-                    fence_async_shared()
                     gl.thread_barrier()
                     a_tile = a_bufs.index(stage)
                     acc_g = warpgroup_mma(a_tile, bg_bufs.index(stage).permute((1, 0)), acc_g,
@@ -345,6 +347,9 @@ if HAVE_GLUON:
                         if x_off >= 0:
                             if k % NUM_PID_N == n_idx:
                                 if full:
+                                    # the TMA unit reads rows that cp.async wrote
+                                    fence_async_shared()
+                                    gl.thread_barrier()
                                     tma.async_copy_shared_to_global(
                                         x_desc, [act_start, k * BLOCK_K], a_tile)
                                 else:
