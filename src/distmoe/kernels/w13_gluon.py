@@ -30,16 +30,16 @@ leave no shared memory for h2's staging tile, so h2 then takes pointer stores to
 layer's gather addresses 16-byte aligned.
 
 Status (performance.md run 21): correct on an H200 in every GPU test, but **slower than the
-Triton kernel**, so no heuristic selects it (``W13Config.gluon`` is off by default):
-``tools/tune_gemm.py`` measured 3.73-4.07 against 3.19-3.23 ms at T=8192 D=4096 F=2048 E=32
-K=8 (inference), 4.26-4.45 against 3.54 with the training outputs, and 0.47 against 0.39 ms
-at T=4096 D=2048 F=768 E=128 K=8. Two stages take twice as long as three, and four gain
-little over three. The cause is not found yet. Suspects, unmeasured: the two barriers and
-the proxy fence that every K step waits on here; the block-wide reductions of the tile
-lookup, which run in the MMA warps at every tile switch; and the epilogue, which still
-runs serialized with the MMAs. Warp specialisation (a producer warp group for the loads, two
-consumer warp groups taking turns at the epilogue) is the design this kernel is meant to
-grow into.
+Triton kernel**, so no heuristic selects it (``W13Config.gluon`` is off by default).
+``tools/tune_gemm.py``, latest version of this kernel against the Triton heuristic: 3.64
+against 3.25 ms at T=8192 D=4096 F=2048 E=32 K=8 (inference), 4.11 against 3.70 with the
+training outputs, 0.46 against 0.40 ms at T=4096 D=2048 F=768 E=128 K=8. Two stages take
+twice as long as three, and four gain little over three; dropping the proxy fence from every
+K step gained 3%. The cause is not found yet. Suspects, unmeasured: the barriers every K step
+waits on; the block-wide reductions of the tile lookup, which run in the MMA warps at every
+tile switch; and the epilogue, which still runs serialized with the MMAs. Warp
+specialisation (a producer warp group for the loads, two consumer warp groups taking turns
+at the epilogue) is the design this kernel is meant to grow into.
 """
 
 from __future__ import annotations
@@ -220,7 +220,9 @@ if HAVE_GLUON:
         # cp.async: 8 bf16 (16 bytes) per thread and row, a warp covers 4 rows x 64 columns
         CP_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
         OUT_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-        VEC_LAYOUT: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        # Every warp holds all the per-expert bounds (EXPERTS_POW2 / 32 per thread), so the
+        # tile lookup's reductions are warp shuffles: no shared memory, no block barrier.
+        VEC_LAYOUT: gl.constexpr = gl.BlockedLayout([EXPERTS_POW2 // 32], [32], [num_warps], [0])
         ACC_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
 
@@ -316,14 +318,15 @@ if HAVE_GLUON:
                 for k in range(NUM_K):
                     stage = c_count % STAGES
                     # This thread's copies of step c_count have landed (groups are per step),
-                    # then the weights; the barrier publishes every thread's rows to the MMA.
+                    # then the weights.
                     # No proxy fence here (the Triton kernel's pipeline has none either): a
                     # fence.proxy.async after wait_group may also wait for this thread's
                     # copies of the later steps still in flight, which would cut the load
                     # stream to one step (run 21: 2 stages took twice as long as 3).
+                    # (The block barrier that publishes every thread's rows is the one the
+                    # compiler places after the cp.async wait.)
                     async_copy.wait_group(STAGES - 2)
                     mbarrier.wait(bars.index(stage), (c_count // STAGES) & 1)
-                    gl.thread_barrier()
                     a_tile = a_bufs.index(stage)
                     acc_g = warpgroup_mma(a_tile, bg_bufs.index(stage).permute((1, 0)), acc_g,
                                           is_async=True)
@@ -444,7 +447,7 @@ def launch_gluon_w13(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
             padded_offsets if out_offsets is None else out_offsets,
             padded_offsets if enable is None else enable,
             FFN=ffn, HIDDEN=hidden, NUM_EXPERTS=num_experts,
-            EXPERTS_POW2=max(32 * num_warps, next_power_of_2(num_experts)),
+            EXPERTS_POW2=max(32, next_power_of_2(num_experts)),
             GROUP_M=group_m, STAGES=stages,
             WRITE_H1=h1_out is not None, WRITE_X=x_out is not None,
             DYN_OFFSETS=out_offsets is not None, HAS_ENABLE=enable is not None,

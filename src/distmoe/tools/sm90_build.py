@@ -217,7 +217,7 @@ def gluon_w13_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Build
         return BuildCase(
             label, wg._gluon_w13_kernel,
             dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E,
-                 EXPERTS_POW2=max(32 * warps, next_power_of_2(E)), GROUP_M=8, STAGES=stages,
+                 EXPERTS_POW2=max(32, next_power_of_2(E)), GROUP_M=8, STAGES=stages,
                  WRITE_H1=train, WRITE_X=train, DYN_OFFSETS=train, HAS_ENABLE=train,
                  A_LAYOUT=gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16),
                  H2_LAYOUT=gl.NVMMASharedLayout.get_default_for([bm, bn], gl.bfloat16),
