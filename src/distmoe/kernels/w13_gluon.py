@@ -31,13 +31,12 @@ layer's gather addresses 16-byte aligned.
 
 Status (performance.md run 21): correct on an H200 in every GPU test, but **slower than the
 Triton kernel**, so no heuristic selects it (``W13Config.gluon`` is off by default).
-``tools/tune_gemm.py``, latest version of this kernel against the Triton heuristic: 3.64
-against 3.25 ms at T=8192 D=4096 F=2048 E=32 K=8 (inference), 4.11 against 3.70 with the
-training outputs, 0.46 against 0.40 ms at T=4096 D=2048 F=768 E=128 K=8. Two stages take
-twice as long as three, and four gain little over three; dropping the proxy fence from every
-K step gained 3%. The cause is not found yet. Suspects, unmeasured: the barriers every K step
-waits on; the block-wide reductions of the tile lookup, which run in the MMA warps at every
-tile switch; and the epilogue, which still runs serialized with the MMAs. Warp
+``tools/tune_gemm.py``, this version against the Triton heuristic: 3.45 against 3.20 ms at
+T=8192 D=4096 F=2048 E=32 K=8 (inference), 3.96 against 3.57 with the training outputs,
+0.43 against 0.39 ms at T=4096 D=2048 F=768 E=128 K=8. Earlier versions were 12-20%
+behind. What closed part of the gap: no proxy fence on every K step, and a tile lookup
+without block barriers. Still unmeasured: the consumer repeats the producer's tile lookup
+after every epilogue, and the row addresses are read from shared memory at every step. Warp
 specialisation (a producer warp group for the loads, two consumer warp groups taking turns
 at the epilogue) is the design this kernel is meant to grow into.
 """
