@@ -354,10 +354,26 @@ def test_w13_no_rows(persistent):
         assert_untouched(out, what=name)
 
 
-def test_w13_empty_padding_only_layout():
+@pytest.mark.parametrize("tma_epilogue", [False, True], ids=["pointer_stores", "tma_epilogue"])
+def test_w13_empty_padding_only_layout(tma_epilogue):
     # Live rows only in the middle expert, whose count (1) leaves 15 padding rows; empty
     # experts on both sides padded to whole tiles. Only activation row 0 may be written.
-    run_w13_case([0, 1, 0], hidden=32, ffn=32, r_cap=64, config=W13_SMALL, min_rows=[16, 0, 16])
+    config = replace(W13_SMALL, persistent=tma_epilogue, tma_epilogue=tma_epilogue)
+    run_w13_case([0, 1, 0], hidden=32, ffn=32, r_cap=64, config=config, min_rows=[16, 0, 16])
+
+
+def test_w13_tma_epilogue_padding_tiles_only():
+    # Padded tiles but no live row at all (row_offsets[-1] = 0): the TMA epilogue's
+    # descriptors still get a nonzero extent, and nothing is written.
+    config = replace(W13_SMALL, persistent=True, tma_epilogue=True)
+    padded = torch.tensor([0, 16, 32], dtype=torch.int32, device=DEVICE)
+    rows = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    w13, _ = random_weights(2, 32, 32)
+    h2, h1, x_out = poisoned(4, 32), poisoned(4, 64), poisoned(4, 32)
+    gather_w13_swiglu(torch.zeros(32, dtype=torch.int64, device=DEVICE), padded, rows, w13, h2,
+                      h1_out=h1, x_out=x_out, config=config)
+    for name, out in (("h2", h2), ("h1", h1), ("x_out", x_out)):
+        assert_untouched(out, what=name)
 
 
 def test_w13_default_config_from_block_m():

@@ -206,8 +206,8 @@ def _w13_tile(
             out_mask = is_live[:, None] & (cols < FFN)[None, :]
         if TMA_STORE:
             if num_live == BLOCK_M:
-                # Through shared memory: 128-byte bulk writes instead of the accumulator
-                # layout's scattered 4-byte stores.
+                # Asynchronous bulk writes from shared memory instead of every thread's
+                # 16-byte vector stores.
                 row = act_start.to(tl.int32)  # descriptor offsets are 32-bit
                 h2_desc.store([row, n0], h2_val.to(tl.bfloat16))
                 if WRITE_H1:
@@ -333,8 +333,9 @@ def _gather_w13_swiglu_kernel(
             if TMA_STORE:
                 # Bounded by the live rows (row_offsets[E]): a box never reaches past them.
                 # A skipped output (negative offset) gets a descriptor at offset 0 that is
-                # never stored through.
-                live = tl.load(row_offsets_ptr + NUM_EXPERTS)
+                # never stored through. (At least 1 row: padding-only layouts store nothing,
+                # but a descriptor needs a nonzero extent.)
+                live = tl.maximum(tl.load(row_offsets_ptr + NUM_EXPERTS), 1)
                 h2_desc = tl.make_tensor_descriptor(
                     h2_ptr, shape=[live, FFN], strides=[FFN, 1], block_shape=[BLOCK_M, BLOCK_N])
                 h1_desc = h2_desc
