@@ -141,8 +141,9 @@ if HAVE_GLUON:
         ``f_*``: the next live tile after ``p_tile``; its row addresses are copied into
         shared-memory slot ``1 - p_slot`` when the cursor enters ``p_tile``, at least
         ``NUM_K >= STAGES`` groups before they are read. (The addresses are read from shared
-        memory at every step, not carried in registers through the loops: Triton 3.6's
-        sm_90 lowering fails on a loop-carried address tensor feeding ``cp.async``.)"""
+        memory at every step, not carried in registers through the loops: the register form
+        hit an assertion in Triton 3.6's sm_90 lowering, seen together with the unrolled
+        prologue that was later replaced by a loop; the register form was not retried.)"""
         if p_k == NUM_K:
             p_tile = f_tile
             p_n = f_n
