@@ -44,7 +44,6 @@ at the epilogue) is the design this kernel is meant to grow into.
 from __future__ import annotations
 
 import torch
-import triton
 
 from .wgrad_gluon import HAVE_GLUON, gluon_device_reason
 
