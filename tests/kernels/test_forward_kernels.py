@@ -256,6 +256,21 @@ class W13Case:
         if tail is not None:
             assert_untouched(tail, what=f"{name} beyond row_offsets[-1] ({n})")
 
+    def check_saved(self, saved):
+        """``saved``: ``(name, base, offset, width)`` per output stored into a 1-D ``base`` at
+        an element ``offset`` (negative: not stored). Each stored output's rows land at its
+        offset, and every other element of every base (bases may be shared) stays poisoned."""
+        n = self.layout.num_act
+        bases = {id(base): base for _, base, _, _ in saved}
+        written = {key: torch.zeros(base.numel(), dtype=torch.bool) for key, base in bases.items()}
+        for name, base, off, width in saved:
+            if off < 0:
+                continue
+            self.check_rows(name, base[off : off + n * width].view(n, width))
+            written[id(base)][off : off + n * width] = True
+        for key, base in bases.items():
+            assert_untouched(base[~written[key].to(DEVICE)], what="base outside saved ranges")
+
 
 def run_w13_case(
     counts, *, hidden, ffn, r_cap, config, min_rows=None, training=True, use_ref=False,
@@ -442,15 +457,7 @@ def test_w13_out_offsets(h1_at, x_at, same_base, impl):
         use_ref=impl == "reference",
     )
     case.check_rows("h2", h2[:n], tail=h2[n:])
-    written = {id(h1_base): torch.zeros(h1_base.numel(), dtype=torch.bool)}
-    written.setdefault(id(x_base), torch.zeros(x_base.numel(), dtype=torch.bool))
-    for name, base, off, width in (("h1", h1_base, h1_off, 2 * ffn), ("x", x_base, x_off, hidden)):
-        if off < 0:
-            continue
-        case.check_rows(name, base[off : off + n * width].view(n, width))
-        written[id(base)][off : off + n * width] = True
-    for base in {id(h1_base): h1_base, id(x_base): x_base}.values():
-        assert_untouched(base[~written[id(base)].to(DEVICE)], what="base outside saved ranges")
+    case.check_saved([("h1", h1_base, h1_off, 2 * ffn), ("x", x_base, x_off, hidden)])
 
 
 @PERSISTENT
@@ -1133,13 +1140,7 @@ def test_gpu_w13_gluon_out_offsets_and_enable(h1_at, x_at):
     case.run(h2, h1_out=base, x_out=base, out_offsets=offsets, config=GLUON_W13,
              enable=device_int([1], torch.int32))
     case.check_rows("h2", h2[:n], tail=h2[n:])
-    written = torch.zeros(base.numel(), dtype=torch.bool)
-    for name, at, width in (("h1", h1_at, 2 * ffn), ("x", x_off, hidden)):
-        if at < 0:
-            continue
-        case.check_rows(name, base[at : at + n * width].view(n, width))
-        written[at : at + n * width] = True
-    assert_untouched(base[~written.to(DEVICE)], what="base outside saved ranges")
+    case.check_saved([("h1", base, h1_at, 2 * ffn), ("x", base, x_off, hidden)])
 
 
 @pytest.mark.gpu
