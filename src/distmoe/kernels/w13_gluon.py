@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import torch
 
+from ._common import swizzle_tile
 from .wgrad_gluon import HAVE_GLUON, gluon_device_reason
 
 if HAVE_GLUON:
@@ -73,14 +74,11 @@ if HAVE_GLUON:
                    NUM_PID_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_EXPERTS: gl.constexpr,
                    BLOCK_M: gl.constexpr):
         """Column tile, expert, first padded row, first activation row and live row count of
-        ``tile`` (group-M order). The per-expert bounds are register vectors loaded once per
-        program (``ends`` = padded_offsets[1:], ``starts`` = padded_offsets[:-1], ``rbeg`` /
-        ``rend`` = row_offsets[:-1] / [1:], ``eidx`` their expert index)."""
-        num_in_group = GROUP_M * NUM_PID_N
-        first_m = (tile // num_in_group) * GROUP_M
-        size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % num_in_group) % size_m
-        pid_n = (tile % num_in_group) // size_m
+        ``tile`` (group-M order: the Triton kernels' :func:`swizzle_tile`). The per-expert
+        bounds are register vectors loaded once per program (``ends`` = padded_offsets[1:],
+        ``starts`` = padded_offsets[:-1], ``rbeg`` / ``rend`` = row_offsets[:-1] / [1:],
+        ``eidx`` their expert index)."""
+        pid_m, pid_n = swizzle_tile(tile, num_pid_m, NUM_PID_N, GROUP_M)
         row_start = pid_m * BLOCK_M
         expert = gl.minimum(gl.sum((ends <= row_start).to(gl.int32), axis=0), NUM_EXPERTS - 1)
         sel = eidx == expert
@@ -424,7 +422,7 @@ def launch_gluon_w13(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
     :func:`~distmoe.kernels.w13_gather_swiglu.gather_w13_swiglu`, and
     :func:`gluon_w13_reason` returned ``None``). ``programs``: grid size, default one per SM
     (tests pass fewer, so that every program walks several tiles)."""
-    from ._common import device_context, ensure_tma_allocator, next_power_of_2
+    from ._common import device_context, ensure_tma_allocator, next_power_of_2, num_sms
 
     block_m, block_n, block_k, num_warps = GLUON_W13_TILE
     num_experts, _, ffn, hidden = w13.shape
@@ -437,7 +435,7 @@ def launch_gluon_w13(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
     ensure_tma_allocator()
     tiles = (gather_ptrs.shape[0] // block_m) * (ffn // block_n)
     if programs is None:
-        programs = torch.cuda.get_device_properties(h2_out.device).multi_processor_count
+        programs = num_sms(h2_out.device)
     with device_context(h2_out.device):
         _gluon_w13_kernel[(max(1, min(programs, tiles)),)](
             w_desc, gather_ptrs, padded_offsets, row_offsets, h2_out,

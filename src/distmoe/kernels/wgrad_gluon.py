@@ -283,7 +283,7 @@ def launch_gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_offsets: torch.Tens
         programs: grid size; default one per SM (at most one per tile). Tests pass fewer, so
             that every program walks several tiles.
     """
-    from ._common import device_context, ensure_tma_allocator
+    from ._common import device_context, ensure_tma_allocator, num_sms
 
     num_experts, width_p, width_q = out.shape
     num_act_rows = a.shape[0]
@@ -305,7 +305,7 @@ def launch_gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_offsets: torch.Tens
                              o_layout)
     tiles = num_experts * (width_p // block_p) * triton.cdiv(width_q, block_q)
     if programs is None:
-        programs = torch.cuda.get_device_properties(out.device).multi_processor_count
+        programs = num_sms(out.device)
     with device_context(out.device):
         _gluon_wgrad_kernel[(max(1, min(programs, tiles)),)](
             a_desc, b_desc, b_base, b_off, o_desc, row_offsets,
