@@ -57,6 +57,20 @@ def ids_for(EP, T, K, E, kind):
 IMPLS = pytest.mark.parametrize("impl", ["torch", "fused", "blocked"])
 
 
+def activation_rows_of_routes(tabs, EP, T, K):
+    """Inverse of every rank's tables: flat route ``src*T*K + t*K + k`` -> the activation row
+    its destination rank executes it at (from route_of_row and the offsets), -1 elsewhere."""
+    rows = torch.full((EP * T * K,), -1, dtype=torch.int64)
+    for tab in tabs:
+        po, ro = tab.padded_offsets.tolist(), tab.row_offsets.tolist()
+        for e in range(len(po) - 1):
+            for j in range(ro[e + 1] - ro[e]):
+                route = int(tab.route_of_row[po[e] + j])
+                assert route >= 0 and rows[route] == -1
+                rows[route] = ro[e] + j
+    return rows.view(EP, T, K)
+
+
 @IMPLS
 @pytest.mark.parametrize("kind", ["random", "one_expert", "all_inactive"])
 @pytest.mark.parametrize("EP, T, K, E, block", [(3, 7, 2, 6, 4), (1, 5, 3, 4, 16), (4, 9, 4, 8, 2)])
@@ -65,6 +79,7 @@ def test_tables_match_loop_construction(kind, EP, T, K, E, block, impl):
         K = 1
     ids = ids_for(EP, T, K, E, kind)
     E_local = E // EP
+    tabs = []
     for rank in range(EP):
         bound = EP * T * K
         tab = build_routing_tables(ids, rank=rank, num_local_experts=E_local, row_block=block,
@@ -83,6 +98,12 @@ def test_tables_match_loop_construction(kind, EP, T, K, E, block, impl):
         assert torch.equal(tab.bwd_scatter_ptrs, torch.tensor(bwd))
         assert int(tab.num_recv_rows) == recv and int(tab.num_dropped_rows) == dropped == 0
         assert torch.equal(tab.is_route_executed_TK, (ids[rank] >= 0))
+        tabs.append(tab)
+    # every owner knows the row its route lands at on the destination rank
+    dest = activation_rows_of_routes(tabs, EP, T, K)
+    for rank, tab in enumerate(tabs):
+        assert tab.dest_rows_TK.dtype == torch.int32
+        assert torch.equal(tab.dest_rows_TK.long(), dest[rank])
 
 
 @IMPLS
@@ -118,6 +139,13 @@ def test_overflow_is_counted_and_never_written_past_capacity(impl):
     executed1[:6, 0] = True  # expert 0 rows 16..21 are rank 1's first 6 tokens
     assert torch.equal(tab1.is_route_executed_TK, executed1)
     assert int(tab1.num_recv_rows) == 0
+    # destination rows of executed routes (rank 0 runs them all), -1 for dropped ones
+    dest = activation_rows_of_routes([tab, tab1], EP, T, K)
+    assert torch.equal(tab.dest_rows_TK.long(), dest[0])
+    assert torch.equal(tab1.dest_rows_TK.long(), dest[1])
+    assert tab.dest_rows_TK[:, 0].tolist() == list(range(16))
+    assert tab1.dest_rows_TK[:6, 0].tolist() == list(range(16, 22))
+    assert (tab1.dest_rows_TK[6:, 0] == -1).all() and (tab.dest_rows_TK[:, 1] == -1).all()
 
 
 def _both(ids, *, device=None, **kw):

@@ -21,8 +21,9 @@ lanes padded to EB >= E + 2):
 3. per-expert values that a lane needs at another index (a rank's first expert, a route's
    expert) go through a small global scratch and a CTA barrier (values written by one thread
    and read by another);
-4. every route (sorted lane) writes its executed flag (own routes) and, when this rank runs
-   it, its row's source, return and backward addresses and flat route index.
+4. every route (sorted lane) writes its destination row (own routes; -1 when not executed)
+   and, when this rank runs it, its row's source, return and backward addresses and flat
+   route index.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def _expert_layout(
 @triton.jit
 def _route_stores(
     key, pos, route, scratch_ptr, dispatch_bases_ptr, combine_bases_ptr, tables_ptr,
-    route_of_row_ptr, executed_tk_ptr, T, RANK, RECEIVE_BOUND, CAP, ROW_BYTES,
+    route_of_row_ptr, dest_rows_tk_ptr, T, RANK, RECEIVE_BOUND, CAP, ROW_BYTES,
     K: tl.constexpr, E: tl.constexpr, E_LOCAL: tl.constexpr, EB: tl.constexpr,
     TRAINING: tl.constexpr,
 ):  # fmt: skip
@@ -148,7 +149,9 @@ def _route_stores(
     t = (route // K) % T
     tk = (route % (T * K)).to(tl.int64)
     own = (key <= E) & (src == RANK)  # this rank's own routes (not lanes past the last)
-    tl.store(executed_tk_ptr + tk, fits_anywhere, mask=own)
+    # own routes: the activation row the destination rank executes it at (its compact index:
+    # every earlier expert of that rank is executed whole), -1 when it is not executed
+    tl.store(dest_rows_tk_ptr + tk, tl.where(fits_anywhere, compact, -1), mask=own)
     dispatch = tl.load(dispatch_bases_ptr + src, mask=fits, other=0)
     combine = tl.load(combine_bases_ptr + src, mask=fits, other=0)
     tl.store(tables_ptr + row, dispatch + t.to(tl.int64) * ROW_BYTES, mask=fits)
@@ -172,7 +175,7 @@ def _routing_tables_kernel(
     tables_ptr,  # int64 [2 or 3, CAP]: gather, scatter (, bwd), prefilled with 0
     route_of_row_ptr,  # int64 [CAP], prefilled with -1
     counters_ptr,  # int64 [3]: received, dropped, invalid ids
-    executed_tk_ptr,  # bool [T * K]: this rank's own routes
+    dest_rows_tk_ptr,  # int32 [T * K]: this rank's own routes
     N,
     T,
     RANK,
@@ -204,7 +207,7 @@ def _routing_tables_kernel(
     pos = lane - tl.load(scratch_ptr + key_s)
     mine, fits = _route_stores(
         key_s, pos, packed % NP, scratch_ptr, dispatch_bases_ptr, combine_bases_ptr,
-        tables_ptr, route_of_row_ptr, executed_tk_ptr, T, RANK, RECEIVE_BOUND, CAP, ROW_BYTES,
+        tables_ptr, route_of_row_ptr, dest_rows_tk_ptr, T, RANK, RECEIVE_BOUND, CAP, ROW_BYTES,
         K, E, E_LOCAL, EB, TRAINING,
     )  # fmt: skip
     num_recv = tl.sum(mine.to(tl.int64), 0)
@@ -278,7 +281,7 @@ def _blocked_routes_kernel(
     tables_ptr,
     route_of_row_ptr,
     counters_ptr,  # int64 [3], zeroed; summed with integer atomics (order-independent)
-    executed_tk_ptr,
+    dest_rows_tk_ptr,
     N,
     T,
     RANK,
@@ -303,7 +306,7 @@ def _blocked_routes_kernel(
     pos += tl.load(rank_ptr + i, mask=valid, other=0)
     mine, fits = _route_stores(
         key, pos, i, scratch_ptr, dispatch_bases_ptr, combine_bases_ptr, tables_ptr,
-        route_of_row_ptr, executed_tk_ptr, T, RANK, RECEIVE_BOUND, CAP, ROW_BYTES, K, E,
+        route_of_row_ptr, dest_rows_tk_ptr, T, RANK, RECEIVE_BOUND, CAP, ROW_BYTES, K, E,
         E_LOCAL, EB, TRAINING,
     )  # fmt: skip
     tl.atomic_add(counters_ptr, tl.sum(mine.to(tl.int64), 0))
@@ -323,7 +326,7 @@ class _Outputs:
         self.tables = torch.zeros(3 if training else 2, cap, **i64)
         self.route_of_row = torch.full((cap,), -1, **i64)
         self.counters = (torch.zeros if zero_counters else torch.empty)(3, **i64)
-        self.executed_TK = torch.empty(T, K, dtype=torch.bool, device=device)
+        self.dest_rows_TK = torch.empty(T, K, **i32)
         self.training = training
 
     def empty_call(self):
@@ -344,7 +347,8 @@ class _Outputs:
             route_of_row=self.route_of_row,
             num_recv_rows=self.counters[0],
             num_dropped_rows=self.counters[1],
-            is_route_executed_TK=self.executed_TK,
+            is_route_executed_TK=self.dest_rows_TK >= 0,
+            dest_rows_TK=self.dest_rows_TK,
             num_invalid_ids=self.counters[2],
         )
 
@@ -418,7 +422,7 @@ def build_routing_tables_triton(
             _routing_tables_kernel[(1,)](
                 ids, dispatch_bases_EP, combine_bases_EP, scratch, out.padded_offsets,
                 out.row_offsets, out.rows_per_expert, out.executed_EP, out.tables,
-                out.route_of_row, out.counters, out.executed_TK, N, T, rank, receive_bound, cap,
+                out.route_of_row, out.counters, out.dest_rows_TK, N, T, rank, receive_bound, cap,
                 row_bytes,
                 K=K, E=E, E_LOCAL=num_local_experts, EP=EP, ROW_BLOCK=row_block, NP=NP, EB=EB,
                 EPB=EPB, TRAINING=training, num_warps=4 if NP <= 1024 else 8,
@@ -441,7 +445,7 @@ def build_routing_tables_triton(
         )  # fmt: skip
         _blocked_routes_kernel[(NB,)](
             ids, hist, incl, ranks, scratch, dispatch_bases_EP, combine_bases_EP, out.tables,
-            out.route_of_row, out.counters, out.executed_TK, N, T, rank, receive_bound, cap,
+            out.route_of_row, out.counters, out.dest_rows_TK, N, T, rank, receive_bound, cap,
             row_bytes,
             K=K, E=E, E_LOCAL=num_local_experts, BLOCK=BLOCK, EB=EB, TRAINING=training,
             num_warps=4,

@@ -72,6 +72,10 @@ class RoutingTables:
         is_route_executed_TK: bool [T, K] for this rank's own routes: True when the
             destination rank executes the route (active and within its receive bound); the owner
             combines only those (a dropped route's return slot is never written).
+        dest_rows_TK: int32 [T, K] for this rank's own routes: the activation row at which the
+            destination rank executes the route (its compact index there), -1 when it is not
+            executed. The backward writes each route's output gradient straight into that
+            row of the destination's gathered grad_h3 (:mod:`distmoe.ops.autograd`).
         num_invalid_ids: int64 [] ids of any rank outside [-1, E) (treated as inactive).
     """
 
@@ -87,6 +91,7 @@ class RoutingTables:
     num_dropped_rows: torch.Tensor
     is_route_executed_TK: torch.Tensor
     num_invalid_ids: torch.Tensor
+    dest_rows_TK: torch.Tensor
 
 
 def row_capacity(receive_bound: int, num_local_experts: int, row_block: int) -> int:
@@ -177,8 +182,11 @@ def build_routing_tables(
     compact_start = torch.cat([starts.reshape(-1), starts.new_zeros(1)])  # [E + 1]
     padded_start = torch.cat([padded_starts[:, :E_local].reshape(-1), padded.new_zeros(1)])
     fits_sorted = (key_sorted < E) & (compact_start[key_sorted] + position < receive_bound)
-    is_route_executed = torch.zeros_like(fits_sorted)
-    is_route_executed[order] = fits_sorted
+    # Own routes' activation rows on their destination ranks: a route's compact index (every
+    # earlier expert of that rank is executed whole when this one is executed at all).
+    dest_rows = torch.full_like(key_sorted, -1)
+    dest_rows[order] = torch.where(fits_sorted, compact_start[key_sorted] + position, -1)
+    is_route_executed = dest_rows >= 0
 
     dest_rank = key_sorted // E_local
     mine = (key_sorted < E) & (dest_rank == rank)
@@ -217,4 +225,5 @@ def build_routing_tables(
         num_dropped_rows=num_recv - fits.sum(),
         is_route_executed_TK=own,
         num_invalid_ids=((ids_i < -1) | (ids_i >= E)).sum(),
+        dest_rows_TK=dest_rows.view(EP, T, K)[rank].to(torch.int32),
     )
