@@ -182,8 +182,9 @@ def main() -> int:
 
             def run2d(c, po=po, ro=ro, w2=w2, h1=h1, grad_h1=grad_h1, h2=h2,
                       gh3_rows=gh3_rows, scatter=scatter):
+                # the layer's path: the rows are already in place (pushed by their owners)
                 w2_dgrad_swiglu_bwd(scatter, po, ro, w2, h1, grad_h1, h2_out=h2,
-                                    grad_h3_out=gh3_rows, config=c)
+                                    grad_h3_rows=gh3_rows, config=c)
 
             def run13d(c, po=po, ro=ro, w13=w13, grad_h1=grad_h1, bwd=bwd_scatter):
                 w13_dgrad_scatter(grad_h1, po, ro, w13, bwd, config=c)

@@ -342,6 +342,64 @@ def test_route_grads_h3_addr(mode):
     assert same_bits(grad_scores, plain_scores)
 
 
+
+@pytest.mark.parametrize("h3_addr", [False, True], ids=["h3_tensor", "h3_addr"])
+def test_route_grads_push(h3_addr):
+    """Push mode: each active route's row lands at its destination rank's row (two ranks'
+    buffers here, experts 0-1 on rank 0 and 2-3 on rank 1, rows a random permutation);
+    bit-exact against the plain path, and nothing else of either buffer is written."""
+    num_tokens, t_max, top_k, hidden = 7, 9, 3, 40
+    ids, active, scores, grad_y, h3 = _route_problem(num_tokens, t_max, top_k, hidden)
+    config = RouteGradConfig(block_rows=4, block_d=16, num_warps=4)
+    plain_routes = poisoned(t_max * top_k, hidden)
+    plain_scores = poisoned(num_tokens, top_k, dtype=torch.float32)
+    route_grads(grad_y, h3, ids, scores, plain_routes, plain_scores, config=config)
+
+    n = num_tokens * top_k
+    flat_ids = ids.long().reshape(-1)
+    dest_rank = torch.where(active, flat_ids // 2, -1)
+    rows_per_rank = 12  # room to spare: unused rows must keep their poison
+    dest_rows = torch.full((n,), -1, dtype=torch.int32)
+    for r in (0, 1):
+        mine = (dest_rank == r).nonzero().flatten()
+        dest_rows[mine] = torch.randperm(rows_per_rank)[: mine.numel()].int()
+    dropped = active.nonzero().flatten()[:1]  # an active route its rank does not execute
+    dest_rows[dropped] = -1
+    dest_rows = dest_rows.to(DEVICE).reshape(num_tokens, top_k)
+    bufs = [poisoned(rows_per_rank, hidden) for _ in range(2)]
+    before = [b.clone() for b in bufs]
+    bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=DEVICE)
+    grad_scores = poisoned(num_tokens, top_k, dtype=torch.float32)
+    h3_before = h3.clone()
+    if h3_addr:
+        addr = torch.tensor([h3.data_ptr()], dtype=torch.int64, device=DEVICE)
+        route_grads(grad_y, None, ids, scores, None, grad_scores, h3_addr=addr,
+                    dest_rows=dest_rows, dest_bases=bases, experts_per_rank=2, config=config)
+    else:
+        route_grads(grad_y, h3, ids, scores, None, grad_scores, dest_rows=dest_rows,
+                    dest_bases=bases, experts_per_rank=2, config=config)
+    assert same_bits(grad_scores, plain_scores)
+    assert same_bits(h3, h3_before)
+    flat_rows = dest_rows.reshape(-1).cpu()
+    for r in (0, 1):
+        expected = before[r].clone()
+        for route in ((dest_rank == r) & (flat_rows >= 0)).nonzero().flatten().tolist():
+            expected[flat_rows[route]] = plain_routes[route]
+        assert same_bits(bufs[r], expected)
+
+    # push mode takes no grad_routes_out, and all three push arguments
+    with pytest.raises(ValueError, match="grad_routes_out must be None in push mode"):
+        route_grads(grad_y, h3, ids, scores, plain_routes, grad_scores, dest_rows=dest_rows,
+                    dest_bases=bases, experts_per_rank=2)
+    with pytest.raises(ValueError, match=r"experts_per_rank \(None\) must be an int >= 1"):
+        route_grads(grad_y, h3, ids, scores, None, grad_scores, dest_rows=dest_rows,
+                    dest_bases=bases)
+    with pytest.raises(TypeError, match="dest_rows"):
+        route_grads(grad_y, h3, ids, scores, None, grad_scores, dest_rows=dest_rows.long(),
+                    dest_bases=bases, experts_per_rank=2)
+    with pytest.raises(TypeError, match="grad_routes_out must be a torch.Tensor unless"):
+        route_grads(grad_y, h3, ids, scores, None, grad_scores)
+
 def test_reduce_routes():
     num_tokens, top_k, t_max, hidden = 9, 4, 10, 48
     ids = make_ids(num_tokens, top_k, [0, 1, 2, 3, 4]).to(DEVICE)
@@ -510,6 +568,34 @@ def test_w2_dgrad_h1_offset(gather_once):
     expected[offset : offset + layout.live_end * 2 * ffn] = outs["plain"][0][live].reshape(-1)
     assert same_bits(base, expected)
 
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_w2_dgrad_pre_gathered_rows(persistent):
+    """grad_h3_rows (rows pushed there by their owners): nothing is gathered or written
+    there, and every output is bit-exact equal to the gather-once path's."""
+    hidden, ffn, block_m = 48, 40, 16
+    layout, combine, w2, h1, ptrs, _ = _w2_problem(hidden, ffn, block_m)
+    num_act = layout.num_act
+    config = W2DgradConfig(block_m=block_m, block_n=32, block_k=32, num_warps=4, group_m=2,
+                           persistent=persistent)
+    grad_h1, h2, grad_h3 = _run_w2_dgrad(layout, ptrs, w2, h1, poisoned(num_act, 2 * ffn),
+                                         config, gather_once=True)
+    rows = grad_h3.clone()
+    live = layout.live_act()
+    rows[~live] = 0.0  # the rows a push never writes: zeros (NaN would reach no output either)
+    rows_before = rows.clone()
+    got_h1, got_h2 = poisoned(num_act, 2 * ffn), poisoned(num_act, ffn)
+    w2_dgrad_swiglu_bwd(ptrs, layout.padded_offsets, layout.row_offsets, w2, h1, got_h1,
+                        h2_out=got_h2, grad_h3_rows=rows, config=config)
+    assert same_bits(rows, rows_before)  # read only
+    assert same_bits(got_h1, grad_h1) and same_bits(got_h2, h2)
+    with pytest.raises(ValueError, match="grad_h3_out and grad_h3_rows exclude each other"):
+        w2_dgrad_swiglu_bwd(ptrs, layout.padded_offsets, layout.row_offsets, w2, h1, got_h1,
+                            grad_h3_out=poisoned(num_act, hidden), grad_h3_rows=rows)
+    with pytest.raises(ValueError, match="grad_h3_rows"):
+        w2_dgrad_swiglu_bwd(ptrs, layout.padded_offsets, layout.row_offsets, w2, h1, got_h1,
+                            grad_h3_rows=rows[:-1])
 
 def assert_walks_several_tiles(config, num_tiles_cap, live_tiles):
     """Under the interpreter a persistent grid has fewer programs than live tiles, so programs

@@ -10,9 +10,12 @@ Forward, on the token owner: ``y[t] = sum_k score[t, k] * h3[t, k]`` (fp32), whe
       grad_routes[t*K + k]  = bf16(score[t, k] * grad_y[t])     one row per active route
 
   Inactive routes (expert id -1) get ``grad_scores = 0``; their ``h3`` rows are never read
-  and their ``grad_routes`` rows never written. ``grad_routes`` is the buffer that the experts
-  gather from for W2 DGRAD/WGRAD (DESIGN.md: the combine buffer carries the route output
-  gradients in backward). The h3 rows are a tensor (``h3_routes``) or sit at a device-side
+  and their ``grad_routes`` rows never written. ``grad_routes`` is either a buffer that the
+  experts gather from for W2 DGRAD/WGRAD (DESIGN.md: the combine buffer), or, in *push* mode
+  (what the layer uses), each route's row goes straight to the row its destination rank
+  executes it at (:attr:`distmoe.routing.RoutingTables.dest_rows_TK`), inside that rank's
+  gathered grad_h3: the expert then needs no gather, and the rows cross memory once instead
+  of three times (owner write, expert read, expert write). The h3 rows are a tensor (``h3_routes``) or sit at a device-side
   byte address (``h3_addr``, e.g. the owner's combine buffer that still holds the routes'
   results), and may be exactly the rows of ``grad_routes`` (in place): each route row is read
   and written by one program only, and in that mode the program finishes reading every
@@ -61,15 +64,19 @@ def _route_grads_kernel(
     h3_ptr,  # bf16 [>= T*K, D]: route (t, k) at row t*K + k; int64 [1] address (H3_ADDR)
     expert_ids_ptr,  # int [T*K]
     scores_ptr,  # fp32 [T*K]
-    grad_routes_ptr,  # bf16 [>= T*K, D] (may be the h3 rows: IN_PLACE)
+    grad_routes_ptr,  # bf16 [>= T*K, D] (may be the h3 rows: IN_PLACE); unused with PUSH
     grad_scores_ptr,  # fp32 [T*K]
+    dest_rows_ptr,  # int32 [T*K] (PUSH): the route's row at its destination, -1 = none
+    dest_bases_ptr,  # int64 [EP] (PUSH): address of row 0 of every rank's destination rows
     num_routes,  # T*K
+    experts_per_rank,  # (PUSH) destination rank = expert id // experts_per_rank
     TOP_K: tl.constexpr,
     HIDDEN: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     H3_ADDR: tl.constexpr,
     IN_PLACE: tl.constexpr,
+    PUSH: tl.constexpr,
 ):
     if H3_ADDR:
         # Byte address of route row 0, 16-byte aligned (contract); the hint sits on the pointer
@@ -82,6 +89,17 @@ def _route_grads_kernel(
     score = tl.load(scores_ptr + route, mask=is_active, other=0.0)
     route64 = route.to(tl.int64)
     token64 = route64 // TOP_K
+    if PUSH:
+        # The route's output-gradient row goes straight to its destination rank's row (a peer
+        # address, 16-byte aligned: base and D*2 are multiples of 16).
+        dest_row = tl.load(dest_rows_ptr + route, mask=is_active, other=-1)
+        is_pushed = is_active & (dest_row >= 0)
+        base = tl.load(dest_bases_ptr + expert // experts_per_rank, mask=is_pushed, other=0)
+        out_rows = tl.multiple_of(
+            (base + dest_row.to(tl.int64) * (HIDDEN * 2)).to(tl.pointer_type(tl.bfloat16)), 16)
+    else:
+        is_pushed = is_active
+        out_rows = grad_routes_ptr + route64 * HIDDEN
     dot = tl.zeros([BLOCK_R], dtype=tl.float32)
     for d0 in tl.range(0, HIDDEN, BLOCK_D):
         col = d0 + tl.arange(0, BLOCK_D)
@@ -96,7 +114,8 @@ def _route_grads_kernel(
             # the one that loaded it: the barrier makes every h3 load of this step performed
             # before any store of it. Only this program touches these rows.
             tl.debug_barrier()
-        tl.store(grad_routes_ptr + route64[:, None] * HIDDEN + col[None, :], grad_route, mask=mask)
+        tl.store(out_rows[:, None] + col[None, :], grad_route,
+                 mask=is_pushed[:, None] & (col < HIDDEN)[None, :])
     tl.store(grad_scores_ptr + route, dot, mask=in_range)
 
 
@@ -228,10 +247,13 @@ def route_grads(
     h3_routes: torch.Tensor | None,
     expert_ids: torch.Tensor,
     scores: torch.Tensor,
-    grad_routes_out: torch.Tensor,
+    grad_routes_out: torch.Tensor | None,
     grad_scores_out: torch.Tensor,
     *,
     h3_addr: torch.Tensor | None = None,
+    dest_rows: torch.Tensor | None = None,
+    dest_bases: torch.Tensor | None = None,
+    experts_per_rank: int | None = None,
     config: RouteGradConfig | None = None,
 ) -> None:
     """Score and route-output gradients of the owner combine (see the module docstring).
@@ -246,6 +268,7 @@ def route_grads(
         scores: ``[T, K]`` fp32 routing scores.
         grad_routes_out: ``[T_max*K, D]`` bf16; row ``t*K + k`` receives
             ``bf16(scores[t, k] * grad_y[t])`` for every active route, other rows untouched.
+            ``None`` when the rows are pushed to their destinations instead (``dest_rows``).
         grad_scores_out: ``[T, K]`` fp32; receives ``dot(grad_y[t], h3[t*K + k])`` (0 where
             inactive).
         h3_addr: optional int64 ``[1]`` device tensor, the absolute byte address of route row 0
@@ -256,6 +279,18 @@ def route_grads(
             reads is read before that program writes the same element of ``grad_routes_out``,
             and no other program writes it (module docstring). Always run in that ordered mode,
             since the host cannot tell whether the rows coincide.
+        dest_rows: optional int32 ``[T, K]`` (with ``dest_bases`` and ``experts_per_rank``,
+            and ``grad_routes_out=None``): push mode. The row ``bf16(scores[t, k] *
+            grad_y[t])`` of an active route with ``dest_rows[t, k] >= 0`` is written to
+            ``dest_bases[expert_ids[t, k] // experts_per_rank] + dest_rows[t, k]*D*2``: in
+            the layer, the destination rank's gathered grad_h3 row of that route
+            (:attr:`distmoe.routing.RoutingTables.dest_rows_TK`), so that the expert needs no
+            gather. Addresses are not checked (they live on the device): every
+            ``expert_ids // experts_per_rank`` of an active route must index ``dest_bases``,
+            and the rows written must not overlap anything this call reads.
+        dest_bases: int64 ``[EP]`` absolute byte addresses (16-byte aligned) of row 0 of every
+            rank's destination rows (push mode).
+        experts_per_rank: experts per rank (push mode), an int >= 1.
         config: launch configuration; ``None`` picks :meth:`RouteGradConfig.from_heuristic`.
 
     All tensors contiguous, on one CUDA device (CPU under the Triton interpreter).
@@ -286,7 +321,26 @@ def route_grads(
             shape=[1],
             shape_text="(byte address of route row 0 of h3)",
         )
-    _check_route_rows("grad_routes_out", grad_routes_out, num_routes, hidden)
+    push = dest_rows is not None or dest_bases is not None or experts_per_rank is not None
+    if push:
+        if grad_routes_out is not None:
+            raise ValueError(
+                "grad_routes_out must be None in push mode (dest_rows/dest_bases/"
+                f"experts_per_rank given), got a tensor of shape {list(grad_routes_out.shape)}"
+            )
+        check_tensor("dest_rows", dest_rows, dtypes=(torch.int32,),
+                     shape=[num_tokens, top_k], shape_text="[T, K] like expert_ids")
+        check_tensor("dest_bases", dest_bases, dtypes=(torch.int64,), ndim=1,
+                     shape_text="[EP] (byte addresses of every rank's destination row 0)")
+        if isinstance(experts_per_rank, bool) or not isinstance(experts_per_rank, int) \
+                or experts_per_rank < 1:
+            raise ValueError(f"experts_per_rank ({experts_per_rank!r}) must be an int >= 1 in "
+                             "push mode")
+    else:
+        if grad_routes_out is None:
+            raise TypeError("grad_routes_out must be a torch.Tensor unless the rows are pushed "
+                            "(dest_rows, dest_bases, experts_per_rank), got None")
+        _check_route_rows("grad_routes_out", grad_routes_out, num_routes, hidden)
     check_tensor(
         "grad_scores_out",
         grad_scores_out,
@@ -295,17 +349,19 @@ def route_grads(
         shape_text="[T, K]",
     )
     h3_name = "h3_routes" if h3_addr is None else "h3_addr"
-    device = check_devices(
-        {
-            "grad_y": grad_y,
-            h3_name: h3_routes if h3_addr is None else h3_addr,
-            "expert_ids": expert_ids,
-            "scores": scores,
-            "grad_routes_out": grad_routes_out,
-            "grad_scores_out": grad_scores_out,
-        }
-    )
-    in_place = h3_addr is not None or _rows_coincide(h3_routes, grad_routes_out)
+    named = {
+        "grad_y": grad_y,
+        h3_name: h3_routes if h3_addr is None else h3_addr,
+        "expert_ids": expert_ids,
+        "scores": scores,
+        "grad_scores_out": grad_scores_out,
+    }
+    if push:
+        named.update(dest_rows=dest_rows, dest_bases=dest_bases)
+    else:
+        named["grad_routes_out"] = grad_routes_out
+    device = check_devices(named)
+    in_place = not push and (h3_addr is not None or _rows_coincide(h3_routes, grad_routes_out))
     config = _check_config(config, hidden)
     if num_routes == 0:
         return
@@ -316,15 +372,19 @@ def route_grads(
             h3_routes if h3_addr is None else h3_addr,
             expert_ids,
             scores,
-            grad_routes_out,
+            grad_y if push else grad_routes_out,  # placeholder in push mode: never written
             grad_scores_out,
+            dest_rows if push else grad_scores_out,  # placeholders: never read
+            dest_bases if push else grad_scores_out,
             num_routes,
+            experts_per_rank if push else 1,
             TOP_K=top_k,
             HIDDEN=hidden,
             BLOCK_R=config.block_rows,
             BLOCK_D=config.block_d,
             H3_ADDR=h3_addr is not None,
             IN_PLACE=in_place,
+            PUSH=push,
             num_warps=config.num_warps,
         )
 

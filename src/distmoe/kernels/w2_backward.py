@@ -995,6 +995,7 @@ def w2_dgrad_swiglu_bwd(
     h1_offset: torch.Tensor | None = None,
     h2_out: torch.Tensor | None = None,
     grad_h3_out: torch.Tensor | None = None,
+    grad_h3_rows: torch.Tensor | None = None,
     config: W2DgradConfig | None = None,
 ) -> None:
     """W2 DGRAD + SwiGLU backward: padded tile schedule, compact activation rows (module
@@ -1026,6 +1027,10 @@ def w2_dgrad_swiglu_bwd(
         h2_out: optional bf16 ``[R_act, F]``, receives ``silu(g) * u`` on the live rows.
         grad_h3_out: optional bf16 ``[R_act, D]``, receives the gathered ``grad_h3`` rows on the
             live rows (zeros for null rows); also switches on the gather-once path.
+        grad_h3_rows: optional bf16 ``[R_act, D]``, the ``grad_h3`` rows already in activation
+            rows (the layer's owners push them there, :func:`distmoe.kernels.route_grad.
+            route_grads`): nothing is gathered, ``grad_h3_ptrs`` only marks null rows (whose
+            rows must hold zeros, or at least finite values). Not with ``grad_h3_out``.
         config: :class:`W2DgradConfig`; ``None`` = ``from_heuristic`` with ``block_m`` 128.
 
     D and F must be multiples of 8. Live rows of every output are written (null rows as
@@ -1060,15 +1065,20 @@ def w2_dgrad_swiglu_bwd(
             shape=[num_act, ffn],
             shape_text="[R_act, F] like grad_h1_out",
         )
-    if grad_h3_out is not None:
+    if grad_h3_out is not None and grad_h3_rows is not None:
+        raise ValueError("grad_h3_out and grad_h3_rows exclude each other (gather the rows, or "
+                         "pass rows already gathered), got both")
+    h3_name = "grad_h3_out" if grad_h3_rows is None else "grad_h3_rows"
+    gathered = grad_h3_out if grad_h3_rows is None else grad_h3_rows
+    if gathered is not None:
         check_tensor(
-            "grad_h3_out",
-            grad_h3_out,
+            h3_name,
+            gathered,
             dtypes=(torch.bfloat16,),
             shape=[num_act, hidden],
             shape_text="[R_act, D] like grad_h1_out",
         )
-        check_tma_aligned("grad_h3_out", grad_h3_out)
+        check_tma_aligned(h3_name, gathered)
     check_tma_aligned("w2", w2)
     named = {
         "grad_h3_ptrs": grad_h3_ptrs,
@@ -1082,8 +1092,8 @@ def w2_dgrad_swiglu_bwd(
         named["h1_offset"] = h1_offset
     if h2_out is not None:
         named["h2_out"] = h2_out
-    if grad_h3_out is not None:
-        named["grad_h3_out"] = grad_h3_out
+    if gathered is not None:
+        named[h3_name] = gathered
     device = check_devices(named)
     if h1_offset is not None:
         # The rows h1 reads start at a device-side offset: the host cannot tell them apart
@@ -1099,8 +1109,8 @@ def w2_dgrad_swiglu_bwd(
     if num_rows == 0 or num_act == 0:
         return  # no padded rows, or (R_act >= row_offsets[E]) no live rows
 
-    gather_in_loop = grad_h3_out is None
-    w2_arg, rows_arg = w2, grad_h3_ptrs if gather_in_loop else grad_h3_out
+    gather_in_loop = gathered is None
+    w2_arg, rows_arg = w2, grad_h3_ptrs if gather_in_loop else gathered
     if config.host_descriptors:
         w2_arg = TensorDescriptor(
             w2,
@@ -1110,7 +1120,7 @@ def w2_dgrad_swiglu_bwd(
         )
         if not gather_in_loop:
             rows_arg = TensorDescriptor(
-                grad_h3_out,
+                gathered,
                 shape=[num_act, hidden],
                 strides=[hidden, 1],
                 block_shape=[config.block_m, config.block_k],
@@ -1119,7 +1129,7 @@ def w2_dgrad_swiglu_bwd(
         ensure_tma_allocator()
     experts_pow2 = next_power_of_2(num_experts)
     with device_context(device):
-        if not gather_in_loop:
+        if grad_h3_out is not None:
             block_cols = _pow2_clamped(hidden, 16, 512)
             _gather_rows_kernel[(num_rows // _GATHER_BLOCK_ROWS, triton.cdiv(hidden, block_cols))](
                 grad_h3_ptrs,

@@ -28,7 +28,8 @@ receive bound)::
     xs   [R, D]   replayed gathered rows            (backward of a replayed layer)
     h1g  [R, 2F]  replayed h1, then grad_h1 in place (backward)
     h2   [R, F]   SwiGLU output (forward, and backward for W2 WGRAD)
-    gh3  [R, D]   gathered route output gradients   (backward, W2 WGRAD)
+    gh3  [R, D]   route output gradients, in activation rows: written by their owners
+                  (peer writes when the buffer is a heap allocation), read by W2 DGRAD/WGRAD
 
 ``2R(2D + 3F)`` bytes before alignment, never more than the planner's peak ``scratch_bytes``
 (checked at construction; the planner's layout keeps grad_h2 separately, ours writes grad_h1
@@ -76,9 +77,14 @@ class ActivationBuffer:
         cfg: the layer configuration (``cfg.training`` must be True).
         ep_size / rank: the EP group size and this rank.
         device: where to allocate.
+        allocate: optional ``allocate(num_bytes) -> uint8 tensor`` of at least ``num_bytes``
+            on ``device``, e.g. a symmetric-heap allocation, so that peers can write into
+            this rank's scratch (the layer's owners push route gradients into ``gh3``);
+            ``None`` allocates a plain tensor.
     """
 
-    def __init__(self, cfg: MoEConfig, ep_size: int, rank: int, device: torch.device) -> None:
+    def __init__(self, cfg: MoEConfig, ep_size: int, rank: int, device: torch.device,
+                 allocate=None) -> None:
         if not cfg.training:
             raise ValueError("ActivationBuffer needs cfg.training=True")
         if cfg.total_scratch_factor is not None:
@@ -101,8 +107,11 @@ class ActivationBuffer:
         # Static: does every layer save whatever the routing? (then backward never replays)
         self.always_saves = self.layers_per_slot * plan.full_state_bytes(R) <= self.slot_bytes
 
-        self.storage = torch.empty(plan.activation_buffer_bytes, dtype=torch.uint8,
-                                   device=device)
+        nbytes = plan.activation_buffer_bytes
+        if allocate is None:
+            self.storage = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        else:
+            self.storage = allocate(nbytes)[:nbytes]
         self.elements = self.storage.view(torch.bfloat16)  # base of every offset
         # Scratch views, in activation rows.
         base = plan.slots_bytes

@@ -20,13 +20,14 @@ order, and the layers of a slot in reverse order of their forwards. Per call:
         owners' combine slots
     r4. barrier                    (h3 routes back with their owners)
     1. owner:  route_grads: grad_scores[t,k] = <grad_y[t], h3[t,k]> with h3 read from the slot
-               (saved) or from the combine slots (replayed, in place); combine[t*K+k] <-
-               bf16(score[t,k] * grad_y[t]) for executed routes
+               (saved) or from the combine slots (replayed); bf16(score[t,k] * grad_y[t]) of
+               every executed route is pushed straight into the expert's scratch gh3, at the
+               activation row the expert executes the route at (tables.dest_rows_TK; the
+               activation buffer is a heap allocation, so peers can write it)
     2. barrier                     (route output gradients visible to the experts)
-    3. expert: w2_dgrad_swiglu_bwd gathers grad_h3 from the owners' combine slots
-               (tables.scatter_ptrs; each row is read once, into the gathered grad_h3),
+    3. expert: w2_dgrad_swiglu_bwd reads grad_h3 from scratch gh3 (nothing to gather),
                reads h1 (slot or scratch h1g), writes grad_h1 into scratch h1g (in place
-               over a replayed h1), h2 and the gathered grad_h3;
+               over a replayed h1) and h2;
                w2_wgrad and w13_wgrad accumulate fp32 weight gradients (x_rows from the slot
                or scratch xs); w13_dgrad_scatter stores each route's input gradient into the
                owner's dispatch row t*K+k (tables.bwd_scatter_ptrs)
@@ -39,9 +40,14 @@ Why the peer writes are safe:
   previous backward (same stream) and peers' gathers of earlier calls, finished before
   barriers this rank has passed. r3's gathers read those rows and finish before r4, which
   every rank passes before any step 3 scatter writes dispatch rows again.
-* r3's W2 scatter and step 1 write combine slots; their previous readers (peers' step 3 of
-  the previous backward) finished before that backward's barrier 4, which everyone passed
-  before r2 / before this backward began.
+* r3's W2 scatter writes combine slots; their previous readers (the owner's step 1 of the
+  previous backward, the owner's combine of a forward) ran before barriers everyone passed
+  before r2.
+* step 1 writes peers' scratch gh3 rows. Only step 3 reads them (W2 DGRAD and WGRAD, on the
+  expert, after barrier 2); the previous readers (step 3 of the previous backward) finished
+  before that backward's barrier 4, which every rank passed before this backward began. No
+  other kernel touches scratch gh3 (the replay's r3 writes xs, h1g and h2 only, and finishes
+  before r4).
 * step 3's scatter writes peers' dispatch rows. Peers read their dispatch in forward (the
   W13 gather, finished before the forward's second barrier), in r3 (before r4) and in step 5
   of the previous backward (finished before they entered barrier 2 of this one).
@@ -122,7 +128,6 @@ class MoEFunction(torch.autograd.Function):
         elements = acts.elements
         scratch = acts.scratch
         grad_y = grad_y.to(torch.bfloat16).contiguous()
-        combine_rows = moe._combine[:T * K]
         dispatch_rows = moe._dispatch[:T * K]
         replay = rec.replay
 
@@ -144,14 +149,15 @@ class MoEFunction(torch.autograd.Function):
 
         # 1. owner: score gradients and route output gradients into its combine slots
         grad_scores = torch.empty(T, K, dtype=torch.float32, device=dev)
-        route_grads(grad_y, None, ids_executed, scores_f32, combine_rows, grad_scores,
-                    h3_addr=h3_addr)
+        route_grads(grad_y, None, ids_executed, scores_f32, None, grad_scores, h3_addr=h3_addr,
+                    dest_rows=tables.dest_rows_TK, dest_bases=moe._gh3_bases,
+                    experts_per_rank=E_l)
         # 2. route output gradients visible to the experts
         heap.barrier()
         # 3. expert side
         w2_dgrad_swiglu_bwd(tables.scatter_ptrs, po, ro, w2, elements, scratch["h1g"],
                             h1_offset=h1_offset, h2_out=scratch["h2"],
-                            grad_h3_out=scratch["gh3"],
+                            grad_h3_rows=scratch["gh3"],
                             config=W2DgradConfig.from_heuristic(
                                 hidden=D, ffn=F, block_m=block,
                                 rows_per_expert=moe.rows_per_expert_hint))

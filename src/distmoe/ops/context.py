@@ -128,10 +128,16 @@ class MoEContext:
                                                rows_per_expert=self.rows_per_expert_hint)
         self.activations: ActivationBuffer | None = None
         if cfg.training:
-            self.activations = ActivationBuffer(cfg, self.ep_size, self.rank, self.device)
+            # On the heap: the owners write their routes' output gradients straight into the
+            # experts' scratch gh3 rows in backward (distmoe.ops.autograd, step 1).
+            self.activations = ActivationBuffer(
+                cfg, self.ep_size, self.rank, self.device,
+                allocate=lambda nbytes: heap.allocate("activations", nbytes))
             self._h2 = self.activations.scratch["h2"]
             acts = self.activations
             so = acts.scratch_elem_offsets
+            # every rank's scratch gh3 row 0 (same layout on every rank)
+            self._gh3_bases = heap.base_table("activations") + acts.scratch_layout["gh3"][0]
             # [h1g, xs] element offsets (the replay's W13 outputs)
             self._replay_offsets = torch.tensor([so["h1g"], so["xs"]], dtype=torch.int64,
                                                 device=self.device)

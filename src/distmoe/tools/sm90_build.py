@@ -369,14 +369,18 @@ def other_kernel_cases() -> list[BuildCase]:
             types={"expert_ids_ptr": "*i64", "scores_ptr": "*fp32", "save_offset_ptr": "*i64",
                    "num_tokens": "i32"}))
     rc = rg.RouteGradConfig.from_heuristic(hidden=D)
-    for h3_addr, in_place in ((False, False), (True, False), (False, True)):
+    for h3_addr, in_place, push in ((False, False, False), (True, False, False),
+                                    (False, True, False), (True, False, True)):
         cases.append(BuildCase(
-            f"route_grads h3_addr={h3_addr} in_place={in_place}", rg._route_grads_kernel,
+            f"route_grads h3_addr={h3_addr} in_place={in_place} push={push}",
+            rg._route_grads_kernel,
             dict(TOP_K=K, HIDDEN=D, BLOCK_R=rc.block_rows, BLOCK_D=rc.block_d, H3_ADDR=h3_addr,
-                 IN_PLACE=in_place),
+                 IN_PLACE=in_place, PUSH=push),
             rc.num_warps, 1,
             types={"h3_ptr": "*i64" if h3_addr else "*bf16", "expert_ids_ptr": "*i64",
-                   "scores_ptr": "*fp32", "grad_scores_ptr": "*fp32", "num_routes": "i32"}))
+                   "scores_ptr": "*fp32", "grad_scores_ptr": "*fp32", "num_routes": "i32",
+                   "dest_rows_ptr": "*i32", "dest_bases_ptr": "*i64",
+                   "experts_per_rank": "i32"}))
     cases.append(BuildCase(
         "reduce_routes", rg._reduce_routes_kernel,
         dict(TOP_K=K, HIDDEN=D, BLOCK_T=rc.block_rows, BLOCK_D=rc.block_d), rc.num_warps, 1,
