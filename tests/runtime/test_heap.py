@@ -126,6 +126,15 @@ def _gpu_exchange(rank, world, backend="auto"):
     expected = "cuda_symm" if world == 1 or backend == "cuda_symm" else "cuda_ipc"
     assert heap.backend == expected, (heap.backend, expected)
     try:
+        # what torch's allocator does not count (the benchmark adds it to its peak memory)
+        before = torch.cuda.memory_allocated()
+        heap.allocate("accounting", 1 << 20)
+        grew = torch.cuda.memory_allocated() - before
+        if expected == "cuda_symm":
+            assert heap.untracked_bytes == sum(heap.size(n) for n in heap.names) >= 1 << 20
+            assert grew < 1 << 20, grew
+        else:
+            assert heap.untracked_bytes == 0 and grew >= 1 << 20, grew
         return peer_put_check(heap)
     finally:
         heap.close()

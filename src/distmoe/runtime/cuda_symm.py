@@ -30,6 +30,7 @@ def symmetric_memory_usable(group, device: torch.device) -> bool:
 
 class CudaSymmHeap(CudaHeapBase):
     backend = "cuda_symm"
+    allocates_through_torch = False  # symm_mem.empty: outside the caching allocator
 
     def __init__(self, group, device) -> None:
         self._handles: dict[str, tuple[torch.Tensor, object]] = {}

@@ -52,6 +52,9 @@ class SymmetricHeap(ABC):
     """
 
     backend: str
+    #: True when this backend's buffers come from torch's caching allocator (and so count in
+    #: ``torch.cuda.max_memory_allocated``).
+    allocates_through_torch: bool = True
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
         self.group = group if group is not None else dist.group.WORLD
@@ -128,6 +131,12 @@ class SymmetricHeap(ABC):
     @property
     def names(self) -> list[str]:
         return list(self._sizes)
+
+    @property
+    def untracked_bytes(self) -> int:
+        """Bytes of this rank's buffers that ``torch.cuda.max_memory_allocated`` does not see
+        (symmetric memory has its own allocator); 0 when the backend allocates through torch."""
+        return 0 if self.allocates_through_torch else sum(self._sizes.values())
 
     @abstractmethod
     def barrier(self) -> None:

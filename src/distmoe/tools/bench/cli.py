@@ -391,7 +391,11 @@ def run_case(
             notes.append("OUTPUT DIFFERS FROM TORCH BASELINE")
         row.note = "; ".join(notes)
         if ctx.device.type == "cuda":
-            row.peak_mem_gib = torch.cuda.max_memory_allocated(ctx.device) / 2**30
+            # plus the symmetric heap's buffers where its allocator is not torch's (distmoe's
+            # dispatch, combine and activation buffers under symmetric memory)
+            heap = getattr(provider.layer, "heap", None)
+            untracked = heap.untracked_bytes if heap is not None else 0
+            row.peak_mem_gib = (torch.cuda.max_memory_allocated(ctx.device) + untracked) / 2**30
         intensity = fill_metrics(row, ctx.dense_tflops, ctx.dense_sustained_tflops)
     except Exception as exc:  # a failing provider is a result, not a harness error
         row.status, row.note = "failed", report.error_text(exc)

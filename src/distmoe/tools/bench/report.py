@@ -76,7 +76,9 @@ class CaseResult:
     clock), ``pct_dense_sustained`` of the same matmul in windows as long as a large case's
     (the clock under sustained load, ``ceilings.dense_bf16_sustained``), ``hbm_gbps`` and
     ``nvlink_gbps`` modeled bytes (models.py) / iter time, ``peak_mem_gib`` the peak of
-    ``torch.cuda.max_memory_allocated`` during the case (inputs and weights included).
+    ``torch.cuda.max_memory_allocated`` during the case (inputs and weights included), plus
+    the provider's symmetric-heap buffers that torch's allocator does not see (distmoe under
+    symmetric memory; before commit 71e1582 these were left out).
     """
 
     provider: str
