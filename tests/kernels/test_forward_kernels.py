@@ -873,6 +873,33 @@ def test_combine_h3_save_three_d_rows_default_config():
     run_combine_case(7, 8, 2, 64, id_dtype=torch.int64, score_dtype=torch.bfloat16, config=None, three_d=True, save_at=64)  # fmt: skip
 
 
+@pytest.mark.parametrize("hidden", [48, 20], ids=["D48", "D20"])
+def test_combine_rows_addr(hidden):
+    """Rows read at a device-side address (a saved layer's h3 rows in its slot): bit-exact
+    equal to reading the same rows as a tensor, and the rows are only read."""
+    num_tokens, max_tokens, top_k = 13, 16, 3
+    ids = torch.randint(0, 5, (num_tokens, top_k))
+    ids[torch.rand(num_tokens, top_k) < 0.3] = -1
+    ids = ids.to(DEVICE)
+    scores = torch.rand(num_tokens, top_k, device=DEVICE)
+    lead = 5  # route row 0 sits 5 rows into a larger buffer
+    buffer = torch.randn(lead + max_tokens * top_k + 2, hidden, device=DEVICE).bfloat16()
+    buffer[lead:][:num_tokens * top_k][(ids < 0).reshape(-1)] = float("nan")  # never read
+    before = buffer.clone()
+    want = combine(buffer[lead:lead + max_tokens * top_k].clone(), ids, scores,
+                   poisoned(num_tokens, hidden), config=COMBINE_SMALL)
+    addr = torch.tensor([buffer[lead].data_ptr()], dtype=torch.int64, device=DEVICE)
+    got = combine(None, ids, scores, poisoned(num_tokens, hidden), rows_addr=addr,
+                  config=COMBINE_SMALL)
+    assert_bits_equal(got, want, what="y from rows_addr")
+    assert_bits_equal(buffer, before, what="rows behind rows_addr")
+    with pytest.raises(ValueError, match="combine_rows must be None when rows_addr is given"):
+        combine(buffer, ids, scores, got, rows_addr=addr)
+    with pytest.raises(TypeError, match="combine_rows must be a torch.Tensor unless rows_addr"):
+        combine(None, ids, scores, got)
+    with pytest.raises(TypeError, match="rows_addr"):
+        combine(None, ids, scores, got, rows_addr=addr.int())
+
 def test_combine_reference():
     run_combine_case(13, 16, 3, 48, id_dtype=torch.int16, score_dtype=torch.float32, config=None, use_ref=True)  # fmt: skip
 

@@ -46,11 +46,14 @@ def test_device_decisions_follow_the_planner(capacity, replays):
                 assert rec.offsets.tolist() == [-1, -1, -1, start]
                 # the backward rebuilds h3 in the combine buffer, h1 and x_rows in scratch
                 assert rec.backward.tolist() == [combine_address, scratch["h1g"], scratch["xs"]]
+                assert rec.h3_deltas.tolist() == [0, 0]  # route results stay in combine
             else:
                 x_bytes, h1_bytes = mine * 256 * 2, mine * 512 * 2  # both multiples of 128
                 h1, h3 = start + x_bytes // 2, start + (x_bytes + h1_bytes) // 2
                 assert rec.offsets.tolist() == [h1, start, h3, -1]
                 assert rec.backward.tolist() == [buf.elements.data_ptr() + 2 * h3, h1, start]
+                # the experts return this rank's h3 rows straight into its slot
+                assert combine_address + rec.h3_deltas[rank].item() == rec.backward[0].item()
         with pytest.raises(ValueError, match="slot 0 already holds 4 layers"):
             buf.begin_layer(torch.tensor([1, 1]), 4096)
         with pytest.raises(ValueError, match=r"combine_address \(0\) must be a positive int"):
@@ -277,12 +280,15 @@ def test_slot_cursor_kernel_matches_torch_ops(ep):
         args = dict(rank=trial % ep, slot_base=3 * 65536, slot_bytes=14_000 + 3_000 * trial,
                     input_bytes=1536, reserve=1536 * (trial % 3), h3_bytes=2048,
                     x_row_bytes=2 * 40, h1_row_bytes=2 * 2 * 24, combine_address=7 * 4096,
-                    elements_address=11 * 4096, replay_offsets=(12_288, 20_480))
+                    elements_address=11 * 4096, replay_offsets=(12_288, 20_480),
+                    act_bases=(torch.randint(1, 1 << 20, (ep,), generator=gen) * 4096).to(dev),
+                    combine_bases=(torch.randint(1, 1 << 20, (ep,), generator=gen) * 4096).to(dev))
         want_cur = cursors.clone()
         want = [torch.empty(ep, dtype=torch.int64, device=dev),
                 torch.empty(1, dtype=torch.bool, device=dev),
                 torch.empty(4, dtype=torch.int64, device=dev),
-                torch.empty(3, dtype=torch.int64, device=dev)]
+                torch.empty(3, dtype=torch.int64, device=dev),
+                torch.empty(ep, dtype=torch.int64, device=dev)]
         sc._begin_layer_torch(rows, want_cur, *want, **args)
         got_cur = cursors.clone()
         got = sc.begin_layer_on_device(rows, got_cur, **args)
@@ -290,4 +296,9 @@ def test_slot_cursor_kernel_matches_torch_ops(ep):
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g, w), (trial, g, w)
         outcomes.add(bool(got[1]))
+        # every rank's h3 rows: its activation buffer + slot + cursor + x_rows + h1 (saved)
+        saved_at = (args["act_bases"] + args["slot_base"] + cursors
+                    + (rows * 80 + 127) // 128 * 128 + (rows * 96 + 127) // 128 * 128
+                    - args["combine_bases"])
+        assert torch.equal(got[4], saved_at * (~got[1]).long())
     assert outcomes == {False, True}  # both saved and replayed layers were compared

@@ -66,9 +66,15 @@ def _combine_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SAVE: tl.constexpr,
+    ROWS_ADDR: tl.constexpr,
 ):
     """``save_ptr`` / ``save_offset_ptr`` (``SAVE``): the h3 save base and its element offset,
-    read once per program; without a save, placeholders that are never touched."""
+    read once per program; without a save, placeholders that are never touched.
+    ``ROWS_ADDR``: ``rows_ptr`` is an int64 ``[1]`` holding the rows' byte address."""
+    if ROWS_ADDR:
+        rows_ptr = tl.load(rows_ptr).to(tl.pointer_type(tl.bfloat16))
+        if HIDDEN % 8 == 0:
+            rows_ptr = tl.multiple_of(rows_ptr, 16)  # 16-byte aligned rows (requirement)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     is_token = tokens < num_tokens
@@ -150,22 +156,7 @@ class CombineConfig:
 # --------------------------------------------------------------------------------------------
 
 
-def _check_combine_args(
-    combine_rows, expert_ids, scores, y_out, h3_save=None, h3_save_offset=None, *, for_kernel: bool
-) -> tuple[torch.Tensor, int, int, int]:
-    check_tensor("expert_ids", expert_ids, dtypes=_ID_DTYPES, ndim=2, shape_text="[T, K]")
-    num_tokens, top_k = expert_ids.shape
-    if top_k < 1:
-        raise ValueError(f"expert_ids must have K >= 1 columns, got shape {list(expert_ids.shape)}")
-    check_tensor(
-        "scores", scores, dtypes=_SCORE_DTYPES, shape=[num_tokens, top_k], shape_text="[T, K]"
-    )
-    check_tensor("y_out", y_out, dtypes=(torch.bfloat16,), ndim=2, shape_text="[T, D]")
-    if y_out.shape[0] != num_tokens:
-        raise ValueError(
-            f"y_out must have T={num_tokens} rows (T from expert_ids), got {list(y_out.shape)}"
-        )
-    hidden = y_out.shape[1]
+def _check_rows(combine_rows, num_tokens: int, top_k: int, hidden: int) -> torch.Tensor:
     check_tensor("combine_rows", combine_rows, dtypes=(torch.bfloat16,))
     if combine_rows.dim() == 3:
         ok = combine_rows.shape[1] == top_k and combine_rows.shape[2] == hidden
@@ -180,8 +171,41 @@ def _check_combine_args(
             f"combine_rows must have shape [T_max*K, D] or [T_max, K, D] with K={top_k}, "
             f"D={hidden} and T_max >= T={num_tokens}, got {list(combine_rows.shape)}"
         )
-    named = {"combine_rows": combine_rows, "expert_ids": expert_ids, "scores": scores}
-    named["y_out"] = y_out
+    return rows
+
+
+def _check_combine_args(
+    combine_rows, expert_ids, scores, y_out, h3_save=None, h3_save_offset=None, *,
+    rows_addr=None, for_kernel: bool,
+) -> tuple[torch.Tensor, int, int, int]:
+    check_tensor("expert_ids", expert_ids, dtypes=_ID_DTYPES, ndim=2, shape_text="[T, K]")
+    num_tokens, top_k = expert_ids.shape
+    if top_k < 1:
+        raise ValueError(f"expert_ids must have K >= 1 columns, got shape {list(expert_ids.shape)}")
+    check_tensor(
+        "scores", scores, dtypes=_SCORE_DTYPES, shape=[num_tokens, top_k], shape_text="[T, K]"
+    )
+    check_tensor("y_out", y_out, dtypes=(torch.bfloat16,), ndim=2, shape_text="[T, D]")
+    if y_out.shape[0] != num_tokens:
+        raise ValueError(
+            f"y_out must have T={num_tokens} rows (T from expert_ids), got {list(y_out.shape)}"
+        )
+    hidden = y_out.shape[1]
+    named = {}
+    if rows_addr is not None:
+        if combine_rows is not None:
+            raise ValueError("combine_rows must be None when rows_addr is given (the rows are "
+                             f"read at rows_addr), got shape {list(combine_rows.shape)}")
+        check_tensor("rows_addr", rows_addr, dtypes=(torch.int64,), shape=[1],
+                     shape_text="(byte address of route row 0)")
+        named["rows_addr"] = rows_addr
+        rows = rows_addr
+    elif combine_rows is None:
+        raise TypeError("combine_rows must be a torch.Tensor unless rows_addr is given, got None")
+    else:
+        rows = _check_rows(combine_rows, num_tokens, top_k, hidden)
+        named["combine_rows"] = combine_rows
+    named.update(expert_ids=expert_ids, scores=scores, y_out=y_out)
     if (h3_save is None) != (h3_save_offset is None):
         given, missing = (
             ("h3_save", "h3_save_offset")
@@ -205,20 +229,21 @@ def _check_combine_args(
 
 
 def combine(
-    combine_rows: torch.Tensor,
+    combine_rows: torch.Tensor | None,
     expert_ids: torch.Tensor,
     scores: torch.Tensor,
     y_out: torch.Tensor,
     *,
     h3_save: torch.Tensor | None = None,
     h3_save_offset: torch.Tensor | None = None,
+    rows_addr: torch.Tensor | None = None,
     config: CombineConfig | None = None,
 ) -> torch.Tensor:
     """Score-weighted fp32 sum of each token's K returned rows, into ``y_out``.
 
     Args:
         combine_rows: bf16 ``[T_max*K, D]`` (or ``[T_max, K, D]``) contiguous: route
-            ``(t, k)`` at row ``t*K + k``.
+            ``(t, k)`` at row ``t*K + k``. ``None`` with ``rows_addr``.
         expert_ids: integer ``[T, K]`` contiguous (int8/16/32/64, uint8); negative = inactive.
         scores: float32 / bf16 / fp16 ``[T, K]`` contiguous.
         y_out: bf16 ``[T, D]`` contiguous; every row is written.
@@ -227,12 +252,17 @@ def combine(
             ``[offset + (t*K + k)*D, offset + (t*K + k + 1)*D)``; nothing else is written.
         h3_save_offset: int64 ``[1]`` on the device, given with ``h3_save``: that ``offset``
             (bf16 elements, a multiple of 8); negative = skip the save.
+        rows_addr: optional int64 ``[1]`` on the device: the byte address of route row 0 of
+            the rows to read (16-byte aligned, and ``T*K*D`` elements from there; not checked,
+            the value lives on the device), instead of ``combine_rows``. The training layer
+            reads a saved layer's rows where the experts wrote them, in its activation slot.
         config: launch configuration; default :meth:`CombineConfig.from_heuristic`.
 
     Returns ``y_out``.
     """
     rows, num_tokens, top_k, hidden = _check_combine_args(
-        combine_rows, expert_ids, scores, y_out, h3_save, h3_save_offset, for_kernel=True
+        combine_rows, expert_ids, scores, y_out, h3_save, h3_save_offset, rows_addr=rows_addr,
+        for_kernel=True,
     )
     if config is None:
         config = CombineConfig.from_heuristic(hidden=hidden)
@@ -255,6 +285,7 @@ def combine(
             BLOCK_T=config.block_t,
             BLOCK_D=config.block_d,
             SAVE=h3_save is not None,
+            ROWS_ADDR=rows_addr is not None,
             num_warps=config.num_warps,
         )
     return y_out

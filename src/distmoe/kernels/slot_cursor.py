@@ -22,7 +22,14 @@ Outputs (all written by the single program):
 * ``backward`` int64 ``[3]``: what the backward reads h3, h1 and x_rows through: the h3
   address (``combine_address`` when replayed: the route results are rebuilt in the combine
   buffer; else the saved rows' absolute address), the h1 offset and the x_rows offset
-  (the scratch ``h1g`` / ``xs`` offsets when replayed).
+  (the scratch ``h1g`` / ``xs`` offsets when replayed). The forward's combine reads the
+  layer's h3 rows at that same address;
+* ``deltas`` int64 ``[EP]``: for every rank ``r``, where the experts return its route
+  results, as a byte shift from its combine buffer: 0 when the layer is replayed, else its
+  saved h3 rows' address in its activation buffer (``act_bases[r]`` plus its h3 offset;
+  every rank computes every rank's cursors, so all ranks agree) minus ``combine_bases[r]``.
+  The experts add it to their return addresses, so a saved layer's h3 rows land in the slot
+  at once and are never copied there.
 """
 
 from __future__ import annotations
@@ -50,6 +57,9 @@ def _begin_layer_kernel(
     replay_ptr,  # bool [1] out
     offsets_ptr,  # int64 [4] out
     backward_ptr,  # int64 [3] out
+    act_bases_ptr,  # int64 [EP]: every rank's activation buffer address
+    combine_bases_ptr,  # int64 [EP]: every rank's combine buffer address
+    deltas_ptr,  # int64 [EP] out
     rank,
     slot_base,  # bytes from the buffer base to the slot
     slot_bytes,
@@ -74,6 +84,11 @@ def _begin_layer_kernel(
     save = need <= slot_bytes
     tl.store(before_ptr + idx, cur, mask=valid)
     tl.store(cursors_ptr + idx, cur + tl.where(save, full, input_bytes), mask=valid)
+    # every rank's saved h3 rows: after its x_rows and h1 at its cursor
+    h3_at = (slot_base + cur + _align128(rows * X_ROW_BYTES) + _align128(rows * H1_ROW_BYTES)
+             + tl.load(act_bases_ptr + idx, mask=valid, other=0)
+             - tl.load(combine_bases_ptr + idx, mask=valid, other=0))
+    tl.store(deltas_ptr + idx, tl.where(save, h3_at, 0), mask=valid)
     mine = idx == rank
     my_cur = tl.sum(tl.where(mine, cur, 0), axis=0)
     my_rows = tl.sum(tl.where(mine, rows, 0), axis=0)
@@ -91,9 +106,10 @@ def _begin_layer_kernel(
     tl.store(backward_ptr + 2, tl.where(save, x_rows_off, replay_x_offset))
 
 
-def _begin_layer_torch(rows, cursors, before, replay, offsets, backward, *, rank, slot_base,
-                       slot_bytes, input_bytes, reserve, h3_bytes, x_row_bytes, h1_row_bytes,
-                       combine_address, elements_address, replay_offsets):
+def _begin_layer_torch(rows, cursors, before, replay, offsets, backward, deltas, *, rank,
+                       slot_base, slot_bytes, input_bytes, reserve, h3_bytes, x_row_bytes,
+                       h1_row_bytes, combine_address, elements_address, replay_offsets,
+                       act_bases, combine_bases):
     """The same decision as torch ops: CPU tensors outside the Triton interpreter (where no
     kernel can take them), and the reference of the kernel's tests."""
     def align(n):
@@ -104,6 +120,9 @@ def _begin_layer_torch(rows, cursors, before, replay, offsets, backward, *, rank
     save = (cur + full).max() + reserve <= slot_bytes
     before.copy_(cur)
     cursors.add_(torch.where(save, full, torch.full_like(full, input_bytes)))
+    h3_at = (slot_base + cur + align(rows * x_row_bytes) + align(rows * h1_row_bytes)
+             + act_bases - combine_bases)
+    deltas.copy_(torch.where(save, h3_at, torch.zeros_like(h3_at)))
     start = (slot_base + cur[rank]) // 2
     h1 = start + align(rows[rank] * x_row_bytes) // 2
     h3 = h1 + align(rows[rank] * h1_row_bytes) // 2
@@ -133,29 +152,41 @@ def begin_layer_on_device(
     combine_address: int,
     elements_address: int,
     replay_offsets: tuple[int, int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    act_bases: torch.Tensor | None = None,
+    combine_bases: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the decision (module docstring); ``rows`` and ``cursors`` are int64 ``[EP]`` on
-    one device (validated by the caller, :class:`~distmoe.ops.activations.ActivationBuffer`).
-    Returns ``(before, replay, offsets, backward)``; ``cursors`` is advanced in place. Nothing
-    is read back on the host. CPU tensors outside the interpreter take the torch-op path."""
+    one device (validated by the caller, :class:`~distmoe.ops.activations.ActivationBuffer`),
+    like ``act_bases`` / ``combine_bases`` (every rank's activation and combine buffer
+    addresses; ``None``: this rank's ``elements_address`` / ``combine_address`` for every
+    rank, meaningful at EP = 1 only). Returns ``(before, replay, offsets, backward, deltas)``;
+    ``cursors`` is advanced in place. Nothing is read back on the host. CPU tensors outside
+    the interpreter take the torch-op path."""
     ep = cursors.shape[0]
     dev = cursors.device
+    if act_bases is None:
+        act_bases = torch.full((ep,), elements_address, dtype=torch.int64, device=dev)
+    if combine_bases is None:
+        combine_bases = torch.full((ep,), combine_address, dtype=torch.int64, device=dev)
     before = torch.empty(ep, dtype=torch.int64, device=dev)
     replay = torch.empty(1, dtype=torch.bool, device=dev)
     offsets = torch.empty(4, dtype=torch.int64, device=dev)
     backward = torch.empty(3, dtype=torch.int64, device=dev)
+    deltas = torch.empty(ep, dtype=torch.int64, device=dev)
     if dev.type == "cpu" and not interpreter_active():
         _begin_layer_torch(
-            rows, cursors, before, replay, offsets, backward, rank=rank, slot_base=slot_base,
-            slot_bytes=slot_bytes, input_bytes=input_bytes, reserve=reserve, h3_bytes=h3_bytes,
-            x_row_bytes=x_row_bytes, h1_row_bytes=h1_row_bytes, combine_address=combine_address,
-            elements_address=elements_address, replay_offsets=replay_offsets)
-        return before, replay, offsets, backward
+            rows, cursors, before, replay, offsets, backward, deltas, rank=rank,
+            slot_base=slot_base, slot_bytes=slot_bytes, input_bytes=input_bytes,
+            reserve=reserve, h3_bytes=h3_bytes, x_row_bytes=x_row_bytes,
+            h1_row_bytes=h1_row_bytes, combine_address=combine_address,
+            elements_address=elements_address, replay_offsets=replay_offsets,
+            act_bases=act_bases, combine_bases=combine_bases)
+        return before, replay, offsets, backward, deltas
     with device_context(dev):
         _begin_layer_kernel[(1,)](
-            rows, cursors, before, replay, offsets, backward, rank, slot_base, slot_bytes,
-            input_bytes, reserve, h3_bytes, combine_address, elements_address,
-            replay_offsets[0], replay_offsets[1], X_ROW_BYTES=x_row_bytes,
+            rows, cursors, before, replay, offsets, backward, act_bases, combine_bases, deltas,
+            rank, slot_base, slot_bytes, input_bytes, reserve, h3_bytes, combine_address,
+            elements_address, replay_offsets[0], replay_offsets[1], X_ROW_BYTES=x_row_bytes,
             H1_ROW_BYTES=h1_row_bytes, EP=ep, EP_POW2=max(2, next_power_of_2(ep)), num_warps=1,
         )  # fmt: skip
-    return before, replay, offsets, backward
+    return before, replay, offsets, backward, deltas

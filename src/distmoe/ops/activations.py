@@ -58,7 +58,11 @@ class LayerRecord:
         (-1 when saved). The order matches the W13 kernel's ``out_offsets = [h1, x]``.
     backward: int64 [3] device values the backward reads its state through: the h3 routes'
         absolute address (the combine buffer's when replayed), and the element offsets of h1
-        and x_rows (the scratch ``h1g`` / ``xs`` when replayed).
+        and x_rows (the scratch ``h1g`` / ``xs`` when replayed). The forward's combine reads
+        the h3 routes at that address too.
+    h3_deltas: int64 [EP] device values: per owner rank, the byte shift from its combine
+        buffer to where the experts return its h3 routes (0 when replayed; else into its
+        slot: :mod:`distmoe.kernels.slot_cursor`).
     """
 
     slot: int
@@ -67,6 +71,7 @@ class LayerRecord:
     replay: torch.Tensor
     offsets: torch.Tensor
     backward: torch.Tensor
+    h3_deltas: torch.Tensor | None = None
     state: str = "live"  # "live" -> "done" (its backward ran) or "reset" (reset_slots)
 
 
@@ -179,11 +184,16 @@ class ActivationBuffer:
             )
 
     # ----------------------------------------------------------------- forward
-    def begin_layer(self, executed_rows_EP: torch.Tensor, combine_address: int) -> LayerRecord:
+    def begin_layer(self, executed_rows_EP: torch.Tensor, combine_address: int, *,
+                    act_bases: torch.Tensor | None = None,
+                    combine_bases: torch.Tensor | None = None) -> LayerRecord:
         """Decide save/replay on the device for the next layer of the selected slot, advance
         the cursors and return the record for backward (no host synchronisation; one device
         program, :mod:`distmoe.kernels.slot_cursor`). ``combine_address``: the absolute address
-        of this rank's combine buffer, where a replayed layer's backward finds its h3 routes."""
+        of this rank's combine buffer, where a replayed layer's backward finds its h3 routes.
+        ``act_bases`` / ``combine_bases``: int64 ``[EP]`` device tables of every rank's
+        activation buffer and combine buffer addresses (the heap's base tables), for the
+        record's ``h3_deltas``; ``None``: this rank's addresses stand for every rank's."""
         from ..kernels.slot_cursor import begin_layer_on_device
 
         if isinstance(combine_address, bool) or not isinstance(combine_address, int) \
@@ -195,17 +205,18 @@ class ActivationBuffer:
         layer = len(self.stacks[s])
         D, F = self.cfg.hidden, self.cfg.ffn
         so = self.scratch_elem_offsets
-        before, replay, offsets, backward = begin_layer_on_device(
+        before, replay, offsets, backward, deltas = begin_layer_on_device(
             executed_rows_EP.to(device=self.device, dtype=torch.int64).contiguous(),
             self.cursors[s], rank=self.rank, slot_base=s * self.slot_bytes,
             slot_bytes=self.slot_bytes, input_bytes=self.input_bytes,
             reserve=(self.layers_per_slot - 1 - layer) * self.input_bytes,
             h3_bytes=self.h3_bytes, x_row_bytes=D * 2, h1_row_bytes=2 * F * 2,
             combine_address=combine_address, elements_address=self.elements.data_ptr(),
-            replay_offsets=(so["h1g"], so["xs"]),
+            replay_offsets=(so["h1g"], so["xs"]), act_bases=act_bases,
+            combine_bases=combine_bases,
         )  # fmt: skip
         rec = LayerRecord(slot=s, layer=layer, cursor_before=before, replay=replay,
-                          offsets=offsets, backward=backward)
+                          offsets=offsets, backward=backward, h3_deltas=deltas)
         self.stacks[s].append(rec)
         return rec
 

@@ -14,7 +14,10 @@ see :mod:`distmoe.routing.tables`), ``R_b`` = the receive bound:
 
     inference  h2 [R_b, F] bf16 scratch
     training   the activation buffer sized by ``plan_memory`` (:mod:`distmoe.ops.activations`):
-               slots that keep saved state until backward, and one shared scratch region
+               slots that keep saved state until backward, and one shared scratch region;
+               allocated on the heap too, because peers write into it: the experts return
+               a saved layer's h3 rows straight into its owner's slot (step 5), and in
+               backward the owners push route output gradients into the experts' scratch
 
 Forward of one call (no host synchronisation; every step is a device op on the current stream,
 so the whole call can be captured in a CUDA graph and replayed with new inputs written into
@@ -26,8 +29,10 @@ the same tensors):
     4. W13 grouped GEMM, gather prologue reads source rows from the owners' dispatch buffers
        (at EP > 1 peers' tokens are first pulled once into local memory), SwiGLU epilogue -> h2
     5. W2 grouped GEMM, scatter epilogue stores each row into its owner's combine slot
+       (training, saved layer: into the h3 rows of the owner's activation slot instead)
     6. barrier                                 (all results have landed; all gathers done)
-    7. owner combine y[t] = sum_k score[t,k] * combine[t*K+k] over executed routes, fp32
+    7. owner combine y[t] = sum_k score[t,k] * h3[t*K+k] over executed routes, fp32, with
+       h3 the combine buffer (or the slot's h3 rows)
 
 Barrier 6 also makes the next call's step 1 safe: no peer still reads this rank's dispatch.
 
@@ -260,8 +265,8 @@ class MoEContext:
 
         With ``save`` (training under autograd), the layer's state goes to the selected slot
         of the activation buffer (:meth:`ActivationBuffer.begin_layer` decides save or replay
-        on the device): W13 writes h1 and the gathered rows there, the combine copies the
-        returned route results there, or, for a replayed layer, x is copied there. ``saved``
+        on the device): W13 writes h1 and the gathered rows there, W2 returns the route results
+        there (every owner's slot, at once), or, for a replayed layer, x is copied there. ``saved``
         is then a dict with the tables, the slot record, the executed ids (others -1) and
         fp32 scores; otherwise None."""
         from ..kernels.combine import combine
@@ -286,19 +291,24 @@ class MoEContext:
                                        expert_ids.to(torch.int32), -1)
             combine(self._combine[:T * K], ids_executed, scores_f32, y)
             return y, None
-        rec = acts.begin_layer(tables.executed_rows_EP, self._combine.data_ptr())
+        heap = self.heap
+        rec = acts.begin_layer(tables.executed_rows_EP, self._combine.data_ptr(),
+                               act_bases=heap.base_table("activations"),
+                               combine_bases=heap.base_table("combine"))
         try:
             elements = acts.elements
             gather_w13_swiglu(gather_ptrs, po, ro, w13, self._h2, h1_out=elements,
                               x_out=elements, out_offsets=rec.offsets[0:2],
                               config=self._w13_cfg)
             offset_copy(elements, x, x.numel(), dst_offset=rec.offsets[3:4])
-            w2_scatter(self._h2, po, ro, w2, tables.scatter_ptrs, config=self._w2_cfg)
-            self.heap.barrier()
+            # A saved layer's h3 rows go straight into each owner's slot (rec.h3_deltas); a
+            # replayed layer's stay in the combine buffers.
+            w2_scatter(self._h2, po, ro, w2, _shifted_returns(tables, rec.h3_deltas, T * K),
+                       config=self._w2_cfg)
+            heap.barrier()
             ids_executed = torch.where(tables.is_route_executed_TK,
                                        expert_ids.to(torch.int32), -1)
-            combine(self._combine[:T * K], ids_executed, scores_f32, y, h3_save=elements,
-                    h3_save_offset=rec.offsets[2:3])
+            combine(None, ids_executed, scores_f32, y, rows_addr=rec.backward[0:1])
         except BaseException:
             acts.abandon_layer(rec)  # keep the slot consistent on this rank
             raise
@@ -380,3 +390,12 @@ class MoEContext:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _shifted_returns(tables, deltas_EP: torch.Tensor, routes_per_rank: int) -> torch.Tensor:
+    """``tables.scatter_ptrs`` with each row's return address shifted by its owner's entry
+    of ``deltas_EP`` (int64 [EP], device values); null rows stay 0. A few elementwise ops
+    over the ``R_cap`` rows, no host synchronisation."""
+    route = tables.route_of_row
+    owner = torch.where(route >= 0, route, 0) // routes_per_rank
+    return tables.scatter_ptrs + torch.where(route >= 0, deltas_EP[owner], 0)

@@ -361,13 +361,14 @@ def other_kernel_cases() -> list[BuildCase]:
     D, E, K, EP, T = 2048, 128, 8, 2, 4096
     cases: list[BuildCase] = []
     cc = comb.CombineConfig.from_heuristic(hidden=D)
-    for save in (False, True):
+    for save, rows_addr in ((False, False), (True, False), (False, True)):
         cases.append(BuildCase(
-            f"combine save={save}", comb._combine_kernel,
-            dict(TOP_K=K, HIDDEN=D, BLOCK_T=cc.block_t, BLOCK_D=cc.block_d, SAVE=save),
+            f"combine save={save} rows_addr={rows_addr}", comb._combine_kernel,
+            dict(TOP_K=K, HIDDEN=D, BLOCK_T=cc.block_t, BLOCK_D=cc.block_d, SAVE=save,
+                 ROWS_ADDR=rows_addr),
             cc.num_warps, 1,
             types={"expert_ids_ptr": "*i64", "scores_ptr": "*fp32", "save_offset_ptr": "*i64",
-                   "num_tokens": "i32"}))
+                   "num_tokens": "i32", "rows_ptr": "*i64" if rows_addr else "*bf16"}))
     rc = rg.RouteGradConfig.from_heuristic(hidden=D)
     for h3_addr, in_place, push in ((False, False, False), (True, False, False),
                                     (False, True, False), (True, False, True)):
@@ -441,7 +442,8 @@ def other_kernel_cases() -> list[BuildCase]:
         "begin_layer (slot cursor)", slot_cursor._begin_layer_kernel,
         dict(X_ROW_BYTES=2 * D, H1_ROW_BYTES=4 * 768, EP=EP, EP_POW2=EP), 1, 1,
         types={**{n: "*i64" for n in ("rows_ptr", "cursors_ptr", "before_ptr", "offsets_ptr",
-                                      "backward_ptr")},
+                                      "backward_ptr", "act_bases_ptr", "combine_bases_ptr",
+                                      "deltas_ptr")},
                "replay_ptr": "*i1", "rank": "i32", **{n: "i64" for n in i64}}))
     cases.append(BuildCase(
         "device_barrier", barrier._device_barrier_kernel, dict(WORLD=EP), 1, 1,
