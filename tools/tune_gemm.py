@@ -171,10 +171,13 @@ def main() -> int:
             flops["w13_dgrad"] = flops["w13"]
             # Each candidate on both grids: one program per tile and persistent (heuristic
             # first: the results mark index 0 as the heuristic).
-            cands["w2_dgrad"] = _both_grids([W2DgradConfig.from_heuristic(hidden=D, ffn=F,
-                                                                   rows_per_expert=hint)] + [
+            cands["w2_dgrad"] = _both_grids([W2DgradConfig.from_heuristic(
+                hidden=D, ffn=F, rows_per_expert=hint, device=dev)] + [
                 W2DgradConfig(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st)
-                for bn, st in itertools.product([128, 256], [3, 4])])
+                for bn, st in itertools.product([128, 256], [3, 4])]) + [
+                # the warp-specialised Gluon kernel (its own grid; ring depth = num_stages)
+                W2DgradConfig(block_m=128, block_n=128, block_k=64, num_stages=st, gluon=True)
+                for st in (4, 5, 6)]
             cands["w13_dgrad"] = _both_grids([W13DgradConfig.from_heuristic(hidden=D, ffn=F,
                                                                      rows_per_expert=hint)] + [
                 W13DgradConfig(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st)

@@ -1200,6 +1200,10 @@ def test_configs():
     # when the dimension they split is wide enough, else the defaults above.
     w2d = W2DgradConfig.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048)
     assert (w2d.block_n, w2d.num_stages, w2d.persistent) == (256, 4, False)
+    # the Gluon W2 DGRAD only where it runs (a Hopper GPU outside the interpreter)
+    cpu = W2DgradConfig.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048,
+                                       device=torch.device("cpu"))
+    assert cpu == w2d and not cpu.gluon
     w13d = W13DgradConfig.from_heuristic(hidden=2048, ffn=768, rows_per_expert=256)
     assert (w13d.block_n, w13d.num_stages, w13d.persistent) == (256, 4, True)
     assert w2d.fits_hopper() and w13d.fits_hopper()
@@ -1490,3 +1494,92 @@ def test_gluon_wgrad_config_rules():
         WgradConfig(block_out_m=64, num_warps=8, gluon=True)
     with pytest.raises(TypeError, match=r"gluon must be a bool, got int"):
         WgradConfig(gluon=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", [3, None], ids=["3_programs", "one_per_sm"])
+@pytest.mark.parametrize("stages", [4, 6])
+@pytest.mark.parametrize("h1_mode", ["plain", "offset_in_place"])
+def test_gluon_w2_dgrad(programs, stages, h1_mode):
+    """The warp-specialised Gluon W2 DGRAD against the Triton kernel on the same pre-gathered
+    rows: experts with no rows, one row, partial and whole tiles, a whole tile of padding rows,
+    an idle tile, a null live row; 3 programs walk many tiles each (both consumers take turns
+    many times; the ring's phases wrap). grad_h1 and h2 agree within one bf16 rounding of each
+    other (the two kernels compute the sigmoid differently); null rows get exact zeros; spare
+    rows past the live end keep their poison."""
+    from distmoe.kernels.w2_dgrad_gluon import gluon_w2_dgrad_reason, launch_gluon_w2_dgrad
+
+    hidden, ffn, block = 256, 384, 128
+    counts = [0, 37, 128, 300, 1, 129, 0, 75]
+    layout = layout_from_counts(counts, block, idle_tiles=1, extra_tiles={2: 1})
+    num_experts, num_act = len(counts), layout.num_act
+    assert gluon_w2_dgrad_reason(DEVICE, hidden=hidden, ffn=ffn, block_m=block,
+                                 block_n=128, block_k=64) is None
+    live = layout.live_act()
+    w2 = (torch.randn(num_experts, hidden, ffn, device=DEVICE) / math.sqrt(hidden)).bfloat16()
+    rows = torch.randn(num_act, hidden, device=DEVICE).bfloat16()
+    rows[~live] = float("nan")  # spare rows: their products are never stored
+    h1 = torch.randn(num_act, 2 * ffn, device=DEVICE).bfloat16() * 2
+    h1[~live] = float("nan")
+    null_rows = torch.zeros(layout.num_rows, dtype=torch.bool)
+    null_rows[layout.is_live.nonzero()[40]] = True  # a live row of expert 2 with a null entry
+    null_act = layout.act_of_row[null_rows].to(DEVICE)
+    rows[null_act] = 0.0  # what a push leaves there: zeros (finite at least)
+    h1[null_act] = float("nan")  # never read
+    ptrs = row_table(layout, rows, null_rows=null_rows)
+    po, ro = layout.padded_offsets, layout.row_offsets
+
+    def run(gluon):
+        h2 = poisoned(num_act, ffn)
+        if h1_mode == "plain":
+            h1_arg, out, h1_offset = h1, poisoned(num_act, 2 * ffn), None
+        else:
+            offset = 8 * 3  # elements: 16-byte aligned, not a multiple of a row
+            h1_arg = poisoned(offset + h1.numel() + 16)
+            h1_arg[offset:offset + h1.numel()] = h1.reshape(-1)
+            out = h1_arg[offset:offset + h1.numel()].view(num_act, 2 * ffn)  # in place
+            h1_offset = torch.tensor([offset], dtype=torch.int64, device=DEVICE)
+        if gluon:
+            launch_gluon_w2_dgrad(ptrs, po, ro, w2, rows, h1_arg, out, h1_offset=h1_offset,
+                                  h2_out=h2, stages=stages, programs=programs)
+        else:
+            cfg = W2DgradConfig(block_m=block, block_n=128, block_k=64, num_warps=8,
+                                num_stages=3)
+            w2_dgrad_swiglu_bwd(ptrs, po, ro, w2, h1_arg, out, h1_offset=h1_offset, h2_out=h2,
+                                grad_h3_rows=rows, config=cfg)
+        torch.cuda.synchronize()
+        return out.clone(), h2
+
+    want_h1, want_h2 = run(False)
+    got_h1, got_h2 = run(True)
+    for got, want in ((got_h1, want_h1), (got_h2, want_h2)):
+        g, w = got[live].double(), want[live].double()
+        assert torch.isfinite(g).all()
+        scale = w.abs().max().item()
+        assert ((g - w).abs() <= 2.0**-7 * w.abs() + 1e-3 * scale).all(), \
+            (g - w).abs().max().item()
+        assert (got[null_act] == 0).all()
+        if h1_mode == "plain" or got is got_h2:
+            assert same_bits(got[~live], poisoned(int((~live).sum()), got.shape[1]))
+    # through the launcher: config.gluon picks the Gluon kernel (same bits as the direct call)
+    cfg = W2DgradConfig(block_m=block, block_n=128, block_k=64, num_stages=stages, gluon=True)
+    out, h2 = poisoned(num_act, 2 * ffn), poisoned(num_act, ffn)
+    w2_dgrad_swiglu_bwd(ptrs, po, ro, w2, h1, out, h2_out=h2, grad_h3_rows=rows, config=cfg)
+    if h1_mode == "plain":
+        assert same_bits(out, got_h1) and same_bits(h2, got_h2)
+
+
+@pytest.mark.gpu
+def test_gluon_w2_dgrad_heuristic():
+    """On a Hopper GPU with the layer's hint the heuristic picks the Gluon kernel (5 stages at
+    >= 1024 rows per expert, 4 below); widths it cannot tile keep the Triton config."""
+    dev = torch.device("cuda")
+    if torch.cuda.get_device_capability(dev)[0] != 9:
+        pytest.skip("the Gluon W2 DGRAD is for compute capability 9.x")
+    big = W2DgradConfig.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048, device=dev)
+    small = W2DgradConfig.from_heuristic(hidden=2048, ffn=768, rows_per_expert=256, device=dev)
+    assert (big.gluon, big.block_n, big.num_stages) == (True, 128, 5)
+    assert (small.gluon, small.block_n, small.num_stages) == (True, 128, 4)
+    odd = W2DgradConfig.from_heuristic(hidden=4096, ffn=2000, rows_per_expert=2048, device=dev)
+    assert not odd.gluon
+

@@ -598,13 +598,24 @@ class W2DgradConfig(GemmConfig):
     ``host_descriptors`` covers the w2 and gathered grad_h3 TMA descriptors.
     """
 
+    #: Run the warp-specialised Gluon kernel (:mod:`distmoe.kernels.w2_dgrad_gluon`: a TMA
+    #: producer warp and two consumer warpgroups taking tiles in turn, so that one's epilogue
+    #: runs under the other's MMAs) where it can run: Hopper, not the interpreter, rows already
+    #: gathered (``grad_h3_rows``), 128 x 128 x 64 tiles, D a multiple of 64 and F of 128.
+    #: Elsewhere the Triton kernel runs this config. Uses ``num_stages`` (the load ring, 4-6)
+    #: and ``group_m``; ``num_warps``, ``persistent`` and ``host_descriptors`` do not apply.
+    gluon: bool = False
+
     def __post_init__(self) -> None:
         super().__post_init__()
         check_backward_gemm_config(self)
+        if not isinstance(self.gluon, bool):
+            raise TypeError(f"gluon must be a bool, got {type(self.gluon).__name__}")
 
     @classmethod
     def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128,
-                       rows_per_expert: int | None = None) -> W2DgradConfig:
+                       rows_per_expert: int | None = None,
+                       device: torch.device | None = None) -> W2DgradConfig:
         """128 x 128 x 64 tiles, 8 warps, 4 stages (128 KiB of SMEM) at training shapes;
         narrower tiles for narrow F/D. The SwiGLU epilogue needs about 180 registers per
         thread at 8 warps (sm_90 build), so one CTA per SM: the SMEM is there for a deeper
@@ -616,7 +627,21 @@ class W2DgradConfig(GemmConfig):
         D=4096 F=2048 E=32 K=8 2.23 ms against 2.44 for 128 x 128; at T=4096 D=2048 F=768
         E=128 K=8 0.405 against 0.410 ms. With the epilogue in four column parts (run 12, same
         tool, gather launch included): 2.15 and 0.368 ms.
+
+        With the hint and a ``device`` where the warp-specialised Gluon kernel runs (Hopper,
+        not the interpreter, D a multiple of 64, F of 128): that kernel (``gluon``), 128 x 128
+        tiles, a ring of 5 stages at >= 1024 rows per expert, else 4. Measured on one H200
+        (2026-11-29, run 23, ``tools/tune_gemm.py --backward --kernels w2_dgrad``): 1.720 ms
+        against 1.801 for the Triton heuristic at T=8192 D=4096 F=2048 E=32 K=8, 0.282 against
+        0.295 at T=4096 D=2048 F=768 E=128 K=8.
         """
+        if rows_per_expert is not None and block_m == 128 and device is not None:
+            from .w2_dgrad_gluon import gluon_w2_dgrad_reason
+
+            if gluon_w2_dgrad_reason(device, hidden=hidden, ffn=ffn, block_m=128, block_n=128,
+                                     block_k=64) is None:
+                return cls(block_m=128, block_n=128, block_k=64,
+                           num_stages=5 if rows_per_expert >= 1024 else 4, gluon=True)
         if rows_per_expert is not None and block_m == 128 and ffn >= 256 and hidden >= 64:
             return cls(block_m=block_m, block_n=256, block_k=64, num_warps=8, num_stages=4)
         block_n = _pow2_clamped(ffn, 16, 128)
@@ -1109,6 +1134,15 @@ def w2_dgrad_swiglu_bwd(
     if num_rows == 0 or num_act == 0:
         return  # no padded rows, or (R_act >= row_offsets[E]) no live rows
 
+    if config.gluon and grad_h3_rows is not None:
+        from .w2_dgrad_gluon import gluon_w2_dgrad_reason, launch_gluon_w2_dgrad
+
+        if gluon_w2_dgrad_reason(device, hidden=hidden, ffn=ffn, block_m=config.block_m,
+                                 block_n=config.block_n, block_k=config.block_k) is None:
+            launch_gluon_w2_dgrad(grad_h3_ptrs, padded_offsets, row_offsets, w2, grad_h3_rows,
+                                  h1, grad_h1_out, h1_offset=h1_offset, h2_out=h2_out,
+                                  group_m=config.group_m, stages=config.num_stages)
+            return
     gather_in_loop = gathered is None
     w2_arg, rows_arg = w2, grad_h3_ptrs if gather_in_loop else gathered
     if config.host_descriptors:

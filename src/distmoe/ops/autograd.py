@@ -160,7 +160,7 @@ class MoEFunction(torch.autograd.Function):
                             grad_h3_rows=scratch["gh3"],
                             config=W2DgradConfig.from_heuristic(
                                 hidden=D, ffn=F, block_m=block,
-                                rows_per_expert=moe.rows_per_expert_hint))
+                                rows_per_expert=moe.rows_per_expert_hint, device=dev))
         # WGRAD: fp32 accumulation, one rounding straight into the weights' dtype (one program
         # per output tile writes it whole: no zero fill, no conversion pass)
         need = ctx.needs_input_grad

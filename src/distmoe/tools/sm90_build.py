@@ -69,6 +69,7 @@ class BuildCase:
     types: dict = field(default_factory=dict)
     production: bool = False
     gluon: bool = False  # a Gluon kernel (built from GluonASTSource)
+    options: dict = field(default_factory=dict)  # more compile options (e.g. maxnreg)
 
 
 @dataclass
@@ -116,7 +117,7 @@ def build(case: BuildCase) -> BuildReport:
         compiled = triton.compile(
             source_type(kernel, sig, constexprs=case.constexprs, attrs=attrs),
             target=GPUTarget("cuda", 90, 32),
-            options=dict(num_warps=case.num_warps, num_stages=case.num_stages),
+            options=dict(num_warps=case.num_warps, num_stages=case.num_stages, **case.options),
         )
     except Exception as exc:  # a build failure is the result
         report.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
@@ -227,6 +228,44 @@ def gluon_w13_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Build
     cases = [case(f"{name} W13 fwd gluon training={train}", name, train, 3, True)
              for name in shapes for train in (True, False)]
     cases += [case(f"variant W13 fwd gluon s{st}", "fine", True, st, False) for st in (2, 4)]
+    return cases
+
+
+def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
+    """The warp-specialised Gluon W2 DGRAD (:mod:`distmoe.kernels.w2_dgrad_gluon`) at each
+    shape with h1 at a device offset and h2 stored, at every ring depth it takes. Production
+    (no spill, no serialized wgmma) at E <= 32; with more experts the consumers' per-expert
+    lookup vectors (E/32 registers each) spill 32 bytes, reloaded once per tile: built only."""
+    import torch
+    from triton.runtime.jit import mangle_type
+
+    from distmoe.kernels import w2_dgrad_gluon as wg
+    from distmoe.kernels._common import next_power_of_2
+    from distmoe.tools.bench.workloads import SHAPES
+
+    if not wg.HAVE_GLUON:
+        return []
+    gl = wg.gl
+
+    def desc(rows, cols, block):
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+        t = torch.empty(rows, cols, dtype=torch.bfloat16)
+        return mangle_type(wg.GluonDescriptor(t, [rows, cols], [cols, 1], block, layout))
+
+    cases = []
+    for name in shapes:
+        s = SHAPES[name]
+        D, F, E = s.hidden, s.ffn, s.num_experts
+        for bm, bn, bk, stages in wg.GLUON_W2_DGRAD_CONFIGS:
+            types = {"a_desc": desc(1024, D, [bm, bk]), "w_desc": desc(E * D, F, [bk, bn]),
+                     "ptrs_ptr": "*i64", "h1_offset_ptr": "*i64"}
+            cases.append(BuildCase(
+                f"{name} W2 DGRAD gluon s{stages}", wg._gluon_w2_dgrad_kernel,
+                dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
+                     GROUP_M=8, STAGES=stages, H1_OFFSET=True, STORE_H2=True, BLOCK_M=bm,
+                     BLOCK_N=bn, BLOCK_K=bk, num_warps=4),
+                4, 1, types=types, production=E <= 32, gluon=True,
+                options=dict(maxnreg=wg._MAXNREG)))
     return cases
 
 

@@ -1,0 +1,318 @@
+"""W2 DGRAD + SwiGLU backward for Hopper as a warp-specialised "ping-pong" Gluon kernel.
+
+Same contract as :func:`distmoe.kernels.w2_backward.w2_dgrad_swiglu_bwd` with rows already
+gathered (``grad_h3_rows``): for every live row tile of the padded schedule and column tile of
+F::
+
+    grad_h2 = grad_h3[rows] @ w2[e]                 fp32, K = D
+    g, u    = h1[rows, cols], h1[rows, F + cols]
+    grad_g  = grad_h2 * u * sigmoid(g) * (1 + g * (1 - sigmoid(g)))
+    grad_u  = grad_h2 * silu(g)
+    h2      = silu(g) * u                           (optional)
+
+Why a second kernel. The Triton kernel's epilogue (two loads and three stores per element) runs
+after the tile's last MMA and before the next tile's first one, in the same warps: at
+T=8192, D=4096, F=2048, E=32, K=8 it ran at about 575 TFLOP/s against about 700 for the
+kernels with light epilogues (docs/performance.md, run 22's profile). Triton 3.6 does not warp
+specialise on Hopper. Here each program (one per SM) has three partitions:
+
+* a producer warp issues the TMA loads of the program's tiles, ``pid, pid + G, ...``, K step
+  by K step, into a ring of ``STAGES`` shared-memory stages (``ready`` / ``empty``
+  mbarriers);
+* two consumer warpgroups take the program's tiles in turn (even and odd). While one runs a
+  tile's MMAs, the other runs the previous tile's epilogue, so the epilogue's memory traffic
+  is hidden behind the tensor cores. The ring serialises their MMAs: the odd consumer's first
+  stage is loaded only after the even one has released the stages before it.
+
+Each consumer computes a ``BLOCK_M x BLOCK_N`` tile in one warpgroup (``BLOCK_N`` 128: 128
+fp32 accumulator registers per thread) and runs the epilogue in the accumulator's own layout
+(no shared-memory round trip): its global accesses are 4-byte pairs, which costs L1
+transactions but not DRAM bytes, and it is hidden anyway.
+
+Only for CUDA devices of compute capability 9.x, outside the interpreter, with ``D`` a multiple
+of ``block_k`` and ``F`` of ``block_n``; :func:`gluon_w2_dgrad_reason` says when. Opt-in
+(:class:`~distmoe.kernels.w2_backward.W2DgradConfig` ``gluon``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .wgrad_gluon import HAVE_GLUON, gluon_device_reason
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    from .w13_gluon import _tile_info
+
+__all__ = ["GLUON_W2_DGRAD_CONFIGS", "gluon_w2_dgrad_reason", "launch_gluon_w2_dgrad"]
+
+#: (block_m, block_n, block_k, stages): the tile each consumer warpgroup computes and the
+#: depth of the load ring. Shared memory: stages * (block_m + block_n) * block_k * 2 bytes.
+GLUON_W2_DGRAD_CONFIGS = ((128, 128, 64, 5), (128, 128, 64, 4), (128, 128, 64, 6))
+#: the kernel's register limit: 12 warps (two consumer warpgroups, the producer's rounded up
+#: to a warpgroup) of 168 registers fill the register file; the partitions then set 232
+#: (both consumers) and 40 (the producer) per thread.
+_MAXNREG = 168
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _program_tiles(padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS: gl.constexpr,
+                       EXPERTS_POW2: gl.constexpr, NUM_PID_N: gl.constexpr,
+                       BLOCK_M: gl.constexpr, NW: gl.constexpr):
+        """The live tile count and the per-expert bounds as register vectors of a partition
+        of ``NW`` warps (every warp holds them all: the lookup reduces with shuffles)."""
+        VEC: gl.constexpr = gl.BlockedLayout([EXPERTS_POW2 // 32], [32], [NW], [0])
+        num_pid_m = gl.load(padded_offsets_ptr + NUM_EXPERTS) // BLOCK_M
+        eidx = gl.arange(0, EXPERTS_POW2, layout=VEC)
+        emask = eidx < NUM_EXPERTS
+        ends = gl.load(padded_offsets_ptr + 1 + eidx, mask=emask, other=2147483647)
+        starts = gl.load(padded_offsets_ptr + eidx, mask=emask, other=0)
+        rbeg = gl.load(row_offsets_ptr + eidx, mask=emask, other=0)
+        rend = gl.load(row_offsets_ptr + 1 + eidx, mask=emask, other=0)
+        return num_pid_m, num_pid_m * NUM_PID_N, ends, starts, rbeg, rend, eidx
+
+    @gluon.jit
+    def _producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, ptrs_ptr,
+                  padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr, grad_h1_ptr, h2_ptr,
+                  FFN: gl.constexpr, HIDDEN: gl.constexpr, NUM_EXPERTS: gl.constexpr,
+                  EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                  H1_OFFSET: gl.constexpr, STORE_H2: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, PARITY: gl.constexpr):
+        """One warp: the TMA loads of every tile of the program, K step by K step."""
+        NUM_K: gl.constexpr = HIDDEN // BLOCK_K
+        NUM_PID_N: gl.constexpr = FFN // BLOCK_N
+        num_pid_m, num_tiles, ends, starts, rbeg, rend, eidx = _program_tiles(
+            padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2, NUM_PID_N,
+            BLOCK_M, 1)
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
+        count = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            pid_n, expert, _row, act_start, _live = _tile_info(
+                tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
+                NUM_EXPERTS, BLOCK_M)
+            w_row = expert * HIDDEN
+            for k in range(NUM_K):
+                stage = count % STAGES
+                mbarrier.wait(empty.index(stage), ((count // STAGES) & 1) ^ 1)
+                bar = ready.index(stage)
+                mbarrier.expect(bar, nbytes)
+                tma.async_copy_global_to_shared(a_desc, [act_start, k * BLOCK_K], bar,
+                                                a_bufs.index(stage))
+                tma.async_copy_global_to_shared(w_desc, [w_row + k * BLOCK_K, pid_n * BLOCK_N],
+                                                bar, b_bufs.index(stage))
+                count += 1
+
+    @gluon.jit
+    def _consumer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, ptrs_ptr,
+                  padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr, grad_h1_ptr, h2_ptr,
+                  FFN: gl.constexpr, HIDDEN: gl.constexpr, NUM_EXPERTS: gl.constexpr,
+                  EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                  H1_OFFSET: gl.constexpr, STORE_H2: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, PARITY: gl.constexpr):
+        """One warpgroup: the MMAs and the epilogue of the program's tiles ``PARITY``,
+        ``PARITY + 2``, ... (in the program's own numbering)."""
+        NUM_K: gl.constexpr = HIDDEN // BLOCK_K
+        NUM_PID_N: gl.constexpr = FFN // BLOCK_N
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+        num_pid_m, num_tiles, ends, starts, rbeg, rend, eidx = _program_tiles(
+            padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2, NUM_PID_N,
+            BLOCK_M, 4)
+        h1_base = h1_ptr
+        if H1_OFFSET:
+            h1_base = h1_ptr + gl.load(h1_offset_ptr)
+        num_progs = gl.num_programs(0)
+        count = PARITY * NUM_K  # this consumer's first step in the program's step stream
+        turns = 0
+        for tile in range(gl.program_id(0) + PARITY * num_progs, num_tiles, 2 * num_progs):
+            pid_n, expert, row_start, act_start, num_live = _tile_info(
+                tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
+                NUM_EXPERTS, BLOCK_M)
+            # Take turns: a stage's ready barrier may be waited on only one phase ahead, so a
+            # consumer starts once the other has taken every earlier step (the first tile of
+            # consumer 0 passes at once).
+            mbarrier.wait(turn.index(PARITY), (turns & 1) ^ (1 - PARITY))
+            turns += 1
+            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, ACC)
+            for k in range(NUM_K):
+                stage = count % STAGES
+                mbarrier.wait(ready.index(stage), (count // STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage), acc,
+                                    is_async=True)
+                # the previous step's MMA is done: its stage goes back to the producer
+                acc = warpgroup_mma_wait(1, deps=(acc,))
+                mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=k > 0)
+                count += 1
+            mbarrier.arrive(turn.index(1 - PARITY))
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
+            count += NUM_K  # the other consumer's tile
+
+            # Epilogue in column quarters (the whole tile with its g/u pair needs more
+            # registers than a consumer has), each in an accumulator layout of its own.
+            lo, hi = _halves(acc, BLOCK_M, BLOCK_N)
+            q0, q1 = _halves(lo, BLOCK_M, BLOCK_N // 2)
+            n0 = pid_n * BLOCK_N
+            Q: gl.constexpr = BLOCK_N // 4
+            _swiglu_bwd_part(q0, ptrs_ptr, row_start, act_start, num_live, h1_base, grad_h1_ptr,
+                             h2_ptr, n0, FFN, STORE_H2, BLOCK_M, Q)
+            _swiglu_bwd_part(q1, ptrs_ptr, row_start, act_start, num_live, h1_base, grad_h1_ptr,
+                             h2_ptr, n0 + Q, FFN, STORE_H2, BLOCK_M, Q)
+            q2, q3 = _halves(hi, BLOCK_M, BLOCK_N // 2)
+            _swiglu_bwd_part(q2, ptrs_ptr, row_start, act_start, num_live, h1_base, grad_h1_ptr,
+                             h2_ptr, n0 + 2 * Q, FFN, STORE_H2, BLOCK_M, Q)
+            _swiglu_bwd_part(q3, ptrs_ptr, row_start, act_start, num_live, h1_base, grad_h1_ptr,
+                             h2_ptr, n0 + 3 * Q, FFN, STORE_H2, BLOCK_M, Q)
+
+    @gluon.jit
+    def _halves(x, ROWS: gl.constexpr, COLS: gl.constexpr):
+        """``x[:, :COLS/2]`` and ``x[:, COLS/2:]`` of a ``[ROWS, COLS]`` tile."""
+        return gl.split(gl.permute(gl.reshape(x, [ROWS, 2, COLS // 2]), (0, 2, 1)))
+
+    @gluon.jit
+    def _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base, grad_h1_ptr,
+                         h2_ptr, col0, FFN: gl.constexpr, STORE_H2: gl.constexpr,
+                         BLOCK_M: gl.constexpr, W: gl.constexpr):
+        """SwiGLU backward of a ``[BLOCK_M, W]`` part of the tile (columns ``col0 + j``): rows
+        ``act_start + i`` for ``i < num_live``; null rows (address 0 in ``ptrs_ptr``) load
+        zeros and store zeros."""
+        # 16-byte vectors of 8 columns per thread: few 64-bit addresses (in the accumulator's
+        # layout every 2 columns need their own, and the epilogue spills)
+        L: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // W, W // 8], [4, 1], [1, 0])
+        grad_h2 = gl.convert_layout(part, L)
+        i = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L))
+        j = gl.arange(0, W, layout=gl.SliceLayout(0, L))
+        live = i < num_live
+        addr = gl.load(ptrs_ptr + row_start + i, mask=live, other=0)
+        rows = gl.expand_dims((act_start + i).to(gl.int64), 1)
+        col = gl.expand_dims(col0 + j, 0)
+        # row masks, broadcast along the columns (constant per 16-byte vector)
+        store_mask = gl.expand_dims(live, 1)
+        load_mask = gl.expand_dims(live & (addr != 0), 1)
+        g_ptrs = gl.multiple_of(h1_base + rows * (2 * FFN), [16, 16]) + col
+        g = gl.load(g_ptrs, mask=load_mask, other=0.0).to(gl.float32)
+        u = gl.load(g_ptrs + FFN, mask=load_mask, other=0.0).to(gl.float32)
+        s = 1.0 / (1.0 + gl.exp(-g))
+        silu = g * s
+        grad_g = grad_h2 * u * (s * (1.0 + g * (1.0 - s)))
+        grad_u = grad_h2 * silu
+        out_ptrs = gl.multiple_of(grad_h1_ptr + rows * (2 * FFN), [16, 16]) + col
+        gl.store(out_ptrs, grad_g.to(gl.bfloat16), mask=store_mask)
+        gl.store(out_ptrs + FFN, grad_u.to(gl.bfloat16), mask=store_mask)
+        if STORE_H2:
+            gl.store(gl.multiple_of(h2_ptr + rows * FFN, [16, 16]) + col, (silu * u).to(gl.bfloat16),
+                     mask=store_mask)
+
+    @gluon.jit
+    def _gluon_w2_dgrad_kernel(
+        a_desc,  # host descriptor of the gathered grad_h3 rows [R_act, D], block [BM, BK]
+        w_desc,  # host descriptor of w2 viewed [E*D, F], block [BK, BN]
+        ptrs_ptr,  # int64 [R_cap]: grad_h3 row addresses by padded row (0 = null row)
+        padded_offsets_ptr,  # int32 [E + 1]
+        row_offsets_ptr,  # int32 [E + 1]
+        h1_ptr,  # bf16 h1 rows [R_act, 2F], or a 1-D base (H1_OFFSET)
+        h1_offset_ptr,  # int64 [1] (H1_OFFSET), else a placeholder
+        grad_h1_ptr,  # bf16 [R_act, 2F] (may be the h1 rows)
+        h2_ptr,  # bf16 [R_act, F] (STORE_H2), else a placeholder
+        FFN: gl.constexpr,
+        HIDDEN: gl.constexpr,
+        NUM_EXPERTS: gl.constexpr,
+        EXPERTS_POW2: gl.constexpr,
+        GROUP_M: gl.constexpr,
+        STAGES: gl.constexpr,
+        H1_OFFSET: gl.constexpr,
+        STORE_H2: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        BLOCK_K: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K],
+                                           a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_N],
+                                           w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # turn[c]: consumer c may start its next tile's MMAs (the other one has issued all of
+        # its tile's)
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        gl.warp_specialize([
+            (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, ptrs_ptr,
+                         padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
+                         grad_h1_ptr, h2_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
+                         STAGES, H1_OFFSET, STORE_H2, BLOCK_M, BLOCK_N, BLOCK_K, 0)),
+            (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, ptrs_ptr,
+                         padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
+                         grad_h1_ptr, h2_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
+                         STAGES, H1_OFFSET, STORE_H2, BLOCK_M, BLOCK_N, BLOCK_K, 1)),
+            (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, ptrs_ptr,
+                         padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
+                         grad_h1_ptr, h2_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
+                         STAGES, H1_OFFSET, STORE_H2, BLOCK_M, BLOCK_N, BLOCK_K, 1)),
+        ], [4, 1], [232, 40])
+
+
+def gluon_w2_dgrad_reason(device: torch.device, *, hidden: int, ffn: int, block_m: int,
+                          block_n: int, block_k: int) -> str | None:
+    """``None`` when :func:`launch_gluon_w2_dgrad` can run this case, else why not."""
+    reason = gluon_device_reason(device)
+    if reason is not None:
+        return reason
+    if block_m != 128 or block_n != 128 or block_k != 64:
+        return f"the Gluon W2 DGRAD computes 128 x 128 x 64 tiles, got {block_m} x {block_n} " \
+               f"x {block_k}"
+    if hidden % block_k or ffn % block_n:
+        return f"D ({hidden}) must be a multiple of {block_k} and F ({ffn}) of {block_n}"
+    return None
+
+
+def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
+                          row_offsets: torch.Tensor, w2: torch.Tensor,
+                          grad_h3_rows: torch.Tensor, h1: torch.Tensor,
+                          grad_h1_out: torch.Tensor, *, h1_offset: torch.Tensor | None,
+                          h2_out: torch.Tensor | None, group_m: int = 8, stages: int = 5,
+                          programs: int | None = None) -> None:
+    """Launch the kernel (arguments validated by the caller,
+    :func:`~distmoe.kernels.w2_backward.w2_dgrad_swiglu_bwd`, and
+    :func:`gluon_w2_dgrad_reason` returned ``None``). ``programs``: the grid (default one per
+    SM); tests pass fewer so that every program walks many tiles."""
+    from ._common import device_context, next_power_of_2, num_sms
+
+    num_experts, hidden, ffn = w2.shape
+    block_m, block_n, block_k = 128, 128, 64
+    a_layout = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gl.bfloat16)
+    w_layout = gl.NVMMASharedLayout.get_default_for([block_k, block_n], gl.bfloat16)
+    a_desc = GluonDescriptor(grad_h3_rows, list(grad_h3_rows.shape), [hidden, 1],
+                             [block_m, block_k], a_layout)
+    w_desc = GluonDescriptor(w2.view(num_experts * hidden, ffn), [num_experts * hidden, ffn],
+                             [ffn, 1], [block_k, block_n], w_layout)
+    tiles_cap = (grad_h3_ptrs.shape[0] // block_m) * (ffn // block_n)
+    if programs is None:
+        programs = num_sms(w2.device)
+    with device_context(w2.device):
+        _gluon_w2_dgrad_kernel[(max(1, min(programs, tiles_cap)),)](
+            a_desc, w_desc, grad_h3_ptrs, padded_offsets, row_offsets, h1,
+            h1_offset if h1_offset is not None else row_offsets, grad_h1_out,
+            h2_out if h2_out is not None else grad_h1_out,
+            FFN=ffn, HIDDEN=hidden, NUM_EXPERTS=num_experts,
+            EXPERTS_POW2=max(32, next_power_of_2(num_experts)), GROUP_M=group_m,
+            STAGES=stages, H1_OFFSET=h1_offset is not None, STORE_H2=h2_out is not None,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+            maxnreg=_MAXNREG,
+        )  # fmt: skip
