@@ -765,22 +765,7 @@ def test_w2_scatter_rejects_bad_inputs(change, error, match):
 
 # bf16 bits of a NaN whose payload differs from torch's NaN (0x7FC0): the h3 save base is
 # filled with it, so a copied NaN row (an inactive route's) cannot pass for untouched.
-SAVE_SENTINEL = 0x7F81
-
-
-def sentinel_base(numel: int) -> torch.Tensor:
-    return torch.full((numel,), SAVE_SENTINEL, dtype=torch.int16, device=DEVICE).view(
-        torch.bfloat16
-    )
-
-
-def assert_sentinel(tensor: torch.Tensor, *, what: str) -> None:
-    assert bool((tensor.view(torch.int16) == SAVE_SENTINEL).all()), f"{what}: written"
-
-
-def run_combine_case(num_tokens, max_tokens, top_k, hidden, *, id_dtype, score_dtype, config, use_ref=False, three_d=False, save_at=None):  # fmt: skip
-    """``save_at``: also save h3 into a sentinel-filled base at this element offset (negative:
-    the save is skipped on the device)."""
+def run_combine_case(num_tokens, max_tokens, top_k, hidden, *, id_dtype, score_dtype, config, use_ref=False, three_d=False):  # fmt: skip
     expert_ids = torch.randint(0, 5, (num_tokens, top_k))
     expert_ids[torch.rand(num_tokens, top_k) < 0.3] = -1
     if num_tokens > 2:
@@ -802,33 +787,16 @@ def run_combine_case(num_tokens, max_tokens, top_k, hidden, *, id_dtype, score_d
     rows_arg = rows.reshape(max_tokens, top_k, hidden) if three_d else rows
     y = poisoned(num_tokens, hidden)
     args = (rows_arg.to(DEVICE), expert_ids.to(id_dtype).to(DEVICE), scores.to(DEVICE), y)
-    save = {}
-    if save_at is not None:
-        base = sentinel_base(max(save_at, 0) + max_tokens * top_k * hidden + 24)
-        save = dict(h3_save=base, h3_save_offset=device_int([save_at], torch.int64))
     if use_ref:
         combine_ref(*args)
     else:
-        combine(*args, config=config, **save)
+        combine(*args, config=config)
     assert_bf16_close(y, expected, what="y")
     none_active = ~is_active.any(dim=1)
     # Tokens with no active route are exact zeros.
     assert torch.equal(
         y[none_active.to(DEVICE)].float().cpu(), torch.zeros(int(none_active.sum()), hidden)
     )
-    if save_at is not None:
-        base = save["h3_save"]
-        if save_at < 0:
-            assert_sentinel(base, what="h3_save with a negative offset")
-            return
-        region = base[save_at : save_at + num_tokens * top_k * hidden].view(-1, hidden)
-        active = is_active.reshape(-1).to(DEVICE)
-        # Active routes' rows: a bit-exact copy of the rows combined.
-        assert_bits_equal(region[active], rows[: num_tokens * top_k].to(DEVICE)[active],
-                          what="saved h3 rows")  # fmt: skip
-        assert_sentinel(region[~active], what="h3_save rows of inactive routes")
-        assert_sentinel(base[:save_at], what="h3_save before the offset")
-        assert_sentinel(base[save_at + num_tokens * top_k * hidden :], what="h3_save past T*K rows")
 
 
 COMBINE_SMALL = CombineConfig(block_t=4, block_d=32, num_warps=4)
@@ -855,22 +823,6 @@ def test_combine_no_tokens():
     ids = torch.zeros(0, 2, dtype=torch.int64, device=DEVICE)
     combine(rows, ids, torch.zeros(0, 2, device=DEVICE), y)
     assert y.shape == (0, 32)
-
-
-@pytest.mark.parametrize("save_at", [0, 40, -8], ids=["at_0", "at_40", "negative"])
-@pytest.mark.parametrize("hidden", [48, 20], ids=["D48", "D20"])
-def test_combine_h3_save(save_at, hidden):
-    # The route rows the combine reads are also saved at a device-side offset: active routes
-    # bit-exactly, inactive routes (NaN rows) and everything around untouched; a negative
-    # offset saves nothing. D=20 is not a multiple of 8 (no 16-byte rows: no vector hint).
-    run_combine_case(
-        13, 16, 3, hidden, id_dtype=torch.int32, score_dtype=torch.float32,
-        config=COMBINE_SMALL, save_at=save_at,
-    )  # fmt: skip
-
-
-def test_combine_h3_save_three_d_rows_default_config():
-    run_combine_case(7, 8, 2, 64, id_dtype=torch.int64, score_dtype=torch.bfloat16, config=None, three_d=True, save_at=64)  # fmt: skip
 
 
 @pytest.mark.parametrize("hidden", [48, 20], ids=["D48", "D20"])
@@ -915,14 +867,7 @@ def test_combine_reference():
         (lambda a: a.update(combine_rows=a["combine_rows"][:, :8].contiguous()), ValueError, "combine_rows must have shape"),
         (lambda a: a.update(combine_rows=a["combine_rows"].t().contiguous().t()), ValueError, "combine_rows must be contiguous"),
         (lambda a: a.update(expert_ids=a["expert_ids"].t()), ValueError, "expert_ids must be contiguous"),
-        (lambda a: a.update(h3_save=poisoned(256)), ValueError, "h3_save is given but h3_save_offset is None: give both or neither"),
-        (lambda a: a.update(h3_save_offset=torch.zeros(1, dtype=torch.int64, device=DEVICE)), ValueError, "h3_save_offset is given but h3_save is None"),
-        (lambda a: a.update(h3_save=poisoned(16, 16), h3_save_offset=torch.zeros(1, dtype=torch.int64, device=DEVICE)), ValueError, r"h3_save must be 1-D \(a bf16 base\), got shape \[16, 16\]"),
-        (lambda a: a.update(h3_save=poisoned(256).float(), h3_save_offset=torch.zeros(1, dtype=torch.int64, device=DEVICE)), TypeError, "h3_save must have dtype bfloat16, got torch.float32"),
-        (lambda a: a.update(h3_save=poisoned(256)[3:], h3_save_offset=torch.zeros(1, dtype=torch.int64, device=DEVICE)), ValueError, "h3_save must start at a 16-byte aligned address"),
-        (lambda a: a.update(h3_save=poisoned(256), h3_save_offset=torch.zeros(1, dtype=torch.int32, device=DEVICE)), TypeError, "h3_save_offset must have dtype int64, got torch.int32"),
-        (lambda a: a.update(h3_save=poisoned(256), h3_save_offset=torch.zeros(2, dtype=torch.int64, device=DEVICE)), ValueError, r"h3_save_offset must have shape \[1\] .* got \[2\]"),
-        (lambda a: a.update(h3_save=poisoned(256), h3_save_offset=torch.zeros(1, dtype=torch.int64, device="meta")), ValueError, r"h3_save_offset must be on the same device as combine_rows \((cpu|cuda:\d+)\), got meta"),
+        (lambda a: a.update(y_out=a["y_out"].to("meta")), ValueError, r"y_out must be on the same device as combine_rows \((cpu|cuda:\d+)\), got meta"),
     ],
 )  # fmt: skip
 def test_combine_rejects_bad_inputs(change, error, match):
@@ -1025,13 +970,7 @@ def run_forward_chain(num_tokens, top_k, num_experts, hidden, ffn, *, block_m, w
         gather_ptrs, padded_offsets, row_offsets, w13, h2, config=w13_config, block_m=block_m
     )
     w2_scatter(h2, padded_offsets, row_offsets, w2, scatter_ptrs, config=w2_config, block_m=block_m)
-    h3_save = poisoned(8 + num_tokens * top_k * hidden)
-    y = combine(
-        combine_rows, expert_ids, scores, poisoned(num_tokens, hidden), h3_save=h3_save,
-        h3_save_offset=device_int([8], torch.int64),
-    )  # fmt: skip
-    # The saved h3 is the combine buffer as the combine read it (inactive slots: poison).
-    assert_bits_equal(h3_save[8:], combine_rows.reshape(-1), what="saved h3")
+    y = combine(combine_rows, expert_ids, scores, poisoned(num_tokens, hidden))
 
     # fp64 layer and the first-order bound of the three bf16 roundings.
     y64 = torch.zeros(num_tokens, hidden, dtype=torch.float64)

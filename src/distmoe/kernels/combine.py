@@ -8,23 +8,19 @@ accumulated in fp32 and rounded to bf16 once. A route with a negative expert id 
 inactive) is never read (its row and score may hold anything, NaN included); a token whose
 routes are all inactive gets exact zeros.
 
-Optionally (training: the score gradients need the returned rows) the rows read are also
-saved: with ``h3_save`` (a 1-D bf16 base tensor) and ``h3_save_offset`` (int64 ``[1]`` on the
-device, a bf16 element offset, e.g. a slot cursor), the row of every active route ``(t, k)``
-is copied bit-exactly to ``h3_save + offset + (t*K + k)*D``; inactive routes' save rows are
-not written, and a negative offset (read on the device by every program) skips the save.
+The rows are a tensor (``combine_rows``) or sit at a device-side byte address
+(``rows_addr``): the training layer returns a saved layer's h3 rows straight into the owner's
+activation slot, and the combine reads them there.
 
 Algorithm: one program owns ``block_t`` tokens x ``block_d`` columns; the K routes are
 unrolled so their row loads are in flight together. Memory-bound: reads ``T*K*D`` bf16 (only
-active routes) and writes ``T*D`` bf16 (plus ``T*K*D`` for the save: each loaded row is stored
-again from registers). Nothing is allocated.
+active routes) and writes ``T*D`` bf16. Nothing is allocated.
 
 Sync points: none on the host. The returned rows must be complete before the launch (the
 caller waits for the experts' signal or barrier first).
 
-Requirements (the device-side ones are not checked): with a save, ``h3_save`` starts 16-byte
-aligned (checked), a non-negative offset is a multiple of 8 elements (16 bytes) and the base
-holds ``offset + T*K*D`` elements.
+Requirements (not checked: the values live on the device): ``rows_addr`` is 16-byte aligned
+and ``T*K*D`` elements are readable from there.
 """
 
 from __future__ import annotations
@@ -37,7 +33,6 @@ import triton.language as tl
 
 from distmoe.kernels._common import (
     _is_power_of_2,
-    check_bf16_base,
     check_devices,
     check_tensor,
     device_context,
@@ -58,19 +53,14 @@ def _combine_kernel(
     expert_ids_ptr,
     scores_ptr,
     y_ptr,
-    save_ptr,
-    save_offset_ptr,
     num_tokens,
     TOP_K: tl.constexpr,
     HIDDEN: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    SAVE: tl.constexpr,
     ROWS_ADDR: tl.constexpr,
 ):
-    """``save_ptr`` / ``save_offset_ptr`` (``SAVE``): the h3 save base and its element offset,
-    read once per program; without a save, placeholders that are never touched.
-    ``ROWS_ADDR``: ``rows_ptr`` is an int64 ``[1]`` holding the rows' byte address."""
+    """``ROWS_ADDR``: ``rows_ptr`` is an int64 ``[1]`` holding the rows' byte address."""
     if ROWS_ADDR:
         rows_ptr = tl.load(rows_ptr).to(tl.pointer_type(tl.bfloat16))
         if HIDDEN % 8 == 0:
@@ -80,9 +70,6 @@ def _combine_kernel(
     is_token = tokens < num_tokens
     col_mask = (cols < HIDDEN)[None, :]
     routes0 = tokens.to(tl.int64) * TOP_K
-    if SAVE:
-        save_offset = tl.load(save_offset_ptr)
-        do_save = save_offset >= 0
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     for k in tl.static_range(TOP_K):
         route = routes0 + k
@@ -91,14 +78,6 @@ def _combine_kernel(
         score = tl.load(scores_ptr + route, mask=is_active, other=0.0).to(tl.float32)
         row_mask = is_active[:, None] & col_mask
         row = tl.load(rows_ptr + route[:, None] * HIDDEN + cols[None, :], mask=row_mask, other=0.0)
-        if SAVE:
-            if do_save:
-                save_rows = save_ptr + save_offset + route * HIDDEN
-                if HIDDEN % 8 == 0:
-                    # 16-byte rows at a 16-byte aligned offset (module requirement): vector
-                    # stores although the offset is a device value.
-                    save_rows = tl.multiple_of(save_rows, 16)
-                tl.store(save_rows[:, None] + cols[None, :], row, mask=row_mask)
         acc += score[:, None] * row.to(tl.float32)
     y_tile = y_ptr + tokens.to(tl.int64)[:, None] * HIDDEN + cols[None, :]
     tl.store(y_tile, acc.to(tl.bfloat16), mask=is_token[:, None] & col_mask)
@@ -175,8 +154,7 @@ def _check_rows(combine_rows, num_tokens: int, top_k: int, hidden: int) -> torch
 
 
 def _check_combine_args(
-    combine_rows, expert_ids, scores, y_out, h3_save=None, h3_save_offset=None, *,
-    rows_addr=None, for_kernel: bool,
+    combine_rows, expert_ids, scores, y_out, *, rows_addr=None, for_kernel: bool,
 ) -> tuple[torch.Tensor, int, int, int]:
     check_tensor("expert_ids", expert_ids, dtypes=_ID_DTYPES, ndim=2, shape_text="[T, K]")
     num_tokens, top_k = expert_ids.shape
@@ -206,24 +184,6 @@ def _check_combine_args(
         rows = _check_rows(combine_rows, num_tokens, top_k, hidden)
         named["combine_rows"] = combine_rows
     named.update(expert_ids=expert_ids, scores=scores, y_out=y_out)
-    if (h3_save is None) != (h3_save_offset is None):
-        given, missing = (
-            ("h3_save", "h3_save_offset")
-            if h3_save_offset is None
-            else ("h3_save_offset", "h3_save")
-        )
-        raise ValueError(f"{given} is given but {missing} is None: give both or neither")
-    if h3_save is not None:
-        check_bf16_base("h3_save", h3_save)
-        check_tensor(
-            "h3_save_offset",
-            h3_save_offset,
-            dtypes=(torch.int64,),
-            shape=[1],
-            shape_text="(bf16 element offset into h3_save)",
-        )
-        named["h3_save"] = h3_save
-        named["h3_save_offset"] = h3_save_offset
     check_devices(named, for_kernel=for_kernel)
     return rows, num_tokens, top_k, hidden
 
@@ -234,8 +194,6 @@ def combine(
     scores: torch.Tensor,
     y_out: torch.Tensor,
     *,
-    h3_save: torch.Tensor | None = None,
-    h3_save_offset: torch.Tensor | None = None,
     rows_addr: torch.Tensor | None = None,
     config: CombineConfig | None = None,
 ) -> torch.Tensor:
@@ -247,11 +205,6 @@ def combine(
         expert_ids: integer ``[T, K]`` contiguous (int8/16/32/64, uint8); negative = inactive.
         scores: float32 / bf16 / fp16 ``[T, K]`` contiguous.
         y_out: bf16 ``[T, D]`` contiguous; every row is written.
-        h3_save: optional 1-D contiguous bf16 base tensor (16-byte aligned): the row of every
-            active route ``(t, k)`` is also copied to elements
-            ``[offset + (t*K + k)*D, offset + (t*K + k + 1)*D)``; nothing else is written.
-        h3_save_offset: int64 ``[1]`` on the device, given with ``h3_save``: that ``offset``
-            (bf16 elements, a multiple of 8); negative = skip the save.
         rows_addr: optional int64 ``[1]`` on the device: the byte address of route row 0 of
             the rows to read (16-byte aligned, and ``T*K*D`` elements from there; not checked,
             the value lives on the device), instead of ``combine_rows``. The training layer
@@ -261,8 +214,7 @@ def combine(
     Returns ``y_out``.
     """
     rows, num_tokens, top_k, hidden = _check_combine_args(
-        combine_rows, expert_ids, scores, y_out, h3_save, h3_save_offset, rows_addr=rows_addr,
-        for_kernel=True,
+        combine_rows, expert_ids, scores, y_out, rows_addr=rows_addr, for_kernel=True,
     )
     if config is None:
         config = CombineConfig.from_heuristic(hidden=hidden)
@@ -277,14 +229,11 @@ def combine(
             expert_ids,
             scores,
             y_out,
-            y_out if h3_save is None else h3_save,  # placeholder: never touched (SAVE)
-            expert_ids if h3_save_offset is None else h3_save_offset,  # placeholder: never read
             num_tokens,
             TOP_K=top_k,
             HIDDEN=hidden,
             BLOCK_T=config.block_t,
             BLOCK_D=config.block_d,
-            SAVE=h3_save is not None,
             ROWS_ADDR=rows_addr is not None,
             num_warps=config.num_warps,
         )
@@ -302,8 +251,7 @@ def combine_ref(
     scores: torch.Tensor,
     y_out: torch.Tensor,
 ) -> torch.Tensor:
-    """Plain-PyTorch :func:`combine` (any device): fp32 sum, bf16 result into ``y_out``
-    (no save: the saved rows are a bit-exact copy of the active routes' rows)."""
+    """Plain-PyTorch :func:`combine` (any device): fp32 sum, bf16 result into ``y_out``."""
     rows, num_tokens, top_k, hidden = _check_combine_args(
         combine_rows, expert_ids, scores, y_out, for_kernel=False
     )

@@ -400,14 +400,14 @@ def other_kernel_cases() -> list[BuildCase]:
     D, E, K, EP, T = 2048, 128, 8, 2, 4096
     cases: list[BuildCase] = []
     cc = comb.CombineConfig.from_heuristic(hidden=D)
-    for save, rows_addr in ((False, False), (True, False), (False, True)):
+    for rows_addr in (False, True):
         cases.append(BuildCase(
-            f"combine save={save} rows_addr={rows_addr}", comb._combine_kernel,
-            dict(TOP_K=K, HIDDEN=D, BLOCK_T=cc.block_t, BLOCK_D=cc.block_d, SAVE=save,
+            f"combine rows_addr={rows_addr}", comb._combine_kernel,
+            dict(TOP_K=K, HIDDEN=D, BLOCK_T=cc.block_t, BLOCK_D=cc.block_d,
                  ROWS_ADDR=rows_addr),
             cc.num_warps, 1,
-            types={"expert_ids_ptr": "*i64", "scores_ptr": "*fp32", "save_offset_ptr": "*i64",
-                   "num_tokens": "i32", "rows_ptr": "*i64" if rows_addr else "*bf16"}))
+            types={"expert_ids_ptr": "*i64", "scores_ptr": "*fp32", "num_tokens": "i32",
+                   "rows_ptr": "*i64" if rows_addr else "*bf16"}))
     rc = rg.RouteGradConfig.from_heuristic(hidden=D)
     for h3_addr, in_place, push in ((False, False, False), (True, False, False),
                                     (False, True, False), (True, False, True)):
