@@ -88,6 +88,19 @@ if HAVE_GLUON:
         return pid_n, expert, row_start, act_begin + local, act_end - act_begin - local
 
     @gluon.jit
+    def _expert_bounds(padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS: gl.constexpr,
+                       EXPERTS_POW2: gl.constexpr, LAYOUT: gl.constexpr):
+        """The per-expert bounds that :func:`_tile_info` takes, as ``[EXPERTS_POW2]`` register
+        vectors in ``LAYOUT``: ``(ends, starts, rbeg, rend, eidx)``."""
+        eidx = gl.arange(0, EXPERTS_POW2, layout=LAYOUT)
+        emask = eidx < NUM_EXPERTS
+        ends = gl.load(padded_offsets_ptr + 1 + eidx, mask=emask, other=2147483647)
+        starts = gl.load(padded_offsets_ptr + eidx, mask=emask, other=0)
+        rbeg = gl.load(row_offsets_ptr + eidx, mask=emask, other=0)
+        rend = gl.load(row_offsets_ptr + 1 + eidx, mask=emask, other=0)
+        return ends, starts, rbeg, rend, eidx
+
+    @gluon.jit
     def _next_live(tile, num_tiles, num_progs, num_pid_m, ends, starts, rbeg, rend, eidx,
                    NUM_PID_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_EXPERTS: gl.constexpr,
                    BLOCK_M: gl.constexpr):
@@ -239,12 +252,8 @@ if HAVE_GLUON:
             x_save = x_ptr + gl.maximum(x_off, 0)
 
         # Per-expert bounds, once per program, in registers.
-        eidx = gl.arange(0, EXPERTS_POW2, layout=VEC_LAYOUT)
-        emask = eidx < NUM_EXPERTS
-        ends = gl.load(padded_offsets_ptr + 1 + eidx, mask=emask, other=2147483647)
-        starts = gl.load(padded_offsets_ptr + eidx, mask=emask, other=0)
-        rbeg = gl.load(row_offsets_ptr + eidx, mask=emask, other=0)
-        rend = gl.load(row_offsets_ptr + 1 + eidx, mask=emask, other=0)
+        ends, starts, rbeg, rend, eidx = _expert_bounds(padded_offsets_ptr, row_offsets_ptr,
+                                                        NUM_EXPERTS, EXPERTS_POW2, VEC_LAYOUT)
 
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], A_LAYOUT)
         bg_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K],

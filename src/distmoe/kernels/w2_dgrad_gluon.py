@@ -51,7 +51,7 @@ if HAVE_GLUON:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-    from .w13_gluon import _tile_info
+    from .w13_gluon import _expert_bounds, _tile_info
 
 __all__ = ["GLUON_W2_DGRAD_CONFIGS", "gluon_w2_dgrad_reason", "launch_gluon_w2_dgrad"]
 
@@ -74,12 +74,8 @@ if HAVE_GLUON:
         of ``NW`` warps (every warp holds them all: the lookup reduces with shuffles)."""
         VEC: gl.constexpr = gl.BlockedLayout([EXPERTS_POW2 // 32], [32], [NW], [0])
         num_pid_m = gl.load(padded_offsets_ptr + NUM_EXPERTS) // BLOCK_M
-        eidx = gl.arange(0, EXPERTS_POW2, layout=VEC)
-        emask = eidx < NUM_EXPERTS
-        ends = gl.load(padded_offsets_ptr + 1 + eidx, mask=emask, other=2147483647)
-        starts = gl.load(padded_offsets_ptr + eidx, mask=emask, other=0)
-        rbeg = gl.load(row_offsets_ptr + eidx, mask=emask, other=0)
-        rend = gl.load(row_offsets_ptr + 1 + eidx, mask=emask, other=0)
+        ends, starts, rbeg, rend, eidx = _expert_bounds(padded_offsets_ptr, row_offsets_ptr,
+                                                        NUM_EXPERTS, EXPERTS_POW2, VEC)
         return num_pid_m, num_pid_m * NUM_PID_N, ends, starts, rbeg, rend, eidx
 
     @gluon.jit
