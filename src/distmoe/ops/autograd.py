@@ -147,7 +147,7 @@ class MoEFunction(torch.autograd.Function):
         # where the state is, saved or rebuilt (decided with the forward's slot record)
         h3_addr, h1_offset, x_offset = rec.backward[0:1], rec.backward[1:2], rec.backward[2:3]
 
-        # 1. owner: score gradients and route output gradients into its combine slots
+        # 1. owner: score gradients; route output gradients pushed into the experts' gh3 rows
         grad_scores = torch.empty(T, K, dtype=torch.float32, device=dev)
         route_grads(grad_y, None, ids_executed, scores_f32, None, grad_scores, h3_addr=h3_addr,
                     dest_rows=tables.dest_rows_TK, dest_bases=moe._gh3_bases,

@@ -6,6 +6,10 @@ Per rank, on the symmetric heap (DESIGN.md, Buffers per rank):
     dispatch  [T_max * K, D] bf16: x at rows 0..T-1 in forward
     combine   [T_max * K, D] bf16: expert results at route slot t*K + k
 
+(DESIGN.md's table also has the combine buffer carry the route output gradients in backward.
+Here the owners push them straight into the experts' scratch instead, which saves a write and
+a read of T*K*D bf16 per layer: :mod:`distmoe.ops.autograd`, docs/performance.md run 22.)
+
 plus, at EP > 1, a pull buffer [EP * T_max, D] bf16 with int8 flags [EP * T_max] and a
 pointer table [R_cap] int64 (:mod:`distmoe.kernels.pull_tokens`: each peer token W13 reads
 crosses NVLink once instead of once per route and column tile), plus local memory in
