@@ -15,9 +15,10 @@ Forward, on the token owner: ``y[t] = sum_k score[t, k] * h3[t, k]`` (fp32), whe
   (what the layer uses), each route's row goes straight to the row its destination rank
   executes it at (:attr:`distmoe.routing.RoutingTables.dest_rows_TK`), inside that rank's
   gathered grad_h3: the expert then needs no gather, and the rows cross memory once instead
-  of three times (owner write, expert read, expert write). The h3 rows are a tensor (``h3_routes``) or sit at a device-side
-  byte address (``h3_addr``, e.g. the owner's combine buffer that still holds the routes'
-  results), and may be exactly the rows of ``grad_routes`` (in place): each route row is read
+  of three times (owner write, expert read, expert write). The h3 rows are a tensor
+  (``h3_routes``) or sit at a device-side byte address (``h3_addr``, e.g. the owner's combine
+  buffer that still holds the routes' results), and may be exactly the rows of
+  ``grad_routes`` (in place): each route row is read
   and written by one program only, and in that mode the program finishes reading every
   ``h3`` element of a column step before it writes that step's ``grad_routes`` elements (a
   CTA barrier between the loads and the stores: the stores do not depend on ``h3``, so no

@@ -207,8 +207,8 @@ if HAVE_GLUON:
         gl.store(out_ptrs, grad_g.to(gl.bfloat16), mask=store_mask)
         gl.store(out_ptrs + FFN, grad_u.to(gl.bfloat16), mask=store_mask)
         if STORE_H2:
-            gl.store(gl.multiple_of(h2_ptr + rows * FFN, [16, 16]) + col, (silu * u).to(gl.bfloat16),
-                     mask=store_mask)
+            h2_rows = gl.multiple_of(h2_ptr + rows * FFN, [16, 16])
+            gl.store(h2_rows + col, (silu * u).to(gl.bfloat16), mask=store_mask)
 
     @gluon.jit
     def _gluon_w2_dgrad_kernel(
