@@ -590,6 +590,16 @@ def test_w2_dgrad_pre_gathered_rows(persistent):
                         h2_out=got_h2, grad_h3_rows=rows, config=config)
     assert same_bits(rows, rows_before)  # read only
     assert same_bits(got_h1, grad_h1) and same_bits(got_h2, h2)
+    # gluon=True where the Gluon kernel cannot run (the interpreter, 16-row tiles): a warning
+    # that says why, then the Triton kernel, the same bits
+    gluon_cfg = replace(config, gluon=True)
+    for kwargs in (dict(grad_h3_rows=rows), dict(grad_h3_out=poisoned(num_act, hidden))):
+        w_h1, w_h2 = poisoned(num_act, 2 * ffn), poisoned(num_act, ffn)
+        with pytest.warns(RuntimeWarning, match=r"w2_dgrad_swiglu_bwd: config\.gluon is set, "
+                                                r"but the Gluon kernel cannot run this call"):
+            w2_dgrad_swiglu_bwd(ptrs, layout.padded_offsets, layout.row_offsets, w2, h1, w_h1,
+                                h2_out=w_h2, config=gluon_cfg, **kwargs)
+        assert same_bits(w_h1, grad_h1) and same_bits(w_h2, h2)
     with pytest.raises(ValueError, match="grad_h3_out and grad_h3_rows exclude each other"):
         w2_dgrad_swiglu_bwd(ptrs, layout.padded_offsets, layout.row_offsets, w2, h1, got_h1,
                             grad_h3_out=poisoned(num_act, hidden), grad_h3_rows=rows)

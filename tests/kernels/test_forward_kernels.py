@@ -1203,3 +1203,15 @@ def test_gpu_cuda_graph_replay_with_new_routing():
             assert not torch.isnan(out[rows]).any() and bool((err <= bound).all()), (
                 f"replay with counts {counts}: expert {e} max err {err.max().item():.3g}"
             )
+
+
+def test_gluon_request_that_cannot_run_warns_and_runs_triton():
+    """``W13Config(gluon=True)`` where the Gluon kernel cannot run (here: the interpreter, or
+    a tile it is not written for) says why in a RuntimeWarning, then the Triton kernel runs
+    the config and is checked against the reference as usual."""
+    config = W13Config(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2,
+                       gluon=True)
+    with pytest.warns(RuntimeWarning, match=r"gather_w13_swiglu: config\.gluon is set, but the "
+                                            r"Gluon kernel cannot run this call \(.+\); the "
+                                            r"Triton kernel runs the config instead"):
+        run_w13_case([5, 0, 16, 21], hidden=64, ffn=48, r_cap=96, config=config, null_live=[7])

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -281,6 +282,16 @@ def check_devices(named: dict[str, torch.Tensor], *, for_kernel: bool = True) ->
             f"got {first.device}"
         )
     return first.device
+
+
+def warn_gluon_fallback(kernel: str, reason: str) -> None:
+    """A config asked for a Gluon kernel (``gluon=True``) that cannot run this call: say why,
+    as a ``RuntimeWarning`` (Python shows each message once per call site); the caller then
+    runs the Triton kernel with the same config. The heuristics only pick Gluon where it
+    runs, so this fires on explicit requests (a hand-written config, ``tools/ab_bench.py``)."""
+    warnings.warn(f"{kernel}: config.gluon is set, but the Gluon kernel cannot run this call "
+                  f"({reason}); the Triton kernel runs the config instead", RuntimeWarning,
+                  stacklevel=3)
 
 
 def check_tma_aligned(name: str, tensor: torch.Tensor) -> None:

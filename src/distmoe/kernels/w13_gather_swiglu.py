@@ -86,6 +86,7 @@ from distmoe.kernels._common import (
     tile_activation_rows,
     tile_expert,
     validate_block_m,
+    warn_gluon_fallback,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -628,16 +629,19 @@ def gather_w13_swiglu(
     device = gather_ptrs.device
     # TMA stores need 16-byte aligned bases (1-D bases with out_offsets are checked above)
     aligned = all(t is None or t.data_ptr() % 16 == 0 for t in (h2_out, h1_out, x_out))
-    if config.gluon and aligned:
+    if config.gluon:
         from .w13_gluon import gluon_w13_reason, launch_gluon_w13
 
-        if gluon_w13_reason(device, hidden=hidden, ffn=ffn, block_m=config.block_m,
-                            block_n=config.block_n, block_k=config.block_k,
-                            num_warps=config.num_warps, stages=config.num_stages) is None:
+        reason = ("its TMA stores need 16-byte aligned outputs" if not aligned
+                  else gluon_w13_reason(device, hidden=hidden, ffn=ffn, block_m=config.block_m,
+                                        block_n=config.block_n, block_k=config.block_k,
+                                        num_warps=config.num_warps, stages=config.num_stages))
+        if reason is None:
             launch_gluon_w13(gather_ptrs, padded_offsets, row_offsets, w13, h2_out,
                              h1_out=h1_out, x_out=x_out, out_offsets=out_offsets,
                              enable=enable, stages=config.num_stages, group_m=config.group_m)
             return h2_out
+        warn_gluon_fallback("gather_w13_swiglu", reason)
     num_pid_m = r_cap // config.block_m
     num_pid_n = triton.cdiv(ffn, config.block_n)
     grid = gemm_grid(config, num_pid_m * num_pid_n, device)

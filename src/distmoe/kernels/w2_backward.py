@@ -115,6 +115,7 @@ from distmoe.kernels._common import (
     swizzle_tile,
     tile_activation_rows,
     tile_expert,
+    warn_gluon_fallback,
 )
 from distmoe.kernels.interpreter import interpreter_active
 
@@ -1134,15 +1135,19 @@ def w2_dgrad_swiglu_bwd(
     if num_rows == 0 or num_act == 0:
         return  # no padded rows, or (R_act >= row_offsets[E]) no live rows
 
-    if config.gluon and grad_h3_rows is not None:
+    if config.gluon:
         from .w2_dgrad_gluon import gluon_w2_dgrad_reason, launch_gluon_w2_dgrad
 
-        if gluon_w2_dgrad_reason(device, hidden=hidden, ffn=ffn, block_m=config.block_m,
-                                 block_n=config.block_n, block_k=config.block_k) is None:
+        reason = ("it reads rows already gathered (grad_h3_rows)" if grad_h3_rows is None
+                  else gluon_w2_dgrad_reason(device, hidden=hidden, ffn=ffn,
+                                             block_m=config.block_m, block_n=config.block_n,
+                                             block_k=config.block_k))
+        if reason is None:
             launch_gluon_w2_dgrad(grad_h3_ptrs, padded_offsets, row_offsets, w2, grad_h3_rows,
                                   h1, grad_h1_out, h1_offset=h1_offset, h2_out=h2_out,
                                   group_m=config.group_m, stages=config.num_stages)
             return
+        warn_gluon_fallback("w2_dgrad_swiglu_bwd", reason)
     gather_in_loop = gathered is None
     w2_arg, rows_arg = w2, grad_h3_ptrs if gather_in_loop else gathered
     if config.host_descriptors:
