@@ -51,6 +51,7 @@ if HAVE_GLUON:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
+    from .w2_backward import _column_halves
     from .w13_gluon import _expert_bounds, _tile_info
 
 __all__ = ["GLUON_W2_DGRAD_CONFIGS", "gluon_w2_dgrad_reason", "launch_gluon_w2_dgrad"]
@@ -157,24 +158,19 @@ if HAVE_GLUON:
 
             # Epilogue in column quarters (the whole tile with its g/u pair needs more
             # registers than a consumer has), each in an accumulator layout of its own.
-            lo, hi = _halves(acc, BLOCK_M, BLOCK_N)
-            q0, q1 = _halves(lo, BLOCK_M, BLOCK_N // 2)
+            lo, hi = _column_halves(acc, BLOCK_M, BLOCK_N)
+            q0, q1 = _column_halves(lo, BLOCK_M, BLOCK_N // 2)
             n0 = pid_n * BLOCK_N
             Q: gl.constexpr = BLOCK_N // 4
             _swiglu_bwd_part(q0, ptrs_ptr, row_start, act_start, num_live, h1_base, grad_h1_ptr,
                              h2_ptr, n0, FFN, STORE_H2, BLOCK_M, Q)
             _swiglu_bwd_part(q1, ptrs_ptr, row_start, act_start, num_live, h1_base, grad_h1_ptr,
                              h2_ptr, n0 + Q, FFN, STORE_H2, BLOCK_M, Q)
-            q2, q3 = _halves(hi, BLOCK_M, BLOCK_N // 2)
+            q2, q3 = _column_halves(hi, BLOCK_M, BLOCK_N // 2)
             _swiglu_bwd_part(q2, ptrs_ptr, row_start, act_start, num_live, h1_base, grad_h1_ptr,
                              h2_ptr, n0 + 2 * Q, FFN, STORE_H2, BLOCK_M, Q)
             _swiglu_bwd_part(q3, ptrs_ptr, row_start, act_start, num_live, h1_base, grad_h1_ptr,
                              h2_ptr, n0 + 3 * Q, FFN, STORE_H2, BLOCK_M, Q)
-
-    @gluon.jit
-    def _halves(x, ROWS: gl.constexpr, COLS: gl.constexpr):
-        """``x[:, :COLS/2]`` and ``x[:, COLS/2:]`` of a ``[ROWS, COLS]`` tile."""
-        return gl.split(gl.permute(gl.reshape(x, [ROWS, 2, COLS // 2]), (0, 2, 1)))
 
     @gluon.jit
     def _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base, grad_h1_ptr,
