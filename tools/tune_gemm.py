@@ -113,6 +113,10 @@ def main() -> int:
         gluon = [W13Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=st,
                            group_m=gm, persistent=True, gluon=True)
                  for st, gm in ((3, 8), (3, 16), (4, 8), (4, 16))]
+        # the warp-specialised Gluon kernel (128 x 64 h2 tiles per consumer warpgroup)
+        gluon += [W13Config(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=st,
+                            group_m=gm, persistent=True, gluon=True)
+                  for st, gm in ((4, 8), (5, 8), (6, 8), (5, 16))]
         cands = {
             "w13": [W13Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)] + [
                 W13Config(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st,

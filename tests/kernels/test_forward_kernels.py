@@ -1037,18 +1037,29 @@ def test_gpu_w13_hopper_tiles_tma_epilogue(host_descriptors, stages, group_m):
 
 GLUON_W13 = W13Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3,
                       group_m=8, persistent=True, gluon=True)
-# Hopper-sized case: 6 column tiles, 16 K steps; full tiles (128, 1000 = 7 + a partial one,
-# 128), partial ones, an empty expert, a one-row expert, a live row with a null address.
+# the warp-specialised kernel (w13_gluon_ws): 128 x 64 h2 tiles per consumer warpgroup
+GLUON_W13_WS = W13Config(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=5,
+                         group_m=8, persistent=True, gluon=True)
+# Hopper-sized case: 6 (12) column tiles, 16 K steps; full tiles (128, 1000 = 7 + a partial
+# one, 128), partial ones, an empty expert, a one-row expert, a live row with a null address.
 GLUON_COUNTS = [300, 0, 128, 1000, 1, 64, 128, 511]
 GLUON_R_CAP = sum(math.ceil(n / 128) * 128 for n in GLUON_COUNTS) + 3 * 128
+GLUON_KERNELS = pytest.mark.parametrize("ws", [False, True], ids=["gluon", "gluon_ws"])
 
 
 def _assert_gluon_w13_runs(config):
-    from distmoe.kernels.w13_gluon import gluon_w13_reason
+    if config.block_n == 64:
+        from distmoe.kernels.w13_gluon_ws import gluon_w13_ws_reason
 
-    reason = gluon_w13_reason(DEVICE, hidden=1024, ffn=768, block_m=config.block_m,
-                              block_n=config.block_n, block_k=config.block_k,
-                              num_warps=config.num_warps, stages=config.num_stages)
+        reason = gluon_w13_ws_reason(DEVICE, hidden=1024, ffn=768, block_m=config.block_m,
+                                     block_n=config.block_n, block_k=config.block_k,
+                                     stages=config.num_stages)
+    else:
+        from distmoe.kernels.w13_gluon import gluon_w13_reason
+
+        reason = gluon_w13_reason(DEVICE, hidden=1024, ffn=768, block_m=config.block_m,
+                                  block_n=config.block_n, block_k=config.block_k,
+                                  num_warps=config.num_warps, stages=config.num_stages)
     assert reason is None, f"the Gluon W13 kernel would not run here: {reason}"
 
 
@@ -1064,32 +1075,49 @@ def test_gpu_w13_gluon(training, stages, group_m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("programs", [1, 3, 7])
-def test_gpu_w13_gluon_programs_walk_many_tiles(programs):
-    # Few programs: each walks many tiles, its load stream crossing tile and expert
-    # boundaries (and its row-address slots alternating) many times.
-    from distmoe.kernels.w13_gluon import launch_gluon_w13
+@pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
+@pytest.mark.parametrize("stages, group_m", [(5, 8), (3, 16), (4, 8), (6, 8)])
+def test_gpu_w13_gluon_ws(training, stages, group_m):
+    # The warp-specialised Gluon kernel through gather_w13_swiglu (one program per SM): the
+    # ring depths it takes, group-M orders.
+    config = replace(GLUON_W13_WS, num_stages=stages, group_m=group_m)
+    _assert_gluon_w13_runs(config)
+    run_w13_case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, config=config,
+                 training=training, null_live=[5])
 
-    _assert_gluon_w13_runs(GLUON_W13)
+
+@pytest.mark.gpu
+@GLUON_KERNELS
+@pytest.mark.parametrize("programs", [1, 3, 7])
+def test_gpu_w13_gluon_programs_walk_many_tiles(ws, programs):
+    # Few programs: each walks many tiles, its load stream crossing tile and expert
+    # boundaries (the plain kernel's row-address slots alternating; the warp-specialised
+    # kernel's consumers taking turns, an odd tile count per program included) many times.
+    from distmoe.kernels.w13_gluon import launch_gluon_w13
+    from distmoe.kernels.w13_gluon_ws import launch_gluon_w13_ws
+
+    _assert_gluon_w13_runs(GLUON_W13_WS if ws else GLUON_W13)
     case = W13Case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, block_m=128,
                    null_live=[5, 700])
     n = case.layout.num_act
     h2, h1, x_out = poisoned(n + 3, 768), poisoned(n + 3, 1536), poisoned(n + 3, 1024)
-    launch_gluon_w13(case.gather_ptrs, case.layout.padded_offsets, case.layout.row_offsets,
-                     case.w13, h2, h1_out=h1, x_out=x_out, out_offsets=None, enable=None,
-                     programs=programs)
+    launch = launch_gluon_w13_ws if ws else launch_gluon_w13
+    launch(case.gather_ptrs, case.layout.padded_offsets, case.layout.row_offsets, case.w13,
+           h2, h1_out=h1, x_out=x_out, out_offsets=None, enable=None, programs=programs)
     case.check_rows("h2", h2[:n], tail=h2[n:])
     case.check_rows("h1", h1[:n], tail=h1[n:])
     case.check_rows("x", x_out[:n], tail=x_out[n:])
 
 
 @pytest.mark.gpu
+@GLUON_KERNELS
 @pytest.mark.parametrize("h1_at, x_at", [(8, 24), (-1, 16), (40, -8)],
                          ids=["both", "h1_skipped", "x_skipped"])
-def test_gpu_w13_gluon_out_offsets_and_enable(h1_at, x_at):
+def test_gpu_w13_gluon_out_offsets_and_enable(ws, h1_at, x_at):
     # h1 and the saved rows at device offsets into one poisoned base (x after h1's range);
     # a negative offset stores nothing there; enable = 0 writes nothing anywhere.
-    _assert_gluon_w13_runs(GLUON_W13)
+    config = GLUON_W13_WS if ws else GLUON_W13
+    _assert_gluon_w13_runs(config)
     case = W13Case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, block_m=128,
                    null_live=[2])
     n, ffn, hidden = case.layout.num_act, 768, 1024
@@ -1098,12 +1126,12 @@ def test_gpu_w13_gluon_out_offsets_and_enable(h1_at, x_at):
     base = poisoned(max(h1_at, 0) + h1_size + abs(x_at) + x_size + 40)
     offsets = device_int([h1_at, x_off], torch.int64)
     off = poisoned(n + 1, ffn)
-    case.run(off, h1_out=base, x_out=base, out_offsets=offsets, config=GLUON_W13,
+    case.run(off, h1_out=base, x_out=base, out_offsets=offsets, config=config,
              enable=device_int([0], torch.int32))
     assert_untouched(off, what="h2 with enable = 0")
     assert_untouched(base, what="base with enable = 0")
     h2 = poisoned(n + 1, ffn)
-    case.run(h2, h1_out=base, x_out=base, out_offsets=offsets, config=GLUON_W13,
+    case.run(h2, h1_out=base, x_out=base, out_offsets=offsets, config=config,
              enable=device_int([1], torch.int32))
     case.check_rows("h2", h2[:n], tail=h2[n:])
     case.check_saved([("h1", base, h1_at, 2 * ffn), ("x", base, x_off, hidden)])

@@ -629,7 +629,19 @@ def gather_w13_swiglu(
     device = gather_ptrs.device
     # TMA stores need 16-byte aligned bases (1-D bases with out_offsets are checked above)
     aligned = all(t is None or t.data_ptr() % 16 == 0 for t in (h2_out, h1_out, x_out))
-    if config.gluon:
+    if config.gluon and (config.block_m, config.block_n, config.block_k) == (128, 64, 64):
+        from .w13_gluon_ws import gluon_w13_ws_reason, launch_gluon_w13_ws
+
+        reason = gluon_w13_ws_reason(device, hidden=hidden, ffn=ffn, block_m=config.block_m,
+                                     block_n=config.block_n, block_k=config.block_k,
+                                     stages=config.num_stages)
+        if reason is None:
+            launch_gluon_w13_ws(gather_ptrs, padded_offsets, row_offsets, w13, h2_out,
+                                h1_out=h1_out, x_out=x_out, out_offsets=out_offsets,
+                                enable=enable, stages=config.num_stages, group_m=config.group_m)
+            return h2_out
+        warn_gluon_fallback("gather_w13_swiglu", reason)
+    elif config.gluon:
         from .w13_gluon import gluon_w13_reason, launch_gluon_w13
 
         reason = ("its TMA stores need 16-byte aligned outputs" if not aligned

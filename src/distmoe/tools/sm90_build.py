@@ -231,6 +231,49 @@ def gluon_w13_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Build
     return cases
 
 
+def gluon_w13_ws_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
+    """The warp-specialised Gluon W13 forward (:mod:`distmoe.kernels.w13_gluon_ws`) at each
+    shape, for training (h1 and the rows saved at device offsets, an enable flag) and
+    inference, at every ring depth it takes. Production (no spill, no serialized wgmma) at
+    E <= 32, as for the Gluon W2 DGRAD (its per-expert lookup vectors grow with E)."""
+    import torch
+    from triton.runtime.jit import mangle_type
+
+    from distmoe.kernels import w13_gluon_ws as wg
+    from distmoe.kernels._common import next_power_of_2
+    from distmoe.tools.bench.workloads import SHAPES
+
+    if not wg.HAVE_GLUON:
+        return []
+    gl = wg.gl
+    bm, bn, bk = wg.GLUON_W13_WS_TILE
+    cases = []
+    for name in shapes:
+        s = SHAPES[name]
+        D, F, E = s.hidden, s.ffn, s.num_experts
+        layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16)
+        w = torch.empty(2 * E * F, D, dtype=torch.bfloat16)
+        for train in (True, False):
+            for stages in wg.GLUON_W13_WS_STAGES:
+                types = {"w_desc": mangle_type(wg.GluonDescriptor(w, [2 * E * F, D], [D, 1],
+                                                                  [bn, bk], layout)),
+                         "gather_ptrs_ptr": "*i64",
+                         "out_offsets_ptr": "*i64" if train else "*i32",
+                         "enable_ptr": "*i32"}
+                cases.append(BuildCase(
+                    f"{name} W13 fwd gluon-ws training={train} s{stages}",
+                    wg._gluon_w13_ws_kernel,
+                    dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E,
+                         EXPERTS_POW2=max(32, next_power_of_2(E)), GROUP_M=8, STAGES=stages,
+                         WRITE_H1=train, WRITE_X=train, DYN_OFFSETS=train, HAS_ENABLE=train,
+                         A_LAYOUT=gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16),
+                         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                         PRODUCER_THREADS=wg._PRODUCER_THREADS, num_warps=4),
+                    4, 1, types=types, production=E <= 32, gluon=True,
+                    options=dict(maxnreg=wg._MAXNREG)))
+    return cases
+
+
 def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
     """The warp-specialised Gluon W2 DGRAD (:mod:`distmoe.kernels.w2_dgrad_gluon`) at each
     shape with h1 at a device offset and h2 stored, at every ring depth it takes. Production

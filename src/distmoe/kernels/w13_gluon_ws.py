@@ -1,0 +1,346 @@
+"""Gather + W13 + SwiGLU for Hopper as a warp-specialised "ping-pong" Gluon kernel.
+
+Same contract as :func:`distmoe.kernels.w13_gather_swiglu.gather_w13_swiglu` (its module
+docstring defines the row numberings, ``out_offsets`` and ``enable``); that function launches
+this kernel when its config asks for it (``W13Config.gluon``) and :func:`gluon_w13_ws_reason`
+returns ``None``.
+
+Why (docs/performance.md, the profile before run 19 and run 21): the Triton kernel runs each
+tile's epilogue between its last MMA and the next tile's first, in the same warps. In a
+training forward that epilogue stores h1 ``[g | u]``, h2 and a share of the gathered rows:
+about 160 KiB per 128 x 256 tile, and the kernel runs at about 590 TFLOP/s against about 685
+for inference at T=8192, D=4096, F=2048, E=32, K=8. The same gathers, MMAs and stores are
+split over three partitions here, one program per SM:
+
+* a producer warpgroup fills a ring of ``STAGES`` shared-memory stages, K step by K step over
+  the program's tiles ``pid, pid + G, ...``: the gate and up weight tiles by TMA into the two
+  halves of one ``[2 BLOCK_N, BLOCK_K]`` stage, the gathered rows as 16-byte ``cp.async``
+  (Hopper has no TMA gather; null and non-live rows are zero-filled). Each producer thread's
+  ``cp.async.mbarrier.arrive.noinc`` and the TMA transaction count complete a stage's
+  ``ready`` barrier, so the producer never waits for its own copies;
+* two consumer warpgroups take the program's tiles in turn (even and odd). Each computes a
+  ``BLOCK_M x BLOCK_N`` h2 tile with one m64n(2 BLOCK_N) MMA chain per K step (gate and up
+  side by side: 128 fp32 accumulator registers per thread) and runs its epilogue (SwiGLU,
+  16-byte stores of h2 and h1) while the other runs its MMAs. A ``turn`` mbarrier pair orders
+  the two K loops, as in :mod:`distmoe.kernels.w2_dgrad_gluon`;
+* a training forward saves the gathered rows from the A stage the MMA just read, before the
+  stage goes back to the producer: column tile ``n`` saves the K steps ``k`` with
+  ``k % NUM_PID_N == n``, so every row and column is stored once.
+
+Only for CUDA devices of compute capability 9.x, outside the interpreter, with 128 x 64 x 64
+tiles (``block_m`` the padding multiple, ``block_n`` h2 columns, ``block_k``), F a multiple of
+64, D of 64 with at least ``STAGES`` K steps; :func:`gluon_w13_ws_reason` says when.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .wgrad_gluon import HAVE_GLUON, gluon_device_reason
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    from .w2_backward import _column_halves
+    from .w2_dgrad_gluon import _program_tiles
+    from .w13_gluon import _store_rows, _tile_info
+
+__all__ = ["GLUON_W13_WS_TILE", "gluon_w13_ws_reason", "launch_gluon_w13_ws"]
+
+#: (block_m, block_n, block_k): the tile each consumer warpgroup computes (``block_n`` h2
+#: columns, so a ``block_m x 2 block_n`` GEMM tile). Shared memory per stage:
+#: ``(block_m + 2 block_n) * block_k * 2`` bytes (32 KiB).
+GLUON_W13_WS_TILE = (128, 64, 64)
+#: ring depths the kernel takes (6 stages: 192 KiB of shared memory, plus the epilogue's
+#: conversion scratch)
+GLUON_W13_WS_STAGES = (3, 4, 5, 6)
+#: the kernel's register limit: 12 warps (two consumer warpgroups and the producer's) of 168
+#: registers fill the register file; the partitions then set 224 (both consumers) and 56
+#: (the producer) per thread.
+_MAXNREG = 168
+_PRODUCER_THREADS = 128
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _outputs(out_offsets_ptr, enable_ptr, num_tiles, DYN_OFFSETS: gl.constexpr,
+                 HAS_ENABLE: gl.constexpr):
+        """``enable`` applied to the tile count, and the element offsets of h1 and the saved
+        rows (negative: not stored)."""
+        if HAS_ENABLE:
+            num_tiles = gl.where(gl.load(enable_ptr) != 0, num_tiles, 0)
+        h1_off = 0
+        x_off = 0
+        if DYN_OFFSETS:
+            h1_off = gl.load(out_offsets_ptr)
+            x_off = gl.load(out_offsets_ptr + 1)
+        return num_tiles, h1_off, x_off
+
+    @gluon.jit
+    def _producer(w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
+                  padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr, out_offsets_ptr,
+                  enable_ptr, FFN: gl.constexpr, HIDDEN: gl.constexpr,
+                  NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr,
+                  STAGES: gl.constexpr, WRITE_H1: gl.constexpr, WRITE_X: gl.constexpr,
+                  DYN_OFFSETS: gl.constexpr, HAS_ENABLE: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, PARITY: gl.constexpr):
+        """One warpgroup: the loads of every tile of the program, K step by K step."""
+        NUM_K: gl.constexpr = HIDDEN // BLOCK_K
+        NUM_PID_N: gl.constexpr = FFN // BLOCK_N
+        # cp.async: 8 bf16 (16 bytes) per thread and row; a warp covers 4 rows x 64 columns
+        CP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        num_pid_m, num_tiles, ends, starts, rbeg, rend, eidx = _program_tiles(
+            padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2, NUM_PID_N,
+            BLOCK_M, 4)
+        num_tiles, _h1_off, _x_off = _outputs(out_offsets_ptr, enable_ptr, num_tiles,
+                                              DYN_OFFSETS, HAS_ENABLE)
+        i = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, CP))
+        kk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, CP))
+        nbytes: gl.constexpr = 2 * w_desc.block_type.nbytes
+        count = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            pid_n, expert, row_start, _act, num_live = _tile_info(
+                tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
+                NUM_EXPERTS, BLOCK_M)
+            # this tile's row addresses (0: null or not live, zero-filled)
+            src = gl.load(gather_ptrs_ptr + row_start + i, mask=i < num_live, other=0)
+            rows = gl.multiple_of(src.to(gl.pointer_type(gl.bfloat16)), 16)
+            ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(kk, 0)
+            read = gl.expand_dims(src != 0, 1) & gl.expand_dims(kk >= 0, 0)
+            w_row = 2 * expert * FFN + pid_n * BLOCK_N
+            for k in range(NUM_K):
+                stage = count % STAGES
+                mbarrier.wait(empty.index(stage), ((count // STAGES) & 1) ^ 1)
+                bar = ready.index(stage)
+                b = b_bufs.index(stage)
+                mbarrier.expect(bar, nbytes)
+                tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], bar,
+                                                b.slice(0, BLOCK_N))
+                tma.async_copy_global_to_shared(w_desc, [w_row + FFN, k * BLOCK_K], bar,
+                                                b.slice(BLOCK_N, BLOCK_N))
+                async_copy.async_copy_global_to_shared(a_bufs.index(stage),
+                                                       ptrs + k * BLOCK_K, read)
+                # arrives when this thread's copies have landed (counted in the barrier)
+                async_copy.mbarrier_arrive(bar, increment_count=False)
+                count += 1
+        async_copy.wait_group(0)
+
+    @gluon.jit
+    def _consumer(w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
+                  padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr, out_offsets_ptr,
+                  enable_ptr, FFN: gl.constexpr, HIDDEN: gl.constexpr,
+                  NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr,
+                  STAGES: gl.constexpr, WRITE_H1: gl.constexpr, WRITE_X: gl.constexpr,
+                  DYN_OFFSETS: gl.constexpr, HAS_ENABLE: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, PARITY: gl.constexpr):
+        """One warpgroup: the MMAs, the rows saved and the epilogue of the program's tiles
+        ``PARITY``, ``PARITY + 2``, ... (in the program's own numbering)."""
+        NUM_K: gl.constexpr = HIDDEN // BLOCK_K
+        NUM_PID_N: gl.constexpr = FFN // BLOCK_N
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * BLOCK_N, 16])
+        CP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        num_pid_m, num_tiles, ends, starts, rbeg, rend, eidx = _program_tiles(
+            padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2, NUM_PID_N,
+            BLOCK_M, 4)
+        num_tiles, h1_off, x_off = _outputs(out_offsets_ptr, enable_ptr, num_tiles,
+                                            DYN_OFFSETS, HAS_ENABLE)
+        x_base = x_ptr + gl.maximum(x_off, 0)
+        num_progs = gl.num_programs(0)
+        count = PARITY * NUM_K  # this consumer's first step in the program's step stream
+        turns = 0
+        for tile in range(gl.program_id(0) + PARITY * num_progs, num_tiles, 2 * num_progs):
+            pid_n, expert, _row, act_start, num_live = _tile_info(
+                tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
+                NUM_EXPERTS, BLOCK_M)
+            # Take turns: a stage's ready barrier may be waited on only one phase ahead, so a
+            # consumer starts once the other has issued every earlier step (the first tile of
+            # consumer 0 passes at once).
+            mbarrier.wait(turn.index(PARITY), (turns & 1) ^ (1 - PARITY))
+            turns += 1
+            acc = gl.zeros([BLOCK_M, 2 * BLOCK_N], gl.float32, ACC)
+            for k in range(NUM_K):
+                stage = count % STAGES
+                mbarrier.wait(ready.index(stage), (count // STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage).permute((1, 0)),
+                                    acc, is_async=True)
+                # the previous step's MMA is done: save its rows, then its stage goes back
+                acc = warpgroup_mma_wait(1, deps=(acc,))
+                if k > 0:
+                    prev = (count + STAGES - 1) % STAGES
+                    if WRITE_X:
+                        if x_off >= 0 and (k - 1) % NUM_PID_N == pid_n:
+                            _store_rows(x_base, act_start, num_live, (k - 1) * BLOCK_K,
+                                        a_bufs.index(prev).load(CP), HIDDEN, BLOCK_M, BLOCK_K,
+                                        CP)
+                    mbarrier.arrive(empty.index(prev))
+                count += 1
+            mbarrier.arrive(turn.index(1 - PARITY))
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            last = (count + STAGES - 1) % STAGES
+            if WRITE_X:
+                if x_off >= 0 and (NUM_K - 1) % NUM_PID_N == pid_n:
+                    _store_rows(x_base, act_start, num_live, (NUM_K - 1) * BLOCK_K,
+                                a_bufs.index(last).load(CP), HIDDEN, BLOCK_M, BLOCK_K, CP)
+            mbarrier.arrive(empty.index(last))
+            count += NUM_K  # the other consumer's tile
+
+            # Epilogue in two column halves (g and u of 32 h2 columns each), each converted
+            # to 16-byte vectors for its stores.
+            g, u = _column_halves(acc, BLOCK_M, 2 * BLOCK_N)
+            g0, g1 = _column_halves(g, BLOCK_M, BLOCK_N)
+            u0, u1 = _column_halves(u, BLOCK_M, BLOCK_N)
+            n0 = pid_n * BLOCK_N
+            H: gl.constexpr = BLOCK_N // 2
+            _swiglu_part(g0, u0, act_start, num_live, n0, h2_ptr, h1_ptr, h1_off, FFN, WRITE_H1,
+                         BLOCK_M, H)
+            _swiglu_part(g1, u1, act_start, num_live, n0 + H, h2_ptr, h1_ptr, h1_off, FFN,
+                         WRITE_H1, BLOCK_M, H)
+
+    @gluon.jit
+    def _swiglu_part(g, u, act_start, num_live, col0, h2_ptr, h1_ptr, h1_off,
+                     FFN: gl.constexpr, WRITE_H1: gl.constexpr, BLOCK_M: gl.constexpr,
+                     W: gl.constexpr):
+        """h2 = silu(g) * u of a ``[BLOCK_M, W]`` part (h2 columns ``col0 + j``) into rows
+        ``act_start + i``, ``i < num_live``; with ``WRITE_H1`` (and ``h1_off >= 0``) also g and
+        u into h1 (``[g | u]`` rows of 2F at element ``h1_off``)."""
+        L: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // W, W // 8], [4, 1], [1, 0])
+        h2 = g * (1.0 / (1.0 + gl.exp(-g))) * u
+        i = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L))
+        j = gl.arange(0, W, layout=gl.SliceLayout(0, L))
+        rows = gl.expand_dims((act_start + i).to(gl.int64), 1)
+        col = gl.expand_dims(col0 + j, 0)
+        mask = gl.expand_dims(i < num_live, 1)
+        h2_ptrs = gl.multiple_of(h2_ptr + rows * FFN, [16, 16]) + col
+        gl.store(h2_ptrs, gl.convert_layout(h2.to(gl.bfloat16), L), mask=mask)
+        if WRITE_H1:
+            if h1_off >= 0:
+                h1_ptrs = gl.multiple_of(h1_ptr + h1_off + rows * (2 * FFN), [16, 16]) + col
+                gl.store(h1_ptrs, gl.convert_layout(g.to(gl.bfloat16), L), mask=mask)
+                gl.store(h1_ptrs + FFN, gl.convert_layout(u.to(gl.bfloat16), L), mask=mask)
+
+    @gluon.jit
+    def _gluon_w13_ws_kernel(
+        w_desc,  # host descriptor of w13 viewed [2 E F, D], block [BLOCK_N, BLOCK_K]
+        gather_ptrs_ptr,  # int64 [R_cap]
+        padded_offsets_ptr,  # int32 [E + 1]
+        row_offsets_ptr,  # int32 [E + 1]
+        h2_ptr,  # bf16 [R_act, F]
+        h1_ptr,  # bf16 base of h1 (WRITE_H1), else a placeholder
+        x_ptr,  # bf16 base of the saved rows (WRITE_X), else a placeholder
+        out_offsets_ptr,  # int64 [2] (DYN_OFFSETS), else a placeholder
+        enable_ptr,  # int32 [1] (HAS_ENABLE), else a placeholder
+        FFN: gl.constexpr,
+        HIDDEN: gl.constexpr,
+        NUM_EXPERTS: gl.constexpr,
+        EXPERTS_POW2: gl.constexpr,
+        GROUP_M: gl.constexpr,
+        STAGES: gl.constexpr,
+        WRITE_H1: gl.constexpr,
+        WRITE_X: gl.constexpr,
+        DYN_OFFSETS: gl.constexpr,
+        HAS_ENABLE: gl.constexpr,
+        A_LAYOUT: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        BLOCK_K: gl.constexpr,
+        PRODUCER_THREADS: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], A_LAYOUT)
+        b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 2 * BLOCK_N, BLOCK_K],
+                                           w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # turn[c]: consumer c may start its next tile's MMAs (the other one has issued all of
+        # its tile's)
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            # the producer's expect-tx arrive, then one cp.async arrive per producer thread
+            mbarrier.init(ready.index(s), count=1 + PRODUCER_THREADS)
+            mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        # (the argument lists are written out: a tuple built here loses the constexprs)
+        gl.warp_specialize([
+            (_consumer, (w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
+                         padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr,
+                         out_offsets_ptr, enable_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2,
+                         GROUP_M, STAGES, WRITE_H1, WRITE_X, DYN_OFFSETS, HAS_ENABLE, BLOCK_M,
+                         BLOCK_N, BLOCK_K, 0)),
+            (_consumer, (w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
+                         padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr,
+                         out_offsets_ptr, enable_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2,
+                         GROUP_M, STAGES, WRITE_H1, WRITE_X, DYN_OFFSETS, HAS_ENABLE, BLOCK_M,
+                         BLOCK_N, BLOCK_K, 1)),
+            (_producer, (w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
+                         padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr,
+                         out_offsets_ptr, enable_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2,
+                         GROUP_M, STAGES, WRITE_H1, WRITE_X, DYN_OFFSETS, HAS_ENABLE, BLOCK_M,
+                         BLOCK_N, BLOCK_K, 0)),
+        ], [4, PRODUCER_THREADS // 32], [224, 56])
+
+
+def gluon_w13_ws_reason(device: torch.device, *, hidden: int, ffn: int, block_m: int,
+                        block_n: int, block_k: int, stages: int) -> str | None:
+    """``None`` when :func:`launch_gluon_w13_ws` can run this case, else why not (a
+    sentence)."""
+    reason = gluon_device_reason(device)
+    if reason is not None:
+        return reason
+    if (block_m, block_n, block_k) != GLUON_W13_WS_TILE:
+        return (f"the Gluon W13 kernel computes (block_m, block_n, block_k) = "
+                f"{GLUON_W13_WS_TILE} tiles, got {(block_m, block_n, block_k)}")
+    if stages not in GLUON_W13_WS_STAGES:
+        return f"stages must be one of {GLUON_W13_WS_STAGES}, got {stages}"
+    if ffn % block_n or hidden % block_k:
+        return f"F ({ffn}) must be a multiple of {block_n} and D ({hidden}) of {block_k}"
+    return None
+
+
+def launch_gluon_w13_ws(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
+                        row_offsets: torch.Tensor, w13: torch.Tensor, h2_out: torch.Tensor, *,
+                        h1_out: torch.Tensor | None, x_out: torch.Tensor | None,
+                        out_offsets: torch.Tensor | None, enable: torch.Tensor | None,
+                        stages: int = 4, group_m: int = 8, programs: int | None = None) -> None:
+    """Launch the kernel (arguments validated by
+    :func:`~distmoe.kernels.w13_gather_swiglu.gather_w13_swiglu`, and
+    :func:`gluon_w13_ws_reason` returned ``None``). ``programs``: the grid (default one per
+    SM); tests pass fewer so that every program walks many tiles."""
+    from ._common import device_context, next_power_of_2, num_sms
+
+    block_m, block_n, block_k = GLUON_W13_WS_TILE
+    num_experts, _, ffn, hidden = w13.shape
+    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.bfloat16)
+    a_layout = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gl.bfloat16)
+    w_desc = GluonDescriptor(w13.view(2 * num_experts * ffn, hidden),
+                             [2 * num_experts * ffn, hidden], [hidden, 1], [block_n, block_k],
+                             w_layout)
+    tiles = (gather_ptrs.shape[0] // block_m) * (ffn // block_n)
+    if programs is None:
+        programs = num_sms(h2_out.device)
+    with device_context(h2_out.device):
+        _gluon_w13_ws_kernel[(max(1, min(programs, tiles)),)](
+            w_desc, gather_ptrs, padded_offsets, row_offsets, h2_out,
+            h2_out if h1_out is None else h1_out,
+            h2_out if x_out is None else x_out,
+            padded_offsets if out_offsets is None else out_offsets,
+            padded_offsets if enable is None else enable,
+            FFN=ffn, HIDDEN=hidden, NUM_EXPERTS=num_experts,
+            EXPERTS_POW2=max(32, next_power_of_2(num_experts)),
+            GROUP_M=group_m, STAGES=stages,
+            WRITE_H1=h1_out is not None, WRITE_X=x_out is not None,
+            DYN_OFFSETS=out_offsets is not None, HAS_ENABLE=enable is not None,
+            A_LAYOUT=a_layout, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            PRODUCER_THREADS=_PRODUCER_THREADS, num_warps=4, maxnreg=_MAXNREG,
+        )  # fmt: skip
