@@ -12,7 +12,7 @@ tile schedule, compact activation rows), times with ``triton.testing.do_bench``:
   alone (no gather, no SwiGLU): issue 7's first target is ratio >= 1;
 * ``w13_train``: the same kernel storing h1 and the gathered rows too (a training forward),
   persistent grids with and without the TMA epilogue (``W13Config.tma_epilogue``); both W13
-  lists also time the persistent Gluon kernel (``W13Config.gluon``); ``w13_h1`` stores h1 but
+  lists also time the warp-specialised Gluon kernel (``W13Config.gluon``); ``w13_h1`` stores h1 but
   not the rows (what saving the rows costs);
 * ``w2_scatter`` (scatter epilogue into a [T*K, D] buffer) for candidate ``W2Config``s, against
   ``torch._grouped_mm`` of h2 with W2 alone;
@@ -109,16 +109,15 @@ def main() -> int:
             "w2": triton.testing.do_bench(grouped(h2_g, w2_t), warmup=5, rep=40),
         }
         flops = {"w13": 2 * R * 2 * F * D, "w2": 2 * R * D * F}
-        # the persistent Gluon kernel (W13Config.gluon; Hopper only, else the Triton kernel)
-        gluon = [W13Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=st,
+        # the warp-specialised Gluon kernel (W13Config.gluon; Hopper only, else the Triton
+        # kernel), 128 x 64 and 64 x 128 h2 tiles per consumer warpgroup
+        gluon = [W13Config(block_m=128, block_n=bn, block_k=64, num_warps=4, num_stages=st,
                            group_m=gm, persistent=True, gluon=True)
-                 for st, gm in ((3, 8), (3, 16), (4, 8), (4, 16))]
-        # the warp-specialised Gluon kernel (128 x 64 h2 tiles per consumer warpgroup)
-        gluon += [W13Config(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=st,
-                            group_m=gm, persistent=True, gluon=True)
-                  for st, gm in ((4, 8), (5, 8), (6, 8), (5, 16))]
+                 for bn, st, gm in ((64, 4, 8), (64, 5, 8), (64, 6, 8), (128, 3, 8),
+                                    (128, 4, 8), (128, 5, 8), (128, 4, 16))]
         cands = {
-            "w13": [W13Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)] + [
+            "w13": [W13Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint,
+                                             device=dev)] + [
                 W13Config(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st,
                           group_m=gm, persistent=pe)
                 for bn, st, gm, pe in itertools.product([128, 64], [3, 4], [8, 16],
@@ -129,7 +128,7 @@ def main() -> int:
             # Training: h1 and the gathered rows are stored too (the epilogue the layer runs
             # in a training forward), persistent grids with and without the TMA epilogue.
             "w13_train": [W13Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint,
-                                                   training=True)] + [
+                                                   training=True, device=dev)] + [
                 W13Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=st,
                           group_m=gm, persistent=True, tma_epilogue=tma)
                 for st, gm, tma in itertools.product([3, 4], [8, 16], [False, True])] + gluon,

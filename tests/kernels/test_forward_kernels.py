@@ -23,6 +23,7 @@ ON_INTERPRETER = use_interpreter_if_no_gpu()
 
 import math  # noqa: E402
 from dataclasses import dataclass, replace  # noqa: E402
+from functools import partial  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -1035,88 +1036,71 @@ def test_gpu_w13_hopper_tiles_tma_epilogue(host_descriptors, stages, group_m):
     run_w13_case(counts, hidden=1024, ffn=768, r_cap=r_cap, config=config, null_live=[5])
 
 
-GLUON_W13 = W13Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3,
+# the warp-specialised Gluon kernel (w13_gluon): 128 x 64 h2 tiles per consumer warpgroup
+GLUON_W13 = W13Config(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=5,
                       group_m=8, persistent=True, gluon=True)
-# the warp-specialised kernel (w13_gluon_ws): 128 x 64 h2 tiles per consumer warpgroup
-GLUON_W13_WS = W13Config(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=5,
-                         group_m=8, persistent=True, gluon=True)
-# Hopper-sized case: 6 (12) column tiles, 16 K steps; full tiles (128, 1000 = 7 + a partial
-# one, 128), partial ones, an empty expert, a one-row expert, a live row with a null address.
+# Hopper-sized case: 12 (or 6) column tiles, 16 K steps; full tiles (128, 1000 = 7 + a
+# partial one, 128), partial ones, an empty expert, a one-row expert, a live row with a null
+# address.
 GLUON_COUNTS = [300, 0, 128, 1000, 1, 64, 128, 511]
 GLUON_R_CAP = sum(math.ceil(n / 128) * 128 for n in GLUON_COUNTS) + 3 * 128
-GLUON_KERNELS = pytest.mark.parametrize("ws", [False, True], ids=["gluon", "gluon_ws"])
+# both consumer tiles: 128 x 64 and 64 x 128 h2
+GLUON_TILES = pytest.mark.parametrize("block_n", [64, 128], ids=["128x64", "64x128"])
 
 
 def _assert_gluon_w13_runs(config):
-    if config.block_n == 64:
-        from distmoe.kernels.w13_gluon_ws import gluon_w13_ws_reason
+    from distmoe.kernels.w13_gluon import gluon_w13_reason
 
-        reason = gluon_w13_ws_reason(DEVICE, hidden=1024, ffn=768, block_m=config.block_m,
-                                     block_n=config.block_n, block_k=config.block_k,
-                                     stages=config.num_stages)
-    else:
-        from distmoe.kernels.w13_gluon import gluon_w13_reason
-
-        reason = gluon_w13_reason(DEVICE, hidden=1024, ffn=768, block_m=config.block_m,
-                                  block_n=config.block_n, block_k=config.block_k,
-                                  num_warps=config.num_warps, stages=config.num_stages)
+    reason = gluon_w13_reason(DEVICE, hidden=1024, ffn=768, block_m=config.block_m,
+                              block_n=config.block_n, block_k=config.block_k,
+                              stages=config.num_stages)
     assert reason is None, f"the Gluon W13 kernel would not run here: {reason}"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
-@pytest.mark.parametrize("stages, group_m", [(3, 8), (3, 16), (2, 8), (4, 8)])
-def test_gpu_w13_gluon(training, stages, group_m):
-    # The persistent Gluon kernel through gather_w13_swiglu (one program per SM).
-    config = replace(GLUON_W13, num_stages=stages, group_m=group_m)
+@pytest.mark.parametrize("block_n, stages, group_m",
+                         [(64, 5, 8), (64, 3, 16), (64, 4, 8), (64, 6, 8), (128, 4, 8),
+                          (128, 3, 16), (128, 5, 8)])
+def test_gpu_w13_gluon(training, block_n, stages, group_m):
+    # The Gluon kernel through gather_w13_swiglu (one program per SM): both consumer tiles,
+    # the ring depths they take, group-M orders.
+    config = replace(GLUON_W13, block_n=block_n, num_stages=stages, group_m=group_m)
     _assert_gluon_w13_runs(config)
     run_w13_case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, config=config,
                  training=training, null_live=[5])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
-@pytest.mark.parametrize("stages, group_m", [(5, 8), (3, 16), (4, 8), (6, 8)])
-def test_gpu_w13_gluon_ws(training, stages, group_m):
-    # The warp-specialised Gluon kernel through gather_w13_swiglu (one program per SM): the
-    # ring depths it takes, group-M orders.
-    config = replace(GLUON_W13_WS, num_stages=stages, group_m=group_m)
-    _assert_gluon_w13_runs(config)
-    run_w13_case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, config=config,
-                 training=training, null_live=[5])
-
-
-@pytest.mark.gpu
-@GLUON_KERNELS
+@GLUON_TILES
 @pytest.mark.parametrize("programs", [1, 3, 7])
-def test_gpu_w13_gluon_programs_walk_many_tiles(ws, programs):
+def test_gpu_w13_gluon_programs_walk_many_tiles(block_n, programs):
     # Few programs: each walks many tiles, its load stream crossing tile and expert
-    # boundaries (the plain kernel's row-address slots alternating; the warp-specialised
-    # kernel's consumers taking turns, an odd tile count per program included) many times.
+    # boundaries and its consumers taking turns many times (odd tile counts per program
+    # included).
     from distmoe.kernels.w13_gluon import launch_gluon_w13
-    from distmoe.kernels.w13_gluon_ws import launch_gluon_w13_ws
 
-    _assert_gluon_w13_runs(GLUON_W13_WS if ws else GLUON_W13)
+    _assert_gluon_w13_runs(replace(GLUON_W13, block_n=block_n))
     case = W13Case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, block_m=128,
                    null_live=[5, 700])
     n = case.layout.num_act
     h2, h1, x_out = poisoned(n + 3, 768), poisoned(n + 3, 1536), poisoned(n + 3, 1024)
-    launch = launch_gluon_w13_ws if ws else launch_gluon_w13
-    launch(case.gather_ptrs, case.layout.padded_offsets, case.layout.row_offsets, case.w13,
-           h2, h1_out=h1, x_out=x_out, out_offsets=None, enable=None, programs=programs)
+    launch_gluon_w13(case.gather_ptrs, case.layout.padded_offsets, case.layout.row_offsets,
+                     case.w13, h2, h1_out=h1, x_out=x_out, out_offsets=None, enable=None,
+                     block_n=block_n, programs=programs)
     case.check_rows("h2", h2[:n], tail=h2[n:])
     case.check_rows("h1", h1[:n], tail=h1[n:])
     case.check_rows("x", x_out[:n], tail=x_out[n:])
 
 
 @pytest.mark.gpu
-@GLUON_KERNELS
+@GLUON_TILES
 @pytest.mark.parametrize("h1_at, x_at", [(8, 24), (-1, 16), (40, -8)],
                          ids=["both", "h1_skipped", "x_skipped"])
-def test_gpu_w13_gluon_out_offsets_and_enable(ws, h1_at, x_at):
+def test_gpu_w13_gluon_out_offsets_and_enable(block_n, h1_at, x_at):
     # h1 and the saved rows at device offsets into one poisoned base (x after h1's range);
     # a negative offset stores nothing there; enable = 0 writes nothing anywhere.
-    config = GLUON_W13_WS if ws else GLUON_W13
+    config = replace(GLUON_W13, block_n=block_n)
     _assert_gluon_w13_runs(config)
     case = W13Case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, block_m=128,
                    null_live=[2])
@@ -1135,6 +1119,24 @@ def test_gpu_w13_gluon_out_offsets_and_enable(ws, h1_at, x_at):
              enable=device_int([1], torch.int32))
     case.check_rows("h2", h2[:n], tail=h2[n:])
     case.check_saved([("h1", base, h1_at, 2 * ffn), ("x", base, x_off, hidden)])
+
+
+@pytest.mark.gpu
+def test_gpu_w13_gluon_heuristic():
+    """On a Hopper GPU with the layer's hint the heuristic picks the Gluon kernel for
+    training (5 stages at >= 1024 rows per expert, 6 below) and for inference with long
+    segments; short inference segments and widths it cannot tile keep the Triton kernel."""
+    if torch.cuda.get_device_capability(DEVICE)[0] != 9:
+        pytest.skip("the Gluon W13 is for compute capability 9.x")
+    pick = partial(W13Config.from_heuristic, device=DEVICE)
+    long_train = pick(hidden=4096, ffn=2048, rows_per_expert=2048, training=True)
+    short_train = pick(hidden=2048, ffn=768, rows_per_expert=256, training=True)
+    assert (long_train.gluon, long_train.block_n, long_train.num_stages) == (True, 64, 5)
+    assert (short_train.gluon, short_train.block_n, short_train.num_stages) == (True, 64, 6)
+    assert pick(hidden=4096, ffn=2048, rows_per_expert=2048).gluon
+    assert not pick(hidden=2048, ffn=768, rows_per_expert=256).gluon
+    assert not pick(hidden=4096, ffn=2000, rows_per_expert=2048, training=True).gluon
+    assert not W13Config.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048).gluon
 
 
 @pytest.mark.gpu

@@ -398,11 +398,15 @@ class W13Config(GemmConfig):
     #: aligned outputs; otherwise, and on a grid of one program per tile, every tile keeps
     #: pointer stores).
     tma_epilogue: bool = False
-    #: Run the persistent Gluon kernel (:mod:`distmoe.kernels.w13_gluon`: a load stream across
-    #: tiles, saved rows stored from the MMA's A stage) where it can run (Hopper, not the
-    #: interpreter, 128 x 128 x 64 tiles with 8 warps, F a multiple of 128, D of 64, 16-byte
-    #: aligned outputs); elsewhere the Triton kernel runs this config. Uses ``num_stages``
-    #: and ``group_m``.
+    #: Run the warp-specialised Gluon kernel (:mod:`distmoe.kernels.w13_gluon`: a producer
+    #: warpgroup gathers, two consumer warpgroups take tiles in turn, each one's epilogue
+    #: under the other's MMAs) where it can run: Hopper, not the interpreter, ``block_m``
+    #: 128, ``block_k`` 64, ``block_n`` 64 (128 x 64 consumer tiles) or 128 (64 x 128), F a
+    #: multiple of ``block_n``, D of 64, 16-byte aligned outputs, a ring that fits
+    #: (:func:`~distmoe.kernels.w13_gluon.gluon_w13_reason`). Elsewhere the Triton kernel
+    #: runs this config (with a ``RuntimeWarning`` that says why). Uses ``num_stages`` and
+    #: ``group_m``; ``num_warps`` and ``persistent`` do not apply (12 warps, one program
+    #: per SM).
     gluon: bool = False
 
     def __post_init__(self) -> None:
@@ -412,9 +416,21 @@ class W13Config(GemmConfig):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
+    def smem_bytes(self) -> int:
+        if self.gluon:
+            from .w13_gluon import stage_bytes
+
+            return self.num_stages * stage_bytes(self.block_n, self.block_k)
+        return super().smem_bytes()
+
+    def accumulator_regs_per_thread(self) -> int:
+        # the Gluon kernel: 128 x 128 fp32 per consumer warpgroup, whatever the tile
+        return 128 if self.gluon else super().accumulator_regs_per_thread()
+
     @classmethod
     def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128,
-                       rows_per_expert: int | None = None, training: bool = False) -> W13Config:
+                       rows_per_expert: int | None = None, training: bool = False,
+                       device: torch.device | None = None) -> W13Config:
         """Config from the shapes (D = ``hidden``, F = ``ffn``) and the padding multiple.
 
         Hopper defaults: 128 x 128 x 64 tiles, 8 warps, group-M 8, 3 stages (48 KiB of SMEM
@@ -431,7 +447,25 @@ class W13Config(GemmConfig):
         the TMA epilogue was slower in the tuner (each store waits for its buffer before the
         next), as it was at T=4096 D=2048 F=768 E=128 K=8 (0.41 against 0.39 ms). At that
         shape persistent/4 stages: 0.393 ms against 0.459 for one program per tile.
+
+        With the hint and a ``device`` where the warp-specialised Gluon kernel runs (Hopper,
+        not the interpreter, ``block_m`` 128, F and D multiples of 64): that kernel
+        (``gluon``) with 128 x 64 consumer tiles, for training, and for inference with long
+        segments: 5 stages at >= 1024 rows per expert, else 6. Measured on one H200
+        (2026-11-29, performance.md run 24): layer forward+backward at issue-a 17.16-17.25
+        against 17.33-17.44 ms, inference forward 5.38-5.42 against 5.50-5.52; at
+        T=4096 D=2048 F=768 E=128 K=8 the training kernel 0.427 against 0.504 ms in
+        ``tools/tune_gemm.py``, while its inference forward stayed with Triton (0.69 against
+        0.68 ms at the layer).
         """
+        if rows_per_expert is not None and block_m == 128 and device is not None:
+            from .wgrad_gluon import gluon_device_reason
+
+            if gluon_device_reason(torch.device(device)) is None:
+                gluon = cls.hopper_gluon(hidden=hidden, ffn=ffn,
+                                         rows_per_expert=rows_per_expert, training=training)
+                if gluon is not None:
+                    return gluon
         block_n = min(128, max(16, next_power_of_2(ffn)))
         block_k = min(64, max(16, next_power_of_2(hidden)))
         num_warps = 8 if block_m * block_n >= 128 * 128 else 4
@@ -454,6 +488,25 @@ class W13Config(GemmConfig):
             persistent=persistent,
             tma_epilogue=tma_epilogue,
         )
+
+    @classmethod
+    def hopper_gluon(cls, *, hidden: int, ffn: int, rows_per_expert: int,
+                     training: bool) -> W13Config | None:
+        """The Gluon config :meth:`from_heuristic` picks on a Hopper device (padding multiple
+        128), or ``None`` where it keeps the Triton kernel (short inference segments, or
+        widths the Gluon kernel cannot tile)."""
+        from .w13_gluon import shape_reason
+
+        long_segments = rows_per_expert >= 1024
+        if not (training or long_segments):
+            return None
+        config = cls(block_m=128, block_n=64, block_k=64, num_warps=4,
+                     num_stages=5 if long_segments else 6, group_m=8, persistent=True,
+                     gluon=True)
+        if shape_reason(hidden=hidden, ffn=ffn, block_m=128, block_n=64, block_k=64,
+                        stages=config.num_stages) is not None:
+            return None
+        return config
 
     @classmethod
     def all_configs(cls, *, block_m: int = 128) -> list[W13Config]:
@@ -629,29 +682,18 @@ def gather_w13_swiglu(
     device = gather_ptrs.device
     # TMA stores need 16-byte aligned bases (1-D bases with out_offsets are checked above)
     aligned = all(t is None or t.data_ptr() % 16 == 0 for t in (h2_out, h1_out, x_out))
-    if config.gluon and (config.block_m, config.block_n, config.block_k) == (128, 64, 64):
-        from .w13_gluon_ws import gluon_w13_ws_reason, launch_gluon_w13_ws
-
-        reason = gluon_w13_ws_reason(device, hidden=hidden, ffn=ffn, block_m=config.block_m,
-                                     block_n=config.block_n, block_k=config.block_k,
-                                     stages=config.num_stages)
-        if reason is None:
-            launch_gluon_w13_ws(gather_ptrs, padded_offsets, row_offsets, w13, h2_out,
-                                h1_out=h1_out, x_out=x_out, out_offsets=out_offsets,
-                                enable=enable, stages=config.num_stages, group_m=config.group_m)
-            return h2_out
-        warn_gluon_fallback("gather_w13_swiglu", reason)
-    elif config.gluon:
+    if config.gluon:
         from .w13_gluon import gluon_w13_reason, launch_gluon_w13
 
-        reason = ("its TMA stores need 16-byte aligned outputs" if not aligned
+        reason = ("its 16-byte vector stores need 16-byte aligned outputs" if not aligned
                   else gluon_w13_reason(device, hidden=hidden, ffn=ffn, block_m=config.block_m,
                                         block_n=config.block_n, block_k=config.block_k,
-                                        num_warps=config.num_warps, stages=config.num_stages))
+                                        stages=config.num_stages))
         if reason is None:
             launch_gluon_w13(gather_ptrs, padded_offsets, row_offsets, w13, h2_out,
                              h1_out=h1_out, x_out=x_out, out_offsets=out_offsets,
-                             enable=enable, stages=config.num_stages, group_m=config.group_m)
+                             enable=enable, block_n=config.block_n, stages=config.num_stages,
+                             group_m=config.group_m)
             return h2_out
         warn_gluon_fallback("gather_w13_swiglu", reason)
     num_pid_m = r_cap // config.block_m

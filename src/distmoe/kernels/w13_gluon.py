@@ -1,51 +1,49 @@
-"""Persistent gather + W13 + SwiGLU for Hopper, written in Gluon (``triton.experimental.gluon``).
+"""Gather + W13 + SwiGLU for Hopper as a warp-specialised "ping-pong" Gluon kernel.
 
 Same contract as :func:`distmoe.kernels.w13_gather_swiglu.gather_w13_swiglu` (its module
 docstring defines the row numberings, ``out_offsets`` and ``enable``); that function launches
 this kernel when its config asks for it (``W13Config.gluon``) and :func:`gluon_w13_reason`
-returns ``None``. The Triton kernel serves the interpreter, other GPUs and other tile shapes.
+returns ``None``.
 
-Why a second kernel (performance.md runs 15 and 19): the Triton kernel pipelines the K loop of
-one tile; every tile starts with an empty pipeline, and a training forward saves the gathered
-rows in a second pass that reads them again from L2 after the MMAs. Here the pipeline is
-written out by hand, as in :mod:`distmoe.kernels.wgrad_gluon`:
+Why (docs/performance.md, the profile before run 19 and run 21): the Triton kernel runs each
+tile's epilogue between its last MMA and the next tile's first, in the same warps. In a
+training forward that epilogue stores h1 ``[g | u]``, h2 and a share of the gathered rows:
+about 160 KiB per 128 x 256 tile, and the kernel runs at about 590 TFLOP/s against about 685
+for inference at T=8192, D=4096, F=2048, E=32, K=8. The same gathers, MMAs and stores are
+split over three partitions here, one program per SM:
 
-* one program per SM walks the live output tiles ``pid, pid + G, ...`` in group-M order;
-* one flat stream of loads runs ``STAGES - 1`` K steps ahead of the MMAs, across tile
-  boundaries: the gathered A rows as 16-byte ``cp.async`` (Hopper has no TMA gather; null
-  and non-live rows are zero-filled), the gate and up weight tiles through one TMA
-  descriptor over ``w13`` seen as ``[2 E_local F, D]``;
-* the next tile's row addresses and expert are fetched one tile ahead, so a tile switch does
-  not wait on memory;
-* a training forward saves the gathered rows straight from the A stage that the MMA just
-  read: a TMA store for a full tile, masked vector stores for an expert's last, partial tile
-  (a TMA box would reach into the next expert's rows). Column tile ``n`` saves the K steps
-  ``k`` with ``k % NUM_PID_N == n``, so the copy is spread over a row tile's column tiles;
-* h2 of a full tile leaves through shared memory as an asynchronous TMA store, waited for
-  only before the buffer is reused; partial tiles and h1 use masked 16-byte stores.
+* a producer warpgroup fills a ring of ``STAGES`` shared-memory stages, K step by K step over
+  the program's tiles ``pid, pid + G, ...``: the gate and up weight tiles by TMA into the two
+  halves of one ``[2 BLOCK_N, BLOCK_K]`` stage, the gathered rows as 16-byte ``cp.async``
+  (Hopper has no TMA gather; null and non-live rows are zero-filled). Each producer thread's
+  ``cp.async.mbarrier.arrive.noinc`` and the TMA transaction count complete a stage's
+  ``ready`` barrier, so the producer never waits for its own copies;
+* two consumer warpgroups take the program's tiles in turn (even and odd). Each computes a
+  ``BLOCK_M x BLOCK_N`` h2 tile with one m64n(2 BLOCK_N) MMA chain per K step (gate and up
+  side by side: 128 fp32 accumulator registers per thread) and runs its epilogue (SwiGLU,
+  16-byte stores of h2 and h1) while the other runs its MMAs. A ``turn`` mbarrier pair orders
+  the two K loops, as in :mod:`distmoe.kernels.w2_dgrad_gluon`;
+* a training forward saves the gathered rows from the A stage the MMA just read, before the
+  stage goes back to the producer: column tile ``n`` saves the K steps ``k`` with
+  ``k % NUM_PID_N == n``, so every row and column is stored once.
 
-Requirements beyond the shared contract (checked by :func:`gluon_w13_reason`): F a multiple
-of ``BLOCK_N`` (128) and D of ``BLOCK_K`` (64), at least ``STAGES`` K steps, 2-4 stages (4
-leave no shared memory for h2's staging tile, so h2 then takes pointer stores too); the
-layer's gather addresses 16-byte aligned.
+Consumer tiles: 128 x 64 h2 columns (``block_n`` 64: a 128 x 128 GEMM tile, two m64n128
+MMAs per k16) or 64 x 128 (``block_n`` 128: one m64n256 MMA, half the row gathers per FLOP
+and twice the weight loads); either way 128 fp32 accumulator registers per thread. The
+padding multiple (``block_m``) is 128.
 
-Status (performance.md run 21): correct on an H200 in every GPU test, but **slower than the
-Triton kernel**, so no heuristic selects it (``W13Config.gluon`` is off by default).
-``tools/tune_gemm.py``, this version against the Triton heuristic: 3.45 against 3.20 ms at
-T=8192 D=4096 F=2048 E=32 K=8 (inference), 3.96 against 3.57 with the training outputs,
-0.43 against 0.39 ms at T=4096 D=2048 F=768 E=128 K=8. Earlier versions were 12-20%
-behind. What closed part of the gap: no proxy fence on every K step, and a tile lookup
-without block barriers. Still unmeasured: the consumer repeats the producer's tile lookup
-after every epilogue, and the row addresses are read from shared memory at every step. Warp
-specialisation (a producer warp group for the loads, two consumer warp groups taking turns
-at the epilogue) is the design this kernel is meant to grow into.
+Only for CUDA devices of compute capability 9.x, outside the interpreter, with F a multiple
+of ``block_n`` and D of 64; :func:`gluon_w13_reason` says when.
+
+History: performance.md run 21 measured an earlier Gluon W13 without warp specialisation
+(one load stream across tiles, the epilogue in the MMA warps): 8-16% slower than the Triton
+kernel. This kernel replaced it (run 24).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._common import swizzle_tile
 from .wgrad_gluon import HAVE_GLUON, gluon_device_reason
 
 if HAVE_GLUON:
@@ -53,7 +51,6 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -61,10 +58,41 @@ if HAVE_GLUON:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-__all__ = ["GLUON_W13_TILE", "gluon_w13_reason", "launch_gluon_w13"]
+    from ._common import swizzle_tile
+    from .w2_backward import _column_halves
 
-#: (block_m, block_n, block_k, num_warps): the one tile shape the Gluon kernel is written for.
-GLUON_W13_TILE = (128, 128, 64, 8)
+__all__ = ["GLUON_W13_TILES", "consumer_rows", "gluon_w13_reason", "launch_gluon_w13",
+           "shape_reason"]
+
+#: (block_m, block_n, block_k) of a config this kernel runs: ``block_m`` is the padding
+#: multiple, ``block_n`` the h2 columns of a consumer's tile. A consumer holds 128 x 128 fp32
+#: accumulators, so its tile has ``128 * 64 // block_n`` rows (:func:`consumer_rows`).
+GLUON_W13_TILES = ((128, 64, 64), (128, 128, 64))
+#: ring depths the kernel takes, where the ring fits ``_RING_BYTES`` (the epilogue's layout
+#: conversions need the rest of the 227 KiB): up to 6 stages of 32 KiB with 128 x 64 tiles,
+#: 5 of 40 KiB with 64 x 128
+GLUON_W13_STAGES = (3, 4, 5, 6)
+_RING_BYTES = 200 * 1024
+
+
+def consumer_rows(block_n: int) -> int:
+    """Rows of a consumer warpgroup's tile for ``block_n`` h2 columns: 128 x 64 h2 (a
+    128 x 128 GEMM tile: two m64n128 MMAs per k16) or 64 x 128 (a 64 x 256 GEMM tile: one
+    m64n256 MMA, half the row gathers per FLOP, twice the weight loads)."""
+    return 128 * 64 // block_n
+
+
+def stage_bytes(block_n: int, block_k: int = 64) -> int:
+    """Shared memory of one ring stage: a consumer tile's gathered rows and its gate and up
+    weight tiles, bf16."""
+    return (consumer_rows(block_n) + 2 * block_n) * block_k * 2
+
+
+#: the kernel's register limit: 12 warps (two consumer warpgroups and the producer's) of 168
+#: registers fill the register file; the partitions then set 224 (both consumers) and 56
+#: (the producer) per thread.
+_MAXNREG = 168
+_PRODUCER_THREADS = 128
 
 
 if HAVE_GLUON:
@@ -101,90 +129,6 @@ if HAVE_GLUON:
         return ends, starts, rbeg, rend, eidx
 
     @gluon.jit
-    def _next_live(tile, num_tiles, num_progs, num_pid_m, ends, starts, rbeg, rend, eidx,
-                   NUM_PID_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_EXPERTS: gl.constexpr,
-                   BLOCK_M: gl.constexpr):
-        """The first tile ``tile, tile + G, ...`` with live rows (``>= num_tiles``: none) and
-        its :func:`_tile_info`."""
-        pid_n = 0
-        expert = 0
-        row_start = 0
-        act_start = 0
-        num_live = 0
-        searching = tile < num_tiles
-        while searching:
-            pid_n, expert, row_start, act_start, num_live = _tile_info(
-                tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
-                NUM_EXPERTS, BLOCK_M)
-            if num_live > 0:
-                searching = False
-            else:
-                tile += num_progs
-                searching = tile < num_tiles
-        if tile >= num_tiles:
-            num_live = 0
-        return tile, pid_n, expert, row_start, act_start, num_live
-
-    @gluon.jit
-    def _fetch_sources(gather_ptrs_ptr, slot, row_start, num_live, BLOCK_M: gl.constexpr,
-                       num_warps: gl.constexpr):
-        """``cp.async`` a row tile's source addresses into the shared-memory ``slot`` (0 for
-        non-live rows: zero-filled; null rows are 0 already). Part of the current group."""
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-        i = gl.arange(0, BLOCK_M, layout=layout)
-        async_copy.async_copy_global_to_shared(slot, gather_ptrs_ptr + row_start + i,
-                                               i < num_live)
-
-    @gluon.jit
-    def _produce(w_desc, a_bufs, bg_bufs, bu_bufs, bars, src_smem, gather_ptrs_ptr,
-                 p_tile, p_k, p_n, p_expert, p_slot, p_count,
-                 f_tile, f_n, f_expert,
-                 num_tiles, num_progs, num_pid_m, ends, starts, rbeg, rend, eidx,
-                 FFN: gl.constexpr, NUM_K: gl.constexpr, NUM_PID_N: gl.constexpr,
-                 GROUP_M: gl.constexpr, NUM_EXPERTS: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                 CP_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
-        """Issue the loads of the next K step of the program's flat step stream into stage
-        ``p_count % STAGES`` (one ``cp.async`` group per step, empty once the stream has
-        ended, so that group counting stays exact) and advance the cursor.
-
-        ``f_*``: the next live tile after ``p_tile``; its row addresses are copied into
-        shared-memory slot ``1 - p_slot`` when the cursor enters ``p_tile``, at least
-        ``NUM_K >= STAGES`` groups before they are read. (The addresses are read from shared
-        memory at every step, not carried in registers through the loops: the register form
-        hit an assertion in Triton 3.6's sm_90 lowering, seen together with the unrolled
-        prologue that was later replaced by a loop; the register form was not retried.)"""
-        if p_k == NUM_K:
-            p_tile = f_tile
-            p_n = f_n
-            p_expert = f_expert
-            p_slot = 1 - p_slot
-            p_k = 0
-            f_tile, f_n, f_expert, f_row, _f_act, f_live = _next_live(
-                p_tile + num_progs, num_tiles, num_progs, num_pid_m, ends, starts, rbeg, rend,
-                eidx, NUM_PID_N, GROUP_M, NUM_EXPERTS, BLOCK_M)
-            _fetch_sources(gather_ptrs_ptr, src_smem.index(1 - p_slot), f_row, f_live, BLOCK_M,
-                           num_warps)
-        live = p_tile < num_tiles
-        stage = p_count % STAGES
-        if live:
-            src = src_smem.index(p_slot).load(gl.SliceLayout(1, CP_LAYOUT))
-            kk = p_k * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, CP_LAYOUT))
-            rows = gl.multiple_of(src.to(gl.pointer_type(gl.bfloat16)), 16)
-            ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(kk, 0)
-            read = gl.expand_dims(src != 0, 1) & gl.expand_dims(kk >= 0, 0)
-            async_copy.async_copy_global_to_shared(a_bufs.index(stage), ptrs, read)
-        async_copy.commit_group()
-        bar = bars.index(stage)
-        mbarrier.expect(bar, 2 * w_desc.block_type.nbytes, pred=live)
-        w_row = 2 * p_expert * FFN + p_n * BLOCK_N
-        tma.async_copy_global_to_shared(w_desc, [w_row, p_k * BLOCK_K], bar,
-                                        bg_bufs.index(stage), live)
-        tma.async_copy_global_to_shared(w_desc, [w_row + FFN, p_k * BLOCK_K], bar,
-                                        bu_bufs.index(stage), live)
-        return p_tile, p_k + 1, p_n, p_expert, p_slot, p_count + 1, f_tile, f_n, f_expert
-
-    @gluon.jit
     def _store_rows(base_ptr, act_start, num_live, col0, value, WIDTH: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, OUT_LAYOUT: gl.constexpr):
         """Masked 16-byte stores of a ``[BLOCK_M, BLOCK_N]`` bf16 tile into rows
@@ -196,6 +140,175 @@ if HAVE_GLUON:
         ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(col0 + j, 0)
         mask = gl.expand_dims(i < num_live, 1) & gl.expand_dims(j >= 0, 0)
         gl.store(ptrs, v, mask=mask)
+
+    @gluon.jit
+    def _program_tiles(padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS: gl.constexpr,
+                       EXPERTS_POW2: gl.constexpr, NUM_PID_N: gl.constexpr,
+                       BLOCK_M: gl.constexpr, NW: gl.constexpr):
+        """The tile count and the per-expert bounds as register vectors of a partition of
+        ``NW`` warps (every warp holds them all: the lookup reduces with shuffles)."""
+        VEC: gl.constexpr = gl.BlockedLayout([EXPERTS_POW2 // 32], [32], [NW], [0])
+        num_pid_m = gl.load(padded_offsets_ptr + NUM_EXPERTS) // BLOCK_M
+        ends, starts, rbeg, rend, eidx = _expert_bounds(padded_offsets_ptr, row_offsets_ptr,
+                                                        NUM_EXPERTS, EXPERTS_POW2, VEC)
+        return num_pid_m, num_pid_m * NUM_PID_N, ends, starts, rbeg, rend, eidx
+
+    @gluon.jit
+    def _outputs(out_offsets_ptr, enable_ptr, num_tiles, DYN_OFFSETS: gl.constexpr,
+                 HAS_ENABLE: gl.constexpr):
+        """``enable`` applied to the tile count, and the element offsets of h1 and the saved
+        rows (negative: not stored)."""
+        if HAS_ENABLE:
+            num_tiles = gl.where(gl.load(enable_ptr) != 0, num_tiles, 0)
+        h1_off = 0
+        x_off = 0
+        if DYN_OFFSETS:
+            h1_off = gl.load(out_offsets_ptr)
+            x_off = gl.load(out_offsets_ptr + 1)
+        return num_tiles, h1_off, x_off
+
+    @gluon.jit
+    def _producer(w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
+                  padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr, out_offsets_ptr,
+                  enable_ptr, FFN: gl.constexpr, HIDDEN: gl.constexpr,
+                  NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr,
+                  STAGES: gl.constexpr, WRITE_H1: gl.constexpr, WRITE_X: gl.constexpr,
+                  DYN_OFFSETS: gl.constexpr, HAS_ENABLE: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, PARITY: gl.constexpr):
+        """One warpgroup: the loads of every tile of the program, K step by K step."""
+        NUM_K: gl.constexpr = HIDDEN // BLOCK_K
+        NUM_PID_N: gl.constexpr = FFN // BLOCK_N
+        # cp.async: 8 bf16 (16 bytes) per thread and row; a warp covers 4 rows x 64 columns
+        CP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        num_pid_m, num_tiles, ends, starts, rbeg, rend, eidx = _program_tiles(
+            padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2, NUM_PID_N,
+            BLOCK_M, 4)
+        num_tiles, _h1_off, _x_off = _outputs(out_offsets_ptr, enable_ptr, num_tiles,
+                                              DYN_OFFSETS, HAS_ENABLE)
+        i = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, CP))
+        kk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, CP))
+        nbytes: gl.constexpr = 2 * w_desc.block_type.nbytes
+        count = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            pid_n, expert, row_start, _act, num_live = _tile_info(
+                tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
+                NUM_EXPERTS, BLOCK_M)
+            # this tile's row addresses (0: null or not live, zero-filled)
+            src = gl.load(gather_ptrs_ptr + row_start + i, mask=i < num_live, other=0)
+            rows = gl.multiple_of(src.to(gl.pointer_type(gl.bfloat16)), 16)
+            ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(kk, 0)
+            read = gl.expand_dims(src != 0, 1) & gl.expand_dims(kk >= 0, 0)
+            w_row = 2 * expert * FFN + pid_n * BLOCK_N
+            for k in range(NUM_K):
+                stage = count % STAGES
+                mbarrier.wait(empty.index(stage), ((count // STAGES) & 1) ^ 1)
+                bar = ready.index(stage)
+                b = b_bufs.index(stage)
+                mbarrier.expect(bar, nbytes)
+                tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], bar,
+                                                b.slice(0, BLOCK_N))
+                tma.async_copy_global_to_shared(w_desc, [w_row + FFN, k * BLOCK_K], bar,
+                                                b.slice(BLOCK_N, BLOCK_N))
+                async_copy.async_copy_global_to_shared(a_bufs.index(stage),
+                                                       ptrs + k * BLOCK_K, read)
+                # arrives when this thread's copies have landed (counted in the barrier)
+                async_copy.mbarrier_arrive(bar, increment_count=False)
+                count += 1
+        async_copy.wait_group(0)
+
+    @gluon.jit
+    def _consumer(w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
+                  padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr, out_offsets_ptr,
+                  enable_ptr, FFN: gl.constexpr, HIDDEN: gl.constexpr,
+                  NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr,
+                  STAGES: gl.constexpr, WRITE_H1: gl.constexpr, WRITE_X: gl.constexpr,
+                  DYN_OFFSETS: gl.constexpr, HAS_ENABLE: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, PARITY: gl.constexpr):
+        """One warpgroup: the MMAs, the rows saved and the epilogue of the program's tiles
+        ``PARITY``, ``PARITY + 2``, ... (in the program's own numbering)."""
+        NUM_K: gl.constexpr = HIDDEN // BLOCK_K
+        NUM_PID_N: gl.constexpr = FFN // BLOCK_N
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * BLOCK_N, 16])
+        CP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        num_pid_m, num_tiles, ends, starts, rbeg, rend, eidx = _program_tiles(
+            padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2, NUM_PID_N,
+            BLOCK_M, 4)
+        num_tiles, h1_off, x_off = _outputs(out_offsets_ptr, enable_ptr, num_tiles,
+                                            DYN_OFFSETS, HAS_ENABLE)
+        x_base = x_ptr + gl.maximum(x_off, 0)
+        num_progs = gl.num_programs(0)
+        count = PARITY * NUM_K  # this consumer's first step in the program's step stream
+        turns = 0
+        for tile in range(gl.program_id(0) + PARITY * num_progs, num_tiles, 2 * num_progs):
+            pid_n, expert, _row, act_start, num_live = _tile_info(
+                tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
+                NUM_EXPERTS, BLOCK_M)
+            # Take turns: a stage's ready barrier may be waited on only one phase ahead, so a
+            # consumer starts once the other has issued every earlier step (the first tile of
+            # consumer 0 passes at once).
+            mbarrier.wait(turn.index(PARITY), (turns & 1) ^ (1 - PARITY))
+            turns += 1
+            acc = gl.zeros([BLOCK_M, 2 * BLOCK_N], gl.float32, ACC)
+            for k in range(NUM_K):
+                stage = count % STAGES
+                mbarrier.wait(ready.index(stage), (count // STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage).permute((1, 0)),
+                                    acc, is_async=True)
+                # the previous step's MMA is done: save its rows, then its stage goes back
+                acc = warpgroup_mma_wait(1, deps=(acc,))
+                if k > 0:
+                    prev = (count + STAGES - 1) % STAGES
+                    if WRITE_X:
+                        if x_off >= 0 and (k - 1) % NUM_PID_N == pid_n:
+                            _store_rows(x_base, act_start, num_live, (k - 1) * BLOCK_K,
+                                        a_bufs.index(prev).load(CP), HIDDEN, BLOCK_M, BLOCK_K,
+                                        CP)
+                    mbarrier.arrive(empty.index(prev))
+                count += 1
+            mbarrier.arrive(turn.index(1 - PARITY))
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            last = (count + STAGES - 1) % STAGES
+            if WRITE_X:
+                if x_off >= 0 and (NUM_K - 1) % NUM_PID_N == pid_n:
+                    _store_rows(x_base, act_start, num_live, (NUM_K - 1) * BLOCK_K,
+                                a_bufs.index(last).load(CP), HIDDEN, BLOCK_M, BLOCK_K, CP)
+            mbarrier.arrive(empty.index(last))
+            count += NUM_K  # the other consumer's tile
+
+            # Epilogue in two column halves (g and u of 32 h2 columns each), each converted
+            # to 16-byte vectors for its stores.
+            g, u = _column_halves(acc, BLOCK_M, 2 * BLOCK_N)
+            g0, g1 = _column_halves(g, BLOCK_M, BLOCK_N)
+            u0, u1 = _column_halves(u, BLOCK_M, BLOCK_N)
+            n0 = pid_n * BLOCK_N
+            H: gl.constexpr = BLOCK_N // 2
+            _swiglu_part(g0, u0, act_start, num_live, n0, h2_ptr, h1_ptr, h1_off, FFN, WRITE_H1,
+                         BLOCK_M, H)
+            _swiglu_part(g1, u1, act_start, num_live, n0 + H, h2_ptr, h1_ptr, h1_off, FFN,
+                         WRITE_H1, BLOCK_M, H)
+
+    @gluon.jit
+    def _swiglu_part(g, u, act_start, num_live, col0, h2_ptr, h1_ptr, h1_off,
+                     FFN: gl.constexpr, WRITE_H1: gl.constexpr, BLOCK_M: gl.constexpr,
+                     W: gl.constexpr):
+        """h2 = silu(g) * u of a ``[BLOCK_M, W]`` part (h2 columns ``col0 + j``) into rows
+        ``act_start + i``, ``i < num_live``; with ``WRITE_H1`` (and ``h1_off >= 0``) also g and
+        u into h1 (``[g | u]`` rows of 2F at element ``h1_off``)."""
+        L: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // W, W // 8], [4, 1], [1, 0])
+        h2 = g * (1.0 / (1.0 + gl.exp(-g))) * u
+        i = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L))
+        j = gl.arange(0, W, layout=gl.SliceLayout(0, L))
+        rows = gl.expand_dims((act_start + i).to(gl.int64), 1)
+        col = gl.expand_dims(col0 + j, 0)
+        mask = gl.expand_dims(i < num_live, 1)
+        h2_ptrs = gl.multiple_of(h2_ptr + rows * FFN, [16, 16]) + col
+        gl.store(h2_ptrs, gl.convert_layout(h2.to(gl.bfloat16), L), mask=mask)
+        if WRITE_H1:
+            if h1_off >= 0:
+                h1_ptrs = gl.multiple_of(h1_ptr + h1_off + rows * (2 * FFN), [16, 16]) + col
+                gl.store(h1_ptrs, gl.convert_layout(g.to(gl.bfloat16), L), mask=mask)
+                gl.store(h1_ptrs + FFN, gl.convert_layout(u.to(gl.bfloat16), L), mask=mask)
 
     @gluon.jit
     def _gluon_w13_kernel(
@@ -219,230 +332,91 @@ if HAVE_GLUON:
         DYN_OFFSETS: gl.constexpr,
         HAS_ENABLE: gl.constexpr,
         A_LAYOUT: gl.constexpr,
-        H2_LAYOUT: gl.constexpr,
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
         BLOCK_K: gl.constexpr,
+        PRODUCER_THREADS: gl.constexpr,
         num_warps: gl.constexpr,
     ):
-        NUM_K: gl.constexpr = HIDDEN // BLOCK_K
-        NUM_PID_N: gl.constexpr = FFN // BLOCK_N
-        # cp.async: 8 bf16 (16 bytes) per thread and row, a warp covers 4 rows x 64 columns
-        CP_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        OUT_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-        # Every warp holds all the per-expert bounds (EXPERTS_POW2 / 32 per thread), so the
-        # tile lookup's reductions are warp shuffles: no shared memory, no block barrier.
-        VEC_LAYOUT: gl.constexpr = gl.BlockedLayout([EXPERTS_POW2 // 32], [32], [num_warps], [0])
-        ACC_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
-
-        pid = gl.program_id(0)
-        num_progs = gl.num_programs(0)
-        live_rows = gl.load(row_offsets_ptr + NUM_EXPERTS)
-        num_pid_m = gl.load(padded_offsets_ptr + NUM_EXPERTS) // BLOCK_M
-        if HAS_ENABLE:
-            num_pid_m = gl.where(gl.load(enable_ptr) != 0, num_pid_m, 0)
-        num_tiles = num_pid_m * NUM_PID_N
-        h1_off = 0
-        x_off = 0
-        x_save = x_ptr  # where saved row 0 goes (a negative offset: not saved)
-        if DYN_OFFSETS:
-            h1_off = gl.load(out_offsets_ptr)
-            x_off = gl.load(out_offsets_ptr + 1)
-            x_save = x_ptr + gl.maximum(x_off, 0)
-
-        # Per-expert bounds, once per program, in registers.
-        ends, starts, rbeg, rend, eidx = _expert_bounds(padded_offsets_ptr, row_offsets_ptr,
-                                                        NUM_EXPERTS, EXPERTS_POW2, VEC_LAYOUT)
-
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], A_LAYOUT)
-        bg_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K],
-                                            w_desc.layout)
-        bu_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K],
-                                            w_desc.layout)
-        # 4 stages leave no room for the h2 staging tile: h2 then takes pointer stores too
-        H2_TMA: gl.constexpr = STAGES <= 3
-        if H2_TMA:
-            c_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], H2_LAYOUT)
-        src_smem = gl.allocate_shared_memory(
-            gl.int64, [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
+        b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 2 * BLOCK_N, BLOCK_K],
+                                           w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # turn[c]: consumer c may start its next tile's MMAs (the other one has issued all of
+        # its tile's)
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            # the producer's expect-tx arrive, then one cp.async arrive per producer thread
+            mbarrier.init(ready.index(s), count=1 + PRODUCER_THREADS)
+            mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        # (the argument lists are written out: a tuple built here loses the constexprs)
+        gl.warp_specialize([
+            (_consumer, (w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
+                         padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr,
+                         out_offsets_ptr, enable_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2,
+                         GROUP_M, STAGES, WRITE_H1, WRITE_X, DYN_OFFSETS, HAS_ENABLE, BLOCK_M,
+                         BLOCK_N, BLOCK_K, 0)),
+            (_consumer, (w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
+                         padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr,
+                         out_offsets_ptr, enable_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2,
+                         GROUP_M, STAGES, WRITE_H1, WRITE_X, DYN_OFFSETS, HAS_ENABLE, BLOCK_M,
+                         BLOCK_N, BLOCK_K, 1)),
+            (_producer, (w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
+                         padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr,
+                         out_offsets_ptr, enable_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2,
+                         GROUP_M, STAGES, WRITE_H1, WRITE_X, DYN_OFFSETS, HAS_ENABLE, BLOCK_M,
+                         BLOCK_N, BLOCK_K, 0)),
+        ], [4, PRODUCER_THREADS // 32], [224, 56])
 
-        if num_tiles > pid:
-            # Bounded by the live activation rows: a box never reaches past them. A skipped
-            # output (negative offset) gets a descriptor at offset 0 that is never used.
-            # (a full tile has BLOCK_M live rows, so with any TMA store live_rows >= 1)
-            h2_desc = tma.make_tensor_descriptor(h2_ptr, shape=[gl.maximum(live_rows, 1), FFN],
-                                                 strides=[FFN, 1],
-                                                 block_shape=[BLOCK_M, BLOCK_N],
-                                                 layout=H2_LAYOUT)
-            x_desc = h2_desc
-            if WRITE_X:
-                x_desc = tma.make_tensor_descriptor(x_save,
-                                                    shape=[gl.maximum(live_rows, 1), HIDDEN],
-                                                    strides=[HIDDEN, 1],
-                                                    block_shape=[BLOCK_M, BLOCK_K],
-                                                    layout=A_LAYOUT)
 
-            # Producer cursor (p_k = NUM_K: the first call moves to the fetched tile, whose
-            # row addresses land in slot 0 before the stream starts; an extra, completed
-            # group that does not disturb the group counting).
-            f_tile, f_n, f_expert, f_row, _f_act, f_live = _next_live(
-                pid, num_tiles, num_progs, num_pid_m, ends, starts, rbeg, rend, eidx,
-                NUM_PID_N, GROUP_M, NUM_EXPERTS, BLOCK_M)
-            _fetch_sources(gather_ptrs_ptr, src_smem.index(0), f_row, f_live, BLOCK_M,
-                           num_warps)
-            async_copy.commit_group()
-            async_copy.wait_group(0)
-            gl.thread_barrier()
-            p_tile = f_tile
-            p_k = gl.to_tensor(NUM_K)
-            p_n = f_n
-            p_expert = f_expert
-            p_slot = gl.to_tensor(1)
-            p_count = gl.to_tensor(0)
-            # A loop, not unrolled: Triton 3.6's sm_90 lowering hit an assertion on the
-            # unrolled form (two or more constant-folded calls).
-            for _pre in range(STAGES - 1):
-                (p_tile, p_k, p_n, p_expert, p_slot, p_count, f_tile, f_n, f_expert) = _produce(
-                    w_desc, a_bufs, bg_bufs, bu_bufs, bars, src_smem, gather_ptrs_ptr,
-                    p_tile, p_k, p_n, p_expert, p_slot, p_count, f_tile, f_n, f_expert,
-                    num_tiles, num_progs, num_pid_m, ends, starts, rbeg, rend, eidx,
-                    FFN, NUM_K, NUM_PID_N, GROUP_M, NUM_EXPERTS, BLOCK_M, BLOCK_N, BLOCK_K,
-                    STAGES, CP_LAYOUT, num_warps)
-
-            c_count = 0
-            tile, n_idx, expert, _row, act_start, num_live = _next_live(
-                pid, num_tiles, num_progs, num_pid_m, ends, starts, rbeg, rend, eidx,
-                NUM_PID_N, GROUP_M, NUM_EXPERTS, BLOCK_M)
-            while tile < num_tiles:
-                full = num_live >= BLOCK_M
-                acc_g = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, ACC_LAYOUT)
-                acc_u = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, ACC_LAYOUT)
-                for k in range(NUM_K):
-                    stage = c_count % STAGES
-                    # This thread's copies of step c_count have landed (groups are per step),
-                    # then the weights.
-                    # No proxy fence here (the Triton kernel's pipeline has none either): a
-                    # fence.proxy.async after wait_group may also wait for this thread's
-                    # copies of the later steps still in flight, which would cut the load
-                    # stream to one step (run 21: 2 stages took twice as long as 3).
-                    # (The block barrier that publishes every thread's rows is the one the
-                    # compiler places after the cp.async wait.)
-                    async_copy.wait_group(STAGES - 2)
-                    mbarrier.wait(bars.index(stage), (c_count // STAGES) & 1)
-                    a_tile = a_bufs.index(stage)
-                    acc_g = warpgroup_mma(a_tile, bg_bufs.index(stage).permute((1, 0)), acc_g,
-                                          is_async=True)
-                    acc_u = warpgroup_mma(a_tile, bu_bufs.index(stage).permute((1, 0)), acc_u,
-                                          is_async=True)
-                    # The previous step's MMAs are done in this warpgroup, and its saved-rows
-                    # store has read its stage; after the barrier, in every thread, so that
-                    # stage takes the load STAGES - 1 steps ahead.
-                    acc_g, acc_u = warpgroup_mma_wait(2, deps=(acc_g, acc_u))
-                    if WRITE_X:
-                        tma.store_wait(0)
-                    gl.thread_barrier()
-                    (p_tile, p_k, p_n, p_expert, p_slot, p_count,
-                     f_tile, f_n, f_expert) = _produce(
-                        w_desc, a_bufs, bg_bufs, bu_bufs, bars, src_smem, gather_ptrs_ptr,
-                        p_tile, p_k, p_n, p_expert, p_slot, p_count, f_tile, f_n, f_expert,
-                        num_tiles, num_progs, num_pid_m, ends, starts, rbeg, rend, eidx,
-                        FFN, NUM_K, NUM_PID_N, GROUP_M, NUM_EXPERTS, BLOCK_M, BLOCK_N,
-                        BLOCK_K, STAGES, CP_LAYOUT, num_warps)
-                    if WRITE_X:
-                        if x_off >= 0:
-                            if k % NUM_PID_N == n_idx:
-                                if full:
-                                    # the TMA unit reads rows that cp.async wrote
-                                    fence_async_shared()
-                                    gl.thread_barrier()
-                                    tma.async_copy_shared_to_global(
-                                        x_desc, [act_start, k * BLOCK_K], a_tile)
-                                else:
-                                    _store_rows(x_save, act_start, num_live, k * BLOCK_K,
-                                                a_tile.load(CP_LAYOUT), HIDDEN, BLOCK_M,
-                                                BLOCK_K, CP_LAYOUT)
-                    c_count += 1
-
-                acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
-                n0 = n_idx * BLOCK_N
-                h2 = (acc_g / (1.0 + gl.exp(-acc_g)) * acc_u).to(gl.bfloat16)
-                if H2_TMA:
-                    if full:
-                        # The previous tile's h2 store has read c_smem (the wait is per
-                        # issuing thread: the barrier publishes it to every thread).
-                        tma.store_wait(0)
-                        gl.thread_barrier()
-                        c_smem.store(h2)
-                        fence_async_shared()
-                        gl.thread_barrier()
-                        tma.async_copy_shared_to_global(h2_desc, [act_start, n0], c_smem)
-                    else:
-                        _store_rows(h2_ptr, act_start, num_live, n0, h2, FFN, BLOCK_M, BLOCK_N,
-                                    OUT_LAYOUT)
-                else:
-                    _store_rows(h2_ptr, act_start, num_live, n0, h2, FFN, BLOCK_M, BLOCK_N,
-                                OUT_LAYOUT)
-                if WRITE_H1:
-                    if h1_off >= 0:
-                        h1_base = h1_ptr + h1_off
-                        _store_rows(h1_base, act_start, num_live, n0, acc_g.to(gl.bfloat16),
-                                    2 * FFN, BLOCK_M, BLOCK_N, OUT_LAYOUT)
-                        _store_rows(h1_base, act_start, num_live, FFN + n0,
-                                    acc_u.to(gl.bfloat16), 2 * FFN, BLOCK_M, BLOCK_N,
-                                    OUT_LAYOUT)
-                tile, n_idx, expert, _row, act_start, num_live = _next_live(
-                    tile + num_progs, num_tiles, num_progs, num_pid_m, ends, starts, rbeg,
-                    rend, eidx, NUM_PID_N, GROUP_M, NUM_EXPERTS, BLOCK_M)
-            tma.store_wait(0)
-        async_copy.wait_group(0)
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(i))
+def shape_reason(*, hidden: int, ffn: int, block_m: int, block_n: int, block_k: int,
+                 stages: int) -> str | None:
+    """``None`` when the kernel can tile this case (whatever the device), else why not."""
+    if (block_m, block_n, block_k) not in GLUON_W13_TILES:
+        return (f"the Gluon W13 kernel runs (block_m, block_n, block_k) in "
+                f"{GLUON_W13_TILES}, got {(block_m, block_n, block_k)}")
+    if stages not in GLUON_W13_STAGES or stages * stage_bytes(block_n) > _RING_BYTES:
+        fit = [s for s in GLUON_W13_STAGES if s * stage_bytes(block_n) <= _RING_BYTES]
+        return f"stages must be one of {fit} with block_n = {block_n}, got {stages}"
+    if ffn % block_n or hidden % block_k:
+        return f"F ({ffn}) must be a multiple of {block_n} and D ({hidden}) of {block_k}"
+    return None
 
 
 def gluon_w13_reason(device: torch.device, *, hidden: int, ffn: int, block_m: int,
-                     block_n: int, block_k: int, num_warps: int, stages: int) -> str | None:
-    """``None`` when :func:`launch_gluon_w13` can run this case, else why not (a sentence)."""
+                     block_n: int, block_k: int, stages: int) -> str | None:
+    """``None`` when :func:`launch_gluon_w13` can run this case on ``device``, else why not
+    (a sentence)."""
     reason = gluon_device_reason(device)
     if reason is not None:
         return reason
-    if (block_m, block_n, block_k, num_warps) != GLUON_W13_TILE:
-        return (f"the Gluon W13 kernel is written for (block_m, block_n, block_k, num_warps) = "
-                f"{GLUON_W13_TILE}, got {(block_m, block_n, block_k, num_warps)}")
-    if stages not in (2, 3, 4):
-        return f"stages must be 2, 3 or 4 (shared memory: 4 stages take 226 KiB), got {stages}"
-    if ffn % block_n or hidden % block_k:
-        return f"F ({ffn}) must be a multiple of {block_n} and D ({hidden}) of {block_k}"
-    if hidden // block_k < stages:
-        return (f"D ({hidden}) must give at least {stages} K steps of {block_k} (the next "
-                "tile's row addresses are fetched that many steps ahead)")
-    return None
+    return shape_reason(hidden=hidden, ffn=ffn, block_m=block_m, block_n=block_n,
+                        block_k=block_k, stages=stages)
 
 
 def launch_gluon_w13(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
                      row_offsets: torch.Tensor, w13: torch.Tensor, h2_out: torch.Tensor, *,
                      h1_out: torch.Tensor | None, x_out: torch.Tensor | None,
                      out_offsets: torch.Tensor | None, enable: torch.Tensor | None,
-                     stages: int = 3, group_m: int = 8, programs: int | None = None) -> None:
-    """Launch the persistent Gluon W13 (arguments validated by
+                     block_n: int = 64, stages: int = 5, group_m: int = 8,
+                     programs: int | None = None) -> None:
+    """Launch the kernel (arguments validated by
     :func:`~distmoe.kernels.w13_gather_swiglu.gather_w13_swiglu`, and
-    :func:`gluon_w13_reason` returned ``None``). ``programs``: grid size, default one per SM
-    (tests pass fewer, so that every program walks several tiles)."""
-    from ._common import device_context, ensure_tma_allocator, next_power_of_2, num_sms
+    :func:`gluon_w13_reason` returned ``None``). ``programs``: the grid (default one per
+    SM); tests pass fewer so that every program walks many tiles."""
+    from ._common import device_context, next_power_of_2, num_sms
 
-    block_m, block_n, block_k, num_warps = GLUON_W13_TILE
+    block_m, block_k = consumer_rows(block_n), 64
     num_experts, _, ffn, hidden = w13.shape
     w_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.bfloat16)
     a_layout = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gl.bfloat16)
-    h2_layout = gl.NVMMASharedLayout.get_default_for([block_m, block_n], gl.bfloat16)
     w_desc = GluonDescriptor(w13.view(2 * num_experts * ffn, hidden),
                              [2 * num_experts * ffn, hidden], [hidden, 1], [block_n, block_k],
                              w_layout)
-    ensure_tma_allocator()
-    tiles = (gather_ptrs.shape[0] // block_m) * (ffn // block_n)
+    tiles = (gather_ptrs.shape[0] // block_m) * (ffn // block_n)  # consumer tiles
     if programs is None:
         programs = num_sms(h2_out.device)
     with device_context(h2_out.device):
@@ -457,6 +431,6 @@ def launch_gluon_w13(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
             GROUP_M=group_m, STAGES=stages,
             WRITE_H1=h1_out is not None, WRITE_X=x_out is not None,
             DYN_OFFSETS=out_offsets is not None, HAS_ENABLE=enable is not None,
-            A_LAYOUT=a_layout, H2_LAYOUT=h2_layout,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+            A_LAYOUT=a_layout, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            PRODUCER_THREADS=_PRODUCER_THREADS, num_warps=4, maxnreg=_MAXNREG,
         )  # fmt: skip

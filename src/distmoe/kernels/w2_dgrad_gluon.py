@@ -52,7 +52,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
     from .w2_backward import _column_halves
-    from .w13_gluon import _expert_bounds, _tile_info
+    from .w13_gluon import _program_tiles, _tile_info
 
 __all__ = ["GLUON_W2_DGRAD_CONFIGS", "gluon_w2_dgrad_reason", "launch_gluon_w2_dgrad"]
 
@@ -66,18 +66,6 @@ _MAXNREG = 168
 
 
 if HAVE_GLUON:
-
-    @gluon.jit
-    def _program_tiles(padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS: gl.constexpr,
-                       EXPERTS_POW2: gl.constexpr, NUM_PID_N: gl.constexpr,
-                       BLOCK_M: gl.constexpr, NW: gl.constexpr):
-        """The live tile count and the per-expert bounds as register vectors of a partition
-        of ``NW`` warps (every warp holds them all: the lookup reduces with shuffles)."""
-        VEC: gl.constexpr = gl.BlockedLayout([EXPERTS_POW2 // 32], [32], [NW], [0])
-        num_pid_m = gl.load(padded_offsets_ptr + NUM_EXPERTS) // BLOCK_M
-        ends, starts, rbeg, rend, eidx = _expert_bounds(padded_offsets_ptr, row_offsets_ptr,
-                                                        NUM_EXPERTS, EXPERTS_POW2, VEC)
-        return num_pid_m, num_pid_m * NUM_PID_N, ends, starts, rbeg, rend, eidx
 
     @gluon.jit
     def _producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, ptrs_ptr,

@@ -132,7 +132,7 @@ class MoEContext:
         self.rows_per_expert_hint = max(1, T * K // self.num_local_experts)
         self._w13_cfg = W13Config.from_heuristic(hidden=D, ffn=F, block_m=cfg.row_block,
                                                  rows_per_expert=self.rows_per_expert_hint,
-                                                 training=cfg.training)
+                                                 training=cfg.training, device=self.device)
         self._w2_cfg = W2Config.from_heuristic(hidden=D, ffn=F, block_m=cfg.row_block,
                                                rows_per_expert=self.rows_per_expert_hint)
         self.activations: ActivationBuffer | None = None

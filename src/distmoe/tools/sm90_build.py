@@ -191,9 +191,12 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
 
 
 def gluon_w13_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
-    """The persistent Gluon W13 forward (:mod:`distmoe.kernels.w13_gluon`) at each shape,
-    for training (h1 and the rows saved at device offsets, an enable flag) and inference
-    (production: no spills, no serialized wgmma), and 2 and 4 stages at ``fine`` (build only)."""
+    """The warp-specialised Gluon W13 forward (:mod:`distmoe.kernels.w13_gluon`): what the
+    heuristic picks on Hopper at each shape (:meth:`~distmoe.kernels.w13_gather_swiglu.\
+W13Config.hopper_gluon`: training, and inference with long segments), with h1 and the rows
+    saved at device offsets and an enable flag in training (production: no spill, no
+    serialized wgmma); then, at ``fine``, the 64 x 128 consumer tile with its deepest ring and
+    a 3-stage inference build (build only)."""
     import torch
     from triton.runtime.jit import mangle_type
 
@@ -204,73 +207,43 @@ def gluon_w13_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Build
     if not wg.HAVE_GLUON:
         return []
     gl = wg.gl
-    bm, bn, bk, warps = wg.GLUON_W13_TILE
 
-    def case(label, shape, train, stages, production):
-        s = SHAPES[shape]
+    def case(label, name, train, bn, stages, production):
+        s = SHAPES[name]
         D, F, E = s.hidden, s.ffn, s.num_experts
+        bm, bk = wg.consumer_rows(bn), 64
         layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16)
         w = torch.empty(2 * E * F, D, dtype=torch.bfloat16)
         types = {"w_desc": mangle_type(wg.GluonDescriptor(w, [2 * E * F, D], [D, 1], [bn, bk],
                                                           layout)),
+                 "gather_ptrs_ptr": "*i64",
                  "out_offsets_ptr": "*i64" if train else "*i32",
                  "enable_ptr": "*i32"}
         return BuildCase(
-            label, wg._gluon_w13_kernel,
-            dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E,
-                 EXPERTS_POW2=max(32, next_power_of_2(E)), GROUP_M=8, STAGES=stages,
-                 WRITE_H1=train, WRITE_X=train, DYN_OFFSETS=train, HAS_ENABLE=train,
+            f"{label} W13 fwd gluon {bm}x{bn} s{stages} training={train}",
+            wg._gluon_w13_kernel,
+            dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
+                 GROUP_M=8, STAGES=stages, WRITE_H1=train, WRITE_X=train, DYN_OFFSETS=train,
+                 HAS_ENABLE=train,
                  A_LAYOUT=gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16),
-                 H2_LAYOUT=gl.NVMMASharedLayout.get_default_for([bm, bn], gl.bfloat16),
-                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps),
-            warps, 1, types=types, production=production, gluon=True)
+                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRODUCER_THREADS=wg._PRODUCER_THREADS,
+                 num_warps=4),
+            4, 1, types=types, production=production, gluon=True,
+            options=dict(maxnreg=wg._MAXNREG))
 
-    cases = [case(f"{name} W13 fwd gluon training={train}", name, train, 3, True)
-             for name in shapes for train in (True, False)]
-    cases += [case(f"variant W13 fwd gluon s{st}", "fine", True, st, False) for st in (2, 4)]
-    return cases
+    from distmoe.kernels.w13_gather_swiglu import W13Config
 
-
-def gluon_w13_ws_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
-    """The warp-specialised Gluon W13 forward (:mod:`distmoe.kernels.w13_gluon_ws`) at each
-    shape, for training (h1 and the rows saved at device offsets, an enable flag) and
-    inference, at every ring depth it takes. Production (no spill, no serialized wgmma) at
-    E <= 32, as for the Gluon W2 DGRAD (its per-expert lookup vectors grow with E)."""
-    import torch
-    from triton.runtime.jit import mangle_type
-
-    from distmoe.kernels import w13_gluon_ws as wg
-    from distmoe.kernels._common import next_power_of_2
-    from distmoe.tools.bench.workloads import SHAPES
-
-    if not wg.HAVE_GLUON:
-        return []
-    gl = wg.gl
-    bm, bn, bk = wg.GLUON_W13_WS_TILE
     cases = []
     for name in shapes:
         s = SHAPES[name]
-        D, F, E = s.hidden, s.ffn, s.num_experts
-        layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16)
-        w = torch.empty(2 * E * F, D, dtype=torch.bfloat16)
+        hint = s.tokens * s.top_k // s.num_experts
         for train in (True, False):
-            for stages in wg.GLUON_W13_WS_STAGES:
-                types = {"w_desc": mangle_type(wg.GluonDescriptor(w, [2 * E * F, D], [D, 1],
-                                                                  [bn, bk], layout)),
-                         "gather_ptrs_ptr": "*i64",
-                         "out_offsets_ptr": "*i64" if train else "*i32",
-                         "enable_ptr": "*i32"}
-                cases.append(BuildCase(
-                    f"{name} W13 fwd gluon-ws training={train} s{stages}",
-                    wg._gluon_w13_ws_kernel,
-                    dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E,
-                         EXPERTS_POW2=max(32, next_power_of_2(E)), GROUP_M=8, STAGES=stages,
-                         WRITE_H1=train, WRITE_X=train, DYN_OFFSETS=train, HAS_ENABLE=train,
-                         A_LAYOUT=gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16),
-                         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                         PRODUCER_THREADS=wg._PRODUCER_THREADS, num_warps=4),
-                    4, 1, types=types, production=E <= 32, gluon=True,
-                    options=dict(maxnreg=wg._MAXNREG)))
+            c = W13Config.hopper_gluon(hidden=s.hidden, ffn=s.ffn, rows_per_expert=hint,
+                                       training=train)
+            if c is not None:
+                cases.append(case(name, name, train, c.block_n, c.num_stages, True))
+    cases.append(case("variant fine", "fine", True, 128, 5, False))
+    cases.append(case("variant fine", "fine", False, 64, 3, False))
     return cases
 
 
