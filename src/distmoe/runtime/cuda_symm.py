@@ -4,6 +4,8 @@ factory then picks the IPC backend."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -41,10 +43,14 @@ class CudaSymmHeap(CudaHeapBase):
 
         group = self.group
         if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            try:
-                symm_mem.enable_symm_mem_for_group(group.group_name)
-            except Exception:  # already enabled or not needed on this torch
-                pass
+            # torch 2.11 deprecates it (a FutureWarning per call: "no need to call this
+            # function anymore"); older versions need it
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                try:
+                    symm_mem.enable_symm_mem_for_group(group.group_name)
+                except Exception:  # already enabled or not needed on this torch
+                    pass
         own = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
         handle = symm_mem.rendezvous(own, group)
         self._handles[name] = (own, handle)
