@@ -384,6 +384,8 @@ def run_case(
             res.stats.max_ms,
         )
         row.window_ms = list(res.stats.window_ms)
+        if res.telemetry is not None:
+            row.sm_clock_mhz, row.power_w = res.telemetry.sm_clock_mhz, res.telemetry.power_w
         notes = [provider.note] if provider.note else []
         if res.fallback_reason:
             notes.append("eager timing: " + res.fallback_reason)

@@ -59,6 +59,8 @@ CASE_COLUMNS: dict[str, type] = {
     "pct_dense_sustained": float,
     "hbm_gbps": float,
     "nvlink_gbps": float,
+    "sm_clock_mhz": float,
+    "power_w": float,
     "peak_mem_gib": float,
     "max_rel_err_vs_torch": float,
     "baseline_path": str,
@@ -75,7 +77,10 @@ class CaseResult:
     percentage of the dense bf16 matmul measured in the same run (5 ms windows: the burst
     clock), ``pct_dense_sustained`` of the same matmul in windows as long as a large case's
     (the clock under sustained load, ``ceilings.dense_bf16_sustained``), ``hbm_gbps`` and
-    ``nvlink_gbps`` modeled bytes (models.py) / iter time, ``peak_mem_gib`` the peak of
+    ``nvlink_gbps`` modeled bytes (models.py) / iter time, ``sm_clock_mhz`` and ``power_w``
+    the medians of the GPU's SM clock and board power over the timed windows (rank 0's GPU;
+    empty without ``nvidia-smi``: :mod:`~distmoe.tools.bench.telemetry`; an H200 at its
+    power limit trades clock for utilisation), ``peak_mem_gib`` the peak of
     ``torch.cuda.max_memory_allocated`` during the case (inputs and weights included), plus
     the provider's symmetric-heap buffers that torch's allocator does not see (distmoe under
     symmetric memory; before commit 71e1582 these were left out).
@@ -105,6 +110,8 @@ class CaseResult:
     pct_dense_sustained: float | None = None
     hbm_gbps: float | None = None
     nvlink_gbps: float | None = None
+    sm_clock_mhz: float | None = None
+    power_w: float | None = None
     peak_mem_gib: float | None = None
     max_rel_err_vs_torch: float | None = None
     baseline_path: str = ""
@@ -560,7 +567,8 @@ def format_table(cases: Sequence[CaseResult], ceilings: Sequence[Mapping] = ()) 
     """A short fixed-width table of the cases, then the ceilings, for the terminal."""
     header = (
         f"{'provider':<14}{'shape':<18}{'T':>6}{'mode':>7}{'imb':>5}{'ms':>9}{'range':>16}"
-        f"{'TFLOP/s':>9}{'%dense':>7}{'%sust':>6}{'HBM GB/s':>9}{'peak GiB':>9}  status"
+        f"{'TFLOP/s':>9}{'%dense':>7}{'%sust':>6}{'HBM GB/s':>9}{'MHz':>6}{'W':>5}{'peak GiB':>9}"
+        "  status"
     )
     lines = [header, "-" * len(header)]
     for c in cases:
@@ -569,7 +577,8 @@ def format_table(cases: Sequence[CaseResult], ceilings: Sequence[Mapping] = ()) 
         lines.append(
             f"{c.provider:<14}{c.shape:<18}{c.tokens:>6}{c.mode:>7}{_imb_text(c):>5}"
             f"{_fmt(c.iter_ms, '.3f'):>9}{rng:>16}{_fmt(c.tflops, '.1f'):>9}{_fmt(c.pct_dense, '.0f'):>7}"
-            f"{_fmt(c.pct_dense_sustained, '.0f'):>6}{_fmt(c.hbm_gbps, '.0f'):>9}{_fmt(c.peak_mem_gib, '.2f'):>9}  {status}"
+            f"{_fmt(c.pct_dense_sustained, '.0f'):>6}{_fmt(c.hbm_gbps, '.0f'):>9}"
+            f"{_fmt(c.sm_clock_mhz, '.0f'):>6}{_fmt(c.power_w, '.0f'):>5}{_fmt(c.peak_mem_gib, '.2f'):>9}  {status}"
         )
     if ceilings:
         lines.append("")

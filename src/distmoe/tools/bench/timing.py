@@ -33,6 +33,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from .telemetry import GpuTelemetry, Telemetry
+
 TimingMethod = Literal["cuda_graph", "cuda_eager", "cpu"]
 
 
@@ -46,6 +48,8 @@ class TimingConfig:
         iters_per_window: calls per window; window time is divided by it.
         capture_iters: calls captured into one CUDA graph; must divide ``iters_per_window``.
         use_cuda_graph: try CUDA-graph capture at all (``False``: eager CUDA events).
+        telemetry: sample the GPU's SM clock and power while the timed windows run
+            (:mod:`~distmoe.tools.bench.telemetry`; CUDA with ``nvidia-smi`` only).
     """
 
     num_warmup: int = 10
@@ -53,6 +57,7 @@ class TimingConfig:
     iters_per_window: int = 30
     capture_iters: int = 30
     use_cuda_graph: bool = True
+    telemetry: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_warmup", "num_windows", "iters_per_window", "capture_iters"):
@@ -98,12 +103,15 @@ class TimingResult:
         method: ``"cuda_graph"``, ``"cuda_eager"`` or ``"cpu"``.
         fallback_reason: why CUDA-graph timing was not used ("" when it was, or on CPU).
         config: the timing configuration.
+        telemetry: this rank's GPU clock and power over the timed windows, or ``None``
+            (CPU timing, telemetry off, or no ``nvidia-smi``).
     """
 
     stats: WindowStats
     method: TimingMethod
     fallback_reason: str
     config: TimingConfig
+    telemetry: Telemetry | None = None
 
     @property
     def iter_ms(self) -> float:
@@ -217,7 +225,7 @@ def _capture(fn: Callable[[], object], iters: int) -> torch.cuda.CUDAGraph:
 
 def _time_cuda(
     fn: Callable[[], object], cfg: TimingConfig, group, graph_safe: bool
-) -> tuple[list[float], TimingMethod, str]:
+) -> tuple[list[float], TimingMethod, str, Telemetry | None]:
     # Warm-up on a side stream: capture requires that lazy initialisation (cuBLAS handles and
     # workspaces, Triton compilation, autograd streams) happened off the capture stream.
     side = torch.cuda.Stream()
@@ -249,20 +257,24 @@ def _time_cuda(
     step = graph.replay if graph is not None else fn
     calls = cfg.iters_per_window // cfg.capture_iters if graph is not None else cfg.iters_per_window
     events = []
-    for _ in range(cfg.num_windows):
-        _barrier(group)
+    telemetry = GpuTelemetry(torch.device("cuda", torch.cuda.current_device())
+                             if cfg.telemetry else None)
+    with telemetry:
+        for _ in range(cfg.num_windows):
+            _barrier(group)
+            torch.cuda.synchronize()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                step()
+            end.record()
+            events.append((start, end))
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            step()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
     totals = [s.elapsed_time(e) for s, e in events]
     del graph
     method: TimingMethod = "cuda_graph" if not reason else "cuda_eager"
-    return per_iteration_ms(totals, cfg.iters_per_window), method, reason
+    return per_iteration_ms(totals, cfg.iters_per_window), method, reason, telemetry.summary()
 
 
 def benchmark(
@@ -289,9 +301,11 @@ def benchmark(
         use_cuda = torch.cuda.is_available()
     else:
         use_cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
+    telemetry = None
     if use_cuda:
-        local, method, reason = _time_cuda(fn, cfg, group, graph_safe)
+        local, method, reason, telemetry = _time_cuda(fn, cfg, group, graph_safe)
     else:
         local, method, reason = _time_cpu(fn, cfg, group), "cpu", ""
     stats = reduce_windows(_allreduce_max(local, group))
-    return TimingResult(stats=stats, method=method, fallback_reason=reason, config=cfg)
+    return TimingResult(stats=stats, method=method, fallback_reason=reason, config=cfg,
+                        telemetry=telemetry)
