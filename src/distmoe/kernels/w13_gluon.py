@@ -154,6 +154,15 @@ if HAVE_GLUON:
         return num_pid_m, num_pid_m * NUM_PID_N, ends, starts, rbeg, rend, eidx
 
     @gluon.jit
+    def _wait_turn(turn, turns, PARITY: gl.constexpr):
+        """Ping-pong consumers take turns: consumer ``PARITY`` waits until the other has
+        issued every earlier K step (its ``turns``-th wait; the first of consumer 0 passes at
+        once). A stage's ready barrier may be waited on only one phase ahead, so the K loops
+        must not overlap. Returns ``turns + 1``."""
+        mbarrier.wait(turn.index(PARITY), (turns & 1) ^ (1 - PARITY))
+        return turns + 1
+
+    @gluon.jit
     def _outputs(out_offsets_ptr, enable_ptr, num_tiles, DYN_OFFSETS: gl.constexpr,
                  HAS_ENABLE: gl.constexpr):
         """``enable`` applied to the tile count, and the element offsets of h1 and the saved
@@ -244,11 +253,7 @@ if HAVE_GLUON:
             pid_n, expert, _row, act_start, num_live = _tile_info(
                 tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
                 NUM_EXPERTS, BLOCK_M)
-            # Take turns: a stage's ready barrier may be waited on only one phase ahead, so a
-            # consumer starts once the other has issued every earlier step (the first tile of
-            # consumer 0 passes at once).
-            mbarrier.wait(turn.index(PARITY), (turns & 1) ^ (1 - PARITY))
-            turns += 1
+            turns = _wait_turn(turn, turns, PARITY)
             acc = gl.zeros([BLOCK_M, 2 * BLOCK_N], gl.float32, ACC)
             for k in range(NUM_K):
                 stage = count % STAGES

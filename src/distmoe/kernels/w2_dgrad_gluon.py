@@ -52,7 +52,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
     from .w2_backward import _column_halves
-    from .w13_gluon import _program_tiles, _tile_info
+    from .w13_gluon import _program_tiles, _tile_info, _wait_turn
 
 __all__ = ["GLUON_W2_DGRAD_CONFIGS", "gluon_w2_dgrad_reason", "launch_gluon_w2_dgrad"]
 
@@ -124,11 +124,7 @@ if HAVE_GLUON:
             pid_n, expert, row_start, act_start, num_live = _tile_info(
                 tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
                 NUM_EXPERTS, BLOCK_M)
-            # Take turns: a stage's ready barrier may be waited on only one phase ahead, so a
-            # consumer starts once the other has taken every earlier step (the first tile of
-            # consumer 0 passes at once).
-            mbarrier.wait(turn.index(PARITY), (turns & 1) ^ (1 - PARITY))
-            turns += 1
+            turns = _wait_turn(turn, turns, PARITY)
             acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, ACC)
             for k in range(NUM_K):
                 stage = count % STAGES
