@@ -42,3 +42,26 @@ def test_gpu_telemetry_samples_a_busy_gpu():
     assert tel is not None and tel.samples >= 1
     assert 100 < tel.sm_clock_mhz < 5000, tel
     assert 10 < tel.power_w < 2000, tel
+
+
+def test_ceiling_keeps_the_clock_of_its_best_measurement_and_the_table_shows_it():
+    from distmoe.tools.bench import report
+    from distmoe.tools.bench.ceilings import Ceiling, _record
+    from distmoe.tools.bench.telemetry import Telemetry
+    from distmoe.tools.bench.timing import TimingResult, WindowStats
+
+    def result(ms, telemetry):
+        stats = WindowStats(iter_ms=ms, min_ms=ms, max_ms=ms, window_ms=(ms,))
+        return TimingResult(stats=stats, method="cuda_graph", fallback_reason="",
+                            config=TimingConfig(), telemetry=telemetry)
+
+    c = Ceiling(name="dense_bf16_sustained", unit="TFLOP/s")
+    _record(c, "a", 600.0, result(1.0, Telemetry(sm_clock_mhz=1500.0, power_w=690.0,
+                                                    samples=9)))
+    _record(c, "b", 500.0, result(1.2, Telemetry(sm_clock_mhz=1980.0, power_w=300.0,
+                                                    samples=9)))  # slower: not kept
+    assert (c.value, c.detail, c.sm_clock_mhz, c.power_w) == (600.0, "a", 1500.0, 690.0)
+    text = report.format_table([], [c.__dict__, {"name": "device_copy", "value": None,
+                                                 "unit": "GB/s", "note": "no GPU"}])
+    assert "ceiling dense_bf16_sustained" in text and "a (1500 MHz, 690 W)" in text
+    assert text.splitlines()[-1].endswith("GB/s     no GPU")

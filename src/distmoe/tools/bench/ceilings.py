@@ -52,6 +52,10 @@ class Ceiling:
         unit: ``"TFLOP/s"`` or ``"GB/s"``.
         detail: the configuration of the best measurement (shape, bytes, accumulation mode).
         iter_ms, window_min_ms, window_max_ms, method: timing of the best measurement.
+        sm_clock_mhz, power_w: the GPU's SM clock and board power over the best
+            measurement's timed windows (:mod:`~distmoe.tools.bench.telemetry`; ``None``
+            without ``nvidia-smi``): the sustained matmul's clock is the one to compare a
+            layer case's with.
         note: why it is missing, or extra context.
         all_values: every configuration tried with its rate.
     """
@@ -64,6 +68,8 @@ class Ceiling:
     window_min_ms: float | None = None
     window_max_ms: float | None = None
     method: str = ""
+    sm_clock_mhz: float | None = None
+    power_w: float | None = None
     note: str = ""
     all_values: dict[str, float] = field(default_factory=dict)
 
@@ -92,6 +98,9 @@ def _record(ceiling: Ceiling, key: str, rate: float, result) -> None:
         ceiling.iter_ms = result.stats.iter_ms
         ceiling.window_min_ms, ceiling.window_max_ms = result.stats.min_ms, result.stats.max_ms
         ceiling.method = result.method
+        telemetry = getattr(result, "telemetry", None)
+        if telemetry is not None:
+            ceiling.sm_clock_mhz, ceiling.power_w = telemetry.sm_clock_mhz, telemetry.power_w
 
 
 def dense_bf16(device: torch.device, config: TimingConfig, shapes=DENSE_SHAPES) -> Ceiling:

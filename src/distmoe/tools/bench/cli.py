@@ -736,6 +736,8 @@ def _run(
                 "window_min_ms",
                 "window_max_ms",
                 "method",
+                "sm_clock_mhz",
+                "power_w",
                 "note",
             ],
         ),

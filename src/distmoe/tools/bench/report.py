@@ -584,7 +584,9 @@ def format_table(cases: Sequence[CaseResult], ceilings: Sequence[Mapping] = ()) 
         lines.append("")
         for c in ceilings:
             value = _fmt(c.get("value"), ".1f")
-            lines.append(
-                f"ceiling {c['name']:<20} {value:>8} {c['unit']:<8} {c.get('detail', '')} {c.get('note', '')}".rstrip()
-            )
+            clock = ""
+            if c.get("sm_clock_mhz") is not None and c.get("power_w") is not None:
+                clock = f"({c['sm_clock_mhz']:.0f} MHz, {c['power_w']:.0f} W)"
+            tail = " ".join(t for t in (c.get("detail", ""), clock, c.get("note", "")) if t)
+            lines.append(f"ceiling {c['name']:<20} {value:>8} {c['unit']:<8} {tail}".rstrip())
     return "\n".join(lines)
