@@ -1245,3 +1245,36 @@ def test_gluon_request_that_cannot_run_warns_and_runs_triton():
                                             r"Gluon kernel cannot run this call \(.+\); the "
                                             r"Triton kernel runs the config instead"):
         run_w13_case([5, 0, 16, 21], hidden=64, ffn=48, r_cap=96, config=config, null_live=[7])
+
+
+def test_gluon_w13_choice_and_limits_without_a_gpu():
+    """What the Hopper heuristic would pick (``W13Config.hopper_gluon``, device-independent),
+    that no device or a CPU device keeps the Triton kernel, and the shape rules with their
+    messages (``shape_reason``), ring sizes included."""
+    from distmoe.kernels.w13_gluon import consumer_rows, shape_reason, stage_bytes
+
+    pick = W13Config.hopper_gluon
+    long_train = pick(hidden=4096, ffn=2048, rows_per_expert=2048, training=True)
+    assert (long_train.gluon, long_train.block_n, long_train.num_stages) == (True, 64, 5)
+    assert pick(hidden=2048, ffn=768, rows_per_expert=256, training=True).num_stages == 6
+    assert pick(hidden=4096, ffn=2048, rows_per_expert=2048, training=False).gluon
+    assert pick(hidden=2048, ffn=768, rows_per_expert=256, training=False) is None
+    assert pick(hidden=4096, ffn=2000, rows_per_expert=2048, training=True) is None
+    assert pick(hidden=4000, ffn=2048, rows_per_expert=2048, training=True) is None
+    for device in (None, torch.device("cpu")):
+        assert not W13Config.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048,
+                                            training=True, device=device).gluon
+    # the ring: 32 KiB stages with 128 x 64 tiles, 40 KiB with 64 x 128; at most 200 KiB
+    assert (consumer_rows(64), consumer_rows(128)) == (128, 64)
+    assert (stage_bytes(64), stage_bytes(128)) == (32 * 1024, 40 * 1024)
+    assert long_train.smem_bytes() == 5 * 32 * 1024 and long_train.fits_hopper()
+    assert replace(long_train, block_n=128, num_stages=6).smem_bytes() == 240 * 1024
+    ok = dict(hidden=4096, ffn=2048, block_m=128, block_k=64)
+    assert shape_reason(block_n=64, stages=6, **ok) is None
+    assert shape_reason(block_n=128, stages=5, **ok) is None
+    assert "stages must be one of [3, 4, 5] with block_n = 128, got 6" in shape_reason(
+        block_n=128, stages=6, **ok)
+    assert "(block_m, block_n, block_k) in" in shape_reason(
+        hidden=4096, ffn=2048, block_m=128, block_n=32, block_k=64, stages=4)
+    assert "F (2000) must be a multiple of 64" in shape_reason(
+        hidden=4096, ffn=2000, block_m=128, block_n=64, block_k=64, stages=4)
