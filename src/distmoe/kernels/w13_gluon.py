@@ -281,7 +281,7 @@ if HAVE_GLUON:
             mbarrier.arrive(empty.index(last))
             count += NUM_K  # the other consumer's tile
 
-            # Epilogue in two column halves (g and u of 32 h2 columns each), each converted
+            # Epilogue in two column halves (g and u of BLOCK_N / 2 h2 columns each), each converted
             # to 16-byte vectors for its stores.
             g, u = _column_halves(acc, BLOCK_M, 2 * BLOCK_N)
             g0, g1 = _column_halves(g, BLOCK_M, BLOCK_N)
