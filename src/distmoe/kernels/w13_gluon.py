@@ -163,18 +163,11 @@ if HAVE_GLUON:
         return turns + 1
 
     @gluon.jit
-    def _outputs(out_offsets_ptr, enable_ptr, num_tiles, DYN_OFFSETS: gl.constexpr,
-                 HAS_ENABLE: gl.constexpr):
-        """``enable`` applied to the tile count, and the element offsets of h1 and the saved
-        rows (negative: not stored)."""
+    def _enabled_tiles(enable_ptr, num_tiles, HAS_ENABLE: gl.constexpr):
+        """The tile count with ``enable`` applied (0 when it is 0)."""
         if HAS_ENABLE:
             num_tiles = gl.where(gl.load(enable_ptr) != 0, num_tiles, 0)
-        h1_off = 0
-        x_off = 0
-        if DYN_OFFSETS:
-            h1_off = gl.load(out_offsets_ptr)
-            x_off = gl.load(out_offsets_ptr + 1)
-        return num_tiles, h1_off, x_off
+        return num_tiles
 
     @gluon.jit
     def _producer(w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
@@ -192,8 +185,7 @@ if HAVE_GLUON:
         num_pid_m, num_tiles, ends, starts, rbeg, rend, eidx = _program_tiles(
             padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2, NUM_PID_N,
             BLOCK_M, 4)
-        num_tiles, _h1_off, _x_off = _outputs(out_offsets_ptr, enable_ptr, num_tiles,
-                                              DYN_OFFSETS, HAS_ENABLE)
+        num_tiles = _enabled_tiles(enable_ptr, num_tiles, HAS_ENABLE)
         i = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, CP))
         kk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, CP))
         nbytes: gl.constexpr = 2 * w_desc.block_type.nbytes
@@ -243,8 +235,13 @@ if HAVE_GLUON:
         num_pid_m, num_tiles, ends, starts, rbeg, rend, eidx = _program_tiles(
             padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2, NUM_PID_N,
             BLOCK_M, 4)
-        num_tiles, h1_off, x_off = _outputs(out_offsets_ptr, enable_ptr, num_tiles,
-                                            DYN_OFFSETS, HAS_ENABLE)
+        num_tiles = _enabled_tiles(enable_ptr, num_tiles, HAS_ENABLE)
+        # element offsets of h1 and the saved rows (negative: not stored)
+        h1_off = 0
+        x_off = 0
+        if DYN_OFFSETS:
+            h1_off = gl.load(out_offsets_ptr)
+            x_off = gl.load(out_offsets_ptr + 1)
         x_base = x_ptr + gl.maximum(x_off, 0)
         num_progs = gl.num_programs(0)
         count = PARITY * NUM_K  # this consumer's first step in the program's step stream
