@@ -36,6 +36,7 @@ import torch  # noqa: E402
 from distmoe.kernels._common import gemm_grid  # noqa: E402
 from distmoe.kernels.route_grad import (  # noqa: E402
     RouteGradConfig,
+    push_route_grads,
     reduce_routes,
     reduce_routes_ref,
     route_grads,
@@ -400,6 +401,93 @@ def test_route_grads_push(h3_addr):
     with pytest.raises(TypeError, match="grad_routes_out must be a torch.Tensor unless"):
         route_grads(grad_y, h3, ids, scores, None, grad_scores)
 
+def _push_problem(num_tokens, t_max, top_k, hidden):
+    """Routes of experts 0-3 on two ranks (experts 0-1 on rank 0), each rank's destination
+    rows a random permutation of 12, one active route not executed (dest row -1)."""
+    ids, active, scores, grad_y, _ = _route_problem(num_tokens, t_max, top_k, hidden)
+    n = num_tokens * top_k
+    dest_rank = torch.where(active, ids.long().reshape(-1) // 2, -1)
+    dest_rows = torch.full((n,), -1, dtype=torch.int32)
+    for r in (0, 1):
+        mine = (dest_rank == r).nonzero().flatten()
+        dest_rows[mine] = torch.randperm(12)[: mine.numel()].int()
+    dest_rows[active.nonzero().flatten()[:1]] = -1
+    return ids, active, scores, grad_y, dest_rank, dest_rows.to(DEVICE).reshape(num_tokens, top_k)
+
+
+def test_push_route_grads():
+    """Every executed route's destination row receives grad_y[t] bit for bit (unscaled);
+    every active route's score lands as the fp32 at the start of its own route row; nothing
+    else of either rank's rows or the route rows is written."""
+    num_tokens, t_max, top_k, hidden = 7, 9, 3, 40
+    ids, active, scores, grad_y, dest_rank, dest_rows = _push_problem(num_tokens, t_max, top_k,
+                                                                      hidden)
+    bufs = [poisoned(12, hidden) for _ in range(2)]
+    before = [b.clone() for b in bufs]
+    bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=DEVICE)
+    route_rows = poisoned(t_max * top_k, hidden)
+    config = RouteGradConfig(block_rows=4, block_d=16, num_warps=4)  # 3 column steps, D tail
+    push_route_grads(grad_y, ids, scores, route_rows, dest_rows=dest_rows, dest_bases=bases,
+                     experts_per_rank=2, config=config)
+
+    flat_rows = dest_rows.reshape(-1).cpu()
+    for r in (0, 1):
+        expected = before[r].clone()
+        for route in ((dest_rank == r) & (flat_rows >= 0)).nonzero().flatten().tolist():
+            expected[flat_rows[route]] = grad_y[route // top_k]
+        assert same_bits(bufs[r], expected)
+    expected = poisoned(t_max * top_k, hidden).view(torch.float32)
+    n = num_tokens * top_k
+    expected[:n][active, 0] = scores.reshape(-1)[active]
+    assert same_bits(route_rows.view(torch.float32), expected)
+
+    with pytest.raises(ValueError, match=r"score_rows must have shape \[R, 40\] with R >= "):
+        push_route_grads(grad_y, ids, scores, route_rows[:n - 1], dest_rows=dest_rows,
+                         dest_bases=bases, experts_per_rank=2)
+    with pytest.raises(ValueError, match=r"experts_per_rank \(0\) must be an int >= 1"):
+        push_route_grads(grad_y, ids, scores, route_rows, dest_rows=dest_rows,
+                         dest_bases=bases, experts_per_rank=0)
+    with pytest.raises(TypeError, match="scores must have dtype"):
+        push_route_grads(grad_y, ids, scores.double(), route_rows, dest_rows=dest_rows,
+                         dest_bases=bases, experts_per_rank=2)
+
+
+def test_reduce_routes_score_parts():
+    """With score_rows: grad_scores is the fp32 sum of each active route's parts (values
+    1..P of its row, value 0 being the score), 0 for inactive routes; grad_x unchanged."""
+    num_tokens, top_k, t_max, hidden, parts = 9, 4, 10, 48, 5
+    ids = make_ids(num_tokens, top_k, [0, 1, 2, 3, 4]).to(DEVICE)
+    active = ids.reshape(-1) >= 0
+    rows = torch.randn(t_max * top_k, hidden, device=DEVICE).bfloat16()
+    rows[: num_tokens * top_k][~active] = float("nan")
+    route_rows = poisoned(t_max * top_k, hidden)  # values past 1 + P: never read
+    values = route_rows.view(torch.float32)
+    values[:, : 1 + parts] = torch.randn(t_max * top_k, 1 + parts, device=DEVICE)
+    values[: num_tokens * top_k][~active] = float("nan")  # inactive: never read
+    route_rows_before = route_rows.clone()
+    grad_x, plain_x = poisoned(num_tokens, hidden), poisoned(num_tokens, hidden)
+    grad_scores = poisoned(num_tokens, top_k, dtype=torch.float32)
+    config = RouteGradConfig(block_rows=4, block_d=32)
+    reduce_routes(rows, ids, plain_x, config=config)
+    reduce_routes(rows, ids, grad_x, score_rows=route_rows, score_parts=parts,
+                  grad_scores_out=grad_scores, config=config)
+    assert same_bits(grad_x, plain_x) and same_bits(route_rows, route_rows_before)
+    want = values[: num_tokens * top_k, 1 : 1 + parts].double().sum(dim=1)
+    want = torch.where(active, want, 0.0).reshape(num_tokens, top_k)
+    # fp32 sum of 5 values in a tree order: within 5 * 2^-24 of the exact sum, relative to
+    # the sum of magnitudes
+    mag = values[: num_tokens * top_k, 1 : 1 + parts].double().abs().sum(dim=1)
+    mag = torch.where(active, mag, 0.0).reshape(num_tokens, top_k)
+    assert ((grad_scores.double() - want).abs() <= 5 * 2.0**-24 * mag).all()
+    assert (grad_scores.reshape(-1)[~active] == 0).all()
+
+    with pytest.raises(ValueError, match=r"score_parts \(24\) must be an int in \[1, D/2 - 1"):
+        reduce_routes(rows, ids, grad_x, score_rows=route_rows, score_parts=24,
+                      grad_scores_out=grad_scores)
+    with pytest.raises(TypeError, match="grad_scores_out must be a torch.Tensor"):
+        reduce_routes(rows, ids, grad_x, score_rows=route_rows, score_parts=parts)
+
+
 def test_reduce_routes():
     num_tokens, top_k, t_max, hidden = 9, 4, 10, 48
     ids = make_ids(num_tokens, top_k, [0, 1, 2, 3, 4]).to(DEVICE)
@@ -606,6 +694,81 @@ def test_w2_dgrad_pre_gathered_rows(persistent):
     with pytest.raises(ValueError, match="grad_h3_rows"):
         w2_dgrad_swiglu_bwd(ptrs, layout.padded_offsets, layout.row_offsets, w2, h1, got_h1,
                             grad_h3_rows=rows[:-1])
+
+def _scored_problem(hidden, ffn, block_m):
+    """The W2 DGRAD problem of :func:`_w2_problem` in the layer's scored form: unscaled
+    grad_h3 rows pre-gathered in activation rows (spare rows NaN, the null row zeros), each
+    route's fp32 score at the start of its (otherwise poisoned) route row, which the table
+    points at. Returns (layout, w2, h1, ptrs, route_rows, rows, row_scores, ref_ptrs,
+    g_routes)."""
+    layout, _, w2, h1, _, null_rows = _w2_problem(hidden, ffn, block_m)
+    n_routes = 12 * 3  # t_max * top_k of _w2_problem
+    g_routes = torch.randn(n_routes, hidden, device=DEVICE).bfloat16()
+    scores = torch.rand(n_routes, device=DEVICE) + 0.25
+    route_rows = poisoned(n_routes, hidden)
+    route_rows.view(torch.float32)[:, 0] = scores
+    canary = poisoned(1, hidden)  # padding and idle entries: never used
+    ptrs = row_table(layout, route_rows, canary=canary, null_rows=null_rows)
+    ref_ptrs = row_table(layout, g_routes, null_rows=null_rows)
+    rows = act_rows(layout, g_routes)  # route_of_act indexes g_routes (top_k=1)
+    null_act = layout.act_of_row[null_rows].to(DEVICE)
+    rows[null_act] = 0.0
+    route = layout.route_of_act.to(DEVICE)
+    row_scores = torch.where(route >= 0, scores[route.clamp(min=0)], 0.0)
+    return layout, w2, h1, ptrs, route_rows, rows, row_scores, ref_ptrs, g_routes, null_act, canary
+
+
+@pytest.mark.parametrize("block_n,persistent", [(32, False), (32, True), (256, False), (16, False)],
+                         ids=["halves", "halves_persistent", "eighths", "one_part"])
+def test_w2_dgrad_scored_rows(block_n, persistent):
+    """scored_rows: grad_h1 and h2 are the SwiGLU backward of score * (g @ W2) and score * h2;
+    each live non-null route row receives one fp32 part per column tile after its score; the
+    score, the rest of the route rows, spare rows and the canary keep their bits."""
+    hidden, block_m = 48, 16
+    ffn = 200 if block_n == 256 else 40  # masked tails in the last column tile
+    (layout, w2, h1, ptrs, route_rows, rows, row_scores, ref_ptrs, g_routes, null_act,
+     canary) = _scored_problem(hidden, ffn, block_m)
+    num_act, num_parts = layout.num_act, -(-ffn // block_n)
+    config = W2DgradConfig(block_m=block_m, block_n=block_n, block_k=min(block_n, 32),
+                           num_warps=4, group_m=2, persistent=persistent)
+    before = route_rows.clone()
+    rows_before, canary_before = rows.clone(), canary.clone()
+    grad_h1, h2 = poisoned(num_act, 2 * ffn), poisoned(num_act, ffn)
+    w2_dgrad_swiglu_bwd(ptrs, layout.padded_offsets, layout.row_offsets, w2, h1, grad_h1,
+                        h2_out=h2, grad_h3_rows=rows, scored_rows=True, config=config)
+
+    ref_h1, ref_h2, _, ref_parts = w2_dgrad_swiglu_bwd_ref(
+        ref_ptrs, layout.padded_offsets, layout.row_offsets, w2, h1, row_sources=[g_routes],
+        row_scores=row_scores, block_n=block_n)
+    live = layout.live_act()
+    assert_bf16_close(grad_h1[live], ref_h1[live])
+    assert_bf16_close(h2[live], ref_h2[live])
+    assert (grad_h1[null_act] == 0).all() and (h2[null_act] == 0).all()
+    assert same_bits(grad_h1[~live], poisoned(int((~live).sum()), 2 * ffn))
+    assert same_bits(rows, rows_before) and same_bits(canary, canary_before)
+    # parts: fp32 sums of up to block_n products of the fp32 GEMM result with bf16(h2); the
+    # kernel's and torch's sigmoid may round h2 to neighbouring bf16 values: 2^-8 of the
+    # largest part bounds that, far below what a wrong row, column or scale gives
+    values = route_rows.view(torch.float32)
+    expected = before.view(torch.float32).clone()
+    route = layout.route_of_act.to(DEVICE)
+    has_part = live.clone()
+    has_part[null_act] = False
+    got = values[route[has_part]][:, 1 : 1 + num_parts]
+    want = ref_parts[has_part]
+    assert torch.isfinite(got).all()
+    scale = want.abs().max().item()
+    assert ((got - want).abs() <= 2.0**-8 * scale).all(), (got - want).abs().max().item()
+    expected[route[has_part], 1 : 1 + num_parts] = got
+    assert same_bits(values, expected)  # scores and everything past the parts: untouched
+
+    with pytest.raises(ValueError, match="scored_rows needs grad_h3_rows"):
+        w2_dgrad_swiglu_bwd(ptrs, layout.padded_offsets, layout.row_offsets, w2, h1, grad_h1,
+                            grad_h3_out=poisoned(num_act, hidden), scored_rows=True)
+    with pytest.raises(TypeError, match="scored_rows must be a bool, got int"):
+        w2_dgrad_swiglu_bwd(ptrs, layout.padded_offsets, layout.row_offsets, w2, h1, grad_h1,
+                            grad_h3_rows=rows, scored_rows=1)
+
 
 def assert_walks_several_tiles(config, num_tiles_cap, live_tiles):
     """Under the interpreter a persistent grid has fewer programs than live tiles, so programs
@@ -973,11 +1136,14 @@ def test_wgrad_overwrite(out_dtype, host_descriptors):
 # --------------------------------------------------------------------------------------------
 
 
-def _run_chain(x, ids, scores, w13, w2, grad_y, *, block_m, configs, t_max, offsets):
+def _run_chain(x, ids, scores, w13, w2, grad_y, *, block_m, configs, t_max, offsets,
+               scored=False):
     """Saved forward state from the fp64 reference rounded to bf16 (what the forward kernels
     keep), then the six backward kernels in order. ``offsets``: the saved state in one 1-D
     slot at device-side offsets (h1_offset with grad_h1 in place, x_offset) and h3 read in
-    place from the combine buffer (h3_addr); else plain tensors. Returns (grad_x, grad_scores,
+    place from the combine buffer (h3_addr); else plain tensors. ``scored``: the layer's
+    order instead (push_route_grads, the W2 DGRAD computing the score gradients into the
+    combine rows, reduce_routes summing them; no h3 read). Returns (grad_x, grad_scores,
     grad_w13, grad_w2 increments)."""
     num_tokens, top_k = ids.shape
     num_experts, _, ffn, hidden = w13.shape
@@ -1012,6 +1178,16 @@ def _run_chain(x, ids, scores, w13, w2, grad_y, *, block_m, configs, t_max, offs
     grad_w13_before = torch.randn(num_experts, 2, ffn, hidden, device=DEVICE)
     grad_w2, grad_w13 = grad_w2_before.clone(), grad_w13_before.clone()
 
+    score_parts = None
+    if scored:
+        # Every route's activation row (the push's destination), one rank.
+        dest_rows = torch.full((num_tokens * top_k,), -1, dtype=torch.int32, device=DEVICE)
+        dest_rows[route_of_act[live]] = torch.arange(num_act, device=DEVICE)[live].int()
+        push_route_grads(grad_y, ids, scores, combine,
+                         dest_rows=dest_rows.reshape(num_tokens, top_k),
+                         dest_bases=torch.tensor([grad_h3.data_ptr()], device=DEVICE),
+                         experts_per_rank=num_experts)
+        score_parts = -(-ffn // configs["w2_dgrad"].block_n)
     if offsets:
         # One slot: [8 lead elements | x_gathered rows | h1 rows], offsets on the device.
         x_off, h1_off = 8, 8 + num_act * hidden
@@ -1021,14 +1197,16 @@ def _run_chain(x, ids, scores, w13, w2, grad_y, *, block_m, configs, t_max, offs
         x_offset = torch.tensor([x_off], dtype=torch.int64, device=DEVICE)
         h1_offset = torch.tensor([h1_off], dtype=torch.int64, device=DEVICE)
         grad_h1 = slot[h1_off:].view(num_act, 2 * ffn)  # in place over the h1 rows
-        combine.copy_(h3_routes)  # the combine buffer still holds the routes' results
-        h3_addr = torch.tensor([combine.data_ptr()], dtype=torch.int64, device=DEVICE)
-        route_grads(grad_y, None, ids, scores, combine, grad_scores, h3_addr=h3_addr)
+        if not scored:
+            combine.copy_(h3_routes)  # the combine buffer still holds the routes' results
+            h3_addr = torch.tensor([combine.data_ptr()], dtype=torch.int64, device=DEVICE)
+            route_grads(grad_y, None, ids, scores, combine, grad_scores, h3_addr=h3_addr)
         h1_arg, x_arg = slot, slot
     else:
         x_offset = h1_offset = None
         grad_h1 = h1  # in place
-        route_grads(grad_y, h3_routes, ids, scores, combine, grad_scores)
+        if not scored:
+            route_grads(grad_y, h3_routes, ids, scores, combine, grad_scores)
         h1_arg, x_arg = h1, x_gathered
     w2_dgrad_swiglu_bwd(
         row_table(layout, combine),
@@ -1039,7 +1217,9 @@ def _run_chain(x, ids, scores, w13, w2, grad_y, *, block_m, configs, t_max, offs
         grad_h1,
         h1_offset=h1_offset,
         h2_out=h2,
-        grad_h3_out=grad_h3,
+        grad_h3_out=None if scored else grad_h3,
+        grad_h3_rows=grad_h3 if scored else None,
+        scored_rows=scored,
         config=configs["w2_dgrad"],
     )
     w2_wgrad(
@@ -1067,7 +1247,11 @@ def _run_chain(x, ids, scores, w13, w2, grad_y, *, block_m, configs, t_max, offs
         x_offset=x_offset,
         config=configs["w13_wgrad"],
     )
-    reduce_routes(dispatch, ids, grad_x)
+    if scored:
+        reduce_routes(dispatch, ids, grad_x, score_rows=combine, score_parts=score_parts,
+                      grad_scores_out=grad_scores)
+    else:
+        reduce_routes(dispatch, ids, grad_x)
     return grad_x, grad_scores, grad_w13 - grad_w13_before, grad_w2 - grad_w2_before
 
 
@@ -1085,7 +1269,8 @@ def _autograd_grads(x, ids, scores, w13, w2, grad_y, dtype):
 
 
 def _chain_check(
-    num_tokens, top_k, num_experts, experts, hidden, ffn, block_m, configs, *, offsets=False
+    num_tokens, top_k, num_experts, experts, hidden, ffn, block_m, configs, *, offsets=False,
+    scored=False,
 ):
     t_max = num_tokens + 2
     x = torch.randn(num_tokens, hidden, device=DEVICE).bfloat16()
@@ -1106,6 +1291,7 @@ def _chain_check(
         configs=configs,
         t_max=t_max,
         offsets=offsets,
+        scored=scored,
     )
     exact = _autograd_grads(x, ids, scores, w13, w2, grad_y, torch.float64)
     torch_bf16 = _autograd_grads(x, ids, scores, w13, w2, grad_y, torch.bfloat16)
@@ -1124,11 +1310,14 @@ def _chain_check(
     assert (ours[0][0] == 0).all()  # token 0 has no active route: exact zeros
 
 
+@pytest.mark.parametrize("scored", [False, True], ids=["owner_scores", "expert_scores"])
 @pytest.mark.parametrize("offsets", [False, True])
-def test_backward_chain(offsets):
+def test_backward_chain(offsets, scored):
     block_m = 16
     configs = {
-        "w2_dgrad": W2DgradConfig(block_m=block_m, block_n=32, block_k=32, num_warps=4),
+        # scored: two column tiles of F, two score parts per route
+        "w2_dgrad": W2DgradConfig(block_m=block_m, block_n=16 if scored else 32, block_k=32,
+                                  num_warps=4),
         "w2_wgrad": WgradConfig(
             block_m=block_m, block_k=16, block_out_m=32, block_out_n=32, num_warps=4
         ),
@@ -1148,13 +1337,15 @@ def test_backward_chain(offsets):
         block_m=block_m,
         configs=configs,
         offsets=offsets,
+        scored=scored,
     )
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scored", [False, True], ids=["owner_scores", "expert_scores"])
 @pytest.mark.parametrize("offsets", [False, True])
 @pytest.mark.parametrize("hint", [None, 2048], ids=["no_hint", "layer_hint"])
-def test_backward_chain_gpu_default_configs(offsets, hint):
+def test_backward_chain_gpu_default_configs(offsets, hint, scored):
     # Production tiles (block_m 128, 8 warps, TMA, pipelined row loops). With the layer's
     # shape hint: the tuned 128 x 256 DGRAD tiles (F = 384: a half-empty last tile), the
     # persistent W13 DGRAD grid and 128 x 256 WGRAD tiles.
@@ -1177,6 +1368,7 @@ def test_backward_chain_gpu_default_configs(offsets, hint):
         block_m=128,
         configs=configs,
         offsets=offsets,
+        scored=scored,
     )
 
 
@@ -1577,6 +1769,74 @@ def test_gluon_w2_dgrad(programs, stages, h1_mode):
     w2_dgrad_swiglu_bwd(ptrs, po, ro, w2, h1, out, h2_out=h2, grad_h3_rows=rows, config=cfg)
     if h1_mode == "plain":
         assert same_bits(out, got_h1) and same_bits(h2, got_h2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", [3, None], ids=["3_programs", "one_per_sm"])
+def test_gluon_w2_dgrad_scored(programs):
+    """scored_rows in the Gluon W2 DGRAD against the Triton kernel (same contract): grad_h1
+    and h2 within one bf16 rounding of each other, the score parts within 2^-8 of the
+    largest, written only after the scores of live non-null routes; nothing else of the
+    route rows changes."""
+    from distmoe.kernels.w2_dgrad_gluon import launch_gluon_w2_dgrad
+
+    hidden, ffn, block = 256, 384, 128
+    counts = [0, 37, 128, 300, 1, 129, 0, 75]
+    layout = layout_from_counts(counts, block, idle_tiles=1, extra_tiles={2: 1})
+    num_experts, num_act = len(counts), layout.num_act
+    live = layout.live_act()
+    w2 = (torch.randn(num_experts, hidden, ffn, device=DEVICE) / math.sqrt(hidden)).bfloat16()
+    rows = torch.randn(num_act, hidden, device=DEVICE).bfloat16()
+    rows[~live] = float("nan")
+    h1 = torch.randn(num_act, 2 * ffn, device=DEVICE).bfloat16() * 2
+    h1[~live] = float("nan")
+    null_rows = torch.zeros(layout.num_rows, dtype=torch.bool)
+    null_rows[layout.is_live.nonzero()[40]] = True
+    null_act = layout.act_of_row[null_rows].to(DEVICE)
+    rows[null_act] = 0.0
+    h1[null_act] = float("nan")
+    n_routes = int(layout.route_of_row.max()) + 1
+    route_rows = poisoned(n_routes, hidden)
+    route_rows.view(torch.float32)[:, 0] = torch.rand(n_routes, device=DEVICE) + 0.25
+    ptrs = row_table(layout, route_rows, null_rows=null_rows)
+    po, ro = layout.padded_offsets, layout.row_offsets
+    before = route_rows.clone()
+
+    def run(gluon):
+        route_rows.copy_(before)
+        out, h2 = poisoned(num_act, 2 * ffn), poisoned(num_act, ffn)
+        if gluon:
+            launch_gluon_w2_dgrad(ptrs, po, ro, w2, rows, h1, out, h1_offset=None, h2_out=h2,
+                                  scored_rows=True, programs=programs)
+        else:
+            cfg = W2DgradConfig(block_m=block, block_n=128, block_k=64, num_warps=8,
+                                num_stages=3)
+            w2_dgrad_swiglu_bwd(ptrs, po, ro, w2, h1, out, h2_out=h2, grad_h3_rows=rows,
+                                scored_rows=True, config=cfg)
+        torch.cuda.synchronize()
+        return out, h2, route_rows.clone()
+
+    want_h1, want_h2, want_rows = run(False)
+    got_h1, got_h2, got_rows = run(True)
+    for got, want in ((got_h1, want_h1), (got_h2, want_h2)):
+        g, w = got[live].double(), want[live].double()
+        assert torch.isfinite(g).all()
+        scale = w.abs().max().item()
+        assert ((g - w).abs() <= 2.0**-7 * w.abs() + 1e-3 * scale).all(), \
+            (g - w).abs().max().item()
+        assert (got[null_act] == 0).all()
+        assert same_bits(got[~live], poisoned(int((~live).sum()), got.shape[1]))
+    parts = ffn // 128
+    route = layout.route_of_act.to(DEVICE)
+    has_part = live.clone()
+    has_part[null_act] = False
+    got_p = got_rows.view(torch.float32)[route[has_part]][:, 1:1 + parts]
+    want_p = want_rows.view(torch.float32)[route[has_part]][:, 1:1 + parts]
+    assert torch.isfinite(got_p).all()
+    assert ((got_p - want_p).abs() <= 2.0**-8 * want_p.abs().max()).all()
+    expected = before.view(torch.float32).clone()
+    expected[route[has_part], 1:1 + parts] = got_p
+    assert same_bits(got_rows.view(torch.float32), expected)
 
 
 @pytest.mark.gpu

@@ -23,12 +23,26 @@ Forward, on the token owner: ``y[t] = sum_k score[t, k] * h3[t, k]`` (fp32), whe
   ``h3`` element of a column step before it writes that step's ``grad_routes`` elements (a
   CTA barrier between the loads and the stores: the stores do not depend on ``h3``, so no
   data dependency orders them).
+* :func:`push_route_grads` (what the layer runs instead): the expert computes the score
+  gradients, so the owner reads no ``h3``. It pushes the *unscaled* ``bf16(grad_y[t])`` to
+  every active route's destination row and writes ``score[t, k]`` (fp32) at the start of its
+  own route row ``t*K + k`` (the combine buffer, free during the backward). The expert's W2
+  DGRAD (``scored_rows``) reads the score through its row pointer, which points at that row,
+  and computes, per row and column tile ``j`` of F::
+
+      acc           = grad_y[t] @ W2[:, tile j]         (fp32)
+      grad_h2       = score * acc
+      part_j        = dot(acc, bf16(h2)[tile j])        (fp32, written at value 1 + j of the row)
+
+  Since ``h3 = W2 @ bf16(h2)``, ``sum_j part_j = dot(grad_y[t], h3)`` before h3's rounding to
+  bf16: the score gradient, without the ``T*K*D`` bf16 read of the saved h3 rows.
 * :func:`reduce_routes` (after the expert backward): every route's expert returned one input
   gradient row into slot ``t*K + k`` (the dispatch buffer); ``grad_x[t]`` is their fp32 sum,
   rounded to bf16 once. Inactive routes are never read, so their slots may hold anything; a
-  token without active routes gets exact zeros.
+  token without active routes gets exact zeros. With ``score_rows`` it also sums each active
+  route's score parts, in part order (deterministic), into ``grad_scores``.
 
-Memory: both kernels stream their rows once (``route_grads`` reads ``grad_y`` once per route,
+Memory: the kernels stream their rows once (``route_grads`` reads ``grad_y`` once per route,
 served by L1/L2 since the K routes of a token sit in the same program). No atomics, no
 host synchronisation (the in-place mode of ``route_grads`` adds one CTA barrier per column
 step): the caller orders the peer writes (barrier) before ``reduce_routes``.
@@ -57,6 +71,52 @@ _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
 # --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dest_rows(dest_rows_ptr, dest_bases_ptr, route, expert, is_active, experts_per_rank,
+               HIDDEN: tl.constexpr):
+    """``(is_pushed, row pointers)`` of the routes' rows at their destination ranks (peer
+    addresses, 16-byte aligned: bases and D*2 are multiples of 16); a route with no
+    destination row (-1) is not pushed."""
+    dest_row = tl.load(dest_rows_ptr + route, mask=is_active, other=-1)
+    is_pushed = is_active & (dest_row >= 0)
+    base = tl.load(dest_bases_ptr + expert // experts_per_rank, mask=is_pushed, other=0)
+    out_rows = tl.multiple_of(
+        (base + dest_row.to(tl.int64) * (HIDDEN * 2)).to(tl.pointer_type(tl.bfloat16)), 16)
+    return is_pushed, out_rows
+
+
+@triton.jit
+def _push_route_grads_kernel(
+    grad_y_ptr,  # bf16 [T, D]
+    expert_ids_ptr,  # int [T*K]
+    scores_ptr,  # fp32 [T*K]
+    score_rows_ptr,  # fp32 view of the bf16 route rows [>= T*K, D/2]: element 0 <- score
+    dest_rows_ptr,  # int32 [T*K]: the route's row at its destination, -1 = none
+    dest_bases_ptr,  # int64 [EP]: address of row 0 of every rank's destination rows
+    num_routes,  # T*K
+    experts_per_rank,  # destination rank = expert id // experts_per_rank
+    TOP_K: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    route = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_range = route < num_routes
+    expert = tl.load(expert_ids_ptr + route, mask=in_range, other=-1)
+    is_active = in_range & (expert >= 0)
+    route64 = route.to(tl.int64)
+    score = tl.load(scores_ptr + route, mask=is_active, other=0.0)
+    tl.store(score_rows_ptr + route64 * (HIDDEN // 2), score, mask=is_active)
+    is_pushed, out_rows = _dest_rows(dest_rows_ptr, dest_bases_ptr, route, expert, is_active,
+                                     experts_per_rank, HIDDEN)
+    token64 = route64 // TOP_K
+    for d0 in tl.range(0, HIDDEN, BLOCK_D):
+        col = d0 + tl.arange(0, BLOCK_D)
+        mask = is_pushed[:, None] & (col < HIDDEN)[None, :]
+        gy = tl.load(grad_y_ptr + token64[:, None] * HIDDEN + col[None, :], mask=mask, other=0.0)
+        tl.store(out_rows[:, None] + col[None, :], gy, mask=mask)
 
 
 @triton.jit
@@ -91,13 +151,8 @@ def _route_grads_kernel(
     route64 = route.to(tl.int64)
     token64 = route64 // TOP_K
     if PUSH:
-        # The route's output-gradient row goes straight to its destination rank's row (a peer
-        # address, 16-byte aligned: base and D*2 are multiples of 16).
-        dest_row = tl.load(dest_rows_ptr + route, mask=is_active, other=-1)
-        is_pushed = is_active & (dest_row >= 0)
-        base = tl.load(dest_bases_ptr + expert // experts_per_rank, mask=is_pushed, other=0)
-        out_rows = tl.multiple_of(
-            (base + dest_row.to(tl.int64) * (HIDDEN * 2)).to(tl.pointer_type(tl.bfloat16)), 16)
+        is_pushed, out_rows = _dest_rows(dest_rows_ptr, dest_bases_ptr, route, expert, is_active,
+                                         experts_per_rank, HIDDEN)
     else:
         is_pushed = is_active
         out_rows = grad_routes_ptr + route64 * HIDDEN
@@ -125,13 +180,21 @@ def _reduce_routes_kernel(
     route_rows_ptr,  # bf16 [>= T*K, D]
     expert_ids_ptr,  # int [T*K]
     grad_x_ptr,  # bf16 [T, D]
+    score_rows_ptr,  # fp32 view of the bf16 route rows [>= T*K, D/2] (SCORE_PARTS > 0)
+    grad_scores_ptr,  # fp32 [T*K] (SCORE_PARTS > 0)
     num_tokens,
     TOP_K: tl.constexpr,
     HIDDEN: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SCORE_PARTS: tl.constexpr,
+    PARTS_POW2: tl.constexpr,
 ):
     token = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    if SCORE_PARTS > 0:
+        if tl.program_id(1) == 0:
+            _sum_score_parts(score_rows_ptr, expert_ids_ptr, grad_scores_ptr, token, num_tokens,
+                             TOP_K, HIDDEN, BLOCK_T, SCORE_PARTS, PARTS_POW2)
     col = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     in_range = token < num_tokens
     col_ok = col < HIDDEN
@@ -149,6 +212,23 @@ def _reduce_routes_kernel(
     tl.store(
         grad_x_ptr + token64[:, None] * HIDDEN + col[None, :], acc.to(tl.bfloat16), mask=out_mask
     )
+
+
+@triton.jit
+def _sum_score_parts(score_rows_ptr, expert_ids_ptr, grad_scores_ptr, token, num_tokens,
+                     TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_T: tl.constexpr,
+                     SCORE_PARTS: tl.constexpr, PARTS_POW2: tl.constexpr):
+    """``grad_scores[t*K + k] = sum_j score_rows[t*K + k][1 + j]`` (fp32, ``j`` in order) for
+    the active routes of the tokens, 0 for the inactive ones."""
+    in_range = token < num_tokens
+    part = tl.arange(0, PARTS_POW2)
+    for k in tl.static_range(TOP_K):
+        route64 = token.to(tl.int64) * TOP_K + k
+        expert = tl.load(expert_ids_ptr + route64, mask=in_range, other=-1)
+        is_active = in_range & (expert >= 0)
+        parts = tl.load(score_rows_ptr + route64[:, None] * (HIDDEN // 2) + 1 + part[None, :],
+                        mask=is_active[:, None] & (part < SCORE_PARTS)[None, :], other=0.0)
+        tl.store(grad_scores_ptr + route64, tl.sum(parts, axis=1), mask=in_range)
 
 
 # --------------------------------------------------------------------------------------------
@@ -390,6 +470,74 @@ def route_grads(
         )
 
 
+def push_route_grads(
+    grad_y: torch.Tensor,
+    expert_ids: torch.Tensor,
+    scores: torch.Tensor,
+    score_rows: torch.Tensor,
+    *,
+    dest_rows: torch.Tensor,
+    dest_bases: torch.Tensor,
+    experts_per_rank: int,
+    config: RouteGradConfig | None = None,
+) -> None:
+    """Owner side of the backward when the expert computes the score gradients (what the layer
+    runs; module docstring). For every active route ``(t, k)``:
+
+    * the unscaled row ``grad_y[t]`` (bf16, copied bit for bit) is written to
+      ``dest_bases[expert_ids[t, k] // experts_per_rank] + dest_rows[t, k]*D*2``, the row the
+      destination rank executes the route at (not written when ``dest_rows[t, k] < 0``);
+    * ``scores[t, k]`` is written as an fp32 at the first 4 bytes of ``score_rows[t*K + k]``,
+      where the expert reads it (:func:`distmoe.kernels.w2_backward.w2_dgrad_swiglu_bwd`
+      with ``scored_rows``) and then leaves its partial score gradients for
+      :func:`reduce_routes`.
+
+    Args:
+        grad_y: ``[T, D]`` bf16, gradient of the layer output (``D`` a multiple of 8).
+        expert_ids: ``[T, K]`` any integer dtype; -1 marks an inactive route (nothing written).
+        scores: ``[T, K]`` fp32 routing scores.
+        score_rows: ``[T_max*K, D]`` bf16 (``T_max >= T``): the owner's route rows (the
+            combine buffer, which the backward does not otherwise use). Only the first 4 bytes
+            of the active routes' rows are written.
+        dest_rows: int32 ``[T, K]``, each route's row at its destination rank, -1 = none.
+        dest_bases: int64 ``[EP]`` absolute byte addresses (16-byte aligned) of row 0 of every
+            rank's destination rows. Addresses are not checked (they live on the device):
+            every ``expert_ids // experts_per_rank`` of an active route must index it, and the
+            rows written must not overlap anything this call reads.
+        experts_per_rank: experts per rank, an int >= 1.
+        config: launch configuration; ``None`` picks :meth:`RouteGradConfig.from_heuristic`.
+    """
+    num_tokens, top_k = _check_ids_scores(expert_ids, scores)
+    check_tensor("grad_y", grad_y, dtypes=(torch.bfloat16,), ndim=2, shape_text="[T, D]")
+    if grad_y.shape[0] != num_tokens:
+        raise ValueError(
+            f"grad_y must have T = {num_tokens} rows like expert_ids, got {list(grad_y.shape)}"
+        )
+    hidden = grad_y.shape[1]
+    check_width("D (grad_y.shape[1])", hidden)
+    _check_route_rows("score_rows", score_rows, num_tokens * top_k, hidden)
+    check_tensor("dest_rows", dest_rows, dtypes=(torch.int32,),
+                 shape=[num_tokens, top_k], shape_text="[T, K] like expert_ids")
+    check_tensor("dest_bases", dest_bases, dtypes=(torch.int64,), ndim=1,
+                 shape_text="[EP] (byte addresses of every rank's destination row 0)")
+    if isinstance(experts_per_rank, bool) or not isinstance(experts_per_rank, int) \
+            or experts_per_rank < 1:
+        raise ValueError(f"experts_per_rank ({experts_per_rank!r}) must be an int >= 1")
+    device = check_devices({"grad_y": grad_y, "expert_ids": expert_ids, "scores": scores,
+                            "score_rows": score_rows, "dest_rows": dest_rows,
+                            "dest_bases": dest_bases})
+    config = _check_config(config, hidden)
+    num_routes = num_tokens * top_k
+    if num_routes == 0:
+        return
+    with device_context(device):
+        _push_route_grads_kernel[(triton.cdiv(num_routes, config.block_rows),)](
+            grad_y, expert_ids, scores, score_rows.view(torch.float32), dest_rows, dest_bases,
+            num_routes, experts_per_rank, TOP_K=top_k, HIDDEN=hidden,
+            BLOCK_R=config.block_rows, BLOCK_D=config.block_d, num_warps=config.num_warps,
+        )  # fmt: skip
+
+
 def _rows_coincide(h3_routes: torch.Tensor, grad_routes_out: torch.Tensor) -> bool:
     """True when both start at the same row (in place); ``ValueError`` on any other overlap
     (a route row read by one program would be written by another)."""
@@ -412,9 +560,13 @@ def reduce_routes(
     expert_ids: torch.Tensor,
     grad_x_out: torch.Tensor,
     *,
+    score_rows: torch.Tensor | None = None,
+    score_parts: int = 0,
+    grad_scores_out: torch.Tensor | None = None,
     config: RouteGradConfig | None = None,
 ) -> None:
-    """``grad_x[t] = bf16(sum over active k of route_rows[t*K + k])`` with fp32 accumulation.
+    """``grad_x[t] = bf16(sum over active k of route_rows[t*K + k])`` with fp32 accumulation;
+    with ``score_rows``, also the score gradients the experts left in the owner's route rows.
 
     Args:
         route_rows: ``[T_max*K, D]`` bf16 (``T_max >= T``): the input-gradient row of route
@@ -422,6 +574,15 @@ def reduce_routes(
         expert_ids: ``[T, K]`` any integer dtype; -1 marks an inactive route.
         grad_x_out: ``[T, D]`` bf16; every row is written (exact zeros for a token without
             active routes).
+        score_rows: optional ``[T_max*K, D]`` bf16, the owner's route rows into which the
+            experts wrote fp32 partial score gradients (``scored_rows`` of
+            :func:`distmoe.kernels.w2_backward.w2_dgrad_swiglu_bwd`): route ``(t, k)``'s
+            parts are the fp32 values ``1 .. score_parts`` of its row. With
+            ``grad_scores_out`` and ``score_parts``.
+        score_parts: parts per route (the W2 DGRAD's column tiles, ``ceil(F / block_n)``),
+            an int in ``[1, D/2 - 1]`` with ``score_rows``.
+        grad_scores_out: fp32 ``[T, K]``; receives the fp32 sum of the route's parts, in part
+            order, for active routes and 0 for inactive ones (with ``score_rows``).
         config: launch configuration (``block_rows`` = tokens per program); ``None`` picks
             :meth:`RouteGradConfig.from_heuristic`.
     """
@@ -435,9 +596,19 @@ def reduce_routes(
     hidden = grad_x_out.shape[1]
     check_width("D (grad_x_out.shape[1])", hidden)
     _check_route_rows("route_rows", route_rows, num_tokens * top_k, hidden)
-    device = check_devices(
-        {"route_rows": route_rows, "expert_ids": expert_ids, "grad_x_out": grad_x_out}
-    )
+    named = {"route_rows": route_rows, "expert_ids": expert_ids, "grad_x_out": grad_x_out}
+    scored = score_rows is not None or grad_scores_out is not None or score_parts != 0
+    if scored:
+        _check_route_rows("score_rows", score_rows, num_tokens * top_k, hidden)
+        check_tensor("grad_scores_out", grad_scores_out, dtypes=(torch.float32,),
+                     shape=[num_tokens, top_k], shape_text="[T, K] like expert_ids")
+        if isinstance(score_parts, bool) or not isinstance(score_parts, int) \
+                or not 1 <= score_parts <= hidden // 2 - 1:
+            raise ValueError(f"score_parts ({score_parts!r}) must be an int in [1, D/2 - 1 = "
+                             f"{hidden // 2 - 1}] with score_rows (fp32 value 0 of a route "
+                             "row is its score, the parts follow)")
+        named.update(score_rows=score_rows, grad_scores_out=grad_scores_out)
+    device = check_devices(named)
     config = _check_config(config, hidden)
     if num_tokens == 0:
         return
@@ -447,11 +618,15 @@ def reduce_routes(
             route_rows,
             expert_ids,
             grad_x_out,
+            score_rows.view(torch.float32) if scored else grad_x_out,  # placeholders: unused
+            grad_scores_out if scored else grad_x_out,
             num_tokens,
             TOP_K=top_k,
             HIDDEN=hidden,
             BLOCK_T=config.block_rows,
             BLOCK_D=config.block_d,
+            SCORE_PARTS=score_parts if scored else 0,
+            PARTS_POW2=next_power_of_2(score_parts) if scored else 1,
             num_warps=config.num_warps,
         )
 

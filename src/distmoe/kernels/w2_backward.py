@@ -185,14 +185,20 @@ def _swiglu_bwd_epilogue(
     is_live,
     is_row,
     n0,
+    score,
     FFN: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STORE_H2: tl.constexpr,
+    SCORED: tl.constexpr,
 ):
     """SwiGLU backward of columns ``[n0, n0 + BLOCK_N)`` of F for the tile's rows: reads the
     ``g``/``u`` tile pair of the non-null live rows, writes ``grad_g``/``grad_u`` (and ``h2``)
     of the live rows at their activation rows ``act_rows`` (int64). Null rows load zeros and
     (their ``grad_h2`` being zero) store zeros; padding rows load and store nothing.
+    ``SCORED``: ``grad_h2`` is the unscaled product and ``score`` ([BLOCK_M] fp32) the rows'
+    route scores; the SwiGLU backward runs on ``score * grad_h2``, h2 is stored as
+    ``bf16(score * h2)``, and the function returns the rows' ``dot(grad_h2, bf16(h2))`` over
+    these columns (zeros when not ``SCORED``).
 
     In place (``grad_h1_ptr`` over the h1 rows): every stored element is a function of the
     ``g`` and ``u`` loaded at the same row and column, so its load precedes its store."""
@@ -207,16 +213,25 @@ def _swiglu_bwd_epilogue(
     u = tl.load(g_ptrs + FFN, mask=load_mask, other=0.0).to(tl.float32)
     s = tl.sigmoid(g)
     silu = g * s
-    grad_g = grad_h2 * u * (s * (1.0 + g * (1.0 - s)))
-    grad_u = grad_h2 * silu
+    part = tl.zeros_like(score)
+    scaled = grad_h2
+    if SCORED:
+        scaled = grad_h2 * score[:, None]
     store_mask = is_live[:, None] & col_ok[None, :]
     grad_rows = tl.multiple_of(grad_h1_ptr + act_rows * (2 * FFN), 16)
     grad_ptrs = grad_rows[:, None] + col[None, :]
-    tl.store(grad_ptrs, grad_g.to(tl.bfloat16), mask=store_mask)
-    tl.store(grad_ptrs + FFN, grad_u.to(tl.bfloat16), mask=store_mask)
+    tl.store(grad_ptrs, (scaled * u * (s * (1.0 + g * (1.0 - s)))).to(tl.bfloat16),
+             mask=store_mask)
+    tl.store(grad_ptrs + FFN, (scaled * silu).to(tl.bfloat16), mask=store_mask)
+    h2 = silu * u
+    if SCORED:
+        # the forward's W2 multiplied bf16(h2): its rounding is part of h3
+        part = tl.sum(grad_h2 * h2.to(tl.bfloat16).to(tl.float32), axis=1)
+        h2 = h2 * score[:, None]
     if STORE_H2:
         h2_rows = tl.multiple_of(h2_ptr + act_rows * FFN, 16)
-        tl.store(h2_rows[:, None] + col[None, :], (silu * u).to(tl.bfloat16), mask=store_mask)
+        tl.store(h2_rows[:, None] + col[None, :], h2.to(tl.bfloat16), mask=store_mask)
+    return part
 
 
 @triton.jit
@@ -281,6 +296,7 @@ def _w2_dgrad_tile(
     EXPERTS_POW2: tl.constexpr,
     GATHER_IN_LOOP: tl.constexpr,
     STORE_H2: tl.constexpr,
+    SCORED: tl.constexpr,
     DESC_READY: tl.constexpr,
     H1_OFFSET: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -289,6 +305,8 @@ def _w2_dgrad_tile(
 ):
     """One ``BLOCK_M x BLOCK_N`` tile of grad_h2 and its SwiGLU backward, for a row tile below
     ``padded_offsets[E]``. A tile of padding rows only loads and stores nothing.
+    ``SCORED``: each non-null row's score is the fp32 at its address, and the tile's score
+    part goes to fp32 value ``1 + pid_n`` there.
 
     ``grad_h3_rows`` / ``w2``: TMA descriptors (``DESC_READY``: host-encoded, or built once per
     persistent program), else the tensors, whose descriptors are built here once the tile is
@@ -335,35 +353,84 @@ def _w2_dgrad_tile(
 
         if H1_OFFSET:
             h1_ptr = h1_ptr + tl.load(h1_offset_ptr)
+        score_ptr = addr.to(tl.pointer_type(tl.float32))
+        score = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if SCORED:
+            score = tl.load(score_ptr, mask=is_row, other=0.0)
 
         # SwiGLU backward in column parts: the whole 128 x 128 tile with its g/u pair and
         # their 64-bit addresses needs more than 255 registers per thread (spills); halves
         # need about 180 on SM90 (ptxas). A 128 x 256 tile in halves spilled 560-600 bytes
         # per thread; in quarters none (tools/ptxas_report.py; run 12: 2.23 -> 2.15 ms at
-        # issue-a).
-        PART: tl.constexpr = (BLOCK_N // 4 if BLOCK_N >= 256
-                              else (BLOCK_N // 2 if BLOCK_N >= 32 else BLOCK_N))
+        # issue-a); with SCORED quarters spill 124 bytes, eighths none.
+        args = (h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row, score)
         if BLOCK_N >= 256:
-            lo, hi = _column_halves(acc, BLOCK_M, BLOCK_N)
-            q0, q1 = _column_halves(lo, BLOCK_M, BLOCK_N // 2)
-            _swiglu_bwd_epilogue(q0, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row, n0,
-                                 FFN, PART, STORE_H2)
-            _swiglu_bwd_epilogue(q1, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row,
-                                 n0 + PART, FFN, PART, STORE_H2)
-            q2, q3 = _column_halves(hi, BLOCK_M, BLOCK_N // 2)
-            _swiglu_bwd_epilogue(q2, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row,
-                                 n0 + 2 * PART, FFN, PART, STORE_H2)
-            _swiglu_bwd_epilogue(q3, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row,
-                                 n0 + 3 * PART, FFN, PART, STORE_H2)
+            if SCORED:
+                part = _epilogue_in_parts(acc, args, n0, FFN, BLOCK_M, BLOCK_N, 8, STORE_H2,
+                                          SCORED)
+            else:
+                part = _epilogue_in_parts(acc, args, n0, FFN, BLOCK_M, BLOCK_N, 4, STORE_H2,
+                                          SCORED)
         elif BLOCK_N >= 32:
-            lo, hi = _column_halves(acc, BLOCK_M, BLOCK_N)
-            _swiglu_bwd_epilogue(lo, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row, n0,
-                                 FFN, PART, STORE_H2)
-            _swiglu_bwd_epilogue(hi, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row,
-                                 n0 + PART, FFN, PART, STORE_H2)
+            part = _epilogue_in_parts(acc, args, n0, FFN, BLOCK_M, BLOCK_N, 2, STORE_H2, SCORED)
         else:
-            _swiglu_bwd_epilogue(acc, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row, n0,
-                                 FFN, BLOCK_N, STORE_H2)
+            part = _epilogue_in_parts(acc, args, n0, FFN, BLOCK_M, BLOCK_N, 1, STORE_H2, SCORED)
+        if SCORED:
+            tl.store(score_ptr + 1 + pid_n, part, mask=is_row)
+
+
+@triton.jit
+def _epilogue_in_parts(x, args, col0, FFN: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                       PARTS: tl.constexpr, STORE_H2: tl.constexpr, SCORED: tl.constexpr):
+    """:func:`_swiglu_bwd_epilogue` of the ``[ROWS, COLS]`` tile ``x`` (columns ``col0 + j``)
+    in ``PARTS`` (1, 2, 4 or 8) column parts of ``COLS / PARTS``, left to right; returns the
+    sum of their score parts. ``args``: ``(h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live,
+    is_row, score)``."""
+    h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row, score = args
+    if PARTS == 1:
+        part = _swiglu_bwd_epilogue(x, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row,
+                                    col0, score, FFN, COLS, STORE_H2, SCORED)
+    else:
+        HALF: tl.constexpr = COLS // 2
+        lo, hi = _column_halves(x, ROWS, COLS)
+        part = _epilogue_half(lo, args, col0, FFN, ROWS, HALF, PARTS // 2, STORE_H2, SCORED)
+        part += _epilogue_half(hi, args, col0 + HALF, FFN, ROWS, HALF, PARTS // 2, STORE_H2,
+                               SCORED)
+    return part
+
+
+@triton.jit
+def _epilogue_half(x, args, col0, FFN: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                   PARTS: tl.constexpr, STORE_H2: tl.constexpr, SCORED: tl.constexpr):
+    """One half of :func:`_epilogue_in_parts` (up to 4 parts: Triton does not recurse)."""
+    h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row, score = args
+    if PARTS == 1:
+        part = _swiglu_bwd_epilogue(x, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row,
+                                    col0, score, FFN, COLS, STORE_H2, SCORED)
+    elif PARTS == 2:
+        HALF: tl.constexpr = COLS // 2
+        lo, hi = _column_halves(x, ROWS, COLS)
+        part = _swiglu_bwd_epilogue(lo, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row,
+                                    col0, score, FFN, HALF, STORE_H2, SCORED)
+        part += _swiglu_bwd_epilogue(hi, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live,
+                                     is_row, col0 + HALF, score, FFN, HALF, STORE_H2, SCORED)
+    else:
+        QUARTER: tl.constexpr = COLS // 4
+        lo, hi = _column_halves(x, ROWS, COLS)
+        q0, q1 = _column_halves(lo, ROWS, COLS // 2)
+        part = _swiglu_bwd_epilogue(q0, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row,
+                                    col0, score, FFN, QUARTER, STORE_H2, SCORED)
+        part += _swiglu_bwd_epilogue(q1, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live,
+                                     is_row, col0 + QUARTER, score, FFN, QUARTER, STORE_H2,
+                                     SCORED)
+        q2, q3 = _column_halves(hi, ROWS, COLS // 2)
+        part += _swiglu_bwd_epilogue(q2, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live,
+                                     is_row, col0 + 2 * QUARTER, score, FFN, QUARTER, STORE_H2,
+                                     SCORED)
+        part += _swiglu_bwd_epilogue(q3, h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live,
+                                     is_row, col0 + 3 * QUARTER, score, FFN, QUARTER, STORE_H2,
+                                     SCORED)
+    return part
 
 
 @triton.jit
@@ -391,6 +458,7 @@ def _w2_dgrad_swiglu_kernel(
     EXPERTS_POW2: tl.constexpr,
     GATHER_IN_LOOP: tl.constexpr,
     STORE_H2: tl.constexpr,
+    SCORED: tl.constexpr,
     HOST_DESC: tl.constexpr,
     H1_OFFSET: tl.constexpr,
     PERSISTENT: tl.constexpr,
@@ -422,8 +490,8 @@ def _w2_dgrad_swiglu_kernel(
                 _w2_dgrad_tile(
                     grad_h3_ptrs_ptr, a_desc, padded_offsets_ptr, row_offsets_ptr, w_desc,
                     h1_rows_ptr, h1_offset_ptr, grad_h1_ptr, h2_ptr, num_act_rows, pid_m, pid_n,
-                    HIDDEN, FFN, NUM_EXPERTS, EXPERTS_POW2, GATHER_IN_LOOP, STORE_H2, True,
-                    False, BLOCK_M, BLOCK_N, BLOCK_K,
+                    HIDDEN, FFN, NUM_EXPERTS, EXPERTS_POW2, GATHER_IN_LOOP, STORE_H2, SCORED,
+                    True, False, BLOCK_M, BLOCK_N, BLOCK_K,
                 )  # fmt: skip
                 tile_id += tl.num_programs(0)
     else:
@@ -433,8 +501,8 @@ def _w2_dgrad_swiglu_kernel(
             _w2_dgrad_tile(
                 grad_h3_ptrs_ptr, grad_h3_rows, padded_offsets_ptr, row_offsets_ptr, w2, h1_ptr,
                 h1_offset_ptr, grad_h1_ptr, h2_ptr, num_act_rows, pid_m, pid_n, HIDDEN, FFN,
-                NUM_EXPERTS, EXPERTS_POW2, GATHER_IN_LOOP, STORE_H2, HOST_DESC, H1_OFFSET,
-                BLOCK_M, BLOCK_N, BLOCK_K,
+                NUM_EXPERTS, EXPERTS_POW2, GATHER_IN_LOOP, STORE_H2, SCORED, HOST_DESC,
+                H1_OFFSET, BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
 
 
@@ -1022,6 +1090,7 @@ def w2_dgrad_swiglu_bwd(
     h2_out: torch.Tensor | None = None,
     grad_h3_out: torch.Tensor | None = None,
     grad_h3_rows: torch.Tensor | None = None,
+    scored_rows: bool = False,
     config: W2DgradConfig | None = None,
 ) -> None:
     """W2 DGRAD + SwiGLU backward: padded tile schedule, compact activation rows (module
@@ -1057,6 +1126,16 @@ def w2_dgrad_swiglu_bwd(
             rows (the layer's owners push them there, :func:`distmoe.kernels.route_grad.
             route_grads`): nothing is gathered, ``grad_h3_ptrs`` only marks null rows (whose
             rows must hold zeros, or at least finite values). Not with ``grad_h3_out``.
+        scored_rows: the expert computes the score gradients (with ``grad_h3_rows``, which
+            then hold the *unscaled* output gradients ``g``; :func:`distmoe.kernels.route_grad.
+            push_route_grads`). The address of every live non-null row in ``grad_h3_ptrs``
+            holds the route's fp32 score ``s`` in its first 4 bytes (the owner's route row).
+            The SwiGLU backward then runs on ``s * (g @ W2)``, ``h2_out`` receives
+            ``bf16(s * h2)`` (so that ``w2_wgrad(grad_h3_rows, h2_out)`` is ``grad_W2``), and
+            column tile ``j`` of F (``config.block_n`` wide) writes the fp32
+            ``dot(g @ W2, bf16(h2))`` over its columns at fp32 value ``1 + j`` of that address:
+            the rows must hold ``1 + ceil(F / block_n)`` fp32 values (not checked: addresses
+            live on the device). Null rows get no parts.
         config: :class:`W2DgradConfig`; ``None`` = ``from_heuristic`` with ``block_m`` 128.
 
     D and F must be multiples of 8. Live rows of every output are written (null rows as
@@ -1094,6 +1173,11 @@ def w2_dgrad_swiglu_bwd(
     if grad_h3_out is not None and grad_h3_rows is not None:
         raise ValueError("grad_h3_out and grad_h3_rows exclude each other (gather the rows, or "
                          "pass rows already gathered), got both")
+    if not isinstance(scored_rows, bool):
+        raise TypeError(f"scored_rows must be a bool, got {type(scored_rows).__name__}")
+    if scored_rows and grad_h3_rows is None:
+        raise ValueError("scored_rows needs grad_h3_rows (the row addresses then point at the "
+                         "scores, not at grad_h3 rows to gather), got grad_h3_rows=None")
     h3_name = "grad_h3_out" if grad_h3_rows is None else "grad_h3_rows"
     gathered = grad_h3_out if grad_h3_rows is None else grad_h3_rows
     if gathered is not None:
@@ -1145,7 +1229,8 @@ def w2_dgrad_swiglu_bwd(
         if reason is None:
             launch_gluon_w2_dgrad(grad_h3_ptrs, padded_offsets, row_offsets, w2, grad_h3_rows,
                                   h1, grad_h1_out, h1_offset=h1_offset, h2_out=h2_out,
-                                  group_m=config.group_m, stages=config.num_stages)
+                                  scored_rows=scored_rows, group_m=config.group_m,
+                                  stages=config.num_stages)
             return
         warn_gluon_fallback("w2_dgrad_swiglu_bwd", reason)
     gather_in_loop = gathered is None
@@ -1201,6 +1286,7 @@ def w2_dgrad_swiglu_bwd(
             EXPERTS_POW2=experts_pow2,
             GATHER_IN_LOOP=gather_in_loop,
             STORE_H2=h2_out is not None,
+            SCORED=scored_rows,
             HOST_DESC=config.host_descriptors,
             H1_OFFSET=h1_offset is not None,
             PERSISTENT=config.persistent,
@@ -1311,13 +1397,20 @@ def w2_dgrad_swiglu_bwd_ref(
     h1: torch.Tensor,
     *,
     row_sources: list[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    row_scores: torch.Tensor | None = None,
+    block_n: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[torch.Tensor, ...]:
     """Reference of :func:`w2_dgrad_swiglu_bwd` in fp32.
 
     ``h1`` is bf16 ``[R_act, 2F]`` in activation rows; ``row_sources`` are the tensors that
     ``grad_h3_ptrs`` points into. Returns ``(grad_h1 [R_act, 2F], h2 [R_act, F],
     grad_h3 [R_act, D])`` in fp32 activation rows, without rounding to bf16; null rows and rows
     at/after ``row_offsets[E_local]`` are zeros (the kernel leaves the latter untouched).
+
+    ``row_scores`` (fp32 ``[R_act]``, with ``block_n``): the ``scored_rows`` contract with the
+    grad_h3 rows given by ``row_sources`` (unscaled) and the scores per activation row;
+    ``grad_h1`` and ``h2`` are then the scaled results, and a fourth value is returned: the
+    score parts ``[R_act, ceil(F / block_n)]`` (``bf16(h2)`` in the dot, like the kernel).
     """
     hidden, ffn = w2.shape[1], w2.shape[2]
     num_act = h1.shape[0]
@@ -1325,6 +1418,8 @@ def w2_dgrad_swiglu_bwd_ref(
     grad_h1 = torch.zeros(num_act, 2 * ffn, dtype=torch.float32, device=device)
     h2 = torch.zeros(num_act, ffn, dtype=torch.float32, device=device)
     gathered = torch.zeros(num_act, hidden, dtype=torch.float32, device=device)
+    num_parts = 0 if row_scores is None else -(-ffn // block_n)
+    parts = torch.zeros(num_act, num_parts, dtype=torch.float32, device=device)
     zero = torch.zeros((), device=device)
     for e, (pad, act, count) in enumerate(compact_segments(padded_offsets, row_offsets)):
         if count == 0:
@@ -1338,10 +1433,20 @@ def w2_dgrad_swiglu_bwd_ref(
         g = torch.where(live, h1[rows, :ffn].float(), zero)
         u = torch.where(live, h1[rows, ffn:].float(), zero)
         s = torch.sigmoid(g)
+        h2_rows = g * s * u
+        if row_scores is not None:
+            score = torch.where(live, row_scores[rows, None].float(), zero)
+            prod = grad_h2 * h2_rows.bfloat16().float()
+            for j in range(num_parts):
+                parts[rows, j] = prod[:, j * block_n:(j + 1) * block_n].sum(dim=1)
+            grad_h2 = grad_h2 * score
+            h2_rows = h2_rows * score
         grad_h1[rows, :ffn] = grad_h2 * u * s * (1 + g * (1 - s))
         grad_h1[rows, ffn:] = grad_h2 * g * s
-        h2[rows] = g * s * u
+        h2[rows] = h2_rows
         gathered[rows] = gh3
+    if row_scores is not None:
+        return grad_h1, h2, gathered, parts
     return grad_h1, h2, gathered
 
 

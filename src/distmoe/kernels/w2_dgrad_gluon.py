@@ -72,8 +72,9 @@ if HAVE_GLUON:
                   padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr, grad_h1_ptr, h2_ptr,
                   FFN: gl.constexpr, HIDDEN: gl.constexpr, NUM_EXPERTS: gl.constexpr,
                   EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                  H1_OFFSET: gl.constexpr, STORE_H2: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, PARITY: gl.constexpr):
+                  H1_OFFSET: gl.constexpr, STORE_H2: gl.constexpr, SCORED: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                  PARITY: gl.constexpr):
         """One warp: the TMA loads of every tile of the program, K step by K step."""
         NUM_K: gl.constexpr = HIDDEN // BLOCK_K
         NUM_PID_N: gl.constexpr = FFN // BLOCK_N
@@ -103,8 +104,9 @@ if HAVE_GLUON:
                   padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr, grad_h1_ptr, h2_ptr,
                   FFN: gl.constexpr, HIDDEN: gl.constexpr, NUM_EXPERTS: gl.constexpr,
                   EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                  H1_OFFSET: gl.constexpr, STORE_H2: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, PARITY: gl.constexpr):
+                  H1_OFFSET: gl.constexpr, STORE_H2: gl.constexpr, SCORED: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                  PARITY: gl.constexpr):
         """One warpgroup: the MMAs and the epilogue of the program's tiles ``PARITY``,
         ``PARITY + 2``, ... (in the program's own numbering)."""
         NUM_K: gl.constexpr = HIDDEN // BLOCK_K
@@ -146,26 +148,44 @@ if HAVE_GLUON:
             q0, q1 = _column_halves(lo, BLOCK_M, BLOCK_N // 2)
             n0 = pid_n * BLOCK_N
             Q: gl.constexpr = BLOCK_N // 4
-            _swiglu_bwd_part(q0, ptrs_ptr, row_start, act_start, num_live, h1_base, grad_h1_ptr,
-                             h2_ptr, n0, FFN, STORE_H2, BLOCK_M, Q)
-            _swiglu_bwd_part(q1, ptrs_ptr, row_start, act_start, num_live, h1_base, grad_h1_ptr,
-                             h2_ptr, n0 + Q, FFN, STORE_H2, BLOCK_M, Q)
+            p0 = _swiglu_bwd_part(q0, ptrs_ptr, row_start, act_start, num_live, h1_base,
+                                  grad_h1_ptr, h2_ptr, n0, FFN, STORE_H2, SCORED, BLOCK_M, Q)
+            p1 = p0 + _swiglu_bwd_part(q1, ptrs_ptr, row_start, act_start, num_live, h1_base,
+                                  grad_h1_ptr, h2_ptr, n0 + Q, FFN, STORE_H2, SCORED, BLOCK_M, Q)
             q2, q3 = _column_halves(hi, BLOCK_M, BLOCK_N // 2)
-            _swiglu_bwd_part(q2, ptrs_ptr, row_start, act_start, num_live, h1_base, grad_h1_ptr,
-                             h2_ptr, n0 + 2 * Q, FFN, STORE_H2, BLOCK_M, Q)
-            _swiglu_bwd_part(q3, ptrs_ptr, row_start, act_start, num_live, h1_base, grad_h1_ptr,
-                             h2_ptr, n0 + 3 * Q, FFN, STORE_H2, BLOCK_M, Q)
+            p2 = p1 + _swiglu_bwd_part(q2, ptrs_ptr, row_start, act_start, num_live, h1_base,
+                                  grad_h1_ptr, h2_ptr, n0 + 2 * Q, FFN, STORE_H2, SCORED,
+                                  BLOCK_M, Q)
+            p3 = p2 + _swiglu_bwd_part(q3, ptrs_ptr, row_start, act_start, num_live, h1_base,
+                                  grad_h1_ptr, h2_ptr, n0 + 3 * Q, FFN, STORE_H2, SCORED,
+                                  BLOCK_M, Q)
+            if SCORED:
+                # the tile's score part, at fp32 value 1 + pid_n of the row's address
+                PL: gl.constexpr = gl.SliceLayout(1, _part_layout(Q))
+                i = gl.arange(0, BLOCK_M, layout=PL)
+                live = i < num_live
+                addr = gl.load(ptrs_ptr + row_start + i, mask=live, other=0)
+                gl.store(addr.to(gl.pointer_type(gl.float32)) + 1 + pid_n, p3,
+                         mask=live & (addr != 0))
+
+    @gluon.constexpr_function
+    def _part_layout(W):
+        """The epilogue's layout of a ``[128, W]`` part over 4 warps: 16-byte vectors of 8
+        columns per thread."""
+        return gl.BlockedLayout([1, 8], [32 * 8 // W, W // 8], [4, 1], [1, 0])
 
     @gluon.jit
     def _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base, grad_h1_ptr,
                          h2_ptr, col0, FFN: gl.constexpr, STORE_H2: gl.constexpr,
-                         BLOCK_M: gl.constexpr, W: gl.constexpr):
+                         SCORED: gl.constexpr, BLOCK_M: gl.constexpr, W: gl.constexpr):
         """SwiGLU backward of a ``[BLOCK_M, W]`` part of the tile (columns ``col0 + j``): rows
         ``act_start + i`` for ``i < num_live``; null rows (address 0 in ``ptrs_ptr``) load
-        zeros and store zeros."""
+        zeros and store zeros. Returns the rows' ``dot(part, bf16(h2))`` over these columns
+        when ``SCORED`` (``part`` unscaled, each row's fp32 score at its address; the
+        backward then runs on ``score * part`` and h2 is stored scaled), else zeros."""
         # 16-byte vectors of 8 columns per thread: few 64-bit addresses (in the accumulator's
         # layout every 2 columns need their own, and the epilogue spills)
-        L: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // W, W // 8], [4, 1], [1, 0])
+        L: gl.constexpr = _part_layout(W)
         grad_h2 = gl.convert_layout(part, L)
         i = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L))
         j = gl.arange(0, W, layout=gl.SliceLayout(0, L))
@@ -177,18 +197,30 @@ if HAVE_GLUON:
         store_mask = gl.expand_dims(live, 1)
         load_mask = gl.expand_dims(live & (addr != 0), 1)
         g_ptrs = gl.multiple_of(h1_base + rows * (2 * FFN), [16, 16]) + col
+        if SCORED:
+            score = gl.expand_dims(gl.load(addr.to(gl.pointer_type(gl.float32)),
+                                           mask=live & (addr != 0), other=0.0), 1)
         g = gl.load(g_ptrs, mask=load_mask, other=0.0).to(gl.float32)
         u = gl.load(g_ptrs + FFN, mask=load_mask, other=0.0).to(gl.float32)
         s = 1.0 / (1.0 + gl.exp(-g))
         silu = g * s
-        grad_g = grad_h2 * u * (s * (1.0 + g * (1.0 - s)))
-        grad_u = grad_h2 * silu
+        dot = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, L))
+        scaled = grad_h2
+        if SCORED:
+            scaled = grad_h2 * score
         out_ptrs = gl.multiple_of(grad_h1_ptr + rows * (2 * FFN), [16, 16]) + col
-        gl.store(out_ptrs, grad_g.to(gl.bfloat16), mask=store_mask)
-        gl.store(out_ptrs + FFN, grad_u.to(gl.bfloat16), mask=store_mask)
+        gl.store(out_ptrs, (scaled * u * (s * (1.0 + g * (1.0 - s)))).to(gl.bfloat16),
+                 mask=store_mask)
+        gl.store(out_ptrs + FFN, (scaled * silu).to(gl.bfloat16), mask=store_mask)
+        h2 = silu * u
+        if SCORED:
+            # the forward's W2 multiplied bf16(h2): its rounding is part of h3
+            dot = gl.sum(grad_h2 * h2.to(gl.bfloat16).to(gl.float32), axis=1)
+            h2 = h2 * score
         if STORE_H2:
             h2_rows = gl.multiple_of(h2_ptr + rows * FFN, [16, 16])
-            gl.store(h2_rows + col, (silu * u).to(gl.bfloat16), mask=store_mask)
+            gl.store(h2_rows + col, h2.to(gl.bfloat16), mask=store_mask)
+        return dot
 
     @gluon.jit
     def _gluon_w2_dgrad_kernel(
@@ -209,6 +241,7 @@ if HAVE_GLUON:
         STAGES: gl.constexpr,
         H1_OFFSET: gl.constexpr,
         STORE_H2: gl.constexpr,
+        SCORED: gl.constexpr,
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
         BLOCK_K: gl.constexpr,
@@ -232,15 +265,18 @@ if HAVE_GLUON:
             (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, ptrs_ptr,
                          padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
                          grad_h1_ptr, h2_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
-                         STAGES, H1_OFFSET, STORE_H2, BLOCK_M, BLOCK_N, BLOCK_K, 0)),
+                         STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
+                         0)),
             (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, ptrs_ptr,
                          padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
                          grad_h1_ptr, h2_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
-                         STAGES, H1_OFFSET, STORE_H2, BLOCK_M, BLOCK_N, BLOCK_K, 1)),
+                         STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
+                         1)),
             (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, ptrs_ptr,
                          padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
                          grad_h1_ptr, h2_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
-                         STAGES, H1_OFFSET, STORE_H2, BLOCK_M, BLOCK_N, BLOCK_K, 1)),
+                         STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
+                         1)),
         ], [4, 1], [232, 40])
 
 
@@ -262,7 +298,8 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
                           row_offsets: torch.Tensor, w2: torch.Tensor,
                           grad_h3_rows: torch.Tensor, h1: torch.Tensor,
                           grad_h1_out: torch.Tensor, *, h1_offset: torch.Tensor | None,
-                          h2_out: torch.Tensor | None, group_m: int = 8, stages: int = 5,
+                          h2_out: torch.Tensor | None, scored_rows: bool = False,
+                          group_m: int = 8, stages: int = 5,
                           programs: int | None = None) -> None:
     """Launch the kernel (arguments validated by the caller,
     :func:`~distmoe.kernels.w2_backward.w2_dgrad_swiglu_bwd`, and
@@ -289,6 +326,7 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
             FFN=ffn, HIDDEN=hidden, NUM_EXPERTS=num_experts,
             EXPERTS_POW2=max(32, next_power_of_2(num_experts)), GROUP_M=group_m,
             STAGES=stages, H1_OFFSET=h1_offset is not None, STORE_H2=h2_out is not None,
+            SCORED=scored_rows,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
             maxnreg=_MAXNREG,
         )  # fmt: skip

@@ -16,41 +16,52 @@ order, and the layers of a slot in reverse order of their forwards. Per call:
      otherwise launched always and turned off on the device for saved layers)
     r1. owner: copy the kept x back into its dispatch rows 0..T-1
     r2. barrier                    (republished x visible)
-    r3. expert: W13 again into scratch (xs, h1g, h2); W2 again, scattering h3 into the
-        owners' combine slots
-    r4. barrier                    (h3 routes back with their owners)
-    1. owner:  route_grads: grad_scores[t,k] = <grad_y[t], h3[t,k]> with h3 read from the slot
-               (saved) or from the combine slots (replayed); bf16(score[t,k] * grad_y[t]) of
-               every executed route is pushed straight into the expert's scratch gh3, at the
-               activation row the expert executes the route at (tables.dest_rows_TK; the
-               activation buffer is a heap allocation, so peers can write it)
-    2. barrier                     (route output gradients visible to the experts)
-    3. expert: w2_dgrad_swiglu_bwd reads grad_h3 from scratch gh3 (nothing to gather),
-               reads h1 (slot or scratch h1g), writes grad_h1 into scratch h1g (in place
-               over a replayed h1) and h2;
-               w2_wgrad and w13_wgrad accumulate fp32 weight gradients (x_rows from the slot
-               or scratch xs); w13_dgrad_scatter stores each route's input gradient into the
-               owner's dispatch row t*K+k (tables.bwd_scatter_ptrs)
-    4. barrier                     (all route input gradients have landed)
-    5. owner:  reduce_routes: grad_x[t] = bf16(sum_k dispatch[t*K+k]) over executed routes
+    r3. expert: W13 again into scratch (xs, h1g, h2). W2 is not rerun: the backward needs no
+        h3 (step 3 computes the score gradients)
+    1. owner:  push_route_grads: bf16(grad_y[t]) of every executed route, unscaled, is pushed
+               straight into the expert's scratch gh3, at the activation row the expert
+               executes the route at (tables.dest_rows_TK; the activation buffer is a heap
+               allocation, so peers can write it); score[t,k] goes, as an fp32, to the start
+               of the owner's own combine row t*K+k
+    2. barrier                     (route output gradients and scores visible to the experts)
+    3. expert: w2_dgrad_swiglu_bwd (scored_rows) reads grad_y rows from scratch gh3 (nothing
+               to gather) and each route's score through its combine-row address
+               (tables.scatter_ptrs), reads h1 (slot or scratch h1g), writes
+               grad_h1 = SwiGLU'(score * grad_y @ W2) into scratch h1g (in place over a
+               replayed h1) and bf16(score * h2) into scratch h2, and leaves the route's
+               score gradient as fp32 parts dot(grad_y @ W2, h2) per column tile in the
+               owner's combine row, after the score (sum of parts = <grad_y[t], h3[t,k]>);
+               w2_wgrad (grad_y rows x score*h2) and w13_wgrad accumulate fp32 weight
+               gradients (x_rows from the slot or scratch xs); w13_dgrad_scatter stores each
+               route's input gradient into the owner's dispatch row t*K+k
+               (tables.bwd_scatter_ptrs)
+    4. barrier                     (all route input gradients and score parts have landed)
+    5. owner:  reduce_routes: grad_x[t] = bf16(sum_k dispatch[t*K+k]) over executed routes,
+               and grad_scores[t,k] = the sum of the route's parts, in order
+
+The saved h3 rows (DESIGN.md's memory model keeps them in the slot) are read only by the
+forward's combine.
 
 Why the peer writes are safe:
 
 * r1 writes this rank's dispatch rows; their last readers were this rank's step 5 of the
   previous backward (same stream) and peers' gathers of earlier calls, finished before
-  barriers this rank has passed. r3's gathers read those rows and finish before r4, which
-  every rank passes before any step 3 scatter writes dispatch rows again.
-* r3's W2 scatter writes combine slots; their previous readers (the owner's step 1 of the
-  previous backward, the owner's combine of a forward) ran before barriers everyone passed
-  before r2.
+  barriers this rank has passed. r3's gathers read those rows and finish (same stream)
+  before this rank enters barrier 2, which every rank passes before any step 3 scatter
+  writes dispatch rows again.
 * step 1 writes peers' scratch gh3 rows. Only step 3 reads them (W2 DGRAD and WGRAD, on the
   expert, after barrier 2); the previous readers (step 3 of the previous backward) finished
-  before that backward's barrier 4, which every rank passed before this backward began. No
-  other kernel touches scratch gh3 (the replay's r3 writes xs, h1g and h2 only, and finishes
-  before r4).
+  before that backward's barrier 4, which every rank passes before this backward began. No
+  other kernel touches scratch gh3 (the replay's r3 writes xs, h1g and h2 only).
+* step 1 also writes the owner's own combine rows (scores). Their previous readers were the
+  owner's combine in forward (same stream) and peers' step 3 of the previous backward
+  (before its barrier 4). Peers read the scores and write the parts in step 3, between
+  barriers 2 and 4; the owner reads the parts in step 5, after barrier 4. The next writers
+  are peers' W2 scatters of a later forward, after barriers this rank enters only after its
+  step 5.
 * step 3's scatter writes peers' dispatch rows. Peers read their dispatch in forward (the
-  W13 gather, finished before the forward's second barrier), in r3 (before r4) and in step 5
-  of the previous backward (finished before they entered barrier 2 of this one).
+  W13 gather, finished before the forward's second barrier), in r3 (before barrier 2) and in
+  step 5 of the previous backward (finished before they entered barrier 2 of this one).
 * No barrier after step 5: the only reader of this rank's dispatch in step 5 is this rank,
   and the next write into it is either this rank's own publish or r1 (ordered after step 5
   on the same stream) or a peer's write after a later barrier, which this rank enters only
@@ -75,15 +86,15 @@ Returned gradients: x (bf16), scores (scores' dtype), w13 and w2 in the paramete
 them into ``.grad``). Weight gradients that no input needs are not computed.
 Routes beyond the receive bound are not executed: they get zero gradients everywhere. Saved
 and replayed layers run the same kernels on the same values, so their gradients are
-bit-identical.
+bit-identical (the score parts are summed in a fixed order: no atomics).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..kernels.route_grad import reduce_routes, route_grads
-from ..kernels.w2_backward import W2DgradConfig, WgradConfig, w2_dgrad_swiglu_bwd, w2_wgrad
+from ..kernels.route_grad import push_route_grads, reduce_routes
+from ..kernels.w2_backward import WgradConfig, w2_dgrad_swiglu_bwd, w2_wgrad
 from ..kernels.w13_backward import W13DgradConfig, w13_dgrad_scatter, w13_wgrad
 
 
@@ -107,7 +118,6 @@ class MoEFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         from ..kernels.offset_copy import offset_copy
-        from ..kernels.w2_scatter import w2_scatter
         from ..kernels.w13_gather_swiglu import gather_w13_swiglu
 
         moe = ctx.moe
@@ -132,8 +142,8 @@ class MoEFunction(torch.autograd.Function):
         replay = rec.replay
 
         if not acts.always_saves:
-            # r1-r4: rebuild a replayed layer's state (every kernel is off on the device for a
-            # saved layer; the barriers run either way so that all ranks stay paired).
+            # r1-r3: rebuild a replayed layer's state (every kernel is off on the device for a
+            # saved layer; the barrier runs either way so that all ranks stay paired).
             offset_copy(moe._dispatch, elements, T * D, src_offset=rec.offsets[3:4])
             heap.barrier()
             enable = replay.to(torch.int32)
@@ -141,26 +151,22 @@ class MoEFunction(torch.autograd.Function):
             gather_w13_swiglu(gather_ptrs, po, ro, w13, scratch["h2"], h1_out=elements,
                               x_out=elements, out_offsets=moe._replay_offsets, enable=enable,
                               config=moe._w13_cfg)
-            w2_scatter(scratch["h2"], po, ro, w2, tables.scatter_ptrs, enable=enable,
-                       config=moe._w2_cfg)
-            heap.barrier()
         # where the state is, saved or rebuilt (decided with the forward's slot record)
-        h3_addr, h1_offset, x_offset = rec.backward[0:1], rec.backward[1:2], rec.backward[2:3]
+        h1_offset, x_offset = rec.backward[1:2], rec.backward[2:3]
 
-        # 1. owner: score gradients; route output gradients pushed into the experts' gh3 rows
-        grad_scores = torch.empty(T, K, dtype=torch.float32, device=dev)
-        route_grads(grad_y, None, ids_executed, scores_f32, None, grad_scores, h3_addr=h3_addr,
-                    dest_rows=tables.dest_rows_TK, dest_bases=moe._gh3_bases,
-                    experts_per_rank=E_l)
-        # 2. route output gradients visible to the experts
+        # 1. owner: unscaled route output gradients pushed into the experts' gh3 rows, the
+        #    scores into its own combine rows
+        combine_rows = moe._combine[:T * K]
+        push_route_grads(grad_y, ids_executed, scores_f32, combine_rows,
+                         dest_rows=tables.dest_rows_TK, dest_bases=moe._gh3_bases,
+                         experts_per_rank=E_l)
+        # 2. route output gradients and scores visible to the experts
         heap.barrier()
-        # 3. expert side
+        # 3. expert side (the score parts go into the owners' combine rows)
         w2_dgrad_swiglu_bwd(tables.scatter_ptrs, po, ro, w2, elements, scratch["h1g"],
                             h1_offset=h1_offset, h2_out=scratch["h2"],
-                            grad_h3_rows=scratch["gh3"],
-                            config=W2DgradConfig.from_heuristic(
-                                hidden=D, ffn=F, block_m=block,
-                                rows_per_expert=moe.rows_per_expert_hint, device=dev))
+                            grad_h3_rows=scratch["gh3"], scored_rows=True,
+                            config=moe._w2_dgrad_cfg)
         # WGRAD: fp32 accumulation, one rounding straight into the weights' dtype (one program
         # per output tile writes it whole: no zero fill, no conversion pass)
         need = ctx.needs_input_grad
@@ -186,9 +192,12 @@ class MoEFunction(torch.autograd.Function):
                               rows_per_expert=moe.rows_per_expert_hint))
         # 4. all route input gradients have landed
         heap.barrier()
-        # 5. owner: sum its routes' input gradients (no barrier after: module docstring)
+        # 5. owner: sum its routes' input gradients and score parts (no barrier after: module
+        #    docstring)
         grad_x = torch.empty(ctx.x_shape, dtype=torch.bfloat16, device=dev)
-        reduce_routes(dispatch_rows, ids_executed, grad_x)
+        grad_scores = torch.empty(T, K, dtype=torch.float32, device=dev)
+        reduce_routes(dispatch_rows, ids_executed, grad_x, score_rows=combine_rows,
+                      score_parts=moe._score_parts, grad_scores_out=grad_scores)
 
         return (
             None,

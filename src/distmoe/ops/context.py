@@ -150,6 +150,20 @@ class MoEContext:
             # [h1g, xs] element offsets (the replay's W13 outputs)
             self._replay_offsets = torch.tensor([so["h1g"], so["xs"]], dtype=torch.int64,
                                                 device=self.device)
+            from ..kernels.w2_backward import W2DgradConfig
+
+            self._w2_dgrad_cfg = W2DgradConfig.from_heuristic(
+                hidden=D, ffn=F, block_m=cfg.row_block, rows_per_expert=self.rows_per_expert_hint,
+                device=self.device)
+            # The experts leave each route's score gradient in parts (one per W2 DGRAD column
+            # tile) in the owner's combine row, after the score: the row must hold them.
+            self._score_parts = -(-F // self._w2_dgrad_cfg.block_n)
+            if 1 + self._score_parts > D // 2:
+                raise ValueError(
+                    f"training needs 1 + ceil(F / {self._w2_dgrad_cfg.block_n}) = "
+                    f"{1 + self._score_parts} fp32 values to fit a bf16 row of D = {D} "
+                    f"(D/2 = {D // 2}): the score and its gradient parts travel in the "
+                    "route's combine row (hidden too small for ffn)")
         else:
             self._h2 = torch.empty(self.receive_bound, F, dtype=torch.bfloat16,
                                    device=self.device)
