@@ -18,7 +18,8 @@ tile schedule, compact activation rows), times with ``triton.testing.do_bench``:
   ``torch._grouped_mm`` of h2 with W2 alone;
 * with ``--backward``, also the DGRAD kernels: ``w2_dgrad_swiglu_bwd`` (grad_h3 rows gathered
   by pointer, SwiGLU backward epilogue, h2 and grad_h3 stored for WGRAD) against
-  ``torch._grouped_mm`` of grad_h3 with W2, and ``w13_dgrad_scatter`` (route input gradients
+  ``torch._grouped_mm`` of grad_h3 with W2 (``w2_dgrad_scored``: the same with
+  ``scored_rows``, what the layer runs), and ``w13_dgrad_scatter`` (route input gradients
   scattered by pointer) against ``torch._grouped_mm`` of grad_h1 with W13; every DGRAD
   candidate on both grids (one program per tile, and persistent).
 
@@ -67,7 +68,8 @@ def main() -> int:
     ap.add_argument("--csv", default=None)
     ap.add_argument("--backward", action="store_true", help="also the DGRAD kernels")
     ap.add_argument("--kernels", nargs="+", default=None,
-                    choices=["w13", "w13_train", "w13_h1", "w2", "w2_dgrad", "w13_dgrad"],
+                    choices=["w13", "w13_train", "w13_h1", "w2", "w2_dgrad", "w2_dgrad_scored",
+                             "w13_dgrad"],
                     help="time only these kernels (default: all that the options select)")
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
@@ -192,10 +194,21 @@ def main() -> int:
                 w2_dgrad_swiglu_bwd(scatter, po, ro, w2, h1, grad_h1, h2_out=h2,
                                     grad_h3_rows=gh3_rows, config=c)
 
+            def run2ds(c, po=po, ro=ro, w2=w2, h1=h1, grad_h1=grad_h1, h2=h2,
+                       gh3_rows=gh3_rows, scatter=scatter):
+                # the layer's training path: unscaled rows, each route's score at the start
+                # of its combine row, the score parts written after it
+                w2_dgrad_swiglu_bwd(scatter, po, ro, w2, h1, grad_h1, h2_out=h2,
+                                    grad_h3_rows=gh3_rows, scored_rows=True, config=c)
+
             def run13d(c, po=po, ro=ro, w13=w13, grad_h1=grad_h1, bwd=bwd_scatter):
                 w13_dgrad_scatter(grad_h1, po, ro, w13, bwd, config=c)
 
-            kernels += [("w2_dgrad", run2d), ("w13_dgrad", run13d)]
+            combine.view(torch.float32)[:, 0] = torch.rand(combine.shape[0], device=dev)
+            ref["w2_dgrad_scored"], flops["w2_dgrad_scored"] = ref["w2_dgrad"], flops["w2"]
+            cands["w2_dgrad_scored"] = cands["w2_dgrad"]
+            kernels += [("w2_dgrad", run2d), ("w2_dgrad_scored", run2ds),
+                        ("w13_dgrad", run13d)]
         for kernel, fn in kernels:
             if args.kernels and kernel not in args.kernels:
                 continue

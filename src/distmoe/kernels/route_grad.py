@@ -32,10 +32,11 @@ Forward, on the token owner: ``y[t] = sum_k score[t, k] * h3[t, k]`` (fp32), whe
 
       acc           = grad_y[t] @ W2[:, tile j]         (fp32)
       grad_h2       = score * acc
-      part_j        = dot(acc, bf16(h2)[tile j])        (fp32, written at value 1 + j of the row)
+      part_j        = dot(acc, h2[tile j])              (fp32, written at value 1 + j of the row)
 
-  Since ``h3 = W2 @ bf16(h2)``, ``sum_j part_j = dot(grad_y[t], h3)`` before h3's rounding to
-  bf16: the score gradient, without the ``T*K*D`` bf16 read of the saved h3 rows.
+  Since ``h3 = W2 @ h2``, ``sum_j part_j = dot(grad_y[t], h3)`` (up to the rounding of h2 and
+  h3 to bf16 in the forward): the score gradient, without the ``T*K*D`` bf16 read of the
+  saved h3 rows. The parts are summed in a fixed order, so the result is deterministic.
 * :func:`reduce_routes` (after the expert backward): every route's expert returned one input
   gradient row into slot ``t*K + k`` (the dispatch buffer); ``grad_x[t]`` is their fp32 sum,
   rounded to bf16 once. Inactive routes are never read, so their slots may hold anything; a

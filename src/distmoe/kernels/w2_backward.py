@@ -56,6 +56,13 @@ Per live row (``h1 = [g | u]`` saved by the forward, ``W2 = w2[e]`` of shape ``[
     other program touches them.
     Null live rows produce zeros in every output; tiles of padding rows only and idle tiles
     (rows at/after ``padded_offsets[E]``) exit before loading anything.
+    ``scored_rows`` (what training runs, :mod:`distmoe.ops.autograd`): the rows hold the
+    unscaled ``g = grad_y[t]`` and each row's address points at the owner's route row, whose
+    first fp32 is the route's score ``s``; then ``grad_h2 = s * (g @ W2)``, h2 is stored as
+    ``s * h2`` (so that WGRAD of ``g`` and it is grad_W2), and each column tile writes the
+    fp32 ``dot(g @ W2, h2)`` over its columns after the score (the score gradient, in parts:
+    :func:`distmoe.kernels.route_grad.reduce_routes` sums them). The epilogue then runs in
+    twice as many column parts (registers).
     Grid: one program per (row tile, ``block_n`` columns of F) of the ``R_cap`` bound, or with
     ``persistent`` one program per SM (at most one per tile of the bound), each walking the
     live tiles ``padded_offsets[E] / block_m * ceil(F / block_n)`` (a device value) with a
@@ -197,7 +204,7 @@ def _swiglu_bwd_epilogue(
     (their ``grad_h2`` being zero) store zeros; padding rows load and store nothing.
     ``SCORED``: ``grad_h2`` is the unscaled product and ``score`` ([BLOCK_M] fp32) the rows'
     route scores; the SwiGLU backward runs on ``score * grad_h2``, h2 is stored as
-    ``bf16(score * h2)``, and the function returns the rows' ``dot(grad_h2, bf16(h2))`` over
+    ``bf16(score * h2)``, and the function returns the rows' fp32 ``dot(grad_h2, h2)`` over
     these columns (zeros when not ``SCORED``).
 
     In place (``grad_h1_ptr`` over the h1 rows): every stored element is a function of the
@@ -214,23 +221,22 @@ def _swiglu_bwd_epilogue(
     s = tl.sigmoid(g)
     silu = g * s
     part = tl.zeros_like(score)
-    scaled = grad_h2
+    grad_u = grad_h2 * silu
     if SCORED:
-        scaled = grad_h2 * score[:, None]
+        # dot(grad_h2, h2) = sum(grad_u * u) before the scaling; scaling u scales grad_g and
+        # h2 at no extra cost
+        part = tl.sum(grad_u * u, axis=1)
+        grad_u = grad_u * score[:, None]
+        u = u * score[:, None]
     store_mask = is_live[:, None] & col_ok[None, :]
     grad_rows = tl.multiple_of(grad_h1_ptr + act_rows * (2 * FFN), 16)
     grad_ptrs = grad_rows[:, None] + col[None, :]
-    tl.store(grad_ptrs, (scaled * u * (s * (1.0 + g * (1.0 - s)))).to(tl.bfloat16),
+    tl.store(grad_ptrs, (grad_h2 * u * (s * (1.0 + g * (1.0 - s)))).to(tl.bfloat16),
              mask=store_mask)
-    tl.store(grad_ptrs + FFN, (scaled * silu).to(tl.bfloat16), mask=store_mask)
-    h2 = silu * u
-    if SCORED:
-        # the forward's W2 multiplied bf16(h2): its rounding is part of h3
-        part = tl.sum(grad_h2 * h2.to(tl.bfloat16).to(tl.float32), axis=1)
-        h2 = h2 * score[:, None]
+    tl.store(grad_ptrs + FFN, grad_u.to(tl.bfloat16), mask=store_mask)
     if STORE_H2:
         h2_rows = tl.multiple_of(h2_ptr + act_rows * FFN, 16)
-        tl.store(h2_rows[:, None] + col[None, :], h2.to(tl.bfloat16), mask=store_mask)
+        tl.store(h2_rows[:, None] + col[None, :], (silu * u).to(tl.bfloat16), mask=store_mask)
     return part
 
 
@@ -362,19 +368,12 @@ def _w2_dgrad_tile(
         # their 64-bit addresses needs more than 255 registers per thread (spills); halves
         # need about 180 on SM90 (ptxas). A 128 x 256 tile in halves spilled 560-600 bytes
         # per thread; in quarters none (tools/ptxas_report.py; run 12: 2.23 -> 2.15 ms at
-        # issue-a); with SCORED quarters spill 124 bytes, eighths none.
+        # issue-a). SCORED needs twice the parts (128 x 256 in quarters: 292 bytes of spills,
+        # in eighths none; 128 x 128 in halves: 4 bytes).
         args = (h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row, score)
-        if BLOCK_N >= 256:
-            if SCORED:
-                part = _epilogue_in_parts(acc, args, n0, FFN, BLOCK_M, BLOCK_N, 8, STORE_H2,
-                                          SCORED)
-            else:
-                part = _epilogue_in_parts(acc, args, n0, FFN, BLOCK_M, BLOCK_N, 4, STORE_H2,
-                                          SCORED)
-        elif BLOCK_N >= 32:
-            part = _epilogue_in_parts(acc, args, n0, FFN, BLOCK_M, BLOCK_N, 2, STORE_H2, SCORED)
-        else:
-            part = _epilogue_in_parts(acc, args, n0, FFN, BLOCK_M, BLOCK_N, 1, STORE_H2, SCORED)
+        PARTS: tl.constexpr = (4 if BLOCK_N >= 256 else (2 if BLOCK_N >= 32 else 1)) * (
+            2 if SCORED and BLOCK_N >= 64 else 1)
+        part = _epilogue_in_parts(acc, args, n0, FFN, BLOCK_M, BLOCK_N, PARTS, STORE_H2, SCORED)
         if SCORED:
             tl.store(score_ptr + 1 + pid_n, part, mask=is_row)
 
@@ -1133,7 +1132,7 @@ def w2_dgrad_swiglu_bwd(
             The SwiGLU backward then runs on ``s * (g @ W2)``, ``h2_out`` receives
             ``bf16(s * h2)`` (so that ``w2_wgrad(grad_h3_rows, h2_out)`` is ``grad_W2``), and
             column tile ``j`` of F (``config.block_n`` wide) writes the fp32
-            ``dot(g @ W2, bf16(h2))`` over its columns at fp32 value ``1 + j`` of that address:
+            ``dot(g @ W2, h2)`` over its columns at fp32 value ``1 + j`` of that address:
             the rows must hold ``1 + ceil(F / block_n)`` fp32 values (not checked: addresses
             live on the device). Null rows get no parts.
         config: :class:`W2DgradConfig`; ``None`` = ``from_heuristic`` with ``block_m`` 128.
@@ -1410,7 +1409,7 @@ def w2_dgrad_swiglu_bwd_ref(
     ``row_scores`` (fp32 ``[R_act]``, with ``block_n``): the ``scored_rows`` contract with the
     grad_h3 rows given by ``row_sources`` (unscaled) and the scores per activation row;
     ``grad_h1`` and ``h2`` are then the scaled results, and a fourth value is returned: the
-    score parts ``[R_act, ceil(F / block_n)]`` (``bf16(h2)`` in the dot, like the kernel).
+    score parts ``[R_act, ceil(F / block_n)]`` (fp32 h2 in the dot, like the kernel).
     """
     hidden, ffn = w2.shape[1], w2.shape[2]
     num_act = h1.shape[0]
@@ -1436,7 +1435,7 @@ def w2_dgrad_swiglu_bwd_ref(
         h2_rows = g * s * u
         if row_scores is not None:
             score = torch.where(live, row_scores[rows, None].float(), zero)
-            prod = grad_h2 * h2_rows.bfloat16().float()
+            prod = grad_h2 * h2_rows
             for j in range(num_parts):
                 parts[rows, j] = prod[:, j * block_n:(j + 1) * block_n].sum(dim=1)
             grad_h2 = grad_h2 * score

@@ -10,6 +10,11 @@ F::
     grad_u  = grad_h2 * silu(g)
     h2      = silu(g) * u                           (optional)
 
+and with ``scored_rows`` the score form (each row's score ``s`` at its address: the SwiGLU
+backward of ``s * grad_h2``, ``s * h2`` stored, ``dot(grad_h2, h2)`` per column tile written
+after the score; the score multiplies ``u`` once, so ``grad_g`` and ``h2`` cost nothing more).
+It costs the epilogue-bound kernel 14% (issue-a) to 30% (fine) of its time (run 26).
+
 Why a second kernel. The Triton kernel's epilogue (two loads and three stores per element) runs
 after the tile's last MMA and before the next tile's first one, in the same warps: at
 T=8192, D=4096, F=2048, E=32, K=8 it ran at about 575 TFLOP/s against about 700 for the
@@ -180,7 +185,7 @@ if HAVE_GLUON:
                          SCORED: gl.constexpr, BLOCK_M: gl.constexpr, W: gl.constexpr):
         """SwiGLU backward of a ``[BLOCK_M, W]`` part of the tile (columns ``col0 + j``): rows
         ``act_start + i`` for ``i < num_live``; null rows (address 0 in ``ptrs_ptr``) load
-        zeros and store zeros. Returns the rows' ``dot(part, bf16(h2))`` over these columns
+        zeros and store zeros. Returns the rows' fp32 ``dot(part, h2)`` over these columns
         when ``SCORED`` (``part`` unscaled, each row's fp32 score at its address; the
         backward then runs on ``score * part`` and h2 is stored scaled), else zeros."""
         # 16-byte vectors of 8 columns per thread: few 64-bit addresses (in the accumulator's
@@ -205,21 +210,20 @@ if HAVE_GLUON:
         s = 1.0 / (1.0 + gl.exp(-g))
         silu = g * s
         dot = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, L))
-        scaled = grad_h2
+        grad_u = grad_h2 * silu
         if SCORED:
-            scaled = grad_h2 * score
+            # dot(grad_h2, h2) = sum(grad_u * u) before the scaling; scaling u scales grad_g
+            # and h2 at no extra cost
+            dot = gl.sum(grad_u * u, axis=1)
+            grad_u = grad_u * score
+            u = u * score
         out_ptrs = gl.multiple_of(grad_h1_ptr + rows * (2 * FFN), [16, 16]) + col
-        gl.store(out_ptrs, (scaled * u * (s * (1.0 + g * (1.0 - s)))).to(gl.bfloat16),
+        gl.store(out_ptrs, (grad_h2 * u * (s * (1.0 + g * (1.0 - s)))).to(gl.bfloat16),
                  mask=store_mask)
-        gl.store(out_ptrs + FFN, (scaled * silu).to(gl.bfloat16), mask=store_mask)
-        h2 = silu * u
-        if SCORED:
-            # the forward's W2 multiplied bf16(h2): its rounding is part of h3
-            dot = gl.sum(grad_h2 * h2.to(gl.bfloat16).to(gl.float32), axis=1)
-            h2 = h2 * score
+        gl.store(out_ptrs + FFN, grad_u.to(gl.bfloat16), mask=store_mask)
         if STORE_H2:
             h2_rows = gl.multiple_of(h2_ptr + rows * FFN, [16, 16])
-            gl.store(h2_rows + col, h2.to(gl.bfloat16), mask=store_mask)
+            gl.store(h2_rows + col, (silu * u).to(gl.bfloat16), mask=store_mask)
         return dot
 
     @gluon.jit

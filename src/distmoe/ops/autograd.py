@@ -16,21 +16,22 @@ order, and the layers of a slot in reverse order of their forwards. Per call:
      otherwise launched always and turned off on the device for saved layers)
     r1. owner: copy the kept x back into its dispatch rows 0..T-1
     r2. barrier                    (republished x visible)
-    r3. expert: W13 again into scratch (xs, h1g, h2). W2 is not rerun: the backward needs no
-        h3 (step 3 computes the score gradients)
+    r3. expert: W13 again into scratch (xs, h1g, h2). W2 is not rerun: the backward needs
+        no h3, since the experts compute the score gradients (step 3)
     1. owner:  push_route_grads: bf16(grad_y[t]) of every executed route, unscaled, is pushed
                straight into the expert's scratch gh3, at the activation row the expert
                executes the route at (tables.dest_rows_TK; the activation buffer is a heap
                allocation, so peers can write it); score[t,k] goes, as an fp32, to the start
                of the owner's own combine row t*K+k
     2. barrier                     (route output gradients and scores visible to the experts)
-    3. expert: w2_dgrad_swiglu_bwd (scored_rows) reads grad_y rows from scratch gh3 (nothing
-               to gather) and each route's score through its combine-row address
-               (tables.scatter_ptrs), reads h1 (slot or scratch h1g), writes
-               grad_h1 = SwiGLU'(score * grad_y @ W2) into scratch h1g (in place over a
+    3. expert: w2_dgrad_swiglu_bwd (scored_rows) reads the grad_y rows from scratch gh3
+               (nothing to gather), each route's score through its combine-row address
+               (tables.scatter_ptrs) and h1 (slot or scratch h1g); it writes
+               grad_h1 = SwiGLU'(score * (grad_y @ W2)) into scratch h1g (in place over a
                replayed h1) and bf16(score * h2) into scratch h2, and leaves the route's
-               score gradient as fp32 parts dot(grad_y @ W2, h2) per column tile in the
-               owner's combine row, after the score (sum of parts = <grad_y[t], h3[t,k]>);
+               score gradient as fp32 parts dot(grad_y @ W2, h2), one per column tile, in the
+               owner's combine row after the score (their sum is <grad_y[t], h3[t,k]> before
+               h3's rounding to bf16);
                w2_wgrad (grad_y rows x score*h2) and w13_wgrad accumulate fp32 weight
                gradients (x_rows from the slot or scratch xs); w13_dgrad_scatter stores each
                route's input gradient into the owner's dispatch row t*K+k
@@ -39,8 +40,12 @@ order, and the layers of a slot in reverse order of their forwards. Per call:
     5. owner:  reduce_routes: grad_x[t] = bf16(sum_k dispatch[t*K+k]) over executed routes,
                and grad_scores[t,k] = the sum of the route's parts, in order
 
-The saved h3 rows (DESIGN.md's memory model keeps them in the slot) are read only by the
-forward's combine.
+Why the experts compute the score gradients (docs/performance.md, run 26): the owner no
+longer reads the saved h3 rows (``T*K*D*2`` bytes) and a replayed layer's backward no longer
+reruns W2 and its barrier: -7.5% per step at T=8192, D=4096, F=2048, E=32, K=8 when every
+layer replays. The W2 DGRAD epilogue does more per element (+14-30% of that kernel alone);
+with every layer saved the step time stays the same. The saved h3 rows (DESIGN.md's memory
+model keeps them in the slot) are now read only by the forward's combine.
 
 Why the peer writes are safe:
 
@@ -53,9 +58,9 @@ Why the peer writes are safe:
   expert, after barrier 2); the previous readers (step 3 of the previous backward) finished
   before that backward's barrier 4, which every rank passes before this backward began. No
   other kernel touches scratch gh3 (the replay's r3 writes xs, h1g and h2 only).
-* step 1 also writes the owner's own combine rows (scores). Their previous readers were the
-  owner's combine in forward (same stream) and peers' step 3 of the previous backward
-  (before its barrier 4). Peers read the scores and write the parts in step 3, between
+* step 1 also writes the owner's own combine rows (scores). Their previous
+  readers were the owner's combine in forward (same stream) and peers' step 3 of the
+  previous backward (before its barrier 4). Peers read the scores and write the parts in step 3, between
   barriers 2 and 4; the owner reads the parts in step 5, after barrier 4. The next writers
   are peers' W2 scatters of a later forward, after barriers this rank enters only after its
   step 5.

@@ -156,7 +156,8 @@ class MoEContext:
                 hidden=D, ffn=F, block_m=cfg.row_block, rows_per_expert=self.rows_per_expert_hint,
                 device=self.device)
             # The experts leave each route's score gradient in parts (one per W2 DGRAD column
-            # tile) in the owner's combine row, after the score: the row must hold them.
+            # tile) in the owner's combine row, after the score: the row must hold them
+            # (distmoe.ops.autograd).
             self._score_parts = -(-F // self._w2_dgrad_cfg.block_n)
             if 1 + self._score_parts > D // 2:
                 raise ValueError(
