@@ -13,7 +13,8 @@ F::
 and with ``scored_rows`` the score form (each row's score ``s`` at its address: the SwiGLU
 backward of ``s * grad_h2``, ``s * h2`` stored, ``dot(grad_h2, h2)`` per column tile written
 after the score; the score multiplies ``u`` once, so ``grad_g`` and ``h2`` cost nothing more).
-It costs the epilogue-bound kernel 14% (issue-a) to 30% (fine) of its time (run 26).
+It costs the epilogue-bound kernel 7-14% (issue-a) to 30% (fine) of its time
+(docs/performance.md, run 26).
 
 Why a second kernel. The Triton kernel's epilogue (two loads and three stores per element) runs
 after the tile's last MMA and before the next tile's first one, in the same warps: at

@@ -42,9 +42,10 @@ order, and the layers of a slot in reverse order of their forwards. Per call:
 
 Why the experts compute the score gradients (docs/performance.md, run 26): the owner no
 longer reads the saved h3 rows (``T*K*D*2`` bytes) and a replayed layer's backward no longer
-reruns W2 and its barrier: -7.5% per step at T=8192, D=4096, F=2048, E=32, K=8 when every
-layer replays. The W2 DGRAD epilogue does more per element (+14-30% of that kernel alone);
-with every layer saved the step time stays the same. The saved h3 rows (DESIGN.md's memory
+reruns W2 and its barrier: -8% per step at T=8192, D=4096, F=2048, E=32, K=8 and at the
+fine-grained shape when every layer replays. The W2 DGRAD epilogue does more per element
+(that kernel alone: +7-14% at the first shape, +30% at the second); with every layer saved
+the step time stays the same. The saved h3 rows (DESIGN.md's memory
 model keeps them in the slot) are now read only by the forward's combine.
 
 Why the peer writes are safe:
