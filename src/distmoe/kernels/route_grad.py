@@ -307,6 +307,30 @@ def _check_ids_scores(expert_ids: object, scores: object | None) -> tuple[int, i
     return num_tokens, top_k
 
 
+def _check_grad_y(grad_y: object, num_tokens: int) -> int:
+    """``grad_y`` bf16 ``[T, D]`` with ``T = num_tokens``; returns D."""
+    check_tensor("grad_y", grad_y, dtypes=(torch.bfloat16,), ndim=2, shape_text="[T, D]")
+    if grad_y.shape[0] != num_tokens:
+        raise ValueError(
+            f"grad_y must have T = {num_tokens} rows like expert_ids, got {list(grad_y.shape)}"
+        )
+    check_width("D (grad_y.shape[1])", grad_y.shape[1])
+    return grad_y.shape[1]
+
+
+def _check_push(dest_rows: object, dest_bases: object, experts_per_rank: object,
+                num_tokens: int, top_k: int) -> None:
+    """The destination arguments of a push (``route_grads`` push mode, ``push_route_grads``)."""
+    check_tensor("dest_rows", dest_rows, dtypes=(torch.int32,),
+                 shape=[num_tokens, top_k], shape_text="[T, K] like expert_ids")
+    check_tensor("dest_bases", dest_bases, dtypes=(torch.int64,), ndim=1,
+                 shape_text="[EP] (byte addresses of every rank's destination row 0)")
+    if isinstance(experts_per_rank, bool) or not isinstance(experts_per_rank, int) \
+            or experts_per_rank < 1:
+        raise ValueError(f"experts_per_rank ({experts_per_rank!r}) must be an int >= 1 when "
+                         "route rows are pushed")
+
+
 def _check_route_rows(name: str, value: object, num_routes: int, hidden: int) -> None:
     check_tensor(name, value, dtypes=(torch.bfloat16,), ndim=2, shape_text="[T_max*K, D]")
     if value.shape[0] < num_routes or value.shape[1] != hidden:
@@ -378,13 +402,7 @@ def route_grads(
     All tensors contiguous, on one CUDA device (CPU under the Triton interpreter).
     """
     num_tokens, top_k = _check_ids_scores(expert_ids, scores)
-    check_tensor("grad_y", grad_y, dtypes=(torch.bfloat16,), ndim=2, shape_text="[T, D]")
-    if grad_y.shape[0] != num_tokens:
-        raise ValueError(
-            f"grad_y must have T = {num_tokens} rows like expert_ids, got {list(grad_y.shape)}"
-        )
-    hidden = grad_y.shape[1]
-    check_width("D (grad_y.shape[1])", hidden)
+    hidden = _check_grad_y(grad_y, num_tokens)
     num_routes = num_tokens * top_k
     if h3_addr is None:
         if h3_routes is None:
@@ -410,14 +428,7 @@ def route_grads(
                 "grad_routes_out must be None in push mode (dest_rows/dest_bases/"
                 f"experts_per_rank given), got a tensor of shape {list(grad_routes_out.shape)}"
             )
-        check_tensor("dest_rows", dest_rows, dtypes=(torch.int32,),
-                     shape=[num_tokens, top_k], shape_text="[T, K] like expert_ids")
-        check_tensor("dest_bases", dest_bases, dtypes=(torch.int64,), ndim=1,
-                     shape_text="[EP] (byte addresses of every rank's destination row 0)")
-        if isinstance(experts_per_rank, bool) or not isinstance(experts_per_rank, int) \
-                or experts_per_rank < 1:
-            raise ValueError(f"experts_per_rank ({experts_per_rank!r}) must be an int >= 1 in "
-                             "push mode")
+        _check_push(dest_rows, dest_bases, experts_per_rank, num_tokens, top_k)
     else:
         if grad_routes_out is None:
             raise TypeError("grad_routes_out must be a torch.Tensor unless the rows are pushed "
@@ -509,21 +520,9 @@ def push_route_grads(
         config: launch configuration; ``None`` picks :meth:`RouteGradConfig.from_heuristic`.
     """
     num_tokens, top_k = _check_ids_scores(expert_ids, scores)
-    check_tensor("grad_y", grad_y, dtypes=(torch.bfloat16,), ndim=2, shape_text="[T, D]")
-    if grad_y.shape[0] != num_tokens:
-        raise ValueError(
-            f"grad_y must have T = {num_tokens} rows like expert_ids, got {list(grad_y.shape)}"
-        )
-    hidden = grad_y.shape[1]
-    check_width("D (grad_y.shape[1])", hidden)
+    hidden = _check_grad_y(grad_y, num_tokens)
     _check_route_rows("score_rows", score_rows, num_tokens * top_k, hidden)
-    check_tensor("dest_rows", dest_rows, dtypes=(torch.int32,),
-                 shape=[num_tokens, top_k], shape_text="[T, K] like expert_ids")
-    check_tensor("dest_bases", dest_bases, dtypes=(torch.int64,), ndim=1,
-                 shape_text="[EP] (byte addresses of every rank's destination row 0)")
-    if isinstance(experts_per_rank, bool) or not isinstance(experts_per_rank, int) \
-            or experts_per_rank < 1:
-        raise ValueError(f"experts_per_rank ({experts_per_rank!r}) must be an int >= 1")
+    _check_push(dest_rows, dest_bases, experts_per_rank, num_tokens, top_k)
     device = check_devices({"grad_y": grad_y, "expert_ids": expert_ids, "scores": scores,
                             "score_rows": score_rows, "dest_rows": dest_rows,
                             "dest_bases": dest_bases})

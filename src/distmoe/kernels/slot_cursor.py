@@ -19,11 +19,10 @@ Outputs (all written by the single program):
 * ``replay`` bool ``[1]``: the layer keeps only its input;
 * ``offsets`` int64 ``[4]``: bf16 element offsets from the buffer base of this rank's h1,
   x_rows, h3 (saved; else -1) and of its kept input x (replayed; else -1);
-* ``backward`` int64 ``[3]``: what the backward reads h3, h1 and x_rows through: the h3
-  address (``combine_address`` when replayed: the route results are rebuilt in the combine
-  buffer; else the saved rows' absolute address), the h1 offset and the x_rows offset
-  (the scratch ``h1g`` / ``xs`` offsets when replayed). The forward's combine reads the
-  layer's h3 rows at that same address;
+* ``backward`` int64 ``[3]``: the h3 address, where the forward's combine reads the layer's
+  route results (``combine_address`` when replayed; else the saved rows' absolute address),
+  and what the backward reads h1 and x_rows through: the h1 offset and the x_rows offset
+  (the scratch ``h1g`` / ``xs`` offsets when replayed);
 * ``deltas`` int64 ``[EP]``: for every rank ``r``, where the experts return its route
   results, as a byte shift from its combine buffer: 0 when the layer is replayed, else its
   saved h3 rows' address in its activation buffer (``act_bases[r]`` plus its h3 offset;

@@ -27,9 +27,10 @@ receive bound)::
 
     xs   [R, D]   replayed gathered rows            (backward of a replayed layer)
     h1g  [R, 2F]  replayed h1, then grad_h1 in place (backward)
-    h2   [R, F]   SwiGLU output (forward, and backward for W2 WGRAD)
-    gh3  [R, D]   route output gradients, in activation rows: written by their owners
-                  (peer writes when the buffer is a heap allocation), read by W2 DGRAD/WGRAD
+    h2   [R, F]   SwiGLU output (forward), score * h2 (backward, for W2 WGRAD)
+    gh3  [R, D]   the routes' grad_y rows (unscaled), in activation rows: written by their
+                  owners (peer writes when the buffer is a heap allocation), read by W2
+                  DGRAD/WGRAD
 
 ``2R(2D + 3F)`` bytes before alignment, never more than the planner's peak ``scratch_bytes``
 (checked at construction; the planner's layout keeps grad_h2 separately, ours writes grad_h1
@@ -56,10 +57,11 @@ class LayerRecord:
     offsets: int64 [4] device element offsets (bf16 elements from the buffer base) of this
         rank's saved h1, x_rows, h3 routes (or -1 when replayed) and of the kept input x
         (-1 when saved). The order matches the W13 kernel's ``out_offsets = [h1, x]``.
-    backward: int64 [3] device values the backward reads its state through: the h3 routes'
-        absolute address (the combine buffer's when replayed), and the element offsets of h1
-        and x_rows (the scratch ``h1g`` / ``xs`` when replayed). The forward's combine reads
-        the h3 routes at that address too.
+    backward: int64 [3] device values: the h3 routes' absolute address (the combine
+        buffer's when replayed), where the forward's combine reads them, and the element
+        offsets of h1 and x_rows (the scratch ``h1g`` / ``xs`` when replayed), which the
+        backward reads its state through (it reads no h3: the experts compute the score
+        gradients, :mod:`distmoe.ops.autograd`).
     h3_deltas: int64 [EP] device values: per owner rank, the byte shift from its combine
         buffer to where the experts return its h3 routes (0 when replayed; else into its
         slot: :mod:`distmoe.kernels.slot_cursor`).
