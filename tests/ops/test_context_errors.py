@@ -125,3 +125,21 @@ def test_receive_bound_overflow_is_counted_and_never_written(check):
         assert r1["err"] is None
     else:
         assert r0["err"] is None and r0["y"] is not None and torch.isfinite(r0["y"].float()).all()
+
+
+def _narrow_rank(rank, world):
+    cfg = dm.MoEConfig(hidden=16, ffn=2048, num_experts=E, top_k=K, max_tokens=T,
+                       training=True, row_block=16)
+    try:
+        dm.MoEContext(cfg, device="cpu")
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_training_refuses_a_hidden_width_too_narrow_for_the_score_parts():
+    """Training carries each route's score and its gradient parts (one per W2 DGRAD column
+    tile) as fp32 values in the route's bf16 combine row: D = 16 holds 8, F = 2048 needs
+    more. Refused at construction, naming both widths."""
+    msg = dm.launch(_narrow_rank, 1)[0]
+    assert msg is not None and "hidden = 16" in msg and "ffn = 2048" in msg, msg

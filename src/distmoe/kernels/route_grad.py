@@ -578,7 +578,8 @@ def reduce_routes(
             experts wrote fp32 partial score gradients (``scored_rows`` of
             :func:`distmoe.kernels.w2_backward.w2_dgrad_swiglu_bwd`): route ``(t, k)``'s
             parts are the fp32 values ``1 .. score_parts`` of its row. With
-            ``grad_scores_out`` and ``score_parts``.
+            ``grad_scores_out`` and ``score_parts``. Every active route's parts must have been
+            written: pass the executed ids (a route no expert ran would read stale values).
         score_parts: parts per route (the W2 DGRAD's column tiles, ``ceil(F / block_n)``),
             an int in ``[1, D/2 - 1]`` with ``score_rows``.
         grad_scores_out: fp32 ``[T, K]``; receives the fp32 sum of the route's parts, in part

@@ -114,6 +114,9 @@ class MoEContext:
         self.row_capacity = row_capacity(self.receive_bound, self.num_local_experts,
                                          cfg.row_block)
         self.row_bytes = D * 2
+        self.rows_per_expert_hint = max(1, T * K // self.num_local_experts)
+        if cfg.training:
+            self._training_checks()
         heap = self.heap
         heap.allocate("routing", HEADER_BYTES + round_up(T * K * 2, 128))
         heap.allocate("dispatch", T * K * D * 2)
@@ -129,7 +132,6 @@ class MoEContext:
         from ..kernels.w2_scatter import W2Config
         from ..kernels.w13_gather_swiglu import W13Config
 
-        self.rows_per_expert_hint = max(1, T * K // self.num_local_experts)
         self._w13_cfg = W13Config.from_heuristic(hidden=D, ffn=F, block_m=cfg.row_block,
                                                  rows_per_expert=self.rows_per_expert_hint,
                                                  training=cfg.training, device=self.device)
@@ -150,21 +152,7 @@ class MoEContext:
             # [h1g, xs] element offsets (the replay's W13 outputs)
             self._replay_offsets = torch.tensor([so["h1g"], so["xs"]], dtype=torch.int64,
                                                 device=self.device)
-            from ..kernels.w2_backward import W2DgradConfig
 
-            self._w2_dgrad_cfg = W2DgradConfig.from_heuristic(
-                hidden=D, ffn=F, block_m=cfg.row_block, rows_per_expert=self.rows_per_expert_hint,
-                device=self.device)
-            # The experts leave each route's score gradient in parts (one per W2 DGRAD column
-            # tile) in the owner's combine row, after the score: the row must hold them
-            # (distmoe.ops.autograd).
-            self._score_parts = -(-F // self._w2_dgrad_cfg.block_n)
-            if 1 + self._score_parts > D // 2:
-                raise ValueError(
-                    f"training needs 1 + ceil(F / {self._w2_dgrad_cfg.block_n}) = "
-                    f"{1 + self._score_parts} fp32 values to fit a bf16 row of D = {D} "
-                    f"(D/2 = {D // 2}): the score and its gradient parts travel in the "
-                    "route's combine row (hidden too small for ffn)")
         else:
             self._h2 = torch.empty(self.receive_bound, F, dtype=torch.bfloat16,
                                    device=self.device)
@@ -393,6 +381,25 @@ class MoEContext:
             )
 
     # ------------------------------------------------------------------ lifetime
+    def _training_checks(self) -> None:
+        """The W2 DGRAD config of the backward, and whether a route's combine row holds the
+        score and its gradient parts (one per DGRAD column tile, distmoe.ops.autograd); a
+        ValueError (after freeing the heap: every rank takes the same decision) if not."""
+        from ..kernels.w2_backward import W2DgradConfig
+
+        D, F = self.cfg.hidden, self.cfg.ffn
+        self._w2_dgrad_cfg = W2DgradConfig.from_heuristic(
+            hidden=D, ffn=F, block_m=self.cfg.row_block,
+            rows_per_expert=self.rows_per_expert_hint, device=self.device)
+        self._score_parts = -(-F // self._w2_dgrad_cfg.block_n)
+        if 1 + self._score_parts > D // 2:
+            self.close()
+            raise ValueError(
+                f"training needs hidden/2 >= 1 + ceil(ffn / {self._w2_dgrad_cfg.block_n}): the "
+                "route's score and its gradient parts travel as fp32 values in its bf16 "
+                f"combine row, got hidden = {D} (room for {D // 2}) and ffn = {F} "
+                f"({1 + self._score_parts} needed)")
+
     def close(self) -> None:
         """*Collective.* Free the heap buffers (idempotent); the context is unusable after."""
         if self._closed:
