@@ -211,7 +211,10 @@ def full_state_breakdown(cfg: MoEConfig, ep_size: int, rows: int) -> tuple[Tenso
 
         x_gathered  [R, D]     bf16    align128(R*D*2)
         h1          [R, 2F]    bf16    align128(R*2F*2)
-        h3_routes   [T, K, D]  bf16    align128(T*K*D*2)   (for the score gradients)
+        h3_routes   [T, K, D]  bf16    align128(T*K*D*2)   (DESIGN.md: for the score gradients)
+
+    (Since run 26 the bf16 backward computes the score gradients on the expert side and reads
+    no h3; the model keeps DESIGN.md's bytes, see docs/memory.md.)
 
     mxfp8 (column bundles feed WGRAD; the row bundles stay temporary)::
 
