@@ -65,6 +65,12 @@ class MoEConfig:
             tier is backed by pinned host pages (VMM tier); ``None`` = device tier only.
         num_slots: activation slots (pipeline stage-microbatch owners alive at once).
         max_layers_per_slot: MoE layers whose state one slot holds.
+        save_route_outputs: a saved layer keeps its returned route results
+            ``h3 [T_max, K, D]`` bf16 in its slot (DESIGN.md's memory model, the default).
+            The backward does not read them (the experts compute the score gradients,
+            :mod:`distmoe.ops.autograd`), so ``False`` drops them: ``align128(T_max*K*D*2)``
+            fewer bytes per saved layer (a third of a bf16 layer at D = 2F), so more layers
+            save whole within the same budget. Gradients are the same bits either way.
     """
 
     hidden: int
@@ -81,6 +87,7 @@ class MoEConfig:
     total_scratch_factor: float | None = None
     num_slots: int = 1
     max_layers_per_slot: int = 1
+    save_route_outputs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("hidden", "ffn", "num_experts", "top_k", "max_tokens"):
@@ -126,6 +133,9 @@ class MoEConfig:
                 )
         _require_int("num_slots", self.num_slots, 1)
         _require_int("max_layers_per_slot", self.max_layers_per_slot, 1)
+        if not isinstance(self.save_route_outputs, bool):
+            raise TypeError(f"save_route_outputs must be a bool, got "
+                            f"{type(self.save_route_outputs).__name__}")
 
     # ----------------------------------------------------------------- group-size rules
     def check_ep_size(self, ep_size: int) -> None:

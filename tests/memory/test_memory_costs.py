@@ -66,6 +66,10 @@ def test_bf16_full_state_formula(d, f, t, k, rows):
     expected = align128(rows * d * 2) + align128(rows * 2 * f * 2) + align128(t * k * d * 2)
     assert full_state_bytes(cfg, 2, rows) == expected
     assert input_bytes(cfg) == align128(t * d * 2)
+    # without the route results (save_route_outputs=False): gathered x and h1 only
+    lean = MoEConfig(hidden=d, ffn=f, num_experts=8, top_k=k, max_tokens=t,
+                     save_route_outputs=False)
+    assert full_state_bytes(lean, 2, rows) == expected - align128(t * k * d * 2)
 
 
 @FAST

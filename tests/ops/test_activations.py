@@ -160,10 +160,10 @@ LAYERS = ["balanced", "imbalance_8x", "inactive_mix", "all_to_one_expert", "bala
           "zero_live_tokens_on_last_rank"]
 
 
-def _cfg(world, layers, *, num_slots=1, mode="mixed"):
+def _cfg(world, layers, *, num_slots=1, mode="mixed", save_route_outputs=True):
     base = dict(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T, row_block=BLOCK,
                 device_scratch_factor=float(world), max_layers_per_slot=layers,
-                num_slots=num_slots)
+                num_slots=num_slots, save_route_outputs=save_route_outputs)
     plan = dm.plan_memory(dm.MoEConfig(**base), world)
     if mode == "save":
         cap = plan.useful_max_slot_bytes
@@ -172,10 +172,10 @@ def _cfg(world, layers, *, num_slots=1, mode="mixed"):
     return dm.MoEConfig(**base, activation_bytes=cap)
 
 
-def _stack_rank(rank, world, seed, mode, checkpointed=None):
+def _stack_rank(rank, world, seed, mode, checkpointed=None, save_route_outputs=True):
     """``checkpointed``: {layer: use_reentrant} for layers run under torch.utils.checkpoint."""
     checkpointed = checkpointed or {}
-    cfg = _cfg(world, len(LAYERS), mode=mode)
+    cfg = _cfg(world, len(LAYERS), mode=mode, save_route_outputs=save_route_outputs)
     problems = [split_global_problem(*make_problem(seed + i, world, T, D, F, E, K, name),
                                      world)[rank] for i, name in enumerate(LAYERS)]
     g = torch.Generator().manual_seed(seed)
@@ -223,6 +223,24 @@ def test_six_layer_stack_replay_is_bit_identical_to_save_all():
             assert run["depth"] == [0] and run["cursors"] == [[0, 0]]  # all rewound
 
 
+def test_stack_without_route_outputs_in_the_slot_gives_the_same_bits():
+    """save_route_outputs=False: saved layers keep x_rows and h1 only (their h3 returns to
+    the combine buffer), slots hold more layers whole in the same bytes; the outputs and every
+    gradient are bit-identical to the default, saved or replayed."""
+    seed, world = 99, 2
+    saved = dm.launch(_stack_rank, world, args=(seed, "save"))
+    for mode in ("save", "mixed"):
+        lean = dm.launch(_stack_rank, world, args=(seed, mode, None, False))
+        for rank in range(world):
+            s, m = saved[rank], lean[rank]
+            if mode == "save":
+                assert m["always_saves"] and not any(m["replays"])
+            assert torch.equal(m["y"], s["y"])
+            for i, (ga, gb) in enumerate(zip(m["grads"], s["grads"], strict=True)):
+                assert ga is not None and torch.equal(ga, gb), f"{mode}: gradient {i} differs"
+            assert m["depth"] == [0] and m["cursors"] == [[0, 0]]
+
+
 def _slots_rank(rank, world, seed):
     """Layer A in slot 0, layer B in slot 1, slot 0 reselected before the backward: each
     backward must use the slot its forward recorded."""
@@ -264,8 +282,9 @@ def test_backward_uses_the_slot_its_forward_recorded():
         assert r["two_slots_depth"] == [0, 0] and r["one_slot_depth"] == [0]
 
 
+@pytest.mark.parametrize("h3_bytes", [2048, 0], ids=["route_outputs", "no_route_outputs"])
 @pytest.mark.parametrize("ep", [1, 3, 8])
-def test_slot_cursor_kernel_matches_torch_ops(ep):
+def test_slot_cursor_kernel_matches_torch_ops(ep, h3_bytes):
     """The one-program decision (the device path, interpreted on CPU) against the same rule
     in torch ops, on random rows and cursors that straddle the save/replay boundary, with row
     byte counts that are not multiples of 128 (the rounding matters)."""
@@ -278,7 +297,7 @@ def test_slot_cursor_kernel_matches_torch_ops(ep):
         rows = torch.randint(0, 50, (ep,), generator=gen).to(dev)
         cursors = (torch.randint(0, 200, (ep,), generator=gen) * 128).to(dev)
         args = dict(rank=trial % ep, slot_base=3 * 65536, slot_bytes=14_000 + 3_000 * trial,
-                    input_bytes=1536, reserve=1536 * (trial % 3), h3_bytes=2048,
+                    input_bytes=1536, reserve=1536 * (trial % 3), h3_bytes=h3_bytes,
                     x_row_bytes=2 * 40, h1_row_bytes=2 * 2 * 24, combine_address=7 * 4096,
                     elements_address=11 * 4096, replay_offsets=(12_288, 20_480),
                     act_bases=(torch.randint(1, 1 << 20, (ep,), generator=gen) * 4096).to(dev),
@@ -300,5 +319,8 @@ def test_slot_cursor_kernel_matches_torch_ops(ep):
         saved_at = (args["act_bases"] + args["slot_base"] + cursors
                     + (rows * 80 + 127) // 128 * 128 + (rows * 96 + 127) // 128 * 128
                     - args["combine_bases"])
-        assert torch.equal(got[4], saved_at * (~got[1]).long())
+        saved = (~got[1]).long() * (h3_bytes > 0)
+        assert torch.equal(got[4], saved_at * saved)
+        if h3_bytes == 0:  # no route results in the slot: h3 offset -1, combine address
+            assert got[2][2].item() == -1 and got[3][0].item() == args["combine_address"]
     assert outcomes == {False, True}  # both saved and replayed layers were compared

@@ -36,11 +36,13 @@ def _leaf(t):
 def _cfg(world, mode):
     """Two layers per slot (the stack test shares one context). ``save``: a slot that keeps
     every layer whole whatever the routing (the backward's replay steps are skipped);
-    ``replay``: the inputs-only minimum, every layer replays in backward."""
+    ``save_lean``: the same without the route results in the slot (``save_route_outputs``
+    False); ``replay``: the inputs-only minimum, every layer replays in backward."""
     base = dict(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T, training=True,
-                row_block=BLOCK, device_scratch_factor=float(world), max_layers_per_slot=2)
+                row_block=BLOCK, device_scratch_factor=float(world), max_layers_per_slot=2,
+                save_route_outputs=mode != "save_lean")
     plan = dm.plan_memory(dm.MoEConfig(**base), world)
-    cap = plan.useful_max_slot_bytes if mode == "save" else plan.min_slot_bytes
+    cap = plan.min_slot_bytes if mode == "replay" else plan.useful_max_slot_bytes
     return dm.MoEConfig(**base, activation_bytes=cap)
 
 
@@ -148,7 +150,7 @@ def check_training(EP, mode, device, gpus=(0,)):
     seed = 4321 + EP
     kw = dict(device="cuda", gpus=list(gpus), timeout=600) if device == "cuda" else {}
     per_rank = dm.launch(training_rank, EP, args=(seed, mode, device), **kw)
-    assert all(r["always_saves"] == (mode == "save") for r in per_rank)
+    assert all(r["always_saves"] == (mode != "replay") for r in per_rank)
     for r in per_rank:  # every case took the path the budget forces
         assert r["replays"] == [mode == "replay"] * len(NAMES), r["replays"]
     gy = _upstream(seed, EP * T)
@@ -189,6 +191,7 @@ def check_training(EP, mode, device, gpus=(0,)):
 
 
 @pytest.mark.parametrize("EP, mode", [(1, "save"), (1, "replay"), (2, "save"), (2, "replay"),
+                                      (2, "save_lean"),
                                       (4, "replay")])  # EP=4: issue 8's CPU share
 def test_training_matches_torch_autograd(EP, mode):
     check_training(EP, mode, "cpu")

@@ -12,7 +12,7 @@ from distmoe.reference import split_global_problem
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["save", "replay"])
+@pytest.mark.parametrize("mode", ["save", "replay", "save_lean"])
 @pytest.mark.parametrize("EP", [1, 2])
 def test_training_gpu_matches_torch_autograd(EP, mode):
     check_training(EP, mode, "cuda")

@@ -23,6 +23,8 @@ Outputs (all written by the single program):
   route results (``combine_address`` when replayed; else the saved rows' absolute address),
   and what the backward reads h1 and x_rows through: the h1 offset and the x_rows offset
   (the scratch ``h1g`` / ``xs`` offsets when replayed);
+* with ``h3_bytes`` 0 (``MoEConfig.save_route_outputs`` False) a saved layer keeps no route
+  results: its h3 offset is -1, its h3 address and deltas are those of a replayed layer;
 * ``deltas`` int64 ``[EP]``: for every rank ``r``, where the experts return its route
   results, as a byte shift from its combine buffer: 0 when the layer is replayed, else its
   saved h3 rows' address in its activation buffer (``act_bases[r]`` plus its h3 offset;
@@ -87,7 +89,8 @@ def _begin_layer_kernel(
     h3_at = (slot_base + cur + _align128(rows * X_ROW_BYTES) + _align128(rows * H1_ROW_BYTES)
              + tl.load(act_bases_ptr + idx, mask=valid, other=0)
              - tl.load(combine_bases_ptr + idx, mask=valid, other=0))
-    tl.store(deltas_ptr + idx, tl.where(save, h3_at, 0), mask=valid)
+    keep_h3 = save & (h3_bytes > 0)  # h3_bytes 0: the slot keeps no route results
+    tl.store(deltas_ptr + idx, tl.where(keep_h3, h3_at, 0), mask=valid)
     mine = idx == rank
     my_cur = tl.sum(tl.where(mine, cur, 0), axis=0)
     my_rows = tl.sum(tl.where(mine, rows, 0), axis=0)
@@ -98,9 +101,10 @@ def _begin_layer_kernel(
     tl.store(replay_ptr, save == 0)
     tl.store(offsets_ptr + 0, tl.where(save, h1_off, -1))
     tl.store(offsets_ptr + 1, tl.where(save, x_rows_off, -1))
-    tl.store(offsets_ptr + 2, tl.where(save, h3_off, -1))
+    tl.store(offsets_ptr + 2, tl.where(keep_h3, h3_off, -1))
     tl.store(offsets_ptr + 3, tl.where(save, -1, start))
-    tl.store(backward_ptr + 0, tl.where(save, elements_address + 2 * h3_off, combine_address))
+    tl.store(backward_ptr + 0, tl.where(keep_h3, elements_address + 2 * h3_off,
+                                        combine_address))
     tl.store(backward_ptr + 1, tl.where(save, h1_off, replay_h1_offset))
     tl.store(backward_ptr + 2, tl.where(save, x_rows_off, replay_x_offset))
 
@@ -121,16 +125,17 @@ def _begin_layer_torch(rows, cursors, before, replay, offsets, backward, deltas,
     cursors.add_(torch.where(save, full, torch.full_like(full, input_bytes)))
     h3_at = (slot_base + cur + align(rows * x_row_bytes) + align(rows * h1_row_bytes)
              + act_bases - combine_bases)
-    deltas.copy_(torch.where(save, h3_at, torch.zeros_like(h3_at)))
+    keep_h3 = save & (h3_bytes > 0)
+    deltas.copy_(torch.where(keep_h3, h3_at, torch.zeros_like(h3_at)))
     start = (slot_base + cur[rank]) // 2
     h1 = start + align(rows[rank] * x_row_bytes) // 2
     h3 = h1 + align(rows[rank] * h1_row_bytes) // 2
     neg = torch.full_like(start, -1)
     replay.copy_(~save.reshape(1))
-    offsets.copy_(torch.stack([torch.where(save, v, neg) for v in (h1, start, h3)]
-                              + [torch.where(save, neg, start)]))
+    offsets.copy_(torch.stack([torch.where(save, v, neg) for v in (h1, start)]
+                              + [torch.where(keep_h3, h3, neg), torch.where(save, neg, start)]))
     backward.copy_(torch.stack([
-        torch.where(save, elements_address + 2 * h3, torch.full_like(h3, combine_address)),
+        torch.where(keep_h3, elements_address + 2 * h3, torch.full_like(h3, combine_address)),
         torch.where(save, h1, torch.full_like(h1, replay_offsets[0])),
         torch.where(save, start, torch.full_like(start, replay_offsets[1])),
     ]))

@@ -214,7 +214,8 @@ def full_state_breakdown(cfg: MoEConfig, ep_size: int, rows: int) -> tuple[Tenso
         h3_routes   [T, K, D]  bf16    align128(T*K*D*2)   (DESIGN.md: for the score gradients)
 
     (Since run 26 the bf16 backward computes the score gradients on the expert side and reads
-    no h3; the model keeps DESIGN.md's bytes, see docs/memory.md.)
+    no h3; the model keeps DESIGN.md's bytes unless ``cfg.save_route_outputs`` is False, which
+    leaves ``h3_routes`` out, see docs/memory.md.)
 
     mxfp8 (column bundles feed WGRAD; the row bundles stay temporary)::
 
@@ -230,19 +231,19 @@ def full_state_breakdown(cfg: MoEConfig, ep_size: int, rows: int) -> tuple[Tenso
     if not cfg.training:
         return ()
     t, d, f, k = cfg.max_tokens, cfg.hidden, cfg.ffn, cfg.top_k
-    h3 = tensor_bytes("h3_routes", (t, k, d), "bf16")
+    h3 = (tensor_bytes("h3_routes", (t, k, d), "bf16"),) if cfg.save_route_outputs else ()
     if cfg.precision == "bf16":
         return (
             tensor_bytes("x_gathered", (rows, d), "bf16"),
             tensor_bytes("h1", (rows, 2 * f), "bf16"),
-            h3,
+            *h3,
         )
     rp = padded_rows(cfg, ep_size, rows)
     return (
         *_mx_col_bundle("x_col", rp, d),
         tensor_bytes("h1", (rp, 2 * f), "bf16"),
         *_mx_col_bundle("h2_col", rp, f),
-        h3,
+        *h3,
     )
 
 

@@ -110,7 +110,8 @@ class ActivationBuffer:
         self.layers_per_slot = plan.layers_per_slot
         self.slot_bytes = plan.slot_capacity_bytes
         self.input_bytes = plan.input_bytes
-        self.h3_bytes = align128(T * K * D * 2)
+        # 0 when the slot does not keep the route results (cfg.save_route_outputs False)
+        self.h3_bytes = align128(T * K * D * 2) if cfg.save_route_outputs else 0
         # Static: does every layer save whatever the routing? (then backward never replays)
         self.always_saves = self.layers_per_slot * plan.full_state_bytes(R) <= self.slot_bytes
 

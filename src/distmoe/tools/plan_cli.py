@@ -73,6 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="larger receive bound; scratch beyond the device tier is host-backed (VMM)",
     )
+    budget.add_argument(
+        "--drop-route-outputs",
+        action="store_true",
+        help="saved layers keep no returned route results h3 (MoEConfig.save_route_outputs "
+        "False; the backward does not read them)",
+    )
     budget.add_argument("--slots", type=int, default=1, help="activation slots (1)")
     budget.add_argument(
         "--layers-per-slot",
@@ -169,6 +175,7 @@ def build_plan(args: argparse.Namespace) -> MemoryPlan:
         total_scratch_factor=args.total_scratch_factor,
         num_slots=args.slots,
         max_layers_per_slot=layers,
+        save_route_outputs=not args.drop_route_outputs,
         **extra,
     )
     cfg.check_ep_size(args.ep)
