@@ -47,6 +47,19 @@ def test_defaults_show_an_example(capsys):
     assert f"{plan_memory(cfg, 8).activation_buffer_bytes:,}" in out
 
 
+def test_drop_route_outputs(capsys):
+    """--drop-route-outputs: the full state loses the h3 routes (T*K*D*2 = 128 MiB per layer
+    at T=4096, K=8, D=2048: 352 -> 224 MiB balanced), and the plan says so in bytes."""
+    assert plan_cli.run(parse("--drop-route-outputs", "--tensors")) == 0
+    out = capsys.readouterr().out
+    cfg = MoEConfig(hidden=2048, ffn=768, num_experts=128, top_k=8, max_tokens=4096,
+                    max_layers_per_slot=4, save_route_outputs=False)
+    lean = plan_memory(cfg, 8)
+    assert f"{lean.activation_buffer_bytes:,}" in out
+    assert "full state                    234,881,024 (224.00 MiB)" in out
+    assert "h3_routes" not in out
+
+
 def test_rows_json_worked_example(tmp_path, capsys):
     rows = tmp_path / "rows.json"
     rows.write_text(json.dumps({"received_rows": [[4, 4], [4, 4], [5, 3], [5, 3]]}))
