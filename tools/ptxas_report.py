@@ -11,8 +11,7 @@ of :func:`~distmoe.tools.sm90_build.other_kernel_cases` (every other kernel) wit
 thread, spill-store bytes and shared memory per case, and the persistent Gluon kernels' cases
 (:func:`~distmoe.tools.sm90_build.gluon_wgrad_cases`, :func:`~.gluon_w13_cases`). ``--check``
 exits 1 if a case fails to build or needs more than 227 KiB of shared memory, or a production
-case spills (beyond the few epilogue bytes a case states as measured harmless) or has its
-wgmma pipeline serialized by ptxas (C7514: a
+case spills or has its wgmma pipeline serialized by ptxas (C7514: a
 non-wgmma instruction touching an in-flight accumulator); the CPU test suite runs it so. A spill in a K loop costs
 far more than one in an epilogue; the report says whether a kernel spills, not where.
 """
