@@ -1123,7 +1123,7 @@ def w2_dgrad_swiglu_bwd(
             live rows (zeros for null rows); also switches on the gather-once path.
         grad_h3_rows: optional bf16 ``[R_act, D]``, the ``grad_h3`` rows already in activation
             rows (the layer's owners push them there, :func:`distmoe.kernels.route_grad.
-            route_grads`): nothing is gathered, ``grad_h3_ptrs`` only marks null rows (whose
+            push_route_grads`): nothing is gathered, ``grad_h3_ptrs`` only marks null rows (whose
             rows must hold zeros, or at least finite values). Not with ``grad_h3_out``.
         scored_rows: the expert computes the score gradients (with ``grad_h3_rows``, which
             then hold the *unscaled* output gradients ``g``; :func:`distmoe.kernels.route_grad.
