@@ -186,6 +186,16 @@ def test_cpu_smoke_run_distmoe_training(tmp_path):
     assert rows[0]["status"] == "ok" and "activation_factor=2" in rows[0]["note"], rows
     with pytest.raises(ValueError, match=r"--activation-factor \(0.0\) must be > 0"):
         cli.resolve_plan(_parse(["--activation-factor", "0"]))
+    # --drop-route-outputs reaches the config (a smaller peak) and the row's note
+    out3 = tmp_path / "bench3"
+    args = _parse(["--shapes", "smoke", "--device", "cpu", "--providers", "distmoe",
+                   "--mode", "fwdbwd", "--warmup", "1", "--windows", "2", "--iters", "1",
+                   "--drop-route-outputs", "--no-plots", "--no-ceilings", "--out", str(out3)])
+    assert cli.resolve_plan(args).save_route_outputs is False
+    assert cli.run(args) == 0
+    lean = report.read_cases_csv(out3 / "cases.csv")
+    assert lean[0]["status"] == "ok" and "no route outputs in the slot" in lean[0]["note"], lean
+    assert lean[0]["max_rel_err_vs_torch"] < 0.05
 
 
 def test_sampled_routing_run_and_rules(tmp_path, capsys):

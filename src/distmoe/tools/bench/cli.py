@@ -102,6 +102,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "forward); give at least the largest --imbalance to time saved layers only",
     )
     parser.add_argument(
+        "--drop-route-outputs",
+        action="store_true",
+        help="distmoe training cases: MoEConfig.save_route_outputs=False, saved layers keep "
+        "no returned route results in their slot (smaller slots, same gradients)",
+    )
+    parser.add_argument(
         "--imbalance-groups",
         type=int,
         default=8,
@@ -193,6 +199,7 @@ class BenchPlan:
     imbalance_groups: int = 8
     routing: str = "exact"
     activation_factor: float | None = None
+    save_route_outputs: bool = True
 
     def tokens_for(self, shape: MoEShape) -> tuple[int, ...]:
         return self.tokens if self.tokens else (shape.tokens,)
@@ -271,6 +278,7 @@ def resolve_plan(args: argparse.Namespace) -> BenchPlan:
         imbalance_groups=args.imbalance_groups,
         routing=args.routing,
         activation_factor=args.activation_factor,
+        save_route_outputs=not args.drop_route_outputs,
     )
 
 
@@ -498,6 +506,7 @@ def run_cases(
                                 device=ctx.device,
                                 max_imbalance=max(plan.imbalances),
                                 activation_factor=plan.activation_factor,
+                                save_route_outputs=plan.save_route_outputs,
                             )
                         row = _base_result(ctx, p, shape, t, mode, f)
                         value = run_case(ctx, built[p], inputs, row, y_ref)

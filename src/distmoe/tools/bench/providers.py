@@ -67,6 +67,7 @@ def build_provider(
     device: torch.device,
     max_imbalance: float = 1.0,
     activation_factor: float | None = None,
+    save_route_outputs: bool = True,
 ) -> Provider:
     """Build provider ``name`` for one (shape, tokens, mode); never raises for provider failures.
 
@@ -76,7 +77,8 @@ def build_provider(
     would be dropped and the case would time less work.
 
     ``activation_factor``: distmoe's ``MoEConfig.activation_factor`` in training cases (None:
-    the config's default); the row note names it when given.
+    the config's default); the row note names it when given. ``save_route_outputs``:
+    distmoe's ``MoEConfig.save_route_outputs`` in training cases (the note says when False).
     """
     if name not in PROVIDERS:
         raise ValueError(f"provider ({name!r}) must be one of {PROVIDERS}")
@@ -89,6 +91,7 @@ def build_provider(
             bench_group=bench_group,
             receive_factor=max_imbalance if ep_size > 1 else 1.0,
             activation_factor=activation_factor,
+            save_route_outputs=save_route_outputs,
         )
     path, reason = grouped_mm_path(device, torch.bfloat16)
     note = f"grouped GEMM: {path}" + (f" ({reason})" if reason else "")
@@ -107,7 +110,7 @@ def build_provider(
 
 def _build_distmoe(
     *, shape: MoEShape, tokens: int, training: bool, bench_group: BenchGroup, receive_factor: float,
-    activation_factor: float | None = None,
+    activation_factor: float | None = None, save_route_outputs: bool = True,
 ) -> Provider:
     try:
         import distmoe as dm
@@ -125,10 +128,14 @@ def _build_distmoe(
     fields = getattr(dm.MoEConfig, "__dataclass_fields__", {})
     if receive_factor > 2.0 and "device_scratch_factor" in fields:
         kwargs["device_scratch_factor"] = float(receive_factor)
-    note = ""
+    notes = []
     if training and activation_factor is not None and "activation_factor" in fields:
         kwargs["activation_factor"] = float(activation_factor)
-        note = f"activation_factor={activation_factor:g}"
+        notes.append(f"activation_factor={activation_factor:g}")
+    if training and not save_route_outputs and "save_route_outputs" in fields:
+        kwargs["save_route_outputs"] = False
+        notes.append("no route outputs in the slot")
+    note = "; ".join(notes)
     try:
         cfg = dm.MoEConfig(
             hidden=shape.hidden,
