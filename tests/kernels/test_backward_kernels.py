@@ -344,6 +344,37 @@ def test_route_grads_h3_addr(mode):
 
 
 
+PUSH_ROWS = 12  # destination rows per rank: room to spare, unused rows keep their poison
+
+
+def _push_destinations(ids, active, hidden):
+    """Two ranks (experts 0-1 on rank 0, 2-3 on rank 1): each active route's destination
+    rank, its row there (a random permutation of each rank's rows; one active route that its
+    rank does not execute gets -1), both ranks' poisoned row buffers and their addresses.
+    Returns (dest_rank [T*K], dest_rows int32 [T, K] on DEVICE, bufs, bases)."""
+    num_tokens, top_k = ids.shape
+    dest_rank = torch.where(active, ids.long().reshape(-1) // 2, -1)
+    dest_rows = torch.full((num_tokens * top_k,), -1, dtype=torch.int32)
+    for r in (0, 1):
+        mine = (dest_rank == r).nonzero().flatten()
+        dest_rows[mine] = torch.randperm(PUSH_ROWS)[: mine.numel()].int()
+    dest_rows[active.nonzero().flatten()[:1]] = -1
+    bufs = [poisoned(PUSH_ROWS, hidden) for _ in range(2)]
+    bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=DEVICE)
+    return dest_rank, dest_rows.to(DEVICE).reshape(num_tokens, top_k), bufs, bases
+
+
+def _assert_pushed(bufs, dest_rank, dest_rows, row_of_route):
+    """Each rank's buffer holds ``row_of_route(route)`` at every pushed route's row, bit for
+    bit, and its poison everywhere else."""
+    flat_rows = dest_rows.reshape(-1).cpu()
+    for r, buf in enumerate(bufs):
+        expected = poisoned(PUSH_ROWS, buf.shape[1])
+        for route in ((dest_rank == r) & (flat_rows >= 0)).nonzero().flatten().tolist():
+            expected[flat_rows[route]] = row_of_route(route)
+        assert same_bits(buf, expected)
+
+
 @pytest.mark.parametrize("h3_addr", [False, True], ids=["h3_tensor", "h3_addr"])
 def test_route_grads_push(h3_addr):
     """Push mode: each active route's row lands at its destination rank's row (two ranks'
@@ -356,20 +387,7 @@ def test_route_grads_push(h3_addr):
     plain_scores = poisoned(num_tokens, top_k, dtype=torch.float32)
     route_grads(grad_y, h3, ids, scores, plain_routes, plain_scores, config=config)
 
-    n = num_tokens * top_k
-    flat_ids = ids.long().reshape(-1)
-    dest_rank = torch.where(active, flat_ids // 2, -1)
-    rows_per_rank = 12  # room to spare: unused rows must keep their poison
-    dest_rows = torch.full((n,), -1, dtype=torch.int32)
-    for r in (0, 1):
-        mine = (dest_rank == r).nonzero().flatten()
-        dest_rows[mine] = torch.randperm(rows_per_rank)[: mine.numel()].int()
-    dropped = active.nonzero().flatten()[:1]  # an active route its rank does not execute
-    dest_rows[dropped] = -1
-    dest_rows = dest_rows.to(DEVICE).reshape(num_tokens, top_k)
-    bufs = [poisoned(rows_per_rank, hidden) for _ in range(2)]
-    before = [b.clone() for b in bufs]
-    bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=DEVICE)
+    dest_rank, dest_rows, bufs, bases = _push_destinations(ids, active, hidden)
     grad_scores = poisoned(num_tokens, top_k, dtype=torch.float32)
     h3_before = h3.clone()
     if h3_addr:
@@ -381,12 +399,7 @@ def test_route_grads_push(h3_addr):
                     dest_bases=bases, experts_per_rank=2, config=config)
     assert same_bits(grad_scores, plain_scores)
     assert same_bits(h3, h3_before)
-    flat_rows = dest_rows.reshape(-1).cpu()
-    for r in (0, 1):
-        expected = before[r].clone()
-        for route in ((dest_rank == r) & (flat_rows >= 0)).nonzero().flatten().tolist():
-            expected[flat_rows[route]] = plain_routes[route]
-        assert same_bits(bufs[r], expected)
+    _assert_pushed(bufs, dest_rank, dest_rows, lambda route: plain_routes[route])
 
     # push mode takes no grad_routes_out, and all three push arguments
     with pytest.raises(ValueError, match="grad_routes_out must be None in push mode"):
@@ -401,41 +414,19 @@ def test_route_grads_push(h3_addr):
     with pytest.raises(TypeError, match="grad_routes_out must be a torch.Tensor unless"):
         route_grads(grad_y, h3, ids, scores, None, grad_scores)
 
-def _push_problem(num_tokens, t_max, top_k, hidden):
-    """Routes of experts 0-3 on two ranks (experts 0-1 on rank 0), each rank's destination
-    rows a random permutation of 12, one active route not executed (dest row -1)."""
-    ids, active, scores, grad_y, _ = _route_problem(num_tokens, t_max, top_k, hidden)
-    n = num_tokens * top_k
-    dest_rank = torch.where(active, ids.long().reshape(-1) // 2, -1)
-    dest_rows = torch.full((n,), -1, dtype=torch.int32)
-    for r in (0, 1):
-        mine = (dest_rank == r).nonzero().flatten()
-        dest_rows[mine] = torch.randperm(12)[: mine.numel()].int()
-    dest_rows[active.nonzero().flatten()[:1]] = -1
-    return ids, active, scores, grad_y, dest_rank, dest_rows.to(DEVICE).reshape(num_tokens, top_k)
-
-
 def test_push_route_grads():
     """Every executed route's destination row receives grad_y[t] bit for bit (unscaled);
     every active route's score lands as the fp32 at the start of its own route row; nothing
     else of either rank's rows or the route rows is written."""
     num_tokens, t_max, top_k, hidden = 7, 9, 3, 40
-    ids, active, scores, grad_y, dest_rank, dest_rows = _push_problem(num_tokens, t_max, top_k,
-                                                                      hidden)
-    bufs = [poisoned(12, hidden) for _ in range(2)]
-    before = [b.clone() for b in bufs]
-    bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=DEVICE)
+    ids, active, scores, grad_y, _ = _route_problem(num_tokens, t_max, top_k, hidden)
+    dest_rank, dest_rows, bufs, bases = _push_destinations(ids, active, hidden)
     route_rows = poisoned(t_max * top_k, hidden)
     config = RouteGradConfig(block_rows=4, block_d=16, num_warps=4)  # 3 column steps, D tail
     push_route_grads(grad_y, ids, scores, route_rows, dest_rows=dest_rows, dest_bases=bases,
                      experts_per_rank=2, config=config)
 
-    flat_rows = dest_rows.reshape(-1).cpu()
-    for r in (0, 1):
-        expected = before[r].clone()
-        for route in ((dest_rank == r) & (flat_rows >= 0)).nonzero().flatten().tolist():
-            expected[flat_rows[route]] = grad_y[route // top_k]
-        assert same_bits(bufs[r], expected)
+    _assert_pushed(bufs, dest_rank, dest_rows, lambda route: grad_y[route // top_k])
     expected = poisoned(t_max * top_k, hidden).view(torch.float32)
     n = num_tokens * top_k
     expected[:n][active, 0] = scores.reshape(-1)[active]
