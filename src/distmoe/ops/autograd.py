@@ -100,8 +100,8 @@ from __future__ import annotations
 import torch
 
 from ..kernels.route_grad import push_route_grads, reduce_routes
-from ..kernels.w2_backward import WgradConfig, w2_dgrad_swiglu_bwd, w2_wgrad
-from ..kernels.w13_backward import W13DgradConfig, w13_dgrad_scatter, w13_wgrad
+from ..kernels.w2_backward import w2_dgrad_swiglu_bwd, w2_wgrad
+from ..kernels.w13_backward import w13_dgrad_scatter, w13_wgrad
 
 
 class MoEFunction(torch.autograd.Function):
@@ -135,7 +135,6 @@ class MoEFunction(torch.autograd.Function):
         tables = ctx.tables
         heap = moe.heap
         cfg = moe.cfg
-        block = cfg.row_block
         T, K = ids_executed.shape
         D, F = cfg.hidden, cfg.ffn
         E_l = moe.num_local_experts
@@ -176,26 +175,18 @@ class MoEFunction(torch.autograd.Function):
         # WGRAD: fp32 accumulation, one rounding straight into the weights' dtype (one program
         # per output tile writes it whole: no zero fill, no conversion pass)
         need = ctx.needs_input_grad
-        rows_hint = moe.rows_per_expert_hint  # balanced rows per local expert (a shape key)
         if need[5]:
             grad_w2 = torch.empty(E_l, D, F, dtype=w2.dtype, device=dev)
             w2_wgrad(scratch["gh3"], scratch["h2"], po, ro, grad_w2, accumulate=False,
-                     config=WgradConfig.from_heuristic(out_rows=D, out_cols=F, block_m=block,
-                                                       rows_per_expert=rows_hint, device=dev))
+                     config=moe._w2_wgrad_cfg)
         if need[4]:
             grad_w13 = torch.empty(E_l, 2, F, D, dtype=w13.dtype, device=dev)
             w13_wgrad(scratch["h1g"], elements, po, ro, grad_w13, x_offset=x_offset,
-                      accumulate=False,
-                      config=WgradConfig.from_heuristic(out_rows=2 * F, out_cols=D,
-                                                        block_m=block,
-                                                        rows_per_expert=rows_hint,
-                                                        device=dev))
+                      accumulate=False, config=moe._w13_wgrad_cfg)
         # Route input gradients into the owners' dispatch rows t*K+k (see the module
         # docstring for why no peer reads dispatch now).
         w13_dgrad_scatter(scratch["h1g"], po, ro, w13, tables.bwd_scatter_ptrs,
-                          config=W13DgradConfig.from_heuristic(
-                              hidden=D, ffn=F, block_m=block,
-                              rows_per_expert=moe.rows_per_expert_hint))
+                          config=moe._w13_dgrad_cfg)
         # 4. all route input gradients have landed
         heap.barrier()
         # 5. owner: sum its routes' input gradients and score parts (no barrier after: module

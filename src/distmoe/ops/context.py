@@ -116,7 +116,7 @@ class MoEContext:
         self.row_bytes = D * 2
         self.rows_per_expert_hint = max(1, T * K // self.num_local_experts)
         if cfg.training:
-            self._training_checks()
+            self._training_setup()
         heap = self.heap
         heap.allocate("routing", HEADER_BYTES + round_up(T * K * 2, 128))
         heap.allocate("dispatch", T * K * D * 2)
@@ -381,16 +381,23 @@ class MoEContext:
             )
 
     # ------------------------------------------------------------------ lifetime
-    def _training_checks(self) -> None:
-        """The W2 DGRAD config of the backward, and whether a route's combine row holds the
-        score and its gradient parts (one per DGRAD column tile, distmoe.ops.autograd); a
-        ValueError (after freeing the heap: every rank takes the same decision) if not."""
-        from ..kernels.w2_backward import W2DgradConfig
+    def _training_setup(self) -> None:
+        """The backward's launch configs (keyed on shapes only, picked once), and whether a
+        route's combine row holds the score and its gradient parts (one per W2 DGRAD column
+        tile, distmoe.ops.autograd); a ValueError (after freeing the heap: every rank takes
+        the same decision) if not."""
+        from ..kernels.w2_backward import W2DgradConfig, WgradConfig
+        from ..kernels.w13_backward import W13DgradConfig
 
         D, F = self.cfg.hidden, self.cfg.ffn
-        self._w2_dgrad_cfg = W2DgradConfig.from_heuristic(
-            hidden=D, ffn=F, block_m=self.cfg.row_block,
-            rows_per_expert=self.rows_per_expert_hint, device=self.device)
+        shape_keys = dict(block_m=self.cfg.row_block, rows_per_expert=self.rows_per_expert_hint)
+        self._w2_dgrad_cfg = W2DgradConfig.from_heuristic(hidden=D, ffn=F, device=self.device,
+                                                          **shape_keys)
+        self._w13_dgrad_cfg = W13DgradConfig.from_heuristic(hidden=D, ffn=F, **shape_keys)
+        self._w2_wgrad_cfg = WgradConfig.from_heuristic(out_rows=D, out_cols=F,
+                                                        device=self.device, **shape_keys)
+        self._w13_wgrad_cfg = WgradConfig.from_heuristic(out_rows=2 * F, out_cols=D,
+                                                         device=self.device, **shape_keys)
         self._score_parts = -(-F // self._w2_dgrad_cfg.block_n)
         if 1 + self._score_parts > D // 2:
             self.close()
