@@ -112,11 +112,14 @@ def main() -> int:
         }
         flops = {"w13": 2 * R * 2 * F * D, "w2": 2 * R * D * F}
         # the warp-specialised Gluon kernel (W13Config.gluon; Hopper only, else the Triton
-        # kernel), 128 x 64 and 64 x 128 h2 tiles per consumer warpgroup
-        gluon = [W13Config(block_m=128, block_n=bn, block_k=64, num_warps=4, num_stages=st,
+        # kernel): ping-pong 128 x 64 and 64 x 128 h2 tiles per consumer warpgroup (num_warps
+        # 4), cooperative 128 x 128 tiles (num_warps 8)
+        gluon = [W13Config(block_m=128, block_n=bn, block_k=64, num_warps=nw, num_stages=st,
                            group_m=gm, persistent=True, gluon=True)
-                 for bn, st, gm in ((64, 4, 8), (64, 5, 8), (64, 6, 8), (128, 3, 8),
-                                    (128, 4, 8), (128, 5, 8), (128, 4, 16))]
+                 for bn, st, gm, nw in ((64, 4, 8, 4), (64, 5, 8, 4), (64, 6, 8, 4),
+                                        (128, 3, 8, 4), (128, 4, 8, 4), (128, 5, 8, 4),
+                                        (128, 4, 16, 4), (128, 3, 8, 8), (128, 4, 8, 8),
+                                        (128, 4, 16, 8))]
         cands = {
             "w13": [W13Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint,
                                              device=dev)] + [
@@ -239,7 +242,8 @@ def main() -> int:
                       f"n{cfg.block_n} k{cfg.block_k} s{cfg.num_stages} g{cfg.group_m} "
                       f"{'persistent' if cfg.persistent else 'tiles'}"
                       f"{' tma-epilogue' if getattr(cfg, 'tma_epilogue', False) else ''}"
-                      f"{' GLUON' if getattr(cfg, 'gluon', False) else ''}")
+                      f"{' GLUON' if getattr(cfg, 'gluon', False) else ''}"
+                      f"{' coop' if getattr(cfg, 'gluon', False) and cfg.num_warps == 8 else ''}")
     if args.csv and out_rows:
         write_csv(args.csv, out_rows, list(out_rows[0]))
     return 0

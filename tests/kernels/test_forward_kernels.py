@@ -1044,8 +1044,15 @@ GLUON_W13 = W13Config(block_m=128, block_n=64, block_k=64, num_warps=4, num_stag
 # address.
 GLUON_COUNTS = [300, 0, 128, 1000, 1, 64, 128, 511]
 GLUON_R_CAP = sum(math.ceil(n / 128) * 128 for n in GLUON_COUNTS) + 3 * 128
-# both consumer tiles: 128 x 64 and 64 x 128 h2
-GLUON_TILES = pytest.mark.parametrize("block_n", [64, 128], ids=["128x64", "64x128"])
+# the three tiles: ping-pong 128 x 64 and 64 x 128 h2, cooperative 128 x 128 (num_warps 8)
+GLUON_TILES = pytest.mark.parametrize("block_n, warps", [(64, 4), (128, 4), (128, 8)],
+                                      ids=["128x64", "64x128", "128x128coop"])
+
+
+def _gluon_tile(block_n, warps):
+    """GLUON_W13 with the tile of GLUON_TILES (the cooperative one takes at most 4 stages)."""
+    return replace(GLUON_W13, block_n=block_n, num_warps=warps,
+                   num_stages=4 if warps == 8 else GLUON_W13.num_stages)
 
 
 def _assert_gluon_w13_runs(config):
@@ -1053,19 +1060,21 @@ def _assert_gluon_w13_runs(config):
 
     reason = gluon_w13_reason(DEVICE, hidden=1024, ffn=768, block_m=config.block_m,
                               block_n=config.block_n, block_k=config.block_k,
-                              stages=config.num_stages)
+                              stages=config.num_stages, warps=config.num_warps)
     assert reason is None, f"the Gluon W13 kernel would not run here: {reason}"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
-@pytest.mark.parametrize("block_n, stages, group_m",
-                         [(64, 5, 8), (64, 3, 16), (64, 4, 8), (64, 6, 8), (128, 4, 8),
-                          (128, 3, 16), (128, 5, 8)])
-def test_gpu_w13_gluon(training, block_n, stages, group_m):
-    # The Gluon kernel through gather_w13_swiglu (one program per SM): both consumer tiles,
-    # the ring depths they take, group-M orders.
-    config = replace(GLUON_W13, block_n=block_n, num_stages=stages, group_m=group_m)
+@pytest.mark.parametrize("block_n, stages, group_m, warps",
+                         [(64, 5, 8, 4), (64, 3, 16, 4), (64, 4, 8, 4), (64, 6, 8, 4),
+                          (128, 4, 8, 4), (128, 3, 16, 4), (128, 5, 8, 4), (128, 4, 8, 8),
+                          (128, 3, 16, 8)])
+def test_gpu_w13_gluon(training, block_n, stages, group_m, warps):
+    # The Gluon kernel through gather_w13_swiglu (one program per SM): the three tiles, the
+    # ring depths they take, group-M orders.
+    config = replace(GLUON_W13, block_n=block_n, num_stages=stages, group_m=group_m,
+                     num_warps=warps)
     _assert_gluon_w13_runs(config)
     run_w13_case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, config=config,
                  training=training, null_live=[5])
@@ -1074,20 +1083,21 @@ def test_gpu_w13_gluon(training, block_n, stages, group_m):
 @pytest.mark.gpu
 @GLUON_TILES
 @pytest.mark.parametrize("programs", [1, 3, 7])
-def test_gpu_w13_gluon_programs_walk_many_tiles(block_n, programs):
+def test_gpu_w13_gluon_programs_walk_many_tiles(block_n, warps, programs):
     # Few programs: each walks many tiles, its load stream crossing tile and expert
     # boundaries and its consumers taking turns many times (odd tile counts per program
     # included).
     from distmoe.kernels.w13_gluon import launch_gluon_w13
 
-    _assert_gluon_w13_runs(replace(GLUON_W13, block_n=block_n))
+    config = _gluon_tile(block_n, warps)
+    _assert_gluon_w13_runs(config)
     case = W13Case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, block_m=128,
                    null_live=[5, 700])
     n = case.layout.num_act
     h2, h1, x_out = poisoned(n + 3, 768), poisoned(n + 3, 1536), poisoned(n + 3, 1024)
     launch_gluon_w13(case.gather_ptrs, case.layout.padded_offsets, case.layout.row_offsets,
                      case.w13, h2, h1_out=h1, x_out=x_out, out_offsets=None, enable=None,
-                     block_n=block_n, programs=programs)
+                     block_n=block_n, stages=config.num_stages, warps=warps, programs=programs)
     case.check_rows("h2", h2[:n], tail=h2[n:])
     case.check_rows("h1", h1[:n], tail=h1[n:])
     case.check_rows("x", x_out[:n], tail=x_out[n:])
@@ -1097,10 +1107,10 @@ def test_gpu_w13_gluon_programs_walk_many_tiles(block_n, programs):
 @GLUON_TILES
 @pytest.mark.parametrize("h1_at, x_at", [(8, 24), (-1, 16), (40, -8)],
                          ids=["both", "h1_skipped", "x_skipped"])
-def test_gpu_w13_gluon_out_offsets_and_enable(block_n, h1_at, x_at):
+def test_gpu_w13_gluon_out_offsets_and_enable(block_n, warps, h1_at, x_at):
     # h1 and the saved rows at device offsets into one poisoned base (x after h1's range);
     # a negative offset stores nothing there; enable = 0 writes nothing anywhere.
-    config = replace(GLUON_W13, block_n=block_n)
+    config = _gluon_tile(block_n, warps)
     _assert_gluon_w13_runs(config)
     case = W13Case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, block_m=128,
                    null_live=[2])
@@ -1123,18 +1133,21 @@ def test_gpu_w13_gluon_out_offsets_and_enable(block_n, h1_at, x_at):
 
 @pytest.mark.gpu
 def test_gpu_w13_gluon_heuristic():
-    """On a Hopper GPU with the layer's hint the heuristic picks the Gluon kernel for
-    training (5 stages at >= 1024 rows per expert, 6 below) and for inference with long
-    segments; short inference segments and widths it cannot tile keep the Triton kernel."""
+    """On a Hopper GPU with the layer's hint the heuristic picks the Gluon kernel: the
+    cooperative tile from 256 rows per expert, else (or where F is not a multiple of 128)
+    ping-pong tiles for training and long inference segments; short inference segments and
+    widths it cannot tile keep the Triton kernel."""
     if torch.cuda.get_device_capability(DEVICE)[0] != 9:
         pytest.skip("the Gluon W13 is for compute capability 9.x")
     pick = partial(W13Config.from_heuristic, device=DEVICE)
-    long_train = pick(hidden=4096, ffn=2048, rows_per_expert=2048, training=True)
-    short_train = pick(hidden=2048, ffn=768, rows_per_expert=256, training=True)
-    assert (long_train.gluon, long_train.block_n, long_train.num_stages) == (True, 64, 5)
-    assert (short_train.gluon, short_train.block_n, short_train.num_stages) == (True, 64, 6)
-    assert pick(hidden=4096, ffn=2048, rows_per_expert=2048).gluon
-    assert not pick(hidden=2048, ffn=768, rows_per_expert=256).gluon
+    tile = lambda c: (c.gluon, c.block_n, c.num_warps, c.num_stages)  # noqa: E731
+    assert tile(pick(hidden=4096, ffn=2048, rows_per_expert=2048, training=True)) == \
+        (True, 128, 8, 4)
+    assert tile(pick(hidden=2048, ffn=768, rows_per_expert=256)) == (True, 128, 8, 4)
+    assert tile(pick(hidden=2048, ffn=768, rows_per_expert=128, training=True)) == \
+        (True, 64, 4, 6)
+    assert tile(pick(hidden=2048, ffn=704, rows_per_expert=2048)) == (True, 64, 4, 5)
+    assert not pick(hidden=2048, ffn=768, rows_per_expert=128).gluon
     assert not pick(hidden=4096, ffn=2000, rows_per_expert=2048, training=True).gluon
     assert not W13Config.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048).gluon
 
@@ -1251,30 +1264,50 @@ def test_gluon_w13_choice_and_limits_without_a_gpu():
     """What the Hopper heuristic would pick (``W13Config.hopper_gluon``, device-independent),
     that no device or a CPU device keeps the Triton kernel, and the shape rules with their
     messages (``shape_reason``), ring sizes included."""
-    from distmoe.kernels.w13_gluon import consumer_rows, shape_reason, stage_bytes
+    from distmoe.kernels.w13_gluon import shape_reason, stage_bytes, tile_rows
 
     pick = W13Config.hopper_gluon
-    long_train = pick(hidden=4096, ffn=2048, rows_per_expert=2048, training=True)
-    assert (long_train.gluon, long_train.block_n, long_train.num_stages) == (True, 64, 5)
-    assert pick(hidden=2048, ffn=768, rows_per_expert=256, training=True).num_stages == 6
-    assert pick(hidden=4096, ffn=2048, rows_per_expert=2048, training=False).gluon
-    assert pick(hidden=2048, ffn=768, rows_per_expert=256, training=False) is None
+    tile = lambda c: (c.gluon, c.block_n, c.num_warps, c.num_stages)  # noqa: E731
+    # cooperative 128 x 128 from 256 rows per expert, training or not
+    for rows, train in ((2048, True), (2048, False), (256, True), (256, False)):
+        assert tile(pick(hidden=4096, ffn=2048, rows_per_expert=rows, training=train)) == \
+            (True, 128, 8, 4)
+    # ping-pong 128 x 64 below that (training) or where F is not a multiple of 128
+    long_train = pick(hidden=4096, ffn=1984, rows_per_expert=2048, training=True)
+    assert tile(long_train) == (True, 64, 4, 5)
+    assert tile(pick(hidden=4096, ffn=1984, rows_per_expert=2048, training=False)) == \
+        (True, 64, 4, 5)
+    assert tile(pick(hidden=2048, ffn=704, rows_per_expert=256, training=True)) == \
+        (True, 64, 4, 6)
+    assert tile(pick(hidden=2048, ffn=768, rows_per_expert=128, training=True)) == \
+        (True, 64, 4, 6)
+    # Triton: short inference segments, and widths no Gluon tile takes
+    assert pick(hidden=2048, ffn=768, rows_per_expert=128, training=False) is None
+    assert pick(hidden=2048, ffn=704, rows_per_expert=256, training=False) is None
     assert pick(hidden=4096, ffn=2000, rows_per_expert=2048, training=True) is None
     assert pick(hidden=4000, ffn=2048, rows_per_expert=2048, training=True) is None
     for device in (None, torch.device("cpu")):
         assert not W13Config.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048,
                                             training=True, device=device).gluon
-    # the ring: 32 KiB stages with 128 x 64 tiles, 40 KiB with 64 x 128; at most 200 KiB
-    assert (consumer_rows(64), consumer_rows(128)) == (128, 64)
-    assert (stage_bytes(64), stage_bytes(128)) == (32 * 1024, 40 * 1024)
+    # the ring: 32 KiB stages with 128 x 64 tiles, 40 KiB with 64 x 128, 48 KiB with the
+    # cooperative 128 x 128; at most 200 KiB
+    assert (tile_rows(64), tile_rows(128), tile_rows(128, 8)) == (128, 64, 128)
+    assert (stage_bytes(64), stage_bytes(128), stage_bytes(128, warps=8)) == (
+        32 * 1024, 40 * 1024, 48 * 1024)
+    assert replace(long_train, block_n=128, num_warps=8, num_stages=4).smem_bytes() == \
+        192 * 1024
     assert long_train.smem_bytes() == 5 * 32 * 1024 and long_train.fits_hopper()
     assert replace(long_train, block_n=128, num_stages=6).smem_bytes() == 240 * 1024
     ok = dict(hidden=4096, ffn=2048, block_m=128, block_k=64)
     assert shape_reason(block_n=64, stages=6, **ok) is None
     assert shape_reason(block_n=128, stages=5, **ok) is None
-    assert "stages must be one of [3, 4, 5] with block_n = 128, got 6" in shape_reason(
-        block_n=128, stages=6, **ok)
-    assert "(block_m, block_n, block_k) in" in shape_reason(
+    assert shape_reason(block_n=128, stages=4, warps=8, **ok) is None
+    assert "stages must be one of [3, 4, 5] with block_n = 128 and num_warps = 4, got 6" in \
+        shape_reason(block_n=128, stages=6, **ok)
+    assert "stages must be one of [3, 4] with block_n = 128 and num_warps = 8, got 5" in \
+        shape_reason(block_n=128, stages=5, warps=8, **ok)
+    assert "(block_m, block_n, block_k, num_warps) in" in shape_reason(
         hidden=4096, ffn=2048, block_m=128, block_n=32, block_k=64, stages=4)
+    assert "got (128, 64, 64, 8)" in shape_reason(block_n=64, stages=4, warps=8, **ok)
     assert "F (2000) must be a multiple of 64" in shape_reason(
         hidden=4096, ffn=2000, block_m=128, block_n=64, block_k=64, stages=4)

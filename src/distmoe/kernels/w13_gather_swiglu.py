@@ -401,11 +401,13 @@ class W13Config(GemmConfig):
     #: Run the warp-specialised Gluon kernel (:mod:`distmoe.kernels.w13_gluon`: a producer
     #: warpgroup gathers, two consumer warpgroups take tiles in turn, each one's epilogue
     #: under the other's MMAs) where it can run: Hopper, not the interpreter, ``block_m``
-    #: 128, ``block_k`` 64, ``block_n`` 64 (128 x 64 consumer tiles) or 128 (64 x 128), F a
-    #: multiple of ``block_n``, D of 64, 16-byte aligned outputs, a ring that fits
-    #: (:func:`~distmoe.kernels.w13_gluon.gluon_w13_reason`). Elsewhere the Triton kernel
-    #: runs this config (with a ``RuntimeWarning`` that says why). Uses ``num_stages`` and
-    #: ``group_m``; ``num_warps`` and ``persistent`` do not apply (12 warps, one program
+    #: 128, ``block_k`` 64, F a multiple of ``block_n``, D of 64, 16-byte aligned outputs, a
+    #: ring that fits (:func:`~distmoe.kernels.w13_gluon.gluon_w13_reason`). ``num_warps``
+    #: counts the MMA warps of one tile: 4 ("ping-pong", ``block_n`` 64 for 128 x 64 tiles or
+    #: 128 for 64 x 128) or 8 ("cooperative", ``block_n`` 128: both consumers on one
+    #: 128 x 128 tile, 64 rows each, the epilogue not under MMAs). Elsewhere the Triton
+    #: kernel runs this config (with a ``RuntimeWarning`` that says why). Uses
+    #: ``num_stages`` and ``group_m``; ``persistent`` does not apply (12 warps, one program
     #: per SM).
     gluon: bool = False
 
@@ -420,7 +422,7 @@ class W13Config(GemmConfig):
         if self.gluon:
             from .w13_gluon import stage_bytes
 
-            return self.num_stages * stage_bytes(self.block_n, self.block_k)
+            return self.num_stages * stage_bytes(self.block_n, self.block_k, self.num_warps)
         return super().smem_bytes()
 
     def accumulator_regs_per_thread(self) -> int:
@@ -450,13 +452,17 @@ class W13Config(GemmConfig):
 
         With the hint and a ``device`` where the warp-specialised Gluon kernel runs (Hopper,
         not the interpreter, ``block_m`` 128, F and D multiples of 64): that kernel
-        (``gluon``) with 128 x 64 consumer tiles, for training, and for inference with long
-        segments: 5 stages at >= 1024 rows per expert, else 6. Measured on one H200
-        (2026-11-29, performance.md run 24): layer forward+backward at issue-a 17.16-17.25
-        against 17.33-17.44 ms, inference forward 5.38-5.42 against 5.50-5.52; at
-        T=4096 D=2048 F=768 E=128 K=8 the training kernel 0.427 against 0.504 ms in
-        ``tools/tune_gemm.py``, while its inference forward stayed with Triton (0.69 against
-        0.68 ms at the layer).
+        (``gluon``, :meth:`hopper_gluon` says which tile). Measured on one H200 (2026-11-29):
+
+        * performance.md run 24, 128 x 64 ping-pong tiles: layer forward+backward at issue-a
+          17.16-17.25 against 17.33-17.44 ms (Triton), inference forward 5.38-5.42 against
+          5.50-5.52; at T=4096 D=2048 F=768 E=128 K=8 the training kernel 0.427 against
+          0.504 ms in ``tools/tune_gemm.py``, its inference forward even with Triton at the
+          layer;
+        * run 27, cooperative 128 x 128 tiles (4 stages) against those: the training kernel
+          3.03 against 3.42 ms at issue-a and 0.396 against 0.424 at the fine shape, the
+          layer 1.0-1.9% faster in all four cases (issue-a and fine, forward and
+          forward+backward).
         """
         if rows_per_expert is not None and block_m == 128 and device is not None:
             from .wgrad_gluon import gluon_device_reason
@@ -494,19 +500,33 @@ class W13Config(GemmConfig):
                      training: bool) -> W13Config | None:
         """The Gluon config :meth:`from_heuristic` picks on a Hopper device (padding multiple
         128), or ``None`` where it keeps the Triton kernel (short inference segments, or
-        widths the Gluon kernel cannot tile)."""
+        widths the Gluon kernel cannot tile).
+
+        The first of these that the kernel can tile (:func:`~distmoe.kernels.w13_gluon.\
+shape_reason`):
+
+        * with >= 256 rows per expert: cooperative 128 x 128 tiles (``num_warps`` 8), 4
+          stages (measured at 256 and 2048 rows, performance.md run 27);
+        * for training, and for inference with >= 1024 rows per expert: ping-pong 128 x 64
+          tiles, 5 stages at >= 1024 rows per expert, else 6 (run 24).
+        """
         from .w13_gluon import shape_reason
 
         long_segments = rows_per_expert >= 1024
-        if not (training or long_segments):
-            return None
-        config = cls(block_m=128, block_n=64, block_k=64, num_warps=4,
-                     num_stages=5 if long_segments else 6, group_m=8, persistent=True,
-                     gluon=True)
-        if shape_reason(hidden=hidden, ffn=ffn, block_m=128, block_n=64, block_k=64,
-                        stages=config.num_stages) is not None:
-            return None
-        return config
+        candidates = []
+        if rows_per_expert >= 256:
+            candidates.append(cls(block_m=128, block_n=128, block_k=64, num_warps=8,
+                                  num_stages=4, group_m=8, persistent=True, gluon=True))
+        if training or long_segments:
+            candidates.append(cls(block_m=128, block_n=64, block_k=64, num_warps=4,
+                                  num_stages=5 if long_segments else 6, group_m=8,
+                                  persistent=True, gluon=True))
+        for config in candidates:
+            if shape_reason(hidden=hidden, ffn=ffn, block_m=128, block_n=config.block_n,
+                            block_k=64, stages=config.num_stages,
+                            warps=config.num_warps) is None:
+                return config
+        return None
 
     @classmethod
     def all_configs(cls, *, block_m: int = 128) -> list[W13Config]:
@@ -688,12 +708,12 @@ def gather_w13_swiglu(
         reason = ("its 16-byte vector stores need 16-byte aligned outputs" if not aligned
                   else gluon_w13_reason(device, hidden=hidden, ffn=ffn, block_m=config.block_m,
                                         block_n=config.block_n, block_k=config.block_k,
-                                        stages=config.num_stages))
+                                        stages=config.num_stages, warps=config.num_warps))
         if reason is None:
             launch_gluon_w13(gather_ptrs, padded_offsets, row_offsets, w13, h2_out,
                              h1_out=h1_out, x_out=x_out, out_offsets=out_offsets,
                              enable=enable, block_n=config.block_n, stages=config.num_stages,
-                             group_m=config.group_m)
+                             group_m=config.group_m, warps=config.num_warps)
             return h2_out
         warn_gluon_fallback("gather_w13_swiglu", reason)
     num_pid_m = r_cap // config.block_m

@@ -1,4 +1,4 @@
-"""Gather + W13 + SwiGLU for Hopper as a warp-specialised "ping-pong" Gluon kernel.
+"""Gather + W13 + SwiGLU for Hopper as a warp-specialised Gluon kernel (ping-pong or cooperative).
 
 Same contract as :func:`distmoe.kernels.w13_gather_swiglu.gather_w13_swiglu` (its module
 docstring defines the row numberings, ``out_offsets`` and ``enable``); that function launches
@@ -18,19 +18,31 @@ split over three partitions here, one program per SM:
   (Hopper has no TMA gather; null and non-live rows are zero-filled). Each producer thread's
   ``cp.async.mbarrier.arrive.noinc`` and the TMA transaction count complete a stage's
   ``ready`` barrier, so the producer never waits for its own copies;
-* two consumer warpgroups take the program's tiles in turn (even and odd). Each computes a
-  ``BLOCK_M x BLOCK_N`` h2 tile with one m64n(2 BLOCK_N) MMA chain per K step (gate and up
-  side by side: 128 fp32 accumulator registers per thread) and runs its epilogue (SwiGLU,
-  16-byte stores of h2 and h1) while the other runs its MMAs. A ``turn`` mbarrier pair orders
-  the two K loops, as in :mod:`distmoe.kernels.w2_dgrad_gluon`;
+* two consumer warpgroups compute the tiles, in one of two ways (the config's
+  ``num_warps``: the MMA warps of one tile):
+
+  - ping-pong (4): they take the program's tiles in turn (even and odd). Each computes a
+    ``BLOCK_M x BLOCK_N`` h2 tile with one m64n(2 BLOCK_N) MMA chain per K step (gate and up
+    side by side: 128 fp32 accumulator registers per thread) and runs its epilogue (SwiGLU,
+    16-byte stores of h2 and h1) while the other runs its MMAs. A ``turn`` mbarrier pair
+    orders the two K loops, as in :mod:`distmoe.kernels.w2_dgrad_gluon`;
+  - cooperative (8): both take every tile of the program, 128 x 128 h2 columns, 64 rows each
+    with one m64n256 MMA per k16 on their half of the A stage and the whole weight stage; a
+    stage goes back to the producer when both have released it. The epilogues run together,
+    not under MMAs (the producer refills the ring meanwhile), but each stage feeds twice the
+    FLOPs of a ping-pong stage for 1.5 times its bytes, and each gathered row is loaded half
+    as often as with 128 x 64 tiles;
 * a training forward saves the gathered rows from the A stage the MMA just read, before the
   stage goes back to the producer: column tile ``n`` saves the K steps ``k`` with
-  ``k % NUM_PID_N == n``, so every row and column is stored once.
+  ``k % NUM_PID_N == n``, so every row and column is stored once (with cooperative tiles,
+  each consumer its own 64 rows).
 
-Consumer tiles: 128 x 64 h2 columns (``block_n`` 64: a 128 x 128 GEMM tile, two m64n128
-MMAs per k16) or 64 x 128 (``block_n`` 128: one m64n256 MMA, half the row gathers per FLOP
-and twice the weight loads); either way 128 fp32 accumulator registers per thread. The
-padding multiple (``block_m``) is 128.
+Tiles (``GLUON_W13_TILES``): ping-pong 128 x 64 h2 columns (``block_n`` 64: a 128 x 128
+GEMM tile, two m64n128 MMAs per k16) or 64 x 128 (``block_n`` 128: one m64n256 MMA, half the
+row gathers per FLOP and twice the weight loads); cooperative 128 x 128. Every way, 128 fp32
+accumulator registers per consumer thread. The padding multiple (``block_m``) is 128.
+Measured (docs/performance.md run 27): the cooperative tile is the fastest at both named
+shapes, 3.03 against 3.42 ms for the training kernel at T=8192, D=4096, F=2048, E=32, K=8.
 
 Only for CUDA devices of compute capability 9.x, outside the interpreter, with F a multiple
 of ``block_n`` and D of 64; :func:`gluon_w13_reason` says when.
@@ -61,31 +73,36 @@ if HAVE_GLUON:
     from ._common import swizzle_tile
     from .w2_backward import _column_halves
 
-__all__ = ["GLUON_W13_TILES", "consumer_rows", "gluon_w13_reason", "launch_gluon_w13",
+__all__ = ["GLUON_W13_TILES", "tile_rows", "gluon_w13_reason", "launch_gluon_w13",
            "shape_reason"]
 
-#: (block_m, block_n, block_k) of a config this kernel runs: ``block_m`` is the padding
-#: multiple, ``block_n`` the h2 columns of a consumer's tile. A consumer holds 128 x 128 fp32
-#: accumulators, so its tile has ``128 * 64 // block_n`` rows (:func:`consumer_rows`).
-GLUON_W13_TILES = ((128, 64, 64), (128, 128, 64))
+#: (block_m, block_n, block_k, warps) of a config this kernel runs: ``block_m`` is the padding
+#: multiple, ``block_n`` the h2 columns of a tile, ``warps`` the MMA warps of one tile (the
+#: config's ``num_warps``). With 4 ("ping-pong") each consumer warpgroup takes whole tiles in
+#: turn and holds 128 x 128 fp32 accumulators, so a tile has ``128 * 64 // block_n`` rows;
+#: with 8 ("cooperative") both consumers take every tile, 64 rows each (:func:`tile_rows`).
+GLUON_W13_TILES = ((128, 64, 64, 4), (128, 128, 64, 4), (128, 128, 64, 8))
 #: ring depths the kernel takes, where the ring fits ``_RING_BYTES`` (the epilogue's layout
 #: conversions need the rest of the 227 KiB): up to 6 stages of 32 KiB with 128 x 64 tiles,
-#: 5 of 40 KiB with 64 x 128
+#: 5 of 40 KiB with 64 x 128, 4 of 48 KiB with the cooperative 128 x 128
 GLUON_W13_STAGES = (3, 4, 5, 6)
 _RING_BYTES = 200 * 1024
 
 
-def consumer_rows(block_n: int) -> int:
-    """Rows of a consumer warpgroup's tile for ``block_n`` h2 columns: 128 x 64 h2 (a
-    128 x 128 GEMM tile: two m64n128 MMAs per k16) or 64 x 128 (a 64 x 256 GEMM tile: one
-    m64n256 MMA, half the row gathers per FLOP, twice the weight loads)."""
-    return 128 * 64 // block_n
+def tile_rows(block_n: int, warps: int = 4) -> int:
+    """Rows of a tile (of an A stage) for ``block_n`` h2 columns and ``warps`` MMA warps per
+    tile. Ping-pong (4): 128 x 64 h2 (a 128 x 128 GEMM tile: two m64n128 MMAs per k16) or
+    64 x 128 (a 64 x 256 GEMM tile: one m64n256 MMA, half the row gathers per FLOP, twice the
+    weight loads). Cooperative (8): 128 x 128 h2, a 128 x 256 GEMM tile of which each
+    consumer computes 64 rows with one m64n256 MMA per k16 (half the row gathers per FLOP of
+    128 x 64, the same weight loads)."""
+    return 128 if warps == 8 else 128 * 64 // block_n
 
 
-def stage_bytes(block_n: int, block_k: int = 64) -> int:
-    """Shared memory of one ring stage: a consumer tile's gathered rows and its gate and up
-    weight tiles, bf16."""
-    return (consumer_rows(block_n) + 2 * block_n) * block_k * 2
+def stage_bytes(block_n: int, block_k: int = 64, warps: int = 4) -> int:
+    """Shared memory of one ring stage: a tile's gathered rows and its gate and up weight
+    tiles, bf16."""
+    return (tile_rows(block_n, warps) + 2 * block_n) * block_k * 2
 
 
 #: the kernel's register limit: 12 warps (two consumer warpgroups and the producer's) of 168
@@ -176,7 +193,8 @@ if HAVE_GLUON:
                   NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr,
                   STAGES: gl.constexpr, WRITE_H1: gl.constexpr, WRITE_X: gl.constexpr,
                   DYN_OFFSETS: gl.constexpr, HAS_ENABLE: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, PARITY: gl.constexpr):
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
+                  PARITY: gl.constexpr):
         """One warpgroup: the loads of every tile of the program, K step by K step."""
         NUM_K: gl.constexpr = HIDDEN // BLOCK_K
         NUM_PID_N: gl.constexpr = FFN // BLOCK_N
@@ -224,11 +242,16 @@ if HAVE_GLUON:
                   NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr,
                   STAGES: gl.constexpr, WRITE_H1: gl.constexpr, WRITE_X: gl.constexpr,
                   DYN_OFFSETS: gl.constexpr, HAS_ENABLE: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, PARITY: gl.constexpr):
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
+                  PARITY: gl.constexpr):
         """One warpgroup: the MMAs, the rows saved and the epilogue of the program's tiles
-        ``PARITY``, ``PARITY + 2``, ... (in the program's own numbering)."""
+        ``PARITY``, ``PARITY + 2``, ... (in the program's own numbering); with ``COOP``, of
+        rows ``64 PARITY`` to ``64 PARITY + 63`` of every tile of the program."""
         NUM_K: gl.constexpr = HIDDEN // BLOCK_K
         NUM_PID_N: gl.constexpr = FFN // BLOCK_N
+        # this warpgroup's rows of a tile: all of them, or its half with COOP
+        ROWS: gl.constexpr = BLOCK_M // 2 if COOP else BLOCK_M
+        ROW0: gl.constexpr = PARITY * ROWS if COOP else 0  # its first row in the tile
         ACC: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * BLOCK_N, 16])
         CP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -244,19 +267,29 @@ if HAVE_GLUON:
             x_off = gl.load(out_offsets_ptr + 1)
         x_base = x_ptr + gl.maximum(x_off, 0)
         num_progs = gl.num_programs(0)
-        count = PARITY * NUM_K  # this consumer's first step in the program's step stream
+        if COOP:
+            first = gl.program_id(0)
+            step = num_progs
+            count = 0
+        else:
+            first = gl.program_id(0) + PARITY * num_progs
+            step = 2 * num_progs
+            count = PARITY * NUM_K  # this consumer's first step in the program's step stream
         turns = 0
-        for tile in range(gl.program_id(0) + PARITY * num_progs, num_tiles, 2 * num_progs):
+        for tile in range(first, num_tiles, step):
             pid_n, expert, _row, act_start, num_live = _tile_info(
                 tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
                 NUM_EXPERTS, BLOCK_M)
-            turns = _wait_turn(turn, turns, PARITY)
-            acc = gl.zeros([BLOCK_M, 2 * BLOCK_N], gl.float32, ACC)
+            act_start += ROW0
+            num_live -= ROW0
+            if not COOP:
+                turns = _wait_turn(turn, turns, PARITY)
+            acc = gl.zeros([ROWS, 2 * BLOCK_N], gl.float32, ACC)
             for k in range(NUM_K):
                 stage = count % STAGES
                 mbarrier.wait(ready.index(stage), (count // STAGES) & 1)
-                acc = warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage).permute((1, 0)),
-                                    acc, is_async=True)
+                acc = warpgroup_mma(a_bufs.index(stage).slice(ROW0, ROWS),
+                                    b_bufs.index(stage).permute((1, 0)), acc, is_async=True)
                 # the previous step's MMA is done: save its rows, then its stage goes back
                 acc = warpgroup_mma_wait(1, deps=(acc,))
                 if k > 0:
@@ -264,31 +297,34 @@ if HAVE_GLUON:
                     if WRITE_X:
                         if x_off >= 0 and (k - 1) % NUM_PID_N == pid_n:
                             _store_rows(x_base, act_start, num_live, (k - 1) * BLOCK_K,
-                                        a_bufs.index(prev).load(CP), HIDDEN, BLOCK_M, BLOCK_K,
-                                        CP)
+                                        a_bufs.index(prev).slice(ROW0, ROWS).load(CP), HIDDEN,
+                                        ROWS, BLOCK_K, CP)
                     mbarrier.arrive(empty.index(prev))
                 count += 1
-            mbarrier.arrive(turn.index(1 - PARITY))
+            if not COOP:
+                mbarrier.arrive(turn.index(1 - PARITY))
             acc = warpgroup_mma_wait(0, deps=(acc,))
             last = (count + STAGES - 1) % STAGES
             if WRITE_X:
                 if x_off >= 0 and (NUM_K - 1) % NUM_PID_N == pid_n:
                     _store_rows(x_base, act_start, num_live, (NUM_K - 1) * BLOCK_K,
-                                a_bufs.index(last).load(CP), HIDDEN, BLOCK_M, BLOCK_K, CP)
+                                a_bufs.index(last).slice(ROW0, ROWS).load(CP), HIDDEN, ROWS,
+                                BLOCK_K, CP)
             mbarrier.arrive(empty.index(last))
-            count += NUM_K  # the other consumer's tile
+            if not COOP:
+                count += NUM_K  # the other consumer's tile
 
-            # Epilogue in two column halves (g and u of BLOCK_N / 2 h2 columns each), each converted
-            # to 16-byte vectors for its stores.
-            g, u = _column_halves(acc, BLOCK_M, 2 * BLOCK_N)
-            g0, g1 = _column_halves(g, BLOCK_M, BLOCK_N)
-            u0, u1 = _column_halves(u, BLOCK_M, BLOCK_N)
+            # Epilogue in two column halves (g and u of BLOCK_N / 2 h2 columns each), each
+            # converted to 16-byte vectors for its stores.
+            g, u = _column_halves(acc, ROWS, 2 * BLOCK_N)
+            g0, g1 = _column_halves(g, ROWS, BLOCK_N)
+            u0, u1 = _column_halves(u, ROWS, BLOCK_N)
             n0 = pid_n * BLOCK_N
             H: gl.constexpr = BLOCK_N // 2
             _swiglu_part(g0, u0, act_start, num_live, n0, h2_ptr, h1_ptr, h1_off, FFN, WRITE_H1,
-                         BLOCK_M, H)
+                         ROWS, H)
             _swiglu_part(g1, u1, act_start, num_live, n0 + H, h2_ptr, h1_ptr, h1_off, FFN,
-                         WRITE_H1, BLOCK_M, H)
+                         WRITE_H1, ROWS, H)
 
     @gluon.jit
     def _swiglu_part(g, u, act_start, num_live, col0, h2_ptr, h1_ptr, h1_off,
@@ -338,6 +374,7 @@ if HAVE_GLUON:
         BLOCK_N: gl.constexpr,
         BLOCK_K: gl.constexpr,
         PRODUCER_THREADS: gl.constexpr,
+        COOP: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], A_LAYOUT)
@@ -351,7 +388,8 @@ if HAVE_GLUON:
         for s in gl.static_range(STAGES):
             # the producer's expect-tx arrive, then one cp.async arrive per producer thread
             mbarrier.init(ready.index(s), count=1 + PRODUCER_THREADS)
-            mbarrier.init(empty.index(s), count=1)
+            # released by one consumer, or by both with COOP
+            mbarrier.init(empty.index(s), count=2 if COOP else 1)
         mbarrier.init(turn.index(0), count=1)
         mbarrier.init(turn.index(1), count=1)
         # (the argument lists are written out: a tuple built here loses the constexprs)
@@ -360,65 +398,69 @@ if HAVE_GLUON:
                          padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr,
                          out_offsets_ptr, enable_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2,
                          GROUP_M, STAGES, WRITE_H1, WRITE_X, DYN_OFFSETS, HAS_ENABLE, BLOCK_M,
-                         BLOCK_N, BLOCK_K, 0)),
+                         BLOCK_N, BLOCK_K, COOP, 0)),
             (_consumer, (w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
                          padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr,
                          out_offsets_ptr, enable_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2,
                          GROUP_M, STAGES, WRITE_H1, WRITE_X, DYN_OFFSETS, HAS_ENABLE, BLOCK_M,
-                         BLOCK_N, BLOCK_K, 1)),
+                         BLOCK_N, BLOCK_K, COOP, 1)),
             (_producer, (w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
                          padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr,
                          out_offsets_ptr, enable_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2,
                          GROUP_M, STAGES, WRITE_H1, WRITE_X, DYN_OFFSETS, HAS_ENABLE, BLOCK_M,
-                         BLOCK_N, BLOCK_K, 0)),
+                         BLOCK_N, BLOCK_K, COOP, 0)),
         ], [4, PRODUCER_THREADS // 32], [224, 56])
 
 
 def shape_reason(*, hidden: int, ffn: int, block_m: int, block_n: int, block_k: int,
-                 stages: int) -> str | None:
-    """``None`` when the kernel can tile this case (whatever the device), else why not."""
-    if (block_m, block_n, block_k) not in GLUON_W13_TILES:
-        return (f"the Gluon W13 kernel runs (block_m, block_n, block_k) in "
-                f"{GLUON_W13_TILES}, got {(block_m, block_n, block_k)}")
-    if stages not in GLUON_W13_STAGES or stages * stage_bytes(block_n) > _RING_BYTES:
-        fit = [s for s in GLUON_W13_STAGES if s * stage_bytes(block_n) <= _RING_BYTES]
-        return f"stages must be one of {fit} with block_n = {block_n}, got {stages}"
+                 stages: int, warps: int = 4) -> str | None:
+    """``None`` when the kernel can tile this case (whatever the device), else why not.
+    ``warps``: the MMA warps of one tile (4 ping-pong, 8 cooperative; ``GLUON_W13_TILES``)."""
+    if (block_m, block_n, block_k, warps) not in GLUON_W13_TILES:
+        return (f"the Gluon W13 kernel runs (block_m, block_n, block_k, num_warps) in "
+                f"{GLUON_W13_TILES}, got {(block_m, block_n, block_k, warps)}")
+    per_stage = stage_bytes(block_n, block_k, warps)
+    if stages not in GLUON_W13_STAGES or stages * per_stage > _RING_BYTES:
+        fit = [s for s in GLUON_W13_STAGES if s * per_stage <= _RING_BYTES]
+        return (f"stages must be one of {fit} with block_n = {block_n} and num_warps = "
+                f"{warps}, got {stages}")
     if ffn % block_n or hidden % block_k:
         return f"F ({ffn}) must be a multiple of {block_n} and D ({hidden}) of {block_k}"
     return None
 
 
 def gluon_w13_reason(device: torch.device, *, hidden: int, ffn: int, block_m: int,
-                     block_n: int, block_k: int, stages: int) -> str | None:
+                     block_n: int, block_k: int, stages: int, warps: int = 4) -> str | None:
     """``None`` when :func:`launch_gluon_w13` can run this case on ``device``, else why not
     (a sentence)."""
     reason = gluon_device_reason(device)
     if reason is not None:
         return reason
     return shape_reason(hidden=hidden, ffn=ffn, block_m=block_m, block_n=block_n,
-                        block_k=block_k, stages=stages)
+                        block_k=block_k, stages=stages, warps=warps)
 
 
 def launch_gluon_w13(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
                      row_offsets: torch.Tensor, w13: torch.Tensor, h2_out: torch.Tensor, *,
                      h1_out: torch.Tensor | None, x_out: torch.Tensor | None,
                      out_offsets: torch.Tensor | None, enable: torch.Tensor | None,
-                     block_n: int = 64, stages: int = 5, group_m: int = 8,
+                     block_n: int = 64, stages: int = 5, group_m: int = 8, warps: int = 4,
                      programs: int | None = None) -> None:
     """Launch the kernel (arguments validated by
     :func:`~distmoe.kernels.w13_gather_swiglu.gather_w13_swiglu`, and
-    :func:`gluon_w13_reason` returned ``None``). ``programs``: the grid (default one per
-    SM); tests pass fewer so that every program walks many tiles."""
+    :func:`gluon_w13_reason` returned ``None``). ``warps``: 4 (ping-pong) or 8 (cooperative).
+    ``programs``: the grid (default one per SM); tests pass fewer so that every program walks
+    many tiles."""
     from ._common import device_context, next_power_of_2, num_sms
 
-    block_m, block_k = consumer_rows(block_n), 64
+    block_m, block_k = tile_rows(block_n, warps), 64
     num_experts, _, ffn, hidden = w13.shape
     w_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.bfloat16)
     a_layout = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gl.bfloat16)
     w_desc = GluonDescriptor(w13.view(2 * num_experts * ffn, hidden),
                              [2 * num_experts * ffn, hidden], [hidden, 1], [block_n, block_k],
                              w_layout)
-    tiles = (gather_ptrs.shape[0] // block_m) * (ffn // block_n)  # consumer tiles
+    tiles = (gather_ptrs.shape[0] // block_m) * (ffn // block_n)
     if programs is None:
         programs = num_sms(h2_out.device)
     with device_context(h2_out.device):
@@ -434,5 +476,6 @@ def launch_gluon_w13(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
             WRITE_H1=h1_out is not None, WRITE_X=x_out is not None,
             DYN_OFFSETS=out_offsets is not None, HAS_ENABLE=enable is not None,
             A_LAYOUT=a_layout, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            PRODUCER_THREADS=_PRODUCER_THREADS, num_warps=4, maxnreg=_MAXNREG,
+            PRODUCER_THREADS=_PRODUCER_THREADS, COOP=warps == 8, num_warps=4,
+            maxnreg=_MAXNREG,
         )  # fmt: skip

@@ -196,7 +196,7 @@ def gluon_w13_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Build
 W13Config.hopper_gluon`: training, and inference with long segments), with h1 and the rows
     saved at device offsets and an enable flag in training (production: no spill, no
     serialized wgmma); then, at ``fine``, the 64 x 128 consumer tile with its deepest ring and
-    a 3-stage inference build (build only)."""
+    a 3-stage inference build, and the ping-pong 128 x 64 tile at each shape (build only)."""
     import torch
     from triton.runtime.jit import mangle_type
 
@@ -208,10 +208,10 @@ W13Config.hopper_gluon`: training, and inference with long segments), with h1 an
         return []
     gl = wg.gl
 
-    def case(label, name, train, bn, stages, production):
+    def case(label, name, train, bn, stages, production, warps=4):
         s = SHAPES[name]
         D, F, E = s.hidden, s.ffn, s.num_experts
-        bm, bk = wg.consumer_rows(bn), 64
+        bm, bk = wg.tile_rows(bn, warps), 64
         layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16)
         w = torch.empty(2 * E * F, D, dtype=torch.bfloat16)
         types = {"w_desc": mangle_type(wg.GluonDescriptor(w, [2 * E * F, D], [D, 1], [bn, bk],
@@ -220,14 +220,15 @@ W13Config.hopper_gluon`: training, and inference with long segments), with h1 an
                  "out_offsets_ptr": "*i64" if train else "*i32",
                  "enable_ptr": "*i32"}
         return BuildCase(
-            f"{label} W13 fwd gluon {bm}x{bn} s{stages} training={train}",
+            f"{label} W13 fwd gluon {bm}x{bn}{' coop' if warps == 8 else ''} s{stages} "
+            f"training={train}",
             wg._gluon_w13_kernel,
             dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
                  GROUP_M=8, STAGES=stages, WRITE_H1=train, WRITE_X=train, DYN_OFFSETS=train,
                  HAS_ENABLE=train,
                  A_LAYOUT=gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16),
                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRODUCER_THREADS=wg._PRODUCER_THREADS,
-                 num_warps=4),
+                 COOP=warps == 8, num_warps=4),
             4, 1, types=types, production=production, gluon=True,
             options=dict(maxnreg=wg._MAXNREG))
 
@@ -241,9 +242,13 @@ W13Config.hopper_gluon`: training, and inference with long segments), with h1 an
             c = W13Config.hopper_gluon(hidden=s.hidden, ffn=s.ffn, rows_per_expert=hint,
                                        training=train)
             if c is not None:
-                cases.append(case(name, name, train, c.block_n, c.num_stages, True))
+                cases.append(case(name, name, train, c.block_n, c.num_stages, True,
+                                  warps=c.num_warps))
     cases.append(case("variant fine", "fine", True, 128, 5, False))
     cases.append(case("variant fine", "fine", False, 64, 3, False))
+    for name in shapes:  # the ping-pong 128 x 64 tile, training and inference
+        for train in (True, False):
+            cases.append(case(f"variant {name}", name, train, 64, 5, False))
     return cases
 
 
