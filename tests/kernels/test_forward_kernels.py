@@ -1134,9 +1134,9 @@ def test_gpu_w13_gluon_out_offsets_and_enable(block_n, warps, h1_at, x_at):
 @pytest.mark.gpu
 def test_gpu_w13_gluon_heuristic():
     """On a Hopper GPU with the layer's hint the heuristic picks the Gluon kernel: the
-    cooperative tile from 256 rows per expert, else (or where F is not a multiple of 128)
-    ping-pong tiles for training and long inference segments; short inference segments and
-    widths it cannot tile keep the Triton kernel."""
+    cooperative tile from 128 rows per expert in training and 256 in inference, else (or
+    where F is not a multiple of 128) ping-pong tiles for training and long inference
+    segments; short inference segments and widths it cannot tile keep the Triton kernel."""
     if torch.cuda.get_device_capability(DEVICE)[0] != 9:
         pytest.skip("the Gluon W13 is for compute capability 9.x")
     pick = partial(W13Config.from_heuristic, device=DEVICE)
@@ -1145,6 +1145,8 @@ def test_gpu_w13_gluon_heuristic():
         (True, 128, 8, 4)
     assert tile(pick(hidden=2048, ffn=768, rows_per_expert=256)) == (True, 128, 8, 4)
     assert tile(pick(hidden=2048, ffn=768, rows_per_expert=128, training=True)) == \
+        (True, 128, 8, 4)
+    assert tile(pick(hidden=2048, ffn=768, rows_per_expert=64, training=True)) == \
         (True, 64, 4, 6)
     assert tile(pick(hidden=2048, ffn=704, rows_per_expert=2048)) == (True, 64, 4, 5)
     assert not pick(hidden=2048, ffn=768, rows_per_expert=128).gluon
@@ -1268,8 +1270,8 @@ def test_gluon_w13_choice_and_limits_without_a_gpu():
 
     pick = W13Config.hopper_gluon
     tile = lambda c: (c.gluon, c.block_n, c.num_warps, c.num_stages)  # noqa: E731
-    # cooperative 128 x 128 from 256 rows per expert, training or not
-    for rows, train in ((2048, True), (2048, False), (256, True), (256, False)):
+    # cooperative 128 x 128 from 128 rows per expert in training, 256 in inference
+    for rows, train in ((2048, True), (2048, False), (256, True), (256, False), (128, True)):
         assert tile(pick(hidden=4096, ffn=2048, rows_per_expert=rows, training=train)) == \
             (True, 128, 8, 4)
     # ping-pong 128 x 64 below that (training) or where F is not a multiple of 128
@@ -1279,7 +1281,7 @@ def test_gluon_w13_choice_and_limits_without_a_gpu():
         (True, 64, 4, 5)
     assert tile(pick(hidden=2048, ffn=704, rows_per_expert=256, training=True)) == \
         (True, 64, 4, 6)
-    assert tile(pick(hidden=2048, ffn=768, rows_per_expert=128, training=True)) == \
+    assert tile(pick(hidden=2048, ffn=768, rows_per_expert=64, training=True)) == \
         (True, 64, 4, 6)
     # Triton: short inference segments, and widths no Gluon tile takes
     assert pick(hidden=2048, ffn=768, rows_per_expert=128, training=False) is None
