@@ -12,8 +12,9 @@ tile schedule, compact activation rows), times with ``triton.testing.do_bench``:
   alone (no gather, no SwiGLU): issue 7's first target is ratio >= 1;
 * ``w13_train``: the same kernel storing h1 and the gathered rows too (a training forward),
   persistent grids with and without the TMA epilogue (``W13Config.tma_epilogue``); both W13
-  lists also time the warp-specialised Gluon kernel (``W13Config.gluon``); ``w13_h1`` stores h1 but
-  not the rows (what saving the rows costs);
+  lists also time the warp-specialised Gluon kernel (``W13Config.gluon``), ping-pong and
+  cooperative tiles (marked ``coop``); ``w13_h1`` stores h1 but not the rows (what saving the
+  rows costs);
 * ``w2_scatter`` (scatter epilogue into a [T*K, D] buffer) for candidate ``W2Config``s, against
   ``torch._grouped_mm`` of h2 with W2 alone;
 * with ``--backward``, also the DGRAD kernels: ``w2_dgrad_swiglu_bwd`` (grad_h3 rows gathered
