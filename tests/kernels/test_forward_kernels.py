@@ -1085,8 +1085,8 @@ def test_gpu_w13_gluon(training, block_n, stages, group_m, warps):
 @pytest.mark.parametrize("programs", [1, 3, 7])
 def test_gpu_w13_gluon_programs_walk_many_tiles(block_n, warps, programs):
     # Few programs: each walks many tiles, its load stream crossing tile and expert
-    # boundaries and its consumers taking turns many times (odd tile counts per program
-    # included).
+    # boundaries, its ring's phases wrapping many times, and ping-pong consumers taking
+    # turns many times (odd tile counts per program included).
     from distmoe.kernels.w13_gluon import launch_gluon_w13
 
     config = _gluon_tile(block_n, warps)
@@ -1260,6 +1260,31 @@ def test_gluon_request_that_cannot_run_warns_and_runs_triton():
                                             r"Gluon kernel cannot run this call \(.+\); the "
                                             r"Triton kernel runs the config instead"):
         run_w13_case([5, 0, 16, 21], hidden=64, ffn=48, r_cap=96, config=config, null_live=[7])
+
+
+def test_gluon_w13_config_reaches_the_launch(monkeypatch):
+    """The config's tile reaches the Gluon launch: ``num_warps`` (4 ping-pong, 8
+    cooperative), ``block_n``, ``num_stages`` and ``group_m``, into both the shape check and
+    the launch. Both 128-column tiles compute the same values, so no GPU test can tell them
+    apart; here, on any machine, the launcher is a recorder and the check admits the case."""
+    import distmoe.kernels.w13_gluon as wg
+
+    calls = []
+    monkeypatch.setattr(wg, "gluon_w13_reason",
+                        lambda device, **kw: calls.append(("reason", kw)) and None)
+    monkeypatch.setattr(wg, "launch_gluon_w13", lambda *a, **kw: calls.append(("launch", kw)))
+    case = W13Case([130, 0, 60], hidden=64, ffn=256, r_cap=3 * 128)
+    h2 = poisoned(case.layout.num_act, 256)
+    for warps, block_n, stages, group_m in ((8, 128, 4, 8), (4, 64, 6, 16), (4, 128, 3, 8)):
+        calls.clear()
+        config = replace(GLUON_W13, block_n=block_n, num_warps=warps, num_stages=stages,
+                         group_m=group_m)
+        case.run(h2, config=config)
+        (_, reason), (_, launch) = calls
+        assert (reason["block_n"], reason["warps"], reason["stages"]) == (block_n, warps, stages)
+        assert (launch["block_n"], launch["warps"], launch["stages"], launch["group_m"]) == (
+            block_n, warps, stages, group_m)
+    assert_untouched(h2, what="h2 (the recorder launched nothing)")
 
 
 def test_gluon_w13_choice_and_limits_without_a_gpu():

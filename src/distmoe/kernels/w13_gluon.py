@@ -418,7 +418,8 @@ def shape_reason(*, hidden: int, ffn: int, block_m: int, block_n: int, block_k: 
     ``warps``: the MMA warps of one tile (4 ping-pong, 8 cooperative; ``GLUON_W13_TILES``)."""
     if (block_m, block_n, block_k, warps) not in GLUON_W13_TILES:
         return (f"the Gluon W13 kernel runs (block_m, block_n, block_k, num_warps) in "
-                f"{GLUON_W13_TILES}, got {(block_m, block_n, block_k, warps)}")
+                f"{GLUON_W13_TILES}, got {(block_m, block_n, block_k, warps)} (num_warps 4: "
+                f"ping-pong tiles, block_n 64 or 128; 8: cooperative tiles, block_n 128)")
     per_stage = stage_bytes(block_n, block_k, warps)
     if stages not in GLUON_W13_STAGES or stages * per_stage > _RING_BYTES:
         fit = [s for s in GLUON_W13_STAGES if s * per_stage <= _RING_BYTES]

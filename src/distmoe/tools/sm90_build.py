@@ -193,10 +193,12 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
 def gluon_w13_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
     """The warp-specialised Gluon W13 forward (:mod:`distmoe.kernels.w13_gluon`): what the
     heuristic picks on Hopper at each shape (:meth:`~distmoe.kernels.w13_gather_swiglu.\
-W13Config.hopper_gluon`: training, and inference with long segments), with h1 and the rows
+W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and the rows
     saved at device offsets and an enable flag in training (production: no spill, no
-    serialized wgmma); then, at ``fine``, the 64 x 128 consumer tile with its deepest ring and
-    a 3-stage inference build, and the ping-pong 128 x 64 tile at each shape (build only)."""
+    serialized wgmma); then (build only) at ``fine`` the 64 x 128 consumer tile with its
+    deepest ring, a 3-stage inference build and the 6-stage 128 x 64 training build (what
+    the heuristic picks below 128 rows per expert), and the 5-stage 128 x 64 tile at each
+    shape."""
     import torch
     from triton.runtime.jit import mangle_type
 
@@ -246,6 +248,7 @@ W13Config.hopper_gluon`: training, and inference with long segments), with h1 an
                                   warps=c.num_warps))
     cases.append(case("variant fine", "fine", True, 128, 5, False))
     cases.append(case("variant fine", "fine", False, 64, 3, False))
+    cases.append(case("variant fine", "fine", True, 64, 6, False))
     for name in shapes:  # the ping-pong 128 x 64 tile, training and inference
         for train in (True, False):
             cases.append(case(f"variant {name}", name, train, 64, 5, False))
