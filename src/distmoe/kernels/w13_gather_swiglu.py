@@ -399,17 +399,17 @@ class W13Config(GemmConfig):
     #: pointer stores).
     tma_epilogue: bool = False
     #: Run the warp-specialised Gluon kernel (:mod:`distmoe.kernels.w13_gluon`: a producer
-    #: warpgroup gathers while two consumer warpgroups compute) where it can run: Hopper, not the interpreter, ``block_m``
-    #: 128, ``block_k`` 64, F a multiple of ``block_n``, D of 64, 16-byte aligned outputs, a
-    #: ring that fits (:func:`~distmoe.kernels.w13_gluon.gluon_w13_reason`). ``num_warps``
-    #: counts the MMA warps of one tile: 4 ("ping-pong", ``block_n`` 64 for 128 x 64 tiles or
-    #: 128 for 64 x 128: the consumers take tiles in turn, each one's epilogue under the
-    #: other's MMAs) or 8 ("cooperative", ``block_n`` 128: both consumers on one 128 x 128
-    #: tile, 64 rows each, the epilogue not under MMAs). Mind ``GemmConfig``'s default of 8
-    #: warps: ``block_n`` 64 needs ``num_warps=4``. Elsewhere the Triton
-    #: kernel runs this config (with a ``RuntimeWarning`` that says why). Uses
-    #: ``num_stages`` and ``group_m``; ``persistent`` does not apply (12 warps, one program
-    #: per SM).
+    #: warpgroup gathers while two consumer warpgroups compute) where it can run: Hopper,
+    #: not the interpreter, ``block_m`` 128, ``block_k`` 64, F a multiple of ``block_n``, D
+    #: of 64, 16-byte aligned outputs, a ring that fits
+    #: (:func:`~distmoe.kernels.w13_gluon.gluon_w13_reason`). ``num_warps`` counts the MMA
+    #: warps of one tile: 4 ("ping-pong", ``block_n`` 64 for 128 x 64 tiles or 128 for
+    #: 64 x 128: the consumers take tiles in turn, each one's epilogue under the other's
+    #: MMAs) or 8 ("cooperative", ``block_n`` 128: both consumers on one 128 x 128 tile, 64
+    #: rows each, the epilogue not under MMAs). Mind ``GemmConfig``'s default of 8 warps:
+    #: ``block_n`` 64 needs ``num_warps=4``. Elsewhere the Triton kernel runs this config
+    #: (with a ``RuntimeWarning`` that says why). Uses ``num_stages`` and ``group_m``;
+    #: ``persistent`` does not apply (12 warps, one program per SM).
     gluon: bool = False
 
     def __post_init__(self) -> None:
