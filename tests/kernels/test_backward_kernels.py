@@ -1723,6 +1723,23 @@ def _assert_one_rounding_apart(got, want, live, null_act, *, spare_poisoned=True
         assert same_bits(got[~live], poisoned(int((~live).sum()), got.shape[1]))
 
 
+def _gluon_or_reference_dgrad(gluon, ptrs, po, ro, w2, rows, h1, out, h2, *, h1_offset=None,
+                              scored_rows=False, **launch):
+    """One W2 DGRAD on the pre-gathered ``rows``: the Gluon kernel launched directly
+    (``launch``: its ring depth, its grid) or, as the reference, the Triton kernel at
+    128 x 128 x 64 tiles; then a device synchronisation."""
+    from distmoe.kernels.w2_dgrad_gluon import launch_gluon_w2_dgrad
+
+    if gluon:
+        launch_gluon_w2_dgrad(ptrs, po, ro, w2, rows, h1, out, h1_offset=h1_offset, h2_out=h2,
+                              scored_rows=scored_rows, **launch)
+    else:
+        cfg = W2DgradConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+        w2_dgrad_swiglu_bwd(ptrs, po, ro, w2, h1, out, h1_offset=h1_offset, h2_out=h2,
+                            grad_h3_rows=rows, scored_rows=scored_rows, config=cfg)
+    torch.cuda.synchronize()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("programs", [3, None], ids=["3_programs", "one_per_sm"])
 @pytest.mark.parametrize("stages", [4, 6])
@@ -1734,7 +1751,7 @@ def test_gluon_w2_dgrad(programs, stages, h1_mode):
     many times; the ring's phases wrap). grad_h1 and h2 agree within one bf16 rounding of each
     other (the two kernels compute the sigmoid differently); null rows get exact zeros; spare
     rows past the live end keep their poison."""
-    from distmoe.kernels.w2_dgrad_gluon import gluon_w2_dgrad_reason, launch_gluon_w2_dgrad
+    from distmoe.kernels.w2_dgrad_gluon import gluon_w2_dgrad_reason
 
     hidden, ffn, block = 256, 384, 128
     assert gluon_w2_dgrad_reason(DEVICE, hidden=hidden, ffn=ffn, block_m=block,
@@ -1754,15 +1771,8 @@ def test_gluon_w2_dgrad(programs, stages, h1_mode):
             h1_arg[offset:offset + h1.numel()] = h1.reshape(-1)
             out = h1_arg[offset:offset + h1.numel()].view(num_act, 2 * ffn)  # in place
             h1_offset = torch.tensor([offset], dtype=torch.int64, device=DEVICE)
-        if gluon:
-            launch_gluon_w2_dgrad(ptrs, po, ro, w2, rows, h1_arg, out, h1_offset=h1_offset,
-                                  h2_out=h2, stages=stages, programs=programs)
-        else:
-            cfg = W2DgradConfig(block_m=block, block_n=128, block_k=64, num_warps=8,
-                                num_stages=3)
-            w2_dgrad_swiglu_bwd(ptrs, po, ro, w2, h1_arg, out, h1_offset=h1_offset, h2_out=h2,
-                                grad_h3_rows=rows, config=cfg)
-        torch.cuda.synchronize()
+        _gluon_or_reference_dgrad(gluon, ptrs, po, ro, w2, rows, h1_arg, out, h2,
+                                  h1_offset=h1_offset, stages=stages, programs=programs)
         return out.clone(), h2
 
     want_h1, want_h2 = run(False)
@@ -1785,8 +1795,6 @@ def test_gluon_w2_dgrad_scored(programs):
     and h2 within one bf16 rounding of each other, the score parts within 2^-8 of the
     largest, written only after the scores of live non-null routes; nothing else of the
     route rows changes."""
-    from distmoe.kernels.w2_dgrad_gluon import launch_gluon_w2_dgrad
-
     hidden, ffn, block = 256, 384, 128
     layout, live, w2, rows, h1, null_rows, null_act = _gluon_dgrad_problem(hidden, ffn, block)
     num_act = layout.num_act
@@ -1800,15 +1808,8 @@ def test_gluon_w2_dgrad_scored(programs):
     def run(gluon):
         route_rows.copy_(before)
         out, h2 = poisoned(num_act, 2 * ffn), poisoned(num_act, ffn)
-        if gluon:
-            launch_gluon_w2_dgrad(ptrs, po, ro, w2, rows, h1, out, h1_offset=None, h2_out=h2,
+        _gluon_or_reference_dgrad(gluon, ptrs, po, ro, w2, rows, h1, out, h2,
                                   scored_rows=True, programs=programs)
-        else:
-            cfg = W2DgradConfig(block_m=block, block_n=128, block_k=64, num_warps=8,
-                                num_stages=3)
-            w2_dgrad_swiglu_bwd(ptrs, po, ro, w2, h1, out, h2_out=h2, grad_h3_rows=rows,
-                                scored_rows=True, config=cfg)
-        torch.cuda.synchronize()
         return out, h2, route_rows.clone()
 
     want_h1, want_h2, want_rows = run(False)
