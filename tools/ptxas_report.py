@@ -29,6 +29,7 @@ def main() -> int:
     from distmoe.tools.bench.workloads import SHAPES
     from distmoe.tools.sm90_build import (
         build,
+        gluon_w2_cases,
         gluon_w2_dgrad_cases,
         gluon_w13_cases,
         gluon_wgrad_cases,
@@ -47,7 +48,7 @@ def main() -> int:
     failed = 0
     cases = grouped_gemm_cases(tuple(args.shapes), variants=not args.no_variants)
     cases += [c for c in gluon_wgrad_cases(tuple(args.shapes)) + gluon_w13_cases(tuple(args.shapes))
-              + gluon_w2_dgrad_cases(tuple(args.shapes))
+              + gluon_w2_dgrad_cases(tuple(args.shapes)) + gluon_w2_cases(tuple(args.shapes))
               if c.production or not args.no_variants]
     if not args.no_variants:
         cases += other_kernel_cases()

@@ -15,7 +15,8 @@ tile schedule, compact activation rows), times with ``triton.testing.do_bench``:
   lists also time the warp-specialised Gluon kernel (``W13Config.gluon``), ping-pong and
   cooperative tiles (marked ``coop``); ``w13_h1`` stores h1 but not the rows (what saving the
   rows costs);
-* ``w2_scatter`` (scatter epilogue into a [T*K, D] buffer) for candidate ``W2Config``s, against
+* ``w2_scatter`` (scatter epilogue into a [T*K, D] buffer) for candidate ``W2Config``s, the
+  Gluon kernel's (``W2Config.gluon``, ping-pong and cooperative) among them, against
   ``torch._grouped_mm`` of h2 with W2 alone;
 * with ``--backward``, also the DGRAD kernels: ``w2_dgrad_swiglu_bwd`` (grad_h3 rows gathered
   by pointer, SwiGLU backward epilogue, h2 and grad_h3 stored for WGRAD) against
@@ -141,7 +142,14 @@ def main() -> int:
             "w2": [W2Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)] + [
                 W2Config(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st,
                          group_m=gm, persistent=pe)
-                for bn, st, gm, pe in itertools.product([128, 256], [3, 4], [8], [False, True])],
+                for bn, st, gm, pe in itertools.product([128, 256], [3, 4], [8], [False, True])] + [
+                # the warp-specialised Gluon kernel (W2Config.gluon): ping-pong 128 x 128
+                # tiles (num_warps 4), cooperative 128 x 256 (num_warps 8)
+                W2Config(block_m=128, block_n=bn, block_k=64, num_warps=nw, num_stages=st,
+                         group_m=gm, persistent=True, gluon=True)
+                for bn, nw, st, gm in ((128, 4, 4, 8), (128, 4, 5, 8), (128, 4, 6, 8),
+                                       (128, 4, 5, 16), (256, 8, 3, 8), (256, 8, 4, 8),
+                                       (256, 8, 4, 16))],
         }
 
         def run13(c, gather=gather, po=po, ro=ro, w13=w13, h2=h2):

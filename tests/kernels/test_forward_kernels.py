@@ -1165,6 +1165,78 @@ def test_gpu_w2_scatter_hopper_tiles(persistent, host_descriptors):
     run_w2_case(counts, hidden=1024, ffn=768, r_cap=r_cap, config=config, min_rows=[0, 128, 0, 0, 0, 0])  # fmt: skip
 
 
+# the warp-specialised Gluon W2 forward (w2_gluon): ping-pong 128 x 128 tiles
+GLUON_W2 = W2Config(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=5,
+                    group_m=8, persistent=True, gluon=True)
+# the two tiles: ping-pong 128 x 128 (num_warps 4), cooperative 128 x 256 (num_warps 8)
+GLUON_W2_TILES = pytest.mark.parametrize("block_n, warps", [(128, 4), (256, 8)],
+                                         ids=["128x128", "128x256coop"])
+
+
+def _gluon_w2_tile(block_n, warps, stages=None):
+    """GLUON_W2 with a tile of GLUON_W2_TILES (the cooperative one takes at most 4 stages),
+    checked to run here."""
+    from distmoe.kernels.w2_gluon import gluon_w2_reason
+
+    if stages is None:
+        stages = 4 if warps == 8 else GLUON_W2.num_stages
+    config = replace(GLUON_W2, block_n=block_n, num_warps=warps, num_stages=stages)
+    reason = gluon_w2_reason(DEVICE, hidden=1024, ffn=768, block_m=128, block_n=block_n,
+                             block_k=64, stages=stages, warps=warps)
+    assert reason is None, f"the Gluon W2 kernel would not run here: {reason}"
+    return config
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n, warps, stages, group_m",
+                         [(128, 4, 5, 8), (128, 4, 4, 16), (128, 4, 6, 8), (128, 4, 3, 8),
+                          (256, 8, 4, 8), (256, 8, 3, 16)])
+def test_gpu_w2_gluon(block_n, warps, stages, group_m):
+    # The Gluon kernel through w2_scatter (one program per SM), every tile and ring depth:
+    # full and partial tiles, an empty expert padded to a whole tile, one-row experts, two
+    # live rows skipped (address 0), padding rows and idle tiles addressing a canary, NaN h2
+    # rows past the live ones.
+    config = replace(_gluon_w2_tile(block_n, warps, stages), group_m=group_m)
+    run_w2_case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, config=config,
+                min_rows=[0, 128, 0, 0, 0, 0, 0, 0], skip_live=[5, 700])
+
+
+@pytest.mark.gpu
+@GLUON_W2_TILES
+@pytest.mark.parametrize("programs", [1, 3, 7])
+def test_gpu_w2_gluon_programs_walk_many_tiles(block_n, warps, programs):
+    # Few programs: each walks many tiles across expert boundaries, its ring's phases wrap
+    # many times and ping-pong consumers take turns many times (odd counts included).
+    from distmoe.kernels.w2_gluon import launch_gluon_w2
+
+    config = _gluon_w2_tile(block_n, warps)
+    case = W2Case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, block_m=128,
+                  skip_live=[3])
+    layout = case.layout
+    launch_gluon_w2(case.h2, layout.padded_offsets, layout.row_offsets, case.w2,
+                    case.scatter_ptrs, enable=None, block_n=block_n,
+                    stages=config.num_stages, warps=warps, programs=programs)
+    case.check()
+
+
+@pytest.mark.gpu
+@GLUON_W2_TILES
+def test_gpu_w2_gluon_enable(block_n, warps):
+    # enable = 0 writes nothing anywhere; enable = 1 equals the run without it bit for bit.
+    config = _gluon_w2_tile(block_n, warps)
+    case = W2Case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, block_m=128)
+    case.run(config=config, enable=device_int([0], torch.int32))
+    for i, out in enumerate(case.outputs()):
+        assert_untouched(out, what=f"output buffer {i} with enable = 0")
+    case.run(config=config)
+    case.check()
+    plain = [out.clone() for out in case.outputs()]
+    case.repoison()
+    case.run(config=config, enable=device_int([1], torch.int32))
+    for i, (got, want) in enumerate(zip(case.outputs(), plain, strict=True)):
+        assert_bits_equal(got, want, what=f"output buffer {i} with enable = 1")
+
+
 @pytest.mark.gpu
 def test_gpu_forward_chain():
     run_forward_chain(256, 4, 8, 512, 384, block_m=128)
@@ -1285,6 +1357,61 @@ def test_gluon_w13_config_reaches_the_launch(monkeypatch):
         assert (launch["block_n"], launch["warps"], launch["stages"], launch["group_m"]) == (
             block_n, warps, stages, group_m)
     assert_untouched(h2, what="h2 (the recorder launched nothing)")
+
+
+def test_gluon_w2_config_reaches_the_launch(monkeypatch):
+    """The W2 config's tile reaches the Gluon launch (``num_warps``, ``block_n``,
+    ``num_stages``, ``group_m``) and the enable flag with it, on any machine: the launcher is
+    a recorder and the check admits the case. ``gluon=False`` never calls either."""
+    import distmoe.kernels.w2_gluon as wg
+
+    calls = []
+    monkeypatch.setattr(wg, "gluon_w2_reason",
+                        lambda device, **kw: calls.append(("reason", kw)) and None)
+    monkeypatch.setattr(wg, "launch_gluon_w2", lambda *a, **kw: calls.append(("launch", kw)))
+    case = W2Case([130, 0, 60], hidden=256, ffn=64, r_cap=3 * 128, block_m=128)
+    enable = device_int([1], torch.int32)
+    for warps, block_n, stages, group_m in ((4, 128, 6, 8), (8, 256, 3, 16)):
+        calls.clear()
+        config = replace(GLUON_W2, block_n=block_n, num_warps=warps, num_stages=stages,
+                         group_m=group_m)
+        case.run(config=config, enable=enable)
+        (_, reason), (_, launch) = calls
+        assert (reason["block_n"], reason["warps"], reason["stages"]) == (block_n, warps, stages)
+        assert (launch["block_n"], launch["warps"], launch["stages"], launch["group_m"]) == (
+            block_n, warps, stages, group_m)
+        assert launch["enable"] is enable
+    for i, out in enumerate(case.outputs()):
+        assert_untouched(out, what=f"output buffer {i} (the recorder launched nothing)")
+    calls.clear()
+    case.run(config=replace(GLUON_W2, gluon=False, block_m=128))
+    assert calls == []
+    case.check()
+
+
+def test_gluon_w2_shape_rules_without_a_gpu():
+    """The Gluon W2 kernel's tiles, ring depths and width rules, with their messages; on a
+    CPU device (or in the interpreter) ``w2_scatter`` warns and runs the Triton kernel."""
+    from distmoe.kernels.w2_gluon import gluon_w2_reason, shape_reason, stage_bytes
+
+    ok = dict(hidden=4096, ffn=2048, block_m=128, block_k=64)
+    assert shape_reason(**ok, block_n=128, stages=6, warps=4) is None
+    assert shape_reason(**ok, block_n=256, stages=4, warps=8) is None
+    assert stage_bytes(128) == 32 * 1024 and stage_bytes(256) == 48 * 1024
+    assert "num_warps 4: ping-pong 128 x 128" in shape_reason(**ok, block_n=256, stages=4,
+                                                              warps=4)
+    assert "stages must be one of [3, 4] with block_n = 256" in shape_reason(
+        **ok, block_n=256, stages=5, warps=8)
+    assert "D (4000) must be a multiple of 128 and F (2048) of 64" in shape_reason(
+        hidden=4000, ffn=2048, block_m=128, block_k=64, block_n=128, stages=5, warps=4)
+    assert "F (2000)" in shape_reason(hidden=4096, ffn=2000, block_m=128, block_k=64,
+                                      block_n=128, stages=5, warps=4)
+    assert gluon_w2_reason(torch.device("cpu"), **ok, block_n=128, stages=5) is not None
+    if DEVICE.type == "cpu":
+        case = W2Case([5, 0, 21], hidden=128, ffn=64, r_cap=3 * 128, block_m=128)
+        with pytest.warns(RuntimeWarning, match="w2_scatter: config.gluon is set"):
+            case.run(config=GLUON_W2)
+        case.check()
 
 
 def test_gluon_w13_choice_and_limits_without_a_gpu():

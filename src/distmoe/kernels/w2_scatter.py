@@ -71,6 +71,7 @@ from distmoe.kernels._common import (
     tile_activation_rows,
     tile_expert,
     validate_block_m,
+    warn_gluon_fallback,
     write_rows_at,
 )
 
@@ -238,6 +239,23 @@ class W2Config(GemmConfig):
     covers the h2 and w2 TMA descriptors.
     """
 
+    #: Run the warp-specialised Gluon kernel (:mod:`distmoe.kernels.w2_gluon`: a producer
+    #: warp loads by TMA while two consumer warpgroups compute) where it can run: Hopper,
+    #: not the interpreter, ``block_m`` 128, ``block_k`` 64, D a multiple of ``block_n``, F
+    #: of 64, a ring that fits (:func:`~distmoe.kernels.w2_gluon.gluon_w2_reason`).
+    #: ``num_warps`` counts the MMA warps of one tile: 4 ("ping-pong", ``block_n`` 128: the
+    #: consumers take 128 x 128 tiles in turn, each one's stores under the other's MMAs) or
+    #: 8 ("cooperative", ``block_n`` 256: both on one 128 x 256 tile, 64 rows each).
+    #: Elsewhere the Triton kernel runs this config (with a ``RuntimeWarning`` that says
+    #: why). Uses ``num_stages`` and ``group_m``; ``persistent`` and ``host_descriptors`` do
+    #: not apply (one program per SM, host descriptors).
+    gluon: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.gluon, bool):
+            raise TypeError(f"gluon must be a bool, got {type(self.gluon).__name__}")
+
     @classmethod
     def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128,
                        rows_per_expert: int | None = None) -> W2Config:
@@ -370,9 +388,21 @@ def w2_scatter(
     if r_cap == 0:
         return
 
+    device = h2.device
+    if config.gluon:
+        from .w2_gluon import gluon_w2_reason, launch_gluon_w2
+
+        reason = gluon_w2_reason(device, hidden=hidden, ffn=ffn, block_m=config.block_m,
+                                 block_n=config.block_n, block_k=config.block_k,
+                                 stages=config.num_stages, warps=config.num_warps)
+        if reason is None:
+            launch_gluon_w2(h2, padded_offsets, row_offsets, w2, scatter_ptrs, enable=enable,
+                            block_n=config.block_n, stages=config.num_stages,
+                            group_m=config.group_m, warps=config.num_warps)
+            return
+        warn_gluon_fallback("w2_scatter", reason)
     num_pid_m = r_cap // config.block_m
     num_pid_n = triton.cdiv(hidden, config.block_n)
-    device = h2.device
     grid = gemm_grid(config, num_pid_m * num_pid_n, device)
     if config.host_descriptors:
         h2_arg = TensorDescriptor(

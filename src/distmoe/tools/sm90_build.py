@@ -296,6 +296,44 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
     return cases
 
 
+def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
+    """The warp-specialised Gluon W2 forward (:mod:`distmoe.kernels.w2_gluon`) at each shape,
+    with an enable flag: the ping-pong 128 x 128 tile at ring depths 4 to 6 and the
+    cooperative 128 x 256 tile at 3 and 4 (production: no spill, no serialized wgmma)."""
+    import torch
+    from triton.runtime.jit import mangle_type
+
+    from distmoe.kernels import w2_gluon as wg
+    from distmoe.kernels._common import next_power_of_2
+    from distmoe.tools.bench.workloads import SHAPES
+
+    if not wg.HAVE_GLUON:
+        return []
+    gl = wg.gl
+
+    def desc(rows, cols, block):
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+        t = torch.empty(rows, cols, dtype=torch.bfloat16)
+        return mangle_type(wg.GluonDescriptor(t, [rows, cols], [cols, 1], block, layout))
+
+    cases = []
+    for name in shapes:
+        s = SHAPES[name]
+        D, F, E = s.hidden, s.ffn, s.num_experts
+        for bn, warps, stages in ((128, 4, 4), (128, 4, 5), (128, 4, 6), (256, 8, 3),
+                                  (256, 8, 4)):
+            types = {"a_desc": desc(1024, F, [128, 64]), "w_desc": desc(E * D, F, [bn, 64])}
+            cases.append(BuildCase(
+                f"{name} W2 fwd gluon 128x{bn}{' coop' if warps == 8 else ''} s{stages}",
+                wg._gluon_w2_kernel,
+                dict(HIDDEN=D, FFN=F, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
+                     GROUP_M=8, STAGES=stages, HAS_ENABLE=True, BLOCK_M=128, BLOCK_N=bn,
+                     BLOCK_K=64, COOP=warps == 8, num_warps=4),
+                4, 1, types=types, production=True, gluon=True,
+                options=dict(maxnreg=wg._MAXNREG)))
+    return cases
+
+
 def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
                        variants: bool = True) -> list[BuildCase]:
     """Production cases at each of ``shapes`` (EP=1 shape keys), then, with ``variants``,

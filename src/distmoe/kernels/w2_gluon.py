@@ -1,0 +1,314 @@
+"""W2 forward with a row-scatter epilogue for Hopper as a warp-specialised Gluon kernel.
+
+Same contract as :func:`distmoe.kernels.w2_scatter.w2_scatter` (its module docstring defines
+the row numberings, ``scatter_ptrs`` and ``enable``): for every live padded row ``r`` of
+expert ``e`` with activation row ``a``, ``h3 = h2[a] @ w2[e]^T`` (fp32 accumulation, rounded
+to bf16) is stored at the byte address ``scatter_ptrs[r]`` (0: not stored). That function
+launches this kernel when its config asks for it (``W2Config.gluon``) and
+:func:`gluon_w2_reason` returns ``None``.
+
+Why: the Triton kernel (128 x 256 tiles, two warpgroups) runs each tile's epilogue, 64 KiB of
+row stores that may cross NVLink, between its last MMA and the next tile's first in the same
+warps. At T=8192, D=4096, F=2048, E=32, K=8 it ran at 654 TFLOP/s in the layer against
+663-684 for the Gluon kernels (docs/performance.md run 27). Here each program (one per SM)
+has three partitions, as in :mod:`distmoe.kernels.w2_dgrad_gluon`:
+
+* a producer warp issues the TMA loads of the program's tiles, ``pid, pid + G, ...``, K step
+  by K step over F, into a ring of ``STAGES`` shared-memory stages: the tile's h2 rows
+  (contiguous activation rows from the tile's first one; rows past the expert's live rows
+  are read and discarded, rows past ``R_act`` are TMA's zero fill) and the ``BLOCK_N x 64``
+  weight tile of ``w2[e]`` (K-major, as stored);
+* two consumer warpgroups compute the tiles, in one of two ways (the config's ``num_warps``:
+  the MMA warps of one tile):
+
+  - ping-pong (4, ``block_n`` 128): they take the program's tiles in turn; each computes a
+    128 x 128 tile (two m64n128 MMAs per k16) and stores it while the other runs its MMAs.
+    A ``turn`` mbarrier pair orders their K loops;
+  - cooperative (8, ``block_n`` 256): both take every 128 x 256 tile, 64 rows each (one
+    m64n256 MMA per k16 on their half of the A stage); a stage goes back to the producer
+    when both have released it. Half the h2 loads per FLOP of ping-pong, the stores not
+    under MMAs.
+
+The epilogue rounds the accumulator to bf16 and stores it in 64-column parts as 16-byte
+vectors through each row's address (plain ``st.global``, as the Triton kernel: a peer reads
+the rows after the caller's release/acquire signal). Unlike the Triton kernel, a tile whose
+live rows all have address 0 still runs its MMAs (the producer and the consumers would have
+to agree on it per tile); only its stores are skipped.
+
+Only for CUDA devices of compute capability 9.x, outside the interpreter, with D a multiple
+of ``block_n`` and F of 64; :func:`gluon_w2_reason` says when.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .wgrad_gluon import HAVE_GLUON, gluon_device_reason
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    from .w2_backward import _column_halves
+    from .w13_gluon import _enabled_tiles, _program_tiles, _tile_info, _wait_turn
+
+__all__ = ["GLUON_W2_TILES", "GLUON_W2_STAGES", "gluon_w2_reason", "launch_gluon_w2",
+           "shape_reason", "stage_bytes"]
+
+#: (block_m, block_n, block_k, warps) of a config this kernel runs: ``block_n`` the h3
+#: columns of a tile, ``warps`` the MMA warps of one tile (the config's ``num_warps``): 4
+#: ping-pong 128 x 128 tiles, 8 cooperative 128 x 256 ones.
+GLUON_W2_TILES = ((128, 128, 64, 4), (128, 256, 64, 8))
+#: ring depths the kernel takes where the ring fits ``_RING_BYTES`` (the epilogue's layout
+#: conversions need the rest): up to 6 stages of 32 KiB (ping-pong), 4 of 48 KiB
+#: (cooperative)
+GLUON_W2_STAGES = (3, 4, 5, 6)
+_RING_BYTES = 200 * 1024
+#: the kernel's register limit, as :mod:`distmoe.kernels.w2_dgrad_gluon`: the partitions set
+#: 232 (both consumers) and 40 (the producer warp) per thread
+_MAXNREG = 168
+
+
+def stage_bytes(block_n: int, block_k: int = 64) -> int:
+    """Shared memory of one ring stage: 128 h2 rows and ``block_n`` weight rows of
+    ``block_k`` bf16 each."""
+    return (128 + block_n) * block_k * 2
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,
+                  padded_offsets_ptr, row_offsets_ptr, enable_ptr, HIDDEN: gl.constexpr,
+                  FFN: gl.constexpr, NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr,
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_ENABLE: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                  COOP: gl.constexpr, PARITY: gl.constexpr):
+        """One warp: the TMA loads of every tile of the program, K step by K step."""
+        NUM_K: gl.constexpr = FFN // BLOCK_K
+        NUM_PID_N: gl.constexpr = HIDDEN // BLOCK_N
+        num_pid_m, num_tiles, ends, starts, rbeg, rend, eidx = _program_tiles(
+            padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2, NUM_PID_N,
+            BLOCK_M, 1)
+        num_tiles = _enabled_tiles(enable_ptr, num_tiles, HAS_ENABLE)
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
+        count = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            pid_n, expert, _row, act_start, _live = _tile_info(
+                tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
+                NUM_EXPERTS, BLOCK_M)
+            w_row = expert * HIDDEN + pid_n * BLOCK_N
+            for k in range(NUM_K):
+                stage = count % STAGES
+                mbarrier.wait(empty.index(stage), ((count // STAGES) & 1) ^ 1)
+                bar = ready.index(stage)
+                mbarrier.expect(bar, nbytes)
+                tma.async_copy_global_to_shared(a_desc, [act_start, k * BLOCK_K], bar,
+                                                a_bufs.index(stage))
+                tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], bar,
+                                                b_bufs.index(stage))
+                count += 1
+
+    @gluon.jit
+    def _consumer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,
+                  padded_offsets_ptr, row_offsets_ptr, enable_ptr, HIDDEN: gl.constexpr,
+                  FFN: gl.constexpr, NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr,
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_ENABLE: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                  COOP: gl.constexpr, PARITY: gl.constexpr):
+        """One warpgroup: the MMAs and the stores of the program's tiles ``PARITY``,
+        ``PARITY + 2``, ... (in the program's own numbering); with ``COOP``, of rows
+        ``64 PARITY`` to ``64 PARITY + 63`` of every tile of the program."""
+        NUM_K: gl.constexpr = FFN // BLOCK_K
+        NUM_PID_N: gl.constexpr = HIDDEN // BLOCK_N
+        ROWS: gl.constexpr = BLOCK_M // 2 if COOP else BLOCK_M
+        ROW0: gl.constexpr = PARITY * ROWS if COOP else 0  # its first row in the tile
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+        num_pid_m, num_tiles, ends, starts, rbeg, rend, eidx = _program_tiles(
+            padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2, NUM_PID_N,
+            BLOCK_M, 4)
+        num_tiles = _enabled_tiles(enable_ptr, num_tiles, HAS_ENABLE)
+        num_progs = gl.num_programs(0)
+        if COOP:
+            first = gl.program_id(0)
+            step = num_progs
+            count = 0
+        else:
+            first = gl.program_id(0) + PARITY * num_progs
+            step = 2 * num_progs
+            count = PARITY * NUM_K  # this consumer's first step in the program's step stream
+        turns = 0
+        for tile in range(first, num_tiles, step):
+            pid_n, expert, row_start, _act, num_live = _tile_info(
+                tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
+                NUM_EXPERTS, BLOCK_M)
+            if not COOP:
+                turns = _wait_turn(turn, turns, PARITY)
+            acc = gl.zeros([ROWS, BLOCK_N], gl.float32, ACC)
+            for k in range(NUM_K):
+                stage = count % STAGES
+                mbarrier.wait(ready.index(stage), (count // STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(stage).slice(ROW0, ROWS),
+                                    b_bufs.index(stage).permute((1, 0)), acc, is_async=True)
+                # the previous step's MMA is done: its stage goes back to the producer
+                acc = warpgroup_mma_wait(1, deps=(acc,))
+                mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=k > 0)
+                count += 1
+            if not COOP:
+                mbarrier.arrive(turn.index(1 - PARITY))
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
+            if not COOP:
+                count += NUM_K  # the other consumer's tile
+
+            # Epilogue: bf16, then 64-column parts, each converted to 16-byte vectors
+            rows0 = row_start + ROW0
+            live = num_live - ROW0
+            n0 = pid_n * BLOCK_N
+            lo, hi = _column_halves(acc.to(gl.bfloat16), ROWS, BLOCK_N)
+            if BLOCK_N == 256:
+                q0, q1 = _column_halves(lo, ROWS, 128)
+                _scatter_part(q0, scatter_ptrs_ptr, rows0, live, n0, ROWS)
+                _scatter_part(q1, scatter_ptrs_ptr, rows0, live, n0 + 64, ROWS)
+                q2, q3 = _column_halves(hi, ROWS, 128)
+                _scatter_part(q2, scatter_ptrs_ptr, rows0, live, n0 + 128, ROWS)
+                _scatter_part(q3, scatter_ptrs_ptr, rows0, live, n0 + 192, ROWS)
+            else:
+                _scatter_part(lo, scatter_ptrs_ptr, rows0, live, n0, ROWS)
+                _scatter_part(hi, scatter_ptrs_ptr, rows0, live, n0 + 64, ROWS)
+
+    @gluon.jit
+    def _scatter_part(part, scatter_ptrs_ptr, row_start, num_live, col0,
+                      ROWS: gl.constexpr):
+        """Store a ``[ROWS, 64]`` bf16 part (h3 columns ``col0 + j``) of padded rows
+        ``row_start + i``, ``i < num_live``, at their addresses (skipping address 0)."""
+        L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        v = gl.convert_layout(part, L)
+        i = gl.arange(0, ROWS, layout=gl.SliceLayout(1, L))
+        j = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
+        live = i < num_live
+        dst = gl.load(scatter_ptrs_ptr + row_start + i, mask=live, other=0)
+        rows = gl.multiple_of(dst.to(gl.pointer_type(gl.bfloat16)), 16)
+        ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(col0 + j, 0)
+        gl.store(ptrs, v, mask=gl.expand_dims(live & (dst != 0), 1))
+
+    @gluon.jit
+    def _gluon_w2_kernel(
+        a_desc,  # host descriptor of h2 [R_act, F], block [128, 64]
+        w_desc,  # host descriptor of w2 viewed [E D, F], block [BLOCK_N, 64]
+        scatter_ptrs_ptr,  # int64 [R_cap]: h3 row addresses by padded row (0 = not stored)
+        padded_offsets_ptr,  # int32 [E + 1]
+        row_offsets_ptr,  # int32 [E + 1]
+        enable_ptr,  # int32 [1] (HAS_ENABLE), else a placeholder
+        HIDDEN: gl.constexpr,
+        FFN: gl.constexpr,
+        NUM_EXPERTS: gl.constexpr,
+        EXPERTS_POW2: gl.constexpr,
+        GROUP_M: gl.constexpr,
+        STAGES: gl.constexpr,
+        HAS_ENABLE: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        BLOCK_K: gl.constexpr,
+        COOP: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K],
+                                           a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K],
+                                           w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # turn[c]: ping-pong consumer c may start its next tile's MMAs
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            # released by one consumer, or by both with COOP
+            mbarrier.init(empty.index(s), count=2 if COOP else 1)
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        # (the argument lists are written out: a tuple built here loses the constexprs)
+        gl.warp_specialize([
+            (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,
+                         padded_offsets_ptr, row_offsets_ptr, enable_ptr, HIDDEN, FFN,
+                         NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, HAS_ENABLE, BLOCK_M,
+                         BLOCK_N, BLOCK_K, COOP, 0)),
+            (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,
+                         padded_offsets_ptr, row_offsets_ptr, enable_ptr, HIDDEN, FFN,
+                         NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, HAS_ENABLE, BLOCK_M,
+                         BLOCK_N, BLOCK_K, COOP, 1)),
+            (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,
+                         padded_offsets_ptr, row_offsets_ptr, enable_ptr, HIDDEN, FFN,
+                         NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, HAS_ENABLE, BLOCK_M,
+                         BLOCK_N, BLOCK_K, COOP, 0)),
+        ], [4, 1], [232, 40])
+
+
+def shape_reason(*, hidden: int, ffn: int, block_m: int, block_n: int, block_k: int,
+                 stages: int, warps: int = 4) -> str | None:
+    """``None`` when the kernel can tile this case (whatever the device), else why not.
+    ``warps``: the MMA warps of one tile (4 ping-pong, 8 cooperative; ``GLUON_W2_TILES``)."""
+    if (block_m, block_n, block_k, warps) not in GLUON_W2_TILES:
+        return (f"the Gluon W2 kernel runs (block_m, block_n, block_k, num_warps) in "
+                f"{GLUON_W2_TILES}, got {(block_m, block_n, block_k, warps)} (num_warps 4: "
+                f"ping-pong 128 x 128 tiles; 8: cooperative 128 x 256 tiles)")
+    per_stage = stage_bytes(block_n, block_k)
+    if stages not in GLUON_W2_STAGES or stages * per_stage > _RING_BYTES:
+        fit = [s for s in GLUON_W2_STAGES if s * per_stage <= _RING_BYTES]
+        return (f"stages must be one of {fit} with block_n = {block_n} and num_warps = "
+                f"{warps}, got {stages}")
+    if hidden % block_n or ffn % block_k:
+        return f"D ({hidden}) must be a multiple of {block_n} and F ({ffn}) of {block_k}"
+    return None
+
+
+def gluon_w2_reason(device: torch.device, *, hidden: int, ffn: int, block_m: int,
+                    block_n: int, block_k: int, stages: int, warps: int = 4) -> str | None:
+    """``None`` when :func:`launch_gluon_w2` can run this case on ``device``, else why not
+    (a sentence)."""
+    reason = gluon_device_reason(device)
+    if reason is not None:
+        return reason
+    return shape_reason(hidden=hidden, ffn=ffn, block_m=block_m, block_n=block_n,
+                        block_k=block_k, stages=stages, warps=warps)
+
+
+def launch_gluon_w2(h2: torch.Tensor, padded_offsets: torch.Tensor, row_offsets: torch.Tensor,
+                    w2: torch.Tensor, scatter_ptrs: torch.Tensor, *,
+                    enable: torch.Tensor | None, block_n: int = 128, stages: int = 5,
+                    group_m: int = 8, warps: int = 4, programs: int | None = None) -> None:
+    """Launch the kernel (arguments validated by
+    :func:`~distmoe.kernels.w2_scatter.w2_scatter`, and :func:`gluon_w2_reason` returned
+    ``None``). ``warps``: 4 (ping-pong, ``block_n`` 128) or 8 (cooperative, ``block_n`` 256).
+    ``programs``: the grid (default one per SM); tests pass fewer so that every program walks
+    many tiles."""
+    from ._common import device_context, next_power_of_2, num_sms
+
+    block_m, block_k = 128, 64
+    num_experts, hidden, ffn = w2.shape
+    a_layout = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gl.bfloat16)
+    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.bfloat16)
+    a_desc = GluonDescriptor(h2, list(h2.shape), [ffn, 1], [block_m, block_k], a_layout)
+    w_desc = GluonDescriptor(w2.view(num_experts * hidden, ffn), [num_experts * hidden, ffn],
+                             [ffn, 1], [block_n, block_k], w_layout)
+    tiles = (scatter_ptrs.shape[0] // block_m) * (hidden // block_n)
+    if programs is None:
+        programs = num_sms(h2.device)
+    with device_context(h2.device):
+        _gluon_w2_kernel[(max(1, min(programs, tiles)),)](
+            a_desc, w_desc, scatter_ptrs, padded_offsets, row_offsets,
+            padded_offsets if enable is None else enable,
+            HIDDEN=hidden, FFN=ffn, NUM_EXPERTS=num_experts,
+            EXPERTS_POW2=max(32, next_power_of_2(num_experts)), GROUP_M=group_m,
+            STAGES=stages, HAS_ENABLE=enable is not None,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, COOP=warps == 8,
+            num_warps=4, maxnreg=_MAXNREG,
+        )  # fmt: skip
