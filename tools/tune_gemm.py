@@ -139,7 +139,8 @@ def main() -> int:
                 W13Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=st,
                           group_m=gm, persistent=True, tma_epilogue=tma)
                 for st, gm, tma in itertools.product([3, 4], [8, 16], [False, True])] + gluon,
-            "w2": [W2Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)] + [
+            "w2": [W2Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint,
+                                           device=dev)] + [
                 W2Config(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st,
                          group_m=gm, persistent=pe)
                 for bn, st, gm, pe in itertools.product([128, 256], [3, 4], [8], [False, True])] + [

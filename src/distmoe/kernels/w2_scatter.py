@@ -258,7 +258,8 @@ class W2Config(GemmConfig):
 
     @classmethod
     def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128,
-                       rows_per_expert: int | None = None) -> W2Config:
+                       rows_per_expert: int | None = None,
+                       device: torch.device | None = None) -> W2Config:
         """Config from the shapes (D = ``hidden``, F = ``ffn``) and the padding multiple.
 
         Hopper defaults: 128 x 128 x 64 tiles, 8 warps, 4 stages (32 KiB of SMEM per stage),
@@ -269,7 +270,17 @@ class W2Config(GemmConfig):
         E=32 K=8 1.64 ms against 1.94 for 128 x 128 (a later run: 1.57 persistent, 1.62 one
         program per tile); at T=4096 D=2048 F=768 E=128 K=8 0.244 ms against 0.315 (0.240
         persistent, 0.241 per tile).
+
+        With the hint and a ``device`` where the warp-specialised Gluon kernel runs (Hopper,
+        not the interpreter): that kernel where :meth:`hopper_gluon` picks it.
         """
+        if rows_per_expert is not None and block_m == 128 and device is not None:
+            from .wgrad_gluon import gluon_device_reason
+
+            if gluon_device_reason(torch.device(device)) is None:
+                gluon = cls.hopper_gluon(hidden=hidden, ffn=ffn, rows_per_expert=rows_per_expert)
+                if gluon is not None:
+                    return gluon
         if rows_per_expert is not None and block_m == 128 and hidden >= 256 and ffn >= 64:
             return cls(block_m=block_m, block_n=256, block_k=64, num_warps=8,
                        num_stages=3 if rows_per_expert >= 1024 else 4, group_m=8,
@@ -287,6 +298,29 @@ class W2Config(GemmConfig):
             num_stages=num_stages,
             group_m=8,
         )
+
+    @classmethod
+    def hopper_gluon(cls, *, hidden: int, ffn: int, rows_per_expert: int) -> W2Config | None:
+        """The Gluon config :meth:`from_heuristic` picks on a Hopper device (padding multiple
+        128), or ``None`` where it keeps the Triton kernel: ping-pong 128 x 128 tiles with 6
+        stages from 128 rows per expert, where D is a multiple of 128 and F of 64.
+
+        Measured on one H200 (2026-11-30, docs/performance.md run 28), against the Triton
+        kernel's 128 x 256 tiles: the kernel alone 1.452 against 1.485 ms at T=8192 D=4096
+        F=2048 E=32 K=8 and 0.196 against 0.244 at T=4096 D=2048 F=768 E=128 K=8
+        (``tools/tune_gemm.py``); the layer forward 1.7% faster at the first (5 stages).
+        Below 128 rows per expert (decode) it is not measured.
+        """
+        from .w2_gluon import shape_reason
+
+        if rows_per_expert < 128:
+            return None
+        config = cls(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=6,
+                     group_m=8, persistent=True, gluon=True)
+        if shape_reason(hidden=hidden, ffn=ffn, block_m=128, block_n=128, block_k=64,
+                        stages=6, warps=4) is not None:
+            return None
+        return config
 
     @classmethod
     def all_configs(cls, *, block_m: int = 128) -> list[W2Config]:
