@@ -1204,14 +1204,14 @@ def test_gpu_w2_gluon(block_n, warps, stages, group_m):
 @pytest.mark.gpu
 def test_gpu_w2_gluon_heuristic():
     """On a Hopper GPU with the layer's hint the heuristic picks the Gluon ping-pong tile from
-    128 rows per expert; fewer rows, and widths it cannot tile, keep the Triton kernel."""
+    256 rows per expert; fewer rows, and widths it cannot tile, keep the Triton kernel."""
     if torch.cuda.get_device_capability(DEVICE)[0] != 9:
         pytest.skip("the Gluon W2 is for compute capability 9.x")
     pick = partial(W2Config.from_heuristic, device=DEVICE)
     tile = lambda c: (c.gluon, c.block_n, c.num_warps, c.num_stages)  # noqa: E731
     assert tile(pick(hidden=4096, ffn=2048, rows_per_expert=2048)) == (True, 128, 4, 6)
-    assert tile(pick(hidden=2048, ffn=768, rows_per_expert=128)) == (True, 128, 4, 6)
-    assert not pick(hidden=2048, ffn=768, rows_per_expert=16).gluon
+    assert tile(pick(hidden=2048, ffn=768, rows_per_expert=256)) == (True, 128, 4, 6)
+    assert not pick(hidden=2048, ffn=768, rows_per_expert=128).gluon
     assert not pick(hidden=2880, ffn=2880, rows_per_expert=2048).gluon
     assert not W2Config.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048).gluon
 
@@ -1422,13 +1422,14 @@ def test_gluon_w2_shape_rules_without_a_gpu():
     assert "F (2000)" in shape_reason(hidden=4096, ffn=2000, block_m=128, block_k=64,
                                       block_n=128, stages=5, warps=4)
     assert gluon_w2_reason(torch.device("cpu"), **ok, block_n=128, stages=5) is not None
-    # what the Hopper heuristic picks (device-independent): ping-pong, 6 stages, from 128
+    # what the Hopper heuristic picks (device-independent): ping-pong, 6 stages, from 256
     # rows per expert where the widths tile; no device or a CPU device keeps Triton
     tile = lambda c: (c.gluon, c.block_n, c.num_warps, c.num_stages)  # noqa: E731
-    for rows in (128, 256, 2048):
+    for rows in (256, 512, 2048):
         assert tile(W2Config.hopper_gluon(hidden=4096, ffn=2048, rows_per_expert=rows)) == \
             (True, 128, 4, 6)
-    assert W2Config.hopper_gluon(hidden=4096, ffn=2048, rows_per_expert=127) is None
+    assert W2Config.hopper_gluon(hidden=4096, ffn=2048, rows_per_expert=255) is None
+    assert W2Config.hopper_gluon(hidden=2048, ffn=768, rows_per_expert=128) is None
     assert W2Config.hopper_gluon(hidden=2880, ffn=2880, rows_per_expert=2048) is None
     assert W2Config.hopper_gluon(hidden=2048, ffn=200, rows_per_expert=2048) is None
     for device in (None, torch.device("cpu")):

@@ -303,17 +303,24 @@ class W2Config(GemmConfig):
     def hopper_gluon(cls, *, hidden: int, ffn: int, rows_per_expert: int) -> W2Config | None:
         """The Gluon config :meth:`from_heuristic` picks on a Hopper device (padding multiple
         128), or ``None`` where it keeps the Triton kernel: ping-pong 128 x 128 tiles with 6
-        stages from 128 rows per expert, where D is a multiple of 128 and F of 64.
+        stages from 256 rows per expert, where D is a multiple of 128 and F of 64.
 
-        Measured on one H200 (2026-11-30, docs/performance.md run 28), against the Triton
-        kernel's 128 x 256 tiles: the kernel alone 1.452 against 1.485 ms at T=8192 D=4096
-        F=2048 E=32 K=8 and 0.196 against 0.244 at T=4096 D=2048 F=768 E=128 K=8
-        (``tools/tune_gemm.py``); the layer forward 1.7% faster at the first (5 stages).
-        Below 128 rows per expert (decode) it is not measured.
+        Measured on one H200(2026-11-30, docs/performance.md run 28), against the Triton
+        kernel's 128 x 256 tiles:
+
+        * the kernel alone (``tools/tune_gemm.py``): 1.452 against 1.485 ms at T=8192
+          D=4096 F=2048 E=32 K=8 (2048 rows per expert) and 0.196 against 0.244 at T=4096
+          D=2048 F=768 E=128 K=8 (256 rows per expert);
+        * the layer, same call: forward 2.7% faster at the first shape and about 5% at the
+          second, forward+backward 0.6% and 0.7%; at T=4096 D=2048 F=1024 E=64 K=8 (512 rows
+          per expert) forward 5.6% faster, forward+backward 0.7% slower (one round);
+        * at 128 rows per expert the two shapes measured disagreed (T=2048 D=2048 F=768
+          E=128 K=8 forward 1.6% faster, T=4096 D=7168 F=2048 E=256 K=8 1.1% slower; one
+          round each), so the Triton kernel stays there and below (decode: not measured).
         """
         from .w2_gluon import shape_reason
 
-        if rows_per_expert < 128:
+        if rows_per_expert < 256:
             return None
         config = cls(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=6,
                      group_m=8, persistent=True, gluon=True)
