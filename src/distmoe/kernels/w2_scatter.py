@@ -305,7 +305,7 @@ class W2Config(GemmConfig):
         128), or ``None`` where it keeps the Triton kernel: ping-pong 128 x 128 tiles with 6
         stages from 256 rows per expert, where D is a multiple of 128 and F of 64.
 
-        Measured on one H200(2026-11-30, docs/performance.md run 28), against the Triton
+        Measured on one H200 (2026-11-30, docs/performance.md run 28), against the Triton
         kernel's 128 x 256 tiles:
 
         * the kernel alone (``tools/tune_gemm.py``): 1.452 against 1.485 ms at T=8192
