@@ -1150,6 +1150,7 @@ def test_gpu_w13_gluon_heuristic():
         (True, 64, 4, 6)
     assert tile(pick(hidden=2048, ffn=704, rows_per_expert=2048)) == (True, 64, 4, 5)
     assert not pick(hidden=2048, ffn=768, rows_per_expert=128).gluon
+    assert not pick(hidden=4096, ffn=2048, rows_per_expert=2048, ep_size=2).gluon
     assert not pick(hidden=4096, ffn=2000, rows_per_expert=2048, training=True).gluon
     assert not W13Config.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048).gluon
 
@@ -1430,6 +1431,7 @@ def test_gluon_w2_shape_rules_without_a_gpu():
             (True, 128, 4, 6)
     assert W2Config.hopper_gluon(hidden=4096, ffn=2048, rows_per_expert=255) is None
     assert W2Config.hopper_gluon(hidden=2048, ffn=768, rows_per_expert=128) is None
+    assert W2Config.hopper_gluon(hidden=4096, ffn=2048, rows_per_expert=2048, ep_size=2) is None
     assert W2Config.hopper_gluon(hidden=2880, ffn=2880, rows_per_expert=2048) is None
     assert W2Config.hopper_gluon(hidden=2048, ffn=200, rows_per_expert=2048) is None
     for device in (None, torch.device("cpu")):

@@ -259,7 +259,7 @@ class W2Config(GemmConfig):
     @classmethod
     def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128,
                        rows_per_expert: int | None = None,
-                       device: torch.device | None = None) -> W2Config:
+                       device: torch.device | None = None, ep_size: int = 1) -> W2Config:
         """Config from the shapes (D = ``hidden``, F = ``ffn``) and the padding multiple.
 
         Hopper defaults: 128 x 128 x 64 tiles, 8 warps, 4 stages (32 KiB of SMEM per stage),
@@ -272,13 +272,16 @@ class W2Config(GemmConfig):
         persistent, 0.241 per tile).
 
         With the hint and a ``device`` where the warp-specialised Gluon kernel runs (Hopper,
-        not the interpreter): that kernel where :meth:`hopper_gluon` picks it.
+        not the interpreter): that kernel where :meth:`hopper_gluon` picks it, which depends
+        on ``ep_size`` (the expert-parallel group: above 1, rows are stored into peers'
+        memory).
         """
         if rows_per_expert is not None and block_m == 128 and device is not None:
             from .wgrad_gluon import gluon_device_reason
 
             if gluon_device_reason(torch.device(device)) is None:
-                gluon = cls.hopper_gluon(hidden=hidden, ffn=ffn, rows_per_expert=rows_per_expert)
+                gluon = cls.hopper_gluon(hidden=hidden, ffn=ffn, rows_per_expert=rows_per_expert,
+                                         ep_size=ep_size)
                 if gluon is not None:
                     return gluon
         if rows_per_expert is not None and block_m == 128 and hidden >= 256 and ffn >= 64:
@@ -300,10 +303,12 @@ class W2Config(GemmConfig):
         )
 
     @classmethod
-    def hopper_gluon(cls, *, hidden: int, ffn: int, rows_per_expert: int) -> W2Config | None:
+    def hopper_gluon(cls, *, hidden: int, ffn: int, rows_per_expert: int,
+                     ep_size: int = 1) -> W2Config | None:
         """The Gluon config :meth:`from_heuristic` picks on a Hopper device (padding multiple
         128), or ``None`` where it keeps the Triton kernel: ping-pong 128 x 128 tiles with 6
-        stages from 256 rows per expert, where D is a multiple of 128 and F of 64.
+        stages from 256 rows per expert, where D is a multiple of 128 and F of 64, with one
+        rank (``ep_size`` 1: every row stored into local memory).
 
         Measured on one H200 (2026-11-30, docs/performance.md run 28), against the Triton
         kernel's 128 x 256 tiles:
@@ -316,11 +321,15 @@ class W2Config(GemmConfig):
           per expert) forward 5.6% faster, forward+backward 0.7% slower (one round);
         * at 128 rows per expert the two shapes measured disagreed (T=2048 D=2048 F=768
           E=128 K=8 forward 1.6% faster, T=4096 D=7168 F=2048 E=256 K=8 1.1% slower; one
-          round each), so the Triton kernel stays there and below (decode: not measured).
+          round each), so the Triton kernel stays there and below (decode: not measured);
+        * at EP=2 on two H200s (half the rows stored across NVLink; same call, alternating,
+          twice) the layer forward was 1.0% slower at the first shape (5.711 and 5.703
+          against 5.656 and 5.640 ms) and even at the second (0.698, 0.688 against 0.696,
+          0.701), so the Triton kernel stays at ``ep_size`` > 1.
         """
         from .w2_gluon import shape_reason
 
-        if rows_per_expert < 256:
+        if rows_per_expert < 256 or ep_size > 1:
             return None
         config = cls(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=6,
                      group_m=8, persistent=True, gluon=True)

@@ -137,7 +137,7 @@ class MoEContext:
                                                  training=cfg.training, device=self.device)
         self._w2_cfg = W2Config.from_heuristic(hidden=D, ffn=F, block_m=cfg.row_block,
                                                rows_per_expert=self.rows_per_expert_hint,
-                                               device=self.device)
+                                               device=self.device, ep_size=self.ep_size)
         self.activations: ActivationBuffer | None = None
         if cfg.training:
             # On the heap: the owners write their routes' output gradients straight into the
