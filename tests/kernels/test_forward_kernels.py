@@ -699,12 +699,9 @@ def test_w2_scatter_reference():
                 skip_live=[4])  # fmt: skip
 
 
-@PERSISTENT
-def test_w2_scatter_enable(persistent):
-    # enable = 1 equals the plain run bit for bit; enable = 0 writes nothing (no target row,
-    # no canary), for the kernel and the reference.
-    config = replace(W2_SMALL, persistent=persistent)
-    case = W2Case([5, 0, 21], hidden=32, ffn=48, r_cap=64, min_rows=[0, 16, 0])
+def check_w2_enable(case, config, *, references=(False, True)):
+    """enable = 1 equals the plain run bit for bit; enable = 0 writes nothing (no target row,
+    no canary), for the kernel and (``references``) the reference."""
     case.run(config=config)
     case.check()
     plain = [out.clone() for out in case.outputs()]
@@ -712,11 +709,18 @@ def test_w2_scatter_enable(persistent):
     case.run(config=config, enable=device_int([1], torch.int32))
     for i, (got, want) in enumerate(zip(case.outputs(), plain, strict=True)):
         assert_bits_equal(got, want, what=f"output buffer {i} with enable=1")
-    for use_ref in (False, True):
+    for use_ref in references:
         case.repoison()
         case.run(config=config, use_ref=use_ref, enable=device_int([0], torch.int32))
         for i, out in enumerate(case.outputs()):
             assert_untouched(out, what=f"output buffer {i} with enable=0 (ref={use_ref})")
+
+
+@PERSISTENT
+def test_w2_scatter_enable(persistent):
+    config = replace(W2_SMALL, persistent=persistent)
+    check_w2_enable(W2Case([5, 0, 21], hidden=32, ffn=48, r_cap=64, min_rows=[0, 16, 0]),
+                    config)
 
 
 def _w2_inputs(r_cap=32, hidden=32, ffn=32, num_experts=2):
@@ -1238,19 +1242,9 @@ def test_gpu_w2_gluon_programs_walk_many_tiles(block_n, warps, programs):
 @pytest.mark.gpu
 @GLUON_W2_TILES
 def test_gpu_w2_gluon_enable(block_n, warps):
-    # enable = 0 writes nothing anywhere; enable = 1 equals the run without it bit for bit.
-    config = _gluon_w2_tile(block_n, warps)
-    case = W2Case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, block_m=128)
-    case.run(config=config, enable=device_int([0], torch.int32))
-    for i, out in enumerate(case.outputs()):
-        assert_untouched(out, what=f"output buffer {i} with enable = 0")
-    case.run(config=config)
-    case.check()
-    plain = [out.clone() for out in case.outputs()]
-    case.repoison()
-    case.run(config=config, enable=device_int([1], torch.int32))
-    for i, (got, want) in enumerate(zip(case.outputs(), plain, strict=True)):
-        assert_bits_equal(got, want, what=f"output buffer {i} with enable = 1")
+    # enable = 1 equals the run without it bit for bit; enable = 0 writes nothing anywhere.
+    check_w2_enable(W2Case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, block_m=128),
+                    _gluon_w2_tile(block_n, warps), references=(False,))
 
 
 @pytest.mark.gpu

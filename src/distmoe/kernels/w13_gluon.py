@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import torch
 
-from .wgrad_gluon import HAVE_GLUON, gluon_device_reason
+from .wgrad_gluon import HAVE_GLUON, gluon_device_reason, gluon_ring_reason
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -180,6 +180,63 @@ if HAVE_GLUON:
         return turns + 1
 
     @gluon.jit
+    def _consumer_walk(NUM_K: gl.constexpr, COOP: gl.constexpr, PARITY: gl.constexpr):
+        """Where consumer ``PARITY`` walks the program's tiles: ``(first, step, count)``, its
+        first tile, the stride and its first step in the program's stream of ring steps
+        (``NUM_K`` a tile). Cooperative consumers take every tile; ping-pong ones every
+        other, starting with tile ``PARITY``."""
+        num_progs = gl.num_programs(0)
+        if COOP:
+            first = gl.program_id(0)
+            step = num_progs
+            count = 0
+        else:
+            first = gl.program_id(0) + PARITY * num_progs
+            step = 2 * num_progs
+            count = PARITY * NUM_K
+        return first, step, count
+
+    @gluon.jit
+    def _ring_barriers(STAGES: gl.constexpr, READY_ARRIVALS: gl.constexpr,
+                       EMPTY_ARRIVALS: gl.constexpr):
+        """The mbarriers of a load ring and its two consumers, initialised: ``ready`` and
+        ``empty`` per stage (completed by these arrival counts), and the ping-pong ``turn``
+        pair (``turn[c]``: consumer ``c`` may start its next tile's MMAs, the other one has
+        issued all of its tile's). Returns ``(ready, empty, turn)``."""
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=READY_ARRIVALS)
+            mbarrier.init(empty.index(s), count=EMPTY_ARRIVALS)
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        return ready, empty, turn
+
+    @gluon.jit
+    def _mma_steps(a_bufs, b_bufs, ready, empty, acc, count, NUM_K: gl.constexpr,
+                   STAGES: gl.constexpr, ROW0: gl.constexpr, ROWS: gl.constexpr,
+                   B_K_MAJOR: gl.constexpr):
+        """A consumer's MMAs of one tile: ``NUM_K`` ring stages from the ``count``-th of the
+        program's step stream, ``acc += A[ROW0:ROW0 + ROWS] @ B`` each (B stored
+        ``[N, K]`` and transposed with ``B_K_MAJOR``, else ``[K, N]``), each stage going back
+        to the producer once the next one's MMA is issued and its own is done. Returns
+        ``(acc, count + NUM_K)`` with the last MMA still in flight and its stage held: the
+        caller waits for it and releases stage ``(count + NUM_K - 1) % STAGES``."""
+        for k in range(NUM_K):
+            stage = count % STAGES
+            mbarrier.wait(ready.index(stage), (count // STAGES) & 1)
+            b = b_bufs.index(stage)
+            if B_K_MAJOR:
+                b = b.permute((1, 0))
+            acc = warpgroup_mma(a_bufs.index(stage).slice(ROW0, ROWS), b, acc, is_async=True)
+            # the previous step's MMA is done: its stage goes back to the producer
+            acc = warpgroup_mma_wait(1, deps=(acc,))
+            mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=k > 0)
+            count += 1
+        return acc, count
+
+    @gluon.jit
     def _enabled_tiles(enable_ptr, num_tiles, HAS_ENABLE: gl.constexpr):
         """The tile count with ``enable`` applied (0 when it is 0)."""
         if HAS_ENABLE:
@@ -266,15 +323,7 @@ if HAVE_GLUON:
             h1_off = gl.load(out_offsets_ptr)
             x_off = gl.load(out_offsets_ptr + 1)
         x_base = x_ptr + gl.maximum(x_off, 0)
-        num_progs = gl.num_programs(0)
-        if COOP:
-            first = gl.program_id(0)
-            step = num_progs
-            count = 0
-        else:
-            first = gl.program_id(0) + PARITY * num_progs
-            step = 2 * num_progs
-            count = PARITY * NUM_K  # this consumer's first step in the program's step stream
+        first, step, count = _consumer_walk(NUM_K, COOP, PARITY)
         turns = 0
         for tile in range(first, num_tiles, step):
             pid_n, expert, _row, act_start, num_live = _tile_info(
@@ -380,18 +429,9 @@ if HAVE_GLUON:
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], A_LAYOUT)
         b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 2 * BLOCK_N, BLOCK_K],
                                            w_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        # turn[c]: consumer c may start its next tile's MMAs (the other one has issued all of
-        # its tile's)
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            # the producer's expect-tx arrive, then one cp.async arrive per producer thread
-            mbarrier.init(ready.index(s), count=1 + PRODUCER_THREADS)
-            # released by one consumer, or by both with COOP
-            mbarrier.init(empty.index(s), count=2 if COOP else 1)
-        mbarrier.init(turn.index(0), count=1)
-        mbarrier.init(turn.index(1), count=1)
+        # ready: the producer's expect-tx arrive, then one cp.async arrive per producer
+        # thread; empty: released by one consumer, or by both with COOP
+        ready, empty, turn = _ring_barriers(STAGES, 1 + PRODUCER_THREADS, 2 if COOP else 1)
         # (the argument lists are written out: a tuple built here loses the constexprs)
         gl.warp_specialize([
             (_consumer, (w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
@@ -416,29 +456,23 @@ def shape_reason(*, hidden: int, ffn: int, block_m: int, block_n: int, block_k: 
                  stages: int, warps: int = 4) -> str | None:
     """``None`` when the kernel can tile this case (whatever the device), else why not.
     ``warps``: the MMA warps of one tile (4 ping-pong, 8 cooperative; ``GLUON_W13_TILES``)."""
-    if (block_m, block_n, block_k, warps) not in GLUON_W13_TILES:
-        return (f"the Gluon W13 kernel runs (block_m, block_n, block_k, num_warps) in "
-                f"{GLUON_W13_TILES}, got {(block_m, block_n, block_k, warps)} (num_warps 4: "
-                f"ping-pong tiles, block_n 64 or 128; 8: cooperative tiles, block_n 128)")
-    per_stage = stage_bytes(block_n, block_k, warps)
-    if stages not in GLUON_W13_STAGES or stages * per_stage > _RING_BYTES:
-        fit = [s for s in GLUON_W13_STAGES if s * per_stage <= _RING_BYTES]
-        return (f"stages must be one of {fit} with block_n = {block_n} and num_warps = "
-                f"{warps}, got {stages}")
-    if ffn % block_n or hidden % block_k:
-        return f"F ({ffn}) must be a multiple of {block_n} and D ({hidden}) of {block_k}"
-    return None
+    reason = gluon_ring_reason(
+        "W13", GLUON_W13_TILES, (block_m, block_n, block_k, warps),
+        "num_warps 4: ping-pong tiles, block_n 64 or 128; 8: cooperative tiles, block_n 128",
+        per_stage=stage_bytes(block_n, block_k, warps), stages=stages, depths=GLUON_W13_STAGES,
+        ring_bytes=_RING_BYTES)
+    if reason is None and (ffn % block_n or hidden % block_k):
+        reason = f"F ({ffn}) must be a multiple of {block_n} and D ({hidden}) of {block_k}"
+    return reason
 
 
 def gluon_w13_reason(device: torch.device, *, hidden: int, ffn: int, block_m: int,
                      block_n: int, block_k: int, stages: int, warps: int = 4) -> str | None:
     """``None`` when :func:`launch_gluon_w13` can run this case on ``device``, else why not
     (a sentence)."""
-    reason = gluon_device_reason(device)
-    if reason is not None:
-        return reason
-    return shape_reason(hidden=hidden, ffn=ffn, block_m=block_m, block_n=block_n,
-                        block_k=block_k, stages=stages, warps=warps)
+    return gluon_device_reason(device) or shape_reason(
+        hidden=hidden, ffn=ffn, block_m=block_m, block_n=block_n, block_k=block_k,
+        stages=stages, warps=warps)
 
 
 def launch_gluon_w13(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,

@@ -52,13 +52,12 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (
         mbarrier,
         tma,
-        warpgroup_mma,
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
     from .w2_backward import _column_halves
-    from .w13_gluon import _program_tiles, _tile_info, _wait_turn
+    from .w13_gluon import _mma_steps, _program_tiles, _ring_barriers, _tile_info, _wait_turn
 
 __all__ = ["GLUON_W2_DGRAD_CONFIGS", "gluon_w2_dgrad_reason", "launch_gluon_w2_dgrad"]
 
@@ -133,16 +132,9 @@ if HAVE_GLUON:
                 tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
                 NUM_EXPERTS, BLOCK_M)
             turns = _wait_turn(turn, turns, PARITY)
-            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, ACC)
-            for k in range(NUM_K):
-                stage = count % STAGES
-                mbarrier.wait(ready.index(stage), (count // STAGES) & 1)
-                acc = warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage), acc,
-                                    is_async=True)
-                # the previous step's MMA is done: its stage goes back to the producer
-                acc = warpgroup_mma_wait(1, deps=(acc,))
-                mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=k > 0)
-                count += 1
+            acc, count = _mma_steps(a_bufs, b_bufs, ready, empty,
+                                    gl.zeros([BLOCK_M, BLOCK_N], gl.float32, ACC), count, NUM_K,
+                                    STAGES, 0, BLOCK_M, False)
             mbarrier.arrive(turn.index(1 - PARITY))
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
@@ -256,16 +248,7 @@ if HAVE_GLUON:
                                            a_desc.layout)
         b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_N],
                                            w_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        # turn[c]: consumer c may start its next tile's MMAs (the other one has issued all of
-        # its tile's)
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=1)
-        mbarrier.init(turn.index(0), count=1)
-        mbarrier.init(turn.index(1), count=1)
+        ready, empty, turn = _ring_barriers(STAGES, 1, 1)
         gl.warp_specialize([
             (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, ptrs_ptr,
                          padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from .wgrad_gluon import HAVE_GLUON, gluon_device_reason
+from .wgrad_gluon import HAVE_GLUON, gluon_device_reason, gluon_ring_reason
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -51,13 +51,20 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (
         mbarrier,
         tma,
-        warpgroup_mma,
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
     from .w2_backward import _column_halves
-    from .w13_gluon import _enabled_tiles, _program_tiles, _tile_info, _wait_turn
+    from .w13_gluon import (
+        _consumer_walk,
+        _enabled_tiles,
+        _mma_steps,
+        _program_tiles,
+        _ring_barriers,
+        _tile_info,
+        _wait_turn,
+    )
 
 __all__ = ["GLUON_W2_TILES", "GLUON_W2_STAGES", "gluon_w2_reason", "launch_gluon_w2",
            "shape_reason", "stage_bytes"]
@@ -136,15 +143,7 @@ if HAVE_GLUON:
             padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2, NUM_PID_N,
             BLOCK_M, 4)
         num_tiles = _enabled_tiles(enable_ptr, num_tiles, HAS_ENABLE)
-        num_progs = gl.num_programs(0)
-        if COOP:
-            first = gl.program_id(0)
-            step = num_progs
-            count = 0
-        else:
-            first = gl.program_id(0) + PARITY * num_progs
-            step = 2 * num_progs
-            count = PARITY * NUM_K  # this consumer's first step in the program's step stream
+        first, step, count = _consumer_walk(NUM_K, COOP, PARITY)
         turns = 0
         for tile in range(first, num_tiles, step):
             pid_n, expert, row_start, _act, num_live = _tile_info(
@@ -152,16 +151,9 @@ if HAVE_GLUON:
                 NUM_EXPERTS, BLOCK_M)
             if not COOP:
                 turns = _wait_turn(turn, turns, PARITY)
-            acc = gl.zeros([ROWS, BLOCK_N], gl.float32, ACC)
-            for k in range(NUM_K):
-                stage = count % STAGES
-                mbarrier.wait(ready.index(stage), (count // STAGES) & 1)
-                acc = warpgroup_mma(a_bufs.index(stage).slice(ROW0, ROWS),
-                                    b_bufs.index(stage).permute((1, 0)), acc, is_async=True)
-                # the previous step's MMA is done: its stage goes back to the producer
-                acc = warpgroup_mma_wait(1, deps=(acc,))
-                mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=k > 0)
-                count += 1
+            acc, count = _mma_steps(a_bufs, b_bufs, ready, empty,
+                                    gl.zeros([ROWS, BLOCK_N], gl.float32, ACC), count, NUM_K,
+                                    STAGES, ROW0, ROWS, True)
             if not COOP:
                 mbarrier.arrive(turn.index(1 - PARITY))
             acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -225,16 +217,9 @@ if HAVE_GLUON:
                                            a_desc.layout)
         b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K],
                                            w_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        # turn[c]: ping-pong consumer c may start its next tile's MMAs
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            # released by one consumer, or by both with COOP
-            mbarrier.init(empty.index(s), count=2 if COOP else 1)
-        mbarrier.init(turn.index(0), count=1)
-        mbarrier.init(turn.index(1), count=1)
+        # ready: the producer's expect-tx arrive; empty: released by one consumer, or by both
+        # with COOP
+        ready, empty, turn = _ring_barriers(STAGES, 1, 2 if COOP else 1)
         # (the argument lists are written out: a tuple built here loses the constexprs)
         gl.warp_specialize([
             (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,
@@ -256,29 +241,23 @@ def shape_reason(*, hidden: int, ffn: int, block_m: int, block_n: int, block_k: 
                  stages: int, warps: int = 4) -> str | None:
     """``None`` when the kernel can tile this case (whatever the device), else why not.
     ``warps``: the MMA warps of one tile (4 ping-pong, 8 cooperative; ``GLUON_W2_TILES``)."""
-    if (block_m, block_n, block_k, warps) not in GLUON_W2_TILES:
-        return (f"the Gluon W2 kernel runs (block_m, block_n, block_k, num_warps) in "
-                f"{GLUON_W2_TILES}, got {(block_m, block_n, block_k, warps)} (num_warps 4: "
-                f"ping-pong 128 x 128 tiles; 8: cooperative 128 x 256 tiles)")
-    per_stage = stage_bytes(block_n, block_k)
-    if stages not in GLUON_W2_STAGES or stages * per_stage > _RING_BYTES:
-        fit = [s for s in GLUON_W2_STAGES if s * per_stage <= _RING_BYTES]
-        return (f"stages must be one of {fit} with block_n = {block_n} and num_warps = "
-                f"{warps}, got {stages}")
-    if hidden % block_n or ffn % block_k:
-        return f"D ({hidden}) must be a multiple of {block_n} and F ({ffn}) of {block_k}"
-    return None
+    reason = gluon_ring_reason(
+        "W2", GLUON_W2_TILES, (block_m, block_n, block_k, warps),
+        "num_warps 4: ping-pong 128 x 128 tiles; 8: cooperative 128 x 256 tiles",
+        per_stage=stage_bytes(block_n, block_k), stages=stages, depths=GLUON_W2_STAGES,
+        ring_bytes=_RING_BYTES)
+    if reason is None and (hidden % block_n or ffn % block_k):
+        reason = f"D ({hidden}) must be a multiple of {block_n} and F ({ffn}) of {block_k}"
+    return reason
 
 
 def gluon_w2_reason(device: torch.device, *, hidden: int, ffn: int, block_m: int,
                     block_n: int, block_k: int, stages: int, warps: int = 4) -> str | None:
     """``None`` when :func:`launch_gluon_w2` can run this case on ``device``, else why not
     (a sentence)."""
-    reason = gluon_device_reason(device)
-    if reason is not None:
-        return reason
-    return shape_reason(hidden=hidden, ffn=ffn, block_m=block_m, block_n=block_n,
-                        block_k=block_k, stages=stages, warps=warps)
+    return gluon_device_reason(device) or shape_reason(
+        hidden=hidden, ffn=ffn, block_m=block_m, block_n=block_n, block_k=block_k,
+        stages=stages, warps=warps)
 
 
 def launch_gluon_w2(h2: torch.Tensor, padded_offsets: torch.Tensor, row_offsets: torch.Tensor,

@@ -316,9 +316,10 @@ class W2Config(GemmConfig):
         * the kernel alone (``tools/tune_gemm.py``): 1.452 against 1.485 ms at T=8192
           D=4096 F=2048 E=32 K=8 (2048 rows per expert) and 0.196 against 0.244 at T=4096
           D=2048 F=768 E=128 K=8 (256 rows per expert);
-        * the layer, same call: forward 2.7% faster at the first shape and about 5% at the
-          second, forward+backward 0.6% and 0.7%; at T=4096 D=2048 F=1024 E=64 K=8 (512 rows
-          per expert) forward 5.6% faster, forward+backward 0.7% slower (one round);
+        * the layer, same call: forward 2.7% faster at the first shape and 2-9% at the
+          second (noisy), forward+backward 0.6% and 0.7%; at T=4096 D=2048 F=1024 E=64
+          K=8 (512 rows per expert) forward 5.6% faster, forward+backward 0.7% slower (one
+          round);
         * at 128 rows per expert the two shapes measured disagreed (T=2048 D=2048 F=768
           E=128 K=8 forward 1.6% faster, T=4096 D=7168 F=2048 E=256 K=8 1.1% slower; one
           round each), so the Triton kernel stays there and below (decode: not measured);

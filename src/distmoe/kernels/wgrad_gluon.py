@@ -241,7 +241,24 @@ def gluon_device_reason(device: torch.device) -> str | None:
     if interpreter_active():
         return "the Triton interpreter runs no Gluon kernels"
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
-        return "Gluon WGRAD is written for compute capability 9.x (Hopper)"
+        return f"the Gluon kernels are written for CUDA devices of compute capability 9.x " \
+               f"(Hopper), got {device}"
+    return None
+
+
+def gluon_ring_reason(kernel: str, tiles: tuple, tile: tuple, tile_help: str, *,
+                      per_stage: int, stages: int, depths: tuple, ring_bytes: int) -> str | None:
+    """The tile and ring-depth rules of a warp-specialised Gluon GEMM: ``None`` when ``tile``
+    ``(block_m, block_n, block_k, num_warps)`` is one of ``tiles`` and ``stages`` stages of
+    ``per_stage`` bytes are one of ``depths`` and fit ``ring_bytes``, else why not (naming
+    ``kernel``, with ``tile_help`` saying what the tiles are)."""
+    if tile not in tiles:
+        return (f"the Gluon {kernel} kernel runs (block_m, block_n, block_k, num_warps) in "
+                f"{tiles}, got {tile} ({tile_help})")
+    if stages not in depths or stages * per_stage > ring_bytes:
+        fit = [s for s in depths if s * per_stage <= ring_bytes]
+        return (f"stages must be one of {fit} with block_n = {tile[1]} and num_warps = "
+                f"{tile[3]}, got {stages}")
     return None
 
 

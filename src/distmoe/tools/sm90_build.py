@@ -140,13 +140,23 @@ def build(case: BuildCase) -> BuildReport:
     return report
 
 
+def _gluon_desc(rows: int, cols: int, block: list[int]) -> str:
+    """Signature type of a host-built Gluon TMA descriptor over a bf16 ``[rows, cols]`` tensor
+    with this block (the default NVMMA shared layout)."""
+    import torch
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    t = torch.empty(rows, cols, dtype=torch.bfloat16)
+    return mangle_type(TensorDescriptor(t, [rows, cols], [cols, 1], block, layout))
+
+
 def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
     """The persistent Gluon WGRAD (:mod:`distmoe.kernels.wgrad_gluon`): the config the Hopper
     heuristic picks for W13 (x at a device offset) and W2 at each shape (production: no
     spills, no serialized wgmma), then every other tuner config at ``fine`` (build only)."""
-    import torch
-    from triton.runtime.jit import mangle_type
-
     from distmoe.kernels import w2_backward as w2b
     from distmoe.kernels import wgrad_gluon as wg
     from distmoe.tools.bench.workloads import SHAPES
@@ -155,15 +165,12 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
         return []
     gl = wg.gl
 
-    def desc(rows, cols, block):  # signature type of a host descriptor (a CPU stand-in)
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-        t = torch.empty(rows, cols, dtype=torch.bfloat16)
-        return mangle_type(wg.GluonDescriptor(t, [rows, cols], [cols, 1], block, layout))
-
     def case(label, P, Q, E, bp, bq, stages, warps, b_offset, production, bk=64):
         b_layout = gl.NVMMASharedLayout.get_default_for([bk, bq], gl.bfloat16)
-        types = {"a_desc": desc(bk, P, [bk, bp]), "o_desc": desc(E * P, Q, [bp, bq]),
-                 "b_desc": desc(bk, P, [bk, bp]) if b_offset else desc(bk, Q, [bk, bq]),
+        types = {"a_desc": _gluon_desc(bk, P, [bk, bp]),
+                 "o_desc": _gluon_desc(E * P, Q, [bp, bq]),
+                 "b_desc": (_gluon_desc(bk, P, [bk, bp]) if b_offset
+                            else _gluon_desc(bk, Q, [bk, bq])),
                  "b_base": "*bf16" if b_offset else "*i32",
                  "b_offset_ptr": "*i64" if b_offset else "*i32"}
         return BuildCase(
@@ -199,9 +206,6 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
     deepest ring, a 3-stage inference build and the 6-stage 128 x 64 training build (what
     the heuristic picks below 128 rows per expert), and the 5-stage 128 x 64 tile at each
     shape."""
-    import torch
-    from triton.runtime.jit import mangle_type
-
     from distmoe.kernels import w13_gluon as wg
     from distmoe.kernels._common import next_power_of_2
     from distmoe.tools.bench.workloads import SHAPES
@@ -214,10 +218,7 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
         s = SHAPES[name]
         D, F, E = s.hidden, s.ffn, s.num_experts
         bm, bk = wg.tile_rows(bn, warps), 64
-        layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16)
-        w = torch.empty(2 * E * F, D, dtype=torch.bfloat16)
-        types = {"w_desc": mangle_type(wg.GluonDescriptor(w, [2 * E * F, D], [D, 1], [bn, bk],
-                                                          layout)),
+        types = {"w_desc": _gluon_desc(2 * E * F, D, [bn, bk]),
                  "gather_ptrs_ptr": "*i64",
                  "out_offsets_ptr": "*i64" if train else "*i32",
                  "enable_ptr": "*i32"}
@@ -260,28 +261,19 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
     shape with h1 at a device offset and h2 stored, at every ring depth it takes. Production
     (no spill, no serialized wgmma) at E <= 32; with more experts the consumers' per-expert
     lookup vectors (E/32 registers each) spill 32 bytes, reloaded once per tile: built only."""
-    import torch
-    from triton.runtime.jit import mangle_type
-
     from distmoe.kernels import w2_dgrad_gluon as wg
     from distmoe.kernels._common import next_power_of_2
     from distmoe.tools.bench.workloads import SHAPES
 
     if not wg.HAVE_GLUON:
         return []
-    gl = wg.gl
-
-    def desc(rows, cols, block):
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-        t = torch.empty(rows, cols, dtype=torch.bfloat16)
-        return mangle_type(wg.GluonDescriptor(t, [rows, cols], [cols, 1], block, layout))
-
     cases = []
     for name in shapes:
         s = SHAPES[name]
         D, F, E = s.hidden, s.ffn, s.num_experts
         for bm, bn, bk, stages in wg.GLUON_W2_DGRAD_CONFIGS:
-            types = {"a_desc": desc(1024, D, [bm, bk]), "w_desc": desc(E * D, F, [bk, bn]),
+            types = {"a_desc": _gluon_desc(1024, D, [bm, bk]),
+                     "w_desc": _gluon_desc(E * D, F, [bk, bn]),
                      "ptrs_ptr": "*i64", "h1_offset_ptr": "*i64"}
             for scored in (True, False):  # the layer's, and the plain contract
                 cases.append(BuildCase(
@@ -300,29 +292,20 @@ def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildC
     """The warp-specialised Gluon W2 forward (:mod:`distmoe.kernels.w2_gluon`) at each shape,
     with an enable flag: the ping-pong 128 x 128 tile at ring depths 4 to 6 and the
     cooperative 128 x 256 tile at 3 and 4 (production: no spill, no serialized wgmma)."""
-    import torch
-    from triton.runtime.jit import mangle_type
-
     from distmoe.kernels import w2_gluon as wg
     from distmoe.kernels._common import next_power_of_2
     from distmoe.tools.bench.workloads import SHAPES
 
     if not wg.HAVE_GLUON:
         return []
-    gl = wg.gl
-
-    def desc(rows, cols, block):
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-        t = torch.empty(rows, cols, dtype=torch.bfloat16)
-        return mangle_type(wg.GluonDescriptor(t, [rows, cols], [cols, 1], block, layout))
-
     cases = []
     for name in shapes:
         s = SHAPES[name]
         D, F, E = s.hidden, s.ffn, s.num_experts
         for bn, warps, stages in ((128, 4, 4), (128, 4, 5), (128, 4, 6), (256, 8, 3),
                                   (256, 8, 4)):
-            types = {"a_desc": desc(1024, F, [128, 64]), "w_desc": desc(E * D, F, [bn, 64])}
+            types = {"a_desc": _gluon_desc(1024, F, [128, 64]),
+                     "w_desc": _gluon_desc(E * D, F, [bn, 64])}
             cases.append(BuildCase(
                 f"{name} W2 fwd gluon 128x{bn}{' coop' if warps == 8 else ''} s{stages}",
                 wg._gluon_w2_kernel,
