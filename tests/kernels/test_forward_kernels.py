@@ -1154,7 +1154,6 @@ def test_gpu_w13_gluon_heuristic():
         (True, 64, 4, 6)
     assert tile(pick(hidden=2048, ffn=704, rows_per_expert=2048)) == (True, 64, 4, 5)
     assert not pick(hidden=2048, ffn=768, rows_per_expert=128).gluon
-    assert not pick(hidden=4096, ffn=2048, rows_per_expert=2048, ep_size=2).gluon
     assert not pick(hidden=4096, ffn=2000, rows_per_expert=2048, training=True).gluon
     assert not W13Config.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048).gluon
 
@@ -1209,7 +1208,8 @@ def test_gpu_w2_gluon(block_n, warps, stages, group_m):
 @pytest.mark.gpu
 def test_gpu_w2_gluon_heuristic():
     """On a Hopper GPU with the layer's hint the heuristic picks the Gluon ping-pong tile from
-    256 rows per expert; fewer rows, and widths it cannot tile, keep the Triton kernel."""
+    256 rows per expert at EP=1; fewer rows, EP > 1, and widths it cannot tile keep the Triton
+    kernel."""
     if torch.cuda.get_device_capability(DEVICE)[0] != 9:
         pytest.skip("the Gluon W2 is for compute capability 9.x")
     pick = partial(W2Config.from_heuristic, device=DEVICE)
@@ -1217,6 +1217,7 @@ def test_gpu_w2_gluon_heuristic():
     assert tile(pick(hidden=4096, ffn=2048, rows_per_expert=2048)) == (True, 128, 4, 6)
     assert tile(pick(hidden=2048, ffn=768, rows_per_expert=256)) == (True, 128, 4, 6)
     assert not pick(hidden=2048, ffn=768, rows_per_expert=128).gluon
+    assert not pick(hidden=4096, ffn=2048, rows_per_expert=2048, ep_size=2).gluon
     assert not pick(hidden=2880, ffn=2880, rows_per_expert=2048).gluon
     assert not W2Config.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048).gluon
 
