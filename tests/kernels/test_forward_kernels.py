@@ -1400,6 +1400,22 @@ def test_gluon_w2_config_reaches_the_launch(monkeypatch):
     case.check()
 
 
+def test_w2_heuristic_takes_gluon_only_at_ep1(monkeypatch):
+    """``W2Config.from_heuristic`` on a device where Gluon runs (stood in for by the device
+    check returning ``None``): the Gluon tile at EP=1 from 256 rows per expert, the Triton
+    kernel's config at EP=2 (run 28: 1% slower there) and below 256 rows."""
+    import distmoe.kernels.wgrad_gluon as wgg
+
+    monkeypatch.setattr(wgg, "gluon_device_reason", lambda device: None)
+    pick = partial(W2Config.from_heuristic, hidden=4096, ffn=2048, device=DEVICE)
+    assert pick(rows_per_expert=2048).gluon
+    assert pick(rows_per_expert=2048, ep_size=1) == W2Config.hopper_gluon(
+        hidden=4096, ffn=2048, rows_per_expert=2048)
+    triton_cfg = W2Config.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048)
+    assert pick(rows_per_expert=2048, ep_size=2) == triton_cfg
+    assert not pick(rows_per_expert=128).gluon
+
+
 def test_gluon_w2_shape_rules_without_a_gpu():
     """The Gluon W2 kernel's tiles, ring depths and width rules, with their messages; on a
     CPU device (or in the interpreter) ``w2_scatter`` warns and runs the Triton kernel."""
