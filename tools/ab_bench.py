@@ -20,6 +20,12 @@ tuner and 0.5% slower in the layer). This script keeps the layer as the judge: e
 
 The overrides are printed first, so the log names the variant. Run the unmodified bench in
 the same call for the baseline; compare within one call only (clocks drift between calls).
+
+On two GPUs, one rank per GPU (EP=2; arguments this script does not know go to the bench,
+since ``torch.distributed.run`` drops a ``--`` right after the script)::
+
+    PYTHONPATH=src python3 -m torch.distributed.run --standalone --nproc-per-node=2 \
+        tools/ab_bench.py --set w2:gluon=False -- --mode fwd --shapes fine --no-plots
 """
 
 from __future__ import annotations
@@ -93,17 +99,25 @@ def install(overrides: list[tuple[str, str, dict]]) -> None:
         cls.from_heuristic = classmethod(patched)
 
 
-def main() -> int:
-    argv = sys.argv[1:]
+def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``(--set specs, bench arguments)`` of this script's command line. Everything after
+    ``--`` goes to the bench, and so does everything this script does not know:
+    ``torch.distributed.run`` drops a ``--`` that directly follows the script's name, so
+    ``torchrun ... tools/ab_bench.py -- --mode fwd`` arrives as ``--mode fwd``."""
     bench_args = []
     if "--" in argv:
         cut = argv.index("--")
         argv, bench_args = argv[:cut], argv[cut + 1:]
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--set", action="append", default=[], metavar="SPEC",
                     help="KERNEL[:WHEN]:FIELD=VALUE[,FIELD=VALUE...] (repeatable)")
-    args = ap.parse_args(argv)
-    overrides = [parse_override(spec) for spec in args.set]
+    args, rest = ap.parse_known_args(argv)
+    return args.set, rest + bench_args
+
+
+def main() -> int:
+    specs, bench_args = split_args(sys.argv[1:])
+    overrides = [parse_override(spec) for spec in specs]
     print("ab_bench overrides:", overrides or "none (the heuristics as they are)", flush=True)
     install(overrides)
     from distmoe.__main__ import main as distmoe_main

@@ -49,3 +49,18 @@ def test_install_applies_only_where_asked(ab):
     assert plain_dgrad.num_stages != 2
     with pytest.raises(ValueError, match="has no field"):
         ab.install([("w2", "any", {"stages": 3})])
+
+
+def test_split_args_with_and_without_the_separator(ab):
+    # torch.distributed.run drops a "--" right after the script: whatever ab_bench does not
+    # know goes to the bench either way.
+    bench = ["--mode", "fwd", "--shapes", "issue-a", "fine", "--seed", "3"]
+    assert ab.split_args(["--", *bench]) == ([], bench)
+    assert ab.split_args(bench) == ([], bench)
+    sets = ["--set", "w2:num_stages=5", "--set", "w13:inference:gluon=False"]
+    assert ab.split_args([*sets, "--", *bench]) == (
+        ["w2:num_stages=5", "w13:inference:gluon=False"], bench)
+    assert ab.split_args([*sets, *bench]) == (
+        ["w2:num_stages=5", "w13:inference:gluon=False"], bench)
+    # after "--" even a --set goes to the bench
+    assert ab.split_args(["--", "--set", "x"]) == ([], ["--set", "x"])
