@@ -1173,12 +1173,19 @@ def test_gpu_w2_scatter_hopper_tiles(persistent, host_descriptors):
 GLUON_W2 = W2Config(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=5,
                     group_m=8, persistent=True, gluon=True)
 # the two tiles: ping-pong 128 x 128 (num_warps 4), cooperative 128 x 256 (num_warps 8)
-GLUON_W2_TILES = pytest.mark.parametrize("block_n, warps", [(128, 4), (256, 8)],
-                                         ids=["128x128", "128x256coop"])
+GLUON_W2_TILE_PARAMS = pytest.mark.parametrize("block_n, warps", [(128, 4), (256, 8)],
+                                               ids=["128x128", "128x256coop"])
+# GLUON_COUNTS with expert 0 padded to 512 rows (its last tile is padding only: the tile walk
+# sees a negative live count) and the empty expert to a whole padding tile
+GLUON_W2_MIN_ROWS = [512, 128, 0, 0, 0, 0, 0, 0]
+# live rows stored nowhere (address 0): row 5; row 72 of expert 3's first tile (the second
+# cooperative consumer's half); row 700; the one-row expert's only row (a tile whose live
+# rows are all skipped)
+GLUON_W2_SKIP = [5, 500, 700, 1428]
 
 
 def _gluon_w2_tile(block_n, warps, stages=None):
-    """GLUON_W2 with a tile of GLUON_W2_TILES (the cooperative one takes at most 4 stages),
+    """GLUON_W2 with a tile of GLUON_W2_TILE_PARAMS (the cooperative one takes at most 4 stages),
     checked to run here."""
     from distmoe.kernels.w2_gluon import gluon_w2_reason
 
@@ -1197,12 +1204,13 @@ def _gluon_w2_tile(block_n, warps, stages=None):
                           (256, 8, 4, 8), (256, 8, 3, 16)])
 def test_gpu_w2_gluon(block_n, warps, stages, group_m):
     # The Gluon kernel through w2_scatter (one program per SM), every tile and ring depth:
-    # full and partial tiles, an empty expert padded to a whole tile, one-row experts, two
-    # live rows skipped (address 0), padding rows and idle tiles addressing a canary, NaN h2
-    # rows past the live ones.
+    # full and partial tiles, an empty expert padded to a whole tile, a padding-only tile,
+    # one-row experts, live rows skipped (address 0, in both halves of a tile, and all of a
+    # tile's), padding rows and idle tiles addressing a canary, NaN h2 rows past the live
+    # ones.
     config = replace(_gluon_w2_tile(block_n, warps, stages), group_m=group_m)
     run_w2_case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, config=config,
-                min_rows=[0, 128, 0, 0, 0, 0, 0, 0], skip_live=[5, 700])
+                min_rows=GLUON_W2_MIN_ROWS, skip_live=GLUON_W2_SKIP)
 
 
 @pytest.mark.gpu
@@ -1223,7 +1231,7 @@ def test_gpu_w2_gluon_heuristic():
 
 
 @pytest.mark.gpu
-@GLUON_W2_TILES
+@GLUON_W2_TILE_PARAMS
 @pytest.mark.parametrize("programs", [1, 3, 7])
 def test_gpu_w2_gluon_programs_walk_many_tiles(block_n, warps, programs):
     # Few programs: each walks many tiles across expert boundaries, its ring's phases wrap
@@ -1232,7 +1240,7 @@ def test_gpu_w2_gluon_programs_walk_many_tiles(block_n, warps, programs):
 
     config = _gluon_w2_tile(block_n, warps)
     case = W2Case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, block_m=128,
-                  skip_live=[3])
+                  min_rows=GLUON_W2_MIN_ROWS, skip_live=GLUON_W2_SKIP)
     layout = case.layout
     launch_gluon_w2(case.h2, layout.padded_offsets, layout.row_offsets, case.w2,
                     case.scatter_ptrs, enable=None, block_n=block_n,
@@ -1241,7 +1249,7 @@ def test_gpu_w2_gluon_programs_walk_many_tiles(block_n, warps, programs):
 
 
 @pytest.mark.gpu
-@GLUON_W2_TILES
+@GLUON_W2_TILE_PARAMS
 def test_gpu_w2_gluon_enable(block_n, warps):
     # enable = 1 equals the run without it bit for bit; enable = 0 writes nothing anywhere.
     check_w2_enable(W2Case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, block_m=128),

@@ -70,7 +70,14 @@ if HAVE_GLUON:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-    from ._common import swizzle_tile
+    from ._gluon_ring import (
+        _consumer_walk,
+        _enabled_tiles,
+        _program_tiles,
+        _ring_barriers,
+        _tile_info,
+        _wait_turn,
+    )
     from .w2_backward import _column_halves
 
 __all__ = ["GLUON_W13_TILES", "tile_rows", "gluon_w13_reason", "launch_gluon_w13",
@@ -115,37 +122,6 @@ _PRODUCER_THREADS = 128
 if HAVE_GLUON:
 
     @gluon.jit
-    def _tile_info(tile, num_pid_m, ends, starts, rbeg, rend, eidx,
-                   NUM_PID_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_EXPERTS: gl.constexpr,
-                   BLOCK_M: gl.constexpr):
-        """Column tile, expert, first padded row, first activation row and live row count of
-        ``tile`` (group-M order: the Triton kernels' :func:`swizzle_tile`). The per-expert
-        bounds are register vectors loaded once per program (``ends`` = padded_offsets[1:],
-        ``starts`` = padded_offsets[:-1], ``rbeg`` / ``rend`` = row_offsets[:-1] / [1:],
-        ``eidx`` their expert index)."""
-        pid_m, pid_n = swizzle_tile(tile, num_pid_m, NUM_PID_N, GROUP_M)
-        row_start = pid_m * BLOCK_M
-        expert = gl.minimum(gl.sum((ends <= row_start).to(gl.int32), axis=0), NUM_EXPERTS - 1)
-        sel = eidx == expert
-        local = row_start - gl.sum(gl.where(sel, starts, 0), axis=0)
-        act_begin = gl.sum(gl.where(sel, rbeg, 0), axis=0)
-        act_end = gl.sum(gl.where(sel, rend, 0), axis=0)
-        return pid_n, expert, row_start, act_begin + local, act_end - act_begin - local
-
-    @gluon.jit
-    def _expert_bounds(padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS: gl.constexpr,
-                       EXPERTS_POW2: gl.constexpr, LAYOUT: gl.constexpr):
-        """The per-expert bounds that :func:`_tile_info` takes, as ``[EXPERTS_POW2]`` register
-        vectors in ``LAYOUT``: ``(ends, starts, rbeg, rend, eidx)``."""
-        eidx = gl.arange(0, EXPERTS_POW2, layout=LAYOUT)
-        emask = eidx < NUM_EXPERTS
-        ends = gl.load(padded_offsets_ptr + 1 + eidx, mask=emask, other=2147483647)
-        starts = gl.load(padded_offsets_ptr + eidx, mask=emask, other=0)
-        rbeg = gl.load(row_offsets_ptr + eidx, mask=emask, other=0)
-        rend = gl.load(row_offsets_ptr + 1 + eidx, mask=emask, other=0)
-        return ends, starts, rbeg, rend, eidx
-
-    @gluon.jit
     def _store_rows(base_ptr, act_start, num_live, col0, value, WIDTH: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, OUT_LAYOUT: gl.constexpr):
         """Masked 16-byte stores of a ``[BLOCK_M, BLOCK_N]`` bf16 tile into rows
@@ -157,91 +133,6 @@ if HAVE_GLUON:
         ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(col0 + j, 0)
         mask = gl.expand_dims(i < num_live, 1) & gl.expand_dims(j >= 0, 0)
         gl.store(ptrs, v, mask=mask)
-
-    @gluon.jit
-    def _program_tiles(padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS: gl.constexpr,
-                       EXPERTS_POW2: gl.constexpr, NUM_PID_N: gl.constexpr,
-                       BLOCK_M: gl.constexpr, NW: gl.constexpr):
-        """The tile count and the per-expert bounds as register vectors of a partition of
-        ``NW`` warps (every warp holds them all: the lookup reduces with shuffles)."""
-        VEC: gl.constexpr = gl.BlockedLayout([EXPERTS_POW2 // 32], [32], [NW], [0])
-        num_pid_m = gl.load(padded_offsets_ptr + NUM_EXPERTS) // BLOCK_M
-        ends, starts, rbeg, rend, eidx = _expert_bounds(padded_offsets_ptr, row_offsets_ptr,
-                                                        NUM_EXPERTS, EXPERTS_POW2, VEC)
-        return num_pid_m, num_pid_m * NUM_PID_N, ends, starts, rbeg, rend, eidx
-
-    @gluon.jit
-    def _wait_turn(turn, turns, PARITY: gl.constexpr):
-        """Ping-pong consumers take turns: consumer ``PARITY`` waits until the other has
-        issued every earlier K step (its ``turns``-th wait; the first of consumer 0 passes at
-        once). A stage's ready barrier may be waited on only one phase ahead, so the K loops
-        must not overlap. Returns ``turns + 1``."""
-        mbarrier.wait(turn.index(PARITY), (turns & 1) ^ (1 - PARITY))
-        return turns + 1
-
-    @gluon.jit
-    def _consumer_walk(NUM_K: gl.constexpr, COOP: gl.constexpr, PARITY: gl.constexpr):
-        """Where consumer ``PARITY`` walks the program's tiles: ``(first, step, count)``, its
-        first tile, the stride and its first step in the program's stream of ring steps
-        (``NUM_K`` a tile). Cooperative consumers take every tile; ping-pong ones every
-        other, starting with tile ``PARITY``."""
-        num_progs = gl.num_programs(0)
-        if COOP:
-            first = gl.program_id(0)
-            step = num_progs
-            count = 0
-        else:
-            first = gl.program_id(0) + PARITY * num_progs
-            step = 2 * num_progs
-            count = PARITY * NUM_K
-        return first, step, count
-
-    @gluon.jit
-    def _ring_barriers(STAGES: gl.constexpr, READY_ARRIVALS: gl.constexpr,
-                       EMPTY_ARRIVALS: gl.constexpr):
-        """The mbarriers of a load ring and its two consumers, initialised: ``ready`` and
-        ``empty`` per stage (completed by these arrival counts), and the ping-pong ``turn``
-        pair (``turn[c]``: consumer ``c`` may start its next tile's MMAs, the other one has
-        issued all of its tile's). Returns ``(ready, empty, turn)``."""
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=READY_ARRIVALS)
-            mbarrier.init(empty.index(s), count=EMPTY_ARRIVALS)
-        mbarrier.init(turn.index(0), count=1)
-        mbarrier.init(turn.index(1), count=1)
-        return ready, empty, turn
-
-    @gluon.jit
-    def _mma_steps(a_bufs, b_bufs, ready, empty, acc, count, NUM_K: gl.constexpr,
-                   STAGES: gl.constexpr, ROW0: gl.constexpr, ROWS: gl.constexpr,
-                   B_K_MAJOR: gl.constexpr):
-        """A consumer's MMAs of one tile: ``NUM_K`` ring stages from the ``count``-th of the
-        program's step stream, ``acc += A[ROW0:ROW0 + ROWS] @ B`` each (B stored
-        ``[N, K]`` and transposed with ``B_K_MAJOR``, else ``[K, N]``), each stage going back
-        to the producer once the next one's MMA is issued and its own is done. Returns
-        ``(acc, count + NUM_K)`` with the last MMA still in flight and its stage held: the
-        caller waits for it and releases stage ``(count + NUM_K - 1) % STAGES``."""
-        for k in range(NUM_K):
-            stage = count % STAGES
-            mbarrier.wait(ready.index(stage), (count // STAGES) & 1)
-            b = b_bufs.index(stage)
-            if B_K_MAJOR:
-                b = b.permute((1, 0))
-            acc = warpgroup_mma(a_bufs.index(stage).slice(ROW0, ROWS), b, acc, is_async=True)
-            # the previous step's MMA is done: its stage goes back to the producer
-            acc = warpgroup_mma_wait(1, deps=(acc,))
-            mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=k > 0)
-            count += 1
-        return acc, count
-
-    @gluon.jit
-    def _enabled_tiles(enable_ptr, num_tiles, HAS_ENABLE: gl.constexpr):
-        """The tile count with ``enable`` applied (0 when it is 0)."""
-        if HAS_ENABLE:
-            num_tiles = gl.where(gl.load(enable_ptr) != 0, num_tiles, 0)
-        return num_tiles
 
     @gluon.jit
     def _producer(w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,

@@ -56,8 +56,15 @@ if HAVE_GLUON:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
+    from ._gluon_ring import (
+        _consumer_walk,
+        _mma_steps,
+        _program_tiles,
+        _ring_barriers,
+        _tile_info,
+        _wait_turn,
+    )
     from .w2_backward import _column_halves
-    from .w13_gluon import _mma_steps, _program_tiles, _ring_barriers, _tile_info, _wait_turn
 
 __all__ = ["GLUON_W2_DGRAD_CONFIGS", "gluon_w2_dgrad_reason", "launch_gluon_w2_dgrad"]
 
@@ -124,10 +131,9 @@ if HAVE_GLUON:
         h1_base = h1_ptr
         if H1_OFFSET:
             h1_base = h1_ptr + gl.load(h1_offset_ptr)
-        num_progs = gl.num_programs(0)
-        count = PARITY * NUM_K  # this consumer's first step in the program's step stream
+        first, step, count = _consumer_walk(NUM_K, False, PARITY)
         turns = 0
-        for tile in range(gl.program_id(0) + PARITY * num_progs, num_tiles, 2 * num_progs):
+        for tile in range(first, num_tiles, step):
             pid_n, expert, row_start, act_start, num_live = _tile_info(
                 tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
                 NUM_EXPERTS, BLOCK_M)

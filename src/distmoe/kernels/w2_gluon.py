@@ -10,7 +10,7 @@ launches this kernel when its config asks for it (``W2Config.gluon``) and
 Why: the Triton kernel (128 x 256 tiles, two warpgroups) runs each tile's epilogue, 64 KiB of
 row stores that may cross NVLink, between its last MMA and the next tile's first in the same
 warps. At T=8192, D=4096, F=2048, E=32, K=8 it ran at 654 TFLOP/s in the layer against
-663-684 for the Gluon kernels (docs/performance.md run 27). Here each program (one per SM)
+663-684 for the Gluon WGRAD and W13 forward (docs/performance.md run 27). Here each program (one per SM)
 has three partitions, as in :mod:`distmoe.kernels.w2_dgrad_gluon`:
 
 * a producer warp issues the TMA loads of the program's tiles, ``pid, pid + G, ...``, K step
@@ -31,9 +31,10 @@ has three partitions, as in :mod:`distmoe.kernels.w2_dgrad_gluon`:
 
 The epilogue rounds the accumulator to bf16 and stores it in 64-column parts as 16-byte
 vectors through each row's address (plain ``st.global``, as the Triton kernel: a peer reads
-the rows after the caller's release/acquire signal). Unlike the Triton kernel, a tile whose
-live rows all have address 0 still runs its MMAs (the producer and the consumers would have
-to agree on it per tile); only its stores are skipped.
+the rows after the caller's release/acquire signal). Unlike the Triton kernel, a tile of
+padding rows only, and a tile whose live rows all have address 0, still runs its MMAs (the
+producer and the consumers would have to agree on skipping it per tile); only its stores are
+skipped.
 
 Only for CUDA devices of compute capability 9.x, outside the interpreter, with D a multiple
 of ``block_n`` and F of 64; :func:`gluon_w2_reason` says when.
@@ -55,8 +56,7 @@ if HAVE_GLUON:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-    from .w2_backward import _column_halves
-    from .w13_gluon import (
+    from ._gluon_ring import (
         _consumer_walk,
         _enabled_tiles,
         _mma_steps,
@@ -65,6 +65,7 @@ if HAVE_GLUON:
         _tile_info,
         _wait_turn,
     )
+    from .w2_backward import _column_halves
 
 __all__ = ["GLUON_W2_TILES", "GLUON_W2_STAGES", "gluon_w2_reason", "launch_gluon_w2",
            "shape_reason", "stage_bytes"]
