@@ -17,6 +17,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         mbarrier,
+        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
@@ -131,6 +132,33 @@ if HAVE_GLUON:
             mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=k > 0)
             count += 1
         return acc, count
+
+    @gluon.jit
+    def _tma_load_steps(a_desc, w_desc, a_bufs, b_bufs, ready, empty, count, a_row, w_row,
+                        w_col, NUM_K: gl.constexpr, STAGES: gl.constexpr,
+                        BLOCK_K: gl.constexpr, B_K_MAJOR: gl.constexpr):
+        """A TMA producer's loads of one tile, the counterpart of :func:`_mma_steps`: into
+        ``NUM_K`` ring stages from the ``count``-th of the program's step stream, each once
+        its consumers have released it, the A tile at ``[a_row, k BLOCK_K]`` and the B tile
+        at ``[w_row, k BLOCK_K]`` (``B_K_MAJOR``: B stored ``[N, K]``) or at
+        ``[w_row + k BLOCK_K, w_col]`` (stored ``[K, N]``); both complete the stage's
+        ``ready`` barrier. Returns ``count + NUM_K``."""
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
+        for k in range(NUM_K):
+            stage = count % STAGES
+            mbarrier.wait(empty.index(stage), ((count // STAGES) & 1) ^ 1)
+            bar = ready.index(stage)
+            mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(a_desc, [a_row, k * BLOCK_K], bar,
+                                            a_bufs.index(stage))
+            if B_K_MAJOR:
+                tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], bar,
+                                                b_bufs.index(stage))
+            else:
+                tma.async_copy_global_to_shared(w_desc, [w_row + k * BLOCK_K, w_col], bar,
+                                                b_bufs.index(stage))
+            count += 1
+        return count
 
     @gluon.jit
     def _enabled_tiles(enable_ptr, num_tiles, HAS_ENABLE: gl.constexpr):

@@ -51,7 +51,6 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         mbarrier,
-        tma,
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
@@ -63,6 +62,7 @@ if HAVE_GLUON:
         _program_tiles,
         _ring_barriers,
         _tile_info,
+        _tma_load_steps,
         _wait_turn,
     )
     from .w2_backward import _column_halves
@@ -106,23 +106,14 @@ if HAVE_GLUON:
             padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2, NUM_PID_N,
             BLOCK_M, 1)
         num_tiles = _enabled_tiles(enable_ptr, num_tiles, HAS_ENABLE)
-        nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
         count = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             pid_n, expert, _row, act_start, _live = _tile_info(
                 tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
                 NUM_EXPERTS, BLOCK_M)
-            w_row = expert * HIDDEN + pid_n * BLOCK_N
-            for k in range(NUM_K):
-                stage = count % STAGES
-                mbarrier.wait(empty.index(stage), ((count // STAGES) & 1) ^ 1)
-                bar = ready.index(stage)
-                mbarrier.expect(bar, nbytes)
-                tma.async_copy_global_to_shared(a_desc, [act_start, k * BLOCK_K], bar,
-                                                a_bufs.index(stage))
-                tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], bar,
-                                                b_bufs.index(stage))
-                count += 1
+            count = _tma_load_steps(a_desc, w_desc, a_bufs, b_bufs, ready, empty, count,
+                                    act_start, expert * HIDDEN + pid_n * BLOCK_N, 0, NUM_K,
+                                    STAGES, BLOCK_K, True)
 
     @gluon.jit
     def _consumer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,

@@ -153,7 +153,6 @@ class MoEContext:
             # [h1g, xs] element offsets (the replay's W13 outputs)
             self._replay_offsets = torch.tensor([so["h1g"], so["xs"]], dtype=torch.int64,
                                                 device=self.device)
-
         else:
             self._h2 = torch.empty(self.receive_bound, F, dtype=torch.bfloat16,
                                    device=self.device)
