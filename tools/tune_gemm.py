@@ -25,8 +25,13 @@ tile schedule, compact activation rows), times with ``triton.testing.do_bench``:
   scattered by pointer) against ``torch._grouped_mm`` of grad_h1 with W13; every DGRAD
   candidate on both grids (one program per tile, and persistent).
 
-Prints one table per kernel, fastest first, TFLOP/s and the ratio to the grouped_mm time;
-``--csv`` writes every row.
+Prints one table per kernel, fastest first, TFLOP/s and the ratio to the grouped_mm time.
+``triton.testing.do_bench`` times one candidate after the other, so the GPU's clock drift
+(it runs at its power limit) moves those ratios by a few per cent; ``--final N`` (default 3)
+then re-times the reference, the N fastest candidates and the heuristic's config
+interleaved round by round from CUDA graphs (:func:`distmoe.tools.bench.timing.interleaved`)
+and prints the median and range of each: quote those for a comparison. ``--csv`` writes
+every row (``timing`` = ``interleaved`` for the second kind).
 """
 
 from __future__ import annotations
@@ -50,6 +55,15 @@ def _layout(T, K, E, dev):
     return counts, ro.to(dev), po.to(dev), r_cap, token
 
 
+def _describe(cfg) -> str:
+    """A config in a few words (tile, ring, grid, kernel)."""
+    gluon = getattr(cfg, "gluon", False)
+    return (f"n{cfg.block_n} k{cfg.block_k} s{cfg.num_stages} g{cfg.group_m} "
+            f"{'persistent' if cfg.persistent else 'tiles'}"
+            f"{' tma-epilogue' if getattr(cfg, 'tma_epilogue', False) else ''}"
+            f"{' GLUON' if gluon else ''}{' coop' if gluon and cfg.num_warps == 8 else ''}")
+
+
 def _both_grids(configs):
     """Each config followed by its persistent twin (order kept)."""
     return [c for cfg in configs for c in (cfg, replace(cfg, persistent=not cfg.persistent))]
@@ -63,12 +77,17 @@ def main() -> int:
     from distmoe.kernels.w13_backward import W13DgradConfig, w13_dgrad_scatter
     from distmoe.kernels.w13_gather_swiglu import W13Config, gather_w13_swiglu
     from distmoe.tools.bench.report import write_csv
+    from distmoe.tools.bench.timing import interleaved
     from distmoe.tools.bench.workloads import SHAPES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=["issue-a", "fine"], choices=sorted(SHAPES))
     ap.add_argument("--csv", default=None)
     ap.add_argument("--backward", action="store_true", help="also the DGRAD kernels")
+    ap.add_argument("--final", type=int, default=3, metavar="N",
+                    help="re-time the reference, the N fastest and the heuristic config of "
+                         "each kernel interleaved round by round (0: skip)")
+    ap.add_argument("--rounds", type=int, default=9, help="rounds of the --final timing")
     ap.add_argument("--kernels", nargs="+", default=None,
                     choices=["w13", "w13_train", "w13_h1", "w2", "w2_dgrad", "w2_dgrad_scored",
                              "w13_dgrad"],
@@ -108,10 +127,8 @@ def main() -> int:
         def grouped(a, b, offs=offs):
             return lambda: torch._grouped_mm(a, b, offs=offs)
 
-        ref = {
-            "w13": triton.testing.do_bench(grouped(x_g, w13_t), warmup=5, rep=40),
-            "w2": triton.testing.do_bench(grouped(h2_g, w2_t), warmup=5, rep=40),
-        }
+        ref_fns = {"w13": grouped(x_g, w13_t), "w2": grouped(h2_g, w2_t)}
+        ref = {k: triton.testing.do_bench(f, warmup=5, rep=40) for k, f in ref_fns.items()}
         flops = {"w13": 2 * R * 2 * F * D, "w2": 2 * R * D * F}
         # the warp-specialised Gluon kernel (W13Config.gluon; Hopper only, else the Triton
         # kernel): ping-pong 128 x 64 and 64 x 128 h2 tiles per consumer warpgroup (num_warps
@@ -168,8 +185,8 @@ def main() -> int:
         def run13h(c, gather=gather, po=po, ro=ro, w13=w13, h2=h2, h1=h1_train):
             gather_w13_swiglu(gather, po, ro, w13, h2, h1_out=h1, config=c)
 
-        ref["w13_train"], flops["w13_train"] = ref["w13"], flops["w13"]
-        ref["w13_h1"], flops["w13_h1"] = ref["w13"], flops["w13"]
+        for k in ("w13_train", "w13_h1"):
+            ref[k], ref_fns[k], flops[k] = ref["w13"], ref_fns["w13"], flops["w13"]
         cands["w13_h1"] = cands["w13_train"]
         kernels = [("w13", run13), ("w13_train", run13t), ("w13_h1", run13h), ("w2", run2)]
         if args.backward:
@@ -180,11 +197,11 @@ def main() -> int:
             bwd_scatter = scatter - combine.data_ptr() + dispatch.data_ptr()
             bwd_scatter = torch.where(scatter == 0, 0, bwd_scatter)
             combine.normal_()
-            ref["w2_dgrad"] = triton.testing.do_bench(
-                grouped(gh3_rows.normal_(), w2), warmup=5, rep=40)
-            ref["w13_dgrad"] = triton.testing.do_bench(
-                grouped(torch.randn(R, 2 * F, device=dev).bfloat16(), w13.view(E, 2 * F, D)),
-                warmup=5, rep=40)
+            ref_fns["w2_dgrad"] = grouped(gh3_rows.normal_(), w2)
+            ref_fns["w13_dgrad"] = grouped(torch.randn(R, 2 * F, device=dev).bfloat16(),
+                                           w13.view(E, 2 * F, D))
+            for k in ("w2_dgrad", "w13_dgrad"):
+                ref[k] = triton.testing.do_bench(ref_fns[k], warmup=5, rep=40)
             flops["w2_dgrad"] = flops["w2"]
             flops["w13_dgrad"] = flops["w13"]
             # Each candidate on both grids: one program per tile and persistent (heuristic
@@ -219,6 +236,7 @@ def main() -> int:
 
             combine.view(torch.float32)[:, 0] = torch.rand(combine.shape[0], device=dev)
             ref["w2_dgrad_scored"], flops["w2_dgrad_scored"] = ref["w2_dgrad"], flops["w2"]
+            ref_fns["w2_dgrad_scored"] = ref_fns["w2_dgrad"]
             cands["w2_dgrad_scored"] = cands["w2_dgrad"]
             kernels += [("w2_dgrad", run2d), ("w2_dgrad_scored", run2ds),
                         ("w13_dgrad", run13d)]
@@ -249,13 +267,28 @@ def main() -> int:
             for ms, heur, cfg in results[:5] + [r for r in results if r[1]]:
                 print(f"  {ms:8.3f} ms {flops[kernel] / ms / 1e9:6.0f} TFLOP/s "
                       f"{ref[kernel] / ms:5.2f}x grouped_mm {'HEURISTIC ' if heur else ''}"
-                      f"n{cfg.block_n} k{cfg.block_k} s{cfg.num_stages} g{cfg.group_m} "
-                      f"{'persistent' if cfg.persistent else 'tiles'}"
-                      f"{' tma-epilogue' if getattr(cfg, 'tma_epilogue', False) else ''}"
-                      f"{' GLUON' if getattr(cfg, 'gluon', False) else ''}"
-                      f"{' coop' if getattr(cfg, 'gluon', False) and cfg.num_warps == 8 else ''}")
+                      f"{_describe(cfg)}")
+            if args.final:
+                # the reference, the fastest few and the heuristic again, interleaved
+                final = results[:args.final] + [r for r in results[args.final:] if r[1]]
+                fns = {"torch._grouped_mm": ref_fns[kernel]}
+                fns.update({f"{'HEURISTIC ' if heur else ''}{_describe(cfg)}":
+                            (lambda cfg=cfg, fn=fn: fn(cfg)) for _, heur, cfg in final})
+                stats = interleaved(fns, rounds=args.rounds, iters=10, device=dev)
+                base = stats["torch._grouped_mm"].iter_ms
+                print(f"  interleaved, {args.rounds} rounds of 10 calls from a CUDA graph "
+                      "(median, fastest-slowest round):")
+                for label, st in sorted(stats.items(), key=lambda kv: kv[1].iter_ms):
+                    print(f"    {st.iter_ms:8.3f} ms ({st.min_ms:.3f}-{st.max_ms:.3f}) "
+                          f"{flops[kernel] / st.iter_ms / 1e9:6.0f} TFLOP/s "
+                          f"{base / st.iter_ms:5.3f}x grouped_mm  {label}")
+                    out_rows.append(dict(shape=name, kernel=kernel, ms=st.iter_ms,
+                                         tflops=flops[kernel] / st.iter_ms / 1e9,
+                                         vs_grouped_mm=base / st.iter_ms,
+                                         heuristic=label.startswith("HEURISTIC"),
+                                         timing="interleaved", label=label))
     if args.csv and out_rows:
-        write_csv(args.csv, out_rows, list(out_rows[0]))
+        write_csv(args.csv, out_rows, list(dict.fromkeys(k for r in out_rows for k in r)))
     return 0
 
 

@@ -1,13 +1,17 @@
 """Window statistics of the timing harness (pure functions) and the CPU timing path."""
 
+import time
+
 import pytest
 
 from distmoe.tools.bench.timing import (
     TimingConfig,
     benchmark,
+    interleaved,
     max_over_ranks,
     per_iteration_ms,
     reduce_windows,
+    round_orders,
 )
 
 
@@ -97,3 +101,31 @@ def test_sustained_dense_ceiling_runs_on_cpu():
     assert iters >= 30 and iters % 30 == 0
     names = [x.name for x in ceilings.measure_all(torch.device("cpu"), cfg).items]
     assert "dense_bf16_sustained" in names
+
+
+def test_round_orders_rotate_every_candidate_through_every_place():
+    orders = round_orders(["a", "b", "c"], 4)
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    # each round runs each candidate once; over len(names) rounds each takes every place
+    for r in range(3):
+        assert sorted(orders[r]) == ["a", "b", "c"]
+    assert {orders[r][0] for r in range(3)} == {"a", "b", "c"}
+    assert round_orders([], 2) == [[], []]
+    with pytest.raises(ValueError, match=r"rounds \(0\) must be >= 1"):
+        round_orders(["a"], 0)
+
+
+def test_interleaved_on_cpu_orders_calls_and_reduces_rounds():
+    calls = []
+    fns = {"slow": lambda: (calls.append("slow"), time.sleep(0.004)),
+           "fast": lambda: calls.append("fast")}
+    stats = interleaved(fns, rounds=3, iters=2, warmup=1, device="cpu")
+    # warm-ups first, then per round each candidate's iters calls, in the rotating order
+    assert calls == (["slow", "fast"] + ["slow"] * 2 + ["fast"] * 2 + ["fast"] * 2
+                     + ["slow"] * 2 + ["slow"] * 2 + ["fast"] * 2)
+    assert set(stats) == {"slow", "fast"}
+    for s in stats.values():
+        assert len(s.window_ms) == 3 and s.min_ms <= s.iter_ms <= s.max_ms
+    assert stats["slow"].iter_ms >= 3.5 > stats["fast"].iter_ms
+    with pytest.raises(ValueError, match=r"iters \(0\) must be >= 1"):
+        interleaved(fns, iters=0, device="cpu")

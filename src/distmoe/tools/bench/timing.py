@@ -309,3 +309,72 @@ def benchmark(
     stats = reduce_windows(_allreduce_max(local, group))
     return TimingResult(stats=stats, method=method, fallback_reason=reason, config=cfg,
                         telemetry=telemetry)
+
+
+# ----------------------------------------------------------------------- interleaved comparison
+
+
+def round_orders(names: Sequence[str], rounds: int) -> list[list[str]]:
+    """The order of each round of :func:`interleaved`: ``names`` rotated by one per round, so
+    that every candidate runs first, last and beside every other as often as ``rounds``
+    allows (clock and power drift then hits them alike)."""
+    names = list(names)
+    if rounds < 1:
+        raise ValueError(f"rounds ({rounds}) must be >= 1")
+    if not names:
+        return [[] for _ in range(rounds)]
+    return [names[r % len(names):] + names[:r % len(names)] for r in range(rounds)]
+
+
+def interleaved(fns: dict[str, Callable[[], object]], *, rounds: int = 7, iters: int = 20,
+                warmup: int = 3, device: torch.device | str | None = None
+                ) -> dict[str, WindowStats]:
+    """Time several functions against each other, one window of each per round.
+
+    Each ``fns[name]()`` is warmed up, captured ``iters`` times into one CUDA graph (on CPU:
+    called ``iters`` times), and every round replays each graph once between CUDA events,
+    in the rotating order of :func:`round_orders`. A single GPU's clock falls as it heats
+    and rises when it idles; timing candidates one after the other lets that drift decide
+    a comparison of a few per cent, and interleaving does not. Returns, per name, the median
+    over rounds of the per-call time (ms) and the fastest and slowest round
+    (:class:`WindowStats`). Single process, no ranks.
+    """
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"iters ({iters}) must be >= 1 and warmup ({warmup}) >= 0")
+    orders = round_orders(list(fns), rounds)
+    use_cuda = torch.cuda.is_available() and (device is None
+                                              or torch.device(device).type == "cuda")
+    steps: dict[str, Callable[[], object]] = {}
+    if use_cuda:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for fn in fns.values():
+                for _ in range(warmup):
+                    fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        steps = {name: _capture(fn, iters).replay for name, fn in fns.items()}
+    else:
+        for name, fn in fns.items():
+            for _ in range(warmup):
+                fn()
+            steps[name] = (lambda fn=fn: [fn() for _ in range(iters)])
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for order in orders:
+        for name in order:
+            if use_cuda:
+                torch.cuda.synchronize()
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                steps[name]()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end) / iters)
+            else:
+                t0 = time.perf_counter()
+                steps[name]()
+                times[name].append((time.perf_counter() - t0) * 1e3 / iters)
+    return {name: WindowStats(iter_ms=statistics.median(ms), min_ms=min(ms), max_ms=max(ms),
+                              window_ms=tuple(ms)) for name, ms in times.items()}
