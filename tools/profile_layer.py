@@ -1,9 +1,15 @@
 #!/usr/bin/env python3
-"""Per-kernel GPU times of one distmoe layer (EP=1), forward or forward+backward.
+"""Per-kernel GPU times of one distmoe layer, forward or forward+backward, at EP=1 or EP>1.
 
-Usage (repository root, one GPU):
+Usage (repository root):
     PYTHONPATH=src python3 tools/profile_layer.py [--shape issue-a] [--mode fwdbwd]
         [--steps 5] [--rows 25] [--tokens T] [--graph] [--trace FILE.json]
+    PYTHONPATH=src python3 -m torch.distributed.run --standalone --nproc-per-node=2 \
+        tools/profile_layer.py --shape fine --mode fwd --graph      (EP=2, one GPU per rank)
+
+Under ``torch.distributed.run`` every rank runs the shape's T tokens (the bench's EP runs:
+the same per-rank work as EP=1) over an NCCL group, and each rank prints its own table, rank
+0 first (``--trace`` gets the rank appended).
 
 Runs a few untimed steps (compilation), then ``--steps`` steps under ``torch.profiler`` and
 prints the CUDA kernels sorted by total time (per step), then the step's wall time. Routing is
@@ -42,15 +48,24 @@ def main() -> int:
         if args.tokens < 1:
             raise SystemExit(f"--tokens must be >= 1, got {args.tokens}")
         T = args.tokens
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29555", rank=0, world_size=1)
+    from distmoe.tools.bench.groups import init_torchrun_group, launched_by_torchrun
+
+    group = None
+    if launched_by_torchrun():
+        bench_group, dev = init_torchrun_group("cuda")
+        group, rank, world = bench_group.group, bench_group.rank, bench_group.world_size
+    else:
+        dev = torch.device("cuda", 0)
+        torch.cuda.set_device(dev)
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29555", rank=0,
+                                world_size=1)
+        rank, world = 0, 1
     training = args.mode == "fwdbwd"
     cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
                        training=training)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(rank)
     x = torch.randn(T, D, generator=g).bfloat16().to(dev)
     ids, scores = random_routing(T, E, K, generator=g)
     ids, scores = ids.to(dev), scores.to(dev)
@@ -59,7 +74,7 @@ def main() -> int:
     gy = torch.randn(T, D, generator=g).bfloat16().to(dev)
     params = [t.requires_grad_(training) for t in (w13, w2)]
     scores_g = scores.float().requires_grad_(training)
-    with dm.MoEContext(cfg, device=dev) as ctx:
+    with dm.MoEContext(cfg, group, device=dev) as ctx:
         def step():
             if training:
                 xs = x.detach().requires_grad_(True)
@@ -99,15 +114,19 @@ def main() -> int:
             rows.append((cuda_us / args.steps / 1e3, ev.count // args.steps, ev.key))
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows)
-    print(f"{args.shape} {args.mode}: T={T} D={D} F={F} E={E} K={K}, EP=1, "
-          f"{torch.cuda.get_device_name(dev)}")
-    print(f"{'ms/step':>9} {'calls':>6}  kernel")
-    for ms, calls, name in rows[:args.rows]:
-        print(f"{ms:9.3f} {calls:6d}  {name[:100]}")
-    print(f"{total:9.3f}         sum of kernel time per step; wall {wall_ms:.3f} ms/step "
-          f"({'CUDA graph replay' if args.graph else 'eager'})")
+    lines = [f"{args.shape} {args.mode}: T={T} D={D} F={F} E={E} K={K}, EP={world}"
+             f"{f' rank {rank}' if world > 1 else ''}, {torch.cuda.get_device_name(dev)}",
+             f"{'ms/step':>9} {'calls':>6}  kernel"]
+    lines += [f"{ms:9.3f} {calls:6d}  {name[:100]}" for ms, calls, name in rows[:args.rows]]
+    lines.append(f"{total:9.3f}         sum of kernel time per step; wall {wall_ms:.3f} "
+                 f"ms/step ({'CUDA graph replay' if args.graph else 'eager'})")
+    for r in range(world):  # one rank's table at a time
+        if r == rank:
+            print("\n".join(lines), flush=True)
+        if world > 1:
+            dist.barrier()
     if args.trace:
-        prof.export_chrome_trace(args.trace)
+        prof.export_chrome_trace(args.trace if world == 1 else f"{args.trace}.rank{rank}")
     dist.destroy_process_group()
     return 0
 
