@@ -27,8 +27,9 @@ import torch
 
 
 def main() -> int:
-    import distmoe as dm
-    from distmoe.reference import random_routing
+    import torch.distributed as dist
+
+    from distmoe.tools.bench.layer_step import join_group, layer_step
     from distmoe.tools.bench.workloads import SHAPES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -43,48 +44,14 @@ def main() -> int:
                     help="capture one step in a CUDA graph and profile its replays")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
-    T, D, F, E, K = shape.tokens, shape.hidden, shape.ffn, shape.num_experts, shape.top_k
-    if args.tokens is not None:
-        if args.tokens < 1:
-            raise SystemExit(f"--tokens must be >= 1, got {args.tokens}")
-        T = args.tokens
-    import torch.distributed as dist
-
-    from distmoe.tools.bench.groups import init_torchrun_group, launched_by_torchrun
-
-    group = None
-    if launched_by_torchrun():
-        bench_group, dev = init_torchrun_group("cuda")
-        group, rank, world = bench_group.group, bench_group.rank, bench_group.world_size
-    else:
-        dev = torch.device("cuda", 0)
-        torch.cuda.set_device(dev)
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29555", rank=0,
-                                world_size=1)
-        rank, world = 0, 1
-    training = args.mode == "fwdbwd"
-    cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
-                       training=training)
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(T, D, generator=g).bfloat16().to(dev)
-    ids, scores = random_routing(T, E, K, generator=g)
-    ids, scores = ids.to(dev), scores.to(dev)
-    w13 = (torch.randn(E, 2, F, D, generator=g) / D**0.5).bfloat16().to(dev)
-    w2 = (torch.randn(E, D, F, generator=g) / F**0.5).bfloat16().to(dev)
-    gy = torch.randn(T, D, generator=g).bfloat16().to(dev)
-    params = [t.requires_grad_(training) for t in (w13, w2)]
-    scores_g = scores.float().requires_grad_(training)
-    with dm.MoEContext(cfg, group, device=dev) as ctx:
-        def step():
-            if training:
-                xs = x.detach().requires_grad_(True)
-                y = ctx(xs, ids, scores_g, *params)
-                # like the bench: gradients returned, not accumulated into .grad
-                torch.autograd.grad(y, (xs, scores_g, *params), gy)
-            else:
-                with torch.no_grad():
-                    ctx(x, ids, scores, w13, w2)
-
+    D, F, E, K = shape.hidden, shape.ffn, shape.num_experts, shape.top_k
+    joined = join_group()
+    rank, world, dev = joined.rank, joined.world, joined.device
+    try:
+        ctx, step, T = layer_step(args.shape, args.mode, joined, tokens=args.tokens)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    with ctx:
         for _ in range(3):
             step()
         torch.cuda.synchronize()

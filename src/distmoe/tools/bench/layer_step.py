@@ -1,0 +1,93 @@
+"""One layer step on random inputs, for the profiling and A/B tools under ``tools/``.
+
+:func:`join_group` joins ``torch.distributed.run``'s world (NCCL, one GPU per rank) or, in a
+plain process, a one-rank gloo group on GPU 0; :func:`layer_step` builds a
+:class:`~distmoe.MoEContext` for a named bench shape and returns it with a function that runs
+one forward (``mode="fwd"``, under ``no_grad``) or forward+backward step (``"fwdbwd"``:
+gradients for x, the scores and both weights through ``torch.autograd.grad``, as the bench
+takes them). Every rank runs the shape's T tokens with balanced random routing over all E
+experts and holds its ``E / EP`` local experts' weights, so the per-rank work is the bench's
+EP runs'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Joined:
+    """The process group a tool runs on: ``group`` (``None`` for the default world), this
+    process's ``rank`` of ``world`` and its CUDA ``device``."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    world: int
+    device: torch.device
+
+
+def join_group(port: int = 29555) -> Joined:
+    """Under ``torch.distributed.run``: its world over NCCL, this rank on GPU ``LOCAL_RANK``.
+    Otherwise a one-rank gloo group (TCP on ``port``) on GPU 0."""
+    from .groups import init_torchrun_group, launched_by_torchrun
+
+    if launched_by_torchrun():
+        bench_group, dev = init_torchrun_group("cuda")
+        return Joined(bench_group.group, bench_group.rank, bench_group.world_size, dev)
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)
+    return Joined(None, 0, 1, dev)
+
+
+def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None = None
+               ) -> tuple[object, Callable[[], None], int]:
+    """``(ctx, step, T)`` for the named bench shape (``tokens`` instead of its T): the
+    context (a :class:`~distmoe.MoEContext`, closed by the caller), one step and the tokens
+    per rank. Inputs are drawn once with a generator seeded by the rank; ``step`` reuses
+    them, so it can be captured into a CUDA graph."""
+    import distmoe as dm
+    from distmoe.reference import random_routing
+
+    from .workloads import SHAPES
+
+    if mode not in ("fwd", "fwdbwd"):
+        raise ValueError(f"mode must be 'fwd' or 'fwdbwd', got {mode!r}")
+    shape = SHAPES[shape_name]
+    T, D, F, E, K = shape.tokens, shape.hidden, shape.ffn, shape.num_experts, shape.top_k
+    if tokens is not None:
+        if tokens < 1:
+            raise ValueError(f"tokens must be >= 1, got {tokens}")
+        T = tokens
+    if E % joined.world:
+        raise ValueError(f"EP ({joined.world}) must divide the experts of {shape_name} ({E})")
+    E_l, dev = E // joined.world, joined.device
+    training = mode == "fwdbwd"
+    cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
+                       training=training)
+    g = torch.Generator().manual_seed(joined.rank)
+    x = torch.randn(T, D, generator=g).bfloat16().to(dev)
+    ids, scores = random_routing(T, E, K, generator=g)
+    ids, scores = ids.to(dev), scores.to(dev)
+    w13 = (torch.randn(E_l, 2, F, D, generator=g) / D**0.5).bfloat16().to(dev)
+    w2 = (torch.randn(E_l, D, F, generator=g) / F**0.5).bfloat16().to(dev)
+    gy = torch.randn(T, D, generator=g).bfloat16().to(dev)
+    params = [t.requires_grad_(training) for t in (w13, w2)]
+    scores_g = scores.float().requires_grad_(training)
+    ctx = dm.MoEContext(cfg, joined.group, device=dev)
+
+    def step() -> None:
+        if training:
+            xs = x.detach().requires_grad_(True)
+            y = ctx(xs, ids, scores_g, *params)
+            torch.autograd.grad(y, (xs, scores_g, *params), gy)
+        else:
+            with torch.no_grad():
+                ctx(x, ids, scores, w13, w2)
+
+    return ctx, step, T

@@ -1,0 +1,82 @@
+"""tools/ab_interleaved.py: variant parsing, configs applied to a layer's attributes, per-round
+ratios; distmoe.tools.bench.layer_step's argument checks (the layer runs on a GPU)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from distmoe.kernels.w2_backward import W2DgradConfig
+from distmoe.kernels.w2_scatter import W2Config
+from distmoe.kernels.w13_gather_swiglu import W13Config
+from distmoe.tools.bench.layer_step import Joined, layer_step
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "ab_interleaved.py"
+
+
+@pytest.fixture
+def abi():
+    spec = importlib.util.spec_from_file_location("ab_interleaved", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop("ab_bench", None)
+
+
+def _ctx(training):
+    w13 = W13Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4,
+                    group_m=8, persistent=True)
+    w2 = W2Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, group_m=8,
+                  persistent=True)
+    ctx = SimpleNamespace(_w13_cfg=w13, _w2_cfg=w2)
+    if training:
+        ctx._w2_dgrad_cfg = W2DgradConfig(block_m=128, block_n=128, block_k=64, num_stages=4)
+    return ctx
+
+
+def test_parse_variant(abi):
+    assert abi.parse_variant("g16=w13:group_m=16+w2:gluon=False") == (
+        "g16", ["w13:group_m=16", "w2:gluon=False"])
+    for bad in ("g16", "=w13:group_m=16", "g16=", "base=w13:group_m=16"):
+        with pytest.raises(ValueError, match="NAME=SPEC"):
+            abi.parse_variant(bad)
+
+
+def test_variant_configs_apply_to_the_layer_attributes(abi):
+    ctx = _ctx(training=False)
+    base = abi.variant_configs(ctx, [], training=False)
+    assert base == {"_w13_cfg": ctx._w13_cfg, "_w2_cfg": ctx._w2_cfg}
+    out = abi.variant_configs(ctx, ["w13:inference:group_m=16", "w2:num_stages=3",
+                                    "w13:training:num_stages=3"], training=False)
+    assert out["_w13_cfg"].group_m == 16 and out["_w13_cfg"].num_stages == 4
+    assert out["_w2_cfg"].num_stages == 3
+    # the layer itself is untouched until a variant runs
+    assert ctx._w13_cfg.group_m == 8 and ctx._w2_cfg.num_stages == 4
+    with pytest.raises(ValueError, match="has no field"):
+        abi.variant_configs(ctx, ["w2:stages=3"], training=False)
+    with pytest.raises(ValueError, match="does not run w2_dgrad"):
+        abi.variant_configs(ctx, ["w2_dgrad:num_stages=5"], training=False)
+    train = _ctx(training=True)
+    assert abi.variant_configs(train, ["w2_dgrad:num_stages=5"],
+                               training=True)["_w2_dgrad_cfg"].num_stages == 5
+    with pytest.raises(ValueError, match="score parts"):
+        abi.variant_configs(train, ["w2_dgrad:block_n=256"], training=True)
+
+
+def test_round_ratios(abi):
+    assert abi.round_ratios([2.0, 3.0], [1.0, 3.0]) == [2.0, 1.0]
+    with pytest.raises(ValueError):
+        abi.round_ratios([1.0], [1.0, 2.0])
+
+
+def test_layer_step_checks_its_arguments_first():
+    joined = Joined(None, 0, 3, torch.device("cpu"))
+    with pytest.raises(ValueError, match="mode must be"):
+        layer_step("issue-a", "bwd", joined)
+    with pytest.raises(ValueError, match=r"tokens must be >= 1, got 0"):
+        layer_step("issue-a", "fwd", joined, tokens=0)
+    with pytest.raises(ValueError, match=r"EP \(3\) must divide the experts of issue-a \(32\)"):
+        layer_step("issue-a", "fwd", joined)

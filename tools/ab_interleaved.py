@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""Layer-level A/B of launch configs in one process, interleaved round by round.
+
+Usage (repository root; one GPU, or one rank per GPU under torch.distributed.run):
+    PYTHONPATH=src python3 tools/ab_interleaved.py --shape issue-a --mode fwd \\
+        --variant g16=w13:group_m=16 --variant w2tri=w2:gluon=False [--rounds 15]
+    PYTHONPATH=src python3 -m torch.distributed.run --standalone --nproc-per-node=2 \\
+        tools/ab_interleaved.py --shape fine --mode fwd --variant w13tri=w13:gluon=False
+
+Why: ``tools/ab_bench.py`` runs one bench per variant, one after the other, and a GPU at its
+power limit drifts by a few per cent between them (performance.md runs 28-29), so an A/B of
+1-2% needed several alternating runs and still read as noise. Here one layer
+(:func:`distmoe.tools.bench.layer_step.layer_step`) is built once; each variant's configs are
+set on it and ``--iters`` steps are captured into a CUDA graph per variant; then every round
+replays each variant's graph once (:func:`distmoe.tools.bench.timing.interleaved`, rotating
+order). Reported per variant: the median over rounds of the per-step time (maximum over
+ranks per round), the fastest and slowest round, and the median over rounds of the ratio to
+the heuristic ("base") in the same round, which cancels most of the drift.
+
+``--variant NAME=SPEC[+SPEC...]``, each SPEC ``KERNEL[:WHEN]:FIELD=VALUE[,FIELD=VALUE...]`` as
+in ``tools/ab_bench.py``: ``w13`` (``WHEN`` training / inference / any, matched against the
+mode), ``w2``, ``w2_dgrad`` (not ``block_n``: the score parts depend on it), ``w13_dgrad``,
+``wgrad`` (both WGRADs). The configs of every variant are printed first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from ab_bench import parse_override  # noqa: E402
+
+#: the layer attributes each kernel's config lives in (distmoe.ops.context)
+_ATTRS = {"w13": ("_w13_cfg",), "w2": ("_w2_cfg",), "w2_dgrad": ("_w2_dgrad_cfg",),
+          "w13_dgrad": ("_w13_dgrad_cfg",), "wgrad": ("_w2_wgrad_cfg", "_w13_wgrad_cfg")}
+
+
+def variant_configs(ctx, specs: list[str], training: bool) -> dict[str, object]:
+    """The config attributes of ``ctx`` with the overrides of ``specs`` applied (ValueError
+    for an unknown field, a kernel this mode does not run, or ``w2_dgrad`` ``block_n``)."""
+    out = {a: getattr(ctx, a) for attrs in _ATTRS.values() for a in attrs if hasattr(ctx, a)}
+    for spec in specs:
+        kernel, when, fields = parse_override(spec)
+        if kernel == "w2_dgrad" and "block_n" in fields:
+            raise ValueError(f"{spec!r}: w2_dgrad block_n sets the layer's score parts; "
+                             "it cannot change on a built layer")
+        if when != "any" and (when == "training") != training:
+            continue
+        for attr in _ATTRS[kernel]:
+            if attr not in out:
+                raise ValueError(f"{spec!r}: this mode does not run {kernel}")
+            names = {f.name for f in dataclasses.fields(out[attr])}
+            if set(fields) - names:
+                raise ValueError(f"{spec!r}: {type(out[attr]).__name__} has no field(s) "
+                                 f"{sorted(set(fields) - names)}")
+            out[attr] = dataclasses.replace(out[attr], **fields)
+    return out
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """``NAME=SPEC[+SPEC...]`` -> (name, specs)."""
+    name, sep, rest = text.partition("=")
+    if not sep or not name or not rest or name == "base":
+        raise ValueError(f"--variant {text!r}: expected NAME=SPEC[+SPEC...] with a NAME "
+                         "other than 'base'")
+    return name, rest.split("+")
+
+
+def round_ratios(base_ms: list[float], ms: list[float]) -> list[float]:
+    """Per round: the base's time over this variant's (> 1: the variant is faster)."""
+    return [b / m for b, m in zip(base_ms, ms, strict=True)]
+
+
+def main() -> int:
+    import torch.distributed as dist
+
+    from distmoe.tools.bench.layer_step import join_group, layer_step
+    from distmoe.tools.bench.timing import interleaved
+    from distmoe.tools.bench.workloads import SHAPES
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="issue-a", choices=sorted(SHAPES))
+    ap.add_argument("--mode", default="fwd", choices=["fwd", "fwdbwd"])
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=SPEC[+SPEC]")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--iters", type=int, default=10, help="steps per graph (per round)")
+    args = ap.parse_args()
+    try:
+        variants = dict(parse_variant(v) for v in args.variant)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    joined = join_group(port=29556)
+    training = args.mode == "fwdbwd"
+    ctx, step, T = layer_step(args.shape, args.mode, joined)
+    with ctx:
+        configs = {"base": variant_configs(ctx, [], training)}
+        for name, specs in variants.items():
+            configs[name] = variant_configs(ctx, specs, training)
+
+        def runner(cfgs):
+            def run():
+                for attr, cfg in cfgs.items():
+                    setattr(ctx, attr, cfg)
+                step()
+            return run
+
+        if joined.rank == 0:
+            print(f"{args.shape} {args.mode} T={T} EP={joined.world}, "
+                  f"{torch.cuda.get_device_name(joined.device)}")
+            for name, cfgs in configs.items():
+                changed = {a: c for a, c in cfgs.items() if c != configs["base"][a]}
+                print(f"  {name}: " + ("; ".join(f"{a}={c}" for a, c in changed.items())
+                                       if name != "base" else "the heuristics"))
+                if name == "base":
+                    for a, c in cfgs.items():
+                        print(f"      {a} = {c}")
+        stats = interleaved({n: runner(c) for n, c in configs.items()}, rounds=args.rounds,
+                            iters=args.iters, device=joined.device)
+    names = list(configs)
+    per_round = torch.tensor([list(stats[n].window_ms) for n in names], dtype=torch.float64)
+    if joined.world > 1:  # the slowest rank decides each round
+        per_round = per_round.to(joined.device)
+        dist.all_reduce(per_round, op=dist.ReduceOp.MAX, group=joined.group)
+        per_round = per_round.cpu()
+    if joined.rank == 0:
+        base = per_round[0].tolist()
+        print(f"  {args.rounds} rounds of {args.iters} steps from a CUDA graph per variant "
+              "(ms per step, median and fastest-slowest round; ratio = base / variant per "
+              "round, median; > 1: faster)")
+        for i, name in enumerate(names):
+            ms = per_round[i].tolist()
+            ratio = statistics.median(round_ratios(base, ms))
+            print(f"  {name:>12} {statistics.median(ms):8.3f} ({min(ms):.3f}-{max(ms):.3f})"
+                  f"  x{ratio:.4f}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
