@@ -1138,7 +1138,7 @@ def test_gpu_w13_gluon_out_offsets_and_enable(block_n, warps, h1_at, x_at):
 @pytest.mark.gpu
 def test_gpu_w13_gluon_heuristic():
     """On a Hopper GPU with the layer's hint the heuristic picks the Gluon kernel: the
-    cooperative tile from 128 rows per expert in training and 256 in inference, else (or
+    cooperative tile from 128 rows per expert, else (or
     where F is not a multiple of 128) ping-pong tiles for training and long inference
     segments; short inference segments and widths it cannot tile keep the Triton kernel."""
     if torch.cuda.get_device_capability(DEVICE)[0] != 9:
@@ -1150,10 +1150,11 @@ def test_gpu_w13_gluon_heuristic():
     assert tile(pick(hidden=2048, ffn=768, rows_per_expert=256)) == (True, 128, 8, 4)
     assert tile(pick(hidden=2048, ffn=768, rows_per_expert=128, training=True)) == \
         (True, 128, 8, 4)
+    assert tile(pick(hidden=2048, ffn=768, rows_per_expert=128)) == (True, 128, 8, 4)
     assert tile(pick(hidden=2048, ffn=768, rows_per_expert=64, training=True)) == \
         (True, 64, 4, 6)
     assert tile(pick(hidden=2048, ffn=704, rows_per_expert=2048)) == (True, 64, 4, 5)
-    assert not pick(hidden=2048, ffn=768, rows_per_expert=128).gluon
+    assert not pick(hidden=2048, ffn=768, rows_per_expert=127).gluon
     assert not pick(hidden=4096, ffn=2000, rows_per_expert=2048, training=True).gluon
     assert not W13Config.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048).gluon
 
@@ -1216,7 +1217,7 @@ def test_gpu_w2_gluon(block_n, warps, stages, group_m):
 @pytest.mark.gpu
 def test_gpu_w2_gluon_heuristic():
     """On a Hopper GPU with the layer's hint the heuristic picks the Gluon ping-pong tile from
-    256 rows per expert at EP=1; fewer rows, EP > 1, and widths it cannot tile keep the Triton
+    128 rows per expert at EP=1; fewer rows, EP > 1, and widths it cannot tile keep the Triton
     kernel."""
     if torch.cuda.get_device_capability(DEVICE)[0] != 9:
         pytest.skip("the Gluon W2 is for compute capability 9.x")
@@ -1224,7 +1225,8 @@ def test_gpu_w2_gluon_heuristic():
     tile = lambda c: (c.gluon, c.block_n, c.num_warps, c.num_stages)  # noqa: E731
     assert tile(pick(hidden=4096, ffn=2048, rows_per_expert=2048)) == (True, 128, 4, 6)
     assert tile(pick(hidden=2048, ffn=768, rows_per_expert=256)) == (True, 128, 4, 6)
-    assert not pick(hidden=2048, ffn=768, rows_per_expert=128).gluon
+    assert tile(pick(hidden=2048, ffn=768, rows_per_expert=128)) == (True, 128, 4, 6)
+    assert not pick(hidden=2048, ffn=768, rows_per_expert=127).gluon
     assert not pick(hidden=4096, ffn=2048, rows_per_expert=2048, ep_size=2).gluon
     assert not pick(hidden=2880, ffn=2880, rows_per_expert=2048).gluon
     assert not W2Config.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048).gluon
@@ -1421,7 +1423,7 @@ def test_w2_heuristic_takes_gluon_only_at_ep1(monkeypatch):
         hidden=4096, ffn=2048, rows_per_expert=2048)
     triton_cfg = W2Config.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048)
     assert pick(rows_per_expert=2048, ep_size=2) == triton_cfg
-    assert not pick(rows_per_expert=128).gluon
+    assert not pick(rows_per_expert=127).gluon
 
 
 def test_gluon_w2_shape_rules_without_a_gpu():
@@ -1442,14 +1444,14 @@ def test_gluon_w2_shape_rules_without_a_gpu():
     assert "F (2000)" in shape_reason(hidden=4096, ffn=2000, block_m=128, block_k=64,
                                       block_n=128, stages=5, warps=4)
     assert gluon_w2_reason(torch.device("cpu"), **ok, block_n=128, stages=5) is not None
-    # what the Hopper heuristic picks (device-independent): ping-pong, 6 stages, from 256
+    # what the Hopper heuristic picks (device-independent): ping-pong, 6 stages, from 128
     # rows per expert where the widths tile; no device or a CPU device keeps Triton
     tile = lambda c: (c.gluon, c.block_n, c.num_warps, c.num_stages)  # noqa: E731
-    for rows in (256, 512, 2048):
+    for rows in (128, 256, 512, 2048):
         assert tile(W2Config.hopper_gluon(hidden=4096, ffn=2048, rows_per_expert=rows)) == \
             (True, 128, 4, 6)
-    assert W2Config.hopper_gluon(hidden=4096, ffn=2048, rows_per_expert=255) is None
-    assert W2Config.hopper_gluon(hidden=2048, ffn=768, rows_per_expert=128) is None
+    assert W2Config.hopper_gluon(hidden=4096, ffn=2048, rows_per_expert=127) is None
+    assert W2Config.hopper_gluon(hidden=2048, ffn=768, rows_per_expert=96) is None
     assert W2Config.hopper_gluon(hidden=4096, ffn=2048, rows_per_expert=2048, ep_size=2) is None
     assert W2Config.hopper_gluon(hidden=2880, ffn=2880, rows_per_expert=2048) is None
     assert W2Config.hopper_gluon(hidden=2048, ffn=200, rows_per_expert=2048) is None
@@ -1472,7 +1474,8 @@ def test_gluon_w13_choice_and_limits_without_a_gpu():
     pick = W13Config.hopper_gluon
     tile = lambda c: (c.gluon, c.block_n, c.num_warps, c.num_stages)  # noqa: E731
     # cooperative 128 x 128 from 128 rows per expert in training, 256 in inference
-    for rows, train in ((2048, True), (2048, False), (256, True), (256, False), (128, True)):
+    for rows, train in ((2048, True), (2048, False), (256, True), (256, False), (128, True),
+                        (128, False)):
         assert tile(pick(hidden=4096, ffn=2048, rows_per_expert=rows, training=train)) == \
             (True, 128, 8, 4)
     # ping-pong 128 x 64 below that (training) or where F is not a multiple of 128
@@ -1485,7 +1488,7 @@ def test_gluon_w13_choice_and_limits_without_a_gpu():
     assert tile(pick(hidden=2048, ffn=768, rows_per_expert=64, training=True)) == \
         (True, 64, 4, 6)
     # Triton: short inference segments, and widths no Gluon tile takes
-    assert pick(hidden=2048, ffn=768, rows_per_expert=128, training=False) is None
+    assert pick(hidden=2048, ffn=768, rows_per_expert=127, training=False) is None
     assert pick(hidden=2048, ffn=704, rows_per_expert=256, training=False) is None
     assert pick(hidden=4096, ffn=2000, rows_per_expert=2048, training=True) is None
     assert pick(hidden=4000, ffn=2048, rows_per_expert=2048, training=True) is None

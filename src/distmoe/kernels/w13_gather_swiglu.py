@@ -464,7 +464,9 @@ class W13Config(GemmConfig):
           3.03 against 3.42 ms at issue-a and 0.396 against 0.424 at the fine shape, the
           layer 0.7-1.9% faster in all four cases (issue-a and fine, forward and
           forward+backward); at T=4096 D=2048 F=1024 E=64 K=8 the inference forward 10%
-          faster than the Triton kernel.
+          faster than the Triton kernel;
+        * run 29, interleaved in one process: the cooperative tile for inference at 128 rows
+          per expert too (forward 4-5% faster at two shapes).
         """
         if rows_per_expert is not None and block_m == 128 and device is not None:
             from .wgrad_gluon import gluon_device_reason
@@ -507,12 +509,14 @@ class W13Config(GemmConfig):
         The first of these that the kernel can tile (:func:`~distmoe.kernels.w13_gluon.\
 shape_reason`):
 
-        * cooperative 128 x 128 tiles (``num_warps`` 8), 4 stages: for training with >= 128
-          rows per expert, for inference with >= 256 (performance.md run 27, at the layer:
-          faster at 256, 512 and 2048 rows per expert in training and inference; at 128,
-          training even at T=2048 D=2048 F=768 E=128 K=8 and 1.4% faster at T=4096 D=7168
-          F=2048 E=256 K=8, inference 1.7% faster at the first and 0.6% slower at the
-          second);
+        * cooperative 128 x 128 tiles (``num_warps`` 8), 4 stages, from 128 rows per expert
+          (performance.md run 27, at the layer: faster at 256, 512 and 2048 rows per expert
+          in training and inference; at 128, training even at T=2048 D=2048 F=768 E=128 K=8
+          and 1.4% faster at T=4096 D=7168 F=2048 E=256 K=8. Inference at 128, timed
+          interleaved in one process (run 29, ``tools/ab_interleaved.py``): 4.0-4.2% faster
+          at the first shape (two calls) and 5.4% at the second, where run 27's one-round
+          A/B read +1.7% and -0.6%; at 96 rows per expert, T=4096 D=4096 F=2048 E=256 K=6,
+          1.5% slower);
         * for training, and for inference with >= 1024 rows per expert: ping-pong 128 x 64
           tiles, 5 stages at >= 1024 rows per expert, else 6 (run 24).
         """
@@ -520,7 +524,7 @@ shape_reason`):
 
         long_segments = rows_per_expert >= 1024
         candidates = []
-        if rows_per_expert >= (128 if training else 256):
+        if rows_per_expert >= 128:
             candidates.append(cls(block_m=128, block_n=128, block_k=64, num_warps=8,
                                   num_stages=4, group_m=8, persistent=True, gluon=True))
         if training or long_segments:

@@ -307,7 +307,7 @@ class W2Config(GemmConfig):
                      ep_size: int = 1) -> W2Config | None:
         """The Gluon config :meth:`from_heuristic` picks on a Hopper device (padding multiple
         128), or ``None`` where it keeps the Triton kernel: ping-pong 128 x 128 tiles with 6
-        stages from 256 rows per expert, where D is a multiple of 128 and F of 64, with one
+        stages from 128 rows per expert, where D is a multiple of 128 and F of 64, with one
         rank (``ep_size`` 1: every row stored into local memory).
 
         Measured on one H200 (2026-11-30, docs/performance.md run 28), against the Triton
@@ -320,9 +320,13 @@ class W2Config(GemmConfig):
           second (noisy), forward+backward 0.6% and 0.7%; at T=4096 D=2048 F=1024 E=64
           K=8 (512 rows per expert) forward 5.6% faster, forward+backward 0.7% slower (one
           round);
-        * at 128 rows per expert the two shapes measured disagreed (T=2048 D=2048 F=768
-          E=128 K=8 forward 1.6% faster, T=4096 D=7168 F=2048 E=256 K=8 1.1% slower; one
-          round each), so the Triton kernel stays there and below (decode: not measured);
+        * at 128 rows per expert, timed interleaved in one process (run 29,
+          ``tools/ab_interleaved.py``, median of the per-round ratios): the layer forward
+          6.9% and 7.1% faster at T=2048 D=2048 F=768 E=128 K=8 (two calls; forward+backward
+          1.7%) and 2.7% at T=4096 D=7168 F=2048 E=256 K=8 (forward+backward even, -0.3%).
+          Run 28's one-round A/B (+1.6%, -1.1%) had read that as a disagreement;
+        * at 96 rows per expert (T=4096 D=4096 F=2048 E=256 K=6) 0.4% slower, so the Triton
+          kernel stays below 128 (decode: not measured);
         * at EP=2 on two H200s (half the rows stored across NVLink; same call, alternating,
           twice) the layer forward was 1.0% slower at the first shape (5.711 and 5.703
           against 5.656 and 5.640 ms) and even at the second (0.698, 0.688 against 0.696,
@@ -330,7 +334,7 @@ class W2Config(GemmConfig):
         """
         from .w2_gluon import shape_reason
 
-        if rows_per_expert < 256 or ep_size > 1:
+        if rows_per_expert < 128 or ep_size > 1:
             return None
         config = cls(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=6,
                      group_m=8, persistent=True, gluon=True)
