@@ -1217,7 +1217,7 @@ def test_gpu_w2_gluon(block_n, warps, stages, group_m):
 @pytest.mark.gpu
 def test_gpu_w2_gluon_heuristic():
     """On a Hopper GPU with the layer's hint the heuristic picks the Gluon ping-pong tile from
-    128 rows per expert at EP=1; fewer rows, EP > 1, and widths it cannot tile keep the Triton
+    128 rows per expert at any EP size; fewer rows and widths it cannot tile keep the Triton
     kernel."""
     if torch.cuda.get_device_capability(DEVICE)[0] != 9:
         pytest.skip("the Gluon W2 is for compute capability 9.x")
@@ -1227,7 +1227,8 @@ def test_gpu_w2_gluon_heuristic():
     assert tile(pick(hidden=2048, ffn=768, rows_per_expert=256)) == (True, 128, 4, 6)
     assert tile(pick(hidden=2048, ffn=768, rows_per_expert=128)) == (True, 128, 4, 6)
     assert not pick(hidden=2048, ffn=768, rows_per_expert=127).gluon
-    assert not pick(hidden=4096, ffn=2048, rows_per_expert=2048, ep_size=2).gluon
+    assert tile(pick(hidden=4096, ffn=2048, rows_per_expert=2048, ep_size=2)) == \
+        (True, 128, 4, 6)
     assert not pick(hidden=2880, ffn=2880, rows_per_expert=2048).gluon
     assert not W2Config.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048).gluon
 
@@ -1410,19 +1411,23 @@ def test_gluon_w2_config_reaches_the_launch(monkeypatch):
     case.check()
 
 
-def test_w2_heuristic_takes_gluon_only_at_ep1(monkeypatch):
+def test_w2_heuristic_takes_gluon_at_every_ep_size(monkeypatch):
     """``W2Config.from_heuristic`` on a device where Gluon runs (stood in for by the device
-    check returning ``None``): the Gluon tile at EP=1 from 256 rows per expert, the Triton
-    kernel's config at EP=2 (run 28: 1% slower there) and below 256 rows."""
+    check returning ``None``): the Gluon tile from 128 rows per expert at EP=1 and EP=2 (run
+    29, interleaved: faster at both), the Triton kernel's config below 128 rows and with no
+    device."""
     import distmoe.kernels.wgrad_gluon as wgg
 
     monkeypatch.setattr(wgg, "gluon_device_reason", lambda device: None)
     pick = partial(W2Config.from_heuristic, hidden=4096, ffn=2048, device=DEVICE)
-    assert pick(rows_per_expert=2048).gluon
-    assert pick(rows_per_expert=2048, ep_size=1) == W2Config.hopper_gluon(
-        hidden=4096, ffn=2048, rows_per_expert=2048)
+    gluon_cfg = W2Config.hopper_gluon(hidden=4096, ffn=2048, rows_per_expert=2048)
+    assert gluon_cfg.gluon
+    for ep in (1, 2, 4):
+        assert pick(rows_per_expert=2048, ep_size=ep) == gluon_cfg
     triton_cfg = W2Config.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048)
-    assert pick(rows_per_expert=2048, ep_size=2) == triton_cfg
+    assert not triton_cfg.gluon
+    assert pick(rows_per_expert=127) == W2Config.from_heuristic(hidden=4096, ffn=2048,
+                                                                rows_per_expert=127)
     assert not pick(rows_per_expert=127).gluon
 
 
@@ -1452,7 +1457,8 @@ def test_gluon_w2_shape_rules_without_a_gpu():
             (True, 128, 4, 6)
     assert W2Config.hopper_gluon(hidden=4096, ffn=2048, rows_per_expert=127) is None
     assert W2Config.hopper_gluon(hidden=2048, ffn=768, rows_per_expert=96) is None
-    assert W2Config.hopper_gluon(hidden=4096, ffn=2048, rows_per_expert=2048, ep_size=2) is None
+    assert tile(W2Config.hopper_gluon(hidden=4096, ffn=2048, rows_per_expert=2048,
+                                      ep_size=2)) == (True, 128, 4, 6)
     assert W2Config.hopper_gluon(hidden=2880, ffn=2880, rows_per_expert=2048) is None
     assert W2Config.hopper_gluon(hidden=2048, ffn=200, rows_per_expert=2048) is None
     for device in (None, torch.device("cpu")):

@@ -272,9 +272,9 @@ class W2Config(GemmConfig):
         persistent, 0.241 per tile).
 
         With the hint and a ``device`` where the warp-specialised Gluon kernel runs (Hopper,
-        not the interpreter): that kernel where :meth:`hopper_gluon` picks it, which depends
-        on ``ep_size`` (the expert-parallel group: above 1, rows are stored into peers'
-        memory).
+        not the interpreter): that kernel where :meth:`hopper_gluon` picks it. ``ep_size``
+        (the expert-parallel group) is passed on; the pick does not depend on it since run
+        29.
         """
         if rows_per_expert is not None and block_m == 128 and device is not None:
             from .wgrad_gluon import gluon_device_reason
@@ -307,8 +307,8 @@ class W2Config(GemmConfig):
                      ep_size: int = 1) -> W2Config | None:
         """The Gluon config :meth:`from_heuristic` picks on a Hopper device (padding multiple
         128), or ``None`` where it keeps the Triton kernel: ping-pong 128 x 128 tiles with 6
-        stages from 128 rows per expert, where D is a multiple of 128 and F of 64, with one
-        rank (``ep_size`` 1: every row stored into local memory).
+        stages from 128 rows per expert, where D is a multiple of 128 and F of 64, at any
+        ``ep_size`` (above 1 some rows are stored into peers' memory).
 
         Measured on one H200 (2026-11-30, docs/performance.md run 28), against the Triton
         kernel's 128 x 256 tiles:
@@ -327,14 +327,15 @@ class W2Config(GemmConfig):
           Run 28's one-round A/B (+1.6%, -1.1%) had read that as a disagreement;
         * at 96 rows per expert (T=4096 D=4096 F=2048 E=256 K=6) 0.4% slower, so the Triton
           kernel stays below 128 (decode: not measured);
-        * at EP=2 on two H200s (half the rows stored across NVLink; same call, alternating,
-          twice) the layer forward was 1.0% slower at the first shape (5.711 and 5.703
-          against 5.656 and 5.640 ms) and even at the second (0.698, 0.688 against 0.696,
-          0.701), so the Triton kernel stays at ``ep_size`` > 1.
+        * at EP=2 on two H200s (half the rows stored across NVLink), run 28's sequential
+          A/B read the layer forward 1.0% slower at the first shape and even at the second;
+          timed interleaved (run 29) it is 0.9% faster at the first and 4.2% at the second
+          (4 stages there: 5.1%), so it runs at ``ep_size`` > 1 too.
         """
         from .w2_gluon import shape_reason
 
-        if rows_per_expert < 128 or ep_size > 1:
+        del ep_size  # the same tile at every EP size (run 29)
+        if rows_per_expert < 128:
             return None
         config = cls(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=6,
                      group_m=8, persistent=True, gluon=True)
