@@ -17,6 +17,10 @@ order). Reported per variant: the median over rounds of the per-step time (maxim
 ranks per round), the fastest and slowest round, and the median over rounds of the ratio to
 the heuristic ("base") in the same round, which cancels most of the drift.
 
+``--ep1-share`` (EP > 1 only) adds a row "ep1share": on every rank a second layer over a
+one-rank group with E / EP experts, the same per-rank work at EP=1, replayed in the same
+rounds (the EP=1 share of issue 7's fifth target); its line gives EP / EP=1 as well.
+
 ``--variant NAME=SPEC[+SPEC...]``, each SPEC ``KERNEL[:WHEN]:FIELD=VALUE[,FIELD=VALUE...]`` as
 in ``tools/ab_bench.py``: ``w13`` (``WHEN`` training / inference / any, matched against the
 mode), ``w2``, ``w2_dgrad`` (not ``block_n``: the score parts depend on it), ``w13_dgrad``,
@@ -79,7 +83,7 @@ def round_ratios(base_ms: list[float], ms: list[float]) -> list[float]:
 def main() -> int:
     import torch.distributed as dist
 
-    from distmoe.tools.bench.layer_step import join_group, layer_step
+    from distmoe.tools.bench.layer_step import ep1_share, join_group, layer_step
     from distmoe.tools.bench.timing import interleaved
     from distmoe.tools.bench.workloads import SHAPES
 
@@ -89,14 +93,22 @@ def main() -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=SPEC[+SPEC]")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--iters", type=int, default=10, help="steps per graph (per round)")
+    ap.add_argument("--warmup", type=int, default=3, help="eager steps per variant first")
+    ap.add_argument("--ep1-share", action="store_true",
+                    help="also this rank's share of the work at EP=1, in the same rounds")
     args = ap.parse_args()
     try:
         variants = dict(parse_variant(v) for v in args.variant)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
     joined = join_group(port=29556)
+    if args.ep1_share and joined.world == 1:
+        raise SystemExit("--ep1-share needs EP > 1 (torch.distributed.run)")
     training = args.mode == "fwdbwd"
     ctx, step, T = layer_step(args.shape, args.mode, joined)
+    share = None
+    if args.ep1_share:
+        share = layer_step(args.shape, args.mode, ep1_share(joined), share_of=joined.world)
     with ctx:
         configs = {"base": variant_configs(ctx, [], training)}
         for name, specs in variants.items():
@@ -110,8 +122,9 @@ def main() -> int:
             return run
 
         if joined.rank == 0:
-            print(f"{args.shape} {args.mode} T={T} EP={joined.world}, "
-                  f"{torch.cuda.get_device_name(joined.device)}")
+            where = (torch.cuda.get_device_name(joined.device)
+                     if joined.device.type == "cuda" else "CPU (Triton interpreter)")
+            print(f"{args.shape} {args.mode} T={T} EP={joined.world}, {where}")
             for name, cfgs in configs.items():
                 changed = {a: c for a, c in cfgs.items() if c != configs["base"][a]}
                 print(f"  {name}: " + ("; ".join(f"{a}={c}" for a, c in changed.items())
@@ -119,24 +132,34 @@ def main() -> int:
                 if name == "base":
                     for a, c in cfgs.items():
                         print(f"      {a} = {c}")
-        stats = interleaved({n: runner(c) for n, c in configs.items()}, rounds=args.rounds,
-                            iters=args.iters, device=joined.device)
-    names = list(configs)
+        fns = {n: runner(c) for n, c in configs.items()}
+        if share is not None:
+            fns["ep1share"] = share[1]
+        stats = interleaved(fns, rounds=args.rounds, iters=args.iters, warmup=args.warmup,
+                            device=joined.device)
+        if share is not None:
+            share[0].close()
+    names = list(fns)
     per_round = torch.tensor([list(stats[n].window_ms) for n in names], dtype=torch.float64)
     if joined.world > 1:  # the slowest rank decides each round
-        per_round = per_round.to(joined.device)
+        if joined.device.type == "cuda":
+            per_round = per_round.to(joined.device)
         dist.all_reduce(per_round, op=dist.ReduceOp.MAX, group=joined.group)
         per_round = per_round.cpu()
     if joined.rank == 0:
         base = per_round[0].tolist()
-        print(f"  {args.rounds} rounds of {args.iters} steps from a CUDA graph per variant "
+        graph = "a CUDA graph" if joined.device.type == "cuda" else "eager calls (CPU)"
+        print(f"  {args.rounds} rounds of {args.iters} steps from {graph} per variant "
               "(ms per step, median and fastest-slowest round; ratio = base / variant per "
               "round, median; > 1: faster)")
         for i, name in enumerate(names):
             ms = per_round[i].tolist()
             ratio = statistics.median(round_ratios(base, ms))
+            note = ""
+            if name == "ep1share":
+                note = f"  EP={joined.world} / EP=1 share: {ratio:.3f}x (median per round)"
             print(f"  {name:>12} {statistics.median(ms):8.3f} ({min(ms):.3f}-{max(ms):.3f})"
-                  f"  x{ratio:.4f}")
+                  f"  x{ratio:.4f}{note}")
     dist.destroy_process_group()
     return 0
 

@@ -32,25 +32,38 @@ class Joined:
 
 def join_group(port: int = 29555) -> Joined:
     """Under ``torch.distributed.run``: its world over NCCL, this rank on GPU ``LOCAL_RANK``.
-    Otherwise a one-rank gloo group (TCP on ``port``) on GPU 0."""
+    Otherwise a one-rank gloo group (TCP on ``port``) on GPU 0. Without CUDA: gloo on the
+    CPU (kernels through the Triton interpreter: small shapes only)."""
     from .groups import init_torchrun_group, launched_by_torchrun
 
+    kind = "cuda" if torch.cuda.is_available() else "cpu"
     if launched_by_torchrun():
-        bench_group, dev = init_torchrun_group("cuda")
+        bench_group, dev = init_torchrun_group(kind)
         return Joined(bench_group.group, bench_group.rank, bench_group.world_size, dev)
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
+    dev = torch.device(kind, 0) if kind == "cuda" else torch.device("cpu")
+    if kind == "cuda":
+        torch.cuda.set_device(dev)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
                             world_size=1)
     return Joined(None, 0, 1, dev)
 
 
-def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None = None
-               ) -> tuple[object, Callable[[], None], int]:
+def ep1_share(joined: Joined) -> Joined:
+    """*Collective* (every rank of ``joined``). A one-rank gloo group for each rank, on the
+    same device: a layer built on it with the shape's E / EP experts (:func:`layer_step`'s
+    ``share_of``) runs this rank's share of the EP work at EP=1."""
+    subgroups = [dist.new_group([r], backend="gloo") for r in range(joined.world)]
+    return Joined(subgroups[joined.rank], 0, 1, joined.device)
+
+
+def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None = None,
+               share_of: int = 1) -> tuple[object, Callable[[], None], int]:
     """``(ctx, step, T)`` for the named bench shape (``tokens`` instead of its T): the
     context (a :class:`~distmoe.MoEContext`, closed by the caller), one step and the tokens
-    per rank. Inputs are drawn once with a generator seeded by the rank; ``step`` reuses
-    them, so it can be captured into a CUDA graph."""
+    per rank. ``share_of``: the shape with E / ``share_of`` experts (one rank's share of
+    the work at EP = ``share_of``, for a one-rank ``joined``). Inputs are drawn once with a
+    generator seeded by the rank; ``step`` reuses them, so it can be captured into a CUDA
+    graph."""
     import distmoe as dm
     from distmoe.reference import random_routing
 
@@ -58,7 +71,9 @@ def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None
 
     if mode not in ("fwd", "fwdbwd"):
         raise ValueError(f"mode must be 'fwd' or 'fwdbwd', got {mode!r}")
-    shape = SHAPES[shape_name]
+    from .cli import rank_share
+
+    shape = rank_share(SHAPES[shape_name], share_of)
     T, D, F, E, K = shape.tokens, shape.hidden, shape.ffn, shape.num_experts, shape.top_k
     if tokens is not None:
         if tokens < 1:
