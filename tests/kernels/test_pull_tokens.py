@@ -15,7 +15,7 @@ use_interpreter_if_no_gpu()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from distmoe.kernels.pull_tokens import pull_all_tokens, pull_tokens  # noqa: E402
+from distmoe.kernels.pull_tokens import pull_tokens  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 POISON_PTR = 0x7EAD_BEEF_0000
@@ -105,41 +105,3 @@ def test_pull_tokens_rejects_bad_arguments_before_running():
         pull_tokens(ptrs, bases, 0, dst, flags, out[:8])
     with pytest.raises(ValueError, match="enable"):
         pull_tokens(ptrs, bases, 0, dst, flags, out, enable=torch.zeros(2, dtype=torch.int32))
-
-
-@pytest.mark.parametrize("ep,rank,t_max,D", [(2, 0, 24, 64), (4, 2, 20, 24), (2, 1, 8, 1024)])
-def test_pull_all_tokens_then_the_table_alone(ep, rank, t_max, D):
-    """pull_all_tokens copies every peer token below that peer's count (its routing header)
-    and nothing else; pull_tokens(pulled=True) then writes the same table as the flagged
-    pull, leaves dst alone and needs no flags."""
-    r_cap = 3 * t_max
-    heap, bases, src, row, ptrs = _problem(ep, t_max, D, r_cap, rank, seed=ep * 10 + D)
-    # each rank's int32 token count, at an address of its own (as a routing header)
-    counts = torch.tensor([t_max - 3 * s - 1 for s in range(ep)], dtype=torch.int32,
-                          device=DEVICE)
-    headers = torch.zeros(ep, 32, dtype=torch.int32, device=DEVICE)
-    headers[:, 0] = counts
-    count_addrs = torch.tensor([headers[s].data_ptr() for s in range(ep)], dtype=torch.int64,
-                               device=DEVICE)
-    dst = torch.full((ep * t_max, D), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    assert pull_all_tokens(bases, count_addrs, rank, dst) is dst
-    got = dst.cpu().view(torch.int16)
-    for s in range(ep * t_max):
-        owner, t = divmod(s, t_max)
-        if owner != rank and t < int(counts[owner]):
-            assert torch.equal(got[s], heap[owner, t].cpu().view(torch.int16)), s
-        else:
-            assert torch.isnan(dst[s].float()).all(), f"slot {s} written"
-    # the table alone: the same entries the flagged pull writes; dst untouched
-    out = torch.full((r_cap,), POISON_PTR, dtype=torch.int64, device=DEVICE)
-    before = dst.clone()
-    assert pull_tokens(ptrs, bases, rank, dst, None, out, pulled=True) is out
-    assert torch.equal(dst.view(torch.int16), before.view(torch.int16))
-    flags = torch.zeros(ep * t_max, dtype=torch.int8, device=DEVICE)
-    ref = torch.full((r_cap,), POISON_PTR, dtype=torch.int64, device=DEVICE)
-    pull_tokens(ptrs, bases, rank, dst, flags, ref)  # the flagged pull into the same dst
-    assert torch.equal(out, ref) and (out != POISON_PTR).all()
-    with pytest.raises(ValueError, match=r"count_addrs must have shape \[" + str(ep)):
-        pull_all_tokens(bases, count_addrs[:1], rank, dst)
-    with pytest.raises(ValueError, match=r"rank \(9\) must be an int"):
-        pull_all_tokens(bases, count_addrs, 9, dst)

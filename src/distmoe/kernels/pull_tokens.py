@@ -23,12 +23,6 @@ are zero again for the next call. Grids come from the static ``R_cap`` and ``EP 
 no host synchronisation, so it runs inside CUDA-graph capture. The backward needs no pull:
 W2 DGRAD already gathers each route's gradient row once (``grad_h3_out``) before its GEMM.
 
-At small EP nearly every peer token is needed anyway (each of its K routes misses this
-rank's experts with probability 1 - 1/EP). :func:`pull_all_tokens` then copies every peer
-token (below that peer's count, read from its routing header) without a table, so the copy
-can overlap the table construction, and ``pull_tokens(..., pulled=True)`` only rewrites the
-table (:class:`distmoe.ops.context.MoEContext` decides which).
-
 Reads happen where W13's reads used to (after the same barrier, before the next), so the
 safety argument of :mod:`distmoe.ops.context` and :mod:`distmoe.ops.autograd` is unchanged.
 """
@@ -50,7 +44,7 @@ _BLOCK_D = 512
 def _mark_tokens_kernel(src_ptrs_ptr, bases_ptr, out_ptrs_ptr, flags_ptr, enable_ptr, dst_base,
                         r_cap, rank, T_MAX: tl.constexpr, EP: tl.constexpr,
                         ROW_BYTES: tl.constexpr, BLOCK_R: tl.constexpr,
-                        HAS_ENABLE: tl.constexpr, MARK: tl.constexpr):
+                        HAS_ENABLE: tl.constexpr):
     if HAS_ENABLE:
         if tl.load(enable_ptr) == 0:
             return
@@ -67,29 +61,19 @@ def _mark_tokens_kernel(src_ptrs_ptr, bases_ptr, out_ptrs_ptr, flags_ptr, enable
     pulled = in_cap & (src != 0) & (owner >= 0)
     slot = owner.to(tl.int64) * T_MAX + (src - owner_base) // ROW_BYTES
     tl.store(out_ptrs_ptr + rows, tl.where(pulled, dst_base + slot * ROW_BYTES, src), mask=in_cap)
-    if MARK:
-        tl.store(flags_ptr + slot, tl.full([BLOCK_R], 1, tl.int8), mask=pulled)
+    tl.store(flags_ptr + slot, tl.full([BLOCK_R], 1, tl.int8), mask=pulled)
 
 
 @triton.jit
-def _pull_tokens_kernel(bases_ptr, flags_ptr, dst_ptr, enable_ptr, counts_ptr, rank,
-                        T_MAX: tl.constexpr, EP: tl.constexpr, ROW_ELEMS: tl.constexpr,
-                        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                        HAS_ENABLE: tl.constexpr, ALL: tl.constexpr):
+def _pull_tokens_kernel(bases_ptr, flags_ptr, dst_ptr, enable_ptr, T_MAX: tl.constexpr,
+                        EP: tl.constexpr, ROW_ELEMS: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_D: tl.constexpr, HAS_ENABLE: tl.constexpr):
     if HAS_ENABLE:
         if tl.load(enable_ptr) == 0:
             return
     slots = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_range = slots < EP * T_MAX
-    if ALL:
-        # every token of every peer: t < that peer's count (int32 at counts_ptr[owner])
-        owner = slots // T_MAX
-        count_at = tl.load(counts_ptr + owner, mask=in_range, other=0)
-        count = tl.load(count_at.to(tl.pointer_type(tl.int32)),
-                        mask=in_range & (owner != rank), other=0)
-        need = in_range & (owner != rank) & (slots - owner * T_MAX < count)
-    else:
-        need = tl.load(flags_ptr + slots, mask=in_range, other=0) != 0
+    need = tl.load(flags_ptr + slots, mask=in_range, other=0) != 0
     if tl.max(need.to(tl.int32), axis=0) > 0:
         owner = slots // T_MAX
         base = tl.load(bases_ptr + owner, mask=need, other=0)
@@ -104,17 +88,14 @@ def _pull_tokens_kernel(bases_ptr, flags_ptr, dst_ptr, enable_ptr, counts_ptr, r
             mask = need[:, None] & (cols < ROW_ELEMS)[None, :]
             vals = tl.load(src_rows[:, None] + cols[None, :], mask=mask)
             tl.store(dst_rows[:, None] + cols[None, :], vals, mask=mask)
-        if not ALL:
-            tl.store(flags_ptr + slots, tl.zeros([BLOCK_T], dtype=tl.int8), mask=need)
+        tl.store(flags_ptr + slots, tl.zeros([BLOCK_T], dtype=tl.int8), mask=need)
 
 
 def pull_tokens(src_ptrs: torch.Tensor, bases: torch.Tensor, rank: int, dst: torch.Tensor,
-                flags: torch.Tensor | None, out_ptrs: torch.Tensor, *,
-                enable: torch.Tensor | None = None, pulled: bool = False) -> torch.Tensor:
+                flags: torch.Tensor, out_ptrs: torch.Tensor, *,
+                enable: torch.Tensor | None = None) -> torch.Tensor:
     """Copy the peer tokens ``src_ptrs`` names into ``dst`` once each; returns ``out_ptrs``,
-    the table W13 reads instead (see the module docstring). With ``pulled``, every peer
-    token is already in ``dst`` (:func:`pull_all_tokens`): only the table is written and
-    ``flags`` may be ``None``.
+    the table W13 reads instead (see the module docstring).
 
     Args:
         src_ptrs: int64 ``[R_cap]`` absolute byte addresses of bf16 token rows (0 = null):
@@ -124,77 +105,15 @@ def pull_tokens(src_ptrs: torch.Tensor, bases: torch.Tensor, rank: int, dst: tor
         dst: bf16 ``[EP * T_max, D]`` contiguous local buffer; slot ``s * T_max + t`` receives
             token ``t`` of rank ``s`` when some row names it (other slots untouched).
         flags: int8 ``[EP * T_max]``, all zero before the call and again after it (allocate
-            it with zeros once); not used with ``pulled``.
+            it with zeros once).
         out_ptrs: int64 ``[R_cap]`` (written).
         enable: optional int32 ``[1]`` on the device: 0 = nothing is read or written (the
             consumer is off too, as for a saved layer's replay steps).
-        pulled: the peer tokens are in ``dst`` already; write the table only.
     Returns:
         ``out_ptrs``.
     """
     check_tensor("src_ptrs", src_ptrs, dtypes=(torch.int64,), ndim=1, shape_text="[R_cap]")
     r_cap = src_ptrs.shape[0]
-    ep, t_max, row_elems = _check_pull_buffers(bases, rank, dst)
-    if not pulled:
-        check_tensor("flags", flags, dtypes=(torch.int8,), shape=[ep * t_max],
-                     shape_text="[EP * T_max]")
-    check_tensor("out_ptrs", out_ptrs, dtypes=(torch.int64,), shape=[r_cap],
-                 shape_text="[R_cap]")
-    if enable is not None:
-        check_tensor("enable", enable, dtypes=(torch.int32,), shape=[1], shape_text="(0 = skip)")
-    for name, t in (("src_ptrs", src_ptrs), ("bases", bases),
-                    ("flags", src_ptrs if pulled else flags), ("out_ptrs", out_ptrs),
-                    ("enable", src_ptrs if enable is None else enable)):
-        if t.device != dst.device:
-            raise ValueError(f"{name} must be on {dst.device}, got {t.device}")
-    if r_cap == 0:
-        return out_ptrs
-    enable_arg = bases if enable is None else enable  # placeholder: never read
-    flags_arg = out_ptrs if pulled else flags  # placeholder with pulled: never written
-    with device_context(dst.device):
-        _mark_tokens_kernel[(triton.cdiv(r_cap, _BLOCK_R),)](
-            src_ptrs, bases, out_ptrs, flags_arg, enable_arg, dst.data_ptr(), r_cap, rank,
-            T_MAX=t_max, EP=ep, ROW_BYTES=row_elems * 2, BLOCK_R=_BLOCK_R,
-            HAS_ENABLE=enable is not None, MARK=not pulled,
-        )
-        if not pulled:
-            _launch_copy(bases, flags, dst, enable_arg, bases, rank, ep, t_max, row_elems,
-                         has_enable=enable is not None, copy_all=False)
-    return out_ptrs
-
-
-def pull_all_tokens(bases: torch.Tensor, count_addrs: torch.Tensor, rank: int,
-                    dst: torch.Tensor) -> torch.Tensor:
-    """Copy every token of every peer into ``dst`` (slot ``s * T_max + t`` for token ``t`` of
-    rank ``s != rank``, ``t`` below rank ``s``'s token count); returns ``dst``.
-
-    Where nearly every peer token is routed to some local expert (at EP=2 with K=8, a
-    token misses all of a rank's experts with probability 2^-8), this needs no routing
-    table, so it can run while the tables are built (on another stream); then
-    :func:`pull_tokens` with ``pulled=True`` only rewrites the table. Slots at or past a
-    peer's count and this rank's own slots are left as they are.
-
-    Args:
-        bases: int64 ``[EP]`` base addresses of every rank's dispatch buffer, as mapped here.
-        count_addrs: int64 ``[EP]`` addresses of every rank's int32 token count (its routing
-            header), as mapped here; each count must be at most ``T_max``.
-        rank: this rank.
-        dst: bf16 ``[EP * T_max, D]`` contiguous local buffer.
-    """
-    ep, t_max, row_elems = _check_pull_buffers(bases, rank, dst)
-    check_tensor("count_addrs", count_addrs, dtypes=(torch.int64,), shape=[ep],
-                 shape_text="[EP]")
-    for name, t in (("bases", bases), ("count_addrs", count_addrs)):
-        if t.device != dst.device:
-            raise ValueError(f"{name} must be on {dst.device}, got {t.device}")
-    with device_context(dst.device):
-        _launch_copy(bases, dst, dst, bases, count_addrs, rank, ep, t_max, row_elems,
-                     has_enable=False, copy_all=True)
-    return dst
-
-
-def _check_pull_buffers(bases, rank, dst) -> tuple[int, int, int]:
-    """``(EP, T_max, D)`` of a pull's base table and destination, checked."""
     check_tensor("bases", bases, dtypes=(torch.int64,), ndim=1, shape_text="[EP]")
     ep = bases.shape[0]
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ep:
@@ -207,14 +126,28 @@ def _check_pull_buffers(bases, rank, dst) -> tuple[int, int, int]:
     if (row_elems * 2) % 16 or dst.data_ptr() % 16:
         raise ValueError(f"dst rows must be 16-byte aligned, got D={row_elems} at address "
                          f"{dst.data_ptr():#x}")
-    return ep, t_max, row_elems
-
-
-def _launch_copy(bases, flags, dst, enable, counts, rank, ep, t_max, row_elems, *,
-                 has_enable: bool, copy_all: bool) -> None:
-    """The copy kernel over every slot: flagged slots, or (``copy_all``) every peer token."""
-    _pull_tokens_kernel[(triton.cdiv(ep * t_max, _BLOCK_T),)](
-        bases, flags, dst, enable, counts, rank, T_MAX=t_max, EP=ep, ROW_ELEMS=row_elems,
-        BLOCK_T=_BLOCK_T, BLOCK_D=min(_BLOCK_D, next_power_of_2(row_elems)),
-        HAS_ENABLE=has_enable, ALL=copy_all,
-    )
+    check_tensor("flags", flags, dtypes=(torch.int8,), shape=[ep * t_max],
+                 shape_text="[EP * T_max]")
+    check_tensor("out_ptrs", out_ptrs, dtypes=(torch.int64,), shape=[r_cap],
+                 shape_text="[R_cap]")
+    if enable is not None:
+        check_tensor("enable", enable, dtypes=(torch.int32,), shape=[1], shape_text="(0 = skip)")
+    for name, t in (("src_ptrs", src_ptrs), ("bases", bases), ("flags", flags),
+                    ("out_ptrs", out_ptrs), ("enable", src_ptrs if enable is None else enable)):
+        if t.device != dst.device:
+            raise ValueError(f"{name} must be on {dst.device}, got {t.device}")
+    if r_cap == 0:
+        return out_ptrs
+    enable_arg = bases if enable is None else enable  # placeholder: never read
+    with device_context(dst.device):
+        _mark_tokens_kernel[(triton.cdiv(r_cap, _BLOCK_R),)](
+            src_ptrs, bases, out_ptrs, flags, enable_arg, dst.data_ptr(), r_cap, rank,
+            T_MAX=t_max, EP=ep, ROW_BYTES=row_elems * 2, BLOCK_R=_BLOCK_R,
+            HAS_ENABLE=enable is not None,
+        )
+        _pull_tokens_kernel[(triton.cdiv(ep * t_max, _BLOCK_T),)](
+            bases, flags, dst, enable_arg, T_MAX=t_max, EP=ep, ROW_ELEMS=row_elems,
+            BLOCK_T=_BLOCK_T, BLOCK_D=min(_BLOCK_D, next_power_of_2(row_elems)),
+            HAS_ENABLE=enable is not None,
+        )
+    return out_ptrs

@@ -24,16 +24,14 @@ see :mod:`distmoe.routing.tables`), ``R_b`` = the receive bound:
                backward the owners push route output gradients into the experts' scratch
 
 Forward of one call (no host synchronisation; every step is a device op on the current stream,
-or on a side stream forked from it and joined back, so the whole call can be captured in a
-CUDA graph and replayed with new inputs written into the same tensors):
+so the whole call can be captured in a CUDA graph and replayed with new inputs written into
+the same tensors):
 
     1. publish: header <- T, ids -> routing buffer (int16), x -> dispatch rows 0..T-1
     2. barrier                                 (everyone's ids and x are visible)
     3. gather every rank's ids [EP, T, K]; build expert-major tables (distmoe.routing)
     4. W13 grouped GEMM, gather prologue reads source rows from the owners' dispatch buffers
-       (at EP > 1 peers' tokens are first pulled once into local memory; where nearly all
-       of them are needed, :meth:`MoEContext.pull_all_rule`, every peer token is copied on
-       a side stream from step 3 on, joined here), SwiGLU epilogue -> h2
+       (at EP > 1 peers' tokens are first pulled once into local memory), SwiGLU epilogue -> h2
     5. W2 grouped GEMM, scatter epilogue stores each row into its owner's combine slot
        (training, saved layer: into the h3 rows of the owner's activation slot instead)
     6. barrier                                 (all results have landed; all gathers done)
@@ -165,24 +163,9 @@ class MoEContext:
                                            device=self.device)
             self._pulled_ptrs = torch.empty(self.row_capacity, dtype=torch.int64,
                                             device=self.device)
-        # At small EP nearly every peer token has a route here (each of its K misses this
-        # rank with probability 1 - 1/EP): then the forward copies every peer token while
-        # the routing tables are built, on a side stream, instead of the tokens the tables
-        # name after them (distmoe.kernels.pull_tokens.pull_all_tokens).
-        self._pull_all = self.pull_all_rule(self.ep_size, K)
-        self._pull_stream = None
         # Device-side counters: [last received rows, max received rows, dropped rows total,
         # invalid ids total, calls].
         self._counters = torch.zeros(5, dtype=torch.int64, device=self.device)
-
-    @staticmethod
-    def pull_all_rule(ep_size: int, top_k: int) -> bool:
-        """Whether the forward copies every peer token (``True``) or those its tables name:
-        every one when a token has a route to a given rank with probability
-        ``1 - (1 - 1/EP)^K >= 0.9`` (uniform routing): EP=2 with K >= 4, EP=3 with
-        K >= 6; not EP=4 with K=8 (0.8999), where a tenth of the copy would be unused.
-        Measured at EP=2 only (docs/performance.md run 29)."""
-        return ep_size > 1 and 1 - (1 - 1 / ep_size) ** top_k >= 0.9
 
     # ------------------------------------------------------------------ validation
     def _validate(self, x, expert_ids, scores, w13, w2) -> None:
@@ -250,8 +233,6 @@ class MoEContext:
         self._ids[self.rank][:T].copy_(expert_ids)
         self._dispatch[:T].copy_(x)
         self.heap.barrier()
-        if self.ep_size > 1 and self._pull_all:
-            self._start_pull_all()
         ids_EPTK = torch.stack([ids[:T] for ids in self._ids])
         tables = build_routing_tables(
             ids_EPTK, rank=self.rank, num_local_experts=self.num_local_experts,
@@ -268,40 +249,16 @@ class MoEContext:
         c[4].add_(1)
         return tables
 
-    def _start_pull_all(self) -> None:
-        """Copy every peer token into the pull buffer (after the publish barrier), on a side
-        stream on CUDA so that it overlaps the routing tables; :meth:`_gather_table` with
-        ``pulled`` joins it."""
-        from ..kernels.pull_tokens import pull_all_tokens
-
-        heap = self.heap
-        args = (heap.base_table("dispatch"), heap.base_table("routing"), self.rank,
-                self._pulled)
-        if self.device.type != "cuda":
-            pull_all_tokens(*args)
-            return
-        if self._pull_stream is None:
-            self._pull_stream = torch.cuda.Stream(self.device)
-        self._pull_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._pull_stream):
-            pull_all_tokens(*args)
-
-    def _gather_table(self, gather_ptrs, enable=None, *, pulled: bool = False):
+    def _gather_table(self, gather_ptrs, enable=None):
         """The table W13 reads its A rows through: ``gather_ptrs`` itself at EP = 1; at
         EP > 1 a copy whose peer tokens point at local copies, pulled once per token (see
-        :mod:`distmoe.kernels.pull_tokens`; ``enable`` an optional device predicate). With
-        ``pulled`` (after :meth:`_start_pull_all`) the tokens are being copied already: the
-        table is rewritten and the copy joined."""
+        :mod:`distmoe.kernels.pull_tokens`; ``enable`` an optional device predicate)."""
         if self.ep_size == 1:
             return gather_ptrs
         from ..kernels.pull_tokens import pull_tokens
 
-        out = pull_tokens(gather_ptrs, self.heap.base_table("dispatch"), self.rank,
-                          self._pulled, self._pull_flags, self._pulled_ptrs, enable=enable,
-                          pulled=pulled)
-        if pulled and self._pull_stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._pull_stream)
-        return out
+        return pull_tokens(gather_ptrs, self.heap.base_table("dispatch"), self.rank,
+                           self._pulled, self._pull_flags, self._pulled_ptrs, enable=enable)
 
     def _wants_autograd(self, x, scores, w13, w2) -> bool:
         """Training call with autograd: cfg.training, grad mode on and an input requiring
@@ -332,7 +289,7 @@ class MoEContext:
         T, K = expert_ids.shape
         scores_f32 = scores.float().contiguous()
         y = torch.empty_like(x)
-        gather_ptrs = self._gather_table(tables.gather_ptrs, pulled=self._pull_all)
+        gather_ptrs = self._gather_table(tables.gather_ptrs)
         if not save:
             gather_w13_swiglu(gather_ptrs, po, ro, w13, self._h2, config=self._w13_cfg)
             w2_scatter(self._h2, po, ro, w2, tables.scatter_ptrs, config=self._w2_cfg)
