@@ -22,7 +22,8 @@ import torch.distributed as dist
 @dataclass
 class Joined:
     """The process group a tool runs on: ``group`` (``None`` for the default world), this
-    process's ``rank`` of ``world`` and its CUDA ``device``."""
+    process's ``rank`` of ``world`` and its ``device`` (a CUDA device, or the CPU on a
+    machine without CUDA)."""
 
     group: dist.ProcessGroup | None
     rank: int

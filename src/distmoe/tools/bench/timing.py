@@ -337,7 +337,10 @@ def interleaved(fns: dict[str, Callable[[], object]], *, rounds: int = 7, iters:
     and rises when it idles; timing candidates one after the other lets that drift decide
     a comparison of a few per cent, and interleaving does not. Returns, per name, the median
     over rounds of the per-call time (ms) and the fastest and slowest round
-    (:class:`WindowStats`). Single process, no ranks.
+    (:class:`WindowStats`; ``window_ms`` in round order). This process's times only: with
+    several ranks, each calls it with the same names in the same order (the functions'
+    own collectives keep the ranks together) and the caller reduces the rounds
+    (``tools/ab_interleaved.py`` takes the slowest rank per round).
     """
     if iters < 1 or warmup < 0:
         raise ValueError(f"iters ({iters}) must be >= 1 and warmup ({warmup}) >= 0")
