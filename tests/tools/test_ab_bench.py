@@ -1,22 +1,15 @@
 """tools/ab_bench.py: override parsing and the patched heuristics (the bench itself runs on a
 GPU; its CPU path is covered by test_bench_cli)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from distmoe.kernels.w2_backward import W2DgradConfig
 from distmoe.kernels.w13_gather_swiglu import W13Config
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "ab_bench.py"
-
 
 @pytest.fixture
-def ab():
-    spec = importlib.util.spec_from_file_location("ab_bench", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+def ab(load_tool):
+    mod = load_tool("ab_bench")
     saved = {cls: cls.__dict__["from_heuristic"] for cls in (W13Config, W2DgradConfig)}
     yield mod
     for cls, method in saved.items():

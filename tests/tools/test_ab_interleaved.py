@@ -1,7 +1,6 @@
 """tools/ab_interleaved.py: variant parsing, configs applied to a layer's attributes, per-round
 ratios; distmoe.tools.bench.layer_step's argument checks (the layer runs on a GPU)."""
 
-import importlib.util
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,11 +17,8 @@ TOOL = Path(__file__).resolve().parents[2] / "tools" / "ab_interleaved.py"
 
 
 @pytest.fixture
-def abi():
-    spec = importlib.util.spec_from_file_location("ab_interleaved", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    yield mod
+def abi(load_tool):
+    yield load_tool("ab_interleaved")
     sys.modules.pop("ab_bench", None)
 
 

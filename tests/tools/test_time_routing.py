@@ -1,16 +1,9 @@
 """tools/time_routing.py runs end to end on CPU (a smoke run: every implementation is checked
 against the torch construction before it is timed)."""
 
-import importlib.util
-from pathlib import Path
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "time_routing.py"
-
-
-def test_time_routing_smoke(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("time_routing", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+def test_time_routing_smoke(tmp_path, capsys, load_tool):
+    mod = load_tool("time_routing")
     out = tmp_path / "routing.csv"
     assert mod.main(["--shapes", "smoke", "--tokens", "8", "--ep", "2", "--csv", str(out)]) == 0
     text = capsys.readouterr().out
