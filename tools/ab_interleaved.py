@@ -136,29 +136,23 @@ def main() -> int:
         if share is not None:
             fns["ep1share"] = share[1]
         stats = interleaved(fns, rounds=args.rounds, iters=args.iters, warmup=args.warmup,
-                            device=joined.device)
+                            device=joined.device, group=joined.group)
         if share is not None:
             share[0].close()
-    names = list(fns)
-    per_round = torch.tensor([list(stats[n].window_ms) for n in names], dtype=torch.float64)
-    if joined.world > 1:  # the slowest rank decides each round
-        if joined.device.type == "cuda":
-            per_round = per_round.to(joined.device)
-        dist.all_reduce(per_round, op=dist.ReduceOp.MAX, group=joined.group)
-        per_round = per_round.cpu()
+    names = list(fns)  # each round below is the slowest rank's
     if joined.rank == 0:
-        base = per_round[0].tolist()
+        base = list(stats["base"].window_ms)
         graph = "a CUDA graph" if joined.device.type == "cuda" else "eager calls (CPU)"
         print(f"  {args.rounds} rounds of {args.iters} steps from {graph} per variant "
               "(ms per step, median and fastest-slowest round; ratio = base / variant per "
               "round, median; > 1: faster)")
-        for i, name in enumerate(names):
-            ms = per_round[i].tolist()
-            ratio = statistics.median(round_ratios(base, ms))
+        for name in names:
+            st = stats[name]
+            ratio = statistics.median(round_ratios(base, list(st.window_ms)))
             note = ""
             if name == "ep1share":
                 note = f"  EP={joined.world} / EP=1 share: {ratio:.3f}x (median per round)"
-            print(f"  {name:>12} {statistics.median(ms):8.3f} ({min(ms):.3f}-{max(ms):.3f})"
+            print(f"  {name:>12} {st.iter_ms:8.3f} ({st.min_ms:.3f}-{st.max_ms:.3f})"
                   f"  x{ratio:.4f}{note}")
     dist.destroy_process_group()
     return 0

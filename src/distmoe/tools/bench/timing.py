@@ -223,18 +223,24 @@ def _capture(fn: Callable[[], object], iters: int) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def _time_cuda(
-    fn: Callable[[], object], cfg: TimingConfig, group, graph_safe: bool
-) -> tuple[list[float], TimingMethod, str, Telemetry | None]:
-    # Warm-up on a side stream: capture requires that lazy initialisation (cuBLAS handles and
-    # workspaces, Triton compilation, autograd streams) happened off the capture stream.
+def _warm_up_on_side_stream(fns: Sequence[Callable[[], object]], calls: int) -> None:
+    """``calls`` eager calls of each function on a side stream, then a device sync: capture
+    requires that lazy initialisation (cuBLAS handles and workspaces, Triton compilation,
+    autograd streams) happened off the capture stream."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(cfg.num_warmup):
-            fn()
+        for fn in fns:
+            for _ in range(calls):
+                fn()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
+
+
+def _time_cuda(
+    fn: Callable[[], object], cfg: TimingConfig, group, graph_safe: bool
+) -> tuple[list[float], TimingMethod, str, Telemetry | None]:
+    _warm_up_on_side_stream([fn], cfg.num_warmup)
 
     graph, reason = None, ""
     if not cfg.use_cuda_graph:
@@ -327,8 +333,8 @@ def round_orders(names: Sequence[str], rounds: int) -> list[list[str]]:
 
 
 def interleaved(fns: dict[str, Callable[[], object]], *, rounds: int = 7, iters: int = 20,
-                warmup: int = 3, device: torch.device | str | None = None
-                ) -> dict[str, WindowStats]:
+                warmup: int = 3, device: torch.device | str | None = None,
+                group: dist.ProcessGroup | None = None) -> dict[str, WindowStats]:
     """Time several functions against each other, one window of each per round.
 
     Each ``fns[name]()`` is warmed up, captured ``iters`` times into one CUDA graph (on CPU:
@@ -337,10 +343,10 @@ def interleaved(fns: dict[str, Callable[[], object]], *, rounds: int = 7, iters:
     and rises when it idles; timing candidates one after the other lets that drift decide
     a comparison of a few per cent, and interleaving does not. Returns, per name, the median
     over rounds of the per-call time (ms) and the fastest and slowest round
-    (:class:`WindowStats`; ``window_ms`` in round order). This process's times only: with
-    several ranks, each calls it with the same names in the same order (the functions'
-    own collectives keep the ranks together) and the caller reduces the rounds
-    (``tools/ab_interleaved.py`` takes the slowest rank per round).
+    (:class:`WindowStats`; ``window_ms`` in round order). With a multi-rank ``group`` every
+    rank calls it with the same names in the same order (the functions' own collectives
+    keep the ranks together), and each round is the slowest rank's, as in
+    :func:`benchmark` (:func:`reduce_windows`).
     """
     if iters < 1 or warmup < 0:
         raise ValueError(f"iters ({iters}) must be >= 1 and warmup ({warmup}) >= 0")
@@ -349,14 +355,7 @@ def interleaved(fns: dict[str, Callable[[], object]], *, rounds: int = 7, iters:
                                               or torch.device(device).type == "cuda")
     steps: dict[str, Callable[[], object]] = {}
     if use_cuda:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for fn in fns.values():
-                for _ in range(warmup):
-                    fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
+        _warm_up_on_side_stream(list(fns.values()), warmup)
         steps = {name: _capture(fn, iters).replay for name, fn in fns.items()}
     else:
         for name, fn in fns.items():
@@ -379,5 +378,4 @@ def interleaved(fns: dict[str, Callable[[], object]], *, rounds: int = 7, iters:
                 t0 = time.perf_counter()
                 steps[name]()
                 times[name].append((time.perf_counter() - t0) * 1e3 / iters)
-    return {name: WindowStats(iter_ms=statistics.median(ms), min_ms=min(ms), max_ms=max(ms),
-                              window_ms=tuple(ms)) for name, ms in times.items()}
+    return {name: reduce_windows(_allreduce_max(ms, group)) for name, ms in times.items()}
