@@ -24,7 +24,8 @@ rounds (the EP=1 share of issue 7's fifth target); its line gives EP / EP=1 as w
 ``--variant NAME=SPEC[+SPEC...]``, each SPEC ``KERNEL[:WHEN]:FIELD=VALUE[,FIELD=VALUE...]`` as
 in ``tools/ab_bench.py``: ``w13`` (``WHEN`` training / inference / any, matched against the
 mode), ``w2``, ``w2_dgrad`` (not ``block_n``: the score parts depend on it), ``w13_dgrad``,
-``wgrad`` (both WGRADs). The configs of every variant are printed first.
+``wgrad`` (both WGRADs); or ``layer:pull_all=True|False``, the EP > 1 token pull's way
+(:meth:`distmoe.MoEContext.pull_all_rule`). The configs of every variant are printed first.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from ab_bench import parse_override  # noqa: E402
 
+#: layer switches a ``layer:NAME=VALUE`` spec sets (the MoEContext attribute each is)
+_LAYER = {"pull_all": "_pull_all"}
 #: the layer attributes each kernel's config lives in (distmoe.ops.context)
 _ATTRS = {"w13": ("_w13_cfg",), "w2": ("_w2_cfg",), "w2_dgrad": ("_w2_dgrad_cfg",),
           "w13_dgrad": ("_w13_dgrad_cfg",), "wgrad": ("_w2_wgrad_cfg", "_w13_wgrad_cfg")}
@@ -48,7 +51,15 @@ def variant_configs(ctx, specs: list[str], training: bool) -> dict[str, object]:
     """The config attributes of ``ctx`` with the overrides of ``specs`` applied (ValueError
     for an unknown field, a kernel this mode does not run, or ``w2_dgrad`` ``block_n``)."""
     out = {a: getattr(ctx, a) for attrs in _ATTRS.values() for a in attrs if hasattr(ctx, a)}
+    out.update({a: getattr(ctx, a) for a in _LAYER.values() if hasattr(ctx, a)})
     for spec in specs:
+        if spec.startswith("layer:"):
+            name, sep, value = spec[len("layer:"):].partition("=")
+            if not sep or name not in _LAYER or value not in ("True", "False"):
+                raise ValueError(f"{spec!r}: expected layer:NAME=True|False with NAME one of "
+                                 f"{sorted(_LAYER)}")
+            out[_LAYER[name]] = value == "True"
+            continue
         kernel, when, fields = parse_override(spec)
         if kernel == "w2_dgrad" and "block_n" in fields:
             raise ValueError(f"{spec!r}: w2_dgrad block_n sets the layer's score parts; "

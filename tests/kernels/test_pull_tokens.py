@@ -105,3 +105,22 @@ def test_pull_tokens_rejects_bad_arguments_before_running():
         pull_tokens(ptrs, bases, 0, dst, flags, out[:8])
     with pytest.raises(ValueError, match="enable"):
         pull_tokens(ptrs, bases, 0, dst, flags, out, enable=torch.zeros(2, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("ep,rank,t_max,D", [(2, 0, 24, 64), (4, 2, 20, 24), (2, 1, 8, 1024)])
+def test_table_alone_when_the_tokens_are_pulled(ep, rank, t_max, D):
+    """pull_tokens(pulled=True) writes the same table as the flagged pull, leaves dst alone
+    and needs no flags (the caller has copied every peer token already)."""
+    r_cap = 3 * t_max
+    heap, bases, src, row, ptrs = _problem(ep, t_max, D, r_cap, rank, seed=ep * 10 + D)
+    dst = torch.full((ep * t_max, D), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    out = torch.full((r_cap,), POISON_PTR, dtype=torch.int64, device=DEVICE)
+    assert pull_tokens(ptrs, bases, rank, dst, None, out, pulled=True) is out
+    assert torch.isnan(dst.float()).all(), "dst written"
+    flags = torch.zeros(ep * t_max, dtype=torch.int8, device=DEVICE)
+    ref = torch.full((r_cap,), POISON_PTR, dtype=torch.int64, device=DEVICE)
+    pull_tokens(ptrs, bases, rank, dst, flags, ref)  # the flagged pull into the same dst
+    assert torch.equal(out, ref) and (out != POISON_PTR).all()
+    assert not flags.any(), "flags left set"
+    with pytest.raises(TypeError, match=r"flags must be a torch.Tensor, got NoneType"):
+        pull_tokens(ptrs, bases, rank, dst, None, out)  # the flagged pull needs its flags

@@ -72,8 +72,10 @@ def make_problem(seed, EP, T, D, F, E, K, case_name):
 
 
 def forward_rank(rank, world, seed, T, D, F, E, K, case_name, device="cpu", row_block=16,
-                 max_tokens=None):
-    """Run the layer on this rank; returns (y, stats) for the parent to check."""
+                 max_tokens=None, pull_all=None):
+    """Run the layer on this rank; returns (y, stats) for the parent to check. ``pull_all``:
+    force the EP > 1 token pull's way (every peer token, or those the tables name); None
+    keeps the layer's choice."""
     x, ids, scores, w13, w2 = make_problem(seed, world, T, D, F, E, K, case_name)
     mine = split_global_problem(x, ids, scores, w13, w2, world)[rank]
     cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=max_tokens or T,
@@ -82,6 +84,8 @@ def forward_rank(rank, world, seed, T, D, F, E, K, case_name, device="cpu", row_
     dev = torch.device(device) if device == "cpu" else torch.device("cuda",
                                                                      torch.cuda.current_device())
     with dm.MoEContext(cfg, device=dev, check=True) as ctx:
+        if pull_all is not None:
+            ctx._pull_all = pull_all
         args = [t.to(dev) for t in (mine.x, mine.expert_ids, mine.scores, mine.w13, mine.w2)]
         y = ctx(*args)
         stats = ctx.stats()

@@ -1,6 +1,7 @@
 """Distributed bf16 forward on CPU ranks (Triton interpreter) against the reference."""
 
 import pytest
+import torch
 from forward_cases import (
     CASES,
     check_against_reference,
@@ -44,3 +45,30 @@ def test_physical_t_below_max_tokens():
     # buffers sized for 32 tokens, calls with 11
     out = dm.launch(forward_rank, 2, args=(5, 11, D, F, 4, 2, "inactive_mix", "cpu", 16, 32))
     check_against_reference(out, 5, 2, 11, D, F, 4, 2, "inactive_mix")
+
+
+@pytest.mark.parametrize("EP, K", [(2, 2), (4, 3)])
+def test_token_pull_both_ways(EP, K):
+    """At EP > 1 the peer tokens reach W13 either all at once (while the tables are built)
+    or as the tables name them: both match the reference and each other bit for bit, with
+    fewer tokens than the buffers hold (the copy-all moves every row, used or not)."""
+    T, E = 11, 8
+    outs = {}
+    for pull_all in (True, False):
+        outs[pull_all] = dm.launch(forward_rank, EP, args=(
+            17 + EP, T, D, F, E, K, "inactive_mix", "cpu", 16, 24, pull_all))
+        check_against_reference(outs[pull_all], 17 + EP, EP, T, D, F, E, K, "inactive_mix")
+    for (y_all, _), (y_named, _) in zip(outs[True], outs[False], strict=True):
+        assert torch.equal(y_all.view(torch.int16), y_named.view(torch.int16))
+
+
+def test_pull_all_is_the_default_where_nearly_every_peer_token_is_needed():
+    """The layer's choice: every peer token when T / T_max * (1 - (1 - 1/EP)^K) >= 0.9."""
+    def choose(ep, k, tokens=64, max_tokens=64):
+        return dm.MoEContext.pull_all_rule(ep, k, tokens, max_tokens)
+
+    assert choose(2, 8) and choose(2, 4) and choose(3, 6)
+    assert not choose(1, 8) and not choose(2, 2) and not choose(4, 8) and not choose(8, 8)
+    # fewer tokens than the buffers: the copy of every T_max row would be mostly unused
+    assert choose(2, 8, 59, 64) and not choose(2, 8, 57, 64) and not choose(2, 8, 8, 4096)
+    assert not choose(2, 8, 0, 0)

@@ -60,6 +60,14 @@ def test_variant_configs_apply_to_the_layer_attributes(abi):
                                training=True)["_w2_dgrad_cfg"].num_stages == 5
     with pytest.raises(ValueError, match="score parts"):
         abi.variant_configs(train, ["w2_dgrad:block_n=256"], training=True)
+    # layer switches
+    ctx._pull_all = True
+    out = abi.variant_configs(ctx, ["layer:pull_all=False"], training=False)
+    assert out["_pull_all"] is False and ctx._pull_all is True
+    assert abi.variant_configs(ctx, [], training=False)["_pull_all"] is True
+    for bad in ("layer:pull_all=0", "layer:pull=False", "layer:pull_all"):
+        with pytest.raises(ValueError, match="layer:NAME=True"):
+            abi.variant_configs(ctx, [bad], training=False)
 
 
 def test_round_ratios(abi):

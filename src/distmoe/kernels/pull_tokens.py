@@ -23,6 +23,11 @@ are zero again for the next call. Grids come from the static ``R_cap`` and ``EP 
 no host synchronisation, so it runs inside CUDA-graph capture. The backward needs no pull:
 W2 DGRAD already gathers each route's gradient row once (``grad_h3_out``) before its GEMM.
 
+At small EP nearly every peer token is needed anyway (a token misses all of this rank's
+experts with probability (1 - 1/EP)^K). :class:`distmoe.ops.context.MoEContext` then copies
+every peer's token rows with the copy engines while the tables are built, and
+``pull_tokens(..., pulled=True)`` only rewrites the table.
+
 Reads happen where W13's reads used to (after the same barrier, before the next), so the
 safety argument of :mod:`distmoe.ops.context` and :mod:`distmoe.ops.autograd` is unchanged.
 """
@@ -44,7 +49,7 @@ _BLOCK_D = 512
 def _mark_tokens_kernel(src_ptrs_ptr, bases_ptr, out_ptrs_ptr, flags_ptr, enable_ptr, dst_base,
                         r_cap, rank, T_MAX: tl.constexpr, EP: tl.constexpr,
                         ROW_BYTES: tl.constexpr, BLOCK_R: tl.constexpr,
-                        HAS_ENABLE: tl.constexpr):
+                        HAS_ENABLE: tl.constexpr, MARK: tl.constexpr):
     if HAS_ENABLE:
         if tl.load(enable_ptr) == 0:
             return
@@ -61,7 +66,8 @@ def _mark_tokens_kernel(src_ptrs_ptr, bases_ptr, out_ptrs_ptr, flags_ptr, enable
     pulled = in_cap & (src != 0) & (owner >= 0)
     slot = owner.to(tl.int64) * T_MAX + (src - owner_base) // ROW_BYTES
     tl.store(out_ptrs_ptr + rows, tl.where(pulled, dst_base + slot * ROW_BYTES, src), mask=in_cap)
-    tl.store(flags_ptr + slot, tl.full([BLOCK_R], 1, tl.int8), mask=pulled)
+    if MARK:
+        tl.store(flags_ptr + slot, tl.full([BLOCK_R], 1, tl.int8), mask=pulled)
 
 
 @triton.jit
@@ -92,10 +98,12 @@ def _pull_tokens_kernel(bases_ptr, flags_ptr, dst_ptr, enable_ptr, T_MAX: tl.con
 
 
 def pull_tokens(src_ptrs: torch.Tensor, bases: torch.Tensor, rank: int, dst: torch.Tensor,
-                flags: torch.Tensor, out_ptrs: torch.Tensor, *,
-                enable: torch.Tensor | None = None) -> torch.Tensor:
+                flags: torch.Tensor | None, out_ptrs: torch.Tensor, *,
+                enable: torch.Tensor | None = None, pulled: bool = False) -> torch.Tensor:
     """Copy the peer tokens ``src_ptrs`` names into ``dst`` once each; returns ``out_ptrs``,
-    the table W13 reads instead (see the module docstring).
+    the table W13 reads instead (see the module docstring). With ``pulled``, every peer
+    token is already in ``dst`` (copied by the caller): only the table is written and
+    ``flags`` may be ``None``.
 
     Args:
         src_ptrs: int64 ``[R_cap]`` absolute byte addresses of bf16 token rows (0 = null):
@@ -105,10 +113,11 @@ def pull_tokens(src_ptrs: torch.Tensor, bases: torch.Tensor, rank: int, dst: tor
         dst: bf16 ``[EP * T_max, D]`` contiguous local buffer; slot ``s * T_max + t`` receives
             token ``t`` of rank ``s`` when some row names it (other slots untouched).
         flags: int8 ``[EP * T_max]``, all zero before the call and again after it (allocate
-            it with zeros once).
+            it with zeros once); not used with ``pulled``.
         out_ptrs: int64 ``[R_cap]`` (written).
         enable: optional int32 ``[1]`` on the device: 0 = nothing is read or written (the
             consumer is off too, as for a saved layer's replay steps).
+        pulled: the peer tokens are in ``dst`` already; write the table only.
     Returns:
         ``out_ptrs``.
     """
@@ -126,28 +135,32 @@ def pull_tokens(src_ptrs: torch.Tensor, bases: torch.Tensor, rank: int, dst: tor
     if (row_elems * 2) % 16 or dst.data_ptr() % 16:
         raise ValueError(f"dst rows must be 16-byte aligned, got D={row_elems} at address "
                          f"{dst.data_ptr():#x}")
-    check_tensor("flags", flags, dtypes=(torch.int8,), shape=[ep * t_max],
-                 shape_text="[EP * T_max]")
+    if not pulled:
+        check_tensor("flags", flags, dtypes=(torch.int8,), shape=[ep * t_max],
+                     shape_text="[EP * T_max]")
     check_tensor("out_ptrs", out_ptrs, dtypes=(torch.int64,), shape=[r_cap],
                  shape_text="[R_cap]")
     if enable is not None:
         check_tensor("enable", enable, dtypes=(torch.int32,), shape=[1], shape_text="(0 = skip)")
-    for name, t in (("src_ptrs", src_ptrs), ("bases", bases), ("flags", flags),
-                    ("out_ptrs", out_ptrs), ("enable", src_ptrs if enable is None else enable)):
+    for name, t in (("src_ptrs", src_ptrs), ("bases", bases),
+                    ("flags", src_ptrs if pulled else flags), ("out_ptrs", out_ptrs),
+                    ("enable", src_ptrs if enable is None else enable)):
         if t.device != dst.device:
             raise ValueError(f"{name} must be on {dst.device}, got {t.device}")
     if r_cap == 0:
         return out_ptrs
     enable_arg = bases if enable is None else enable  # placeholder: never read
+    flags_arg = out_ptrs if pulled else flags  # placeholder with pulled: never written
     with device_context(dst.device):
         _mark_tokens_kernel[(triton.cdiv(r_cap, _BLOCK_R),)](
-            src_ptrs, bases, out_ptrs, flags, enable_arg, dst.data_ptr(), r_cap, rank,
+            src_ptrs, bases, out_ptrs, flags_arg, enable_arg, dst.data_ptr(), r_cap, rank,
             T_MAX=t_max, EP=ep, ROW_BYTES=row_elems * 2, BLOCK_R=_BLOCK_R,
-            HAS_ENABLE=enable is not None,
+            HAS_ENABLE=enable is not None, MARK=not pulled,
         )
-        _pull_tokens_kernel[(triton.cdiv(ep * t_max, _BLOCK_T),)](
-            bases, flags, dst, enable_arg, T_MAX=t_max, EP=ep, ROW_ELEMS=row_elems,
-            BLOCK_T=_BLOCK_T, BLOCK_D=min(_BLOCK_D, next_power_of_2(row_elems)),
-            HAS_ENABLE=enable is not None,
-        )
+        if not pulled:
+            _pull_tokens_kernel[(triton.cdiv(ep * t_max, _BLOCK_T),)](
+                bases, flags, dst, enable_arg, T_MAX=t_max, EP=ep, ROW_ELEMS=row_elems,
+                BLOCK_T=_BLOCK_T, BLOCK_D=min(_BLOCK_D, next_power_of_2(row_elems)),
+                HAS_ENABLE=enable is not None,
+            )
     return out_ptrs

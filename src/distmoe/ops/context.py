@@ -24,14 +24,16 @@ see :mod:`distmoe.routing.tables`), ``R_b`` = the receive bound:
                backward the owners push route output gradients into the experts' scratch
 
 Forward of one call (no host synchronisation; every step is a device op on the current stream,
-so the whole call can be captured in a CUDA graph and replayed with new inputs written into
-the same tensors):
+or on a side stream forked from it and joined back, so the whole call can be captured in a
+CUDA graph and replayed with new inputs written into the same tensors):
 
     1. publish: header <- T, ids -> routing buffer (int16), x -> dispatch rows 0..T-1
     2. barrier                                 (everyone's ids and x are visible)
     3. gather every rank's ids [EP, T, K]; build expert-major tables (distmoe.routing)
     4. W13 grouped GEMM, gather prologue reads source rows from the owners' dispatch buffers
-       (at EP > 1 peers' tokens are first pulled once into local memory), SwiGLU epilogue -> h2
+       (at EP > 1 peers' tokens are first pulled once into local memory; where nearly all
+       of them are needed, :meth:`MoEContext.pull_all_rule`, every peer token is copied on
+       a side stream from step 3 on, joined here), SwiGLU epilogue -> h2
     5. W2 grouped GEMM, scatter epilogue stores each row into its owner's combine slot
        (training, saved layer: into the h3 rows of the owner's activation slot instead)
     6. barrier                                 (all results have landed; all gathers done)
@@ -163,9 +165,36 @@ class MoEContext:
                                            device=self.device)
             self._pulled_ptrs = torch.empty(self.row_capacity, dtype=torch.int64,
                                             device=self.device)
+        # At small EP nearly every peer token has a route here: then the forward copies
+        # every peer's token rows with the copy engines while the routing tables are built
+        # (on a side stream, no SMs), instead of the tokens the tables name after them
+        # (pull_all_rule decides per call; True or False here forces a way, for A/B tools
+        # and tests).
+        self._pull_all: bool | None = None
+        if self.ep_size > 1:
+            self._peer_tokens = [heap.view("dispatch", r, torch.bfloat16, (T, D))
+                                 for r in range(self.ep_size)]
+        self._pull_stream = None
         # Device-side counters: [last received rows, max received rows, dropped rows total,
         # invalid ids total, calls].
         self._counters = torch.zeros(5, dtype=torch.int64, device=self.device)
+
+    @staticmethod
+    def pull_all_rule(ep_size: int, top_k: int, tokens: int, max_tokens: int) -> bool:
+        """Whether a forward of ``tokens`` tokens (buffers for ``max_tokens``) copies all
+        ``max_tokens`` token rows of every peer (``True``) or the tokens its tables name.
+
+        The copy runs on the copy engines while the tables are built, but moves a peer's
+        rows whatever its token count. It is chosen where at least 90% of it is expected to
+        be used: ``tokens / max_tokens * (1 - (1 - 1/EP)^K) >= 0.9``, with this rank's
+        count standing for its peers' and uniform routing (a token has a route to a given
+        rank with probability ``1 - (1 - 1/EP)^K``). At full buffers: EP=2 with K >= 4,
+        EP=3 with K >= 6, not EP=4 with K=8 (0.8999). Either way gives the same bits.
+        Measured at EP=2 only, full buffers (docs/performance.md run 30: 4.0% faster
+        forward at T=4096, D=2048, E=128, K=8)."""
+        if ep_size <= 1 or max_tokens <= 0:
+            return False
+        return tokens / max_tokens * (1 - (1 - 1 / ep_size) ** top_k) >= 0.9
 
     # ------------------------------------------------------------------ validation
     def _validate(self, x, expert_ids, scores, w13, w2) -> None:
@@ -227,12 +256,14 @@ class MoEContext:
             self._check_bound()
         return y
 
-    def _publish_and_route(self, x, expert_ids):
+    def _publish_and_route(self, x, expert_ids, pull_all: bool = False):
         T = x.shape[0]
         self._headers[self.rank][0].fill_(T)
         self._ids[self.rank][:T].copy_(expert_ids)
         self._dispatch[:T].copy_(x)
         self.heap.barrier()
+        if pull_all:
+            self._start_pull_all()
         ids_EPTK = torch.stack([ids[:T] for ids in self._ids])
         tables = build_routing_tables(
             ids_EPTK, rank=self.rank, num_local_experts=self.num_local_experts,
@@ -249,16 +280,43 @@ class MoEContext:
         c[4].add_(1)
         return tables
 
-    def _gather_table(self, gather_ptrs, enable=None):
+    def _start_pull_all(self) -> None:
+        """Copy every peer's ``max_tokens`` token rows into the pull buffer (after the
+        publish barrier), one copy per peer: on CUDA on a side stream, by the copy engines,
+        so that it overlaps the routing tables; :meth:`_gather_table` with ``pulled`` joins
+        it."""
+        T = self.cfg.max_tokens
+
+        def copy():
+            for r in range(self.ep_size):
+                if r != self.rank:
+                    self._pulled[r * T:(r + 1) * T].copy_(self._peer_tokens[r])
+
+        if self.device.type != "cuda":
+            copy()
+            return
+        if self._pull_stream is None:
+            self._pull_stream = torch.cuda.Stream(self.device)
+        self._pull_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._pull_stream):
+            copy()
+
+    def _gather_table(self, gather_ptrs, enable=None, *, pulled: bool = False):
         """The table W13 reads its A rows through: ``gather_ptrs`` itself at EP = 1; at
         EP > 1 a copy whose peer tokens point at local copies, pulled once per token (see
-        :mod:`distmoe.kernels.pull_tokens`; ``enable`` an optional device predicate)."""
+        :mod:`distmoe.kernels.pull_tokens`; ``enable`` an optional device predicate). With
+        ``pulled`` (after :meth:`_start_pull_all`) the tokens are being copied already: the
+        table is rewritten and the copy joined."""
         if self.ep_size == 1:
             return gather_ptrs
         from ..kernels.pull_tokens import pull_tokens
 
-        return pull_tokens(gather_ptrs, self.heap.base_table("dispatch"), self.rank,
-                           self._pulled, self._pull_flags, self._pulled_ptrs, enable=enable)
+        out = pull_tokens(gather_ptrs, self.heap.base_table("dispatch"), self.rank,
+                          self._pulled, self._pull_flags, self._pulled_ptrs, enable=enable,
+                          pulled=pulled)
+        if pulled and self._pull_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._pull_stream)
+        return out
 
     def _wants_autograd(self, x, scores, w13, w2) -> bool:
         """Training call with autograd: cfg.training, grad mode on and an input requiring
@@ -284,12 +342,15 @@ class MoEContext:
         acts = self.activations
         if save:
             acts.check_room()  # before anything is published
-        tables = self._publish_and_route(x, expert_ids)
-        po, ro = tables.padded_offsets, tables.row_offsets
         T, K = expert_ids.shape
+        pull_all = self.ep_size > 1 and (
+            self.pull_all_rule(self.ep_size, K, T, self.cfg.max_tokens)
+            if self._pull_all is None else self._pull_all)
+        tables = self._publish_and_route(x, expert_ids, pull_all)
+        po, ro = tables.padded_offsets, tables.row_offsets
         scores_f32 = scores.float().contiguous()
         y = torch.empty_like(x)
-        gather_ptrs = self._gather_table(tables.gather_ptrs)
+        gather_ptrs = self._gather_table(tables.gather_ptrs, pulled=pull_all)
         if not save:
             gather_w13_swiglu(gather_ptrs, po, ro, w13, self._h2, config=self._w13_cfg)
             w2_scatter(self._h2, po, ro, w2, tables.scatter_ptrs, config=self._w2_cfg)
