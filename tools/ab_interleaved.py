@@ -6,6 +6,7 @@ Usage (repository root; one GPU, or one rank per GPU under torch.distributed.run
         --variant g16=w13:group_m=16 --variant w2tri=w2:gluon=False [--rounds 15]
     PYTHONPATH=src python3 -m torch.distributed.run --standalone --nproc-per-node=2 \\
         tools/ab_interleaved.py --shape fine --mode fwd --variant w13tri=w13:gluon=False
+    (--tokens T: T tokens per rank instead of the shape's own, e.g. 64 for decode)
 
 Why: ``tools/ab_bench.py`` runs one bench per variant, one after the other, and a GPU at its
 power limit drifts by a few per cent between them (performance.md runs 28-29), so an A/B of
@@ -105,6 +106,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--iters", type=int, default=10, help="steps per graph (per round)")
     ap.add_argument("--warmup", type=int, default=3, help="eager steps per variant first")
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="tokens per rank instead of the shape's own T (e.g. 64 for decode)")
     ap.add_argument("--ep1-share", action="store_true",
                     help="also this rank's share of the work at EP=1, in the same rounds")
     args = ap.parse_args()
@@ -116,10 +119,14 @@ def main() -> int:
     if args.ep1_share and joined.world == 1:
         raise SystemExit("--ep1-share needs EP > 1 (torch.distributed.run)")
     training = args.mode == "fwdbwd"
-    ctx, step, T = layer_step(args.shape, args.mode, joined)
+    try:
+        ctx, step, T = layer_step(args.shape, args.mode, joined, tokens=args.tokens)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
     share = None
     if args.ep1_share:
-        share = layer_step(args.shape, args.mode, ep1_share(joined), share_of=joined.world)
+        share = layer_step(args.shape, args.mode, ep1_share(joined), tokens=args.tokens,
+                           share_of=joined.world)
     with ctx:
         configs = {"base": variant_configs(ctx, [], training)}
         for name, specs in variants.items():

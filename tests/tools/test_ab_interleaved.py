@@ -88,7 +88,8 @@ def test_layer_step_checks_its_arguments_first():
 
 def test_two_cpu_ranks_with_the_ep1_share(tmp_path):
     """The whole tool under torch.distributed.run: two gloo ranks on the CPU (kernels in the
-    Triton interpreter), the smoke shape, a variant and the EP=1 share in the same rounds."""
+    Triton interpreter), the smoke shape at 48 tokens, a variant and the EP=1 share in the
+    same rounds."""
     import os
     import subprocess
 
@@ -96,12 +97,12 @@ def test_two_cpu_ranks_with_the_ep1_share(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root / "src"))
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(TOOL), "--shape", "smoke", "--mode", "fwd", "--rounds", "2", "--iters", "1",
-         "--warmup", "1", "--ep1-share", "--variant", "s3=w13:num_stages=3"],
+         str(TOOL), "--shape", "smoke", "--tokens", "48", "--mode", "fwd", "--rounds", "2",
+         "--iters", "1", "--warmup", "1", "--ep1-share", "--variant", "s3=w13:num_stages=3"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
-    assert any(line.startswith("smoke fwd T=64 EP=2, CPU") for line in lines)
+    assert any(line.startswith("smoke fwd T=48 EP=2, CPU") for line in lines)
     assert any("s3: _w13_cfg=W13Config(" in line and "num_stages=3" in line for line in lines)
     rows = {line.split()[0]: line for line in lines if line.startswith("  ") and " x" in line}
     assert set(rows) >= {"base", "s3", "ep1share"}
