@@ -1479,7 +1479,7 @@ def test_gluon_w13_choice_and_limits_without_a_gpu():
 
     pick = W13Config.hopper_gluon
     tile = lambda c: (c.gluon, c.block_n, c.num_warps, c.num_stages)  # noqa: E731
-    # cooperative 128 x 128 from 128 rows per expert in training, 256 in inference
+    # cooperative 128 x 128 from 128 rows per expert
     for rows, train in ((2048, True), (2048, False), (256, True), (256, False), (128, True),
                         (128, False)):
         assert tile(pick(hidden=4096, ffn=2048, rows_per_expert=rows, training=train)) == \
@@ -1493,8 +1493,14 @@ def test_gluon_w13_choice_and_limits_without_a_gpu():
         (True, 64, 4, 6)
     assert tile(pick(hidden=2048, ffn=768, rows_per_expert=64, training=True)) == \
         (True, 64, 4, 6)
-    # Triton: short inference segments, and widths no Gluon tile takes
+    # inference below 64 rows per expert (decode): cooperative too
+    for rows in (1, 4, 63):
+        assert tile(pick(hidden=2048, ffn=768, rows_per_expert=rows, training=False)) == \
+            (True, 128, 8, 4)
+    # Triton: inference at 64-127 rows per expert, and widths no Gluon tile takes
     assert pick(hidden=2048, ffn=768, rows_per_expert=127, training=False) is None
+    assert pick(hidden=4096, ffn=2048, rows_per_expert=64, training=False) is None
+    assert pick(hidden=2048, ffn=704, rows_per_expert=16, training=False) is None
     assert pick(hidden=2048, ffn=704, rows_per_expert=256, training=False) is None
     assert pick(hidden=4096, ffn=2000, rows_per_expert=2048, training=True) is None
     assert pick(hidden=4000, ffn=2048, rows_per_expert=2048, training=True) is None

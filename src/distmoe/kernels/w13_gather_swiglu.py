@@ -503,8 +503,8 @@ class W13Config(GemmConfig):
     def hopper_gluon(cls, *, hidden: int, ffn: int, rows_per_expert: int,
                      training: bool) -> W13Config | None:
         """The Gluon config :meth:`from_heuristic` picks on a Hopper device (padding multiple
-        128), or ``None`` where it keeps the Triton kernel (short inference segments, or
-        widths the Gluon kernel cannot tile).
+        128), or ``None`` where it keeps the Triton kernel (inference at 64-127 rows per
+        expert, or widths the Gluon kernel cannot tile).
 
         The first of these that the kernel can tile (:func:`~distmoe.kernels.w13_gluon.\
 shape_reason`):
@@ -516,15 +516,20 @@ shape_reason`):
           interleaved in one process (run 29, ``tools/ab_interleaved.py``): 4.0-4.2% faster
           at the first shape (two calls) and 5.4% at the second, where run 27's one-round
           A/B read +1.7% and -0.6%; at 96 rows per expert, T=4096 D=4096 F=2048 E=256 K=6,
-          1.5% slower);
+          1.5% slower); also for inference below 64 rows per expert (decode: a few rows of
+          each expert, its weights streamed once). Run 30, interleaved, random routing: the
+          layer forward 0.9-3.4% faster in five cases of 1 to 32 rows per expert, T=16 and
+          128 at D=4096 F=2048 E=32 K=8 and at D=2048 F=768 E=128 K=8, T=128 at D=7168
+          F=2048 E=256 K=8;
         * for training, and for inference with >= 1024 rows per expert: ping-pong 128 x 64
           tiles, 5 stages at >= 1024 rows per expert, else 6 (run 24).
         """
         from .w13_gluon import shape_reason
 
         long_segments = rows_per_expert >= 1024
+        decode = not training and rows_per_expert < 64
         candidates = []
-        if rows_per_expert >= 128:
+        if rows_per_expert >= 128 or decode:
             candidates.append(cls(block_m=128, block_n=128, block_k=64, num_warps=8,
                                   num_stages=4, group_m=8, persistent=True, gluon=True))
         if training or long_segments:
