@@ -466,7 +466,8 @@ class W13Config(GemmConfig):
           forward+backward); at T=4096 D=2048 F=1024 E=64 K=8 the inference forward 10%
           faster than the Triton kernel;
         * run 29, interleaved in one process: the cooperative tile for inference at 128 rows
-          per expert too (forward 4-5% faster at two shapes).
+          per expert too (forward 4-5% faster at two shapes);
+        * run 30, interleaved: and for inference below 64 rows per expert (decode, 0.9-3.4%).
         """
         if rows_per_expert is not None and block_m == 128 and device is not None:
             from .wgrad_gluon import gluon_device_reason
