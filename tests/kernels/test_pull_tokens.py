@@ -124,3 +124,70 @@ def test_table_alone_when_the_tokens_are_pulled(ep, rank, t_max, D):
     assert not flags.any(), "flags left set"
     with pytest.raises(TypeError, match=r"flags must be a torch.Tensor, got NoneType"):
         pull_tokens(ptrs, bases, rank, dst, None, out)  # the flagged pull needs its flags
+
+
+@pytest.mark.parametrize("ep,rank,t_max,D,T", [(2, 1, 24, 64, 24), (4, 2, 20, 24, 13)])
+def test_table_reads_own_tokens_from_the_caller_when_given(ep, rank, t_max, D, T):
+    """With ``own_src`` (the caller's x [T, D]) rows naming this rank's token t name row t of
+    x instead; peer rows and other addresses are as without it, and nothing is copied."""
+    r_cap = 3 * t_max
+    heap, bases, src, row, ptrs = _problem(ep, t_max, D, r_cap, rank, seed=ep * 7 + D)
+    own = (ptrs.cpu() != 0) & (src == rank) & (row < t_max)
+    ptrs[(own & (row >= T)).to(DEVICE)] = 0  # a call of T tokens names rows below T only
+    own &= row < T
+    x = torch.randn(T, D, device=DEVICE).to(torch.bfloat16)
+    dst = torch.full((ep * t_max, D), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    base = torch.full((r_cap,), POISON_PTR, dtype=torch.int64, device=DEVICE)
+    out = base.clone()
+    pull_tokens(ptrs, bases, rank, dst, None, base, pulled=True)
+    assert pull_tokens(ptrs, bases, rank, dst, None, out, pulled=True, own_src=x) is out
+    assert torch.isnan(dst.float()).all(), "dst written"
+    want = base.cpu().clone()
+    want[own] = x.data_ptr() + row[own] * D * 2
+    assert own.any() and torch.equal(out.cpu(), want)
+    assert (want != POISON_PTR).all()
+
+
+def test_ep1_table_reads_the_callers_rows_without_a_pull_buffer():
+    """At EP = 1 (``dst=None``): every row naming the dispatch buffer's token t names row t
+    of x; null rows and rows past the token region stay; nothing else is needed."""
+    t_max, D, T, r_cap = 24, 64, 17, 70
+    heap, bases, src, row, ptrs = _problem(1, t_max, D, r_cap, 0, seed=5)
+    ptrs[((ptrs.cpu() != 0) & (row < t_max) & (row >= T)).to(DEVICE)] = 0  # T tokens only
+    x = torch.randn(T, D, device=DEVICE).to(torch.bfloat16)
+    out = torch.full((r_cap,), POISON_PTR, dtype=torch.int64, device=DEVICE)
+    assert pull_tokens(ptrs, bases, 0, None, None, out, own_src=x, t_max=t_max) is out
+    own = (ptrs.cpu() != 0) & (row < T)
+    want = ptrs.cpu().clone()
+    want[own] = x.data_ptr() + row[own] * D * 2
+    assert own.any() and (row >= t_max).any() and torch.equal(out.cpu(), want)
+    with pytest.raises(ValueError, match=r"dst may be None only at EP = 1 with own_src and "
+                                         r"t_max .*t_max=None"):
+        pull_tokens(ptrs, bases, 0, None, None, out, own_src=x)
+    with pytest.raises(ValueError, match=r"dst may be None only at EP = 1 .*EP=2"):
+        pull_tokens(ptrs, torch.cat([bases, bases]), 0, None, None, out, own_src=x,
+                    t_max=t_max)
+    with pytest.raises(ValueError, match=r"t_max \(0\) must be a positive int"):
+        pull_tokens(ptrs, bases, 0, None, None, out, own_src=x, t_max=0)
+    with pytest.raises(ValueError, match=r"own_src must be \[T <= 8, 64\]"):
+        pull_tokens(ptrs, bases, 0, None, None, out, own_src=x, t_max=8)
+    with pytest.raises(ValueError, match=r"t_max \(24\) is for dst=None only"):
+        pull_tokens(ptrs, bases, 0, torch.empty(t_max, D, dtype=torch.bfloat16, device=DEVICE),
+                    None, out, pulled=True, t_max=t_max)
+
+
+def test_own_src_is_checked_before_running():
+    ptrs = torch.zeros(16, dtype=torch.int64, device=DEVICE)
+    bases = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    dst = torch.empty(2 * 8, 64, dtype=torch.bfloat16, device=DEVICE)
+    out = torch.full((16,), POISON_PTR, dtype=torch.int64, device=DEVICE)
+    x = torch.empty(9 * 64 + 8, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"own_src must be \[T <= 8, 64\], got \[9, 64\]"):
+        pull_tokens(ptrs, bases, 0, dst, None, out, pulled=True, own_src=x[:9 * 64].view(9, 64))
+    with pytest.raises(ValueError, match="own_src must be 16-byte aligned"):
+        pull_tokens(ptrs, bases, 0, dst, None, out, pulled=True,
+                    own_src=x[1:1 + 4 * 64].view(4, 64))
+    with pytest.raises(TypeError, match="own_src must have dtype"):
+        pull_tokens(ptrs, bases, 0, dst, None, out, pulled=True,
+                    own_src=torch.zeros(4, 64, device=DEVICE))
+    assert (out == POISON_PTR).all()

@@ -95,6 +95,27 @@ def forward_rank(rank, world, seed, T, D, F, E, K, case_name, device="cpu", row_
     return y.cpu(), stats
 
 
+def x_in_place_rank(rank, world, seed, T, D, F, E, K, case_name, device="cpu"):
+    """EP = 1: the forward reads x in place (the dispatch buffer stays as allocated, zero),
+    and from a copy in the dispatch buffer when x's rows are not 16-byte aligned; returns
+    (y in place, y from a misaligned x, dispatch written after each)."""
+    x, ids, scores, w13, w2 = make_problem(seed, world, T, D, F, E, K, case_name)
+    cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T, training=False,
+                       row_block=16)
+    dev = torch.device(device) if device == "cpu" else torch.device("cuda",
+                                                                     torch.cuda.current_device())
+    with dm.MoEContext(cfg, device=dev, check=True) as ctx:
+        args = [t.to(dev) for t in (x, ids, scores, w13, w2)]
+        y = ctx(*args)
+        written = [bool(ctx._dispatch[:T].view(torch.int16).ne(0).any())]
+        flat = torch.empty(T * D + 1, dtype=torch.bfloat16, device=dev)
+        x_odd = flat[1:].view(T, D)  # 2 bytes off: not 16-byte aligned
+        x_odd.copy_(args[0])
+        y_odd = ctx(x_odd, *args[1:])
+        written.append(bool(ctx._dispatch[:T].view(torch.int16).ne(0).any()))
+    return y.cpu(), y_odd.cpu(), written
+
+
 def forward_cases_rank(rank, world, seed, T, D, F, E, K, case_names, device="cpu"):
     """All cases in one launch (spawning ranks costs more than a small case)."""
     return [forward_rank(rank, world, seed, T, D, F, E, K, c, device) for c in case_names]

@@ -8,6 +8,7 @@ from forward_cases import (
     forward_cases_rank,
     forward_rank,
     make_problem,
+    x_in_place_rank,
 )
 
 import distmoe as dm
@@ -60,6 +61,14 @@ def test_token_pull_both_ways(EP, K):
         check_against_reference(outs[pull_all], 17 + EP, EP, T, D, F, E, K, "inactive_mix")
     for (y_all, _), (y_named, _) in zip(outs[True], outs[False], strict=True):
         assert torch.equal(y_all.view(torch.int16), y_named.view(torch.int16))
+
+
+def test_ep1_reads_x_in_place_and_copies_a_misaligned_x():
+    T, E, K = 13, 8, 3
+    (y, y_odd, written), = dm.launch(x_in_place_rank, 1, args=(23, T, D, F, E, K, "inactive_mix"))
+    check_against_reference([(y, None)], 23, 1, T, D, F, E, K, "inactive_mix")
+    assert torch.equal(y.view(torch.int16), y_odd.view(torch.int16))
+    assert written == [False, True], written
 
 
 def test_pull_all_is_the_default_where_nearly_every_peer_token_is_needed():

@@ -28,6 +28,10 @@ experts with probability (1 - 1/EP)^K). :class:`distmoe.ops.context.MoEContext` 
 every peer's token rows with the copy engines while the tables are built, and
 ``pull_tokens(..., pulled=True)`` only rewrites the table.
 
+At EP = 1 nothing is pulled: ``pull_tokens(..., dst=None, own_src=x)`` rewrites the table so
+that W13 reads the caller's x in place, and the forward skips its copy into the dispatch
+buffer (kept in the tables for a backward's replay, which copies the saved x back there).
+
 Reads happen where W13's reads used to (after the same barrier, before the next), so the
 safety argument of :mod:`distmoe.ops.context` and :mod:`distmoe.ops.autograd` is unchanged.
 """
@@ -47,9 +51,9 @@ _BLOCK_D = 512
 
 @triton.jit
 def _mark_tokens_kernel(src_ptrs_ptr, bases_ptr, out_ptrs_ptr, flags_ptr, enable_ptr, dst_base,
-                        r_cap, rank, T_MAX: tl.constexpr, EP: tl.constexpr,
+                        own_base, r_cap, rank, T_MAX: tl.constexpr, EP: tl.constexpr,
                         ROW_BYTES: tl.constexpr, BLOCK_R: tl.constexpr,
-                        HAS_ENABLE: tl.constexpr, MARK: tl.constexpr):
+                        HAS_ENABLE: tl.constexpr, MARK: tl.constexpr, OWN: tl.constexpr):
     if HAS_ENABLE:
         if tl.load(enable_ptr) == 0:
             return
@@ -65,7 +69,15 @@ def _mark_tokens_kernel(src_ptrs_ptr, bases_ptr, out_ptrs_ptr, flags_ptr, enable
         owner_base = tl.where(hit, base, owner_base)
     pulled = in_cap & (src != 0) & (owner >= 0)
     slot = owner.to(tl.int64) * T_MAX + (src - owner_base) // ROW_BYTES
-    tl.store(out_ptrs_ptr + rows, tl.where(pulled, dst_base + slot * ROW_BYTES, src), mask=in_cap)
+    kept = src
+    if OWN:
+        # this rank's own token rows, read from the caller's tensor instead of the dispatch
+        # buffer (bases[rank] + t * ROW_BYTES -> own_base + t * ROW_BYTES)
+        mine = tl.load(bases_ptr + rank)
+        own = (src >= mine) & (src < mine + T_MAX * ROW_BYTES)
+        kept = tl.where(own, own_base + (src - mine), src)
+    tl.store(out_ptrs_ptr + rows, tl.where(pulled, dst_base + slot * ROW_BYTES, kept),
+             mask=in_cap)
     if MARK:
         tl.store(flags_ptr + slot, tl.full([BLOCK_R], 1, tl.int8), mask=pulled)
 
@@ -97,9 +109,10 @@ def _pull_tokens_kernel(bases_ptr, flags_ptr, dst_ptr, enable_ptr, T_MAX: tl.con
         tl.store(flags_ptr + slots, tl.zeros([BLOCK_T], dtype=tl.int8), mask=need)
 
 
-def pull_tokens(src_ptrs: torch.Tensor, bases: torch.Tensor, rank: int, dst: torch.Tensor,
-                flags: torch.Tensor | None, out_ptrs: torch.Tensor, *,
-                enable: torch.Tensor | None = None, pulled: bool = False) -> torch.Tensor:
+def pull_tokens(src_ptrs: torch.Tensor, bases: torch.Tensor, rank: int,
+                dst: torch.Tensor | None, flags: torch.Tensor | None, out_ptrs: torch.Tensor, *,
+                enable: torch.Tensor | None = None, pulled: bool = False,
+                own_src: torch.Tensor | None = None, t_max: int | None = None) -> torch.Tensor:
     """Copy the peer tokens ``src_ptrs`` names into ``dst`` once each; returns ``out_ptrs``,
     the table W13 reads instead (see the module docstring). With ``pulled``, every peer
     token is already in ``dst`` (copied by the caller): only the table is written and
@@ -111,13 +124,21 @@ def pull_tokens(src_ptrs: torch.Tensor, bases: torch.Tensor, rank: int, dst: tor
         bases: int64 ``[EP]`` base addresses of every rank's dispatch buffer, as mapped here.
         rank: this rank (its own tokens are read in place).
         dst: bf16 ``[EP * T_max, D]`` contiguous local buffer; slot ``s * T_max + t`` receives
-            token ``t`` of rank ``s`` when some row names it (other slots untouched).
+            token ``t`` of rank ``s`` when some row names it (other slots untouched). ``None``
+            at EP = 1 only, with ``own_src`` and ``t_max``: nothing to pull, the table is
+            rewritten to read ``own_src``.
         flags: int8 ``[EP * T_max]``, all zero before the call and again after it (allocate
-            it with zeros once); not used with ``pulled``.
+            it with zeros once); not used with ``pulled`` (or ``dst=None``).
         out_ptrs: int64 ``[R_cap]`` (written).
         enable: optional int32 ``[1]`` on the device: 0 = nothing is read or written (the
             consumer is off too, as for a saved layer's replay steps).
         pulled: the peer tokens are in ``dst`` already; write the table only.
+        own_src: optional bf16 ``[T, D]`` contiguous, 16-byte aligned, ``T <= T_max``: this
+            rank's token rows. Rows naming this rank's own dispatch row ``t`` then name row
+            ``t`` of ``own_src`` instead (the caller need not copy its tokens into its
+            dispatch buffer).
+        t_max: token rows per rank of the dispatch buffers, with ``dst=None`` only (else
+            ``dst`` gives it).
     Returns:
         ``out_ptrs``.
     """
@@ -127,14 +148,29 @@ def pull_tokens(src_ptrs: torch.Tensor, bases: torch.Tensor, rank: int, dst: tor
     ep = bases.shape[0]
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ep:
         raise ValueError(f"rank ({rank!r}) must be an int in [0, EP={ep})")
-    check_tensor("dst", dst, dtypes=(torch.bfloat16,), ndim=2, shape_text="[EP * T_max, D]")
-    if dst.shape[0] % ep or dst.shape[0] == 0:
-        raise ValueError(f"dst must have EP * T_max rows (EP={ep}, T_max >= 1), got shape "
-                         f"{list(dst.shape)}")
-    t_max, row_elems = dst.shape[0] // ep, dst.shape[1]
-    if (row_elems * 2) % 16 or dst.data_ptr() % 16:
-        raise ValueError(f"dst rows must be 16-byte aligned, got D={row_elems} at address "
-                         f"{dst.data_ptr():#x}")
+    if own_src is not None:
+        check_tensor("own_src", own_src, dtypes=(torch.bfloat16,), ndim=2, shape_text="[T, D]")
+    if dst is None:
+        if ep != 1 or own_src is None or t_max is None:
+            raise ValueError(f"dst may be None only at EP = 1 with own_src and t_max (a table "
+                             f"that reads the caller's rows), got EP={ep}, own_src "
+                             f"{'given' if own_src is not None else 'None'}, t_max={t_max!r}")
+        if isinstance(t_max, bool) or not isinstance(t_max, int) or t_max < 1:
+            raise ValueError(f"t_max ({t_max!r}) must be a positive int")
+        row_elems, device, pulled, dst_base = own_src.shape[1], own_src.device, True, 0
+    else:
+        if t_max is not None:
+            raise ValueError(f"t_max ({t_max!r}) is for dst=None only: dst gives it")
+        check_tensor("dst", dst, dtypes=(torch.bfloat16,), ndim=2,
+                     shape_text="[EP * T_max, D]")
+        if dst.shape[0] % ep or dst.shape[0] == 0:
+            raise ValueError(f"dst must have EP * T_max rows (EP={ep}, T_max >= 1), got shape "
+                             f"{list(dst.shape)}")
+        t_max, row_elems = dst.shape[0] // ep, dst.shape[1]
+        if (row_elems * 2) % 16 or dst.data_ptr() % 16:
+            raise ValueError(f"dst rows must be 16-byte aligned, got D={row_elems} at address "
+                             f"{dst.data_ptr():#x}")
+        device, dst_base = dst.device, dst.data_ptr()
     if not pulled:
         check_tensor("flags", flags, dtypes=(torch.int8,), shape=[ep * t_max],
                      shape_text="[EP * T_max]")
@@ -142,20 +178,29 @@ def pull_tokens(src_ptrs: torch.Tensor, bases: torch.Tensor, rank: int, dst: tor
                  shape_text="[R_cap]")
     if enable is not None:
         check_tensor("enable", enable, dtypes=(torch.int32,), shape=[1], shape_text="(0 = skip)")
+    if own_src is not None:
+        if own_src.shape[1] != row_elems or own_src.shape[0] > t_max:
+            raise ValueError(f"own_src must be [T <= {t_max}, {row_elems}], got "
+                             f"{list(own_src.shape)}")
+        if own_src.data_ptr() % 16:
+            raise ValueError(f"own_src must be 16-byte aligned, got address "
+                             f"{own_src.data_ptr():#x}")
     for name, t in (("src_ptrs", src_ptrs), ("bases", bases),
                     ("flags", src_ptrs if pulled else flags), ("out_ptrs", out_ptrs),
-                    ("enable", src_ptrs if enable is None else enable)):
-        if t.device != dst.device:
-            raise ValueError(f"{name} must be on {dst.device}, got {t.device}")
+                    ("enable", src_ptrs if enable is None else enable),
+                    ("own_src", src_ptrs if own_src is None else own_src)):
+        if t.device != device:
+            raise ValueError(f"{name} must be on {device}, got {t.device}")
     if r_cap == 0:
         return out_ptrs
     enable_arg = bases if enable is None else enable  # placeholder: never read
     flags_arg = out_ptrs if pulled else flags  # placeholder with pulled: never written
-    with device_context(dst.device):
+    with device_context(device):
         _mark_tokens_kernel[(triton.cdiv(r_cap, _BLOCK_R),)](
-            src_ptrs, bases, out_ptrs, flags_arg, enable_arg, dst.data_ptr(), r_cap, rank,
+            src_ptrs, bases, out_ptrs, flags_arg, enable_arg, dst_base,
+            0 if own_src is None else own_src.data_ptr(), r_cap, rank,
             T_MAX=t_max, EP=ep, ROW_BYTES=row_elems * 2, BLOCK_R=_BLOCK_R,
-            HAS_ENABLE=enable is not None, MARK=not pulled,
+            HAS_ENABLE=enable is not None, MARK=not pulled, OWN=own_src is not None,
         )
         if not pulled:
             _pull_tokens_kernel[(triton.cdiv(ep * t_max, _BLOCK_T),)](

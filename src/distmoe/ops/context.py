@@ -27,13 +27,16 @@ Forward of one call (no host synchronisation; every step is a device op on the c
 or on a side stream forked from it and joined back, so the whole call can be captured in a
 CUDA graph and replayed with new inputs written into the same tensors):
 
-    1. publish: header <- T, ids -> routing buffer (int16), x -> dispatch rows 0..T-1
+    1. publish: header <- T, ids -> routing buffer (int16), x -> dispatch rows 0..T-1 (at
+       EP = 1 W13 reads x in place instead, through a rewritten table, see step 4)
     2. barrier                                 (everyone's ids and x are visible)
     3. gather every rank's ids [EP, T, K]; build expert-major tables (distmoe.routing)
     4. W13 grouped GEMM, gather prologue reads source rows from the owners' dispatch buffers
-       (at EP > 1 peers' tokens are first pulled once into local memory; where nearly all
-       of them are needed, :meth:`MoEContext.pull_all_rule`, every peer token is copied on
-       a side stream from step 3 on, joined here), SwiGLU epilogue -> h2
+       (at EP = 1 from x: the table is rewritten, :mod:`distmoe.kernels.pull_tokens`, and the
+       tables keep the dispatch rows for a backward's replay, which copies the saved x back
+       there. At EP > 1 peers' tokens are first pulled once into local memory; where nearly
+       all of them are needed, :meth:`MoEContext.pull_all_rule`, every peer token is copied
+       on a side stream from step 3 on, joined here), SwiGLU epilogue -> h2
     5. W2 grouped GEMM, scatter epilogue stores each row into its owner's combine slot
        (training, saved layer: into the h3 rows of the owner's activation slot instead)
     6. barrier                                 (all results have landed; all gathers done)
@@ -163,8 +166,9 @@ class MoEContext:
                                        device=self.device)
             self._pull_flags = torch.zeros(self.ep_size * T, dtype=torch.int8,
                                            device=self.device)
-            self._pulled_ptrs = torch.empty(self.row_capacity, dtype=torch.int64,
-                                            device=self.device)
+        # the table W13 reads (peer tokens pulled, own tokens read in place at EP = 1)
+        self._pulled_ptrs = torch.empty(self.row_capacity, dtype=torch.int64,
+                                        device=self.device)
         # At small EP nearly every peer token has a route here: then the forward copies
         # every peer's token rows with the copy engines while the routing tables are built
         # (on a side stream, no SMs), instead of the tokens the tables name after them
@@ -260,7 +264,8 @@ class MoEContext:
         T = x.shape[0]
         self._headers[self.rank][0].fill_(T)
         self._ids[self.rank][:T].copy_(expert_ids)
-        self._dispatch[:T].copy_(x)
+        if not self._reads_x(x):
+            self._dispatch[:T].copy_(x)
         self.heap.barrier()
         if pull_all:
             self._start_pull_all()
@@ -301,15 +306,25 @@ class MoEContext:
         with torch.cuda.stream(self._pull_stream):
             copy()
 
-    def _gather_table(self, gather_ptrs, enable=None, *, pulled: bool = False):
-        """The table W13 reads its A rows through: ``gather_ptrs`` itself at EP = 1; at
-        EP > 1 a copy whose peer tokens point at local copies, pulled once per token (see
-        :mod:`distmoe.kernels.pull_tokens`; ``enable`` an optional device predicate). With
-        ``pulled`` (after :meth:`_start_pull_all`) the tokens are being copied already: the
-        table is rewritten and the copy joined."""
-        if self.ep_size == 1:
-            return gather_ptrs
+    def _reads_x(self, x) -> bool:
+        """Whether this forward's W13 reads x in place (EP = 1, 16-byte aligned rows for its
+        vector loads) instead of a copy in the dispatch buffer."""
+        return self.ep_size == 1 and x.data_ptr() % 16 == 0
+
+    def _gather_table(self, gather_ptrs, enable=None, *, pulled: bool = False, x=None):
+        """The table W13 reads its A rows through. At EP = 1: with ``x`` (a forward's input,
+        where :meth:`_reads_x`) a copy of ``gather_ptrs`` that names x's rows, else
+        ``gather_ptrs`` itself. At EP > 1 a copy whose peer tokens point at local copies,
+        pulled once per token (see :mod:`distmoe.kernels.pull_tokens`; ``enable`` an optional
+        device predicate). With ``pulled`` (after :meth:`_start_pull_all`) the tokens are
+        being copied already: the table is rewritten and the copy joined."""
         from ..kernels.pull_tokens import pull_tokens
+
+        if self.ep_size == 1:
+            if x is None or not self._reads_x(x):
+                return gather_ptrs
+            return pull_tokens(gather_ptrs, self.heap.base_table("dispatch"), 0, None, None,
+                               self._pulled_ptrs, own_src=x, t_max=self.cfg.max_tokens)
 
         out = pull_tokens(gather_ptrs, self.heap.base_table("dispatch"), self.rank,
                           self._pulled, self._pull_flags, self._pulled_ptrs, enable=enable,
@@ -350,7 +365,7 @@ class MoEContext:
         po, ro = tables.padded_offsets, tables.row_offsets
         scores_f32 = scores.float().contiguous()
         y = torch.empty_like(x)
-        gather_ptrs = self._gather_table(tables.gather_ptrs, pulled=pull_all)
+        gather_ptrs = self._gather_table(tables.gather_ptrs, pulled=pull_all, x=x)
         if not save:
             gather_w13_swiglu(gather_ptrs, po, ro, w13, self._h2, config=self._w13_cfg)
             w2_scatter(self._h2, po, ro, w2, tables.scatter_ptrs, config=self._w2_cfg)
@@ -408,18 +423,17 @@ class MoEContext:
         """Counters of this rank (reads device memory: synchronises; not for the hot path).
 
         Returns a dict: ``rank``, ``receive_bound`` (rows), ``row_capacity`` (padded rows),
-        ``pull_buffer_bytes`` (the EP > 1 pull buffer, its flags and pointer table; 0 at
-        EP = 1),
+        ``pull_buffer_bytes`` (the EP > 1 pull buffer and its flags, and the pointer table
+        W13 reads, at EP = 1 too),
         ``last_recv_rows``, ``max_recv_rows``, ``dropped_rows`` (received routes that were
         not executed, summed over calls), ``invalid_ids`` (summed), ``calls``; training
         contexts add ``activations`` (:meth:`ActivationBuffer.stats`).
         """
         self._check_open()
         last, mx, dropped, invalid, calls = (int(v) for v in self._counters.tolist())
-        pull = 0
+        pull = self._pulled_ptrs.numel() * 8
         if self.ep_size > 1:
-            pull = (self._pulled.numel() * 2 + self._pull_flags.numel()
-                    + self._pulled_ptrs.numel() * 8)
+            pull += self._pulled.numel() * 2 + self._pull_flags.numel()
         out = dict(rank=self.rank, receive_bound=self.receive_bound,
                    row_capacity=self.row_capacity, pull_buffer_bytes=pull,
                    last_recv_rows=last, max_recv_rows=mx,

@@ -496,13 +496,17 @@ def other_kernel_cases() -> list[BuildCase]:
             f"offset_copy src_off={src_off} dst_off={dst_off}", oc._offset_copy_kernel,
             dict(HAS_SRC_OFF=src_off, HAS_DST_OFF=dst_off, BLOCK=oc._BLOCK), 4, 1,
             types={"src_off_ptr": "*i64", "dst_off_ptr": "*i64", "numel": "i32"}))
-    for enable in (False, True):
+    # the flagged pull (forward and replay) and the push's table rewrite
+    for enable, mark, own in ((False, True, False), (True, True, False), (False, False, True)):
         cases.append(BuildCase(
-            f"mark_tokens enable={enable}", pull._mark_tokens_kernel,
-            dict(T_MAX=T, EP=EP, ROW_BYTES=2 * D, BLOCK_R=pull._BLOCK_R, HAS_ENABLE=enable),
+            f"mark_tokens enable={enable} mark={mark} own={own}", pull._mark_tokens_kernel,
+            dict(T_MAX=T, EP=EP, ROW_BYTES=2 * D, BLOCK_R=pull._BLOCK_R, HAS_ENABLE=enable,
+                 MARK=mark, OWN=own),
             4, 1,
             types={"src_ptrs_ptr": "*i64", "bases_ptr": "*i64", "out_ptrs_ptr": "*i64",
-                   "flags_ptr": "*i8", "dst_base": "i64", "r_cap": "i32", "rank": "i32"}))
+                   "flags_ptr": "*i8", "dst_base": "i64", "own_base": "i64", "r_cap": "i32",
+                   "rank": "i32"}))
+    for enable in (False, True):
         cases.append(BuildCase(
             f"pull_tokens enable={enable}", pull._pull_tokens_kernel,
             dict(T_MAX=T, EP=EP, ROW_ELEMS=D, BLOCK_T=pull._BLOCK_T, BLOCK_D=pull._BLOCK_D,
