@@ -208,7 +208,7 @@ def test_fused_tables_equal_torch_tables_gpu():
     try:
         for seed in range(6):
             test_fused_tables_equal_torch_tables(seed, mp, device=cuda)
-        test_blocked_tables_many_blocks(16, mp, device=cuda)
+        test_blocked_tables_many_blocks(16, (4, 16), mp, device=cuda)
     finally:
         mp.undo()
     test_fused_tables_largest_call(device=cuda)  # 1024 routes per program (the default)
@@ -238,13 +238,17 @@ def test_fused_tables_largest_call(device=None):
         build_routing_tables(ids, rank=0, impl="sorted", **kw)
 
 
-@pytest.mark.parametrize("block", [16, 64])
-def test_blocked_tables_many_blocks(block, monkeypatch, device=None):
+@pytest.mark.parametrize("block, prefix", [(16, (32, 64)), (64, (32, 64)), (16, (4, 16))])
+def test_blocked_tables_many_blocks(block, prefix, monkeypatch, device=None):
     """The blocked path across many blocks (positions carried between blocks, counters
-    summed by atomics) equals the torch construction, with drops and an invalid id."""
+    summed by atomics) equals the torch construction, with drops and an invalid id; with
+    ``prefix`` = (blocks per step, keys per program) of the prefix over blocks small, its
+    carry crosses steps and its programs split the keys."""
     from distmoe.routing import fused
 
     monkeypatch.setattr(fused, "BLOCKED_ROUTES_PER_PROGRAM", block)
+    monkeypatch.setattr(fused, "_PREFIX_ROWS", prefix[0])
+    monkeypatch.setattr(fused, "_PREFIX_COLS", prefix[1])
     g = torch.Generator().manual_seed(block)
     EP, T, K, E_local = 3, 37, 3, 5
     ids = torch.randint(-1, EP * E_local, (EP, T, K), generator=g)
@@ -321,3 +325,18 @@ def test_auto_choice_depends_on_shapes_alone():
     assert auto_impl(16, MAX_FUSED_EXPERTS - 1, cuda) == "torch"
     assert auto_impl(1 << 20, MAX_FUSED_EXPERTS - 2, cuda) == "blocked"
 
+
+
+@pytest.mark.parametrize("nb, eb, rows, cols", [(1, 16, 32, 64), (37, 64, 8, 16),
+                                                (64, 256, 32, 64)])
+def test_block_prefix_equals_cumsum(nb, eb, rows, cols):
+    """The prefix over blocks (step 2a of the blocked path) is torch.cumsum over dim 0,
+    exactly, with the output poisoned first and random counts."""
+    from distmoe.routing import fused
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator().manual_seed(nb * eb)
+    hist = torch.randint(0, 1000, (nb, eb), generator=g, dtype=torch.int32).to(device)
+    incl = torch.full_like(hist, -7)
+    fused._block_prefix_kernel[(-(-eb // cols),)](hist, incl, nb, EB=eb, COLS=cols, ROWS=rows)
+    assert torch.equal(incl.cpu(), torch.cumsum(hist.cpu(), 0, dtype=torch.int32))

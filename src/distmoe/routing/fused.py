@@ -245,6 +245,31 @@ def _block_ranks_kernel(
 
 
 @triton.jit
+def _block_prefix_kernel(
+    hist_ptr,  # int32 [NB, EB]
+    incl_ptr,  # int32 [NB, EB]: inclusive prefix of hist over blocks
+    NB,
+    EB: tl.constexpr,
+    COLS: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Blocked path, step 2a (one program per ``COLS`` keys): the prefix sum over blocks,
+    ``ROWS`` blocks at a time with a running carry. It replaces a ``torch.cumsum`` over dim
+    0 that took 12.5 us at 32 x 256 on an H200 (run 31)."""
+    cols = tl.program_id(0) * COLS + tl.arange(0, COLS)
+    carry = tl.zeros([COLS], dtype=tl.int32)
+    r0 = 0
+    while r0 < NB:  # (a while loop: Triton 3.6's interpreter cannot range over an argument)
+        rows = r0 + tl.arange(0, ROWS)
+        cells = rows[:, None] * EB + cols[None, :]
+        live = (rows < NB)[:, None] & (cols < EB)[None, :]
+        h = tl.load(hist_ptr + cells, mask=live, other=0)
+        tl.store(incl_ptr + cells, tl.cumsum(h, 0) + carry[None, :], mask=live)
+        carry += tl.sum(h, 0)
+        r0 += ROWS
+
+
+@triton.jit
 def _blocked_layout_kernel(
     counts_ptr,  # int32 [EB]: routes per key over all blocks
     scratch_ptr,  # int32 [5 * EB]
@@ -367,6 +392,9 @@ def _bases(dispatch_bases_EP: torch.Tensor, combine_bases_EP: torch.Tensor):
 
 #: Routes per program of the blocked path (sorted in registers).
 BLOCKED_ROUTES_PER_PROGRAM = 1024
+#: the blocked path's prefix over blocks: keys per program, blocks per step
+_PREFIX_COLS = 64
+_PREFIX_ROWS = 32
 
 
 def build_routing_tables_triton(
@@ -388,13 +416,12 @@ def build_routing_tables_triton(
     Both paths need ``E + 2 <= MAX_FUSED_EXPERTS``.
 
     ``blocked=False``: one program holds every route (the caller checks
-    :func:`fused_eligible`). ``blocked=True``: calls of any size in three Triton launches and
-    one prefix sum:
+    :func:`fused_eligible`). ``blocked=True``: calls of any size in four Triton launches:
 
     1. per block of :data:`BLOCKED_ROUTES_PER_PROGRAM` routes, its routes per key and each
        route's position among its block's routes of the same key (an in-register sort);
-    2. ``torch.cumsum`` of the block counts over blocks; one program lays out the experts
-       from the totals;
+    2. the prefix sum of the block counts over blocks (one program per 64 keys); one program
+       lays out the experts from the totals;
     3. per block, each route's position in its expert (earlier blocks' count plus its
        in-block position) and its stores; the counters are integer atomics, so the result
        does not depend on the order in which blocks run.
@@ -436,7 +463,9 @@ def build_routing_tables_triton(
     with device_context(device):
         _block_ranks_kernel[(NB,)](ids, hist, block_scratch, ranks, N, E=E, BLOCK=BLOCK, EB=EB,
                                    num_warps=4)
-        incl = torch.cumsum(hist, 0, dtype=torch.int32)
+        incl = torch.empty_like(hist)
+        _block_prefix_kernel[(triton.cdiv(EB, _PREFIX_COLS),)](
+            hist, incl, NB, EB=EB, COLS=_PREFIX_COLS, ROWS=_PREFIX_ROWS, num_warps=4)
         _blocked_layout_kernel[(1,)](
             incl[-1], scratch, out.padded_offsets, out.row_offsets, out.rows_per_expert,
             out.executed_EP, rank, receive_bound,

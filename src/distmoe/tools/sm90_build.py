@@ -536,6 +536,10 @@ def other_kernel_cases() -> list[BuildCase]:
         types={"ids_ptr": "*i64", "hist_ptr": "*i32", "scratch_ptr": "*i32",
                "rank_ptr": "*i32", "N": "i32"}))
     cases.append(BuildCase(
+        "block_prefix", fused._block_prefix_kernel,
+        dict(EB=EB, COLS=fused._PREFIX_COLS, ROWS=fused._PREFIX_ROWS), 4, 1,
+        types={"hist_ptr": "*i32", "incl_ptr": "*i32", "NB": "i32"}))
+    cases.append(BuildCase(
         "blocked_layout", fused._blocked_layout_kernel,
         dict(E=E, E_LOCAL=E_LOCAL, EP=EP, ROW_BLOCK=128, EB=EB, EPB=EPB), 4, 1,
         types={"counts_ptr": "*i32", "scratch_ptr": "*i32", "rows_per_expert_ptr": "*i32",
