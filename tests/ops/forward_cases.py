@@ -98,7 +98,7 @@ def forward_rank(rank, world, seed, T, D, F, E, K, case_name, device="cpu", row_
 def x_in_place_rank(rank, world, seed, T, D, F, E, K, case_name, device="cpu"):
     """EP = 1: the forward reads x in place (the dispatch buffer stays as allocated, zero),
     and from a copy in the dispatch buffer when x's rows are not 16-byte aligned; returns
-    (y in place, y from a misaligned x, dispatch written after each)."""
+    (y in place, y from a misaligned x, dispatch written after each, stats)."""
     x, ids, scores, w13, w2 = make_problem(seed, world, T, D, F, E, K, case_name)
     cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T, training=False,
                        row_block=16)
@@ -113,7 +113,8 @@ def x_in_place_rank(rank, world, seed, T, D, F, E, K, case_name, device="cpu"):
         x_odd.copy_(args[0])
         y_odd = ctx(x_odd, *args[1:])
         written.append(bool(ctx._dispatch[:T].view(torch.int16).ne(0).any()))
-    return y.cpu(), y_odd.cpu(), written
+        stats = ctx.stats()
+    return y.cpu(), y_odd.cpu(), written, stats
 
 
 def forward_cases_rank(rank, world, seed, T, D, F, E, K, case_names, device="cpu"):

@@ -65,10 +65,13 @@ def test_token_pull_both_ways(EP, K):
 
 def test_ep1_reads_x_in_place_and_copies_a_misaligned_x():
     T, E, K = 13, 8, 3
-    (y, y_odd, written), = dm.launch(x_in_place_rank, 1, args=(23, T, D, F, E, K, "inactive_mix"))
+    (y, y_odd, written, stats), = dm.launch(x_in_place_rank, 1,
+                                            args=(23, T, D, F, E, K, "inactive_mix"))
     check_against_reference([(y, None)], 23, 1, T, D, F, E, K, "inactive_mix")
     assert torch.equal(y.view(torch.int16), y_odd.view(torch.int16))
     assert written == [False, True], written
+    # EP = 1 keeps only the rewritten pointer table (no pull buffer, no flags)
+    assert stats["pull_buffer_bytes"] == stats["row_capacity"] * 8 > 0
 
 
 def test_pull_all_is_the_default_where_nearly_every_peer_token_is_needed():
