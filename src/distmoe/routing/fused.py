@@ -255,7 +255,8 @@ def _block_prefix_kernel(
 ):
     """Blocked path, step 2a (one program per ``COLS`` keys): the prefix sum over blocks,
     ``ROWS`` blocks at a time with a running carry. It replaces a ``torch.cumsum`` over dim
-    0 that took 12.5 us at 32 x 256 on an H200 (run 31)."""
+    0 that took 12.5 us at 64 x 256 (EP=2, T=4096, K=8, E=128) on an H200
+    (docs/performance.md, runs 30-31); this takes about 2."""
     cols = tl.program_id(0) * COLS + tl.arange(0, COLS)
     carry = tl.zeros([COLS], dtype=tl.int32)
     r0 = 0

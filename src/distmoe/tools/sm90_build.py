@@ -496,11 +496,14 @@ def other_kernel_cases() -> list[BuildCase]:
             f"offset_copy src_off={src_off} dst_off={dst_off}", oc._offset_copy_kernel,
             dict(HAS_SRC_OFF=src_off, HAS_DST_OFF=dst_off, BLOCK=oc._BLOCK), 4, 1,
             types={"src_off_ptr": "*i64", "dst_off_ptr": "*i64", "numel": "i32"}))
-    # the flagged pull (forward and replay) and the push's table rewrite
-    for enable, mark, own in ((False, True, False), (True, True, False), (False, False, True)):
+    # the flagged pull (forward and replay), the table after the copy-engine pull, and
+    # EP = 1's table that reads x in place
+    for enable, mark, own, ep in ((False, True, False, EP), (True, True, False, EP),
+                                  (False, False, False, EP), (False, False, True, 1)):
         cases.append(BuildCase(
-            f"mark_tokens enable={enable} mark={mark} own={own}", pull._mark_tokens_kernel,
-            dict(T_MAX=T, EP=EP, ROW_BYTES=2 * D, BLOCK_R=pull._BLOCK_R, HAS_ENABLE=enable,
+            f"mark_tokens EP={ep} enable={enable} mark={mark} own={own}",
+            pull._mark_tokens_kernel,
+            dict(T_MAX=T, EP=ep, ROW_BYTES=2 * D, BLOCK_R=pull._BLOCK_R, HAS_ENABLE=enable,
                  MARK=mark, OWN=own),
             4, 1,
             types={"src_ptrs_ptr": "*i64", "bases_ptr": "*i64", "out_ptrs_ptr": "*i64",
