@@ -55,6 +55,43 @@ def _bad_inputs_rank(rank, world):
     return msgs, untouched
 
 
+def _together_rank(rank, world, case):
+    """check=True at EP=2: rank 1 sends a wrong token count or a bad x; both ranks must raise
+    (no rank left waiting at a barrier), with nothing published."""
+    cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
+                       training=False, row_block=16)
+    with dm.MoEContext(cfg, device="cpu", check=True) as ctx:
+        x, ids, scores, w13, w2 = _inputs()
+        w13, w2 = w13[:E // world].contiguous(), w2[:E // world].contiguous()
+        if rank == 1 and case == "tokens":
+            x, ids, scores = x[:T - 1], ids[:T - 1], scores[:T - 1]
+        if rank == 1 and case == "dtype":
+            x = x.float()
+        routing = ctx.heap.local("routing").clone()
+        try:
+            ctx(x, ids, scores, w13, w2)
+            err = None
+        except (TypeError, ValueError) as exc:
+            err = f"{type(exc).__name__}: {exc}"
+        untouched = torch.equal(routing, ctx.heap.local("routing"))
+        # the group still works: a good call on both ranks afterwards
+        y = ctx(*_inputs()[:3], w13, w2)
+    return err, untouched, tuple(y.shape)
+
+
+@pytest.mark.parametrize("case", ["tokens", "dtype"])
+def test_check_mode_makes_every_rank_raise_together(case):
+    (e0, u0, y0), (e1, u1, y1) = dm.launch(_together_rank, 2, args=(case,))
+    assert u0 and u1 and y0 == y1 == (T, D)
+    if case == "tokens":
+        want = f"ValueError: x must have the same number of tokens T on every rank of the group, got T = [{T}, {T - 1}]"
+        assert e0.startswith(want) and e1.startswith(want), (e0, e1)
+    else:
+        assert e1.startswith("TypeError: x must be torch.bfloat16"), e1
+        assert e0.startswith("ValueError: rank 1 refused its input (TypeError: x must be "
+                             "torch.bfloat16"), e0
+
+
 def test_bad_inputs_raise_before_buffers_are_touched():
     msgs, untouched = dm.launch(_bad_inputs_rank, 1)[0]
     assert untouched

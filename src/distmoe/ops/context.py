@@ -75,9 +75,14 @@ class MoEContext:
         group: the expert-parallel process group (default: the world group).
         device: this rank's device (default: the current CUDA device, else CPU).
         backend: heap backend (``"auto"``, ``"cpu"``, ``"cuda_ipc"``, ``"cuda_symm"``).
-        check: debugging mode: after each call, synchronise and raise ``ValueError`` on ids
-            outside [-1, E) or non-zero scores on inactive routes, and ``RuntimeError`` when
-            a rank received more rows than its receive bound. Off by default (it syncs).
+        check: debugging mode (it synchronises; off by default). Before each call, every
+            rank checks its inputs, including ids outside [-1, E) and non-zero scores on
+            inactive routes, and the ranks share the outcome and their token counts over the
+            group: if any rank's input is refused, or T differs between ranks, every rank
+            raises (the refusing rank its own ``TypeError``/``ValueError``, the others a
+            ``ValueError`` naming it) before any buffer is touched. Unchecked, a rank with
+            bad input raises alone and its peers wait for it at the next barrier. After each
+            call, ``RuntimeError`` when a rank received more rows than its receive bound.
 
     Call: ``y = ctx(x, expert_ids, scores, w13, w2)`` with x [T, D] bf16 (T <= max_tokens, the
     same T on every rank), expert_ids [T, K] integer (global ids, -1 inactive), scores [T, K]
@@ -245,12 +250,40 @@ class MoEContext:
         if bool((scores[inactive] != 0).any()):
             raise ValueError("scores must be 0 on inactive routes (expert id -1)")
 
+    def _validate_together(self, x, expert_ids, scores, w13, w2) -> None:
+        """``check`` mode: this rank's checks (:meth:`_validate`, :meth:`_validate_values`),
+        then one host all-gather of (T, outcome) over the group, so that every rank raises
+        when any rank refused its input or the token counts differ (the layer needs the same
+        T on every rank: each rank reads its peers' ids up to its own T)."""
+        err = None
+        try:
+            self._validate(x, expert_ids, scores, w13, w2)
+            self._validate_values(expert_ids, scores)
+        except (TypeError, ValueError) as exc:
+            err = exc
+        tokens = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() > 0 else None
+        outcomes = [None] * self.ep_size
+        dist.all_gather_object(
+            outcomes, (tokens, None if err is None else f"{type(err).__name__}: {err}"),
+            group=self.group)
+        if err is not None:
+            raise err
+        for r, (_, msg) in enumerate(outcomes):
+            if msg is not None:
+                raise ValueError(f"rank {r} refused its input ({msg}); every rank stops "
+                                 "(check=True)")
+        counts = [t for t, _ in outcomes]
+        if len(set(counts)) > 1:
+            raise ValueError(f"x must have the same number of tokens T on every rank of the "
+                             f"group, got T = {counts} (rank r at index r)")
+
     # ------------------------------------------------------------------ forward
     def __call__(self, x, expert_ids, scores, w13, w2) -> torch.Tensor:
         self._check_open()
-        self._validate(x, expert_ids, scores, w13, w2)
         if self.check:
-            self._validate_values(expert_ids, scores)
+            self._validate_together(x, expert_ids, scores, w13, w2)
+        else:
+            self._validate(x, expert_ids, scores, w13, w2)
         if self._wants_autograd(x, scores, w13, w2):
             from .autograd import MoEFunction
             y = MoEFunction.apply(self, x, expert_ids, scores, w13, w2)
