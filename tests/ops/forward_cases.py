@@ -95,20 +95,17 @@ def forward_rank(rank, world, seed, T, D, F, E, K, case_name, device="cpu", row_
     return y.cpu(), stats
 
 
-def x_in_place_rank(rank, world, seed, T, D, F, E, K, case_name, device="cpu"):
-    """EP = 1: the forward reads x in place (the dispatch buffer stays as allocated, zero),
-    and from a copy in the dispatch buffer when x's rows are not 16-byte aligned; returns
-    (y in place, y from a misaligned x, dispatch written after each, stats)."""
-    x, ids, scores, w13, w2 = make_problem(seed, world, T, D, F, E, K, case_name)
+def x_in_place_rank(rank, world, seed, T, D, F, E, K, case_name):
+    """EP = 1 on CPU: the forward reads x in place (the dispatch buffer stays as allocated,
+    zero), and from a copy in the dispatch buffer when x's rows are not 16-byte aligned;
+    returns (y in place, y from a misaligned x, dispatch written after each, stats)."""
+    args = make_problem(seed, world, T, D, F, E, K, case_name)
     cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T, training=False,
                        row_block=16)
-    dev = torch.device(device) if device == "cpu" else torch.device("cuda",
-                                                                     torch.cuda.current_device())
-    with dm.MoEContext(cfg, device=dev, check=True) as ctx:
-        args = [t.to(dev) for t in (x, ids, scores, w13, w2)]
+    with dm.MoEContext(cfg, device="cpu", check=True) as ctx:
         y = ctx(*args)
         written = [bool(ctx._dispatch[:T].view(torch.int16).ne(0).any())]
-        flat = torch.empty(T * D + 1, dtype=torch.bfloat16, device=dev)
+        flat = torch.empty(T * D + 1, dtype=torch.bfloat16)
         x_odd = flat[1:].view(T, D)  # 2 bytes off: not 16-byte aligned
         x_odd.copy_(args[0])
         y_odd = ctx(x_odd, *args[1:])
