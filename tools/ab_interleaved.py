@@ -26,7 +26,9 @@ rounds (the EP=1 share of issue 7's fifth target); its line gives EP / EP=1 as w
 in ``tools/ab_bench.py``: ``w13`` (``WHEN`` training / inference / any, matched against the
 mode), ``w2``, ``w2_dgrad`` (not ``block_n``: the score parts depend on it), ``w13_dgrad``,
 ``wgrad`` (both WGRADs); or ``layer:pull_all=True|False``, the EP > 1 token pull's way
-(:meth:`distmoe.MoEContext.pull_all_rule`). The configs of every variant are printed first.
+(:meth:`distmoe.MoEContext.pull_all_rule`), ``layer:w13_phases=True|False``, W13 in two
+launches around that copy's join (:mod:`distmoe.kernels.w13_phases`), and
+``layer:w13_waves=N``, the waves of its first launch. The configs of every variant are printed first.
 """
 
 from __future__ import annotations
@@ -41,8 +43,10 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from ab_bench import parse_override  # noqa: E402
 
-#: layer switches a ``layer:NAME=VALUE`` spec sets (the MoEContext attribute each is)
-_LAYER = {"pull_all": "_pull_all"}
+#: layer switches a ``layer:NAME=VALUE`` spec sets: the MoEContext attribute each is, and
+#: its type (True / False, or a positive int)
+_LAYER = {"pull_all": ("_pull_all", bool), "w13_phases": ("_w13_phases", bool),
+          "w13_waves": ("_w13_phase_waves", int)}
 #: the layer attributes each kernel's config lives in (distmoe.ops.context)
 _ATTRS = {"w13": ("_w13_cfg",), "w2": ("_w2_cfg",), "w2_dgrad": ("_w2_dgrad_cfg",),
           "w13_dgrad": ("_w13_dgrad_cfg",), "wgrad": ("_w2_wgrad_cfg", "_w13_wgrad_cfg")}
@@ -52,14 +56,20 @@ def variant_configs(ctx, specs: list[str], training: bool) -> dict[str, object]:
     """The config attributes of ``ctx`` with the overrides of ``specs`` applied (ValueError
     for an unknown field, a kernel this mode does not run, or ``w2_dgrad`` ``block_n``)."""
     out = {a: getattr(ctx, a) for attrs in _ATTRS.values() for a in attrs if hasattr(ctx, a)}
-    out.update({a: getattr(ctx, a) for a in _LAYER.values() if hasattr(ctx, a)})
+    out.update({a: getattr(ctx, a) for a, _ in _LAYER.values() if hasattr(ctx, a)})
     for spec in specs:
         if spec.startswith("layer:"):
             name, sep, value = spec[len("layer:"):].partition("=")
-            if not sep or name not in _LAYER or value not in ("True", "False"):
+            attr, kind = _LAYER.get(name, (None, None))
+            if kind is int and sep and value.isdigit() and int(value) > 0:
+                out[attr] = int(value)
+                continue
+            if not sep or kind is not bool or value not in ("True", "False"):
                 raise ValueError(f"{spec!r}: expected layer:NAME=True|False with NAME one of "
-                                 f"{sorted(_LAYER)}")
-            out[_LAYER[name]] = value == "True"
+                                 f"{sorted(n for n, (_, k) in _LAYER.items() if k is bool)}, "
+                                 f"or layer:NAME=N (a positive int) with NAME one of "
+                                 f"{sorted(n for n, (_, k) in _LAYER.items() if k is int)}")
+            out[attr] = value == "True"
             continue
         kernel, when, fields = parse_override(spec)
         if kernel == "w2_dgrad" and "block_n" in fields:

@@ -3,13 +3,16 @@
 
 Usage (repository root):
     PYTHONPATH=src python3 tools/profile_layer.py [--shape issue-a] [--mode fwdbwd]
-        [--steps 5] [--rows 25] [--tokens T] [--graph] [--trace FILE.json]
+        [--steps 5] [--rows 25] [--tokens T] [--graph] [--trace FILE.json] [--set SPEC]
     PYTHONPATH=src python3 -m torch.distributed.run --standalone --nproc-per-node=2 \
         tools/profile_layer.py --shape fine --mode fwd --graph      (EP=2, one GPU per rank)
 
 Under ``torch.distributed.run`` every rank runs the shape's T tokens (the bench's EP runs:
 the same per-rank work as EP=1) over an NCCL group, and each rank prints its own table, rank
 0 first (``--trace`` gets the rank appended).
+
+``--set SPEC`` (repeatable) changes the layer first, as a variant of
+``tools/ab_interleaved.py`` does (e.g. ``layer:w13_waves=2`` or ``w13:group_m=16``).
 
 Runs a few untimed steps (compilation), then ``--steps`` steps under ``torch.profiler`` and
 prints the CUDA kernels sorted by total time (per step), then the step's wall time. Routing is
@@ -21,6 +24,7 @@ accumulated into ``.grad``).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -42,6 +46,9 @@ def main() -> int:
                     help="tokens instead of the shape's own T (e.g. 16 for decode)")
     ap.add_argument("--graph", action="store_true",
                     help="capture one step in a CUDA graph and profile its replays")
+    ap.add_argument("--set", action="append", default=[], metavar="SPEC",
+                    help="a layer change as in tools/ab_interleaved.py's --variant specs "
+                         "(e.g. layer:w13_waves=2); repeatable")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     D, F, E, K = shape.hidden, shape.ffn, shape.num_experts, shape.top_k
@@ -51,6 +58,18 @@ def main() -> int:
         ctx, step, T = layer_step(args.shape, args.mode, joined, tokens=args.tokens)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
+    if args.set:
+        sys.path.insert(0, __file__.rsplit("/", 1)[0])
+        from ab_interleaved import variant_configs
+
+        try:
+            changes = variant_configs(ctx, args.set, training=args.mode == "fwdbwd")
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from exc
+        for attr, value in changes.items():
+            setattr(ctx, attr, value)
+        if rank == 0:
+            print("set: " + ", ".join(args.set), flush=True)
     with ctx:
         for _ in range(3):
             step()

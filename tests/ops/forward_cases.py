@@ -72,10 +72,11 @@ def make_problem(seed, EP, T, D, F, E, K, case_name):
 
 
 def forward_rank(rank, world, seed, T, D, F, E, K, case_name, device="cpu", row_block=16,
-                 max_tokens=None, pull_all=None):
-    """Run the layer on this rank; returns (y, stats) for the parent to check. ``pull_all``:
-    force the EP > 1 token pull's way (every peer token, or those the tables name); None
-    keeps the layer's choice."""
+                 max_tokens=None, pull_all=None, w13_phases=None):
+    """Run the layer on this rank; returns (y, stats) for the parent to check (stats adds
+    ``w13_phased``: whether W13 ran in two launches). ``pull_all``: force the EP > 1 token
+    pull's way (every peer token, or those the tables name); ``w13_phases``: force W13's
+    two launches on or off; None keeps the layer's choice."""
     x, ids, scores, w13, w2 = make_problem(seed, world, T, D, F, E, K, case_name)
     mine = split_global_problem(x, ids, scores, w13, w2, world)[rank]
     cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=max_tokens or T,
@@ -86,9 +87,13 @@ def forward_rank(rank, world, seed, T, D, F, E, K, case_name, device="cpu", row_
     with dm.MoEContext(cfg, device=dev, check=True) as ctx:
         if pull_all is not None:
             ctx._pull_all = pull_all
+        if w13_phases is not None:
+            ctx._w13_phases = w13_phases
         args = [t.to(dev) for t in (mine.x, mine.expert_ids, mine.scores, mine.w13, mine.w2)]
         y = ctx(*args)
-        stats = ctx.stats()
+        stats = dict(ctx.stats(), w13_phased=ctx._phased_w13())
+        if stats["w13_phased"]:
+            stats["w13_positions"] = ctx._w13_positions.tolist()
         # a second call with the same inputs gives the same bits (buffer reuse is clean)
         y2 = ctx(*args)
         assert torch.equal(y, y2), "second call differs"

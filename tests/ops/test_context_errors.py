@@ -151,8 +151,12 @@ def test_receive_bound_overflow_is_counted_and_never_written(check):
     s = r0["stats"]
     # rank 0 receives 2 ranks x 32 tokens x 2 routes = 128 rows; bound = 0.5 * 32 * 2 = 32
     assert s["last_recv_rows"] == 128 and s["receive_bound"] == 32
-    # EP=2: tokens of both ranks (D bf16 + an int8 flag each) and the pointer table
-    assert s["pull_buffer_bytes"] == 2 * 32 * (D * 2 + 1) + s["row_capacity"] * 8  # T_max 32
+    # EP=2: tokens of both ranks (D bf16 + an int8 flag each), the pointer table and, per
+    # 128-row block, W13's int8 peer flag, int32 position and int8 expert start (one more
+    # start, and 4 int32 bounds)
+    rc = s["row_capacity"]
+    order = rc // 128 * 6 + 1 + 16 if rc % 128 == 0 else 0
+    assert s["pull_buffer_bytes"] == 2 * 32 * (D * 2 + 1) + rc * 8 + order  # T_max 32
     assert s["dropped_rows"] == 128 - s["receive_bound"]  # exactly the bound's rows run
     assert r1["stats"]["last_recv_rows"] == 0
     # every dropped route's return slot kept its canary on its owner

@@ -63,6 +63,33 @@ def test_token_pull_both_ways(EP, K):
         assert torch.equal(y_all.view(torch.int16), y_named.view(torch.int16))
 
 
+def test_w13_in_two_launches_gives_the_same_bits():
+    """With every peer token copied, W13 can run the row blocks of own tokens first, then
+    the rest (distmoe.kernels.w13_phases). Both ways match the reference and each other bit
+    for bit."""
+    EP, T, E, K = 2, 300, 4, 2  # about 150 own rows per local expert: whole own blocks
+    outs = {}
+    for phases in (True, False):
+        outs[phases] = dm.launch(forward_rank, EP, args=(
+            29, T, D, F, E, K, "balanced", "cpu", 128, None, True, phases))
+        check_against_reference(outs[phases], 29, EP, T, D, F, E, K, "balanced")
+    assert [s["w13_phased"] for _, s in outs[True]] == [True, True]
+    for _, s in outs[True]:
+        lo1, hi1, lo2, hi2 = s["w13_positions"]
+        assert lo1 == 0 and 0 < hi1 == lo2 < hi2  # both launches had blocks
+    assert [s["w13_phased"] for _, s in outs[False]] == [False, False]
+    for (y_two, _), (y_one, _) in zip(outs[True], outs[False], strict=True):
+        assert torch.equal(y_two.view(torch.int16), y_one.view(torch.int16))
+
+
+def test_w13_phases_rule():
+    """Two launches by default from 1024 rows per local expert from one rank (T_max*K/E)."""
+    rule = dm.MoEContext.w13_phases_rule
+    assert rule(8192, 8, 32)  # 2048 rows: T=8192, E=32, K=8
+    assert not rule(4096, 8, 128)  # 256 rows: the fine-grained shape
+    assert rule(4096, 8, 32) and not rule(4095, 8, 32)
+
+
 def test_ep1_reads_x_in_place_and_copies_a_misaligned_x():
     T, E, K = 13, 8, 3
     (y, y_odd, written, stats), = dm.launch(x_in_place_rank, 1,

@@ -65,7 +65,11 @@ def test_variant_configs_apply_to_the_layer_attributes(abi):
     out = abi.variant_configs(ctx, ["layer:pull_all=False"], training=False)
     assert out["_pull_all"] is False and ctx._pull_all is True
     assert abi.variant_configs(ctx, [], training=False)["_pull_all"] is True
-    for bad in ("layer:pull_all=0", "layer:pull=False", "layer:pull_all"):
+    out = abi.variant_configs(ctx, ["layer:w13_phases=False", "layer:w13_waves=3"],
+                              training=False)
+    assert out["_w13_phases"] is False and out["_w13_phase_waves"] == 3
+    for bad in ("layer:pull_all=0", "layer:pull=False", "layer:pull_all", "layer:w13_waves=0",
+                "layer:w13_waves=True", "layer:w13_phases=2"):
         with pytest.raises(ValueError, match="layer:NAME=True"):
             abi.variant_configs(ctx, [bad], training=False)
 

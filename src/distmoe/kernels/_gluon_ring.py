@@ -34,6 +34,25 @@ if HAVE_GLUON:
         ``starts`` = padded_offsets[:-1], ``rbeg`` / ``rend`` = row_offsets[:-1] / [1:],
         ``eidx`` their expert index)."""
         pid_m, pid_n = swizzle_tile(tile, num_pid_m, NUM_PID_N, GROUP_M)
+        return _block_info(pid_m, pid_n, ends, starts, rbeg, rend, eidx, NUM_EXPERTS, BLOCK_M)
+
+    @gluon.jit
+    def _ordered_tile_info(tile, num_pid_m, order_ptr, pos_lo, ends, starts, rbeg, rend, eidx,
+                           NUM_PID_N: gl.constexpr, GROUP_M: gl.constexpr,
+                           NUM_EXPERTS: gl.constexpr, BLOCK_M: gl.constexpr,
+                           HAS_ORDER: gl.constexpr):
+        """:func:`_tile_info` of a launch over the row blocks ``order[pos_lo:pos_lo +
+        num_pid_m]`` (``HAS_ORDER``; group-M order over the positions), else of all of them
+        (:mod:`distmoe.kernels.w13_phases`)."""
+        pid_m, pid_n = swizzle_tile(tile, num_pid_m, NUM_PID_N, GROUP_M)
+        if HAS_ORDER:
+            pid_m = gl.load(order_ptr + pos_lo + pid_m)
+        return _block_info(pid_m, pid_n, ends, starts, rbeg, rend, eidx, NUM_EXPERTS, BLOCK_M)
+
+    @gluon.jit
+    def _block_info(pid_m, pid_n, ends, starts, rbeg, rend, eidx, NUM_EXPERTS: gl.constexpr,
+                    BLOCK_M: gl.constexpr):
+        """:func:`_tile_info` from the tile's row block and column tile."""
         row_start = pid_m * BLOCK_M
         expert = gl.minimum(gl.sum((ends <= row_start).to(gl.int32), axis=0), NUM_EXPERTS - 1)
         sel = eidx == expert
@@ -159,6 +178,19 @@ if HAVE_GLUON:
                                                 b_bufs.index(stage))
             count += 1
         return count
+
+    @gluon.jit
+    def _ordered_tiles(positions_ptr, num_pid_m, num_tiles, NUM_PID_N: gl.constexpr,
+                       HAS_ORDER: gl.constexpr):
+        """``(pos_lo, num_pid_m, num_tiles)`` of a launch over the positions
+        ``[positions[0], positions[1])`` of a block order (``HAS_ORDER``), else ``(0, ...)``
+        as given."""
+        pos_lo = 0
+        if HAS_ORDER:
+            pos_lo = gl.load(positions_ptr)
+            num_pid_m = gl.load(positions_ptr + 1) - pos_lo
+            num_tiles = num_pid_m * NUM_PID_N
+        return pos_lo, num_pid_m, num_tiles
 
     @gluon.jit
     def _enabled_tiles(enable_ptr, num_tiles, HAS_ENABLE: gl.constexpr):

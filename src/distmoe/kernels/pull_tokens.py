@@ -50,10 +50,11 @@ _BLOCK_D = 512
 
 
 @triton.jit
-def _mark_tokens_kernel(src_ptrs_ptr, bases_ptr, out_ptrs_ptr, flags_ptr, enable_ptr, dst_base,
-                        own_base, r_cap, rank, T_MAX: tl.constexpr, EP: tl.constexpr,
-                        ROW_BYTES: tl.constexpr, BLOCK_R: tl.constexpr,
-                        HAS_ENABLE: tl.constexpr, MARK: tl.constexpr, OWN: tl.constexpr):
+def _mark_tokens_kernel(src_ptrs_ptr, bases_ptr, out_ptrs_ptr, flags_ptr, enable_ptr,
+                        block_flags_ptr, dst_base, own_base, r_cap, rank, T_MAX: tl.constexpr,
+                        EP: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_R: tl.constexpr,
+                        HAS_ENABLE: tl.constexpr, MARK: tl.constexpr, OWN: tl.constexpr,
+                        BLOCK_FLAGS: tl.constexpr):
     if HAS_ENABLE:
         if tl.load(enable_ptr) == 0:
             return
@@ -80,6 +81,10 @@ def _mark_tokens_kernel(src_ptrs_ptr, bases_ptr, out_ptrs_ptr, flags_ptr, enable
              mask=in_cap)
     if MARK:
         tl.store(flags_ptr + slot, tl.full([BLOCK_R], 1, tl.int8), mask=pulled)
+    if BLOCK_FLAGS:
+        # this program's BLOCK_R rows are one W13 row block (distmoe.kernels.w13_phases)
+        tl.store(block_flags_ptr + tl.program_id(0),
+                 tl.max(pulled.to(tl.int32), axis=0).to(tl.int8))
 
 
 @triton.jit
@@ -112,7 +117,8 @@ def _pull_tokens_kernel(bases_ptr, flags_ptr, dst_ptr, enable_ptr, T_MAX: tl.con
 def pull_tokens(src_ptrs: torch.Tensor, bases: torch.Tensor, rank: int,
                 dst: torch.Tensor | None, flags: torch.Tensor | None, out_ptrs: torch.Tensor, *,
                 enable: torch.Tensor | None = None, pulled: bool = False,
-                own_src: torch.Tensor | None = None, t_max: int | None = None) -> torch.Tensor:
+                own_src: torch.Tensor | None = None, t_max: int | None = None,
+                block_flags: torch.Tensor | None = None) -> torch.Tensor:
     """Copy the peer tokens ``src_ptrs`` names into ``dst`` once each; returns ``out_ptrs``,
     the table W13 reads instead (see the module docstring). With ``pulled``, every peer
     token is already in ``dst`` (copied by the caller): only the table is written and
@@ -139,6 +145,10 @@ def pull_tokens(src_ptrs: torch.Tensor, bases: torch.Tensor, rank: int,
             dispatch buffer).
         t_max: token rows per rank of the dispatch buffers, with ``dst=None`` only (else
             ``dst`` gives it).
+        block_flags: optional int8 ``[R_cap / 128]`` (written): 1 where a block of 128
+            padded rows names a peer token (a row rewritten to ``dst``), else 0; the W13 row
+            blocks that :mod:`distmoe.kernels.w13_phases` may run before the peer tokens
+            have landed are the zeros.
     Returns:
         ``out_ptrs``.
     """
@@ -178,6 +188,12 @@ def pull_tokens(src_ptrs: torch.Tensor, bases: torch.Tensor, rank: int,
                  shape_text="[R_cap]")
     if enable is not None:
         check_tensor("enable", enable, dtypes=(torch.int32,), shape=[1], shape_text="(0 = skip)")
+    if block_flags is not None:
+        if r_cap % _BLOCK_R:
+            raise ValueError(f"block_flags needs R_cap (rows of src_ptrs, {r_cap}) to be a "
+                             f"multiple of {_BLOCK_R}")
+        check_tensor("block_flags", block_flags, dtypes=(torch.int8,), shape=[r_cap // _BLOCK_R],
+                     shape_text=f"[R_cap / {_BLOCK_R}]")
     if own_src is not None:
         if own_src.shape[1] != row_elems or own_src.shape[0] > t_max:
             raise ValueError(f"own_src must be [T <= {t_max}, {row_elems}], got "
@@ -188,7 +204,8 @@ def pull_tokens(src_ptrs: torch.Tensor, bases: torch.Tensor, rank: int,
     for name, t in (("src_ptrs", src_ptrs), ("bases", bases),
                     ("flags", src_ptrs if pulled else flags), ("out_ptrs", out_ptrs),
                     ("enable", src_ptrs if enable is None else enable),
-                    ("own_src", src_ptrs if own_src is None else own_src)):
+                    ("own_src", src_ptrs if own_src is None else own_src),
+                    ("block_flags", src_ptrs if block_flags is None else block_flags)):
         if t.device != device:
             raise ValueError(f"{name} must be on {device}, got {t.device}")
     if r_cap == 0:
@@ -197,10 +214,12 @@ def pull_tokens(src_ptrs: torch.Tensor, bases: torch.Tensor, rank: int,
     flags_arg = out_ptrs if pulled else flags  # placeholder with pulled: never written
     with device_context(device):
         _mark_tokens_kernel[(triton.cdiv(r_cap, _BLOCK_R),)](
-            src_ptrs, bases, out_ptrs, flags_arg, enable_arg, dst_base,
-            0 if own_src is None else own_src.data_ptr(), r_cap, rank,
+            src_ptrs, bases, out_ptrs, flags_arg, enable_arg,
+            out_ptrs if block_flags is None else block_flags,  # placeholder: never written
+            dst_base, 0 if own_src is None else own_src.data_ptr(), r_cap, rank,
             T_MAX=t_max, EP=ep, ROW_BYTES=row_elems * 2, BLOCK_R=_BLOCK_R,
             HAS_ENABLE=enable is not None, MARK=not pulled, OWN=own_src is not None,
+            BLOCK_FLAGS=block_flags is not None,
         )
         if not pulled:
             _pull_tokens_kernel[(triton.cdiv(ep * t_max, _BLOCK_T),)](

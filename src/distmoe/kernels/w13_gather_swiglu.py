@@ -285,6 +285,8 @@ def _gather_w13_swiglu_kernel(
     x_out_ptr,
     out_offsets_ptr,
     enable_ptr,
+    order_ptr,
+    positions_ptr,
     num_pid_m,
     NUM_EXPERTS: tl.constexpr,
     EXPERTS_POW2: tl.constexpr,
@@ -303,16 +305,24 @@ def _gather_w13_swiglu_kernel(
     DYN_OFFSETS: tl.constexpr,
     HAS_ENABLE: tl.constexpr,
     TMA_STORE: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
 ):
     """``w13`` is a host TMA descriptor (``HOST_DESC``) or the weight tensor itself.
 
-    ``out_offsets_ptr`` (``DYN_OFFSETS``) and ``enable_ptr`` (``HAS_ENABLE``) are read once
-    per program; without them they are placeholders that are never read. ``TMA_STORE``
+    ``out_offsets_ptr`` (``DYN_OFFSETS``), ``enable_ptr`` (``HAS_ENABLE``) and
+    ``positions_ptr`` (``HAS_ORDER``: the launch covers the row blocks
+    ``order[positions[0]:positions[1]]``) are read once per program; without them they are
+    placeholders that are never read. ``TMA_STORE``
     (persistent grids only): each program builds TMA descriptors over the live activation
     rows of its outputs once, for the epilogues of its full tiles.
     """
     NUM_PID_N: tl.constexpr = (FFN + BLOCK_N - 1) // BLOCK_N
     total_rows = tl.load(padded_offsets_ptr + NUM_EXPERTS)
+    pos_lo = 0
+    if HAS_ORDER:
+        # this launch's row blocks: positions [pos_lo, pos_hi) of order
+        pos_lo = tl.load(positions_ptr)
+        total_rows = (tl.load(positions_ptr + 1) - pos_lo) * BLOCK_M
     if HAS_ENABLE:
         # The device decides whether this launch runs: disabled, every tile is idle.
         total_rows = tl.where(tl.load(enable_ptr) != 0, total_rows, 0)
@@ -355,6 +365,8 @@ def _gather_w13_swiglu_kernel(
                 x_desc = h2_ptr
             while tile_id < num_tiles:
                 pid_m, pid_n = swizzle_tile(tile_id, num_live_m, NUM_PID_N, GROUP_M)
+                if HAS_ORDER:
+                    pid_m = tl.load(order_ptr + pos_lo + pid_m)
                 _w13_tile(
                     w_desc, gather_ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h2_ptr,
                     h1_ptr, x_out_ptr, h2_desc, h1_desc, x_desc, h1_off, x_off, pid_m, pid_n,
@@ -366,6 +378,8 @@ def _gather_w13_swiglu_kernel(
         pid_m, pid_n = swizzle_tile(tl.program_id(0), num_pid_m, NUM_PID_N, GROUP_M)
         # Idle tiles (beyond the used rows) exit before building a descriptor or loading.
         if pid_m * BLOCK_M < total_rows:
+            if HAS_ORDER:
+                pid_m = tl.load(order_ptr + pos_lo + pid_m)
             w_desc = _w13_weight_desc(w13, NUM_EXPERTS, HIDDEN, FFN, BLOCK_N, BLOCK_K, HOST_DESC)
             _w13_tile(
                 w_desc, gather_ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr,
@@ -643,6 +657,48 @@ def _check_r_cap(r_cap: int, block_m: int) -> None:
         )
 
 
+def _gluon_reason(config: W13Config, device: torch.device, hidden: int, ffn: int,
+                  outputs: Sequence[torch.Tensor | None]) -> str | None:
+    """``None`` when ``config`` runs the Gluon kernel here, else why not (``config.gluon``
+    False included)."""
+    if not config.gluon:
+        return "the config asks for the Triton kernel"
+    if not all(t is None or t.data_ptr() % 16 == 0 for t in outputs):
+        return "its 16-byte vector stores need 16-byte aligned outputs"
+    from .w13_gluon import gluon_w13_reason
+
+    return gluon_w13_reason(device, hidden=hidden, ffn=ffn, block_m=config.block_m,
+                            block_n=config.block_n, block_k=config.block_k,
+                            stages=config.num_stages, warps=config.num_warps)
+
+
+def w13_tile_rows(config: W13Config, gluon: bool | None = None) -> int:
+    """Padded rows of one W13 tile (a row block of ``order``) under ``config``: the Gluon
+    kernel's :func:`~distmoe.kernels.w13_gluon.tile_rows` where it runs (``gluon``; default
+    ``config.gluon``), else ``block_m``."""
+    if config.gluon if gluon is None else gluon:
+        from .w13_gluon import tile_rows
+
+        return tile_rows(config.block_n, config.num_warps)
+    return config.block_m
+
+
+def _check_order(order, positions, r_cap: int, rows: int, device: torch.device) -> None:
+    if (order is None) != (positions is None):
+        raise ValueError("order and positions must be given together, got "
+                         f"order {'None' if order is None else 'given'} and positions "
+                         f"{'None' if positions is None else 'given'}")
+    if order is None:
+        return
+    check_tensor("order", order, dtypes=(torch.int32,), shape=[r_cap // rows],
+                 shape_text=f"[R_cap / {rows}] (row blocks of the kernel's {rows}-row tiles)")
+    check_tensor("positions", positions, dtypes=(torch.int32,), shape=[2],
+                 shape_text="[lo, hi] (positions of order)")
+    for name, t in (("order", order), ("positions", positions)):
+        if t.device != device:
+            raise ValueError(f"{name} must be on {device}, got {t.device}")
+
+
 def gather_w13_swiglu(
     gather_ptrs: torch.Tensor,
     padded_offsets: torch.Tensor,
@@ -656,6 +712,8 @@ def gather_w13_swiglu(
     enable: torch.Tensor | None = None,
     config: W13Config | None = None,
     block_m: int | None = None,
+    order: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gathered rows @ W13 with SwiGLU, into compact activation rows.
 
@@ -687,6 +745,13 @@ def gather_w13_swiglu(
         config: launch configuration; default :meth:`W13Config.from_heuristic`.
         block_m: the padding multiple (default 128); must match ``config.block_m`` if both
             are given.
+        order, positions: optional, together: int32 ``[R_cap / M]`` (device), a permutation
+            of the row blocks of ``M`` padded rows (``M`` = :func:`w13_tile_rows` of the
+            config), and int32 ``[2]`` (device) ``[lo, hi)``: this launch computes only the
+            row blocks ``order[lo:hi]``, every column tile of each (the tiles of a launch
+            without them), in group-M order over the positions. Launches over disjoint
+            position ranges that cover the call's blocks compute what one launch does, bit
+            for bit (:mod:`distmoe.kernels.w13_phases`).
 
     Only the live rows' activation rows ``< row_offsets[E_local]`` of every output are
     written (null rows as zeros); padding rows are not stored and every other row or element
@@ -712,26 +777,25 @@ def gather_w13_swiglu(
         raise TypeError(f"config must be a W13Config, got {type(config).__name__}")
     validate_block_m(config, block_m)
     _check_r_cap(r_cap, config.block_m)
+    device = gather_ptrs.device
+    gluon_reason = _gluon_reason(config, device, hidden, ffn, (h2_out, h1_out, x_out))
+    _check_order(order, positions, r_cap, w13_tile_rows(config, gluon_reason is None), device)
     if r_cap == 0:
         return h2_out
 
-    device = gather_ptrs.device
     # TMA stores need 16-byte aligned bases (1-D bases with out_offsets are checked above)
     aligned = all(t is None or t.data_ptr() % 16 == 0 for t in (h2_out, h1_out, x_out))
     if config.gluon:
-        from .w13_gluon import gluon_w13_reason, launch_gluon_w13
+        if gluon_reason is None:
+            from .w13_gluon import launch_gluon_w13
 
-        reason = ("its 16-byte vector stores need 16-byte aligned outputs" if not aligned
-                  else gluon_w13_reason(device, hidden=hidden, ffn=ffn, block_m=config.block_m,
-                                        block_n=config.block_n, block_k=config.block_k,
-                                        stages=config.num_stages, warps=config.num_warps))
-        if reason is None:
             launch_gluon_w13(gather_ptrs, padded_offsets, row_offsets, w13, h2_out,
                              h1_out=h1_out, x_out=x_out, out_offsets=out_offsets,
                              enable=enable, block_n=config.block_n, stages=config.num_stages,
-                             group_m=config.group_m, warps=config.num_warps)
+                             group_m=config.group_m, warps=config.num_warps, order=order,
+                             positions=positions)
             return h2_out
-        warn_gluon_fallback("gather_w13_swiglu", reason)
+        warn_gluon_fallback("gather_w13_swiglu", gluon_reason)
     num_pid_m = r_cap // config.block_m
     num_pid_n = triton.cdiv(ffn, config.block_n)
     grid = gemm_grid(config, num_pid_m * num_pid_n, device)
@@ -759,6 +823,8 @@ def gather_w13_swiglu(
             h2_out if x_out is None else x_out,  # placeholder: never touched (WRITE_X)
             padded_offsets if out_offsets is None else out_offsets,  # placeholder: never read
             padded_offsets if enable is None else enable,  # placeholder: never read
+            padded_offsets if order is None else order,  # placeholder: never read
+            padded_offsets if positions is None else positions,  # placeholder: never read
             num_pid_m,
             NUM_EXPERTS=num_experts,
             EXPERTS_POW2=next_power_of_2(num_experts),
@@ -777,6 +843,7 @@ def gather_w13_swiglu(
             DYN_OFFSETS=out_offsets is not None,
             HAS_ENABLE=enable is not None,
             TMA_STORE=tma_store,
+            HAS_ORDER=order is not None,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
@@ -820,11 +887,15 @@ def gather_w13_swiglu_ref(
     enable: torch.Tensor | None = None,
     sources: Sequence[torch.Tensor],
     block_m: int = 128,
+    order: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    tile_rows: int | None = None,
 ) -> torch.Tensor:
     """Plain-PyTorch :func:`gather_w13_swiglu` (any device; synchronises; for tests).
 
-    Same arguments and contract; ``enable``, ``out_offsets`` and the layout are read and
-    checked on the host. ``sources`` lists the tensors the addresses point into (contiguous
+    Same arguments and contract; ``enable``, ``out_offsets``, ``order`` / ``positions`` (row
+    blocks of ``tile_rows`` rows, default ``block_m``) and the layout are read and checked
+    on the host. ``sources`` lists the tensors the addresses point into (contiguous
     bf16, seen as rows of D values): an address is resolved to its (tensor, row) on the host.
     fp32 matmuls, outputs rounded to bf16 like the kernel's; only live rows are written.
     """
@@ -845,6 +916,16 @@ def gather_w13_swiglu_ref(
     check_row_offsets_host(padded_offsets, row_offsets, r_act=h2_out.shape[0])
     if enable is not None and int(enable.item()) == 0:
         return h2_out
+    rows = block_m if tile_rows is None else tile_rows
+    _check_order(order, positions, r_cap, rows, gather_ptrs.device)
+    chosen = None  # padded rows this call computes (None: all)
+    if order is not None:
+        lo, hi = (int(v) for v in positions.tolist())
+        blocks = order[lo:hi].long().cpu()
+        chosen = torch.zeros(r_cap, dtype=torch.bool)
+        for b in blocks.tolist():
+            chosen[b * rows:(b + 1) * rows] = True
+        chosen = chosen.to(h2_out.device)
     h1_off = x_off = None
     if out_offsets is not None:
         h1_off, x_off = (int(v) for v in out_offsets.tolist())
@@ -861,11 +942,12 @@ def gather_w13_swiglu_ref(
         ).to(w13.device)
         g = xe @ w13[e, 0].float().T
         u = xe @ w13[e, 1].float().T
+        keep = slice(None) if chosen is None else chosen[pad_start:pad_start + count]
         h2 = _output_rows("h2_out", h2_out, None, act_start, count, g.shape[1])
-        h2.copy_((torch.nn.functional.silu(g) * u).to(torch.bfloat16))
+        h2[keep] = (torch.nn.functional.silu(g) * u).to(torch.bfloat16)[keep]
         if h1_out is not None and (h1_off is None or h1_off >= 0):
             h1 = _output_rows("h1_out", h1_out, h1_off, act_start, count, 2 * g.shape[1])
-            h1.copy_(torch.cat([g, u], dim=1).to(torch.bfloat16))
+            h1[keep] = torch.cat([g, u], dim=1).to(torch.bfloat16)[keep]
         if x_out is not None and (x_off is None or x_off >= 0):
-            _output_rows("x_out", x_out, x_off, act_start, count, hidden).copy_(xe)
+            _output_rows("x_out", x_out, x_off, act_start, count, hidden)[keep] = xe[keep]
     return h2_out

@@ -73,9 +73,10 @@ if HAVE_GLUON:
     from ._gluon_ring import (
         _consumer_walk,
         _enabled_tiles,
+        _ordered_tile_info,
+        _ordered_tiles,
         _program_tiles,
         _ring_barriers,
-        _tile_info,
         _wait_turn,
     )
     from .w2_backward import _column_halves
@@ -137,10 +138,12 @@ if HAVE_GLUON:
     @gluon.jit
     def _producer(w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
                   padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr, out_offsets_ptr,
-                  enable_ptr, FFN: gl.constexpr, HIDDEN: gl.constexpr,
+                  enable_ptr, order_ptr, positions_ptr, FFN: gl.constexpr,
+                  HIDDEN: gl.constexpr,
                   NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr,
                   STAGES: gl.constexpr, WRITE_H1: gl.constexpr, WRITE_X: gl.constexpr,
-                  DYN_OFFSETS: gl.constexpr, HAS_ENABLE: gl.constexpr, BLOCK_M: gl.constexpr,
+                  DYN_OFFSETS: gl.constexpr, HAS_ENABLE: gl.constexpr,
+                  HAS_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
                   PARITY: gl.constexpr):
         """One warpgroup: the loads of every tile of the program, K step by K step."""
@@ -151,15 +154,17 @@ if HAVE_GLUON:
         num_pid_m, num_tiles, ends, starts, rbeg, rend, eidx = _program_tiles(
             padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2, NUM_PID_N,
             BLOCK_M, 4)
+        pos_lo, num_pid_m, num_tiles = _ordered_tiles(positions_ptr, num_pid_m, num_tiles,
+                                                      NUM_PID_N, HAS_ORDER)
         num_tiles = _enabled_tiles(enable_ptr, num_tiles, HAS_ENABLE)
         i = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, CP))
         kk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, CP))
         nbytes: gl.constexpr = 2 * w_desc.block_type.nbytes
         count = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            pid_n, expert, row_start, _act, num_live = _tile_info(
-                tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
-                NUM_EXPERTS, BLOCK_M)
+            pid_n, expert, row_start, _act, num_live = _ordered_tile_info(
+                tile, num_pid_m, order_ptr, pos_lo, ends, starts, rbeg, rend, eidx, NUM_PID_N,
+                GROUP_M, NUM_EXPERTS, BLOCK_M, HAS_ORDER)
             # this tile's row addresses (0: null or not live, zero-filled)
             src = gl.load(gather_ptrs_ptr + row_start + i, mask=i < num_live, other=0)
             rows = gl.multiple_of(src.to(gl.pointer_type(gl.bfloat16)), 16)
@@ -186,10 +191,12 @@ if HAVE_GLUON:
     @gluon.jit
     def _consumer(w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
                   padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr, out_offsets_ptr,
-                  enable_ptr, FFN: gl.constexpr, HIDDEN: gl.constexpr,
+                  enable_ptr, order_ptr, positions_ptr, FFN: gl.constexpr,
+                  HIDDEN: gl.constexpr,
                   NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr,
                   STAGES: gl.constexpr, WRITE_H1: gl.constexpr, WRITE_X: gl.constexpr,
-                  DYN_OFFSETS: gl.constexpr, HAS_ENABLE: gl.constexpr, BLOCK_M: gl.constexpr,
+                  DYN_OFFSETS: gl.constexpr, HAS_ENABLE: gl.constexpr,
+                  HAS_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
                   PARITY: gl.constexpr):
         """One warpgroup: the MMAs, the rows saved and the epilogue of the program's tiles
@@ -206,6 +213,8 @@ if HAVE_GLUON:
         num_pid_m, num_tiles, ends, starts, rbeg, rend, eidx = _program_tiles(
             padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2, NUM_PID_N,
             BLOCK_M, 4)
+        pos_lo, num_pid_m, num_tiles = _ordered_tiles(positions_ptr, num_pid_m, num_tiles,
+                                                      NUM_PID_N, HAS_ORDER)
         num_tiles = _enabled_tiles(enable_ptr, num_tiles, HAS_ENABLE)
         # element offsets of h1 and the saved rows (negative: not stored)
         h1_off = 0
@@ -217,9 +226,9 @@ if HAVE_GLUON:
         first, step, count = _consumer_walk(NUM_K, COOP, PARITY)
         turns = 0
         for tile in range(first, num_tiles, step):
-            pid_n, expert, _row, act_start, num_live = _tile_info(
-                tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
-                NUM_EXPERTS, BLOCK_M)
+            pid_n, expert, _row, act_start, num_live = _ordered_tile_info(
+                tile, num_pid_m, order_ptr, pos_lo, ends, starts, rbeg, rend, eidx, NUM_PID_N,
+                GROUP_M, NUM_EXPERTS, BLOCK_M, HAS_ORDER)
             act_start += ROW0
             num_live -= ROW0
             if not COOP:
@@ -299,6 +308,8 @@ if HAVE_GLUON:
         x_ptr,  # bf16 base of the saved rows (WRITE_X), else a placeholder
         out_offsets_ptr,  # int64 [2] (DYN_OFFSETS), else a placeholder
         enable_ptr,  # int32 [1] (HAS_ENABLE), else a placeholder
+        order_ptr,  # int32 [R_cap / BLOCK_M] (HAS_ORDER), else a placeholder
+        positions_ptr,  # int32 [2] (HAS_ORDER), else a placeholder
         FFN: gl.constexpr,
         HIDDEN: gl.constexpr,
         NUM_EXPERTS: gl.constexpr,
@@ -309,6 +320,7 @@ if HAVE_GLUON:
         WRITE_X: gl.constexpr,
         DYN_OFFSETS: gl.constexpr,
         HAS_ENABLE: gl.constexpr,
+        HAS_ORDER: gl.constexpr,
         A_LAYOUT: gl.constexpr,
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
@@ -327,19 +339,19 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_consumer, (w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
                          padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr,
-                         out_offsets_ptr, enable_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2,
-                         GROUP_M, STAGES, WRITE_H1, WRITE_X, DYN_OFFSETS, HAS_ENABLE, BLOCK_M,
-                         BLOCK_N, BLOCK_K, COOP, 0)),
+                         out_offsets_ptr, enable_ptr, order_ptr, positions_ptr, FFN, HIDDEN,
+                         NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, WRITE_H1, WRITE_X,
+                         DYN_OFFSETS, HAS_ENABLE, HAS_ORDER, BLOCK_M, BLOCK_N, BLOCK_K, COOP, 0)),
             (_consumer, (w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
                          padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr,
-                         out_offsets_ptr, enable_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2,
-                         GROUP_M, STAGES, WRITE_H1, WRITE_X, DYN_OFFSETS, HAS_ENABLE, BLOCK_M,
-                         BLOCK_N, BLOCK_K, COOP, 1)),
+                         out_offsets_ptr, enable_ptr, order_ptr, positions_ptr, FFN, HIDDEN,
+                         NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, WRITE_H1, WRITE_X,
+                         DYN_OFFSETS, HAS_ENABLE, HAS_ORDER, BLOCK_M, BLOCK_N, BLOCK_K, COOP, 1)),
             (_producer, (w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
                          padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr,
-                         out_offsets_ptr, enable_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2,
-                         GROUP_M, STAGES, WRITE_H1, WRITE_X, DYN_OFFSETS, HAS_ENABLE, BLOCK_M,
-                         BLOCK_N, BLOCK_K, COOP, 0)),
+                         out_offsets_ptr, enable_ptr, order_ptr, positions_ptr, FFN, HIDDEN,
+                         NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, WRITE_H1, WRITE_X,
+                         DYN_OFFSETS, HAS_ENABLE, HAS_ORDER, BLOCK_M, BLOCK_N, BLOCK_K, COOP, 0)),
         ], [4, PRODUCER_THREADS // 32], [224, 56])
 
 
@@ -371,12 +383,14 @@ def launch_gluon_w13(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
                      h1_out: torch.Tensor | None, x_out: torch.Tensor | None,
                      out_offsets: torch.Tensor | None, enable: torch.Tensor | None,
                      block_n: int = 64, stages: int = 5, group_m: int = 8, warps: int = 4,
-                     programs: int | None = None) -> None:
+                     programs: int | None = None, order: torch.Tensor | None = None,
+                     positions: torch.Tensor | None = None) -> None:
     """Launch the kernel (arguments validated by
     :func:`~distmoe.kernels.w13_gather_swiglu.gather_w13_swiglu`, and
     :func:`gluon_w13_reason` returned ``None``). ``warps``: 4 (ping-pong) or 8 (cooperative).
     ``programs``: the grid (default one per SM); tests pass fewer so that every program walks
-    many tiles."""
+    many tiles. ``order`` / ``positions``: the row blocks of this launch (see
+    :func:`~distmoe.kernels.w13_gather_swiglu.gather_w13_swiglu`)."""
     from ._common import device_context, next_power_of_2, num_sms
 
     block_m, block_k = tile_rows(block_n, warps), 64
@@ -396,12 +410,14 @@ def launch_gluon_w13(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
             h2_out if x_out is None else x_out,
             padded_offsets if out_offsets is None else out_offsets,
             padded_offsets if enable is None else enable,
+            padded_offsets if order is None else order,
+            padded_offsets if positions is None else positions,
             FFN=ffn, HIDDEN=hidden, NUM_EXPERTS=num_experts,
             EXPERTS_POW2=max(32, next_power_of_2(num_experts)),
             GROUP_M=group_m, STAGES=stages,
             WRITE_H1=h1_out is not None, WRITE_X=x_out is not None,
             DYN_OFFSETS=out_offsets is not None, HAS_ENABLE=enable is not None,
-            A_LAYOUT=a_layout, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            HAS_ORDER=order is not None, A_LAYOUT=a_layout, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             PRODUCER_THREADS=_PRODUCER_THREADS, COOP=warps == 8, num_warps=4,
             maxnreg=_MAXNREG,
         )  # fmt: skip

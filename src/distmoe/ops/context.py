@@ -63,6 +63,13 @@ from ..runtime.heap import round_up
 from .activations import ActivationBuffer
 
 HEADER_BYTES = 128
+#: rows of the W13 row blocks the two-launch schedule moves (distmoe.kernels.w13_phases)
+_PHASE_ROWS = 128
+#: the two launches are the default from this many rows per local expert from one source
+#: rank (T_max * K / E): docs/performance.md run 32, 1.2% slower at 256 (T=4096, D=2048,
+#: E=128, K=8, EP=2), where the first launch's blocks each come from another expert and
+#: stream its weights alone; 3.4% faster at 2048 (T=8192, D=4096, E=32, K=8)
+_PHASE_MIN_OWN_ROWS = 1024
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
@@ -180,9 +187,22 @@ class MoEContext:
         # (pull_all_rule decides per call; True or False here forces a way, for A/B tools
         # and tests).
         self._pull_all: bool | None = None
+        # With that copy, W13 runs in two launches: first the row blocks of this rank's own
+        # tokens while the copy runs, then the rest (distmoe.kernels.w13_phases). None: the
+        # layer's choice (_phased_w13); True / False force a way (A/B tools, tests).
+        # _w13_phase_waves: waves of the first launch (None: estimated from the shapes).
+        self._w13_phases: bool | None = None
+        self._w13_phase_waves: int | None = None
+        self._w13_first: tuple | None = None  # (config, waves) -> first blocks, cached
         if self.ep_size > 1:
             self._peer_tokens = [heap.view("dispatch", r, torch.bfloat16, (T, D))
                                  for r in range(self.ep_size)]
+            if self.row_capacity % _PHASE_ROWS == 0:
+                blocks = self.row_capacity // _PHASE_ROWS
+                self._block_peer = torch.zeros(blocks, dtype=torch.int8, device=self.device)
+                self._w13_order = torch.zeros(blocks, dtype=torch.int32, device=self.device)
+                self._w13_positions = torch.zeros(4, dtype=torch.int32, device=self.device)
+                self._w13_starts = torch.zeros(blocks + 1, dtype=torch.int8, device=self.device)
         self._pull_stream = None
         # Device-side counters: [last received rows, max received rows, dropped rows total,
         # invalid ids total, calls].
@@ -344,13 +364,16 @@ class MoEContext:
         vector loads) instead of a copy in the dispatch buffer."""
         return self.ep_size == 1 and x.data_ptr() % 16 == 0
 
-    def _gather_table(self, gather_ptrs, enable=None, *, pulled: bool = False, x=None):
+    def _gather_table(self, gather_ptrs, enable=None, *, pulled: bool = False, x=None,
+                      phased: bool = False):
         """The table W13 reads its A rows through. At EP = 1: with ``x`` (a forward's input,
         where :meth:`_reads_x`) a copy of ``gather_ptrs`` that names x's rows, else
         ``gather_ptrs`` itself. At EP > 1 a copy whose peer tokens point at local copies,
         pulled once per token (see :mod:`distmoe.kernels.pull_tokens`; ``enable`` an optional
         device predicate). With ``pulled`` (after :meth:`_start_pull_all`) the tokens are
-        being copied already: the table is rewritten and the copy joined."""
+        being copied already: the table is rewritten and the copy joined, or with ``phased``
+        not joined yet but the row blocks that name peer tokens flagged
+        (:meth:`_run_w13` joins it between its two launches)."""
         from ..kernels.pull_tokens import pull_tokens
 
         if self.ep_size == 1:
@@ -361,10 +384,86 @@ class MoEContext:
 
         out = pull_tokens(gather_ptrs, self.heap.base_table("dispatch"), self.rank,
                           self._pulled, self._pull_flags, self._pulled_ptrs, enable=enable,
-                          pulled=pulled)
-        if pulled and self._pull_stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._pull_stream)
+                          pulled=pulled, block_flags=self._block_peer if phased else None)
+        if pulled and not phased:
+            self._join_pull()
         return out
+
+    def _join_pull(self) -> None:
+        """The current stream waits for :meth:`_start_pull_all`'s copy (on CUDA)."""
+        if self._pull_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._pull_stream)
+
+    def _phased_w13(self) -> bool:
+        """Whether a forward with every peer token copied runs W13 in two launches
+        (:meth:`_run_w13`): ``_w13_phases`` if set, else where the W13 tiles are blocks of
+        128 padded rows (the blocks the pull flags) and each local expert has about
+        ``_PHASE_MIN_OWN_ROWS`` or more rows of this rank's own tokens (whole own blocks of
+        one expert share its weight tiles)."""
+        if self.ep_size == 1:
+            return False
+        from ..kernels.w13_gather_swiglu import w13_tile_rows
+
+        cfg = self._w13_cfg
+        fits = (hasattr(self, "_block_peer") and cfg.block_m == _PHASE_ROWS
+                and w13_tile_rows(cfg) == _PHASE_ROWS)
+        if self._w13_phases is not None:
+            if self._w13_phases and not fits:
+                raise ValueError(f"the two-launch W13 needs {_PHASE_ROWS}-row tiles and a "
+                                 f"row capacity divisible by {_PHASE_ROWS}, got tiles of "
+                                 f"{w13_tile_rows(cfg)} rows and {self.row_capacity} rows")
+            return self._w13_phases
+        c = self.cfg
+        return fits and self.w13_phases_rule(c.max_tokens, c.top_k, c.num_experts)
+
+    @staticmethod
+    def w13_phases_rule(max_tokens: int, top_k: int, num_experts: int) -> bool:
+        """Whether W13 runs in two launches by default (where its tiles allow, with every
+        peer token copied): from ``_PHASE_MIN_OWN_ROWS`` rows per local expert from one
+        source rank, ``max_tokens * top_k / num_experts`` (balanced routing)."""
+        return max_tokens * top_k // num_experts >= _PHASE_MIN_OWN_ROWS
+
+    def _w13_first_blocks(self) -> int:
+        """Own row blocks of the first W13 launch (:func:`~distmoe.kernels.w13_phases.\
+first_blocks`), for the current config and ``_w13_phase_waves``; cached."""
+        key = (self._w13_cfg, self._w13_phase_waves)
+        if self._w13_first is not None and self._w13_first[0] == key:
+            return self._w13_first[1]
+        from ..kernels._common import num_sms
+        from ..kernels.w13_phases import first_blocks, phase_waves
+
+        cfg, D, F = self._w13_cfg, self.cfg.hidden, self.cfg.ffn
+        num_pid_n = -(-F // cfg.block_n)
+        programs = min(num_sms(self.device), self._block_peer.numel() * num_pid_n)
+        waves = self._w13_phase_waves
+        if waves is None:
+            waves = phase_waves(
+                copy_bytes=(self.ep_size - 1) * self.cfg.max_tokens * D * 2,
+                tile_flops=2 * _PHASE_ROWS * 2 * cfg.block_n * D)
+        first = first_blocks(waves=waves, programs=programs, num_pid_n=num_pid_n)
+        self._w13_first = (key, first)
+        return first
+
+    def _run_w13(self, phased: bool, gather_ptrs, po, ro, w13, **outputs) -> None:
+        """W13 into ``self._h2`` (and ``outputs``: h1 / x / their offsets). With ``phased``,
+        in two launches around the join of the peer-token copy: the row blocks of own tokens
+        first (at most :meth:`_w13_first_blocks`), then the rest, the same bits
+        (:mod:`distmoe.kernels.w13_phases`)."""
+        from ..kernels.w13_gather_swiglu import gather_w13_swiglu
+        from ..kernels.w13_phases import w13_phase_order
+
+        if not phased:
+            gather_w13_swiglu(gather_ptrs, po, ro, w13, self._h2, config=self._w13_cfg,
+                              **outputs)
+            return
+        order, positions = self._w13_order, self._w13_positions
+        w13_phase_order(self._block_peer, po, order, positions, self._w13_starts,
+                        first=self._w13_first_blocks(), block_m=_PHASE_ROWS)
+        gather_w13_swiglu(gather_ptrs, po, ro, w13, self._h2, config=self._w13_cfg,
+                          order=order, positions=positions[0:2], **outputs)
+        self._join_pull()
+        gather_w13_swiglu(gather_ptrs, po, ro, w13, self._h2, config=self._w13_cfg,
+                          order=order, positions=positions[2:4], **outputs)
 
     def _wants_autograd(self, x, scores, w13, w2) -> bool:
         """Training call with autograd: cfg.training, grad mode on and an input requiring
@@ -385,7 +484,6 @@ class MoEContext:
         from ..kernels.combine import combine
         from ..kernels.offset_copy import offset_copy
         from ..kernels.w2_scatter import w2_scatter
-        from ..kernels.w13_gather_swiglu import gather_w13_swiglu
 
         acts = self.activations
         if save:
@@ -398,9 +496,11 @@ class MoEContext:
         po, ro = tables.padded_offsets, tables.row_offsets
         scores_f32 = scores.float().contiguous()
         y = torch.empty_like(x)
-        gather_ptrs = self._gather_table(tables.gather_ptrs, pulled=pull_all, x=x)
+        phased = pull_all and self._phased_w13()
+        gather_ptrs = self._gather_table(tables.gather_ptrs, pulled=pull_all, x=x,
+                                         phased=phased)
         if not save:
-            gather_w13_swiglu(gather_ptrs, po, ro, w13, self._h2, config=self._w13_cfg)
+            self._run_w13(phased, gather_ptrs, po, ro, w13)
             w2_scatter(self._h2, po, ro, w2, tables.scatter_ptrs, config=self._w2_cfg)
             self.heap.barrier()
             ids_executed = torch.where(tables.is_route_executed_TK,
@@ -413,9 +513,8 @@ class MoEContext:
                                combine_bases=heap.base_table("combine"))
         try:
             elements = acts.elements
-            gather_w13_swiglu(gather_ptrs, po, ro, w13, self._h2, h1_out=elements,
-                              x_out=elements, out_offsets=rec.offsets[0:2],
-                              config=self._w13_cfg)
+            self._run_w13(phased, gather_ptrs, po, ro, w13, h1_out=elements, x_out=elements,
+                          out_offsets=rec.offsets[0:2])
             offset_copy(elements, x, x.numel(), dst_offset=rec.offsets[3:4])
             # A saved layer's h3 rows go straight into each owner's slot (rec.h3_deltas); a
             # replayed layer's stay in the combine buffers.
@@ -456,8 +555,8 @@ class MoEContext:
         """Counters of this rank (reads device memory: synchronises; not for the hot path).
 
         Returns a dict: ``rank``, ``receive_bound`` (rows), ``row_capacity`` (padded rows),
-        ``pull_buffer_bytes`` (the EP > 1 pull buffer and its flags, and the pointer table
-        W13 reads, at EP = 1 too),
+        ``pull_buffer_bytes`` (the EP > 1 pull buffer, its flags and the W13 block order,
+        and the pointer table W13 reads, at EP = 1 too),
         ``last_recv_rows``, ``max_recv_rows``, ``dropped_rows`` (received routes that were
         not executed, summed over calls), ``invalid_ids`` (summed), ``calls``; training
         contexts add ``activations`` (:meth:`ActivationBuffer.stats`).
@@ -467,6 +566,9 @@ class MoEContext:
         pull = self._pulled_ptrs.numel() * 8
         if self.ep_size > 1:
             pull += self._pulled.numel() * 2 + self._pull_flags.numel()
+            if hasattr(self, "_block_peer"):
+                pull += (self._block_peer.numel() + 4 * self._w13_order.numel()
+                         + 4 * self._w13_positions.numel() + self._w13_starts.numel())
         out = dict(rank=self.rank, receive_bound=self.receive_bound,
                    row_capacity=self.row_capacity, pull_buffer_bytes=pull,
                    last_recv_rows=last, max_recv_rows=mx,

@@ -37,7 +37,7 @@ SM90_SMEM_BYTES = 227 * 1024
 _INTS = {"num_rows", "num_act_rows", "r_act", "num_pid_m", "num_progs"}
 _I64 = {"grad_h3_ptrs_ptr", "scatter_ptrs_ptr", "gather_ptrs_ptr", "h1_offset_ptr",
         "b_offset_ptr", "out_offsets_ptr"}
-_I32 = {"padded_offsets_ptr", "row_offsets_ptr", "enable_ptr"}
+_I32 = {"padded_offsets_ptr", "row_offsets_ptr", "enable_ptr", "order_ptr", "positions_ptr"}
 
 
 def _default_type(name: str) -> str:
@@ -214,7 +214,7 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
         return []
     gl = wg.gl
 
-    def case(label, name, train, bn, stages, production, warps=4):
+    def case(label, name, train, bn, stages, production, warps=4, order=False):
         s = SHAPES[name]
         D, F, E = s.hidden, s.ffn, s.num_experts
         bm, bk = wg.tile_rows(bn, warps), 64
@@ -224,11 +224,11 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
                  "enable_ptr": "*i32"}
         return BuildCase(
             f"{label} W13 fwd gluon {bm}x{bn}{' coop' if warps == 8 else ''} s{stages} "
-            f"training={train}",
+            f"training={train}{' ordered' if order else ''}",
             wg._gluon_w13_kernel,
             dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
                  GROUP_M=8, STAGES=stages, WRITE_H1=train, WRITE_X=train, DYN_OFFSETS=train,
-                 HAS_ENABLE=train,
+                 HAS_ENABLE=train, HAS_ORDER=order,
                  A_LAYOUT=gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16),
                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRODUCER_THREADS=wg._PRODUCER_THREADS,
                  COOP=warps == 8, num_warps=4),
@@ -247,6 +247,9 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
             if c is not None:
                 cases.append(case(name, name, train, c.block_n, c.num_stages, True,
                                   warps=c.num_warps))
+                # EP > 1 with every peer token copied: two launches over a block order
+                cases.append(case(name, name, train, c.block_n, c.num_stages, True,
+                                  warps=c.num_warps, order=True))
     cases.append(case("variant fine", "fine", True, 128, 5, False))
     cases.append(case("variant fine", "fine", False, 64, 3, False))
     cases.append(case("variant fine", "fine", True, 64, 6, False))
@@ -348,7 +351,7 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
                      BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, EVEN_K=True,
                      EVEN_N=True, PERSISTENT=persistent, HOST_DESC=host, WRITE_H1=train,
                      WRITE_X=train, DYN_OFFSETS=train, HAS_ENABLE=train,
-                     TMA_STORE=c.tma_epilogue and persistent),
+                     TMA_STORE=c.tma_epilogue and persistent, HAS_ORDER=False),
                 c.num_warps, c.num_stages,
                 types={"w13": _desc(1, c.block_n, c.block_k)} if host else {},
                 production=production))
@@ -445,6 +448,7 @@ def other_kernel_cases() -> list[BuildCase]:
     from distmoe.kernels import route_grad as rg
     from distmoe.kernels import slot_cursor
     from distmoe.kernels import w2_backward as w2b
+    from distmoe.kernels import w13_phases as phases
     from distmoe.routing import fused
     from distmoe.runtime import barrier
 
@@ -498,17 +502,24 @@ def other_kernel_cases() -> list[BuildCase]:
             types={"src_off_ptr": "*i64", "dst_off_ptr": "*i64", "numel": "i32"}))
     # the flagged pull (forward and replay), the table after the copy-engine pull, and
     # EP = 1's table that reads x in place
-    for enable, mark, own, ep in ((False, True, False, EP), (True, True, False, EP),
-                                  (False, False, False, EP), (False, False, True, 1)):
+    # (with the block flags of W13's two launches, distmoe.kernels.w13_phases)
+    for enable, mark, own, ep, blocks in ((False, True, False, EP, False),
+                                          (True, True, False, EP, False),
+                                          (False, False, False, EP, True),
+                                          (False, False, True, 1, False)):
         cases.append(BuildCase(
-            f"mark_tokens EP={ep} enable={enable} mark={mark} own={own}",
+            f"mark_tokens EP={ep} enable={enable} mark={mark} own={own} blocks={blocks}",
             pull._mark_tokens_kernel,
             dict(T_MAX=T, EP=ep, ROW_BYTES=2 * D, BLOCK_R=pull._BLOCK_R, HAS_ENABLE=enable,
-                 MARK=mark, OWN=own),
+                 MARK=mark, OWN=own, BLOCK_FLAGS=blocks),
             4, 1,
             types={"src_ptrs_ptr": "*i64", "bases_ptr": "*i64", "out_ptrs_ptr": "*i64",
-                   "flags_ptr": "*i8", "dst_base": "i64", "own_base": "i64", "r_cap": "i32",
-                   "rank": "i32"}))
+                   "flags_ptr": "*i8", "block_flags_ptr": "*i8", "dst_base": "i64",
+                   "own_base": "i64", "r_cap": "i32", "rank": "i32"}))
+    cases.append(BuildCase(
+        "w13 phase order", phases._phase_order_kernel,
+        dict(NUM_EXPERTS=E // EP, EXPERTS_POW2=E // EP, BLOCK_M=128, CHUNK=phases._CHUNK), 4, 1,
+        types={"peer_ptr": "*i8", "starts_ptr": "*i8", "first": "i32"}))
     for enable in (False, True):
         cases.append(BuildCase(
             f"pull_tokens enable={enable}", pull._pull_tokens_kernel,
