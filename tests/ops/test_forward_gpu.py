@@ -3,7 +3,13 @@ heap); CUDA-graph replay with new inputs equals eager; no host synchronisation."
 
 import pytest
 import torch
-from forward_cases import CASES, check_against_reference, forward_cases_rank, make_problem
+from forward_cases import (
+    CASES,
+    check_against_reference,
+    forward_cases_rank,
+    forward_rank,
+    make_problem,
+)
 
 import distmoe as dm
 from distmoe.reference import moe_reference, split_global_problem
@@ -22,13 +28,15 @@ def test_forward_gpu_matches_reference(EP):
         check_against_reference([r[i] for r in per_rank], 77 + EP, EP, T, D, F, E, K, name)
 
 
-def _graph_rank(rank, world, T, E, K):
+def _graph_rank(rank, world, T, E, K, phases=None, case="inactive_mix"):
     dev = torch.device("cuda", torch.cuda.current_device())
     cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T, training=False,
                        device_scratch_factor=float(world))
-    problems = [split_global_problem(*make_problem(s, world, T, D, F, E, K, "inactive_mix"),
+    problems = [split_global_problem(*make_problem(s, world, T, D, F, E, K, case),
                                      world)[rank] for s in (1, 2)]
     with dm.MoEContext(cfg, device=dev) as ctx:
+        if phases is not None:  # W13 in two launches around the copy-engine pull's join
+            ctx._pull_all = ctx._w13_phases = phases
         static = [t.to(dev) for t in (problems[0].x, problems[0].expert_ids,
                                       problems[0].scores, problems[0].w13, problems[0].w2)]
         s = torch.cuda.Stream()
@@ -64,11 +72,36 @@ def _graph_rank(rank, world, T, E, K):
 @pytest.mark.parametrize("EP", [1, 2])
 def test_cuda_graph_replay_with_new_inputs_equals_eager(EP):
     out = dm.launch(_graph_rank, EP, device="cuda", gpus=[0], timeout=300, args=(64, 8, 2))
+    _check_graph_ranks(out, EP, 64, 8, 2, "inactive_mix")
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_with_w13_in_two_launches():
+    # about 300 own rows per local expert: both launches have blocks, new routing per replay
+    out = dm.launch(_graph_rank, 2, device="cuda", gpus=[0], timeout=300,
+                    args=(600, 8, 4, True, "balanced"))
+    _check_graph_ranks(out, 2, 600, 8, 4, "balanced")
+
+
+@pytest.mark.gpu
+def test_forward_gpu_w13_in_two_launches_gives_the_same_bits():
+    T, E, K = 600, 8, 4
+    outs = {}
+    for phases in (True, False):
+        outs[phases] = dm.launch(forward_rank, 2, device="cuda", gpus=[0], timeout=300, args=(
+            31, T, D, F, E, K, "balanced", "cuda", 128, None, True, phases))
+        check_against_reference(outs[phases], 31, 2, T, D, F, E, K, "balanced")
+    for (y_two, s_two), (y_one, _) in zip(outs[True], outs[False], strict=True):
+        assert s_two["w13_phased"] and 0 < s_two["w13_positions"][1] < s_two["w13_positions"][3]
+        assert torch.equal(y_two.view(torch.int16), y_one.view(torch.int16))
+
+
+def _check_graph_ranks(out, EP, T, E, K, case):
     for results, _ in out:
         assert all(results), results
     # the last replay ran problem 2's x, ids and scores with problem 1's weights
-    x, ids, scores, _, _ = make_problem(2, EP, 64, D, F, 8, 2, "inactive_mix")
-    _, _, _, w13, w2 = make_problem(1, EP, 64, D, F, 8, 2, "inactive_mix")
+    x, ids, scores, _, _ = make_problem(2, EP, T, D, F, E, K, case)
+    _, _, _, w13, w2 = make_problem(1, EP, T, D, F, E, K, case)
     y = torch.cat([o[1] for o in out]).double()
     y64 = moe_reference(x.double(), ids, scores.double(), w13.double(), w2.double())
     y16 = moe_reference(x, ids, scores, w13, w2).double()

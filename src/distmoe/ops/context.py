@@ -66,10 +66,11 @@ HEADER_BYTES = 128
 #: rows of the W13 row blocks the two-launch schedule moves (distmoe.kernels.w13_phases)
 _PHASE_ROWS = 128
 #: the two launches are the default from this many rows per local expert from one source
-#: rank (T_max * K / E): docs/performance.md run 32, 1.2% slower at 256 (T=4096, D=2048,
-#: E=128, K=8, EP=2), where the first launch's blocks each come from another expert and
-#: stream its weights alone; 3.4% faster at 2048 (T=8192, D=4096, E=32, K=8)
-_PHASE_MIN_OWN_ROWS = 1024
+#: rank (T_max * K / E, two blocks: an expert can have a pair of own blocks, which share its
+#: weight tiles in the first launch). docs/performance.md run 32, interleaved A/Bs at EP=2:
+#: 1.0% and 1.5% faster at 256 (T=4096, D=2048, E=128, K=8; 1.2% slower before pairs went
+#: first), 1.2-1.9% at 2048 (T=8192, D=4096, E=32, K=8)
+_PHASE_MIN_OWN_ROWS = 256
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
@@ -330,13 +331,15 @@ class MoEContext:
             combine_bases_EP=self.heap.base_table("combine"),
             row_bytes=self.row_bytes, training=self.cfg.training,
         )
-        c = self._counters
-        c[0].copy_(tables.num_recv_rows)
-        torch.maximum(c[1], tables.num_recv_rows, out=c[1])
-        c[2].add_(tables.num_dropped_rows)
-        c[3].add_(tables.num_invalid_ids)
-        c[4].add_(1)
+        self._count_call(tables)
         return tables
+
+    def _count_call(self, tables) -> None:
+        """The device counters of :meth:`stats`, from this call's tables (one launch)."""
+        from ..kernels.call_counters import count_call
+
+        count_call(self._counters, tables.num_recv_rows, tables.num_dropped_rows,
+                   tables.num_invalid_ids)
 
     def _start_pull_all(self) -> None:
         """Copy every peer's ``max_tokens`` token rows into the pull buffer (after the
@@ -503,9 +506,9 @@ first_blocks`), for the current config and ``_w13_phase_waves``; cached."""
             self._run_w13(phased, gather_ptrs, po, ro, w13)
             w2_scatter(self._h2, po, ro, w2, tables.scatter_ptrs, config=self._w2_cfg)
             self.heap.barrier()
-            ids_executed = torch.where(tables.is_route_executed_TK,
-                                       expert_ids.to(torch.int32), -1)
-            combine(self._combine[:T * K], ids_executed, scores_f32, y)
+            # dest_rows_TK is -1 exactly where a route is not executed: it serves as the
+            # combine's ids (only their sign is read)
+            combine(self._combine[:T * K], tables.dest_rows_TK, scores_f32, y)
             return y, None
         heap = self.heap
         rec = acts.begin_layer(tables.executed_rows_EP, self._combine.data_ptr(),

@@ -373,7 +373,6 @@ class _Outputs:
             route_of_row=self.route_of_row,
             num_recv_rows=self.counters[0],
             num_dropped_rows=self.counters[1],
-            is_route_executed_TK=self.dest_rows_TK >= 0,
             dest_rows_TK=self.dest_rows_TK,
             num_invalid_ids=self.counters[2],
         )

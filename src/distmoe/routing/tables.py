@@ -69,13 +69,12 @@ class RoutingTables:
         route_of_row: int64 [R_cap] flat route index src*T*K + t*K + k of each row, -1 = null.
         num_recv_rows: int64 [] routes received by this rank in this call.
         num_dropped_rows: int64 [] received routes beyond the receive bound (not executed).
-        is_route_executed_TK: bool [T, K] for this rank's own routes: True when the
-            destination rank executes the route (active and within its receive bound); the owner
-            combines only those (a dropped route's return slot is never written).
         dest_rows_TK: int32 [T, K] for this rank's own routes: the activation row at which the
             destination rank executes the route (its compact index there), -1 when it is not
-            executed. The backward writes each route's output gradient straight into that
-            row of the destination's gathered grad_h3 (:mod:`distmoe.ops.autograd`).
+            executed (inactive, or beyond its receive bound: the owner combines only executed
+            routes, a dropped route's return slot is never written). The backward writes each
+            route's output gradient straight into that row of the destination's gathered
+            grad_h3 (:mod:`distmoe.ops.autograd`).
         num_invalid_ids: int64 [] ids of any rank outside [-1, E) (treated as inactive).
     """
 
@@ -89,9 +88,14 @@ class RoutingTables:
     route_of_row: torch.Tensor
     num_recv_rows: torch.Tensor
     num_dropped_rows: torch.Tensor
-    is_route_executed_TK: torch.Tensor
     num_invalid_ids: torch.Tensor
     dest_rows_TK: torch.Tensor
+
+    @property
+    def is_route_executed_TK(self) -> torch.Tensor:
+        """bool [T, K]: ``dest_rows_TK >= 0`` (one elementwise kernel, computed on use; the
+        forward's combine reads ``dest_rows_TK`` itself)."""
+        return self.dest_rows_TK >= 0
 
 
 def row_capacity(receive_bound: int, num_local_experts: int, row_block: int) -> int:
@@ -186,7 +190,6 @@ def build_routing_tables(
     # earlier expert of that rank is executed whole when this one is executed at all).
     dest_rows = torch.full_like(key_sorted, -1)
     dest_rows[order] = torch.where(fits_sorted, compact_start[key_sorted] + position, -1)
-    is_route_executed = dest_rows >= 0
 
     dest_rank = key_sorted // E_local
     mine = (key_sorted < E) & (dest_rank == rank)
@@ -209,7 +212,6 @@ def build_routing_tables(
         bwd[row] = torch.where(fits, dispatch_bases_EP[src] + tk * row_bytes, 0)
         bwd = bwd[:cap]
     num_recv = mine.sum()
-    own = is_route_executed.view(EP, T, K)[rank]
     my_executed = executed[rank]
     row_offsets = torch.cat([my_executed.new_zeros(1), my_executed.cumsum(0)])
     return RoutingTables(
@@ -223,7 +225,6 @@ def build_routing_tables(
         route_of_row=route_of_row[:cap],
         num_recv_rows=num_recv,
         num_dropped_rows=num_recv - fits.sum(),
-        is_route_executed_TK=own,
         num_invalid_ids=((ids_i < -1) | (ids_i >= E)).sum(),
         dest_rows_TK=dest_rows.view(EP, T, K)[rank].to(torch.int32),
     )

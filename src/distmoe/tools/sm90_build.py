@@ -442,11 +442,11 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
 def other_kernel_cases() -> list[BuildCase]:
     """Every other kernel of the library, each flag value its launcher passes (``fine``
     shape: D=2048, E=128, K=8; EP=2 where a kernel takes it). Build only."""
+    from distmoe.kernels import call_counters, slot_cursor
     from distmoe.kernels import combine as comb
     from distmoe.kernels import offset_copy as oc
     from distmoe.kernels import pull_tokens as pull
     from distmoe.kernels import route_grad as rg
-    from distmoe.kernels import slot_cursor
     from distmoe.kernels import w2_backward as w2b
     from distmoe.kernels import w13_phases as phases
     from distmoe.routing import fused
@@ -516,6 +516,10 @@ def other_kernel_cases() -> list[BuildCase]:
             types={"src_ptrs_ptr": "*i64", "bases_ptr": "*i64", "out_ptrs_ptr": "*i64",
                    "flags_ptr": "*i8", "block_flags_ptr": "*i8", "dst_base": "i64",
                    "own_base": "i64", "r_cap": "i32", "rank": "i32"}))
+    cases.append(BuildCase(
+        "call counters", call_counters._count_call_kernel, {}, 1, 1,
+        types={"counters_ptr": "*i64", "recv_ptr": "*i64", "dropped_ptr": "*i64",
+               "invalid_ptr": "*i64"}))
     cases.append(BuildCase(
         "w13 phase order", phases._phase_order_kernel,
         dict(NUM_EXPERTS=E // EP, EXPERTS_POW2=E // EP, BLOCK_M=128, CHUNK=phases._CHUNK), 4, 1,
