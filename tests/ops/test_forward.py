@@ -83,12 +83,11 @@ def test_w13_in_two_launches_gives_the_same_bits():
 
 
 def test_w13_phases_rule():
-    """Two launches by default from 256 rows per local expert from one rank (T_max*K/E)."""
+    """Two launches by default from 1024 rows per local expert from one rank (T_max*K/E)."""
     rule = dm.MoEContext.w13_phases_rule
     assert rule(8192, 8, 32)  # 2048 rows: T=8192, E=32, K=8
-    assert rule(4096, 8, 128)  # 256 rows: the fine-grained shape
-    assert not rule(4096, 8, 256)  # 128 rows: T=4096, E=256, K=8 (at most single blocks)
-    assert rule(1024, 8, 32) and not rule(1023, 8, 32)
+    assert not rule(4096, 8, 128)  # 256 rows: the fine-grained shape (measured even)
+    assert rule(4096, 8, 32) and not rule(4095, 8, 32)
 
 
 def test_ep1_reads_x_in_place_and_copies_a_misaligned_x():

@@ -66,11 +66,12 @@ HEADER_BYTES = 128
 #: rows of the W13 row blocks the two-launch schedule moves (distmoe.kernels.w13_phases)
 _PHASE_ROWS = 128
 #: the two launches are the default from this many rows per local expert from one source
-#: rank (T_max * K / E, two blocks: an expert can have a pair of own blocks, which share its
-#: weight tiles in the first launch). docs/performance.md run 32, interleaved A/Bs at EP=2:
-#: 1.0% and 1.5% faster at 256 (T=4096, D=2048, E=128, K=8; 1.2% slower before pairs went
-#: first), 1.2-1.9% at 2048 (T=8192, D=4096, E=32, K=8)
-_PHASE_MIN_OWN_ROWS = 256
+#: rank (T_max * K / E: eight own blocks per expert, whose weight tiles the first launch's
+#: tiles share). docs/performance.md run 32, interleaved A/Bs at EP=2: 1.2-1.9% faster at
+#: 2048 (T=8192, D=4096, E=32, K=8, four A/Bs); even at 256 (T=4096, D=2048, E=128, K=8:
+#: -1.0, +1.5 and -0.3% with pairs of own blocks first, -1.2% before), where an expert has
+#: at most two own blocks and the first launch reads many experts' weights for few rows
+_PHASE_MIN_OWN_ROWS = 1024
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
