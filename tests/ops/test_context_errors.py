@@ -92,6 +92,28 @@ def test_check_mode_makes_every_rank_raise_together(case):
                              "torch.bfloat16"), e0
 
 
+def _unchecked_tokens_rank(rank, world):
+    """check=False at EP=2: a call where rank 1 has one token fewer, then a good one. Returns
+    this rank's token-count mismatch counter after each."""
+    cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
+                       training=False, row_block=16)
+    with dm.MoEContext(cfg, device="cpu") as ctx:
+        x, ids, scores, w13, w2 = _inputs()
+        w13, w2 = w13[:E // world].contiguous(), w2[:E // world].contiguous()
+        n = T - 1 if rank == 1 else T
+        ctx(x[:n], ids[:n], scores[:n], w13, w2)
+        first = ctx.stats()["token_count_mismatches"]
+        ctx(x, ids, scores, w13, w2)
+        second = ctx.stats()
+    return first, second["token_count_mismatches"], second["calls"]
+
+
+def test_unchecked_token_count_mismatch_is_counted_on_every_rank():
+    # unchecked, nothing refuses the call, but every rank counts it (stats), and a later good
+    # call adds nothing
+    assert dm.launch(_unchecked_tokens_rank, 2) == [(1, 1, 2), (1, 1, 2)]
+
+
 def test_bad_inputs_raise_before_buffers_are_touched():
     msgs, untouched = dm.launch(_bad_inputs_rank, 1)[0]
     assert untouched

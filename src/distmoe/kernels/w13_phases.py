@@ -26,7 +26,8 @@ computes only such blocks and the second, after the copy is joined, all the othe
 Paired blocks go first because a tile streams its expert's weight tiles: a first launch of
 single blocks, each from another expert, reads a whole expert's weights per block and is
 bound by memory (run 32: one wave at T=4096, D=2048, E=128, K=8, EP=2 took 37 us against
-24 in natural order, where about five blocks of an expert run together).
+about 24 in natural order, where about five blocks of an expert run together; 32 us with
+pairs first).
 
 ``order`` is a permutation of the call's blocks that keeps natural order within each phase
 (group-M order and its L2 reuse of weight tiles stay), and
@@ -34,10 +35,13 @@ bound by memory (run 32: one wave at T=4096, D=2048, E=128, K=8, EP=2 took 37 us
 ``positions[0:2]``, then ``positions[2:4]``, computes every tile exactly once. The tile
 results do not depend on the order, so the output is bit-identical to one launch.
 
-``first`` is a host number of blocks: enough whole waves of the persistent W13 to cover the
-copy (:func:`first_blocks`). Where fewer own blocks exist, the first launch simply has fewer
-tiles. One program, a prefix over chunks of ``CHUNK`` blocks; grids from static bounds, no
-host synchronisation, capturable in a CUDA graph.
+``first`` is a host number of blocks: whole waves of the persistent W13 for part of the
+copy's time (:func:`phase_waves`, :func:`first_blocks`). Where fewer own blocks exist, the
+first launch simply has fewer tiles. One program: the experts' first blocks into a scratch
+array, then two passes over chunks of ``CHUNK`` blocks (counts, then positions); grids from
+static bounds, no host synchronisation, capturable in a CUDA graph. The layer uses this
+where each expert has about eight own blocks or more (``MoEContext.w13_phases_rule``; run
+32: even at two, faster at sixteen).
 """
 
 from __future__ import annotations

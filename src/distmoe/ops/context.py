@@ -36,7 +36,10 @@ CUDA graph and replayed with new inputs written into the same tensors):
        tables keep the dispatch rows for a backward's replay, which copies the saved x back
        there. At EP > 1 peers' tokens are first pulled once into local memory; where nearly
        all of them are needed, :meth:`MoEContext.pull_all_rule`, every peer token is copied
-       on a side stream from step 3 on, joined here), SwiGLU epilogue -> h2
+       on a side stream from step 3 on, joined here, and with long expert segments
+       (:meth:`MoEContext.w13_phases_rule`) W13 runs the row blocks of own tokens before
+       the join and the rest after it, :mod:`distmoe.kernels.w13_phases`), SwiGLU
+       epilogue -> h2
     5. W2 grouped GEMM, scatter epilogue stores each row into its owner's combine slot
        (training, saved layer: into the h3 rows of the owner's activation slot instead)
     6. barrier                                 (all results have landed; all gathers done)
@@ -94,7 +97,8 @@ class MoEContext:
             call, ``RuntimeError`` when a rank received more rows than its receive bound.
 
     Call: ``y = ctx(x, expert_ids, scores, w13, w2)`` with x [T, D] bf16 (T <= max_tokens, the
-    same T on every rank), expert_ids [T, K] integer (global ids, -1 inactive), scores [T, K]
+    same T on every rank: ``check=True`` refuses a call where it differs, unchecked it is
+    counted in ``stats()["token_count_mismatches"]``), expert_ids [T, K] integer (global ids, -1 inactive), scores [T, K]
     float, w13 [E_local, 2, F, D] bf16, w2 [E_local, D, F] bf16, all contiguous on ``device``.
     Returns y [T, D] bf16.
 
@@ -207,8 +211,9 @@ class MoEContext:
                 self._w13_starts = torch.zeros(blocks + 1, dtype=torch.int8, device=self.device)
         self._pull_stream = None
         # Device-side counters: [last received rows, max received rows, dropped rows total,
-        # invalid ids total, calls].
-        self._counters = torch.zeros(5, dtype=torch.int64, device=self.device)
+        # invalid ids total, calls, calls with a token count that differs between ranks]
+        # (distmoe.kernels.call_counters).
+        self._counters = torch.zeros(6, dtype=torch.int64, device=self.device)
 
     @staticmethod
     def pull_all_rule(ep_size: int, top_k: int, tokens: int, max_tokens: int) -> bool:
@@ -332,15 +337,17 @@ class MoEContext:
             combine_bases_EP=self.heap.base_table("combine"),
             row_bytes=self.row_bytes, training=self.cfg.training,
         )
-        self._count_call(tables)
+        self._count_call(tables, T)
         return tables
 
-    def _count_call(self, tables) -> None:
-        """The device counters of :meth:`stats`, from this call's tables (one launch)."""
+    def _count_call(self, tables, tokens: int) -> None:
+        """The device counters of :meth:`stats`, from this call's tables and every rank's
+        published token count (one launch, after the publish barrier)."""
         from ..kernels.call_counters import count_call
 
         count_call(self._counters, tables.num_recv_rows, tables.num_dropped_rows,
-                   tables.num_invalid_ids)
+                   tables.num_invalid_ids, header_bases=self.heap.base_table("routing"),
+                   headers=self._headers, tokens=tokens)
 
     def _start_pull_all(self) -> None:
         """Copy every peer's ``max_tokens`` token rows into the pull buffer (after the
@@ -562,11 +569,15 @@ first_blocks`), for the current config and ``_w13_phase_waves``; cached."""
         ``pull_buffer_bytes`` (the EP > 1 pull buffer, its flags and the W13 block order,
         and the pointer table W13 reads, at EP = 1 too),
         ``last_recv_rows``, ``max_recv_rows``, ``dropped_rows`` (received routes that were
-        not executed, summed over calls), ``invalid_ids`` (summed), ``calls``; training
-        contexts add ``activations`` (:meth:`ActivationBuffer.stats`).
+        not executed, summed over calls), ``invalid_ids`` (summed), ``calls``,
+        ``token_count_mismatches`` (calls in which some rank's T differed from this rank's:
+        the layer needs the same T everywhere and computes wrong results otherwise; only
+        ``check=True`` refuses such a call before it runs); training contexts add
+        ``activations`` (:meth:`ActivationBuffer.stats`).
         """
         self._check_open()
-        last, mx, dropped, invalid, calls = (int(v) for v in self._counters.tolist())
+        last, mx, dropped, invalid, calls, mismatches = (int(v)
+                                                         for v in self._counters.tolist())
         pull = self._pulled_ptrs.numel() * 8
         if self.ep_size > 1:
             pull += self._pulled.numel() * 2 + self._pull_flags.numel()
@@ -576,7 +587,8 @@ first_blocks`), for the current config and ``_w13_phase_waves``; cached."""
         out = dict(rank=self.rank, receive_bound=self.receive_bound,
                    row_capacity=self.row_capacity, pull_buffer_bytes=pull,
                    last_recv_rows=last, max_recv_rows=mx,
-                   dropped_rows=dropped, invalid_ids=invalid, calls=calls)
+                   dropped_rows=dropped, invalid_ids=invalid, calls=calls,
+                   token_count_mismatches=mismatches)
         if self.activations is not None:
             out["activations"] = self.activations.stats()
         return out

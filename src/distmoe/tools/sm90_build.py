@@ -517,9 +517,9 @@ def other_kernel_cases() -> list[BuildCase]:
                    "flags_ptr": "*i8", "block_flags_ptr": "*i8", "dst_base": "i64",
                    "own_base": "i64", "r_cap": "i32", "rank": "i32"}))
     cases.append(BuildCase(
-        "call counters", call_counters._count_call_kernel, {}, 1, 1,
+        "call counters", call_counters._count_call_kernel, dict(EP=EP), 1, 1,
         types={"counters_ptr": "*i64", "recv_ptr": "*i64", "dropped_ptr": "*i64",
-               "invalid_ptr": "*i64"}))
+               "invalid_ptr": "*i64", "header_bases_ptr": "*i64", "tokens": "i32"}))
     cases.append(BuildCase(
         "w13 phase order", phases._phase_order_kernel,
         dict(NUM_EXPERTS=E // EP, EXPERTS_POW2=E // EP, BLOCK_M=128, CHUNK=phases._CHUNK), 4, 1,
