@@ -14,6 +14,9 @@ the same per-rank work as EP=1) over an NCCL group, and each rank prints its own
 ``--set SPEC`` (repeatable) changes the layer first, as a variant of
 ``tools/ab_interleaved.py`` does (e.g. ``layer:w13_waves=2`` or ``w13:group_m=16``).
 
+``tools/trace_timeline.py`` prints the last step of a ``--trace`` file as a timeline (start,
+duration and stream of every kernel and copy).
+
 Runs a few untimed steps (compilation), then ``--steps`` steps under ``torch.profiler`` and
 prints the CUDA kernels sorted by total time (per step), then the step's wall time. Routing is
 balanced random (the bench's default shapes). Training steps take gradients with respect to
