@@ -45,6 +45,8 @@ import triton.language as tl
 from distmoe.kernels._common import check_tensor, device_context, next_power_of_2
 
 _BLOCK_R = 128
+#: padded rows per entry of ``block_flags`` (one program of the table rewrite)
+BLOCK_FLAG_ROWS = _BLOCK_R
 _BLOCK_T = 16
 _BLOCK_D = 512
 

@@ -658,12 +658,12 @@ def _check_r_cap(r_cap: int, block_m: int) -> None:
 
 
 def _gluon_reason(config: W13Config, device: torch.device, hidden: int, ffn: int,
-                  outputs: Sequence[torch.Tensor | None]) -> str | None:
+                  aligned: bool) -> str | None:
     """``None`` when ``config`` runs the Gluon kernel here, else why not (``config.gluon``
-    False included)."""
+    False included); ``aligned``: every output starts 16-byte aligned."""
     if not config.gluon:
         return "the config asks for the Triton kernel"
-    if not all(t is None or t.data_ptr() % 16 == 0 for t in outputs):
+    if not aligned:
         return "its 16-byte vector stores need 16-byte aligned outputs"
     from .w13_gluon import gluon_w13_reason
 
@@ -778,13 +778,14 @@ def gather_w13_swiglu(
     validate_block_m(config, block_m)
     _check_r_cap(r_cap, config.block_m)
     device = gather_ptrs.device
-    gluon_reason = _gluon_reason(config, device, hidden, ffn, (h2_out, h1_out, x_out))
+    # the Gluon kernel's vector stores and TMA stores need 16-byte aligned bases (1-D bases
+    # with out_offsets are checked above)
+    aligned = all(t is None or t.data_ptr() % 16 == 0 for t in (h2_out, h1_out, x_out))
+    gluon_reason = _gluon_reason(config, device, hidden, ffn, aligned)
     _check_order(order, positions, r_cap, w13_tile_rows(config, gluon_reason is None), device)
     if r_cap == 0:
         return h2_out
 
-    # TMA stores need 16-byte aligned bases (1-D bases with out_offsets are checked above)
-    aligned = all(t is None or t.data_ptr() % 16 == 0 for t in (h2_out, h1_out, x_out))
     if config.gluon:
         if gluon_reason is None:
             from .w13_gluon import launch_gluon_w13

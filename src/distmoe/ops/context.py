@@ -60,14 +60,16 @@ import torch
 import torch.distributed as dist
 
 from ..config import MoEConfig
+from ..kernels.pull_tokens import BLOCK_FLAG_ROWS
 from ..routing import build_routing_tables, row_capacity
 from ..runtime import create_heap
 from ..runtime.heap import round_up
 from .activations import ActivationBuffer
 
 HEADER_BYTES = 128
-#: rows of the W13 row blocks the two-launch schedule moves (distmoe.kernels.w13_phases)
-_PHASE_ROWS = 128
+#: rows of the W13 row blocks the two-launch schedule moves (distmoe.kernels.w13_phases):
+#: the blocks pull_tokens flags
+_PHASE_ROWS = BLOCK_FLAG_ROWS
 #: the two launches are the default from this many rows per local expert from one source
 #: rank (T_max * K / E: eight own blocks per expert, whose weight tiles the first launch's
 #: tiles share). docs/performance.md run 32, interleaved A/Bs at EP=2: 1.2-1.9% faster at
@@ -98,8 +100,8 @@ class MoEContext:
 
     Call: ``y = ctx(x, expert_ids, scores, w13, w2)`` with x [T, D] bf16 (T <= max_tokens, the
     same T on every rank: ``check=True`` refuses a call where it differs, unchecked it is
-    counted in ``stats()["token_count_mismatches"]``), expert_ids [T, K] integer (global ids, -1 inactive), scores [T, K]
-    float, w13 [E_local, 2, F, D] bf16, w2 [E_local, D, F] bf16, all contiguous on ``device``.
+    counted in ``stats()["token_count_mismatches"]``), expert_ids [T, K] integer (global ids,
+    -1 inactive), scores [T, K] float, w13 [E_local, 2, F, D] bf16, w2 [E_local, D, F] bf16, all contiguous on ``device``.
     Returns y [T, D] bf16.
 
     Training: with ``cfg.training``, grad mode on and any of x / scores / w13 / w2 requiring
@@ -199,7 +201,6 @@ class MoEContext:
         # _w13_phase_waves: waves of the first launch (None: estimated from the shapes).
         self._w13_phases: bool | None = None
         self._w13_phase_waves: int | None = None
-        self._w13_first: tuple | None = None  # (config, waves) -> first blocks, cached
         if self.ep_size > 1:
             self._peer_tokens = [heap.view("dispatch", r, torch.bfloat16, (T, D))
                                  for r in range(self.ep_size)]
@@ -436,10 +437,7 @@ class MoEContext:
 
     def _w13_first_blocks(self) -> int:
         """Own row blocks of the first W13 launch (:func:`~distmoe.kernels.w13_phases.\
-first_blocks`), for the current config and ``_w13_phase_waves``; cached."""
-        key = (self._w13_cfg, self._w13_phase_waves)
-        if self._w13_first is not None and self._w13_first[0] == key:
-            return self._w13_first[1]
+first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic)."""
         from ..kernels._common import num_sms
         from ..kernels.w13_phases import first_blocks, phase_waves
 
@@ -451,9 +449,7 @@ first_blocks`), for the current config and ``_w13_phase_waves``; cached."""
             waves = phase_waves(
                 copy_bytes=(self.ep_size - 1) * self.cfg.max_tokens * D * 2,
                 tile_flops=2 * _PHASE_ROWS * 2 * cfg.block_n * D)
-        first = first_blocks(waves=waves, programs=programs, num_pid_n=num_pid_n)
-        self._w13_first = (key, first)
-        return first
+        return first_blocks(waves=waves, programs=programs, num_pid_n=num_pid_n)
 
     def _run_w13(self, phased: bool, gather_ptrs, po, ro, w13, **outputs) -> None:
         """W13 into ``self._h2`` (and ``outputs``: h1 / x / their offsets). With ``phased``,
