@@ -40,6 +40,7 @@ _CLASSES = {
     "w2_dgrad": ("distmoe.kernels.w2_backward", "W2DgradConfig"),
     "w13_dgrad": ("distmoe.kernels.w13_backward", "W13DgradConfig"),
     "wgrad": ("distmoe.kernels.w2_backward", "WgradConfig"),
+    "combine": ("distmoe.kernels.combine", "CombineConfig"),
 }
 
 

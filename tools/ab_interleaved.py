@@ -25,7 +25,7 @@ rounds (the EP=1 share of issue 7's fifth target); its line gives EP / EP=1 as w
 ``--variant NAME=SPEC[+SPEC...]``, each SPEC ``KERNEL[:WHEN]:FIELD=VALUE[,FIELD=VALUE...]`` as
 in ``tools/ab_bench.py``: ``w13`` (``WHEN`` training / inference / any, matched against the
 mode), ``w2``, ``w2_dgrad`` (not ``block_n``: the score parts depend on it), ``w13_dgrad``,
-``wgrad`` (both WGRADs); or ``layer:pull_all=True|False``, the EP > 1 token pull's way
+``wgrad`` (both WGRADs), ``combine`` (the owner combine); or ``layer:pull_all=True|False``, the EP > 1 token pull's way
 (:meth:`distmoe.MoEContext.pull_all_rule`), ``layer:w13_phases=True|False``, W13 in two
 launches around that copy's join (:mod:`distmoe.kernels.w13_phases`), and
 ``layer:w13_waves=N``, the waves of its first launch. The configs of every variant are printed first.
@@ -49,7 +49,8 @@ _LAYER = {"pull_all": ("_pull_all", bool), "w13_phases": ("_w13_phases", bool),
           "w13_waves": ("_w13_phase_waves", int)}
 #: the layer attributes each kernel's config lives in (distmoe.ops.context)
 _ATTRS = {"w13": ("_w13_cfg",), "w2": ("_w2_cfg",), "w2_dgrad": ("_w2_dgrad_cfg",),
-          "w13_dgrad": ("_w13_dgrad_cfg",), "wgrad": ("_w2_wgrad_cfg", "_w13_wgrad_cfg")}
+          "w13_dgrad": ("_w13_dgrad_cfg",), "wgrad": ("_w2_wgrad_cfg", "_w13_wgrad_cfg"),
+          "combine": ("_combine_cfg",)}
 
 
 def variant_configs(ctx, specs: list[str], training: bool) -> dict[str, object]:

@@ -14,6 +14,10 @@ the same per-rank work as EP=1) over an NCCL group, and each rank prints its own
 ``--set SPEC`` (repeatable) changes the layer first, as a variant of
 ``tools/ab_interleaved.py`` does (e.g. ``layer:w13_waves=2`` or ``w13:group_m=16``).
 
+``--ep1-share`` (under ``torch.distributed.run``): every rank profiles its share of the EP
+work at EP=1 instead (E / EP experts on a one-rank group, the same per-rank work), the
+EP=1 side of issue 7's fifth target.
+
 ``tools/trace_timeline.py`` prints the last step of a ``--trace`` file as a timeline (start,
 duration and stream of every kernel and copy).
 
@@ -49,6 +53,10 @@ def main() -> int:
                     help="tokens instead of the shape's own T (e.g. 16 for decode)")
     ap.add_argument("--graph", action="store_true",
                     help="capture one step in a CUDA graph and profile its replays")
+    ap.add_argument("--ep1-share", action="store_true",
+                    help="under torch.distributed.run: every rank profiles its share of the "
+                         "EP work at EP=1 (E / EP experts, one rank), as ab_interleaved.py's "
+                         "--ep1-share row")
     ap.add_argument("--set", action="append", default=[], metavar="SPEC",
                     help="a layer change as in tools/ab_interleaved.py's --variant specs "
                          "(e.g. layer:w13_waves=2); repeatable")
@@ -57,8 +65,16 @@ def main() -> int:
     D, F, E, K = shape.hidden, shape.ffn, shape.num_experts, shape.top_k
     joined = join_group()
     rank, world, dev = joined.rank, joined.world, joined.device
+    share_of = 1
+    if args.ep1_share:
+        if world == 1:
+            raise SystemExit("--ep1-share needs EP > 1 (torch.distributed.run)")
+        from distmoe.tools.bench.layer_step import ep1_share
+
+        share_of, joined = world, ep1_share(joined)
     try:
-        ctx, step, T = layer_step(args.shape, args.mode, joined, tokens=args.tokens)
+        ctx, step, T = layer_step(args.shape, args.mode, joined, tokens=args.tokens,
+                                  share_of=share_of)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
     if args.set:
@@ -103,7 +119,9 @@ def main() -> int:
             rows.append((cuda_us / args.steps / 1e3, ev.count // args.steps, ev.key))
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows)
-    lines = [f"{args.shape} {args.mode}: T={T} D={D} F={F} E={E} K={K}, EP={world}"
+    E //= share_of
+    ep = f"1 (a share of EP={world})" if share_of > 1 else str(world)
+    lines = [f"{args.shape} {args.mode}: T={T} D={D} F={F} E={E} K={K}, EP={ep}"
              f"{f' rank {rank}' if world > 1 else ''}, {torch.cuda.get_device_name(dev)}",
              f"{'ms/step':>9} {'calls':>6}  kernel"]
     lines += [f"{ms:9.3f} {calls:6d}  {name[:100]}" for ms, calls, name in rows[:args.rows]]

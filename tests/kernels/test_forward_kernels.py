@@ -915,6 +915,12 @@ def test_configs():
         configs = cls.all_configs(block_m=128)
         assert configs and all(c.fits_hopper() and c.block_m == 128 for c in configs)
     assert CombineConfig.all_configs()
+    # the combine: one token of 1024 columns, 8 warps (run 33); small D: 1024 elements
+    assert CombineConfig.from_heuristic(hidden=2048) == CombineConfig(block_t=1, block_d=1024,
+                                                                      num_warps=8)
+    assert CombineConfig.from_heuristic(hidden=7168).block_d == 1024
+    assert CombineConfig.from_heuristic(hidden=48) == CombineConfig(block_t=16, block_d=64,
+                                                                    num_warps=4)
     with pytest.raises(ValueError, match=r"block_k \(48\) must be a power of two"):
         W13Config(block_k=48)
     with pytest.raises(ValueError, match=r"num_warps \(2\) must be 4 or 8"):

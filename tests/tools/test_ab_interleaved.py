@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from distmoe.kernels.combine import CombineConfig
 from distmoe.kernels.w2_backward import W2DgradConfig
 from distmoe.kernels.w2_scatter import W2Config
 from distmoe.kernels.w13_gather_swiglu import W13Config
@@ -27,7 +28,8 @@ def _ctx(training):
                     group_m=8, persistent=True)
     w2 = W2Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, group_m=8,
                   persistent=True)
-    ctx = SimpleNamespace(_w13_cfg=w13, _w2_cfg=w2)
+    ctx = SimpleNamespace(_w13_cfg=w13, _w2_cfg=w2,
+                          _combine_cfg=CombineConfig.from_heuristic(hidden=256))
     if training:
         ctx._w2_dgrad_cfg = W2DgradConfig(block_m=128, block_n=128, block_k=64, num_stages=4)
     return ctx
@@ -44,7 +46,8 @@ def test_parse_variant(abi):
 def test_variant_configs_apply_to_the_layer_attributes(abi):
     ctx = _ctx(training=False)
     base = abi.variant_configs(ctx, [], training=False)
-    assert base == {"_w13_cfg": ctx._w13_cfg, "_w2_cfg": ctx._w2_cfg}
+    assert base == {"_w13_cfg": ctx._w13_cfg, "_w2_cfg": ctx._w2_cfg,
+                    "_combine_cfg": ctx._combine_cfg}
     out = abi.variant_configs(ctx, ["w13:inference:group_m=16", "w2:num_stages=3",
                                     "w13:training:num_stages=3"], training=False)
     assert out["_w13_cfg"].group_m == 16 and out["_w13_cfg"].num_stages == 4
@@ -60,6 +63,10 @@ def test_variant_configs_apply_to_the_layer_attributes(abi):
                                training=True)["_w2_dgrad_cfg"].num_stages == 5
     with pytest.raises(ValueError, match="score parts"):
         abi.variant_configs(train, ["w2_dgrad:block_n=256"], training=True)
+    # the owner combine's config
+    out = abi.variant_configs(ctx, ["combine:block_t=4,num_warps=4"], training=False)
+    assert (out["_combine_cfg"].block_t, out["_combine_cfg"].num_warps) == (4, 4)
+    assert out["_combine_cfg"].block_d == ctx._combine_cfg.block_d
     # layer switches
     ctx._pull_all = True
     out = abi.variant_configs(ctx, ["layer:pull_all=False"], training=False)

@@ -112,11 +112,20 @@ class CombineConfig:
 
     @classmethod
     def from_heuristic(cls, *, hidden: int) -> CombineConfig:
-        """About 4096 columns x tokens per program, at most 1024 columns (16-byte vectors
-        for 128 threads), 4 warps."""
+        """One token and up to 1024 columns per program (16-byte vectors), 8 warps where a
+        program has 1024 elements (else 4, and more tokens per program up to 1024
+        elements).
+
+        Measured on one H200 (2026-11-30, docs/performance.md run 33,
+        ``tools/tune_combine.py``, every route active, fp32 scores): 36.7 us against 43.4
+        for the former 4 tokens x 1024 columns, 4 warps at T=4096, D=2048, K=8 (4.11 TB/s,
+        the fastest of 31 configs; a device copy of as many bytes ran at 4.17 TB/s);
+        140.7 against 152.8 us at T=8192, D=4096, K=8 (fastest); 124.2 against 136.7 us at
+        T=4096, D=7168, K=8 (0.3% behind the fastest, 2048 columns). More, smaller programs
+        keep more row loads in flight."""
         block_d = min(1024, next_power_of_2(hidden))
-        block_t = max(1, min(64, 4096 // block_d))
-        return cls(block_t=block_t, block_d=block_d, num_warps=4)
+        block_t = max(1, 1024 // block_d)
+        return cls(block_t=block_t, block_d=block_d, num_warps=8 if block_d >= 1024 else 4)
 
     @classmethod
     def all_configs(cls) -> list[CombineConfig]:

@@ -154,6 +154,7 @@ class MoEContext:
         self._combine = heap.view("combine", self.rank, torch.bfloat16, (T * K, D))
         # Launch configs keyed on shapes only (balanced rows per local expert), never on
         # routed counts: the same kernels run whatever the routing, in graphs too.
+        from ..kernels.combine import CombineConfig
         from ..kernels.w2_scatter import W2Config
         from ..kernels.w13_gather_swiglu import W13Config
 
@@ -163,6 +164,7 @@ class MoEContext:
         self._w2_cfg = W2Config.from_heuristic(hidden=D, ffn=F, block_m=cfg.row_block,
                                                rows_per_expert=self.rows_per_expert_hint,
                                                device=self.device, ep_size=self.ep_size)
+        self._combine_cfg = CombineConfig.from_heuristic(hidden=D)
         self.activations: ActivationBuffer | None = None
         if cfg.training:
             # On the heap: the owners write their routes' output gradients straight into the
@@ -512,7 +514,8 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
             self.heap.barrier()
             # dest_rows_TK is -1 exactly where a route is not executed: it serves as the
             # combine's ids (only their sign is read)
-            combine(self._combine[:T * K], tables.dest_rows_TK, scores_f32, y)
+            combine(self._combine[:T * K], tables.dest_rows_TK, scores_f32, y,
+                    config=self._combine_cfg)
             return y, None
         heap = self.heap
         rec = acts.begin_layer(tables.executed_rows_EP, self._combine.data_ptr(),
@@ -530,7 +533,8 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
             heap.barrier()
             ids_executed = torch.where(tables.is_route_executed_TK,
                                        expert_ids.to(torch.int32), -1)
-            combine(None, ids_executed, scores_f32, y, rows_addr=rec.backward[0:1])
+            combine(None, ids_executed, scores_f32, y, rows_addr=rec.backward[0:1],
+                    config=self._combine_cfg)
         except BaseException:
             acts.abandon_layer(rec)  # keep the slot consistent on this rank
             raise

@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Time the owner combine (:func:`distmoe.kernels.combine.combine`) over its launch configs.
+
+Usage (repository root, one GPU):
+    PYTHONPATH=src python3 tools/tune_combine.py [--shapes fine issue-a] [--reps 50]
+        [--csv FILE]
+
+For each named bench shape (T, D, K; every route active, fp32 scores, the layer's [T*K, D]
+rows) every config of :meth:`CombineConfig.all_configs` and the heuristic's is first checked
+against :func:`~distmoe.kernels.combine.combine_ref` on fresh random rows (output poisoned
+with NaN before the run; bf16 outputs of one fp32 sum must agree to one bf16 rounding), then
+timed: ``--reps`` launches captured in one CUDA graph, the median of 5 replays. Bytes moved
+are the ``T*K*D`` rows read plus the ``T*D`` output written; the line "copy" is
+``torch.Tensor.copy_`` of the rows' size in the same run (a device bandwidth ceiling: it
+reads and writes as many bytes). The table lists the heuristic, the five fastest configs and
+the ceiling, fastest first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import functools
+import statistics
+import sys
+
+import torch
+
+
+def _graph_time_us(fn, reps: int) -> float:
+    """Median over 5 replays of a graph of ``reps`` calls, per call, in microseconds."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    return statistics.median(times)
+
+
+def main() -> int:
+    from distmoe.kernels.combine import CombineConfig, combine, combine_ref
+    from distmoe.tools.bench.workloads import SHAPES
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["fine", "issue-a"], choices=sorted(SHAPES))
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--csv", default=None, help="also write every timing here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_combine.py needs a CUDA GPU")
+    dev = torch.device("cuda")
+    records = []
+    for name in args.shapes:
+        s = SHAPES[name]
+        T, D, K = s.tokens, s.hidden, s.top_k
+        g = torch.Generator(device=dev).manual_seed(0)
+        rows = torch.randn(T * K, D, device=dev, generator=g).to(torch.bfloat16)
+        ids = torch.randint(0, s.num_experts, (T, K), device=dev, generator=g, dtype=torch.int32)
+        scores = torch.rand(T, K, device=dev, generator=g)
+        want = combine_ref(rows, ids, scores, torch.empty(T, D, device=dev, dtype=torch.bfloat16))
+        nbytes = (T * K * D + T * D) * 2
+        heuristic = CombineConfig.from_heuristic(hidden=D)
+        configs = [heuristic] + [c for c in CombineConfig.all_configs() if c != heuristic]
+        y = torch.empty(T, D, device=dev, dtype=torch.bfloat16)
+        results = []
+        for cfg in configs:
+            y.fill_(float("nan"))
+            combine(rows, ids, scores, y, config=cfg)
+            diff = (y.float() - want.float()).abs()
+            tol = want.float().abs() * 2**-7 + 1e-6
+            if not bool((diff <= tol).all()):
+                raise SystemExit(f"{name}: {cfg} disagrees with combine_ref "
+                                 f"(max diff {diff.max().item():.3g})")
+            us = _graph_time_us(functools.partial(combine, rows, ids, scores, y, config=cfg),
+                                args.reps)
+            results.append((us, cfg))
+        dst = torch.empty_like(rows)
+        copy_us = _graph_time_us(functools.partial(dst.copy_, rows), args.reps)
+        copy_gbs = 2 * rows.numel() * 2 / copy_us / 1e3
+        base_us = results[0][0]
+        print(f"\n{name}: T={T} D={D} K={K}, {torch.cuda.get_device_name(dev)}; "
+              f"{nbytes / 1e6:.1f} MB per combine")
+        print(f"{'us':>8} {'GB/s':>7} {'vs heur':>8}  config")
+        shown = [results[0]] + sorted(results[1:], key=lambda r: r[0])[:5]
+        for us, cfg in sorted(shown, key=lambda r: r[0]):
+            tag = " (heuristic)" if cfg == heuristic else ""
+            print(f"{us:8.1f} {nbytes / us / 1e3:7.0f} {base_us / us:8.3f}  "
+                  f"block_t={cfg.block_t} block_d={cfg.block_d} "
+                  f"num_warps={cfg.num_warps}{tag}")
+        print(f"{copy_us:8.1f} {copy_gbs:7.0f}           copy (ceiling: reads and writes "
+              f"{2 * rows.numel() * 2 / 1e6:.0f} MB)")
+        records += [dict(shape=name, us=f"{us:.2f}", gbs=f"{nbytes / us / 1e3:.0f}",
+                         block_t=c.block_t, block_d=c.block_d, num_warps=c.num_warps,
+                         heuristic=c == heuristic) for us, c in results]
+        records.append(dict(shape=name, us=f"{copy_us:.2f}", gbs=f"{copy_gbs:.0f}",
+                            block_t="copy", block_d="", num_warps="", heuristic=False))
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(records[0]))
+            w.writeheader()
+            w.writerows(records)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
