@@ -1790,11 +1790,13 @@ def test_gluon_w2_dgrad(programs, stages, h1_mode):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("programs", [3, None], ids=["3_programs", "one_per_sm"])
-def test_gluon_w2_dgrad_scored(programs):
+@pytest.mark.parametrize("reload", [None, True], ids=["bounds_default", "bounds_reloaded"])
+def test_gluon_w2_dgrad_scored(programs, reload):
     """scored_rows in the Gluon W2 DGRAD against the Triton kernel (same contract): grad_h1
     and h2 within one bf16 rounding of each other, the score parts within 2^-8 of the
     largest, written only after the scores of live non-null routes; nothing else of the
-    route rows changes."""
+    route rows changes. ``reload``: the consumers load the per-expert bounds per tile (the
+    default above 32 experts; this problem has fewer)."""
     hidden, ffn, block = 256, 384, 128
     layout, live, w2, rows, h1, null_rows, null_act = _gluon_dgrad_problem(hidden, ffn, block)
     num_act = layout.num_act
@@ -1808,8 +1810,9 @@ def test_gluon_w2_dgrad_scored(programs):
     def run(gluon):
         route_rows.copy_(before)
         out, h2 = poisoned(num_act, 2 * ffn), poisoned(num_act, ffn)
+        launch = {} if reload is None else {"reload_bounds": reload}
         _gluon_or_reference_dgrad(gluon, ptrs, po, ro, w2, rows, h1, out, h2,
-                                  scored_rows=True, programs=programs)
+                                  scored_rows=True, programs=programs, **launch)
         return out, h2, route_rows.clone()
 
     want_h1, want_h2, want_rows = run(False)

@@ -87,6 +87,20 @@ if HAVE_GLUON:
         return num_pid_m, num_pid_m * NUM_PID_N, ends, starts, rbeg, rend, eidx
 
     @gluon.jit
+    def _tile_info_reloaded(tile, num_pid_m, padded_offsets_ptr, row_offsets_ptr,
+                            NUM_PID_N: gl.constexpr, GROUP_M: gl.constexpr,
+                            NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr,
+                            BLOCK_M: gl.constexpr, NW: gl.constexpr):
+        """:func:`_tile_info` with the per-expert bounds loaded for this tile (L1 hits after
+        the first) instead of held in registers across the loop: for a partition whose
+        epilogue needs the registers (``5 * EXPERTS_POW2 / 32`` per thread otherwise)."""
+        VEC: gl.constexpr = gl.BlockedLayout([EXPERTS_POW2 // 32], [32], [NW], [0])
+        ends, starts, rbeg, rend, eidx = _expert_bounds(padded_offsets_ptr, row_offsets_ptr,
+                                                        NUM_EXPERTS, EXPERTS_POW2, VEC)
+        pid_m, pid_n = swizzle_tile(tile, num_pid_m, NUM_PID_N, GROUP_M)
+        return _block_info(pid_m, pid_n, ends, starts, rbeg, rend, eidx, NUM_EXPERTS, BLOCK_M)
+
+    @gluon.jit
     def _wait_turn(turn, turns, PARITY: gl.constexpr):
         """Ping-pong consumers take turns: consumer ``PARITY`` waits until the other has
         issued every earlier K step (its ``turns``-th wait; the first of consumer 0 passes at

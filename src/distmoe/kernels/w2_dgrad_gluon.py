@@ -61,6 +61,7 @@ if HAVE_GLUON:
         _program_tiles,
         _ring_barriers,
         _tile_info,
+        _tile_info_reloaded,
         _tma_load_steps,
         _wait_turn,
     )
@@ -86,7 +87,7 @@ if HAVE_GLUON:
                   EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                   H1_OFFSET: gl.constexpr, STORE_H2: gl.constexpr, SCORED: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  PARITY: gl.constexpr):
+                  RELOAD_BOUNDS: gl.constexpr, PARITY: gl.constexpr):
         """One warp: the TMA loads of every tile of the program, K step by K step."""
         NUM_K: gl.constexpr = HIDDEN // BLOCK_K
         NUM_PID_N: gl.constexpr = FFN // BLOCK_N
@@ -109,7 +110,7 @@ if HAVE_GLUON:
                   EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                   H1_OFFSET: gl.constexpr, STORE_H2: gl.constexpr, SCORED: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  PARITY: gl.constexpr):
+                  RELOAD_BOUNDS: gl.constexpr, PARITY: gl.constexpr):
         """One warpgroup: the MMAs and the epilogue of the program's tiles ``PARITY``,
         ``PARITY + 2``, ... (in the program's own numbering)."""
         NUM_K: gl.constexpr = HIDDEN // BLOCK_K
@@ -125,9 +126,16 @@ if HAVE_GLUON:
         first, step, count = _consumer_walk(NUM_K, False, PARITY)
         turns = 0
         for tile in range(first, num_tiles, step):
-            pid_n, expert, row_start, act_start, num_live = _tile_info(
-                tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
-                NUM_EXPERTS, BLOCK_M)
+            if RELOAD_BOUNDS:
+                # the bounds reloaded per tile: held across the loop (5 * E / 32 registers
+                # per thread) they made the epilogue spill above 32 experts (run 33)
+                pid_n, expert, row_start, act_start, num_live = _tile_info_reloaded(
+                    tile, num_pid_m, padded_offsets_ptr, row_offsets_ptr, NUM_PID_N, GROUP_M,
+                    NUM_EXPERTS, EXPERTS_POW2, BLOCK_M, 4)
+            else:
+                pid_n, expert, row_start, act_start, num_live = _tile_info(
+                    tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
+                    NUM_EXPERTS, BLOCK_M)
             turns = _wait_turn(turn, turns, PARITY)
             acc, count = _mma_steps(a_bufs, b_bufs, ready, empty,
                                     gl.zeros([BLOCK_M, BLOCK_N], gl.float32, ACC), count, NUM_K,
@@ -239,6 +247,7 @@ if HAVE_GLUON:
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
         BLOCK_K: gl.constexpr,
+        RELOAD_BOUNDS: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K],
@@ -251,17 +260,17 @@ if HAVE_GLUON:
                          padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
                          grad_h1_ptr, h2_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
                          STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
-                         0)),
+                         RELOAD_BOUNDS, 0)),
             (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, ptrs_ptr,
                          padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
                          grad_h1_ptr, h2_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
                          STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
-                         1)),
+                         RELOAD_BOUNDS, 1)),
             (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, ptrs_ptr,
                          padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
                          grad_h1_ptr, h2_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
                          STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
-                         1)),
+                         RELOAD_BOUNDS, 1)),
         ], [4, 1], [232, 40])
 
 
@@ -285,11 +294,16 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
                           grad_h1_out: torch.Tensor, *, h1_offset: torch.Tensor | None,
                           h2_out: torch.Tensor | None, scored_rows: bool = False,
                           group_m: int = 8, stages: int = 5,
-                          programs: int | None = None) -> None:
+                          programs: int | None = None,
+                          reload_bounds: bool | None = None) -> None:
     """Launch the kernel (arguments validated by the caller,
     :func:`~distmoe.kernels.w2_backward.w2_dgrad_swiglu_bwd`, and
     :func:`gluon_w2_dgrad_reason` returned ``None``). ``programs``: the grid (default one per
-    SM); tests pass fewer so that every program walks many tiles."""
+    SM); tests pass fewer so that every program walks many tiles. ``reload_bounds``: the
+    consumers load the per-expert bounds per tile instead of holding them in registers
+    (default: above 32 experts, where holding them made the epilogue spill: 132 bytes per
+    thread at 128 experts in the scored form, 220 at 256, none after; at 32 experts holding
+    them spills nothing and reloading would spill 16 bytes in the plain form)."""
     from ._common import device_context, next_power_of_2, num_sms
 
     num_experts, hidden, ffn = w2.shape
@@ -312,6 +326,7 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
             EXPERTS_POW2=max(32, next_power_of_2(num_experts)), GROUP_M=group_m,
             STAGES=stages, H1_OFFSET=h1_offset is not None, STORE_H2=h2_out is not None,
             SCORED=scored_rows,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-            maxnreg=_MAXNREG,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            RELOAD_BOUNDS=num_experts > 32 if reload_bounds is None else bool(reload_bounds),
+            num_warps=4, maxnreg=_MAXNREG,
         )  # fmt: skip

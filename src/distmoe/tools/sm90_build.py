@@ -262,8 +262,10 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
 def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
     """The warp-specialised Gluon W2 DGRAD (:mod:`distmoe.kernels.w2_dgrad_gluon`) at each
     shape with h1 at a device offset and h2 stored, at every ring depth it takes. Production
-    (no spill, no serialized wgmma) at E <= 32; with more experts the consumers' per-expert
-    lookup vectors (E/32 registers each) spill 32 bytes, reloaded once per tile: built only."""
+    (no spill, no serialized wgmma): the scored form (the layer's) at every shape, and the
+    plain form at E <= 32. Above 32 experts the consumers load the per-expert bounds per
+    tile (``RELOAD_BOUNDS``; held in registers they made the scored epilogue spill 96-220
+    bytes, run 33), and the plain form still spills 16 bytes there: built only."""
     from distmoe.kernels import w2_dgrad_gluon as wg
     from distmoe.kernels._common import next_power_of_2
     from distmoe.tools.bench.workloads import SHAPES
@@ -285,8 +287,8 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
                     dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E,
                          EXPERTS_POW2=max(32, next_power_of_2(E)), GROUP_M=8, STAGES=stages,
                          H1_OFFSET=True, STORE_H2=True, SCORED=scored, BLOCK_M=bm, BLOCK_N=bn,
-                         BLOCK_K=bk, num_warps=4),
-                    4, 1, types=types, production=E <= 32, gluon=True,
+                         BLOCK_K=bk, RELOAD_BOUNDS=E > 32, num_warps=4),
+                    4, 1, types=types, production=scored or E <= 32, gluon=True,
                     options=dict(maxnreg=wg._MAXNREG)))
     return cases
 
