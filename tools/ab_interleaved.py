@@ -25,8 +25,9 @@ rounds (the EP=1 share of issue 7's fifth target); its line gives EP / EP=1 as w
 ``--variant NAME=SPEC[+SPEC...]``, each SPEC ``KERNEL[:WHEN]:FIELD=VALUE[,FIELD=VALUE...]`` as
 in ``tools/ab_bench.py``: ``w13`` (``WHEN`` training / inference / any, matched against the
 mode), ``w2``, ``w2_dgrad`` (not ``block_n``: the score parts depend on it), ``w13_dgrad``,
-``wgrad`` (both WGRADs), ``combine`` (the owner combine); or ``layer:pull_all=True|False``, the EP > 1 token pull's way
-(:meth:`distmoe.MoEContext.pull_all_rule`), ``layer:w13_phases=True|False``, W13 in two
+``wgrad`` (both WGRADs), ``combine`` (the owner combine); or ``layer:pull_all=True|False``,
+the EP > 1 token pull's way (:meth:`distmoe.MoEContext.pull_all_rule`),
+``layer:w13_phases=True|False``, W13 in two
 launches around that copy's join (:mod:`distmoe.kernels.w13_phases`), and
 ``layer:w13_waves=N``, the waves of its first launch. The configs of every variant are printed first.
 """

@@ -112,9 +112,8 @@ class CombineConfig:
 
     @classmethod
     def from_heuristic(cls, *, hidden: int) -> CombineConfig:
-        """One token and up to 1024 columns per program (16-byte vectors), 8 warps where a
-        program has 1024 elements (else 4, and more tokens per program up to 1024
-        elements).
+        """One token of 1024 columns per program with 8 warps where D >= 1024; narrower D
+        (not measured): more tokens per program, up to 1024 elements, 4 warps.
 
         Measured on one H200 (2026-11-30, docs/performance.md run 33,
         ``tools/tune_combine.py``, every route active, fp32 scores): 36.7 us against 43.4
