@@ -27,9 +27,9 @@ in ``tools/ab_bench.py``: ``w13`` (``WHEN`` training / inference / any, matched 
 mode), ``w2``, ``w2_dgrad`` (not ``block_n``: the score parts depend on it), ``w13_dgrad``,
 ``wgrad`` (both WGRADs), ``combine`` (the owner combine); or ``layer:pull_all=True|False``,
 the EP > 1 token pull's way (:meth:`distmoe.MoEContext.pull_all_rule`),
-``layer:w13_phases=True|False``, W13 in two
-launches around that copy's join (:mod:`distmoe.kernels.w13_phases`), and
-``layer:w13_waves=N``, the waves of its first launch. The configs of every variant are printed first.
+``layer:w13_phases=True|False``, W13 in two launches around that copy's join
+(:mod:`distmoe.kernels.w13_phases`), and ``layer:w13_waves=N``, the waves of its first
+launch. The configs of every variant are printed first.
 """
 
 from __future__ import annotations
