@@ -80,11 +80,16 @@ if HAVE_GLUON:
                        BLOCK_M: gl.constexpr, NW: gl.constexpr):
         """The tile count and the per-expert bounds as register vectors of a partition of
         ``NW`` warps (every warp holds them all: the lookup reduces with shuffles)."""
-        VEC: gl.constexpr = gl.BlockedLayout([EXPERTS_POW2 // 32], [32], [NW], [0])
         num_pid_m = gl.load(padded_offsets_ptr + NUM_EXPERTS) // BLOCK_M
         ends, starts, rbeg, rend, eidx = _expert_bounds(padded_offsets_ptr, row_offsets_ptr,
-                                                        NUM_EXPERTS, EXPERTS_POW2, VEC)
+                                                        NUM_EXPERTS, EXPERTS_POW2,
+                                                        _bounds_layout(EXPERTS_POW2, NW))
         return num_pid_m, num_pid_m * NUM_PID_N, ends, starts, rbeg, rend, eidx
+
+    @gluon.constexpr_function
+    def _bounds_layout(EXPERTS_POW2, NW):
+        """The per-expert bound vectors' layout in a partition of ``NW`` warps."""
+        return gl.BlockedLayout([EXPERTS_POW2 // 32], [32], [NW], [0])
 
     @gluon.jit
     def _tile_info_reloaded(tile, num_pid_m, padded_offsets_ptr, row_offsets_ptr,
@@ -94,11 +99,11 @@ if HAVE_GLUON:
         """:func:`_tile_info` with the per-expert bounds loaded for this tile (L1 hits after
         the first) instead of held in registers across the loop: for a partition whose
         epilogue needs the registers (``5 * EXPERTS_POW2 / 32`` per thread otherwise)."""
-        VEC: gl.constexpr = gl.BlockedLayout([EXPERTS_POW2 // 32], [32], [NW], [0])
         ends, starts, rbeg, rend, eidx = _expert_bounds(padded_offsets_ptr, row_offsets_ptr,
-                                                        NUM_EXPERTS, EXPERTS_POW2, VEC)
-        pid_m, pid_n = swizzle_tile(tile, num_pid_m, NUM_PID_N, GROUP_M)
-        return _block_info(pid_m, pid_n, ends, starts, rbeg, rend, eidx, NUM_EXPERTS, BLOCK_M)
+                                                        NUM_EXPERTS, EXPERTS_POW2,
+                                                        _bounds_layout(EXPERTS_POW2, NW))
+        return _tile_info(tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
+                          NUM_EXPERTS, BLOCK_M)
 
     @gluon.jit
     def _wait_turn(turn, turns, PARITY: gl.constexpr):

@@ -101,7 +101,8 @@ class MoEContext:
     Call: ``y = ctx(x, expert_ids, scores, w13, w2)`` with x [T, D] bf16 (T <= max_tokens, the
     same T on every rank: ``check=True`` refuses a call where it differs, unchecked it is
     counted in ``stats()["token_count_mismatches"]``), expert_ids [T, K] integer (global ids,
-    -1 inactive), scores [T, K] float, w13 [E_local, 2, F, D] bf16, w2 [E_local, D, F] bf16, all contiguous on ``device``.
+    -1 inactive), scores [T, K] float, w13 [E_local, 2, F, D] bf16, w2 [E_local, D, F] bf16,
+    all contiguous on ``device``.
     Returns y [T, D] bf16.
 
     Training: with ``cfg.training``, grad mode on and any of x / scores / w13 / w2 requiring
