@@ -78,13 +78,22 @@ if HAVE_GLUON:
     def _program_tiles(padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS: gl.constexpr,
                        EXPERTS_POW2: gl.constexpr, NUM_PID_N: gl.constexpr,
                        BLOCK_M: gl.constexpr, NW: gl.constexpr):
-        """The tile count and the per-expert bounds as register vectors of a partition of
-        ``NW`` warps (every warp holds them all: the lookup reduces with shuffles)."""
-        num_pid_m = gl.load(padded_offsets_ptr + NUM_EXPERTS) // BLOCK_M
+        """The row blocks and tiles (:func:`_tile_count`) and the per-expert bounds as
+        register vectors of a partition of ``NW`` warps (every warp holds them all: the
+        lookup reduces with shuffles)."""
+        num_pid_m, num_tiles = _tile_count(padded_offsets_ptr, NUM_EXPERTS, NUM_PID_N, BLOCK_M)
         ends, starts, rbeg, rend, eidx = _expert_bounds(padded_offsets_ptr, row_offsets_ptr,
                                                         NUM_EXPERTS, EXPERTS_POW2,
                                                         _bounds_layout(EXPERTS_POW2, NW))
-        return num_pid_m, num_pid_m * NUM_PID_N, ends, starts, rbeg, rend, eidx
+        return num_pid_m, num_tiles, ends, starts, rbeg, rend, eidx
+
+    @gluon.jit
+    def _tile_count(padded_offsets_ptr, NUM_EXPERTS: gl.constexpr, NUM_PID_N: gl.constexpr,
+                    BLOCK_M: gl.constexpr):
+        """``(row blocks, tiles)`` of the call: ``padded_offsets[E] / BLOCK_M`` blocks of
+        ``NUM_PID_N`` column tiles each."""
+        num_pid_m = gl.load(padded_offsets_ptr + NUM_EXPERTS) // BLOCK_M
+        return num_pid_m, num_pid_m * NUM_PID_N
 
     @gluon.constexpr_function
     def _bounds_layout(EXPERTS_POW2, NW):

@@ -61,6 +61,7 @@ if HAVE_GLUON:
         _program_tiles,
         _ring_barriers,
         _tile_info,
+        _tile_count,
         _tile_info_reloaded,
         _tma_load_steps,
         _wait_turn,
@@ -117,9 +118,13 @@ if HAVE_GLUON:
         NUM_PID_N: gl.constexpr = FFN // BLOCK_N
         ACC: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-        num_pid_m, num_tiles, ends, starts, rbeg, rend, eidx = _program_tiles(
-            padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2, NUM_PID_N,
-            BLOCK_M, 4)
+        if RELOAD_BOUNDS:  # the bounds are loaded per tile below
+            num_pid_m, num_tiles = _tile_count(padded_offsets_ptr, NUM_EXPERTS, NUM_PID_N,
+                                               BLOCK_M)
+        else:
+            num_pid_m, num_tiles, ends, starts, rbeg, rend, eidx = _program_tiles(
+                padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2, NUM_PID_N,
+                BLOCK_M, 4)
         h1_base = h1_ptr
         if H1_OFFSET:
             h1_base = h1_ptr + gl.load(h1_offset_ptr)
