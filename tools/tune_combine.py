@@ -3,15 +3,18 @@
 
 Usage (repository root, one GPU):
     PYTHONPATH=src python3 tools/tune_combine.py [--shapes fine issue-a] [--reps 50]
-        [--csv FILE]
+        [--rounds 7] [--csv FILE]
 
 For each named bench shape (T, D, K; every route active, fp32 scores, the layer's [T*K, D]
 rows) every config of :meth:`CombineConfig.all_configs` and the heuristic's is first checked
 against :func:`~distmoe.kernels.combine.combine_ref` on fresh random rows (output poisoned
 with NaN before the run; bf16 outputs of one fp32 sum must agree to one bf16 rounding), then
-timed: ``--reps`` launches captured in one CUDA graph, the median of 5 replays. Bytes moved
-are the ``T*K*D`` rows read plus the ``T*D`` output written; the line "copy" is
-``torch.Tensor.copy_`` of the rows' size in the same run (a device bandwidth ceiling: it
+all of them and a copy are timed against each other (``distmoe.tools.bench.timing.
+interleaved``: ``--reps`` launches captured in one CUDA graph per candidate, one replay of
+each per round in rotating order, ``--rounds`` rounds, the median per call), so that the
+GPU's clock drift does not decide between configs timed minutes apart. Bytes moved are the
+``T*K*D`` rows read plus the ``T*D`` output written; the line "copy" is
+``torch.Tensor.copy_`` of the rows' size in the same rounds (a device bandwidth ceiling: it
 reads and writes as many bytes). The table lists the heuristic, the five fastest configs and
 the ceiling, fastest first.
 """
@@ -21,38 +24,20 @@ from __future__ import annotations
 import argparse
 import csv
 import functools
-import statistics
 import sys
 
 import torch
 
 
-def _graph_time_us(fn, reps: int) -> float:
-    """Median over 5 replays of a graph of ``reps`` calls, per call, in microseconds."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return statistics.median(times)
-
-
 def main() -> int:
     from distmoe.kernels.combine import CombineConfig, combine, combine_ref
+    from distmoe.tools.bench.timing import interleaved
     from distmoe.tools.bench.workloads import SHAPES
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["fine", "issue-a"], choices=sorted(SHAPES))
-    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--reps", type=int, default=50, help="launches per CUDA graph")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
     ap.add_argument("--csv", default=None, help="also write every timing here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -71,8 +56,8 @@ def main() -> int:
         heuristic = CombineConfig.from_heuristic(hidden=D)
         configs = [heuristic] + [c for c in CombineConfig.all_configs() if c != heuristic]
         y = torch.empty(T, D, device=dev, dtype=torch.bfloat16)
-        results = []
-        for cfg in configs:
+        fns = {}
+        for i, cfg in enumerate(configs):
             y.fill_(float("nan"))
             combine(rows, ids, scores, y, config=cfg)
             diff = (y.float() - want.float()).abs()
@@ -80,15 +65,16 @@ def main() -> int:
             if not bool((diff <= tol).all()):
                 raise SystemExit(f"{name}: {cfg} disagrees with combine_ref "
                                  f"(max diff {diff.max().item():.3g})")
-            us = _graph_time_us(functools.partial(combine, rows, ids, scores, y, config=cfg),
-                                args.reps)
-            results.append((us, cfg))
+            fns[f"cfg{i}"] = functools.partial(combine, rows, ids, scores, y, config=cfg)
         dst = torch.empty_like(rows)
-        copy_us = _graph_time_us(functools.partial(dst.copy_, rows), args.reps)
+        fns["copy"] = functools.partial(dst.copy_, rows)
+        stats = interleaved(fns, rounds=args.rounds, iters=args.reps, device=dev)
+        results = [(stats[f"cfg{i}"].iter_ms * 1e3, cfg) for i, cfg in enumerate(configs)]
+        copy_us = stats["copy"].iter_ms * 1e3
         copy_gbs = 2 * rows.numel() * 2 / copy_us / 1e3
         base_us = results[0][0]
         print(f"\n{name}: T={T} D={D} K={K}, {torch.cuda.get_device_name(dev)}; "
-              f"{nbytes / 1e6:.1f} MB per combine")
+              f"{nbytes / 1e6:.1f} MB per combine; {args.rounds} rounds interleaved")
         print(f"{'us':>8} {'GB/s':>7} {'vs heur':>8}  config")
         shown = [results[0]] + sorted(results[1:], key=lambda r: r[0])[:5]
         for us, cfg in sorted(shown, key=lambda r: r[0]):
