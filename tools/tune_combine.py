@@ -29,6 +29,13 @@ import sys
 import torch
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text}")
+    return value
+
+
 def main() -> int:
     from distmoe.kernels.combine import CombineConfig, combine, combine_ref
     from distmoe.tools.bench.timing import interleaved
@@ -36,8 +43,8 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["fine", "issue-a"], choices=sorted(SHAPES))
-    ap.add_argument("--reps", type=int, default=50, help="launches per CUDA graph")
-    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
+    ap.add_argument("--reps", type=_positive, default=50, help="launches per CUDA graph")
+    ap.add_argument("--rounds", type=_positive, default=7, help="interleaved rounds")
     ap.add_argument("--csv", default=None, help="also write every timing here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
