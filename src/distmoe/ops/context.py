@@ -579,12 +579,13 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         self._check_open()
         last, mx, dropped, invalid, calls, mismatches = (int(v)
                                                          for v in self._counters.tolist())
-        pull = self._pulled_ptrs.numel() * 8
+        pull_tensors = [self._pulled_ptrs]
         if self.ep_size > 1:
-            pull += self._pulled.numel() * 2 + self._pull_flags.numel()
+            pull_tensors += [self._pulled, self._pull_flags]
             if hasattr(self, "_block_peer"):
-                pull += (self._block_peer.numel() + 4 * self._w13_order.numel()
-                         + 4 * self._w13_positions.numel() + self._w13_starts.numel())
+                pull_tensors += [self._block_peer, self._w13_order, self._w13_positions,
+                                 self._w13_starts]
+        pull = sum(t.nbytes for t in pull_tensors)
         out = dict(rank=self.rank, receive_bound=self.receive_bound,
                    row_capacity=self.row_capacity, pull_buffer_bytes=pull,
                    last_recv_rows=last, max_recv_rows=mx,
