@@ -28,8 +28,10 @@ mode), ``w2``, ``w2_dgrad`` (not ``block_n``: the score parts depend on it), ``w
 ``wgrad`` (both WGRADs), ``combine`` (the owner combine); or ``layer:pull_all=True|False``,
 the EP > 1 token pull's way (:meth:`distmoe.MoEContext.pull_all_rule`),
 ``layer:w13_phases=True|False``, W13 in two launches around that copy's join
-(:mod:`distmoe.kernels.w13_phases`), and ``layer:w13_waves=N``, the waves of its first
-launch. The configs of every variant are printed first.
+(:mod:`distmoe.kernels.w13_phases`), ``layer:w13_waves=N``, the waves of its first
+launch, ``layer:w2_beside=True|False``, W2 on a side stream beside W13 (EP > 1 inference),
+and ``layer:w2_beside_sms=N``, W2's programs there. The configs of every variant are printed
+first.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from ab_bench import parse_override  # noqa: E402
 #: layer switches a ``layer:NAME=VALUE`` spec sets: the MoEContext attribute each is, and
 #: its type (True / False, or a positive int)
 _LAYER = {"pull_all": ("_pull_all", bool), "w13_phases": ("_w13_phases", bool),
-          "w13_waves": ("_w13_phase_waves", int)}
+          "w13_waves": ("_w13_phase_waves", int), "w2_beside": ("_w2_beside", bool),
+          "w2_beside_sms": ("_w2_beside_programs", int)}
 #: the layer attributes each kernel's config lives in (distmoe.ops.context)
 _ATTRS = {"w13": ("_w13_cfg",), "w2": ("_w2_cfg",), "w2_dgrad": ("_w2_dgrad_cfg",),
           "w13_dgrad": ("_w13_dgrad_cfg",), "wgrad": ("_w2_wgrad_cfg", "_w13_wgrad_cfg"),

@@ -90,6 +90,34 @@ def test_w13_phases_rule():
     assert rule(4096, 8, 32) and not rule(4095, 8, 32)
 
 
+def _beside_rule_rank(rank, world):
+    cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=4, top_k=2, max_tokens=16,
+                       training=False)
+    with dm.MoEContext(cfg, device="cpu") as ctx:
+        chosen = ctx._w2_runs_beside(False)
+        reasons = [ctx._w2_beside_reason(False), ctx._w2_beside_reason(True)]
+        ctx._w2_beside = True
+        try:
+            ctx._w2_runs_beside(False)
+        except ValueError as exc:
+            forced = str(exc)
+        else:
+            forced = None
+    return chosen, reasons, forced
+
+
+def test_w2_beside_w13_is_refused_without_a_gpu_per_rank():
+    """W2 runs beside W13 only when asked for and where every rank has a GPU of its own
+    (GPU runs: the multigpu tests); on CPU ranks forcing it says why."""
+    for chosen, (infer, train), forced in dm.launch(_beside_rule_rank, 2):
+        assert chosen is False
+        assert "'cpu' heap" in infer and "every rank on a GPU of its own" in infer
+        assert "inference only" in train
+        assert forced is not None and forced.startswith("W2 beside W13 cannot run here")
+    ((chosen, (infer, _), _),) = dm.launch(_beside_rule_rank, 1)
+    assert chosen is False and "EP > 1" in infer
+
+
 def test_ep1_reads_x_in_place_and_copies_a_misaligned_x():
     T, E, K = 13, 8, 3
     (y, y_odd, written, stats), = dm.launch(x_in_place_rank, 1,

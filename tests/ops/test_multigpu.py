@@ -5,11 +5,12 @@ sharing it (test_forward_gpu.py, test_training_gpu.py)."""
 
 import pytest
 import torch
-from forward_cases import CASES, check_against_reference, forward_cases_rank
+from forward_cases import CASES, check_against_reference, forward_cases_rank, make_problem
 from test_training import check_training
 from test_training_gpu import _graph_step_rank
 
 import distmoe as dm
+from distmoe.reference import split_global_problem
 from distmoe.runtime import create_heap
 from distmoe.runtime.selftest import peer_put_check
 
@@ -59,3 +60,72 @@ def test_cuda_graph_training_step_one_rank_per_gpu():
         assert depth == [0]
         for same, replayed_flags, eager_flags in results:
             assert same and replayed_flags == eager_flags
+
+
+BESIDE = dict(T=1024, D=512, F=384, K=4)
+BESIDE_CASES = ("balanced", "imbalance_8x", "all_to_one_expert", "inactive_mix")
+
+
+def _w2_beside_rank(rank, world):
+    """W2 beside W13 (it can run here: inference, a GPU per rank, Gluon GEMMs at 1024 rows
+    per local expert; off by default) against W2 after W13, bit for bit, eager for every
+    routing case and with the 2-program W2 (long waits); then one CUDA graph captured
+    beside, replayed with each case's inputs copied in, against the eager result."""
+    T, D, F, K = BESIDE["T"], BESIDE["D"], BESIDE["F"], BESIDE["K"]
+    E = 4 * world
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T, training=False,
+                       device_scratch_factor=float(world))
+    outs = []
+    with dm.MoEContext(cfg, device=dev, check=True) as ctx:
+        default = (ctx._w2_runs_beside(False), ctx._w2_beside_reason(False))
+        args_of = {}
+        for i, name in enumerate(BESIDE_CASES):
+            mine = split_global_problem(*make_problem(31 + i, world, T, D, F, E, K, name),
+                                        world)[rank]
+            args_of[name] = [t.to(dev) for t in (mine.x, mine.expert_ids, mine.scores,
+                                                 mine.w13, mine.w2)]
+        eager = {}
+        for name, args in args_of.items():
+            ctx._w2_beside = False
+            after = ctx(*args)
+            ctx._w2_beside = True
+            beside = ctx(*args)
+            ctx._w2_beside_programs = 2
+            narrow = ctx(*args)
+            ctx._w2_beside_programs = None
+            torch.cuda.synchronize()
+            eager[name] = beside.clone()
+            outs.append((name, torch.equal(after, beside), torch.equal(after, narrow),
+                         bool(torch.isfinite(after.float()).all())))
+        ctx.check = False  # its host-side checks synchronise: not inside a capture
+        static = [t.clone() for t in args_of[BESIDE_CASES[0]]]
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            ctx(*static)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_static = ctx(*static)
+        replays = []
+        for name in reversed(BESIDE_CASES):
+            for dst, src in zip(static, args_of[name], strict=True):
+                dst.copy_(src)
+            graph.replay()
+            torch.cuda.synchronize()
+            replays.append((name, torch.equal(y_static, eager[name])))
+    return default, outs, replays
+
+
+@pytest.mark.multigpu
+def test_w2_beside_w13_one_rank_per_gpu():
+    gpus = _gpus()
+    out = dm.launch(_w2_beside_rank, len(gpus), device="cuda", gpus=gpus, timeout=600)
+    for default, outs, replays in out:
+        assert default == (False, None), default  # off by default; it can run here
+        for name, same, same_narrow, finite in outs:
+            assert finite, name
+            assert same, f"{name}: beside differs from in sequence"
+            assert same_narrow, f"{name}: beside with 2 W2 programs differs"
+        assert all(same for _, same in replays), replays

@@ -257,6 +257,21 @@ def check_tensor(
     return value
 
 
+def check_block_counters(name: str, value: object, r_cap: int, device: torch.device,
+                         programs: object) -> None:
+    """Validate the row-block counters of a W13 / W2 pair run side by side (``done`` /
+    ``wait``: int32 ``[R_cap / 128]`` on ``device``) and the grid ``programs`` (None or an
+    int >= 1) that such a launch takes."""
+    if value is not None:
+        check_tensor(name, value, dtypes=(torch.int32,), shape=[r_cap // 128],
+                     shape_text="[R_cap / 128] (one counter per 128 padded rows)")
+        if value.device != device:
+            raise ValueError(f"{name} must be on {device}, got {value.device}")
+    if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int)
+                                 or programs < 1):
+        raise ValueError(f"programs must be None or an int >= 1 (the grid), got {programs!r}")
+
+
 def check_offsets(padded_offsets: object, row_offsets: object, num_experts: int) -> None:
     """The two layout tables of every grouped-GEMM launcher: int32 ``[E_local + 1]`` each
     (their values live on the device and are not read here)."""

@@ -221,6 +221,31 @@ if HAVE_GLUON:
         return pos_lo, num_pid_m, num_tiles
 
     @gluon.jit
+    def _arrive_block(done_ptr, row_start, BLOCK: gl.constexpr, NW: gl.constexpr):
+        """Every thread of a partition of ``NW`` warps adds 1 to ``done[row_start // BLOCK]``
+        with release semantics at GPU scope, after its own stores of the tile (so the
+        counter reaches its total only once every thread's stores are visible; no barrier
+        needed). :func:`_wait_block` is the reader."""
+        L: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        one = gl.full([32 * NW], 1, gl.int32, L)
+        ptrs = done_ptr + row_start // BLOCK + gl.zeros([32 * NW], gl.int32, L)
+        gl.atomic_add(ptrs, one, sem="release", scope="gpu")
+
+    @gluon.jit
+    def _wait_block(wait_ptr, row_start, need, BLOCK: gl.constexpr):
+        """One warp spins until ``wait[row_start // BLOCK] >= need`` (acquire loads at GPU
+        scope), then fences the async proxy, so the TMA loads it issues next read what the
+        threads counted by :func:`_arrive_block` stored."""
+        L: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        zero = gl.zeros([32], gl.int32, L)
+        ptrs = wait_ptr + row_start // BLOCK + zero
+        seen = gl.atomic_add(ptrs, zero, sem="acquire", scope="gpu")
+        while gl.min(seen, axis=0) < need:
+            seen = gl.atomic_add(ptrs, zero, sem="acquire", scope="gpu")
+        gl.inline_asm_elementwise("fence.proxy.async.global; mov.b32 $0, $1;", "=r,r",
+                                  [seen], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _enabled_tiles(enable_ptr, num_tiles, HAS_ENABLE: gl.constexpr):
         """The tile count with ``enable`` applied (0 when it is 0)."""
         if HAS_ENABLE:

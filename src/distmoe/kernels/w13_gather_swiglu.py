@@ -74,6 +74,7 @@ from distmoe.kernels._common import (
     check_offsets,
     check_padded_offsets_host,
     check_row_offsets_host,
+    check_block_counters,
     check_tensor,
     check_tma_aligned,
     check_width,
@@ -672,6 +673,15 @@ def _gluon_reason(config: W13Config, device: torch.device, hidden: int, ffn: int
                             stages=config.num_stages, warps=config.num_warps)
 
 
+def w13_done_count(config: W13Config, ffn: int) -> int:
+    """What each entry of :func:`gather_w13_swiglu`'s ``done`` reaches once the Gluon kernel
+    under ``config`` has stored the h2 rows (F = ``ffn`` wide) of its 128 padded rows (the
+    ``need`` of :func:`~distmoe.kernels.w2_scatter.w2_scatter`'s ``wait``)."""
+    from .w13_gluon import done_count
+
+    return done_count(ffn, config.block_n, config.num_warps)
+
+
 def w13_tile_rows(config: W13Config, gluon: bool | None = None) -> int:
     """Padded rows of one W13 tile (a row block of ``order``) under ``config``: the Gluon
     kernel's :func:`~distmoe.kernels.w13_gluon.tile_rows` where it runs (``gluon``; default
@@ -714,6 +724,8 @@ def gather_w13_swiglu(
     block_m: int | None = None,
     order: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
+    done: torch.Tensor | None = None,
+    programs: int | None = None,
 ) -> torch.Tensor:
     """Gathered rows @ W13 with SwiGLU, into compact activation rows.
 
@@ -752,6 +764,13 @@ def gather_w13_swiglu(
             without them), in group-M order over the positions. Launches over disjoint
             position ranges that cover the call's blocks compute what one launch does, bit
             for bit (:mod:`distmoe.kernels.w13_phases`).
+        done: optional int32 ``[R_cap / 128]`` (device), for a W2 run beside this launch
+            (:func:`~distmoe.kernels.w2_scatter.w2_scatter`'s ``wait``): after storing its h2
+            rows each tile adds to the entry of its 128 padded rows (release, GPU scope), so
+            an entry zeroed before the call reaches :func:`w13_done_count` once every tile
+            over those rows has stored. Gluon kernel only (ValueError elsewhere).
+        programs: optional grid of the Gluon kernel (default one program per SM): fewer
+            leave SMs to a kernel run beside it.
 
     Only the live rows' activation rows ``< row_offsets[E_local]`` of every output are
     written (null rows as zeros); padding rows are not stored and every other row or element
@@ -783,6 +802,10 @@ def gather_w13_swiglu(
     aligned = all(t is None or t.data_ptr() % 16 == 0 for t in (h2_out, h1_out, x_out))
     gluon_reason = _gluon_reason(config, device, hidden, ffn, aligned)
     _check_order(order, positions, r_cap, w13_tile_rows(config, gluon_reason is None), device)
+    check_block_counters("done", done, r_cap, device, programs)
+    if done is not None and gluon_reason is not None:
+        raise ValueError(f"done needs the Gluon W13 kernel, which does not run here: "
+                         f"{gluon_reason}")
     if r_cap == 0:
         return h2_out
 
@@ -794,7 +817,7 @@ def gather_w13_swiglu(
                              h1_out=h1_out, x_out=x_out, out_offsets=out_offsets,
                              enable=enable, block_n=config.block_n, stages=config.num_stages,
                              group_m=config.group_m, warps=config.num_warps, order=order,
-                             positions=positions)
+                             positions=positions, done=done, programs=programs)
             return h2_out
         warn_gluon_fallback("gather_w13_swiglu", gluon_reason)
     num_pid_m = r_cap // config.block_m

@@ -74,6 +74,7 @@ if HAVE_GLUON:
         _consumer_walk,
         _enabled_tiles,
         _ordered_tile_info,
+        _arrive_block,
         _ordered_tiles,
         _program_tiles,
         _ring_barriers,
@@ -81,7 +82,8 @@ if HAVE_GLUON:
     )
     from .w2_backward import _column_halves
 
-__all__ = ["GLUON_W13_TILES", "tile_rows", "gluon_w13_reason", "launch_gluon_w13",
+__all__ = ["DONE_BLOCK", "GLUON_W13_TILES", "done_count", "tile_rows", "gluon_w13_reason",
+           "launch_gluon_w13",
            "shape_reason"]
 
 #: (block_m, block_n, block_k, warps) of a config this kernel runs: ``block_m`` is the padding
@@ -118,6 +120,16 @@ def stage_bytes(block_n: int, block_k: int = 64, warps: int = 4) -> int:
 #: (the producer) per thread.
 _MAXNREG = 168
 _PRODUCER_THREADS = 128
+#: padded rows per entry of ``done`` (the W2's tile rows)
+DONE_BLOCK = 128
+
+
+def done_count(ffn: int, block_n: int, warps: int) -> int:
+    """What each entry of ``done`` (one per ``DONE_BLOCK`` padded rows) reaches once every
+    W13 tile over those rows has stored its h2 rows: every thread of each consumer
+    warpgroup that ran a tile adds 1 (``warps`` 8: both consumers on every tile)."""
+    tiles = (ffn // block_n) * (DONE_BLOCK // tile_rows(block_n, warps))
+    return tiles * (2 if warps == 8 else 1) * 128
 
 
 if HAVE_GLUON:
@@ -138,12 +150,12 @@ if HAVE_GLUON:
     @gluon.jit
     def _producer(w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
                   padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr, out_offsets_ptr,
-                  enable_ptr, order_ptr, positions_ptr, FFN: gl.constexpr,
+                  enable_ptr, order_ptr, positions_ptr, done_ptr, FFN: gl.constexpr,
                   HIDDEN: gl.constexpr,
                   NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr,
                   STAGES: gl.constexpr, WRITE_H1: gl.constexpr, WRITE_X: gl.constexpr,
                   DYN_OFFSETS: gl.constexpr, HAS_ENABLE: gl.constexpr,
-                  HAS_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
+                  HAS_ORDER: gl.constexpr, HAS_DONE: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
                   PARITY: gl.constexpr):
         """One warpgroup: the loads of every tile of the program, K step by K step."""
@@ -191,12 +203,12 @@ if HAVE_GLUON:
     @gluon.jit
     def _consumer(w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
                   padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr, out_offsets_ptr,
-                  enable_ptr, order_ptr, positions_ptr, FFN: gl.constexpr,
+                  enable_ptr, order_ptr, positions_ptr, done_ptr, FFN: gl.constexpr,
                   HIDDEN: gl.constexpr,
                   NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr,
                   STAGES: gl.constexpr, WRITE_H1: gl.constexpr, WRITE_X: gl.constexpr,
                   DYN_OFFSETS: gl.constexpr, HAS_ENABLE: gl.constexpr,
-                  HAS_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
+                  HAS_ORDER: gl.constexpr, HAS_DONE: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
                   PARITY: gl.constexpr):
         """One warpgroup: the MMAs, the rows saved and the epilogue of the program's tiles
@@ -226,7 +238,7 @@ if HAVE_GLUON:
         first, step, count = _consumer_walk(NUM_K, COOP, PARITY)
         turns = 0
         for tile in range(first, num_tiles, step):
-            pid_n, expert, _row, act_start, num_live = _ordered_tile_info(
+            pid_n, expert, row_start, act_start, num_live = _ordered_tile_info(
                 tile, num_pid_m, order_ptr, pos_lo, ends, starts, rbeg, rend, eidx, NUM_PID_N,
                 GROUP_M, NUM_EXPERTS, BLOCK_M, HAS_ORDER)
             act_start += ROW0
@@ -274,6 +286,8 @@ if HAVE_GLUON:
                          ROWS, H)
             _swiglu_part(g1, u1, act_start, num_live, n0 + H, h2_ptr, h1_ptr, h1_off, FFN,
                          WRITE_H1, ROWS, H)
+            if HAS_DONE:  # this warpgroup's h2 rows of the tile are stored
+                _arrive_block(done_ptr, row_start, 128, 4)  # DONE_BLOCK rows an entry
 
     @gluon.jit
     def _swiglu_part(g, u, act_start, num_live, col0, h2_ptr, h1_ptr, h1_off,
@@ -310,6 +324,7 @@ if HAVE_GLUON:
         enable_ptr,  # int32 [1] (HAS_ENABLE), else a placeholder
         order_ptr,  # int32 [R_cap / BLOCK_M] (HAS_ORDER), else a placeholder
         positions_ptr,  # int32 [2] (HAS_ORDER), else a placeholder
+        done_ptr,  # int32 [R_cap / DONE_BLOCK] (HAS_DONE), else a placeholder
         FFN: gl.constexpr,
         HIDDEN: gl.constexpr,
         NUM_EXPERTS: gl.constexpr,
@@ -321,6 +336,7 @@ if HAVE_GLUON:
         DYN_OFFSETS: gl.constexpr,
         HAS_ENABLE: gl.constexpr,
         HAS_ORDER: gl.constexpr,
+        HAS_DONE: gl.constexpr,
         A_LAYOUT: gl.constexpr,
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
@@ -339,19 +355,22 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_consumer, (w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
                          padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr,
-                         out_offsets_ptr, enable_ptr, order_ptr, positions_ptr, FFN, HIDDEN,
-                         NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, WRITE_H1, WRITE_X,
-                         DYN_OFFSETS, HAS_ENABLE, HAS_ORDER, BLOCK_M, BLOCK_N, BLOCK_K, COOP, 0)),
+                         out_offsets_ptr, enable_ptr, order_ptr, positions_ptr, done_ptr, FFN,
+                         HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, WRITE_H1,
+                         WRITE_X, DYN_OFFSETS, HAS_ENABLE, HAS_ORDER, HAS_DONE, BLOCK_M,
+                         BLOCK_N, BLOCK_K, COOP, 0)),
             (_consumer, (w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
                          padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr,
-                         out_offsets_ptr, enable_ptr, order_ptr, positions_ptr, FFN, HIDDEN,
-                         NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, WRITE_H1, WRITE_X,
-                         DYN_OFFSETS, HAS_ENABLE, HAS_ORDER, BLOCK_M, BLOCK_N, BLOCK_K, COOP, 1)),
+                         out_offsets_ptr, enable_ptr, order_ptr, positions_ptr, done_ptr, FFN,
+                         HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, WRITE_H1,
+                         WRITE_X, DYN_OFFSETS, HAS_ENABLE, HAS_ORDER, HAS_DONE, BLOCK_M,
+                         BLOCK_N, BLOCK_K, COOP, 1)),
             (_producer, (w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
                          padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr,
-                         out_offsets_ptr, enable_ptr, order_ptr, positions_ptr, FFN, HIDDEN,
-                         NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, WRITE_H1, WRITE_X,
-                         DYN_OFFSETS, HAS_ENABLE, HAS_ORDER, BLOCK_M, BLOCK_N, BLOCK_K, COOP, 0)),
+                         out_offsets_ptr, enable_ptr, order_ptr, positions_ptr, done_ptr, FFN,
+                         HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, WRITE_H1,
+                         WRITE_X, DYN_OFFSETS, HAS_ENABLE, HAS_ORDER, HAS_DONE, BLOCK_M,
+                         BLOCK_N, BLOCK_K, COOP, 0)),
         ], [4, PRODUCER_THREADS // 32], [224, 56])
 
 
@@ -384,13 +403,15 @@ def launch_gluon_w13(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
                      out_offsets: torch.Tensor | None, enable: torch.Tensor | None,
                      block_n: int = 64, stages: int = 5, group_m: int = 8, warps: int = 4,
                      programs: int | None = None, order: torch.Tensor | None = None,
-                     positions: torch.Tensor | None = None) -> None:
+                     positions: torch.Tensor | None = None,
+                     done: torch.Tensor | None = None) -> None:
     """Launch the kernel (arguments validated by
     :func:`~distmoe.kernels.w13_gather_swiglu.gather_w13_swiglu`, and
     :func:`gluon_w13_reason` returned ``None``). ``warps``: 4 (ping-pong) or 8 (cooperative).
     ``programs``: the grid (default one per SM); tests pass fewer so that every program walks
     many tiles. ``order`` / ``positions``: the row blocks of this launch (see
-    :func:`~distmoe.kernels.w13_gather_swiglu.gather_w13_swiglu`)."""
+    :func:`~distmoe.kernels.w13_gather_swiglu.gather_w13_swiglu`). ``done``: int32
+    ``[R_cap / DONE_BLOCK]``, counted up after each tile's h2 stores (:func:`done_count`)."""
     from ._common import device_context, next_power_of_2, num_sms
 
     block_m, block_k = tile_rows(block_n, warps), 64
@@ -412,12 +433,13 @@ def launch_gluon_w13(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
             padded_offsets if enable is None else enable,
             padded_offsets if order is None else order,
             padded_offsets if positions is None else positions,
+            padded_offsets if done is None else done,
             FFN=ffn, HIDDEN=hidden, NUM_EXPERTS=num_experts,
             EXPERTS_POW2=max(32, next_power_of_2(num_experts)),
             GROUP_M=group_m, STAGES=stages,
             WRITE_H1=h1_out is not None, WRITE_X=x_out is not None,
             DYN_OFFSETS=out_offsets is not None, HAS_ENABLE=enable is not None,
-            HAS_ORDER=order is not None, A_LAYOUT=a_layout, BLOCK_M=block_m, BLOCK_N=block_n,
+            HAS_ORDER=order is not None, HAS_DONE=done is not None, A_LAYOUT=a_layout, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=block_k,
             PRODUCER_THREADS=_PRODUCER_THREADS, COOP=warps == 8, num_warps=4,
             maxnreg=_MAXNREG,

@@ -63,6 +63,7 @@ if HAVE_GLUON:
         _ring_barriers,
         _tile_info,
         _tma_load_steps,
+        _wait_block,
         _wait_turn,
     )
     from .w2_backward import _column_halves
@@ -94,10 +95,12 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,
-                  padded_offsets_ptr, row_offsets_ptr, enable_ptr, HIDDEN: gl.constexpr,
+                  padded_offsets_ptr, row_offsets_ptr, enable_ptr, wait_ptr, need,
+                  HIDDEN: gl.constexpr,
                   FFN: gl.constexpr, NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr,
                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_ENABLE: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                  HAS_WAIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BLOCK_K: gl.constexpr,
                   COOP: gl.constexpr, PARITY: gl.constexpr):
         """One warp: the TMA loads of every tile of the program, K step by K step."""
         NUM_K: gl.constexpr = FFN // BLOCK_K
@@ -108,19 +111,23 @@ if HAVE_GLUON:
         num_tiles = _enabled_tiles(enable_ptr, num_tiles, HAS_ENABLE)
         count = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            pid_n, expert, _row, act_start, _live = _tile_info(
+            pid_n, expert, row, act_start, _live = _tile_info(
                 tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
                 NUM_EXPERTS, BLOCK_M)
+            if HAS_WAIT:  # the W13 tiles of this row block have stored its h2 rows
+                _wait_block(wait_ptr, row, need, BLOCK_M)
             count = _tma_load_steps(a_desc, w_desc, a_bufs, b_bufs, ready, empty, count,
                                     act_start, expert * HIDDEN + pid_n * BLOCK_N, 0, NUM_K,
                                     STAGES, BLOCK_K, True)
 
     @gluon.jit
     def _consumer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,
-                  padded_offsets_ptr, row_offsets_ptr, enable_ptr, HIDDEN: gl.constexpr,
+                  padded_offsets_ptr, row_offsets_ptr, enable_ptr, wait_ptr, need,
+                  HIDDEN: gl.constexpr,
                   FFN: gl.constexpr, NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr,
                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_ENABLE: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                  HAS_WAIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BLOCK_K: gl.constexpr,
                   COOP: gl.constexpr, PARITY: gl.constexpr):
         """One warpgroup: the MMAs and the stores of the program's tiles ``PARITY``,
         ``PARITY + 2``, ... (in the program's own numbering); with ``COOP``, of rows
@@ -192,6 +199,8 @@ if HAVE_GLUON:
         padded_offsets_ptr,  # int32 [E + 1]
         row_offsets_ptr,  # int32 [E + 1]
         enable_ptr,  # int32 [1] (HAS_ENABLE), else a placeholder
+        wait_ptr,  # int32 [R_cap / 128] (HAS_WAIT), else a placeholder
+        need,  # the count a row block's wait entry reaches when its h2 rows are stored
         HIDDEN: gl.constexpr,
         FFN: gl.constexpr,
         NUM_EXPERTS: gl.constexpr,
@@ -199,6 +208,7 @@ if HAVE_GLUON:
         GROUP_M: gl.constexpr,
         STAGES: gl.constexpr,
         HAS_ENABLE: gl.constexpr,
+        HAS_WAIT: gl.constexpr,
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
         BLOCK_K: gl.constexpr,
@@ -215,16 +225,19 @@ if HAVE_GLUON:
         # (the argument lists are written out: a tuple built here loses the constexprs)
         gl.warp_specialize([
             (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,
-                         padded_offsets_ptr, row_offsets_ptr, enable_ptr, HIDDEN, FFN,
-                         NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, HAS_ENABLE, BLOCK_M,
+                         padded_offsets_ptr, row_offsets_ptr, enable_ptr, wait_ptr, need, HIDDEN,
+                         FFN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, HAS_ENABLE,
+                         HAS_WAIT, BLOCK_M,
                          BLOCK_N, BLOCK_K, COOP, 0)),
             (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,
-                         padded_offsets_ptr, row_offsets_ptr, enable_ptr, HIDDEN, FFN,
-                         NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, HAS_ENABLE, BLOCK_M,
+                         padded_offsets_ptr, row_offsets_ptr, enable_ptr, wait_ptr, need, HIDDEN,
+                         FFN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, HAS_ENABLE,
+                         HAS_WAIT, BLOCK_M,
                          BLOCK_N, BLOCK_K, COOP, 1)),
             (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,
-                         padded_offsets_ptr, row_offsets_ptr, enable_ptr, HIDDEN, FFN,
-                         NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, HAS_ENABLE, BLOCK_M,
+                         padded_offsets_ptr, row_offsets_ptr, enable_ptr, wait_ptr, need, HIDDEN,
+                         FFN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, HAS_ENABLE,
+                         HAS_WAIT, BLOCK_M,
                          BLOCK_N, BLOCK_K, COOP, 0)),
         ], [4, 1], [232, 40])
 
@@ -255,12 +268,16 @@ def gluon_w2_reason(device: torch.device, *, hidden: int, ffn: int, block_m: int
 def launch_gluon_w2(h2: torch.Tensor, padded_offsets: torch.Tensor, row_offsets: torch.Tensor,
                     w2: torch.Tensor, scatter_ptrs: torch.Tensor, *,
                     enable: torch.Tensor | None, block_n: int = 128, stages: int = 5,
-                    group_m: int = 8, warps: int = 4, programs: int | None = None) -> None:
+                    group_m: int = 8, warps: int = 4, programs: int | None = None,
+                    wait: torch.Tensor | None = None, need: int = 0) -> None:
     """Launch the kernel (arguments validated by
     :func:`~distmoe.kernels.w2_scatter.w2_scatter`, and :func:`gluon_w2_reason` returned
     ``None``). ``warps``: 4 (ping-pong, ``block_n`` 128) or 8 (cooperative, ``block_n`` 256).
     ``programs``: the grid (default one per SM); tests pass fewer so that every program walks
-    many tiles."""
+    many tiles. ``wait``: int32 ``[R_cap / 128]``; the producer starts a tile's loads only
+    once ``wait[padded row / 128] >= need`` (acquire), i.e. once a W13 running beside it has
+    stored that row block's h2 rows (:func:`~distmoe.kernels.w13_gather_swiglu.\
+gather_w13_swiglu`'s ``done``)."""
     from ._common import device_context, next_power_of_2, num_sms
 
     block_m, block_k = 128, 64
@@ -277,9 +294,10 @@ def launch_gluon_w2(h2: torch.Tensor, padded_offsets: torch.Tensor, row_offsets:
         _gluon_w2_kernel[(max(1, min(programs, tiles)),)](
             a_desc, w_desc, scatter_ptrs, padded_offsets, row_offsets,
             padded_offsets if enable is None else enable,
+            padded_offsets if wait is None else wait, need,
             HIDDEN=hidden, FFN=ffn, NUM_EXPERTS=num_experts,
             EXPERTS_POW2=max(32, next_power_of_2(num_experts)), GROUP_M=group_m,
-            STAGES=stages, HAS_ENABLE=enable is not None,
+            STAGES=stages, HAS_ENABLE=enable is not None, HAS_WAIT=wait is not None,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, COOP=warps == 8,
             num_warps=4, maxnreg=_MAXNREG,
         )  # fmt: skip

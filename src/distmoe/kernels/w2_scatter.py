@@ -60,6 +60,7 @@ from distmoe.kernels._common import (
     check_offsets,
     check_padded_offsets_host,
     check_row_offsets_host,
+    check_block_counters,
     check_tensor,
     check_tma_aligned,
     check_width,
@@ -406,6 +407,9 @@ def w2_scatter(
     enable: torch.Tensor | None = None,
     config: W2Config | None = None,
     block_m: int | None = None,
+    wait: torch.Tensor | None = None,
+    need: int = 0,
+    programs: int | None = None,
 ) -> None:
     """h2 @ W2 per expert, each live row's result stored at its own absolute address.
 
@@ -427,6 +431,14 @@ def w2_scatter(
         config: launch configuration; default :meth:`W2Config.from_heuristic`.
         block_m: the padding multiple (default 128); must match ``config.block_m`` if both
             are given.
+        wait, need: optional int32 ``[R_cap / 128]`` (device) and an int >= 1, for a W2 run
+            beside the W13 that writes h2 (its ``done``, zeroed before both): a tile's loads
+            start once ``wait[padded row / 128] >= need`` (acquire, GPU scope; ``need`` =
+            :func:`~distmoe.kernels.w13_gather_swiglu.w13_done_count`). The caller makes
+            sure that W13 can run meanwhile: its programs and these fit on the device at
+            once, and it is launched first (a module loaded while this waits can stall the
+            device for good). Gluon kernel only (ValueError elsewhere).
+        programs: optional grid of the Gluon kernel (default one program per SM).
 
     Only live rows with a non-zero address are stored.
     """
@@ -441,20 +453,30 @@ def w2_scatter(
         raise TypeError(f"config must be a W2Config, got {type(config).__name__}")
     validate_block_m(config, block_m)
     _check_r_cap(r_cap, config.block_m)
-    if r_cap == 0:
-        return
-
     device = h2.device
+    check_block_counters("wait", wait, r_cap, device, programs)
+    if wait is not None and (isinstance(need, bool) or not isinstance(need, int) or need < 1):
+        raise ValueError(f"need must be an int >= 1 with wait, got {need!r}")
+    reason = "the config asks for the Triton kernel"
     if config.gluon:
-        from .w2_gluon import gluon_w2_reason, launch_gluon_w2
+        from .w2_gluon import gluon_w2_reason
 
         reason = gluon_w2_reason(device, hidden=hidden, ffn=ffn, block_m=config.block_m,
                                  block_n=config.block_n, block_k=config.block_k,
                                  stages=config.num_stages, warps=config.num_warps)
+    if wait is not None and reason is not None:
+        raise ValueError(f"wait needs the Gluon W2 kernel, which does not run here: {reason}")
+    if r_cap == 0:
+        return
+
+    if config.gluon:
         if reason is None:
+            from .w2_gluon import launch_gluon_w2
+
             launch_gluon_w2(h2, padded_offsets, row_offsets, w2, scatter_ptrs, enable=enable,
                             block_n=config.block_n, stages=config.num_stages,
-                            group_m=config.group_m, warps=config.num_warps)
+                            group_m=config.group_m, warps=config.num_warps, programs=programs,
+                            wait=wait, need=need)
             return
         warn_gluon_fallback("w2_scatter", reason)
     num_pid_m = r_cap // config.block_m

@@ -41,7 +41,12 @@ CUDA graph and replayed with new inputs written into the same tensors):
        the join and the rest after it, :mod:`distmoe.kernels.w13_phases`), SwiGLU
        epilogue -> h2
     5. W2 grouped GEMM, scatter epilogue stores each row into its owner's combine slot
-       (training, saved layer: into the h3 rows of the owner's activation slot instead)
+       (training, saved layer: into the h3 rows of the owner's activation slot instead).
+       At EP > 1 in inference, where every rank has a GPU of its own, W2 can run beside
+       W13 on a side stream, each on its share of the SMs, starting a row block once W13
+       has stored its h2 rows (device counters, ``done`` / ``wait``), so that its stores
+       across NVLink spread over both GEMMs. Off unless asked for
+       (:meth:`MoEContext._w2_runs_beside`): measured no faster (performance.md run 35)
     6. barrier                                 (all results have landed; all gathers done)
     7. owner combine y[t] = sum_k score[t,k] * h3[t*K+k] over executed routes, fp32, with
        h3 the combine buffer (or the slot's h3 rows)
@@ -204,6 +209,15 @@ class MoEContext:
         # _w13_phase_waves: waves of the first launch (None: estimated from the shapes).
         self._w13_phases: bool | None = None
         self._w13_phase_waves: int | None = None
+        # W2 beside W13 (step 5): True runs it (A/B tools, tests); off otherwise.
+        # _w2_beside_programs: W2's programs (None: beside_programs, a third of the SMs).
+        self._w2_beside: bool | None = None
+        self._w2_beside_programs: int | None = None
+        self._w2_stream = None
+        if self.ep_size > 1 and self.row_capacity % 128 == 0:
+            # per 128 padded rows: W13's count of stored h2 tiles, zeroed before each call
+            self._h2_done = torch.zeros(self.row_capacity // 128, dtype=torch.int32,
+                                        device=self.device)
         if self.ep_size > 1:
             self._peer_tokens = [heap.view("dispatch", r, torch.bfloat16, (T, D))
                                  for r in range(self.ep_size)]
@@ -475,6 +489,79 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         gather_w13_swiglu(gather_ptrs, po, ro, w13, self._h2, config=self._w13_cfg,
                           order=order, positions=positions[2:4], **outputs)
 
+    def _w2_runs_beside(self, save: bool) -> bool:
+        """Whether this forward runs W2 beside W13 (module docstring, step 5): only when
+        ``_w2_beside`` is True (A/B tools, tests; ValueError where it cannot run, see
+        :meth:`_w2_beside_reason`). Not by default: at T=4096 D=2048 F=768 E=128 K=8 on two
+        H200s it measured 2.3% slower than W2 after W13 (performance.md run 35; the W13 on
+        two thirds of the SMs took 504 us against 314, the W2 beside it ended 21 us after
+        it)."""
+        if self._w2_beside:
+            reason = self._w2_beside_reason(save)
+            if reason is not None:
+                raise ValueError(f"W2 beside W13 cannot run here: {reason}")
+            return True
+        return False
+
+    def _w2_beside_reason(self, save: bool) -> str | None:
+        """``None`` when W2 can run beside W13 in this forward, else why not: it needs EP >
+        1, inference, both GEMMs on their Gluon kernels and every rank on a GPU of its own
+        (the ``cuda_symm`` heap). Ranks sharing a GPU never do: one rank's W2 programs,
+        waiting, could hold the SMs another rank's W13 needs."""
+        from ..kernels.w2_gluon import gluon_w2_reason
+        from ..kernels.w13_gather_swiglu import _gluon_reason
+
+        c, w13c, w2c = self.cfg, self._w13_cfg, self._w2_cfg
+        if self.ep_size == 1 or not hasattr(self, "_h2_done"):
+            return "it needs EP > 1 (nothing crosses NVLink at EP = 1)"
+        if save:
+            return "the training forward saves its layers (inference only so far)"
+        if self.heap.backend != "cuda_symm":
+            return (f"the {self.heap.backend!r} heap (ranks may share a GPU); it needs "
+                    "every rank on a GPU of its own")
+        reason = _gluon_reason(w13c, self.device, c.hidden, c.ffn, True) or (
+            gluon_w2_reason(self.device, hidden=c.hidden, ffn=c.ffn, block_m=w2c.block_m,
+                            block_n=w2c.block_n, block_k=w2c.block_k,
+                            stages=w2c.num_stages, warps=w2c.num_warps)
+            if w2c.gluon else "the W2 config asks for the Triton kernel")
+        return reason
+
+    @staticmethod
+    def beside_programs(num_sms: int) -> int:
+        """W2's programs beside W13: a third of ``num_sms`` (W2 does a third of the FLOPs:
+        2 F D per row against W13's 4 F D), at least 1; W13 takes the rest."""
+        return max(1, num_sms // 3)
+
+    def _run_w13_w2(self, phased: bool, gather_ptrs, po, ro, w13, w2, scatter_ptrs,
+                    beside: bool) -> None:
+        """W13 then W2 (steps 4-5) on the current stream, or with ``beside`` W2 on a side
+        stream beside W13, each on its share of the SMs, joined back before returning."""
+        from ..kernels._common import num_sms
+        from ..kernels.w2_scatter import w2_scatter
+        from ..kernels.w13_gather_swiglu import w13_done_count
+
+        if not beside:
+            self._run_w13(phased, gather_ptrs, po, ro, w13)
+            w2_scatter(self._h2, po, ro, w2, scatter_ptrs, config=self._w2_cfg)
+            return
+        sms = num_sms(self.device)
+        p2 = self._w2_beside_programs or self.beside_programs(sms)
+        if not 1 <= p2 < sms:
+            raise ValueError(f"W2's programs beside W13 must be in [1, {sms - 1}] (the SMs "
+                             f"less one for W13), got {p2}")
+        done = self._h2_done
+        done.zero_()
+        main = torch.cuda.current_stream(self.device)
+        if self._w2_stream is None:
+            self._w2_stream = torch.cuda.Stream(self.device)
+        side = self._w2_stream
+        side.wait_stream(main)  # the tables, h2's buffer and the zeroed counters
+        self._run_w13(phased, gather_ptrs, po, ro, w13, done=done, programs=sms - p2)
+        with torch.cuda.stream(side):
+            w2_scatter(self._h2, po, ro, w2, scatter_ptrs, config=self._w2_cfg, wait=done,
+                       need=w13_done_count(self._w13_cfg, self.cfg.ffn), programs=p2)
+        main.wait_stream(side)
+
     def _wants_autograd(self, x, scores, w13, w2) -> bool:
         """Training call with autograd: cfg.training, grad mode on and an input requiring
         grad. The backward is collective (distmoe.ops.autograd): every rank must take the
@@ -510,8 +597,8 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         gather_ptrs = self._gather_table(tables.gather_ptrs, pulled=pull_all, x=x,
                                          phased=phased)
         if not save:
-            self._run_w13(phased, gather_ptrs, po, ro, w13)
-            w2_scatter(self._h2, po, ro, w2, tables.scatter_ptrs, config=self._w2_cfg)
+            self._run_w13_w2(phased, gather_ptrs, po, ro, w13, w2, tables.scatter_ptrs,
+                             self._w2_runs_beside(save))
             self.heap.barrier()
             # dest_rows_TK is -1 exactly where a route is not executed: it serves as the
             # combine's ids (only their sign is read)

@@ -24,6 +24,7 @@ with every flag value their launchers pass. They only have to build.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -34,10 +35,11 @@ from dataclasses import dataclass, field
 SM90_SMEM_BYTES = 227 * 1024
 
 # Non-constexpr parameters: types by name (pointers default to bf16 tensors).
-_INTS = {"num_rows", "num_act_rows", "r_act", "num_pid_m", "num_progs"}
+_INTS = {"num_rows", "num_act_rows", "r_act", "num_pid_m", "num_progs", "need"}
 _I64 = {"grad_h3_ptrs_ptr", "scatter_ptrs_ptr", "gather_ptrs_ptr", "h1_offset_ptr",
         "b_offset_ptr", "out_offsets_ptr"}
-_I32 = {"padded_offsets_ptr", "row_offsets_ptr", "enable_ptr", "order_ptr", "positions_ptr"}
+_I32 = {"padded_offsets_ptr", "row_offsets_ptr", "enable_ptr", "order_ptr", "positions_ptr",
+        "done_ptr", "wait_ptr"}
 
 
 def _default_type(name: str) -> str:
@@ -214,7 +216,7 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
         return []
     gl = wg.gl
 
-    def case(label, name, train, bn, stages, production, warps=4, order=False):
+    def case(label, name, train, bn, stages, production, warps=4, order=False, done=False):
         s = SHAPES[name]
         D, F, E = s.hidden, s.ffn, s.num_experts
         bm, bk = wg.tile_rows(bn, warps), 64
@@ -224,11 +226,11 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
                  "enable_ptr": "*i32"}
         return BuildCase(
             f"{label} W13 fwd gluon {bm}x{bn}{' coop' if warps == 8 else ''} s{stages} "
-            f"training={train}{' ordered' if order else ''}",
+            f"training={train}{' ordered' if order else ''}{' done' if done else ''}",
             wg._gluon_w13_kernel,
             dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
                  GROUP_M=8, STAGES=stages, WRITE_H1=train, WRITE_X=train, DYN_OFFSETS=train,
-                 HAS_ENABLE=train, HAS_ORDER=order,
+                 HAS_ENABLE=train, HAS_ORDER=order, HAS_DONE=done,
                  A_LAYOUT=gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16),
                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRODUCER_THREADS=wg._PRODUCER_THREADS,
                  COOP=warps == 8, num_warps=4),
@@ -250,6 +252,9 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
                 # EP > 1 with every peer token copied: two launches over a block order
                 cases.append(case(name, name, train, c.block_n, c.num_stages, True,
                                   warps=c.num_warps, order=True))
+                if not train:  # EP > 1, with the W2 running beside it (done counters)
+                    cases.append(case(name, name, train, c.block_n, c.num_stages, True,
+                                      warps=c.num_warps, done=True))
     cases.append(case("variant fine", "fine", True, 128, 5, False))
     cases.append(case("variant fine", "fine", False, 64, 3, False))
     cases.append(case("variant fine", "fine", True, 64, 6, False))
@@ -296,7 +301,8 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
 def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
     """The warp-specialised Gluon W2 forward (:mod:`distmoe.kernels.w2_gluon`) at each shape,
     with an enable flag: the ping-pong 128 x 128 tile at ring depths 4 to 6 and the
-    cooperative 128 x 256 tile at 3 and 4 (production: no spill, no serialized wgmma)."""
+    cooperative 128 x 256 tile at 3 and 4, each also waiting per row block for a W13
+    beside it (production: no spill, no serialized wgmma)."""
     from distmoe.kernels import w2_gluon as wg
     from distmoe.kernels._common import next_power_of_2
     from distmoe.tools.bench.workloads import SHAPES
@@ -307,16 +313,18 @@ def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildC
     for name in shapes:
         s = SHAPES[name]
         D, F, E = s.hidden, s.ffn, s.num_experts
-        for bn, warps, stages in ((128, 4, 4), (128, 4, 5), (128, 4, 6), (256, 8, 3),
-                                  (256, 8, 4)):
+        for (bn, warps, stages), wait in itertools.product(
+                ((128, 4, 4), (128, 4, 5), (128, 4, 6), (256, 8, 3), (256, 8, 4)),
+                (False, True)):
             types = {"a_desc": _gluon_desc(1024, F, [128, 64]),
                      "w_desc": _gluon_desc(E * D, F, [bn, 64])}
             cases.append(BuildCase(
-                f"{name} W2 fwd gluon 128x{bn}{' coop' if warps == 8 else ''} s{stages}",
+                f"{name} W2 fwd gluon 128x{bn}{' coop' if warps == 8 else ''} s{stages}"
+                f"{' wait' if wait else ''}",
                 wg._gluon_w2_kernel,
                 dict(HIDDEN=D, FFN=F, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
-                     GROUP_M=8, STAGES=stages, HAS_ENABLE=True, BLOCK_M=128, BLOCK_N=bn,
-                     BLOCK_K=64, COOP=warps == 8, num_warps=4),
+                     GROUP_M=8, STAGES=stages, HAS_ENABLE=True, HAS_WAIT=wait, BLOCK_M=128,
+                     BLOCK_N=bn, BLOCK_K=64, COOP=warps == 8, num_warps=4),
                 4, 1, types=types, production=True, gluon=True,
                 options=dict(maxnreg=wg._MAXNREG)))
     return cases

@@ -1,0 +1,250 @@
+"""W2 beside W13: the Gluon W13 counts each 128-row block's stored h2 tiles (``done``), and
+the Gluon W2 waits per block for that count (``wait`` / ``need``) before its loads.
+
+What must hold, and how each test can fail:
+
+* after a W13 launch with ``done`` (zeroed first, its tail poisoned), every entry of the
+  call's blocks reads :func:`w13_done_count` exactly and the entries past them are
+  untouched; h2 is bit for bit a launch without it (a wrong count hangs a W2 that waits for
+  it, or lets it read early; a stray count would show in the tail);
+* a W2 with ``wait`` launched first, on a side stream, does not finish while the counters
+  are zero (its event is still pending after a pause) and reads nothing early: h2 is NaN
+  until the W13 runs, so a tile that loaded early stores NaN rows, which the bit compare
+  against W13-then-W2 on one stream catches;
+* the two side by side, each on part of the SMs, store what the two in sequence store, bit
+  for bit (both W2 tiles: ping-pong 128 x 128 and cooperative 128 x 256);
+* bad ``done`` / ``wait`` / ``need`` / ``programs`` raise before anything runs, and on a
+  machine without the Gluon kernels ``done`` and ``wait`` raise ValueError saying why.
+
+The layer's use (both GEMMs on two GPUs, eager and in a CUDA graph) is in
+tests/ops/test_multigpu.py.
+"""
+
+from distmoe.kernels.interpreter import use_interpreter_if_no_gpu
+
+use_interpreter_if_no_gpu()
+
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from distmoe.kernels._common import num_sms  # noqa: E402
+from distmoe.kernels.w2_scatter import W2Config, w2_scatter  # noqa: E402
+from distmoe.kernels.w13_gather_swiglu import (  # noqa: E402
+    W13Config,
+    gather_w13_swiglu,
+    w13_done_count,
+)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BM = 128
+# rows per expert: several blocks, a one-row expert, an empty one, exact multiples of 128
+COUNTS = [700, 1, 0, 256, 383, 1024, 90, 512]
+
+
+def _problem(D: int, F: int, seed: int):
+    """Gather table into random tokens (``x``, kept in the dict: the table holds raw
+    addresses into it), padded offsets, live offsets, weights and the scatter table (a
+    permutation of the output rows, some rows skipped)."""
+    g = torch.Generator().manual_seed(seed)
+    T = 600
+    x = torch.randn(T, D, generator=g).to(torch.bfloat16).to(DEVICE)
+    ptrs, padded, live = [], [0], [0]
+    for n in COUNTS:
+        tok = torch.randint(0, T, (n,), generator=g)
+        seg = -(-n // BM) * BM
+        ptrs += (x.data_ptr() + tok * D * 2).tolist() + [0] * (seg - n)
+        padded.append(padded[-1] + seg)
+        live.append(live[-1] + n)
+    r_cap = padded[-1] + 3 * BM  # blocks past the call
+    ptrs += [0] * (r_cap - len(ptrs))
+    n_act = live[-1]
+    E = len(COUNTS)
+    w13 = (torch.randn(E, 2, F, D, generator=g) / D ** 0.5).to(torch.bfloat16).to(DEVICE)
+    w2 = (torch.randn(E, D, F, generator=g) / F ** 0.5).to(torch.bfloat16).to(DEVICE)
+    out = torch.empty(n_act, D, dtype=torch.bfloat16, device=DEVICE)
+    dest = torch.randperm(n_act, generator=g)
+    scatter = torch.zeros(r_cap, dtype=torch.int64)
+    for e, n in enumerate(COUNTS):
+        rows = torch.arange(n) + live[e]
+        addrs = out.data_ptr() + dest[rows] * D * 2
+        addrs[::7] = 0  # skipped rows
+        scatter[padded[e]:padded[e] + n] = addrs
+    as32 = dict(dtype=torch.int32, device=DEVICE)
+    return dict(x=x, ptrs=torch.tensor(ptrs, dtype=torch.int64, device=DEVICE),
+                po=torch.tensor(padded, **as32), ro=torch.tensor(live, **as32), w13=w13,
+                w2=w2, out=out, scatter=scatter.to(DEVICE), n_act=n_act, r_cap=r_cap,
+                blocks=padded[-1] // BM)
+
+
+W13_GLUON = [W13Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4,
+                       group_m=8, persistent=True, gluon=True),
+             W13Config(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=5,
+                       group_m=8, persistent=True, gluon=True),
+             W13Config(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=5,
+                       group_m=8, persistent=True, gluon=True)]
+W2_GLUON = [W2Config(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=6,
+                     group_m=8, persistent=True, gluon=True),
+            W2Config(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4,
+                     group_m=8, persistent=True, gluon=True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", W13_GLUON, ids=["coop128x128", "pp128x64", "pp64x128"])
+def test_w13_done_counts(config):
+    p = _problem(512, 384, seed=1)
+    F = p["w13"].shape[2]
+    h2 = torch.full((p["n_act"], F), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    plain = torch.full_like(h2, float("nan"))
+    done = torch.full((p["r_cap"] // BM,), -5, dtype=torch.int32, device=DEVICE)
+    done[:p["blocks"]] = 0
+    gather_w13_swiglu(p["ptrs"], p["po"], p["ro"], p["w13"], h2, config=config, done=done,
+                      programs=7)
+    gather_w13_swiglu(p["ptrs"], p["po"], p["ro"], p["w13"], plain, config=config)
+    torch.cuda.synchronize()
+    need = w13_done_count(config, F)
+    assert done[:p["blocks"]].tolist() == [need] * p["blocks"]
+    assert done[p["blocks"]:].tolist() == [-5] * (done.numel() - p["blocks"])
+    assert torch.equal(h2.view(torch.int16), plain.view(torch.int16))
+    assert not torch.isnan(h2.float()).any()
+
+
+def _sequential(p, w13c, w2c):
+    F = p["w13"].shape[2]
+    h2 = torch.full((p["n_act"], F), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    p["out"].fill_(float("nan"))
+    gather_w13_swiglu(p["ptrs"], p["po"], p["ro"], p["w13"], h2, config=w13c)
+    w2_scatter(h2, p["po"], p["ro"], p["w2"], p["scatter"], config=w2c)
+    torch.cuda.synchronize()
+    return p["out"].clone()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w2c", W2_GLUON, ids=["pp128x128", "coop128x256"])
+def test_w2_waits_for_w13_beside_it(w2c):
+    w13c = W13_GLUON[0]
+    p = _problem(1024, 768, seed=2)
+    F = p["w13"].shape[2]
+    want = _sequential(p, w13c, w2c)
+    skipped = torch.isnan(want.float()).all(dim=1)
+    assert 0 < int(skipped.sum()) < want.shape[0]  # rows with address 0 stay poisoned
+
+    sms = num_sms(DEVICE)
+    p2 = sms // 3
+    # Both kernels loaded first, in the layer's order (W13, then W2): loading a module while
+    # a W2 waits for a W13 that is not loaded yet can stall the device for good.
+    _side_by_side(p, w13c, w2c, p2)
+    h2 = torch.full((p["n_act"], F), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    p["out"].fill_(float("nan"))
+    done = torch.zeros(p["r_cap"] // BM, dtype=torch.int32, device=DEVICE)
+    torch.cuda.synchronize()
+    side, rescue = torch.cuda.Stream(DEVICE), torch.cuda.Stream(DEVICE)
+    with torch.cuda.stream(side):
+        w2_scatter(h2, p["po"], p["ro"], p["w2"], p["scatter"], config=w2c, wait=done,
+                   need=w13_done_count(w13c, F), programs=p2)
+        finished = torch.cuda.Event()
+        finished.record(side)
+    time.sleep(0.3)
+    waiting = not finished.query()
+    if not waiting:  # it did not wait: the bit compare below shows what it read
+        torch.cuda.synchronize()
+    gather_w13_swiglu(p["ptrs"], p["po"], p["ro"], p["w13"], h2, config=w13c, done=done,
+                      programs=sms - p2)
+    deadline = time.monotonic() + 60
+    while not finished.query():
+        if time.monotonic() > deadline:
+            with torch.cuda.stream(rescue):  # let the W2 end: the failure must not hang
+                done.fill_(1 << 30)
+            torch.cuda.synchronize()
+            pytest.fail("W2 still waiting 60 s after the W13 beside it ended: counts "
+                        f"{done[:p['blocks']].tolist()}")
+        time.sleep(0.01)
+    torch.cuda.synchronize()
+    assert waiting, "W2 finished before any W13 tile was stored"
+    assert torch.equal(p["out"].view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w2c", W2_GLUON, ids=["pp128x128", "coop128x256"])
+@pytest.mark.parametrize("w13c", W13_GLUON[:2], ids=["coop128x128", "pp128x64"])
+def test_w13_and_w2_side_by_side_match_in_sequence(w13c, w2c):
+    p = _problem(2048, 768, seed=3)
+    want = _sequential(p, w13c, w2c)
+    for p2 in (num_sms(DEVICE) // 3, 8):
+        got = _side_by_side(p, w13c, w2c, p2)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), p2
+
+
+def _side_by_side(p, w13c, w2c, p2):
+    """W13 on the SMs less ``p2``, then W2 on ``p2`` programs on a side stream waiting for
+    its row blocks (the layer's order), poisoned outputs first; returns the output."""
+    F = p["w13"].shape[2]
+    h2 = torch.full((p["n_act"], F), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    p["out"].fill_(float("nan"))
+    done = torch.zeros(p["r_cap"] // BM, dtype=torch.int32, device=DEVICE)
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream(DEVICE)
+    side.wait_stream(main)
+    gather_w13_swiglu(p["ptrs"], p["po"], p["ro"], p["w13"], h2, config=w13c, done=done,
+                      programs=num_sms(DEVICE) - p2)
+    with torch.cuda.stream(side):
+        w2_scatter(h2, p["po"], p["ro"], p["w2"], p["scatter"], config=w2c, wait=done,
+                   need=w13_done_count(w13c, F), programs=p2)
+    main.wait_stream(side)
+    torch.cuda.synchronize()
+    return p["out"].clone()
+
+
+def _small():
+    E, D, F, r_cap = 2, 32, 32, 256
+    return dict(ptrs=torch.zeros(r_cap, dtype=torch.int64, device=DEVICE),
+                po=torch.tensor([0, 128, 128], dtype=torch.int32, device=DEVICE),
+                ro=torch.tensor([0, 3, 3], dtype=torch.int32, device=DEVICE),
+                w13=torch.zeros(E, 2, F, D, dtype=torch.bfloat16, device=DEVICE),
+                w2=torch.zeros(E, D, F, dtype=torch.bfloat16, device=DEVICE),
+                h2=torch.zeros(4, F, dtype=torch.bfloat16, device=DEVICE),
+                scatter=torch.zeros(r_cap, dtype=torch.int64, device=DEVICE))
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (lambda s: s.float(), TypeError, "done must have dtype"),
+    (lambda s: s[:1], ValueError, r"done must have shape \[2\]"),
+])
+def test_done_rejects_bad_counters(bad, error, match):
+    s = _small()
+    with pytest.raises(error, match=match):
+        gather_w13_swiglu(s["ptrs"], s["po"], s["ro"], s["w13"], s["h2"],
+                          done=bad(torch.zeros(2, dtype=torch.int32, device=DEVICE)))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(wait="int", need=1), TypeError, "wait must be a torch.Tensor"),
+    (dict(wait="short", need=1), ValueError, r"wait must have shape \[2\]"),
+    (dict(wait="ok", need=0), ValueError, "need must be an int >= 1"),
+    (dict(wait="ok", need=True), ValueError, "need must be an int >= 1"),
+    (dict(programs=0), ValueError, "programs must be None or an int >= 1"),
+])
+def test_wait_rejects_bad_arguments(kwargs, error, match):
+    s = _small()
+    counters = {"ok": torch.zeros(2, dtype=torch.int32, device=DEVICE),
+                "short": torch.zeros(1, dtype=torch.int32, device=DEVICE)}
+    if "wait" in kwargs:
+        kwargs["wait"] = counters[kwargs["wait"]] if kwargs["wait"] in counters else 3
+    s["scatter"].fill_(-1)  # nothing may run: a launch would fault on these addresses
+    with pytest.raises(error, match=match):
+        w2_scatter(s["h2"], s["po"], s["ro"], s["w2"], s["scatter"], **kwargs)
+
+
+def test_counters_need_the_gluon_kernels():
+    # the Triton kernels (what the interpreter runs, or a config asking for them) take no
+    # counters: ValueError with the reason, before any launch
+    s = _small()
+    counters = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    triton13 = W13Config(block_m=128, block_n=32, block_k=32, num_warps=4, num_stages=2)
+    triton2 = W2Config(block_m=128, block_n=32, block_k=32, num_warps=4, num_stages=2)
+    with pytest.raises(ValueError, match="done needs the Gluon W13 kernel.*Triton kernel"):
+        gather_w13_swiglu(s["ptrs"], s["po"], s["ro"], s["w13"], s["h2"], config=triton13,
+                          done=counters)
+    with pytest.raises(ValueError, match="wait needs the Gluon W2 kernel.*Triton kernel"):
+        w2_scatter(s["h2"], s["po"], s["ro"], s["w2"], s["scatter"], config=triton2,
+                   wait=counters, need=1)
