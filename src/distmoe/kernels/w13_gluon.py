@@ -71,10 +71,10 @@ if HAVE_GLUON:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
     from ._gluon_ring import (
+        _arrive_block,
         _consumer_walk,
         _enabled_tiles,
         _ordered_tile_info,
-        _arrive_block,
         _ordered_tiles,
         _program_tiles,
         _ring_barriers,
@@ -83,8 +83,7 @@ if HAVE_GLUON:
     from .w2_backward import _column_halves
 
 __all__ = ["DONE_BLOCK", "GLUON_W13_TILES", "done_count", "tile_rows", "gluon_w13_reason",
-           "launch_gluon_w13",
-           "shape_reason"]
+           "launch_gluon_w13", "shape_reason"]
 
 #: (block_m, block_n, block_k, warps) of a config this kernel runs: ``block_m`` is the padding
 #: multiple, ``block_n`` the h2 columns of a tile, ``warps`` the MMA warps of one tile (the
