@@ -1,6 +1,6 @@
 """One rank per GPU on every visible GPU (2, 4 or 8 H200s; skipped with fewer than two):
-the heap, the forward on every routing case, training (saving and replaying) and a CUDA-graph
-training step. These are issue 8's correctness runs; on one GPU the same code runs with ranks
+the heap, the forward on every routing case, training (saving and replaying), a CUDA-graph
+training step, and the forward with W2 beside W13 (eager and in a graph). These are issue 8's correctness runs; on one GPU the same code runs with ranks
 sharing it (test_forward_gpu.py, test_training_gpu.py)."""
 
 import pytest
