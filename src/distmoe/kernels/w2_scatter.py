@@ -397,6 +397,18 @@ def _check_r_cap(r_cap: int, block_m: int) -> None:
         )
 
 
+def gluon_reason(config: W2Config, device: torch.device, hidden: int, ffn: int) -> str | None:
+    """``None`` when ``config`` runs the Gluon kernel on ``device`` at D = ``hidden``, F =
+    ``ffn``, else why not (``config.gluon`` False included)."""
+    if not config.gluon:
+        return "the config asks for the Triton kernel"
+    from .w2_gluon import gluon_w2_reason
+
+    return gluon_w2_reason(device, hidden=hidden, ffn=ffn, block_m=config.block_m,
+                           block_n=config.block_n, block_k=config.block_k,
+                           stages=config.num_stages, warps=config.num_warps)
+
+
 def w2_scatter(
     h2: torch.Tensor,
     padded_offsets: torch.Tensor,
@@ -457,27 +469,21 @@ def w2_scatter(
     check_block_counters("wait", wait, r_cap, device, programs)
     if wait is not None and (isinstance(need, bool) or not isinstance(need, int) or need < 1):
         raise ValueError(f"need must be an int >= 1 with wait, got {need!r}")
-    reason = "the config asks for the Triton kernel"
-    if config.gluon:
-        from .w2_gluon import gluon_w2_reason
-
-        reason = gluon_w2_reason(device, hidden=hidden, ffn=ffn, block_m=config.block_m,
-                                 block_n=config.block_n, block_k=config.block_k,
-                                 stages=config.num_stages, warps=config.num_warps)
+    reason = gluon_reason(config, device, hidden, ffn)
     if wait is not None and reason is not None:
         raise ValueError(f"wait needs the Gluon W2 kernel, which does not run here: {reason}")
     if r_cap == 0:
         return
 
-    if config.gluon:
-        if reason is None:
-            from .w2_gluon import launch_gluon_w2
+    if reason is None:
+        from .w2_gluon import launch_gluon_w2
 
-            launch_gluon_w2(h2, padded_offsets, row_offsets, w2, scatter_ptrs, enable=enable,
-                            block_n=config.block_n, stages=config.num_stages,
-                            group_m=config.group_m, warps=config.num_warps, programs=programs,
-                            wait=wait, need=need)
-            return
+        launch_gluon_w2(h2, padded_offsets, row_offsets, w2, scatter_ptrs, enable=enable,
+                        block_n=config.block_n, stages=config.num_stages,
+                        group_m=config.group_m, warps=config.num_warps, programs=programs,
+                        wait=wait, need=need)
+        return
+    if config.gluon:
         warn_gluon_fallback("w2_scatter", reason)
     num_pid_m = r_cap // config.block_m
     num_pid_n = triton.cdiv(hidden, config.block_n)

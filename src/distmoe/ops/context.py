@@ -211,7 +211,7 @@ class MoEContext:
         self._w13_phase_waves: int | None = None
         # W2 beside W13 (step 5): True runs it (A/B tools, tests); off otherwise.
         # _w2_beside_programs: W2's programs (None: beside_programs, a third of the SMs).
-        self._w2_beside: bool | None = None
+        self._w2_beside = False
         self._w2_beside_programs: int | None = None
         self._w2_stream = None
         if self.ep_size > 1 and self.row_capacity % 128 == 0:
@@ -508,10 +508,10 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         1, inference, both GEMMs on their Gluon kernels and every rank on a GPU of its own
         (the ``cuda_symm`` heap). Ranks sharing a GPU never do: one rank's W2 programs,
         waiting, could hold the SMs another rank's W13 needs."""
-        from ..kernels.w2_gluon import gluon_w2_reason
+        from ..kernels.w2_scatter import gluon_reason as w2_gluon_reason
         from ..kernels.w13_gather_swiglu import _gluon_reason
 
-        c, w13c, w2c = self.cfg, self._w13_cfg, self._w2_cfg
+        c = self.cfg
         if self.ep_size == 1 or not hasattr(self, "_h2_done"):
             return "it needs EP > 1 (nothing crosses NVLink at EP = 1)"
         if save:
@@ -519,12 +519,12 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         if self.heap.backend != "cuda_symm":
             return (f"the {self.heap.backend!r} heap (ranks may share a GPU); it needs "
                     "every rank on a GPU of its own")
-        reason = _gluon_reason(w13c, self.device, c.hidden, c.ffn, True) or (
-            gluon_w2_reason(self.device, hidden=c.hidden, ffn=c.ffn, block_m=w2c.block_m,
-                            block_n=w2c.block_n, block_k=w2c.block_k,
-                            stages=w2c.num_stages, warps=w2c.num_warps)
-            if w2c.gluon else "the W2 config asks for the Triton kernel")
-        return reason
+        for name, reason in (
+                ("W13", _gluon_reason(self._w13_cfg, self.device, c.hidden, c.ffn, True)),
+                ("W2", w2_gluon_reason(self._w2_cfg, self.device, c.hidden, c.ffn))):
+            if reason is not None:
+                return f"{name}: {reason}"
+        return None
 
     @staticmethod
     def beside_programs(num_sms: int) -> int:
