@@ -16,6 +16,10 @@ What must hold, and how each test can fail:
 * bad ``done`` / ``wait`` / ``need`` / ``programs`` raise before anything runs, and on a
   machine without the Gluon kernels ``done`` and ``wait`` raise ValueError saying why.
 
+W13 and W2 fused into one kernel (:mod:`distmoe.kernels.w13_w2_gluon`, the same counters
+inside one launch) must store what the two kernels with the same tiles store, bit for bit,
+with exact counts, and refuse bad arguments before anything runs.
+
 The layer's use (both GEMMs on two GPUs, eager and in a CUDA graph) is in
 tests/ops/test_multigpu.py.
 """
@@ -36,6 +40,7 @@ from distmoe.kernels.w13_gather_swiglu import (  # noqa: E402
     gather_w13_swiglu,
     w13_done_count,
 )
+from distmoe.kernels.w13_w2_gluon import FusedConfig, fused_reason, fused_w13_w2  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BM = 128
@@ -248,3 +253,89 @@ def test_counters_need_the_gluon_kernels():
     with pytest.raises(ValueError, match="wait needs the Gluon W2 kernel.*Triton kernel"):
         w2_scatter(s["h2"], s["po"], s["ro"], s["w2"], s["scatter"], config=triton2,
                    wait=counters, need=1)
+
+
+# ------------------------------------------------------------------ W13 and W2 fused
+FUSED = [  # (fused config, the two kernels' configs with the same tiles)
+    (FusedConfig(block_n=128, warps=8, stages=4, lag=2), W13_GLUON[0], W2_GLUON[1]),
+    (FusedConfig(block_n=128, warps=8, stages=4, lag=1), W13_GLUON[0], W2_GLUON[1]),
+    (FusedConfig(block_n=64, warps=4, stages=6, lag=2),
+     W13Config(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=6, group_m=8,
+               persistent=True, gluon=True), W2_GLUON[0]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fc, w13c, w2c", FUSED, ids=["coop-lag2", "coop-lag1", "pp-lag2"])
+def test_fused_w13_w2_matches_the_two_kernels(fc, w13c, w2c):
+    """h2 and the scattered rows bit for bit those of W13 then W2 with the same tiles
+    (poisoned first: h2 NaN, so a W2 tile that read its rows early stores NaN), the done
+    counts exact and the tail untouched, on every SM and on 7 programs (many tiles each,
+    long waits across programs)."""
+    p = _problem(2048, 768, seed=4)
+    F = p["w13"].shape[2]
+    want = _sequential(p, w13c, w2c)
+    want_h2 = torch.full((p["n_act"], F), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    gather_w13_swiglu(p["ptrs"], p["po"], p["ro"], p["w13"], want_h2, config=w13c)
+    for programs in (None, 7):
+        h2 = torch.full((p["n_act"], F), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        p["out"].fill_(float("nan"))
+        done = torch.full((p["r_cap"] // BM,), -5, dtype=torch.int32, device=DEVICE)
+        done[:p["blocks"]] = 0
+        fused_w13_w2(p["ptrs"], p["po"], p["ro"], p["w13"], p["w2"], h2, p["scatter"], done,
+                     config=fc, programs=programs)
+        torch.cuda.synchronize()
+        assert torch.equal(h2.view(torch.int16), want_h2.view(torch.int16)), programs
+        assert torch.equal(p["out"].view(torch.int16), want.view(torch.int16)), programs
+        assert done[:p["blocks"]].tolist() == [fc.done_count(F)] * p["blocks"]
+        assert done[p["blocks"]:].tolist() == [-5] * (done.numel() - p["blocks"])
+    assert fc.done_count(F) == w13_done_count(w13c, F)
+
+
+def _fused_call(s, **kwargs):
+    args = dict(done=torch.zeros(2, dtype=torch.int32, device=DEVICE))
+    args.update(kwargs)
+    fused_w13_w2(s["ptrs"], s["po"], s["ro"], s["w13"], s["w2"], s["h2"], s["scatter"],
+                 args.pop("done"), **args)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(done=None), TypeError, "done must be an int32 tensor"),
+    (dict(done="short"), ValueError, r"done must have shape \[2\]"),
+    (dict(w2="wide"), ValueError, r"w2 must have shape \[E_local=2, D=32, F=32\]"),
+    (dict(config="cfg"), TypeError, "config must be a FusedConfig"),
+    (dict(programs=0), ValueError, "programs must be None or an int >= 1"),
+])
+def test_fused_rejects_bad_arguments(change, error, match):
+    s = _small()
+    s["scatter"].fill_(-1)  # nothing may run: a launch would fault on these addresses
+    kwargs = {}
+    for name, value in change.items():
+        if name == "done":
+            kwargs["done"] = (None if value is None
+                              else torch.zeros(1, dtype=torch.int32, device=DEVICE))
+        elif name == "w2":
+            s["w2"] = torch.zeros(2, 64, 32, dtype=torch.bfloat16, device=DEVICE)
+        else:
+            kwargs[name] = value
+    with pytest.raises(error, match=match):
+        _fused_call(s, **kwargs)
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(block_n=128, warps=4), r"\(block_n, warps\) must be \(128, 8\)"),
+    (dict(lag=0), "FusedConfig.lag must be an int >= 1"),
+    (dict(stages=True), "FusedConfig.stages must be an int >= 1"),
+    (dict(stages=5), "exceed the ring's"),
+])
+def test_fused_config_rules(fields, match):
+    with pytest.raises(ValueError, match=match):
+        FusedConfig(**fields)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a device without Gluon")
+def test_fused_needs_a_hopper_gpu():
+    with pytest.raises(ValueError, match="the fused W13 \\+ W2 kernel cannot run here"):
+        _fused_call(_small())
+    reason = fused_reason(torch.device("cuda"), hidden=2048, ffn=700, config=FusedConfig())
+    assert reason is not None

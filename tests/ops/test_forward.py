@@ -103,19 +103,37 @@ def _beside_rule_rank(rank, world):
             forced = str(exc)
         else:
             forced = None
-    return chosen, reasons, forced
+        ctx._w2_beside = False
+        fused = [ctx._runs_fused(False), ctx._fused_reason(False), ctx._fused_reason(True)]
+        ctx._fused = True
+        try:
+            ctx._runs_fused(False)
+        except ValueError as exc:
+            fused.append(str(exc))
+        ctx._w2_beside = True
+        try:
+            ctx._runs_fused(False)
+        except ValueError as exc:
+            fused.append(str(exc))
+    return chosen, reasons, forced, fused
 
 
 def test_w2_beside_w13_is_refused_without_a_gpu_per_rank():
-    """W2 runs beside W13 only when asked for and where every rank has a GPU of its own
-    (GPU runs: the multigpu tests); on CPU ranks forcing it says why."""
-    for chosen, (infer, train), forced in dm.launch(_beside_rule_rank, 2):
+    """W2 runs beside W13, or both fused into one kernel, only when asked for and where
+    every rank has a GPU of its own (GPU runs: the multigpu tests); on CPU ranks forcing it
+    says why."""
+    for chosen, (infer, train), forced, fused in dm.launch(_beside_rule_rank, 2):
         assert chosen is False
         assert "'cpu' heap" in infer and "every rank on a GPU of its own" in infer
         assert "inference only" in train
         assert forced is not None and forced.startswith("W2 beside W13 cannot run here")
-    ((chosen, (infer, _), _),) = dm.launch(_beside_rule_rank, 1)
-    assert chosen is False and "EP > 1" in infer
+        # the fused W13 + W2 kernel: the same rule, off by default, one way at a time
+        f_chosen, f_infer, f_train, f_forced, f_both = fused
+        assert f_chosen is False and f_infer == infer and f_train == train
+        assert f_forced.startswith("the fused W13 + W2 kernel cannot run here")
+        assert "set one of _fused and _w2_beside" in f_both
+    ((chosen, (infer, _), _, fused),) = dm.launch(_beside_rule_rank, 1)
+    assert chosen is False and "EP > 1" in infer and "EP > 1" in fused[1]
 
 
 def test_ep1_reads_x_in_place_and_copies_a_misaligned_x():

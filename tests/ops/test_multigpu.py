@@ -1,6 +1,7 @@
 """One rank per GPU on every visible GPU (2, 4 or 8 H200s; skipped with fewer than two):
 the heap, the forward on every routing case, training (saving and replaying), a CUDA-graph
-training step, and the forward with W2 beside W13 (eager and in a graph). These are issue 8's correctness runs; on one GPU the same code runs with ranks
+training step, and the forward with W2 beside W13 and with W13 and W2 fused (eager and in a
+graph). These are issue 8's correctness runs; on one GPU the same code runs with ranks
 sharing it (test_forward_gpu.py, test_training_gpu.py)."""
 
 import pytest
@@ -66,25 +67,54 @@ BESIDE = dict(T=1024, D=512, F=384, K=4)
 BESIDE_CASES = ("balanced", "imbalance_8x", "all_to_one_expert", "inactive_mix")
 
 
+def _beside_problem(rank, world, dev):
+    """The inference config and each of BESIDE_CASES' per-rank inputs on ``dev``."""
+    T, D, F, K = BESIDE["T"], BESIDE["D"], BESIDE["F"], BESIDE["K"]
+    E = 4 * world
+    cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T, training=False,
+                       device_scratch_factor=float(world))
+    args_of = {}
+    for i, name in enumerate(BESIDE_CASES):
+        mine = split_global_problem(*make_problem(31 + i, world, T, D, F, E, K, name),
+                                    world)[rank]
+        args_of[name] = [t.to(dev) for t in (mine.x, mine.expert_ids, mine.scores, mine.w13,
+                                             mine.w2)]
+    return cfg, args_of
+
+
+def _graph_replays(ctx, args_of, eager):
+    """One CUDA graph of ``ctx`` captured on the first case, replayed with each case's
+    inputs copied in: ``[(case, replay == eager[case] bit for bit)]``."""
+    ctx.check = False  # its host-side checks synchronise: not inside a capture
+    static = [t.clone() for t in args_of[BESIDE_CASES[0]]]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        ctx(*static)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = ctx(*static)
+    replays = []
+    for name in reversed(BESIDE_CASES):
+        for dst, src in zip(static, args_of[name], strict=True):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        replays.append((name, torch.equal(y_static, eager[name])))
+    return replays
+
+
 def _w2_beside_rank(rank, world):
     """W2 beside W13 (it can run here: inference, a GPU per rank, Gluon GEMMs at 1024 rows
     per local expert; off by default) against W2 after W13, bit for bit, eager for every
     routing case and with the 2-program W2 (long waits); then one CUDA graph captured
     beside, replayed with each case's inputs copied in, against the eager result."""
-    T, D, F, K = BESIDE["T"], BESIDE["D"], BESIDE["F"], BESIDE["K"]
-    E = 4 * world
     dev = torch.device("cuda", torch.cuda.current_device())
-    cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T, training=False,
-                       device_scratch_factor=float(world))
+    cfg, args_of = _beside_problem(rank, world, dev)
     outs = []
     with dm.MoEContext(cfg, device=dev, check=True) as ctx:
         default = (ctx._w2_runs_beside(False), ctx._w2_beside_reason(False))
-        args_of = {}
-        for i, name in enumerate(BESIDE_CASES):
-            mine = split_global_problem(*make_problem(31 + i, world, T, D, F, E, K, name),
-                                        world)[rank]
-            args_of[name] = [t.to(dev) for t in (mine.x, mine.expert_ids, mine.scores,
-                                                 mine.w13, mine.w2)]
         eager = {}
         for name, args in args_of.items():
             ctx._w2_beside = False
@@ -98,23 +128,48 @@ def _w2_beside_rank(rank, world):
             eager[name] = beside.clone()
             outs.append((name, torch.equal(after, beside), torch.equal(after, narrow),
                          bool(torch.isfinite(after.float()).all())))
-        ctx.check = False  # its host-side checks synchronise: not inside a capture
-        static = [t.clone() for t in args_of[BESIDE_CASES[0]]]
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            ctx(*static)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y_static = ctx(*static)
-        replays = []
-        for name in reversed(BESIDE_CASES):
-            for dst, src in zip(static, args_of[name], strict=True):
-                dst.copy_(src)
-            graph.replay()
-            torch.cuda.synchronize()
-            replays.append((name, torch.equal(y_static, eager[name])))
+        replays = _graph_replays(ctx, args_of, eager)
+    return default, outs, replays
+
+
+def _fused_rank(rank, world):
+    """W13 and W2 as one fused kernel (off by default; it can run here) against the two
+    kernels in sequence with the same tiles, bit for bit, for every routing case: the
+    cooperative tiles at lag 2 and 1 (W2 at 128 x 256 in the sequence too) and the ping-pong
+    tiles (W13 128 x 64, W2 128 x 128); then one CUDA graph of the fused layer replayed with
+    each case's inputs against its eager result."""
+    from distmoe.kernels.w2_scatter import W2Config
+    from distmoe.kernels.w13_gather_swiglu import W13Config
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cfg, args_of = _beside_problem(rank, world, dev)
+    tiles = {  # the fused kernel's tiles as the two kernels' configs
+        False: (W13Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4,
+                          group_m=8, persistent=True, gluon=True),
+                W2Config(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4,
+                         group_m=8, persistent=True, gluon=True)),
+        True: (W13Config(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=6,
+                         group_m=8, persistent=True, gluon=True),
+               W2Config(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=6,
+                        group_m=8, persistent=True, gluon=True))}
+    outs = []
+    with dm.MoEContext(cfg, device=dev, check=True) as ctx:
+        default = (ctx._runs_fused(False), ctx._fused_reason(False))
+        eager = {}
+        for name, args in args_of.items():
+            for pingpong, lag in ((False, 2), (False, 1), (True, 2)):
+                ctx._w13_cfg, ctx._w2_cfg = tiles[pingpong]
+                ctx._fused = False
+                after = ctx(*args)
+                ctx._fused, ctx._fused_pingpong, ctx._fused_lag = True, pingpong, lag
+                fused = ctx(*args)
+                torch.cuda.synchronize()
+                if (pingpong, lag) == (False, 2):
+                    eager[name] = fused.clone()
+                outs.append((f"{name} pp={pingpong} lag={lag}", torch.equal(after, fused),
+                             bool(torch.isfinite(after.float()).all())))
+        ctx._fused, ctx._fused_pingpong, ctx._fused_lag = True, False, 2
+        replays = _graph_replays(ctx, args_of, eager)
     return default, outs, replays
 
 
@@ -128,4 +183,16 @@ def test_w2_beside_w13_one_rank_per_gpu():
             assert finite, name
             assert same, f"{name}: beside differs from in sequence"
             assert same_narrow, f"{name}: beside with 2 W2 programs differs"
+        assert all(same for _, same in replays), replays
+
+
+@pytest.mark.multigpu
+def test_fused_w13_w2_one_rank_per_gpu():
+    gpus = _gpus()
+    out = dm.launch(_fused_rank, len(gpus), device="cuda", gpus=gpus, timeout=600)
+    for default, outs, replays in out:
+        assert default == (False, None), default  # off by default; it can run here
+        for name, same, finite in outs:
+            assert finite, name
+            assert same, f"{name}: fused differs from the two kernels in sequence"
         assert all(same for _, same in replays), replays

@@ -464,6 +464,65 @@ def swizzle_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+@triton.jit
+def fused_tile(t, num_pid_m, N13: tl.constexpr, N2: tl.constexpr, GROUP_M: tl.constexpr,
+               LAG: tl.constexpr):
+    """Position ``t`` of a fused W13 + W2 schedule (:mod:`distmoe.kernels.w13_w2_gluon`):
+    ``(is_w2, index)``, the index in that GEMM's own group-M stream (:func:`swizzle_tile`
+    with ``N13`` or ``N2`` column tiles; ``num_pid_m`` row blocks in both).
+
+    The schedule runs in periods of ``GROUP_M`` row blocks: period ``p`` holds W13's group
+    ``p``, then W2's group ``p - LAG`` (``L = min(LAG, groups)``, ``LAG >= 1``), so a W2
+    tile comes at least ``L`` W13 groups after the W13 tiles of its rows. Only the last
+    group of each GEMM may be short. :func:`fused_schedule_ref` is the reference."""
+    S13 = GROUP_M * N13
+    S2 = GROUP_M * N2
+    n13 = num_pid_m * N13
+    ng = (num_pid_m + GROUP_M - 1) // GROUP_M
+    lag = tl.minimum(ng, LAG)
+    period = S13 + S2
+    # every W13 group first, then every W2 group (lag reaches the group count)
+    all_first_w2 = t >= n13
+    all_first_idx = tl.where(all_first_w2, t - n13, t)
+    # the first lag W13 groups (full), the periods lag .. ng - 2 (full), then the last
+    # W13 group (maybe short) and the W2 groups left (the last one maybe short)
+    head = lag * S13
+    u = tl.maximum(t - head, 0)
+    regular = (ng - 1 - lag) * period
+    p_rel = u // period
+    r = u % period
+    reg_w2 = r >= S13
+    reg_idx = tl.where(reg_w2, p_rel * S2 + r - S13, (p_rel + lag) * S13 + r)
+    t2 = u - regular
+    last13 = n13 - (ng - 1) * S13
+    tail_w2 = t2 >= last13
+    tail_idx = tl.where(tail_w2, (ng - 1 - lag) * S2 + t2 - last13, (ng - 1) * S13 + t2)
+    in_head = t < head
+    in_reg = u < regular
+    lagged_w2 = tl.where(in_head, False, tl.where(in_reg, reg_w2, tail_w2))
+    lagged_idx = tl.where(in_head, t, tl.where(in_reg, reg_idx, tail_idx))
+    short = lag >= ng
+    return (tl.where(short, all_first_w2, lagged_w2),
+            tl.where(short, all_first_idx, lagged_idx))
+
+
+def fused_schedule_ref(num_pid_m: int, n13: int, n2: int, group_m: int,
+                       lag: int) -> list[tuple[bool, int]]:
+    """The positions of :func:`fused_tile`, built period by period: ``(is_w2, index)``."""
+    groups = -(-num_pid_m // group_m)
+    lag = min(lag, groups)
+    size = [min(group_m, num_pid_m - g * group_m) for g in range(groups)]
+    first = [g * group_m for g in range(groups)]
+    out: list[tuple[bool, int]] = []
+    for p in range(groups + lag):
+        if p < groups:
+            out += [(False, first[p] * n13 + i) for i in range(size[p] * n13)]
+        q = p - lag
+        if 0 <= q < groups:
+            out += [(True, first[q] * n2 + i) for i in range(size[q] * n2)]
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Compact activation rows (forward kernels)
 # --------------------------------------------------------------------------------------------

@@ -232,11 +232,12 @@ if HAVE_GLUON:
         gl.atomic_add(ptrs, one, sem="release", scope="gpu")
 
     @gluon.jit
-    def _wait_block(wait_ptr, row_start, need, BLOCK: gl.constexpr):
-        """One warp spins until ``wait[row_start // BLOCK] >= need`` (acquire loads at GPU
-        scope), then fences the async proxy, so the TMA loads it issues next read what the
-        threads counted by :func:`_arrive_block` stored."""
-        L: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    def _wait_block(wait_ptr, row_start, need, BLOCK: gl.constexpr, NW: gl.constexpr):
+        """The ``NW`` warps of a partition spin until ``wait[row_start // BLOCK] >= need``
+        (acquire loads at GPU scope; every warp holds the whole vector, so the minimum needs
+        no shared memory), then fence the async proxy, so the TMA loads they issue next read
+        what the threads counted by :func:`_arrive_block` stored."""
+        L: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
         zero = gl.zeros([32], gl.int32, L)
         ptrs = wait_ptr + row_start // BLOCK + zero
         seen = gl.atomic_add(ptrs, zero, sem="acquire", scope="gpu")

@@ -115,7 +115,7 @@ if HAVE_GLUON:
                 tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
                 NUM_EXPERTS, BLOCK_M)
             if HAS_WAIT:  # the W13 tiles of this row block have stored its h2 rows
-                _wait_block(wait_ptr, row, need, BLOCK_M)  # BLOCK_M 128: one counter a tile
+                _wait_block(wait_ptr, row, need, BLOCK_M, 1)  # BLOCK_M 128: one counter a tile
             count = _tma_load_steps(a_desc, w_desc, a_bufs, b_bufs, ready, empty, count,
                                     act_start, expert * HIDDEN + pid_n * BLOCK_N, 0, NUM_K,
                                     STAGES, BLOCK_K, True)

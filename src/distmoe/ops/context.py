@@ -213,6 +213,12 @@ class MoEContext:
         # _w2_beside_programs: W2's programs (None: beside_programs, a third of the SMs).
         self._w2_beside = False
         self._w2_beside_programs: int | None = None
+        # W13 and W2 in one persistent kernel (step 5; distmoe.kernels.w13_w2_gluon): True
+        # runs it (A/B tools, tests); off otherwise. _fused_lag: row-block groups between a
+        # group's W13 and W2 tiles; _fused_pingpong: ping-pong tiles instead of cooperative.
+        self._fused = False
+        self._fused_lag = 2
+        self._fused_pingpong = False
         self._w2_stream = None
         if self.ep_size > 1 and self.row_capacity % 128 == 0:
             # per 128 padded rows: W13's count of stored h2 tiles, zeroed before each call
@@ -503,6 +509,47 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
             return True
         return False
 
+    def _fused_config(self):
+        """The fused W13 + W2 kernel's tiles from the switches (``_fused_lag``,
+        ``_fused_pingpong``): cooperative 128 x 128 / 128 x 256 tiles with 4 stages, or
+        ping-pong 128 x 64 / 128 x 128 with 6."""
+        from ..kernels.w13_w2_gluon import FusedConfig
+
+        if self._fused_pingpong:
+            return FusedConfig(block_n=64, warps=4, stages=6, lag=self._fused_lag)
+        return FusedConfig(block_n=128, warps=8, stages=4, lag=self._fused_lag)
+
+    def _runs_fused(self, save: bool) -> bool:
+        """Whether this forward runs W13 and W2 as one fused kernel: only when ``_fused`` is
+        True (A/B tools, tests), with the rule of :meth:`_fused_reason` (ValueError where it
+        cannot run)."""
+        if not self._fused:
+            return False
+        if self._w2_beside:
+            raise ValueError("the fused W13 + W2 kernel and W2 beside W13 are two ways of the "
+                             "same step: set one of _fused and _w2_beside")
+        reason = self._fused_reason(save)
+        if reason is not None:
+            raise ValueError(f"the fused W13 + W2 kernel cannot run here: {reason}")
+        return True
+
+    def _fused_reason(self, save: bool) -> str | None:
+        """``None`` when the fused W13 + W2 kernel can run in this forward, else why not: as
+        W2 beside W13 (:meth:`_w2_beside_reason`: EP > 1, inference, a GPU per rank), and
+        the kernel's own tiles (:func:`~distmoe.kernels.w13_w2_gluon.fused_reason`)."""
+        from ..kernels.w13_w2_gluon import fused_reason
+
+        c = self.cfg
+        if self.ep_size == 1 or not hasattr(self, "_h2_done"):
+            return "it needs EP > 1 (nothing crosses NVLink at EP = 1)"
+        if save:
+            return "the training forward saves its layers (inference only so far)"
+        if self.heap.backend != "cuda_symm":
+            return (f"the {self.heap.backend!r} heap (ranks may share a GPU); it needs "
+                    "every rank on a GPU of its own")
+        return fused_reason(self.device, hidden=c.hidden, ffn=c.ffn,
+                            config=self._fused_config())
+
     def _w2_beside_reason(self, save: bool) -> str | None:
         """``None`` when W2 can run beside W13 in this forward, else why not: it needs EP >
         1, inference, both GEMMs on their Gluon kernels and every rank on a GPU of its own
@@ -533,13 +580,22 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         return max(1, num_sms // 3)
 
     def _run_w13_w2(self, phased: bool, gather_ptrs, po, ro, w13, w2, scatter_ptrs,
-                    beside: bool) -> None:
+                    beside: bool, fused: bool = False) -> None:
         """W13 then W2 (steps 4-5) on the current stream, or with ``beside`` W2 on a side
-        stream beside W13, each on its share of the SMs, joined back before returning."""
+        stream beside W13, each on its share of the SMs, joined back before returning, or
+        with ``fused`` both in one kernel (not ``phased``: the copy is joined)."""
         from ..kernels._common import num_sms
         from ..kernels.w2_scatter import w2_scatter
         from ..kernels.w13_gather_swiglu import w13_done_count
 
+        if fused:
+            from ..kernels.w13_w2_gluon import fused_w13_w2
+
+            done = self._h2_done
+            done.zero_()
+            fused_w13_w2(gather_ptrs, po, ro, w13, w2, self._h2, scatter_ptrs, done,
+                         config=self._fused_config())
+            return
         if not beside:
             self._run_w13(phased, gather_ptrs, po, ro, w13)
             w2_scatter(self._h2, po, ro, w2, scatter_ptrs, config=self._w2_cfg)
@@ -593,12 +649,13 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         po, ro = tables.padded_offsets, tables.row_offsets
         scores_f32 = scores.float().contiguous()
         y = torch.empty_like(x)
-        phased = pull_all and self._phased_w13()
+        fused = not save and self._runs_fused(save)
+        phased = pull_all and not fused and self._phased_w13()
         gather_ptrs = self._gather_table(tables.gather_ptrs, pulled=pull_all, x=x,
                                          phased=phased)
         if not save:
             self._run_w13_w2(phased, gather_ptrs, po, ro, w13, w2, tables.scatter_ptrs,
-                             self._w2_runs_beside(save))
+                             self._w2_runs_beside(save), fused)
             self.heap.barrier()
             # dest_rows_TK is -1 exactly where a route is not executed: it serves as the
             # combine's ids (only their sign is read)
