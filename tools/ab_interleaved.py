@@ -32,7 +32,8 @@ the EP > 1 token pull's way (:meth:`distmoe.MoEContext.pull_all_rule`),
 launch, ``layer:w2_beside=True|False``, W2 on a side stream beside W13 (EP > 1 inference),
 ``layer:w2_beside_sms=N``, W2's programs there, ``layer:fused=True|False``, W13 and W2 in
 one kernel (EP > 1 inference; :mod:`distmoe.kernels.w13_w2_gluon`), ``layer:fused_lag=N``,
-its lag in row-block groups, and ``layer:fused_pp=True|False``, its ping-pong tiles. The configs of every variant are printed
+its lag in row-block groups, ``layer:fused_pp=True|False``, its ping-pong tiles, and ``layer:fused_dynamic=True|False``,
+its tiles handed out at run time or statically. The configs of every variant are printed
 first.
 """
 
@@ -53,7 +54,8 @@ from ab_bench import parse_override  # noqa: E402
 _LAYER = {"pull_all": ("_pull_all", bool), "w13_phases": ("_w13_phases", bool),
           "w13_waves": ("_w13_phase_waves", int), "w2_beside": ("_w2_beside", bool),
           "w2_beside_sms": ("_w2_beside_programs", int), "fused": ("_fused", bool),
-          "fused_lag": ("_fused_lag", int), "fused_pp": ("_fused_pingpong", bool)}
+          "fused_lag": ("_fused_lag", int), "fused_pp": ("_fused_pingpong", bool),
+          "fused_dynamic": ("_fused_dynamic", bool)}
 #: the layer attributes each kernel's config lives in (distmoe.ops.context)
 _ATTRS = {"w13": ("_w13_cfg",), "w2": ("_w2_cfg",), "w2_dgrad": ("_w2_dgrad_cfg",),
           "w13_dgrad": ("_w13_dgrad_cfg",), "wgrad": ("_w2_wgrad_cfg", "_w13_wgrad_cfg"),

@@ -258,50 +258,62 @@ def test_counters_need_the_gluon_kernels():
 # ------------------------------------------------------------------ W13 and W2 fused
 FUSED = [  # (fused config, the two kernels' configs with the same tiles)
     (FusedConfig(block_n=128, warps=8, stages=4, lag=2), W13_GLUON[0], W2_GLUON[1]),
-    (FusedConfig(block_n=128, warps=8, stages=4, lag=1), W13_GLUON[0], W2_GLUON[1]),
-    (FusedConfig(block_n=64, warps=4, stages=6, lag=2),
+    (FusedConfig(block_n=128, warps=8, stages=4, lag=1, dynamic=False), W13_GLUON[0],
+     W2_GLUON[1]),
+    (FusedConfig(block_n=64, warps=4, stages=6, lag=3),
+     W13Config(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=6, group_m=8,
+               persistent=True, gluon=True), W2_GLUON[0]),
+    (FusedConfig(block_n=64, warps=4, stages=6, lag=1, dynamic=False),
      W13Config(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=6, group_m=8,
                persistent=True, gluon=True), W2_GLUON[0]),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fc, w13c, w2c", FUSED, ids=["coop-lag2", "coop-lag1", "pp-lag2"])
+@pytest.mark.parametrize("fc, w13c, w2c", FUSED,
+                         ids=["coop-lag2", "coop-lag1-static", "pp-lag3", "pp-lag1-static"])
 def test_fused_w13_w2_matches_the_two_kernels(fc, w13c, w2c):
     """h2 and the scattered rows bit for bit those of W13 then W2 with the same tiles
     (poisoned first: h2 NaN, so a W2 tile that read its rows early stores NaN), the done
-    counts exact and the tail untouched, on every SM and on 7 programs (many tiles each,
-    long waits across programs)."""
+    counts exact and the counters past the call's blocks untouched, on every SM and on 7
+    programs (many tiles each, long waits across programs); with tiles handed out at run
+    time, every schedule position taken once (the hand-out counter ends at the tile count
+    plus one look past the end per program)."""
     p = _problem(2048, 768, seed=4)
-    F = p["w13"].shape[2]
+    F, D = p["w13"].shape[2], p["w13"].shape[3]
     want = _sequential(p, w13c, w2c)
     want_h2 = torch.full((p["n_act"], F), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     gather_w13_swiglu(p["ptrs"], p["po"], p["ro"], p["w13"], want_h2, config=w13c)
+    tiles = p["blocks"] * (F // fc.block_n + D // (2 * fc.block_n))
     for programs in (None, 7):
         h2 = torch.full((p["n_act"], F), float("nan"), dtype=torch.bfloat16, device=DEVICE)
         p["out"].fill_(float("nan"))
-        done = torch.full((p["r_cap"] // BM,), -5, dtype=torch.int32, device=DEVICE)
-        done[:p["blocks"]] = 0
-        fused_w13_w2(p["ptrs"], p["po"], p["ro"], p["w13"], p["w2"], h2, p["scatter"], done,
-                     config=fc, programs=programs)
+        counters = torch.full((p["r_cap"] // BM + 1,), -5, dtype=torch.int32, device=DEVICE)
+        counters[:p["blocks"]] = 0
+        counters[-1] = 0
+        fused_w13_w2(p["ptrs"], p["po"], p["ro"], p["w13"], p["w2"], h2, p["scatter"],
+                     counters, config=fc, programs=programs)
         torch.cuda.synchronize()
         assert torch.equal(h2.view(torch.int16), want_h2.view(torch.int16)), programs
         assert torch.equal(p["out"].view(torch.int16), want.view(torch.int16)), programs
-        assert done[:p["blocks"]].tolist() == [fc.done_count(F)] * p["blocks"]
-        assert done[p["blocks"]:].tolist() == [-5] * (done.numel() - p["blocks"])
+        got = counters.tolist()
+        assert got[:p["blocks"]] == [fc.done_count(F)] * p["blocks"]
+        assert got[p["blocks"]:-1] == [-5] * (len(got) - 1 - p["blocks"])
+        grid = min(num_sms(DEVICE) if programs is None else programs, tiles)
+        assert got[-1] == (tiles + grid if fc.dynamic else 0)
     assert fc.done_count(F) == w13_done_count(w13c, F)
 
 
 def _fused_call(s, **kwargs):
-    args = dict(done=torch.zeros(2, dtype=torch.int32, device=DEVICE))
+    args = dict(counters=torch.zeros(3, dtype=torch.int32, device=DEVICE))
     args.update(kwargs)
     fused_w13_w2(s["ptrs"], s["po"], s["ro"], s["w13"], s["w2"], s["h2"], s["scatter"],
-                 args.pop("done"), **args)
+                 args.pop("counters"), **args)
 
 
 @pytest.mark.parametrize("change, error, match", [
-    (dict(done=None), TypeError, "done must be an int32 tensor"),
-    (dict(done="short"), ValueError, r"done must have shape \[2\]"),
+    (dict(counters=None), TypeError, "counters must be a torch.Tensor"),
+    (dict(counters="short"), ValueError, r"counters must have shape \[3\]"),
     (dict(w2="wide"), ValueError, r"w2 must have shape \[E_local=2, D=32, F=32\]"),
     (dict(config="cfg"), TypeError, "config must be a FusedConfig"),
     (dict(programs=0), ValueError, "programs must be None or an int >= 1"),
@@ -311,9 +323,9 @@ def test_fused_rejects_bad_arguments(change, error, match):
     s["scatter"].fill_(-1)  # nothing may run: a launch would fault on these addresses
     kwargs = {}
     for name, value in change.items():
-        if name == "done":
-            kwargs["done"] = (None if value is None
-                              else torch.zeros(1, dtype=torch.int32, device=DEVICE))
+        if name == "counters":
+            kwargs["counters"] = (None if value is None
+                                  else torch.zeros(2, dtype=torch.int32, device=DEVICE))
         elif name == "w2":
             s["w2"] = torch.zeros(2, 64, 32, dtype=torch.bfloat16, device=DEVICE)
         else:
@@ -327,6 +339,7 @@ def test_fused_rejects_bad_arguments(change, error, match):
     (dict(lag=0), "FusedConfig.lag must be an int >= 1"),
     (dict(stages=True), "FusedConfig.stages must be an int >= 1"),
     (dict(stages=5), "exceed the ring's"),
+    (dict(dynamic=1), "FusedConfig.dynamic must be a bool"),
 ])
 def test_fused_config_rules(fields, match):
     with pytest.raises(ValueError, match=match):

@@ -135,9 +135,10 @@ def _w2_beside_rank(rank, world):
 def _fused_rank(rank, world):
     """W13 and W2 as one fused kernel (off by default; it can run here) against the two
     kernels in sequence with the same tiles, bit for bit, for every routing case: the
-    cooperative tiles at lag 2 and 1 (W2 at 128 x 256 in the sequence too) and the ping-pong
-    tiles (W13 128 x 64, W2 128 x 128); then one CUDA graph of the fused layer replayed with
-    each case's inputs against its eager result."""
+    cooperative tiles (W2 at 128 x 256 in the sequence too) and the ping-pong tiles (W13
+    128 x 64, W2 128 x 128), each with its tiles handed out at run time and statically, at
+    lags 1 to 3; then one CUDA graph of the fused layer (ping-pong, lag 3, run-time hand-out)
+    replayed with each case's inputs against its eager result."""
     from distmoe.kernels.w2_scatter import W2Config
     from distmoe.kernels.w13_gather_swiglu import W13Config
 
@@ -157,18 +158,22 @@ def _fused_rank(rank, world):
         default = (ctx._runs_fused(False), ctx._fused_reason(False))
         eager = {}
         for name, args in args_of.items():
-            for pingpong, lag in ((False, 2), (False, 1), (True, 2)):
+            for pingpong, lag, dynamic in ((False, 2, True), (False, 1, False),
+                                           (True, 3, True), (True, 2, False)):
                 ctx._w13_cfg, ctx._w2_cfg = tiles[pingpong]
                 ctx._fused = False
                 after = ctx(*args)
-                ctx._fused, ctx._fused_pingpong, ctx._fused_lag = True, pingpong, lag
+                ctx._fused, ctx._fused_pingpong = True, pingpong
+                ctx._fused_lag, ctx._fused_dynamic = lag, dynamic
                 fused = ctx(*args)
                 torch.cuda.synchronize()
-                if (pingpong, lag) == (False, 2):
+                if (pingpong, lag, dynamic) == (True, 3, True):
                     eager[name] = fused.clone()
-                outs.append((f"{name} pp={pingpong} lag={lag}", torch.equal(after, fused),
+                outs.append((f"{name} pp={pingpong} lag={lag} dynamic={dynamic}",
+                             torch.equal(after, fused),
                              bool(torch.isfinite(after.float()).all())))
-        ctx._fused, ctx._fused_pingpong, ctx._fused_lag = True, False, 2
+        ctx._fused, ctx._fused_pingpong, ctx._fused_lag = True, True, 3
+        ctx._fused_dynamic = True
         replays = _graph_replays(ctx, args_of, eager)
     return default, outs, replays
 

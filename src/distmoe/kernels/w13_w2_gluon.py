@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import check_block_counters
+from ._common import check_block_counters, check_tensor
 from .wgrad_gluon import HAVE_GLUON, gluon_device_reason
 
 if HAVE_GLUON:
@@ -75,6 +75,8 @@ __all__ = ["FusedConfig", "fused_reason", "fused_w13_w2", "stage_bytes"]
 _MAXNREG = 168
 _PRODUCER_THREADS = 128
 _RING_BYTES = 200 * 1024
+#: slots of the ring through which the producer passes its schedule positions (dynamic)
+_IDS = 4
 #: padded rows of a row block (a tile's rows in both GEMMs, one ``done`` entry)
 BLOCK_M = 128
 
@@ -91,11 +93,14 @@ class FusedConfig:
     stages: int = 4
     group_m: int = 8
     lag: int = 2
+    dynamic: bool = True
 
     def __post_init__(self) -> None:
         if (self.block_n, self.warps) not in ((128, 8), (64, 4)):
             raise ValueError("FusedConfig (block_n, warps) must be (128, 8) (cooperative) or "
                              f"(64, 4) (ping-pong), got ({self.block_n}, {self.warps})")
+        if not isinstance(self.dynamic, bool):
+            raise ValueError(f"FusedConfig.dynamic must be a bool, got {self.dynamic!r}")
         for name in ("stages", "group_m", "lag"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -140,12 +145,60 @@ if HAVE_GLUON:
         return is_w2, pid_n, expert, row_start, act_start, num_live
 
     @gluon.jit
-    def _producer(w13_desc, w2_desc, h2_desc, a_bufs, b_bufs, ready, empty, turn,
-                  gather_ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h2_ptr,
-                  scatter_ptrs_ptr, done_ptr, need, HIDDEN: gl.constexpr, FFN: gl.constexpr,
+    def _first_tile(next_ptr, DYNAMIC: gl.constexpr):
+        """The producer's first schedule position: taken from ``next`` (DYNAMIC), else the
+        program id (the static round robin)."""
+        t = gl.program_id(0)
+        if DYNAMIC:
+            t = gl.atomic_add(next_ptr, 1)
+        return t
+
+    @gluon.jit
+    def _next_tile(next_ptr, t, DYNAMIC: gl.constexpr):
+        """The producer's next position after ``t``."""
+        if DYNAMIC:
+            t = gl.atomic_add(next_ptr, 1)
+        else:
+            t = t + gl.num_programs(0)
+        return t
+
+    @gluon.jit
+    def _post_tile(ids, id_ready, id_free, j, t, IDS: gl.constexpr):
+        """The producer passes its ``j``-th position ``t`` to both consumers through slot
+        ``j % IDS`` of the id ring, once both have read what the slot held before."""
+        L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        slot = j % IDS
+        mbarrier.wait(id_free.index(slot), ((j // IDS) & 1) ^ 1)
+        ids.index(slot).store(gl.full([1], t, gl.int32, L))
+        gl.thread_barrier()  # every thread's store, before the (one) arrive releases them
+        mbarrier.arrive(id_ready.index(slot))
+
+    @gluon.jit
+    def _take_tile(ids, id_ready, id_free, j, next_ptr, t, IDS: gl.constexpr,
+                   DYNAMIC: gl.constexpr):
+        """A consumer's ``j``-th schedule position: from the id ring (DYNAMIC; the slot goes
+        back once read), else the static round robin (``t``: the previous one, or the
+        schedule's length before the first, which is then the program id)."""
+        if DYNAMIC:
+            L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+            slot = j % IDS
+            mbarrier.wait(id_ready.index(slot), (j // IDS) & 1)
+            t = gl.max(ids.index(slot).load(L), axis=0)
+            gl.thread_barrier()  # every thread has read it, before the slot goes back
+            mbarrier.arrive(id_free.index(slot))
+        else:
+            t = gl.where(j == 0, gl.program_id(0), t + gl.num_programs(0))
+        return t
+
+    @gluon.jit
+    def _producer(w13_desc, w2_desc, h2_desc, a_bufs, b_bufs, ready, empty, turn, ids,
+                  id_ready, id_free, gather_ptrs_ptr, padded_offsets_ptr, row_offsets_ptr,
+                  h2_ptr, scatter_ptrs_ptr, done_ptr, next_ptr, need, HIDDEN: gl.constexpr,
+                  FFN: gl.constexpr,
                   NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr,
                   GROUP_M: gl.constexpr, LAG: gl.constexpr, STAGES: gl.constexpr,
-                  BLOCK_N: gl.constexpr, COOP: gl.constexpr, PARITY: gl.constexpr):
+                  BLOCK_N: gl.constexpr, DYNAMIC: gl.constexpr, IDS: gl.constexpr,
+                  COOP: gl.constexpr, PARITY: gl.constexpr):
         """One warpgroup: the loads of every tile of the program, K step by K step."""
         N13: gl.constexpr = FFN // BLOCK_N
         N2: gl.constexpr = HIDDEN // (2 * BLOCK_N)
@@ -158,7 +211,12 @@ if HAVE_GLUON:
         w_bytes: gl.constexpr = 2 * w13_desc.block_type.nbytes
         a_bytes: gl.constexpr = h2_desc.block_type.nbytes
         count = 0
-        for t in range(gl.program_id(0), total, gl.num_programs(0)):
+        j = 0  # tiles handed to the consumers (the id ring's position)
+        t = _first_tile(next_ptr, DYNAMIC)
+        while t < total:
+            if DYNAMIC:
+                _post_tile(ids, id_ready, id_free, j, t, IDS)
+            j += 1
             is_w2, pid_n, expert, row_start, act_start, num_live = _fused_info(
                 t, num_pid_m, ends, starts, rbeg, rend, eidx, N13, N2, GROUP_M, LAG,
                 NUM_EXPERTS)
@@ -201,15 +259,20 @@ if HAVE_GLUON:
                                                            ptrs + k * 64, read)
                     async_copy.mbarrier_arrive(bar, increment_count=False)
                     count += 1
+            t = _next_tile(next_ptr, t, DYNAMIC)
+        if DYNAMIC:  # the end: the consumers read a position past the schedule
+            _post_tile(ids, id_ready, id_free, j, total, IDS)
         async_copy.wait_group(0)
 
     @gluon.jit
-    def _consumer(w13_desc, w2_desc, h2_desc, a_bufs, b_bufs, ready, empty, turn,
-                  gather_ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h2_ptr,
-                  scatter_ptrs_ptr, done_ptr, need, HIDDEN: gl.constexpr, FFN: gl.constexpr,
+    def _consumer(w13_desc, w2_desc, h2_desc, a_bufs, b_bufs, ready, empty, turn, ids,
+                  id_ready, id_free, gather_ptrs_ptr, padded_offsets_ptr, row_offsets_ptr,
+                  h2_ptr, scatter_ptrs_ptr, done_ptr, next_ptr, need, HIDDEN: gl.constexpr,
+                  FFN: gl.constexpr,
                   NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr,
                   GROUP_M: gl.constexpr, LAG: gl.constexpr, STAGES: gl.constexpr,
-                  BLOCK_N: gl.constexpr, COOP: gl.constexpr, PARITY: gl.constexpr):
+                  BLOCK_N: gl.constexpr, DYNAMIC: gl.constexpr, IDS: gl.constexpr,
+                  COOP: gl.constexpr, PARITY: gl.constexpr):
         """One warpgroup: the MMAs and epilogues of the program's tiles ``PARITY``,
         ``PARITY + 2``, ... (in the program's own numbering); with ``COOP``, of rows
         ``64 PARITY`` to ``64 PARITY + 63`` of every tile of the program."""
@@ -225,7 +288,8 @@ if HAVE_GLUON:
         count = 0
         turns = 0
         local = 0  # the program's own tile numbering (ping-pong: every other one is ours)
-        for t in range(gl.program_id(0), total, gl.num_programs(0)):
+        t = _take_tile(ids, id_ready, id_free, local, next_ptr, total, IDS, DYNAMIC)
+        while t < total:
             is_w2, pid_n, expert, row_start, act_start, num_live = _fused_info(
                 t, num_pid_m, ends, starts, rbeg, rend, eidx, N13, N2, GROUP_M, LAG,
                 NUM_EXPERTS)
@@ -276,6 +340,7 @@ if HAVE_GLUON:
                     _arrive_block(done_ptr, row_start, 128, 4)
             count += nk
             local += 1
+            t = _take_tile(ids, id_ready, id_free, local, next_ptr, t, IDS, DYNAMIC)
 
     @gluon.jit
     def _fused_kernel(
@@ -288,6 +353,7 @@ if HAVE_GLUON:
         h2_ptr,  # bf16 [R_act, F]
         scatter_ptrs_ptr,  # int64 [R_cap]
         done_ptr,  # int32 [R_cap / 128], zero
+        next_ptr,  # int32 [1], zero: the next schedule position to hand out (DYNAMIC)
         need,  # what a done entry reaches
         HIDDEN: gl.constexpr,
         FFN: gl.constexpr,
@@ -297,6 +363,8 @@ if HAVE_GLUON:
         LAG: gl.constexpr,
         STAGES: gl.constexpr,
         BLOCK_N: gl.constexpr,
+        DYNAMIC: gl.constexpr,
+        IDS: gl.constexpr,
         PRODUCER_THREADS: gl.constexpr,
         COOP: gl.constexpr,
         num_warps: gl.constexpr,
@@ -305,25 +373,36 @@ if HAVE_GLUON:
         b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 2 * BLOCK_N, 64],
                                            w13_desc.layout)
         ready, empty, turn = _ring_barriers(STAGES, 1 + PRODUCER_THREADS, 2 if COOP else 1)
+        # DYNAMIC: the positions the producer takes, passed on to both consumers
+        ids = gl.allocate_shared_memory(gl.int32, [IDS, 1],
+                                        gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        id_ready = gl.allocate_shared_memory(gl.int64, [IDS, 1], mbarrier.MBarrierLayout())
+        id_free = gl.allocate_shared_memory(gl.int64, [IDS, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(IDS):
+            mbarrier.init(id_ready.index(s), count=1)
+            mbarrier.init(id_free.index(s), count=2)
         gl.warp_specialize([
-            (_consumer, (w13_desc, w2_desc, h2_desc, a_bufs, b_bufs, ready, empty, turn,
-                         gather_ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h2_ptr,
-                         scatter_ptrs_ptr, done_ptr, need, HIDDEN, FFN, NUM_EXPERTS,
-                         EXPERTS_POW2, GROUP_M, LAG, STAGES, BLOCK_N, COOP, 0)),
-            (_consumer, (w13_desc, w2_desc, h2_desc, a_bufs, b_bufs, ready, empty, turn,
-                         gather_ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h2_ptr,
-                         scatter_ptrs_ptr, done_ptr, need, HIDDEN, FFN, NUM_EXPERTS,
-                         EXPERTS_POW2, GROUP_M, LAG, STAGES, BLOCK_N, COOP, 1)),
-            (_producer, (w13_desc, w2_desc, h2_desc, a_bufs, b_bufs, ready, empty, turn,
-                         gather_ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h2_ptr,
-                         scatter_ptrs_ptr, done_ptr, need, HIDDEN, FFN, NUM_EXPERTS,
-                         EXPERTS_POW2, GROUP_M, LAG, STAGES, BLOCK_N, COOP, 0)),
+            (_consumer, (w13_desc, w2_desc, h2_desc, a_bufs, b_bufs, ready, empty, turn, ids,
+                         id_ready, id_free, gather_ptrs_ptr, padded_offsets_ptr,
+                         row_offsets_ptr, h2_ptr, scatter_ptrs_ptr, done_ptr, next_ptr, need,
+                         HIDDEN, FFN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, LAG, STAGES, BLOCK_N,
+                         DYNAMIC, IDS, COOP, 0)),
+            (_consumer, (w13_desc, w2_desc, h2_desc, a_bufs, b_bufs, ready, empty, turn, ids,
+                         id_ready, id_free, gather_ptrs_ptr, padded_offsets_ptr,
+                         row_offsets_ptr, h2_ptr, scatter_ptrs_ptr, done_ptr, next_ptr, need,
+                         HIDDEN, FFN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, LAG, STAGES, BLOCK_N,
+                         DYNAMIC, IDS, COOP, 1)),
+            (_producer, (w13_desc, w2_desc, h2_desc, a_bufs, b_bufs, ready, empty, turn, ids,
+                         id_ready, id_free, gather_ptrs_ptr, padded_offsets_ptr,
+                         row_offsets_ptr, h2_ptr, scatter_ptrs_ptr, done_ptr, next_ptr, need,
+                         HIDDEN, FFN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, LAG, STAGES, BLOCK_N,
+                         DYNAMIC, IDS, COOP, 0)),
         ], [4, PRODUCER_THREADS // 32], [224, 56])
 
 
 def fused_w13_w2(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
                  row_offsets: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                 h2: torch.Tensor, scatter_ptrs: torch.Tensor, done: torch.Tensor, *,
+                 h2: torch.Tensor, scatter_ptrs: torch.Tensor, counters: torch.Tensor, *,
                  config: FusedConfig | None = None, programs: int | None = None) -> None:
     """Gather + W13 + SwiGLU into ``h2``, then W2 of those rows to their scatter addresses,
     in one launch (module docstring).
@@ -336,8 +415,10 @@ def fused_w13_w2(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
             (``scatter_ptrs`` int64 ``[R_cap]``, the same ``R_cap``).
         h2: bf16 ``[R_act, F]``: the SwiGLU rows, written by the W13 tiles and read by the
             W2 tiles (``R_act >= row_offsets[E]``).
-        done: int32 ``[R_cap / 128]`` on the device, **zero on entry** (the caller zeroes
-            it on the same stream); the call leaves :meth:`FusedConfig.done_count` in each
+        counters: int32 ``[R_cap / 128 + 1]`` on the device, **zero on entry** (the caller
+            zeroes it on the same stream): entry ``b`` counts the stored W13 tiles of row
+            block ``b`` (``done``), the last one hands out schedule positions with
+            ``config.dynamic``. The call leaves :meth:`FusedConfig.done_count` in each
             entry of its row blocks.
         config: tiles, ring and schedule (default :class:`FusedConfig`).
         programs: the grid (default one program per SM; never more than the SMs, since a
@@ -366,9 +447,12 @@ def fused_w13_w2(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
             f"[{r_cap2}]")
     if r_cap % BLOCK_M:
         raise ValueError(f"R_cap ({r_cap}, rows of gather_ptrs) must be a multiple of 128")
-    if done is None:
-        raise TypeError("done must be an int32 tensor [R_cap / 128] (zeroed), got None")
-    check_block_counters("done", done, r_cap, gather_ptrs.device, programs)
+    check_tensor("counters", counters, dtypes=(torch.int32,), shape=[r_cap // BLOCK_M + 1],
+                 shape_text="[R_cap / 128 + 1] (one counter per 128 padded rows, then the "
+                 "next schedule position)")
+    if counters.device != gather_ptrs.device:
+        raise ValueError(f"counters must be on {gather_ptrs.device}, got {counters.device}")
+    check_block_counters("done", None, r_cap, gather_ptrs.device, programs)
     device = gather_ptrs.device
     reason = fused_reason(device, hidden=hidden, ffn=ffn, config=config)
     if reason is not None:
@@ -390,10 +474,11 @@ def fused_w13_w2(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
     with device_context(device):
         _fused_kernel[(grid,)](
             w13_desc, w2_desc, h2_desc, gather_ptrs, padded_offsets, row_offsets, h2,
-            scatter_ptrs, done, config.done_count(ffn),
+            scatter_ptrs, counters[:-1], counters[-1:], config.done_count(ffn),
             HIDDEN=hidden, FFN=ffn, NUM_EXPERTS=num_experts,
             EXPERTS_POW2=max(32, next_power_of_2(num_experts)), GROUP_M=config.group_m,
-            LAG=config.lag, STAGES=config.stages, BLOCK_N=bn,
+            LAG=config.lag, STAGES=config.stages, BLOCK_N=bn, DYNAMIC=config.dynamic,
+            IDS=_IDS,
             PRODUCER_THREADS=_PRODUCER_THREADS, COOP=config.warps == 8, num_warps=4,
             maxnreg=_MAXNREG,
         )  # fmt: skip

@@ -219,10 +219,12 @@ class MoEContext:
         self._fused = False
         self._fused_lag = 2
         self._fused_pingpong = False
+        self._fused_dynamic = True
         self._w2_stream = None
         if self.ep_size > 1 and self.row_capacity % 128 == 0:
-            # per 128 padded rows: W13's count of stored h2 tiles, zeroed before each call
-            self._h2_done = torch.zeros(self.row_capacity // 128, dtype=torch.int32,
+            # per 128 padded rows: W13's count of stored h2 tiles, then the fused kernel's
+            # next schedule position; zeroed before each call that uses them
+            self._h2_done = torch.zeros(self.row_capacity // 128 + 1, dtype=torch.int32,
                                         device=self.device)
         if self.ep_size > 1:
             self._peer_tokens = [heap.view("dispatch", r, torch.bfloat16, (T, D))
@@ -511,13 +513,15 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
 
     def _fused_config(self):
         """The fused W13 + W2 kernel's tiles from the switches (``_fused_lag``,
-        ``_fused_pingpong``): cooperative 128 x 128 / 128 x 256 tiles with 4 stages, or
+        ``_fused_pingpong``, ``_fused_dynamic``): cooperative 128 x 128 / 128 x 256 tiles with 4 stages, or
         ping-pong 128 x 64 / 128 x 128 with 6."""
         from ..kernels.w13_w2_gluon import FusedConfig
 
         if self._fused_pingpong:
-            return FusedConfig(block_n=64, warps=4, stages=6, lag=self._fused_lag)
-        return FusedConfig(block_n=128, warps=8, stages=4, lag=self._fused_lag)
+            return FusedConfig(block_n=64, warps=4, stages=6, lag=self._fused_lag,
+                               dynamic=self._fused_dynamic)
+        return FusedConfig(block_n=128, warps=8, stages=4, lag=self._fused_lag,
+                           dynamic=self._fused_dynamic)
 
     def _runs_fused(self, save: bool) -> bool:
         """Whether this forward runs W13 and W2 as one fused kernel: only when ``_fused`` is
@@ -591,9 +595,9 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         if fused:
             from ..kernels.w13_w2_gluon import fused_w13_w2
 
-            done = self._h2_done
-            done.zero_()
-            fused_w13_w2(gather_ptrs, po, ro, w13, w2, self._h2, scatter_ptrs, done,
+            counters = self._h2_done
+            counters.zero_()
+            fused_w13_w2(gather_ptrs, po, ro, w13, w2, self._h2, scatter_ptrs, counters,
                          config=self._fused_config())
             return
         if not beside:
@@ -605,7 +609,7 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         if not 1 <= p2 < sms:
             raise ValueError(f"W2's programs beside W13 must be in [1, {sms - 1}] (the SMs "
                              f"less one for W13), got {p2}")
-        done = self._h2_done
+        done = self._h2_done[:-1]
         done.zero_()
         main = torch.cuda.current_stream(self.device)
         if self._w2_stream is None:

@@ -39,7 +39,7 @@ _INTS = {"num_rows", "num_act_rows", "r_act", "num_pid_m", "num_progs", "need"}
 _I64 = {"grad_h3_ptrs_ptr", "scatter_ptrs_ptr", "gather_ptrs_ptr", "h1_offset_ptr",
         "b_offset_ptr", "out_offsets_ptr"}
 _I32 = {"padded_offsets_ptr", "row_offsets_ptr", "enable_ptr", "order_ptr", "positions_ptr",
-        "done_ptr", "wait_ptr"}
+        "done_ptr", "wait_ptr", "next_ptr"}
 
 
 def _default_type(name: str) -> str:
@@ -333,7 +333,8 @@ def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildC
 def gluon_fused_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
     """The fused W13 + W2 inference kernel (:mod:`distmoe.kernels.w13_w2_gluon`) at each
     shape: cooperative (128 x 128 W13 / 128 x 256 W2 tiles, 4 stages) and ping-pong (128 x 64
-    / 128 x 128, 6 stages), lag 1 and 2 (production: no spill, no serialized wgmma)."""
+    / 128 x 128, 6 stages), lag 1 and 2, tiles handed out at run time and statically
+    (production: no spill, no serialized wgmma)."""
     from distmoe.kernels import w13_w2_gluon as wf
     from distmoe.kernels._common import next_power_of_2
     from distmoe.tools.bench.workloads import SHAPES
@@ -344,17 +345,18 @@ def gluon_fused_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
     for name in shapes:
         s = SHAPES[name]
         D, F, E = s.hidden, s.ffn, s.num_experts
-        for (bn, warps, stages), lag in itertools.product(((128, 8, 4), (64, 4, 6)), (1, 2)):
+        for (bn, warps, stages), lag, dyn in itertools.product(((128, 8, 4), (64, 4, 6)),
+                                                               (1, 2), (True, False)):
             types = {"w13_desc": _gluon_desc(2 * E * F, D, [bn, 64]),
                      "w2_desc": _gluon_desc(E * D, F, [bn, 64]),
                      "h2_desc": _gluon_desc(1024, F, [128, 64])}
             cases.append(BuildCase(
                 f"{name} W13+W2 fused gluon {'coop' if warps == 8 else 'pp'} bn{bn} "
-                f"s{stages} lag{lag}",
+                f"s{stages} lag{lag}{' dynamic' if dyn else ''}",
                 wf._fused_kernel,
                 dict(HIDDEN=D, FFN=F, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
-                     GROUP_M=8, LAG=lag, STAGES=stages, BLOCK_N=bn,
-                     PRODUCER_THREADS=wf._PRODUCER_THREADS, COOP=warps == 8, num_warps=4),
+                     GROUP_M=8, LAG=lag, STAGES=stages, BLOCK_N=bn, DYNAMIC=dyn,
+                     IDS=wf._IDS, PRODUCER_THREADS=wf._PRODUCER_THREADS, COOP=warps == 8, num_warps=4),
                 4, 1, types=types, production=True, gluon=True,
                 options=dict(maxnreg=wf._MAXNREG)))
     return cases
