@@ -338,7 +338,7 @@ def test_fused_rejects_bad_arguments(change, error, match):
     (dict(block_n=128, warps=4), r"\(block_n, warps\) must be \(128, 8\)"),
     (dict(lag=0), "FusedConfig.lag must be an int >= 1"),
     (dict(stages=True), "FusedConfig.stages must be an int >= 1"),
-    (dict(stages=5), "exceed the ring's"),
+    (dict(block_n=128, warps=8, stages=5), "exceed the ring's"),
     (dict(dynamic=1), "FusedConfig.dynamic must be a bool"),
 ])
 def test_fused_config_rules(fields, match):

@@ -215,7 +215,9 @@ def test_fused_tables_equal_torch_tables_gpu():
 
 
 def test_fused_tables_largest_call(device=None):
-    # At the size limit (4096 routes, the largest in-register sort) with many experts.
+    # At the size limit (4096 routes, the largest in-register sort) with many experts. On
+    # the interpreter only rank 1 (its tables start past rank 0's rows; about 35 s a rank),
+    # on a GPU both.
     from distmoe.routing.fused import MAX_FUSED_ROUTES
 
     EP, K, E = 2, 8, 256
@@ -225,7 +227,7 @@ def test_fused_tables_largest_call(device=None):
     kw = dict(num_local_experts=E // EP, row_block=128, receive_bound=T * K + 100,
               dispatch_bases_EP=DISPATCH[:EP], combine_bases_EP=COMBINE[:EP],
               row_bytes=ROW_BYTES, training=True)
-    for rank in range(EP):
+    for rank in range(EP) if device is not None else (EP - 1,):
         a, *others = _both(ids, device=device, rank=rank, **kw)
         for b in others:
             _assert_same_tables(a, b)

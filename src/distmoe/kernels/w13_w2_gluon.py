@@ -26,6 +26,13 @@ epilogue differ:
 * ``warps`` 4, ping-pong (``block_n`` 64): the consumers take the program's tiles in turn;
   W13 tiles of 128 x 64 h2 columns, W2 tiles of 128 x 128.
 
+Which program runs a position: by default the static round robin (position ``t`` on
+program ``t mod G``); with ``dynamic`` the producer of each program takes its next position
+from a counter (a relaxed atomic during its current tile's first K step) and passes it to
+both consumers through a 4-slot ring in shared memory with its own mbarriers. Either way a
+program runs its positions in increasing order, so the unfinished position that comes first
+can always run (its W13 tiles came earlier): the waits cannot deadlock.
+
 Every program must be resident at once (a W2 tile waits for W13 tiles of other programs):
 one program per SM at most, and no other kernel that holds SMs for long beside it (ranks
 sharing a GPU do not use it; see the layer's rule). Inference only: no h1, no saved rows,
@@ -59,8 +66,11 @@ if HAVE_GLUON:
     from ._gluon_ring import (
         _arrive_block,
         _block_info,
+        _bounds_layout,
+        _expert_bounds,
         _program_tiles,
         _ring_barriers,
+        _tile_count,
         _wait_block,
         _wait_turn,
     )
@@ -83,17 +93,30 @@ BLOCK_M = 128
 
 @dataclass(frozen=True)
 class FusedConfig:
-    """Tiles of the fused kernel: ``warps`` 8 (cooperative, ``block_n`` 128) or 4
-    (ping-pong, ``block_n`` 64); ``block_n`` h2 columns of a W13 tile (a W2 tile has ``2
-    block_n`` output columns); ``stages`` of the shared ring; ``group_m`` row blocks per
-    group; ``lag`` groups between a group's W13 tiles and its W2 tiles (>= 1)."""
+    """Tiles and schedule of the fused kernel.
 
-    block_n: int = 128
-    warps: int = 8
-    stages: int = 4
+    ``warps`` 4 (ping-pong, ``block_n`` 64) or 8 (cooperative, ``block_n`` 128); ``block_n``
+    h2 columns of a W13 tile (a W2 tile has ``2 block_n`` output columns); ``stages`` of the
+    shared ring (at most 200 KiB); ``group_m`` row blocks per group; ``lag`` groups between
+    a group's W13 tiles and its W2 tiles (>= 1); ``dynamic``: each producer takes its next
+    schedule position from a counter at run time, instead of the static round robin
+    (position ``t`` on program ``t mod G``).
+
+    The defaults are the fastest measured (docs/performance.md run 36, two H200s, T=4096
+    D=2048 F=768 E=128 K=8, EP=2 forward: 1-2% faster than W13 then W2). On one GPU
+    without NVLink, against W13 then W2 (506 us): ping-pong static 520-526 us, cooperative
+    static 547-574, cooperative dynamic 530-549, ping-pong dynamic 554-572. A cost model of
+    the static round robin puts the most loaded program 10 us (ping-pong) to 50 us
+    (cooperative) above the mean; the run-time hand-out removes that for the cooperative
+    tiles but costs the ping-pong ones about 35 us, for a reason not found (the atomic's
+    latency hidden under the ring did not change it)."""
+
+    block_n: int = 64
+    warps: int = 4
+    stages: int = 6
     group_m: int = 8
-    lag: int = 2
-    dynamic: bool = True
+    lag: int = 3
+    dynamic: bool = False
 
     def __post_init__(self) -> None:
         if (self.block_n, self.warps) not in ((128, 8), (64, 4)):
@@ -146,18 +169,23 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _first_tile(next_ptr, DYNAMIC: gl.constexpr):
-        """The producer's first schedule position: taken from ``next`` (DYNAMIC), else the
+        """The producer's first schedule position: taken from ``next`` (DYNAMIC; relaxed: an
+        acquire-release atomic would first wait for the thread's gathers in flight), else the
         program id (the static round robin)."""
         t = gl.program_id(0)
         if DYNAMIC:
-            t = gl.atomic_add(next_ptr, 1)
+            t = gl.atomic_add(next_ptr, 1, sem="relaxed")
         return t
 
     @gluon.jit
-    def _next_tile(next_ptr, t, DYNAMIC: gl.constexpr):
-        """The producer's next position after ``t``."""
+    def _next_tile(ids, t, j, DYNAMIC: gl.constexpr, IDS: gl.constexpr):
+        """The producer's ``j``-th position (the one after ``t``): with DYNAMIC read back
+        from the id ring, where the producer posted it during ``t``'s first K step (so the
+        atomic's latency hides under the stages in flight; holding it in a register across
+        the loads made the producer spill), else ``t`` plus the grid."""
         if DYNAMIC:
-            t = gl.atomic_add(next_ptr, 1)
+            L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+            t = gl.max(ids.index(j % IDS).load(L), axis=0)
         else:
             t = t + gl.num_programs(0)
         return t
@@ -203,8 +231,9 @@ if HAVE_GLUON:
         N13: gl.constexpr = FFN // BLOCK_N
         N2: gl.constexpr = HIDDEN // (2 * BLOCK_N)
         CP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        num_pid_m, _n, ends, starts, rbeg, rend, eidx = _program_tiles(
-            padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2, N13, 128, 4)
+        # the per-expert bounds are loaded per tile (L1 hits), not held across the loop:
+        # the producer has 56 registers
+        num_pid_m, _n = _tile_count(padded_offsets_ptr, NUM_EXPERTS, N13, 128)
         total = num_pid_m * (N13 + N2)
         i = gl.arange(0, 128, layout=gl.SliceLayout(1, CP))
         kk = gl.arange(0, 64, layout=gl.SliceLayout(0, CP))
@@ -213,10 +242,13 @@ if HAVE_GLUON:
         count = 0
         j = 0  # tiles handed to the consumers (the id ring's position)
         t = _first_tile(next_ptr, DYNAMIC)
+        if DYNAMIC:
+            _post_tile(ids, id_ready, id_free, 0, t, IDS)
         while t < total:
-            if DYNAMIC:
-                _post_tile(ids, id_ready, id_free, j, t, IDS)
-            j += 1
+            j += 1  # with DYNAMIC, the next position is posted during this tile's first step
+            ends, starts, rbeg, rend, eidx = _expert_bounds(
+                padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2,
+                _bounds_layout(EXPERTS_POW2, 4))
             is_w2, pid_n, expert, row_start, act_start, num_live = _fused_info(
                 t, num_pid_m, ends, starts, rbeg, rend, eidx, N13, N2, GROUP_M, LAG,
                 NUM_EXPERTS)
@@ -239,6 +271,10 @@ if HAVE_GLUON:
                     # the stage's other arrivals (its ready barrier counts every thread)
                     async_copy.mbarrier_arrive(bar, increment_count=False)
                     count += 1
+                    if DYNAMIC:
+                        if k == 0:  # the next position, while this tile's stages fill
+                            _post_tile(ids, id_ready, id_free, j,
+                                       gl.atomic_add(next_ptr, 1, sem="relaxed"), IDS)
             else:
                 src = gl.load(gather_ptrs_ptr + row_start + i, mask=i < num_live, other=0)
                 rows = gl.multiple_of(src.to(gl.pointer_type(gl.bfloat16)), 16)
@@ -259,9 +295,11 @@ if HAVE_GLUON:
                                                            ptrs + k * 64, read)
                     async_copy.mbarrier_arrive(bar, increment_count=False)
                     count += 1
-            t = _next_tile(next_ptr, t, DYNAMIC)
-        if DYNAMIC:  # the end: the consumers read a position past the schedule
-            _post_tile(ids, id_ready, id_free, j, total, IDS)
+                    if DYNAMIC:
+                        if k == 0:
+                            _post_tile(ids, id_ready, id_free, j,
+                                       gl.atomic_add(next_ptr, 1, sem="relaxed"), IDS)
+            t = _next_tile(ids, t, j, DYNAMIC, IDS)
         async_copy.wait_group(0)
 
     @gluon.jit

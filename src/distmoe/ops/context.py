@@ -214,12 +214,14 @@ class MoEContext:
         self._w2_beside = False
         self._w2_beside_programs: int | None = None
         # W13 and W2 in one persistent kernel (step 5; distmoe.kernels.w13_w2_gluon): True
-        # runs it (A/B tools, tests); off otherwise. _fused_lag: row-block groups between a
-        # group's W13 and W2 tiles; _fused_pingpong: ping-pong tiles instead of cooperative.
+        # runs it (A/B tools, tests); off otherwise (run 36: 1-2% faster at T=4096 D=2048
+        # F=768 E=128 K=8 on two H200s, not measured elsewhere enough to be the default).
+        # _fused_lag: row-block groups between a group's W13 and W2 tiles; _fused_pingpong:
+        # ping-pong tiles (else cooperative); _fused_dynamic: tiles handed out at run time.
         self._fused = False
-        self._fused_lag = 2
-        self._fused_pingpong = False
-        self._fused_dynamic = True
+        self._fused_lag = 3
+        self._fused_pingpong = True
+        self._fused_dynamic = False
         self._w2_stream = None
         if self.ep_size > 1 and self.row_capacity % 128 == 0:
             # per 128 padded rows: W13's count of stored h2 tiles, then the fused kernel's
@@ -512,9 +514,9 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         return False
 
     def _fused_config(self):
-        """The fused W13 + W2 kernel's tiles from the switches (``_fused_lag``,
-        ``_fused_pingpong``, ``_fused_dynamic``): cooperative 128 x 128 / 128 x 256 tiles with 4 stages, or
-        ping-pong 128 x 64 / 128 x 128 with 6."""
+        """The fused W13 + W2 kernel's config from the switches (``_fused_lag``,
+        ``_fused_pingpong``, ``_fused_dynamic``): ping-pong 128 x 64 / 128 x 128 tiles with 6
+        stages (the default), or cooperative 128 x 128 / 128 x 256 with 4."""
         from ..kernels.w13_w2_gluon import FusedConfig
 
         if self._fused_pingpong:

@@ -331,10 +331,11 @@ def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildC
 
 
 def gluon_fused_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
-    """The fused W13 + W2 inference kernel (:mod:`distmoe.kernels.w13_w2_gluon`) at each
-    shape: cooperative (128 x 128 W13 / 128 x 256 W2 tiles, 4 stages) and ping-pong (128 x 64
-    / 128 x 128, 6 stages), lag 1 and 2, tiles handed out at run time and statically
-    (production: no spill, no serialized wgmma)."""
+    """The fused W13 + W2 inference kernel (:mod:`distmoe.kernels.w13_w2_gluon`): at each
+    shape its default (ping-pong 128 x 64 W13 / 128 x 128 W2 tiles, 6 stages, lag 3, static
+    schedule) and the cooperative tiles (128 x 128 / 128 x 256, 4 stages), static
+    (production: no spill, no serialized wgmma); at ``fine`` both with the tiles handed out
+    at run time (build only: their producers spill 8-12 bytes)."""
     from distmoe.kernels import w13_w2_gluon as wf
     from distmoe.kernels._common import next_power_of_2
     from distmoe.tools.bench.workloads import SHAPES
@@ -345,19 +346,22 @@ def gluon_fused_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
     for name in shapes:
         s = SHAPES[name]
         D, F, E = s.hidden, s.ffn, s.num_experts
-        for (bn, warps, stages), lag, dyn in itertools.product(((128, 8, 4), (64, 4, 6)),
-                                                               (1, 2), (True, False)):
+        for (bn, warps, stages), dyn in itertools.product(((64, 4, 6), (128, 8, 4)),
+                                                          (False, True)):
+            if dyn and name != "fine":
+                continue
             types = {"w13_desc": _gluon_desc(2 * E * F, D, [bn, 64]),
                      "w2_desc": _gluon_desc(E * D, F, [bn, 64]),
                      "h2_desc": _gluon_desc(1024, F, [128, 64])}
             cases.append(BuildCase(
-                f"{name} W13+W2 fused gluon {'coop' if warps == 8 else 'pp'} bn{bn} "
-                f"s{stages} lag{lag}{' dynamic' if dyn else ''}",
+                f"{'variant ' if dyn else ''}{name} W13+W2 fused gluon "
+                f"{'coop' if warps == 8 else 'pp'} bn{bn} s{stages} lag3"
+                f"{' dynamic' if dyn else ''}",
                 wf._fused_kernel,
                 dict(HIDDEN=D, FFN=F, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
-                     GROUP_M=8, LAG=lag, STAGES=stages, BLOCK_N=bn, DYNAMIC=dyn,
-                     IDS=wf._IDS, PRODUCER_THREADS=wf._PRODUCER_THREADS, COOP=warps == 8, num_warps=4),
-                4, 1, types=types, production=True, gluon=True,
+                     GROUP_M=8, LAG=3, STAGES=stages, BLOCK_N=bn, DYNAMIC=dyn, IDS=wf._IDS,
+                     PRODUCER_THREADS=wf._PRODUCER_THREADS, COOP=warps == 8, num_warps=4),
+                4, 1, types=types, production=not dyn, gluon=True,
                 options=dict(maxnreg=wf._MAXNREG)))
     return cases
 
