@@ -22,7 +22,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 def _schedule_kernel(out_ptr, num_pid_m, total, N13: tl.constexpr, N2: tl.constexpr,
                      GROUP_M: tl.constexpr, LAG: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    is_w2, idx = fused_tile(t, num_pid_m, N13, N2, GROUP_M, LAG)
+    is_w2, idx = fused_tile(tl.minimum(t, total - 1), num_pid_m, N13, N2, GROUP_M, LAG)
     tl.store(out_ptr + 2 * t, is_w2.to(tl.int32), mask=t < total)
     tl.store(out_ptr + 2 * t + 1, idx, mask=t < total)
 
@@ -31,7 +31,8 @@ def _schedule_kernel(out_ptr, num_pid_m, total, N13: tl.constexpr, N2: tl.conste
 def _swizzle_kernel(out_ptr, num_pid_m, total, N: tl.constexpr, GROUP_M: tl.constexpr,
                     BLOCK: tl.constexpr):
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    pid_m, pid_n = swizzle_tile(t, num_pid_m, N, GROUP_M)
+    # lanes past the end compute the last tile (a short group past it divides by zero)
+    pid_m, pid_n = swizzle_tile(tl.minimum(t, total - 1), num_pid_m, N, GROUP_M)
     tl.store(out_ptr + 2 * t, pid_m, mask=t < total)
     tl.store(out_ptr + 2 * t + 1, pid_n, mask=t < total)
 

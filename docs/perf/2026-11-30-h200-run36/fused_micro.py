@@ -5,8 +5,9 @@ tiles, then times all of them interleaved (CUDA graphs, median of the rounds).
 
     PYTHONPATH=src python3 fused_micro.py --shape fine [--rounds 21] [--remote]
 
-``--remote``: the scattered rows of half the routes go to GPU 1's memory (peer access), as
-the EP=2 layer's returns do."""
+``--remote``: the scattered rows of half the routes go to GPU 1's memory, as the EP=2 layer's
+returns do. It failed in call 3 (illegal address: this process never enables peer access to
+GPU 1) and was not used again; the layer's A/Bs measure the link instead."""
 import argparse
 
 import torch

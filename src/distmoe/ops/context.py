@@ -46,7 +46,11 @@ CUDA graph and replayed with new inputs written into the same tensors):
        W13 on a side stream, each on its share of the SMs, starting a row block once W13
        has stored its h2 rows (device counters, ``done`` / ``wait``), so that its stores
        across NVLink spread over both GEMMs. Off unless asked for
-       (:meth:`MoEContext._w2_runs_beside`): measured no faster (performance.md run 35)
+       (:meth:`MoEContext._w2_runs_beside`): measured no faster (performance.md run 35).
+       Or, in the same cases, W13 and W2 run as one persistent kernel whose W2 tiles wait
+       for those counters (:mod:`distmoe.kernels.w13_w2_gluon`), steps 4-5 in one launch.
+       Off unless asked for (:meth:`MoEContext._runs_fused`): 1-2% faster or even at
+       T=4096 D=2048 F=768 E=128 K=8, slower at T=8192 D=4096 F=2048 E=32 (run 36)
     6. barrier                                 (all results have landed; all gathers done)
     7. owner combine y[t] = sum_k score[t,k] * h3[t*K+k] over executed routes, fp32, with
        h3 the combine buffer (or the slot's h3 rows)
