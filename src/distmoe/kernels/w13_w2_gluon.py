@@ -75,7 +75,7 @@ if HAVE_GLUON:
         _wait_turn,
     )
     from .w2_backward import _column_halves
-    from .w2_gluon import _scatter_part
+    from .w2_gluon import _scatter_tile
     from .w13_gluon import _swiglu_part
 
 __all__ = ["FusedConfig", "fused_reason", "fused_w13_w2", "stage_bytes"]
@@ -351,20 +351,8 @@ if HAVE_GLUON:
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
                 if is_w2:
-                    rows0 = row_start + ROW0
-                    live = num_live - ROW0
-                    n0 = pid_n * (2 * BLOCK_N)
-                    lo, hi = _column_halves(acc.to(gl.bfloat16), ROWS, 2 * BLOCK_N)
-                    if BLOCK_N == 128:
-                        q0, q1 = _column_halves(lo, ROWS, 128)
-                        _scatter_part(q0, scatter_ptrs_ptr, rows0, live, n0, ROWS)
-                        _scatter_part(q1, scatter_ptrs_ptr, rows0, live, n0 + 64, ROWS)
-                        q2, q3 = _column_halves(hi, ROWS, 128)
-                        _scatter_part(q2, scatter_ptrs_ptr, rows0, live, n0 + 128, ROWS)
-                        _scatter_part(q3, scatter_ptrs_ptr, rows0, live, n0 + 192, ROWS)
-                    else:
-                        _scatter_part(lo, scatter_ptrs_ptr, rows0, live, n0, ROWS)
-                        _scatter_part(hi, scatter_ptrs_ptr, rows0, live, n0 + 64, ROWS)
+                    _scatter_tile(acc, scatter_ptrs_ptr, row_start + ROW0, num_live - ROW0,
+                                  pid_n * (2 * BLOCK_N), ROWS, 2 * BLOCK_N)
                 else:
                     g, u = _column_halves(acc, ROWS, 2 * BLOCK_N)
                     g0, g1 = _column_halves(g, ROWS, BLOCK_N)

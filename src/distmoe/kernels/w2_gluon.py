@@ -160,21 +160,26 @@ if HAVE_GLUON:
             if not COOP:
                 count += NUM_K  # the other consumer's tile
 
-            # Epilogue: bf16, then 64-column parts, each converted to 16-byte vectors
-            rows0 = row_start + ROW0
-            live = num_live - ROW0
-            n0 = pid_n * BLOCK_N
-            lo, hi = _column_halves(acc.to(gl.bfloat16), ROWS, BLOCK_N)
-            if BLOCK_N == 256:
-                q0, q1 = _column_halves(lo, ROWS, 128)
-                _scatter_part(q0, scatter_ptrs_ptr, rows0, live, n0, ROWS)
-                _scatter_part(q1, scatter_ptrs_ptr, rows0, live, n0 + 64, ROWS)
-                q2, q3 = _column_halves(hi, ROWS, 128)
-                _scatter_part(q2, scatter_ptrs_ptr, rows0, live, n0 + 128, ROWS)
-                _scatter_part(q3, scatter_ptrs_ptr, rows0, live, n0 + 192, ROWS)
-            else:
-                _scatter_part(lo, scatter_ptrs_ptr, rows0, live, n0, ROWS)
-                _scatter_part(hi, scatter_ptrs_ptr, rows0, live, n0 + 64, ROWS)
+            _scatter_tile(acc, scatter_ptrs_ptr, row_start + ROW0, num_live - ROW0,
+                          pid_n * BLOCK_N, ROWS, BLOCK_N)
+
+    @gluon.jit
+    def _scatter_tile(acc, scatter_ptrs_ptr, row_start, num_live, col0, ROWS: gl.constexpr,
+                      WIDTH: gl.constexpr):
+        """The epilogue of a ``[ROWS, WIDTH]`` fp32 tile (``WIDTH`` 128 or 256): bf16, then
+        64-column parts (h3 columns ``col0 + ...``), each converted to 16-byte vectors and
+        stored at the addresses of padded rows ``row_start + i``, ``i < num_live``."""
+        lo, hi = _column_halves(acc.to(gl.bfloat16), ROWS, WIDTH)
+        if WIDTH == 256:
+            q0, q1 = _column_halves(lo, ROWS, 128)
+            _scatter_part(q0, scatter_ptrs_ptr, row_start, num_live, col0, ROWS)
+            _scatter_part(q1, scatter_ptrs_ptr, row_start, num_live, col0 + 64, ROWS)
+            q2, q3 = _column_halves(hi, ROWS, 128)
+            _scatter_part(q2, scatter_ptrs_ptr, row_start, num_live, col0 + 128, ROWS)
+            _scatter_part(q3, scatter_ptrs_ptr, row_start, num_live, col0 + 192, ROWS)
+        else:
+            _scatter_part(lo, scatter_ptrs_ptr, row_start, num_live, col0, ROWS)
+            _scatter_part(hi, scatter_ptrs_ptr, row_start, num_live, col0 + 64, ROWS)
 
     @gluon.jit
     def _scatter_part(part, scatter_ptrs_ptr, row_start, num_live, col0,

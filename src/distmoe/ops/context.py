@@ -544,12 +544,20 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         return True
 
     def _fused_reason(self, save: bool) -> str | None:
-        """``None`` when the fused W13 + W2 kernel can run in this forward, else why not: as
-        W2 beside W13 (:meth:`_w2_beside_reason`: EP > 1, inference, a GPU per rank), and
-        the kernel's own tiles (:func:`~distmoe.kernels.w13_w2_gluon.fused_reason`)."""
+        """``None`` when the fused W13 + W2 kernel can run in this forward, else why not: the
+        rule of :meth:`_beside_rule_reason` (EP > 1, inference, a GPU per rank) and the
+        kernel's own tiles (:func:`~distmoe.kernels.w13_w2_gluon.fused_reason`)."""
         from ..kernels.w13_w2_gluon import fused_reason
 
         c = self.cfg
+        return self._beside_rule_reason(save) or fused_reason(
+            self.device, hidden=c.hidden, ffn=c.ffn, config=self._fused_config())
+
+    def _beside_rule_reason(self, save: bool) -> str | None:
+        """What W2 beside W13 and the fused kernel both need, else why not: EP > 1 (the
+        counters), inference, and every rank on a GPU of its own (the ``cuda_symm`` heap).
+        Ranks sharing a GPU never qualify: a W2 tile waiting on one rank could hold the SMs
+        another rank's W13 needs."""
         if self.ep_size == 1 or not hasattr(self, "_h2_done"):
             return "it needs EP > 1 (nothing crosses NVLink at EP = 1)"
         if save:
@@ -557,25 +565,19 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         if self.heap.backend != "cuda_symm":
             return (f"the {self.heap.backend!r} heap (ranks may share a GPU); it needs "
                     "every rank on a GPU of its own")
-        return fused_reason(self.device, hidden=c.hidden, ffn=c.ffn,
-                            config=self._fused_config())
+        return None
 
     def _w2_beside_reason(self, save: bool) -> str | None:
-        """``None`` when W2 can run beside W13 in this forward, else why not: it needs EP >
-        1, inference, both GEMMs on their Gluon kernels and every rank on a GPU of its own
-        (the ``cuda_symm`` heap). Ranks sharing a GPU never do: one rank's W2 programs,
-        waiting, could hold the SMs another rank's W13 needs."""
+        """``None`` when W2 can run beside W13 in this forward, else why not: the rule of
+        :meth:`_beside_rule_reason` (EP > 1, inference, a GPU per rank) and both GEMMs on
+        their Gluon kernels."""
         from ..kernels.w2_scatter import gluon_reason as w2_gluon_reason
         from ..kernels.w13_gather_swiglu import _gluon_reason
 
         c = self.cfg
-        if self.ep_size == 1 or not hasattr(self, "_h2_done"):
-            return "it needs EP > 1 (nothing crosses NVLink at EP = 1)"
-        if save:
-            return "the training forward saves its layers (inference only so far)"
-        if self.heap.backend != "cuda_symm":
-            return (f"the {self.heap.backend!r} heap (ranks may share a GPU); it needs "
-                    "every rank on a GPU of its own")
+        rule = self._beside_rule_reason(save)
+        if rule is not None:
+            return rule
         for name, reason in (
                 ("W13", _gluon_reason(self._w13_cfg, self.device, c.hidden, c.ffn, True)),
                 ("W2", w2_gluon_reason(self._w2_cfg, self.device, c.hidden, c.ffn))):
