@@ -103,13 +103,14 @@ class FusedConfig:
     (position ``t`` on program ``t mod G``).
 
     The defaults are the fastest measured (docs/performance.md run 36, two H200s, T=4096
-    D=2048 F=768 E=128 K=8, EP=2 forward: 1-2% faster than W13 then W2). On one GPU
-    without NVLink, against W13 then W2 (506 us): ping-pong static 520-526 us, cooperative
-    static 547-574, cooperative dynamic 530-549, ping-pong dynamic 554-572. A cost model of
-    the static round robin puts the most loaded program 10 us (ping-pong) to 50 us
-    (cooperative) above the mean; the run-time hand-out removes that for the cooperative
-    tiles but costs the ping-pong ones about 35 us, for a reason not found (the atomic's
-    latency hidden under the ring did not change it)."""
+    D=2048 F=768 E=128 K=8, EP=2 forward: 1-2% faster than W13 then W2 in five of seven
+    A/Bs, even in the longest). On one GPU without NVLink, against W13 then W2 (502-519
+    us): ping-pong static 520-542 us, cooperative static 537-587, cooperative dynamic
+    530-572, ping-pong dynamic 554-573 (four calls). A cost model of the schedule ends the
+    static round robin 7 us (ping-pong) and 17-45 us (cooperative) after a run-time
+    hand-out; the hand-out recovers most of that for the cooperative tiles but costs the
+    ping-pong ones about 35 us, for a reason not found (a relaxed atomic, and the next
+    position taken while the ring fills, did not change it)."""
 
     block_n: int = 64
     warps: int = 4
