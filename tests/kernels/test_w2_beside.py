@@ -256,16 +256,16 @@ def test_counters_need_the_gluon_kernels():
 
 
 # ------------------------------------------------------------------ W13 and W2 fused
+# the fused ping-pong kernel's W13 tile as the W13 kernel's config (its ring depth)
+PP13_S6 = W13Config(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=6,
+                    group_m=8, persistent=True, gluon=True)
 FUSED = [  # (fused config, the two kernels' configs with the same tiles)
-    (FusedConfig(block_n=128, warps=8, stages=4, lag=2), W13_GLUON[0], W2_GLUON[1]),
+    (FusedConfig(block_n=128, warps=8, stages=4, lag=2, dynamic=True), W13_GLUON[0],
+     W2_GLUON[1]),
     (FusedConfig(block_n=128, warps=8, stages=4, lag=1, dynamic=False), W13_GLUON[0],
      W2_GLUON[1]),
-    (FusedConfig(block_n=64, warps=4, stages=6, lag=3),
-     W13Config(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=6, group_m=8,
-               persistent=True, gluon=True), W2_GLUON[0]),
-    (FusedConfig(block_n=64, warps=4, stages=6, lag=1, dynamic=False),
-     W13Config(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=6, group_m=8,
-               persistent=True, gluon=True), W2_GLUON[0]),
+    (FusedConfig(block_n=64, warps=4, stages=6, lag=3, dynamic=True), PP13_S6, W2_GLUON[0]),
+    (FusedConfig(block_n=64, warps=4, stages=6, lag=1, dynamic=False), PP13_S6, W2_GLUON[0]),
 ]
 
 

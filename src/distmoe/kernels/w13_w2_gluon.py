@@ -135,9 +135,11 @@ class FusedConfig:
 
     def done_count(self, ffn: int) -> int:
         """What a ``done`` entry reaches once every W13 tile over its 128 rows has stored:
-        every thread of each consumer warpgroup that ran a tile adds 1."""
-        tiles = ffn // self.block_n
-        return tiles * (2 if self.warps == 8 else 1) * 128
+        the W13 kernel's count for the same tile (:func:`~distmoe.kernels.w13_gluon.\
+done_count`; the fused kernel's W13 tiles are that kernel's, with the same arrivals)."""
+        from .w13_gluon import done_count
+
+        return done_count(ffn, self.block_n, self.warps)
 
 
 def stage_bytes(block_n: int) -> int:
@@ -456,7 +458,7 @@ def fused_w13_w2(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
     """
     from ._common import device_context, next_power_of_2, num_sms
     from .w2_scatter import _check_w2_args
-    from .w13_gather_swiglu import _check_w13_args
+    from .w13_gather_swiglu import _check_r_cap, _check_w13_args
 
     if config is None:
         config = FusedConfig()
@@ -472,8 +474,7 @@ def fused_w13_w2(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
             f"w2 must have shape [E_local={num_experts}, D={hidden}, F={ffn}] and scatter_ptrs "
             f"[R_cap={r_cap}] (from w13 and gather_ptrs), got {list(w2.shape)} and "
             f"[{r_cap2}]")
-    if r_cap % BLOCK_M:
-        raise ValueError(f"R_cap ({r_cap}, rows of gather_ptrs) must be a multiple of 128")
+    _check_r_cap(r_cap, BLOCK_M)
     check_tensor("counters", counters, dtypes=(torch.int32,), shape=[r_cap // BLOCK_M + 1],
                  shape_text="[R_cap / 128 + 1] (one counter per 128 padded rows, then the "
                  "next schedule position)")
