@@ -33,8 +33,9 @@ launch, ``layer:w2_beside=True|False``, W2 on a side stream beside W13 (EP > 1 i
 ``layer:w2_beside_sms=N``, W2's programs there, ``layer:fused=True|False``, W13 and W2 in
 one kernel (EP > 1 inference; :mod:`distmoe.kernels.w13_w2_gluon`), ``layer:fused_lag=N``,
 its lag in row-block groups, ``layer:fused_pp=True|False``, its ping-pong tiles, and ``layer:fused_dynamic=True|False``,
-its tiles handed out at run time or statically. The configs of every variant are printed
-first.
+its tiles handed out at run time or statically; or ``input:buffer=True|False``, x passed as
+the context's :meth:`distmoe.MoEContext.input_buffer` (inference: no copy of x in the
+forward). The configs of every variant are printed first.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ _LAYER = {"pull_all": ("_pull_all", bool), "w13_phases": ("_w13_phases", bool),
           "w2_beside_sms": ("_w2_beside_programs", int), "fused": ("_fused", bool),
           "fused_lag": ("_fused_lag", int), "fused_pp": ("_fused_pingpong", bool),
           "fused_dynamic": ("_fused_dynamic", bool)}
+#: the key of ``input:buffer=True|False`` in a variant's configs: the step's x_in_buffer,
+#: not a layer attribute
+INPUT_BUFFER = "input:buffer"
 #: the layer attributes each kernel's config lives in (distmoe.ops.context)
 _ATTRS = {"w13": ("_w13_cfg",), "w2": ("_w2_cfg",), "w2_dgrad": ("_w2_dgrad_cfg",),
           "w13_dgrad": ("_w13_dgrad_cfg",), "wgrad": ("_w2_wgrad_cfg", "_w13_wgrad_cfg"),
@@ -67,7 +71,16 @@ def variant_configs(ctx, specs: list[str], training: bool) -> dict[str, object]:
     for an unknown field, a kernel this mode does not run, or ``w2_dgrad`` ``block_n``)."""
     out = {a: getattr(ctx, a) for attrs in _ATTRS.values() for a in attrs if hasattr(ctx, a)}
     out.update({a: getattr(ctx, a) for a, _ in _LAYER.values() if hasattr(ctx, a)})
+    out[INPUT_BUFFER] = False
     for spec in specs:
+        if spec.startswith("input:"):
+            name, _, value = spec.partition("=")
+            if name != INPUT_BUFFER or value not in ("True", "False"):
+                raise ValueError(f"{spec!r}: expected {INPUT_BUFFER}=True|False")
+            if value == "True" and training:
+                raise ValueError(f"{spec!r}: the input buffer is for inference (--mode fwd)")
+            out[INPUT_BUFFER] = value == "True"
+            continue
         if spec.startswith("layer:"):
             name, sep, value = spec[len("layer:"):].partition("=")
             attr, kind = _LAYER.get(name, (None, None))
@@ -155,8 +168,9 @@ def main() -> int:
         def runner(cfgs):
             def run():
                 for attr, cfg in cfgs.items():
-                    setattr(ctx, attr, cfg)
-                step()
+                    if attr != INPUT_BUFFER:
+                        setattr(ctx, attr, cfg)
+                step(x_in_buffer=cfgs[INPUT_BUFFER])
             return run
 
         if joined.rank == 0:

@@ -79,25 +79,30 @@ def main() -> int:
         raise SystemExit(str(exc)) from exc
     if args.set:
         sys.path.insert(0, __file__.rsplit("/", 1)[0])
-        from ab_interleaved import variant_configs
+        from ab_interleaved import INPUT_BUFFER, variant_configs
 
         try:
             changes = variant_configs(ctx, args.set, training=args.mode == "fwdbwd")
         except ValueError as exc:
             raise SystemExit(str(exc)) from exc
+        x_in_buffer = changes.pop(INPUT_BUFFER)
         for attr, value in changes.items():
             setattr(ctx, attr, value)
         if rank == 0:
             print("set: " + ", ".join(args.set), flush=True)
+    else:
+        x_in_buffer = False
     with ctx:
         for _ in range(3):
-            step()
+            step(x_in_buffer)
         torch.cuda.synchronize()
-        run = step
+
+        def run():
+            step(x_in_buffer)
         if args.graph:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                step()
+                step(x_in_buffer)
             run = graph.replay
             run()
             torch.cuda.synchronize()

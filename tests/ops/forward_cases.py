@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import distmoe as dm
 from distmoe.reference import moe_reference, random_routing, split_global_problem
@@ -117,6 +118,47 @@ def x_in_place_rank(rank, world, seed, T, D, F, E, K, case_name):
         written.append(bool(ctx._dispatch[:T].view(torch.int16).ne(0).any()))
         stats = ctx.stats()
     return y.cpu(), y_odd.cpu(), written, stats
+
+
+class _CopyTargets(TorchDispatchMode):
+    """Records the data pointer of every tensor an ``aten.copy_`` writes (a real dispatch
+    mode over the real ops: nothing is replaced)."""
+
+    def __init__(self):
+        super().__init__()
+        self.targets = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default:
+            self.targets.append(args[0].data_ptr())
+        return func(*args, **(kwargs or {}))
+
+
+def input_buffer_rank(rank, world, seed, T, D, F, E, K, case_name, max_tokens):
+    """x written into ``ctx.input_buffer(T)`` against x passed as its own tensor, for two
+    inputs (the second one new rows in the same buffer). Returns, per input, (y from x,
+    y from the buffer, whether a copy wrote the buffer's first row in each call)."""
+    x, ids, scores, w13, w2 = make_problem(seed, world, T, D, F, E, K, case_name)
+    mine = split_global_problem(x, ids, scores, w13, w2, world)[rank]
+    cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=max_tokens,
+                       training=False, row_block=16, device_scratch_factor=float(world))
+    g = torch.Generator().manual_seed(seed + 100 + rank)
+    out = []
+    with dm.MoEContext(cfg, device="cpu", check=True) as ctx:
+        buf = ctx.input_buffer(T)
+        assert buf.shape == (T, D) and buf.dtype == torch.bfloat16
+        rest = (mine.expert_ids, mine.scores, mine.w13, mine.w2)
+        for xi in (mine.x, torch.randn(T, D, generator=g).bfloat16()):
+            ctx._dispatch.fill_(float("nan"))  # poison: rows the forward should not read
+            with _CopyTargets() as plain:
+                y = ctx(xi.clone(), *rest)
+            ctx._dispatch.fill_(float("nan"))
+            buf.copy_(xi)  # the caller writes its input into the buffer
+            with _CopyTargets() as inbuf:
+                y_buf = ctx(buf, *rest)
+            base = ctx._dispatch.data_ptr()
+            out.append((y, y_buf, [base in plain.targets, base in inbuf.targets]))
+    return out
 
 
 def forward_cases_rank(rank, world, seed, T, D, F, E, K, case_names, device="cpu"):

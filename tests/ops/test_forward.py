@@ -7,6 +7,7 @@ from forward_cases import (
     check_against_reference,
     forward_cases_rank,
     forward_rank,
+    input_buffer_rank,
     make_problem,
     x_in_place_rank,
 )
@@ -157,3 +158,65 @@ def test_pull_all_is_the_default_where_nearly_every_peer_token_is_needed():
     # fewer tokens than the buffers: the copy of every T_max row would be mostly unused
     assert choose(2, 8, 59, 64) and not choose(2, 8, 57, 64) and not choose(2, 8, 8, 4096)
     assert not choose(2, 8, 0, 0)
+
+
+@pytest.mark.parametrize("EP", [1, 2])
+def test_x_written_into_the_input_buffer_skips_the_copy(EP):
+    """x in ``ctx.input_buffer(T)``: the same bits as x passed as a tensor of its own, for
+    the first input and for new rows written into the same buffer, with T below max_tokens
+    and the rest of the buffer NaN; no copy writes the buffer then, while at EP > 1 the
+    plain call copies x there."""
+    T, E, K = 13, 8, 3
+    per_rank = dm.launch(input_buffer_rank, EP, args=(41, T, D, F, E, K, "inactive_mix", 24))
+    for rank_out in per_rank:
+        assert len(rank_out) == 2
+        for y, y_buf, (plain_copied, buf_copied) in rank_out:
+            assert torch.equal(y.view(torch.int16), y_buf.view(torch.int16))
+            assert plain_copied == (EP > 1) and not buf_copied
+    check_against_reference([r[0][:2] for r in per_rank], 41, EP, T, D, F, E, K,
+                            "inactive_mix")
+
+
+def _input_buffer_errors_rank(rank, world):
+    out = []
+    cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=4, top_k=2, max_tokens=8,
+                       training=False, row_block=16)
+    with dm.MoEContext(cfg, device="cpu") as ctx:
+        for bad in (0, 9, True, 2.0):
+            try:
+                ctx.input_buffer(bad)
+            except (TypeError, ValueError) as exc:
+                out.append(f"{type(exc).__name__}: {exc}")
+        assert ctx.input_buffer().shape == (8, D)
+        g = torch.Generator().manual_seed(rank)
+        ids = torch.randint(0, 4, (7, 2), generator=g)
+        scores = torch.rand(7, 2, generator=g)
+        w13 = torch.randn(4 // world, 2, F, D, generator=g).bfloat16()
+        w2 = torch.randn(4 // world, D, F, generator=g).bfloat16()
+        ctx._dispatch.fill_(3.0)
+        shifted = ctx._dispatch[1:8]  # overlaps the buffer, one row in
+        try:
+            ctx(shifted, ids, scores, w13, w2)
+        except ValueError as exc:
+            out.append(f"ValueError: {exc}")
+        out.append(bool((ctx._dispatch.float() == 3.0).all()))  # nothing was written
+    train = dm.MoEConfig(hidden=D, ffn=F, num_experts=4, top_k=2, max_tokens=8)
+    with dm.MoEContext(train, device="cpu") as ctx:
+        try:
+            ctx.input_buffer()
+        except ValueError as exc:
+            out.append(f"ValueError: {exc}")
+    return out
+
+
+def test_input_buffer_refusals():
+    for out in dm.launch(_input_buffer_errors_rank, 2):
+        zero, nine, flag, real, shifted, untouched, training = out
+        assert zero.startswith("ValueError: tokens must be in [1, max_tokens = 8], got 0")
+        assert nine.endswith("got 9")
+        assert flag == "TypeError: tokens must be an int, got bool"
+        assert real == "TypeError: tokens must be an int, got float"
+        assert "x overlaps this context's input buffer" in shifted
+        assert "pass ctx.input_buffer(T) itself" in shifted
+        assert untouched is True
+        assert "inference contexts (cfg.training=False)" in training

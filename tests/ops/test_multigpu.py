@@ -1,7 +1,7 @@
 """One rank per GPU on every visible GPU (2, 4 or 8 H200s; skipped with fewer than two):
 the heap, the forward on every routing case, training (saving and replaying), a CUDA-graph
-training step, and the forward with W2 beside W13 and with W13 and W2 fused (eager and in a
-graph). These are issue 8's correctness runs; on one GPU the same code runs with ranks
+training step, the forward with x in the context's input buffer, and with W2 beside W13 and
+with W13 and W2 fused (eager and in a graph). These are issue 8's correctness runs; on one GPU the same code runs with ranks
 sharing it (test_forward_gpu.py, test_training_gpu.py)."""
 
 import pytest
@@ -82,11 +82,15 @@ def _beside_problem(rank, world, dev):
     return cfg, args_of
 
 
-def _graph_replays(ctx, args_of, eager):
+def _graph_replays(ctx, args_of, eager, x_in_buffer=False):
     """One CUDA graph of ``ctx`` captured on the first case, replayed with each case's
-    inputs copied in: ``[(case, replay == eager[case] bit for bit)]``."""
+    inputs copied in: ``[(case, replay == eager[case] bit for bit)]``. With
+    ``x_in_buffer`` the graph's x is ``ctx.input_buffer(T)``, where each case's x is
+    written."""
     ctx.check = False  # its host-side checks synchronise: not inside a capture
     static = [t.clone() for t in args_of[BESIDE_CASES[0]]]
+    if x_in_buffer:
+        static[0] = ctx.input_buffer(static[0].shape[0]).copy_(static[0])
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -176,6 +180,36 @@ def _fused_rank(rank, world):
         ctx._fused_dynamic = True
         replays = _graph_replays(ctx, args_of, eager)
     return default, outs, replays
+
+
+def _input_buffer_rank(rank, world):
+    """x written into ``ctx.input_buffer(T)`` against x as a tensor of its own, eager on
+    every case (the buffer NaN first: the forward must not read rows it did not get), and
+    one CUDA graph captured with x in the buffer, replayed with each case's x written
+    there, against the eager results."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cfg, args_of = _beside_problem(rank, world, dev)
+    outs, eager = [], {}
+    with dm.MoEContext(cfg, device=dev, check=True) as ctx:
+        for name, args in args_of.items():
+            eager[name] = ctx(*args)
+            ctx._dispatch.fill_(float("nan"))
+            buf = ctx.input_buffer(args[0].shape[0]).copy_(args[0])
+            y = ctx(buf, *args[1:])
+            outs.append((name, torch.equal(eager[name], y),
+                         bool(torch.isfinite(y.float()).all())))
+        replays = _graph_replays(ctx, args_of, eager, x_in_buffer=True)
+    return outs, replays
+
+
+@pytest.mark.multigpu
+def test_input_buffer_one_rank_per_gpu():
+    gpus = _gpus()
+    out = dm.launch(_input_buffer_rank, len(gpus), device="cuda", gpus=gpus, timeout=600)
+    for outs, replays in out:
+        for name, same, finite in outs:
+            assert finite and same, name
+        assert all(same for _, same in replays), replays
 
 
 @pytest.mark.multigpu

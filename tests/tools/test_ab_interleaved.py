@@ -47,7 +47,7 @@ def test_variant_configs_apply_to_the_layer_attributes(abi):
     ctx = _ctx(training=False)
     base = abi.variant_configs(ctx, [], training=False)
     assert base == {"_w13_cfg": ctx._w13_cfg, "_w2_cfg": ctx._w2_cfg,
-                    "_combine_cfg": ctx._combine_cfg}
+                    "_combine_cfg": ctx._combine_cfg, abi.INPUT_BUFFER: False}
     out = abi.variant_configs(ctx, ["w13:inference:group_m=16", "w2:num_stages=3",
                                     "w13:training:num_stages=3"], training=False)
     assert out["_w13_cfg"].group_m == 16 and out["_w13_cfg"].num_stages == 4
@@ -79,6 +79,13 @@ def test_variant_configs_apply_to_the_layer_attributes(abi):
                 "layer:w13_waves=True", "layer:w13_phases=2"):
         with pytest.raises(ValueError, match="layer:NAME=True"):
             abi.variant_configs(ctx, [bad], training=False)
+    # x in the context's input buffer: a switch of the step, inference only
+    assert abi.variant_configs(ctx, ["input:buffer=True"], training=False)[abi.INPUT_BUFFER]
+    for bad in ("input:buffer", "input:buffer=1", "input:x=True"):
+        with pytest.raises(ValueError, match=r"expected input:buffer=True\|False"):
+            abi.variant_configs(ctx, [bad], training=False)
+    with pytest.raises(ValueError, match="inference"):
+        abi.variant_configs(train, ["input:buffer=True"], training=True)
 
 
 def test_round_ratios(abi):
@@ -109,12 +116,14 @@ def test_two_cpu_ranks_with_the_ep1_share(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          str(TOOL), "--shape", "smoke", "--tokens", "48", "--mode", "fwd", "--rounds", "2",
-         "--iters", "1", "--warmup", "1", "--ep1-share", "--variant", "s3=w13:num_stages=3"],
+         "--iters", "1", "--warmup", "1", "--ep1-share", "--variant", "s3=w13:num_stages=3",
+         "--variant", "inbuf=input:buffer=True"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
     assert any(line.startswith("smoke fwd T=48 EP=2, CPU") for line in lines)
     assert any("s3: _w13_cfg=W13Config(" in line and "num_stages=3" in line for line in lines)
     rows = {line.split()[0]: line for line in lines if line.startswith("  ") and " x" in line}
-    assert set(rows) >= {"base", "s3", "ep1share"}
+    assert any("inbuf: input:buffer=True" in line for line in lines)
+    assert set(rows) >= {"base", "s3", "inbuf", "ep1share"}
     assert "x1.0000" in rows["base"] and "EP=2 / EP=1 share:" in rows["ep1share"]

@@ -28,7 +28,8 @@ or on a side stream forked from it and joined back, so the whole call can be cap
 CUDA graph and replayed with new inputs written into the same tensors):
 
     1. publish: header <- T, ids -> routing buffer (int16), x -> dispatch rows 0..T-1 (at
-       EP = 1 W13 reads x in place instead, through a rewritten table, see step 4)
+       EP = 1 W13 reads x in place instead, through a rewritten table, see step 4; no
+       copy either when x is :meth:`MoEContext.input_buffer`, written there by the caller)
     2. barrier                                 (everyone's ids and x are visible)
     3. gather every rank's ids [EP, T, K]; build expert-major tables (distmoe.routing)
     4. W13 grouped GEMM, gather prologue reads source rows from the owners' dispatch buffers
@@ -298,6 +299,11 @@ class MoEContext:
                              f"{tuple(w13.shape)}")
         if tuple(w2.shape) != (E_l, D, F):
             raise ValueError(f"w2 must be [E_local, D, F] = {(E_l, D, F)}, got {tuple(w2.shape)}")
+        if self._overlaps_input_buffer(x) and not self._x_in_input_buffer(x):
+            raise ValueError(
+                "x overlaps this context's input buffer but does not start at its first row "
+                f"(x at {x.data_ptr():#x}, the buffer at {self._dispatch.data_ptr():#x}): pass "
+                "ctx.input_buffer(T) itself, or a tensor outside the buffer")
 
     def _validate_values(self, expert_ids, scores) -> None:
         E = self.cfg.num_experts
@@ -337,6 +343,46 @@ class MoEContext:
                              f"group, got T = {counts} (rank r at index r)")
 
     # ------------------------------------------------------------------ forward
+    def input_buffer(self, tokens: int | None = None) -> torch.Tensor:
+        """This rank's dispatch rows as a bf16 ``[tokens, hidden]`` tensor on ``device``
+        (``tokens`` defaults to ``cfg.max_tokens``), for a forward's input written in place.
+
+        Write x here (for instance as the ``out=`` of the op that computes it) and pass this
+        tensor as ``x``: the forward then skips step 1's copy of x into the buffer, ``T *
+        hidden * 2`` bytes read and written. At EP > 1 that copy precedes the barrier the
+        peers' token copy waits for, so it is on the forward's critical path (8.4 us of a
+        0.71 ms forward at T=4096, D=2048 on an H200, docs/performance.md run 34).
+
+        Inference contexts only (``cfg.training=False``): a training forward's input must
+        outlive the call, and a replayed layer's backward writes these rows. The rows belong
+        to the context: the next forward (of any layer on this context) may be called once
+        they hold its input, and they must not be written while a forward that reads them
+        runs. Writes in stream order after the previous forward was issued are safe: every
+        peer has read them before that forward's end barrier (module docstring, step 6).
+        A view that overlaps the buffer without starting at its first row is refused as x.
+        """
+        self._check_open()
+        if self.cfg.training:
+            raise ValueError("input_buffer is for inference contexts (cfg.training=False): "
+                             "a training forward's input must outlive the call")
+        T = self.cfg.max_tokens if tokens is None else tokens
+        if isinstance(T, bool) or not isinstance(T, int):
+            raise TypeError(f"tokens must be an int, got {type(T).__name__}")
+        if not 1 <= T <= self.cfg.max_tokens:
+            raise ValueError(f"tokens must be in [1, max_tokens = {self.cfg.max_tokens}], "
+                             f"got {T}")
+        return self._dispatch[:T]
+
+    def _x_in_input_buffer(self, x) -> bool:
+        """Whether x starts at the first row of :meth:`input_buffer` (no copy in step 1)."""
+        return x.data_ptr() == self._dispatch.data_ptr()
+
+    def _overlaps_input_buffer(self, x) -> bool:
+        lo = self._dispatch.data_ptr()
+        hi = lo + self._dispatch.numel() * self._dispatch.element_size()
+        start = x.data_ptr()
+        return x.numel() > 0 and start < hi and lo < start + x.numel() * x.element_size()
+
     def __call__(self, x, expert_ids, scores, w13, w2) -> torch.Tensor:
         self._check_open()
         if self.check:
@@ -356,7 +402,7 @@ class MoEContext:
         T = x.shape[0]
         self._headers[self.rank][0].fill_(T)
         self._ids[self.rank][:T].copy_(expert_ids)
-        if not self._reads_x(x):
+        if not self._reads_x(x) and not self._x_in_input_buffer(x):
             self._dispatch[:T].copy_(x)
         self.heap.barrier()
         if pull_all:

@@ -64,7 +64,8 @@ def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None
     per rank. ``share_of``: the shape with E / ``share_of`` experts (one rank's share of
     the work at EP = ``share_of``, for a one-rank ``joined``). Inputs are drawn once with a
     generator seeded by the rank; ``step`` reuses them, so it can be captured into a CUDA
-    graph."""
+    graph. ``step(x_in_buffer=True)`` (inference only) passes x as the context's
+    :meth:`~distmoe.MoEContext.input_buffer`, written there once here."""
     import distmoe as dm
     from distmoe.reference import random_routing
 
@@ -96,14 +97,19 @@ def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None
     params = [t.requires_grad_(training) for t in (w13, w2)]
     scores_g = scores.float().requires_grad_(training)
     ctx = dm.MoEContext(cfg, joined.group, device=dev)
+    # inference: x also in the context's input buffer, written once (every forward that
+    # copies x there writes the same rows)
+    x_buf = None if training else ctx.input_buffer(T).copy_(x)
 
-    def step() -> None:
+    def step(x_in_buffer: bool = False) -> None:
         if training:
+            if x_in_buffer:
+                raise ValueError("x_in_buffer: the input buffer is for inference only")
             xs = x.detach().requires_grad_(True)
             y = ctx(xs, ids, scores_g, *params)
             torch.autograd.grad(y, (xs, scores_g, *params), gy)
         else:
             with torch.no_grad():
-                ctx(x, ids, scores, w13, w2)
+                ctx(x_buf if x_in_buffer else x, ids, scores, w13, w2)
 
     return ctx, step, T
