@@ -20,7 +20,8 @@ the heuristic ("base") in the same round, which cancels most of the drift.
 
 ``--ep1-share`` (EP > 1 only) adds a row "ep1share": on every rank a second layer over a
 one-rank group with E / EP experts, the same per-rank work at EP=1, replayed in the same
-rounds (the EP=1 share of issue 7's fifth target); its line gives EP / EP=1 as well.
+rounds (the EP=1 share of issue 7's fifth target); its line gives EP / EP=1 as well, and
+every variant's line its own time over the share's (median per round).
 
 ``--variant NAME=SPEC[+SPEC...]``, each SPEC ``KERNEL[:WHEN]:FIELD=VALUE[,FIELD=VALUE...]`` as
 in ``tools/ab_bench.py``: ``w13`` (``WHEN`` training / inference / any, matched against the
@@ -204,6 +205,10 @@ def main() -> int:
             note = ""
             if name == "ep1share":
                 note = f"  EP={joined.world} / EP=1 share: {ratio:.3f}x (median per round)"
+            elif "ep1share" in stats:  # this variant's time over the share's, per round
+                over = statistics.median(round_ratios(list(st.window_ms),
+                                                      list(stats["ep1share"].window_ms)))
+                note = f"  / EP=1 share: {over:.3f}x"
             print(f"  {name:>12} {st.iter_ms:8.3f} ({st.min_ms:.3f}-{st.max_ms:.3f})"
                   f"  x{ratio:.4f}{note}")
     dist.destroy_process_group()

@@ -127,3 +127,4 @@ def test_two_cpu_ranks_with_the_ep1_share(tmp_path):
     assert any("inbuf: input:buffer=True" in line for line in lines)
     assert set(rows) >= {"base", "s3", "inbuf", "ep1share"}
     assert "x1.0000" in rows["base"] and "EP=2 / EP=1 share:" in rows["ep1share"]
+    assert "/ EP=1 share:" in rows["base"] and "/ EP=1 share:" in rows["inbuf"]
