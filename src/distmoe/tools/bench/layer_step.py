@@ -62,9 +62,10 @@ def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None
     """``(ctx, step, T)`` for the named bench shape (``tokens`` instead of its T): the
     context (a :class:`~distmoe.MoEContext`, closed by the caller), one step and the tokens
     per rank. ``share_of``: the shape with E / ``share_of`` experts (one rank's share of
-    the work at EP = ``share_of``, for a one-rank ``joined``). Inputs are drawn once with a
-    generator seeded by the rank; ``step`` reuses them, so it can be captured into a CUDA
-    graph. ``step(x_in_buffer=True)`` (inference only) passes x as the context's
+    the work at EP = ``share_of``, for a one-rank ``joined``). Inputs are drawn once with
+    generators seeded by the rank (the routing on the host, the rest on the device);
+    ``step`` reuses them, so it can be captured into a CUDA graph.
+    ``step(x_in_buffer=True)`` (inference only) passes x as the context's
     :meth:`~distmoe.MoEContext.input_buffer`, written there once here."""
     import distmoe as dm
     from distmoe.reference import random_routing
@@ -88,12 +89,19 @@ def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None
     cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
                        training=training)
     g = torch.Generator().manual_seed(joined.rank)
-    x = torch.randn(T, D, generator=g).bfloat16().to(dev)
     ids, scores = random_routing(T, E, K, generator=g)
     ids, scores = ids.to(dev), scores.to(dev)
-    w13 = (torch.randn(E_l, 2, F, D, generator=g) / D**0.5).bfloat16().to(dev)
-    w2 = (torch.randn(E_l, D, F, generator=g) / F**0.5).bfloat16().to(dev)
-    gy = torch.randn(T, D, generator=g).bfloat16().to(dev)
+    # the dense tensors drawn on the device (DeepSeek-V3's weights are 3.8 G values: minutes
+    # on the host)
+    gd = torch.Generator(device=dev).manual_seed(joined.rank)
+
+    def draw(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gd, device=dev) * scale).bfloat16()
+
+    x = draw(T, D)
+    w13 = draw(E_l, 2, F, D, scale=D**-0.5)
+    w2 = draw(E_l, D, F, scale=F**-0.5)
+    gy = draw(T, D)
     params = [t.requires_grad_(training) for t in (w13, w2)]
     scores_g = scores.float().requires_grad_(training)
     ctx = dm.MoEContext(cfg, joined.group, device=dev)
