@@ -12,7 +12,7 @@ echo "multigpu rc=$?"; tail -2 $out/t_multi.log
 (CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest -q tests/ops/test_forward_gpu.py > $out/t_fwd.log 2>&1; echo "forward gpu rc=$?" >> $out/t_fwd.log) &
 (CUDA_VISIBLE_DEVICES=1 timeout 200 python3 -m pytest -q tests/ops/test_training_gpu.py > $out/t_train.log 2>&1; echo "training gpu rc=$?" >> $out/t_train.log) &
 wait
-tail -2 $out/t_fwd.log $out/t_train.log
+tail -n 2 $out/t_fwd.log $out/t_train.log
 P="python3 -m torch.distributed.run --standalone --nproc-per-node=2 tools/profile_layer.py --shape fine --mode fwd --graph --steps 3"
 timeout 100 $P --ep1-share --trace /tmp/tr_s > $out/prof_share.log 2>&1; echo "prof share rc=$?"
 python3 tools/trace_timeline.py /tmp/tr_s.rank0 /tmp/tr_s.rank1 --steps 3 > $out/share_timeline.txt 2>&1
