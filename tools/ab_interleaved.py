@@ -34,9 +34,7 @@ launch, ``layer:w2_beside=True|False``, W2 on a side stream beside W13 (EP > 1 i
 ``layer:w2_beside_sms=N``, W2's programs there, ``layer:fused=True|False``, W13 and W2 in
 one kernel (EP > 1 inference; :mod:`distmoe.kernels.w13_w2_gluon`), ``layer:fused_lag=N``,
 its lag in row-block groups, ``layer:fused_pp=True|False``, its ping-pong tiles, and ``layer:fused_dynamic=True|False``,
-its tiles handed out at run time or statically, ``layer:defer_every=N``, every N-th peer
-route slot's result kept with its expert and read by the owner's combine (0: none;
-:mod:`distmoe.kernels.defer_returns`); or ``input:buffer=True|False``, x passed as
+its tiles handed out at run time or statically; or ``input:buffer=True|False``, x passed as
 the context's :meth:`distmoe.MoEContext.input_buffer` (inference: no copy of x in the
 forward). The configs of every variant are printed first.
 """
@@ -59,9 +57,7 @@ _LAYER = {"pull_all": ("_pull_all", bool), "w13_phases": ("_w13_phases", bool),
           "w13_waves": ("_w13_phase_waves", int), "w2_beside": ("_w2_beside", bool),
           "w2_beside_sms": ("_w2_beside_programs", int), "fused": ("_fused", bool),
           "fused_lag": ("_fused_lag", int), "fused_pp": ("_fused_pingpong", bool),
-          "fused_dynamic": ("_fused_dynamic", bool), "defer_every": ("_defer_every", int)}
-#: int switches that take 0 (off)
-_ZERO_OK = {"defer_every"}
+          "fused_dynamic": ("_fused_dynamic", bool)}
 #: the key of ``input:buffer=True|False`` in a variant's configs: the step's x_in_buffer,
 #: not a layer attribute
 INPUT_BUFFER = "input:buffer"
@@ -89,13 +85,13 @@ def variant_configs(ctx, specs: list[str], training: bool) -> dict[str, object]:
         if spec.startswith("layer:"):
             name, sep, value = spec[len("layer:"):].partition("=")
             attr, kind = _LAYER.get(name, (None, None))
-            if kind is int and sep and value.isdigit() and (int(value) > 0 or name in _ZERO_OK):
+            if kind is int and sep and value.isdigit() and int(value) > 0:
                 out[attr] = int(value)
                 continue
             if not sep or kind is not bool or value not in ("True", "False"):
                 raise ValueError(f"{spec!r}: expected layer:NAME=True|False with NAME one of "
                                  f"{sorted(n for n, (_, k) in _LAYER.items() if k is bool)}, "
-                                 f"or layer:NAME=N (a positive int; 0 too for {sorted(_ZERO_OK)}) with NAME one of "
+                                 f"or layer:NAME=N (a positive int) with NAME one of "
                                  f"{sorted(n for n, (_, k) in _LAYER.items() if k is int)}")
             out[attr] = value == "True"
             continue

@@ -148,58 +148,16 @@ def input_buffer_rank(rank, world, seed, T, D, F, E, K, case_name, max_tokens):
         buf = ctx.input_buffer(T)
         assert buf.shape == (T, D) and buf.dtype == torch.bfloat16
         rest = (mine.expert_ids, mine.scores, mine.w13, mine.w2)
-        rows = ctx.input_buffer()  # all T_max rows; the layer's later rows are its own
         for xi in (mine.x, torch.randn(T, D, generator=g).bfloat16()):
-            rows.fill_(float("nan"))  # poison: rows the forward should not read
+            ctx._dispatch.fill_(float("nan"))  # poison: rows the forward should not read
             with _CopyTargets() as plain:
                 y = ctx(xi.clone(), *rest)
-            rows.fill_(float("nan"))
+            ctx._dispatch.fill_(float("nan"))
             buf.copy_(xi)  # the caller writes its input into the buffer
             with _CopyTargets() as inbuf:
                 y_buf = ctx(buf, *rest)
             base = ctx._dispatch.data_ptr()
             out.append((y, y_buf, [base in plain.targets, base in inbuf.targets]))
-    return out
-
-
-def deferred_rank(rank, world, seed, T, D, F, E, K, case_names, everies, device="cpu"):
-    """Per case of ``case_names``: the forward with each period of deferred returns in
-    ``everies`` (0 = none), the dispatch buffer (x's copy and the deferred regions) NaN
-    before each call: ``[(every, y, stats)]``; then the error of a period without room (or
-    None)."""
-    cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
-                       training=False, row_block=16, device_scratch_factor=float(world))
-    dev = torch.device(device) if device == "cpu" else torch.device(
-        "cuda", torch.cuda.current_device())
-    out = {}
-    with dm.MoEContext(cfg, device=dev, check=True) as ctx:
-        for case_name in case_names:
-            problem = make_problem(seed, world, T, D, F, E, K, case_name)
-            mine = split_global_problem(*problem, world)[rank]
-            args = [t.to(dev) for t in (mine.x, mine.expert_ids, mine.scores, mine.w13,
-                                        mine.w2)]
-            out[case_name] = _deferred_runs(ctx, dev, args, everies)
-        ctx._defer_every = 1
-        try:
-            ctx(*args)
-        except ValueError as exc:
-            refused = str(exc)
-        else:
-            refused = None
-    return out, refused
-
-
-def _deferred_runs(ctx, dev, args, everies):
-    out = []
-    for every in everies:
-        ctx._defer_every = every
-        # every rank past the last call's combine (which reads the peers' regions)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        torch.distributed.barrier(group=ctx.group)
-        ctx._dispatch.fill_(float("nan"))
-        torch.distributed.barrier(group=ctx.group)
-        out.append((every, ctx(*args).cpu(), ctx.stats()))
     return out
 
 

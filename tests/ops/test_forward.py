@@ -5,7 +5,6 @@ import torch
 from forward_cases import (
     CASES,
     check_against_reference,
-    deferred_rank,
     forward_cases_rank,
     forward_rank,
     input_buffer_rank,
@@ -221,32 +220,3 @@ def test_input_buffer_refusals():
         assert "pass ctx.input_buffer(T) itself" in shifted
         assert untouched is True
         assert "inference contexts (cfg.training=False)" in training
-
-
-@pytest.mark.parametrize("EP, K, everies, cases", [
-    (2, 4, (0, 3, 5), ("balanced", "imbalance_8x", "inactive_mix")),
-    (3, 4, (0, 4), ("all_to_one_expert", "zero_live_tokens_on_last_rank")),
-])
-def test_deferred_returns_give_the_same_bits(EP, K, everies, cases):
-    """Every ``every``-th peer route slot kept in its expert's region and read there by the
-    owner's combine: y is the plain forward's bit for bit (the same rows, summed in the same
-    order) on every routing case, with the regions NaN before each call; a period without
-    room in the dispatch rows is refused, naming the rows."""
-    T, E = 20, 4 * EP
-    per_rank = dm.launch(deferred_rank, EP, args=(71, T, D, F, E, K, cases, everies))
-    for case_name in cases:
-        for out, _ in per_rank:
-            (_, y0, _), *others = out[case_name]
-            for every, y, stats in others:
-                assert torch.equal(y.view(torch.int16), y0.view(torch.int16)), (case_name,
-                                                                                  every)
-                assert stats["dropped_rows"] == 0
-        check_against_reference([(out[case_name][1][1], None) for out, _ in per_rank], 71,
-                                EP, T, D, F, E, K, case_name)
-    for _, refused in per_rank:
-        assert refused.startswith("_defer_every = 1 needs") and "free dispatch rows" in refused
-
-
-def test_deferred_returns_rule():
-    """Off unless asked for, and never where there is no room (K = 1)."""
-    assert dm.MoEContext.defer_every_rule(2, 8, 2048, 768) == 0

@@ -75,8 +75,6 @@ def test_variant_configs_apply_to_the_layer_attributes(abi):
     out = abi.variant_configs(ctx, ["layer:w13_phases=False", "layer:w13_waves=3"],
                               training=False)
     assert out["_w13_phases"] is False and out["_w13_phase_waves"] == 3
-    assert abi.variant_configs(ctx, ["layer:defer_every=0"], training=False)["_defer_every"] == 0
-    assert abi.variant_configs(ctx, ["layer:defer_every=5"], training=False)["_defer_every"] == 5
     for bad in ("layer:pull_all=0", "layer:pull=False", "layer:pull_all", "layer:w13_waves=0",
                 "layer:w13_waves=True", "layer:w13_phases=2"):
         with pytest.raises(ValueError, match="layer:NAME=True"):

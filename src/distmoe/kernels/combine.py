@@ -12,13 +12,6 @@ The rows are a tensor (``combine_rows``) or sit at a device-side byte address
 (``rows_addr``): the training layer returns a saved layer's h3 rows straight into the owner's
 activation slot, and the combine reads them there.
 
-With ``deferred`` (:class:`DeferredReads`, the inference layer at EP > 1), every
-``every``-th route slot whose expert lives on another rank is read from that rank's memory
-instead, where the expert kept it (:mod:`distmoe.kernels.defer_returns`): those bytes cross
-NVLink during the combine, which otherwise leaves the link idle, instead of during W2, whose
-returns are bound by it at small F. The rows and their order of summation are the same, so
-the result is too, bit for bit.
-
 Algorithm: one program owns ``block_t`` tokens x ``block_d`` columns; the K routes are
 unrolled so their row loads are in flight together. Memory-bound: reads ``T*K*D`` bf16 (only
 active routes) and writes ``T*D`` bf16. Nothing is allocated.
@@ -66,16 +59,8 @@ def _combine_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ROWS_ADDR: tl.constexpr,
-    src_ids_ptr=None,
-    far_bases_ptr=None,
-    rank=0,
-    segment=0,
-    EVERY: tl.constexpr = 0,
-    E_LOCAL: tl.constexpr = 1,
 ):
-    """``ROWS_ADDR``: ``rows_ptr`` is an int64 ``[1]`` holding the rows' byte address.
-    ``EVERY`` > 0: :class:`DeferredReads` (``src_ids_ptr`` the global expert ids,
-    ``far_bases_ptr`` every rank's region address, ``E_LOCAL`` experts per rank)."""
+    """``ROWS_ADDR``: ``rows_ptr`` is an int64 ``[1]`` holding the rows' byte address."""
     if ROWS_ADDR:
         rows_ptr = tl.load(rows_ptr).to(tl.pointer_type(tl.bfloat16))
         if HIDDEN % 8 == 0:
@@ -92,64 +77,10 @@ def _combine_kernel(
         is_active = is_token & (expert >= 0)
         score = tl.load(scores_ptr + route, mask=is_active, other=0.0).to(tl.float32)
         row_mask = is_active[:, None] & col_mask
-        row_ptrs = rows_ptr + route[:, None] * HIDDEN + cols[None, :]
-        if EVERY > 0:
-            # slot t*K + k of a route on another rank's expert, every EVERY-th: that rank's
-            # region row rank * segment + slot / EVERY
-            expert_rank = tl.load(src_ids_ptr + route, mask=is_active, other=0) // E_LOCAL
-            far = is_active & (expert_rank != rank) & (route % EVERY == 0)
-            far_base = tl.load(far_bases_ptr + expert_rank, mask=far, other=0)
-            far_row = far_base + (rank * segment + route // EVERY) * (HIDDEN * 2)
-            far_ptrs = far_row.to(tl.pointer_type(tl.bfloat16))[:, None] + cols[None, :]
-            row_ptrs = tl.where(far[:, None], far_ptrs, row_ptrs)
-        row = tl.load(row_ptrs, mask=row_mask, other=0.0)
+        row = tl.load(rows_ptr + route[:, None] * HIDDEN + cols[None, :], mask=row_mask, other=0.0)
         acc += score[:, None] * row.to(tl.float32)
     y_tile = y_ptr + tokens.to(tl.int64)[:, None] * HIDDEN + cols[None, :]
     tl.store(y_tile, acc.to(tl.bfloat16), mask=is_token[:, None] & col_mask)
-
-
-@dataclass(frozen=True)
-class DeferredReads:
-    """Route rows that stayed with their experts (:mod:`distmoe.kernels.defer_returns`).
-
-    Route ``(t, k)`` of this rank, slot ``s = t*K + k``, whose expert ``expert_ids[t, k]``
-    lives on rank ``r = expert_ids[t, k] // experts_per_rank`` other than ``rank``, with
-    ``s % every == 0``, is read at byte address
-    ``bases[r] + (rank * segment + s // every) * D * 2`` (on rank ``r``, through the heap's
-    peer mapping) instead of from the combine rows.
-
-    Attributes:
-        expert_ids: integer ``[T, K]`` contiguous: the global expert ids of the call.
-        experts_per_rank: experts per rank (``E / EP``).
-        rank: this rank.
-        every: the period of deferred slots (>= 1).
-        segment: rows per owner rank in a region (``ceil(T_max * K / every)``).
-        bases: int64 ``[EP]`` on the device: every rank's region address (16-byte aligned).
-    """
-
-    expert_ids: torch.Tensor
-    experts_per_rank: int
-    rank: int
-    every: int
-    segment: int
-    bases: torch.Tensor
-
-    def check(self, num_tokens: int, top_k: int) -> None:
-        check_tensor("deferred.expert_ids", self.expert_ids, dtypes=_ID_DTYPES,
-                     shape=[num_tokens, top_k], shape_text="[T, K]")
-        check_tensor("deferred.bases", self.bases, dtypes=(torch.int64,), ndim=1,
-                     shape_text="[EP]")
-        ep = self.bases.shape[0]
-        for name, value, low in (("experts_per_rank", self.experts_per_rank, 1),
-                                 ("every", self.every, 1), ("segment", self.segment, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"deferred.{name} must be an int >= {low}, got {value!r}")
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) \
-                or not 0 <= self.rank < ep:
-            raise ValueError(f"deferred.rank must be an int in [0, {ep}), got {self.rank!r}")
-        if self.segment * self.every < num_tokens * top_k:
-            raise ValueError(f"deferred.segment ({self.segment}) x every ({self.every}) must "
-                             f"cover the T*K = {num_tokens * top_k} route slots")
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,7 +204,6 @@ def combine(
     *,
     rows_addr: torch.Tensor | None = None,
     config: CombineConfig | None = None,
-    deferred: DeferredReads | None = None,
 ) -> torch.Tensor:
     """Score-weighted fp32 sum of each token's K returned rows, into ``y_out``.
 
@@ -288,24 +218,12 @@ def combine(
             the value lives on the device), instead of ``combine_rows``. The training layer
             reads a saved layer's rows where the experts wrote them, in its activation slot.
         config: launch configuration; default :meth:`CombineConfig.from_heuristic`.
-        deferred: optional :class:`DeferredReads`: the routes read from their experts'
-            ranks instead (their addresses live on the device and are not checked).
 
     Returns ``y_out``.
     """
     rows, num_tokens, top_k, hidden = _check_combine_args(
         combine_rows, expert_ids, scores, y_out, rows_addr=rows_addr, for_kernel=True,
     )
-    far = {}
-    if deferred is not None:
-        if not isinstance(deferred, DeferredReads):
-            raise TypeError(f"deferred must be a DeferredReads, got {type(deferred).__name__}")
-        deferred.check(num_tokens, top_k)
-        check_devices(dict(y_out=y_out, deferred_expert_ids=deferred.expert_ids,
-                           deferred_bases=deferred.bases), for_kernel=True)
-        far = dict(src_ids_ptr=deferred.expert_ids, far_bases_ptr=deferred.bases,
-                   rank=deferred.rank, segment=deferred.segment, EVERY=deferred.every,
-                   E_LOCAL=deferred.experts_per_rank)
     if config is None:
         config = CombineConfig.from_heuristic(hidden=hidden)
     elif not isinstance(config, CombineConfig):
@@ -326,7 +244,6 @@ def combine(
             BLOCK_D=config.block_d,
             ROWS_ADDR=rows_addr is not None,
             num_warps=config.num_warps,
-            **far,
         )
     return y_out
 

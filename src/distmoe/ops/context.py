@@ -228,16 +228,6 @@ class MoEContext:
         self._fused_pingpong = True
         self._fused_dynamic = False
         self._w2_stream = None
-        # Inference at EP > 1: every _defer_every-th route slot of a peer's tokens stays in
-        # this rank's deferred region (the dispatch rows from T_max on, unused in inference)
-        # and its owner's combine reads it across NVLink (distmoe.kernels.defer_returns).
-        # None: the layer's choice (defer_every_rule); 0 off, N >= 1 forced (A/B, tests).
-        self._defer_every: int | None = None
-        if self.ep_size > 1 and not cfg.training:
-            self._deferred_ptrs = torch.empty(self.row_capacity, dtype=torch.int64,
-                                              device=self.device)
-            # every rank's region address: its dispatch rows from T_max on
-            self._defer_bases = heap.base_table("dispatch") + T * self.row_bytes
         if self.ep_size > 1 and self.row_capacity % 128 == 0:
             # per 128 padded rows: W13's count of stored h2 tiles, then the fused kernel's
             # next schedule position; zeroed before each call that uses them
@@ -274,36 +264,6 @@ class MoEContext:
         if ep_size <= 1 or max_tokens <= 0:
             return False
         return tokens / max_tokens * (1 - (1 - 1 / ep_size) ** top_k) >= 0.9
-
-    @staticmethod
-    def defer_every_rule(ep_size: int, top_k: int, hidden: int, ffn: int) -> int:
-        """The period of the route slots whose results stay with their experts (0: none),
-        :mod:`distmoe.kernels.defer_returns`. Off until measured (run 37)."""
-        return 0
-
-    def _defer_every_now(self, save: bool) -> int:
-        """This forward's period of deferred route slots (0: none): ``_defer_every`` if set,
-        else :meth:`defer_every_rule`; never in training or at EP = 1; a forced period needs
-        room for ``EP * ceil(T_max*K / every)`` rows after the first ``T_max`` of the
-        dispatch rows (ValueError otherwise)."""
-        from ..kernels.defer_returns import region_rows
-
-        c = self.cfg
-        if save or c.training or self.ep_size == 1:
-            return 0
-        every = (self.defer_every_rule(self.ep_size, c.top_k, c.hidden, c.ffn)
-                 if self._defer_every is None else self._defer_every)
-        if every == 0:
-            return 0
-        _, rows = region_rows(c.max_tokens, c.top_k, every, self.ep_size)
-        room = c.max_tokens * (c.top_k - 1)
-        if rows > room:
-            if self._defer_every is None:
-                return 0
-            raise ValueError(f"_defer_every = {every} needs {rows} region rows (EP x "
-                             f"ceil(T_max*K / every)), above the {room} free dispatch rows "
-                             f"(T_max * (K - 1)); use a larger period")
-        return every
 
     # ------------------------------------------------------------------ validation
     def _validate(self, x, expert_ids, scores, w13, w2) -> None:
@@ -752,14 +712,13 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         gather_ptrs = self._gather_table(tables.gather_ptrs, pulled=pull_all, x=x,
                                          phased=phased)
         if not save:
-            scatter, deferred = self._deferred_returns(tables, expert_ids, T, K)
-            self._run_w13_w2(phased, gather_ptrs, po, ro, w13, w2, scatter,
+            self._run_w13_w2(phased, gather_ptrs, po, ro, w13, w2, tables.scatter_ptrs,
                              self._w2_runs_beside(save), fused)
             self.heap.barrier()
             # dest_rows_TK is -1 exactly where a route is not executed: it serves as the
             # combine's ids (only their sign is read)
             combine(self._combine[:T * K], tables.dest_rows_TK, scores_f32, y,
-                    config=self._combine_cfg, deferred=deferred)
+                    config=self._combine_cfg)
             return y, None
         heap = self.heap
         rec = acts.begin_layer(tables.executed_rows_EP, self._combine.data_ptr(),
@@ -784,26 +743,6 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
             raise
         return y, dict(tables=tables, record=rec, ids_executed=ids_executed,
                        scores_f32=scores_f32)
-
-    def _deferred_returns(self, tables, expert_ids, T: int, K: int):
-        """``(W2's return table, the combine's DeferredReads or None)`` of an inference
-        forward: with a period (:meth:`_defer_every_now`) the table is rewritten into
-        ``_deferred_ptrs`` (one launch) so that those routes stay in this rank's region."""
-        every = self._defer_every_now(False)
-        if not every:
-            return tables.scatter_ptrs, None
-        from ..kernels.combine import DeferredReads
-        from ..kernels.defer_returns import defer_returns, region_rows
-
-        c = self.cfg
-        segment, _ = region_rows(c.max_tokens, K, every, self.ep_size)
-        region = self._dispatch[c.max_tokens:]
-        scatter = defer_returns(tables.scatter_ptrs, tables.route_of_row, self._deferred_ptrs,
-                                rank=self.rank, routes_per_rank=T * K, every=every,
-                                segment=segment, region_base=region.data_ptr(),
-                                row_bytes=self.row_bytes)
-        return scatter, DeferredReads(expert_ids, self.num_local_experts, self.rank, every,
-                                      segment, self._defer_bases)
 
     # ------------------------------------------------------------------ slots
     def select_slot(self, slot: int) -> None:
