@@ -332,6 +332,11 @@ def check_width(name: str, value: int) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """``[start, end)`` byte addresses of a contiguous tensor's elements."""
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
 def row_address(tensor: torch.Tensor, row: int | torch.Tensor, *, row_elems: int) -> torch.Tensor:
     """int64 absolute byte address of row ``row`` of ``tensor`` seen as rows of ``row_elems``."""
     if not tensor.is_contiguous():

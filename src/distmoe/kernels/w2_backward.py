@@ -109,6 +109,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from distmoe.kernels._common import (
     GemmConfig,
+    byte_range,
     check_devices,
     check_offsets,
     check_tensor,
@@ -899,10 +900,6 @@ class WgradConfig:
 # --------------------------------------------------------------------------------------------
 
 
-def _byte_range(t: torch.Tensor) -> tuple[int, int]:
-    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-
-
 def check_disjoint(
     named: dict[str, torch.Tensor], *, same_ok: tuple[str, str] | None = None
 ) -> None:
@@ -910,9 +907,9 @@ def check_disjoint(
     may be the identical tensor storage, e.g. an in-place output)."""
     items = [(n, t) for n, t in named.items() if t is not None and t.numel() > 0]
     for i, (name_a, a) in enumerate(items):
-        lo_a, hi_a = _byte_range(a)
+        lo_a, hi_a = byte_range(a)
         for name_b, b in items[i + 1 :]:
-            lo_b, hi_b = _byte_range(b)
+            lo_b, hi_b = byte_range(b)
             if lo_a < hi_b and lo_b < hi_a:
                 identical = (lo_a, hi_a) == (lo_b, hi_b) and a.shape == b.shape
                 if identical and same_ok is not None and {name_a, name_b} == set(same_ok):

@@ -379,10 +379,11 @@ class MoEContext:
         return x.data_ptr() == self._dispatch.data_ptr()
 
     def _overlaps_input_buffer(self, x) -> bool:
-        lo = self._dispatch.data_ptr()
-        hi = lo + self._dispatch.numel() * self._dispatch.element_size()
-        start = x.data_ptr()
-        return x.numel() > 0 and start < hi and lo < start + x.numel() * x.element_size()
+        from ..kernels._common import byte_range
+
+        lo, hi = byte_range(self._dispatch)
+        start, end = byte_range(x)
+        return x.numel() > 0 and start < hi and lo < end
 
     def __call__(self, x, expert_ids, scores, w13, w2) -> torch.Tensor:
         self._check_open()
