@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
-import socket
+import tempfile
 import time
 import traceback
 import uuid
@@ -38,14 +38,8 @@ class RankFailed(RuntimeError):
     """A rank raised an exception that could not be pickled back, or died without reporting."""
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world_size: int, device: str, backend: str, gpus: Sequence[int],
-            port: int, prefix: str, fn: Callable, args: tuple, results: Any) -> None:
+            store_path: str, prefix: str, fn: Callable, args: tuple, results: Any) -> None:
     os.environ[PREFIX_ENV] = prefix
     import torch.distributed as dist
 
@@ -54,7 +48,7 @@ def _worker(rank: int, world_size: int, device: str, backend: str, gpus: Sequenc
             torch.cuda.set_device(gpus[rank % len(gpus)])
         dist.init_process_group(
             backend=backend,
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=f"file://{store_path}",
             rank=rank,
             world_size=world_size,
             **({"device_id": torch.device("cuda", torch.cuda.current_device())}
@@ -146,11 +140,14 @@ def launch(
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
     prefix = f"distmoe-{uuid.uuid4().hex[:10]}"
+    # The ranks meet through a file store, not a TCP port: a port picked as free here can be
+    # taken by another process before rank 0 listens on it (EADDRINUSE, seen on the GPU
+    # machine in run 38). A new file per launch; removed below.
+    store_path = os.path.join(tempfile.gettempdir(), f"{prefix}-rendezvous")
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, device, backend, gpus, port, prefix, fn, args,
-                                          results), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, device, backend, gpus, store_path, prefix,
+                                          fn, args, results), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -212,3 +209,7 @@ def launch(
                 p.join(timeout=5.0)
         results.close()
         _clean_shm(prefix)
+        try:
+            os.unlink(store_path)
+        except OSError:
+            pass

@@ -72,6 +72,13 @@ def make_problem(seed, EP, T, D, F, E, K, case_name):
     return x, ids, scores.float(), w13, w2
 
 
+def _rank_device(device):
+    """The rank's device: the CPU, or the CUDA device ``dm.launch`` made current for it."""
+    if device == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def forward_rank(rank, world, seed, T, D, F, E, K, case_name, device="cpu", row_block=16,
                  max_tokens=None, pull_all=None, w13_phases=None):
     """Run the layer on this rank; returns (y, stats) for the parent to check (stats adds
@@ -83,8 +90,7 @@ def forward_rank(rank, world, seed, T, D, F, E, K, case_name, device="cpu", row_
     cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=max_tokens or T,
                        training=False, row_block=row_block,
                        device_scratch_factor=float(world))  # room for any imbalance
-    dev = torch.device(device) if device == "cpu" else torch.device("cuda",
-                                                                     torch.cuda.current_device())
+    dev = _rank_device(device)
     with dm.MoEContext(cfg, device=dev, check=True) as ctx:
         if pull_all is not None:
             ctx._pull_all = pull_all
@@ -134,7 +140,7 @@ class _CopyTargets(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def input_buffer_rank(rank, world, seed, T, D, F, E, K, case_name, max_tokens):
+def input_buffer_rank(rank, world, seed, T, D, F, E, K, case_name, max_tokens, device="cpu"):
     """x written into ``ctx.input_buffer(T)`` against x passed as its own tensor, for two
     inputs (the second one new rows in the same buffer). Returns, per input, (y from x,
     y from the buffer, whether a copy wrote the buffer's first row in each call)."""
@@ -143,12 +149,13 @@ def input_buffer_rank(rank, world, seed, T, D, F, E, K, case_name, max_tokens):
     cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=max_tokens,
                        training=False, row_block=16, device_scratch_factor=float(world))
     g = torch.Generator().manual_seed(seed + 100 + rank)
+    dev = _rank_device(device)
     out = []
-    with dm.MoEContext(cfg, device="cpu", check=True) as ctx:
+    with dm.MoEContext(cfg, device=dev, check=True) as ctx:
         buf = ctx.input_buffer(T)
         assert buf.shape == (T, D) and buf.dtype == torch.bfloat16
-        rest = (mine.expert_ids, mine.scores, mine.w13, mine.w2)
-        for xi in (mine.x, torch.randn(T, D, generator=g).bfloat16()):
+        rest = [t.to(dev) for t in (mine.expert_ids, mine.scores, mine.w13, mine.w2)]
+        for xi in (mine.x.to(dev), torch.randn(T, D, generator=g).bfloat16().to(dev)):
             ctx._dispatch.fill_(float("nan"))  # poison: rows the forward should not read
             with _CopyTargets() as plain:
                 y = ctx(xi.clone(), *rest)
@@ -157,8 +164,20 @@ def input_buffer_rank(rank, world, seed, T, D, F, E, K, case_name, max_tokens):
             with _CopyTargets() as inbuf:
                 y_buf = ctx(buf, *rest)
             base = ctx._dispatch.data_ptr()
-            out.append((y, y_buf, [base in plain.targets, base in inbuf.targets]))
+            out.append((y.cpu(), y_buf.cpu(), [base in plain.targets, base in inbuf.targets]))
     return out
+
+
+def check_input_buffer_ranks(per_rank, seed, EP, T, D, F, E, K, case_name):
+    """What :func:`input_buffer_rank` returned, checked: per rank and input, y from the
+    buffer equals y from x bit for bit, no copy wrote the buffer, the plain call copied x
+    there exactly when EP > 1; the first input's y against the reference."""
+    for rank_out in per_rank:
+        assert len(rank_out) == 2
+        for y, y_buf, (plain_copied, buf_copied) in rank_out:
+            assert torch.equal(y.view(torch.int16), y_buf.view(torch.int16))
+            assert plain_copied == (EP > 1) and not buf_copied
+    check_against_reference([r[0] for r in per_rank], seed, EP, T, D, F, E, K, case_name)
 
 
 def forward_cases_rank(rank, world, seed, T, D, F, E, K, case_names, device="cpu"):

@@ -5,6 +5,7 @@ import torch
 from forward_cases import (
     CASES,
     check_against_reference,
+    check_input_buffer_ranks,
     forward_cases_rank,
     forward_rank,
     input_buffer_rank,
@@ -168,13 +169,7 @@ def test_x_written_into_the_input_buffer_skips_the_copy(EP):
     plain call copies x there."""
     T, E, K = 13, 8, 3
     per_rank = dm.launch(input_buffer_rank, EP, args=(41, T, D, F, E, K, "inactive_mix", 24))
-    for rank_out in per_rank:
-        assert len(rank_out) == 2
-        for y, y_buf, (plain_copied, buf_copied) in rank_out:
-            assert torch.equal(y.view(torch.int16), y_buf.view(torch.int16))
-            assert plain_copied == (EP > 1) and not buf_copied
-    check_against_reference([r[0][:2] for r in per_rank], 41, EP, T, D, F, E, K,
-                            "inactive_mix")
+    check_input_buffer_ranks(per_rank, 41, EP, T, D, F, E, K, "inactive_mix")
 
 
 def _input_buffer_errors_rank(rank, world):

@@ -6,8 +6,10 @@ import torch
 from forward_cases import (
     CASES,
     check_against_reference,
+    check_input_buffer_ranks,
     forward_cases_rank,
     forward_rank,
+    input_buffer_rank,
     make_problem,
 )
 
@@ -26,6 +28,19 @@ def test_forward_gpu_matches_reference(EP):
                          args=(77 + EP, T, D, F, E, K, names, "cuda"))
     for i, name in enumerate(names):
         check_against_reference([r[i] for r in per_rank], 77 + EP, EP, T, D, F, E, K, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("EP", [1, 2, 4])
+def test_input_buffer_gpu_with_ranks_sharing_the_gpu(EP):
+    """x written into ``ctx.input_buffer(T)`` at EP = 1, 2 and 4 (the CPU test stops at
+    EP = 2, and no machine with four GPUs has been lent): the same bits as x passed as its
+    own tensor, for two inputs in the same buffer, no copy into the buffer, T below
+    max_tokens; y against the reference."""
+    T, E, K = 150, 16, 4
+    per_rank = dm.launch(input_buffer_rank, EP, device="cuda", gpus=[0], timeout=300,
+                         args=(51 + EP, T, D, F, E, K, "inactive_mix", 200, "cuda"))
+    check_input_buffer_ranks(per_rank, 51 + EP, EP, T, D, F, E, K, "inactive_mix")
 
 
 def _graph_rank(rank, world, T, E, K, phases=None, case="inactive_mix"):
