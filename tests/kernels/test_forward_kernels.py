@@ -1422,6 +1422,9 @@ def test_w2_heuristic_takes_gluon_at_every_ep_size(monkeypatch):
     check returning ``None``): the Gluon tile from 128 rows per expert at EP=1 and EP=2 (run
     29, interleaved: faster at both), the Triton kernel's config below 128 rows and with no
     device."""
+    # imported before the patch: a first import under it would bind the stand-in into
+    # w2_gluon's namespace for the rest of the process
+    import distmoe.kernels.w2_gluon  # noqa: F401
     import distmoe.kernels.wgrad_gluon as wgg
 
     monkeypatch.setattr(wgg, "gluon_device_reason", lambda device: None)
@@ -1435,6 +1438,9 @@ def test_w2_heuristic_takes_gluon_at_every_ep_size(monkeypatch):
     assert pick(rows_per_expert=127) == W2Config.from_heuristic(hidden=4096, ffn=2048,
                                                                 rows_per_expert=127)
     assert not pick(rows_per_expert=127).gluon
+    # the local expert count reaches the mid-rows rule (32 experts x 32 column tiles)
+    assert pick(rows_per_expert=96, num_experts=32) == gluon_cfg
+    assert not pick(rows_per_expert=96, num_experts=65).gluon
 
 
 def test_gluon_w2_shape_rules_without_a_gpu():
@@ -1463,6 +1469,15 @@ def test_gluon_w2_shape_rules_without_a_gpu():
             (True, 128, 4, 6)
     assert W2Config.hopper_gluon(hidden=4096, ffn=2048, rows_per_expert=127) is None
     assert W2Config.hopper_gluon(hidden=2048, ffn=768, rows_per_expert=96) is None
+    # 64-127 rows per expert: Gluon where the local experts are given and have at most 2048
+    # tiles of 128 output columns (run 38); below 64 Triton whatever the count
+    for rows, experts, hidden in ((64, 128, 2048), (127, 64, 2048), (96, 64, 4096)):
+        assert tile(W2Config.hopper_gluon(hidden=hidden, ffn=768, rows_per_expert=rows,
+                                          num_experts=experts)) == (True, 128, 4, 6)
+    for rows, experts, hidden in ((96, 256, 4096), (96, 65, 4096), (96, 128, 7168),
+                                  (63, 8, 2048)):
+        assert W2Config.hopper_gluon(hidden=hidden, ffn=768, rows_per_expert=rows,
+                                     num_experts=experts) is None
     assert tile(W2Config.hopper_gluon(hidden=4096, ffn=2048, rows_per_expert=2048,
                                       ep_size=2)) == (True, 128, 4, 6)
     assert W2Config.hopper_gluon(hidden=2880, ffn=2880, rows_per_expert=2048) is None
@@ -1503,7 +1518,17 @@ def test_gluon_w13_choice_and_limits_without_a_gpu():
     for rows in (1, 4, 63):
         assert tile(pick(hidden=2048, ffn=768, rows_per_expert=rows, training=False)) == \
             (True, 128, 8, 4)
-    # Triton: inference at 64-127 rows per expert, and widths no Gluon tile takes
+    # inference at 64-127 rows per expert: cooperative where the local experts are given
+    # and have at most 2048 tiles of 128 h2 columns (run 38), else Triton
+    for rows, experts, ffn in ((64, 128, 768), (127, 128, 768), (96, 32, 2048),
+                               (96, 128, 2048)):
+        assert tile(pick(hidden=2048, ffn=ffn, rows_per_expert=rows, training=False,
+                         num_experts=experts)) == (True, 128, 8, 4)
+    for rows, experts, ffn in ((96, 256, 2048), (96, 129, 2048), (96, None, 768),
+                               (128 - 1, None, 2048)):
+        assert pick(hidden=2048, ffn=ffn, rows_per_expert=rows, training=False,
+                    num_experts=experts) is None
+    # Triton: widths no Gluon tile takes
     assert pick(hidden=2048, ffn=768, rows_per_expert=127, training=False) is None
     assert pick(hidden=4096, ffn=2048, rows_per_expert=64, training=False) is None
     assert pick(hidden=2048, ffn=704, rows_per_expert=16, training=False) is None

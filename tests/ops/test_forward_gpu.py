@@ -31,6 +31,26 @@ def test_forward_gpu_matches_reference(EP):
 
 
 @pytest.mark.gpu
+def test_forward_gpu_gluon_kernels_at_mid_rows_per_expert():
+    """100 rows per expert (inference), where the heuristics take the Gluon W13 and W2 for
+    few tiles since run 38: every routing case against the reference at EP=1."""
+    from distmoe.kernels.w2_scatter import W2Config
+    from distmoe.kernels.w13_gather_swiglu import W13Config
+
+    T, E, K = 400, 16, 4
+    dev = torch.device("cuda", 0)
+    assert W13Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=T * K // E, device=dev,
+                                    num_experts=E).gluon
+    assert W2Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=T * K // E, device=dev,
+                                   num_experts=E).gluon
+    names = sorted(CASES)
+    per_rank = dm.launch(forward_cases_rank, 1, device="cuda", gpus=[0], timeout=300,
+                         args=(91, T, D, F, E, K, names, "cuda"))
+    for i, name in enumerate(names):
+        check_against_reference([r[i] for r in per_rank], 91, 1, T, D, F, E, K, name)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("EP", [1, 2, 4])
 def test_input_buffer_gpu_with_ranks_sharing_the_gpu(EP):
     """x written into ``ctx.input_buffer(T)`` at EP = 1, 2 and 4 (the CPU test stops at

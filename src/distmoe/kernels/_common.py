@@ -299,6 +299,25 @@ def check_devices(named: dict[str, torch.Tensor], *, for_kernel: bool = True) ->
     return first.device
 
 
+#: The most 128-column output tiles (local experts x ceil(columns / 128); one 128-row tile per
+#: expert) at which the Gluon W13 / W2 forward kernels run at 64-127 rows per expert. Fitted
+#: to one H200, inference, interleaved A/Bs (docs/performance.md run 38): both kernels 2-10%
+#: faster at 512-2048 tiles (D=2048 F=768 E=128, D=2048 F=1024 E=64, D=4096 F=2048 E=32),
+#: 0.2-1.5% slower each at 4096-14336 (D=4096 F=2048 E=256, D=7168 F=2048 E=256); nothing
+#: measured between 2048 and 4096, and why the count matters is not established.
+GLUON_MID_ROWS_MAX_TILES = 2048
+
+
+def gluon_mid_rows(rows_per_expert: int, num_experts: int | None, columns: int) -> bool:
+    """Whether a Gluon forward kernel runs at a ``rows_per_expert`` hint of 64-127: only
+    with the local expert count known and ``num_experts * ceil(columns / 128)`` at most
+    :data:`GLUON_MID_ROWS_MAX_TILES` (``columns``: the kernel's output width, F for W13's
+    h2, D for W2)."""
+    if num_experts is None or not 64 <= rows_per_expert < 128:
+        return False
+    return num_experts * -(-columns // 128) <= GLUON_MID_ROWS_MAX_TILES
+
+
 def warn_gluon_fallback(kernel: str, reason: str) -> None:
     """A config asked for a Gluon kernel (``gluon=True``) that cannot run this call: say why,
     as a ``RuntimeWarning`` (Python shows each message once per call site); the caller then

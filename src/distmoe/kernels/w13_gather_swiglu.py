@@ -81,6 +81,7 @@ from distmoe.kernels._common import (
     device_context,
     ensure_tma_allocator,
     gemm_grid,
+    gluon_mid_rows,
     next_power_of_2,
     rows_at,
     swizzle_tile,
@@ -448,7 +449,8 @@ class W13Config(GemmConfig):
     @classmethod
     def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128,
                        rows_per_expert: int | None = None, training: bool = False,
-                       device: torch.device | None = None) -> W13Config:
+                       device: torch.device | None = None,
+                       num_experts: int | None = None) -> W13Config:
         """Config from the shapes (D = ``hidden``, F = ``ffn``) and the padding multiple.
 
         Hopper defaults: 128 x 128 x 64 tiles, 8 warps, group-M 8, 3 stages (48 KiB of SMEM
@@ -482,14 +484,18 @@ class W13Config(GemmConfig):
           faster than the Triton kernel;
         * run 29, interleaved in one process: the cooperative tile for inference at 128 rows
           per expert too (forward 4-5% faster at two shapes);
-        * run 30, interleaved: and for inference below 64 rows per expert (decode, 0.9-3.4%).
+        * run 30, interleaved: and for inference below 64 rows per expert (decode, 0.9-3.4%);
+        * run 38, interleaved: and for inference at 64-127 rows per expert where the local
+          expert count ``num_experts`` is given and the kernel has few tiles
+          (:func:`~distmoe.kernels._common.gluon_mid_rows`).
         """
         if rows_per_expert is not None and block_m == 128 and device is not None:
             from .wgrad_gluon import gluon_device_reason
 
             if gluon_device_reason(torch.device(device)) is None:
                 gluon = cls.hopper_gluon(hidden=hidden, ffn=ffn,
-                                         rows_per_expert=rows_per_expert, training=training)
+                                         rows_per_expert=rows_per_expert, training=training,
+                                         num_experts=num_experts)
                 if gluon is not None:
                     return gluon
         block_n = min(128, max(16, next_power_of_2(ffn)))
@@ -517,10 +523,11 @@ class W13Config(GemmConfig):
 
     @classmethod
     def hopper_gluon(cls, *, hidden: int, ffn: int, rows_per_expert: int,
-                     training: bool) -> W13Config | None:
+                     training: bool, num_experts: int | None = None) -> W13Config | None:
         """The Gluon config :meth:`from_heuristic` picks on a Hopper device (padding multiple
         128), or ``None`` where it keeps the Triton kernel (inference at 64-127 rows per
-        expert, or widths the Gluon kernel cannot tile).
+        expert unless :func:`~distmoe.kernels._common.gluon_mid_rows` holds for the local
+        expert count ``num_experts`` and F, or widths the Gluon kernel cannot tile).
 
         The first of these that the kernel can tile (:func:`~distmoe.kernels.w13_gluon.\
 shape_reason`):
@@ -536,7 +543,9 @@ shape_reason`):
           each expert, its weights streamed once). Run 30, interleaved, random routing: the
           layer forward 0.9-3.4% faster in five cases of 1 to 32 rows per expert, T=16 and
           128 at D=4096 F=2048 E=32 K=8 and at D=2048 F=768 E=128 K=8, T=128 at D=7168
-          F=2048 E=256 K=8;
+          F=2048 E=256 K=8; run 38: at 64-127 rows per expert 1.3-4.5% faster at D=2048
+          F=768 E=128, D=2048 F=1024 E=64 and D=4096 F=2048 E=32, 0.2-1.2% slower at D=4096
+          and 7168, F=2048, E=256 (hence the tile bound there);
         * for training, and for inference with >= 1024 rows per expert: ping-pong 128 x 64
           tiles, 5 stages at >= 1024 rows per expert, else 6 (run 24).
         """
@@ -544,8 +553,9 @@ shape_reason`):
 
         long_segments = rows_per_expert >= 1024
         decode = not training and rows_per_expert < 64
+        mid = not training and gluon_mid_rows(rows_per_expert, num_experts, ffn)
         candidates = []
-        if rows_per_expert >= 128 or decode:
+        if rows_per_expert >= 128 or decode or mid:
             candidates.append(cls(block_m=128, block_n=128, block_k=64, num_warps=8,
                                   num_stages=4, group_m=8, persistent=True, gluon=True))
         if training or long_segments:

@@ -67,6 +67,7 @@ from distmoe.kernels._common import (
     device_context,
     ensure_tma_allocator,
     gemm_grid,
+    gluon_mid_rows,
     next_power_of_2,
     swizzle_tile,
     tile_activation_rows,
@@ -260,7 +261,8 @@ class W2Config(GemmConfig):
     @classmethod
     def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128,
                        rows_per_expert: int | None = None,
-                       device: torch.device | None = None, ep_size: int = 1) -> W2Config:
+                       device: torch.device | None = None, ep_size: int = 1,
+                       num_experts: int | None = None) -> W2Config:
         """Config from the shapes (D = ``hidden``, F = ``ffn``) and the padding multiple.
 
         Hopper defaults: 128 x 128 x 64 tiles, 8 warps, 4 stages (32 KiB of SMEM per stage),
@@ -274,15 +276,16 @@ class W2Config(GemmConfig):
 
         With the hint and a ``device`` where the warp-specialised Gluon kernel runs (Hopper,
         not the interpreter): that kernel where :meth:`hopper_gluon` picks it. ``ep_size``
-        (the expert-parallel group) is passed on; the pick does not depend on it since run
-        29.
+        (the expert-parallel group) and ``num_experts`` (the local experts: the Gluon
+        kernel at 64-127 rows per expert needs it) are passed on; the pick does not depend
+        on ``ep_size`` since run 29.
         """
         if rows_per_expert is not None and block_m == 128 and device is not None:
             from .wgrad_gluon import gluon_device_reason
 
             if gluon_device_reason(torch.device(device)) is None:
                 gluon = cls.hopper_gluon(hidden=hidden, ffn=ffn, rows_per_expert=rows_per_expert,
-                                         ep_size=ep_size)
+                                         ep_size=ep_size, num_experts=num_experts)
                 if gluon is not None:
                     return gluon
         if rows_per_expert is not None and block_m == 128 and hidden >= 256 and ffn >= 64:
@@ -305,11 +308,13 @@ class W2Config(GemmConfig):
 
     @classmethod
     def hopper_gluon(cls, *, hidden: int, ffn: int, rows_per_expert: int,
-                     ep_size: int = 1) -> W2Config | None:
+                     ep_size: int = 1, num_experts: int | None = None) -> W2Config | None:
         """The Gluon config :meth:`from_heuristic` picks on a Hopper device (padding multiple
         128), or ``None`` where it keeps the Triton kernel: ping-pong 128 x 128 tiles with 6
-        stages from 128 rows per expert, where D is a multiple of 128 and F of 64, at any
-        ``ep_size`` (above 1 some rows are stored into peers' memory).
+        stages from 128 rows per expert, and at 64-127 where
+        :func:`~distmoe.kernels._common.gluon_mid_rows` holds for the local expert count
+        ``num_experts`` and D; where D is a multiple of 128 and F of 64, at any ``ep_size``
+        (above 1 some rows are stored into peers' memory).
 
         Measured on one H200 (2026-11-30, docs/performance.md run 28), against the Triton
         kernel's 128 x 256 tiles:
@@ -327,7 +332,12 @@ class W2Config(GemmConfig):
           1.7%) and 2.7% at T=4096 D=7168 F=2048 E=256 K=8 (forward+backward even, -0.3%).
           Run 28's one-round A/B (+1.6%, -1.1%) had read that as a disagreement;
         * at 96 rows per expert (T=4096 D=4096 F=2048 E=256 K=6) 0.4% slower, so the Triton
-          kernel stays below 128 (decode: not measured);
+          kernel stayed below 128 until run 38: at 64-127 rows per expert, interleaved,
+          inference, 0.5-5.7% faster at D=2048 F=768 E=128, D=2048 F=1024 E=64 and D=4096
+          F=2048 E=32 (1024-2048 tiles), 0.6-1.5% slower at D=4096 and 7168, F=2048, E=256
+          (8192-14336 tiles). Below 64 rows it stays Triton (run 30: 5.5% slower at 4 rows
+          per expert of D=4096 F=2048 E=32; run 38: even at 48, 3.3% faster at 32 of D=2048
+          F=768 E=128);
         * at EP=2 on two H200s (half the rows stored across NVLink), run 28's sequential
           A/B read the layer forward 1.0% slower at the first shape and even at the second;
           timed interleaved (run 29) it is 0.9% faster at the first and 4.2% at the second
@@ -336,7 +346,7 @@ class W2Config(GemmConfig):
         from .w2_gluon import shape_reason
 
         del ep_size  # the same tile at every EP size (run 29)
-        if rows_per_expert < 128:
+        if rows_per_expert < 128 and not gluon_mid_rows(rows_per_expert, num_experts, hidden):
             return None
         config = cls(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=6,
                      group_m=8, persistent=True, gluon=True)

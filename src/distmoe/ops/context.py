@@ -171,10 +171,12 @@ class MoEContext:
 
         self._w13_cfg = W13Config.from_heuristic(hidden=D, ffn=F, block_m=cfg.row_block,
                                                  rows_per_expert=self.rows_per_expert_hint,
-                                                 training=cfg.training, device=self.device)
+                                                 training=cfg.training, device=self.device,
+                                                 num_experts=self.num_local_experts)
         self._w2_cfg = W2Config.from_heuristic(hidden=D, ffn=F, block_m=cfg.row_block,
                                                rows_per_expert=self.rows_per_expert_hint,
-                                               device=self.device, ep_size=self.ep_size)
+                                               device=self.device, ep_size=self.ep_size,
+                                               num_experts=self.num_local_experts)
         self._combine_cfg = CombineConfig.from_heuristic(hidden=D)
         self.activations: ActivationBuffer | None = None
         if cfg.training:
