@@ -1438,9 +1438,9 @@ def test_w2_heuristic_takes_gluon_at_every_ep_size(monkeypatch):
     assert pick(rows_per_expert=127) == W2Config.from_heuristic(hidden=4096, ffn=2048,
                                                                 rows_per_expert=127)
     assert not pick(rows_per_expert=127).gluon
-    # the local expert count reaches the mid-rows rule (32 experts x 32 column tiles)
+    # the local expert count reaches the mid-rows rule (at D=4096 F=2048: below 128 experts)
     assert pick(rows_per_expert=96, num_experts=32) == gluon_cfg
-    assert not pick(rows_per_expert=96, num_experts=65).gluon
+    assert not pick(rows_per_expert=96, num_experts=128).gluon
 
 
 def test_gluon_w2_shape_rules_without_a_gpu():
@@ -1469,14 +1469,15 @@ def test_gluon_w2_shape_rules_without_a_gpu():
             (True, 128, 4, 6)
     assert W2Config.hopper_gluon(hidden=4096, ffn=2048, rows_per_expert=127) is None
     assert W2Config.hopper_gluon(hidden=2048, ffn=768, rows_per_expert=96) is None
-    # 64-127 rows per expert: Gluon where the local experts are given and have at most 2048
-    # tiles of 128 output columns (run 38); below 64 Triton whatever the count
-    for rows, experts, hidden in ((64, 128, 2048), (127, 64, 2048), (96, 64, 4096)):
-        assert tile(W2Config.hopper_gluon(hidden=hidden, ffn=768, rows_per_expert=rows,
+    # 64-127 rows per expert: Gluon where the local experts are given and their W2 weights
+    # total less than 2 GiB (run 38; 128 experts at D=4096 F=2048 are exactly that); below
+    # 64 Triton whatever the count
+    for rows, experts, hidden in ((64, 128, 2048), (127, 64, 2048), (96, 127, 4096)):
+        assert tile(W2Config.hopper_gluon(hidden=hidden, ffn=2048, rows_per_expert=rows,
                                           num_experts=experts)) == (True, 128, 4, 6)
-    for rows, experts, hidden in ((96, 256, 4096), (96, 65, 4096), (96, 128, 7168),
-                                  (63, 8, 2048)):
-        assert W2Config.hopper_gluon(hidden=hidden, ffn=768, rows_per_expert=rows,
+    for rows, experts, hidden in ((96, 256, 4096), (96, 128, 4096), (96, 128, 7168),
+                                  (63, 8, 2048), (96, None, 2048)):
+        assert W2Config.hopper_gluon(hidden=hidden, ffn=2048, rows_per_expert=rows,
                                      num_experts=experts) is None
     assert tile(W2Config.hopper_gluon(hidden=4096, ffn=2048, rows_per_expert=2048,
                                       ep_size=2)) == (True, 128, 4, 6)
@@ -1519,15 +1520,18 @@ def test_gluon_w13_choice_and_limits_without_a_gpu():
         assert tile(pick(hidden=2048, ffn=768, rows_per_expert=rows, training=False)) == \
             (True, 128, 8, 4)
     # inference at 64-127 rows per expert: cooperative where the local experts are given
-    # and have at most 2048 tiles of 128 h2 columns (run 38), else Triton
+    # and their W13 weights total less than 2 GiB (run 38; 128 experts at D=2048 F=2048 are
+    # exactly that), else Triton
     for rows, experts, ffn in ((64, 128, 768), (127, 128, 768), (96, 32, 2048),
-                               (96, 128, 2048)):
+                               (96, 127, 2048)):
         assert tile(pick(hidden=2048, ffn=ffn, rows_per_expert=rows, training=False,
                          num_experts=experts)) == (True, 128, 8, 4)
-    for rows, experts, ffn in ((96, 256, 2048), (96, 129, 2048), (96, None, 768),
-                               (128 - 1, None, 2048)):
-        assert pick(hidden=2048, ffn=ffn, rows_per_expert=rows, training=False,
-                    num_experts=experts) is None
+    for rows, experts, ffn in ((96, 256, 2048), (96, 128, 2048), (96, None, 768),
+                               (127, None, 2048), (128 + 63, 1, 2048)):
+        want = None if rows < 128 else (True, 128, 8, 4)
+        got = pick(hidden=2048, ffn=ffn, rows_per_expert=rows, training=False,
+                   num_experts=experts)
+        assert (got if got is None else tile(got)) == want
     # Triton: widths no Gluon tile takes
     assert pick(hidden=2048, ffn=768, rows_per_expert=127, training=False) is None
     assert pick(hidden=4096, ffn=2048, rows_per_expert=64, training=False) is None

@@ -299,23 +299,25 @@ def check_devices(named: dict[str, torch.Tensor], *, for_kernel: bool = True) ->
     return first.device
 
 
-#: The most 128-column output tiles (local experts x ceil(columns / 128); one 128-row tile per
-#: expert) at which the Gluon W13 / W2 forward kernels run at 64-127 rows per expert. Fitted
-#: to one H200, inference, interleaved A/Bs (docs/performance.md run 38): both kernels 2-10%
-#: faster at 512-2048 tiles (D=2048 F=768 E=128, D=2048 F=1024 E=64, D=4096 F=2048 E=32),
-#: 0.2-1.5% slower each at 4096-14336 (D=4096 F=2048 E=256, D=7168 F=2048 E=256); nothing
-#: measured between 2048 and 4096, and why the count matters is not established.
-GLUON_MID_ROWS_MAX_TILES = 2048
+#: The bytes of expert weights (bf16, over the rank's local experts) that one Gluon W13 or W2
+#: forward must stream less than at 64-127 rows per expert. Fitted to one and two H200s, inference,
+#: interleaved A/Bs (docs/performance.md run 38): with the Gluon kernels the layer forward was
+#: 2-10% faster where the kernels stream 0.3-1.1 GB (D=2048 F=768 E=128 and 64, D=2048 F=1024
+#: E=64, D=4096 F=2048 E=32), and even to 2.7% slower at 3.8-15 GB (D=4096 and 7168, F=2048,
+#: E=256 at EP=1, E=128 at EP=2). The bound sits between: nothing was measured from 1.1 to
+#: 3.8 GB (2 GiB itself, D=4096 F=2048 E=128 for W2, ran Triton in run 38), and why the
+#: weights' size decides was not established (at these rows the kernels stream weights).
+GLUON_MID_ROWS_WEIGHT_BYTES = 2 * 1024**3
 
 
-def gluon_mid_rows(rows_per_expert: int, num_experts: int | None, columns: int) -> bool:
+def gluon_mid_rows(rows_per_expert: int, num_experts: int | None,
+                   weights_per_expert: int) -> bool:
     """Whether a Gluon forward kernel runs at a ``rows_per_expert`` hint of 64-127: only
-    with the local expert count known and ``num_experts * ceil(columns / 128)`` at most
-    :data:`GLUON_MID_ROWS_MAX_TILES` (``columns``: the kernel's output width, F for W13's
-    h2, D for W2)."""
+    with the local expert count known and ``num_experts * weights_per_expert`` bf16 values
+    (``2 F D`` for W13, ``D F`` for W2) under :data:`GLUON_MID_ROWS_WEIGHT_BYTES`."""
     if num_experts is None or not 64 <= rows_per_expert < 128:
         return False
-    return num_experts * -(-columns // 128) <= GLUON_MID_ROWS_MAX_TILES
+    return num_experts * weights_per_expert * 2 < GLUON_MID_ROWS_WEIGHT_BYTES
 
 
 def warn_gluon_fallback(kernel: str, reason: str) -> None:

@@ -486,7 +486,7 @@ class W13Config(GemmConfig):
           per expert too (forward 4-5% faster at two shapes);
         * run 30, interleaved: and for inference below 64 rows per expert (decode, 0.9-3.4%);
         * run 38, interleaved: and for inference at 64-127 rows per expert where the local
-          expert count ``num_experts`` is given and the kernel has few tiles
+          expert count ``num_experts`` is given and their W13 weights total less than 2 GiB
           (:func:`~distmoe.kernels._common.gluon_mid_rows`).
         """
         if rows_per_expert is not None and block_m == 128 and device is not None:
@@ -527,7 +527,7 @@ class W13Config(GemmConfig):
         """The Gluon config :meth:`from_heuristic` picks on a Hopper device (padding multiple
         128), or ``None`` where it keeps the Triton kernel (inference at 64-127 rows per
         expert unless :func:`~distmoe.kernels._common.gluon_mid_rows` holds for the local
-        expert count ``num_experts`` and F, or widths the Gluon kernel cannot tile).
+        expert count ``num_experts`` (their W13 weights under 2 GiB), or widths the Gluon kernel cannot tile).
 
         The first of these that the kernel can tile (:func:`~distmoe.kernels.w13_gluon.\
 shape_reason`):
@@ -544,8 +544,8 @@ shape_reason`):
           layer forward 0.9-3.4% faster in five cases of 1 to 32 rows per expert, T=16 and
           128 at D=4096 F=2048 E=32 K=8 and at D=2048 F=768 E=128 K=8, T=128 at D=7168
           F=2048 E=256 K=8; run 38: at 64-127 rows per expert 1.3-4.5% faster at D=2048
-          F=768 E=128, D=2048 F=1024 E=64 and D=4096 F=2048 E=32, 0.2-1.2% slower at D=4096
-          and 7168, F=2048, E=256 (hence the tile bound there);
+          F=768 E=128, D=2048 F=1024 E=64 and D=4096 F=2048 E=32, even to 2% slower at D=4096
+          and 7168, F=2048, E=256 (and E=128 at EP=2): hence the bound on the weights;
         * for training, and for inference with >= 1024 rows per expert: ping-pong 128 x 64
           tiles, 5 stages at >= 1024 rows per expert, else 6 (run 24).
         """
@@ -553,7 +553,7 @@ shape_reason`):
 
         long_segments = rows_per_expert >= 1024
         decode = not training and rows_per_expert < 64
-        mid = not training and gluon_mid_rows(rows_per_expert, num_experts, ffn)
+        mid = not training and gluon_mid_rows(rows_per_expert, num_experts, 2 * ffn * hidden)
         candidates = []
         if rows_per_expert >= 128 or decode or mid:
             candidates.append(cls(block_m=128, block_n=128, block_k=64, num_warps=8,

@@ -313,7 +313,7 @@ class W2Config(GemmConfig):
         128), or ``None`` where it keeps the Triton kernel: ping-pong 128 x 128 tiles with 6
         stages from 128 rows per expert, and at 64-127 where
         :func:`~distmoe.kernels._common.gluon_mid_rows` holds for the local expert count
-        ``num_experts`` and D; where D is a multiple of 128 and F of 64, at any ``ep_size``
+        ``num_experts`` (their W2 weights under 2 GiB); where D is a multiple of 128 and F of 64, at any ``ep_size``
         (above 1 some rows are stored into peers' memory).
 
         Measured on one H200 (2026-11-30, docs/performance.md run 28), against the Triton
@@ -334,8 +334,8 @@ class W2Config(GemmConfig):
         * at 96 rows per expert (T=4096 D=4096 F=2048 E=256 K=6) 0.4% slower, so the Triton
           kernel stayed below 128 until run 38: at 64-127 rows per expert, interleaved,
           inference, 0.5-5.7% faster at D=2048 F=768 E=128, D=2048 F=1024 E=64 and D=4096
-          F=2048 E=32 (1024-2048 tiles), 0.6-1.5% slower at D=4096 and 7168, F=2048, E=256
-          (8192-14336 tiles). Below 64 rows it stays Triton (run 30: 5.5% slower at 4 rows
+          F=2048 E=32 (0.3-0.5 GB of W2 weights), 0.6-1.5% slower at D=4096 and 7168,
+          F=2048, E=256 (4.3-7.5 GB). Below 64 rows it stays Triton (run 30: 5.5% slower at 4 rows
           per expert of D=4096 F=2048 E=32; run 38: even at 48, 3.3% faster at 32 of D=2048
           F=768 E=128);
         * at EP=2 on two H200s (half the rows stored across NVLink), run 28's sequential
@@ -346,7 +346,8 @@ class W2Config(GemmConfig):
         from .w2_gluon import shape_reason
 
         del ep_size  # the same tile at every EP size (run 29)
-        if rows_per_expert < 128 and not gluon_mid_rows(rows_per_expert, num_experts, hidden):
+        if rows_per_expert < 128 and not gluon_mid_rows(rows_per_expert, num_experts,
+                                                         hidden * ffn):
             return None
         config = cls(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=6,
                      group_m=8, persistent=True, gluon=True)
