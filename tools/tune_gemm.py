@@ -141,7 +141,7 @@ def main() -> int:
                                         (128, 4, 16, 8))]
         cands = {
             "w13": [W13Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint,
-                                             device=dev)] + [
+                                             device=dev, num_experts=E)] + [
                 W13Config(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st,
                           group_m=gm, persistent=pe)
                 for bn, st, gm, pe in itertools.product([128, 64], [3, 4], [8, 16],
@@ -152,12 +152,13 @@ def main() -> int:
             # Training: h1 and the gathered rows are stored too (the epilogue the layer runs
             # in a training forward), persistent grids with and without the TMA epilogue.
             "w13_train": [W13Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint,
-                                                   training=True, device=dev)] + [
+                                                   training=True, device=dev,
+                                                   num_experts=E)] + [
                 W13Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=st,
                           group_m=gm, persistent=True, tma_epilogue=tma)
                 for st, gm, tma in itertools.product([3, 4], [8, 16], [False, True])] + gluon,
             "w2": [W2Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint,
-                                           device=dev)] + [
+                                           device=dev, num_experts=E)] + [
                 W2Config(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st,
                          group_m=gm, persistent=pe)
                 for bn, st, gm, pe in itertools.product([128, 256], [3, 4], [8], [False, True])] + [
