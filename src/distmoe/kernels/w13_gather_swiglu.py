@@ -525,9 +525,10 @@ class W13Config(GemmConfig):
     def hopper_gluon(cls, *, hidden: int, ffn: int, rows_per_expert: int,
                      training: bool, num_experts: int | None = None) -> W13Config | None:
         """The Gluon config :meth:`from_heuristic` picks on a Hopper device (padding multiple
-        128), or ``None`` where it keeps the Triton kernel (inference at 64-127 rows per
+        128), or ``None`` where it keeps the Triton kernel: inference at 64-127 rows per
         expert unless :func:`~distmoe.kernels._common.gluon_mid_rows` holds for the local
-        expert count ``num_experts`` (their W13 weights under 2 GiB), or widths the Gluon kernel cannot tile).
+        expert count ``num_experts`` (their W13 weights under 2 GiB), and widths the Gluon
+        kernel cannot tile.
 
         The first of these that the kernel can tile (:func:`~distmoe.kernels.w13_gluon.\
 shape_reason`):

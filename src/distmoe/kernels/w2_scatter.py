@@ -313,8 +313,8 @@ class W2Config(GemmConfig):
         128), or ``None`` where it keeps the Triton kernel: ping-pong 128 x 128 tiles with 6
         stages from 128 rows per expert, and at 64-127 where
         :func:`~distmoe.kernels._common.gluon_mid_rows` holds for the local expert count
-        ``num_experts`` (their W2 weights under 2 GiB); where D is a multiple of 128 and F of 64, at any ``ep_size``
-        (above 1 some rows are stored into peers' memory).
+        ``num_experts`` (their W2 weights under 2 GiB); where D is a multiple of 128 and F
+        of 64, at any ``ep_size`` (above 1 some rows are stored into peers' memory).
 
         Measured on one H200 (2026-11-30, docs/performance.md run 28), against the Triton
         kernel's 128 x 256 tiles:
@@ -335,9 +335,9 @@ class W2Config(GemmConfig):
           kernel stayed below 128 until run 38: at 64-127 rows per expert, interleaved,
           inference, 0.5-5.7% faster at D=2048 F=768 E=128, D=2048 F=1024 E=64 and D=4096
           F=2048 E=32 (0.3-0.5 GB of W2 weights), 0.6-1.5% slower at D=4096 and 7168,
-          F=2048, E=256 (4.3-7.5 GB). Below 64 rows it stays Triton (run 30: 5.5% slower at 4 rows
-          per expert of D=4096 F=2048 E=32; run 38: even at 48, 3.3% faster at 32 of D=2048
-          F=768 E=128);
+          F=2048, E=256 (4.3-7.5 GB). Below 64 rows it stays Triton (run 30: 5.5% slower
+          at 4 rows per expert of D=4096 F=2048 E=32; run 38: even at 48, 3.3% faster at
+          32 of D=2048 F=768 E=128);
         * at EP=2 on two H200s (half the rows stored across NVLink), run 28's sequential
           A/B read the layer forward 1.0% slower at the first shape and even at the second;
           timed interleaved (run 29) it is 0.9% faster at the first and 4.2% at the second
