@@ -17,6 +17,28 @@ def test_results_in_rank_order():
     assert distmoe.launch(_square, 3, args=(10,)) == [10, 11, 14]
 
 
+def _store_rank(rank, world, directory):
+    import torch.distributed as dist
+
+    names = [n for n in os.listdir(directory) if n.endswith("-rendezvous")]
+    return dist.get_world_size(), dist.get_rank(), len(names)
+
+
+def test_ranks_meet_through_a_store_file_removed_afterwards(tmp_path, monkeypatch):
+    """No TCP port (a port picked as free can be taken before rank 0 listens: EADDRINUSE in
+    run 38): the ranks meet through a file store in the temporary directory, removed after
+    the launch, also after a failing one."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    # while the ranks run, the store is one file there
+    assert distmoe.launch(_store_rank, 2, args=(str(tmp_path),)) == [(2, 0, 1), (2, 1, 1)]
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(KeyError):
+        distmoe.launch(_fail_on_two, 3, timeout=120)
+    assert list(tmp_path.iterdir()) == []
+
+
 def _fail_on_two(rank, world):
     if rank == 2:
         raise KeyError("missing thing on rank 2")
