@@ -33,7 +33,8 @@ def test_forward_gpu_matches_reference(EP):
 @pytest.mark.gpu
 def test_forward_gpu_gluon_kernels_at_mid_rows_per_expert():
     """100 rows per expert (inference), where the heuristics take the Gluon W13 and W2 for
-    few tiles since run 38: every routing case against the reference at EP=1."""
+    experts whose weights total under 2 GiB since run 38: every routing case against the
+    reference at EP=1."""
     from distmoe.kernels.w2_scatter import W2Config
     from distmoe.kernels.w13_gather_swiglu import W13Config
 
