@@ -303,11 +303,10 @@ def check_devices(named: dict[str, torch.Tensor], *, for_kernel: bool = True) ->
 #: forward must stream less of to run at 64-127 rows per expert. Fitted to one and two H200s,
 #: inference, interleaved A/Bs (docs/performance.md run 38): with the Gluon kernels the layer
 #: forward was 2-10% faster where the kernels stream 0.3-1.1 GB (D=2048 F=768 E=128 and 64,
-#: D=2048 F=1024 E=64, D=4096 F=2048 E=32), and even to 2.7% slower at 3.8-15 GB (D=4096 and
-#: 7168, F=2048, E=256 at EP=1, E=128 at EP=2). The bound sits between: nothing was measured
-#: from 1.1 to 3.8 GB (2 GiB itself, D=4096 F=2048 E=128 for W2, ran Triton in run 38), and
-#: why the weights' size decides was not established (at these rows the kernels stream
-#: weights).
+#: D=2048 F=1024 E=64, D=4096 F=2048 E=32), and even to 2.7% slower at 4.3-15 GB (D=4096 and
+#: 7168, F=2048, E=256 at EP=1, E=128 at EP=2). The bound sits between, where nothing was
+#: measured (2 GiB itself, the W2 at D=4096 F=2048 E=128, ran only as Triton), and why the
+#: weights' size decides was not established (at these rows the kernels stream weights).
 GLUON_MID_ROWS_WEIGHT_BYTES = 2 * 1024**3
 
 
