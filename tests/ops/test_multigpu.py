@@ -1,8 +1,8 @@
 """One rank per GPU on every visible GPU (2, 4 or 8 H200s; skipped with fewer than two):
 the heap, the forward on every routing case, training (saving and replaying), a CUDA-graph
 training step, the forward with x in the context's input buffer, and with W2 beside W13 and
-with W13 and W2 fused (eager and in a graph). These are issue 8's correctness runs; on one GPU the same code runs with ranks
-sharing it (test_forward_gpu.py, test_training_gpu.py)."""
+with W13 and W2 fused (eager and in a graph). These are issue 8's correctness runs; on one
+GPU the same code runs with ranks sharing it (test_forward_gpu.py, test_training_gpu.py)."""
 
 import pytest
 import torch
