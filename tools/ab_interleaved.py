@@ -6,7 +6,8 @@ Usage (repository root; one GPU, or one rank per GPU under torch.distributed.run
         --variant g16=w13:group_m=16 --variant w2tri=w2:gluon=False [--rounds 15]
     PYTHONPATH=src python3 -m torch.distributed.run --standalone --nproc-per-node=2 \\
         tools/ab_interleaved.py --shape fine --mode fwd --variant w13tri=w13:gluon=False
-    (--tokens T: T tokens per rank instead of the shape's own, e.g. 64 for decode)
+    (--tokens T: T tokens per rank instead of the shape's own, e.g. 64 for decode;
+     --routing exact: every expert gets T*K/E rows instead of a sampled histogram)
 
 Why: ``tools/ab_bench.py`` runs one bench per variant, one after the other, and a GPU at its
 power limit drifts by a few per cent between them (performance.md runs 28-29), so an A/B of
@@ -144,6 +145,9 @@ def main() -> int:
                     help="tokens per rank instead of the shape's own T (e.g. 64 for decode)")
     ap.add_argument("--ep1-share", action="store_true",
                     help="also this rank's share of the work at EP=1, in the same rounds")
+    ap.add_argument("--routing", default="sampled", choices=["sampled", "exact"],
+                    help="sampled: each token draws K distinct experts at random (default); "
+                         "exact: every expert gets T*K/E rows (the bench suite's default)")
     args = ap.parse_args()
     try:
         variants = dict(parse_variant(v) for v in args.variant)
@@ -154,13 +158,14 @@ def main() -> int:
         raise SystemExit("--ep1-share needs EP > 1 (torch.distributed.run)")
     training = args.mode == "fwdbwd"
     try:
-        ctx, step, T = layer_step(args.shape, args.mode, joined, tokens=args.tokens)
+        ctx, step, T = layer_step(args.shape, args.mode, joined, tokens=args.tokens,
+                                  routing=args.routing)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
     share = None
     if args.ep1_share:
         share = layer_step(args.shape, args.mode, ep1_share(joined), tokens=args.tokens,
-                           share_of=joined.world)
+                           share_of=joined.world, routing=args.routing)
     with ctx:
         configs = {"base": variant_configs(ctx, [], training)}
         for name, specs in variants.items():

@@ -23,7 +23,8 @@ duration and stream of every kernel and copy).
 
 Runs a few untimed steps (compilation), then ``--steps`` steps under ``torch.profiler`` and
 prints the CUDA kernels sorted by total time (per step), then the step's wall time. Routing is
-balanced random (the bench's default shapes). Training steps take gradients with respect to
+sampled (each token draws K distinct experts at random) or, with ``--routing exact``, every
+expert gets T*K/E rows (the bench suite's default). Training steps take gradients with respect to
 x, scores, w13 and w2 through ``torch.autograd.grad`` like the bench (returned, not
 accumulated into ``.grad``).
 """
@@ -60,6 +61,9 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], metavar="SPEC",
                     help="a layer change as in tools/ab_interleaved.py's --variant specs "
                          "(e.g. layer:w13_waves=2); repeatable")
+    ap.add_argument("--routing", default="sampled", choices=["sampled", "exact"],
+                    help="sampled: each token draws K distinct experts at random (default); "
+                         "exact: every expert gets T*K/E rows (the bench suite's default)")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     D, F, E, K = shape.hidden, shape.ffn, shape.num_experts, shape.top_k
@@ -74,7 +78,7 @@ def main() -> int:
         share_of, joined = world, ep1_share(joined)
     try:
         ctx, step, T = layer_step(args.shape, args.mode, joined, tokens=args.tokens,
-                                  share_of=share_of)
+                                  share_of=share_of, routing=args.routing)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
     if args.set:

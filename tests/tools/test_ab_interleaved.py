@@ -100,6 +100,9 @@ def test_layer_step_checks_its_arguments_first():
         layer_step("issue-a", "bwd", joined)
     with pytest.raises(ValueError, match=r"tokens must be >= 1, got 0"):
         layer_step("issue-a", "fwd", joined, tokens=0)
+    with pytest.raises(ValueError, match=r"routing must be one of \('exact', 'sampled'\), "
+                       r"got 'uniform'"):
+        layer_step("issue-a", "fwd", joined, routing="uniform")
     with pytest.raises(ValueError, match=r"EP \(3\) must divide the experts of issue-a \(32\)"):
         layer_step("issue-a", "fwd", joined)
 
@@ -117,7 +120,7 @@ def test_two_cpu_ranks_with_the_ep1_share(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          str(TOOL), "--shape", "smoke", "--tokens", "48", "--mode", "fwd", "--rounds", "2",
          "--iters", "1", "--warmup", "1", "--ep1-share", "--variant", "s3=w13:num_stages=3",
-         "--variant", "inbuf=input:buffer=True"],
+         "--variant", "inbuf=input:buffer=True", "--routing", "exact"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()

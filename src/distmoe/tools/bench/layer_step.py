@@ -5,9 +5,11 @@ plain process, a one-rank gloo group on GPU 0; :func:`layer_step` builds a
 :class:`~distmoe.MoEContext` for a named bench shape and returns it with a function that runs
 one forward (``mode="fwd"``, under ``no_grad``) or forward+backward step (``"fwdbwd"``:
 gradients for x, the scores and both weights through ``torch.autograd.grad``, as the bench
-takes them). Every rank runs the shape's T tokens with balanced random routing over all E
-experts and holds its ``E / EP`` local experts' weights, so the per-rank work is the bench's
-EP runs'.
+takes them). Every rank runs the shape's T tokens routed over all E experts and holds its
+``E / EP`` local experts' weights, so the per-rank work is the bench's EP runs'. Routing is
+sampled by default (each token draws K distinct experts at random: balanced in expectation,
+as behind a real router) or exact (``routing="exact"``: every expert gets T*K/E rows, the
+bench suite's default histogram).
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def ep1_share(joined: Joined) -> Joined:
 
 
 def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None = None,
-               share_of: int = 1) -> tuple[object, Callable[[], None], int]:
+               share_of: int = 1, routing: str = "sampled"
+               ) -> tuple[object, Callable[[], None], int]:
     """``(ctx, step, T)`` for the named bench shape (``tokens`` instead of its T): the
     context (a :class:`~distmoe.MoEContext`, closed by the caller), one step and the tokens
     per rank. ``share_of``: the shape with E / ``share_of`` experts (one rank's share of
@@ -66,14 +69,18 @@ def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None
     generators seeded by the rank (the routing on the host, the rest on the device);
     ``step`` reuses them, so it can be captured into a CUDA graph.
     ``step(x_in_buffer=True)`` (inference only) passes x as the context's
-    :meth:`~distmoe.MoEContext.input_buffer`, written there once here."""
+    :meth:`~distmoe.MoEContext.input_buffer`, written there once here. ``routing``:
+    ``"sampled"`` (:func:`~distmoe.reference.random_routing`) or ``"exact"``
+    (:func:`~.workloads.make_routing`'s exact histogram), seeded by the rank."""
     import distmoe as dm
     from distmoe.reference import random_routing
 
-    from .workloads import SHAPES
+    from .workloads import ROUTING_KINDS, SHAPES, make_routing
 
     if mode not in ("fwd", "fwdbwd"):
         raise ValueError(f"mode must be 'fwd' or 'fwdbwd', got {mode!r}")
+    if routing not in ROUTING_KINDS:
+        raise ValueError(f"routing must be one of {ROUTING_KINDS}, got {routing!r}")
     from .cli import rank_share
 
     shape = rank_share(SHAPES[shape_name], share_of)
@@ -90,6 +97,8 @@ def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None
                        training=training)
     g = torch.Generator().manual_seed(joined.rank)
     ids, scores = random_routing(T, E, K, generator=g)
+    if routing == "exact":  # the same scores, ids with every expert's count T*K/E (+-1)
+        ids = make_routing(tokens=T, top_k=K, num_experts=E, seed=joined.rank).expert_ids_TK
     ids, scores = ids.to(dev), scores.to(dev)
     # the dense tensors drawn on the device (DeepSeek-V3's weights are 3.8 G values: minutes
     # on the host)
