@@ -12,8 +12,10 @@ thread, spill-store bytes and shared memory per case, and the persistent Gluon k
 (:func:`~distmoe.tools.sm90_build.gluon_wgrad_cases`, :func:`~.gluon_w13_cases`, the fused
 W13 + W2 :func:`~.gluon_fused_cases`, ...), ``--jobs`` builds at once. ``--check``
 exits 1 if a case fails to build or needs more than 227 KiB of shared memory, or a production
-case spills or has its wgmma pipeline serialized by ptxas (C7514: a
-non-wgmma instruction touching an in-flight accumulator); the CPU test suite runs it so. A spill in a K loop costs
+case spills or has its wgmma pipeline serialized by ptxas (any of its "wgmma.mma_async
+instructions are serialized" notes: C7514, a non-wgmma instruction touching an in-flight
+accumulator; C7515, one defining an accumulator register inside a pipeline stage; ...); the
+CPU test suite runs it so. A spill in a K loop costs
 far more than one in an epilogue; the report says whether a kernel spills, not where.
 """
 
@@ -87,7 +89,7 @@ def main() -> int:
             line = (f"regs {r.regs:>4}  spill stores {r.spill_bytes:>5} B  "
                     f"smem {r.smem_bytes // 1024:>3} KiB")
             if r.wgmma_serialized:
-                line += "  WGMMA SERIALIZED (ptxas C7514)"
+                line += "  WGMMA SERIALIZED (ptxas)"
             if not r.ok:
                 line += "  (production config: fails --check)"
         failed += not r.ok

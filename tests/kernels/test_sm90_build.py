@@ -40,3 +40,20 @@ def test_kernels_build_for_sm90_and_production_configs_do_not_spill():
 
     if HAVE_GLUON:  # the Gluon WGRAD's production configs: built, no spill, no serialized wgmma
         assert "fine W13 WGRAD gluon" in run.stdout and "issue-a W2 WGRAD gluon" in run.stdout
+
+
+def test_every_wgmma_serialization_note_counts():
+    """ptxas names each cause of a serialized wgmma pipeline with its own code; the report
+    must catch all of them (it once matched only C7514 and missed a C7515 build)."""
+    from distmoe.tools.sm90_build import wgmma_serialized
+
+    note = ("ptxas info    : ({code}) Potential Performance Loss: wgmma.mma_async instructions "
+            "are serialized due to {why} in the function '_gluon_w13_kernel'")
+    assert wgmma_serialized(note.format(code="C7514", why="non wgmma instructions touching "
+                                        "accumulator registers of a wgmma"))
+    assert wgmma_serialized(note.format(code="C7515", why="non wgmma instructions defining "
+                                        "accumulator registers of a wgmma between start and end "
+                                        "of the pipeline stage"))
+    clean = ("ptxas info    : Used 168 registers, used 4 barriers\n"
+             "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads")
+    assert not wgmma_serialized(clean)
