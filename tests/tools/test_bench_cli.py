@@ -156,7 +156,10 @@ def test_cpu_smoke_run_writes_outputs(tmp_path, capsys):
     with tarfile.open(tmp_path / "bench.tar.gz") as tar:
         assert {m.name for m in tar.getmembers()} == {f"bench/{n}" for n in names}
     printed = capsys.readouterr().out.splitlines()
-    assert printed[-1].startswith("ceiling peer_read")  # the text table comes last
+    # the text table comes last, then (exact routing) the note on the histogram
+    assert printed[-1].startswith("routing: exact (every expert gets T*K/E rows")
+    assert "--routing sampled" in printed[-1]
+    assert printed[-3].startswith("ceiling peer_read") and printed[-2] == ""
     assert any(line.startswith("provider") for line in printed)
     assert not torch.distributed.is_initialized()  # the private group was torn down
 
@@ -215,6 +218,7 @@ def test_sampled_routing_run_and_rules(tmp_path, capsys):
     assert [(r["routing"], r["status"]) for r in rows] == [("sampled", "ok")], rows
     table = capsys.readouterr().out.splitlines()
     assert any(line.startswith("torch") and " smp " in line for line in table)
+    assert not any(line.startswith("routing: exact") for line in table)
 
 
 def test_fill_metrics_against_both_dense_ceilings():

@@ -833,6 +833,10 @@ def _run(
         f"elapsed {elapsed:.0f} s on {env['gpu']} (EP={bench_group.world_size}, torch {env['torch']})\n"
     )
     print(report.format_table(cases, ceilings.as_dicts()))
+    if args.routing == "exact":
+        print("\nrouting: exact (every expert gets T*K/E rows, so whole tiles and row steps); "
+              "behind a real router the histogram is sampled and the grouped GEMMs run "
+              "partial tiles: --routing sampled times that (docs/performance.md, run 39)")
     return 1 if aborted else 0
 
 
