@@ -1609,8 +1609,8 @@ def test_gluon_wgrad(cfg, kind, programs):
     """The Gluon kernel (bf16 out, overwrite) over a NaN-poisoned output against the fp64-exact
     sum of the same bf16 products: each element within one bf16 rounding (2^-8 relative) plus
     fp32 accumulation on both sides (2 * rows * 2^-24 of the magnitude sum). Row counts: an empty expert
-    (zeros), fewer rows than one step, whole steps, partial last steps (their live rows
-    ending inside a 16-row slice, and at one: 48); the rows after each
+    (zeros), fewer rows than one step, whole steps, partial last steps (ending inside a
+    16-row slice, and on a slice boundary: 48); the rows after each
     small expert are scaled by 2^10 and the spare rows are NaN, so a partial step that reads
     past its expert's end shows. With 3 programs every program walks several tiles (the load
     stream crosses tile boundaries, empty tiles included). W13's x sits at a device offset
