@@ -1602,10 +1602,11 @@ def _gluon_configs():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("specialized", [False, True], ids=["main", "ws"])
 @pytest.mark.parametrize("programs", [3, None], ids=["3_programs", "one_per_sm"])
 @pytest.mark.parametrize("kind", ["W2", "W13_x_offset"])
 @pytest.mark.parametrize("cfg", _gluon_configs(), ids=lambda c: "x".join(map(str, c)))
-def test_gluon_wgrad(cfg, kind, programs):
+def test_gluon_wgrad(cfg, kind, programs, specialized):
     """The Gluon kernel (bf16 out, overwrite) over a NaN-poisoned output against the fp64-exact
     sum of the same bf16 products: each element within one bf16 rounding (2^-8 relative) plus
     fp32 accumulation on both sides (2 * rows * 2^-24 of the magnitude sum). Row counts: an empty expert
@@ -1618,6 +1619,8 @@ def test_gluon_wgrad(cfg, kind, programs):
     from distmoe.kernels.wgrad_gluon import gluon_wgrad_supported, launch_gluon_wgrad
 
     block_p, block_q, stages, warps, block_k = cfg
+    if specialized and block_q > 128:
+        pytest.skip("the warp-specialised kernel takes block_q <= 128")
     counts = [0, 37, 64, 200, 1, 128, 301, 0, 75, 48]
     layout = layout_from_counts(counts, 128, idle_tiles=1)
     big = [e + 1 for e, c in enumerate(counts[:-1]) if 0 < c < 128]
@@ -1642,7 +1645,7 @@ def test_gluon_wgrad(cfg, kind, programs):
         b_src = b
     launch_gluon_wgrad(a, b_src, layout.row_offsets, out, b_offset=b_offset, block_p=block_p,
                        block_q=block_q, stages=stages, num_warps=warps, block_k=block_k,
-                       programs=programs)
+                       programs=programs, specialized=specialized)
 
     zeros = torch.zeros(len(counts), width_p, width_q, device=DEVICE)
     po, ro = layout.padded_offsets, layout.row_offsets
@@ -1688,6 +1691,19 @@ def test_gluon_wgrad_config_rules():
         WgradConfig(block_out_m=64, num_warps=8, gluon=True)
     with pytest.raises(TypeError, match=r"gluon must be a bool, got int"):
         WgradConfig(gluon=1)
+    # the warp-specialised form: a Gluon config with at most 128 output columns
+    with pytest.raises(TypeError, match=r"specialized must be a bool, got int"):
+        WgradConfig(gluon=True, specialized=1)
+    with pytest.raises(ValueError, match=r"specialized=True needs gluon=True \(got False\)"):
+        WgradConfig(specialized=True)
+    with pytest.raises(ValueError, match=r"block_out_n <= 128 \(got 256\)"):
+        WgradConfig(block_out_n=256, gluon=True, specialized=True)
+    # what the Hopper heuristic picks: the specialised form with the 128-column tile (below
+    # 1024 rows per expert or narrow outputs), the plain Gluon kernel with the 256-column one
+    fine = WgradConfig.hopper_gluon(out_rows=2048, out_cols=768, rows_per_expert=256)
+    assert (fine.block_out_n, fine.gluon, fine.specialized) == (128, True, True)
+    wide = WgradConfig.hopper_gluon(out_rows=4096, out_cols=2048, rows_per_expert=2048)
+    assert (wide.block_out_n, wide.gluon, wide.specialized) == (256, True, False)
 
 
 def _gluon_dgrad_problem(hidden, ffn, block):

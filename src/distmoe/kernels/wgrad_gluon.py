@@ -58,6 +58,20 @@ __all__ = ["HAVE_GLUON", "GLUON_WGRAD_CONFIGS", "gluon_device_reason", "gluon_wg
 # (block_p, block_q, stages, num_warps, block_k) candidates: the tuner times them all (the heuristic,
 # WgradConfig.from_heuristic, picks the first or the second). Shared memory:
 # stages * block_k * (block_p + block_q) * 2 + block_p * block_q * 2 bytes (at most 227 KiB).
+
+
+#: warps of the warp-specialised kernel's zeroing partition
+WS_ZERO_WARPS = 2
+
+
+def ws_maxnreg(num_warps: int) -> int:
+    """The warp-specialised kernel's register limit: the register file over its warps
+    (``num_warps`` MMA warps, the producer's one and the zeroing partition's
+    :data:`WS_ZERO_WARPS`, launched as a multiple of 4), rounded down to a multiple of 8:
+    168 at 8 MMA warps, 248 at 4."""
+    warps = -(-(num_warps + 1 + WS_ZERO_WARPS) // 4) * 4
+    return min(255, 65536 // (32 * warps)) // 8 * 8
+
 GLUON_WGRAD_CONFIGS = ((128, 256, 3, 8, 64), (128, 128, 5, 8, 64), (128, 128, 6, 8, 64),
                        (128, 128, 4, 4, 64), (128, 128, 3, 8, 128), (256, 128, 3, 8, 64))
 
@@ -231,6 +245,185 @@ if HAVE_GLUON:
             mbarrier.invalidate(bars.index(i))
 
 
+    @gluon.constexpr_function
+    def _slice_layout(WIDTH, num_warps):
+        """16-byte vectors over a ``[16, WIDTH]`` slice, a warp's threads along a row first."""
+        cols = min(32, WIDTH // 8)
+        return gl.BlockedLayout([1, 8], [32 // cols, cols], [num_warps, 1], [1, 0])
+
+    @gluon.jit
+    def _zero_rows_sliced(buf, valid, BLOCK_K: gl.constexpr, WIDTH: gl.constexpr,
+                          num_warps: gl.constexpr):
+        """:func:`_zero_rows_from` 16 rows at a time (few registers): slices wholly past
+        ``valid`` are stored without a load; only the one straddling it is read."""
+        layout: gl.constexpr = _slice_layout(WIDTH, num_warps)
+        rows = gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
+        for s in gl.static_range(BLOCK_K // 16):
+            part = buf.slice(s * 16, 16)
+            if s * 16 >= valid:
+                part.store(gl.zeros([16, WIDTH], gl.bfloat16, layout))
+            elif s * 16 + 16 > valid:
+                tile = part.load(layout)
+                keep = gl.expand_dims(rows < valid - s * 16, 1)
+                part.store(gl.where(keep, tile, gl.zeros_like(tile)))
+
+    @gluon.jit
+    def _ws_b_source(b_desc, b_base, b_offset_ptr, row_offsets_ptr, Q: gl.constexpr,
+                     NUM_EXPERTS: gl.constexpr, B_OFFSET: gl.constexpr, B_LAYOUT: gl.constexpr,
+                     BLOCK_K: gl.constexpr, BLOCK_Q: gl.constexpr):
+        """B's descriptor: the host's, or (``B_OFFSET``) one built on the device over the live
+        rows from the offset."""
+        if B_OFFSET:
+            b_src = tma.make_tensor_descriptor(
+                b_base + gl.load(b_offset_ptr),
+                shape=[gl.load(row_offsets_ptr + NUM_EXPERTS), Q],
+                strides=[Q, 1],
+                block_shape=[BLOCK_K, BLOCK_Q],
+                layout=B_LAYOUT,
+            )
+        else:
+            b_src = b_desc
+        return b_src
+
+    @gluon.jit
+    def _ws_consumer(a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
+                     b_desc, b_base, b_offset_ptr,
+                     P: gl.constexpr, Q: gl.constexpr, NUM_EXPERTS: gl.constexpr,
+                     B_OFFSET: gl.constexpr, B_LAYOUT: gl.constexpr, BLOCK_K: gl.constexpr,
+                     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
+                     NUM_WARPS: gl.constexpr):
+        """The MMAs and the epilogue of the program's tiles: every row step the same MMA
+        (a partial step arrives with its dead rows already zeroed), no branch in the loop."""
+        NUM_Q: gl.constexpr = (Q + BLOCK_Q - 1) // BLOCK_Q
+        TILES_PER_EXPERT: gl.constexpr = (P // BLOCK_P) * NUM_Q
+        num_tiles = NUM_EXPERTS * TILES_PER_EXPERT
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_Q, 16])
+        count = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            first, end = _tile_rows(row_offsets_ptr, tile, num_tiles, TILES_PER_EXPERT)
+            out_row, _p0, q0 = _tile_origin(tile, P, NUM_Q, TILES_PER_EXPERT, BLOCK_P, BLOCK_Q)
+            steps = (end - first + BLOCK_K - 1) // BLOCK_K
+            acc = gl.zeros([BLOCK_P, BLOCK_Q], gl.float32, acc_layout)
+            for k in range(steps):
+                stage = count % STAGES
+                mbarrier.wait(bars.index(stage), (count // STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(stage).permute((1, 0)), b_bufs.index(stage),
+                                    acc, is_async=True)
+                # the previous step's MMA is done: its stage goes back to the producer
+                acc = warpgroup_mma_wait(1, deps=(acc,))
+                mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=k > 0)
+                count += 1
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=steps > 0)
+            # The previous tile's store has read c_smem (the wait is per issuing thread: the
+            # barrier publishes it to every thread of the partition).
+            tma.store_wait(0)
+            gl.thread_barrier()
+            c_smem.store(acc.to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(o_desc, [out_row, q0], c_smem)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _ws_producer(a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
+                     b_desc, b_base, b_offset_ptr,
+                     P: gl.constexpr, Q: gl.constexpr, NUM_EXPERTS: gl.constexpr,
+                     B_OFFSET: gl.constexpr, B_LAYOUT: gl.constexpr, BLOCK_K: gl.constexpr,
+                     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
+                     NUM_WARPS: gl.constexpr, a_desc):
+        """One warp: the TMA loads of every row step of the program's tiles, each once the
+        consumer has released its stage. A whole step completes the stage's barrier
+        ``bars[s]`` itself; a partial one completes ``bars[STAGES + s]``, which the zeroing
+        partition waits for before it completes ``bars[s]``."""
+        NUM_Q: gl.constexpr = (Q + BLOCK_Q - 1) // BLOCK_Q
+        TILES_PER_EXPERT: gl.constexpr = (P // BLOCK_P) * NUM_Q
+        num_tiles = NUM_EXPERTS * TILES_PER_EXPERT
+        b_src = _ws_b_source(b_desc, b_base, b_offset_ptr, row_offsets_ptr, Q, NUM_EXPERTS,
+                             B_OFFSET, B_LAYOUT, BLOCK_K, BLOCK_Q)
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + b_src.block_type.nbytes
+        count = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            first, end = _tile_rows(row_offsets_ptr, tile, num_tiles, TILES_PER_EXPERT)
+            _row, p0, q0 = _tile_origin(tile, P, NUM_Q, TILES_PER_EXPERT, BLOCK_P, BLOCK_Q)
+            for row in range(first, end, BLOCK_K):
+                stage = count % STAGES
+                mbarrier.wait(empty.index(stage), ((count // STAGES) & 1) ^ 1)
+                bar = bars.index(stage + STAGES * (row + BLOCK_K > end).to(gl.int32))
+                mbarrier.expect(bar, nbytes)
+                tma.async_copy_global_to_shared(a_desc, [row, p0], bar, a_bufs.index(stage))
+                tma.async_copy_global_to_shared(b_src, [row, q0], bar, b_bufs.index(stage))
+                count += 1
+
+    @gluon.jit
+    def _ws_zeroer(a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
+                   b_desc, b_base, b_offset_ptr,
+                   P: gl.constexpr, Q: gl.constexpr, NUM_EXPERTS: gl.constexpr,
+                   B_OFFSET: gl.constexpr, B_LAYOUT: gl.constexpr, BLOCK_K: gl.constexpr,
+                   BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
+                   NUM_WARPS: gl.constexpr, ZERO_WARPS: gl.constexpr):
+        """``ZERO_WARPS`` warps: each tile's partial last step, once loaded, gets its rows past the
+        expert's end zeroed in both operands (they belong to the next expert, are stale, or
+        are TMA zeros, and NaN must not reach the sum); then its stage goes to the consumer.
+        ``bars[STAGES + s]`` completes only for partial steps, so its phases are tracked per
+        stage (bit ``s`` of ``phases``)."""
+        NUM_Q: gl.constexpr = (Q + BLOCK_Q - 1) // BLOCK_Q
+        TILES_PER_EXPERT: gl.constexpr = (P // BLOCK_P) * NUM_Q
+        num_tiles = NUM_EXPERTS * TILES_PER_EXPERT
+        count = 0
+        phases = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            first, end = _tile_rows(row_offsets_ptr, tile, num_tiles, TILES_PER_EXPERT)
+            steps = (end - first + BLOCK_K - 1) // BLOCK_K
+            live = (end - first) % BLOCK_K
+            count += steps
+            if live != 0:
+                stage = (count - 1) % STAGES
+                mbarrier.wait(bars.index(STAGES + stage), (phases >> stage) & 1)
+                phases ^= 1 << stage
+                _zero_rows_sliced(a_bufs.index(stage), live, BLOCK_K, BLOCK_P, ZERO_WARPS)
+                _zero_rows_sliced(b_bufs.index(stage), live, BLOCK_K, BLOCK_Q, ZERO_WARPS)
+                fence_async_shared()
+                gl.thread_barrier()  # every thread's stores, before the (one) arrive
+                mbarrier.arrive(bars.index(stage))
+
+    @gluon.jit
+    def _gluon_wgrad_ws_kernel(
+        a_desc, b_desc, b_base, b_offset_ptr, o_desc, row_offsets_ptr,
+        P: gl.constexpr, Q: gl.constexpr, NUM_EXPERTS: gl.constexpr, B_OFFSET: gl.constexpr,
+        B_LAYOUT: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_P: gl.constexpr,
+        BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, ZERO_WARPS: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """:func:`_gluon_wgrad_kernel`'s contract and bits, warp-specialised: a one-warp TMA
+        producer, a ``ZERO_WARPS``-warp partition zeroing each tile's partial last step off the
+        critical path, and the MMA warps (``num_warps``) with no branch in their step loop."""
+        a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_P], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_Q], B_LAYOUT)
+        c_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_P, BLOCK_Q], o_desc.layout)
+        # bars[s]: stage s ready for the MMAs (a whole step's TMA bytes, or the zeroing
+        # partition's arrive); bars[STAGES + s]: a partial step's TMA bytes landed
+        bars = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2 * STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(empty.index(i), count=1)
+        gl.warp_specialize([
+            (_ws_consumer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
+                            b_desc, b_base, b_offset_ptr, P, Q, NUM_EXPERTS, B_OFFSET,
+                            B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps)),
+            (_ws_producer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
+                            b_desc, b_base, b_offset_ptr, P, Q, NUM_EXPERTS, B_OFFSET,
+                            B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps, a_desc)),
+            (_ws_zeroer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
+                          b_desc, b_base, b_offset_ptr, P, Q, NUM_EXPERTS, B_OFFSET,
+                          B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps,
+                          ZERO_WARPS)),
+        ], [1, ZERO_WARPS], [40, 48])
+
+
 def gluon_device_reason(device: torch.device) -> str | None:
     """``None`` when Gluon kernels can run on ``device`` (Gluon present, not the interpreter, a
     CUDA device of compute capability 9.x), else why not (a sentence)."""
@@ -286,7 +479,7 @@ def launch_gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_offsets: torch.Tens
                        out: torch.Tensor, *, b_offset: torch.Tensor | None = None,
                        block_p: int = 128, block_q: int = 256, stages: int = 3,
                        num_warps: int = 8, block_k: int = 64,
-                       programs: int | None = None) -> None:
+                       programs: int | None = None, specialized: bool = False) -> None:
     """Launch the persistent Gluon WGRAD (overwrite mode; arguments validated by the caller,
     :func:`gluon_wgrad_supported` returned ``None``): ``out[e] = a[rows_e]^T @ b[rows_e]``.
 
@@ -299,6 +492,8 @@ def launch_gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_offsets: torch.Tens
         block_p / block_q / stages / num_warps / block_k: one of :data:`GLUON_WGRAD_CONFIGS`.
         programs: grid size; default one per SM (at most one per tile). Tests pass fewer, so
             that every program walks several tiles.
+        specialized: the warp-specialised kernel (:func:`_gluon_wgrad_ws_kernel`: the
+            partial steps zeroed by their own warps; the same bits).
     """
     from ._common import device_context, ensure_tma_allocator, num_sms
 
@@ -323,10 +518,16 @@ def launch_gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_offsets: torch.Tens
     tiles = num_experts * (width_p // block_p) * triton.cdiv(width_q, block_q)
     if programs is None:
         programs = num_sms(out.device)
+    kernel, extra = _gluon_wgrad_kernel, {}
+    if specialized:
+        if block_q > 128:  # its m64n256 MMAs spill at ws_maxnreg(8) (sm_90 build)
+            raise ValueError(f"specialized needs block_q <= 128, got {block_q}")
+        kernel = _gluon_wgrad_ws_kernel
+        extra = {"maxnreg": ws_maxnreg(num_warps), "ZERO_WARPS": WS_ZERO_WARPS}
     with device_context(out.device):
-        _gluon_wgrad_kernel[(max(1, min(programs, tiles)),)](
+        kernel[(max(1, min(programs, tiles)),)](
             a_desc, b_desc, b_base, b_off, o_desc, row_offsets,
             P=width_p, Q=width_q, NUM_EXPERTS=num_experts, B_OFFSET=b_offset is not None,
             B_LAYOUT=b_layout, BLOCK_K=block_k, BLOCK_P=block_p, BLOCK_Q=block_q,
-            STAGES=stages, num_warps=num_warps,
+            STAGES=stages, num_warps=num_warps, **extra,
         )  # fmt: skip

@@ -176,7 +176,7 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
         return []
     gl = wg.gl
 
-    def case(label, P, Q, E, bp, bq, stages, warps, b_offset, production, bk=64):
+    def case(label, P, Q, E, bp, bq, stages, warps, b_offset, production, bk=64, ws=False):
         b_layout = gl.NVMMASharedLayout.get_default_for([bk, bq], gl.bfloat16)
         types = {"a_desc": _gluon_desc(bk, P, [bk, bp]),
                  "o_desc": _gluon_desc(E * P, Q, [bp, bq]),
@@ -185,10 +185,12 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
                  "b_base": "*bf16" if b_offset else "*i32",
                  "b_offset_ptr": "*i64" if b_offset else "*i32"}
         return BuildCase(
-            label, wg._gluon_wgrad_kernel,
+            label, wg._gluon_wgrad_ws_kernel if ws else wg._gluon_wgrad_kernel,
             dict(P=P, Q=Q, NUM_EXPERTS=E, B_OFFSET=b_offset, B_LAYOUT=b_layout, BLOCK_K=bk,
-                 BLOCK_P=bp, BLOCK_Q=bq, STAGES=stages, num_warps=warps),
-            warps, 1, types=types, production=production, gluon=True)
+                 BLOCK_P=bp, BLOCK_Q=bq, STAGES=stages, num_warps=warps,
+                 **({"ZERO_WARPS": wg.WS_ZERO_WARPS} if ws else {})),
+            warps, 1, types=types, production=production, gluon=True,
+            options=dict(maxnreg=wg.ws_maxnreg(warps)) if ws else {})
 
     cases = []
     for name in shapes:
@@ -199,9 +201,12 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
             c = w2b.WgradConfig.hopper_gluon(out_rows=P, out_cols=Q, rows_per_expert=hint)
             if c is None:  # the Triton WGRAD serves this shape (P not a multiple of 128)
                 continue
-            cases.append(case(f"{name} {kind} WGRAD gluon", P, Q, E, c.block_out_m,
-                              c.block_out_n, c.num_stages, c.num_warps, kind == "W13", True,
-                              c.block_k))
+            # the warp-specialised kernel: only the 128-column tile (below 1024 rows per
+            # expert, where partial steps are frequent); 128 x 256 needs more registers
+            for ws in (False, True) if c.block_out_n <= 128 else (False,):
+                cases.append(case(f"{name} {kind} WGRAD gluon{' ws' if ws else ''}", P, Q, E,
+                                  c.block_out_m, c.block_out_n, c.num_stages, c.num_warps,
+                                  kind == "W13", True, c.block_k, ws))
     s = SHAPES["fine"]
     for bp, bq, stages, warps, bk in wg.GLUON_WGRAD_CONFIGS:
         cases.append(case(f"variant W2 WGRAD gluon {bp}x{bq} k{bk} s{stages} w{warps}",
