@@ -27,6 +27,22 @@ tiles. Here the pipeline is written out by hand:
   must not reach the sum), then runs the same shared-memory MMA as every other step;
 * every tile's row bounds are loaded one tile ahead, so tile switches do not wait on memory.
 
+The warp-specialised form (:func:`_gluon_wgrad_ws_kernel`, ``launch_gluon_wgrad(...,
+specialized=True)``; the Hopper heuristic's pick for 128-column tiles) computes the same
+MMAs in the same order, so the same bits, with the work split over three partitions:
+
+* one warp issues the TMA loads, each once the MMA warps have released the stage;
+* two warps zero each tile's partial last step: its loads complete a second barrier of the
+  stage, which they wait for, then they zero the rows past the expert's end (16 rows at a
+  time) and complete the stage's barrier themselves;
+* the MMA warps run one MMA per step with no branch in their loop, and the epilogue.
+
+Under a real router most experts end in a partial step. Zeroing it on the MMA warps' path
+cost the T=4096, E=128 shape's WGRADs 24% (performance.md run 39), and any code added to the
+one-partition loop slowed every step (the loop's descriptors left the uniform datapath). The
+specialised kernel was 12-15% faster at exact routing and 17-31% under sampled routing
+(kernel alone, one H200, 2026-11-30, run 39 call 6).
+
 Only for CUDA devices of compute capability 9.x and outside the interpreter; the launcher
 (:func:`gluon_wgrad_supported`) says when, and the Triton kernel serves everything else.
 """
