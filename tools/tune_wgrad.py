@@ -8,7 +8,8 @@ For each named bench shape (EP=1) and routing (``random``: T*K rows spread at ra
 experts, so most experts end in a partial row step; ``balanced``: T*K/E rows each, as the
 layer benchmark routes), times ``w13_wgrad`` and ``w2_wgrad`` (overwrite mode, bf16 output,
 W13's x rows in a 1-D base at a device-side offset: as autograd runs them) for a set of
-candidate configs, the persistent Gluon kernel's configs and the current heuristic (``w13_wgrad_2d``: the heuristic with x as a 2-D
+candidate configs, the persistent Gluon kernel's configs (each also in its warp-specialised
+form where that takes the tile) and the current heuristic (``w13_wgrad_2d``: the heuristic with x as a 2-D
 tensor, both descriptors from the host, to show what the device-built one costs), with
 ``triton.testing.do_bench`` (median of repeated runs, L2 not flushed). Before timing, each
 config writes a NaN-poisoned output once and ``err`` is its largest difference from the
@@ -43,10 +44,14 @@ def _candidates(WgradConfig, out_rows, out_cols, hint, quick=False):
                           block_out_n=min(bn, out_cols), num_warps=warps, num_stages=stages)
         if cfg.fits_hopper() and cfg not in out:
             out.append(cfg)
-    # the persistent Gluon kernel (distmoe.kernels.wgrad_gluon), timed with --quick too
-    for bp, bq, stages, warps, bk in GLUON_WGRAD_CONFIGS:
+    # the persistent Gluon kernel (distmoe.kernels.wgrad_gluon), timed with --quick too, and
+    # its warp-specialised form where it takes the tile (at most 128 columns)
+    for (bp, bq, stages, warps, bk), ws in itertools.product(GLUON_WGRAD_CONFIGS,
+                                                              (False, True)):
+        if ws and min(bq, out_cols) > 128:
+            continue
         cfg = WgradConfig(block_m=128, block_k=bk, block_out_m=bp, block_out_n=min(bq, out_cols),
-                          num_warps=warps, num_stages=stages, gluon=True)
+                          num_warps=warps, num_stages=stages, gluon=True, specialized=ws)
         if out_rows % bp == 0 and cfg not in out:
             out.append(cfg)
     return out
