@@ -151,6 +151,25 @@ if HAVE_GLUON:
         buf.store(gl.where(keep, tile, gl.zeros_like(tile)))
 
     @gluon.jit
+    def _b_source(b_desc, b_base, b_offset_ptr, row_offsets_ptr, Q: gl.constexpr,
+                  NUM_EXPERTS: gl.constexpr, B_OFFSET: gl.constexpr, B_LAYOUT: gl.constexpr,
+                  BLOCK_K: gl.constexpr, BLOCK_Q: gl.constexpr):
+        """B's descriptor: the host's, or (``B_OFFSET``: the offset is a device value, a slot
+        cursor) one built on the device over the live rows from the offset (a multiple of 8
+        elements: a 16-byte aligned base), once per program."""
+        if B_OFFSET:
+            b_src = tma.make_tensor_descriptor(
+                b_base + gl.load(b_offset_ptr),
+                shape=[gl.load(row_offsets_ptr + NUM_EXPERTS), Q],
+                strides=[Q, 1],
+                block_shape=[BLOCK_K, BLOCK_Q],
+                layout=B_LAYOUT,
+            )
+        else:
+            b_src = b_desc
+        return b_src
+
+    @gluon.jit
     def _gluon_wgrad_kernel(
         a_desc,  # host descriptor of A [R_act, P], block [BLOCK_K, BLOCK_P]
         b_desc,  # host descriptor of B [R_act, Q], block [BLOCK_K, BLOCK_Q] (not B_OFFSET)
@@ -175,18 +194,8 @@ if HAVE_GLUON:
         pid = gl.program_id(0)
         num_progs = gl.num_programs(0)
 
-        if B_OFFSET:
-            # The offset is a device value (a slot cursor): one descriptor per program, bounded
-            # by the live rows (offset a multiple of 8 elements: 16-byte aligned base).
-            b_src = tma.make_tensor_descriptor(
-                b_base + gl.load(b_offset_ptr),
-                shape=[gl.load(row_offsets_ptr + NUM_EXPERTS), Q],
-                strides=[Q, 1],
-                block_shape=[BLOCK_K, BLOCK_Q],
-                layout=B_LAYOUT,
-            )
-        else:
-            b_src = b_desc
+        b_src = _b_source(b_desc, b_base, b_offset_ptr, row_offsets_ptr, Q, NUM_EXPERTS,
+                          B_OFFSET, B_LAYOUT, BLOCK_K, BLOCK_Q)
 
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_P], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_Q], B_LAYOUT)
@@ -284,24 +293,6 @@ if HAVE_GLUON:
                 part.store(gl.where(keep, tile, gl.zeros_like(tile)))
 
     @gluon.jit
-    def _ws_b_source(b_desc, b_base, b_offset_ptr, row_offsets_ptr, Q: gl.constexpr,
-                     NUM_EXPERTS: gl.constexpr, B_OFFSET: gl.constexpr, B_LAYOUT: gl.constexpr,
-                     BLOCK_K: gl.constexpr, BLOCK_Q: gl.constexpr):
-        """B's descriptor: the host's, or (``B_OFFSET``) one built on the device over the live
-        rows from the offset."""
-        if B_OFFSET:
-            b_src = tma.make_tensor_descriptor(
-                b_base + gl.load(b_offset_ptr),
-                shape=[gl.load(row_offsets_ptr + NUM_EXPERTS), Q],
-                strides=[Q, 1],
-                block_shape=[BLOCK_K, BLOCK_Q],
-                layout=B_LAYOUT,
-            )
-        else:
-            b_src = b_desc
-        return b_src
-
-    @gluon.jit
     def _ws_consumer(a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
                      b_desc, b_base, b_offset_ptr,
                      P: gl.constexpr, Q: gl.constexpr, NUM_EXPERTS: gl.constexpr,
@@ -356,8 +347,8 @@ if HAVE_GLUON:
         NUM_Q: gl.constexpr = (Q + BLOCK_Q - 1) // BLOCK_Q
         TILES_PER_EXPERT: gl.constexpr = (P // BLOCK_P) * NUM_Q
         num_tiles = NUM_EXPERTS * TILES_PER_EXPERT
-        b_src = _ws_b_source(b_desc, b_base, b_offset_ptr, row_offsets_ptr, Q, NUM_EXPERTS,
-                             B_OFFSET, B_LAYOUT, BLOCK_K, BLOCK_Q)
+        b_src = _b_source(b_desc, b_base, b_offset_ptr, row_offsets_ptr, Q, NUM_EXPERTS,
+                          B_OFFSET, B_LAYOUT, BLOCK_K, BLOCK_Q)
         nbytes: gl.constexpr = a_desc.block_type.nbytes + b_src.block_type.nbytes
         count = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
