@@ -130,7 +130,12 @@ def round_ratios(base_ms: list[float], ms: list[float]) -> list[float]:
 def main() -> int:
     import torch.distributed as dist
 
-    from distmoe.tools.bench.layer_step import ep1_share, join_group, layer_step
+    from distmoe.tools.bench.layer_step import (
+        add_routing_argument,
+        ep1_share,
+        join_group,
+        layer_step,
+    )
     from distmoe.tools.bench.timing import interleaved
     from distmoe.tools.bench.workloads import SHAPES
 
@@ -145,9 +150,7 @@ def main() -> int:
                     help="tokens per rank instead of the shape's own T (e.g. 64 for decode)")
     ap.add_argument("--ep1-share", action="store_true",
                     help="also this rank's share of the work at EP=1, in the same rounds")
-    ap.add_argument("--routing", default="sampled", choices=["sampled", "exact"],
-                    help="sampled: each token draws K distinct experts at random (default); "
-                         "exact: every expert gets T*K/E rows (the bench suite's default)")
+    add_routing_argument(ap)
     args = ap.parse_args()
     try:
         variants = dict(parse_variant(v) for v in args.variant)

@@ -41,7 +41,7 @@ import torch
 def main() -> int:
     import torch.distributed as dist
 
-    from distmoe.tools.bench.layer_step import join_group, layer_step
+    from distmoe.tools.bench.layer_step import add_routing_argument, join_group, layer_step
     from distmoe.tools.bench.workloads import SHAPES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -61,9 +61,7 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], metavar="SPEC",
                     help="a layer change as in tools/ab_interleaved.py's --variant specs "
                          "(e.g. layer:w13_waves=2); repeatable")
-    ap.add_argument("--routing", default="sampled", choices=["sampled", "exact"],
-                    help="sampled: each token draws K distinct experts at random (default); "
-                         "exact: every expert gets T*K/E rows (the bench suite's default)")
+    add_routing_argument(ap)
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     D, F, E, K = shape.hidden, shape.ffn, shape.num_experts, shape.top_k

@@ -59,6 +59,16 @@ def ep1_share(joined: Joined) -> Joined:
     return Joined(subgroups[joined.rank], 0, 1, joined.device)
 
 
+def add_routing_argument(parser) -> None:
+    """``--routing`` of the tools built on :func:`layer_step` (default ``sampled``)."""
+    from .workloads import ROUTING_KINDS
+
+    parser.add_argument("--routing", default="sampled", choices=ROUTING_KINDS,
+                        help="sampled: each token draws K distinct experts at random "
+                             "(default); exact: every expert gets T*K/E rows (the bench "
+                             "suite's default)")
+
+
 def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None = None,
                share_of: int = 1, routing: str = "sampled"
                ) -> tuple[object, Callable[[], None], int]:
