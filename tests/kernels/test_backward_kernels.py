@@ -958,13 +958,15 @@ def _w13_dgrad_half_tails_case(counts, hidden, ffn, config):
     _check_w13_scatter(layout, dispatch, dispatch_before, canary, canary_before, ref)
 
 
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "tile_grid"])
 @pytest.mark.parametrize("host_descriptors", [True, False], ids=["host_desc", "device_desc"])
-def test_w13_dgrad_half_tails(host_descriptors):
+def test_w13_dgrad_half_tails(host_descriptors, persistent):
     """half_tails: an expert's last tile with at most block_m / 2 live rows is computed as a
-    half tile after the full tiles. Last tiles of 1, 16 (exactly half), 17 and 31 live rows,
-    whole tiles only, an empty expert, an expert of one short tile."""
-    config = W13DgradConfig(block_m=32, block_n=32, block_k=32, num_warps=4, persistent=True,
-                            host_descriptors=host_descriptors, half_tails=True)
+    half tile. Last tiles of 1, 16 (exactly half), 17 and 31 live rows, whole tiles only, an
+    empty expert, an expert of one short tile."""
+    config = W13DgradConfig(block_m=32, block_n=32, block_k=32, num_warps=4,
+                            persistent=persistent, host_descriptors=host_descriptors,
+                            half_tails=True)
     # D = 40: a column tail with block_n 32; 2F = 48: a K tail
     _w13_dgrad_half_tails_case([33, 48, 0, 64, 49, 63, 5, 17], 40, 24, config)
 
@@ -982,10 +984,8 @@ def test_w13_dgrad_half_tails_gpu(host_descriptors):
 
 
 def test_w13_dgrad_half_tails_rules():
-    with pytest.raises(ValueError, match="half_tails=True needs persistent=True"):
-        W13DgradConfig(block_m=128, half_tails=True)
-    with pytest.raises(ValueError, match="block_m >= 32, got persistent=True, block_m=16"):
-        W13DgradConfig(block_m=16, persistent=True, half_tails=True)
+    with pytest.raises(ValueError, match="half_tails=True needs block_m >= 32, got block_m=16"):
+        W13DgradConfig(block_m=16, half_tails=True)
     with pytest.raises(TypeError, match="half_tails must be a bool"):
         W13DgradConfig(persistent=True, half_tails=1)
 

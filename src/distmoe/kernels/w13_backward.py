@@ -171,8 +171,18 @@ def _w13_dgrad_rows(
 
 
 @triton.jit
+def _w13_dgrad_half_desc(grad_h1, num_act_rows, FFN: tl.constexpr, HALF_M: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    """grad_h1's TMA descriptor for half tiles (block ``[HALF_M, BLOCK_K]``), built on the
+    device."""
+    return tl.make_tensor_descriptor(grad_h1, shape=[num_act_rows, 2 * FFN],
+                                     strides=[2 * FFN, 1], block_shape=[HALF_M, BLOCK_K])
+
+
+@triton.jit
 def _w13_dgrad_tile(
     grad_h1,
+    grad_h1_half,
     padded_offsets_ptr,
     row_offsets_ptr,
     w13,
@@ -188,21 +198,24 @@ def _w13_dgrad_tile(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    MIN_LIVE: tl.constexpr,
+    HALF_TAILS: tl.constexpr,
 ):
     """One ``BLOCK_M x BLOCK_N`` tile of grad_x_route, scattered, for a row tile below
-    ``padded_offsets[E]``. A tile with ``MIN_LIVE`` live rows or fewer (0: a tile of padding
-    rows only) loads and stores nothing.
+    ``padded_offsets[E]``. A tile of padding rows only loads and stores nothing; with
+    ``HALF_TAILS`` a tile of at most ``BLOCK_M / 2`` live rows (an expert's last) is computed
+    as a ``BLOCK_M / 2``-row tile, in its place in the walk (its weight tiles are then
+    still in L2 from the expert's other row tiles).
 
-    ``grad_h1`` / ``w13``: TMA descriptors (``DESC_READY``: host-encoded, or built once per
-    persistent program), else the tensors, whose descriptors are built here once the tile is
-    known to hold live rows.
+    ``grad_h1`` / ``grad_h1_half`` / ``w13``: TMA descriptors (``DESC_READY``: host-encoded,
+    or built once per persistent program), else the tensors, whose descriptors are built
+    here once the tile is known to hold live rows.
     """
+    HALF_M: tl.constexpr = BLOCK_M // 2
     row0 = pid_m * BLOCK_M
     expert = tile_expert(padded_offsets_ptr, row0, NUM_EXPERTS, EXPERTS_POW2)
     act0, num_live = tile_live_rows(padded_offsets_ptr, row_offsets_ptr, expert, row0)
     # Live rows come first in a segment: a tile starting at a padding row has none.
-    if num_live > MIN_LIVE:
+    if num_live > (HALF_M if HALF_TAILS else 0):
         if DESC_READY:
             a_desc = grad_h1
             w_desc = w13
@@ -212,15 +225,19 @@ def _w13_dgrad_tile(
             )
         _w13_dgrad_rows(a_desc, w_desc, scatter_ptrs_ptr, expert, row0, act0, num_live, pid_n,
                         HIDDEN, FFN, BLOCK_M, BLOCK_N, BLOCK_K)
-
-
-@triton.jit
-def _w13_dgrad_half_desc(grad_h1, num_act_rows, FFN: tl.constexpr, HALF_M: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
-    """grad_h1's TMA descriptor for the half tiles (block ``[HALF_M, BLOCK_K]``), built on
-    the device."""
-    return tl.make_tensor_descriptor(grad_h1, shape=[num_act_rows, 2 * FFN],
-                                     strides=[2 * FFN, 1], block_shape=[HALF_M, BLOCK_K])
+    elif HALF_TAILS:
+        if num_live > 0:
+            if DESC_READY:
+                a_desc = grad_h1_half
+                w_desc = w13
+            else:
+                _, w_desc = _w13_dgrad_descs(
+                    grad_h1, w13, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, BLOCK_M, BLOCK_N,
+                    BLOCK_K,
+                )  # fmt: skip
+                a_desc = _w13_dgrad_half_desc(grad_h1, num_act_rows, FFN, HALF_M, BLOCK_K)
+            _w13_dgrad_rows(a_desc, w_desc, scatter_ptrs_ptr, expert, row0, act0, num_live,
+                            pid_n, HIDDEN, FFN, HALF_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -246,7 +263,6 @@ def _w13_dgrad_scatter_kernel(
     HALF_TAILS: tl.constexpr,
 ):
     NUM_PID_N: tl.constexpr = (HIDDEN + BLOCK_N - 1) // BLOCK_N
-    HALF_M: tl.constexpr = BLOCK_M // 2
     total_rows = tl.load(padded_offsets_ptr + NUM_EXPERTS)
     if PERSISTENT:
         # Each program walks the live tiles (count read on the device) with a stride of the
@@ -255,58 +271,37 @@ def _w13_dgrad_scatter_kernel(
         # live tiles than programs) exit at once.
         num_live_m = total_rows // BLOCK_M
         num_tiles = num_live_m * NUM_PID_N
-        # HALF_TAILS: an expert's last row tile with at most HALF_M live rows is skipped by
-        # the first walk and computed as a HALF_M-row tile by the second, which walks one
-        # candidate per (expert, column tile) after the full tiles.
-        num_walk = num_tiles
-        if HALF_TAILS:
-            num_walk = num_tiles + NUM_EXPERTS * NUM_PID_N
         tile_id = tl.program_id(0)
-        if tile_id < num_walk:
+        if tile_id < num_tiles:
             if HOST_DESC:
                 a_desc = grad_h1
                 w_desc = w13
+                half_desc = grad_h1_half
             else:
                 a_desc, w_desc = _w13_dgrad_descs(
                     grad_h1, w13, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, BLOCK_M, BLOCK_N,
                     BLOCK_K,
                 )  # fmt: skip
+                half_desc = a_desc
+                if HALF_TAILS:
+                    half_desc = _w13_dgrad_half_desc(grad_h1, num_act_rows, FFN, BLOCK_M // 2,
+                                                     BLOCK_K)
             while tile_id < num_tiles:
                 pid_m, pid_n = swizzle_tile(tile_id, num_live_m, NUM_PID_N, GROUP_M)
                 _w13_dgrad_tile(
-                    a_desc, padded_offsets_ptr, row_offsets_ptr, w_desc, scatter_ptrs_ptr,
-                    num_act_rows, pid_m, pid_n, HIDDEN, FFN, NUM_EXPERTS, EXPERTS_POW2, True,
-                    BLOCK_M, BLOCK_N, BLOCK_K, HALF_M if HALF_TAILS else 0,
+                    a_desc, half_desc, padded_offsets_ptr, row_offsets_ptr, w_desc,
+                    scatter_ptrs_ptr, num_act_rows, pid_m, pid_n, HIDDEN, FFN, NUM_EXPERTS,
+                    EXPERTS_POW2, True, BLOCK_M, BLOCK_N, BLOCK_K, HALF_TAILS,
                 )  # fmt: skip
                 tile_id += tl.num_programs(0)
-            if HALF_TAILS:
-                if HOST_DESC:
-                    half_desc = grad_h1_half
-                else:
-                    half_desc = _w13_dgrad_half_desc(grad_h1, num_act_rows, FFN, HALF_M,
-                                                     BLOCK_K)
-                cand = tile_id - num_tiles
-                while cand < NUM_EXPERTS * NUM_PID_N:
-                    expert = cand // NUM_PID_N
-                    act_begin = tl.load(row_offsets_ptr + expert)
-                    rows = tl.load(row_offsets_ptr + expert + 1) - act_begin
-                    rem = rows % BLOCK_M
-                    if (rem > 0) & (rem <= HALF_M):
-                        seg_start = tl.load(padded_offsets_ptr + expert)
-                        _w13_dgrad_rows(
-                            half_desc, w_desc, scatter_ptrs_ptr, expert, seg_start + rows - rem,
-                            act_begin + rows - rem, rem, cand % NUM_PID_N, HIDDEN, FFN, HALF_M,
-                            BLOCK_N, BLOCK_K,
-                        )  # fmt: skip
-                    cand += tl.num_programs(0)
     else:
         pid_m, pid_n = swizzle_tile(tl.program_id(0), num_rows // BLOCK_M, NUM_PID_N, GROUP_M)
         # Idle tiles (rows at/after padded_offsets[E]): no loads, no stores.
         if pid_m * BLOCK_M < total_rows:
             _w13_dgrad_tile(
-                grad_h1, padded_offsets_ptr, row_offsets_ptr, w13, scatter_ptrs_ptr, num_act_rows,
-                pid_m, pid_n, HIDDEN, FFN, NUM_EXPERTS, EXPERTS_POW2, HOST_DESC, BLOCK_M, BLOCK_N,
-                BLOCK_K, 0,
+                grad_h1, grad_h1_half, padded_offsets_ptr, row_offsets_ptr, w13,
+                scatter_ptrs_ptr, num_act_rows, pid_m, pid_n, HIDDEN, FFN, NUM_EXPERTS,
+                EXPERTS_POW2, HOST_DESC, BLOCK_M, BLOCK_N, BLOCK_K, HALF_TAILS,
             )  # fmt: skip
 
 
@@ -326,10 +321,9 @@ class W13DgradConfig(GemmConfig):
     """
 
     #: Compute an expert's last row tile as a ``block_m / 2``-row tile where it holds at
-    #: most ``block_m / 2`` live rows: the persistent programs skip such tiles in their walk
-    #: over the full tiles, then walk one candidate per (local expert, column tile). A routed
-    #: histogram (not the bench's exact one) leaves about half of the experts such a tile.
-    #: Needs ``persistent`` and ``block_m >= 32``.
+    #: most ``block_m / 2`` live rows (in its place in the tile walk). A routed histogram
+    #: (not the bench's exact one) leaves about half of the experts such a tile. Needs
+    #: ``block_m >= 32``.
     half_tails: bool = False
 
     def __post_init__(self) -> None:
@@ -337,11 +331,8 @@ class W13DgradConfig(GemmConfig):
         check_backward_gemm_config(self)
         if not isinstance(self.half_tails, bool):
             raise TypeError(f"half_tails must be a bool, got {type(self.half_tails).__name__}")
-        if self.half_tails and not (self.persistent and self.block_m >= 32):
-            raise ValueError(
-                "half_tails=True needs persistent=True and block_m >= 32, got "
-                f"persistent={self.persistent}, block_m={self.block_m}"
-            )
+        if self.half_tails and self.block_m < 32:
+            raise ValueError(f"half_tails=True needs block_m >= 32, got block_m={self.block_m}")
 
     @classmethod
     def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128,
@@ -455,8 +446,6 @@ def w13_dgrad_scatter(
     else:
         ensure_tma_allocator()
     num_tiles_cap = (num_rows // config.block_m) * triton.cdiv(hidden, config.block_n)
-    if config.half_tails:
-        num_tiles_cap += num_experts * triton.cdiv(hidden, config.block_n)
     with device_context(device):
         _w13_dgrad_scatter_kernel[(gemm_grid(config, num_tiles_cap, device),)](
             grad_h1_arg,

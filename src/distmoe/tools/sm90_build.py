@@ -431,7 +431,7 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
         for host, persistent in w13d:
             c = w13b.W13DgradConfig.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)
             persistent = c.persistent if persistent is None else persistent
-            half = c.half_tails and persistent
+            half = c.half_tails
             descs = ({"grad_h1": _desc(c.block_m, c.block_k),
                       "w13": _desc(1, c.block_k, c.block_n)} if host else {})
             if host and half:
