@@ -26,7 +26,6 @@ from distmoe.kernels.interpreter import use_interpreter_if_no_gpu
 
 INTERPRETED = use_interpreter_if_no_gpu()
 
-import dataclasses  # noqa: E402
 import math  # noqa: E402
 import zlib  # noqa: E402
 from dataclasses import dataclass, replace  # noqa: E402
@@ -932,62 +931,6 @@ def test_w13_dgrad_persistent(host_descriptors):
         grad_h1, layout.padded_offsets, layout.row_offsets, w13, num_rows=layout.num_rows
     )
     _check_w13_scatter(layout, *results[True], ref)
-
-
-def _w13_dgrad_half_tails_case(counts, hidden, ffn, config):
-    """W13 DGRAD with ``counts`` live rows per expert (experts 0 and 2 get an extra padding
-    tile) against the reference: every live route holds it; nothing else (other dispatch
-    rows, the canaries behind padding and idle entries) is written."""
-    routes, start = [], 0
-    for c in counts:
-        routes.append(torch.randperm(c) + start)
-        start += c
-    layout = layout_from_routes(routes, config.block_m, extra_tiles={0: 1, 2: 1})
-    w13 = (torch.randn(len(counts), 2, ffn, hidden, device=DEVICE) / math.sqrt(ffn)).bfloat16()
-    grad_h1 = torch.randn(layout.num_act, 2 * ffn, device=DEVICE).bfloat16()
-    grad_h1[~layout.live_act()] = float("nan")
-    dispatch = torch.randn(start + 4, hidden, device=DEVICE).bfloat16()
-    canary = torch.randn(3, hidden, device=DEVICE).bfloat16()
-    ptrs = row_table(layout, dispatch, canary=canary)
-    dispatch_before, canary_before = dispatch.clone(), canary.clone()
-    w13_dgrad_scatter(grad_h1, layout.padded_offsets, layout.row_offsets, w13, ptrs,
-                      config=config)
-    ref = w13_dgrad_scatter_ref(
-        grad_h1, layout.padded_offsets, layout.row_offsets, w13, num_rows=layout.num_rows
-    )
-    _check_w13_scatter(layout, dispatch, dispatch_before, canary, canary_before, ref)
-
-
-@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "tile_grid"])
-@pytest.mark.parametrize("host_descriptors", [True, False], ids=["host_desc", "device_desc"])
-def test_w13_dgrad_half_tails(host_descriptors, persistent):
-    """half_tails: an expert's last tile with at most block_m / 2 live rows is computed as a
-    half tile. Last tiles of 1, 16 (exactly half), 17 and 31 live rows, whole tiles only, an
-    empty expert, an expert of one short tile."""
-    config = W13DgradConfig(block_m=32, block_n=32, block_k=32, num_warps=4,
-                            persistent=persistent, host_descriptors=host_descriptors,
-                            half_tails=True)
-    # D = 40: a column tail with block_n 32; 2F = 48: a K tail
-    _w13_dgrad_half_tails_case([33, 48, 0, 64, 49, 63, 5, 17], 40, 24, config)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("host_descriptors", [True, False], ids=["host_desc", "device_desc"])
-def test_w13_dgrad_half_tails_gpu(host_descriptors):
-    """The layer's tiles (128 x 256, persistent) with half tails: last tiles of 1, 64, 65,
-    100 and 127 live rows, whole tiles, an empty expert; D = 768 (three column tiles)."""
-    config = dataclasses.replace(
-        W13DgradConfig.from_heuristic(hidden=768, ffn=384, rows_per_expert=256),
-        host_descriptors=host_descriptors, half_tails=True)
-    assert config.persistent and config.block_m == 128
-    _w13_dgrad_half_tails_case([129, 192, 0, 256, 193, 228, 64, 255, 1], 768, 384, config)
-
-
-def test_w13_dgrad_half_tails_rules():
-    with pytest.raises(ValueError, match="half_tails=True needs block_m >= 32, got block_m=16"):
-        W13DgradConfig(block_m=16, half_tails=True)
-    with pytest.raises(TypeError, match="half_tails must be a bool"):
-        W13DgradConfig(persistent=True, half_tails=1)
 
 
 @pytest.mark.parametrize("counts", [[0, 0, 0], [0, 5, 0]], ids=["no_live_tile", "two_tiles"])

@@ -127,62 +127,8 @@ def _w13_dgrad_descs(
 
 
 @triton.jit
-def _w13_dgrad_rows(
-    a_desc,
-    w_desc,
-    scatter_ptrs_ptr,
-    expert,
-    row0,
-    act0,
-    num_live,
-    pid_n,
-    HIDDEN: tl.constexpr,
-    FFN: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """The ``BLOCK_M x BLOCK_N`` tile of grad_x_route at padded row ``row0`` (activation row
-    ``act0``, ``num_live > 0`` live rows) of ``expert``, column tile ``pid_n``, scattered.
-    ``a_desc`` (block ``[BLOCK_M, BLOCK_K]``) and ``w_desc``: TMA descriptors."""
-    n0 = pid_n * BLOCK_N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # Activation rows [act0, act0 + BLOCK_M): the tile's padding rows read past its
-    # expert's rows (TMA zero-fills rows past R_act); their results are discarded below.
-    for k0 in range(0, 2 * FFN, BLOCK_K):
-        a = a_desc.load([act0, k0])
-        b = w_desc.load([expert, k0, n0]).reshape(BLOCK_K, BLOCK_N)
-        acc = tl.dot(a, b, acc)
-
-    idx = tl.arange(0, BLOCK_M)
-    is_live = idx < num_live
-    # Entries of padding rows are not read (the routing layer writes 0 there anyway).
-    addr = tl.load(scatter_ptrs_ptr + row0 + idx, mask=is_live, other=0)
-    is_row = addr != 0
-    # Destination rows are 16-byte aligned (contract): 16-byte vector stores. The hint goes
-    # on the pointer (divisibility in bytes); on the int64 before the cast it would be lost.
-    dst = tl.multiple_of(addr.to(tl.pointer_type(tl.bfloat16)), 16)
-    col = n0 + tl.arange(0, BLOCK_N)
-    tl.store(
-        dst[:, None] + col[None, :],
-        acc.to(tl.bfloat16),
-        mask=is_row[:, None] & (col < HIDDEN)[None, :],
-    )
-
-
-@triton.jit
-def _w13_dgrad_half_desc(grad_h1, num_act_rows, FFN: tl.constexpr, HALF_M: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
-    """grad_h1's TMA descriptor for half tiles (block ``[HALF_M, BLOCK_K]``), built on the
-    device."""
-    return tl.make_tensor_descriptor(grad_h1, shape=[num_act_rows, 2 * FFN],
-                                     strides=[2 * FFN, 1], block_shape=[HALF_M, BLOCK_K])
-
-
-@triton.jit
 def _w13_dgrad_tile(
     grad_h1,
-    grad_h1_half,
     padded_offsets_ptr,
     row_offsets_ptr,
     w13,
@@ -198,24 +144,20 @@ def _w13_dgrad_tile(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    HALF_TAILS: tl.constexpr,
 ):
     """One ``BLOCK_M x BLOCK_N`` tile of grad_x_route, scattered, for a row tile below
-    ``padded_offsets[E]``. A tile of padding rows only loads and stores nothing; with
-    ``HALF_TAILS`` a tile of at most ``BLOCK_M / 2`` live rows (an expert's last) is computed
-    as a ``BLOCK_M / 2``-row tile, in its place in the walk (its weight tiles are then
-    still in L2 from the expert's other row tiles).
+    ``padded_offsets[E]``. A tile of padding rows only loads and stores nothing.
 
-    ``grad_h1`` / ``grad_h1_half`` / ``w13``: TMA descriptors (``DESC_READY``: host-encoded,
-    or built once per persistent program), else the tensors, whose descriptors are built
-    here once the tile is known to hold live rows.
+    ``grad_h1`` / ``w13``: TMA descriptors (``DESC_READY``: host-encoded, or built once per
+    persistent program), else the tensors, whose descriptors are built here once the tile is
+    known to hold live rows.
     """
-    HALF_M: tl.constexpr = BLOCK_M // 2
     row0 = pid_m * BLOCK_M
     expert = tile_expert(padded_offsets_ptr, row0, NUM_EXPERTS, EXPERTS_POW2)
     act0, num_live = tile_live_rows(padded_offsets_ptr, row_offsets_ptr, expert, row0)
     # Live rows come first in a segment: a tile starting at a padding row has none.
-    if num_live > (HALF_M if HALF_TAILS else 0):
+    if num_live > 0:
+        n0 = pid_n * BLOCK_N
         if DESC_READY:
             a_desc = grad_h1
             w_desc = w13
@@ -223,27 +165,33 @@ def _w13_dgrad_tile(
             a_desc, w_desc = _w13_dgrad_descs(
                 grad_h1, w13, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, BLOCK_M, BLOCK_N, BLOCK_K
             )
-        _w13_dgrad_rows(a_desc, w_desc, scatter_ptrs_ptr, expert, row0, act0, num_live, pid_n,
-                        HIDDEN, FFN, BLOCK_M, BLOCK_N, BLOCK_K)
-    elif HALF_TAILS:
-        if num_live > 0:
-            if DESC_READY:
-                a_desc = grad_h1_half
-                w_desc = w13
-            else:
-                _, w_desc = _w13_dgrad_descs(
-                    grad_h1, w13, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, BLOCK_M, BLOCK_N,
-                    BLOCK_K,
-                )  # fmt: skip
-                a_desc = _w13_dgrad_half_desc(grad_h1, num_act_rows, FFN, HALF_M, BLOCK_K)
-            _w13_dgrad_rows(a_desc, w_desc, scatter_ptrs_ptr, expert, row0, act0, num_live,
-                            pid_n, HIDDEN, FFN, HALF_M, BLOCK_N, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # Activation rows [act0, act0 + BLOCK_M): the tile's padding rows read past its
+        # expert's rows (TMA zero-fills rows past R_act); their results are discarded below.
+        for k0 in range(0, 2 * FFN, BLOCK_K):
+            a = a_desc.load([act0, k0])
+            b = w_desc.load([expert, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+            acc = tl.dot(a, b, acc)
+
+        idx = tl.arange(0, BLOCK_M)
+        is_live = idx < num_live
+        # Entries of padding rows are not read (the routing layer writes 0 there anyway).
+        addr = tl.load(scatter_ptrs_ptr + row0 + idx, mask=is_live, other=0)
+        is_row = addr != 0
+        # Destination rows are 16-byte aligned (contract): 16-byte vector stores. The hint goes
+        # on the pointer (divisibility in bytes); on the int64 before the cast it would be lost.
+        dst = tl.multiple_of(addr.to(tl.pointer_type(tl.bfloat16)), 16)
+        col = n0 + tl.arange(0, BLOCK_N)
+        tl.store(
+            dst[:, None] + col[None, :],
+            acc.to(tl.bfloat16),
+            mask=is_row[:, None] & (col < HIDDEN)[None, :],
+        )
 
 
 @triton.jit
 def _w13_dgrad_scatter_kernel(
     grad_h1,  # bf16 [R_act, 2F], or its TMA descriptor (HOST_DESC)
-    grad_h1_half,  # HALF_TAILS and HOST_DESC: grad_h1's descriptor for half tiles, else unused
     padded_offsets_ptr,  # int32 [E + 1]
     row_offsets_ptr,  # int32 [E + 1]
     w13,  # bf16 [E, 2F, D], or its TMA descriptor (HOST_DESC)
@@ -260,7 +208,6 @@ def _w13_dgrad_scatter_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    HALF_TAILS: tl.constexpr,
 ):
     NUM_PID_N: tl.constexpr = (HIDDEN + BLOCK_N - 1) // BLOCK_N
     total_rows = tl.load(padded_offsets_ptr + NUM_EXPERTS)
@@ -276,22 +223,17 @@ def _w13_dgrad_scatter_kernel(
             if HOST_DESC:
                 a_desc = grad_h1
                 w_desc = w13
-                half_desc = grad_h1_half
             else:
                 a_desc, w_desc = _w13_dgrad_descs(
                     grad_h1, w13, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, BLOCK_M, BLOCK_N,
                     BLOCK_K,
                 )  # fmt: skip
-                half_desc = a_desc
-                if HALF_TAILS:
-                    half_desc = _w13_dgrad_half_desc(grad_h1, num_act_rows, FFN, BLOCK_M // 2,
-                                                     BLOCK_K)
             while tile_id < num_tiles:
                 pid_m, pid_n = swizzle_tile(tile_id, num_live_m, NUM_PID_N, GROUP_M)
                 _w13_dgrad_tile(
-                    a_desc, half_desc, padded_offsets_ptr, row_offsets_ptr, w_desc,
-                    scatter_ptrs_ptr, num_act_rows, pid_m, pid_n, HIDDEN, FFN, NUM_EXPERTS,
-                    EXPERTS_POW2, True, BLOCK_M, BLOCK_N, BLOCK_K, HALF_TAILS,
+                    a_desc, padded_offsets_ptr, row_offsets_ptr, w_desc, scatter_ptrs_ptr,
+                    num_act_rows, pid_m, pid_n, HIDDEN, FFN, NUM_EXPERTS, EXPERTS_POW2, True,
+                    BLOCK_M, BLOCK_N, BLOCK_K,
                 )  # fmt: skip
                 tile_id += tl.num_programs(0)
     else:
@@ -299,9 +241,9 @@ def _w13_dgrad_scatter_kernel(
         # Idle tiles (rows at/after padded_offsets[E]): no loads, no stores.
         if pid_m * BLOCK_M < total_rows:
             _w13_dgrad_tile(
-                grad_h1, grad_h1_half, padded_offsets_ptr, row_offsets_ptr, w13,
-                scatter_ptrs_ptr, num_act_rows, pid_m, pid_n, HIDDEN, FFN, NUM_EXPERTS,
-                EXPERTS_POW2, HOST_DESC, BLOCK_M, BLOCK_N, BLOCK_K, HALF_TAILS,
+                grad_h1, padded_offsets_ptr, row_offsets_ptr, w13, scatter_ptrs_ptr, num_act_rows,
+                pid_m, pid_n, HIDDEN, FFN, NUM_EXPERTS, EXPERTS_POW2, HOST_DESC, BLOCK_M, BLOCK_N,
+                BLOCK_K,
             )  # fmt: skip
 
 
@@ -320,19 +262,9 @@ class W13DgradConfig(GemmConfig):
     ``host_descriptors`` covers the grad_h1 and w13 TMA descriptors.
     """
 
-    #: Compute an expert's last row tile as a ``block_m / 2``-row tile where it holds at
-    #: most ``block_m / 2`` live rows (in its place in the tile walk). A routed histogram
-    #: (not the bench's exact one) leaves about half of the experts such a tile. Needs
-    #: ``block_m >= 32``.
-    half_tails: bool = False
-
     def __post_init__(self) -> None:
         super().__post_init__()
         check_backward_gemm_config(self)
-        if not isinstance(self.half_tails, bool):
-            raise TypeError(f"half_tails must be a bool, got {type(self.half_tails).__name__}")
-        if self.half_tails and self.block_m < 32:
-            raise ValueError(f"half_tails=True needs block_m >= 32, got block_m={self.block_m}")
 
     @classmethod
     def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128,
@@ -422,7 +354,7 @@ def w13_dgrad_scatter(
     check_rows_cap(num_rows, config.block_m)
     if num_rows == 0 or num_act == 0:
         return  # no padded rows, or (R_act >= row_offsets[E]) no live rows
-    grad_h1_arg, grad_h1_half, w13_arg = grad_h1, grad_h1, w13
+    grad_h1_arg, w13_arg = grad_h1, w13
     if config.host_descriptors:
         grad_h1_arg = TensorDescriptor(
             grad_h1,
@@ -430,13 +362,6 @@ def w13_dgrad_scatter(
             strides=[2 * ffn, 1],
             block_shape=[config.block_m, config.block_k],
         )
-        if config.half_tails:
-            grad_h1_half = TensorDescriptor(
-                grad_h1,
-                shape=[num_act, 2 * ffn],
-                strides=[2 * ffn, 1],
-                block_shape=[config.block_m // 2, config.block_k],
-            )
         w13_arg = TensorDescriptor(
             w13,
             shape=[num_experts, 2 * ffn, hidden],
@@ -449,7 +374,6 @@ def w13_dgrad_scatter(
     with device_context(device):
         _w13_dgrad_scatter_kernel[(gemm_grid(config, num_tiles_cap, device),)](
             grad_h1_arg,
-            grad_h1_half,
             padded_offsets,
             row_offsets,
             w13_arg,
@@ -466,7 +390,6 @@ def w13_dgrad_scatter(
             BLOCK_N=config.block_n,
             BLOCK_K=config.block_k,
             GROUP_M=config.group_m,
-            HALF_TAILS=config.half_tails,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )

@@ -431,17 +431,14 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
         for host, persistent in w13d:
             c = w13b.W13DgradConfig.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)
             persistent = c.persistent if persistent is None else persistent
-            half = c.half_tails
             descs = ({"grad_h1": _desc(c.block_m, c.block_k),
                       "w13": _desc(1, c.block_k, c.block_n)} if host else {})
-            if host and half:
-                descs["grad_h1_half"] = _desc(c.block_m // 2, c.block_k)
             cases.append(BuildCase(
-                f"{name} W13 DGRAD host={host} persistent={persistent} half_tails={half}",
+                f"{name} W13 DGRAD host={host} persistent={persistent}",
                 w13b._w13_dgrad_scatter_kernel,
                 dict(HIDDEN=D, FFN=F, NUM_EXPERTS=E, EXPERTS_POW2=ep2, HOST_DESC=host,
                      PERSISTENT=persistent, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-                     BLOCK_K=c.block_k, GROUP_M=c.group_m, HALF_TAILS=half),
+                     BLOCK_K=c.block_k, GROUP_M=c.group_m),
                 c.num_warps, c.num_stages, types=descs, production=production))
         for host, persistent, gather_in_loop, scored in w2d:
             c = w2b.W2DgradConfig.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)
