@@ -1115,6 +1115,26 @@ def test_gpu_w13_gluon_programs_walk_many_tiles(block_n, warps, programs):
 
 @pytest.mark.gpu
 @GLUON_TILES
+@pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
+def test_gpu_w13_gluon_many_experts(block_n, warps, training):
+    # 200 local experts: above the 128 whose bounds the producer holds in registers (it
+    # loads them per tile there). Empty and one-row experts, whole and partial tiles, a
+    # live row with a null address.
+    gen = torch.Generator().manual_seed(5)
+    counts = torch.randint(0, 300, (200,), generator=gen)
+    counts[::7] = 0
+    counts[3::11] = 1
+    counts[5::13] = 128
+    counts = counts.tolist()
+    r_cap = sum(math.ceil(n / 128) * 128 for n in counts) + 2 * 128
+    config = _gluon_tile(block_n, warps)
+    _assert_gluon_w13_runs(config)
+    run_w13_case(counts, hidden=512, ffn=256, r_cap=r_cap, config=config, training=training,
+                 null_live=[3])
+
+
+@pytest.mark.gpu
+@GLUON_TILES
 @pytest.mark.parametrize("h1_at, x_at", [(8, 24), (-1, 16), (40, -8)],
                          ids=["both", "h1_skipped", "x_skipped"])
 def test_gpu_w13_gluon_out_offsets_and_enable(block_n, warps, h1_at, x_at):

@@ -72,8 +72,10 @@ if HAVE_GLUON:
 
     from ._gluon_ring import (
         _arrive_block,
+        _bounds_layout,
         _consumer_walk,
         _enabled_tiles,
+        _expert_bounds,
         _ordered_tile_info,
         _ordered_tiles,
         _program_tiles,
@@ -81,6 +83,11 @@ if HAVE_GLUON:
         _wait_turn,
     )
     from .w2_backward import _column_halves
+
+    #: the most experts (``EXPERTS_POW2``) whose bounds the producer holds in registers
+    #: across its tile loop (``5 * EXPERTS_POW2 / 32`` of its 56 per thread); above, it
+    #: loads them per tile: at 256 experts the held bounds spilled 4 bytes (sm_90, ptxas -v)
+    _HELD_BOUNDS = gl.constexpr(128)
 
 __all__ = ["DONE_BLOCK", "GLUON_W13_TILES", "done_count", "tile_rows", "gluon_w13_reason",
            "launch_gluon_w13", "shape_reason"]
@@ -173,9 +180,16 @@ if HAVE_GLUON:
         nbytes: gl.constexpr = 2 * w_desc.block_type.nbytes
         count = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            if EXPERTS_POW2 > _HELD_BOUNDS:
+                # loaded per tile (L1 hits after the first) rather than held across the loop
+                t_ends, t_starts, t_rbeg, t_rend, t_eidx = _expert_bounds(
+                    padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2,
+                    _bounds_layout(EXPERTS_POW2, 4))
+            else:
+                t_ends, t_starts, t_rbeg, t_rend, t_eidx = ends, starts, rbeg, rend, eidx
             pid_n, expert, row_start, _act, num_live = _ordered_tile_info(
-                tile, num_pid_m, order_ptr, pos_lo, ends, starts, rbeg, rend, eidx, NUM_PID_N,
-                GROUP_M, NUM_EXPERTS, BLOCK_M, HAS_ORDER)
+                tile, num_pid_m, order_ptr, pos_lo, t_ends, t_starts, t_rbeg, t_rend, t_eidx,
+                NUM_PID_N, GROUP_M, NUM_EXPERTS, BLOCK_M, HAS_ORDER)
             # this tile's row addresses (0: null or not live, zero-filled)
             src = gl.load(gather_ptrs_ptr + row_start + i, mask=i < num_live, other=0)
             rows = gl.multiple_of(src.to(gl.pointer_type(gl.bfloat16)), 16)

@@ -220,7 +220,9 @@ def gluon_w13_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Build
     heuristic picks on Hopper at each shape (:meth:`~distmoe.kernels.w13_gather_swiglu.\
 W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and the rows
     saved at device offsets and an enable flag in training (production: no spill, no
-    serialized wgmma); then (build only) at ``fine`` the 64 x 128 consumer tile with its
+    serialized wgmma), and deepseek-v3's training build (256 experts: the producer's bounds
+    loaded per tile) where it is not among ``shapes``; then (build only) at ``fine`` the 64 x
+    128 consumer tile with its
     deepest ring, a 3-stage inference build and the 6-stage 128 x 64 training build (what
     the heuristic picks below 128 rows per expert), and the 5-stage 128 x 64 tile at each
     shape."""
@@ -271,6 +273,15 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
                 if not train:  # EP > 1, with the W2 running beside it (done counters)
                     cases.append(case(name, name, train, c.block_n, c.num_stages, True,
                                       warps=c.num_warps, done=True))
+    if "deepseek-v3" not in shapes:
+        # 256 experts: the producer loads the per-expert bounds per tile (production build:
+        # holding them spilled 4 bytes)
+        s = SHAPES["deepseek-v3"]
+        c = W13Config.hopper_gluon(hidden=s.hidden, ffn=s.ffn, training=True,
+                                   rows_per_expert=s.tokens * s.top_k // s.num_experts)
+        if c is not None:
+            cases.append(case("deepseek-v3", "deepseek-v3", True, c.block_n, c.num_stages, True,
+                              warps=c.num_warps))
     cases.append(case("variant fine", "fine", True, 128, 5, False))
     cases.append(case("variant fine", "fine", False, 64, 3, False))
     cases.append(case("variant fine", "fine", True, 64, 6, False))
