@@ -9,8 +9,12 @@ replaying each graph once in rotating order; median us per launch, and a checksu
 output rows (sum of their int16 bits) for comparing bits.
 
     PYTHONPATH=src python3 w13d_micro.py half=half_tails=True
+    ROUTINGS=exact,shift1,sampled PYTHONPATH=src python3 w13d_micro.py m64=block_m=64
+
+(``half_tails`` exists on branch ``wip/half-tails`` only.)
 """
 import dataclasses
+import os
 import sys
 
 import torch
@@ -22,6 +26,10 @@ dev = torch.device("cuda")
 SHAPES = {"fine": (2048, 768, 128), "deepseek-v3": (7168, 2048, 256)}
 T, K, BM = 4096, 8, 128
 variants = {}
+# ROUTINGS=exact,shift1,sampled (environment): the row counts to run; shift1 is exact with
+# one row moved from the first expert to the last (every other expert's rows start one
+# activation row off the 128-row grid)
+ROUTINGS = [r for r in os.environ.get("ROUTINGS", "").split(",") if r]
 for arg in sys.argv[1:]:
     name, spec = arg.split("=", 1)
     fields = {}
@@ -38,6 +46,12 @@ for shape, (D, F, E) in SHAPES.items():
               "sampled": torch.bincount(random_routing(T, E, K, generator=torch.Generator()
                                                        .manual_seed(0))[0].reshape(-1),
                                         minlength=E)}
+    if ROUTINGS:
+        shifted = counts["exact"].clone()
+        shifted[0] -= 1  # every later expert's rows start one activation row earlier
+        shifted[-1] += 1
+        counts["shift1"] = shifted
+        counts = {k: counts[k] for k in ROUTINGS}
     for routing, c in counts.items():
         padded = (c + BM - 1) // BM * BM
         po = torch.zeros(E + 1, dtype=torch.int32)
