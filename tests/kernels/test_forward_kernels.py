@@ -1065,10 +1065,10 @@ def _gluon_tile(block_n, warps):
                    num_stages=4 if warps == 8 else GLUON_W13.num_stages)
 
 
-def _assert_gluon_w13_runs(config):
+def _assert_gluon_w13_runs(config, *, hidden=1024, ffn=768):
     from distmoe.kernels.w13_gluon import gluon_w13_reason
 
-    reason = gluon_w13_reason(DEVICE, hidden=1024, ffn=768, block_m=config.block_m,
+    reason = gluon_w13_reason(DEVICE, hidden=hidden, ffn=ffn, block_m=config.block_m,
                               block_n=config.block_n, block_k=config.block_k,
                               stages=config.num_stages, warps=config.num_warps)
     assert reason is None, f"the Gluon W13 kernel would not run here: {reason}"
@@ -1128,7 +1128,7 @@ def test_gpu_w13_gluon_many_experts(block_n, warps, training):
     counts = counts.tolist()
     r_cap = sum(math.ceil(n / 128) * 128 for n in counts) + 2 * 128
     config = _gluon_tile(block_n, warps)
-    _assert_gluon_w13_runs(config)
+    _assert_gluon_w13_runs(config, hidden=512, ffn=256)
     run_w13_case(counts, hidden=512, ffn=256, r_cap=r_cap, config=config, training=training,
                  null_live=[3])
 

@@ -221,11 +221,10 @@ def gluon_w13_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Build
 W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and the rows
     saved at device offsets and an enable flag in training (production: no spill, no
     serialized wgmma), and deepseek-v3's training build (256 experts: the producer's bounds
-    loaded per tile) where it is not among ``shapes``; then (build only) at ``fine`` the 64 x
-    128 consumer tile with its
-    deepest ring, a 3-stage inference build and the 6-stage 128 x 64 training build (what
-    the heuristic picks below 128 rows per expert), and the 5-stage 128 x 64 tile at each
-    shape."""
+    loaded per tile) where it is not among ``shapes``; then (build only) at ``fine`` the
+    64 x 128 consumer tile with its deepest ring, a 3-stage inference build and the 6-stage
+    128 x 64 training build (what the heuristic picks below 128 rows per expert), and the
+    5-stage 128 x 64 tile at each shape."""
     from distmoe.kernels import w13_gluon as wg
     from distmoe.kernels._common import next_power_of_2
     from distmoe.tools.bench.workloads import SHAPES
