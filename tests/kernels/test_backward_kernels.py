@@ -26,6 +26,7 @@ from distmoe.kernels.interpreter import use_interpreter_if_no_gpu
 
 INTERPRETED = use_interpreter_if_no_gpu()
 
+import dataclasses  # noqa: E402
 import math  # noqa: E402
 import zlib  # noqa: E402
 from dataclasses import dataclass, replace  # noqa: E402
@@ -931,6 +932,77 @@ def test_w13_dgrad_persistent(host_descriptors):
         grad_h1, layout.padded_offsets, layout.row_offsets, w13, num_rows=layout.num_rows
     )
     _check_w13_scatter(layout, *results[True], ref)
+
+
+def _w13_dgrad_pair_tails_case(counts, hidden, ffn, config):
+    """W13 DGRAD with ``counts`` live rows per expert (experts 0 and 2 get an extra padding
+    tile) against the reference: every live route holds it; nothing else (other dispatch
+    rows, the canaries behind padding and idle entries) is written. Returns the routes'
+    rows, for comparing configs."""
+    torch.manual_seed(11)
+    routes, start = [], 0
+    for c in counts:
+        routes.append(torch.randperm(c) + start)
+        start += c
+    layout = layout_from_routes(routes, config.block_m, extra_tiles={0: 1, 2: 1})
+    w13 = (torch.randn(len(counts), 2, ffn, hidden, device=DEVICE) / math.sqrt(ffn)).bfloat16()
+    grad_h1 = torch.randn(layout.num_act, 2 * ffn, device=DEVICE).bfloat16()
+    grad_h1[~layout.live_act()] = float("nan")
+    dispatch = torch.randn(start + 4, hidden, device=DEVICE).bfloat16()
+    canary = torch.randn(3, hidden, device=DEVICE).bfloat16()
+    ptrs = row_table(layout, dispatch, canary=canary)
+    dispatch_before, canary_before = dispatch.clone(), canary.clone()
+    w13_dgrad_scatter(grad_h1, layout.padded_offsets, layout.row_offsets, w13, ptrs,
+                      config=config)
+    ref = w13_dgrad_scatter_ref(
+        grad_h1, layout.padded_offsets, layout.row_offsets, w13, num_rows=layout.num_rows
+    )
+    _check_w13_scatter(layout, dispatch, dispatch_before, canary, canary_before, ref)
+    return dispatch
+
+
+# block_m 32: tails of 1 and of 16 (exactly half) after a whole tile (pairs), an empty
+# expert, whole tiles only, a last tile of 17 (no pair), a one-tile expert of 1 row (no
+# pair), a tail of 5 after two whole tiles (the last two a pair), whole tiles, a one-tile
+# expert of 17 rows
+PAIR_COUNTS = [33, 48, 0, 64, 49, 1, 69, 96, 17]
+
+
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "tile_grid"])
+@pytest.mark.parametrize("host_descriptors", [True, False], ids=["host_desc", "device_desc"])
+def test_w13_dgrad_pair_tails(host_descriptors, persistent):
+    """pair_tails: an expert's last tile with at most block_m / 2 live rows is computed
+    with the tile before it (two halves of block_n / 2 columns over both)."""
+    config = W13DgradConfig(block_m=32, block_n=32, block_k=32, num_warps=4,
+                            persistent=persistent, host_descriptors=host_descriptors,
+                            pair_tails=True)
+    # D = 40: a column tail (the halves are 16 wide: the second half of the last column tile
+    # is past D); 2F = 48: a K tail
+    _w13_dgrad_pair_tails_case(PAIR_COUNTS, 40, 24, config)
+
+
+def test_w13_dgrad_pair_tails_rules():
+    with pytest.raises(ValueError, match="pair_tails=True needs block_n >= 32, got block_n=16"):
+        W13DgradConfig(block_n=16, pair_tails=True)
+    with pytest.raises(TypeError, match="pair_tails must be a bool"):
+        W13DgradConfig(pair_tails=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("host_descriptors", [True, False], ids=["host_desc", "device_desc"])
+def test_w13_dgrad_pair_tails_gpu(host_descriptors):
+    """The layer's tiles (128 x 256, persistent) with pair_tails: last tiles of 1, 64 (a
+    pair), 65, 100 and 127 rows, one after two whole tiles, whole tiles, an empty expert, a
+    one-tile expert; D = 768. The routes' rows equal the unpaired kernel's bit for bit (the
+    same MMAs per row in the same order)."""
+    base = W13DgradConfig.from_heuristic(hidden=768, ffn=384, rows_per_expert=256)
+    assert base.persistent and base.block_m == 128 and not base.pair_tails
+    counts = [129, 192, 0, 256, 193, 228, 64, 255, 1, 300]
+    got = {}
+    for pair in (False, True):
+        config = dataclasses.replace(base, host_descriptors=host_descriptors, pair_tails=pair)
+        got[pair] = _w13_dgrad_pair_tails_case(counts, 768, 384, config)
+    assert same_bits(got[True], got[False])
 
 
 @pytest.mark.parametrize("counts", [[0, 0, 0], [0, 5, 0]], ids=["no_live_tile", "two_tiles"])

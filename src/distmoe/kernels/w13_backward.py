@@ -127,8 +127,30 @@ def _w13_dgrad_descs(
 
 
 @triton.jit
+def _w13_dgrad_store(scatter_ptrs_ptr, row0, num_live, acc, n0, HIDDEN: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Scatter the bf16 rows of ``acc`` (``[BLOCK_M, BLOCK_N]``, columns from ``n0``) of the
+    tile at padded row ``row0``, its first ``num_live`` rows live."""
+    idx = tl.arange(0, BLOCK_M)
+    is_live = idx < num_live
+    # Entries of padding rows are not read (the routing layer writes 0 there anyway).
+    addr = tl.load(scatter_ptrs_ptr + row0 + idx, mask=is_live, other=0)
+    is_row = addr != 0
+    # Destination rows are 16-byte aligned (contract): 16-byte vector stores. The hint goes
+    # on the pointer (divisibility in bytes); on the int64 before the cast it would be lost.
+    dst = tl.multiple_of(addr.to(tl.pointer_type(tl.bfloat16)), 16)
+    col = n0 + tl.arange(0, BLOCK_N)
+    tl.store(
+        dst[:, None] + col[None, :],
+        acc.to(tl.bfloat16),
+        mask=is_row[:, None] & (col < HIDDEN)[None, :],
+    )
+
+
+@triton.jit
 def _w13_dgrad_tile(
     grad_h1,
+    w13_half,
     padded_offsets_ptr,
     row_offsets_ptr,
     w13,
@@ -144,19 +166,34 @@ def _w13_dgrad_tile(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PAIR_TAILS: tl.constexpr,
 ):
     """One ``BLOCK_M x BLOCK_N`` tile of grad_x_route, scattered, for a row tile below
     ``padded_offsets[E]``. A tile of padding rows only loads and stores nothing.
 
-    ``grad_h1`` / ``w13``: TMA descriptors (``DESC_READY``: host-encoded, or built once per
-    persistent program), else the tensors, whose descriptors are built here once the tile is
-    known to hold live rows.
+    ``PAIR_TAILS``: an expert's last row tile with at most ``BLOCK_M / 2`` live rows (a
+    tail; not the expert's only tile) is computed with the tile before it, which then runs
+    as two ``2 BLOCK_M x BLOCK_N / 2`` halves, each K step's weight tile feeding the MMAs
+    of both row tiles: the weights are read once for both (the tail's own tile exits).
+
+    ``grad_h1`` / ``w13`` / ``w13_half``: TMA descriptors (``DESC_READY``: host-encoded, or
+    built once per persistent program; ``w13_half`` with ``BLOCK_N / 2`` columns), else the
+    tensors, whose descriptors are built here once the tile is known to hold live rows.
     """
+    HALF_M: tl.constexpr = BLOCK_M // 2
+    HALF_N: tl.constexpr = BLOCK_N // 2
     row0 = pid_m * BLOCK_M
     expert = tile_expert(padded_offsets_ptr, row0, NUM_EXPERTS, EXPERTS_POW2)
     act0, num_live = tile_live_rows(padded_offsets_ptr, row_offsets_ptr, expert, row0)
+    single = num_live > 0
+    if PAIR_TAILS:
+        # live rows count from row0 to the expert's end: (BLOCK_M, BLOCK_M + HALF_M] makes
+        # this tile and the expert's tail a pair; (0, HALF_M] past its first tile is that tail
+        pair = (num_live > BLOCK_M) & (num_live <= BLOCK_M + HALF_M)
+        tail = (num_live <= HALF_M) & (row0 > tl.load(padded_offsets_ptr + expert))
+        single = single & (pair == 0) & (tail == 0)
     # Live rows come first in a segment: a tile starting at a padding row has none.
-    if num_live > 0:
+    if single:
         n0 = pid_n * BLOCK_N
         if DESC_READY:
             a_desc = grad_h1
@@ -172,26 +209,37 @@ def _w13_dgrad_tile(
             a = a_desc.load([act0, k0])
             b = w_desc.load([expert, k0, n0]).reshape(BLOCK_K, BLOCK_N)
             acc = tl.dot(a, b, acc)
-
-        idx = tl.arange(0, BLOCK_M)
-        is_live = idx < num_live
-        # Entries of padding rows are not read (the routing layer writes 0 there anyway).
-        addr = tl.load(scatter_ptrs_ptr + row0 + idx, mask=is_live, other=0)
-        is_row = addr != 0
-        # Destination rows are 16-byte aligned (contract): 16-byte vector stores. The hint goes
-        # on the pointer (divisibility in bytes); on the int64 before the cast it would be lost.
-        dst = tl.multiple_of(addr.to(tl.pointer_type(tl.bfloat16)), 16)
-        col = n0 + tl.arange(0, BLOCK_N)
-        tl.store(
-            dst[:, None] + col[None, :],
-            acc.to(tl.bfloat16),
-            mask=is_row[:, None] & (col < HIDDEN)[None, :],
-        )
+        _w13_dgrad_store(scatter_ptrs_ptr, row0, num_live, acc, n0, HIDDEN, BLOCK_M, BLOCK_N)
+    if PAIR_TAILS:
+        if pair:
+            if DESC_READY:
+                a_desc = grad_h1
+                wh_desc = w13_half
+            else:
+                a_desc, wh_desc = _w13_dgrad_descs(
+                    grad_h1, w13, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, BLOCK_M, HALF_N,
+                    BLOCK_K,
+                )  # fmt: skip
+            for h in range(2):
+                n0 = pid_n * BLOCK_N + h * HALF_N
+                acc0 = tl.zeros([BLOCK_M, HALF_N], dtype=tl.float32)
+                acc1 = tl.zeros([BLOCK_M, HALF_N], dtype=tl.float32)
+                for k0 in range(0, 2 * FFN, BLOCK_K):
+                    a0 = a_desc.load([act0, k0])
+                    a1 = a_desc.load([act0 + BLOCK_M, k0])
+                    b = wh_desc.load([expert, k0, n0]).reshape(BLOCK_K, HALF_N)
+                    acc0 = tl.dot(a0, b, acc0)
+                    acc1 = tl.dot(a1, b, acc1)
+                _w13_dgrad_store(scatter_ptrs_ptr, row0, BLOCK_M, acc0, n0, HIDDEN, BLOCK_M,
+                                 HALF_N)
+                _w13_dgrad_store(scatter_ptrs_ptr, row0 + BLOCK_M, num_live - BLOCK_M, acc1,
+                                 n0, HIDDEN, BLOCK_M, HALF_N)
 
 
 @triton.jit
 def _w13_dgrad_scatter_kernel(
     grad_h1,  # bf16 [R_act, 2F], or its TMA descriptor (HOST_DESC)
+    w13_half,  # PAIR_TAILS and HOST_DESC: w13's descriptor of BLOCK_N / 2 columns, else unused
     padded_offsets_ptr,  # int32 [E + 1]
     row_offsets_ptr,  # int32 [E + 1]
     w13,  # bf16 [E, 2F, D], or its TMA descriptor (HOST_DESC)
@@ -208,6 +256,7 @@ def _w13_dgrad_scatter_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    PAIR_TAILS: tl.constexpr,
 ):
     NUM_PID_N: tl.constexpr = (HIDDEN + BLOCK_N - 1) // BLOCK_N
     total_rows = tl.load(padded_offsets_ptr + NUM_EXPERTS)
@@ -223,17 +272,24 @@ def _w13_dgrad_scatter_kernel(
             if HOST_DESC:
                 a_desc = grad_h1
                 w_desc = w13
+                wh_desc = w13_half
             else:
                 a_desc, w_desc = _w13_dgrad_descs(
                     grad_h1, w13, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, BLOCK_M, BLOCK_N,
                     BLOCK_K,
                 )  # fmt: skip
+                wh_desc = w_desc
+                if PAIR_TAILS:
+                    _, wh_desc = _w13_dgrad_descs(
+                        grad_h1, w13, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, BLOCK_M,
+                        BLOCK_N // 2, BLOCK_K,
+                    )  # fmt: skip
             while tile_id < num_tiles:
                 pid_m, pid_n = swizzle_tile(tile_id, num_live_m, NUM_PID_N, GROUP_M)
                 _w13_dgrad_tile(
-                    a_desc, padded_offsets_ptr, row_offsets_ptr, w_desc, scatter_ptrs_ptr,
-                    num_act_rows, pid_m, pid_n, HIDDEN, FFN, NUM_EXPERTS, EXPERTS_POW2, True,
-                    BLOCK_M, BLOCK_N, BLOCK_K,
+                    a_desc, wh_desc, padded_offsets_ptr, row_offsets_ptr, w_desc,
+                    scatter_ptrs_ptr, num_act_rows, pid_m, pid_n, HIDDEN, FFN, NUM_EXPERTS,
+                    EXPERTS_POW2, True, BLOCK_M, BLOCK_N, BLOCK_K, PAIR_TAILS,
                 )  # fmt: skip
                 tile_id += tl.num_programs(0)
     else:
@@ -241,9 +297,9 @@ def _w13_dgrad_scatter_kernel(
         # Idle tiles (rows at/after padded_offsets[E]): no loads, no stores.
         if pid_m * BLOCK_M < total_rows:
             _w13_dgrad_tile(
-                grad_h1, padded_offsets_ptr, row_offsets_ptr, w13, scatter_ptrs_ptr, num_act_rows,
-                pid_m, pid_n, HIDDEN, FFN, NUM_EXPERTS, EXPERTS_POW2, HOST_DESC, BLOCK_M, BLOCK_N,
-                BLOCK_K,
+                grad_h1, w13_half, padded_offsets_ptr, row_offsets_ptr, w13, scatter_ptrs_ptr,
+                num_act_rows, pid_m, pid_n, HIDDEN, FFN, NUM_EXPERTS, EXPERTS_POW2, HOST_DESC,
+                BLOCK_M, BLOCK_N, BLOCK_K, PAIR_TAILS,
             )  # fmt: skip
 
 
@@ -262,9 +318,21 @@ class W13DgradConfig(GemmConfig):
     ``host_descriptors`` covers the grad_h1 and w13 TMA descriptors.
     """
 
+    #: An expert's last row tile with at most ``block_m / 2`` live rows (a tail) is computed
+    #: with the tile before it: that tile runs as two halves of ``block_n / 2`` columns over
+    #: both row tiles, each weight tile loaded once for the two. Under a routed histogram
+    #: about half of the experts end in such a tail; where the kernel streams its weights
+    #: (few rows per expert, wide experts) a tail otherwise costs a second read of them.
+    #: Needs ``block_n >= 32``.
+    pair_tails: bool = False
+
     def __post_init__(self) -> None:
         super().__post_init__()
         check_backward_gemm_config(self)
+        if not isinstance(self.pair_tails, bool):
+            raise TypeError(f"pair_tails must be a bool, got {type(self.pair_tails).__name__}")
+        if self.pair_tails and self.block_n < 32:
+            raise ValueError(f"pair_tails=True needs block_n >= 32, got block_n={self.block_n}")
 
     @classmethod
     def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128,
@@ -354,7 +422,7 @@ def w13_dgrad_scatter(
     check_rows_cap(num_rows, config.block_m)
     if num_rows == 0 or num_act == 0:
         return  # no padded rows, or (R_act >= row_offsets[E]) no live rows
-    grad_h1_arg, w13_arg = grad_h1, w13
+    grad_h1_arg, w13_arg, w13_half = grad_h1, w13, w13
     if config.host_descriptors:
         grad_h1_arg = TensorDescriptor(
             grad_h1,
@@ -368,12 +436,20 @@ def w13_dgrad_scatter(
             strides=[2 * ffn * hidden, hidden, 1],
             block_shape=[1, config.block_k, config.block_n],
         )
+        if config.pair_tails:
+            w13_half = TensorDescriptor(
+                w13,
+                shape=[num_experts, 2 * ffn, hidden],
+                strides=[2 * ffn * hidden, hidden, 1],
+                block_shape=[1, config.block_k, config.block_n // 2],
+            )
     else:
         ensure_tma_allocator()
     num_tiles_cap = (num_rows // config.block_m) * triton.cdiv(hidden, config.block_n)
     with device_context(device):
         _w13_dgrad_scatter_kernel[(gemm_grid(config, num_tiles_cap, device),)](
             grad_h1_arg,
+            w13_half,
             padded_offsets,
             row_offsets,
             w13_arg,
@@ -390,6 +466,7 @@ def w13_dgrad_scatter(
             BLOCK_N=config.block_n,
             BLOCK_K=config.block_k,
             GROUP_M=config.group_m,
+            PAIR_TAILS=config.pair_tails,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
