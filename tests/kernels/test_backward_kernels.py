@@ -904,10 +904,12 @@ def test_w13_dgrad_scatter(one_expert, host_descriptors):
     _check_w13_scatter(layout, dispatch, dispatch_before, canary, canary_before, ref)
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["strided", "dynamic"])
 @pytest.mark.parametrize("host_descriptors", [True, False], ids=["host_desc", "device_desc"])
-def test_w13_dgrad_persistent(host_descriptors):
+def test_w13_dgrad_persistent(host_descriptors, dynamic):
     """persistent=True is bit-identical to one program per tile (same tiles, computed the same
-    way): every destination row, the untouched ones and the canaries included."""
+    way): every destination row, the untouched ones and the canaries included; with
+    ``dynamic`` the programs take their tiles from a counter."""
     num_experts, hidden, ffn, block_m, block_n = 5, 40, 24, 16, 32
     layout, w13, grad_h1 = _w13_problem(num_experts, hidden, ffn, block_m, [0, 1, 4])
     live_tiles = int(layout.padded_offsets[-1]) // block_m * math.ceil(hidden / block_n)
@@ -917,7 +919,8 @@ def test_w13_dgrad_persistent(host_descriptors):
         dispatch, canary, ptrs = _w13_targets(layout, hidden)
         dispatch_before, canary_before = dispatch.clone(), canary.clone()
         config = W13DgradConfig(block_m=block_m, block_n=block_n, block_k=32, num_warps=4,
-                                persistent=persistent, host_descriptors=host_descriptors)
+                                persistent=persistent, host_descriptors=host_descriptors,
+                                dynamic=dynamic and persistent)
         if persistent:
             assert_walks_several_tiles(
                 config, layout.num_rows // block_m * math.ceil(hidden / block_n), live_tiles
@@ -981,6 +984,13 @@ def test_w13_dgrad_pair_tails(host_descriptors, persistent):
     _w13_dgrad_pair_tails_case(PAIR_COUNTS, 40, 24, config)
 
 
+def test_w13_dgrad_dynamic_rules():
+    with pytest.raises(ValueError, match="dynamic=True needs persistent=True"):
+        W13DgradConfig(dynamic=True)
+    with pytest.raises(TypeError, match="dynamic must be a bool"):
+        W13DgradConfig(persistent=True, dynamic=1)
+
+
 def test_w13_dgrad_pair_tails_rules():
     with pytest.raises(ValueError, match="pair_tails=True needs block_n >= 32, got block_n=16"):
         W13DgradConfig(block_n=16, pair_tails=True)
@@ -991,18 +1001,20 @@ def test_w13_dgrad_pair_tails_rules():
 @pytest.mark.gpu
 @pytest.mark.parametrize("host_descriptors", [True, False], ids=["host_desc", "device_desc"])
 def test_w13_dgrad_pair_tails_gpu(host_descriptors):
-    """The layer's tiles (128 x 256, persistent) with pair_tails: last tiles of 1, 64 (a
-    pair), 65, 100 and 127 rows, one after two whole tiles, whole tiles, an empty expert, a
-    one-tile expert; D = 768. The routes' rows equal the unpaired kernel's bit for bit (the
-    same MMAs per row in the same order)."""
+    """The layer's tiles (128 x 256, persistent) with pair_tails and / or dynamic: last tiles
+    of 1, 64 (a pair), 65, 100 and 127 rows, one after two whole tiles, whole tiles, an empty
+    expert, a one-tile expert; D = 768. The routes' rows equal the plain kernel's bit for bit
+    (the same MMAs per row in the same order)."""
     base = W13DgradConfig.from_heuristic(hidden=768, ffn=384, rows_per_expert=256)
     assert base.persistent and base.block_m == 128 and not base.pair_tails
     counts = [129, 192, 0, 256, 193, 228, 64, 255, 1, 300]
     got = {}
-    for pair in (False, True):
-        config = dataclasses.replace(base, host_descriptors=host_descriptors, pair_tails=pair)
-        got[pair] = _w13_dgrad_pair_tails_case(counts, 768, 384, config)
-    assert same_bits(got[True], got[False])
+    for pair, dynamic in ((False, False), (True, False), (True, True), (False, True)):
+        config = dataclasses.replace(base, host_descriptors=host_descriptors, pair_tails=pair,
+                                     dynamic=dynamic)
+        got[pair, dynamic] = _w13_dgrad_pair_tails_case(counts, 768, 384, config)
+    for key, value in got.items():
+        assert same_bits(value, got[False, False]), key
 
 
 @pytest.mark.parametrize("counts", [[0, 0, 0], [0, 5, 0]], ids=["no_live_tile", "two_tiles"])

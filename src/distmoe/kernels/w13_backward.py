@@ -244,6 +244,7 @@ def _w13_dgrad_scatter_kernel(
     row_offsets_ptr,  # int32 [E + 1]
     w13,  # bf16 [E, 2F, D], or its TMA descriptor (HOST_DESC)
     scatter_ptrs_ptr,  # int64 [R_cap]: destination addresses of bf16 [D] rows (0 = skip)
+    next_ptr,  # DYNAMIC: int32 [1], zero: the next tile to hand out; else unused
     num_rows,  # R_cap
     num_act_rows,  # R_act
     HIDDEN: tl.constexpr,
@@ -252,6 +253,7 @@ def _w13_dgrad_scatter_kernel(
     EXPERTS_POW2: tl.constexpr,
     HOST_DESC: tl.constexpr,
     PERSISTENT: tl.constexpr,
+    DYNAMIC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -267,7 +269,12 @@ def _w13_dgrad_scatter_kernel(
         # live tiles than programs) exit at once.
         num_live_m = total_rows // BLOCK_M
         num_tiles = num_live_m * NUM_PID_N
+        # DYNAMIC: each program takes its next tile from a counter when it is done with one,
+        # so the tiles running at once stay neighbours in the group-M order (L2 reuse)
+        # however long each tile takes; else a fixed stride of the grid
         tile_id = tl.program_id(0)
+        if DYNAMIC:
+            tile_id = tl.atomic_add(next_ptr, 1, sem="relaxed")
         if tile_id < num_tiles:
             if HOST_DESC:
                 a_desc = grad_h1
@@ -291,7 +298,10 @@ def _w13_dgrad_scatter_kernel(
                     scatter_ptrs_ptr, num_act_rows, pid_m, pid_n, HIDDEN, FFN, NUM_EXPERTS,
                     EXPERTS_POW2, True, BLOCK_M, BLOCK_N, BLOCK_K, PAIR_TAILS,
                 )  # fmt: skip
-                tile_id += tl.num_programs(0)
+                if DYNAMIC:
+                    tile_id = tl.atomic_add(next_ptr, 1, sem="relaxed")
+                else:
+                    tile_id += tl.num_programs(0)
     else:
         pid_m, pid_n = swizzle_tile(tl.program_id(0), num_rows // BLOCK_M, NUM_PID_N, GROUP_M)
         # Idle tiles (rows at/after padded_offsets[E]): no loads, no stores.
@@ -325,10 +335,19 @@ class W13DgradConfig(GemmConfig):
     #: (few rows per expert, wide experts) a tail otherwise costs a second read of them.
     #: Needs ``block_n >= 32``.
     pair_tails: bool = False
+    #: Persistent programs take their tiles from a device counter (zeroed by the launcher
+    #: each call) instead of a fixed stride, so that tiles of different lengths do not spread
+    #: the running tiles apart in the group-M order. Needs ``persistent``.
+    dynamic: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_backward_gemm_config(self)
+        if not isinstance(self.dynamic, bool):
+            raise TypeError(f"dynamic must be a bool, got {type(self.dynamic).__name__}")
+        if self.dynamic and not self.persistent:
+            raise ValueError("dynamic=True needs persistent=True (a counter hands out the "
+                             "tiles of a persistent grid)")
         if not isinstance(self.pair_tails, bool):
             raise TypeError(f"pair_tails must be a bool, got {type(self.pair_tails).__name__}")
         if self.pair_tails and self.block_n < 32:
@@ -446,6 +465,9 @@ def w13_dgrad_scatter(
     else:
         ensure_tma_allocator()
     num_tiles_cap = (num_rows // config.block_m) * triton.cdiv(hidden, config.block_n)
+    # the tile counter (a memset node in a captured graph)
+    next_tile = (torch.zeros(1, dtype=torch.int32, device=device) if config.dynamic
+                 else padded_offsets)
     with device_context(device):
         _w13_dgrad_scatter_kernel[(gemm_grid(config, num_tiles_cap, device),)](
             grad_h1_arg,
@@ -454,6 +476,7 @@ def w13_dgrad_scatter(
             row_offsets,
             w13_arg,
             scatter_ptrs,
+            next_tile,
             num_rows,
             num_act,
             HIDDEN=hidden,
@@ -462,6 +485,7 @@ def w13_dgrad_scatter(
             EXPERTS_POW2=next_power_of_2(num_experts),
             HOST_DESC=config.host_descriptors,
             PERSISTENT=config.persistent,
+            DYNAMIC=config.dynamic,
             BLOCK_M=config.block_m,
             BLOCK_N=config.block_n,
             BLOCK_K=config.block_k,

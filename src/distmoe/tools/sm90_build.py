@@ -447,11 +447,12 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
                 descs["w13_half"] = _desc(1, c.block_k, c.block_n // 2)
             cases.append(BuildCase(
                 f"{name} W13 DGRAD host={host} persistent={persistent} "
-                f"pair_tails={c.pair_tails}",
+                f"pair_tails={c.pair_tails} dynamic={c.dynamic}",
                 w13b._w13_dgrad_scatter_kernel,
                 dict(HIDDEN=D, FFN=F, NUM_EXPERTS=E, EXPERTS_POW2=ep2, HOST_DESC=host,
                      PERSISTENT=persistent, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-                     BLOCK_K=c.block_k, GROUP_M=c.group_m, PAIR_TAILS=c.pair_tails),
+                     BLOCK_K=c.block_k, GROUP_M=c.group_m, PAIR_TAILS=c.pair_tails,
+                     DYNAMIC=c.dynamic),
                 c.num_warps, c.num_stages, types=descs, production=production))
         for host, persistent, gather_in_loop, scored in w2d:
             c = w2b.W2DgradConfig.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)
