@@ -150,6 +150,7 @@ def _w13_dgrad_store(scatter_ptrs_ptr, row0, num_live, acc, n0, HIDDEN: tl.const
 @triton.jit
 def _w13_dgrad_tile(
     grad_h1,
+    grad_h1_half,
     w13_half,
     padded_offsets_ptr,
     row_offsets_ptr,
@@ -173,12 +174,15 @@ def _w13_dgrad_tile(
 
     ``PAIR_TAILS``: an expert's last row tile with at most ``BLOCK_M / 2`` live rows (a
     tail; not the expert's only tile) is computed with the tile before it, which then runs
-    as two ``2 BLOCK_M x BLOCK_N / 2`` halves, each K step's weight tile feeding the MMAs
-    of both row tiles: the weights are read once for both (the tail's own tile exits).
+    as two ``(BLOCK_M + BLOCK_M / 2) x BLOCK_N / 2`` halves, each K step's weight tile
+    feeding a ``BLOCK_M``-row MMA for the tile and a ``BLOCK_M / 2``-row one for the tail:
+    the weights are read once for both, and the tail's dead half takes no MMA (its own
+    tile exits).
 
-    ``grad_h1`` / ``w13`` / ``w13_half``: TMA descriptors (``DESC_READY``: host-encoded, or
-    built once per persistent program; ``w13_half`` with ``BLOCK_N / 2`` columns), else the
-    tensors, whose descriptors are built here once the tile is known to hold live rows.
+    ``grad_h1`` / ``grad_h1_half`` / ``w13`` / ``w13_half``: TMA descriptors (``DESC_READY``:
+    host-encoded, or built once per persistent program; the ``_half`` ones with ``BLOCK_M /
+    2`` rows and ``BLOCK_N / 2`` columns), else the tensors, whose descriptors are built
+    here once the tile is known to hold live rows.
     """
     HALF_M: tl.constexpr = BLOCK_M // 2
     HALF_N: tl.constexpr = BLOCK_N // 2
@@ -214,31 +218,37 @@ def _w13_dgrad_tile(
         if pair:
             if DESC_READY:
                 a_desc = grad_h1
+                ah_desc = grad_h1_half
                 wh_desc = w13_half
             else:
-                a_desc, wh_desc = _w13_dgrad_descs(
+                a_desc, _ = _w13_dgrad_descs(
                     grad_h1, w13, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, BLOCK_M, HALF_N,
+                    BLOCK_K,
+                )  # fmt: skip
+                ah_desc, wh_desc = _w13_dgrad_descs(
+                    grad_h1, w13, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, HALF_M, HALF_N,
                     BLOCK_K,
                 )  # fmt: skip
             for h in range(2):
                 n0 = pid_n * BLOCK_N + h * HALF_N
                 acc0 = tl.zeros([BLOCK_M, HALF_N], dtype=tl.float32)
-                acc1 = tl.zeros([BLOCK_M, HALF_N], dtype=tl.float32)
+                acc1 = tl.zeros([HALF_M, HALF_N], dtype=tl.float32)
                 for k0 in range(0, 2 * FFN, BLOCK_K):
                     a0 = a_desc.load([act0, k0])
-                    a1 = a_desc.load([act0 + BLOCK_M, k0])
+                    a1 = ah_desc.load([act0 + BLOCK_M, k0])
                     b = wh_desc.load([expert, k0, n0]).reshape(BLOCK_K, HALF_N)
                     acc0 = tl.dot(a0, b, acc0)
                     acc1 = tl.dot(a1, b, acc1)
                 _w13_dgrad_store(scatter_ptrs_ptr, row0, BLOCK_M, acc0, n0, HIDDEN, BLOCK_M,
                                  HALF_N)
                 _w13_dgrad_store(scatter_ptrs_ptr, row0 + BLOCK_M, num_live - BLOCK_M, acc1,
-                                 n0, HIDDEN, BLOCK_M, HALF_N)
+                                 n0, HIDDEN, HALF_M, HALF_N)
 
 
 @triton.jit
 def _w13_dgrad_scatter_kernel(
     grad_h1,  # bf16 [R_act, 2F], or its TMA descriptor (HOST_DESC)
+    grad_h1_half,  # PAIR_TAILS and HOST_DESC: its descriptor of BLOCK_M / 2 rows, else unused
     w13_half,  # PAIR_TAILS and HOST_DESC: w13's descriptor of BLOCK_N / 2 columns, else unused
     padded_offsets_ptr,  # int32 [E + 1]
     row_offsets_ptr,  # int32 [E + 1]
@@ -279,22 +289,24 @@ def _w13_dgrad_scatter_kernel(
             if HOST_DESC:
                 a_desc = grad_h1
                 w_desc = w13
+                ah_desc = grad_h1_half
                 wh_desc = w13_half
             else:
                 a_desc, w_desc = _w13_dgrad_descs(
                     grad_h1, w13, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, BLOCK_M, BLOCK_N,
                     BLOCK_K,
                 )  # fmt: skip
+                ah_desc = a_desc
                 wh_desc = w_desc
                 if PAIR_TAILS:
-                    _, wh_desc = _w13_dgrad_descs(
-                        grad_h1, w13, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, BLOCK_M,
+                    ah_desc, wh_desc = _w13_dgrad_descs(
+                        grad_h1, w13, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, BLOCK_M // 2,
                         BLOCK_N // 2, BLOCK_K,
                     )  # fmt: skip
             while tile_id < num_tiles:
                 pid_m, pid_n = swizzle_tile(tile_id, num_live_m, NUM_PID_N, GROUP_M)
                 _w13_dgrad_tile(
-                    a_desc, wh_desc, padded_offsets_ptr, row_offsets_ptr, w_desc,
+                    a_desc, ah_desc, wh_desc, padded_offsets_ptr, row_offsets_ptr, w_desc,
                     scatter_ptrs_ptr, num_act_rows, pid_m, pid_n, HIDDEN, FFN, NUM_EXPERTS,
                     EXPERTS_POW2, True, BLOCK_M, BLOCK_N, BLOCK_K, PAIR_TAILS,
                 )  # fmt: skip
@@ -307,7 +319,8 @@ def _w13_dgrad_scatter_kernel(
         # Idle tiles (rows at/after padded_offsets[E]): no loads, no stores.
         if pid_m * BLOCK_M < total_rows:
             _w13_dgrad_tile(
-                grad_h1, w13_half, padded_offsets_ptr, row_offsets_ptr, w13, scatter_ptrs_ptr,
+                grad_h1, grad_h1_half, w13_half, padded_offsets_ptr, row_offsets_ptr, w13,
+                scatter_ptrs_ptr,
                 num_act_rows, pid_m, pid_n, HIDDEN, FFN, NUM_EXPERTS, EXPERTS_POW2, HOST_DESC,
                 BLOCK_M, BLOCK_N, BLOCK_K, PAIR_TAILS,
             )  # fmt: skip
@@ -441,7 +454,7 @@ def w13_dgrad_scatter(
     check_rows_cap(num_rows, config.block_m)
     if num_rows == 0 or num_act == 0:
         return  # no padded rows, or (R_act >= row_offsets[E]) no live rows
-    grad_h1_arg, w13_arg, w13_half = grad_h1, w13, w13
+    grad_h1_arg, w13_arg, grad_h1_half, w13_half = grad_h1, w13, grad_h1, w13
     if config.host_descriptors:
         grad_h1_arg = TensorDescriptor(
             grad_h1,
@@ -456,6 +469,12 @@ def w13_dgrad_scatter(
             block_shape=[1, config.block_k, config.block_n],
         )
         if config.pair_tails:
+            grad_h1_half = TensorDescriptor(
+                grad_h1,
+                shape=[num_act, 2 * ffn],
+                strides=[2 * ffn, 1],
+                block_shape=[config.block_m // 2, config.block_k],
+            )
             w13_half = TensorDescriptor(
                 w13,
                 shape=[num_experts, 2 * ffn, hidden],
@@ -471,6 +490,7 @@ def w13_dgrad_scatter(
     with device_context(device):
         _w13_dgrad_scatter_kernel[(gemm_grid(config, num_tiles_cap, device),)](
             grad_h1_arg,
+            grad_h1_half,
             w13_half,
             padded_offsets,
             row_offsets,

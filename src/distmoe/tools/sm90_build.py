@@ -444,6 +444,7 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
             descs = ({"grad_h1": _desc(c.block_m, c.block_k),
                       "w13": _desc(1, c.block_k, c.block_n)} if host else {})
             if host and c.pair_tails:
+                descs["grad_h1_half"] = _desc(c.block_m // 2, c.block_k)
                 descs["w13_half"] = _desc(1, c.block_k, c.block_n // 2)
             cases.append(BuildCase(
                 f"{name} W13 DGRAD host={host} persistent={persistent} "
