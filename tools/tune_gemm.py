@@ -65,8 +65,14 @@ def _describe(cfg) -> str:
 
 
 def _both_grids(configs):
-    """Each config followed by its persistent twin (order kept)."""
-    return [c for cfg in configs for c in (cfg, replace(cfg, persistent=not cfg.persistent))]
+    """Each config followed by its persistent twin (order kept; a twin on the tile grid drops
+    the persistent-only ``dynamic`` hand-out)."""
+    def twin(cfg):
+        if getattr(cfg, "dynamic", False):
+            return replace(cfg, persistent=False, dynamic=False)
+        return replace(cfg, persistent=not cfg.persistent)
+
+    return [c for cfg in configs for c in (cfg, twin(cfg))]
 
 
 def main() -> int:

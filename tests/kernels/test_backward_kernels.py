@@ -1006,7 +1006,7 @@ def test_w13_dgrad_pair_tails_gpu(host_descriptors):
     expert, a one-tile expert; D = 768. The routes' rows equal the plain kernel's bit for bit
     (the same MMAs per row in the same order)."""
     base = W13DgradConfig.from_heuristic(hidden=768, ffn=384, rows_per_expert=256)
-    assert base.persistent and base.block_m == 128 and not base.pair_tails
+    assert base.persistent and base.block_m == 128 and base.pair_tails and base.dynamic
     counts = [129, 192, 0, 256, 193, 228, 64, 255, 1, 300]
     got = {}
     for pair, dynamic in ((False, False), (True, False), (True, True), (False, True)):
@@ -1483,6 +1483,7 @@ def test_configs():
     assert cpu == w2d and not cpu.gluon
     w13d = W13DgradConfig.from_heuristic(hidden=2048, ffn=768, rows_per_expert=256)
     assert (w13d.block_n, w13d.num_stages, w13d.persistent) == (256, 4, True)
+    assert w13d.dynamic and w13d.pair_tails  # run 40: the layer's tiles, handed out
     assert w2d.fits_hopper() and w13d.fits_hopper()
     for cls in (W2DgradConfig, W13DgradConfig):
         assert cls.from_heuristic(hidden=128, ffn=128, rows_per_expert=2048) \
