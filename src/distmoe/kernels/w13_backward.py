@@ -127,6 +127,31 @@ def _w13_dgrad_descs(
 
 
 @triton.jit
+def _w13_dgrad_all_descs(grad_h1, grad_h1_half, w13, w13_half, num_act_rows,
+                         HIDDEN: tl.constexpr, FFN: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+                         READY: tl.constexpr, PAIR_TAILS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``(a, w, a_half, w_half)``: the descriptors as passed (``READY``), else built here (the
+    half ones, ``BLOCK_M / 2`` rows and ``BLOCK_N / 2`` columns, only with ``PAIR_TAILS``;
+    without it they are the whole ones, unused)."""
+    if READY:
+        a_desc = grad_h1
+        w_desc = w13
+        ah_desc = grad_h1_half
+        wh_desc = w13_half
+    else:
+        a_desc, w_desc = _w13_dgrad_descs(grad_h1, w13, num_act_rows, HIDDEN, FFN, NUM_EXPERTS,
+                                          BLOCK_M, BLOCK_N, BLOCK_K)
+        ah_desc = a_desc
+        wh_desc = w_desc
+        if PAIR_TAILS:
+            ah_desc, wh_desc = _w13_dgrad_descs(grad_h1, w13, num_act_rows, HIDDEN, FFN,
+                                                NUM_EXPERTS, BLOCK_M // 2, BLOCK_N // 2,
+                                                BLOCK_K)
+    return a_desc, w_desc, ah_desc, wh_desc
+
+
+@triton.jit
 def _w13_dgrad_store(scatter_ptrs_ptr, row0, num_live, acc, n0, HIDDEN: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Scatter the bf16 rows of ``acc`` (``[BLOCK_M, BLOCK_N]``, columns from ``n0``) of the
@@ -216,19 +241,9 @@ def _w13_dgrad_tile(
         _w13_dgrad_store(scatter_ptrs_ptr, row0, num_live, acc, n0, HIDDEN, BLOCK_M, BLOCK_N)
     if PAIR_TAILS:
         if pair:
-            if DESC_READY:
-                a_desc = grad_h1
-                ah_desc = grad_h1_half
-                wh_desc = w13_half
-            else:
-                a_desc, _ = _w13_dgrad_descs(
-                    grad_h1, w13, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, BLOCK_M, HALF_N,
-                    BLOCK_K,
-                )  # fmt: skip
-                ah_desc, wh_desc = _w13_dgrad_descs(
-                    grad_h1, w13, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, HALF_M, HALF_N,
-                    BLOCK_K,
-                )  # fmt: skip
+            a_desc, _w, ah_desc, wh_desc = _w13_dgrad_all_descs(
+                grad_h1, grad_h1_half, w13, w13_half, num_act_rows, HIDDEN, FFN, NUM_EXPERTS,
+                DESC_READY, True, BLOCK_M, BLOCK_N, BLOCK_K)
             for h in range(2):
                 n0 = pid_n * BLOCK_N + h * HALF_N
                 acc0 = tl.zeros([BLOCK_M, HALF_N], dtype=tl.float32)
@@ -286,23 +301,9 @@ def _w13_dgrad_scatter_kernel(
         if DYNAMIC:
             tile_id = tl.atomic_add(next_ptr, 1, sem="relaxed")
         if tile_id < num_tiles:
-            if HOST_DESC:
-                a_desc = grad_h1
-                w_desc = w13
-                ah_desc = grad_h1_half
-                wh_desc = w13_half
-            else:
-                a_desc, w_desc = _w13_dgrad_descs(
-                    grad_h1, w13, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, BLOCK_M, BLOCK_N,
-                    BLOCK_K,
-                )  # fmt: skip
-                ah_desc = a_desc
-                wh_desc = w_desc
-                if PAIR_TAILS:
-                    ah_desc, wh_desc = _w13_dgrad_descs(
-                        grad_h1, w13, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, BLOCK_M // 2,
-                        BLOCK_N // 2, BLOCK_K,
-                    )  # fmt: skip
+            a_desc, w_desc, ah_desc, wh_desc = _w13_dgrad_all_descs(
+                grad_h1, grad_h1_half, w13, w13_half, num_act_rows, HIDDEN, FFN, NUM_EXPERTS,
+                HOST_DESC, PAIR_TAILS, BLOCK_M, BLOCK_N, BLOCK_K)
             while tile_id < num_tiles:
                 pid_m, pid_n = swizzle_tile(tile_id, num_live_m, NUM_PID_N, GROUP_M)
                 _w13_dgrad_tile(
