@@ -26,7 +26,6 @@ from distmoe.kernels.interpreter import use_interpreter_if_no_gpu
 
 INTERPRETED = use_interpreter_if_no_gpu()
 
-import dataclasses  # noqa: E402
 import math  # noqa: E402
 import zlib  # noqa: E402
 from dataclasses import dataclass, replace  # noqa: E402
@@ -848,10 +847,16 @@ def _w13_problem(num_experts, hidden, ffn, block_m, experts):
     num_tokens, top_k = 11, 3
     ids = make_ids(num_tokens, top_k, experts)
     layout = build_layout(ids, num_experts, block_m, extra_tiles={0: 1, 2: 1})
+    return (layout, *_w13_operands(layout, num_experts, hidden, ffn))
+
+
+def _w13_operands(layout, num_experts, hidden, ffn):
+    """Random ``w13`` and ``grad_h1`` for ``layout``; grad_h1's spare rows past the live end
+    are NaN."""
     w13 = (torch.randn(num_experts, 2, ffn, hidden, device=DEVICE) / math.sqrt(ffn)).bfloat16()
     grad_h1 = torch.randn(layout.num_act, 2 * ffn, device=DEVICE).bfloat16()
     grad_h1[~layout.live_act()] = float("nan")
-    return layout, w13, grad_h1
+    return w13, grad_h1
 
 
 def _w13_targets(layout, hidden, *, t_max=12, top_k=3):
@@ -948,12 +953,8 @@ def _w13_dgrad_pair_tails_case(counts, hidden, ffn, config):
         routes.append(torch.randperm(c) + start)
         start += c
     layout = layout_from_routes(routes, config.block_m, extra_tiles={0: 1, 2: 1})
-    w13 = (torch.randn(len(counts), 2, ffn, hidden, device=DEVICE) / math.sqrt(ffn)).bfloat16()
-    grad_h1 = torch.randn(layout.num_act, 2 * ffn, device=DEVICE).bfloat16()
-    grad_h1[~layout.live_act()] = float("nan")
-    dispatch = torch.randn(start + 4, hidden, device=DEVICE).bfloat16()
-    canary = torch.randn(3, hidden, device=DEVICE).bfloat16()
-    ptrs = row_table(layout, dispatch, canary=canary)
+    w13, grad_h1 = _w13_operands(layout, len(counts), hidden, ffn)
+    dispatch, canary, ptrs = _w13_targets(layout, hidden, t_max=start + 4, top_k=1)
     dispatch_before, canary_before = dispatch.clone(), canary.clone()
     w13_dgrad_scatter(grad_h1, layout.padded_offsets, layout.row_offsets, w13, ptrs,
                       config=config)
@@ -1010,8 +1011,8 @@ def test_w13_dgrad_pair_tails_gpu(host_descriptors):
     counts = [129, 192, 0, 256, 193, 228, 64, 255, 1, 300]
     got = {}
     for pair, dynamic in ((False, False), (True, False), (True, True), (False, True)):
-        config = dataclasses.replace(base, host_descriptors=host_descriptors, pair_tails=pair,
-                                     dynamic=dynamic)
+        config = replace(base, host_descriptors=host_descriptors, pair_tails=pair,
+                         dynamic=dynamic)
         got[pair, dynamic] = _w13_dgrad_pair_tails_case(counts, 768, 384, config)
     for key, value in got.items():
         assert same_bits(value, got[False, False]), key

@@ -226,13 +226,9 @@ def _w13_dgrad_tile(
     # Live rows come first in a segment: a tile starting at a padding row has none.
     if single:
         n0 = pid_n * BLOCK_N
-        if DESC_READY:
-            a_desc = grad_h1
-            w_desc = w13
-        else:
-            a_desc, w_desc = _w13_dgrad_descs(
-                grad_h1, w13, num_act_rows, HIDDEN, FFN, NUM_EXPERTS, BLOCK_M, BLOCK_N, BLOCK_K
-            )
+        a_desc, w_desc, _ah, _wh = _w13_dgrad_all_descs(
+            grad_h1, grad_h1_half, w13, w13_half, num_act_rows, HIDDEN, FFN, NUM_EXPERTS,
+            DESC_READY, False, BLOCK_M, BLOCK_N, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         # Activation rows [act0, act0 + BLOCK_M): the tile's padding rows read past its
         # expert's rows (TMA zero-fills rows past R_act); their results are discarded below.
