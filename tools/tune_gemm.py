@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from dataclasses import replace
 
 import torch
 
@@ -65,14 +64,8 @@ def _describe(cfg) -> str:
 
 
 def _both_grids(configs):
-    """Each config followed by its persistent twin (order kept; a twin on the tile grid drops
-    the persistent-only ``dynamic`` hand-out)."""
-    def twin(cfg):
-        if getattr(cfg, "dynamic", False):
-            return replace(cfg, persistent=False, dynamic=False)
-        return replace(cfg, persistent=not cfg.persistent)
-
-    return [c for cfg in configs for c in (cfg, twin(cfg))]
+    """Each config followed by its twin on the other grid (order kept)."""
+    return [c for cfg in configs for c in (cfg, cfg.with_grid(not cfg.persistent))]
 
 
 def main() -> int:

@@ -990,6 +990,12 @@ def test_w13_dgrad_dynamic_rules():
         W13DgradConfig(dynamic=True)
     with pytest.raises(TypeError, match="dynamic must be a bool"):
         W13DgradConfig(persistent=True, dynamic=1)
+    # moving a config to the tile grid drops the hand-out; back keeps it off
+    handed = W13DgradConfig(persistent=True, dynamic=True, pair_tails=True)
+    assert handed.with_grid(False) == W13DgradConfig(pair_tails=True)
+    assert handed.with_grid(True) == handed
+    assert handed.with_grid(False).with_grid(True) == replace(handed, dynamic=False)
+    assert W2DgradConfig().with_grid(True) == W2DgradConfig(persistent=True)
 
 
 def test_w13_dgrad_pair_tails_rules():

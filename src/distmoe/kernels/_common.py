@@ -31,6 +31,7 @@ synchronisation, CUDA-graph safe).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import warnings
@@ -132,6 +133,11 @@ class GemmConfig:
             if cfg.fits_hopper() and cfg not in out:
                 out.append(cfg)
         return out
+
+    def with_grid(self, persistent: bool):
+        """This config on a persistent grid or on one program per tile (subclasses drop
+        what only one grid takes)."""
+        return dataclasses.replace(self, persistent=persistent)
 
     def smem_bytes(self) -> int:
         """Shared memory of the K-loop pipeline (bf16 A and B tiles of every stage)."""

@@ -53,7 +53,7 @@ weight shapes and (persistent DGRAD) the SM count (no host synchronisation).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -364,6 +364,10 @@ class W13DgradConfig(GemmConfig):
             raise TypeError(f"pair_tails must be a bool, got {type(self.pair_tails).__name__}")
         if self.pair_tails and self.block_n < 32:
             raise ValueError(f"pair_tails=True needs block_n >= 32, got block_n={self.block_n}")
+
+    def with_grid(self, persistent: bool) -> W13DgradConfig:
+        """:meth:`GemmConfig.with_grid`; the tile grid drops the ``dynamic`` hand-out."""
+        return replace(self, persistent=persistent, dynamic=self.dynamic and persistent)
 
     @classmethod
     def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128,

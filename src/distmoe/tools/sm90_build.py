@@ -24,7 +24,6 @@ with every flag value their launchers pass. They only have to build.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import re
@@ -442,8 +441,7 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
         for host, persistent in w13d:
             c = w13b.W13DgradConfig.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)
             persistent = c.persistent if persistent is None else persistent
-            if not persistent:  # the tile grid: no counter hand-out
-                c = dataclasses.replace(c, persistent=False, dynamic=False)
+            c = c.with_grid(persistent)
             descs = ({"grad_h1": _desc(c.block_m, c.block_k),
                       "w13": _desc(1, c.block_k, c.block_n)} if host else {})
             if host and c.pair_tails:
