@@ -44,14 +44,16 @@ def _candidates(WgradConfig, out_rows, out_cols, hint, quick=False):
                           block_out_n=min(bn, out_cols), num_warps=warps, num_stages=stages)
         if cfg.fits_hopper() and cfg not in out:
             out.append(cfg)
-    # the persistent Gluon kernel (distmoe.kernels.wgrad_gluon), timed with --quick too, and
-    # its warp-specialised form where it takes the tile (at most 128 columns)
-    for (bp, bq, stages, warps, bk), ws in itertools.product(GLUON_WGRAD_CONFIGS,
-                                                              (False, True)):
-        if ws and min(bq, out_cols) > 128:
+    # the persistent Gluon kernel (distmoe.kernels.wgrad_gluon), timed with --quick too, its
+    # warp-specialised form where it takes the tile (at most 128 columns), and that form's
+    # ping-pong warpgroups (4 warps, 128 rows)
+    for (bp, bq, stages, warps, bk), (ws, pp) in itertools.product(
+            GLUON_WGRAD_CONFIGS, ((False, False), (True, False), (True, True))):
+        if ws and min(bq, out_cols) > 128 or pp and (warps != 4 or bp != 128):
             continue
         cfg = WgradConfig(block_m=128, block_k=bk, block_out_m=bp, block_out_n=min(bq, out_cols),
-                          num_warps=warps, num_stages=stages, gluon=True, specialized=ws)
+                          num_warps=warps, num_stages=stages, gluon=True, specialized=ws,
+                          pingpong=pp)
         if out_rows % bp == 0 and cfg not in out:
             out.append(cfg)
     return out
@@ -145,7 +147,8 @@ def main() -> int:
             for ms, tflops, heur, cfg, err in shown:
                 print(f"  {ms:8.3f} ms {tflops:7.1f} TFLOP/s {'HEURISTIC ' if heur else ''}"
                       f"out {cfg.block_out_m}x{cfg.block_out_n} k{cfg.block_k} "
-                      f"s{cfg.num_stages} w{cfg.num_warps}{' GLUON' if cfg.gluon else ''} "
+                      f"s{cfg.num_stages} w{cfg.num_warps}{' GLUON' if cfg.gluon else ''}"
+                      f"{' WS' if cfg.specialized else ''}{' PP' if cfg.pingpong else ''} "
                       f"err {err:.1e}")
     if args.csv and rows_out:
         write_csv(args.csv, rows_out, list(rows_out[0]))

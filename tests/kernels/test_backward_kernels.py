@@ -1694,11 +1694,11 @@ def _gluon_configs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("specialized", [False, True], ids=["main", "ws"])
+@pytest.mark.parametrize("form", ["main", "ws", "pp"])
 @pytest.mark.parametrize("programs", [3, None], ids=["3_programs", "one_per_sm"])
 @pytest.mark.parametrize("kind", ["W2", "W13_x_offset"])
 @pytest.mark.parametrize("cfg", _gluon_configs(), ids=lambda c: "x".join(map(str, c)))
-def test_gluon_wgrad(cfg, kind, programs, specialized):
+def test_gluon_wgrad(cfg, kind, programs, form):
     """The Gluon kernel (bf16 out, overwrite) over a NaN-poisoned output against the fp64-exact
     sum of the same bf16 products: each element within one bf16 rounding (2^-8 relative) plus
     fp32 accumulation on both sides (2 * rows * 2^-24 of the magnitude sum). Row counts: an empty expert
@@ -1707,12 +1707,17 @@ def test_gluon_wgrad(cfg, kind, programs, specialized):
     small expert are scaled by 2^10 and the spare rows are NaN, so a partial step that reads
     past its expert's end shows. With 3 programs every program walks several tiles (the load
     stream crosses tile boundaries, empty tiles included). W13's x sits at a device offset
-    (descriptor built on the device)."""
+    (descriptor built on the device). ``form``: the plain kernel, the warp-specialised one
+    ("ws"), or its ping-pong form ("pp", configs of 4 warps and 128 rows: also the same bits
+    as "ws" with two cooperating warpgroups)."""
     from distmoe.kernels.wgrad_gluon import gluon_wgrad_supported, launch_gluon_wgrad
 
     block_p, block_q, stages, warps, block_k = cfg
+    specialized, pingpong = form != "main", form == "pp"
     if specialized and block_q > 128:
         pytest.skip("the warp-specialised kernel takes block_q <= 128")
+    if pingpong and (warps != 4 or block_p != 128):
+        pytest.skip("the ping-pong form takes warpgroups of 4 warps over 128 rows")
     counts = [0, 37, 64, 200, 1, 128, 301, 0, 75, 48]
     layout = layout_from_counts(counts, 128, idle_tiles=1)
     big = [e + 1 for e, c in enumerate(counts[:-1]) if 0 < c < 128]
@@ -1737,7 +1742,13 @@ def test_gluon_wgrad(cfg, kind, programs, specialized):
         b_src = b
     launch_gluon_wgrad(a, b_src, layout.row_offsets, out, b_offset=b_offset, block_p=block_p,
                        block_q=block_q, stages=stages, num_warps=warps, block_k=block_k,
-                       programs=programs, specialized=specialized)
+                       programs=programs, specialized=specialized, pingpong=pingpong)
+    if pingpong:  # the same MMAs per tile as two cooperating warpgroups of the same kernel
+        coop = poisoned(len(counts), width_p, width_q)
+        launch_gluon_wgrad(a, b_src, layout.row_offsets, coop, b_offset=b_offset,
+                           block_p=block_p, block_q=block_q, stages=stages, num_warps=8,
+                           block_k=block_k, programs=programs, specialized=True)
+        assert same_bits(coop, out)
 
     zeros = torch.zeros(len(counts), width_p, width_q, device=DEVICE)
     po, ro = layout.padded_offsets, layout.row_offsets
@@ -1790,10 +1801,21 @@ def test_gluon_wgrad_config_rules():
         WgradConfig(specialized=True)
     with pytest.raises(ValueError, match=r"block_out_n <= 128 \(got 256\)"):
         WgradConfig(block_out_n=256, gluon=True, specialized=True)
-    # what the Hopper heuristic picks: the specialised form with the 128-column tile (below
-    # 1024 rows per expert or narrow outputs), the plain Gluon kernel with the 256-column one
+    # its ping-pong form: two warpgroups of 4 warps, each on a whole 128-row tile
+    with pytest.raises(TypeError, match=r"pingpong must be a bool, got int"):
+        WgradConfig(gluon=True, specialized=True, num_warps=4, pingpong=1)
+    with pytest.raises(ValueError, match=r"pingpong=True needs specialized=True \(got False\)"):
+        WgradConfig(gluon=True, num_warps=4, pingpong=True)
+    with pytest.raises(ValueError, match=r"num_warps == 4 \(got 8\)"):
+        WgradConfig(gluon=True, specialized=True, pingpong=True)
+    with pytest.raises(ValueError, match=r"block_out_m == 128 \(got 64\)"):
+        WgradConfig(block_out_m=64, gluon=True, specialized=True, num_warps=4, pingpong=True)
+    # what the Hopper heuristic picks: the specialised ping-pong form with the 128-column
+    # tile (below 1024 rows per expert or narrow outputs), the plain Gluon kernel with the
+    # 256-column one
     fine = WgradConfig.hopper_gluon(out_rows=2048, out_cols=768, rows_per_expert=256)
-    assert (fine.block_out_n, fine.gluon, fine.specialized) == (128, True, True)
+    assert (fine.block_out_n, fine.gluon, fine.specialized, fine.pingpong, fine.num_warps) \
+        == (128, True, True, True, 4)
     wide = WgradConfig.hopper_gluon(out_rows=4096, out_cols=2048, rows_per_expert=2048)
     assert (wide.block_out_n, wide.gluon, wide.specialized) == (256, True, False)
 

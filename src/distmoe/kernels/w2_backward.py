@@ -761,6 +761,11 @@ class WgradConfig:
             ``block_out_n <= 128``. 12-15% faster than the plain Gluon kernel at exact
             routing and 17-31% under sampled routing at the T=4096, E=128 and DeepSeek-V3
             shapes (one H200, 2026-11-30, performance.md run 39).
+        pingpong: with ``specialized``, ``num_warps`` 4 and ``block_out_m`` 128: two MMA
+            warpgroups of 4 warps take the program's tiles in turn (each a whole
+            128-row tile), so that one's epilogue (the tile's TMA store) runs under the
+            other's MMAs; the same bits. Below 1024 rows per expert a tile is only a few
+            row steps, so the epilogue is a large share of it.
     """
 
     block_m: int = 128
@@ -773,6 +778,7 @@ class WgradConfig:
     host_descriptors: bool = True
     gluon: bool = False
     specialized: bool = False
+    pingpong: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_k", "block_out_m", "block_out_n"):
@@ -792,7 +798,7 @@ class WgradConfig:
                 raise ValueError(f"{name} ({value!r}) must be an int >= 1")
         if self.num_warps not in (4, 8):
             raise ValueError(f"num_warps ({self.num_warps}) must be 4 or 8")
-        for name in ("host_descriptors", "gluon", "specialized"):
+        for name in ("host_descriptors", "gluon", "specialized", "pingpong"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(
                     f"{name} must be a bool, got {type(getattr(self, name)).__name__}"
@@ -806,6 +812,12 @@ class WgradConfig:
             raise ValueError(
                 f"specialized=True needs gluon=True (got {self.gluon}) and block_out_n <= 128 "
                 f"(got {self.block_out_n})"
+            )
+        if self.pingpong and (not self.specialized or self.num_warps != 4
+                              or self.block_out_m != 128):
+            raise ValueError(
+                f"pingpong=True needs specialized=True (got {self.specialized}), num_warps == 4 "
+                f"(got {self.num_warps}) and block_out_m == 128 (got {self.block_out_m})"
             )
 
     def smem_bytes(self) -> int:
@@ -878,8 +890,8 @@ class WgradConfig:
             return cls(block_m=block_m, block_k=64, block_out_m=128, block_out_n=256,
                        num_warps=8, num_stages=3, gluon=True)
         return cls(block_m=block_m, block_k=64, block_out_m=128,
-                   block_out_n=_pow2_clamped(out_cols, 16, 128), num_warps=8, num_stages=5,
-                   gluon=True, specialized=True)
+                   block_out_n=_pow2_clamped(out_cols, 16, 128), num_warps=4, num_stages=5,
+                   gluon=True, specialized=True, pingpong=True)
 
     @classmethod
     def all_configs(cls, *, out_rows: int, out_cols: int, block_m: int = 128) -> list[WgradConfig]:
@@ -1028,7 +1040,8 @@ def launch_grouped_wgrad(
             launch_gluon_wgrad(a, b, row_offsets, out, b_offset=b_offset,
                                block_p=config.block_out_m, block_q=config.block_out_n,
                                stages=config.num_stages, num_warps=config.num_warps,
-                               block_k=config.block_k, specialized=config.specialized)
+                               block_k=config.block_k, specialized=config.specialized,
+                               pingpong=config.pingpong)
             return
     tiles = triton.cdiv(width_p, config.block_out_m) * triton.cdiv(width_q, config.block_out_n)
     grid = (num_experts * config.split_rows * tiles,)

@@ -37,6 +37,14 @@ MMAs in the same order, so the same bits, with the work split over three partiti
   time) and complete the stage's barrier themselves;
 * the MMA warps run one MMA per step with no branch in their loop, and the epilogue.
 
+Its ping-pong form (``pingpong=True``; the heuristic's pick since run 41) runs two MMA
+warpgroups of 4 warps, each on whole 128-row tiles, taking the program's tiles in turn: a
+``turn`` mbarrier pair orders their MMAs, and each skips the other's row steps in the ring's
+count, so one's epilogue (bf16 rounding, shared-memory store, TMA store) runs under the
+other's MMAs. Below 1024 rows per expert a tile is only 2-4 row steps and the epilogue is a
+large share of it: the kernel got 7-14% faster at the T=4096, E=128 and DeepSeek-V3 shapes
+(the same bits; one H200, 2026-11-30, performance.md run 41).
+
 Under a real router most experts end in a partial step. Zeroing it on the MMA warps' path
 cost the T=4096, E=128 shape's WGRADs 24% (performance.md run 39), and any code added to the
 one-partition loop slowed every step (the loop's descriptors left the uniform datapath). The
@@ -80,12 +88,13 @@ __all__ = ["HAVE_GLUON", "GLUON_WGRAD_CONFIGS", "gluon_device_reason", "gluon_wg
 WS_ZERO_WARPS = 2
 
 
-def ws_maxnreg(num_warps: int) -> int:
+def ws_maxnreg(num_warps: int, pingpong: bool = False) -> int:
     """The warp-specialised kernel's register limit: the register file over its warps
-    (``num_warps`` MMA warps, the producer's one and the zeroing partition's
-    :data:`WS_ZERO_WARPS`, launched as a multiple of 4), rounded down to a multiple of 8:
-    168 at 8 MMA warps, 248 at 4."""
-    warps = -(-(num_warps + 1 + WS_ZERO_WARPS) // 4) * 4
+    (``num_warps`` MMA warps, twice that with ``pingpong``, the producer's one and the
+    zeroing partition's :data:`WS_ZERO_WARPS`, launched as a multiple of 4), rounded down
+    to a multiple of 8: 168 at 8 MMA warps (or two ping-pong warpgroups of 4), 248 at 4."""
+    mma_warps = 2 * num_warps if pingpong else num_warps
+    warps = -(-(mma_warps + 1 + WS_ZERO_WARPS) // 4) * 4
     return min(255, 65536 // (32 * warps)) // 8 * 8
 
 GLUON_WGRAD_CONFIGS = ((128, 256, 3, 8, 64), (128, 128, 5, 8, 64), (128, 128, 6, 8, 64),
@@ -298,19 +307,40 @@ if HAVE_GLUON:
                      P: gl.constexpr, Q: gl.constexpr, NUM_EXPERTS: gl.constexpr,
                      B_OFFSET: gl.constexpr, B_LAYOUT: gl.constexpr, BLOCK_K: gl.constexpr,
                      BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
-                     NUM_WARPS: gl.constexpr):
+                     NUM_WARPS: gl.constexpr, turn, PINGPONG: gl.constexpr,
+                     PARITY: gl.constexpr):
         """The MMAs and the epilogue of the program's tiles: every row step the same MMA
-        (a partial step arrives with its dead rows already zeroed), no branch in the loop."""
+        (a partial step arrives with its dead rows already zeroed), no branch in the loop.
+        With ``PINGPONG`` this warpgroup takes every other tile of the program (from its
+        ``PARITY``-th) into its own ``c_smem`` buffer, its MMAs ordered after the other's by
+        the ``turn`` pair, so that one's epilogue runs under the other's MMAs; it skips the
+        other's steps in the ring's count."""
         NUM_Q: gl.constexpr = (Q + BLOCK_Q - 1) // BLOCK_Q
         TILES_PER_EXPERT: gl.constexpr = (P // BLOCK_P) * NUM_Q
         num_tiles = NUM_EXPERTS * TILES_PER_EXPERT
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_Q, 16])
+        num_progs = gl.num_programs(0)
+        start = gl.program_id(0)
+        stride = num_progs
         count = 0
-        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        buf = c_smem
+        if PINGPONG:
+            start += PARITY * num_progs
+            stride = 2 * num_progs
+            buf = c_smem.index(PARITY)
+            if PARITY == 1:  # the other warpgroup's first tile comes first in the ring
+                first0, end0 = _tile_rows(row_offsets_ptr, gl.program_id(0), num_tiles,
+                                          TILES_PER_EXPERT)
+                count = (end0 - first0 + BLOCK_K - 1) // BLOCK_K
+        turns = 0
+        for tile in range(start, num_tiles, stride):
             first, end = _tile_rows(row_offsets_ptr, tile, num_tiles, TILES_PER_EXPERT)
             out_row, _p0, q0 = _tile_origin(tile, P, NUM_Q, TILES_PER_EXPERT, BLOCK_P, BLOCK_Q)
             steps = (end - first + BLOCK_K - 1) // BLOCK_K
+            if PINGPONG:  # the other warpgroup has issued every earlier step's MMA
+                mbarrier.wait(turn.index(PARITY), (turns & 1) ^ (1 - PARITY))
+                turns += 1
             acc = gl.zeros([BLOCK_P, BLOCK_Q], gl.float32, acc_layout)
             for k in range(steps):
                 stage = count % STAGES
@@ -321,16 +351,22 @@ if HAVE_GLUON:
                 acc = warpgroup_mma_wait(1, deps=(acc,))
                 mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=k > 0)
                 count += 1
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - PARITY))
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=steps > 0)
-            # The previous tile's store has read c_smem (the wait is per issuing thread: the
-            # barrier publishes it to every thread of the partition).
+            if PINGPONG:  # the other warpgroup's next tile, whose steps come next
+                o_first, o_end = _tile_rows(row_offsets_ptr, tile + num_progs, num_tiles,
+                                            TILES_PER_EXPERT)
+                count += (o_end - o_first + BLOCK_K - 1) // BLOCK_K
+            # The previous tile's store has read the buffer (the wait is per issuing thread:
+            # the barrier publishes it to every thread of the partition).
             tma.store_wait(0)
             gl.thread_barrier()
-            c_smem.store(acc.to(gl.bfloat16))
+            buf.store(acc.to(gl.bfloat16))
             fence_async_shared()
             gl.thread_barrier()
-            tma.async_copy_shared_to_global(o_desc, [out_row, q0], c_smem)
+            tma.async_copy_shared_to_global(o_desc, [out_row, q0], buf)
         tma.store_wait(0)
 
     @gluon.jit
@@ -401,34 +437,65 @@ if HAVE_GLUON:
         P: gl.constexpr, Q: gl.constexpr, NUM_EXPERTS: gl.constexpr, B_OFFSET: gl.constexpr,
         B_LAYOUT: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_P: gl.constexpr,
         BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, ZERO_WARPS: gl.constexpr,
-        num_warps: gl.constexpr,
+        PINGPONG: gl.constexpr, num_warps: gl.constexpr,
     ):
         """:func:`_gluon_wgrad_kernel`'s contract and bits, warp-specialised: a one-warp TMA
         producer, a ``ZERO_WARPS``-warp partition zeroing each tile's partial last step off the
-        critical path, and the MMA warps (``num_warps``) with no branch in their step loop."""
+        critical path, and the MMA warps (``num_warps``) with no branch in their step loop;
+        with ``PINGPONG``, two such warpgroups of ``num_warps`` (4) taking the tiles in turn."""
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_P], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_Q], B_LAYOUT)
-        c_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_P, BLOCK_Q], o_desc.layout)
+        if PINGPONG:
+            c_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_P, BLOCK_Q],
+                                               o_desc.layout)
+        else:
+            c_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_P, BLOCK_Q], o_desc.layout)
         # bars[s]: stage s ready for the MMAs (a whole step's TMA bytes, or the zeroing
         # partition's arrive); bars[STAGES + s]: a partial step's TMA bytes landed
         bars = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2 * STAGES):
             mbarrier.init(bars.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(empty.index(i), count=1)
-        gl.warp_specialize([
-            (_ws_consumer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
-                            b_desc, b_base, b_offset_ptr, P, Q, NUM_EXPERTS, B_OFFSET,
-                            B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps)),
-            (_ws_producer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
-                            b_desc, b_base, b_offset_ptr, P, Q, NUM_EXPERTS, B_OFFSET,
-                            B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps, a_desc)),
-            (_ws_zeroer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
-                          b_desc, b_base, b_offset_ptr, P, Q, NUM_EXPERTS, B_OFFSET,
-                          B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps,
-                          ZERO_WARPS)),
-        ], [1, ZERO_WARPS], [40, 48])
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        # (the argument lists are written out: a tuple built here loses the constexprs)
+        if PINGPONG:
+            gl.warp_specialize([
+                (_ws_consumer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
+                                b_desc, b_base, b_offset_ptr, P, Q, NUM_EXPERTS, B_OFFSET,
+                                B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps, turn,
+                                PINGPONG, 0)),
+                (_ws_consumer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
+                                b_desc, b_base, b_offset_ptr, P, Q, NUM_EXPERTS, B_OFFSET,
+                                B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps, turn,
+                                PINGPONG, 1)),
+                (_ws_producer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
+                                b_desc, b_base, b_offset_ptr, P, Q, NUM_EXPERTS, B_OFFSET,
+                                B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps,
+                                a_desc)),
+                (_ws_zeroer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
+                              b_desc, b_base, b_offset_ptr, P, Q, NUM_EXPERTS, B_OFFSET,
+                              B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps,
+                              ZERO_WARPS)),
+            ], [num_warps, 1, ZERO_WARPS], [232, 40, 48])
+        else:
+            gl.warp_specialize([
+                (_ws_consumer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
+                                b_desc, b_base, b_offset_ptr, P, Q, NUM_EXPERTS, B_OFFSET,
+                                B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps, turn,
+                                PINGPONG, 0)),
+                (_ws_producer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
+                                b_desc, b_base, b_offset_ptr, P, Q, NUM_EXPERTS, B_OFFSET,
+                                B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps,
+                                a_desc)),
+                (_ws_zeroer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
+                              b_desc, b_base, b_offset_ptr, P, Q, NUM_EXPERTS, B_OFFSET,
+                              B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps,
+                              ZERO_WARPS)),
+            ], [1, ZERO_WARPS], [40, 48])
 
 
 def gluon_device_reason(device: torch.device) -> str | None:
@@ -486,7 +553,8 @@ def launch_gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_offsets: torch.Tens
                        out: torch.Tensor, *, b_offset: torch.Tensor | None = None,
                        block_p: int = 128, block_q: int = 256, stages: int = 3,
                        num_warps: int = 8, block_k: int = 64,
-                       programs: int | None = None, specialized: bool = False) -> None:
+                       programs: int | None = None, specialized: bool = False,
+                       pingpong: bool = False) -> None:
     """Launch the persistent Gluon WGRAD (overwrite mode; arguments validated by the caller,
     :func:`gluon_wgrad_supported` returned ``None``): ``out[e] = a[rows_e]^T @ b[rows_e]``.
 
@@ -501,8 +569,15 @@ def launch_gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_offsets: torch.Tens
             that every program walks several tiles.
         specialized: the warp-specialised kernel (:func:`_gluon_wgrad_ws_kernel`: the
             partial steps zeroed by their own warps; the same bits).
+        pingpong: with ``specialized``, ``num_warps`` 4 and ``block_p`` 128: two MMA
+            warpgroups take the program's tiles in turn, one's epilogue under the other's
+            MMAs (the same bits).
     """
     from ._common import device_context, ensure_tma_allocator, num_sms
+
+    if pingpong and (not specialized or num_warps != 4 or block_p != 128):
+        raise ValueError(f"pingpong needs specialized=True, num_warps == 4 and block_p == 128, "
+                         f"got {specialized}, {num_warps} and {block_p}")
 
     num_experts, width_p, width_q = out.shape
     num_act_rows = a.shape[0]
@@ -530,7 +605,8 @@ def launch_gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_offsets: torch.Tens
         if block_q > 128:  # its m64n256 MMAs spill at ws_maxnreg(8) (sm_90 build)
             raise ValueError(f"specialized needs block_q <= 128, got {block_q}")
         kernel = _gluon_wgrad_ws_kernel
-        extra = {"maxnreg": ws_maxnreg(num_warps), "ZERO_WARPS": WS_ZERO_WARPS}
+        extra = {"maxnreg": ws_maxnreg(num_warps, pingpong), "ZERO_WARPS": WS_ZERO_WARPS,
+                 "PINGPONG": pingpong}
     with device_context(out.device):
         kernel[(max(1, min(programs, tiles)),)](
             a_desc, b_desc, b_base, b_off, o_desc, row_offsets,

@@ -176,7 +176,8 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
         return []
     gl = wg.gl
 
-    def case(label, P, Q, E, bp, bq, stages, warps, b_offset, production, bk=64, ws=False):
+    def case(label, P, Q, E, bp, bq, stages, warps, b_offset, production, bk=64, ws=False,
+             pp=False):
         b_layout = gl.NVMMASharedLayout.get_default_for([bk, bq], gl.bfloat16)
         types = {"a_desc": _gluon_desc(bk, P, [bk, bp]),
                  "o_desc": _gluon_desc(E * P, Q, [bp, bq]),
@@ -188,9 +189,9 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
             label, wg._gluon_wgrad_ws_kernel if ws else wg._gluon_wgrad_kernel,
             dict(P=P, Q=Q, NUM_EXPERTS=E, B_OFFSET=b_offset, B_LAYOUT=b_layout, BLOCK_K=bk,
                  BLOCK_P=bp, BLOCK_Q=bq, STAGES=stages, num_warps=warps,
-                 **({"ZERO_WARPS": wg.WS_ZERO_WARPS} if ws else {})),
+                 **({"ZERO_WARPS": wg.WS_ZERO_WARPS, "PINGPONG": pp} if ws else {})),
             warps, 1, types=types, production=production, gluon=True,
-            options=dict(maxnreg=wg.ws_maxnreg(warps)) if ws else {})
+            options=dict(maxnreg=wg.ws_maxnreg(warps, pp)) if ws else {})
 
     cases = []
     for name in shapes:
@@ -202,11 +203,15 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
             if c is None:  # the Triton WGRAD serves this shape (P not a multiple of 128)
                 continue
             # the warp-specialised kernel: only the 128-column tile (below 1024 rows per
-            # expert, where partial steps are frequent); 128 x 256 needs more registers
+            # expert, where partial steps are frequent; in its ping-pong form there);
+            # 128 x 256 needs more registers. The plain kernel of the same tile with 8 warps.
             for ws in (False, True) if c.block_out_n <= 128 else (False,):
-                cases.append(case(f"{name} {kind} WGRAD gluon{' ws' if ws else ''}", P, Q, E,
-                                  c.block_out_m, c.block_out_n, c.num_stages, c.num_warps,
-                                  kind == "W13", True, c.block_k, ws))
+                pp = ws and c.pingpong
+                cases.append(case(f"{name} {kind} WGRAD gluon{' ws' if ws else ''}"
+                                  f"{' pingpong' if pp else ''}", P, Q, E,
+                                  c.block_out_m, c.block_out_n, c.num_stages,
+                                  c.num_warps if ws or not c.pingpong else 8,
+                                  kind == "W13", True, c.block_k, ws, pp))
     s = SHAPES["fine"]
     for bp, bq, stages, warps, bk in wg.GLUON_WGRAD_CONFIGS:
         cases.append(case(f"variant W2 WGRAD gluon {bp}x{bq} k{bk} s{stages} w{warps}",
