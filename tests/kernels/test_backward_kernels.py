@@ -1964,6 +1964,76 @@ def test_gluon_w2_dgrad_scored(programs, reload):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stages,prefetch", [(5, 1), (4, 2), (3, 3), (2, 4)],
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("form", ["scored", "offset_in_place"])
+def test_gluon_w2_dgrad_h1_prefetch(stages, prefetch, form):
+    """h1 brought into shared memory by cp.async (``h1_prefetch`` slots per consumer, the
+    slots refilled within the epilogue below 4) gives the same bits as the kernel's global
+    loads: grad_h1, h2 and, scored, the route rows' score parts; 3 programs walk many tiles
+    (slots reused across tiles by both consumers), null rows zero-filled, spare rows keep their
+    poison. Also through the launcher's config."""
+    hidden, ffn, block = 256, 384, 128
+    layout, live, w2, rows, h1, null_rows, null_act = _gluon_dgrad_problem(hidden, ffn, block)
+    num_act = layout.num_act
+    n_routes = int(layout.route_of_row.max()) + 1
+    route_rows = poisoned(n_routes, hidden)
+    route_rows.view(torch.float32)[:, 0] = torch.rand(n_routes, device=DEVICE) + 0.25
+    before = route_rows.clone()
+    scored = form == "scored"
+    ptrs = row_table(layout, route_rows if scored else rows, null_rows=null_rows)
+    po, ro = layout.padded_offsets, layout.row_offsets
+    offset = 8 * 3  # elements: 16-byte aligned, not a multiple of a row
+
+    def run(**launch):
+        route_rows.copy_(before)
+        h2 = poisoned(num_act, ffn)
+        if scored:
+            h1_arg, out, h1_offset = h1, poisoned(num_act, 2 * ffn), None
+        else:
+            h1_arg = poisoned(offset + h1.numel() + 16)
+            h1_arg[offset:offset + h1.numel()] = h1.reshape(-1)
+            out = h1_arg[offset:offset + h1.numel()].view(num_act, 2 * ffn)  # in place
+            h1_offset = torch.tensor([offset], dtype=torch.int64, device=DEVICE)
+        _gluon_or_reference_dgrad(True, ptrs, po, ro, w2, rows, h1_arg, out, h2,
+                                  h1_offset=h1_offset, scored_rows=scored, programs=3,
+                                  **launch)
+        return out.clone(), h2, route_rows.clone()
+
+    want = run(stages=4)
+    got = run(stages=stages, h1_prefetch=prefetch)
+    for g, w in zip(got, want, strict=True):
+        assert same_bits(g, w)
+    assert torch.isfinite(got[0][live]).all() and (got[0][null_act] == 0).all()
+    if scored:  # the score parts were written (the comparison above is not of two no-ops)
+        assert not same_bits(got[2], before)
+    if scored:  # through the launcher: config.h1_prefetch reaches the kernel
+        cfg = W2DgradConfig(block_m=block, block_n=128, block_k=64, num_stages=stages,
+                            gluon=True, h1_prefetch=prefetch)
+        out, h2 = poisoned(num_act, 2 * ffn), poisoned(num_act, ffn)
+        route_rows.copy_(before)
+        w2_dgrad_swiglu_bwd(ptrs, po, ro, w2, h1, out, h2_out=h2, grad_h3_rows=rows,
+                            config=cfg, scored_rows=True)
+        assert same_bits(out, got[0]) and same_bits(h2, got[1])
+        assert same_bits(route_rows, got[2])
+
+
+def test_w2_dgrad_h1_prefetch_config_rules():
+    """h1_prefetch: an int in [0, 4], only with gluon, and ring + slots within 6 x 32 KiB."""
+    base = dict(block_m=128, block_n=128, block_k=64, gluon=True)
+    assert W2DgradConfig(**base, num_stages=4, h1_prefetch=2).h1_prefetch == 2
+    with pytest.raises(ValueError, match=r"h1_prefetch \(5\) must be in \[0, 4\]"):
+        W2DgradConfig(**base, num_stages=1, h1_prefetch=5)
+    with pytest.raises(TypeError, match="h1_prefetch must be an int, got bool"):
+        W2DgradConfig(**base, h1_prefetch=True)
+    with pytest.raises(ValueError, match=r"h1_prefetch \(1\) needs gluon=True"):
+        W2DgradConfig(block_m=128, block_n=128, block_k=64, h1_prefetch=1)
+    with pytest.raises(ValueError, match=r"num_stages \+ h1_prefetch \(5 \+ 2\) must be at "
+                                         "most 6"):
+        W2DgradConfig(**base, num_stages=5, h1_prefetch=2)
+
+
+@pytest.mark.gpu
 def test_gluon_w2_dgrad_heuristic():
     """On a Hopper GPU with the layer's hint the heuristic picks the Gluon kernel (5 stages at
     >= 1024 rows per expert, 4 below); widths it cannot tile keep the Triton config."""

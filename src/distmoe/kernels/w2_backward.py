@@ -674,12 +674,31 @@ class W2DgradConfig(GemmConfig):
     #: Elsewhere the Triton kernel runs this config. Uses ``num_stages`` (the load ring, 4-6)
     #: and ``group_m``; ``num_warps``, ``persistent`` and ``host_descriptors`` do not apply.
     gluon: bool = False
+    #: With ``gluon``: shared-memory slots per consumer warpgroup (0-4) for the tile's h1
+    #: column quarters (g and u, 16 KiB a slot), filled by cp.async: the first ``h1_prefetch``
+    #: quarters before the tile's MMAs, each later one as soon as a slot is read, so that the
+    #: epilogue does not wait on h1's global loads (docs/performance.md, run 42). The same
+    #: bits as 0. Shares the shared memory with the ring: ``num_stages + h1_prefetch`` at most
+    #: 6 (32 KiB each).
+    h1_prefetch: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_backward_gemm_config(self)
         if not isinstance(self.gluon, bool):
             raise TypeError(f"gluon must be a bool, got {type(self.gluon).__name__}")
+        p = self.h1_prefetch
+        if isinstance(p, bool) or not isinstance(p, int):
+            raise TypeError(f"h1_prefetch must be an int, got {type(p).__name__} ({p!r})")
+        if not 0 <= p <= 4:
+            raise ValueError(f"h1_prefetch ({p}) must be in [0, 4] (column quarters of a tile)")
+        if p and not self.gluon:
+            raise ValueError(f"h1_prefetch ({p}) needs gluon=True (only the Gluon W2 DGRAD "
+                             "prefetches h1)")
+        if p and self.num_stages + p > 6:
+            raise ValueError(f"num_stages + h1_prefetch ({self.num_stages} + {p}) must be at "
+                             "most 6: ring stages and h1 slots share the SM's shared memory "
+                             "(32 KiB each)")
 
     @classmethod
     def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128,
@@ -1251,7 +1270,7 @@ def w2_dgrad_swiglu_bwd(
             launch_gluon_w2_dgrad(grad_h3_ptrs, padded_offsets, row_offsets, w2, grad_h3_rows,
                                   h1, grad_h1_out, h1_offset=h1_offset, h2_out=h2_out,
                                   scored_rows=scored_rows, group_m=config.group_m,
-                                  stages=config.num_stages)
+                                  stages=config.num_stages, h1_prefetch=config.h1_prefetch)
             return
         warn_gluon_fallback("w2_dgrad_swiglu_bwd", reason)
     gather_in_loop = gathered is None

@@ -49,6 +49,7 @@ from .wgrad_gluon import HAVE_GLUON, gluon_device_reason
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         mbarrier,
         warpgroup_mma_wait,
@@ -82,13 +83,15 @@ _MAXNREG = 168
 if HAVE_GLUON:
 
     @gluon.jit
-    def _producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, ptrs_ptr,
-                  padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr, grad_h1_ptr, h2_ptr,
+    def _producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, h1_smem,
+                  ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
+                  grad_h1_ptr, h2_ptr,
                   FFN: gl.constexpr, HIDDEN: gl.constexpr, NUM_EXPERTS: gl.constexpr,
                   EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                   H1_OFFSET: gl.constexpr, STORE_H2: gl.constexpr, SCORED: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  RELOAD_BOUNDS: gl.constexpr, PARITY: gl.constexpr):
+                  RELOAD_BOUNDS: gl.constexpr, H1_PREFETCH: gl.constexpr,
+                  PARITY: gl.constexpr):
         """One warp: the TMA loads of every tile of the program, K step by K step."""
         NUM_K: gl.constexpr = HIDDEN // BLOCK_K
         NUM_PID_N: gl.constexpr = FFN // BLOCK_N
@@ -105,13 +108,15 @@ if HAVE_GLUON:
                                     STAGES, BLOCK_K, False)
 
     @gluon.jit
-    def _consumer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, ptrs_ptr,
-                  padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr, grad_h1_ptr, h2_ptr,
+    def _consumer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, h1_smem,
+                  ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
+                  grad_h1_ptr, h2_ptr,
                   FFN: gl.constexpr, HIDDEN: gl.constexpr, NUM_EXPERTS: gl.constexpr,
                   EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                   H1_OFFSET: gl.constexpr, STORE_H2: gl.constexpr, SCORED: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  RELOAD_BOUNDS: gl.constexpr, PARITY: gl.constexpr):
+                  RELOAD_BOUNDS: gl.constexpr, H1_PREFETCH: gl.constexpr,
+                  PARITY: gl.constexpr):
         """One warpgroup: the MMAs and the epilogue of the program's tiles ``PARITY``,
         ``PARITY + 2``, ... (in the program's own numbering)."""
         NUM_K: gl.constexpr = HIDDEN // BLOCK_K
@@ -141,6 +146,10 @@ if HAVE_GLUON:
                 pid_n, expert, row_start, act_start, num_live = _tile_info(
                     tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
                     NUM_EXPERTS, BLOCK_M)
+            if H1_PREFETCH > 0:  # the first quarters' h1 on its way before the MMAs
+                _h1_prefetch(h1_smem, ptrs_ptr, row_start, act_start, num_live, h1_base,
+                             pid_n * BLOCK_N, FFN, BLOCK_M, BLOCK_N // 4,
+                             PARITY * H1_PREFETCH, H1_PREFETCH)
             turns = _wait_turn(turn, turns, PARITY)
             acc, count = _mma_steps(a_bufs, b_bufs, ready, empty,
                                     gl.zeros([BLOCK_M, BLOCK_N], gl.float32, ACC), count, NUM_K,
@@ -157,16 +166,18 @@ if HAVE_GLUON:
             n0 = pid_n * BLOCK_N
             Q: gl.constexpr = BLOCK_N // 4
             p0 = _swiglu_bwd_part(q0, ptrs_ptr, row_start, act_start, num_live, h1_base,
-                                  grad_h1_ptr, h2_ptr, n0, FFN, STORE_H2, SCORED, BLOCK_M, Q)
+                                  grad_h1_ptr, h2_ptr, n0, h1_smem, FFN, STORE_H2, SCORED,
+                                  BLOCK_M, Q, H1_PREFETCH, PARITY, 0)
             p1 = p0 + _swiglu_bwd_part(q1, ptrs_ptr, row_start, act_start, num_live, h1_base,
-                                  grad_h1_ptr, h2_ptr, n0 + Q, FFN, STORE_H2, SCORED, BLOCK_M, Q)
+                                  grad_h1_ptr, h2_ptr, n0 + Q, h1_smem, FFN, STORE_H2, SCORED,
+                                  BLOCK_M, Q, H1_PREFETCH, PARITY, 1)
             q2, q3 = _column_halves(hi, BLOCK_M, BLOCK_N // 2)
             p2 = p1 + _swiglu_bwd_part(q2, ptrs_ptr, row_start, act_start, num_live, h1_base,
-                                  grad_h1_ptr, h2_ptr, n0 + 2 * Q, FFN, STORE_H2, SCORED,
-                                  BLOCK_M, Q)
+                                  grad_h1_ptr, h2_ptr, n0 + 2 * Q, h1_smem, FFN, STORE_H2,
+                                  SCORED, BLOCK_M, Q, H1_PREFETCH, PARITY, 2)
             p3 = p2 + _swiglu_bwd_part(q3, ptrs_ptr, row_start, act_start, num_live, h1_base,
-                                  grad_h1_ptr, h2_ptr, n0 + 3 * Q, FFN, STORE_H2, SCORED,
-                                  BLOCK_M, Q)
+                                  grad_h1_ptr, h2_ptr, n0 + 3 * Q, h1_smem, FFN, STORE_H2,
+                                  SCORED, BLOCK_M, Q, H1_PREFETCH, PARITY, 3)
             if SCORED:
                 # the tile's score part, at fp32 value 1 + pid_n of the row's address
                 PL: gl.constexpr = gl.SliceLayout(1, _part_layout(Q))
@@ -182,15 +193,51 @@ if HAVE_GLUON:
         columns per thread."""
         return gl.BlockedLayout([1, 8], [32 * 8 // W, W // 8], [4, 1], [1, 0])
 
+    @gluon.constexpr_function
+    def _h1_pending(prefetch, part):
+        """Copy groups a consumer may leave in flight when it reads quarter ``part``'s h1:
+        quarters ``0 .. prefetch - 1`` were issued before the MMAs, quarter ``q + prefetch``
+        after quarter ``q`` was read."""
+        return min(4, prefetch + part) - (part + 1)
+
+    @gluon.jit
+    def _h1_prefetch(h1_smem, ptrs_ptr, row_start, act_start, num_live, h1_base, col0,
+                     FFN: gl.constexpr, BLOCK_M: gl.constexpr, W: gl.constexpr,
+                     FIRST_SLOT: gl.constexpr, COUNT: gl.constexpr):
+        """Start the copies of ``COUNT`` consecutive ``[BLOCK_M, W]`` parts of the tile's h1
+        (g at columns ``col0 + q * W + j``, u ``FFN`` further) into slots ``FIRST_SLOT + q``
+        of ``h1_smem`` (buffers ``2 * slot`` and ``2 * slot + 1``), one cp.async group per
+        part. Null and dead rows are zero-filled, as the loads they replace read them. Each
+        thread copies the elements it later reads in :func:`_part_layout`, so a thread's wait
+        covers its own data."""
+        L: gl.constexpr = _part_layout(W)
+        i = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L))
+        j = gl.arange(0, W, layout=gl.SliceLayout(0, L))
+        live = i < num_live
+        addr = gl.load(ptrs_ptr + row_start + i, mask=live, other=0)
+        rows = gl.expand_dims((act_start + i).to(gl.int64), 1)
+        g_ptrs = gl.multiple_of(h1_base + rows * (2 * FFN), [16, 16]) + gl.expand_dims(col0 + j, 0)
+        load_mask = gl.expand_dims(live & (addr != 0), 1)
+        for q in gl.static_range(COUNT):
+            async_copy.async_copy_global_to_shared(h1_smem.index(2 * (FIRST_SLOT + q)),
+                                                   g_ptrs + q * W, mask=load_mask)
+            async_copy.async_copy_global_to_shared(h1_smem.index(2 * (FIRST_SLOT + q) + 1),
+                                                   g_ptrs + (q * W + FFN), mask=load_mask)
+            async_copy.commit_group()
+
     @gluon.jit
     def _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base, grad_h1_ptr,
-                         h2_ptr, col0, FFN: gl.constexpr, STORE_H2: gl.constexpr,
-                         SCORED: gl.constexpr, BLOCK_M: gl.constexpr, W: gl.constexpr):
-        """SwiGLU backward of a ``[BLOCK_M, W]`` part of the tile (columns ``col0 + j``): rows
-        ``act_start + i`` for ``i < num_live``; null rows (address 0 in ``ptrs_ptr``) load
-        zeros and store zeros. Returns the rows' fp32 ``dot(part, h2)`` over these columns
-        when ``SCORED`` (``part`` unscaled, each row's fp32 score at its address; the
-        backward then runs on ``score * part`` and h2 is stored scaled), else zeros."""
+                         h2_ptr, col0, h1_smem, FFN: gl.constexpr, STORE_H2: gl.constexpr,
+                         SCORED: gl.constexpr, BLOCK_M: gl.constexpr, W: gl.constexpr,
+                         H1_PREFETCH: gl.constexpr, PARITY: gl.constexpr, PART: gl.constexpr):
+        """SwiGLU backward of a ``[BLOCK_M, W]`` part of the tile (columns ``col0 + j``, the
+        tile's part ``PART`` of 4): rows ``act_start + i`` for ``i < num_live``; null rows
+        (address 0 in ``ptrs_ptr``) load zeros and store zeros. Returns the rows' fp32
+        ``dot(part, h2)`` over these columns when ``SCORED`` (``part`` unscaled, each row's
+        fp32 score at its address; the backward then runs on ``score * part`` and h2 is stored
+        scaled), else zeros. With ``H1_PREFETCH`` the part's h1 comes from the consumer's
+        slot ``PART % H1_PREFETCH`` of ``h1_smem`` (:func:`_h1_prefetch`), which then starts
+        part ``PART + H1_PREFETCH``'s copy if the tile has one; else from global memory."""
         # 16-byte vectors of 8 columns per thread: few 64-bit addresses (in the accumulator's
         # layout every 2 columns need their own, and the epilogue spills)
         L: gl.constexpr = _part_layout(W)
@@ -208,8 +255,21 @@ if HAVE_GLUON:
         if SCORED:
             score = gl.expand_dims(gl.load(addr.to(gl.pointer_type(gl.float32)),
                                            mask=live & (addr != 0), other=0.0), 1)
-        g = gl.load(g_ptrs, mask=load_mask, other=0.0).to(gl.float32)
-        u = gl.load(g_ptrs + FFN, mask=load_mask, other=0.0).to(gl.float32)
+        if H1_PREFETCH > 0:
+            SLOT: gl.constexpr = PARITY * H1_PREFETCH + PART % H1_PREFETCH
+            async_copy.wait_group(_h1_pending(H1_PREFETCH, PART))
+            g = h1_smem.index(2 * SLOT).load(L).to(gl.float32)
+            u = h1_smem.index(2 * SLOT + 1).load(L).to(gl.float32)
+            if PART + H1_PREFETCH < 4:  # the slot's next part (the compiler orders the reuse)
+                async_copy.async_copy_global_to_shared(h1_smem.index(2 * SLOT),
+                                                       g_ptrs + H1_PREFETCH * W, mask=load_mask)
+                async_copy.async_copy_global_to_shared(h1_smem.index(2 * SLOT + 1),
+                                                       g_ptrs + (H1_PREFETCH * W + FFN),
+                                                       mask=load_mask)
+                async_copy.commit_group()
+        else:
+            g = gl.load(g_ptrs, mask=load_mask, other=0.0).to(gl.float32)
+            u = gl.load(g_ptrs + FFN, mask=load_mask, other=0.0).to(gl.float32)
         s = 1.0 / (1.0 + gl.exp(-g))
         silu = g * s
         dot = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, L))
@@ -253,29 +313,36 @@ if HAVE_GLUON:
         BLOCK_N: gl.constexpr,
         BLOCK_K: gl.constexpr,
         RELOAD_BOUNDS: gl.constexpr,
+        H1_PREFETCH: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K],
                                            a_desc.layout)
         b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_N],
                                            w_desc.layout)
+        if H1_PREFETCH > 0:  # per consumer H1_PREFETCH slots of g and u column quarters
+            h1_smem = gl.allocate_shared_memory(
+                gl.bfloat16, [4 * H1_PREFETCH, BLOCK_M, BLOCK_N // 4],
+                gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        else:
+            h1_smem = a_bufs  # unused
         ready, empty, turn = _ring_barriers(STAGES, 1, 1)
         gl.warp_specialize([
-            (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, ptrs_ptr,
-                         padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
+            (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, h1_smem,
+                         ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
                          grad_h1_ptr, h2_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
                          STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
-                         RELOAD_BOUNDS, 0)),
-            (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, ptrs_ptr,
-                         padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
+                         RELOAD_BOUNDS, H1_PREFETCH, 0)),
+            (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, h1_smem,
+                         ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
                          grad_h1_ptr, h2_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
                          STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
-                         RELOAD_BOUNDS, 1)),
-            (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, ptrs_ptr,
-                         padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
+                         RELOAD_BOUNDS, H1_PREFETCH, 1)),
+            (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, h1_smem,
+                         ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
                          grad_h1_ptr, h2_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
                          STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
-                         RELOAD_BOUNDS, 1)),
+                         RELOAD_BOUNDS, H1_PREFETCH, 1)),
         ], [4, 1], [232, 40])
 
 
@@ -300,7 +367,7 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
                           h2_out: torch.Tensor | None, scored_rows: bool = False,
                           group_m: int = 8, stages: int = 5,
                           programs: int | None = None,
-                          reload_bounds: bool | None = None) -> None:
+                          reload_bounds: bool | None = None, h1_prefetch: int = 0) -> None:
     """Launch the kernel (arguments validated by the caller,
     :func:`~distmoe.kernels.w2_backward.w2_dgrad_swiglu_bwd`, and
     :func:`gluon_w2_dgrad_reason` returned ``None``). ``programs``: the grid (default one per
@@ -308,7 +375,10 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
     consumers load the per-expert bounds per tile instead of holding them in registers
     (default: above 32 experts, where holding them made the epilogue spill: 132 bytes per
     thread at 128 experts in the scored form, 220 at 256, none after; at 32 experts holding
-    them spills nothing and reloading would spill 16 bytes in the plain form)."""
+    them spills nothing and reloading would spill 16 bytes in the plain form).
+    ``h1_prefetch``: slots per consumer (0-4) for h1's column quarters brought into shared
+    memory by cp.async (:class:`~distmoe.kernels.w2_backward.W2DgradConfig`), the first ones
+    before the tile's MMAs; ``stages + h1_prefetch`` at most 6 (shared memory)."""
     from ._common import device_context, next_power_of_2, num_sms
 
     num_experts, hidden, ffn = w2.shape
@@ -333,5 +403,6 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
             SCORED=scored_rows,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             RELOAD_BOUNDS=num_experts > 32 if reload_bounds is None else bool(reload_bounds),
+            H1_PREFETCH=h1_prefetch,
             num_warps=4, maxnreg=_MAXNREG,
         )  # fmt: skip

@@ -295,6 +295,10 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
     return cases
 
 
+#: (ring stages, h1_prefetch) of the W2 DGRAD's h1-by-cp.async builds (not production)
+GLUON_W2_DGRAD_PREFETCH_CASES = ((5, 1), (4, 2), (3, 3), (2, 4))
+
+
 def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
     """The warp-specialised Gluon W2 DGRAD (:mod:`distmoe.kernels.w2_dgrad_gluon`) at each
     shape with h1 at a device offset and h2 stored, at every ring depth it takes. Production
@@ -323,9 +327,23 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
                     dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E,
                          EXPERTS_POW2=max(32, next_power_of_2(E)), GROUP_M=8, STAGES=stages,
                          H1_OFFSET=True, STORE_H2=True, SCORED=scored, BLOCK_M=bm, BLOCK_N=bn,
-                         BLOCK_K=bk, RELOAD_BOUNDS=E > 32, num_warps=4),
+                         BLOCK_K=bk, RELOAD_BOUNDS=E > 32, H1_PREFETCH=0, num_warps=4),
                     4, 1, types=types, production=scored or E <= 32, gluon=True,
                     options=dict(maxnreg=wg._MAXNREG)))
+        for stages, prefetch in GLUON_W2_DGRAD_PREFETCH_CASES:  # h1 by cp.async (scored)
+            bm, bn, bk = 128, 128, 64
+            types = {"a_desc": _gluon_desc(1024, D, [bm, bk]),
+                     "w_desc": _gluon_desc(E * D, F, [bk, bn]),
+                     "ptrs_ptr": "*i64", "h1_offset_ptr": "*i64"}
+            cases.append(BuildCase(
+                f"{name} W2 DGRAD gluon s{stages} h1_prefetch={prefetch} scored=True",
+                wg._gluon_w2_dgrad_kernel,
+                dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
+                     GROUP_M=8, STAGES=stages, H1_OFFSET=True, STORE_H2=True, SCORED=True,
+                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, RELOAD_BOUNDS=E > 32,
+                     H1_PREFETCH=prefetch, num_warps=4),
+                4, 1, types=types, production=False, gluon=True,
+                options=dict(maxnreg=wg._MAXNREG)))
     return cases
 
 
