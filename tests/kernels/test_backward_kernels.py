@@ -1810,14 +1810,22 @@ def test_gluon_wgrad_config_rules():
         WgradConfig(gluon=True, specialized=True, pingpong=True)
     with pytest.raises(ValueError, match=r"block_out_m == 128 \(got 64\)"):
         WgradConfig(block_out_m=64, gluon=True, specialized=True, num_warps=4, pingpong=True)
-    # what the Hopper heuristic picks: the specialised ping-pong form with the 128-column
-    # tile (below 1024 rows per expert or narrow outputs), the plain Gluon kernel with the
-    # 256-column one
-    fine = WgradConfig.hopper_gluon(out_rows=2048, out_cols=768, rows_per_expert=256)
-    assert (fine.block_out_n, fine.gluon, fine.specialized, fine.pingpong, fine.num_warps) \
-        == (128, True, True, True, 4)
-    wide = WgradConfig.hopper_gluon(out_rows=4096, out_cols=2048, rows_per_expert=2048)
-    assert (wide.block_out_n, wide.gluon, wide.specialized) == (256, True, False)
+    # what the Hopper heuristic picks, always the specialised kernel's 128-column tile: its
+    # ping-pong form below 1024 rows per expert or for narrow outputs, its two cooperating
+    # warpgroups (8 warps, 5 stages) from 1024 rows per expert with outputs >= 256 wide
+    pick = WgradConfig.hopper_gluon
+
+    def form(c):
+        return (c.block_out_m, c.block_out_n, c.gluon, c.specialized, c.pingpong, c.num_warps,
+                c.num_stages)
+
+    pingpong, cooperative = (128, 128, True, True, True, 4, 5), (128, 128, True, True, False, 8, 5)
+    assert form(pick(out_rows=2048, out_cols=768, rows_per_expert=256)) == pingpong
+    assert form(pick(out_rows=2048, out_cols=768, rows_per_expert=1023)) == pingpong
+    assert form(pick(out_rows=2048, out_cols=128, rows_per_expert=2048)) == pingpong
+    assert form(pick(out_rows=4096, out_cols=2048, rows_per_expert=1024)) == cooperative
+    assert form(pick(out_rows=4096, out_cols=2048, rows_per_expert=2048)) == cooperative
+    assert pick(out_rows=4000, out_cols=2048, rows_per_expert=2048) is None
 
 
 def _gluon_dgrad_problem(hidden, ffn, block):

@@ -28,6 +28,7 @@ args = ap.parse_args()
 dev = torch.device("cuda")
 gen = torch.Generator(device=dev).manual_seed(1)
 built = []
+keep = []  # every tensor a graph's launches address stays alive until the end
 for spec in args.specs:
     name, _, vs = spec.partition(":")
     variants = {}
@@ -68,6 +69,7 @@ for spec in args.specs:
         run()
         torch.cuda.synchronize()
         outs[k] = (comb.clone(), gh1.clone(), h2.clone())
+        keep.append((comb, ptrs, gh1, h2, w2, rows, h1, po, ro))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for _ in range(20):

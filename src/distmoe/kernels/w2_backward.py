@@ -856,8 +856,10 @@ class WgradConfig:
         rows per local expert, ``T*K*EP/E``), never a routed count.
 
         On a Hopper ``device`` (and ``out_rows`` a multiple of 128) the persistent Gluon
-        kernel (``gluon=True``): 128 x 256 output tiles with 3 stages for long row loops
-        (hint >= 1024) with wide weights, else 128 x 128 tiles with 5 stages. Measured on one
+        kernel (``gluon=True``), warp-specialised, 128 x 128 tiles, 5 stages: for long row
+        loops (hint >= 1024) with wide weights its 8-warp form (two warpgroups on one tile),
+        else its ping-pong form (:meth:`hopper_gluon`). First measured with 128 x 256 tiles
+        and 3 stages for the long row loops, plain 128 x 128 otherwise; on one
         H200 (2026-11-29, ``tools/tune_wgrad.py --quick``, docs/performance.md run 15), against
         the Triton configs below: at T=4096 D=2048 F=768 E=128 K=8, balanced routing, W13
         (x at a device offset) 0.418 against 0.555 ms and W2 0.210 against 0.268; at T=8192
@@ -906,8 +908,12 @@ class WgradConfig:
         if block_m < 64 or out_rows % 128:
             return None
         if rows_per_expert is not None and rows_per_expert >= 1024 and out_cols >= 256:
-            return cls(block_m=block_m, block_k=64, block_out_m=128, block_out_n=256,
-                       num_warps=8, num_stages=3, gluon=True)
+            # the warp-specialised kernel, two warpgroups cooperating on a 128 x 128 tile: the
+            # layer fwd+bwd 1.3-1.5% faster than with the plain 128 x 256 one (one H200,
+            # 2026-12-01, run 42: T=8192 D=4096 F=2048 E=32 K=8 both routings, 13 rounds;
+            # T=16384 D=2048 F=768 E=128 K=8 sampled, 9 rounds; tools/ab_interleaved.py)
+            return cls(block_m=block_m, block_k=64, block_out_m=128, block_out_n=128,
+                       num_warps=8, num_stages=5, gluon=True, specialized=True)
         return cls(block_m=block_m, block_k=64, block_out_m=128,
                    block_out_n=_pow2_clamped(out_cols, 16, 128), num_warps=4, num_stages=5,
                    gluon=True, specialized=True, pingpong=True)

@@ -202,9 +202,10 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
             c = w2b.WgradConfig.hopper_gluon(out_rows=P, out_cols=Q, rows_per_expert=hint)
             if c is None:  # the Triton WGRAD serves this shape (P not a multiple of 128)
                 continue
-            # the warp-specialised kernel: only the 128-column tile (below 1024 rows per
-            # expert, where partial steps are frequent; in its ping-pong form there);
-            # 128 x 256 needs more registers. The plain kernel of the same tile with 8 warps.
+            # the warp-specialised kernel as picked (ping-pong below 1024 rows per expert,
+            # two cooperating warpgroups above), and the plain kernel of the same tile with 8
+            # warps. 128 x 256 tiles only in the plain kernel (the warp-specialised one needs
+            # more registers there).
             for ws in (False, True) if c.block_out_n <= 128 else (False,):
                 pp = ws and c.pingpong
                 cases.append(case(f"{name} {kind} WGRAD gluon{' ws' if ws else ''}"
