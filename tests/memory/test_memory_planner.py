@@ -140,6 +140,9 @@ def test_non_positive_sizes():
         r"\(4\) ranks",
     ):
         plan_memory(worked_cfg(), 4, received_rows=WORKED_ROWS)
+    with pytest.raises(TypeError, match=r"received_rows must be a sequence of layers, each a "
+                                        r"sequence of per-rank row counts, got int"):
+        plan_memory(worked_cfg(), 2, received_rows=5)
 
 
 # --------------------------------------------------------------------------- capacities

@@ -125,8 +125,8 @@ def test_bad_inputs_raise_before_buffers_are_touched():
         "ids shape": r"expert_ids must be \[T, K\] = \(8, 2\), got \(8, 1\)",
         "w13 shape": r"w13 must be \[E_local, 2, F, D\] = \(4, 2, 32, 32\)",
         "w2 dtype": r"TypeError: w2 must be torch.bfloat16",
-        "non-contiguous x": r"x must be contiguous",
-        "id out of range": r"expert_ids must lie in \[-1, 4\); found 4",
+        "non-contiguous x": r"x must be contiguous, got shape \(8, 32\) with strides \(1, 8\)",
+        "id out of range": r"expert_ids must lie in \[-1, 4\); found 4 at \[\d+, \d+\]",
         "score on inactive": r"scores must be 0 on inactive routes",
         "closed": r"this MoEContext is closed",
     }

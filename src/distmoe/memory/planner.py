@@ -758,7 +758,8 @@ def plan_memory(
     saves = None
     if received_rows is not None:
         _check_training(cfg, "plan_memory(received_rows=...)")
-        if len(received_rows) and len(received_rows[0]) != ep_size:
+        _check_received_rows(cfg, received_rows)  # its types first, then the EP size
+        if len(received_rows[0]) != ep_size:
             raise ValueError(
                 f"received_rows[0] ({len(received_rows[0])} ranks) must have ep_size "
                 f"({ep_size}) ranks"

@@ -66,6 +66,8 @@ never written anywhere; they are counted on the device
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -110,9 +112,11 @@ class MoEContext:
 
     Call: ``y = ctx(x, expert_ids, scores, w13, w2)`` with x [T, D] bf16 (T <= max_tokens, the
     same T on every rank: ``check=True`` refuses a call where it differs, unchecked it is
-    counted in ``stats()["token_count_mismatches"]``), expert_ids [T, K] integer (global ids,
-    -1 inactive), scores [T, K] float, w13 [E_local, 2, F, D] bf16, w2 [E_local, D, F] bf16,
-    all contiguous on ``device``.
+    counted in ``stats()["token_count_mismatches"]``; T = 0 only without autograd),
+    expert_ids [T, K] int8 / uint8 / int16 / int32 / int64 (global ids, -1 inactive; unchecked,
+    an id outside [-1, E) is dropped and counted in ``stats()["invalid_ids"]``), scores [T, K]
+    float, w13 [E_local, 2, F, D] bf16, w2 [E_local, D, F] bf16, all contiguous on ``device``
+    (a CPU or CUDA device).
     Returns y [T, D] bf16.
 
     Training: with ``cfg.training``, grad mode on and any of x / scores / w13 / w2 requiring
@@ -137,8 +141,21 @@ class MoEContext:
             raise ValueError(
                 f"precision ({cfg.precision!r}): only 'bf16' is implemented so far"
             )
+        if not isinstance(check, bool):
+            raise TypeError(f"check must be a bool, got {type(check).__name__} ({check!r})")
+        if device is not None:
+            try:
+                kind = torch.device(device).type
+            except (RuntimeError, TypeError) as exc:
+                raise ValueError(f"device ({device!r}) is not a torch device: {exc}") from None
+            if kind not in ("cpu", "cuda"):
+                raise ValueError(f"device ({device!r}) must be a CPU or CUDA device, got "
+                                 f"device type {kind!r}")
+            if kind == "cuda" and not torch.cuda.is_available():
+                raise ValueError(f"device ({device!r}) is a CUDA device, but CUDA is not "
+                                 "available in this process")
         self.cfg = cfg
-        self.check = bool(check)
+        self.check = check
         self._closed = False
         self.heap = create_heap(group, backend=backend, device=device)
         self.group = self.heap.group
@@ -277,7 +294,8 @@ class MoEContext:
             if t.device != self.device:
                 raise ValueError(f"{name} must be on {self.device}, got {t.device}")
             if not t.is_contiguous():
-                raise ValueError(f"{name} must be contiguous")
+                raise ValueError(f"{name} must be contiguous, got shape {tuple(t.shape)} with "
+                                 f"strides {t.stride()}")
         for name in ("x", "w13", "w2"):
             if named[name].dtype != torch.bfloat16:
                 raise TypeError(f"{name} must be torch.bfloat16, got {named[name].dtype}")
@@ -290,6 +308,9 @@ class MoEContext:
         T = x.shape[0]
         if T > cfg.max_tokens:
             raise ValueError(f"x has T = {T} tokens, above max_tokens ({cfg.max_tokens})")
+        if T == 0 and self._wants_autograd(x, scores, w13, w2):
+            raise ValueError("x has T = 0 tokens: a training forward under autograd needs "
+                             "T >= 1 (without autograd, T = 0 returns an empty y)")
         for name in ("expert_ids", "scores"):
             if tuple(named[name].shape) != (T, cfg.top_k):
                 raise ValueError(
@@ -309,13 +330,17 @@ class MoEContext:
 
     def _validate_values(self, expert_ids, scores) -> None:
         E = self.cfg.num_experts
-        bad = (expert_ids < -1) | (expert_ids >= E)
+        ids = expert_ids.long()  # compared as int64: -1 is no id of an unsigned dtype
+        bad = (ids < -1) | (ids >= E)
         if bool(bad.any()):
-            v = int(expert_ids[bad][0])
-            raise ValueError(f"expert_ids must lie in [-1, {E}); found {v}")
-        inactive = expert_ids == -1
-        if bool((scores[inactive] != 0).any()):
-            raise ValueError("scores must be 0 on inactive routes (expert id -1)")
+            t, k = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"expert_ids must lie in [-1, {E}); found {int(ids[t, k])} at "
+                             f"[{t}, {k}]")
+        stray = (ids == -1) & (scores != 0)
+        if bool(stray.any()):
+            t, k = (int(i) for i in stray.nonzero()[0])
+            raise ValueError("scores must be 0 on inactive routes (expert id -1); found "
+                             f"{float(scores[t, k])} at [{t}, {k}]")
 
     def _validate_together(self, x, expert_ids, scores, w13, w2) -> None:
         """``check`` mode: this rank's checks (:meth:`_validate`, :meth:`_validate_values`),
@@ -397,6 +422,13 @@ class MoEContext:
             from .autograd import MoEFunction
             y = MoEFunction.apply(self, x, expert_ids, scores, w13, w2)
         else:
+            if (not self.cfg.training and torch.is_grad_enabled()
+                    and (x.requires_grad or scores.requires_grad)):
+                warnings.warn(
+                    "MoEContext: x or scores requires grad, but this is an inference context "
+                    "(cfg.training is False): y has no grad_fn and no gradient flows back "
+                    "through this layer. Use MoEConfig(training=True) for gradients, or "
+                    "torch.no_grad() for inference.", UserWarning, stacklevel=2)
             y, _ = self._forward(x, expert_ids, scores, w13, w2)
         if self.check:
             self._check_bound()
@@ -405,6 +437,11 @@ class MoEContext:
     def _publish_and_route(self, x, expert_ids, pull_all: bool = False):
         T = x.shape[0]
         self._headers[self.rank][0].fill_(T)
+        if expert_ids.dtype in (torch.int32, torch.int64):
+            # ids beyond int16 would wrap into valid ones in the int16 copy below; clamped,
+            # they stay invalid (-2 or E), dropped and counted like any invalid id (one
+            # elementwise kernel, no host synchronisation)
+            expert_ids = expert_ids.clamp(-2, self.cfg.num_experts)
         self._ids[self.rank][:T].copy_(expert_ids)
         if not self._reads_x(x) and not self._x_in_input_buffer(x):
             self._dispatch[:T].copy_(x)
