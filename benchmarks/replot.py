@@ -19,7 +19,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", type=Path, help="results.json of a run")
     parser.add_argument("--out", type=Path, help="where to write the PNGs (default: beside it)")
     args = parser.parse_args(argv)
-    data = json.loads(args.results.read_text())
+    try:
+        data = json.loads(args.results.read_text())
+        data["cases"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        parser.error(f"{args.results}: not a readable results.json of a bench run "
+                     f"({type(exc).__name__}: {exc})")
     out = args.out or args.results.parent
     out.mkdir(parents=True, exist_ok=True)
 

@@ -70,7 +70,11 @@ def parse_override(spec: str) -> tuple[str, str, dict]:
         name, sep, text = item.partition("=")
         if not sep:
             raise ValueError(f"--set {spec!r}: {item!r} is not FIELD=VALUE")
-        fields[name] = _value(text)
+        try:
+            fields[name] = _value(text)
+        except ValueError:
+            raise ValueError(f"--set {spec!r}: {name}={text!r}: VALUE must be an int, True / "
+                             "False, or a tuple of ints written 1x2x3") from None
     return kernel, when, fields
 
 
@@ -109,18 +113,31 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
     if "--" in argv:
         cut = argv.index("--")
         argv, bench_args = argv[:cut], argv[cut + 1:]
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], allow_abbrev=False,
+        epilog="Every other argument (and all after --) goes to `python -m distmoe bench`; "
+               "see `python -m distmoe bench --help`.")
     ap.add_argument("--set", action="append", default=[], metavar="SPEC",
-                    help="KERNEL[:WHEN]:FIELD=VALUE[,FIELD=VALUE...] (repeatable)")
+                    help="KERNEL[:WHEN]:FIELD=VALUE[,FIELD=VALUE...] (repeatable); KERNEL one "
+                         "of w13, w2, w2_dgrad, w13_dgrad, wgrad; WHEN (w13 only) training, "
+                         "inference or any")
     args, rest = ap.parse_known_args(argv)
     return args.set, rest + bench_args
 
 
 def main() -> int:
     specs, bench_args = split_args(sys.argv[1:])
-    overrides = [parse_override(spec) for spec in specs]
+    try:
+        overrides = [parse_override(spec) for spec in specs]
+    except ValueError as exc:
+        print(f"ab_bench.py: error: {exc}", file=sys.stderr)
+        return 2
     print("ab_bench overrides:", overrides or "none (the heuristics as they are)", flush=True)
-    install(overrides)
+    try:
+        install(overrides)
+    except ValueError as exc:  # a field the config class does not have
+        print(f"ab_bench.py: error: --set: {exc}", file=sys.stderr)
+        return 2
     from distmoe.__main__ import main as distmoe_main
 
     return distmoe_main(["bench", *bench_args])

@@ -140,22 +140,35 @@ def main() -> int:
     from distmoe.tools.bench.workloads import SHAPES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="issue-a", choices=sorted(SHAPES))
-    ap.add_argument("--mode", default="fwd", choices=["fwd", "fwdbwd"])
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME=SPEC[+SPEC]")
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--iters", type=int, default=10, help="steps per graph (per round)")
-    ap.add_argument("--warmup", type=int, default=3, help="eager steps per variant first")
+    ap.add_argument("--shape", default="issue-a", choices=sorted(SHAPES),
+                    help="the bench shape of the layer (default: issue-a)")
+    ap.add_argument("--mode", default="fwd", choices=["fwd", "fwdbwd"],
+                    help="forward, or forward+backward (default: fwd)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=SPEC[+SPEC]",
+                    help="a variant against the heuristics' base, SPEC as "
+                         "KERNEL[:WHEN]:FIELD=VALUE[,...], layer:NAME=VALUE or "
+                         "input:buffer=True|False (see the module docstring); repeatable")
+    ap.add_argument("--rounds", type=int, default=15,
+                    help="rounds, each replaying every variant's graph once (default: 15)")
+    ap.add_argument("--iters", type=int, default=10,
+                    help="steps per graph (per round; default: 10)")
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="eager steps per variant first (default: 3)")
     ap.add_argument("--tokens", type=int, default=None,
                     help="tokens per rank instead of the shape's own T (e.g. 64 for decode)")
     ap.add_argument("--ep1-share", action="store_true",
                     help="also this rank's share of the work at EP=1, in the same rounds")
     add_routing_argument(ap)
     args = ap.parse_args()
+    for name in ("rounds", "iters"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} ({getattr(args, name)}) must be >= 1")
+    if args.warmup < 0:
+        ap.error(f"--warmup ({args.warmup}) must be >= 0")
     try:
         variants = dict(parse_variant(v) for v in args.variant)
     except ValueError as exc:
-        raise SystemExit(str(exc)) from exc
+        ap.error(str(exc))
     joined = join_group(port=29556)
     if args.ep1_share and joined.world == 1:
         raise SystemExit("--ep1-share needs EP > 1 (torch.distributed.run)")
@@ -172,7 +185,10 @@ def main() -> int:
     with ctx:
         configs = {"base": variant_configs(ctx, [], training)}
         for name, specs in variants.items():
-            configs[name] = variant_configs(ctx, specs, training)
+            try:
+                configs[name] = variant_configs(ctx, specs, training)
+            except (TypeError, ValueError) as exc:  # an unknown field, a bad value
+                ap.error(f"--variant {name}: {exc}")
 
         def runner(cfgs):
             def run():

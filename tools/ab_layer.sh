@@ -7,10 +7,22 @@
 #   `python3 -m distmoe bench BENCH_ARGS --no-plots`; its table and the run's exit code go to
 #   $OUT/ab.log (one file: the device returns few files), the bench directories are removed.
 set -u
+usage="usage: bash tools/ab_layer.sh BASE_SRC ROUNDS BENCH_ARGS..."
+if [ $# -lt 2 ]; then echo "$usage" >&2; exit 2; fi
 base=$1; rounds=$2; shift 2
+if [ ! -f "$base/distmoe/__init__.py" ]; then
+    # else PYTHONPATH would name nothing and the A side would import this checkout's distmoe
+    echo "ab_layer.sh: error: BASE_SRC ($base) holds no distmoe package ($base/distmoe)" >&2
+    exit 2
+fi
+case "$rounds" in
+    ''|*[!0-9]*|0) echo "ab_layer.sh: error: ROUNDS ($rounds) must be a positive integer" >&2
+                   exit 2 ;;
+esac
 out=${OUT:-out}
 mkdir -p "$out"
 log="$out/ab.log"
+: > "$log"  # this call's rounds only
 for i in $(seq 1 "$rounds"); do
     for side in A B; do
         src=src; [ "$side" = A ] && src=$base

@@ -13,7 +13,8 @@ Steps:
   2. the GPU test suite: ``pytest -m "gpu or multigpu"`` (with ``-k EXPR`` when --tests is given);
   3. optional benchmarks: ``python -m distmoe bench <ARGS>`` (the bench CLI writes CSV/JSON/PNG
      into --out);
-  4. a table: step, result, seconds.
+  4. a table: step, result, seconds. Exit status 0 only if every step ran and passed (the
+     test step with at least one test run, not all skipped); 2 without a CUDA GPU.
 Logs and the JUnit XML go to --out (default: $OUT when set, else ./gpu_check_out).
 """
 
@@ -64,7 +65,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds per step")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    rows: list[tuple[str, str, float]] = []
+    rows: list[tuple[str, str, bool, float]] = []  # step, result, ok, seconds
 
     import torch
     import triton
@@ -73,6 +74,10 @@ def main() -> int:
     name = torch.cuda.get_device_name(0) if n else "no GPU"
     print(f"device: {n} x {name}; torch {torch.__version__}; triton {triton.__version__}",
           flush=True)
+    if not n:
+        print("gpu_check: error: no CUDA GPU in this process (the GPU tests would all skip "
+              "and the bench would not measure a GPU)", file=sys.stderr)
+        return 2
 
     if not args.no_tests:
         xml = os.path.join(args.out, "gpu_tests.xml")
@@ -83,14 +88,16 @@ def main() -> int:
             cmd += ["-k", args.tests]
         rc, secs = _run(cmd, log, args.timeout)
         print(_tail(log), flush=True)
-        summary = f"rc={rc}"
+        summary, ok = f"rc={rc}", False
         if os.path.exists(xml):
             suite = ET.parse(xml).getroot()
             suite = suite if suite.tag == "testsuite" else suite[0]
             total, fail, err, skip = (int(suite.get(k, 0)) for k in
                                       ("tests", "failures", "errors", "skipped"))
-            summary = f"{total - fail - err - skip} passed, {fail + err} failed, {skip} skipped"
-        rows.append(("gpu tests", summary, secs))
+            passed = total - fail - err - skip
+            summary = f"{passed} passed, {fail + err} failed, {skip} skipped (rc={rc})"
+            ok = rc == 0 and passed > 0  # a run where everything skipped checked nothing
+        rows.append(("gpu tests", summary, ok, secs))
 
     if args.bench is not None:
         log = os.path.join(args.out, "bench.log")
@@ -101,13 +108,12 @@ def main() -> int:
                         f"--nproc-per-node={args.bench_nproc}", "-m", "distmoe"]
         rc, secs = _run(cmd, log, args.timeout)
         print(_tail(log, 80), flush=True)
-        rows.append(("bench", f"rc={rc}", secs))
+        rows.append(("bench", f"rc={rc}", rc == 0, secs))
 
     print("\n| step | result | seconds |\n|---|---|---|")
-    for step, result, secs in rows:
-        print(f"| {step} | {result} | {secs:.0f} |")
-    return 0 if all(("failed" not in r or r.startswith("0 failed") or " 0 failed" in r)
-                    and not r.startswith("rc=1") for _, r, _ in rows) else 1
+    for step, result, ok, secs in rows:
+        print(f"| {step} | {result}{'' if ok else ' FAILED'} | {secs:.0f} |")
+    return 0 if all(ok for _, _, ok, _ in rows) else 1
 
 
 if __name__ == "__main__":

@@ -41,13 +41,17 @@ import torch
 def main() -> int:
     import torch.distributed as dist
 
+    from distmoe.tools import require_cuda
     from distmoe.tools.bench.layer_step import add_routing_argument, join_group, layer_step
     from distmoe.tools.bench.workloads import SHAPES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="issue-a", choices=sorted(SHAPES))
-    ap.add_argument("--mode", default="fwdbwd", choices=["fwd", "fwdbwd"])
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--shape", default="issue-a", choices=sorted(SHAPES),
+                    help="the bench shape of the layer (default: issue-a)")
+    ap.add_argument("--mode", default="fwdbwd", choices=["fwd", "fwdbwd"],
+                    help="forward, or forward+backward (default: fwdbwd)")
+    ap.add_argument("--steps", type=int, default=5,
+                    help="profiled steps after the warm-up (default: 5)")
     ap.add_argument("--rows", type=int, default=25, help="kernels to list")
     ap.add_argument("--trace", default=None, help="also write a Chrome trace here")
     ap.add_argument("--tokens", type=int, default=None,
@@ -63,6 +67,7 @@ def main() -> int:
                          "(e.g. layer:w13_waves=2); repeatable")
     add_routing_argument(ap)
     args = ap.parse_args()
+    require_cuda("profile_layer.py")
     shape = SHAPES[args.shape]
     D, F, E, K = shape.hidden, shape.ffn, shape.num_experts, shape.top_k
     joined = join_group()

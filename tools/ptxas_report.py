@@ -63,7 +63,8 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                     help="builds run at once, one process each (default: the CPUs)")
     ap.add_argument("--check", action="store_true",
-                    help="exit 1 on a build failure or a spill in a production case")
+                    help="exit 1 on a build failure, more than 227 KiB of shared memory, or a "
+                         "spill or a wgmma pipeline serialized by ptxas in a production case")
     args = ap.parse_args()
     failed = 0
     cases = grouped_gemm_cases(tuple(args.shapes), variants=not args.no_variants)
@@ -76,11 +77,14 @@ def main() -> int:
     global _CASES
     _CASES = cases
     jobs = max(1, min(args.jobs, len(cases)))
+    print(f"{len(cases)} builds, {jobs} at a time (each line as its build finishes, in order)",
+          flush=True)
+    pool = None
     if jobs > 1:  # each build is one CPU-bound process; the cases stay here (forked)
-        with multiprocessing.get_context("fork").Pool(jobs) as pool:
-            results = pool.map(_build_fields, range(len(cases)), chunksize=1)
+        pool = multiprocessing.get_context("fork").Pool(jobs)
+        results = pool.imap(_build_fields, range(len(cases)), chunksize=1)
     else:
-        results = [_build_fields(i) for i in range(len(cases))]
+        results = (_build_fields(i) for i in range(len(cases)))
     for case, fields in zip(cases, results, strict=True):
         r = BuildReport(case, **fields)
         if r.error:
@@ -94,6 +98,9 @@ def main() -> int:
                 line += "  (production config: fails --check)"
         failed += not r.ok
         print(f"{case.label:70s} {line}", flush=True)
+    if pool is not None:
+        pool.close()
+        pool.join()
     if failed:
         print(f"{failed} case(s) failed", file=sys.stderr)
     return 1 if (args.check and failed) else 0

@@ -26,15 +26,20 @@ import torch
 
 def main() -> int:
     import distmoe as dm
+    from distmoe.tools import require_cuda
     from distmoe.tools.bench.report import write_csv
     from distmoe.tools.bench.timing import TimingConfig, benchmark
     from distmoe.tools.bench.workloads import SHAPES, make_layer_inputs
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="issue-a", choices=sorted(SHAPES))
-    ap.add_argument("--sustained-ms", type=float, default=160.0)
-    ap.add_argument("--csv", default=None)
+    ap.add_argument("--shape", default="issue-a", choices=sorted(SHAPES),
+                    help="the layer's bench shape (default: issue-a)")
+    ap.add_argument("--sustained-ms", type=float, default=160.0,
+                    help="length of the long matmul windows, ms (default: 160, about one "
+                         "issue-a layer window)")
+    ap.add_argument("--csv", default=None, help="also write the rows to this CSV file")
     args = ap.parse_args()
+    require_cuda("sustained_check.py")
     dev = torch.device("cuda", 0)
 
     def clock() -> str:

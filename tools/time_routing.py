@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     from distmoe.tools.bench.report import write_csv
     from distmoe.tools.bench.workloads import SHAPES
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--shapes", nargs="+", default=["fine", "issue-a"], choices=sorted(SHAPES))
     ap.add_argument("--tokens", nargs="+", type=int, default=[16, 128, 512, 4096])
     ap.add_argument("--ep", type=int, default=1, help="ranks whose ids rank 0 reads")

@@ -54,8 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     print("# start (us, from the step's first event), duration (us), stream, name")
     for path in args.traces:
         opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rt") as f:
-            events = json.load(f)["traceEvents"]
+        try:
+            with opener(path, "rt") as f:
+                events = json.load(f)["traceEvents"]
+        except (OSError, ValueError, KeyError) as exc:  # missing, not JSON, not a trace
+            ap.error(f"{path}: not a readable Chrome trace ({type(exc).__name__}: {exc})")
         try:
             step = last_step(events, args.steps)
         except ValueError as exc:

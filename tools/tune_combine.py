@@ -38,6 +38,7 @@ def _positive(text: str) -> int:
 
 def main() -> int:
     from distmoe.kernels.combine import CombineConfig, combine, combine_ref
+    from distmoe.tools import require_cuda
     from distmoe.tools.bench.timing import interleaved
     from distmoe.tools.bench.workloads import SHAPES
 
@@ -47,8 +48,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=_positive, default=7, help="interleaved rounds")
     ap.add_argument("--csv", default=None, help="also write every timing here")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("tune_combine.py needs a CUDA GPU")
+    require_cuda("tune_combine.py")
     dev = torch.device("cuda")
     records = []
     for name in args.shapes:

@@ -75,6 +75,7 @@ def main() -> int:
     from distmoe.kernels.w2_scatter import W2Config, w2_scatter
     from distmoe.kernels.w13_backward import W13DgradConfig, w13_dgrad_scatter
     from distmoe.kernels.w13_gather_swiglu import W13Config, gather_w13_swiglu
+    from distmoe.tools import require_cuda
     from distmoe.tools.bench.report import write_csv
     from distmoe.tools.bench.timing import interleaved
     from distmoe.tools.bench.workloads import SHAPES
@@ -92,6 +93,7 @@ def main() -> int:
                              "w13_dgrad"],
                     help="time only these kernels (default: all that the options select)")
     args = ap.parse_args()
+    require_cuda("tune_gemm.py")
     dev = torch.device("cuda", 0)
     out_rows = []
     for name in args.shapes:

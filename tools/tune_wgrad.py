@@ -64,6 +64,7 @@ def main() -> int:
 
     from distmoe.kernels.w2_backward import WgradConfig, w2_wgrad
     from distmoe.kernels.w13_backward import w13_wgrad
+    from distmoe.tools import require_cuda
     from distmoe.tools.bench.report import write_csv
     from distmoe.tools.bench.workloads import SHAPES
 
@@ -77,6 +78,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true",
                     help="time the heuristic only (with --routing: tails against none)")
     args = ap.parse_args()
+    require_cuda("tune_wgrad.py")
     dev = torch.device("cuda", 0)
     rows_out = []
     for name, routing in itertools.product(args.shapes, args.routing):
