@@ -189,3 +189,33 @@ def test_table_and_environment():
     for key in ("gpu", "torch", "triton", "distmoe", "git_sha", "date_utc", "command"):
         assert isinstance(env[key], str) and env[key]
     assert env["command"].endswith("bench --full")
+
+
+def test_table_columns_never_touch():
+    """Wide values (seconds-long iterations, a long shape name) widen their column: every
+    column stays at least two spaces from the next."""
+    import re
+
+    wide = _case(provider="torch_compile", shape="deepseek-v4-flash/ep2", tokens=65536,
+                 mode="fwdbwd", iter_ms=1734.4131, window_min_ms=1683.212,
+                 window_max_ms=1785.613, tflops=12345.6, pct_dense=1234.0,
+                 pct_dense_sustained=1456.0, hbm_gbps=123456.0, sm_clock_mhz=1980.0,
+                 power_w=699.0, peak_mem_gib=123.45)
+    failed = _case(provider="distmoe", status="failed", shape="smoke", tokens=64,
+                   note="RuntimeError: boom")
+    text = report.format_table([_case(), wide, failed])
+    lines = text.splitlines()
+    fields = [re.split(r" {2,}", line.strip()) for line in [lines[0], *lines[2:]]]
+    assert fields[0] == ["provider", "shape", "T", "mode", "imb", "ms", "range", "TFLOP/s",
+                         "%dense", "%sust", "HBM GB/s", "MHz", "W", "peak GiB", "status"]
+    assert fields[2] == ["torch_compile", "deepseek-v4-flash/ep2", "65536", "fwdbwd", "1",
+                         "1734.413", "1683.212-1785.613", "12345.6", "1234", "1456", "123456",
+                         "1980", "699", "123.45", "ok"]
+    assert fields[1][:7] == ["torch", "issue-a", "8192", "fwd", "1", "2.000", "1.900-2.200"]
+    assert fields[3][:6] == ["distmoe", "smoke", "64", "fwd", "1", "-"]
+    assert fields[3][-1] == "failed: RuntimeError: boom"
+    assert "1734.4131683.212" not in text
+    assert len(lines[1]) == len(lines[0]) and set(lines[1]) == {"-"}
+    # the columns line up: the ms title ends where the right-aligned values end
+    end_ms = lines[0].index(" ms") + 3
+    assert lines[3][:end_ms].endswith("1734.413") and lines[2][:end_ms].endswith("2.000")

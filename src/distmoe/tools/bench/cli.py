@@ -1,11 +1,18 @@
 """``python -m distmoe bench``: the benchmark suite of issue 6.
 
-Default suite (about six minutes on one H200, see benchmarks/README.md): ceilings, then the
-shapes ``issue-a issue-b fine deepseek-v3`` at their default T, forward and
-forward+backward, balanced routing, providers distmoe / torch / torch_compile. ``--full`` adds
-every named shape, imbalance 1 4 8, the micro-benchmarks with their long sweeps and the
-roofline model. One GPU runs EP = 1 on a private one-rank process group; under ``torchrun`` the
-world is the EP group (EP = world size) and rank 0 writes the outputs.
+Default suite: ceilings, then the shapes ``issue-a issue-b fine deepseek-v3`` at their default
+T, forward and forward+backward, balanced routing, providers distmoe / torch / torch_compile
+(on one H200, measured 2026-11-29: about 105 s with ``--providers distmoe torch``, under 180 s
+with all three providers; benchmarks/README.md, "Run time"). ``--full`` adds every named shape,
+imbalance 1 4 8, the micro-benchmarks with their long sweeps and the roofline model. One GPU
+runs EP = 1 on a private one-rank process group; under ``torchrun`` the world is the EP group
+(EP = world size) and rank 0 writes the outputs.
+
+The suite needs a CUDA GPU: ``--device auto`` (the default) without one is an error (exit 2).
+``--device cpu`` is for smoke runs of the harness: it runs only the ``smoke`` shape unless
+``--shapes`` names others (then with a warning: hours on the CPU). ``--out`` and ``--archive``
+are checked before anything is measured. Exit status: 0 when at least one case succeeded
+(a line says how many failed), 1 when none did or the suite aborted, 2 for a usage error.
 
 Case order: shape -> tokens -> mode -> imbalance -> provider, so a provider built for one
 (shape, tokens, mode) (a distmoe context, a torch.compile graph) serves every imbalance.
@@ -17,6 +24,7 @@ import argparse
 import dataclasses
 import datetime
 import gc
+import os
 import sys
 import tarfile
 import time
@@ -170,7 +178,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--device",
         choices=("auto", "cuda", "cpu"),
         default="auto",
-        help="auto: CUDA when available (cpu is for smoke runs of the harness)",
+        help="auto/cuda: the CUDA GPU (an error without one); cpu: smoke runs of the harness, "
+        "the smoke shape only unless --shapes names others (default auto)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of inputs and routing")
     parser.add_argument(
@@ -618,12 +627,138 @@ def _progress(total: int):
     return tqdm(total=total, desc="bench", unit="case", file=sys.stderr)
 
 
+NO_GPU_ERROR = (
+    "bench needs a CUDA GPU (none found); for a harness smoke run on CPU: "
+    "--device cpu --shapes smoke --providers torch"
+)
+# Shapes --device cpu runs without being named on the command line.
+CPU_SHAPES = ("smoke",)
+
+
 def _select_device(choice: str) -> torch.device:
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda requested but CUDA is not available")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """``--device``: auto and cuda need CUDA (ValueError without it); cpu is the CPU."""
+    if choice == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        if choice == "auto":
+            raise ValueError(NO_GPU_ERROR)
+        raise ValueError("--device cuda requested but CUDA is not available")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def check_cpu_shapes(args: argparse.Namespace) -> str:
+    """The ``--device cpu`` rule: shapes other than :data:`CPU_SHAPES` run only when
+    ``--shapes`` names them. Raises ValueError for shapes the command line did not name (the
+    default suite, ``--full``, ``--shapes all``); returns a warning for named GPU-sized shapes
+    ('' when none, and always '' for other devices)."""
+    if args.device != "cpu":
+        return ""
+    if args.shapes is None or "all" in args.shapes:
+        if args.shapes is not None:
+            source, names = "--shapes all", FULL_SHAPES
+        elif args.full:
+            source, names = "--full", FULL_SHAPES
+        else:
+            source, names = "the default suite", DEFAULT_SHAPES
+        raise ValueError(
+            f"--device cpu runs shapes other than {' '.join(CPU_SHAPES)} only when --shapes "
+            f"names them, and {source} selects {' '.join(names)} (GPU-sized: hours on the "
+            "CPU); for a harness smoke run: --device cpu --shapes smoke --providers torch"
+        )
+    big = [n for n in dict.fromkeys(args.shapes) if n not in CPU_SHAPES]
+    if not big:
+        return ""
+    return (
+        f"--device cpu with GPU-sized shape(s) {' '.join(big)}: on the CPU (distmoe's kernels "
+        "in the Triton interpreter) this will take very long, possibly hours"
+    )
+
+
+def _path_problem(path: Path) -> str:
+    """Why no directory can be written at ``path`` ('' when it can: it is a writable
+    directory, or its nearest existing ancestor is one, so it can be created)."""
+    for p in (path, *path.parents):
+        if not os.path.lexists(p):
+            continue
+        if not p.is_dir():
+            return f"{p} is {'an existing file' if p.is_file() else 'not a directory'}"
+        if not os.access(p, os.W_OK | os.X_OK):
+            return f"directory {p} is not writable"
+        return ""
+    return ""  # no ancestor exists (a relative path whose '.' is gone): mkdir will tell
+
+
+def check_output_paths(out_dir: Path, archive: str | None) -> None:
+    """Check ``--out`` (an existing writable directory or a creatable one) and ``--archive``
+    (not a directory; its directory existing and writable or creatable) before anything is
+    measured; ValueError names the option, the value and the problem."""
+    problem = _path_problem(out_dir)
+    if problem:
+        raise ValueError(
+            f"--out ({out_dir}) must be a writable directory or one that can be created: "
+            f"{problem}"
+        )
+    if archive:
+        path = Path(archive)
+        if path.is_dir():
+            raise ValueError(
+                f"--archive ({archive}) must name a file to write, not an existing directory "
+                f"(e.g. {path / 'bench.tar.gz'})"
+            )
+        problem = _path_problem(path.parent)
+        if problem:
+            raise ValueError(
+                f"--archive ({archive}) must be in a writable directory or one that can be "
+                f"created: {problem}"
+            )
+
+
+# The files a run writes into --out (the micro-benchmark plots only with --micro on a GPU).
+OUTPUT_NAMES = (
+    "cases.csv",
+    "ceilings.csv",
+    "micro.csv",
+    "roofline_model.csv",
+    "results.json",
+    "tflops.png",
+    "roofline.png",
+    "roofline_model.png",
+    "micro_grouped_vs_bmm.png",
+    "micro_matched_projection.png",
+    "micro_histogram.png",
+)
+
+
+def planned_outputs(plan: BenchPlan, device: torch.device, plots: bool) -> set[str]:
+    """Names of :data:`OUTPUT_NAMES` this run may write (a plot only where it has data)."""
+    names = {"cases.csv", "ceilings.csv", "results.json"}
+    if plan.micro:
+        names.add("micro.csv")
+    if plan.roofline:
+        names.add("roofline_model.csv")
+    if plots:
+        names |= {"tflops.png", "roofline.png"}
+        if plan.roofline:
+            names.add("roofline_model.png")
+        if plan.micro and device.type == "cuda":
+            names |= {n for n in OUTPUT_NAMES if n.startswith("micro_")}
+    return names
+
+
+def earlier_run_notice(out_dir: Path, planned: set[str]) -> str:
+    """One line when ``out_dir`` holds output files of an earlier run: which ones this run
+    replaces and which stay as they are (nothing is deleted); '' when it holds none."""
+    present = [n for n in OUTPUT_NAMES if (out_dir / n).is_file()]
+    if not present:
+        return ""
+    replaced = [n for n in present if n in planned]
+    kept = [n for n in present if n not in planned]
+    text = f"--out {out_dir} holds files of an earlier run; this run replaces: " + (
+        " ".join(replaced) if replaced else "none of them"
+    )
+    if kept:
+        text += f"; keeps (not written by this run): {' '.join(kept)}"
+    return text + "; nothing is deleted"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -635,12 +770,18 @@ def run(args: argparse.Namespace) -> int:
                 f"{s.description}"
             )
         return 0
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    out_dir = Path(args.out or f"out/bench-{stamp}")
     try:
         plan = resolve_plan(args)
         device = _select_device(args.device)
+        warning = check_cpu_shapes(args)
+        check_output_paths(out_dir, args.archive)
     except ValueError as exc:
         print(f"distmoe bench: error: {exc}", file=sys.stderr)
         return 2
+    if warning:
+        print(f"distmoe bench: warning: {warning}", file=sys.stderr)
     if launched_by_torchrun():
         if args.rank_share_of != 1:
             print(f"distmoe bench: error: --rank-share-of ({args.rank_share_of}) is for EP=1 "
@@ -651,18 +792,26 @@ def run(args: argparse.Namespace) -> int:
         bench_group = init_single_process_group(device)
     is_rank0 = bench_group.rank == 0
     try:
-        return _run(args, plan, device, bench_group, is_rank0)
+        return _run(args, plan, device, bench_group, is_rank0, out_dir)
     finally:
         bench_group.close()
 
 
 def _run(
-    args, plan: BenchPlan, device: torch.device, bench_group: BenchGroup, is_rank0: bool
+    args,
+    plan: BenchPlan,
+    device: torch.device,
+    bench_group: BenchGroup,
+    is_rank0: bool,
+    out_dir: Path,
 ) -> int:
     started = time.perf_counter()
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    out_dir = Path(args.out or f"out/bench-{stamp}")
+    earlier: list[str] = []
     if is_rank0:
+        notice = earlier_run_notice(out_dir, planned_outputs(plan, device, not args.no_plots))
+        if notice:
+            print(f"distmoe bench: note: {notice}", file=sys.stderr, flush=True)
+            earlier = [n for n in OUTPUT_NAMES if (out_dir / n).is_file()]
         out_dir.mkdir(parents=True, exist_ok=True)
     env = report.environment()
     if args.git_sha:
@@ -813,18 +962,25 @@ def _run(
                 written += report.plot_micro(micro_rows, out_dir)
         except Exception as exc:  # the CSV and JSON are already written; plots are extras
             plot_note = "plots incomplete: " + report.error_text(exc)
+    archive_note = ""
     if args.archive:
         archive = Path(args.archive)
-        archive.parent.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(archive, "w:gz") as tar:
-            for p in written:
-                tar.add(p, arcname=f"{out_dir.name}/{p.name}")
+        try:  # checked before the run; a failure here keeps the summary below
+            archive.parent.mkdir(parents=True, exist_ok=True)
+            with tarfile.open(archive, "w:gz") as tar:
+                for p in written:
+                    tar.add(p, arcname=f"{out_dir.name}/{p.name}")
+        except OSError as exc:
+            archive_note = f"archive {args.archive} not written: {report.error_text(exc)}"
 
     elapsed = time.perf_counter() - started
     print(f"\nwrote {len(written)} files to {out_dir}/: {' '.join(p.name for p in written)}")
-    if args.archive:
+    stale = [n for n in earlier if n not in {p.name for p in written}]
+    if stale:
+        print(f"left from an earlier run (not written by this one): {' '.join(stale)}")
+    if args.archive and not archive_note:
         print(f"archived them in {args.archive}")
-    for note in (aborted, plot_note):
+    for note in (aborted, plot_note, archive_note):
         if note:
             print(note)
     for key, value in micro_summary.items():
@@ -837,7 +993,17 @@ def _run(
         print("\nrouting: exact (every expert gets T*K/E rows, so whole tiles and row steps); "
               "behind a real router the histogram is sampled and the grouped GEMMs run "
               "partial tiles: --routing sampled times that (docs/performance.md, run 39)")
-    return 1 if aborted else 0
+    ok = sum(c.status == "ok" for c in cases)
+    failed = sum(c.status == "failed" for c in cases)
+    if failed:
+        print(f"\n{failed} of {len(cases)} cases failed")
+    if not ok:
+        counts: dict[str, int] = {}
+        for c in cases:
+            counts[c.status] = counts.get(c.status, 0) + 1
+        detail = ", ".join(f"{n} {k}" for k, n in counts.items()) or "no cases"
+        print(f"no case succeeded ({detail}): exit status 1")
+    return 1 if aborted or archive_note or not ok else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -563,23 +563,66 @@ def _imb_text(c: CaseResult) -> str:
     return "smp" if c.routing == "sampled" else format(c.imbalance, "g")
 
 
+# The case columns of :func:`format_table`: title and alignment ("<" left, ">" right).
+_TABLE_COLUMNS = (
+    ("provider", "<"),
+    ("shape", "<"),
+    ("T", ">"),
+    ("mode", ">"),
+    ("imb", ">"),
+    ("ms", ">"),
+    ("range", ">"),
+    ("TFLOP/s", ">"),
+    ("%dense", ">"),
+    ("%sust", ">"),
+    ("HBM GB/s", ">"),
+    ("MHz", ">"),
+    ("W", ">"),
+    ("peak GiB", ">"),
+)
+_TABLE_GAP = "  "  # between columns: numbers never touch, whatever their width
+
+
 def format_table(cases: Sequence[CaseResult], ceilings: Sequence[Mapping] = ()) -> str:
-    """A short fixed-width table of the cases, then the ceilings, for the terminal."""
-    header = (
-        f"{'provider':<14}{'shape':<18}{'T':>6}{'mode':>7}{'imb':>5}{'ms':>9}{'range':>16}"
-        f"{'TFLOP/s':>9}{'%dense':>7}{'%sust':>6}{'HBM GB/s':>9}{'MHz':>6}{'W':>5}{'peak GiB':>9}"
-        "  status"
-    )
-    lines = [header, "-" * len(header)]
+    """A short table of the cases, then the ceilings, for the terminal.
+
+    Each column is as wide as its title or its widest cell, columns are two spaces apart, and
+    the status (with the note of a case that is not ``ok``) comes last."""
+    rows = []
+    statuses = []
     for c in cases:
-        rng = f"{_fmt(c.window_min_ms, '.3f')}-{_fmt(c.window_max_ms, '.3f')}"
-        status = c.status if c.status == "ok" else f"{c.status}: {c.note[:60]}"
-        lines.append(
-            f"{c.provider:<14}{c.shape:<18}{c.tokens:>6}{c.mode:>7}{_imb_text(c):>5}"
-            f"{_fmt(c.iter_ms, '.3f'):>9}{rng:>16}{_fmt(c.tflops, '.1f'):>9}{_fmt(c.pct_dense, '.0f'):>7}"
-            f"{_fmt(c.pct_dense_sustained, '.0f'):>6}{_fmt(c.hbm_gbps, '.0f'):>9}"
-            f"{_fmt(c.sm_clock_mhz, '.0f'):>6}{_fmt(c.power_w, '.0f'):>5}{_fmt(c.peak_mem_gib, '.2f'):>9}  {status}"
+        rows.append(
+            (
+                c.provider,
+                c.shape,
+                str(c.tokens),
+                c.mode,
+                _imb_text(c),
+                _fmt(c.iter_ms, ".3f"),
+                f"{_fmt(c.window_min_ms, '.3f')}-{_fmt(c.window_max_ms, '.3f')}",
+                _fmt(c.tflops, ".1f"),
+                _fmt(c.pct_dense, ".0f"),
+                _fmt(c.pct_dense_sustained, ".0f"),
+                _fmt(c.hbm_gbps, ".0f"),
+                _fmt(c.sm_clock_mhz, ".0f"),
+                _fmt(c.power_w, ".0f"),
+                _fmt(c.peak_mem_gib, ".2f"),
+            )
         )
+        statuses.append(c.status if c.status == "ok" else f"{c.status}: {c.note[:60]}")
+    titles = tuple(t for t, _ in _TABLE_COLUMNS)
+    widths = [max(len(cell) for cell in col) for col in zip(titles, *rows, strict=True)]
+
+    def line(cells: Sequence[str], status: str) -> str:
+        parts = [
+            format(cell, f"{align}{w}")
+            for cell, (_, align), w in zip(cells, _TABLE_COLUMNS, widths, strict=True)
+        ]
+        return _TABLE_GAP.join([*parts, status])
+
+    header = line(titles, "status")
+    lines = [header, "-" * len(header)]
+    lines += [line(r, s) for r, s in zip(rows, statuses, strict=True)]
     if ceilings:
         lines.append("")
         for c in ceilings:
