@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -117,18 +121,38 @@ def test_demo_rows_are_valid():
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (("--activation-bytes", "1000"), r"activation_bytes \(1000\) must be >= the inputs-only"),
-        (("--ep", "3"), r"num_experts \(128\) must be divisible by ep_size \(3\)"),
-        (("--hidden", "0"), r"hidden \(0\) must be >= 1"),
+        (("--activation-bytes", "1000"), r"--activation-bytes \(1000\) must be >= the inputs-only"),
+        (("--ep", "3"), r"--experts \(128\) must be divisible by --ep \(3\)"),
+        (("--hidden", "0"), r"--hidden \(0\) must be >= 1"),
         (("--imbalance", "a,b"), r"--imbalance \('a,b'\) must be comma-separated numbers"),
-        (("--layers-per-slot", "0"), r"max_layers_per_slot \(0\) must be >= 1"),
+        (("--layers-per-slot", "0"), r"--layers-per-slot \(0\) must be >= 1"),
+        # the library's field names are rewritten to the options the user typed
+        (("--tokens", "-1"), r"error: --tokens \(-1\) must be >= 1$"),
+        (("--experts", "0"), r"error: --experts \(0\) must be >= 1$"),
+        (("--ep", "0"), r"error: --ep \(0\) must be >= 1$"),
+        (("--slots", "0"), r"error: --slots \(0\) must be >= 1$"),
+        (("--top-k", "200"), r"error: --top-k \(200\) must be <= --experts \(128\)$"),
+        (("--hidden", "12"), r"error: --hidden \(12\) must be a multiple of 8 for --precision"),
+        (("--row-block", "100"), r"error: --row-block \(100\) must be a power of two"),
+        (("--activation-factor", "nan"), r"error: --activation-factor \(nan\) must be finite"),
+        (
+            ("--total-scratch-factor", "1"),
+            r"error: --total-scratch-factor \(1.0\) must be >= --device-scratch-factor \(2.0\)",
+        ),
+        (("--precision", "nvfp4"), r"error: --precision nvfp4 is inference only: add --inference$"),
+        (("--imbalance", "nan"), r"--imbalance \('nan'\) values must be finite and >= 0"),
+        (("--imbalance", "1,inf"), r"--imbalance \('1,inf'\) values must be finite and >= 0"),
     ],
 )
 def test_bad_input_exits_2(argv, message, capsys):
     assert plan_cli.run(parse(*argv)) == 2
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     assert "distmoe plan: error:" in err
-    assert re.search(message, err), err
+    assert re.search(message, err.rstrip("\n"), re.M), err
+    assert err.count("\n") == 1 and not captured.out  # one line, before any table
+    for field in ("max_tokens", "num_experts", "ep_size", "num_slots", "max_layers_per_slot"):
+        assert field not in err
 
 
 def test_rows_above_bound_exit_2(tmp_path, capsys):
@@ -136,3 +160,170 @@ def test_rows_above_bound_exit_2(tmp_path, capsys):
     rows.write_text("[[9, 0]]")
     assert plan_cli.run(parse(*WORKED, "--rows-json", str(rows))) == 2
     assert "must be <= the receive bound (8 rows)" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- review fixes
+def _worked_rows(tmp_path: Path) -> Path:
+    rows = tmp_path / "worked.json"
+    rows.write_text("[[4,4],[4,4],[5,3],[5,3]]")
+    return rows
+
+
+def _refused(capsys, *argv: str) -> str:
+    """Run; expect status 2, nothing on stdout and one error line; return that line."""
+    assert plan_cli.run(parse(*argv)) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("distmoe plan: error: "), captured.err
+    return lines[0]
+
+
+def test_output_paths_checked_before_computing(tmp_path, capsys):
+    err = _refused(capsys, "--json", str(tmp_path / "no" / "dir" / "x.json"))
+    assert f"--json {tmp_path / 'no' / 'dir' / 'x.json'}: directory" in err
+    assert "does not exist" in err
+    err = _refused(capsys, "--json", str(tmp_path))
+    assert f"--json {tmp_path}: is a directory" in err
+    err = _refused(capsys, "--png", str(tmp_path / "missing" / "x.png"))
+    assert "--png" in err and "does not exist" in err
+    err = _refused(capsys, "--png", str(tmp_path))
+    assert "--png" in err and "is a directory" in err
+    afile = tmp_path / "file"
+    afile.write_text("")
+    err = _refused(capsys, "--json", str(afile / "x.json"))
+    assert "--json" in err and "is not a directory" in err
+
+
+def test_png_without_matplotlib(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    err = _refused(capsys, "--png", str(tmp_path / "plan.png"))
+    assert "--png needs matplotlib" in err and "distmoe[tools]" in err
+    assert not (tmp_path / "plan.png").exists()
+    extras = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    assert re.search(r'^tools = \[.*"matplotlib', extras, re.M)  # the extra the message names
+
+
+def test_rows_json_read_errors_name_option_and_file(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("not json")
+    err = _refused(capsys, *WORKED, "--rows-json", str(bad))
+    assert f"--rows-json {bad}: not valid JSON: Expecting value: line 1 column 1" in err
+    missing = tmp_path / "missing.json"
+    err = _refused(capsys, *WORKED, "--rows-json", str(missing))
+    assert f"--rows-json {missing}: cannot read it" in err
+    wrong_ep = tmp_path / "three.json"
+    wrong_ep.write_text("[[1, 1, 1]]")
+    err = _refused(capsys, *WORKED, "--rows-json", str(wrong_ep))
+    assert f"--rows-json {wrong_ep}: received_rows[0] (3 ranks)" in err and "--ep (2)" in err
+    rows = _worked_rows(tmp_path)
+    err = _refused(capsys, *WORKED, "--rows-json", str(rows), "--layers-per-slot", "3")
+    assert f"--rows-json {rows}: received_rows (4 layers)" in err
+    assert "at most --layers-per-slot (3) layers" in err
+
+
+def test_rows_above_bound_name_options(tmp_path, capsys):
+    rows = tmp_path / "rows.json"
+    rows.write_text("[[9, 0]]")
+    err = _refused(capsys, *WORKED, "--rows-json", str(rows))
+    assert f"--rows-json {rows}: received_rows[0][0] (9)" in err
+    assert "raise --device-scratch-factor or --total-scratch-factor" in err
+
+
+def test_training_only_options_refused_with_inference(tmp_path, capsys):
+    rows = _worked_rows(tmp_path)
+    err = _refused(
+        capsys,
+        *WORKED,
+        "--inference",
+        "--rows-json",
+        str(rows),
+        "--activation-bytes",
+        "28672",
+        "--slots",
+        "3",
+        "--drop-route-outputs",
+    )
+    for given in (f"--rows-json {rows}", "--activation-bytes 28672", "--slots 3",
+                  "--drop-route-outputs"):
+        assert given in err
+    assert "no effect with --inference" in err
+    for argv in (
+        ("--activation-factor", "2"),
+        ("--layers-per-slot", "2"),
+        ("--imbalance", "2"),
+        ("--slots", "1"),  # given explicitly, even at its default value
+    ):
+        err = _refused(capsys, "--inference", *argv)
+        assert f"{argv[0]} {argv[1]}" in err and "--inference" in err
+    # the options that do apply to inference still work
+    assert plan_cli.run(parse("--inference", "--total-scratch-factor", "3", "--tensors")) == 0
+
+
+def test_imbalance_refused_with_rows_json(tmp_path, capsys):
+    rows = _worked_rows(tmp_path)
+    err = _refused(capsys, *WORKED, "--rows-json", str(rows), "--imbalance", "2")
+    assert "--imbalance ('2') has no effect with --rows-json" in err
+
+
+def test_imbalance_capped_at_receive_bound_notes_it(tmp_path, capsys):
+    out_json = tmp_path / "plan.json"
+    assert plan_cli.run(parse("--imbalance", "100", "--json", str(out_json))) == 0
+    captured = capsys.readouterr()
+    notes = captured.err.splitlines()
+    assert notes == [
+        "distmoe plan: note: --imbalance 100 x T*K: above the receive bound (65,536 rows = "
+        "2 x T*K), so the hot rank of L0, L1, L2, L3 receives 65,536 rows (capped)"
+    ]
+    rows = json.loads(out_json.read_text())["saves"]["received_rows"]
+    assert [max(layer) for layer in rows] == [65536] * 4
+    # the default imbalance (at most 1.75) is below the default bound: no note
+    assert plan_cli.run(parse()) == 0
+    assert capsys.readouterr().err == ""
+    # a lower bound caps the default's 1.75 in L3
+    assert plan_cli.run(parse("--device-scratch-factor", "1.5")) == 0
+    err = capsys.readouterr().err
+    assert "--imbalance (default) 1.75 x T*K" in err and "hot rank of L3 receives 49,152" in err
+
+
+def test_imbalance_unused_values_and_ep1_notes(capsys):
+    assert plan_cli.run(parse("--imbalance", "1,1.5,1,1,1,1")) == 0
+    err = capsys.readouterr().err
+    assert "has 6 values but the slot has 4 layers: only the first 4 are used" in err
+    assert plan_cli.run(parse("--ep", "1", "--experts", "8", "--imbalance", "3")) == 0
+    err = capsys.readouterr().err
+    assert "--imbalance ('3') has no effect at --ep 1" in err
+
+
+def test_demo_routing_error_names_imbalance(capsys):
+    err = _refused(capsys, *WORKED, "--imbalance", "0", "--device-scratch-factor", "1")
+    assert "--imbalance ('0'), demo routing: received_rows[0][1] (8)" in err
+
+
+def test_documented_outputs_unchanged(tmp_path, capsys):
+    """The two outputs of docs/memory.md, byte for byte (and no note on stderr)."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "memory.md").read_text()
+    blocks = re.findall(r"```\n(distmoe memory plan:.*?)```", doc, re.S)
+    assert len(blocks) == 2
+    rows = _worked_rows(tmp_path)
+    worked = parse(*WORKED, "--activation-bytes", "28672", "--rows-json", str(rows))
+    for args, expected in ((worked, blocks[0]), (parse(), blocks[1])):
+        assert plan_cli.run(args) == 0
+        captured = capsys.readouterr()
+        assert captured.out == expected
+        assert captured.err == ""
+
+
+def test_cli_errors_have_no_traceback(tmp_path):
+    """Through ``python -m distmoe plan``: status 2, one stderr line, no table."""
+    src = Path(plan_cli.__file__).resolve().parents[2]
+    r = subprocess.run(
+        [sys.executable, "-m", "distmoe", "plan", "--json", str(tmp_path / "no" / "x.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(src)},
+    )
+    assert r.returncode == 2, r.stderr
+    assert r.stdout == ""
+    assert r.stderr.startswith("distmoe plan: error: --json ") and r.stderr.count("\n") == 1

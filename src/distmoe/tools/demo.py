@@ -6,11 +6,18 @@ backward, upstream gradient = a fixed random tensor) and prints, for y and every
 (x, scores, w13, w2), the max error against torch autograd of the plain-PyTorch reference in
 fp64, beside the bf16 reference's own error (for scale), then the time per step and the
 activation slot's save/replay decision. ``--inference`` runs the forward only.
+
+Bad options exit with status 2 and one line ``distmoe demo: error: ...`` naming the option,
+before any rank starts: sizes and ``--iters`` below 1, the layer's configuration rules
+(``MoEConfig``: ``--top-k`` at most ``--experts``, ``--experts`` divisible by ``--ep``, widths
+a multiple of 8, ...) and ``--device cuda`` without CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import sys
 import time
 
 import torch
@@ -43,6 +50,40 @@ def _defaults(args) -> None:
             setattr(args, k, v)
 
 
+def _config(args):
+    """The layer's configuration on every rank (raises the library's ValueError/TypeError)."""
+    import distmoe as dm
+
+    return dm.MoEConfig(hidden=args.hidden, ffn=args.ffn, num_experts=args.experts,
+                        top_k=args.top_k, max_tokens=args.tokens, training=not args.inference,
+                        row_block=16 if args.device == "cpu" else 128,
+                        device_scratch_factor=2.0)
+
+
+# MoEConfig's field names (and check_ep_size's ep_size) in its messages -> the options.
+_OPTION_OF = {"num_experts": "--experts", "max_tokens": "--tokens", "ep_size": "--ep",
+              "hidden": "--hidden", "top_k": "--top-k", "ffn": "--ffn"}
+_FIELD = re.compile(r"(?<![\w.\-])(" + "|".join(_OPTION_OF) + r")(?![\w\-])")
+
+
+def _check(args) -> str | None:
+    """The first problem with the (defaulted) options, as a message naming the option, or
+    None. Runs before any rank starts."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return "--device cuda: no CUDA device is available (torch.cuda.is_available() is False)"
+    for option, name in (("--ep", "ep"), ("--tokens", "tokens"), ("--hidden", "hidden"),
+                         ("--ffn", "ffn"), ("--experts", "experts"), ("--top-k", "top_k"),
+                         ("--iters", "iters")):
+        value = getattr(args, name)
+        if value < 1:
+            return f"{option} ({value}) must be >= 1"
+    try:
+        _config(args).check_ep_size(args.ep)
+    except (ValueError, TypeError) as exc:
+        return _FIELD.sub(lambda m: _OPTION_OF[m.group(1)], str(exc))
+    return None
+
+
 def _problem(args):
     from ..reference import random_routing
 
@@ -69,10 +110,7 @@ def _rank(rank, world, args):
         else torch.device("cpu")
     mine = split_global_problem(*_problem(args), world)[rank]
     training = not args.inference
-    cfg = dm.MoEConfig(hidden=args.hidden, ffn=args.ffn, num_experts=args.experts,
-                       top_k=args.top_k, max_tokens=args.tokens, training=training,
-                       row_block=16 if args.device == "cpu" else 128,
-                       device_scratch_factor=2.0)
+    cfg = _config(args)
     tensors = [t.to(dev) for t in (mine.x, mine.expert_ids, mine.scores, mine.w13, mine.w2)]
     gy = _upstream(args)[rank * args.tokens:(rank + 1) * args.tokens].to(dev)
     bar = None
@@ -108,7 +146,7 @@ def _rank(rank, world, args):
                 torch.cuda.synchronize()
             if bar:
                 bar.update(1)
-        per_call = (time.perf_counter() - start) / max(1, args.iters)
+        per_call = (time.perf_counter() - start) / args.iters
         stats = ctx.stats()
     if bar:
         bar.close()
@@ -135,9 +173,10 @@ def run(args) -> int:
     from ..reference import merge_expert_tensors
 
     _defaults(args)
-    cfg_check = dm.MoEConfig(hidden=args.hidden, ffn=args.ffn, num_experts=args.experts,
-                             top_k=args.top_k, max_tokens=args.tokens, training=False)
-    cfg_check.check_ep_size(args.ep)
+    problem = _check(args)
+    if problem is not None:
+        print(f"distmoe demo: error: {problem}", file=sys.stderr)
+        return 2
     mode = "forward only" if args.inference else "training step (forward + backward)"
     print(f"distmoe demo, {mode}: EP={args.ep} on {args.device}, T={args.tokens} tokens/rank, "
           f"D={args.hidden}, F={args.ffn}, E={args.experts}, K={args.top_k}", flush=True)

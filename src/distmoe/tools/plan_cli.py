@@ -8,6 +8,13 @@ for a demo routing in which one rank per layer (rotating) receives ``--imbalance
 balanced rows and the others share the rest. ``--png`` draws the regions and the per-rank
 slot packing (matplotlib, Agg backend); ``--json`` writes every number.
 
+Bad input exits with status 2 and one line ``distmoe plan: error: ...`` that names the option:
+the library's messages are rewritten from its field names (``max_tokens``) to the options
+(``--tokens``); the output paths (and matplotlib for ``--png``) are checked before anything
+is computed; options that would have no effect are refused (the training-only budget and
+decision options with ``--inference``, ``--imbalance`` with ``--rows-json``). A demo
+``--imbalance`` above the receive bound is capped at it, with a note on stderr.
+
 With no flags it plans a Qwen3-30B-A3B-like layer (D 2048, F 768, E 128, K 8) at T 4096
 tokens per rank on EP 8, four layers per slot, bf16 training.
 
@@ -24,6 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -79,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="saved layers keep no returned route results h3 (MoEConfig.save_route_outputs "
         "False; the backward does not read them)",
     )
-    budget.add_argument("--slots", type=int, default=1, help="activation slots (1)")
+    budget.add_argument("--slots", type=int, default=None, help="activation slots (1)")
     budget.add_argument(
         "--layers-per-slot",
         type=int,
@@ -96,7 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     decide.add_argument(
         "--imbalance",
-        default=DEFAULT_IMBALANCE,
+        default=None,
         help="demo routing without --rows-json: per-layer load of the hot rank in units of "
         f"T*K, comma-separated, cycled over the layers ({DEFAULT_IMBALANCE}); 'none' = off",
     )
@@ -129,8 +138,13 @@ def demo_rows(cfg: MoEConfig, ep_size: int, imbalance: Sequence[float]) -> list[
 
 
 def _read_rows(path: str) -> list[list[int]]:
-    with open(path) as f:
-        data = json.load(f)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"--rows-json {path}: cannot read it: {exc.strerror or exc}") from None
+    except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"--rows-json {path}: not valid JSON: {exc}") from None
     if isinstance(data, dict):
         if "received_rows" not in data:
             raise ValueError(f"--rows-json {path}: an object must have a 'received_rows' key")
@@ -147,13 +161,49 @@ def _parse_imbalance(text: str) -> list[float] | None:
         values = [float(v) for v in text.split(",")]
     except ValueError:
         raise ValueError(f"--imbalance ({text!r}) must be comma-separated numbers") from None
-    if any(v < 0 for v in values):
-        raise ValueError(f"--imbalance ({text!r}) values must be >= 0")
+    if any(not math.isfinite(v) or v < 0 for v in values):
+        raise ValueError(f"--imbalance ({text!r}) values must be finite and >= 0")
     return values
 
 
+# The library names its arguments (MoEConfig fields, plan_memory's ep_size); the user typed
+# options. Error messages of the library are rewritten to name the options.
+_OPTION_OF = {
+    "cfg.max_layers_per_slot": "--layers-per-slot",
+    "max_layers_per_slot": "--layers-per-slot",
+    "device_scratch_factor": "--device-scratch-factor",
+    "total_scratch_factor": "--total-scratch-factor",
+    "activation_factor": "--activation-factor",
+    "activation_bytes": "--activation-bytes",
+    "num_experts": "--experts",
+    "max_tokens": "--tokens",
+    "num_slots": "--slots",
+    "row_block": "--row-block",
+    "precision": "--precision",
+    "ep_size": "--ep",
+    "hidden": "--hidden",
+    "top_k": "--top-k",
+    "ffn": "--ffn",
+}
+_FIELD = re.compile(
+    r"(?<![\w.\-])(" + "|".join(re.escape(k) for k in _OPTION_OF) + r")(?![\w\-])"
+)
+
+
+def _with_options(message: str) -> str:
+    """``message`` of the library with its field names replaced by the options."""
+    return _FIELD.sub(lambda m: _OPTION_OF[m.group(1)], message)
+
+
+def _default_imbalance(args: argparse.Namespace) -> str:
+    return DEFAULT_IMBALANCE if args.imbalance is None else args.imbalance
+
+
 def build_plan(args: argparse.Namespace) -> MemoryPlan:
-    """Config, received rows and plan from parsed arguments (raises ValueError/TypeError)."""
+    """Config, received rows and plan from parsed arguments (raises ValueError/TypeError,
+    with messages that name the options)."""
+    if args.precision == "nvfp4" and not args.inference:
+        raise ValueError("--precision nvfp4 is inference only: add --inference")
     rows = _read_rows(args.rows_json) if args.rows_json else None
     layers = args.layers_per_slot
     if layers is None:
@@ -161,31 +211,92 @@ def build_plan(args: argparse.Namespace) -> MemoryPlan:
     extra = {}
     if args.activation_factor is not None:
         extra["activation_factor"] = args.activation_factor
-    cfg = MoEConfig(
-        hidden=args.hidden,
-        ffn=args.ffn,
-        num_experts=args.experts,
-        top_k=args.top_k,
-        max_tokens=args.tokens,
-        precision=args.precision,
-        training=not args.inference,
-        row_block=args.row_block,
-        activation_bytes=args.activation_bytes,
-        device_scratch_factor=args.device_scratch_factor,
-        total_scratch_factor=args.total_scratch_factor,
-        num_slots=args.slots,
-        max_layers_per_slot=layers,
-        save_route_outputs=not args.drop_route_outputs,
-        **extra,
-    )
-    cfg.check_ep_size(args.ep)
-    if rows is None and cfg.training:
-        imbalance = _parse_imbalance(args.imbalance)
+    try:
+        cfg = MoEConfig(
+            hidden=args.hidden,
+            ffn=args.ffn,
+            num_experts=args.experts,
+            top_k=args.top_k,
+            max_tokens=args.tokens,
+            precision=args.precision,
+            training=not args.inference,
+            row_block=args.row_block,
+            activation_bytes=args.activation_bytes,
+            device_scratch_factor=args.device_scratch_factor,
+            total_scratch_factor=args.total_scratch_factor,
+            num_slots=1 if args.slots is None else args.slots,
+            max_layers_per_slot=layers,
+            save_route_outputs=not args.drop_route_outputs,
+            **extra,
+        )
+        cfg.check_ep_size(args.ep)
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(_with_options(str(exc))) from None
+    source = ""
+    if rows is not None:
+        source = f"--rows-json {args.rows_json}: "
+        for layer, ranks in enumerate(rows):
+            if len(ranks) != args.ep:
+                raise ValueError(
+                    f"{source}received_rows[{layer}] ({len(ranks)} ranks) must have one row "
+                    f"count per rank: --ep ({args.ep})"
+                )
+    elif cfg.training:
+        text = _default_imbalance(args)
+        imbalance = _parse_imbalance(text)
         if imbalance is not None:
             rows = demo_rows(cfg, args.ep, imbalance)
+            source = f"--imbalance ({text!r}), demo routing: "
     if not cfg.training:
         rows = None
-    return plan_memory(cfg, args.ep, received_rows=rows)
+    try:
+        return plan_memory(cfg, args.ep, received_rows=rows)
+    except (ValueError, TypeError) as exc:
+        message = _with_options(str(exc))
+        if "received_rows" in message:
+            message = source + message
+        raise type(exc)(message) from None
+
+
+def imbalance_notes(plan: MemoryPlan, args: argparse.Namespace) -> list[str]:
+    """One-line notes on the demo routing: ``--imbalance`` values capped at the receive
+    bound, values never used (more values than layers), no effect at EP 1."""
+    if plan.saves is None or args.rows_json or args.inference:
+        return []
+    text = _default_imbalance(args)
+    imbalance = _parse_imbalance(text)
+    if imbalance is None:
+        return []
+    cfg = plan.cfg
+    layers = cfg.max_layers_per_slot
+    notes = []
+    if plan.ep_size == 1:
+        if args.imbalance is not None:
+            notes.append(
+                f"--imbalance ({text!r}) has no effect at --ep 1: the one rank receives every "
+                "route"
+            )
+        return notes
+    bound = plan.receive_bound
+    capped = [
+        layer
+        for layer in range(layers)
+        if round(imbalance[layer % len(imbalance)] * cfg.balanced_rows) > bound
+    ]
+    if capped:
+        values = sorted({imbalance[layer % len(imbalance)] for layer in capped})
+        option = "--imbalance" if args.imbalance is not None else "--imbalance (default)"
+        notes.append(
+            f"{option} {', '.join(f'{v:g}' for v in values)} x T*K: above the receive bound "
+            f"({bound:,} rows = {bound / cfg.balanced_rows:g} x T*K), so the hot rank of "
+            f"{', '.join(f'L{layer}' for layer in capped)} receives {bound:,} rows (capped)"
+        )
+    if len(imbalance) > layers:
+        notes.append(
+            f"--imbalance ({text!r}) has {len(imbalance)} values but the slot has {layers} "
+            f"layers: only the first {layers} are used"
+        )
+    return notes
 
 
 # --------------------------------------------------------------------------- drawing
@@ -475,11 +586,76 @@ def _draw_costs(ax, plan: MemoryPlan) -> None:
 
 
 # --------------------------------------------------------------------------- entry point
+def check_options(args: argparse.Namespace) -> None:
+    """Raise ``ValueError`` for options that would be ignored: training-only options with
+    ``--inference``, and ``--imbalance`` with ``--rows-json``."""
+    if args.inference:
+        given = []
+        if args.rows_json is not None:
+            given.append(f"--rows-json {args.rows_json}")
+        if args.activation_factor is not None:
+            given.append(f"--activation-factor {args.activation_factor:g}")
+        if args.activation_bytes is not None:
+            given.append(f"--activation-bytes {args.activation_bytes}")
+        if args.slots is not None:
+            given.append(f"--slots {args.slots}")
+        if args.layers_per_slot is not None:
+            given.append(f"--layers-per-slot {args.layers_per_slot}")
+        if args.drop_route_outputs:
+            given.append("--drop-route-outputs")
+        if args.imbalance is not None:
+            given.append(f"--imbalance {args.imbalance}")
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: training only, no effect with --inference (inference "
+                "keeps no state for backward); drop them or --inference"
+            )
+    if args.rows_json is not None and args.imbalance is not None:
+        raise ValueError(
+            f"--imbalance ({args.imbalance!r}) has no effect with --rows-json: the file gives "
+            "the rows; drop one of them"
+        )
+
+
+def check_output(option: str, path: str | None) -> None:
+    """Raise ``ValueError`` unless ``path`` (of ``option``) can be written as a file."""
+    if path is None:
+        return
+    if not path:
+        raise ValueError(f"{option} ({path!r}) must name a file")
+    if os.path.isdir(path):
+        raise ValueError(f"{option} {path}: is a directory, must be a file path")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.exists(parent):
+        raise ValueError(f"{option} {path}: directory {parent} does not exist")
+    if not os.path.isdir(parent):
+        raise ValueError(f"{option} {path}: {parent} is not a directory")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ValueError(f"{option} {path}: the file is not writable")
+    if not os.path.exists(path) and not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {path}: directory {parent} is not writable")
+
+
+def _check_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            "--png needs matplotlib, which is not installed: pip install 'distmoe[tools]' "
+            "(or pip install matplotlib)"
+        ) from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the subcommand; returns the process exit status (0 ok, 2 bad input)."""
     try:
+        check_options(args)
+        check_output("--json", args.json)
+        check_output("--png", args.png)
+        if args.png is not None:
+            _check_matplotlib()
         plan = build_plan(args)
-    except (ValueError, TypeError, OSError) as exc:
+    except (ValueError, TypeError) as exc:
         print(f"distmoe plan: error: {exc}", file=sys.stderr)
         return 2
     print(plan)
@@ -488,12 +664,23 @@ def run(args: argparse.Namespace) -> int:
         print(format_breakdown(plan.balanced_costs))
         print()
         print(format_breakdown(plan.bound_costs))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(plan.to_dict(), f, indent=2)
-            f.write("\n")
-    if args.png:
-        draw_plan(plan, args.png)
+    sys.stdout.flush()
+    for note in imbalance_notes(plan, args):
+        print(f"distmoe plan: note: {note}", file=sys.stderr)
+    option = "--json"
+    try:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(plan.to_dict(), f, indent=2)
+                f.write("\n")
+        option = "--png"
+        if args.png:
+            draw_plan(plan, args.png)
+    except OSError as exc:
+        path = args.json if option == "--json" else args.png
+        print(f"distmoe plan: error: {option} {path}: cannot write it: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 2
     return 0
 
 
