@@ -78,10 +78,17 @@ grad (nothing enters a slot) and the recomputation in backward appends the layer
 slot selected *at that time*, right before its own backward (select the layer's slot again
 before backward if a pipeline schedule moved on). With ``use_reentrant=False`` this function
 saves no tensors through autograd, so a region holding only MoE calls is not recomputed and
-keeps its slot state. A non-reentrant region that also holds ops that save tensors re-runs
-the MoE forward during backward: an extra collective forward whose layer stays in the
-selected slot (until ``reset_slots``), or a ValueError if that slot is full. Use the
-reentrant variant, or checkpoint the MoE call alone.
+keeps its slot state. A non-reentrant region where a tensor-saving op follows the MoE call
+re-runs the MoE forward during backward: an extra collective forward whose layer lands on top
+of the original one, whose backward then fails (RuntimeError: reverse order; a ValueError if
+the slot is full); ``reset_slots`` on every rank recovers. Use the reentrant variant, or
+checkpoint the MoE call alone.
+
+In-place changes between a layer's forward and its backward: to scores, w13 or w2 raise a
+RuntimeError in the backward (versions compared by hand, since these tensors are not saved
+through autograd); to x, none (its rows were copied into the activation buffer). The
+backward is ``once_differentiable``: ``create_graph=True`` through it raises instead of
+losing the second-order terms.
 
 Forwards whose outputs are dropped without a backward keep their layer in the slot until
 ``ctx.reset_slots()`` (on every rank): releasing them when Python frees the graph would
@@ -98,6 +105,7 @@ bit-identical (the score parts are summed in a fixed order: no atomics).
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..kernels.route_grad import push_route_grads, reduce_routes
 from ..kernels.w2_backward import w2_dgrad_swiglu_bwd, w2_wgrad
@@ -118,16 +126,28 @@ class MoEFunction(torch.autograd.Function):
         # buffer, and a non-reentrant torch.utils.checkpoint around this call must not re-run
         # it (a re-run would append to the slot during backward).
         ctx.inputs = (saved["ids_executed"], saved["scores_f32"], w13, w2)
+        # ... so autograd's check of saved tensors' versions does not run: done by hand here
+        # (the tensors the backward reads; x's rows are in the activation buffer already)
+        ctx.versions = tuple(t._version for t in ctx.inputs[1:])
         ctx.x_shape = tuple(x.shape)
         return y
 
     @staticmethod
+    @once_differentiable  # its kernels build no graph: create_graph=True would lose terms
     def backward(ctx, grad_y):
         from ..kernels.offset_copy import offset_copy
         from ..kernels.w13_gather_swiglu import gather_w13_swiglu
 
         moe = ctx.moe
         moe._check_open()
+        for name, t, before in zip(("scores", "w13", "w2"), ctx.inputs[1:], ctx.versions,
+                                   strict=True):
+            if t._version != before:
+                raise RuntimeError(
+                    f"MoE layer backward: {name} was modified in place after the layer's "
+                    f"forward (tensor version {before} then, {t._version} now), so its "
+                    "gradients would mix old and new values; modify a copy, or run the "
+                    "forward again after the change")
         acts = moe.activations
         rec = ctx.record
         acts.end_layer(rec)  # 0. checks the order, rewinds the cursor

@@ -336,6 +336,15 @@ class MoEContext:
             t, k = (int(i) for i in bad.nonzero()[0])
             raise ValueError(f"expert_ids must lie in [-1, {E}); found {int(ids[t, k])} at "
                              f"[{t}, {k}]")
+        if ids.shape[1] > 1:  # a token's active routes name distinct experts
+            ordered = ids.sort(dim=1).values
+            twice = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+            if bool(twice.any()):
+                t, k = (int(i) for i in twice.nonzero()[0])
+                raise ValueError(
+                    f"expert_ids must name distinct experts per token (the receive bound "
+                    f"counts at most min(K, E_local) routes of a token per rank); token {t} "
+                    f"names expert {int(ordered[t, k])} more than once")
         stray = (ids == -1) & (scores != 0)
         if bool(stray.any()):
             t, k = (int(i) for i in stray.nonzero()[0])
@@ -354,20 +363,28 @@ class MoEContext:
         except (TypeError, ValueError) as exc:
             err = exc
         tokens = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() > 0 else None
+        autograd = err is None and self._wants_autograd(x, scores, w13, w2)
         outcomes = [None] * self.ep_size
         dist.all_gather_object(
-            outcomes, (tokens, None if err is None else f"{type(err).__name__}: {err}"),
-            group=self.group)
+            outcomes, (tokens, None if err is None else f"{type(err).__name__}: {err}",
+                       autograd), group=self.group)
         if err is not None:
             raise err
-        for r, (_, msg) in enumerate(outcomes):
+        for r, (_, msg, _) in enumerate(outcomes):
             if msg is not None:
                 raise ValueError(f"rank {r} refused its input ({msg}); every rank stops "
                                  "(check=True)")
-        counts = [t for t, _ in outcomes]
+        counts = [t for t, _, _ in outcomes]
         if len(set(counts)) > 1:
             raise ValueError(f"x must have the same number of tokens T on every rank of the "
                              f"group, got T = {counts} (rank r at index r)")
+        paths = [a for _, _, a in outcomes]
+        if len(set(paths)) > 1:
+            raise ValueError(
+                "every rank must take the same path, autograd or not (the backward is "
+                f"collective), got autograd = {paths} (rank r at index r): autograd runs "
+                "when cfg.training, grad mode is on and x, scores, w13 or w2 requires grad "
+                "(e.g. experts frozen on one rank only)")
 
     # ------------------------------------------------------------------ forward
     def input_buffer(self, tokens: int | None = None) -> torch.Tensor:
@@ -431,7 +448,7 @@ class MoEContext:
                     "torch.no_grad() for inference.", UserWarning, stacklevel=2)
             y, _ = self._forward(x, expert_ids, scores, w13, w2)
         if self.check:
-            self._check_bound()
+            self._check_bound(y)
         return y
 
     def _publish_and_route(self, x, expert_ids, pull_all: bool = False):
@@ -838,18 +855,43 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
             out["activations"] = self.activations.stats()
         return out
 
-    def _check_bound(self) -> None:
+    def _check_bound(self, y: torch.Tensor) -> None:
+        """``check`` mode, after a call: whether any rank saw invalid ids or dropped routes
+        in this call (counters compared with the previous check), shared over the group so
+        that every rank raises together (a rank left alone would wait in the next collective).
+        A training call's layer is taken back out of its slot first (its output ``y`` is
+        lost with the error), on every rank alike."""
         s = self.stats()
-        if s["invalid_ids"]:
-            raise ValueError(f"rank {self.rank}: {s['invalid_ids']} expert ids outside "
-                             f"[-1, {self.cfg.num_experts}) were seen (treated as inactive)")
-        if s["last_recv_rows"] > self.receive_bound or s["dropped_rows"]:
-            raise RuntimeError(
-                f"rank {self.rank} received {s['last_recv_rows']} rows, above its receive "
-                f"bound of {self.receive_bound} rows (device_scratch_factor "
-                f"{self.cfg.device_scratch_factor} x T_max*K {self.cfg.balanced_rows}); "
-                f"{s['dropped_rows']} routes were not executed. Raise device_scratch_factor."
-            )
+        seen = getattr(self, "_bound_seen", (0, 0))
+        invalid, dropped = s["invalid_ids"] - seen[0], s["dropped_rows"] - seen[1]
+        self._bound_seen = (s["invalid_ids"], s["dropped_rows"])
+        problem = None
+        if invalid:
+            problem = ("ValueError", f"rank {self.rank}: {invalid} expert ids outside "
+                       f"[-1, {self.cfg.num_experts}) were seen (treated as inactive)")
+        elif s["last_recv_rows"] > self.receive_bound or dropped:
+            problem = ("RuntimeError",
+                       f"rank {self.rank} received {s['last_recv_rows']} rows, above its "
+                       f"receive bound of {self.receive_bound} rows (device_scratch_factor "
+                       f"{self.cfg.device_scratch_factor} x T_max*K {self.cfg.balanced_rows}, "
+                       "at most EP*T_max*min(K, E_local) = "
+                       f"{self.cfg.max_possible_rows(self.ep_size)}); "
+                       f"{dropped} routes were not executed. Raise device_scratch_factor, up "
+                       "to that maximum.")
+        outcomes = [problem] if self.ep_size == 1 else [None] * self.ep_size
+        if self.ep_size > 1:
+            dist.all_gather_object(outcomes, problem, group=self.group)
+        bad = [(r, o) for r, o in enumerate(outcomes) if o is not None]
+        if not bad:
+            return
+        record = getattr(y.grad_fn, "record", None)
+        if record is not None:  # every rank alike: the layer's output is lost with the error
+            self.activations.abandon_layer(record)
+        if problem is not None:
+            raise (ValueError if problem[0] == "ValueError" else RuntimeError)(problem[1])
+        r, (kind, msg) = bad[0]
+        raise RuntimeError(f"rank {r} failed the check after the call ({kind}: {msg}); every "
+                           "rank stops (check=True)")
 
     # ------------------------------------------------------------------ lifetime
     def _training_setup(self) -> None:
