@@ -452,14 +452,13 @@ class MoEContext:
         return y
 
     def _publish_and_route(self, x, expert_ids, pull_all: bool = False):
+        from ..kernels.publish_ids import publish_ids
+
         T = x.shape[0]
-        self._headers[self.rank][0].fill_(T)
-        if expert_ids.dtype in (torch.int32, torch.int64):
-            # ids beyond int16 would wrap into valid ones in the int16 copy below; clamped,
-            # they stay invalid (-2 or E), dropped and counted like any invalid id (one
-            # elementwise kernel, no host synchronisation)
-            expert_ids = expert_ids.clamp(-2, self.cfg.num_experts)
-        self._ids[self.rank][:T].copy_(expert_ids)
+        # T and the ids in one launch; an id outside [-1, E) becomes an invalid -2 (a plain
+        # int16 copy would wrap ids beyond int16 into valid ones)
+        publish_ids(expert_ids, self._ids[self.rank], self._headers[self.rank],
+                    num_experts=self.cfg.num_experts)
         if not self._reads_x(x) and not self._x_in_input_buffer(x):
             self._dispatch[:T].copy_(x)
         self.heap.barrier()

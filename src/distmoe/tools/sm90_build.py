@@ -548,6 +548,7 @@ def other_kernel_cases() -> list[BuildCase]:
     from distmoe.kernels import call_counters, slot_cursor
     from distmoe.kernels import combine as comb
     from distmoe.kernels import offset_copy as oc
+    from distmoe.kernels import publish_ids as pub
     from distmoe.kernels import pull_tokens as pull
     from distmoe.kernels import route_grad as rg
     from distmoe.kernels import w2_backward as w2b
@@ -603,6 +604,12 @@ def other_kernel_cases() -> list[BuildCase]:
             f"offset_copy src_off={src_off} dst_off={dst_off}", oc._offset_copy_kernel,
             dict(HAS_SRC_OFF=src_off, HAS_DST_OFF=dst_off, BLOCK=oc._BLOCK), 4, 1,
             types={"src_off_ptr": "*i64", "dst_off_ptr": "*i64", "numel": "i32"}))
+    for ids_type in ("*i64", "*i32", "*u8"):  # the forward's publish of T and the ids
+        cases.append(BuildCase(
+            f"publish_ids ids={ids_type[1:]}", pub._publish_ids_kernel,
+            dict(BLOCK=pub._BLOCK), 4, 1,
+            types={"ids_ptr": ids_type, "out_ptr": "*i16", "header_ptr": "*i32",
+                   "numel": "i32", "tokens": "i32", "num_experts": "i32"}))
     # the flagged pull (forward and replay), the table after the copy-engine pull, and
     # EP = 1's table that reads x in place
     # (with the block flags of W13's two launches, distmoe.kernels.w13_phases)
