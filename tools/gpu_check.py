@@ -61,7 +61,9 @@ def main() -> int:
     ap.add_argument("--bench", default=None, help="arguments for `python -m distmoe bench`")
     ap.add_argument("--bench-nproc", type=int, default=1,
                     help="ranks for the bench (> 1: torchrun, one GPU per rank, EP = ranks)")
-    ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, "gpu_check_out")))
+    ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, "gpu_check_out")),
+                    help="logs, JUnit XML and bench outputs (default: $OUT, else "
+                         "./gpu_check_out)")
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds per step")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
