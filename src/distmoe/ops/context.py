@@ -156,6 +156,7 @@ class MoEContext:
                                  "available in this process")
         self.cfg = cfg
         self.check = check
+        self._bound_seen = (0, 0)  # check mode: invalid ids and dropped rows already reported
         self._closed = False
         self.heap = create_heap(group, backend=backend, device=device)
         self.group = self.heap.group
@@ -861,7 +862,7 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         A training call's layer is taken back out of its slot first (its output ``y`` is
         lost with the error), on every rank alike."""
         s = self.stats()
-        seen = getattr(self, "_bound_seen", (0, 0))
+        seen = self._bound_seen
         invalid, dropped = s["invalid_ids"] - seen[0], s["dropped_rows"] - seen[1]
         self._bound_seen = (s["invalid_ids"], s["dropped_rows"])
         problem = None
