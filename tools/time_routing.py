@@ -45,10 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     rows = []
+    skipped = [n for n in args.shapes if SHAPES[n].num_experts % args.ep]
+    if len(skipped) == len(args.shapes):
+        ap.error(f"--ep {args.ep} divides the expert count of none of the shapes "
+                 f"({', '.join(f'{n}: E={SHAPES[n].num_experts}' for n in skipped)})")
     for name in args.shapes:
         s = SHAPES[name]
         E, K = s.num_experts, s.top_k
-        if E % args.ep:
+        if name in skipped:
             print(f"{name}: E={E} not divisible by --ep {args.ep}; skipped")
             continue
         for T in args.tokens:

@@ -48,7 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and args.command not in unavailable:  # what parse_args would have refused
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    return runners[args.command](args)
+    try:
+        return runners[args.command](args)
+    except BrokenPipeError:  # the reader went away (`distmoe plan | head`): no traceback
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

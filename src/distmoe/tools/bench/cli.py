@@ -246,8 +246,8 @@ def resolve_plan(args: argparse.Namespace) -> BenchPlan:
     """Turn parsed arguments into a :class:`BenchPlan` (``--full`` fills what was not given)."""
     if args.shapes is None:
         names = FULL_SHAPES if args.full else DEFAULT_SHAPES
-    elif "all" in args.shapes:
-        names = FULL_SHAPES
+    elif "all" in args.shapes:  # and any other named shape (e.g. smoke) after them
+        names = tuple(dict.fromkeys((*FULL_SHAPES, *(n for n in args.shapes if n != "all"))))
     else:
         names = tuple(dict.fromkeys(args.shapes))
     imbalances = args.imbalance or (FULL_IMBALANCE if args.full else (1.0,))
