@@ -99,8 +99,78 @@ def test_unpicklable_exception_becomes_rank_failed():
 @pytest.mark.parametrize("kw, match", [
     (dict(world_size=0), r"world_size \(0\) must be a positive int"),
     (dict(world_size=1, device="tpu"), r"device \('tpu'\) must be 'cpu' or 'cuda'"),
-    (dict(world_size=1, timeout=0), r"timeout \(0\) must be > 0"),
+    (dict(world_size=1, timeout=0), r"timeout \(0\) must be a finite number of seconds > 0"),
+    (dict(world_size=1, timeout=float("nan")), r"timeout \(nan\) must be a finite number"),
+    (dict(world_size=1, timeout=None), r"timeout \(None\) must be a finite number"),
 ])
 def test_bad_arguments(kw, match):
     with pytest.raises(ValueError, match=match):
         distmoe.launch(_square, **kw)
+
+
+def _return_at_once(rank, world):
+    return rank
+
+
+def test_ranks_that_return_at_once_do_not_break_a_peer_connecting():
+    # a rank whose fn returned at once used to destroy the group while a peer was still in
+    # gloo's connectFullMesh ("Connection closed by peer", 6 of 106 two-rank launches under
+    # load); every rank now meets in a barrier first
+    for _ in range(8):
+        assert distmoe.launch(_return_at_once, 2) == [0, 1]
+
+
+def _exit_in_barrier(rank, world):
+    import torch.distributed as dist
+
+    if rank == 1:
+        os._exit(7)
+    dist.barrier()  # rank 0's gloo error names only the connection
+    return rank
+
+
+def test_a_rank_dying_in_a_collective_is_named():
+    with pytest.raises(RankFailed, match=r"rank 1 of 2 died with exit code 7 without "
+                                         r"reporting a result"):
+        distmoe.launch(_exit_in_barrier, 2, timeout=120)
+
+
+def _sys_exit(rank, world):
+    import sys
+
+    sys.exit(0)
+
+
+def test_a_rank_sys_exit_is_a_failure_not_the_launchers_exit():
+    with pytest.raises(RankFailed, match=r"rank \d of 2 failed: SystemExit"):
+        distmoe.launch(_sys_exit, 2, timeout=120)
+
+
+class _NoLoad:
+    def __reduce__(self):
+        return (_refuse, ())
+
+
+def _refuse():
+    raise RuntimeError("cannot be rebuilt here")
+
+
+def _return_unloadable(rank, world):
+    return _NoLoad()
+
+
+def test_a_result_that_does_not_unpickle_names_the_rank():
+    with pytest.raises(RankFailed, match=r"rank 0 of 1 returned a value that does not "
+                                         r"unpickle here"):
+        distmoe.launch(_return_unloadable, 1, timeout=120)
+
+
+def _sleep_long(rank, world):
+    time.sleep(60)
+
+
+def test_timeout_is_not_late_by_a_grace_period_per_rank():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        distmoe.launch(_sleep_long, 4, timeout=8)
+    assert time.monotonic() - start < 8 + 4  # was 8 + 2 s per rank (16.5 s here)

@@ -5,11 +5,15 @@ and calls ``fn(rank, world_size, *args)``. It returns the list of per-rank retur
 (which must pickle). The first rank that raises has its exception re-raised here, with the
 rank's formatted traceback attached as the cause. A rank that dies without reporting, or ranks
 that are still running when ``timeout`` expires, make the launcher stop every rank and raise
-``RuntimeError``/``TimeoutError`` naming them: never a silent hang.
+``RuntimeError``/``TimeoutError`` naming them: never a silent hang. Every rank passes a
+barrier right after the group forms (no rank leaves while a peer is still connecting), a rank
+exits when the launching process is gone, and a rank's ``sys.exit`` is reported as
+``RankFailed`` rather than ending the launching program.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import queue
@@ -38,11 +42,28 @@ class RankFailed(RuntimeError):
     """A rank raised an exception that could not be pickled back, or died without reporting."""
 
 
+def _exit_with_parent() -> None:
+    """End this rank when the launching process is gone (a rank orphaned by a killed
+    launcher would otherwise wait in a collective for the group's 30-minute timeout)."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(70)
+
+    threading.Thread(target=watch, name="distmoe-parent-watch", daemon=True).start()
+
+
 def _worker(rank: int, world_size: int, device: str, backend: str, gpus: Sequence[int],
             store_path: str, prefix: str, fn: Callable, args: tuple, results: Any) -> None:
     os.environ[PREFIX_ENV] = prefix
     import torch.distributed as dist
 
+    _exit_with_parent()
     try:
         if device == "cuda":
             torch.cuda.set_device(gpus[rank % len(gpus)])
@@ -54,6 +75,10 @@ def _worker(rank: int, world_size: int, device: str, backend: str, gpus: Sequenc
             **({"device_id": torch.device("cuda", torch.cuda.current_device())}
                if backend == "nccl" else {}),
         )
+        # Every rank connected before any goes on: a rank whose fn returns at once used to
+        # destroy the group and exit while a peer was still in gloo's connectFullMesh, which
+        # then failed ("Connection closed by peer"; 6 of 106 two-rank launches under load).
+        dist.barrier()
         value = fn(rank, world_size, *args)
         # Plain pickle copies tensor data into bytes; torch.multiprocessing's queue would
         # share it through this process, which may have exited by the time it is read.
@@ -72,6 +97,24 @@ def _worker(rank: int, world_size: int, device: str, backend: str, gpus: Sequenc
                 dist.destroy_process_group()
         except Exception:
             pass
+
+
+def _silent_deaths(procs, results, values, failed: int) -> list[tuple[int, int]]:
+    """After rank ``failed`` reported an error: the ranks that exited abnormally without
+    reporting anything, as ``(rank, exit code)``. Reports still in the queue are read for up
+    to a second first (a peer's error often arrives before its killer's exit is seen)."""
+    reported = set(values) | {failed}
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        try:
+            _, rank, _ = results.get(timeout=0.1)
+            reported.add(rank)
+        except queue.Empty:
+            pass
+        if all(r in reported or p.exitcode is not None for r, p in enumerate(procs)):
+            break
+    return [(r, p.exitcode) for r, p in enumerate(procs)
+            if r not in reported and p.exitcode not in (None, 0)]
 
 
 def _clean_shm(prefix: str) -> None:
@@ -135,8 +178,9 @@ def launch(
         backend = "nccl" if device == "cuda" and world_size <= len(gpus) else "gloo"
     if backend == "nccl" and device != "cuda":
         raise ValueError("backend ('nccl') needs device 'cuda'")
-    if timeout <= 0:
-        raise ValueError(f"timeout ({timeout}) must be > 0 seconds")
+    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+            or not math.isfinite(timeout) or timeout <= 0):
+        raise ValueError(f"timeout ({timeout!r}) must be a finite number of seconds > 0")
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -154,6 +198,7 @@ def launch(
         p.start()
     values: dict[int, Any] = {}
     failure: tuple[int, Any] | None = None
+    finished = False  # every rank reported a result: they get time to exit on their own
     deadline = time.monotonic() + timeout
     try:
         while len(values) < world_size and failure is None:
@@ -180,25 +225,39 @@ def launch(
                 else:
                     continue
             if kind == "ok":
-                values[rank] = pickle.loads(payload)
+                try:
+                    values[rank] = pickle.loads(payload)
+                except Exception as exc:
+                    raise RankFailed(f"rank {rank} of {world_size} returned a value that does "
+                                     f"not unpickle here: {type(exc).__name__}: {exc}") from exc
             else:
                 failure = (rank, payload)
         if failure is not None:
             rank, (pickled, tb, summary) = failure
             cause = RemoteTraceback(rank, tb)
+            dead = _silent_deaths(procs, results, values, rank)
+            if dead:  # the failure above is most likely a peer noticing this death
+                r, code = dead[0]
+                raise RankFailed(
+                    f"rank {r} of {world_size} died with exit code {code} without reporting a "
+                    f"result; then rank {rank} failed: {summary}") from cause
             exc = None
             if pickled is not None:
                 try:
                     exc = pickle.loads(pickled)
                 except Exception:
                     exc = None
-            if isinstance(exc, BaseException):
+            if isinstance(exc, BaseException) and not isinstance(exc, SystemExit):
                 raise exc from cause
+            # a rank's SystemExit (sys.exit in fn) would end the launching program quietly
             raise RankFailed(f"rank {rank} of {world_size} failed: {summary}") from cause
+        finished = True
         return [values[r] for r in range(world_size)]
     finally:
+        # one shared grace period (not one per rank: a timeout was late by 2 s per rank)
+        grace_end = time.monotonic() + (2.0 if finished else 0.5)
         for p in procs:
-            p.join(timeout=2.0 if failure is None else 0.5)
+            p.join(timeout=max(0.0, grace_end - time.monotonic()))
         for p in procs:
             if p.is_alive():
                 p.terminate()

@@ -138,3 +138,20 @@ def _gpu_exchange(rank, world, backend="auto"):
         return peer_put_check(heap)
     finally:
         heap.close()
+
+
+def _use_after_close(rank, world):
+    heap = create_heap(backend="cpu")
+    heap.allocate("x", 4096)
+    t = heap.local("x")
+    t.fill_(3)
+    heap.close()
+    # the tensor keeps its mapping: reading and writing it after close used to be a
+    # segmentation fault (mmap.close unmapped it under the tensor)
+    before = int(t.sum())
+    t.fill_(1)
+    return before, int(t.sum())
+
+
+def test_a_tensor_outlives_its_heap_close():
+    assert distmoe.launch(_use_after_close, 1, timeout=120) == [(3 * 4096, 4096)]

@@ -85,13 +85,10 @@ class CpuShmHeap(SymmetricHeap):
         dist.barrier(group=self.group)
 
     def _close(self) -> None:
-        # Tensors handed out may still reference the maps; drop ours and let the mappings go
-        # when the last reference does (mmap.close refuses while buffers are exported).
+        # Tensors handed out may still reference the maps: drop our references only. Each
+        # tensor made by torch.frombuffer holds its mmap object, so a mapping is unmapped
+        # when its last tensor goes. (mmap.close() would unmap it under such a tensor:
+        # torch.frombuffer keeps no buffer export that makes close() refuse, and reading the
+        # tensor afterwards was a segmentation fault.)
         self._views.clear()
-        for maps in self._maps.values():
-            for m in maps:
-                try:
-                    m.close()
-                except BufferError:
-                    pass
         self._maps.clear()

@@ -146,7 +146,10 @@ class SymmetricHeap(ABC):
 
     def close(self) -> None:
         """*Collective.* Release every buffer (idempotent). Segments and mappings go away;
-        tensors obtained from the heap must not be used afterwards."""
+        tensors obtained from the heap must not be used afterwards (peers no longer see
+        them). On the CPU backend such a tensor keeps its own mapping alive until it is freed,
+        so a stray use reads stale memory instead of faulting; on the GPU backends the memory
+        is released."""
         if self._closed:
             return
         self._closed = True
