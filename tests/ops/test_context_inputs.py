@@ -165,3 +165,27 @@ def test_inference_context_warns_when_its_inputs_require_grad():
     assert quiet == 0 and no_grad_fn
     assert len(msgs) == 1 and msgs[0].startswith(
         "MoEContext: x or scores requires grad, but this is an inference context"), msgs
+
+
+def _two_contexts_rank(rank, world):
+    from distmoe.reference import split_global_problem
+
+    cfg = _cfg(False)
+    x, ids, scores, w13, w2 = _inputs(5)
+    x, ids, scores = (torch.cat([t, t]) for t in (x, ids, scores))  # both ranks' tokens
+    p = split_global_problem(x, ids, scores, w13, w2, world)[rank]
+    with dm.MoEContext(cfg, device="cpu", check=True) as a, \
+            dm.MoEContext(cfg, device="cpu", check=True) as b:
+        first = a if rank == 0 else b  # the ranks disagree about which context comes first
+        try:
+            first(p.x, p.expert_ids, p.scores, p.w13, p.w2)
+            return None
+        except ValueError as exc:
+            return str(exc)
+
+
+def test_check_mode_refuses_ranks_calling_different_contexts():
+    # unchecked, their barriers pair up across the two contexts: wrong results, no error
+    for err in dm.launch(_two_contexts_rank, 2, timeout=240):
+        assert err is not None and err.startswith(
+            "the ranks called different MoEContexts in this call (context serials [1, 2]"), err

@@ -132,6 +132,8 @@ class MoEContext:
     ``cfg.max_layers_per_slot`` layers, whose backwards run in reverse order.
     """
 
+    _constructed: dict = {}  # contexts constructed per group in this process (check mode)
+
     def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | None = None, *,
                  device: torch.device | str | None = None, backend: str = "auto",
                  check: bool = False) -> None:
@@ -160,6 +162,12 @@ class MoEContext:
         self._closed = False
         self.heap = create_heap(group, backend=backend, device=device)
         self.group = self.heap.group
+        # check mode: which context a call is on. Construction is collective, so the ranks of
+        # a group number the contexts on it alike; calls on two contexts interleaved in a
+        # different order on two ranks would pair their barriers across contexts.
+        key = id(self.group)
+        MoEContext._constructed[key] = MoEContext._constructed.get(key, 0) + 1
+        self._serial = MoEContext._constructed[key]
         self.rank, self.ep_size = self.heap.rank, self.heap.world_size
         self.device = self.heap.device
         self.num_local_experts = cfg.experts_per_rank(self.ep_size)
@@ -368,18 +376,24 @@ class MoEContext:
         outcomes = [None] * self.ep_size
         dist.all_gather_object(
             outcomes, (tokens, None if err is None else f"{type(err).__name__}: {err}",
-                       autograd), group=self.group)
+                       autograd, self._serial), group=self.group)
+        serials = [c for _, _, _, c in outcomes]
+        if len(set(serials)) > 1:
+            raise ValueError(
+                "the ranks called different MoEContexts in this call (context serials "
+                f"{serials}, rank r at index r; contexts are numbered in construction order): "
+                "every rank must call its contexts in the same order")
         if err is not None:
             raise err
-        for r, (_, msg, _) in enumerate(outcomes):
+        for r, (_, msg, _, _) in enumerate(outcomes):
             if msg is not None:
                 raise ValueError(f"rank {r} refused its input ({msg}); every rank stops "
                                  "(check=True)")
-        counts = [t for t, _, _ in outcomes]
+        counts = [t for t, _, _, _ in outcomes]
         if len(set(counts)) > 1:
             raise ValueError(f"x must have the same number of tokens T on every rank of the "
                              f"group, got T = {counts} (rank r at index r)")
-        paths = [a for _, _, a in outcomes]
+        paths = [a for _, _, a, _ in outcomes]
         if len(set(paths)) > 1:
             raise ValueError(
                 "every rank must take the same path, autograd or not (the backward is "
