@@ -102,13 +102,16 @@ class MoEContext:
         device: this rank's device (default: the current CUDA device, else CPU).
         backend: heap backend (``"auto"``, ``"cpu"``, ``"cuda_ipc"``, ``"cuda_symm"``).
         check: debugging mode (it synchronises; off by default). Before each call, every
-            rank checks its inputs, including ids outside [-1, E) and non-zero scores on
-            inactive routes, and the ranks share the outcome and their token counts over the
-            group: if any rank's input is refused, or T differs between ranks, every rank
-            raises (the refusing rank its own ``TypeError``/``ValueError``, the others a
-            ``ValueError`` naming it) before any buffer is touched. Unchecked, a rank with
-            bad input raises alone and its peers wait for it at the next barrier. After each
-            call, ``RuntimeError`` when a rank received more rows than its receive bound.
+            rank checks its inputs, including ids outside [-1, E), a token naming an expert
+            twice and non-zero scores on inactive routes, and the ranks share the outcome,
+            their token counts, which context they called and whether they take the
+            autograd path over the group: if any rank's input is refused, or these differ
+            between ranks, every rank raises (the refusing rank its own
+            ``TypeError``/``ValueError``, the others a ``ValueError`` naming it) before any
+            buffer is touched. Unchecked, a rank with bad input raises alone and its peers
+            wait for it at the next barrier. After each call, every rank raises (a
+            ``RuntimeError``) when any rank received more rows than its receive bound; a
+            training call's layer then leaves its slot.
 
     Call: ``y = ctx(x, expert_ids, scores, w13, w2)`` with x [T, D] bf16 (T <= max_tokens, the
     same T on every rank: ``check=True`` refuses a call where it differs, unchecked it is
