@@ -16,11 +16,12 @@ a multiple of 8, ...) and ``--device cuda`` without CUDA.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 
 import torch
+
+from . import with_options
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,12 +61,6 @@ def _config(args):
                         device_scratch_factor=2.0)
 
 
-# MoEConfig's field names (and check_ep_size's ep_size) in its messages -> the options.
-_OPTION_OF = {"num_experts": "--experts", "max_tokens": "--tokens", "ep_size": "--ep",
-              "hidden": "--hidden", "top_k": "--top-k", "ffn": "--ffn"}
-_FIELD = re.compile(r"(?<![\w.\-])(" + "|".join(_OPTION_OF) + r")(?![\w\-])")
-
-
 def _check(args) -> str | None:
     """The first problem with the (defaulted) options, as a message naming the option, or
     None. Runs before any rank starts."""
@@ -80,7 +75,7 @@ def _check(args) -> str | None:
     try:
         _config(args).check_ep_size(args.ep)
     except (ValueError, TypeError) as exc:
-        return _FIELD.sub(lambda m: _OPTION_OF[m.group(1)], str(exc))
+        return with_options(str(exc))
     return None
 
 

@@ -32,7 +32,6 @@ import argparse
 import json
 import math
 import os
-import re
 import sys
 from collections.abc import Sequence
 
@@ -43,6 +42,7 @@ from distmoe.memory import (
     format_bytes,
     plan_memory,
 )
+from distmoe.tools import with_options
 
 DEFAULT_IMBALANCE = "1.0,1.5,1.25,1.75"
 
@@ -166,35 +166,6 @@ def _parse_imbalance(text: str) -> list[float] | None:
     return values
 
 
-# The library names its arguments (MoEConfig fields, plan_memory's ep_size); the user typed
-# options. Error messages of the library are rewritten to name the options.
-_OPTION_OF = {
-    "cfg.max_layers_per_slot": "--layers-per-slot",
-    "max_layers_per_slot": "--layers-per-slot",
-    "device_scratch_factor": "--device-scratch-factor",
-    "total_scratch_factor": "--total-scratch-factor",
-    "activation_factor": "--activation-factor",
-    "activation_bytes": "--activation-bytes",
-    "num_experts": "--experts",
-    "max_tokens": "--tokens",
-    "num_slots": "--slots",
-    "row_block": "--row-block",
-    "precision": "--precision",
-    "ep_size": "--ep",
-    "hidden": "--hidden",
-    "top_k": "--top-k",
-    "ffn": "--ffn",
-}
-_FIELD = re.compile(
-    r"(?<![\w.\-])(" + "|".join(re.escape(k) for k in _OPTION_OF) + r")(?![\w\-])"
-)
-
-
-def _with_options(message: str) -> str:
-    """``message`` of the library with its field names replaced by the options."""
-    return _FIELD.sub(lambda m: _OPTION_OF[m.group(1)], message)
-
-
 def _default_imbalance(args: argparse.Namespace) -> str:
     return DEFAULT_IMBALANCE if args.imbalance is None else args.imbalance
 
@@ -231,7 +202,7 @@ def build_plan(args: argparse.Namespace) -> MemoryPlan:
         )
         cfg.check_ep_size(args.ep)
     except (ValueError, TypeError) as exc:
-        raise type(exc)(_with_options(str(exc))) from None
+        raise type(exc)(with_options(str(exc))) from None
     source = ""
     if rows is not None:
         source = f"--rows-json {args.rows_json}: "
@@ -252,7 +223,7 @@ def build_plan(args: argparse.Namespace) -> MemoryPlan:
     try:
         return plan_memory(cfg, args.ep, received_rows=rows)
     except (ValueError, TypeError) as exc:
-        message = _with_options(str(exc))
+        message = with_options(str(exc))
         if "received_rows" in message:
             message = source + message
         raise type(exc)(message) from None
