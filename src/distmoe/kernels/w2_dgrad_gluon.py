@@ -210,20 +210,39 @@ if HAVE_GLUON:
         part. Null and dead rows are zero-filled, as the loads they replace read them. Each
         thread copies the elements it later reads in :func:`_part_layout`, so a thread's wait
         covers its own data."""
+        _live, _addr, _rows, _col, g_ptrs, load_mask = _part_rows(
+            ptrs_ptr, row_start, act_start, num_live, h1_base, col0, FFN, BLOCK_M, W)
+        for q in gl.static_range(COUNT):
+            _h1_copy(h1_smem, FIRST_SLOT + q, g_ptrs + q * W, load_mask, FFN)
+
+    @gluon.jit
+    def _part_rows(ptrs_ptr, row_start, act_start, num_live, h1_base, col0,
+                   FFN: gl.constexpr, BLOCK_M: gl.constexpr, W: gl.constexpr):
+        """A ``[BLOCK_M, W]`` part's rows in :func:`_part_layout`: ``(live, addr, rows, col,
+        g_ptrs, load_mask)``: the live rows, their addresses in ``ptrs_ptr`` (0: a null row),
+        the act rows and columns (``[BLOCK_M, 1]``, ``[1, W]``), the part's g pointers in h1
+        (u is ``FFN`` further) and the mask of live non-null rows (constant per 16-byte
+        vector)."""
         L: gl.constexpr = _part_layout(W)
         i = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L))
         j = gl.arange(0, W, layout=gl.SliceLayout(0, L))
         live = i < num_live
         addr = gl.load(ptrs_ptr + row_start + i, mask=live, other=0)
         rows = gl.expand_dims((act_start + i).to(gl.int64), 1)
-        g_ptrs = gl.multiple_of(h1_base + rows * (2 * FFN), [16, 16]) + gl.expand_dims(col0 + j, 0)
+        col = gl.expand_dims(col0 + j, 0)
         load_mask = gl.expand_dims(live & (addr != 0), 1)
-        for q in gl.static_range(COUNT):
-            async_copy.async_copy_global_to_shared(h1_smem.index(2 * (FIRST_SLOT + q)),
-                                                   g_ptrs + q * W, mask=load_mask)
-            async_copy.async_copy_global_to_shared(h1_smem.index(2 * (FIRST_SLOT + q) + 1),
-                                                   g_ptrs + (q * W + FFN), mask=load_mask)
-            async_copy.commit_group()
+        g_ptrs = gl.multiple_of(h1_base + rows * (2 * FFN), [16, 16]) + col
+        return live, addr, rows, col, g_ptrs, load_mask
+
+    @gluon.jit
+    def _h1_copy(h1_smem, SLOT: gl.constexpr, g_ptrs, load_mask, FFN: gl.constexpr):
+        """One cp.async group: a part's g (at ``g_ptrs``) and u (``FFN`` further) into slot
+        ``SLOT`` of ``h1_smem`` (buffers ``2 * SLOT``, ``2 * SLOT + 1``), masked rows
+        zero-filled."""
+        async_copy.async_copy_global_to_shared(h1_smem.index(2 * SLOT), g_ptrs, mask=load_mask)
+        async_copy.async_copy_global_to_shared(h1_smem.index(2 * SLOT + 1), g_ptrs + FFN,
+                                               mask=load_mask)
+        async_copy.commit_group()
 
     @gluon.jit
     def _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base, grad_h1_ptr,
@@ -242,16 +261,9 @@ if HAVE_GLUON:
         # layout every 2 columns need their own, and the epilogue spills)
         L: gl.constexpr = _part_layout(W)
         grad_h2 = gl.convert_layout(part, L)
-        i = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L))
-        j = gl.arange(0, W, layout=gl.SliceLayout(0, L))
-        live = i < num_live
-        addr = gl.load(ptrs_ptr + row_start + i, mask=live, other=0)
-        rows = gl.expand_dims((act_start + i).to(gl.int64), 1)
-        col = gl.expand_dims(col0 + j, 0)
-        # row masks, broadcast along the columns (constant per 16-byte vector)
-        store_mask = gl.expand_dims(live, 1)
-        load_mask = gl.expand_dims(live & (addr != 0), 1)
-        g_ptrs = gl.multiple_of(h1_base + rows * (2 * FFN), [16, 16]) + col
+        live, addr, rows, col, g_ptrs, load_mask = _part_rows(
+            ptrs_ptr, row_start, act_start, num_live, h1_base, col0, FFN, BLOCK_M, W)
+        store_mask = gl.expand_dims(live, 1)  # broadcast along the columns
         if SCORED:
             score = gl.expand_dims(gl.load(addr.to(gl.pointer_type(gl.float32)),
                                            mask=live & (addr != 0), other=0.0), 1)
@@ -261,12 +273,7 @@ if HAVE_GLUON:
             g = h1_smem.index(2 * SLOT).load(L).to(gl.float32)
             u = h1_smem.index(2 * SLOT + 1).load(L).to(gl.float32)
             if PART + H1_PREFETCH < 4:  # the slot's next part (the compiler orders the reuse)
-                async_copy.async_copy_global_to_shared(h1_smem.index(2 * SLOT),
-                                                       g_ptrs + H1_PREFETCH * W, mask=load_mask)
-                async_copy.async_copy_global_to_shared(h1_smem.index(2 * SLOT + 1),
-                                                       g_ptrs + (H1_PREFETCH * W + FFN),
-                                                       mask=load_mask)
-                async_copy.commit_group()
+                _h1_copy(h1_smem, SLOT, g_ptrs + H1_PREFETCH * W, load_mask, FFN)
         else:
             g = gl.load(g_ptrs, mask=load_mask, other=0.0).to(gl.float32)
             u = gl.load(g_ptrs + FFN, mask=load_mask, other=0.0).to(gl.float32)
