@@ -895,9 +895,8 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
                        f"{self.cfg.max_possible_rows(self.ep_size)}); "
                        f"{dropped} routes were not executed. Raise device_scratch_factor, up "
                        "to that maximum.")
-        outcomes = [problem] if self.ep_size == 1 else [None] * self.ep_size
-        if self.ep_size > 1:
-            dist.all_gather_object(outcomes, problem, group=self.group)
+        outcomes = [None] * self.ep_size
+        dist.all_gather_object(outcomes, problem, group=self.group)
         bad = [(r, o) for r, o in enumerate(outcomes) if o is not None]
         if not bad:
             return
