@@ -1978,9 +1978,29 @@ def test_gluon_w2_dgrad_scored(programs, reload):
 def test_gluon_w2_dgrad_h1_prefetch(stages, prefetch, form):
     """h1 brought into shared memory by cp.async (``h1_prefetch`` slots per consumer, the
     slots refilled within the epilogue below 4) gives the same bits as the kernel's global
-    loads: grad_h1, h2 and, scored, the route rows' score parts; 3 programs walk many tiles
-    (slots reused across tiles by both consumers), null rows zero-filled, spare rows keep their
-    poison. Also through the launcher's config."""
+    loads (slots reused across tiles by both consumers)."""
+    _same_bits_as_the_ping_pong_kernel(form, dict(num_stages=stages, h1_prefetch=prefetch))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps,buffers,stages", [(4, 1, 5), (8, 1, 5), (8, 1, 4), (8, 2, 3)],
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("form", ["scored", "offset_in_place"])
+def test_gluon_w2_dgrad_split_epilogue(warps, buffers, stages, form):
+    """The split kernel (one MMA warpgroup handing each fp32 tile to an epilogue partition of
+    ``epilogue_warps`` warps through ``epilogue_buffers`` shared-memory tiles) gives the same
+    bits as the ping-pong kernel; 3 programs walk many tiles, so each buffer is reused and
+    its barriers change phase many times."""
+    _same_bits_as_the_ping_pong_kernel(form, dict(num_stages=stages, epilogue_warps=warps,
+                                                  epilogue_buffers=buffers))
+
+
+def _same_bits_as_the_ping_pong_kernel(form, fields):
+    """The Gluon W2 DGRAD with the config ``fields`` (a variant of the kernel) gives the
+    ping-pong kernel's bits at 4 stages: grad_h1, h2 and, scored, the route rows' score parts;
+    3 programs walk many tiles, null rows give zeros, spare rows keep their poison. ``form``:
+    ``scored`` (score parts written into the route rows) or ``offset_in_place`` (h1 at a device
+    offset, grad_h1 written over it). Also through the launcher's config (scored)."""
     hidden, ffn, block = 256, 384, 128
     layout, live, w2, rows, h1, null_rows, null_act = _gluon_dgrad_problem(hidden, ffn, block)
     num_act = layout.num_act
@@ -2009,15 +2029,15 @@ def test_gluon_w2_dgrad_h1_prefetch(stages, prefetch, form):
         return out.clone(), h2, route_rows.clone()
 
     want = run(stages=4)
-    got = run(stages=stages, h1_prefetch=prefetch)
+    launch = {("stages" if k == "num_stages" else k): v for k, v in fields.items()}
+    got = run(**launch)
     for g, w in zip(got, want, strict=True):
         assert same_bits(g, w)
     assert torch.isfinite(got[0][live]).all() and (got[0][null_act] == 0).all()
     if scored:  # the score parts were written (the comparison above is not of two no-ops)
         assert not same_bits(got[2], before)
-    if scored:  # through the launcher: config.h1_prefetch reaches the kernel
-        cfg = W2DgradConfig(block_m=block, block_n=128, block_k=64, num_stages=stages,
-                            gluon=True, h1_prefetch=prefetch)
+    if scored:  # through the launcher: the config's fields reach the kernel
+        cfg = W2DgradConfig(block_m=block, block_n=128, block_k=64, gluon=True, **fields)
         out, h2 = poisoned(num_act, 2 * ffn), poisoned(num_act, ffn)
         route_rows.copy_(before)
         w2_dgrad_swiglu_bwd(ptrs, po, ro, w2, h1, out, h2_out=h2, grad_h3_rows=rows,
@@ -2039,6 +2059,28 @@ def test_w2_dgrad_h1_prefetch_config_rules():
     with pytest.raises(ValueError, match=r"num_stages \+ h1_prefetch \(5 \+ 2\) must be at "
                                          "most 6"):
         W2DgradConfig(**base, num_stages=5, h1_prefetch=2)
+
+
+def test_w2_dgrad_split_epilogue_config_rules():
+    """epilogue_warps in (0, 4, 8), epilogue_buffers in (1, 2), only with gluon, not with
+    h1_prefetch, and ring + fp32 tiles within 7 x 32 KiB."""
+    base = dict(block_m=128, block_n=128, block_k=64, gluon=True)
+    cfg = W2DgradConfig(**base, num_stages=3, epilogue_warps=8, epilogue_buffers=2)
+    assert (cfg.epilogue_warps, cfg.epilogue_buffers) == (8, 2)
+    with pytest.raises(ValueError, match=r"epilogue_warps \(6\) must be one of \(0, 4, 8\)"):
+        W2DgradConfig(**base, epilogue_warps=6)
+    with pytest.raises(ValueError, match=r"epilogue_buffers \(3\) must be one of \(1, 2\)"):
+        W2DgradConfig(**base, num_stages=1, epilogue_warps=8, epilogue_buffers=3)
+    with pytest.raises(TypeError, match="epilogue_warps must be an int, got bool"):
+        W2DgradConfig(**base, epilogue_warps=True)
+    with pytest.raises(ValueError, match=r"epilogue_warps \(8\) needs gluon=True"):
+        W2DgradConfig(block_m=128, block_n=128, block_k=64, epilogue_warps=8)
+    with pytest.raises(ValueError, match=r"epilogue_warps \(4\) and h1_prefetch \(1\) do "
+                                         "not combine"):
+        W2DgradConfig(**base, num_stages=4, epilogue_warps=4, h1_prefetch=1)
+    with pytest.raises(ValueError, match=r"num_stages \+ 2 \* epilogue_buffers \(4 \+ 2 \* 2\) "
+                                         "must be at most 7"):
+        W2DgradConfig(**base, num_stages=4, epilogue_warps=8, epilogue_buffers=2)
 
 
 @pytest.mark.gpu

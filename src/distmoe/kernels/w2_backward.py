@@ -681,6 +681,16 @@ class W2DgradConfig(GemmConfig):
     #: bits as 0. Shares the shared memory with the ring: ``num_stages + h1_prefetch`` at most
     #: 6 (32 KiB each).
     h1_prefetch: int = 0
+    #: With ``gluon``: 4 or 8 runs the split kernel instead of the ping-pong one: one MMA
+    #: warpgroup computes every tile and hands it, as fp32 in shared memory, to an epilogue
+    #: partition of this many warps, so the SwiGLU backward runs on more warps beside the
+    #: MMAs (docs/performance.md, run 43). 0: the two ping-pong consumers, each running its
+    #: own tiles' epilogue. The same bits.
+    epilogue_warps: int = 0
+    #: With ``epilogue_warps``: fp32 tiles in shared memory (1 or 2, 64 KiB each; with 2 the
+    #: MMA warpgroup never waits for the epilogue's reads of the tile before).
+    #: ``num_stages + 2 * epilogue_buffers`` at most 7 (the ring's stages are 32 KiB).
+    epilogue_buffers: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -699,6 +709,23 @@ class W2DgradConfig(GemmConfig):
             raise ValueError(f"num_stages + h1_prefetch ({self.num_stages} + {p}) must be at "
                              "most 6: ring stages and h1 slots share the SM's shared memory "
                              "(32 KiB each)")
+        w, b = self.epilogue_warps, self.epilogue_buffers
+        for name, v, allowed in (("epilogue_warps", w, (0, 4, 8)),
+                                 ("epilogue_buffers", b, (1, 2))):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__} ({v!r})")
+            if v not in allowed:
+                raise ValueError(f"{name} ({v}) must be one of {allowed}")
+        if w and not self.gluon:
+            raise ValueError(f"epilogue_warps ({w}) needs gluon=True (only the Gluon W2 DGRAD "
+                             "has an epilogue partition)")
+        if w and p:
+            raise ValueError(f"epilogue_warps ({w}) and h1_prefetch ({p}) do not combine: the "
+                             "split kernel's epilogue reads h1 from global memory")
+        if w and self.num_stages + 2 * b > 7:
+            raise ValueError(f"num_stages + 2 * epilogue_buffers ({self.num_stages} + 2 * {b}) "
+                             "must be at most 7: ring stages (32 KiB) and fp32 tiles (64 KiB) "
+                             "share the SM's shared memory")
 
     @classmethod
     def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128,
@@ -1276,7 +1303,9 @@ def w2_dgrad_swiglu_bwd(
             launch_gluon_w2_dgrad(grad_h3_ptrs, padded_offsets, row_offsets, w2, grad_h3_rows,
                                   h1, grad_h1_out, h1_offset=h1_offset, h2_out=h2_out,
                                   scored_rows=scored_rows, group_m=config.group_m,
-                                  stages=config.num_stages, h1_prefetch=config.h1_prefetch)
+                                  stages=config.num_stages, h1_prefetch=config.h1_prefetch,
+                                  epilogue_warps=config.epilogue_warps,
+                                  epilogue_buffers=config.epilogue_buffers)
             return
         warn_gluon_fallback("w2_dgrad_swiglu_bwd", reason)
     gather_in_loop = gathered is None

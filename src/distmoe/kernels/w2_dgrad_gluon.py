@@ -78,6 +78,11 @@ GLUON_W2_DGRAD_CONFIGS = ((128, 128, 64, 5), (128, 128, 64, 4), (128, 128, 64, 6
 #: to a warpgroup) of 168 registers fill the register file; the partitions then set 232
 #: (both consumers) and 40 (the producer) per thread.
 _MAXNREG = 168
+#: the split kernel's (``epilogue_warps``) register limit and its epilogue partition's registers
+#: per thread, by epilogue warps: with 4, as the ping-pong kernel (12 warps of 168; 232 each
+#: for the MMA warpgroup and the epilogue); with 8, 16 warps of 128, then 128 for the
+#: epilogue, 40 for the TMA warp's warpgroup and the rest, 216, for the MMA warpgroup.
+SPLIT_REGISTERS = {4: (168, 232), 8: (128, 128)}
 
 
 if HAVE_GLUON:
@@ -93,6 +98,18 @@ if HAVE_GLUON:
                   RELOAD_BOUNDS: gl.constexpr, H1_PREFETCH: gl.constexpr,
                   PARITY: gl.constexpr):
         """One warp: the TMA loads of every tile of the program, K step by K step."""
+        _produce_tiles(a_desc, w_desc, a_bufs, b_bufs, ready, empty, padded_offsets_ptr,
+                       row_offsets_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
+                       BLOCK_M, BLOCK_N, BLOCK_K)
+
+    @gluon.jit
+    def _produce_tiles(a_desc, w_desc, a_bufs, b_bufs, ready, empty, padded_offsets_ptr,
+                       row_offsets_ptr, FFN: gl.constexpr, HIDDEN: gl.constexpr,
+                       NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr,
+                       GROUP_M: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+        """The producer warp's loop: the tiles ``pid, pid + G, ...``, each ``D / BLOCK_K``
+        ring steps of the grad_h3 rows and the expert's w2 columns."""
         NUM_K: gl.constexpr = HIDDEN // BLOCK_K
         NUM_PID_N: gl.constexpr = FFN // BLOCK_N
         num_pid_m, num_tiles, ends, starts, rbeg, rend, eidx = _program_tiles(
@@ -167,31 +184,38 @@ if HAVE_GLUON:
             Q: gl.constexpr = BLOCK_N // 4
             p0 = _swiglu_bwd_part(q0, ptrs_ptr, row_start, act_start, num_live, h1_base,
                                   grad_h1_ptr, h2_ptr, n0, h1_smem, FFN, STORE_H2, SCORED,
-                                  BLOCK_M, Q, H1_PREFETCH, PARITY, 0)
+                                  BLOCK_M, Q, H1_PREFETCH, PARITY, 0, 4)
             p1 = p0 + _swiglu_bwd_part(q1, ptrs_ptr, row_start, act_start, num_live, h1_base,
                                   grad_h1_ptr, h2_ptr, n0 + Q, h1_smem, FFN, STORE_H2, SCORED,
-                                  BLOCK_M, Q, H1_PREFETCH, PARITY, 1)
+                                  BLOCK_M, Q, H1_PREFETCH, PARITY, 1, 4)
             q2, q3 = _column_halves(hi, BLOCK_M, BLOCK_N // 2)
             p2 = p1 + _swiglu_bwd_part(q2, ptrs_ptr, row_start, act_start, num_live, h1_base,
                                   grad_h1_ptr, h2_ptr, n0 + 2 * Q, h1_smem, FFN, STORE_H2,
-                                  SCORED, BLOCK_M, Q, H1_PREFETCH, PARITY, 2)
+                                  SCORED, BLOCK_M, Q, H1_PREFETCH, PARITY, 2, 4)
             p3 = p2 + _swiglu_bwd_part(q3, ptrs_ptr, row_start, act_start, num_live, h1_base,
                                   grad_h1_ptr, h2_ptr, n0 + 3 * Q, h1_smem, FFN, STORE_H2,
-                                  SCORED, BLOCK_M, Q, H1_PREFETCH, PARITY, 3)
+                                  SCORED, BLOCK_M, Q, H1_PREFETCH, PARITY, 3, 4)
             if SCORED:
-                # the tile's score part, at fp32 value 1 + pid_n of the row's address
-                PL: gl.constexpr = gl.SliceLayout(1, _part_layout(Q))
-                i = gl.arange(0, BLOCK_M, layout=PL)
-                live = i < num_live
-                addr = gl.load(ptrs_ptr + row_start + i, mask=live, other=0)
-                gl.store(addr.to(gl.pointer_type(gl.float32)) + 1 + pid_n, p3,
-                         mask=live & (addr != 0))
+                _store_score_part(p3, ptrs_ptr, row_start, num_live, pid_n, BLOCK_M, Q, 4)
+
+    @gluon.jit
+    def _store_score_part(part_sum, ptrs_ptr, row_start, num_live, pid_n,
+                          BLOCK_M: gl.constexpr, W: gl.constexpr, NW: gl.constexpr):
+        """The tile's score part of each live non-null row (``part_sum``, the rows' sums
+        of :func:`_swiglu_bwd_part` over the tile's columns), at fp32 value ``1 + pid_n`` of
+        the row's address."""
+        PL: gl.constexpr = gl.SliceLayout(1, _part_layout(W, NW))
+        i = gl.arange(0, BLOCK_M, layout=PL)
+        live = i < num_live
+        addr = gl.load(ptrs_ptr + row_start + i, mask=live, other=0)
+        gl.store(addr.to(gl.pointer_type(gl.float32)) + 1 + pid_n, part_sum,
+                 mask=live & (addr != 0))
 
     @gluon.constexpr_function
-    def _part_layout(W):
-        """The epilogue's layout of a ``[128, W]`` part over 4 warps: 16-byte vectors of 8
-        columns per thread."""
-        return gl.BlockedLayout([1, 8], [32 * 8 // W, W // 8], [4, 1], [1, 0])
+    def _part_layout(W, NW):
+        """The epilogue's layout of a ``[128, W]`` part over ``NW`` warps: 16-byte vectors
+        of 8 columns per thread."""
+        return gl.BlockedLayout([1, 8], [32 * 8 // W, W // 8], [NW, 1], [1, 0])
 
     @gluon.constexpr_function
     def _h1_pending(prefetch, part):
@@ -211,19 +235,20 @@ if HAVE_GLUON:
         thread copies the elements it later reads in :func:`_part_layout`, so a thread's wait
         covers its own data."""
         _live, _addr, _rows, _col, g_ptrs, load_mask = _part_rows(
-            ptrs_ptr, row_start, act_start, num_live, h1_base, col0, FFN, BLOCK_M, W)
+            ptrs_ptr, row_start, act_start, num_live, h1_base, col0, FFN, BLOCK_M, W, 4)
         for q in gl.static_range(COUNT):
             _h1_copy(h1_smem, FIRST_SLOT + q, g_ptrs + q * W, load_mask, FFN)
 
     @gluon.jit
     def _part_rows(ptrs_ptr, row_start, act_start, num_live, h1_base, col0,
-                   FFN: gl.constexpr, BLOCK_M: gl.constexpr, W: gl.constexpr):
-        """A ``[BLOCK_M, W]`` part's rows in :func:`_part_layout`: ``(live, addr, rows, col,
-        g_ptrs, load_mask)``: the live rows, their addresses in ``ptrs_ptr`` (0: a null row),
+                   FFN: gl.constexpr, BLOCK_M: gl.constexpr, W: gl.constexpr,
+                   NW: gl.constexpr):
+        """A ``[BLOCK_M, W]`` part's rows in :func:`_part_layout` over ``NW`` warps:
+        ``(live, addr, rows, col, g_ptrs, load_mask)``: the live rows, their addresses in ``ptrs_ptr`` (0: a null row),
         the act rows and columns (``[BLOCK_M, 1]``, ``[1, W]``), the part's g pointers in h1
         (u is ``FFN`` further) and the mask of live non-null rows (constant per 16-byte
         vector)."""
-        L: gl.constexpr = _part_layout(W)
+        L: gl.constexpr = _part_layout(W, NW)
         i = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L))
         j = gl.arange(0, W, layout=gl.SliceLayout(0, L))
         live = i < num_live
@@ -248,7 +273,8 @@ if HAVE_GLUON:
     def _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base, grad_h1_ptr,
                          h2_ptr, col0, h1_smem, FFN: gl.constexpr, STORE_H2: gl.constexpr,
                          SCORED: gl.constexpr, BLOCK_M: gl.constexpr, W: gl.constexpr,
-                         H1_PREFETCH: gl.constexpr, PARITY: gl.constexpr, PART: gl.constexpr):
+                         H1_PREFETCH: gl.constexpr, PARITY: gl.constexpr, PART: gl.constexpr,
+                         NW: gl.constexpr):
         """SwiGLU backward of a ``[BLOCK_M, W]`` part of the tile (columns ``col0 + j``, the
         tile's part ``PART`` of 4): rows ``act_start + i`` for ``i < num_live``; null rows
         (address 0 in ``ptrs_ptr``) load zeros and store zeros. Returns the rows' fp32
@@ -256,13 +282,14 @@ if HAVE_GLUON:
         fp32 score at its address; the backward then runs on ``score * part`` and h2 is stored
         scaled), else zeros. With ``H1_PREFETCH`` the part's h1 comes from the consumer's
         slot ``PART % H1_PREFETCH`` of ``h1_smem`` (:func:`_h1_prefetch`), which then starts
-        part ``PART + H1_PREFETCH``'s copy if the tile has one; else from global memory."""
+        part ``PART + H1_PREFETCH``'s copy if the tile has one; else from global memory. Runs
+        in a partition of ``NW`` warps (``part`` converted to its :func:`_part_layout`)."""
         # 16-byte vectors of 8 columns per thread: few 64-bit addresses (in the accumulator's
         # layout every 2 columns need their own, and the epilogue spills)
-        L: gl.constexpr = _part_layout(W)
+        L: gl.constexpr = _part_layout(W, NW)
         grad_h2 = gl.convert_layout(part, L)
         live, addr, rows, col, g_ptrs, load_mask = _part_rows(
-            ptrs_ptr, row_start, act_start, num_live, h1_base, col0, FFN, BLOCK_M, W)
+            ptrs_ptr, row_start, act_start, num_live, h1_base, col0, FFN, BLOCK_M, W, NW)
         store_mask = gl.expand_dims(live, 1)  # broadcast along the columns
         if SCORED:
             score = gl.expand_dims(gl.load(addr.to(gl.pointer_type(gl.float32)),
@@ -295,6 +322,133 @@ if HAVE_GLUON:
             h2_rows = gl.multiple_of(h2_ptr + rows * FFN, [16, 16])
             gl.store(h2_rows + col, (silu * u).to(gl.bfloat16), mask=store_mask)
         return dot
+
+    @gluon.constexpr_function
+    def _acc_smem_layout():
+        """The shared layout of the split kernel's fp32 tile quarters (``[128, 32]``): a
+        row's 16-byte chunks swizzled by the row mod 8, so that the epilogue's 16-byte reads
+        of 8 rows at the same columns, and the accumulator's 8-byte writes, fall in
+        different banks."""
+        return gl.SwizzledSharedLayout(4, 1, 8, order=[1, 0])
+
+    @gluon.jit
+    def _split_mma(a_desc, w_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready, acc_free,
+                   ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
+                   grad_h1_ptr, h2_ptr,
+                   FFN: gl.constexpr, HIDDEN: gl.constexpr, NUM_EXPERTS: gl.constexpr,
+                   EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                   H1_OFFSET: gl.constexpr, STORE_H2: gl.constexpr, SCORED: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                   RELOAD_BOUNDS: gl.constexpr, ACC_BUFS: gl.constexpr,
+                   EPI_WARPS: gl.constexpr):
+        """The split kernel's MMA warpgroup: every tile of the program in turn; each finished
+        fp32 tile goes to shared memory as four column quarters (buffer ``t % ACC_BUFS`` of
+        the program's ``t``-th tile, once the epilogue has read that buffer's previous tile)
+        and the epilogue partition is told."""
+        NUM_K: gl.constexpr = HIDDEN // BLOCK_K
+        NUM_PID_N: gl.constexpr = FFN // BLOCK_N
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+        _num_pid_m, num_tiles = _tile_count(padded_offsets_ptr, NUM_EXPERTS, NUM_PID_N, BLOCK_M)
+        count = 0
+        t = 0
+        for _tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            acc, count = _mma_steps(a_bufs, b_bufs, ready, empty,
+                                    gl.zeros([BLOCK_M, BLOCK_N], gl.float32, ACC), count, NUM_K,
+                                    STAGES, 0, BLOCK_M, False)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
+            buf = t % ACC_BUFS
+            mbarrier.wait(acc_free.index(buf), ((t // ACC_BUFS) & 1) ^ 1)
+            lo, hi = _column_halves(acc, BLOCK_M, BLOCK_N)
+            q0, q1 = _column_halves(lo, BLOCK_M, BLOCK_N // 2)
+            q2, q3 = _column_halves(hi, BLOCK_M, BLOCK_N // 2)
+            acc_smem.index(4 * buf).store(q0)
+            acc_smem.index(4 * buf + 1).store(q1)
+            acc_smem.index(4 * buf + 2).store(q2)
+            acc_smem.index(4 * buf + 3).store(q3)
+            gl.thread_barrier()  # every thread's quarters written, before the (one) arrive
+            mbarrier.arrive(acc_ready.index(buf))
+            t += 1
+
+    @gluon.jit
+    def _split_epilogue(a_desc, w_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready,
+                        acc_free, ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr,
+                        h1_offset_ptr, grad_h1_ptr, h2_ptr,
+                        FFN: gl.constexpr, HIDDEN: gl.constexpr, NUM_EXPERTS: gl.constexpr,
+                        EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr,
+                        STAGES: gl.constexpr, H1_OFFSET: gl.constexpr,
+                        STORE_H2: gl.constexpr, SCORED: gl.constexpr, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                        RELOAD_BOUNDS: gl.constexpr, ACC_BUFS: gl.constexpr,
+                        EPI_WARPS: gl.constexpr):
+        """The split kernel's epilogue partition (``EPI_WARPS`` warps): the SwiGLU backward
+        of every tile of the program, its quarters read from shared memory as the MMA
+        warpgroup left them; the buffer goes back once the last quarter is read."""
+        NUM_PID_N: gl.constexpr = FFN // BLOCK_N
+        Q: gl.constexpr = BLOCK_N // 4
+        L: gl.constexpr = _part_layout(Q, EPI_WARPS)
+        if RELOAD_BOUNDS:
+            num_pid_m, num_tiles = _tile_count(padded_offsets_ptr, NUM_EXPERTS, NUM_PID_N,
+                                               BLOCK_M)
+        else:
+            num_pid_m, num_tiles, ends, starts, rbeg, rend, eidx = _program_tiles(
+                padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2, NUM_PID_N,
+                BLOCK_M, EPI_WARPS)
+        h1_base = h1_ptr
+        if H1_OFFSET:
+            h1_base = h1_ptr + gl.load(h1_offset_ptr)
+        t = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            if RELOAD_BOUNDS:
+                pid_n, expert, row_start, act_start, num_live = _tile_info_reloaded(
+                    tile, num_pid_m, padded_offsets_ptr, row_offsets_ptr, NUM_PID_N, GROUP_M,
+                    NUM_EXPERTS, EXPERTS_POW2, BLOCK_M, EPI_WARPS)
+            else:
+                pid_n, expert, row_start, act_start, num_live = _tile_info(
+                    tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
+                    NUM_EXPERTS, BLOCK_M)
+            n0 = pid_n * BLOCK_N
+            buf = t % ACC_BUFS
+            mbarrier.wait(acc_ready.index(buf), (t // ACC_BUFS) & 1)
+            part = acc_smem.index(4 * buf).load(L)
+            p = _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base,
+                                 grad_h1_ptr, h2_ptr, n0, acc_smem, FFN, STORE_H2, SCORED,
+                                 BLOCK_M, Q, 0, 0, 0, EPI_WARPS)
+            part = acc_smem.index(4 * buf + 1).load(L)
+            p += _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base,
+                                  grad_h1_ptr, h2_ptr, n0 + Q, acc_smem, FFN, STORE_H2, SCORED,
+                                  BLOCK_M, Q, 0, 0, 1, EPI_WARPS)
+            part = acc_smem.index(4 * buf + 2).load(L)
+            p += _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base,
+                                  grad_h1_ptr, h2_ptr, n0 + 2 * Q, acc_smem, FFN, STORE_H2,
+                                  SCORED, BLOCK_M, Q, 0, 0, 2, EPI_WARPS)
+            part = acc_smem.index(4 * buf + 3).load(L)
+            gl.thread_barrier()  # every thread's reads of the buffer, before the (one) arrive
+            mbarrier.arrive(acc_free.index(buf))
+            p += _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base,
+                                  grad_h1_ptr, h2_ptr, n0 + 3 * Q, acc_smem, FFN, STORE_H2,
+                                  SCORED, BLOCK_M, Q, 0, 0, 3, EPI_WARPS)
+            if SCORED:
+                _store_score_part(p, ptrs_ptr, row_start, num_live, pid_n, BLOCK_M, Q,
+                                  EPI_WARPS)
+            t += 1
+
+    @gluon.jit
+    def _split_producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready,
+                        acc_free, ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr,
+                        h1_offset_ptr, grad_h1_ptr, h2_ptr,
+                        FFN: gl.constexpr, HIDDEN: gl.constexpr, NUM_EXPERTS: gl.constexpr,
+                        EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr,
+                        STAGES: gl.constexpr, H1_OFFSET: gl.constexpr,
+                        STORE_H2: gl.constexpr, SCORED: gl.constexpr, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                        RELOAD_BOUNDS: gl.constexpr, ACC_BUFS: gl.constexpr,
+                        EPI_WARPS: gl.constexpr):
+        """The split kernel's TMA warp (:func:`_produce_tiles`)."""
+        _produce_tiles(a_desc, w_desc, a_bufs, b_bufs, ready, empty, padded_offsets_ptr,
+                       row_offsets_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
+                       BLOCK_M, BLOCK_N, BLOCK_K)
 
     @gluon.jit
     def _gluon_w2_dgrad_kernel(
@@ -353,6 +507,63 @@ if HAVE_GLUON:
         ], [4, 1], [232, 40])
 
 
+    @gluon.jit
+    def _gluon_w2_dgrad_split_kernel(
+        a_desc, w_desc, ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
+        grad_h1_ptr, h2_ptr,  # as _gluon_w2_dgrad_kernel's
+        FFN: gl.constexpr,
+        HIDDEN: gl.constexpr,
+        NUM_EXPERTS: gl.constexpr,
+        EXPERTS_POW2: gl.constexpr,
+        GROUP_M: gl.constexpr,
+        STAGES: gl.constexpr,
+        H1_OFFSET: gl.constexpr,
+        STORE_H2: gl.constexpr,
+        SCORED: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        BLOCK_K: gl.constexpr,
+        RELOAD_BOUNDS: gl.constexpr,
+        ACC_BUFS: gl.constexpr,  # fp32 tiles in shared memory (64 KiB each)
+        EPI_WARPS: gl.constexpr,  # the epilogue partition's warps (4 or 8)
+        EPI_REGS: gl.constexpr,  # its registers per thread
+        num_warps: gl.constexpr,
+    ):
+        """The W2 DGRAD with its epilogue in a partition of its own (``epilogue_warps``):
+        one MMA warpgroup, ``EPI_WARPS`` epilogue warps, one TMA warp."""
+        a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K],
+                                           a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_N],
+                                           w_desc.layout)
+        acc_smem = gl.allocate_shared_memory(gl.float32, [4 * ACC_BUFS, BLOCK_M, BLOCK_N // 4],
+                                             _acc_smem_layout())
+        ready, empty, _turn = _ring_barriers(STAGES, 1, 1)
+        acc_ready = gl.allocate_shared_memory(gl.int64, [ACC_BUFS, 1], mbarrier.MBarrierLayout())
+        acc_free = gl.allocate_shared_memory(gl.int64, [ACC_BUFS, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(ACC_BUFS):
+            mbarrier.init(acc_ready.index(b), count=1)
+            mbarrier.init(acc_free.index(b), count=1)
+        # the arguments written out per partition: a tuple assigned to a name first would
+        # turn its constexprs into tensors
+        gl.warp_specialize([
+            (_split_mma, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready, acc_free,
+                 ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
+                 grad_h1_ptr, h2_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
+                 H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K, RELOAD_BOUNDS,
+                 ACC_BUFS, EPI_WARPS)),
+            (_split_epilogue, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready, acc_free,
+                 ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
+                 grad_h1_ptr, h2_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
+                 H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K, RELOAD_BOUNDS,
+                 ACC_BUFS, EPI_WARPS)),
+            (_split_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready, acc_free,
+                 ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
+                 grad_h1_ptr, h2_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
+                 H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K, RELOAD_BOUNDS,
+                 ACC_BUFS, EPI_WARPS)),
+        ], [EPI_WARPS, 1], [EPI_REGS, 40])
+
+
 def gluon_w2_dgrad_reason(device: torch.device, *, hidden: int, ffn: int, block_m: int,
                           block_n: int, block_k: int) -> str | None:
     """``None`` when :func:`launch_gluon_w2_dgrad` can run this case, else why not."""
@@ -374,7 +585,8 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
                           h2_out: torch.Tensor | None, scored_rows: bool = False,
                           group_m: int = 8, stages: int = 5,
                           programs: int | None = None,
-                          reload_bounds: bool | None = None, h1_prefetch: int = 0) -> None:
+                          reload_bounds: bool | None = None, h1_prefetch: int = 0,
+                          epilogue_warps: int = 0, epilogue_buffers: int = 1) -> None:
     """Launch the kernel (arguments validated by the caller,
     :func:`~distmoe.kernels.w2_backward.w2_dgrad_swiglu_bwd`, and
     :func:`gluon_w2_dgrad_reason` returned ``None``). ``programs``: the grid (default one per
@@ -385,7 +597,11 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
     them spills nothing and reloading would spill 16 bytes in the plain form).
     ``h1_prefetch``: slots per consumer (0-4) for h1's column quarters brought into shared
     memory by cp.async (:class:`~distmoe.kernels.w2_backward.W2DgradConfig`), the first ones
-    before the tile's MMAs; ``stages + h1_prefetch`` at most 6 (shared memory)."""
+    before the tile's MMAs; ``stages + h1_prefetch`` at most 6 (shared memory).
+    ``epilogue_warps`` (4 or 8; 0: the ping-pong kernel): the split kernel, one MMA
+    warpgroup handing each fp32 tile to an epilogue partition of that many warps through
+    ``epilogue_buffers`` (1 or 2) shared-memory tiles; ``stages + 2 * epilogue_buffers`` at
+    most 7 (shared memory). Same bits as the ping-pong kernel."""
     from ._common import device_context, next_power_of_2, num_sms
 
     num_experts, hidden, ffn = w2.shape
@@ -399,8 +615,25 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
     tiles_cap = (grad_h3_ptrs.shape[0] // block_m) * (ffn // block_n)
     if programs is None:
         programs = num_sms(w2.device)
+    grid = (max(1, min(programs, tiles_cap)),)
+    reload = num_experts > 32 if reload_bounds is None else bool(reload_bounds)
+    if epilogue_warps:
+        maxnreg, epi_regs = SPLIT_REGISTERS[epilogue_warps]
+        with device_context(w2.device):
+            _gluon_w2_dgrad_split_kernel[grid](
+                a_desc, w_desc, grad_h3_ptrs, padded_offsets, row_offsets, h1,
+                h1_offset if h1_offset is not None else row_offsets, grad_h1_out,
+                h2_out if h2_out is not None else grad_h1_out,
+                FFN=ffn, HIDDEN=hidden, NUM_EXPERTS=num_experts,
+                EXPERTS_POW2=max(32, next_power_of_2(num_experts)), GROUP_M=group_m,
+                STAGES=stages, H1_OFFSET=h1_offset is not None, STORE_H2=h2_out is not None,
+                SCORED=scored_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                RELOAD_BOUNDS=reload, ACC_BUFS=epilogue_buffers, EPI_WARPS=epilogue_warps,
+                EPI_REGS=epi_regs, num_warps=4, maxnreg=maxnreg,
+            )  # fmt: skip
+        return
     with device_context(w2.device):
-        _gluon_w2_dgrad_kernel[(max(1, min(programs, tiles_cap)),)](
+        _gluon_w2_dgrad_kernel[grid](
             a_desc, w_desc, grad_h3_ptrs, padded_offsets, row_offsets, h1,
             h1_offset if h1_offset is not None else row_offsets, grad_h1_out,
             h2_out if h2_out is not None else grad_h1_out,
@@ -409,7 +642,6 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
             STAGES=stages, H1_OFFSET=h1_offset is not None, STORE_H2=h2_out is not None,
             SCORED=scored_rows,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            RELOAD_BOUNDS=num_experts > 32 if reload_bounds is None else bool(reload_bounds),
-            H1_PREFETCH=h1_prefetch,
+            RELOAD_BOUNDS=reload, H1_PREFETCH=h1_prefetch,
             num_warps=4, maxnreg=_MAXNREG,
         )  # fmt: skip

@@ -298,6 +298,9 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
 
 #: (ring stages, h1_prefetch) of the W2 DGRAD's h1-by-cp.async builds (not production)
 GLUON_W2_DGRAD_PREFETCH_CASES = ((5, 1), (4, 2), (3, 3), (2, 4))
+#: (epilogue warps, fp32 tile buffers, ring stages) of the split W2 DGRAD's builds (not
+#: production)
+GLUON_W2_DGRAD_SPLIT_CASES = ((4, 1, 5), (8, 1, 5), (8, 1, 4), (8, 2, 3))
 
 
 def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
@@ -346,6 +349,21 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
                      H1_PREFETCH=prefetch, num_warps=4),
                 4, 1, types=types, production=False, gluon=True,
                 options=dict(maxnreg=wg._MAXNREG)))
+        for epi, bufs, stages in GLUON_W2_DGRAD_SPLIT_CASES:  # the epilogue's own partition
+            bm, bn, bk = 128, 128, 64
+            types = {"a_desc": _gluon_desc(1024, D, [bm, bk]),
+                     "w_desc": _gluon_desc(E * D, F, [bk, bn]),
+                     "ptrs_ptr": "*i64", "h1_offset_ptr": "*i64"}
+            maxnreg, epi_regs = wg.SPLIT_REGISTERS[epi]
+            cases.append(BuildCase(
+                f"{name} W2 DGRAD gluon split epi{epi} x{bufs} s{stages} scored=True",
+                wg._gluon_w2_dgrad_split_kernel,
+                dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
+                     GROUP_M=8, STAGES=stages, H1_OFFSET=True, STORE_H2=True, SCORED=True,
+                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, RELOAD_BOUNDS=E > 32,
+                     ACC_BUFS=bufs, EPI_WARPS=epi, EPI_REGS=epi_regs, num_warps=4),
+                4, 1, types=types, production=False, gluon=True,
+                options=dict(maxnreg=maxnreg)))
     return cases
 
 
