@@ -24,7 +24,7 @@ def _unavailable(sub, name: str, help_text: str, exc: ImportError):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="distmoe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    from .tools import demo
+    from .tools import demo, quiet_on_closed_pipe
 
     demo.add_arguments(sub.add_parser("demo", help="run the layer here and check it"))
     runners = {"demo": demo.run}
@@ -48,13 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and args.command not in unavailable:  # what parse_args would have refused
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    try:
-        return runners[args.command](args)
-    except BrokenPipeError:  # the reader went away (`distmoe plan | head`): no traceback
-        import os
-
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+    # a closed stdout (`distmoe plan | head -1`): status 141, no traceback
+    return quiet_on_closed_pipe(lambda: runners[args.command](args))
 
 
 if __name__ == "__main__":

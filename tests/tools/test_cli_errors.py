@@ -1,7 +1,8 @@
 """User errors at the command line end in one line and exit status 2, not a traceback: the
 GPU-only scripts on a machine without CUDA, gpu_check without a GPU, bad ``--set`` /
 ``--variant`` specs, unreadable input files, ``tools/ab_layer.sh`` misuse, ``./run --help``,
-and a ``python -m distmoe`` command whose module cannot be imported."""
+and a ``python -m distmoe`` command whose module cannot be imported; a closed stdout ends
+quietly (status 141)."""
 
 import builtins
 import os
@@ -77,6 +78,25 @@ def test_ab_layer_sh_checks_its_arguments(tmp_path):
 def test_run_script_help_needs_no_install():
     r = _run("bash", "run", "--help", timeout=30)
     assert r.returncode == 0 and r.stdout.startswith("usage: ./run {demo|test|plan|bench}")
+
+
+@pytest.mark.parametrize("cmd", [
+    ["-m", "distmoe", "plan", "--tensors"],
+    ["-m", "distmoe.tools.plan_cli", "--tensors"],  # the stand-alone entries: a traceback
+    ["-m", "distmoe.tools.bench", "--list"],
+])
+def test_closed_stdout_ends_quietly_with_status_141(cmd):
+    # `... | head -1` with the reader gone before the first write: no traceback, no
+    # "Exception ignored" at exit; 141 = 128 + SIGPIPE, as the shell reports for a Unix tool
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+        r = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env, stdout=write_end,
+                           stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert (r.returncode, r.stderr) == (141, ""), (r.returncode, r.stderr[-2000:])
 
 
 def test_a_command_that_cannot_be_imported_says_why(monkeypatch, capsys):

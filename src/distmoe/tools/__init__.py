@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 def require_cuda(prog: str) -> None:
     """Exit with status 2 and a one-line message when this process sees no CUDA GPU: for the
@@ -14,6 +16,25 @@ def require_cuda(prog: str) -> None:
         print(f"{prog}: error: needs a CUDA GPU (torch sees none in this process)",
               file=sys.stderr)
         raise SystemExit(2)
+
+
+def quiet_on_closed_pipe(main: Callable[[], int]) -> int:
+    """``main()``'s exit status, its buffered output flushed; or, when the reader of stdout
+    went away (``distmoe plan | head -1``), status 141 without a traceback, stdout pointed at
+    /dev/null so that the interpreter's last flush does not fail again. 141 = 128 + SIGPIPE,
+    what the shell reports for a Unix tool that the closed pipe ended (``yes | head -1``);
+    it also keeps a cut-off run apart from bench's "no case succeeded" (1) and from a usage
+    error (2)."""
+    import os
+    import sys
+
+    try:
+        status = main()
+        sys.stdout.flush()  # what is still buffered fails here, not at interpreter exit
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    return status
 
 
 # The library names its arguments (MoEConfig fields, plan_memory's ep_size); the commands'

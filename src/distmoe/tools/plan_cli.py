@@ -13,7 +13,8 @@ the library's messages are rewritten from its field names (``max_tokens``) to th
 (``--tokens``); the output paths (and matplotlib for ``--png``) are checked before anything
 is computed; options that would have no effect are refused (the training-only budget and
 decision options with ``--inference``, ``--imbalance`` with ``--rows-json``). A demo
-``--imbalance`` above the receive bound is capped at it, with a note on stderr.
+``--imbalance`` above the receive bound is capped at it, with a note on stderr. A closed
+stdout (``distmoe plan | head -1``) ends the command quietly with status 141.
 
 With no flags it plans a Qwen3-30B-A3B-like layer (D 2048, F 768, E 128, K 8) at T 4096
 tokens per rank on EP 8, four layers per slot, bf16 training.
@@ -42,7 +43,7 @@ from distmoe.memory import (
     format_bytes,
     plan_memory,
 )
-from distmoe.tools import with_options
+from distmoe.tools import quiet_on_closed_pipe, with_options
 
 DEFAULT_IMBALANCE = "1.0,1.5,1.25,1.75"
 
@@ -659,7 +660,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Stand-alone entry (``python -m distmoe.tools.plan_cli``)."""
     parser = argparse.ArgumentParser(prog="distmoe plan")
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    return quiet_on_closed_pipe(lambda: run(args))
 
 
 if __name__ == "__main__":

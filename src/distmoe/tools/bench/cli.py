@@ -12,7 +12,8 @@ The suite needs a CUDA GPU: ``--device auto`` (the default) without one is an er
 ``--device cpu`` is for smoke runs of the harness: it runs only the ``smoke`` shape unless
 ``--shapes`` names others (then with a warning: hours on the CPU). ``--out`` and ``--archive``
 are checked before anything is measured. Exit status: 0 when at least one case succeeded
-(a line says how many failed), 1 when none did or the suite aborted, 2 for a usage error.
+(a line says how many failed), 1 when none did or the suite aborted, 2 for a usage error,
+141 when the reader of stdout went away (``... | head``; no traceback).
 
 Case order: shape -> tokens -> mode -> imbalance -> provider, so a provider built for one
 (shape, tokens, mode) (a distmoe context, a torch.compile graph) serves every imbalance.
@@ -34,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from distmoe.tools import quiet_on_closed_pipe
 from distmoe.tools.bench import ceilings as ceilings_mod
 from distmoe.tools.bench import micro as micro_mod
 from distmoe.tools.bench import models, report
@@ -1013,7 +1015,7 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        return run(args)
+        return quiet_on_closed_pipe(lambda: run(args))
     except ValueError as exc:
         parser.error(str(exc))
         return 2
