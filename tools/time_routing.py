@@ -40,8 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ep", type=int, default=1, help="ranks whose ids rank 0 reads")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args(argv)
-    if args.ep < 1 or any(t < 1 for t in args.tokens):
-        raise SystemExit(f"--ep and --tokens must be >= 1, got {args.ep} and {args.tokens}")
+    if args.ep < 1:
+        ap.error(f"--ep ({args.ep}) must be >= 1")
+    if any(t < 1 for t in args.tokens):
+        ap.error(f"--tokens values ({' '.join(map(str, args.tokens))}) must be >= 1")
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     rows = []
