@@ -2085,8 +2085,9 @@ def test_w2_dgrad_split_epilogue_config_rules():
 
 @pytest.mark.gpu
 def test_gluon_w2_dgrad_heuristic():
-    """On a Hopper GPU with the layer's hint the heuristic picks the Gluon kernel (5 stages at
-    >= 1024 rows per expert, 4 below); widths it cannot tile keep the Triton config."""
+    """On a Hopper GPU with the layer's hint the heuristic picks the Gluon kernel in its split
+    form (8 epilogue warps, one fp32 tile buffer; 5 stages at >= 1024 rows per expert, 4
+    below); widths it cannot tile keep the Triton config."""
     dev = torch.device("cuda")
     if torch.cuda.get_device_capability(dev)[0] != 9:
         pytest.skip("the Gluon W2 DGRAD is for compute capability 9.x")
@@ -2094,6 +2095,8 @@ def test_gluon_w2_dgrad_heuristic():
     small = W2DgradConfig.from_heuristic(hidden=2048, ffn=768, rows_per_expert=256, device=dev)
     assert (big.gluon, big.block_n, big.num_stages) == (True, 128, 5)
     assert (small.gluon, small.block_n, small.num_stages) == (True, 128, 4)
+    for cfg in (big, small):
+        assert (cfg.epilogue_warps, cfg.epilogue_buffers) == (8, 1)
     odd = W2DgradConfig.from_heuristic(hidden=4096, ffn=2000, rows_per_expert=2048, device=dev)
     assert not odd.gluon
 

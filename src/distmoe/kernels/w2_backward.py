@@ -748,7 +748,11 @@ class W2DgradConfig(GemmConfig):
         tiles, a ring of 5 stages at >= 1024 rows per expert, else 4. Measured on one H200
         (2026-11-29, run 23, ``tools/tune_gemm.py --backward --kernels w2_dgrad``): 1.720 ms
         against 1.801 for the Triton heuristic at T=8192 D=4096 F=2048 E=32 K=8, 0.282 against
-        0.295 at T=4096 D=2048 F=768 E=128 K=8.
+        0.295 at T=4096 D=2048 F=768 E=128 K=8. In its split form (``epilogue_warps=8``, one
+        fp32 tile buffer): the kernel alone 1.13x (T=8192 D=4096 F=2048 E=32), 1.36x
+        (T=4096 D=2048 F=768 E=128), 1.39x (OLMoE) and 1.24x (T=2048) the ping-pong form,
+        same bits; the layer's fwd+bwd 4.5% faster at the second (one H200, 2026-12-01,
+        docs/performance.md run 43).
         """
         if rows_per_expert is not None and block_m == 128 and device is not None:
             from .w2_dgrad_gluon import gluon_w2_dgrad_reason
@@ -756,7 +760,8 @@ class W2DgradConfig(GemmConfig):
             if gluon_w2_dgrad_reason(device, hidden=hidden, ffn=ffn, block_m=128, block_n=128,
                                      block_k=64) is None:
                 return cls(block_m=128, block_n=128, block_k=64,
-                           num_stages=5 if rows_per_expert >= 1024 else 4, gluon=True)
+                           num_stages=5 if rows_per_expert >= 1024 else 4, gluon=True,
+                           epilogue_warps=8)
         if rows_per_expert is not None and block_m == 128 and ffn >= 256 and hidden >= 64:
             return cls(block_m=block_m, block_n=256, block_k=64, num_warps=8, num_stages=4)
         block_n = _pow2_clamped(ffn, 16, 128)
