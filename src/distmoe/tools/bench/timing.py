@@ -223,6 +223,21 @@ def _capture(fn: Callable[[], object], iters: int) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def _clear_rng_capture_state() -> None:
+    """After a capture that raised, the device's default CUDA generator can stay marked as
+    capturing (torch ends the stream's capture but not the generator's), and every later
+    random op on the device then fails with "Offset increment outside graph capture
+    encountered unexpectedly" (run 43: a bench-tool test after the eager-fallback one). A
+    trivial capture that ends normally ends the generator's capture too."""
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.empty(1, device="cuda").zero_()
+        del graph
+    except Exception:  # nothing more to do here: the fallback's timing does not need it
+        pass
+
+
 def _warm_up_on_side_stream(fns: Sequence[Callable[[], object]], calls: int) -> None:
     """``calls`` eager calls of each function on a side stream, then a device sync: capture
     requires that lazy initialisation (cuBLAS handles and workspaces, Triton compilation,
@@ -256,6 +271,7 @@ def _time_cuda(
                 torch.cuda.synchronize()
             except Exception:
                 pass
+            _clear_rng_capture_state()
     # A collective inside fn must run the same way on every rank.
     if not _all_ranks_agree(graph is not None, group) and graph is not None:
         graph, reason = None, "capture failed on another rank"
