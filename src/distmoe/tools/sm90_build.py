@@ -298,19 +298,22 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
 
 #: (ring stages, h1_prefetch) of the W2 DGRAD's h1-by-cp.async builds (not production)
 GLUON_W2_DGRAD_PREFETCH_CASES = ((5, 1), (4, 2), (3, 3), (2, 4))
-#: (epilogue warps, fp32 tile buffers, ring stages) of the split W2 DGRAD's builds (not
-#: production)
+#: (epilogue warps, fp32 tile buffers, ring stages) of the split W2 DGRAD's builds; the
+#: heuristic's (run 43): 8 warps, one buffer, 4 or 5 stages
 GLUON_W2_DGRAD_SPLIT_CASES = ((4, 1, 5), (8, 1, 5), (8, 1, 4), (8, 2, 3))
 
 
 def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
     """The warp-specialised Gluon W2 DGRAD (:mod:`distmoe.kernels.w2_dgrad_gluon`) at each
-    shape with h1 at a device offset and h2 stored, at every ring depth it takes. Production
-    (no spill, no serialized wgmma): the scored form (the layer's) at every shape, and the
-    plain form at E <= 32. Above 32 experts the consumers load the per-expert bounds per
-    tile (``RELOAD_BOUNDS``; held in registers they made the scored epilogue spill 96-220
-    bytes, run 33), and the plain form still spills 16 bytes there: built only. The ``smoke``
-    shape (a CPU test size, D = 64: its epilogue spills 584-596 bytes) is built only."""
+    shape with h1 at a device offset and h2 stored. Production (no spill, no serialized
+    wgmma): the split kernel as the heuristic picks it (8 epilogue warps, one fp32 tile
+    buffer, 4 or 5 stages; run 43), scored (the layer's) and plain, at every shape but
+    ``smoke`` (a CPU test size). Built only: the other split forms (scored), and the
+    ping-pong kernel (production until run 43) at every ring depth it takes and with its h1
+    prefetch. In the ping-pong kernel above 32 experts the consumers load the per-expert
+    bounds per tile (``RELOAD_BOUNDS``; held in registers they made the scored epilogue spill
+    96-220 bytes, run 33), and its plain form still spills 16 bytes there; at ``smoke``
+    (D = 64) its epilogue spills 584-596 bytes. The split kernel spills in none of these."""
     from distmoe.kernels import w2_dgrad_gluon as wg
     from distmoe.kernels._common import next_power_of_2
     from distmoe.tools.bench.workloads import SHAPES
@@ -333,8 +336,8 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
                          EXPERTS_POW2=max(32, next_power_of_2(E)), GROUP_M=8, STAGES=stages,
                          H1_OFFSET=True, STORE_H2=True, SCORED=scored, BLOCK_M=bm, BLOCK_N=bn,
                          BLOCK_K=bk, RELOAD_BOUNDS=E > 32, H1_PREFETCH=0, num_warps=4),
-                    4, 1, types=types, production=(scored or E <= 32) and name != "smoke",
-                    gluon=True, options=dict(maxnreg=wg._MAXNREG)))
+                    4, 1, types=types, production=False, gluon=True,
+                    options=dict(maxnreg=wg._MAXNREG)))
         for stages, prefetch in GLUON_W2_DGRAD_PREFETCH_CASES:  # h1 by cp.async (scored)
             bm, bn, bk = 128, 128, 64
             types = {"a_desc": _gluon_desc(1024, D, [bm, bk]),
@@ -355,15 +358,18 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
                      "w_desc": _gluon_desc(E * D, F, [bk, bn]),
                      "ptrs_ptr": "*i64", "h1_offset_ptr": "*i64"}
             maxnreg, epi_regs = wg.SPLIT_REGISTERS[epi]
-            cases.append(BuildCase(
-                f"{name} W2 DGRAD gluon split epi{epi} x{bufs} s{stages} scored=True",
-                wg._gluon_w2_dgrad_split_kernel,
-                dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
-                     GROUP_M=8, STAGES=stages, H1_OFFSET=True, STORE_H2=True, SCORED=True,
-                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, RELOAD_BOUNDS=E > 32,
-                     ACC_BUFS=bufs, EPI_WARPS=epi, EPI_REGS=epi_regs, num_warps=4),
-                4, 1, types=types, production=False, gluon=True,
-                options=dict(maxnreg=maxnreg)))
+            picked = (epi, bufs) == (8, 1) and stages in (4, 5) and name != "smoke"
+            for scored in (True, False) if picked else (True,):  # the layer's, the plain one
+                cases.append(BuildCase(
+                    f"{name} W2 DGRAD gluon split epi{epi} x{bufs} s{stages} scored={scored}",
+                    wg._gluon_w2_dgrad_split_kernel,
+                    dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E,
+                         EXPERTS_POW2=max(32, next_power_of_2(E)), GROUP_M=8, STAGES=stages,
+                         H1_OFFSET=True, STORE_H2=True, SCORED=scored, BLOCK_M=bm, BLOCK_N=bn,
+                         BLOCK_K=bk, RELOAD_BOUNDS=E > 32, ACC_BUFS=bufs, EPI_WARPS=epi,
+                         EPI_REGS=epi_regs, num_warps=4),
+                    4, 1, types=types, production=picked, gluon=True,
+                    options=dict(maxnreg=maxnreg)))
     return cases
 
 
