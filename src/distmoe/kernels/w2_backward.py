@@ -669,7 +669,8 @@ class W2DgradConfig(GemmConfig):
 
     #: Run the warp-specialised Gluon kernel (:mod:`distmoe.kernels.w2_dgrad_gluon`: a TMA
     #: producer warp and two consumer warpgroups taking tiles in turn, so that one's epilogue
-    #: runs under the other's MMAs) where it can run: Hopper, not the interpreter, rows already
+    #: runs under the other's MMAs; or, with ``epilogue_warps``, one MMA warpgroup and an
+    #: epilogue partition) where it can run: Hopper, not the interpreter, rows already
     #: gathered (``grad_h3_rows``), 128 x 128 x 64 tiles, D a multiple of 64 and F of 128.
     #: Elsewhere the Triton kernel runs this config. Uses ``num_stages`` (the load ring, 4-6)
     #: and ``group_m``; ``num_warps``, ``persistent`` and ``host_descriptors`` do not apply.

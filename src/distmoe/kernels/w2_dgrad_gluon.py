@@ -1,4 +1,5 @@
-"""W2 DGRAD + SwiGLU backward for Hopper as a warp-specialised "ping-pong" Gluon kernel.
+"""W2 DGRAD + SwiGLU backward for Hopper as warp-specialised Gluon kernels ("ping-pong" and
+"split").
 
 Same contract as :func:`distmoe.kernels.w2_backward.w2_dgrad_swiglu_bwd` with rows already
 gathered (``grad_h3_rows``): for every live row tile of the padded schedule and column tile of
@@ -31,9 +32,25 @@ specialise on Hopper. Here each program (one per SM) has three partitions:
   stage is loaded only after the even one has released the stages before it.
 
 Each consumer computes a ``BLOCK_M x BLOCK_N`` tile in one warpgroup (``BLOCK_N`` 128: 128
-fp32 accumulator registers per thread) and runs the epilogue in the accumulator's own layout
-(no shared-memory round trip): its global accesses are 4-byte pairs, which costs L1
-transactions but not DRAM bytes, and it is hidden anyway.
+fp32 accumulator registers per thread) and runs the epilogue in column quarters, each
+converted to a layout of 16-byte vectors.
+
+At 256-512 rows per expert (D = 2048) that epilogue takes longer than the other consumer's
+MMAs, so it is not hidden: the kernel took about twice its MMA-only time, with one epilogue
+warp per scheduler issuing 0.19 instructions per cycle (docs/performance.md, run 41). The
+**split kernel** (``epilogue_warps``, the heuristic's pick since run 43) moves the epilogue
+into a partition of its own:
+
+* one MMA warpgroup computes every tile of the program; it writes each finished fp32 tile
+  into shared memory as four ``[128, 32]`` column quarters (``acc_ready`` / ``acc_free``
+  mbarriers per buffer; one 64 KiB buffer, or two) and starts the next tile's MMAs;
+* an epilogue partition of 4 or 8 warps reads the quarters in its own layout and runs the
+  SwiGLU backward; with 8 warps, two warps per scheduler hide each other's latencies;
+* the TMA warp as above.
+
+The bits are the ping-pong kernel's (the same fp32 values, the same epilogue code). One H200,
+2026-12-01 (run 43): the kernel alone 1.36x the ping-pong one at T=4096 D=2048 F=768 E=128
+K=8, 1.39x at OLMoE's shape, 1.24x at T=2048, 1.13x at T=8192 D=4096 F=2048 E=32.
 
 Only for CUDA devices of compute capability 9.x, outside the interpreter, with ``D`` a multiple
 of ``block_k`` and ``F`` of ``block_n``; :func:`gluon_w2_dgrad_reason` says when. Opt-in
