@@ -1983,16 +1983,19 @@ def test_gluon_w2_dgrad_h1_prefetch(stages, prefetch, form):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("warps,buffers,stages", [(4, 1, 5), (8, 1, 5), (8, 1, 4), (8, 2, 3)],
+@pytest.mark.parametrize("warps,buffers,stages,early",
+                         [(4, 1, 5, False), (8, 1, 5, False), (8, 1, 4, False),
+                          (8, 2, 3, False), (8, 1, 4, True), (4, 2, 3, True)],
                          ids=lambda v: str(v))
 @pytest.mark.parametrize("form", ["scored", "offset_in_place"])
-def test_gluon_w2_dgrad_split_epilogue(warps, buffers, stages, form):
+def test_gluon_w2_dgrad_split_epilogue(warps, buffers, stages, early, form):
     """The split kernel (one MMA warpgroup handing each fp32 tile to an epilogue partition of
-    ``epilogue_warps`` warps through ``epilogue_buffers`` shared-memory tiles) gives the same
-    bits as the ping-pong kernel; 3 programs walk many tiles, so each buffer is reused and
-    its barriers change phase many times."""
+    ``epilogue_warps`` warps through ``epilogue_buffers`` shared-memory tiles; ``early``: h1
+    loaded a quarter ahead) gives the same bits as the ping-pong kernel; 3 programs walk many
+    tiles, so each buffer is reused and its barriers change phase many times."""
     _same_bits_as_the_ping_pong_kernel(form, dict(num_stages=stages, epilogue_warps=warps,
-                                                  epilogue_buffers=buffers))
+                                                  epilogue_buffers=buffers,
+                                                  epilogue_early_h1=early))
 
 
 def _same_bits_as_the_ping_pong_kernel(form, fields):
@@ -2081,6 +2084,10 @@ def test_w2_dgrad_split_epilogue_config_rules():
     with pytest.raises(ValueError, match=r"num_stages \+ 2 \* epilogue_buffers \(4 \+ 2 \* 2\) "
                                          "must be at most 7"):
         W2DgradConfig(**base, num_stages=4, epilogue_warps=8, epilogue_buffers=2)
+    with pytest.raises(ValueError, match="epilogue_early_h1 needs epilogue_warps"):
+        W2DgradConfig(**base, epilogue_early_h1=True)
+    with pytest.raises(TypeError, match="epilogue_early_h1 must be a bool, got int"):
+        W2DgradConfig(**base, epilogue_warps=8, epilogue_early_h1=1)
 
 
 @pytest.mark.gpu

@@ -5,11 +5,12 @@ loaded from global memory (production) against h1 brought into shared memory by 
 median, production / variant (> 1: faster), and whether grad_h1, h2 and the score parts are
 production's bits.
 
-    PYTHONPATH=src python3 w2d_prefetch_micro.py SHAPE[:NAME=STAGES/PREFETCH[/WARPS/BUFFERS],...]
+    PYTHONPATH=src python3 w2d_prefetch_micro.py SHAPE[:NAME=STAGES/PREFETCH[/WARPS/BUFFERS[/EARLY]]]
     e.g. fine:prod=4/0,p2=4/2,p3=3/3 olmoe:prod=4/0,p2=4/2
 
-Run 43 added the optional ``/WARPS/BUFFERS``: the split kernel's ``epilogue_warps`` and
-``epilogue_buffers`` (default 0 and 1: the ping-pong kernel), e.g. ``fine:prod=4/0,e8=4/0/8/1``.
+Run 43 added the optional ``/WARPS/BUFFERS/EARLY``: the split kernel's ``epilogue_warps``,
+``epilogue_buffers`` and ``epilogue_early_h1`` (default 0, 1, 0: the ping-pong kernel), e.g.
+``fine:prod=4/0,e8=4/0/8/1,e8e=4/0/8/1/1``.
 
 ``--wait-pid PID``: build and check every variant first, then wait until process PID has
 ended before timing (a test run sharing the GPU during the builds).
@@ -37,8 +38,8 @@ for spec in args.specs:
     variants = {}
     for v in (vs or "prod=4/0,p2=4/2").split(","):
         k, _, sp = v.partition("=")
-        st, pf, *split = (int(x) for x in sp.split("/"))
-        variants[k] = (st, pf, *(split or (0, 1)))
+        given = [int(x) for x in sp.split("/")]
+        variants[k] = tuple(given + [0, 0, 1, 0][len(given) - 1:])
     s = SHAPES[name]
     T, D, F, E, K = s.tokens, s.hidden, s.ffn, s.num_experts, s.top_k
     R = T * K
@@ -56,7 +57,7 @@ for spec in args.specs:
     h1 = torch.randn(R, 2 * F, generator=gen, device=dev).bfloat16()
     rows = torch.randn(R, D, generator=gen, device=dev).bfloat16()
     outs, graphs = {}, {}
-    for k, (stages, prefetch, warps, bufs) in variants.items():
+    for k, (stages, prefetch, warps, bufs, early) in variants.items():
         comb = combine.clone()
         ptrs = torch.zeros(Rp, dtype=torch.int64, device=dev)
         ptrs[:R] = comb.data_ptr() + perm.long() * D * 2  # exact counts: padded == rows
@@ -64,10 +65,11 @@ for spec in args.specs:
         h2 = torch.full((R, F), float("nan"), device=dev, dtype=torch.bfloat16)
 
         def run(ptrs=ptrs, gh1=gh1, h2=h2, stages=stages, prefetch=prefetch, po=po, ro=ro,
-                w2=w2, rows=rows, h1=h1, warps=warps, bufs=bufs):
+                w2=w2, rows=rows, h1=h1, warps=warps, bufs=bufs, early=early):
             launch_gluon_w2_dgrad(ptrs, po, ro, w2, rows, h1, gh1, h1_offset=None, h2_out=h2,
                                   scored_rows=True, stages=stages, h1_prefetch=prefetch,
-                                  epilogue_warps=warps, epilogue_buffers=bufs)
+                                  epilogue_warps=warps, epilogue_buffers=bufs,
+                                  epilogue_early_h1=bool(early))
 
         t0 = time.perf_counter()
         run()

@@ -692,6 +692,10 @@ class W2DgradConfig(GemmConfig):
     #: MMA warpgroup never waits for the epilogue's reads of the tile before).
     #: ``num_stages + 2 * epilogue_buffers`` at most 7 (the ring's stages are 32 KiB).
     epilogue_buffers: int = 1
+    #: With ``epilogue_warps``: the epilogue issues each column quarter's h1 loads one
+    #: quarter ahead, the first before it waits for the tile (run 43's profile: the
+    #: epilogue warps spent 44% of their cycles waiting on those loads). The same bits.
+    epilogue_early_h1: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -720,6 +724,12 @@ class W2DgradConfig(GemmConfig):
         if w and not self.gluon:
             raise ValueError(f"epilogue_warps ({w}) needs gluon=True (only the Gluon W2 DGRAD "
                              "has an epilogue partition)")
+        if not isinstance(self.epilogue_early_h1, bool):
+            raise TypeError("epilogue_early_h1 must be a bool, got "
+                            f"{type(self.epilogue_early_h1).__name__}")
+        if self.epilogue_early_h1 and not w:
+            raise ValueError("epilogue_early_h1 needs epilogue_warps (4 or 8): only the split "
+                             "kernel's epilogue loads h1 ahead")
         if w and p:
             raise ValueError(f"epilogue_warps ({w}) and h1_prefetch ({p}) do not combine: the "
                              "split kernel's epilogue reads h1 from global memory")
@@ -1311,7 +1321,8 @@ def w2_dgrad_swiglu_bwd(
                                   scored_rows=scored_rows, group_m=config.group_m,
                                   stages=config.num_stages, h1_prefetch=config.h1_prefetch,
                                   epilogue_warps=config.epilogue_warps,
-                                  epilogue_buffers=config.epilogue_buffers)
+                                  epilogue_buffers=config.epilogue_buffers,
+                                  epilogue_early_h1=config.epilogue_early_h1)
             return
         warn_gluon_fallback("w2_dgrad_swiglu_bwd", reason)
     gather_in_loop = gathered is None

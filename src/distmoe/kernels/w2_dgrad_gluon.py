@@ -261,10 +261,10 @@ if HAVE_GLUON:
                    FFN: gl.constexpr, BLOCK_M: gl.constexpr, W: gl.constexpr,
                    NW: gl.constexpr):
         """A ``[BLOCK_M, W]`` part's rows in :func:`_part_layout` over ``NW`` warps:
-        ``(live, addr, rows, col, g_ptrs, load_mask)``: the live rows, their addresses in ``ptrs_ptr`` (0: a null row),
-        the act rows and columns (``[BLOCK_M, 1]``, ``[1, W]``), the part's g pointers in h1
-        (u is ``FFN`` further) and the mask of live non-null rows (constant per 16-byte
-        vector)."""
+        ``(live, addr, rows, col, g_ptrs, load_mask)``: the live rows, their addresses in
+        ``ptrs_ptr`` (0: a null row), the act rows and columns (``[BLOCK_M, 1]``,
+        ``[1, W]``), the part's g pointers in h1 (u is ``FFN`` further) and the mask of live
+        non-null rows (constant per 16-byte vector)."""
         L: gl.constexpr = _part_layout(W, NW)
         i = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L))
         j = gl.arange(0, W, layout=gl.SliceLayout(0, L))
@@ -308,6 +308,7 @@ if HAVE_GLUON:
         live, addr, rows, col, g_ptrs, load_mask = _part_rows(
             ptrs_ptr, row_start, act_start, num_live, h1_base, col0, FFN, BLOCK_M, W, NW)
         store_mask = gl.expand_dims(live, 1)  # broadcast along the columns
+        score = 1.0
         if SCORED:
             score = gl.expand_dims(gl.load(addr.to(gl.pointer_type(gl.float32)),
                                            mask=live & (addr != 0), other=0.0), 1)
@@ -321,6 +322,17 @@ if HAVE_GLUON:
         else:
             g = gl.load(g_ptrs, mask=load_mask, other=0.0).to(gl.float32)
             u = gl.load(g_ptrs + FFN, mask=load_mask, other=0.0).to(gl.float32)
+        return _swiglu_bwd_math(grad_h2, g, u, score, rows, col, store_mask, grad_h1_ptr,
+                                h2_ptr, FFN, STORE_H2, SCORED, BLOCK_M, L)
+
+    @gluon.jit
+    def _swiglu_bwd_math(grad_h2, g, u, score, rows, col, store_mask, grad_h1_ptr, h2_ptr,
+                         FFN: gl.constexpr, STORE_H2: gl.constexpr, SCORED: gl.constexpr,
+                         BLOCK_M: gl.constexpr, L: gl.constexpr):
+        """The SwiGLU backward of a part (``grad_h2``, fp32 ``g`` and ``u``, the rows'
+        ``[BLOCK_M, 1]`` fp32 ``score`` when ``SCORED``, all in layout ``L``) and its stores
+        (grad_h1's g and u halves, h2 with ``STORE_H2``) at act ``rows`` and columns ``col``;
+        returns the rows' ``dot(part, h2)`` (``SCORED``), else zeros."""
         s = 1.0 / (1.0 + gl.exp(-g))
         silu = g * s
         dot = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, L))
@@ -357,7 +369,7 @@ if HAVE_GLUON:
                    H1_OFFSET: gl.constexpr, STORE_H2: gl.constexpr, SCORED: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                    RELOAD_BOUNDS: gl.constexpr, ACC_BUFS: gl.constexpr,
-                   EPI_WARPS: gl.constexpr):
+                   EPI_WARPS: gl.constexpr, EARLY_H1: gl.constexpr):
         """The split kernel's MMA warpgroup: every tile of the program in turn; each finished
         fp32 tile goes to shared memory as four column quarters (buffer ``t % ACC_BUFS`` of
         the program's ``t``-th tile, once the epilogue has read that buffer's previous tile)
@@ -398,7 +410,7 @@ if HAVE_GLUON:
                         STORE_H2: gl.constexpr, SCORED: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                         RELOAD_BOUNDS: gl.constexpr, ACC_BUFS: gl.constexpr,
-                        EPI_WARPS: gl.constexpr):
+                        EPI_WARPS: gl.constexpr, EARLY_H1: gl.constexpr):
         """The split kernel's epilogue partition (``EPI_WARPS`` warps): the SwiGLU backward
         of every tile of the program, its quarters read from shared memory as the MMA
         warpgroup left them; the buffer goes back once the last quarter is read."""
@@ -427,29 +439,81 @@ if HAVE_GLUON:
                     NUM_EXPERTS, BLOCK_M)
             n0 = pid_n * BLOCK_N
             buf = t % ACC_BUFS
-            mbarrier.wait(acc_ready.index(buf), (t // ACC_BUFS) & 1)
-            part = acc_smem.index(4 * buf).load(L)
-            p = _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base,
-                                 grad_h1_ptr, h2_ptr, n0, acc_smem, FFN, STORE_H2, SCORED,
-                                 BLOCK_M, Q, 0, 0, 0, EPI_WARPS)
-            part = acc_smem.index(4 * buf + 1).load(L)
-            p += _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base,
-                                  grad_h1_ptr, h2_ptr, n0 + Q, acc_smem, FFN, STORE_H2, SCORED,
-                                  BLOCK_M, Q, 0, 0, 1, EPI_WARPS)
-            part = acc_smem.index(4 * buf + 2).load(L)
-            p += _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base,
-                                  grad_h1_ptr, h2_ptr, n0 + 2 * Q, acc_smem, FFN, STORE_H2,
-                                  SCORED, BLOCK_M, Q, 0, 0, 2, EPI_WARPS)
-            part = acc_smem.index(4 * buf + 3).load(L)
-            gl.thread_barrier()  # every thread's reads of the buffer, before the (one) arrive
-            mbarrier.arrive(acc_free.index(buf))
-            p += _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base,
-                                  grad_h1_ptr, h2_ptr, n0 + 3 * Q, acc_smem, FFN, STORE_H2,
-                                  SCORED, BLOCK_M, Q, 0, 0, 3, EPI_WARPS)
+            if EARLY_H1:
+                p = _split_tile_early_h1(acc_smem, acc_ready, acc_free, buf, t, ptrs_ptr,
+                                         row_start, act_start, num_live, h1_base, grad_h1_ptr,
+                                         h2_ptr, n0, FFN, STORE_H2, SCORED, BLOCK_M, Q,
+                                         ACC_BUFS, EPI_WARPS)
+            else:
+                mbarrier.wait(acc_ready.index(buf), (t // ACC_BUFS) & 1)
+                part = acc_smem.index(4 * buf).load(L)
+                p = _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base,
+                                     grad_h1_ptr, h2_ptr, n0, acc_smem, FFN, STORE_H2, SCORED,
+                                     BLOCK_M, Q, 0, 0, 0, EPI_WARPS)
+                part = acc_smem.index(4 * buf + 1).load(L)
+                p += _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base,
+                                      grad_h1_ptr, h2_ptr, n0 + Q, acc_smem, FFN, STORE_H2, SCORED,
+                                      BLOCK_M, Q, 0, 0, 1, EPI_WARPS)
+                part = acc_smem.index(4 * buf + 2).load(L)
+                p += _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base,
+                                      grad_h1_ptr, h2_ptr, n0 + 2 * Q, acc_smem, FFN, STORE_H2,
+                                      SCORED, BLOCK_M, Q, 0, 0, 2, EPI_WARPS)
+                part = acc_smem.index(4 * buf + 3).load(L)
+                gl.thread_barrier()  # every thread's reads of the buffer, before the (one) arrive
+                mbarrier.arrive(acc_free.index(buf))
+                p += _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base,
+                                      grad_h1_ptr, h2_ptr, n0 + 3 * Q, acc_smem, FFN, STORE_H2,
+                                      SCORED, BLOCK_M, Q, 0, 0, 3, EPI_WARPS)
             if SCORED:
                 _store_score_part(p, ptrs_ptr, row_start, num_live, pid_n, BLOCK_M, Q,
                                   EPI_WARPS)
             t += 1
+
+    @gluon.jit
+    def _split_tile_early_h1(acc_smem, acc_ready, acc_free, buf, t, ptrs_ptr, row_start,
+                             act_start, num_live, h1_base, grad_h1_ptr, h2_ptr, n0,
+                             FFN: gl.constexpr, STORE_H2: gl.constexpr, SCORED: gl.constexpr,
+                             BLOCK_M: gl.constexpr, Q: gl.constexpr, ACC_BUFS: gl.constexpr,
+                             NW: gl.constexpr):
+        """One tile's epilogue in the split kernel with h1's loads a quarter ahead: the
+        rows, the score and quarter 0's h1 are loaded before waiting for the tile, each
+        later quarter's h1 before the previous quarter's math. The same values and order of
+        operations as :func:`_swiglu_bwd_part`, so the same bits. Returns the score part."""
+        L: gl.constexpr = _part_layout(Q, NW)
+        live, addr, rows, col, g_ptrs, load_mask = _part_rows(
+            ptrs_ptr, row_start, act_start, num_live, h1_base, n0, FFN, BLOCK_M, Q, NW)
+        store_mask = gl.expand_dims(live, 1)
+        score = 1.0
+        if SCORED:
+            score = gl.expand_dims(gl.load(addr.to(gl.pointer_type(gl.float32)),
+                                           mask=live & (addr != 0), other=0.0), 1)
+        g = gl.load(g_ptrs, mask=load_mask, other=0.0)
+        u = gl.load(g_ptrs + FFN, mask=load_mask, other=0.0)
+        mbarrier.wait(acc_ready.index(buf), (t // ACC_BUFS) & 1)
+        part = acc_smem.index(4 * buf).load(L)
+        g1 = gl.load(g_ptrs + Q, mask=load_mask, other=0.0)
+        u1 = gl.load(g_ptrs + Q + FFN, mask=load_mask, other=0.0)
+        p = _swiglu_bwd_math(part, g.to(gl.float32), u.to(gl.float32), score, rows, col,
+                             store_mask, grad_h1_ptr, h2_ptr, FFN, STORE_H2, SCORED, BLOCK_M, L)
+        part = acc_smem.index(4 * buf + 1).load(L)
+        g = gl.load(g_ptrs + 2 * Q, mask=load_mask, other=0.0)
+        u = gl.load(g_ptrs + 2 * Q + FFN, mask=load_mask, other=0.0)
+        p += _swiglu_bwd_math(part, g1.to(gl.float32), u1.to(gl.float32), score, rows,
+                              col + Q, store_mask, grad_h1_ptr, h2_ptr, FFN, STORE_H2, SCORED,
+                              BLOCK_M, L)
+        part = acc_smem.index(4 * buf + 2).load(L)
+        g1 = gl.load(g_ptrs + 3 * Q, mask=load_mask, other=0.0)
+        u1 = gl.load(g_ptrs + 3 * Q + FFN, mask=load_mask, other=0.0)
+        p += _swiglu_bwd_math(part, g.to(gl.float32), u.to(gl.float32), score, rows,
+                              col + 2 * Q, store_mask, grad_h1_ptr, h2_ptr, FFN, STORE_H2,
+                              SCORED, BLOCK_M, L)
+        part = acc_smem.index(4 * buf + 3).load(L)
+        gl.thread_barrier()  # every thread's reads of the buffer, before the (one) arrive
+        mbarrier.arrive(acc_free.index(buf))
+        p += _swiglu_bwd_math(part, g1.to(gl.float32), u1.to(gl.float32), score, rows,
+                              col + 3 * Q, store_mask, grad_h1_ptr, h2_ptr, FFN, STORE_H2,
+                              SCORED, BLOCK_M, L)
+        return p
 
     @gluon.jit
     def _split_producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready,
@@ -461,7 +525,7 @@ if HAVE_GLUON:
                         STORE_H2: gl.constexpr, SCORED: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                         RELOAD_BOUNDS: gl.constexpr, ACC_BUFS: gl.constexpr,
-                        EPI_WARPS: gl.constexpr):
+                        EPI_WARPS: gl.constexpr, EARLY_H1: gl.constexpr):
         """The split kernel's TMA warp (:func:`_produce_tiles`)."""
         _produce_tiles(a_desc, w_desc, a_bufs, b_bufs, ready, empty, padded_offsets_ptr,
                        row_offsets_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
@@ -544,6 +608,7 @@ if HAVE_GLUON:
         ACC_BUFS: gl.constexpr,  # fp32 tiles in shared memory (64 KiB each)
         EPI_WARPS: gl.constexpr,  # the epilogue partition's warps (4 or 8)
         EPI_REGS: gl.constexpr,  # its registers per thread
+        EARLY_H1: gl.constexpr,  # h1 loads issued a quarter ahead (epilogue_early_h1)
         num_warps: gl.constexpr,
     ):
         """The W2 DGRAD with its epilogue in a partition of its own (``epilogue_warps``):
@@ -563,21 +628,21 @@ if HAVE_GLUON:
         # the arguments written out per partition: a tuple assigned to a name first would
         # turn its constexprs into tensors
         gl.warp_specialize([
-            (_split_mma, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready, acc_free,
-                 ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
+            (_split_mma, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready,
+                 acc_free, ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
                  grad_h1_ptr, h2_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
                  H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K, RELOAD_BOUNDS,
-                 ACC_BUFS, EPI_WARPS)),
-            (_split_epilogue, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready, acc_free,
-                 ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
+                 ACC_BUFS, EPI_WARPS, EARLY_H1)),
+            (_split_epilogue, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready,
+                 acc_free, ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
                  grad_h1_ptr, h2_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
                  H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K, RELOAD_BOUNDS,
-                 ACC_BUFS, EPI_WARPS)),
-            (_split_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready, acc_free,
-                 ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
+                 ACC_BUFS, EPI_WARPS, EARLY_H1)),
+            (_split_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready,
+                 acc_free, ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
                  grad_h1_ptr, h2_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
                  H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K, RELOAD_BOUNDS,
-                 ACC_BUFS, EPI_WARPS)),
+                 ACC_BUFS, EPI_WARPS, EARLY_H1)),
         ], [EPI_WARPS, 1], [EPI_REGS, 40])
 
 
@@ -603,7 +668,8 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
                           group_m: int = 8, stages: int = 5,
                           programs: int | None = None,
                           reload_bounds: bool | None = None, h1_prefetch: int = 0,
-                          epilogue_warps: int = 0, epilogue_buffers: int = 1) -> None:
+                          epilogue_warps: int = 0, epilogue_buffers: int = 1,
+                          epilogue_early_h1: bool = False) -> None:
     """Launch the kernel (arguments validated by the caller,
     :func:`~distmoe.kernels.w2_backward.w2_dgrad_swiglu_bwd`, and
     :func:`gluon_w2_dgrad_reason` returned ``None``). ``programs``: the grid (default one per
@@ -618,7 +684,9 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
     ``epilogue_warps`` (4 or 8; 0: the ping-pong kernel): the split kernel, one MMA
     warpgroup handing each fp32 tile to an epilogue partition of that many warps through
     ``epilogue_buffers`` (1 or 2) shared-memory tiles; ``stages + 2 * epilogue_buffers`` at
-    most 7 (shared memory). Same bits as the ping-pong kernel."""
+    most 7 (shared memory). ``epilogue_early_h1``: the split kernel's epilogue issues each
+    column quarter's h1 loads a quarter ahead (the first before waiting for the tile). Same
+    bits as the ping-pong kernel."""
     from ._common import device_context, next_power_of_2, num_sms
 
     num_experts, hidden, ffn = w2.shape
@@ -646,7 +714,8 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
                 STAGES=stages, H1_OFFSET=h1_offset is not None, STORE_H2=h2_out is not None,
                 SCORED=scored_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 RELOAD_BOUNDS=reload, ACC_BUFS=epilogue_buffers, EPI_WARPS=epilogue_warps,
-                EPI_REGS=epi_regs, num_warps=4, maxnreg=maxnreg,
+                EPI_REGS=epi_regs, EARLY_H1=bool(epilogue_early_h1), num_warps=4,
+                maxnreg=maxnreg,
             )  # fmt: skip
         return
     with device_context(w2.device):

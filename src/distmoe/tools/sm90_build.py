@@ -367,9 +367,20 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
                          EXPERTS_POW2=max(32, next_power_of_2(E)), GROUP_M=8, STAGES=stages,
                          H1_OFFSET=True, STORE_H2=True, SCORED=scored, BLOCK_M=bm, BLOCK_N=bn,
                          BLOCK_K=bk, RELOAD_BOUNDS=E > 32, ACC_BUFS=bufs, EPI_WARPS=epi,
-                         EPI_REGS=epi_regs, num_warps=4),
+                         EPI_REGS=epi_regs, EARLY_H1=False, num_warps=4),
                     4, 1, types=types, production=picked, gluon=True,
                     options=dict(maxnreg=maxnreg)))
+        for stages in (4, 5):  # the split kernel with h1 loaded a quarter ahead
+            maxnreg, epi_regs = wg.SPLIT_REGISTERS[8]
+            cases.append(BuildCase(
+                f"{name} W2 DGRAD gluon split epi8 x1 s{stages} early_h1 scored=True",
+                wg._gluon_w2_dgrad_split_kernel,
+                dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
+                     GROUP_M=8, STAGES=stages, H1_OFFSET=True, STORE_H2=True, SCORED=True,
+                     BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, RELOAD_BOUNDS=E > 32, ACC_BUFS=1,
+                     EPI_WARPS=8, EPI_REGS=epi_regs, EARLY_H1=True, num_warps=4),
+                4, 1, types=types, production=False, gluon=True,
+                options=dict(maxnreg=maxnreg)))
     return cases
 
 
