@@ -694,7 +694,9 @@ class W2DgradConfig(GemmConfig):
     epilogue_buffers: int = 1
     #: With ``epilogue_warps``: the epilogue issues each column quarter's h1 loads one
     #: quarter ahead, the first before it waits for the tile (run 43's profile: the
-    #: epilogue warps spent 44% of their cycles waiting on those loads). The same bits.
+    #: epilogue warps spent 44% of their cycles waiting on global loads). The same bits;
+    #: measured even (kernel 1.005x at T=4096 D=2048 F=768 E=128, 1.001x at T=8192 D=4096,
+    #: one H200, 2026-12-01), so off.
     epilogue_early_h1: bool = False
 
     def __post_init__(self) -> None:
