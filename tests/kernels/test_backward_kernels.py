@@ -2084,6 +2084,8 @@ def test_w2_dgrad_split_epilogue_config_rules():
     with pytest.raises(ValueError, match=r"num_stages \+ 2 \* epilogue_buffers \(4 \+ 2 \* 2\) "
                                          "must be at most 7"):
         W2DgradConfig(**base, num_stages=4, epilogue_warps=8, epilogue_buffers=2)
+    with pytest.raises(ValueError, match=r"num_stages \(1\) must be at least 2 with gluon"):
+        W2DgradConfig(**base, num_stages=1)
     with pytest.raises(ValueError, match="epilogue_early_h1 needs epilogue_warps"):
         W2DgradConfig(**base, epilogue_early_h1=True)
     with pytest.raises(TypeError, match="epilogue_early_h1 must be a bool, got int"):

@@ -739,6 +739,10 @@ class W2DgradConfig(GemmConfig):
             raise ValueError(f"num_stages + 2 * epilogue_buffers ({self.num_stages} + 2 * {b}) "
                              "must be at most 7: ring stages (32 KiB) and fp32 tiles (64 KiB) "
                              "share the SM's shared memory")
+        if self.gluon and self.num_stages < 2:
+            raise ValueError(f"num_stages ({self.num_stages}) must be at least 2 with gluon=True: "
+                             "the Gluon kernels' consumers hold a ring stage until the next "
+                             "one's MMA is issued")
 
     @classmethod
     def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128,

@@ -298,9 +298,10 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
 
 #: (ring stages, h1_prefetch) of the W2 DGRAD's h1-by-cp.async builds (not production)
 GLUON_W2_DGRAD_PREFETCH_CASES = ((5, 1), (4, 2), (3, 3), (2, 4))
-#: (epilogue warps, fp32 tile buffers, ring stages) of the split W2 DGRAD's builds; the
-#: heuristic's (run 43): 8 warps, one buffer, 4 or 5 stages
-GLUON_W2_DGRAD_SPLIT_CASES = ((4, 1, 5), (8, 1, 5), (8, 1, 4), (8, 2, 3))
+#: (epilogue warps, fp32 tile buffers, ring stages, early h1 loads) of the split W2 DGRAD's
+#: builds; the heuristic's (run 43): 8 warps, one buffer, 4 or 5 stages, no early loads
+GLUON_W2_DGRAD_SPLIT_CASES = ((4, 1, 5, False), (8, 1, 5, False), (8, 1, 4, False),
+                              (8, 2, 3, False), (8, 1, 4, True), (8, 1, 5, True))
 
 
 def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
@@ -352,35 +353,25 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
                      H1_PREFETCH=prefetch, num_warps=4),
                 4, 1, types=types, production=False, gluon=True,
                 options=dict(maxnreg=wg._MAXNREG)))
-        for epi, bufs, stages in GLUON_W2_DGRAD_SPLIT_CASES:  # the epilogue's own partition
+        for epi, bufs, stages, early in GLUON_W2_DGRAD_SPLIT_CASES:  # the epilogue's partition
             bm, bn, bk = 128, 128, 64
             types = {"a_desc": _gluon_desc(1024, D, [bm, bk]),
                      "w_desc": _gluon_desc(E * D, F, [bk, bn]),
                      "ptrs_ptr": "*i64", "h1_offset_ptr": "*i64"}
             maxnreg, epi_regs = wg.SPLIT_REGISTERS[epi]
-            picked = (epi, bufs) == (8, 1) and stages in (4, 5) and name != "smoke"
+            picked = (epi, bufs, early) == (8, 1, False) and stages in (4, 5) and name != "smoke"
             for scored in (True, False) if picked else (True,):  # the layer's, the plain one
                 cases.append(BuildCase(
-                    f"{name} W2 DGRAD gluon split epi{epi} x{bufs} s{stages} scored={scored}",
+                    f"{name} W2 DGRAD gluon split epi{epi} x{bufs} s{stages}"
+                    f"{' early_h1' if early else ''} scored={scored}",
                     wg._gluon_w2_dgrad_split_kernel,
                     dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E,
                          EXPERTS_POW2=max(32, next_power_of_2(E)), GROUP_M=8, STAGES=stages,
                          H1_OFFSET=True, STORE_H2=True, SCORED=scored, BLOCK_M=bm, BLOCK_N=bn,
                          BLOCK_K=bk, RELOAD_BOUNDS=E > 32, ACC_BUFS=bufs, EPI_WARPS=epi,
-                         EPI_REGS=epi_regs, EARLY_H1=False, num_warps=4),
+                         EPI_REGS=epi_regs, EARLY_H1=early, num_warps=4),
                     4, 1, types=types, production=picked, gluon=True,
                     options=dict(maxnreg=maxnreg)))
-        for stages in (4, 5):  # the split kernel with h1 loaded a quarter ahead
-            maxnreg, epi_regs = wg.SPLIT_REGISTERS[8]
-            cases.append(BuildCase(
-                f"{name} W2 DGRAD gluon split epi8 x1 s{stages} early_h1 scored=True",
-                wg._gluon_w2_dgrad_split_kernel,
-                dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
-                     GROUP_M=8, STAGES=stages, H1_OFFSET=True, STORE_H2=True, SCORED=True,
-                     BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, RELOAD_BOUNDS=E > 32, ACC_BUFS=1,
-                     EPI_WARPS=8, EPI_REGS=epi_regs, EARLY_H1=True, num_warps=4),
-                4, 1, types=types, production=False, gluon=True,
-                options=dict(maxnreg=maxnreg)))
     return cases
 
 
