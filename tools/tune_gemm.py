@@ -214,7 +214,10 @@ def main() -> int:
                 for bn, st in itertools.product([128, 256], [3, 4])]) + [
                 # the warp-specialised Gluon kernel (its own grid; ring depth = num_stages)
                 W2DgradConfig(block_m=128, block_n=128, block_k=64, num_stages=st, gluon=True)
-                for st in (4, 5, 6)]
+                for st in (4, 5, 6)] + [
+                # its split form (the heuristic's pick since run 43 at 4 or 5 stages)
+                W2DgradConfig(block_m=128, block_n=128, block_k=64, num_stages=st, gluon=True,
+                              epilogue_warps=8) for st in (3, 4, 5)]
             cands["w13_dgrad"] = _both_grids([W13DgradConfig.from_heuristic(hidden=D, ffn=F,
                                                                      rows_per_expert=hint)] + [
                 W13DgradConfig(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st)
