@@ -107,4 +107,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from distmoe.tools import quiet_on_closed_pipe
+
+    raise SystemExit(quiet_on_closed_pipe(main))

@@ -84,6 +84,7 @@ def test_run_script_help_needs_no_install():
     ["-m", "distmoe", "plan", "--tensors"],
     ["-m", "distmoe.tools.plan_cli", "--tensors"],  # the stand-alone entries: a traceback
     ["-m", "distmoe.tools.bench", "--list"],
+    ["tools/time_routing.py", "--shapes", "smoke", "--tokens", "4"],
 ])
 def test_closed_stdout_ends_quietly_with_status_141(cmd):
     # `... | head -1` with the reader gone before the first write: no traceback, no
