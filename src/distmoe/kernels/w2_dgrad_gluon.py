@@ -702,32 +702,21 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
         programs = num_sms(w2.device)
     grid = (max(1, min(programs, tiles_cap)),)
     reload = num_experts > 32 if reload_bounds is None else bool(reload_bounds)
-    if epilogue_warps:
-        maxnreg, epi_regs = SPLIT_REGISTERS[epilogue_warps]
-        with device_context(w2.device):
-            _gluon_w2_dgrad_split_kernel[grid](
-                a_desc, w_desc, grad_h3_ptrs, padded_offsets, row_offsets, h1,
-                h1_offset if h1_offset is not None else row_offsets, grad_h1_out,
-                h2_out if h2_out is not None else grad_h1_out,
-                FFN=ffn, HIDDEN=hidden, NUM_EXPERTS=num_experts,
-                EXPERTS_POW2=max(32, next_power_of_2(num_experts)), GROUP_M=group_m,
-                STAGES=stages, H1_OFFSET=h1_offset is not None, STORE_H2=h2_out is not None,
-                SCORED=scored_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                RELOAD_BOUNDS=reload, ACC_BUFS=epilogue_buffers, EPI_WARPS=epilogue_warps,
-                EPI_REGS=epi_regs, EARLY_H1=bool(epilogue_early_h1), num_warps=4,
-                maxnreg=maxnreg,
-            )  # fmt: skip
-        return
-    with device_context(w2.device):
-        _gluon_w2_dgrad_kernel[grid](
-            a_desc, w_desc, grad_h3_ptrs, padded_offsets, row_offsets, h1,
+    args = (a_desc, w_desc, grad_h3_ptrs, padded_offsets, row_offsets, h1,
             h1_offset if h1_offset is not None else row_offsets, grad_h1_out,
-            h2_out if h2_out is not None else grad_h1_out,
-            FFN=ffn, HIDDEN=hidden, NUM_EXPERTS=num_experts,
-            EXPERTS_POW2=max(32, next_power_of_2(num_experts)), GROUP_M=group_m,
-            STAGES=stages, H1_OFFSET=h1_offset is not None, STORE_H2=h2_out is not None,
-            SCORED=scored_rows,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            RELOAD_BOUNDS=reload, H1_PREFETCH=h1_prefetch,
-            num_warps=4, maxnreg=_MAXNREG,
-        )  # fmt: skip
+            h2_out if h2_out is not None else grad_h1_out)
+    common = dict(FFN=ffn, HIDDEN=hidden, NUM_EXPERTS=num_experts,
+                  EXPERTS_POW2=max(32, next_power_of_2(num_experts)), GROUP_M=group_m,
+                  STAGES=stages, H1_OFFSET=h1_offset is not None, STORE_H2=h2_out is not None,
+                  SCORED=scored_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                  RELOAD_BOUNDS=reload, num_warps=4)
+    if epilogue_warps:  # the split kernel
+        maxnreg, epi_regs = SPLIT_REGISTERS[epilogue_warps]
+        kernel = _gluon_w2_dgrad_split_kernel
+        own = dict(ACC_BUFS=epilogue_buffers, EPI_WARPS=epilogue_warps, EPI_REGS=epi_regs,
+                   EARLY_H1=bool(epilogue_early_h1), maxnreg=maxnreg)
+    else:  # the ping-pong kernel
+        kernel = _gluon_w2_dgrad_kernel
+        own = dict(H1_PREFETCH=h1_prefetch, maxnreg=_MAXNREG)
+    with device_context(w2.device):
+        kernel[grid](*args, **common, **own)
