@@ -158,6 +158,20 @@ if HAVE_GLUON:
         return ready, empty, turn
 
     @gluon.jit
+    def _handoff_barriers(N: gl.constexpr, READY_ARRIVALS: gl.constexpr,
+                          FREE_ARRIVALS: gl.constexpr):
+        """The mbarriers of ``N`` buffers that one partition fills and others read (not a
+        TMA ring: :func:`_ring_barriers`), initialised: ``ready[i]`` completed by
+        ``READY_ARRIVALS`` arrivals (the writer's), ``free[i]`` by ``FREE_ARRIVALS`` (the
+        readers'). Returns ``(ready, free)``."""
+        ready = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(N):
+            mbarrier.init(ready.index(i), count=READY_ARRIVALS)
+            mbarrier.init(free.index(i), count=FREE_ARRIVALS)
+        return ready, free
+
+    @gluon.jit
     def _mma_steps(a_bufs, b_bufs, ready, empty, acc, count, NUM_K: gl.constexpr,
                    STAGES: gl.constexpr, ROW0: gl.constexpr, ROWS: gl.constexpr,
                    B_K_MAJOR: gl.constexpr):

@@ -68,6 +68,7 @@ if HAVE_GLUON:
         _block_info,
         _bounds_layout,
         _expert_bounds,
+        _handoff_barriers,
         _program_tiles,
         _ring_barriers,
         _tile_count,
@@ -405,11 +406,7 @@ if HAVE_GLUON:
         # DYNAMIC: the positions the producer takes, passed on to both consumers
         ids = gl.allocate_shared_memory(gl.int32, [IDS, 1],
                                         gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        id_ready = gl.allocate_shared_memory(gl.int64, [IDS, 1], mbarrier.MBarrierLayout())
-        id_free = gl.allocate_shared_memory(gl.int64, [IDS, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(IDS):
-            mbarrier.init(id_ready.index(s), count=1)
-            mbarrier.init(id_free.index(s), count=2)
+        id_ready, id_free = _handoff_barriers(IDS, 1, 2)
         gl.warp_specialize([
             (_consumer, (w13_desc, w2_desc, h2_desc, a_bufs, b_bufs, ready, empty, turn, ids,
                          id_ready, id_free, gather_ptrs_ptr, padded_offsets_ptr,

@@ -75,6 +75,7 @@ if HAVE_GLUON:
 
     from ._gluon_ring import (
         _consumer_walk,
+        _handoff_barriers,
         _mma_steps,
         _program_tiles,
         _ring_barriers,
@@ -620,11 +621,7 @@ if HAVE_GLUON:
         acc_smem = gl.allocate_shared_memory(gl.float32, [4 * ACC_BUFS, BLOCK_M, BLOCK_N // 4],
                                              _acc_smem_layout())
         ready, empty, _turn = _ring_barriers(STAGES, 1, 1)
-        acc_ready = gl.allocate_shared_memory(gl.int64, [ACC_BUFS, 1], mbarrier.MBarrierLayout())
-        acc_free = gl.allocate_shared_memory(gl.int64, [ACC_BUFS, 1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(ACC_BUFS):
-            mbarrier.init(acc_ready.index(b), count=1)
-            mbarrier.init(acc_free.index(b), count=1)
+        acc_ready, acc_free = _handoff_barriers(ACC_BUFS, 1, 1)
         # the arguments written out per partition: a tuple assigned to a name first would
         # turn its constexprs into tensors
         gl.warp_specialize([
