@@ -174,3 +174,79 @@ def test_timeout_is_not_late_by_a_grace_period_per_rank():
     with pytest.raises(TimeoutError):
         distmoe.launch(_sleep_long, 4, timeout=8)
     assert time.monotonic() - start < 8 + 4  # was 8 + 2 s per rank (16.5 s here)
+
+
+def _environ(rank, world, name):
+    return os.environ.get(name)
+
+
+def test_ranks_see_the_environment_of_the_launch_not_of_the_first_one(monkeypatch):
+    """Ranks start from a fork server that the first launch in a process starts; each rank
+    still gets the launching process's environment as it is at its own launch."""
+    name = "DISTMOE_TEST_LAUNCH_ENV"
+    monkeypatch.delenv(name, raising=False)
+    assert distmoe.launch(_environ, 2, args=(name,)) == [None, None]
+    monkeypatch.setenv(name, "set after the first launch")
+    assert distmoe.launch(_environ, 2, args=(name,)) == ["set after the first launch"] * 2
+    monkeypatch.delenv(name)
+    assert distmoe.launch(_environ, 2, args=(name,)) == [None, None]
+
+
+_ORPHAN_SCRIPT = """
+import os, sys, time
+import distmoe
+
+def wait_forever(rank, world, directory):
+    with open(os.path.join(directory, f"rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+
+if __name__ == "__main__":
+    distmoe.launch(wait_forever, 2, args=(sys.argv[1],), timeout=900)
+"""
+
+
+def test_ranks_exit_when_the_launcher_is_killed(tmp_path):
+    """A launcher killed outright (SIGKILL: no cleanup runs) leaves no rank behind: each rank
+    watches the launcher's pid and exits within seconds (not as the fork server's child:
+    the server lives as long as any rank does)."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "launcher.py"
+    script.write_text(_ORPHAN_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(distmoe.__file__))] +
+        os.environ.get("PYTHONPATH", "").split(os.pathsep)))
+    launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env)
+    pids = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids) < 2:
+            assert time.monotonic() < deadline, "the ranks did not start"
+            assert launcher.poll() is None, f"the launcher ended with {launcher.returncode}"
+            time.sleep(0.2)
+            pids = [int((tmp_path / f"rank{r}.pid").read_text() or 0)
+                    for r in range(2) if (tmp_path / f"rank{r}.pid").exists()]
+            pids = [p for p in pids if p]
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 20
+        alive = pids
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.25)
+            alive = [p for p in pids if _running(p)]
+        assert not alive, f"ranks {alive} still run 20 s after their launcher was killed"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for p in pids:
+            if _running(p):
+                os.kill(p, signal.SIGKILL)
+
+
+def _running(pid):
+    from distmoe.launch import _alive
+
+    return _alive(pid)
