@@ -22,8 +22,10 @@ tile schedule, compact activation rows), times with ``triton.testing.do_bench``:
   by pointer, SwiGLU backward epilogue, h2 and grad_h3 stored for WGRAD) against
   ``torch._grouped_mm`` of grad_h3 with W2 (``w2_dgrad_scored``: the same with
   ``scored_rows``, what the layer runs), and ``w13_dgrad_scatter`` (route input gradients
-  scattered by pointer) against ``torch._grouped_mm`` of grad_h1 with W13; every DGRAD
-  candidate on both grids (one program per tile, and persistent).
+  scattered by pointer) against ``torch._grouped_mm`` of grad_h1 with W13; every Triton
+  DGRAD candidate on both grids (one program per tile, and persistent), and the Gluon
+  kernels (``W2DgradConfig.gluon``; ``W13DgradConfig.gluon``: the Gluon W2 forward kernel
+  with N-major weight tiles) on their own grid.
 
 Prints one table per kernel, fastest first, TFLOP/s and the ratio to the grouped_mm time.
 ``triton.testing.do_bench`` times one candidate after the other, so the GPU's clock drift
@@ -218,10 +220,22 @@ def main() -> int:
                 # its split form (the heuristic's pick since run 43 at 4 or 5 stages)
                 W2DgradConfig(block_m=128, block_n=128, block_k=64, num_stages=st, gluon=True,
                               epilogue_warps=8) for st in (3, 4, 5)]
-            cands["w13_dgrad"] = _both_grids([W13DgradConfig.from_heuristic(hidden=D, ffn=F,
-                                                                     rows_per_expert=hint)] + [
-                W13DgradConfig(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st)
-                for bn, st in itertools.product([128, 256], [3, 4])])
+            # the heuristic's pick first, then the Triton pick (the heuristic's where the
+            # Gluon kernel is not picked) on both grids, other Triton tiles, and the Gluon W2
+            # forward kernel run as the W13 DGRAD (its own grid): ping-pong 128 x 128
+            # (num_warps 4), cooperative 128 x 256 (8)
+            pick13d = W13DgradConfig.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint,
+                                                    device=dev, num_experts=E)
+            gluon13d = [W13DgradConfig(block_m=128, block_n=bn, block_k=64, num_warps=nw,
+                                       num_stages=st, persistent=True, gluon=True)
+                        for bn, nw, st in ((128, 4, 4), (128, 4, 5), (128, 4, 6), (256, 8, 3),
+                                           (256, 8, 4))]
+            cands["w13_dgrad"] = [pick13d] * pick13d.gluon + _both_grids(
+                [W13DgradConfig.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)] + [
+                    W13DgradConfig(block_m=128, block_n=bn, block_k=64, num_warps=8,
+                                   num_stages=st)
+                    for bn, st in itertools.product([128, 256], [3, 4])]) + [
+                c for c in gluon13d if c != pick13d]
 
             def run2d(c, po=po, ro=ro, w2=w2, h1=h1, grad_h1=grad_h1, h2=h2,
                       gh3_rows=gh3_rows, scatter=scatter):

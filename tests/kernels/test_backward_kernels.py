@@ -29,6 +29,7 @@ INTERPRETED = use_interpreter_if_no_gpu()
 import math  # noqa: E402
 import zlib  # noqa: E402
 from dataclasses import dataclass, replace  # noqa: E402
+from functools import partial  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -867,10 +868,11 @@ def _w13_targets(layout, hidden, *, t_max=12, top_k=3):
     return dispatch, canary, row_table(layout, dispatch, canary=canary)
 
 
-def _check_w13_scatter(layout, dispatch, dispatch_before, canary, canary_before, ref):
-    """Live routes hold the reference rounded once; every other dispatch row and the canaries
-    keep their bits."""
-    is_route = layout.is_live.to(DEVICE)
+def _check_w13_scatter(layout, dispatch, dispatch_before, canary, canary_before, ref, *,
+                       stored=None):
+    """Live routes (or the padded rows ``stored``, bool [R_cap]) hold the reference rounded
+    once; every other dispatch row and the canaries keep their bits."""
+    is_route = (layout.is_live if stored is None else stored).to(DEVICE)
     targets = layout.route_of_row.to(DEVICE)[is_route]
     # One fp32 GEMM rounded to bf16.
     assert_bf16_close(dispatch[targets], ref[is_route])
@@ -942,11 +944,13 @@ def test_w13_dgrad_persistent(host_descriptors, dynamic):
     _check_w13_scatter(layout, *results[True], ref)
 
 
-def _w13_dgrad_pair_tails_case(counts, hidden, ffn, config):
+def _w13_dgrad_pair_tails_case(counts, hidden, ffn, config, *, null_rows=(), launch=None):
     """W13 DGRAD with ``counts`` live rows per expert (experts 0 and 2 get an extra padding
     tile) against the reference: every live route holds it; nothing else (other dispatch
-    rows, the canaries behind padding and idle entries) is written. Returns the routes'
-    rows, for comparing configs."""
+    rows, the canaries behind padding and idle entries) is written. ``null_rows``: padded
+    rows whose (live) entry is 0, their routes not written. ``launch(grad_h1, po, ro, w13,
+    ptrs)`` runs the kernel (default: ``w13_dgrad_scatter`` with ``config``). Returns the
+    routes' rows, for comparing configs."""
     torch.manual_seed(11)
     routes, start = [], 0
     for c in counts:
@@ -955,13 +959,21 @@ def _w13_dgrad_pair_tails_case(counts, hidden, ffn, config):
     layout = layout_from_routes(routes, config.block_m, extra_tiles={0: 1, 2: 1})
     w13, grad_h1 = _w13_operands(layout, len(counts), hidden, ffn)
     dispatch, canary, ptrs = _w13_targets(layout, hidden, t_max=start + 4, top_k=1)
+    null = torch.zeros(layout.num_rows, dtype=torch.bool)
+    null[list(null_rows)] = True
+    assert layout.is_live[null].all(), "null_rows must be live rows"
+    ptrs[null.to(DEVICE)] = 0
     dispatch_before, canary_before = dispatch.clone(), canary.clone()
-    w13_dgrad_scatter(grad_h1, layout.padded_offsets, layout.row_offsets, w13, ptrs,
-                      config=config)
+    if launch is None:
+        w13_dgrad_scatter(grad_h1, layout.padded_offsets, layout.row_offsets, w13, ptrs,
+                          config=config)
+    else:
+        launch(grad_h1, layout.padded_offsets, layout.row_offsets, w13, ptrs)
     ref = w13_dgrad_scatter_ref(
         grad_h1, layout.padded_offsets, layout.row_offsets, w13, num_rows=layout.num_rows
     )
-    _check_w13_scatter(layout, dispatch, dispatch_before, canary, canary_before, ref)
+    _check_w13_scatter(layout, dispatch, dispatch_before, canary, canary_before, ref,
+                       stored=layout.is_live & ~null)
     return dispatch
 
 
@@ -1022,6 +1034,179 @@ def test_w13_dgrad_pair_tails_gpu(host_descriptors):
         got[pair, dynamic] = _w13_dgrad_pair_tails_case(counts, 768, 384, config)
     for key, value in got.items():
         assert same_bits(value, got[False, False]), key
+
+
+# the Gluon W13 DGRAD (w2_gluon.launch_gluon_w13_dgrad): last tiles of 1, 64, 65, 100 and
+# 127 rows, whole tiles, an empty expert, one-row and 300-row experts; D = 768 (three
+# cooperative 256-column tiles), 2F = 768
+GLUON_W13D_COUNTS = [129, 192, 0, 256, 193, 228, 64, 255, 1, 300]
+# live rows stored nowhere (entry 0): rows of the first tile's both 64-row halves, the
+# one-row expert's only row (a tile whose live rows are all skipped), a last tile's last row
+GLUON_W13D_NULL = [3, 100, 1664, 1299]
+
+
+def _gluon_w13d_config(warps, stages):
+    from distmoe.kernels.w2_gluon import gluon_w13_dgrad_reason
+
+    block_n = 256 if warps == 8 else 128
+    config = W13DgradConfig(block_m=128, block_n=block_n, block_k=64, num_warps=warps,
+                            num_stages=stages, persistent=True, gluon=True)
+    reason = gluon_w13_dgrad_reason(DEVICE, hidden=768, ffn=384, block_m=128,
+                                    block_n=block_n, block_k=64, stages=stages, warps=warps)
+    assert reason is None, f"the Gluon W13 DGRAD would not run here: {reason}"
+    return config
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps, stages, group_m", [(4, 5, 8), (4, 6, 16), (4, 3, 8),
+                                                    (8, 4, 8), (8, 3, 16)])
+def test_gluon_w13_dgrad(warps, stages, group_m):
+    """The Gluon W13 DGRAD through ``w13_dgrad_scatter`` (one program per SM), ping-pong and
+    cooperative tiles, against the reference (one fp32 GEMM rounded once; nothing but the
+    live, non-null routes written; NaN grad_h1 rows past the live end never reach them)
+    and bit for bit against the Triton kernel on the same tiles where both run the same
+    MMA instructions in the same K order (cooperative 128 x 256: m64n256k16 per warpgroup)."""
+    config = replace(_gluon_w13d_config(warps, stages), group_m=group_m)
+    got = _w13_dgrad_pair_tails_case(GLUON_W13D_COUNTS, 768, 384, config,
+                                     null_rows=GLUON_W13D_NULL)
+    triton_cfg = W13DgradConfig(block_m=128, block_n=config.block_n, block_k=64,
+                                num_warps=8 if warps == 8 else 4, num_stages=3,
+                                persistent=True)
+    want = _w13_dgrad_pair_tails_case(GLUON_W13D_COUNTS, 768, 384, triton_cfg,
+                                      null_rows=GLUON_W13D_NULL)
+    if warps == 8:
+        assert same_bits(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps", [4, 8], ids=["pingpong", "coop"])
+@pytest.mark.parametrize("programs", [1, 3, 7])
+def test_gluon_w13_dgrad_programs_walk_many_tiles(warps, programs):
+    """Few programs: each walks many tiles across expert boundaries, its ring's phases wrap
+    many times and the ping-pong consumers take turns many times (odd counts included)."""
+    from distmoe.kernels.w2_gluon import launch_gluon_w13_dgrad
+
+    config = _gluon_w13d_config(warps, 4)
+    launch = partial(launch_gluon_w13_dgrad, block_n=config.block_n, stages=4, warps=warps,
+                     programs=programs)
+    _w13_dgrad_pair_tails_case(GLUON_W13D_COUNTS, 768, 384, config, null_rows=GLUON_W13D_NULL,
+                               launch=launch)
+
+
+def test_gluon_w13_dgrad_request_that_cannot_run_warns_and_runs_triton():
+    """``gluon=True`` where the Gluon kernel cannot run (here: the interpreter, or 32-row
+    tiles it is not written for) says why in a RuntimeWarning; the Triton kernel then runs
+    the config (pair_tails included) and is checked against the reference."""
+    config = W13DgradConfig(block_m=32, block_n=32, block_k=32, num_warps=4, persistent=True,
+                            pair_tails=True, gluon=True)
+    with pytest.warns(RuntimeWarning, match=r"w13_dgrad_scatter: config\.gluon is set, but the "
+                                            r"Gluon kernel cannot run this call \(.+\); the "
+                                            r"Triton kernel runs the config instead"):
+        _w13_dgrad_pair_tails_case(PAIR_COUNTS, 40, 24, config, null_rows=[2])
+
+
+def test_gluon_w13_dgrad_rules():
+    """The config field's type, and the shape rules of the Gluon W13 DGRAD (whatever the
+    device): its two tiles, ring depths that fit, D a multiple of block_n, 2F of 64."""
+    from distmoe.kernels.w2_gluon import shape_reason
+
+    with pytest.raises(TypeError, match="gluon must be a bool, got int"):
+        W13DgradConfig(gluon=1)
+    rule = partial(shape_reason, block_m=128, block_k=64, w13_dgrad=True)
+    assert rule(hidden=768, ffn=384, block_n=256, stages=4, warps=8) is None
+    assert rule(hidden=768, ffn=384, block_n=128, stages=6, warps=4) is None
+    assert rule(hidden=768, ffn=32, block_n=128, stages=6, warps=4) is None  # 2F = 64
+    assert rule(hidden=768, ffn=48, block_n=128, stages=6, warps=4) == (
+        "D (768) must be a multiple of 128 and 2F (96) of 64")
+    assert rule(hidden=640, ffn=384, block_n=256, stages=4, warps=8) == (
+        "D (640) must be a multiple of 256 and 2F (768) of 64")
+    assert "the Gluon W13 DGRAD kernel runs (block_m, block_n, block_k, num_warps) in" in rule(
+        hidden=768, ffn=384, block_n=256, stages=4, warps=4)
+    assert rule(hidden=768, ffn=384, block_n=256, stages=5, warps=8) == (
+        "stages must be one of [3, 4] with block_n = 256 and num_warps = 8, got 5")
+    # the W2 forward's rules name F, not 2F
+    assert shape_reason(hidden=768, ffn=96, block_m=128, block_n=128, block_k=64, stages=6,
+                        warps=4) == "D (768) must be a multiple of 128 and F (96) of 64"
+
+
+def test_gluon_w13_dgrad_heuristic_rules():
+    """Where the heuristic takes the Gluon W13 DGRAD (whatever the device): ping-pong 128 x
+    128 tiles, 6 stages from 256 rows per expert and 5 below, from 128 rows per expert while
+    the rank's W13 weights total under 2 GiB and the kernel tiles the shape; elsewhere the
+    Triton pick. Off a Hopper GPU (here: the CPU) the pick stays the Triton one."""
+    pick = W13DgradConfig.hopper_gluon
+    tile = lambda c: (c.gluon, c.block_n, c.num_warps, c.num_stages)  # noqa: E731
+    # T=4096 D=2048 F=768 E=128 (256 rows per expert), T=2048 (128), OLMoE, T=8192 D=4096
+    # F=2048 E=32: the measured wins of run 44
+    assert tile(pick(hidden=2048, ffn=768, rows_per_expert=256, num_experts=128)) == (
+        True, 128, 4, 6)
+    assert tile(pick(hidden=2048, ffn=768, rows_per_expert=128, num_experts=128)) == (
+        True, 128, 4, 5)
+    assert tile(pick(hidden=2048, ffn=1024, rows_per_expert=512, num_experts=64)) == (
+        True, 128, 4, 6)
+    assert tile(pick(hidden=4096, ffn=2048, rows_per_expert=2048, num_experts=32)) == (
+        True, 128, 4, 6)
+    # DeepSeek-V3 (15 GB of W13 weights) and V4-Flash (8 GB): slower with Gluon (run 44)
+    assert pick(hidden=7168, ffn=2048, rows_per_expert=128, num_experts=256) is None
+    assert pick(hidden=4096, ffn=2048, rows_per_expert=192, num_experts=256) is None
+    # the bound: 64 experts of 2F*D = 2^24 values are exactly 2 GiB; one fewer is under it
+    assert pick(hidden=4096, ffn=2048, rows_per_expert=256, num_experts=64) is None
+    assert pick(hidden=4096, ffn=2048, rows_per_expert=256, num_experts=63).gluon
+    # fewer rows, no expert count, a width the kernel cannot tile
+    assert pick(hidden=2048, ffn=768, rows_per_expert=127, num_experts=128) is None
+    assert pick(hidden=2048, ffn=768, rows_per_expert=256, num_experts=None) is None
+    assert pick(hidden=2880, ffn=2880, rows_per_expert=256, num_experts=8) is None
+    triton_pick = W13DgradConfig.from_heuristic(hidden=2048, ffn=768, rows_per_expert=256)
+    assert not triton_pick.gluon and triton_pick.dynamic and triton_pick.pair_tails
+    assert W13DgradConfig.from_heuristic(hidden=2048, ffn=768, rows_per_expert=256,
+                                         device=torch.device("cpu"),
+                                         num_experts=128) == triton_pick
+
+
+@pytest.mark.gpu
+def test_gluon_w13_dgrad_heuristic_gpu():
+    """On a Hopper GPU the layer's pick (hint and local expert count given) is the Gluon
+    kernel where :meth:`W13DgradConfig.hopper_gluon` takes it, else the Triton pick."""
+    if torch.cuda.get_device_capability(DEVICE)[0] != 9:
+        pytest.skip("the Gluon W13 DGRAD is for compute capability 9.x")
+    pick = partial(W13DgradConfig.from_heuristic, device=DEVICE)
+    fine = pick(hidden=2048, ffn=768, rows_per_expert=256, num_experts=128)
+    assert (fine.gluon, fine.block_n, fine.num_warps, fine.num_stages) == (True, 128, 4, 6)
+    dsv3 = pick(hidden=7168, ffn=2048, rows_per_expert=128, num_experts=256)
+    assert not dsv3.gluon and dsv3.pair_tails
+    assert not pick(hidden=2048, ffn=768, rows_per_expert=256).gluon  # no expert count
+
+
+def test_gluon_w13_dgrad_config_reaches_the_launch(monkeypatch):
+    """The config's tile reaches the Gluon launch (``num_warps``, ``block_n``, ``num_stages``,
+    ``group_m``), on any machine: the launcher is a recorder and the check admits the case.
+    ``gluon=False`` never calls either."""
+    import distmoe.kernels.w2_gluon as wg
+
+    calls = []
+    monkeypatch.setattr(wg, "gluon_w13_dgrad_reason",
+                        lambda device, **kw: calls.append(("reason", kw)) and None)
+    monkeypatch.setattr(wg, "launch_gluon_w13_dgrad",
+                        lambda *a, **kw: calls.append(("launch", kw)))
+    layout, w13, grad_h1 = _w13_problem(5, 256, 32, 128, [0, 1, 4])
+    dispatch, canary, ptrs = _w13_targets(layout, 256)
+    before = dispatch.clone()
+    for warps, block_n, stages, group_m in ((4, 128, 6, 8), (8, 256, 3, 16)):
+        calls.clear()
+        config = W13DgradConfig(block_m=128, block_n=block_n, block_k=64, num_warps=warps,
+                                num_stages=stages, group_m=group_m, gluon=True)
+        w13_dgrad_scatter(grad_h1, layout.padded_offsets, layout.row_offsets, w13, ptrs,
+                          config=config)
+        (_, reason), (_, launch) = calls
+        assert (reason["block_n"], reason["warps"], reason["stages"]) == (block_n, warps, stages)
+        assert (launch["block_n"], launch["warps"], launch["stages"], launch["group_m"]) == (
+            block_n, warps, stages, group_m)
+    assert same_bits(dispatch, before)  # the recorder launched nothing
+    calls.clear()
+    w13_dgrad_scatter(grad_h1, layout.padded_offsets, layout.row_offsets, w13, ptrs,
+                      config=W13DgradConfig(block_m=128, block_n=128, block_k=32, num_warps=4))
+    assert calls == []
+    assert not same_bits(dispatch, before)  # the Triton kernel ran
 
 
 @pytest.mark.parametrize("counts", [[0, 0, 0], [0, 5, 0]], ids=["no_live_tile", "two_tiles"])

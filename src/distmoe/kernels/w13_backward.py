@@ -29,7 +29,10 @@ Per live row, with ``grad_h1 = [grad_g | grad_u]`` from
     idle rows are never read (masked loads). Never a TMA store: the owner reads these rows
     after a release/acquire signal, and in triton 3.6 a later release does not order a TMA
     store. Every destination row is written by exactly one program per column tile, so no
-    atomics.
+    atomics. With ``W13DgradConfig.gluon`` (the heuristic's pick on Hopper from 128 rows per
+    expert where the rank's W13 weights total under 2 GiB), the warp-specialised Gluon
+    kernel of the W2 forward runs it instead (:func:`~distmoe.kernels.w2_gluon.\
+launch_gluon_w13_dgrad`: same tiles read, same stores, one program per SM).
 
 :func:`w13_wgrad`
     The grouped WGRAD kernel of :mod:`distmoe.kernels.w2_backward` with ``A = grad_h1``
@@ -73,6 +76,7 @@ from distmoe.kernels._common import (
     next_power_of_2,
     swizzle_tile,
     tile_expert,
+    warn_gluon_fallback,
 )
 from distmoe.kernels.w2_backward import (
     WgradConfig,
@@ -351,10 +355,24 @@ class W13DgradConfig(GemmConfig):
     #: each call) instead of a fixed stride, so that tiles of different lengths do not spread
     #: the running tiles apart in the group-M order. Needs ``persistent``.
     dynamic: bool = False
+    #: Run the warp-specialised Gluon kernel of the W2 forward
+    #: (:func:`~distmoe.kernels.w2_gluon.launch_gluon_w13_dgrad`: a TMA producer warp, two
+    #: consumer warpgroups, the same row-scatter epilogue; the weight tiles read N-major as
+    #: stored) where it can run: Hopper, not the interpreter, ``block_m`` 128, ``block_k``
+    #: 64, D a multiple of ``block_n``, 2F of 64, a ring that fits
+    #: (:func:`~distmoe.kernels.w2_gluon.gluon_w13_dgrad_reason`). ``num_warps`` counts the
+    #: MMA warps of one tile: 4 (ping-pong 128 x 128 tiles) or 8 (cooperative 128 x 256).
+    #: Elsewhere the Triton kernel runs this config (with a ``RuntimeWarning`` that says
+    #: why). Uses ``num_stages`` and ``group_m``; ``persistent``, ``host_descriptors``,
+    #: ``dynamic`` and ``pair_tails`` are the Triton kernel's (the Gluon programs, one per
+    #: SM, walk their tiles with a fixed stride and pair no tails).
+    gluon: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_backward_gemm_config(self)
+        if not isinstance(self.gluon, bool):
+            raise TypeError(f"gluon must be a bool, got {type(self.gluon).__name__}")
         if not isinstance(self.dynamic, bool):
             raise TypeError(f"dynamic must be a bool, got {type(self.dynamic).__name__}")
         if self.dynamic and not self.persistent:
@@ -371,7 +389,9 @@ class W13DgradConfig(GemmConfig):
 
     @classmethod
     def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128,
-                       rows_per_expert: int | None = None) -> W13DgradConfig:
+                       rows_per_expert: int | None = None,
+                       device: torch.device | None = None,
+                       num_experts: int | None = None) -> W13DgradConfig:
         """128 x 128 x 64 tiles, 8 warps, 3 stages (96 KiB of SMEM); narrower tiles for
         narrow D/F. The plain scatter epilogue needs about 90 registers per thread (sm_90
         build), so two CTAs fit on an SM (registers and 2 x 96 KiB of SMEM): one CTA's
@@ -386,7 +406,19 @@ class W13DgradConfig(GemmConfig):
         an expert's short last tile is paired with the one before it (``pair_tails``):
         DeepSeek-V3's layer fwd+bwd 3.0% faster under sampled routing and 1.5% under the
         bench's exact one, T=4096 D=2048 F=768 E=128 even (one H200, 2026-11-30, run 40).
+
+        With the hint, a ``device`` where the Gluon kernels run (Hopper, not the interpreter)
+        and the local expert count ``num_experts``: the Gluon kernel where
+        :meth:`hopper_gluon` picks it.
         """
+        if rows_per_expert is not None and block_m == 128 and device is not None:
+            from .wgrad_gluon import gluon_device_reason
+
+            if gluon_device_reason(torch.device(device)) is None:
+                gluon = cls.hopper_gluon(hidden=hidden, ffn=ffn, rows_per_expert=rows_per_expert,
+                                         num_experts=num_experts)
+                if gluon is not None:
+                    return gluon
         if rows_per_expert is not None and block_m == 128 and hidden >= 256 and ffn >= 32:
             return cls(block_m=block_m, block_n=256, block_k=64, num_warps=8, num_stages=4,
                        persistent=True, dynamic=True, pair_tails=True)
@@ -398,12 +430,64 @@ class W13DgradConfig(GemmConfig):
         )
 
     @classmethod
+    def hopper_gluon(cls, *, hidden: int, ffn: int, rows_per_expert: int,
+                     num_experts: int | None) -> W13DgradConfig | None:
+        """The Gluon config :meth:`from_heuristic` picks on a Hopper device (padding multiple
+        128), or ``None`` where it keeps the Triton kernel: the Gluon W2 forward's kernel with
+        ping-pong 128 x 128 tiles (``gluon``, ``num_warps`` 4), a ring of 6 stages from 256
+        rows per expert and 5 below, from 128 rows per expert where the rank's W13 weights
+        (``num_experts * 2F * D`` bf16) total under
+        :data:`~distmoe.kernels._common.GLUON_MID_ROWS_WEIGHT_BYTES` (2 GiB) and the kernel
+        tiles the shape (D a multiple of 128, 2F of 64).
+
+        Measured on one H200 (2026-12-01, docs/performance.md run 44), against the Triton
+        pick (128 x 256 tiles, counter hand-out, paired tails); same bits:
+
+        * the kernel alone (``perf/2026-12-01-h200-run44/w13d_micro.py``, 15 interleaved
+          rounds): 1.24x at T=4096 D=2048 F=768 E=128 K=8 (exact and sampled routing),
+          1.17x at OLMoE, 1.08x at T=8192 D=4096 F=2048 E=32 K=8 (5 stages), 1.11x at
+          T=2048 D=2048 F=768 E=128 (5 stages; 6: 1.03x); 0.82-0.86x at DeepSeek-V3
+          (E=256, D=7168: 15 GB of weights, sampled routing);
+        * the layer's fwd+bwd (``tools/ab_interleaved.py``, 5-11 rounds): 3.5-4.6% faster
+          at the second shape, 2.9% at OLMoE, 2.4-3.0% at the fourth, 1.2-2.7% at the
+          third, 1.9% / 4.0% there with 1024 / 2048 tokens (256 / 512 rows per expert);
+          slower where the weights total 8-15 GB: DeepSeek-V3 2.4-5.5%, DeepSeek-V4-Flash
+          with 8192 tokens (E=256, D=4096, 192 rows per expert) 1%.
+        """
+        from ._common import GLUON_MID_ROWS_WEIGHT_BYTES
+        from .w2_gluon import shape_reason
+
+        if rows_per_expert < 128 or num_experts is None:
+            return None
+        if num_experts * 2 * ffn * hidden * 2 >= GLUON_MID_ROWS_WEIGHT_BYTES:
+            return None
+        stages = 6 if rows_per_expert >= 256 else 5
+        if shape_reason(hidden=hidden, ffn=ffn, block_m=128, block_n=128, block_k=64,
+                        stages=stages, warps=4, w13_dgrad=True) is not None:
+            return None
+        return cls(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=stages,
+                   group_m=8, persistent=True, gluon=True)
+
+    @classmethod
     def all_configs(cls, *, hidden: int, ffn: int, block_m: int = 128) -> list[W13DgradConfig]:
         """Tuning candidates that fit an SM90."""
         return cls.sweep(block_m=block_m, block_ns=(64, 128, 256), block_ks=(32, 64, 128),
                          num_stages=(3, 4, 5), persistent=(False, True),
                          max_n=_pow2_clamped(hidden, 16, 256),
                          max_k=_pow2_clamped(2 * ffn, 16, 256))
+
+
+def w13_dgrad_gluon_reason(config: W13DgradConfig, device: torch.device, hidden: int,
+                           ffn: int) -> str | None:
+    """``None`` when ``config`` runs the Gluon kernel on ``device`` at D = ``hidden``, F =
+    ``ffn``, else why not (``config.gluon`` False included)."""
+    if not config.gluon:
+        return "the config asks for the Triton kernel"
+    from .w2_gluon import gluon_w13_dgrad_reason
+
+    return gluon_w13_dgrad_reason(device, hidden=hidden, ffn=ffn, block_m=config.block_m,
+                                  block_n=config.block_n, block_k=config.block_k,
+                                  stages=config.num_stages, warps=config.num_warps)
 
 
 def w13_dgrad_scatter(
@@ -458,8 +542,18 @@ def w13_dgrad_scatter(
     elif not isinstance(config, W13DgradConfig):
         raise TypeError(f"config must be a W13DgradConfig or None, got {type(config).__name__}")
     check_rows_cap(num_rows, config.block_m)
+    reason = w13_dgrad_gluon_reason(config, device, hidden, ffn)
     if num_rows == 0 or num_act == 0:
         return  # no padded rows, or (R_act >= row_offsets[E]) no live rows
+    if reason is None:
+        from .w2_gluon import launch_gluon_w13_dgrad
+
+        launch_gluon_w13_dgrad(grad_h1, padded_offsets, row_offsets, w13, scatter_ptrs,
+                               block_n=config.block_n, stages=config.num_stages,
+                               group_m=config.group_m, warps=config.num_warps)
+        return
+    if config.gluon:
+        warn_gluon_fallback("w13_dgrad_scatter", reason)
     grad_h1_arg, w13_arg, grad_h1_half, w13_half = grad_h1, w13, grad_h1, w13
     if config.host_descriptors:
         grad_h1_arg = TensorDescriptor(

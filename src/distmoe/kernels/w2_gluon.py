@@ -36,8 +36,18 @@ padding rows only, and a tile whose live rows all have address 0, still runs its
 producer and the consumers would have to agree on skipping it per tile); only its stores are
 skipped.
 
+The same kernel runs the W13 DGRAD (:func:`launch_gluon_w13_dgrad`, for
+:func:`distmoe.kernels.w13_backward.w13_dgrad_scatter`'s ``W13DgradConfig.gluon``): A is
+grad_h1 ``[R_act, 2F]`` in the same activation rows, the reduction runs over 2F, and the
+weight tiles come from ``w13[e]`` viewed ``[2F, D]`` as ``[64, block_n]`` blocks, N-major as
+stored (``B_K_MAJOR`` False: the MMAs read them untransposed); the epilogue stores each
+route's input gradient row at ``scatter_ptrs[r]``. Measured (docs/performance.md run 44):
+1.08-1.25x the Triton W13 DGRAD at 128-2048 rows per expert where the weights total about a
+GiB, same bits.
+
 Only for CUDA devices of compute capability 9.x, outside the interpreter, with D a multiple
-of ``block_n`` and F of 64; :func:`gluon_w2_reason` says when.
+of ``block_n`` and F of 64 (2F for the W13 DGRAD); :func:`gluon_w2_reason` and
+:func:`gluon_w13_dgrad_reason` say when.
 """
 
 from __future__ import annotations
@@ -68,8 +78,8 @@ if HAVE_GLUON:
     )
     from .w2_backward import _column_halves
 
-__all__ = ["GLUON_W2_TILES", "GLUON_W2_STAGES", "gluon_w2_reason", "launch_gluon_w2",
-           "shape_reason", "stage_bytes"]
+__all__ = ["GLUON_W2_TILES", "GLUON_W2_STAGES", "gluon_w2_reason", "gluon_w13_dgrad_reason",
+           "launch_gluon_w2", "launch_gluon_w13_dgrad", "shape_reason", "stage_bytes"]
 
 #: (block_m, block_n, block_k, warps) of a config this kernel runs: ``block_n`` the h3
 #: columns of a tile, ``warps`` the MMA warps of one tile (the config's ``num_warps``): 4
@@ -101,7 +111,7 @@ if HAVE_GLUON:
                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_ENABLE: gl.constexpr,
                   HAS_WAIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   BLOCK_K: gl.constexpr,
-                  COOP: gl.constexpr, PARITY: gl.constexpr):
+                  COOP: gl.constexpr, B_K_MAJOR: gl.constexpr, PARITY: gl.constexpr):
         """One warp: the TMA loads of every tile of the program, K step by K step."""
         NUM_K: gl.constexpr = FFN // BLOCK_K
         NUM_PID_N: gl.constexpr = HIDDEN // BLOCK_N
@@ -116,9 +126,14 @@ if HAVE_GLUON:
                 NUM_EXPERTS, BLOCK_M)
             if HAS_WAIT:  # the W13 tiles of this row block have stored its h2 rows
                 _wait_block(wait_ptr, row, need, BLOCK_M, 1)  # BLOCK_M 128: one counter a tile
+            if B_K_MAJOR:  # w2: expert e's [D, F] rows of the [E D, F] view
+                w_row = expert * HIDDEN + pid_n * BLOCK_N
+                w_col = 0
+            else:  # w13: expert e's [2F, D] rows of the [E 2F, D] view
+                w_row = expert * FFN
+                w_col = pid_n * BLOCK_N
             count = _tma_load_steps(a_desc, w_desc, a_bufs, b_bufs, ready, empty, count,
-                                    act_start, expert * HIDDEN + pid_n * BLOCK_N, 0, NUM_K,
-                                    STAGES, BLOCK_K, True)
+                                    act_start, w_row, w_col, NUM_K, STAGES, BLOCK_K, B_K_MAJOR)
 
     @gluon.jit
     def _consumer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,
@@ -128,7 +143,7 @@ if HAVE_GLUON:
                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_ENABLE: gl.constexpr,
                   HAS_WAIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   BLOCK_K: gl.constexpr,
-                  COOP: gl.constexpr, PARITY: gl.constexpr):
+                  COOP: gl.constexpr, B_K_MAJOR: gl.constexpr, PARITY: gl.constexpr):
         """One warpgroup: the MMAs and the stores of the program's tiles ``PARITY``,
         ``PARITY + 2``, ... (in the program's own numbering); with ``COOP``, of rows
         ``64 PARITY`` to ``64 PARITY + 63`` of every tile of the program."""
@@ -152,7 +167,7 @@ if HAVE_GLUON:
                 turns = _wait_turn(turn, turns, PARITY)
             acc, count = _mma_steps(a_bufs, b_bufs, ready, empty,
                                     gl.zeros([ROWS, BLOCK_N], gl.float32, ACC), count, NUM_K,
-                                    STAGES, ROW0, ROWS, True)
+                                    STAGES, ROW0, ROWS, B_K_MAJOR)
             if not COOP:
                 mbarrier.arrive(turn.index(1 - PARITY))
             acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -198,16 +213,17 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _gluon_w2_kernel(
-        a_desc,  # host descriptor of h2 [R_act, F], block [128, 64]
-        w_desc,  # host descriptor of w2 viewed [E D, F], block [BLOCK_N, 64]
-        scatter_ptrs_ptr,  # int64 [R_cap]: h3 row addresses by padded row (0 = not stored)
+        a_desc,  # host descriptor of A [R_act, K] (h2, or grad_h1), block [128, 64]
+        w_desc,  # host descriptor of the weights: w2 viewed [E D, F], block [BLOCK_N, 64]
+        #          (B_K_MAJOR), or w13 viewed [E 2F, D], block [64, BLOCK_N]
+        scatter_ptrs_ptr,  # int64 [R_cap]: output row addresses by padded row (0 = not stored)
         padded_offsets_ptr,  # int32 [E + 1]
         row_offsets_ptr,  # int32 [E + 1]
         enable_ptr,  # int32 [1] (HAS_ENABLE), else a placeholder
         wait_ptr,  # int32 [R_cap / 128] (HAS_WAIT), else a placeholder
         need,  # the count a row block's wait entry reaches when its h2 rows are stored
-        HIDDEN: gl.constexpr,
-        FFN: gl.constexpr,
+        HIDDEN: gl.constexpr,  # N: the output row's width (D)
+        FFN: gl.constexpr,  # K: the reduction (F for the W2 forward, 2F for the W13 DGRAD)
         NUM_EXPERTS: gl.constexpr,
         EXPERTS_POW2: gl.constexpr,
         GROUP_M: gl.constexpr,
@@ -218,12 +234,17 @@ if HAVE_GLUON:
         BLOCK_N: gl.constexpr,
         BLOCK_K: gl.constexpr,
         COOP: gl.constexpr,
+        B_K_MAJOR: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K],
                                            a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K],
-                                           w_desc.layout)
+        if B_K_MAJOR:
+            b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K],
+                                               w_desc.layout)
+        else:
+            b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_N],
+                                               w_desc.layout)
         # ready: the producer's expect-tx arrive; empty: released by one consumer, or by both
         # with COOP
         ready, empty, turn = _ring_barriers(STAGES, 1, 2 if COOP else 1)
@@ -233,31 +254,34 @@ if HAVE_GLUON:
                          padded_offsets_ptr, row_offsets_ptr, enable_ptr, wait_ptr, need, HIDDEN,
                          FFN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, HAS_ENABLE,
                          HAS_WAIT, BLOCK_M,
-                         BLOCK_N, BLOCK_K, COOP, 0)),
+                         BLOCK_N, BLOCK_K, COOP, B_K_MAJOR, 0)),
             (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,
                          padded_offsets_ptr, row_offsets_ptr, enable_ptr, wait_ptr, need, HIDDEN,
                          FFN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, HAS_ENABLE,
                          HAS_WAIT, BLOCK_M,
-                         BLOCK_N, BLOCK_K, COOP, 1)),
+                         BLOCK_N, BLOCK_K, COOP, B_K_MAJOR, 1)),
             (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,
                          padded_offsets_ptr, row_offsets_ptr, enable_ptr, wait_ptr, need, HIDDEN,
                          FFN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, HAS_ENABLE,
                          HAS_WAIT, BLOCK_M,
-                         BLOCK_N, BLOCK_K, COOP, 0)),
+                         BLOCK_N, BLOCK_K, COOP, B_K_MAJOR, 0)),
         ], [4, 1], [232, 40])
 
 
 def shape_reason(*, hidden: int, ffn: int, block_m: int, block_n: int, block_k: int,
-                 stages: int, warps: int = 4) -> str | None:
+                 stages: int, warps: int = 4, w13_dgrad: bool = False) -> str | None:
     """``None`` when the kernel can tile this case (whatever the device), else why not.
-    ``warps``: the MMA warps of one tile (4 ping-pong, 8 cooperative; ``GLUON_W2_TILES``)."""
+    ``warps``: the MMA warps of one tile (4 ping-pong, 8 cooperative; ``GLUON_W2_TILES``).
+    ``w13_dgrad``: the W13 DGRAD's case (the reduction is 2F), else the W2 forward's (F)."""
     reason = gluon_ring_reason(
-        "W2", GLUON_W2_TILES, (block_m, block_n, block_k, warps),
+        "W13 DGRAD" if w13_dgrad else "W2", GLUON_W2_TILES, (block_m, block_n, block_k, warps),
         "num_warps 4: ping-pong 128 x 128 tiles; 8: cooperative 128 x 256 tiles",
         per_stage=stage_bytes(block_n, block_k), stages=stages, depths=GLUON_W2_STAGES,
         ring_bytes=_RING_BYTES)
-    if reason is None and (hidden % block_n or ffn % block_k):
-        reason = f"D ({hidden}) must be a multiple of {block_n} and F ({ffn}) of {block_k}"
+    depth, depth_name = (2 * ffn, "2F") if w13_dgrad else (ffn, "F")
+    if reason is None and (hidden % block_n or depth % block_k):
+        reason = (f"D ({hidden}) must be a multiple of {block_n} and {depth_name} ({depth}) "
+                  f"of {block_k}")
     return reason
 
 
@@ -268,6 +292,16 @@ def gluon_w2_reason(device: torch.device, *, hidden: int, ffn: int, block_m: int
     return gluon_device_reason(device) or shape_reason(
         hidden=hidden, ffn=ffn, block_m=block_m, block_n=block_n, block_k=block_k,
         stages=stages, warps=warps)
+
+
+def gluon_w13_dgrad_reason(device: torch.device, *, hidden: int, ffn: int, block_m: int,
+                           block_n: int, block_k: int, stages: int,
+                           warps: int = 4) -> str | None:
+    """``None`` when :func:`launch_gluon_w13_dgrad` can run this case on ``device``, else why
+    not (a sentence)."""
+    return gluon_device_reason(device) or shape_reason(
+        hidden=hidden, ffn=ffn, block_m=block_m, block_n=block_n, block_k=block_k,
+        stages=stages, warps=warps, w13_dgrad=True)
 
 
 def launch_gluon_w2(h2: torch.Tensor, padded_offsets: torch.Tensor, row_offsets: torch.Tensor,
@@ -283,26 +317,62 @@ def launch_gluon_w2(h2: torch.Tensor, padded_offsets: torch.Tensor, row_offsets:
     once ``wait[padded row / 128] >= need`` (acquire), i.e. once a W13 running beside it has
     stored that row block's h2 rows (:func:`~distmoe.kernels.w13_gather_swiglu.\
 gather_w13_swiglu`'s ``done``)."""
+    num_experts, hidden, ffn = w2.shape
+    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, _BLOCK_K], gl.bfloat16)
+    w_desc = GluonDescriptor(w2.view(num_experts * hidden, ffn), [num_experts * hidden, ffn],
+                             [ffn, 1], [block_n, _BLOCK_K], w_layout)
+    _launch(h2, w_desc, scatter_ptrs, padded_offsets, row_offsets, enable, wait, need,
+            hidden=hidden, depth=ffn, num_experts=num_experts, block_n=block_n,
+            stages=stages, group_m=group_m, warps=warps, programs=programs, b_k_major=True)
+
+
+def launch_gluon_w13_dgrad(grad_h1: torch.Tensor, padded_offsets: torch.Tensor,
+                           row_offsets: torch.Tensor, w13: torch.Tensor,
+                           scatter_ptrs: torch.Tensor, *, block_n: int = 128,
+                           stages: int = 5, group_m: int = 8, warps: int = 4,
+                           programs: int | None = None) -> None:
+    """The W13 DGRAD on this kernel: ``bf16(grad_h1[a] @ w13[e])`` (``w13[e]`` viewed ``[2F,
+    D]``, read ``[64, block_n]`` at a time as stored, N-major) stored at ``scatter_ptrs[r]``
+    for every live padded row ``r`` (the contract of
+    :func:`~distmoe.kernels.w13_backward.w13_dgrad_scatter`, which validates the arguments;
+    :func:`gluon_w13_dgrad_reason` returned ``None``). ``grad_h1``: bf16 ``[R_act, 2F]``;
+    ``w13``: bf16 ``[E, 2, F, D]`` or ``[E, 2F, D]``, contiguous. ``warps``, ``block_n``,
+    ``programs``: as :func:`launch_gluon_w2`."""
+    num_experts, hidden = w13.shape[0], w13.shape[-1]
+    depth = grad_h1.shape[1]  # 2F
+    w_layout = gl.NVMMASharedLayout.get_default_for([_BLOCK_K, block_n], gl.bfloat16)
+    w_desc = GluonDescriptor(w13.reshape(num_experts * depth, hidden),
+                             [num_experts * depth, hidden], [hidden, 1], [_BLOCK_K, block_n],
+                             w_layout)
+    _launch(grad_h1, w_desc, scatter_ptrs, padded_offsets, row_offsets, None, None, 0,
+            hidden=hidden, depth=depth, num_experts=num_experts, block_n=block_n,
+            stages=stages, group_m=group_m, warps=warps, programs=programs, b_k_major=False)
+
+
+_BLOCK_M, _BLOCK_K = 128, 64
+
+
+def _launch(a, w_desc, scatter_ptrs, padded_offsets, row_offsets, enable, wait, need, *,
+            hidden, depth, num_experts, block_n, stages, group_m, warps, programs, b_k_major):
+    """One launch of the kernel: A ``[R_act, depth]`` by a host descriptor of ``[128, 64]``
+    blocks, the weights' descriptor ``w_desc`` (``b_k_major``: ``[block_n, 64]`` blocks of
+    ``[E N, K]``, else ``[64, block_n]`` blocks of ``[E K, N]``), one program per SM (or
+    ``programs``) and at most one per tile of the ``R_cap`` bound."""
     from ._common import device_context, next_power_of_2, num_sms
 
-    block_m, block_k = 128, 64
-    num_experts, hidden, ffn = w2.shape
-    a_layout = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gl.bfloat16)
-    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.bfloat16)
-    a_desc = GluonDescriptor(h2, list(h2.shape), [ffn, 1], [block_m, block_k], a_layout)
-    w_desc = GluonDescriptor(w2.view(num_experts * hidden, ffn), [num_experts * hidden, ffn],
-                             [ffn, 1], [block_n, block_k], w_layout)
-    tiles = (scatter_ptrs.shape[0] // block_m) * (hidden // block_n)
+    a_layout = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, _BLOCK_K], gl.bfloat16)
+    a_desc = GluonDescriptor(a, list(a.shape), [depth, 1], [_BLOCK_M, _BLOCK_K], a_layout)
+    tiles = (scatter_ptrs.shape[0] // _BLOCK_M) * (hidden // block_n)
     if programs is None:
-        programs = num_sms(h2.device)
-    with device_context(h2.device):
+        programs = num_sms(a.device)
+    with device_context(a.device):
         _gluon_w2_kernel[(max(1, min(programs, tiles)),)](
             a_desc, w_desc, scatter_ptrs, padded_offsets, row_offsets,
             padded_offsets if enable is None else enable,
             padded_offsets if wait is None else wait, need,
-            HIDDEN=hidden, FFN=ffn, NUM_EXPERTS=num_experts,
+            HIDDEN=hidden, FFN=depth, NUM_EXPERTS=num_experts,
             EXPERTS_POW2=max(32, next_power_of_2(num_experts)), GROUP_M=group_m,
             STAGES=stages, HAS_ENABLE=enable is not None, HAS_WAIT=wait is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, COOP=warps == 8,
-            num_warps=4, maxnreg=_MAXNREG,
+            BLOCK_M=_BLOCK_M, BLOCK_N=block_n, BLOCK_K=_BLOCK_K, COOP=warps == 8,
+            B_K_MAJOR=b_k_major, num_warps=4, maxnreg=_MAXNREG,
         )  # fmt: skip

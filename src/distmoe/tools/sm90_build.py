@@ -379,7 +379,8 @@ def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildC
     """The warp-specialised Gluon W2 forward (:mod:`distmoe.kernels.w2_gluon`) at each shape,
     with an enable flag: the ping-pong 128 x 128 tile at ring depths 4 to 6 and the
     cooperative 128 x 256 tile at 3 and 4, each also waiting per row block for a W13
-    beside it (production: no spill, no serialized wgmma)."""
+    beside it; and the same kernel as the W13 DGRAD (weights read N-major; ping-pong at 5
+    and 6 stages, cooperative at 4). Production: no spill, no serialized wgmma."""
     from distmoe.kernels import w2_gluon as wg
     from distmoe.kernels._common import next_power_of_2
     from distmoe.tools.bench.workloads import SHAPES
@@ -401,7 +402,20 @@ def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildC
                 wg._gluon_w2_kernel,
                 dict(HIDDEN=D, FFN=F, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
                      GROUP_M=8, STAGES=stages, HAS_ENABLE=True, HAS_WAIT=wait, BLOCK_M=128,
-                     BLOCK_N=bn, BLOCK_K=64, COOP=warps == 8, num_warps=4),
+                     BLOCK_N=bn, BLOCK_K=64, COOP=warps == 8, B_K_MAJOR=True, num_warps=4),
+                4, 1, types=types, production=True, gluon=True,
+                options=dict(maxnreg=wg._MAXNREG)))
+        # the same kernel as the W13 DGRAD: K = 2F, w13 viewed [E 2F, D], read N-major
+        for bn, warps, stages in ((128, 4, 5), (128, 4, 6), (256, 8, 4)):
+            types = {"a_desc": _gluon_desc(1024, 2 * F, [128, 64]),
+                     "w_desc": _gluon_desc(E * 2 * F, D, [64, bn])}
+            cases.append(BuildCase(
+                f"{name} W13 DGRAD gluon 128x{bn}{' coop' if warps == 8 else ''} s{stages}",
+                wg._gluon_w2_kernel,
+                dict(HIDDEN=D, FFN=2 * F, NUM_EXPERTS=E,
+                     EXPERTS_POW2=max(32, next_power_of_2(E)), GROUP_M=8, STAGES=stages,
+                     HAS_ENABLE=False, HAS_WAIT=False, BLOCK_M=128, BLOCK_N=bn, BLOCK_K=64,
+                     COOP=warps == 8, B_K_MAJOR=False, num_warps=4),
                 4, 1, types=types, production=True, gluon=True,
                 options=dict(maxnreg=wg._MAXNREG)))
     return cases
