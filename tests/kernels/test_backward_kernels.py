@@ -1146,9 +1146,14 @@ def test_gluon_w13_dgrad_heuristic_rules():
         True, 128, 4, 6)
     assert tile(pick(hidden=4096, ffn=2048, rows_per_expert=2048, num_experts=32)) == (
         True, 128, 4, 6)
-    # DeepSeek-V3 (15 GB of W13 weights) and V4-Flash (8 GB): slower with Gluon (run 44)
+    # DeepSeek-V3 (15 GB of W13 weights) and V4-Flash (8 GB): slower with Gluon (run 44);
+    # DeepSeek-V3's experts (56 MiB each) stay on Triton with 32 per rank too (1.75 GiB in
+    # all); V4-Flash's (32 MiB, the bound) take Gluon there
     assert pick(hidden=7168, ffn=2048, rows_per_expert=128, num_experts=256) is None
     assert pick(hidden=4096, ffn=2048, rows_per_expert=192, num_experts=256) is None
+    assert pick(hidden=7168, ffn=2048, rows_per_expert=128, num_experts=32) is None
+    assert pick(hidden=4096, ffn=2048, rows_per_expert=192, num_experts=32).gluon
+    assert pick(hidden=4096, ffn=2080, rows_per_expert=192, num_experts=8) is None  # > 32 MiB
     # the bound: 64 experts of 2F*D = 2^24 values are exactly 2 GiB; one fewer is under it
     assert pick(hidden=4096, ffn=2048, rows_per_expert=256, num_experts=64) is None
     assert pick(hidden=4096, ffn=2048, rows_per_expert=256, num_experts=63).gluon

@@ -334,6 +334,12 @@ def _w13_dgrad_scatter_kernel(
 # --------------------------------------------------------------------------------------------
 
 
+#: the largest W13 weights of one expert (2F x D bf16) for which the heuristic picks the Gluon
+#: W13 DGRAD (:meth:`W13DgradConfig.hopper_gluon`): 32 MiB, T=8192 D=4096 F=2048's, where it
+#: gained; DeepSeek-V3's 56 MiB lost (docs/performance.md run 44)
+GLUON_W13_DGRAD_EXPERT_BYTES = 32 * 1024**2
+
+
 @dataclass(frozen=True, kw_only=True)
 class W13DgradConfig(GemmConfig):
     """Launch configuration of :func:`w13_dgrad_scatter` (see :class:`GemmConfig`).
@@ -437,8 +443,12 @@ class W13DgradConfig(GemmConfig):
         ping-pong 128 x 128 tiles (``gluon``, ``num_warps`` 4), a ring of 6 stages from 256
         rows per expert and 5 below, from 128 rows per expert where the rank's W13 weights
         (``num_experts * 2F * D`` bf16) total under
-        :data:`~distmoe.kernels._common.GLUON_MID_ROWS_WEIGHT_BYTES` (2 GiB) and the kernel
-        tiles the shape (D a multiple of 128, 2F of 64).
+        :data:`~distmoe.kernels._common.GLUON_MID_ROWS_WEIGHT_BYTES` (2 GiB), an expert's
+        are at most :data:`GLUON_W13_DGRAD_EXPERT_BYTES` (32 MiB) and the kernel tiles the
+        shape (D a multiple of 128, 2F of 64). The per-expert bound keeps DeepSeek-V3's
+        experts (56 MiB each) on the Triton kernel at every EP size: at 8 ranks their total
+        falls under 2 GiB, but nothing else about a tile changes, and at one rank the Gluon
+        kernel lost there (why was not measured).
 
         Measured on one H200 (2026-12-01, docs/performance.md run 44), against the Triton
         pick (128 x 256 tiles, counter hand-out, paired tails); same bits:
@@ -459,7 +469,9 @@ class W13DgradConfig(GemmConfig):
 
         if rows_per_expert < 128 or num_experts is None:
             return None
-        if num_experts * 2 * ffn * hidden * 2 >= GLUON_MID_ROWS_WEIGHT_BYTES:
+        expert_bytes = 2 * ffn * hidden * 2
+        if (num_experts * expert_bytes >= GLUON_MID_ROWS_WEIGHT_BYTES
+                or expert_bytes > GLUON_W13_DGRAD_EXPERT_BYTES):
             return None
         stages = 6 if rows_per_expert >= 256 else 5
         if shape_reason(hidden=hidden, ffn=ffn, block_m=128, block_n=128, block_k=64,
