@@ -35,7 +35,7 @@ import dataclasses
 import functools
 import itertools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -324,6 +324,19 @@ def gluon_mid_rows(rows_per_expert: int, num_experts: int | None,
     if num_experts is None or not 64 <= rows_per_expert < 128:
         return False
     return num_experts * weights_per_expert * 2 < GLUON_MID_ROWS_WEIGHT_BYTES
+
+
+def config_gluon_reason(config: GemmConfig, kernel_reason: Callable[..., str | None],
+                        device: torch.device, hidden: int, ffn: int) -> str | None:
+    """``None`` when ``config`` (a grouped-GEMM config with a ``gluon`` field) runs its Gluon
+    kernel on ``device`` at D = ``hidden``, F = ``ffn``, else why not (``config.gluon`` False
+    included): ``kernel_reason`` is the kernel module's ``gluon_*_reason`` check, given the
+    config's tile, ring depth and warps."""
+    if not config.gluon:
+        return "the config asks for the Triton kernel"
+    return kernel_reason(device, hidden=hidden, ffn=ffn, block_m=config.block_m,
+                         block_n=config.block_n, block_k=config.block_k,
+                         stages=config.num_stages, warps=config.num_warps)
 
 
 def warn_gluon_fallback(kernel: str, reason: str) -> None:

@@ -78,6 +78,7 @@ from distmoe.kernels._common import (
     check_tensor,
     check_tma_aligned,
     check_width,
+    config_gluon_reason,
     device_context,
     ensure_tma_allocator,
     gemm_grid,
@@ -673,15 +674,11 @@ def _gluon_reason(config: W13Config, device: torch.device, hidden: int, ffn: int
                   aligned: bool) -> str | None:
     """``None`` when ``config`` runs the Gluon kernel here, else why not (``config.gluon``
     False included); ``aligned``: every output starts 16-byte aligned."""
-    if not config.gluon:
-        return "the config asks for the Triton kernel"
-    if not aligned:
+    if config.gluon and not aligned:
         return "its 16-byte vector stores need 16-byte aligned outputs"
     from .w13_gluon import gluon_w13_reason
 
-    return gluon_w13_reason(device, hidden=hidden, ffn=ffn, block_m=config.block_m,
-                            block_n=config.block_n, block_k=config.block_k,
-                            stages=config.num_stages, warps=config.num_warps)
+    return config_gluon_reason(config, gluon_w13_reason, device, hidden, ffn)
 
 
 def w13_done_count(config: W13Config, ffn: int) -> int:

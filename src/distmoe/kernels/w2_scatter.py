@@ -64,6 +64,7 @@ from distmoe.kernels._common import (
     check_tensor,
     check_tma_aligned,
     check_width,
+    config_gluon_reason,
     device_context,
     ensure_tma_allocator,
     gemm_grid,
@@ -411,13 +412,9 @@ def _check_r_cap(r_cap: int, block_m: int) -> None:
 def gluon_reason(config: W2Config, device: torch.device, hidden: int, ffn: int) -> str | None:
     """``None`` when ``config`` runs the Gluon kernel on ``device`` at D = ``hidden``, F =
     ``ffn``, else why not (``config.gluon`` False included)."""
-    if not config.gluon:
-        return "the config asks for the Triton kernel"
     from .w2_gluon import gluon_w2_reason
 
-    return gluon_w2_reason(device, hidden=hidden, ffn=ffn, block_m=config.block_m,
-                           block_n=config.block_n, block_k=config.block_k,
-                           stages=config.num_stages, warps=config.num_warps)
+    return config_gluon_reason(config, gluon_w2_reason, device, hidden, ffn)
 
 
 def w2_scatter(
