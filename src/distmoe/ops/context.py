@@ -67,6 +67,7 @@ never written anywhere; they are counted on the device
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -90,6 +91,16 @@ _PHASE_ROWS = BLOCK_FLAG_ROWS
 #: at most two own blocks and the first launch reads many experts' weights for few rows
 _PHASE_MIN_OWN_ROWS = 1024
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+class _RankCall(NamedTuple):
+    """One rank's view of a checked call, all-gathered in ``check`` mode
+    (:meth:`MoEContext._validate_together`)."""
+
+    tokens: int | None  # T, or None when x is not a tensor with a first dimension
+    error: str | None  # "TypeName: message" when the rank refused its input
+    autograd: bool  # the call takes the autograd path
+    serial: int  # the context's construction number on its rank
 
 
 class MoEContext:
@@ -376,11 +387,11 @@ class MoEContext:
             err = exc
         tokens = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() > 0 else None
         autograd = err is None and self._wants_autograd(x, scores, w13, w2)
-        outcomes = [None] * self.ep_size
+        outcomes: list[_RankCall] = [None] * self.ep_size
         dist.all_gather_object(
-            outcomes, (tokens, None if err is None else f"{type(err).__name__}: {err}",
-                       autograd, self._serial), group=self.group)
-        serials = [c for _, _, _, c in outcomes]
+            outcomes, _RankCall(tokens, None if err is None else f"{type(err).__name__}: {err}",
+                                autograd, self._serial), group=self.group)
+        serials = [o.serial for o in outcomes]
         if len(set(serials)) > 1:
             raise ValueError(
                 "the ranks called different MoEContexts in this call (context serials "
@@ -388,15 +399,15 @@ class MoEContext:
                 "every rank must call its contexts in the same order")
         if err is not None:
             raise err
-        for r, (_, msg, _, _) in enumerate(outcomes):
-            if msg is not None:
-                raise ValueError(f"rank {r} refused its input ({msg}); every rank stops "
+        for r, o in enumerate(outcomes):
+            if o.error is not None:
+                raise ValueError(f"rank {r} refused its input ({o.error}); every rank stops "
                                  "(check=True)")
-        counts = [t for t, _, _, _ in outcomes]
+        counts = [o.tokens for o in outcomes]
         if len(set(counts)) > 1:
             raise ValueError(f"x must have the same number of tokens T on every rank of the "
                              f"group, got T = {counts} (rank r at index r)")
-        paths = [a for _, _, a, _ in outcomes]
+        paths = [o.autograd for o in outcomes]
         if len(set(paths)) > 1:
             raise ValueError(
                 "every rank must take the same path, autograd or not (the backward is "
