@@ -2117,6 +2117,15 @@ def test_gluon_w2_dgrad(programs, stages, h1_mode):
         assert same_bits(out, got_h1) and same_bits(h2, got_h2)
 
 
+def _scored_route_rows(layout, hidden):
+    """Poisoned bf16 route rows ``[routes, hidden]`` of ``layout``, each with its score (in
+    [0.25, 1.25)) as the fp32 at its start, as the scored W2 DGRAD reads them; and a copy."""
+    n_routes = int(layout.route_of_row.max()) + 1
+    route_rows = poisoned(n_routes, hidden)
+    route_rows.view(torch.float32)[:, 0] = torch.rand(n_routes, device=DEVICE) + 0.25
+    return route_rows, route_rows.clone()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("programs", [3, None], ids=["3_programs", "one_per_sm"])
 @pytest.mark.parametrize("reload", [None, True], ids=["bounds_default", "bounds_reloaded"])
@@ -2129,12 +2138,9 @@ def test_gluon_w2_dgrad_scored(programs, reload):
     hidden, ffn, block = 256, 384, 128
     layout, live, w2, rows, h1, null_rows, null_act = _gluon_dgrad_problem(hidden, ffn, block)
     num_act = layout.num_act
-    n_routes = int(layout.route_of_row.max()) + 1
-    route_rows = poisoned(n_routes, hidden)
-    route_rows.view(torch.float32)[:, 0] = torch.rand(n_routes, device=DEVICE) + 0.25
+    route_rows, before = _scored_route_rows(layout, hidden)
     ptrs = row_table(layout, route_rows, null_rows=null_rows)
     po, ro = layout.padded_offsets, layout.row_offsets
-    before = route_rows.clone()
 
     def run(gluon):
         route_rows.copy_(before)
@@ -2197,10 +2203,7 @@ def _same_bits_as_the_ping_pong_kernel(form, fields):
     hidden, ffn, block = 256, 384, 128
     layout, live, w2, rows, h1, null_rows, null_act = _gluon_dgrad_problem(hidden, ffn, block)
     num_act = layout.num_act
-    n_routes = int(layout.route_of_row.max()) + 1
-    route_rows = poisoned(n_routes, hidden)
-    route_rows.view(torch.float32)[:, 0] = torch.rand(n_routes, device=DEVICE) + 0.25
-    before = route_rows.clone()
+    route_rows, before = _scored_route_rows(layout, hidden)
     scored = form == "scored"
     ptrs = row_table(layout, route_rows if scored else rows, null_rows=null_rows)
     po, ro = layout.padded_offsets, layout.row_offsets
