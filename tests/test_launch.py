@@ -192,6 +192,22 @@ def test_ranks_see_the_environment_of_the_launch_not_of_the_first_one(monkeypatc
     assert distmoe.launch(_environ, 2, args=(name,)) == [None, None]
 
 
+def _threads(rank, world):
+    import torch
+
+    return torch.get_num_threads()
+
+
+def test_ranks_take_omp_num_threads_of_the_launch(monkeypatch):
+    """OMP_NUM_THREADS set after the fork server started still sets each rank's torch CPU
+    threads, as a torch import in a spawned rank would (the OpenMP runtime itself read the
+    variable once, in the fork server)."""
+    distmoe.launch(_threads, 1)  # the fork server runs
+    for n in (3, 1):
+        monkeypatch.setenv("OMP_NUM_THREADS", str(n))
+        assert distmoe.launch(_threads, 2) == [n, n]
+
+
 _ORPHAN_SCRIPT = """
 import os, sys, time
 import distmoe

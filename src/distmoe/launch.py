@@ -13,8 +13,10 @@ exits when the launching process is gone, and a rank's ``sys.exit`` is reported 
 Ranks start from a fork server (where the platform has one; else spawn) that imported torch
 once, when the process's first launch started it: a rank starts in well under a second where
 a spawned one spends about 3 s of CPU importing torch again. Each rank still gets the
-launching process's environment as it is at that launch. ``fn`` and ``args`` travel by pickle
-either way (``fn`` importable by name).
+launching process's environment as it is at that launch (``OMP_NUM_THREADS`` sets torch's
+CPU threads, as at a torch import), except what torch's libraries read only while being
+imported: for that, the environment of the first launch holds. ``fn`` and ``args`` travel by
+pickle either way (``fn`` importable by name).
 """
 
 from __future__ import annotations
@@ -87,6 +89,9 @@ def _worker(rank: int, world_size: int, device: str, backend: str, gpus: Sequenc
     os.environ.clear()
     os.environ.update(environ)
     os.environ[PREFIX_ENV] = prefix
+    threads = environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # as a spawned rank's torch import would
+        torch.set_num_threads(int(threads))
     import torch.distributed as dist
 
     _exit_with_launcher(launcher)
