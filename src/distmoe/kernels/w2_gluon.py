@@ -90,6 +90,8 @@ GLUON_W2_TILES = ((128, 128, 64, 4), (128, 256, 64, 8))
 #: (cooperative)
 GLUON_W2_STAGES = (3, 4, 5, 6)
 _RING_BYTES = 200 * 1024
+#: a tile's rows (the padding multiple) and K step, every tile
+_BLOCK_M, _BLOCK_K = 128, 64
 #: the kernel's register limit, as :mod:`distmoe.kernels.w2_dgrad_gluon`: the partitions set
 #: 232 (both consumers) and 40 (the producer warp) per thread
 _MAXNREG = 168
@@ -347,9 +349,6 @@ def launch_gluon_w13_dgrad(grad_h1: torch.Tensor, padded_offsets: torch.Tensor,
     _launch(grad_h1, w_desc, scatter_ptrs, padded_offsets, row_offsets, None, None, 0,
             hidden=hidden, depth=depth, num_experts=num_experts, block_n=block_n,
             stages=stages, group_m=group_m, warps=warps, programs=programs, b_k_major=False)
-
-
-_BLOCK_M, _BLOCK_K = 128, 64
 
 
 def _launch(a, w_desc, scatter_ptrs, padded_offsets, row_offsets, enable, wait, need, *,
