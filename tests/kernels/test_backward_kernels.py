@@ -1040,9 +1040,11 @@ def test_w13_dgrad_pair_tails_gpu(host_descriptors):
 # 127 rows, whole tiles, an empty expert, one-row and 300-row experts; D = 768 (three
 # cooperative 256-column tiles), 2F = 768
 GLUON_W13D_COUNTS = [129, 192, 0, 256, 193, 228, 64, 255, 1, 300]
-# live rows stored nowhere (entry 0): rows of the first tile's both 64-row halves, the
-# one-row expert's only row (a tile whose live rows are all skipped), a last tile's last row
-GLUON_W13D_NULL = [3, 100, 1664, 1299]
+# live rows stored nowhere (entry 0): rows 3 and 100 (the first tile's two 64-row halves),
+# 1216 (expert 4's last live row, in its last tile), 1299 (inside expert 5's first tile), 1664
+# (expert 7's first row), 1920 (the one-row expert 8's only row: a tile whose live rows are
+# all skipped); padded offsets 0, 384, 640, 768, 1024, 1280, 1536, 1664, 1920, 2048
+GLUON_W13D_NULL = [3, 100, 1216, 1299, 1664, 1920]
 
 
 def _gluon_w13d_config(warps, stages):
