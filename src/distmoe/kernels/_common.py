@@ -326,6 +326,17 @@ def gluon_mid_rows(rows_per_expert: int, num_experts: int | None,
     return num_experts * weights_per_expert * 2 < GLUON_MID_ROWS_WEIGHT_BYTES
 
 
+def gluon_device(device: torch.device | str | None) -> bool:
+    """Whether ``device`` runs the warp-specialised Gluon kernels
+    (:func:`~distmoe.kernels.wgrad_gluon.gluon_device_reason`: Hopper, not the interpreter);
+    ``None`` (no device given to a heuristic) does not."""
+    if device is None:
+        return False
+    from .wgrad_gluon import gluon_device_reason
+
+    return gluon_device_reason(torch.device(device)) is None
+
+
 def config_gluon_reason(config: GemmConfig, kernel_reason: Callable[..., str | None],
                         device: torch.device, hidden: int, ffn: int) -> str | None:
     """``None`` when ``config`` (a grouped-GEMM config with a ``gluon`` field) runs its Gluon

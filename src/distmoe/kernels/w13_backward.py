@@ -74,6 +74,7 @@ from distmoe.kernels._common import (
     device_context,
     ensure_tma_allocator,
     gemm_grid,
+    gluon_device,
     next_power_of_2,
     swizzle_tile,
     tile_expert,
@@ -418,14 +419,11 @@ class W13DgradConfig(GemmConfig):
         and the local expert count ``num_experts``: the Gluon kernel where
         :meth:`hopper_gluon` picks it.
         """
-        if rows_per_expert is not None and block_m == 128 and device is not None:
-            from .wgrad_gluon import gluon_device_reason
-
-            if gluon_device_reason(torch.device(device)) is None:
-                gluon = cls.hopper_gluon(hidden=hidden, ffn=ffn, rows_per_expert=rows_per_expert,
-                                         num_experts=num_experts)
-                if gluon is not None:
-                    return gluon
+        if rows_per_expert is not None and block_m == 128 and gluon_device(device):
+            gluon = cls.hopper_gluon(hidden=hidden, ffn=ffn, rows_per_expert=rows_per_expert,
+                                     num_experts=num_experts)
+            if gluon is not None:
+                return gluon
         if rows_per_expert is not None and block_m == 128 and hidden >= 256 and ffn >= 32:
             return cls(block_m=block_m, block_n=256, block_k=64, num_warps=8, num_stages=4,
                        persistent=True, dynamic=True, pair_tails=True)

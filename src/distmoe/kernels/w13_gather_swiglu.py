@@ -82,6 +82,7 @@ from distmoe.kernels._common import (
     device_context,
     ensure_tma_allocator,
     gemm_grid,
+    gluon_device,
     gluon_mid_rows,
     next_power_of_2,
     rows_at,
@@ -490,15 +491,12 @@ class W13Config(GemmConfig):
           expert count ``num_experts`` is given and their W13 weights total less than 2 GiB
           (:func:`~distmoe.kernels._common.gluon_mid_rows`).
         """
-        if rows_per_expert is not None and block_m == 128 and device is not None:
-            from .wgrad_gluon import gluon_device_reason
-
-            if gluon_device_reason(torch.device(device)) is None:
-                gluon = cls.hopper_gluon(hidden=hidden, ffn=ffn,
-                                         rows_per_expert=rows_per_expert, training=training,
-                                         num_experts=num_experts)
-                if gluon is not None:
-                    return gluon
+        if rows_per_expert is not None and block_m == 128 and gluon_device(device):
+            gluon = cls.hopper_gluon(hidden=hidden, ffn=ffn,
+                                     rows_per_expert=rows_per_expert, training=training,
+                                     num_experts=num_experts)
+            if gluon is not None:
+                return gluon
         block_n = min(128, max(16, next_power_of_2(ffn)))
         block_k = min(64, max(16, next_power_of_2(hidden)))
         num_warps = 8 if block_m * block_n >= 128 * 128 else 4

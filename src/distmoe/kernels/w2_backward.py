@@ -118,6 +118,7 @@ from distmoe.kernels._common import (
     device_context,
     ensure_tma_allocator,
     gemm_grid,
+    gluon_device,
     next_power_of_2,
     rows_at,
     swizzle_tile,
@@ -638,15 +639,6 @@ def _grouped_wgrad_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-def _gluon_device(device: torch.device | None) -> bool:
-    """A device the Gluon WGRAD runs on (:func:`~distmoe.kernels.wgrad_gluon.gluon_device_reason`)."""
-    if device is None:
-        return False
-    from .wgrad_gluon import gluon_device_reason
-
-    return gluon_device_reason(torch.device(device)) is None
-
-
 def check_backward_gemm_config(config: GemmConfig) -> None:
     """Rules that the backward DGRAD configs add to :class:`GemmConfig`.
 
@@ -928,7 +920,7 @@ class WgradConfig:
         tool): 128x256/3 stages 3.24 and 1.59 ms against 3.36 and 1.62 for 4 stages at the
         first shape; 128x128/3 stages 0.634 and 0.337 ms at the second.
         """
-        if _gluon_device(device):
+        if gluon_device(device):
             gluon = cls.hopper_gluon(out_rows=out_rows, out_cols=out_cols, block_m=block_m,
                                      rows_per_expert=rows_per_expert)
             if gluon is not None:

@@ -68,6 +68,7 @@ from distmoe.kernels._common import (
     device_context,
     ensure_tma_allocator,
     gemm_grid,
+    gluon_device,
     gluon_mid_rows,
     next_power_of_2,
     swizzle_tile,
@@ -281,14 +282,11 @@ class W2Config(GemmConfig):
         kernel at 64-127 rows per expert needs it) are passed on; the pick does not depend
         on ``ep_size`` since run 29.
         """
-        if rows_per_expert is not None and block_m == 128 and device is not None:
-            from .wgrad_gluon import gluon_device_reason
-
-            if gluon_device_reason(torch.device(device)) is None:
-                gluon = cls.hopper_gluon(hidden=hidden, ffn=ffn, rows_per_expert=rows_per_expert,
-                                         ep_size=ep_size, num_experts=num_experts)
-                if gluon is not None:
-                    return gluon
+        if rows_per_expert is not None and block_m == 128 and gluon_device(device):
+            gluon = cls.hopper_gluon(hidden=hidden, ffn=ffn, rows_per_expert=rows_per_expert,
+                                     ep_size=ep_size, num_experts=num_experts)
+            if gluon is not None:
+                return gluon
         if rows_per_expert is not None and block_m == 128 and hidden >= 256 and ffn >= 64:
             return cls(block_m=block_m, block_n=256, block_k=64, num_warps=8,
                        num_stages=3 if rows_per_expert >= 1024 else 4, group_m=8,
