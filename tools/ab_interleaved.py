@@ -24,6 +24,12 @@ one-rank group with E / EP experts, the same per-rank work at EP=1, replayed in 
 rounds (the EP=1 share of issue 7's fifth target); its line gives EP / EP=1 as well, and
 every variant's line its own time over the share's (median per round).
 
+``--replay`` (``--mode fwdbwd`` only) adds a row "replay": a second layer whose context has
+``activation_factor`` 0 (its slot holds the layer's input only), so its backward recomputes
+the layer's forward (:mod:`distmoe.ops.activations`): what fitting a memory budget by replay
+costs, as a same-round ratio. The same inputs are drawn for both layers; both contexts'
+activation buffer sizes are printed.
+
 ``--variant NAME=SPEC[+SPEC...]``, each SPEC ``KERNEL[:WHEN]:FIELD=VALUE[,FIELD=VALUE...]`` as
 in ``tools/ab_bench.py``: ``w13`` (``WHEN`` training / inference / any, matched against the
 mode), ``w2``, ``w2_dgrad`` (not ``block_n``: the score parts depend on it), ``w13_dgrad``,
@@ -158,6 +164,9 @@ def main() -> int:
                     help="tokens per rank instead of the shape's own T (e.g. 64 for decode)")
     ap.add_argument("--ep1-share", action="store_true",
                     help="also this rank's share of the work at EP=1, in the same rounds")
+    ap.add_argument("--replay", action="store_true",
+                    help="also the same layer with every layer replayed in backward "
+                         "(activation_factor 0), in the same rounds (--mode fwdbwd)")
     add_routing_argument(ap)
     args = ap.parse_args()
     for name in ("rounds", "iters"):
@@ -169,7 +178,9 @@ def main() -> int:
         variants = dict(parse_variant(v) for v in args.variant)
     except ValueError as exc:
         ap.error(str(exc))
-    joined = join_group(port=29556)
+    if args.replay and args.mode != "fwdbwd":
+        ap.error("--replay needs --mode fwdbwd (a forward saves nothing)")
+    joined = join_group()
     if args.ep1_share and joined.world == 1:
         raise SystemExit("--ep1-share needs EP > 1 (torch.distributed.run)")
     training = args.mode == "fwdbwd"
@@ -178,6 +189,10 @@ def main() -> int:
                                   routing=args.routing)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
+    extra = {}  # name -> (ctx, step) of the layers beside the base one
+    if args.replay:
+        extra["replay"] = layer_step(args.shape, args.mode, joined, tokens=args.tokens,
+                                     routing=args.routing, activation_factor=0.0)[:2]
     share = None
     if args.ep1_share:
         share = layer_step(args.shape, args.mode, ep1_share(joined), tokens=args.tokens,
@@ -209,11 +224,21 @@ def main() -> int:
                 if name == "base":
                     for a, c in cfgs.items():
                         print(f"      {a} = {c}")
+            for name, (other, _) in [("base", (ctx, None)), *extra.items()]:
+                act = other.stats()["activations"] if training else None
+                if act is not None:
+                    print(f"  {name} layer: activation buffer "
+                          f"{act['activation_buffer_bytes']} bytes, slot capacity "
+                          f"{act['slot_capacity_bytes']} (activation_factor "
+                          f"{other.cfg.activation_factor})")
         fns = {n: runner(c) for n, c in configs.items()}
+        fns.update((name, other_step) for name, (_, other_step) in extra.items())
         if share is not None:
             fns["ep1share"] = share[1]
         stats = interleaved(fns, rounds=args.rounds, iters=args.iters, warmup=args.warmup,
                             device=joined.device, group=joined.group)
+        for other, _ in extra.values():
+            other.close()
         if share is not None:
             share[0].close()
     names = list(fns)  # each round below is the slowest rank's
@@ -229,6 +254,8 @@ def main() -> int:
             note = ""
             if name == "ep1share":
                 note = f"  EP={joined.world} / EP=1 share: {ratio:.3f}x (median per round)"
+            elif name == "replay":  # its own context, the heuristics' configs
+                note = f"  replayed / saved: {1 / ratio:.3f}x (median per round)"
             elif "ep1share" in stats:  # this variant's time over the share's, per round
                 over = statistics.median(round_ratios(list(st.window_ms),
                                                       list(stats["ep1share"].window_ms)))

@@ -131,3 +131,44 @@ def test_two_cpu_ranks_with_the_ep1_share(tmp_path):
     assert set(rows) >= {"base", "s3", "inbuf", "ep1share"}
     assert "x1.0000" in rows["base"] and "EP=2 / EP=1 share:" in rows["ep1share"]
     assert "/ EP=1 share:" in rows["base"] and "/ EP=1 share:" in rows["inbuf"]
+
+
+def _run_tool(tmp_path, args, nproc=None):
+    """The tool in a subprocess on the CPU (Triton interpreter), under
+    ``torch.distributed.run`` with ``nproc`` ranks, or alone."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root / "src"))
+    launch = ([] if nproc is None else
+              ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"])
+    return subprocess.run([sys.executable, *launch, str(TOOL), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_replay_row_times_the_same_layer_replayed(tmp_path):
+    """``--replay``: a second layer whose slot holds its input only (activation_factor 0),
+    so its backward replays the forward, timed in the same rounds as the saved layer."""
+    out = _run_tool(tmp_path, ["--shape", "smoke", "--tokens", "48", "--mode", "fwdbwd",
+                               "--rounds", "2", "--iters", "1", "--warmup", "1", "--replay",
+                               "--routing", "exact"], nproc=1)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    caps = {}
+    for line in lines:
+        if " layer: activation buffer " in line:
+            name, rest = line.split(" layer: ")
+            caps[name.strip()] = int(rest.split("slot capacity ")[1].split()[0])
+    assert set(caps) == {"base", "replay"}
+    assert 0 < caps["replay"] < caps["base"]
+    assert any("(activation_factor 0.0)" in line for line in lines)
+    rows = {line.split()[0]: line for line in lines if line.startswith("  ") and " x" in line}
+    assert set(rows) == {"base", "replay"}
+    assert "replayed / saved:" in rows["replay"]
+
+
+def test_replay_needs_the_backward(tmp_path):
+    out = _run_tool(tmp_path, ["--shape", "smoke", "--mode", "fwd", "--replay"])
+    assert out.returncode == 2
+    assert "--replay needs --mode fwdbwd" in out.stderr

@@ -233,3 +233,21 @@ def test_fill_metrics_against_both_dense_ceilings():
     unmeasured = report.CaseResult(**{**row.__dict__, "pct_dense_sustained": None})
     cli.fill_metrics(unmeasured, 800.0, None)  # no sustained ceiling: the field stays empty
     assert unmeasured.pct_dense_sustained is None
+
+
+def test_launched_by_torchrun_counts_a_one_process_run(monkeypatch):
+    """torch.distributed.run with one process sets WORLD_SIZE=1 and its run id: its ranks
+    must join through env:// (a store of their own waits on the agent's, which hung
+    ``tools/ab_interleaved.py`` under ``--nproc-per-node=1``)."""
+    from distmoe.tools.bench.groups import launched_by_torchrun
+
+    for name in ("TORCHELASTIC_RUN_ID", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert not launched_by_torchrun()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert not launched_by_torchrun()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert launched_by_torchrun()
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert launched_by_torchrun()

@@ -147,3 +147,27 @@ def test_exit_status_and_summary_of_failed_cases(tmp_path, monkeypatch, capsys):
     assert "left from an earlier run (not written by this one): micro.csv" in printed
     assert (out / "micro.csv").read_text() == "stale\n"  # nothing deleted
     assert [r["status"] for r in report.read_cases_csv(out / "cases.csv")] == ["failed"]
+
+
+def test_rank_share_of_under_torchrun(monkeypatch, capsys, tmp_path):
+    """--rank-share-of is refused where torchrun started several ranks (each runs its share
+    already), before any group is joined; a one-process torchrun run may take it."""
+    from distmoe.__main__ import main as distmoe_main
+
+    joined = []
+
+    def join(*a, **k):
+        joined.append(a)
+        raise _Measured
+
+    monkeypatch.setattr(cli, "init_torchrun_group", join)
+    monkeypatch.setattr(cli, "launched_by_torchrun", lambda: True)
+    argv = ["bench", "--device", "cpu", "--shapes", "smoke", "--providers", "torch",
+            "--rank-share-of", "2", "--out", str(tmp_path / "b")]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert distmoe_main(argv) == 2 and not joined
+    assert "--rank-share-of (2) is for EP=1 runs" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(_Measured):
+        distmoe_main(argv)
+    assert len(joined) == 1

@@ -23,7 +23,12 @@ def default_backend(device: torch.device | str) -> str:
 
 
 def launched_by_torchrun() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    """Whether this process is a rank that ``torch.distributed.run`` started, one of any
+    number (its agent sets ``TORCHELASTIC_RUN_ID``; under it a group must join through the
+    env:// rendezvous: a store of its own would wait on the agent's), or any launcher that
+    sets a world of several ranks."""
+    return ("TORCHELASTIC_RUN_ID" in os.environ
+            or int(os.environ.get("WORLD_SIZE", "1")) > 1)
 
 
 @dataclass

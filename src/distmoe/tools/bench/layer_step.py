@@ -33,11 +33,14 @@ class Joined:
     device: torch.device
 
 
-def join_group(port: int = 29555) -> Joined:
-    """Under ``torch.distributed.run``: its world over NCCL, this rank on GPU ``LOCAL_RANK``.
-    Otherwise a one-rank gloo group (TCP on ``port``) on GPU 0. Without CUDA: gloo on the
-    CPU (kernels through the Triton interpreter: small shapes only)."""
-    from .groups import init_torchrun_group, launched_by_torchrun
+def join_group() -> Joined:
+    """Under ``torch.distributed.run`` (any number of processes, one too): its world over
+    NCCL, this rank on GPU ``LOCAL_RANK``. Otherwise a one-rank group over a file store (no
+    port to collide with another run; the store's directory goes at exit) on GPU 0. Without
+    CUDA: gloo on the CPU (kernels through the Triton interpreter: small shapes only)."""
+    import atexit
+
+    from .groups import init_single_process_group, init_torchrun_group, launched_by_torchrun
 
     kind = "cuda" if torch.cuda.is_available() else "cpu"
     if launched_by_torchrun():
@@ -46,8 +49,8 @@ def join_group(port: int = 29555) -> Joined:
     dev = torch.device(kind, 0) if kind == "cuda" else torch.device("cpu")
     if kind == "cuda":
         torch.cuda.set_device(dev)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                            world_size=1)
+    single = init_single_process_group(dev, backend="gloo")
+    atexit.register(single.close)  # the store's directory (and the group, if still up)
     return Joined(None, 0, 1, dev)
 
 
@@ -70,7 +73,8 @@ def add_routing_argument(parser) -> None:
 
 
 def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None = None,
-               share_of: int = 1, routing: str = "sampled"
+               share_of: int = 1, routing: str = "sampled",
+               activation_factor: float | None = None
                ) -> tuple[object, Callable[[], None], int]:
     """``(ctx, step, T)`` for the named bench shape (``tokens`` instead of its T): the
     context (a :class:`~distmoe.MoEContext`, closed by the caller), one step and the tokens
@@ -81,7 +85,11 @@ def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None
     ``step(x_in_buffer=True)`` (inference only) passes x as the context's
     :meth:`~distmoe.MoEContext.input_buffer`, written there once here. ``routing``:
     ``"sampled"`` (:func:`~distmoe.reference.random_routing`) or ``"exact"``
-    (:func:`~.workloads.make_routing`'s exact histogram), seeded by the rank."""
+    (:func:`~.workloads.make_routing`'s exact histogram), seeded by the rank.
+    ``activation_factor``: the context's :attr:`~distmoe.MoEConfig.activation_factor`
+    (None: the config's default, every layer saves its state; 0: its input only, every
+    layer replays in backward). Two calls with the same arguments but this one draw the
+    same inputs, so their steps compute the same layer."""
     import distmoe as dm
     from distmoe.reference import random_routing
 
@@ -103,8 +111,9 @@ def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None
         raise ValueError(f"EP ({joined.world}) must divide the experts of {shape_name} ({E})")
     E_l, dev = E // joined.world, joined.device
     training = mode == "fwdbwd"
+    extra = {} if activation_factor is None else {"activation_factor": activation_factor}
     cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
-                       training=training)
+                       training=training, **extra)
     g = torch.Generator().manual_seed(joined.rank)
     ids, scores = random_routing(T, E, K, generator=g)
     if routing == "exact":  # the same scores, ids with every expert's count T*K/E (+-1)
