@@ -119,12 +119,16 @@ def variant_configs(ctx, specs: list[str], training: bool) -> dict[str, object]:
     return out
 
 
+#: row names the tool gives its own layers: the heuristics, ``--ep1-share``, ``--replay``
+_RESERVED = ("base", "ep1share", "replay")
+
+
 def parse_variant(text: str) -> tuple[str, list[str]]:
     """``NAME=SPEC[+SPEC...]`` -> (name, specs)."""
     name, sep, rest = text.partition("=")
-    if not sep or not name or not rest or name == "base":
+    if not sep or not name or not rest or name in _RESERVED:
         raise ValueError(f"--variant {text!r}: expected NAME=SPEC[+SPEC...] with a NAME "
-                         "other than 'base'")
+                         f"other than {', '.join(map(repr, _RESERVED))} (the tool's own rows)")
     return name, rest.split("+")
 
 

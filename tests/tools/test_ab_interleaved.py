@@ -38,7 +38,8 @@ def _ctx(training):
 def test_parse_variant(abi):
     assert abi.parse_variant("g16=w13:group_m=16+w2:gluon=False") == (
         "g16", ["w13:group_m=16", "w2:gluon=False"])
-    for bad in ("g16", "=w13:group_m=16", "g16=", "base=w13:group_m=16"):
+    for bad in ("g16", "=w13:group_m=16", "g16=", "base=w13:group_m=16",
+                "replay=w13:group_m=16", "ep1share=w2:num_stages=3"):
         with pytest.raises(ValueError, match="NAME=SPEC"):
             abi.parse_variant(bad)
 
