@@ -228,13 +228,12 @@ def main() -> int:
                 if name == "base":
                     for a, c in cfgs.items():
                         print(f"      {a} = {c}")
-            for name, (other, _) in [("base", (ctx, None)), *extra.items()]:
-                act = other.stats()["activations"] if training else None
-                if act is not None:
-                    print(f"  {name} layer: activation buffer "
-                          f"{act['activation_buffer_bytes']} bytes, slot capacity "
-                          f"{act['slot_capacity_bytes']} (activation_factor "
-                          f"{other.cfg.activation_factor})")
+            layers = [("base", ctx)] + [(name, other) for name, (other, _) in extra.items()]
+            for name, other in layers if training else ():
+                act = other.stats()["activations"]
+                print(f"  {name} layer: activation buffer {act['activation_buffer_bytes']} "
+                      f"bytes, slot capacity {act['slot_capacity_bytes']} (activation_factor "
+                      f"{other.cfg.activation_factor})")
         fns = {n: runner(c) for n, c in configs.items()}
         fns.update((name, other_step) for name, (_, other_step) in extra.items())
         if share is not None:

@@ -108,32 +108,6 @@ def test_layer_step_checks_its_arguments_first():
         layer_step("issue-a", "fwd", joined)
 
 
-def test_two_cpu_ranks_with_the_ep1_share(tmp_path):
-    """The whole tool under torch.distributed.run: two gloo ranks on the CPU (kernels in the
-    Triton interpreter), the smoke shape at 48 tokens, a variant and the EP=1 share in the
-    same rounds."""
-    import os
-    import subprocess
-
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root / "src"))
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(TOOL), "--shape", "smoke", "--tokens", "48", "--mode", "fwd", "--rounds", "2",
-         "--iters", "1", "--warmup", "1", "--ep1-share", "--variant", "s3=w13:num_stages=3",
-         "--variant", "inbuf=input:buffer=True", "--routing", "exact"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.splitlines()
-    assert any(line.startswith("smoke fwd T=48 EP=2, CPU") for line in lines)
-    assert any("s3: _w13_cfg=W13Config(" in line and "num_stages=3" in line for line in lines)
-    rows = {line.split()[0]: line for line in lines if line.startswith("  ") and " x" in line}
-    assert any("inbuf: input:buffer=True" in line for line in lines)
-    assert set(rows) >= {"base", "s3", "inbuf", "ep1share"}
-    assert "x1.0000" in rows["base"] and "EP=2 / EP=1 share:" in rows["ep1share"]
-    assert "/ EP=1 share:" in rows["base"] and "/ EP=1 share:" in rows["inbuf"]
-
-
 def _run_tool(tmp_path, args, nproc=None):
     """The tool in a subprocess on the CPU (Triton interpreter), under
     ``torch.distributed.run`` with ``nproc`` ranks, or alone."""
@@ -146,6 +120,26 @@ def _run_tool(tmp_path, args, nproc=None):
               ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"])
     return subprocess.run([sys.executable, *launch, str(TOOL), *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
+
+
+def test_two_cpu_ranks_with_the_ep1_share(tmp_path):
+    """The whole tool under torch.distributed.run: two gloo ranks on the CPU (kernels in the
+    Triton interpreter), the smoke shape at 48 tokens, a variant and the EP=1 share in the
+    same rounds."""
+    out = _run_tool(tmp_path, ["--shape", "smoke", "--tokens", "48", "--mode", "fwd",
+                               "--rounds", "2", "--iters", "1", "--warmup", "1", "--ep1-share",
+                               "--variant", "s3=w13:num_stages=3",
+                               "--variant", "inbuf=input:buffer=True", "--routing", "exact"],
+                    nproc=2)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert any(line.startswith("smoke fwd T=48 EP=2, CPU") for line in lines)
+    assert any("s3: _w13_cfg=W13Config(" in line and "num_stages=3" in line for line in lines)
+    rows = {line.split()[0]: line for line in lines if line.startswith("  ") and " x" in line}
+    assert any("inbuf: input:buffer=True" in line for line in lines)
+    assert set(rows) >= {"base", "s3", "inbuf", "ep1share"}
+    assert "x1.0000" in rows["base"] and "EP=2 / EP=1 share:" in rows["ep1share"]
+    assert "/ EP=1 share:" in rows["base"] and "/ EP=1 share:" in rows["inbuf"]
 
 
 def test_replay_row_times_the_same_layer_replayed(tmp_path):
