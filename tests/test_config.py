@@ -53,6 +53,7 @@ def test_invalid_values_raise_value_error(kw, match):
         (dict(hidden=256.0), r"hidden must be an int, got float"),
         (dict(top_k=True), r"top_k must be an int, got bool"),
         (dict(training="yes"), r"training must be a bool, got str"),
+        (dict(save_gathered_rows=1), r"save_gathered_rows must be a bool, got int"),
     ],
 )
 def test_wrong_types_raise_type_error(kw, match):

@@ -30,6 +30,10 @@ the layer's forward (:mod:`distmoe.ops.activations`): what fitting a memory budg
 costs, as a same-round ratio. The same inputs are drawn for both layers; both contexts'
 activation buffer sizes are printed.
 
+``--regather`` (``--mode fwdbwd`` only) adds a row "regather": a second layer whose context
+has ``save_gathered_rows`` False (a saved layer keeps its input instead of its gathered rows,
+and its backward gathers them again), timed the same way, with its smaller slot printed.
+
 ``--variant NAME=SPEC[+SPEC...]``, each SPEC ``KERNEL[:WHEN]:FIELD=VALUE[,FIELD=VALUE...]`` as
 in ``tools/ab_bench.py``: ``w13`` (``WHEN`` training / inference / any, matched against the
 mode), ``w2``, ``w2_dgrad`` (not ``block_n``: the score parts depend on it), ``w13_dgrad``,
@@ -120,7 +124,7 @@ def variant_configs(ctx, specs: list[str], training: bool) -> dict[str, object]:
 
 
 #: row names the tool gives its own layers: the heuristics, ``--ep1-share``, ``--replay``
-_RESERVED = ("base", "ep1share", "replay")
+_RESERVED = ("base", "ep1share", "replay", "regather")
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
@@ -171,6 +175,10 @@ def main() -> int:
     ap.add_argument("--replay", action="store_true",
                     help="also the same layer with every layer replayed in backward "
                          "(activation_factor 0), in the same rounds (--mode fwdbwd)")
+    ap.add_argument("--regather", action="store_true",
+                    help="also the same layer with saved layers keeping their input instead "
+                         "of their gathered rows (save_gathered_rows False), in the same "
+                         "rounds (--mode fwdbwd)")
     add_routing_argument(ap)
     args = ap.parse_args()
     for name in ("rounds", "iters"):
@@ -182,8 +190,9 @@ def main() -> int:
         variants = dict(parse_variant(v) for v in args.variant)
     except ValueError as exc:
         ap.error(str(exc))
-    if args.replay and args.mode != "fwdbwd":
-        ap.error("--replay needs --mode fwdbwd (a forward saves nothing)")
+    for flag in ("replay", "regather"):
+        if getattr(args, flag) and args.mode != "fwdbwd":
+            ap.error(f"--{flag} needs --mode fwdbwd (a forward saves nothing)")
     joined = join_group()
     if args.ep1_share and joined.world == 1:
         raise SystemExit("--ep1-share needs EP > 1 (torch.distributed.run)")
@@ -197,6 +206,9 @@ def main() -> int:
     if args.replay:
         extra["replay"] = layer_step(args.shape, args.mode, joined, tokens=args.tokens,
                                      routing=args.routing, activation_factor=0.0)[:2]
+    if args.regather:
+        extra["regather"] = layer_step(args.shape, args.mode, joined, tokens=args.tokens,
+                                       routing=args.routing, save_gathered_rows=False)[:2]
     share = None
     if args.ep1_share:
         share = layer_step(args.shape, args.mode, ep1_share(joined), tokens=args.tokens,
@@ -233,7 +245,8 @@ def main() -> int:
                 act = other.stats()["activations"]
                 print(f"  {name} layer: activation buffer {act['activation_buffer_bytes']} "
                       f"bytes, slot capacity {act['slot_capacity_bytes']} (activation_factor "
-                      f"{other.cfg.activation_factor})")
+                      f"{other.cfg.activation_factor}, save_gathered_rows "
+                      f"{other.cfg.save_gathered_rows})")
         fns = {n: runner(c) for n, c in configs.items()}
         fns.update((name, other_step) for name, (_, other_step) in extra.items())
         if share is not None:
@@ -259,6 +272,8 @@ def main() -> int:
                 note = f"  EP={joined.world} / EP=1 share: {ratio:.3f}x (median per round)"
             elif name == "replay":  # its own context, the heuristics' configs
                 note = f"  replayed / saved: {1 / ratio:.3f}x (median per round)"
+            elif name == "regather":
+                note = f"  regathered / saved: {1 / ratio:.3f}x (median per round)"
             elif "ep1share" in stats:  # this variant's time over the share's, per round
                 over = statistics.median(round_ratios(list(st.window_ms),
                                                       list(stats["ep1share"].window_ms)))

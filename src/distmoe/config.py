@@ -71,6 +71,14 @@ class MoEConfig:
             :mod:`distmoe.ops.autograd`), so ``False`` drops them: ``align128(T_max*K*D*2)``
             fewer bytes per saved layer (a third of a bf16 layer at D = 2F), so more layers
             save whole within the same budget. Gradients are the same bits either way.
+        save_gathered_rows: a saved layer keeps the rows it gathered, ``x_rows [R, D]``
+            bf16 (the default: its backward reads them in place). ``False`` keeps its input
+            ``x [T_max, D]`` instead, like a replayed layer, and the backward gathers the
+            rows again into scratch before its weight gradients: ``align128(R*D*2) -
+            align128(T_max*D*2)`` fewer bytes per saved layer wherever a rank executes more
+            rows than it has tokens (at EP = 1, R = T*K: about a third of a bf16 layer at
+            D = 2F), for one more copy of the rows per backward. Gradients are the same bits
+            either way.
     """
 
     hidden: int
@@ -88,6 +96,7 @@ class MoEConfig:
     num_slots: int = 1
     max_layers_per_slot: int = 1
     save_route_outputs: bool = True
+    save_gathered_rows: bool = True
 
     def __post_init__(self) -> None:
         for name in ("hidden", "ffn", "num_experts", "top_k", "max_tokens"):
@@ -136,6 +145,9 @@ class MoEConfig:
         if not isinstance(self.save_route_outputs, bool):
             raise TypeError(f"save_route_outputs must be a bool, got "
                             f"{type(self.save_route_outputs).__name__}")
+        if not isinstance(self.save_gathered_rows, bool):
+            raise TypeError(f"save_gathered_rows must be a bool, got "
+                            f"{type(self.save_gathered_rows).__name__}")
 
     # ----------------------------------------------------------------- group-size rules
     def check_ep_size(self, ep_size: int) -> None:

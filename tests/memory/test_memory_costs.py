@@ -70,6 +70,13 @@ def test_bf16_full_state_formula(d, f, t, k, rows):
     lean = MoEConfig(hidden=d, ffn=f, num_experts=8, top_k=k, max_tokens=t,
                      save_route_outputs=False)
     assert full_state_bytes(lean, 2, rows) == expected - align128(t * k * d * 2)
+    # the input instead of the gathered rows (save_gathered_rows=False)
+    kept = MoEConfig(hidden=d, ffn=f, num_experts=8, top_k=k, max_tokens=t,
+                     save_gathered_rows=False)
+    assert full_state_bytes(kept, 2, rows) == (
+        expected - align128(rows * d * 2) + align128(t * d * 2))
+    assert full_state_breakdown(kept, 2, rows)[0] == TensorBytes("x", (t, d), "bf16",
+                                                                  align128(t * d * 2))
 
 
 @FAST

@@ -64,6 +64,17 @@ def test_drop_route_outputs(capsys):
     assert "h3_routes" not in out
 
 
+def test_regather_rows(capsys):
+    """--regather-rows: the full state keeps x [T, D] instead of the gathered rows (at EP=8,
+    T=4096, K=8: 4096 rows of 2048 instead of 32,768 balanced), and the plan says so."""
+    assert plan_cli.run(parse("--regather-rows", "--tensors")) == 0
+    out = capsys.readouterr().out
+    cfg = MoEConfig(hidden=2048, ffn=768, num_experts=128, top_k=8, max_tokens=4096,
+                    max_layers_per_slot=4, save_gathered_rows=False)
+    assert f"{plan_memory(cfg, 8).activation_buffer_bytes:,}" in out
+    assert "x_gathered" not in out.split("full state")[1]
+
+
 def test_rows_json_worked_example(tmp_path, capsys):
     rows = tmp_path / "rows.json"
     rows.write_text(json.dumps({"received_rows": [[4, 4], [4, 4], [5, 3], [5, 3]]}))

@@ -14,20 +14,24 @@ from distmoe.reference import split_global_problem
 # ----------------------------------------------------------------------------- decisions
 
 
-def _worked_cfg(capacity):
+def _worked_cfg(capacity, save_gathered_rows=True):
     # DESIGN.md's worked example: EP=2, T=2, K=2, D=F=256, four layers in one slot.
     return dm.MoEConfig(hidden=256, ffn=256, num_experts=4, top_k=2, max_tokens=2,
                         row_block=16, device_scratch_factor=2.0, max_layers_per_slot=4,
-                        activation_bytes=capacity)
+                        activation_bytes=capacity, save_gathered_rows=save_gathered_rows)
 
 
 ROWS = [[4, 4], [4, 4], [5, 3], [5, 3]]  # [layer][rank]
 
 
-@pytest.mark.parametrize("capacity, replays", [(28_672, [False, False, False, True]),
-                                               (24_576, [False, False, True, True])])
-def test_device_decisions_follow_the_planner(capacity, replays):
-    cfg = _worked_cfg(capacity)
+@pytest.mark.parametrize("capacity, replays, gathered", [
+    (28_672, [False, False, False, True], True),
+    (24_576, [False, False, True, True], True),
+    # saved layers keep x (1024 B) instead of their rows (2048-2560 B): one more layer saves
+    (24_576, [False, False, False, True], False),
+    (20_480, [False, False, True, True], False)])
+def test_device_decisions_follow_the_planner(capacity, replays, gathered):
+    cfg = _worked_cfg(capacity, gathered)
     trace = trace_saves(cfg, capacity, ROWS)
     assert [not d for d in trace.decisions] == replays
     for rank in (0, 1):
@@ -48,10 +52,18 @@ def test_device_decisions_follow_the_planner(capacity, replays):
                 assert rec.backward.tolist() == [combine_address, scratch["h1g"], scratch["xs"]]
                 assert rec.h3_deltas.tolist() == [0, 0]  # route results stay in combine
             else:
-                x_bytes, h1_bytes = mine * 256 * 2, mine * 512 * 2  # both multiples of 128
+                # x_rows at the cursor, or (gathered False) the input x [T=2, D] there and the
+                # rows gathered again into scratch xs by the backward
+                x_bytes = (mine if gathered else 2) * 256 * 2
+                h1_bytes = mine * 512 * 2  # both multiples of 128
                 h1, h3 = start + x_bytes // 2, start + (x_bytes + h1_bytes) // 2
-                assert rec.offsets.tolist() == [h1, start, h3, -1]
-                assert rec.backward.tolist() == [buf.elements.data_ptr() + 2 * h3, h1, start]
+                h3_address = buf.elements.data_ptr() + 2 * h3
+                if gathered:
+                    assert rec.offsets.tolist() == [h1, start, h3, -1]
+                    assert rec.backward.tolist() == [h3_address, h1, start]
+                else:
+                    assert rec.offsets.tolist() == [h1, -1, h3, start]
+                    assert rec.backward.tolist() == [h3_address, h1, scratch["xs"]]
                 # the experts return this rank's h3 rows straight into its slot
                 assert combine_address + rec.h3_deltas[rank].item() == rec.backward[0].item()
         with pytest.raises(ValueError, match="slot 0 already holds 4 layers"):
@@ -160,11 +172,14 @@ LAYERS = ["balanced", "imbalance_8x", "inactive_mix", "all_to_one_expert", "bala
           "zero_live_tokens_on_last_rank"]
 
 
-def _cfg(world, layers, *, num_slots=1, mode="mixed", save_route_outputs=True):
+def _cfg(world, layers, *, num_slots=1, mode="mixed", save_route_outputs=True,
+         save_gathered_rows=True):
     base = dict(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T, row_block=BLOCK,
                 device_scratch_factor=float(world), max_layers_per_slot=layers,
-                num_slots=num_slots, save_route_outputs=save_route_outputs)
-    plan = dm.plan_memory(dm.MoEConfig(**base), world)
+                num_slots=num_slots, save_route_outputs=save_route_outputs,
+                save_gathered_rows=save_gathered_rows)
+    # the same bytes whether saved layers keep their gathered rows or their input
+    plan = dm.plan_memory(dm.MoEConfig(**{**base, "save_gathered_rows": True}), world)
     if mode == "save":
         cap = plan.useful_max_slot_bytes
     else:  # between the inputs-only minimum and the balanced full save
@@ -172,10 +187,12 @@ def _cfg(world, layers, *, num_slots=1, mode="mixed", save_route_outputs=True):
     return dm.MoEConfig(**base, activation_bytes=cap)
 
 
-def _stack_rank(rank, world, seed, mode, checkpointed=None, save_route_outputs=True):
+def _stack_rank(rank, world, seed, mode, checkpointed=None, save_route_outputs=True,
+                save_gathered_rows=True):
     """``checkpointed``: {layer: use_reentrant} for layers run under torch.utils.checkpoint."""
     checkpointed = checkpointed or {}
-    cfg = _cfg(world, len(LAYERS), mode=mode, save_route_outputs=save_route_outputs)
+    cfg = _cfg(world, len(LAYERS), mode=mode, save_route_outputs=save_route_outputs,
+               save_gathered_rows=save_gathered_rows)
     problems = [split_global_problem(*make_problem(seed + i, world, T, D, F, E, K, name),
                                      world)[rank] for i, name in enumerate(LAYERS)]
     g = torch.Generator().manual_seed(seed)
@@ -197,7 +214,8 @@ def _stack_rank(rank, world, seed, mode, checkpointed=None, save_route_outputs=T
         stats = all_stats["activations"]
         return dict(y=h.detach(), grads=[t.grad for t in leaves], replays=replays,
                     depth=stats["slot_depth"], cursors=stats["slot_cursors"],
-                    always_saves=stats["always_saves"], calls=all_stats["calls"])
+                    always_saves=stats["always_saves"], regathers=stats["regathers"],
+                    calls=all_stats["calls"])
 
 
 def test_six_layer_stack_replay_is_bit_identical_to_save_all():
@@ -241,6 +259,34 @@ def test_stack_without_route_outputs_in_the_slot_gives_the_same_bits():
             assert m["depth"] == [0] and m["cursors"] == [[0, 0]]
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_stack_regathering_rows_gives_the_same_bits(world):
+    """save_gathered_rows=False: saved layers keep their input instead of their gathered
+    rows, which the backward gathers again; outputs and every gradient are bit-identical to
+    the default, saved or replayed (and with the route results dropped too). At EP = 1 a
+    saved layer keeps T rows instead of T*K, so the same mixed slot saves a longer run of
+    layers whole."""
+    seed = 99
+    saved = dm.launch(_stack_rank, world, args=(seed, "save"))
+    default_mixed = dm.launch(_stack_rank, world, args=(seed, "mixed"))
+    for mode, drop in (("save", False), ("mixed", False), ("mixed", True)):
+        regather = dm.launch(_stack_rank, world, args=(seed, mode, None, not drop, False))
+        for rank in range(world):
+            s, m = saved[rank], regather[rank]
+            assert m["regathers"] and not s["regathers"]
+            if mode == "save":
+                assert m["always_saves"] and not any(m["replays"])
+            else:
+                assert any(m["replays"]) and not all(m["replays"]), m["replays"]
+                if world == 1 and not drop:  # the first replay comes later
+                    first = default_mixed[rank]["replays"].index(True)
+                    assert m["replays"].index(True) > first, m["replays"]
+            assert torch.equal(m["y"], s["y"])
+            for i, (ga, gb) in enumerate(zip(m["grads"], s["grads"], strict=True)):
+                assert ga is not None and torch.equal(ga, gb), f"{mode}: gradient {i} differs"
+            assert m["depth"] == [0] and m["cursors"] == [[0] * world]
+
+
 def _slots_rank(rank, world, seed):
     """Layer A in slot 0, layer B in slot 1, slot 0 reselected before the backward: each
     backward must use the slot its forward recorded."""
@@ -282,12 +328,14 @@ def test_backward_uses_the_slot_its_forward_recorded():
         assert r["two_slots_depth"] == [0, 0] and r["one_slot_depth"] == [0]
 
 
+@pytest.mark.parametrize("kept_x", [0, 1536], ids=["x_rows", "kept_x"])
 @pytest.mark.parametrize("h3_bytes", [2048, 0], ids=["route_outputs", "no_route_outputs"])
 @pytest.mark.parametrize("ep", [1, 3, 8])
-def test_slot_cursor_kernel_matches_torch_ops(ep, h3_bytes):
+def test_slot_cursor_kernel_matches_torch_ops(ep, h3_bytes, kept_x):
     """The one-program decision (the device path, interpreted on CPU) against the same rule
     in torch ops, on random rows and cursors that straddle the save/replay boundary, with row
-    byte counts that are not multiples of 128 (the rounding matters)."""
+    byte counts that are not multiples of 128 (the rounding matters). ``kept_x``: saved
+    layers keep the input (1536 B) instead of x_rows (``save_gathered_rows`` False)."""
     from distmoe.kernels import slot_cursor as sc
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -298,7 +346,8 @@ def test_slot_cursor_kernel_matches_torch_ops(ep, h3_bytes):
         cursors = (torch.randint(0, 200, (ep,), generator=gen) * 128).to(dev)
         args = dict(rank=trial % ep, slot_base=3 * 65536, slot_bytes=14_000 + 3_000 * trial,
                     input_bytes=1536, reserve=1536 * (trial % 3), h3_bytes=h3_bytes,
-                    x_row_bytes=2 * 40, h1_row_bytes=2 * 2 * 24, combine_address=7 * 4096,
+                    x_row_bytes=0 if kept_x else 2 * 40, kept_x_bytes=kept_x,
+                    h1_row_bytes=2 * 2 * 24, combine_address=7 * 4096,
                     elements_address=11 * 4096, replay_offsets=(12_288, 20_480),
                     act_bases=(torch.randint(1, 1 << 20, (ep,), generator=gen) * 4096).to(dev),
                     combine_bases=(torch.randint(1, 1 << 20, (ep,), generator=gen) * 4096).to(dev))
@@ -315,12 +364,15 @@ def test_slot_cursor_kernel_matches_torch_ops(ep, h3_bytes):
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g, w), (trial, g, w)
         outcomes.add(bool(got[1]))
-        # every rank's h3 rows: its activation buffer + slot + cursor + x_rows + h1 (saved)
-        saved_at = (args["act_bases"] + args["slot_base"] + cursors
-                    + (rows * 80 + 127) // 128 * 128 + (rows * 96 + 127) // 128 * 128
-                    - args["combine_bases"])
+        # every rank's h3 rows: its activation buffer + slot + cursor + x_rows (or x) + h1
+        x_state = kept_x if kept_x else (rows * 80 + 127) // 128 * 128
+        saved_at = (args["act_bases"] + args["slot_base"] + cursors + x_state
+                    + (rows * 96 + 127) // 128 * 128 - args["combine_bases"])
         saved = (~got[1]).long() * (h3_bytes > 0)
         assert torch.equal(got[4], saved_at * saved)
         if h3_bytes == 0:  # no route results in the slot: h3 offset -1, combine address
             assert got[2][2].item() == -1 and got[3][0].item() == args["combine_address"]
+        if kept_x:  # no x_rows, the input kept either way, the rows read from scratch xs
+            assert got[2][1].item() == -1 and got[2][3].item() >= 0
+            assert got[3][2].item() == args["replay_offsets"][1]
     assert outcomes == {False, True}  # both saved and replayed layers were compared

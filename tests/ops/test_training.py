@@ -37,12 +37,15 @@ def _cfg(world, mode):
     """Two layers per slot (the stack test shares one context). ``save``: a slot that keeps
     every layer whole whatever the routing (the backward's replay steps are skipped);
     ``save_lean``: the same without the route results in the slot (``save_route_outputs``
-    False); ``replay``: the inputs-only minimum, every layer replays in backward."""
+    False); ``save_regather``: saved layers keep x instead of their gathered rows
+    (``save_gathered_rows`` False: the backward gathers them again); ``replay`` /
+    ``replay_regather``: the inputs-only minimum, every layer replays in backward."""
     base = dict(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T, training=True,
                 row_block=BLOCK, device_scratch_factor=float(world), max_layers_per_slot=2,
-                save_route_outputs=mode != "save_lean")
+                save_route_outputs=mode != "save_lean",
+                save_gathered_rows=not mode.endswith("regather"))
     plan = dm.plan_memory(dm.MoEConfig(**base), world)
-    cap = plan.min_slot_bytes if mode == "replay" else plan.useful_max_slot_bytes
+    cap = plan.min_slot_bytes if mode.startswith("replay") else plan.useful_max_slot_bytes
     return dm.MoEConfig(**base, activation_bytes=cap)
 
 
@@ -150,9 +153,10 @@ def check_training(EP, mode, device, gpus=(0,)):
     seed = 4321 + EP
     kw = dict(device="cuda", gpus=list(gpus), timeout=600) if device == "cuda" else {}
     per_rank = dm.launch(training_rank, EP, args=(seed, mode, device), **kw)
-    assert all(r["always_saves"] == (mode != "replay") for r in per_rank)
+    replays = mode.startswith("replay")
+    assert all(r["always_saves"] == (not replays) for r in per_rank)
     for r in per_rank:  # every case took the path the budget forces
-        assert r["replays"] == [mode == "replay"] * len(NAMES), r["replays"]
+        assert r["replays"] == [replays] * len(NAMES), r["replays"]
     gy = _upstream(seed, EP * T)
     for name in NAMES:
         x, ids, scores, w13, w2 = make_problem(seed, EP, T, D, F, E, K, name)
@@ -191,7 +195,8 @@ def check_training(EP, mode, device, gpus=(0,)):
 
 
 @pytest.mark.parametrize("EP, mode", [(1, "save"), (1, "replay"), (2, "save"), (2, "replay"),
-                                      (2, "save_lean"),
+                                      (2, "save_lean"), (1, "save_regather"),
+                                      (2, "save_regather"), (2, "replay_regather"),
                                       (4, "replay")])  # EP=4: issue 8's CPU share
 def test_training_matches_torch_autograd(EP, mode):
     check_training(EP, mode, "cpu")

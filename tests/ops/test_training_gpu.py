@@ -12,7 +12,7 @@ from distmoe.reference import split_global_problem
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["save", "replay", "save_lean"])
+@pytest.mark.parametrize("mode", ["save", "replay", "save_lean", "save_regather"])
 @pytest.mark.parametrize("EP", [1, 2])
 def test_training_gpu_matches_torch_autograd(EP, mode):
     check_training(EP, mode, "cuda")
@@ -21,10 +21,11 @@ def test_training_gpu_matches_torch_autograd(EP, mode):
 D, F, T, E, K = 256, 128, 64, 8, 2
 
 
-def _graph_step_rank(rank, world):
+def _graph_step_rank(rank, world, gathered=True):
     dev = torch.device("cuda", torch.cuda.current_device())
     base = dict(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
-                device_scratch_factor=float(world), max_layers_per_slot=2)
+                device_scratch_factor=float(world), max_layers_per_slot=2,
+                save_gathered_rows=gathered)
     plan = dm.plan_memory(dm.MoEConfig(**base), world)
     # a slot between the inputs-only minimum and full save: layer 2 (imbalanced) replays
     cfg = dm.MoEConfig(**base, activation_bytes=(plan.min_slot_bytes
@@ -85,9 +86,11 @@ def _graph_step_rank(rank, world):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gathered", [True, False], ids=["x_rows", "regather"])
 @pytest.mark.parametrize("EP", [1, 2])
-def test_cuda_graph_training_step_with_new_inputs_equals_eager(EP):
-    out = dm.launch(_graph_step_rank, EP, device="cuda", gpus=[0], timeout=600)
+def test_cuda_graph_training_step_with_new_inputs_equals_eager(EP, gathered):
+    out = dm.launch(_graph_step_rank, EP, args=(gathered,), device="cuda", gpus=[0],
+                    timeout=600)
     for results, depth in out:
         assert depth == [0]
         for same, replayed_flags, eager_flags in results:

@@ -39,7 +39,8 @@ def test_parse_variant(abi):
     assert abi.parse_variant("g16=w13:group_m=16+w2:gluon=False") == (
         "g16", ["w13:group_m=16", "w2:gluon=False"])
     for bad in ("g16", "=w13:group_m=16", "g16=", "base=w13:group_m=16",
-                "replay=w13:group_m=16", "ep1share=w2:num_stages=3"):
+                "replay=w13:group_m=16", "ep1share=w2:num_stages=3",
+                "regather=w13:group_m=16"):
         with pytest.raises(ValueError, match="NAME=SPEC"):
             abi.parse_variant(bad)
 
@@ -144,10 +145,11 @@ def test_two_cpu_ranks_with_the_ep1_share(tmp_path):
 
 def test_replay_row_times_the_same_layer_replayed(tmp_path):
     """``--replay``: a second layer whose slot holds its input only (activation_factor 0),
-    so its backward replays the forward, timed in the same rounds as the saved layer."""
+    so its backward replays the forward, timed in the same rounds as the saved layer;
+    ``--regather``: a third whose saved layers keep their input instead of their rows."""
     out = _run_tool(tmp_path, ["--shape", "smoke", "--tokens", "48", "--mode", "fwdbwd",
                                "--rounds", "2", "--iters", "1", "--warmup", "1", "--replay",
-                               "--routing", "exact"], nproc=1)
+                               "--regather", "--routing", "exact"], nproc=1)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
     caps = {}
@@ -155,12 +157,15 @@ def test_replay_row_times_the_same_layer_replayed(tmp_path):
         if " layer: activation buffer " in line:
             name, rest = line.split(" layer: ")
             caps[name.strip()] = int(rest.split("slot capacity ")[1].split()[0])
-    assert set(caps) == {"base", "replay"}
-    assert 0 < caps["replay"] < caps["base"]
-    assert any("(activation_factor 0.0)" in line for line in lines)
+    assert set(caps) == {"base", "replay", "regather"}
+    assert 0 < caps["replay"] < caps["regather"] < caps["base"]  # EP = 1: T rows, not T*K
+    assert any("(activation_factor 0.0, save_gathered_rows True)" in line for line in lines)
+    assert any("regather layer:" in line and "save_gathered_rows False" in line
+               for line in lines)
     rows = {line.split()[0]: line for line in lines if line.startswith("  ") and " x" in line}
-    assert set(rows) == {"base", "replay"}
+    assert set(rows) == {"base", "replay", "regather"}
     assert "replayed / saved:" in rows["replay"]
+    assert "regathered / saved:" in rows["regather"]
 
 
 def test_replay_needs_the_backward(tmp_path):

@@ -226,21 +226,26 @@ def full_state_breakdown(cfg: MoEConfig, ep_size: int, rows: int) -> tuple[Tenso
         h2_col.scale  [F, Rp/32]   e8m0   align128(Rp*F/32)
         h3_routes     [T, K, D]    bf16   align128(T*K*D*2)
 
+    With ``cfg.save_gathered_rows`` False the gathered rows (``x_gathered``, or mxfp8's
+    ``x_col`` bundle) give way to the layer's input ``x [T, D]`` bf16, ``align128(T*D*2)``,
+    which the backward gathers again (docs/memory.md).
+
     Inference keeps nothing.
     """
     if not cfg.training:
         return ()
     t, d, f, k = cfg.max_tokens, cfg.hidden, cfg.ffn, cfg.top_k
     h3 = (tensor_bytes("h3_routes", (t, k, d), "bf16"),) if cfg.save_route_outputs else ()
+    kept_x = () if cfg.save_gathered_rows else input_breakdown(cfg)
     if cfg.precision == "bf16":
         return (
-            tensor_bytes("x_gathered", (rows, d), "bf16"),
+            *(kept_x or (tensor_bytes("x_gathered", (rows, d), "bf16"),)),
             tensor_bytes("h1", (rows, 2 * f), "bf16"),
             *h3,
         )
     rp = padded_rows(cfg, ep_size, rows)
     return (
-        *_mx_col_bundle("x_col", rp, d),
+        *(kept_x or _mx_col_bundle("x_col", rp, d)),
         tensor_bytes("h1", (rp, 2 * f), "bf16"),
         *_mx_col_bundle("h2_col", rp, f),
         *h3,

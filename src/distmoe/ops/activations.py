@@ -17,7 +17,9 @@ routing tables give them to every rank without communication), the planner's rul
 so all ranks take the same decision, inside CUDA-graph replay too. A saved layer keeps its
 gathered rows, h1 and its returned route results (``x_rows [R, D] | h1 [R, 2F] | h3 [T_max*K,
 D]`` at the cursor); a replayed layer keeps its input ``x [T, D]`` only and rebuilds the rest
-in backward. Every rank advances every rank's cursor (``saved_r``) the same way, so the
+in backward. With ``cfg.save_gathered_rows`` False a saved layer keeps ``x [T, D] | h1 | h3``
+(``align128(R_r*D*2)`` becomes ``align128(T_max*D*2)`` in ``full_r``) and its backward
+gathers the rows again into scratch ``xs``. Every rank advances every rank's cursor (``saved_r``) the same way, so the
 cursors stay identical replicas. Backward runs in reverse layer order and restores the cursor
 that its forward started from; it uses the slot id its forward recorded, whatever slot is
 selected later.
@@ -25,7 +27,7 @@ selected later.
 **Scratch** is shared by all calls, one at a time (activation rows, ``R = R_b`` the device
 receive bound)::
 
-    xs   [R, D]   replayed gathered rows            (backward of a replayed layer)
+    xs   [R, D]   replayed (or regathered) rows     (backward of a layer without x_rows)
     h1g  [R, 2F]  replayed h1, then grad_h1 in place (backward)
     h2   [R, F]   SwiGLU output (forward), score * h2 (backward, for W2 WGRAD)
     gh3  [R, D]   the routes' grad_y rows (unscaled), in activation rows: written by their
@@ -114,6 +116,9 @@ class ActivationBuffer:
         self.h3_bytes = align128(T * K * D * 2) if cfg.save_route_outputs else 0
         # Static: does every layer save whatever the routing? (then backward never replays)
         self.always_saves = self.layers_per_slot * plan.full_state_bytes(R) <= self.slot_bytes
+        # Saved layers keep x instead of x_rows: every backward gathers the rows again.
+        self.regathers = not cfg.save_gathered_rows
+        self.kept_x_bytes = 0 if cfg.save_gathered_rows else self.input_bytes
 
         nbytes = plan.activation_buffer_bytes
         if allocate is None:
@@ -213,7 +218,8 @@ class ActivationBuffer:
             self.cursors[s], rank=self.rank, slot_base=s * self.slot_bytes,
             slot_bytes=self.slot_bytes, input_bytes=self.input_bytes,
             reserve=(self.layers_per_slot - 1 - layer) * self.input_bytes,
-            h3_bytes=self.h3_bytes, x_row_bytes=D * 2, h1_row_bytes=2 * F * 2,
+            h3_bytes=self.h3_bytes, x_row_bytes=0 if self.regathers else D * 2,
+            h1_row_bytes=2 * F * 2, kept_x_bytes=self.kept_x_bytes,
             combine_address=combine_address, elements_address=self.elements.data_ptr(),
             replay_offsets=(so["h1g"], so["xs"]), act_bases=act_bases,
             combine_bases=combine_bases,
@@ -255,4 +261,5 @@ class ActivationBuffer:
         return dict(activation_buffer_bytes=self.storage.numel(),
                     slot_capacity_bytes=self.slot_bytes, num_slots=self.num_slots,
                     scratch_bytes=self.plan.scratch_bytes, slot_depth=list(self.depth),
-                    slot_cursors=self.cursors.tolist(), always_saves=self.always_saves)
+                    slot_cursors=self.cursors.tolist(), always_saves=self.always_saves,
+                    regathers=self.regathers)

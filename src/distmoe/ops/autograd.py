@@ -12,12 +12,15 @@ Backward is **collective**: every rank must run the backward of the same calls i
 order, and the layers of a slot in reverse order of their forwards. Per call:
 
     0. rewind the slot cursor to where the forward started
-    (replay steps, skipped entirely when the slot is large enough for every layer to save;
-     otherwise launched always and turned off on the device for saved layers)
+    (replay steps, skipped entirely when the slot is large enough for every layer to save
+     its gathered rows; otherwise launched always and turned off on the device for layers
+     that kept their rows)
     r1. owner: copy the kept x back into its dispatch rows 0..T-1
     r2. barrier                    (republished x visible)
     r3. expert: W13 again into scratch (xs, h1g, h2). W2 is not rerun: the backward needs
-        no h3, since the experts compute the score gradients (step 3)
+        no h3, since the experts compute the score gradients (step 3). A saved layer that
+        kept x instead of its rows (``cfg.save_gathered_rows`` False) runs r1 and r2 too,
+        then only gathers its rows into scratch xs (regather_rows), the same bits
     1. owner:  push_route_grads: bf16(grad_y[t]) of every executed route, unscaled, is pushed
                straight into the expert's scratch gh3, at the activation row the expert
                executes the route at (tables.dest_rows_TK; the activation buffer is a heap
@@ -136,6 +139,7 @@ class MoEFunction(torch.autograd.Function):
     @once_differentiable  # its kernels build no graph: create_graph=True would lose terms
     def backward(ctx, grad_y):
         from ..kernels.offset_copy import offset_copy
+        from ..kernels.regather_rows import regather_rows
         from ..kernels.w13_gather_swiglu import gather_w13_swiglu
 
         moe = ctx.moe
@@ -166,16 +170,22 @@ class MoEFunction(torch.autograd.Function):
         dispatch_rows = moe._dispatch[:T * K]
         replay = rec.replay
 
-        if not acts.always_saves:
+        if not acts.always_saves or acts.regathers:
             # r1-r3: rebuild a replayed layer's state (every kernel is off on the device for a
-            # saved layer; the barrier runs either way so that all ranks stay paired).
+            # layer that kept its rows; the barrier runs either way so that all ranks stay
+            # paired). With regathers every layer kept x: the table is needed either way.
             offset_copy(moe._dispatch, elements, T * D, src_offset=rec.offsets[3:4])
             heap.barrier()
             enable = replay.to(torch.int32)
-            gather_ptrs = moe._gather_table(tables.gather_ptrs, enable)
-            gather_w13_swiglu(gather_ptrs, po, ro, w13, scratch["h2"], h1_out=elements,
-                              x_out=elements, out_offsets=moe._replay_offsets, enable=enable,
-                              config=moe._w13_cfg)
+            gather_ptrs = moe._gather_table(tables.gather_ptrs,
+                                            None if acts.regathers else enable)
+            if acts.regathers:
+                regather_rows(gather_ptrs, po, ro, scratch["xs"], block_m=cfg.row_block,
+                              enable=1 - enable)
+            if not acts.always_saves:
+                gather_w13_swiglu(gather_ptrs, po, ro, w13, scratch["h2"], h1_out=elements,
+                                  x_out=elements, out_offsets=moe._replay_offsets,
+                                  enable=enable, config=moe._w13_cfg)
         # where the state is, saved or rebuilt (decided with the forward's slot record)
         h1_offset, x_offset = rec.backward[1:2], rec.backward[2:3]
 

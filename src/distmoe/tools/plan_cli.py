@@ -89,6 +89,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="saved layers keep no returned route results h3 (MoEConfig.save_route_outputs "
         "False; the backward does not read them)",
     )
+    budget.add_argument(
+        "--regather-rows",
+        action="store_true",
+        help="saved layers keep their input x [T, D] instead of their gathered rows "
+        "(MoEConfig.save_gathered_rows False; the backward gathers them again)",
+    )
     budget.add_argument("--slots", type=int, default=None, help="activation slots (1)")
     budget.add_argument(
         "--layers-per-slot",
@@ -199,6 +205,7 @@ def build_plan(args: argparse.Namespace) -> MemoryPlan:
             num_slots=1 if args.slots is None else args.slots,
             max_layers_per_slot=layers,
             save_route_outputs=not args.drop_route_outputs,
+            save_gathered_rows=not args.regather_rows,
             **extra,
         )
         cfg.check_ep_size(args.ep)
