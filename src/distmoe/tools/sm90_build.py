@@ -590,6 +590,7 @@ def other_kernel_cases() -> list[BuildCase]:
     from distmoe.kernels import offset_copy as oc
     from distmoe.kernels import publish_ids as pub
     from distmoe.kernels import pull_tokens as pull
+    from distmoe.kernels import regather_rows as regather
     from distmoe.kernels import route_grad as rg
     from distmoe.kernels import w2_backward as w2b
     from distmoe.kernels import w13_phases as phases
@@ -712,8 +713,8 @@ def other_kernel_cases() -> list[BuildCase]:
         dict(E=E, E_LOCAL=E_LOCAL, EP=EP, ROW_BLOCK=128, EB=EB, EPB=EPB), 4, 1,
         types={"counts_ptr": "*i32", "scratch_ptr": "*i32", "rows_per_expert_ptr": "*i32",
                "executed_ep_ptr": "*i64", "RANK": "i32", "RECEIVE_BOUND": "i32"}))
-    i64 = ("slot_base", "slot_bytes", "input_bytes", "reserve", "h3_bytes", "combine_address",
-           "elements_address", "replay_h1_offset", "replay_x_offset")
+    i64 = ("slot_base", "slot_bytes", "input_bytes", "reserve", "kept_x_bytes", "h3_bytes",
+           "combine_address", "elements_address", "replay_h1_offset", "replay_x_offset")
     cases.append(BuildCase(
         "begin_layer (slot cursor)", slot_cursor._begin_layer_kernel,
         dict(X_ROW_BYTES=2 * D, H1_ROW_BYTES=4 * 768, EP=EP, EP_POW2=EP), 1, 1,
@@ -721,6 +722,12 @@ def other_kernel_cases() -> list[BuildCase]:
                                       "backward_ptr", "act_bases_ptr", "combine_bases_ptr",
                                       "deltas_ptr")},
                "replay_ptr": "*i1", "rank": "i32", **{n: "i64" for n in i64}}))
+    cases.append(BuildCase(
+        "regather_rows", regather._regather_kernel,
+        dict(HIDDEN=D, NUM_EXPERTS=E // EP, EXPERTS_POW2=E // EP, BLOCK_M=32,
+             BLOCK_D=regather._BLOCK_D, HAS_ENABLE=True), 4, 1,
+        types={"gather_ptrs_ptr": "*i64", "padded_offsets_ptr": "*i32",
+               "row_offsets_ptr": "*i32", "out_ptr": "*bf16", "enable_ptr": "*i32"}))
     cases.append(BuildCase(
         "device_barrier", barrier._device_barrier_kernel, dict(WORLD=EP), 1, 1,
         types={"signal_bases_ptr": "*i64", "epoch_ptr": "*i64", "rank": "i32"}))
