@@ -30,7 +30,7 @@ the layer's forward (:mod:`distmoe.ops.activations`): what fitting a memory budg
 costs, as a same-round ratio. The same inputs are drawn for both layers; both contexts'
 activation buffer sizes are printed.
 
-``--regather`` (``--mode fwdbwd`` only) adds a row "regather": a second layer whose context
+``--regather`` (``--mode fwdbwd`` only) adds a row "regather": another layer whose context
 has ``save_gathered_rows`` False (a saved layer keeps its input instead of its gathered rows,
 and its backward gathers them again), timed the same way, with its smaller slot printed.
 
@@ -123,7 +123,8 @@ def variant_configs(ctx, specs: list[str], training: bool) -> dict[str, object]:
     return out
 
 
-#: row names the tool gives its own layers: the heuristics, ``--ep1-share``, ``--replay``
+#: row names the tool gives its own layers: the heuristics, ``--ep1-share``, ``--replay``,
+#: ``--regather``
 _RESERVED = ("base", "ep1share", "replay", "regather")
 
 

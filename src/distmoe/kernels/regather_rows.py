@@ -31,6 +31,7 @@ from distmoe.kernels._common import (
     tile_activation_rows,
     tile_expert,
 )
+from distmoe.kernels.w13_gather_swiglu import _check_r_cap
 
 __all__ = ["regather_rows"]
 
@@ -102,9 +103,7 @@ def regather_rows(
             or block_m & (block_m - 1):
         raise ValueError(f"block_m ({block_m!r}) must be a power of two >= 16")
     r_cap = gather_ptrs.shape[0]
-    if r_cap % block_m:
-        raise ValueError(f"R_cap ({r_cap}, rows of gather_ptrs) must be a multiple of "
-                         f"block_m ({block_m})")
+    _check_r_cap(r_cap, block_m)
     named = dict(gather_ptrs=gather_ptrs, padded_offsets=padded_offsets,
                  row_offsets=row_offsets, out=out)
     if enable is not None:

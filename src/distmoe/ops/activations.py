@@ -19,8 +19,8 @@ gathered rows, h1 and its returned route results (``x_rows [R, D] | h1 [R, 2F] |
 D]`` at the cursor); a replayed layer keeps its input ``x [T, D]`` only and rebuilds the rest
 in backward. With ``cfg.save_gathered_rows`` False a saved layer keeps ``x [T, D] | h1 | h3``
 (``align128(R_r*D*2)`` becomes ``align128(T_max*D*2)`` in ``full_r``) and its backward
-gathers the rows again into scratch ``xs``. Every rank advances every rank's cursor (``saved_r``) the same way, so the
-cursors stay identical replicas. Backward runs in reverse layer order and restores the cursor
+gathers the rows again into scratch ``xs``. Every rank advances every rank's cursor
+(``saved_r``) the same way, so the cursors stay identical replicas. Backward runs in reverse layer order and restores the cursor
 that its forward started from; it uses the slot id its forward recorded, whatever slot is
 selected later.
 
