@@ -15,6 +15,9 @@ tensor, both descriptors from the host, to show what the device-built one costs)
 config writes a NaN-poisoned output once and ``err`` is its largest difference from the
 heuristic's output, relative to that output's largest magnitude (same row steps in the same
 order: expect 0 or rounding-level differences; NaN means an element was not written).
+``w13_wgrad_x_rows`` reads x's rows in place through a gather table instead (``x_rows``:
+token-major x, each token on K rows in random order; what a layer that kept x runs at EP=1),
+for the heuristic and the warp-specialised Gluon configs.
 Prints one table per kernel, fastest first, with TFLOP/s (2 * rows * P * Q per call), and
 writes every row to ``--csv`` when given.
 """
@@ -116,14 +119,36 @@ def main() -> int:
         def run13_2d(c, gh1=gh1, x=x, po=po, ro=ro, g13=g13):
             w13_wgrad(gh1, x, po, ro, g13, accumulate=False, config=c)
 
+        # x's rows read in place (EP = 1, a layer that kept x: MoEConfig.save_gathered_rows
+        # False): token-major x [T, D] at a device-side offset and the gather table by padded
+        # row, each token's K routes on K rows in random order, as behind a router
+        x_tok = torch.randn(T, D, device=dev).bfloat16()
+        tok_base = torch.cat([torch.zeros(64, device=dev, dtype=x.dtype), x_tok.reshape(-1)])
+        token = torch.randperm(R, device=dev) // K
+        act = torch.arange(R, device=dev)
+        expert = torch.searchsorted(ro[1:].long(), act, right=True)
+        table = torch.zeros(int(po[-1]), dtype=torch.int64, device=dev)
+        origin = x_tok.data_ptr()  # the table names x_tok's rows; read at tok_base + 64
+        table[po.long()[expert] + act - ro.long()[expert]] = origin + token * (D * 2)
+
+        def run13_rows(c, gh1=gh1, x=tok_base, xo=x_offset, po=po, ro=ro, g13=g13, t=table,
+                       o=origin):
+            w13_wgrad(gh1, x, po, ro, g13, x_offset=xo, accumulate=False, config=c, x_rows=t,
+                      rows_origin=o)
+
         for kernel, (P, Q), fn in (("w13_wgrad", (2 * F, D), run13),
                                    ("w13_wgrad_2d", (2 * F, D), run13_2d),
+                                   ("w13_wgrad_x_rows", (2 * F, D), run13_rows),
                                    ("w2_wgrad", (D, F), run2)):
             results = []
             first_out = None
             out_t = g2 if kernel == "w2_wgrad" else g13
             cands = _candidates(WgradConfig, P, Q, max(1, R // E), args.quick)
-            for i, cfg in enumerate(cands[:1] if kernel == "w13_wgrad_2d" else cands):
+            if kernel == "w13_wgrad_2d":
+                cands = cands[:1]
+            elif kernel == "w13_wgrad_x_rows":  # the heuristic and the other Gluon forms
+                cands = [c for i, c in enumerate(cands) if i == 0 or c.specialized]
+            for i, cfg in enumerate(cands):
                 try:
                     out_t.fill_(float("nan"))  # poisoned: every element must be written
                     fn(cfg)

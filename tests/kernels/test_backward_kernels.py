@@ -1365,6 +1365,66 @@ def test_w13_wgrad_x_offset(host_descriptors):
     assert same_bits(got, plain)
 
 
+def rows_in_place(layout: Layout, hidden: int, *, top_k: int = 2, null_every: int = 7):
+    """What a layer that kept its input hands the W13 WGRAD at EP = 1: token-major x
+    ``[T, D]`` (token = route // ``top_k``) inside a NaN-poisoned 1-D base at an offset, and a
+    table naming, by padded row, rows of another buffer (``origin``'s rows, never read) with
+    the same pitch. Every ``null_every``-th live row is null (0: zeros); padding and idle rows
+    name the NaN row just past x (read, it shows). Returns ``(base, x_offset, table, origin,
+    x_gathered, origin_buffer)``: ``x_gathered`` the ``[R_act, D]`` rows the table stands
+    for (NaN in spare rows), ``origin_buffer`` what ``origin`` points into (keep it alive)."""
+    route = layout.route_of_row
+    tokens = max(1, int(route.max()) // top_k + 1)
+    x_tok = torch.randn(tokens, hidden, device=DEVICE).bfloat16()
+    offset = 8 * 3  # elements: 16-byte aligned, not a multiple of a row
+    base = poisoned(offset + (tokens + 1) * hidden)
+    base[offset:offset + tokens * hidden] = x_tok.reshape(-1)
+    origin_buffer = poisoned(tokens + 1, hidden)
+    origin = origin_buffer.data_ptr()
+    row_bytes = hidden * 2
+    live = route >= 0
+    token = route.clamp(min=0) // top_k
+    table = torch.where(live, origin + token * row_bytes, origin + tokens * row_bytes)
+    null = live & (torch.arange(route.numel()) % null_every == 3)
+    table[null] = 0
+    x_gathered = poisoned(layout.num_act, hidden)
+    act = layout.act_of_row
+    rows = live & (act >= 0)
+    x_gathered[act[rows].to(DEVICE)] = x_tok[token[rows].to(DEVICE)]
+    x_gathered[act[null].to(DEVICE)] = 0
+    x_offset = torch.tensor([offset], dtype=torch.int64, device=DEVICE)
+    return base, x_offset, table.to(DEVICE), origin, x_gathered, origin_buffer
+
+
+@pytest.mark.parametrize(
+    "split_rows,host_descriptors,accumulate",
+    [(1, True, True), (2, False, True), (1, True, False), (1, False, False)],
+)
+def test_w13_wgrad_x_rows(split_rows, host_descriptors, accumulate):
+    """x's rows read in place through the gather table (``x_rows``): the same bits as the
+    same kernel over the gathered rows stored in order (same row steps, same order), with
+    null rows (zeros), NaN where a padding row's address points, NaN around x, and an
+    empty expert and partial last steps."""
+    num_experts, hidden, ffn, block_m = 4, 40, 24, 32
+    layout = layout_from_counts([40, 0, 19, 33], block_m, idle_tiles=1)
+    grad_h1 = _wgrad_operand(layout, 2 * ffn, big_experts=[2])
+    base, x_offset, table, origin, x_gathered, _keep = rows_in_place(layout, hidden)
+    before = torch.randn(num_experts, 2, ffn, hidden, device=DEVICE)
+    config = WgradConfig(block_m=block_m, block_k=16, block_out_m=32, block_out_n=16,
+                         split_rows=split_rows, num_warps=4, num_stages=2,
+                         host_descriptors=host_descriptors)
+    po, ro = layout.padded_offsets, layout.row_offsets
+    plain = before.clone() if accumulate else poisoned(*before.shape, dtype=torch.float32)
+    w13_wgrad(grad_h1, x_gathered, po, ro, plain, accumulate=accumulate, config=config)
+    got = before.clone() if accumulate else poisoned(*before.shape, dtype=torch.float32)
+    w13_wgrad(grad_h1, base, po, ro, got, x_offset=x_offset, accumulate=accumulate,
+              config=config, x_rows=table, rows_origin=origin)
+    assert torch.isfinite(got).all()
+    assert same_bits(got, plain)
+    if accumulate:
+        assert_wgrad_close(got, grad_h1, x_gathered, layout, before, rows_sum=w13_wgrad_ref)
+
+
 @pytest.mark.parametrize("host_descriptors", [True, False], ids=["host_desc", "device_desc"])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_wgrad_overwrite(out_dtype, host_descriptors):
@@ -1849,6 +1909,19 @@ def test_validation_errors_new_arguments():
         w13_wgrad(h1, x_base, offsets, row_offsets, grad_w13)
     with pytest.raises(ValueError, match=r"x_gathered must start at a 16-byte aligned address"):
         w13_wgrad(h1, x_base[3:], offsets, row_offsets, grad_w13, x_offset=off)
+    # x_rows (a row address table; checked before any launch)
+    table = torch.zeros(64, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"x_rows needs x_offset .*got x_offset=None"):
+        w13_wgrad(h1, x_base, offsets, row_offsets, grad_w13, x_rows=table)
+    with pytest.raises(TypeError, match=r"x_rows must have dtype int64, got torch.int32"):
+        w13_wgrad(h1, x_base, offsets, row_offsets, grad_w13, x_offset=off,
+                  x_rows=table.int())
+    with pytest.raises(ValueError, match=r"rows_origin must be a non-negative int, a multiple "
+                                         r"of 16 .*got 8"):
+        w13_wgrad(h1, x_base, offsets, row_offsets, grad_w13, x_offset=off, x_rows=table,
+                  rows_origin=8)
+    with pytest.raises(ValueError, match=r"rows_origin is read only with x_rows, got 16"):
+        w13_wgrad(h1, x_base, offsets, row_offsets, grad_w13, x_offset=off, rows_origin=16)
 
     # h3_addr
     ids = torch.zeros(4, 2, dtype=torch.int64, device=DEVICE)
@@ -1977,6 +2050,57 @@ def test_gluon_wgrad(cfg, kind, programs, form):
         w13_wgrad(a, b_src, po, ro, via.view(len(counts), 2, ffn, hidden),
                   x_offset=b_offset, accumulate=False, config=gconfig)
     assert same_bits(via, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["ws", "pp"])
+@pytest.mark.parametrize("programs", [3, None], ids=["3_programs", "one_per_sm"])
+@pytest.mark.parametrize("cfg", _gluon_configs(), ids=lambda c: "x".join(map(str, c)))
+def test_gluon_wgrad_x_rows(cfg, programs, form):
+    """The warp-specialised Gluon W13 WGRAD reading x's rows in place through the gather
+    table (``cp.async`` by address: :func:`rows_in_place`'s null rows, NaN behind padding
+    addresses and around x) gives the same bits as the same kernel over the rows stored in
+    order (TMA), and so does the public entry point (one program per SM)."""
+    from distmoe.kernels.wgrad_gluon import launch_gluon_wgrad
+
+    block_p, block_q, stages, warps, block_k = cfg
+    pingpong = form == "pp"
+    if block_q > 128:
+        pytest.skip("the warp-specialised kernel takes block_q <= 128")
+    if pingpong and (warps != 4 or block_p != 128):
+        pytest.skip("the ping-pong form takes warpgroups of 4 warps over 128 rows")
+    counts = [0, 37, 64, 200, 1, 128, 301, 0, 75, 48]
+    layout = layout_from_counts(counts, 128, idle_tiles=1)
+    big = [e + 1 for e, c in enumerate(counts[:-1]) if 0 < c < 128]
+    hidden, ffn = 256, 192
+    width_p, width_q = 2 * ffn, hidden
+    if width_p % block_p:
+        pytest.skip(f"P={width_p} is not a multiple of block_p={block_p}")
+    a = _wgrad_operand(layout, width_p, big_experts=big)
+    base, x_offset, table, origin, x_gathered, _keep = rows_in_place(layout, hidden)
+    po, ro = layout.padded_offsets, layout.row_offsets
+    opts = dict(block_p=block_p, block_q=block_q, stages=stages, num_warps=warps,
+                block_k=block_k, programs=programs, specialized=True, pingpong=pingpong)
+    want = poisoned(len(counts), width_p, width_q)
+    launch_gluon_wgrad(a, x_gathered, ro, want, **opts)
+    got = poisoned(len(counts), width_p, width_q)
+    launch_gluon_wgrad(a, base, ro, got, b_offset=x_offset, b_rows=table, padded_offsets=po,
+                       b_rows_origin=origin, **opts)
+    assert torch.isfinite(got).all(), "an output element was not written (NaN poison left)"
+    assert same_bits(got, want)
+    zeros = torch.zeros(len(counts), width_p, width_q, device=DEVICE)
+    expected = w2_wgrad_ref(a, x_gathered, po, ro, zeros.clone())
+    magnitude = w2_wgrad_ref(a.abs(), x_gathered.abs(), po, ro, zeros)
+    excess = (got.float() - expected).abs() - (ROUNDING_REL * expected.abs()
+                                               + 2 * max(counts) * 2.0**-24 * magnitude)
+    assert (excess <= 0).all(), f"max excess {excess.max().item():.3e}"
+    via = poisoned(len(counts), width_p, width_q)
+    gconfig = WgradConfig(block_k=block_k, block_out_m=block_p, block_out_n=block_q,
+                          num_warps=warps, num_stages=stages, gluon=True, specialized=True,
+                          pingpong=pingpong)
+    w13_wgrad(a, base, po, ro, via.view(len(counts), 2, ffn, hidden), x_offset=x_offset,
+              accumulate=False, config=gconfig, x_rows=table, rows_origin=origin)
+    assert same_bits(via, want)
 
 
 def test_gluon_wgrad_config_rules():

@@ -196,7 +196,8 @@ def check_training(EP, mode, device, gpus=(0,)):
 
 @pytest.mark.parametrize("EP, mode", [(1, "save"), (1, "replay"), (2, "save"), (2, "replay"),
                                       (2, "save_lean"), (1, "save_regather"),
-                                      (2, "save_regather"), (2, "replay_regather"),
+                                      (2, "save_regather"), (1, "replay_regather"),
+                                      (2, "replay_regather"),
                                       (4, "replay")])  # EP=4: issue 8's CPU share
 def test_training_matches_torch_autograd(EP, mode):
     check_training(EP, mode, "cpu")

@@ -633,6 +633,8 @@ def w13_wgrad(
     x_offset: torch.Tensor | None = None,
     accumulate: bool = True,
     config: WgradConfig | None = None,
+    x_rows: torch.Tensor | None = None,
+    rows_origin: int = 0,
 ) -> None:
     """``grad_w13[e] += grad_h1_e^T @ x_e`` over every local expert's activation rows
     ``[row_offsets[e], row_offsets[e+1])`` (fp32, in place; module docstring). With
@@ -659,6 +661,17 @@ def w13_wgrad(
             out of the overlap check (the rows it covers are known on the device only).
         config: :class:`WgradConfig` (output tile over ``[2F, D]``); ``None`` =
             ``from_heuristic`` with ``block_m`` 128.
+        x_rows: optional int64 ``[R_cap]`` (needs ``x_offset``): the rows are not stored in
+            activation order but named by a table of byte addresses by padded row, the table
+            the forward's W13 gathered through (0 = a null row, zeros). Activation row ``a``
+            of expert ``e`` is then the row whose address is
+            ``x_rows[padded_offsets[e] + a - row_offsets[e]]``, moved from ``rows_origin``
+            to ``x_gathered + x_offset[0]``: with x's rows kept token-major at that offset
+            and the table naming the rows of a buffer at ``rows_origin`` with the same row
+            pitch, each row is read in place (no gathered copy; the same bits). Addresses are
+            not checked (device values): each must land inside ``x_gathered``.
+        rows_origin: an int, the byte address the table's rows are relative to (with
+            ``x_rows``).
     """
     out_dtypes = (torch.float32,) if accumulate else (torch.float32, torch.bfloat16)
     check_tensor(
@@ -670,6 +683,20 @@ def w13_wgrad(
     check_width("D (grad_w13.shape[3])", hidden)
     check_width("F (grad_w13.shape[2])", ffn)
     num_act = check_activation_rows("grad_h1", grad_h1, 2 * ffn, "2F")
+    if x_rows is not None:
+        if x_offset is None:
+            raise ValueError("x_rows needs x_offset (x_gathered is then the base that the "
+                             "table's rows are read from), got x_offset=None")
+        check_tensor("x_rows", x_rows, dtypes=(torch.int64,), ndim=1,
+                     shape_text="[R_cap] (row byte addresses by padded row)")
+        if isinstance(rows_origin, bool) or not isinstance(rows_origin, int) \
+                or rows_origin < 0 or rows_origin % 16:
+            raise ValueError(f"rows_origin must be a non-negative int, a multiple of 16 "
+                             f"(16-byte aligned rows), got {rows_origin!r}")
+        if hidden % 8:
+            raise ValueError(f"x_rows needs D % 8 == 0 (16-byte rows), got D={hidden}")
+    elif rows_origin != 0:
+        raise ValueError(f"rows_origin is read only with x_rows, got {rows_origin!r} without")
     if x_offset is None:
         check_tensor(
             "x_gathered",
@@ -695,6 +722,8 @@ def w13_wgrad(
     }
     if x_offset is not None:
         named["x_offset"] = x_offset
+    if x_rows is not None:
+        named["x_rows"] = x_rows
     device = check_devices(named)
     if x_offset is not None:
         del named["x_gathered"]  # rows at a device-side offset: not checkable on the host
@@ -710,6 +739,9 @@ def w13_wgrad(
         device,
         b_offset=x_offset,
         accumulate=accumulate,
+        b_rows=x_rows,
+        padded_offsets=padded_offsets,
+        b_rows_origin=rows_origin,
     )
 
 

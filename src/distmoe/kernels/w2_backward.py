@@ -528,10 +528,55 @@ def _wgrad_tail_step(a_desc, b_desc, row, end, p0, q0, acc, BLOCK_K: tl.constexp
 
 
 @triton.jit
+def _gathered_b(b_rows_ptr, pad_base, row, end, q0, shift, Q: tl.constexpr,
+                BLOCK_K: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """B's ``[BLOCK_K, BLOCK_Q]`` tile of activation rows ``row...`` read through the row
+    address table (padded row ``pad_base + row``, shifted by ``shift`` bytes); rows at or
+    past ``end`` and null addresses read as zeros."""
+    i = tl.arange(0, BLOCK_K)
+    live = row + i < end
+    src = tl.load(b_rows_ptr + pad_base + row + i, mask=live, other=0)
+    rows = tl.multiple_of((src + shift).to(tl.pointer_type(tl.bfloat16)), 16)
+    q = q0 + tl.arange(0, BLOCK_Q)
+    return tl.load(rows[:, None] + q[None, :], mask=(src != 0)[:, None] & (q < Q)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _wgrad_gather_step(a_desc, b_rows_ptr, pad_base, row, end, p0, q0, shift, acc,
+                       Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_Q: tl.constexpr,
+                       PARTIAL: tl.constexpr):
+    """One row step with B gathered (:func:`_gathered_b`); a ``PARTIAL`` step zeroes A's
+    rows at or past ``end`` too (see :func:`_wgrad_tail_step`)."""
+    a = a_desc.load([row, p0])
+    if PARTIAL:
+        keep = ((row + tl.arange(0, BLOCK_K)) < end)[:, None]
+        a = tl.where(keep, a, tl.zeros_like(a))
+    b = _gathered_b(b_rows_ptr, pad_base, row, end, q0, shift, Q, BLOCK_K, BLOCK_Q)
+    return tl.dot(tl.trans(a), b, acc)
+
+
+@triton.jit
+def _wgrad_full_step(a_desc, b_desc, b_rows_ptr, pad_base, row, end, p0, q0, shift, acc,
+                     Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_Q: tl.constexpr,
+                     GATHER_B: tl.constexpr):
+    """A whole row step, B by descriptor or (``GATHER_B``) through the address table."""
+    if GATHER_B:
+        acc = _wgrad_gather_step(a_desc, b_rows_ptr, pad_base, row, end, p0, q0, shift, acc,
+                                 Q, BLOCK_K, BLOCK_Q, False)
+    else:
+        acc = _wgrad_tile_step(a_desc, b_desc, row, p0, q0, acc)
+    return acc
+
+
+@triton.jit
 def _grouped_wgrad_kernel(
     a,  # bf16 [R_act, P], or its TMA descriptor (HOST_DESC)
     b,  # bf16 [R_act, Q], or its TMA descriptor (HOST_DESC), or a 1-D bf16 base (B_OFFSET)
     b_offset_ptr,  # int64 [1]: element offset of activation row 0 in b (B_OFFSET)
+    b_rows_ptr,  # int64 [R_cap] B row addresses by padded row (GATHER_B), else a placeholder
+    padded_offsets_ptr,  # int32 [E + 1] (GATHER_B), else a placeholder
+    b_shift,  # int64 (GATHER_B): bytes from the table's addresses to b's rows, less 2*offset
     row_offsets_ptr,  # int32 [E + 1]
     out_ptr,  # fp32 [E, P, Q] accumulated into, or fp32/bf16 overwritten (OVERWRITE)
     out_desc,  # TMA descriptor of out [E, P, Q], block [1, BLOCK_P, BLOCK_Q] (TMA_STORE and
@@ -546,6 +591,7 @@ def _grouped_wgrad_kernel(
     INTERPRETED: tl.constexpr,
     HOST_DESC: tl.constexpr,
     B_OFFSET: tl.constexpr,
+    GATHER_B: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -579,7 +625,13 @@ def _grouped_wgrad_kernel(
         a_desc = tl.make_tensor_descriptor(
             a, shape=[num_act_rows, P], strides=[P, 1], block_shape=[BLOCK_K, BLOCK_P]
         )
-    if B_OFFSET:
+    shift = b_shift  # (GATHER_B only)
+    pad_base = 0
+    if GATHER_B:
+        b_desc = a_desc  # not read: B's rows come through the address table
+        shift = b_shift + 2 * tl.load(b_offset_ptr)
+        pad_base = tl.load(padded_offsets_ptr + expert) - tl.load(row_offsets_ptr + expert)
+    elif B_OFFSET:
         # A host descriptor cannot see a device-side offset: build this one on the device,
         # bounded by the live rows (nothing past row_offsets[E] is read; offset a multiple of
         # 8 elements, so the base stays 16-byte aligned).
@@ -605,14 +657,20 @@ def _grouped_wgrad_kernel(
     if INTERPRETED:
         i = 0
         while i < num_full:
-            acc = _wgrad_tile_step(a_desc, b_desc, first + i * step, p0, q0, acc)
+            acc = _wgrad_full_step(a_desc, b_desc, b_rows_ptr, pad_base, first + i * step, end,
+                                   p0, q0, shift, acc, Q, BLOCK_K, BLOCK_Q, GATHER_B)
             i += 1
     else:
         for i in range(0, num_full):
-            acc = _wgrad_tile_step(a_desc, b_desc, first + i * step, p0, q0, acc)
+            acc = _wgrad_full_step(a_desc, b_desc, b_rows_ptr, pad_base, first + i * step, end,
+                                   p0, q0, shift, acc, Q, BLOCK_K, BLOCK_Q, GATHER_B)
     tail = first + num_full * step
     if tail < end:
-        acc = _wgrad_tail_step(a_desc, b_desc, tail, end, p0, q0, acc, BLOCK_K)
+        if GATHER_B:
+            acc = _wgrad_gather_step(a_desc, b_rows_ptr, pad_base, tail, end, p0, q0, shift,
+                                     acc, Q, BLOCK_K, BLOCK_Q, True)
+        else:
+            acc = _wgrad_tail_step(a_desc, b_desc, tail, end, p0, q0, acc, BLOCK_K)
 
     if OVERWRITE and TMA_STORE:
         # One asynchronous TMA store of the whole tile (bounds per dimension: a tile past P or
@@ -1084,12 +1142,20 @@ def launch_grouped_wgrad(
     *,
     b_offset: torch.Tensor | None = None,
     accumulate: bool = True,
+    b_rows: torch.Tensor | None = None,
+    padded_offsets: torch.Tensor | None = None,
+    b_rows_origin: int = 0,
 ) -> None:
     """``out[e] += a[rows_e]^T @ b[rows_e]`` (``out[e] = ...`` without ``accumulate``: every
     element written, zeros for an expert without rows) over every local expert's activation rows
     ``rows_e = [row_offsets[e], row_offsets[e+1])`` (inputs validated by the caller: ``a``
     ``[R_act, P]`` bf16, ``b`` ``[R_act, Q]`` bf16, or with ``b_offset`` (int64 ``[1]``) a
-    1-D bf16 base with row ``r`` at ``b + b_offset[0] + r*Q``; ``out`` fp32 ``[E, P, Q]``)."""
+    1-D bf16 base with row ``r`` at ``b + b_offset[0] + r*Q``; ``out`` fp32 ``[E, P, Q]``).
+
+    With ``b_rows`` (int64 ``[R_cap]``, and ``b_offset`` and ``padded_offsets``) B's rows are
+    read through a table of byte addresses by padded row instead: activation row ``r`` of
+    expert ``e`` is the row at ``b + 2*b_offset[0] + b_rows[padded_offsets[e] + r -
+    row_offsets[e]] - b_rows_origin`` (bytes; 0 in the table = a null row, zeros)."""
     num_act_rows, width_p = a.shape
     width_q = out.shape[2]
     num_experts = row_offsets.shape[0] - 1
@@ -1102,12 +1168,14 @@ def launch_grouped_wgrad(
     if config.gluon and not accumulate:
         from .wgrad_gluon import gluon_wgrad_supported, launch_gluon_wgrad
 
-        if gluon_wgrad_supported(a, out, config.block_out_m, config.block_out_n) is None:
+        if gluon_wgrad_supported(a, out, config.block_out_m, config.block_out_n) is None \
+                and (b_rows is None or (config.specialized and width_q % config.block_out_n == 0)):
             launch_gluon_wgrad(a, b, row_offsets, out, b_offset=b_offset,
                                block_p=config.block_out_m, block_q=config.block_out_n,
                                stages=config.num_stages, num_warps=config.num_warps,
                                block_k=config.block_k, specialized=config.specialized,
-                               pingpong=config.pingpong)
+                               pingpong=config.pingpong, b_rows=b_rows,
+                               padded_offsets=padded_offsets, b_rows_origin=b_rows_origin)
             return
     tiles = triton.cdiv(width_p, config.block_out_m) * triton.cdiv(width_q, config.block_out_n)
     grid = (num_experts * config.split_rows * tiles,)
@@ -1144,6 +1212,9 @@ def launch_grouped_wgrad(
             a,
             b,
             b_offset if b_offset is not None else row_offsets,  # placeholder unless B_OFFSET
+            row_offsets if b_rows is None else b_rows,  # placeholders unless GATHER_B
+            row_offsets if padded_offsets is None else padded_offsets,
+            0 if b_rows is None else b.data_ptr() - b_rows_origin,
             row_offsets,
             out,
             out_desc,
@@ -1157,6 +1228,7 @@ def launch_grouped_wgrad(
             INTERPRETED=interpreter_active(),
             HOST_DESC=config.host_descriptors,
             B_OFFSET=b_offset is not None,
+            GATHER_B=b_rows is not None,
             BLOCK_K=config.block_k,
             BLOCK_P=config.block_out_m,
             BLOCK_Q=config.block_out_n,

@@ -63,6 +63,7 @@ import triton
 try:  # Gluon ships with triton >= 3.4; keep the package importable without it
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -303,9 +304,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ws_consumer(a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
-                     b_desc, b_base, b_offset_ptr,
+                     b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr, b_shift,
                      P: gl.constexpr, Q: gl.constexpr, NUM_EXPERTS: gl.constexpr,
-                     B_OFFSET: gl.constexpr, B_LAYOUT: gl.constexpr, BLOCK_K: gl.constexpr,
+                     B_OFFSET: gl.constexpr, GATHER_B: gl.constexpr, B_LAYOUT: gl.constexpr,
+                     BLOCK_K: gl.constexpr,
                      BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
                      NUM_WARPS: gl.constexpr, turn, PINGPONG: gl.constexpr,
                      PARITY: gl.constexpr):
@@ -371,39 +373,76 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ws_producer(a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
-                     b_desc, b_base, b_offset_ptr,
+                     b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr, b_shift,
                      P: gl.constexpr, Q: gl.constexpr, NUM_EXPERTS: gl.constexpr,
-                     B_OFFSET: gl.constexpr, B_LAYOUT: gl.constexpr, BLOCK_K: gl.constexpr,
+                     B_OFFSET: gl.constexpr, GATHER_B: gl.constexpr, B_LAYOUT: gl.constexpr,
+                     BLOCK_K: gl.constexpr,
                      BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
                      NUM_WARPS: gl.constexpr, a_desc):
         """One warp: the TMA loads of every row step of the program's tiles, each once the
         consumer has released its stage. A whole step completes the stage's barrier
         ``bars[s]`` itself; a partial one completes ``bars[STAGES + s]``, which the zeroing
-        partition waits for before it completes ``bars[s]``."""
+        partition waits for before it completes ``bars[s]``.
+
+        With ``GATHER_B`` only A comes by TMA; B's rows are copied by ``cp.async`` from the
+        addresses in ``b_rows_ptr`` (by padded row, shifted by ``b_shift + 2 * b_offset[0]``
+        bytes; rows at or past the expert's end and null addresses are zero-filled), and
+        every thread's ``cp.async.mbarrier.arrive.noinc`` counts in ``bars[s]``. Each step's
+        addresses are loaded one step ahead (within the tile), so the copies do not wait on
+        that load."""
         NUM_Q: gl.constexpr = (Q + BLOCK_Q - 1) // BLOCK_Q
         TILES_PER_EXPERT: gl.constexpr = (P // BLOCK_P) * NUM_Q
         num_tiles = NUM_EXPERTS * TILES_PER_EXPERT
-        b_src = _b_source(b_desc, b_base, b_offset_ptr, row_offsets_ptr, Q, NUM_EXPERTS,
-                          B_OFFSET, B_LAYOUT, BLOCK_K, BLOCK_Q)
-        nbytes: gl.constexpr = a_desc.block_type.nbytes + b_src.block_type.nbytes
+        if GATHER_B:
+            nbytes: gl.constexpr = a_desc.block_type.nbytes
+            # 16 bytes per thread; a warp covers 16 rows x 16 columns (whole 32-byte sectors)
+            CP: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [1, 1], [1, 0])
+            i = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, CP))
+            qq = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, CP))
+            shift = b_shift + 2 * gl.load(b_offset_ptr)
+        else:
+            b_src = _b_source(b_desc, b_base, b_offset_ptr, row_offsets_ptr, Q, NUM_EXPERTS,
+                              B_OFFSET, B_LAYOUT, BLOCK_K, BLOCK_Q)
+            nbytes: gl.constexpr = a_desc.block_type.nbytes + b_src.block_type.nbytes
         count = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             first, end = _tile_rows(row_offsets_ptr, tile, num_tiles, TILES_PER_EXPERT)
             _row, p0, q0 = _tile_origin(tile, P, NUM_Q, TILES_PER_EXPERT, BLOCK_P, BLOCK_Q)
+            if GATHER_B:
+                # padded row of activation row `first`, then the first step's addresses
+                pad = gl.load(padded_offsets_ptr + tile // TILES_PER_EXPERT)
+                src = gl.load(b_rows_ptr + pad + i, mask=first + i < end, other=0)
             for row in range(first, end, BLOCK_K):
+                if GATHER_B:
+                    cur = src
+                    ahead = row + BLOCK_K
+                    src = gl.load(b_rows_ptr + pad + (ahead - first) + i, mask=ahead + i < end,
+                                  other=0)
                 stage = count % STAGES
                 mbarrier.wait(empty.index(stage), ((count // STAGES) & 1) ^ 1)
+                ready = bars.index(stage)
                 bar = bars.index(stage + STAGES * (row + BLOCK_K > end).to(gl.int32))
                 mbarrier.expect(bar, nbytes)
                 tma.async_copy_global_to_shared(a_desc, [row, p0], bar, a_bufs.index(stage))
-                tma.async_copy_global_to_shared(b_src, [row, q0], bar, b_bufs.index(stage))
+                if GATHER_B:
+                    rows = gl.multiple_of((cur + shift).to(gl.pointer_type(gl.bfloat16)), 16)
+                    ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(q0 + qq, 0)
+                    read = gl.expand_dims(cur != 0, 1) & gl.expand_dims(qq >= 0, 0)
+                    async_copy.async_copy_global_to_shared(b_bufs.index(stage), ptrs, read)
+                    # arrives when this thread's copies have landed (counted in bars[s])
+                    async_copy.mbarrier_arrive(ready, increment_count=False)
+                else:
+                    tma.async_copy_global_to_shared(b_src, [row, q0], bar, b_bufs.index(stage))
                 count += 1
+        if GATHER_B:
+            async_copy.wait_group(0)
 
     @gluon.jit
     def _ws_zeroer(a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
-                   b_desc, b_base, b_offset_ptr,
+                   b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr, b_shift,
                    P: gl.constexpr, Q: gl.constexpr, NUM_EXPERTS: gl.constexpr,
-                   B_OFFSET: gl.constexpr, B_LAYOUT: gl.constexpr, BLOCK_K: gl.constexpr,
+                   B_OFFSET: gl.constexpr, GATHER_B: gl.constexpr, B_LAYOUT: gl.constexpr,
+                   BLOCK_K: gl.constexpr,
                    BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
                    NUM_WARPS: gl.constexpr, ZERO_WARPS: gl.constexpr):
         """``ZERO_WARPS`` warps: each tile's partial last step, once loaded, gets its rows past the
@@ -426,7 +465,8 @@ if HAVE_GLUON:
                 mbarrier.wait(bars.index(STAGES + stage), (phases >> stage) & 1)
                 phases ^= 1 << stage
                 _zero_rows_sliced(a_bufs.index(stage), live, BLOCK_K, BLOCK_P, ZERO_WARPS)
-                _zero_rows_sliced(b_bufs.index(stage), live, BLOCK_K, BLOCK_Q, ZERO_WARPS)
+                if not GATHER_B:  # gathered B rows past the end arrive zero-filled
+                    _zero_rows_sliced(b_bufs.index(stage), live, BLOCK_K, BLOCK_Q, ZERO_WARPS)
                 fence_async_shared()
                 gl.thread_barrier()  # every thread's stores, before the (one) arrive
                 mbarrier.arrive(bars.index(stage))
@@ -434,15 +474,23 @@ if HAVE_GLUON:
     @gluon.jit
     def _gluon_wgrad_ws_kernel(
         a_desc, b_desc, b_base, b_offset_ptr, o_desc, row_offsets_ptr,
+        b_rows_ptr,  # int64 [R_cap] B row addresses by padded row (GATHER_B), else a placeholder
+        padded_offsets_ptr,  # int32 [E + 1] (GATHER_B), else a placeholder
+        b_shift,  # int64: bytes from the table's addresses to B's rows, less 2 * b_offset[0]
         P: gl.constexpr, Q: gl.constexpr, NUM_EXPERTS: gl.constexpr, B_OFFSET: gl.constexpr,
-        B_LAYOUT: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_P: gl.constexpr,
-        BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, ZERO_WARPS: gl.constexpr,
-        PINGPONG: gl.constexpr, num_warps: gl.constexpr,
+        GATHER_B: gl.constexpr, B_LAYOUT: gl.constexpr, BLOCK_K: gl.constexpr,
+        BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
+        ZERO_WARPS: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr,
     ):
         """:func:`_gluon_wgrad_kernel`'s contract and bits, warp-specialised: a one-warp TMA
         producer, a ``ZERO_WARPS``-warp partition zeroing each tile's partial last step off the
         critical path, and the MMA warps (``num_warps``) with no branch in their step loop;
-        with ``PINGPONG``, two such warpgroups of ``num_warps`` (4) taking the tiles in turn."""
+        with ``PINGPONG``, two such warpgroups of ``num_warps`` (4) taking the tiles in turn.
+
+        With ``GATHER_B`` the producer reads B's rows through a table of row addresses instead
+        (``cp.async``, 16 bytes per thread; rows past the expert's end and null rows zero-filled,
+        so the zeroing partition zeroes only A), and each of its 32 threads completes the
+        stage's barrier once its copies have landed."""
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_P], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_Q], B_LAYOUT)
         if PINGPONG:
@@ -455,9 +503,10 @@ if HAVE_GLUON:
         bars = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2 * STAGES):
-            mbarrier.init(bars.index(i), count=1)
+        # with GATHER_B, bars[s] also counts one cp.async arrive per producer thread
         for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1 + 32 * GATHER_B)
+            mbarrier.init(bars.index(STAGES + i), count=1)
             mbarrier.init(empty.index(i), count=1)
         mbarrier.init(turn.index(0), count=1)
         mbarrier.init(turn.index(1), count=1)
@@ -465,34 +514,41 @@ if HAVE_GLUON:
         if PINGPONG:
             gl.warp_specialize([
                 (_ws_consumer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
-                                b_desc, b_base, b_offset_ptr, P, Q, NUM_EXPERTS, B_OFFSET,
+                                b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr,
+                              b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
                                 B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps, turn,
                                 PINGPONG, 0)),
                 (_ws_consumer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
-                                b_desc, b_base, b_offset_ptr, P, Q, NUM_EXPERTS, B_OFFSET,
+                                b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr,
+                              b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
                                 B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps, turn,
                                 PINGPONG, 1)),
                 (_ws_producer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
-                                b_desc, b_base, b_offset_ptr, P, Q, NUM_EXPERTS, B_OFFSET,
+                                b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr,
+                              b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
                                 B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps,
                                 a_desc)),
                 (_ws_zeroer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
-                              b_desc, b_base, b_offset_ptr, P, Q, NUM_EXPERTS, B_OFFSET,
+                              b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr,
+                              b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
                               B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps,
                               ZERO_WARPS)),
             ], [num_warps, 1, ZERO_WARPS], [232, 40, 48])
         else:
             gl.warp_specialize([
                 (_ws_consumer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
-                                b_desc, b_base, b_offset_ptr, P, Q, NUM_EXPERTS, B_OFFSET,
+                                b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr,
+                              b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
                                 B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps, turn,
                                 PINGPONG, 0)),
                 (_ws_producer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
-                                b_desc, b_base, b_offset_ptr, P, Q, NUM_EXPERTS, B_OFFSET,
+                                b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr,
+                              b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
                                 B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps,
                                 a_desc)),
                 (_ws_zeroer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
-                              b_desc, b_base, b_offset_ptr, P, Q, NUM_EXPERTS, B_OFFSET,
+                              b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr,
+                              b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
                               B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps,
                               ZERO_WARPS)),
             ], [1, ZERO_WARPS], [40, 48])
@@ -554,7 +610,9 @@ def launch_gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_offsets: torch.Tens
                        block_p: int = 128, block_q: int = 256, stages: int = 3,
                        num_warps: int = 8, block_k: int = 64,
                        programs: int | None = None, specialized: bool = False,
-                       pingpong: bool = False) -> None:
+                       pingpong: bool = False, b_rows: torch.Tensor | None = None,
+                       padded_offsets: torch.Tensor | None = None,
+                       b_rows_origin: int = 0) -> None:
     """Launch the persistent Gluon WGRAD (overwrite mode; arguments validated by the caller,
     :func:`gluon_wgrad_supported` returned ``None``): ``out[e] = a[rows_e]^T @ b[rows_e]``.
 
@@ -572,6 +630,14 @@ def launch_gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_offsets: torch.Tens
         pingpong: with ``specialized``, ``num_warps`` 4 and ``block_p`` 128: two MMA
             warpgroups take the program's tiles in turn, one's epilogue under the other's
             MMAs (the same bits).
+        b_rows: with ``specialized`` and ``b_offset``: int64 ``[R_cap]`` byte addresses of B's
+            rows by padded row (0 = a null row, zeros), relative to ``b_rows_origin``:
+            activation row ``a`` of expert ``e`` reads the row at byte address
+            ``b + 2*b_offset[0] + b_rows[padded_offsets[e] + a - row_offsets[e]] -
+            b_rows_origin`` (16-byte aligned), by ``cp.async`` (the same bits as B's rows
+            stored in order).
+        padded_offsets: int32 ``[E + 1]`` on the device, with ``b_rows``.
+        b_rows_origin: an int, with ``b_rows``.
     """
     from ._common import device_context, ensure_tma_allocator, num_sms
 
@@ -579,6 +645,14 @@ def launch_gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_offsets: torch.Tens
         raise ValueError(f"pingpong needs specialized=True, num_warps == 4 and block_p == 128, "
                          f"got {specialized}, {num_warps} and {block_p}")
 
+    gather = b_rows is not None
+    if gather and (not specialized or b_offset is None or padded_offsets is None
+                   or out.shape[2] % block_q):
+        raise ValueError(f"b_rows needs specialized=True, b_offset, padded_offsets and Q a "
+                         f"multiple of block_q, got {specialized}, "
+                         f"{'a' if b_offset is not None else 'no'} b_offset, "
+                         f"{'a' if padded_offsets is not None else 'no'} padded_offsets and "
+                         f"Q={out.shape[2]}, block_q={block_q}")
     num_experts, width_p, width_q = out.shape
     num_act_rows = a.shape[0]
     a_layout = gl.NVMMASharedLayout.get_default_for([block_k, block_p], gl.bfloat16)
@@ -606,10 +680,13 @@ def launch_gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_offsets: torch.Tens
             raise ValueError(f"specialized needs block_q <= 128, got {block_q}")
         kernel = _gluon_wgrad_ws_kernel
         extra = {"maxnreg": ws_maxnreg(num_warps, pingpong), "ZERO_WARPS": WS_ZERO_WARPS,
-                 "PINGPONG": pingpong}
+                 "PINGPONG": pingpong, "GATHER_B": gather}
     with device_context(out.device):
+        table_args = ((b_rows, padded_offsets, b.data_ptr() - b_rows_origin) if gather
+                      else (row_offsets, row_offsets, 0))  # placeholders, never read
         kernel[(max(1, min(programs, tiles)),)](
             a_desc, b_desc, b_base, b_off, o_desc, row_offsets,
+            *(table_args if specialized else ()),
             P=width_p, Q=width_q, NUM_EXPERTS=num_experts, B_OFFSET=b_offset is not None,
             B_LAYOUT=b_layout, BLOCK_K=block_k, BLOCK_P=block_p, BLOCK_Q=block_q,
             STAGES=stages, num_warps=num_warps, **extra,

@@ -20,7 +20,10 @@ order, and the layers of a slot in reverse order of their forwards. Per call:
     r3. expert: W13 again into scratch (xs, h1g, h2). W2 is not rerun: the backward needs
         no h3, since the experts compute the score gradients (step 3). A saved layer that
         kept x instead of its rows (``cfg.save_gathered_rows`` False) runs r1 and r2 too,
-        then only gathers its rows into scratch xs (regather_rows), the same bits
+        then only gathers its rows into scratch xs (regather_rows), the same bits; at
+        EP = 1 it runs none of r1-r3: its W13 WGRAD reads x's rows in place, through the
+        forward's gather table moved onto the kept x (``w13_wgrad(x_rows=...)``), and a
+        replayed layer's W13 stores h1 only
     1. owner:  push_route_grads: bf16(grad_y[t]) of every executed route, unscaled, is pushed
                straight into the expert's scratch gh3, at the activation row the expert
                executes the route at (tables.dest_rows_TK; the activation buffer is a heap
@@ -170,7 +173,8 @@ class MoEFunction(torch.autograd.Function):
         dispatch_rows = moe._dispatch[:T * K]
         replay = rec.replay
 
-        if not acts.always_saves or acts.regathers:
+        reads_x = moe._wgrad_reads_x  # EP = 1 and regathers: W13 WGRAD reads x in place
+        if not acts.always_saves or (acts.regathers and not reads_x):
             # r1-r3: rebuild a replayed layer's state (every kernel is off on the device for a
             # layer that kept its rows; the barrier runs either way so that all ranks stay
             # paired). With regathers every layer kept x: the table is needed either way.
@@ -179,7 +183,7 @@ class MoEFunction(torch.autograd.Function):
             enable = replay.to(torch.int32)
             gather_ptrs = moe._gather_table(tables.gather_ptrs,
                                             None if acts.regathers else enable)
-            if acts.regathers:
+            if acts.regathers and not reads_x:
                 regather_rows(gather_ptrs, po, ro, scratch["xs"], block_m=cfg.row_block,
                               enable=1 - enable)
             if not acts.always_saves:
@@ -188,6 +192,9 @@ class MoEFunction(torch.autograd.Function):
                                   enable=enable, config=moe._w13_cfg)
         # where the state is, saved or rebuilt (decided with the forward's slot record)
         h1_offset, x_offset = rec.backward[1:2], rec.backward[2:3]
+        x_rows = None
+        if reads_x:  # x's rows read in place, saved or replayed (both kept x)
+            x_offset, x_rows = rec.offsets[3:4], tables.gather_ptrs
 
         # 1. owner: unscaled route output gradients pushed into the experts' gh3 rows, the
         #    scores into its own combine rows
@@ -212,7 +219,8 @@ class MoEFunction(torch.autograd.Function):
         if need[4]:
             grad_w13 = torch.empty(E_l, 2, F, D, dtype=w13.dtype, device=dev)
             w13_wgrad(scratch["h1g"], elements, po, ro, grad_w13, x_offset=x_offset,
-                      accumulate=False, config=moe._w13_wgrad_cfg)
+                      accumulate=False, config=moe._w13_wgrad_cfg, x_rows=x_rows,
+                      rows_origin=moe._table_origin if reads_x else 0)
         # Route input gradients into the owners' dispatch rows t*K+k (see the module
         # docstring for why no peer reads dispatch now).
         w13_dgrad_scatter(scratch["h1g"], po, ro, w13, tables.bwd_scatter_ptrs,

@@ -230,9 +230,18 @@ class MoEContext:
             so = acts.scratch_elem_offsets
             # every rank's scratch gh3 row 0 (same layout on every rank)
             self._gh3_bases = heap.base_table("activations") + acts.scratch_layout["gh3"][0]
-            # [h1g, xs] element offsets (the replay's W13 outputs)
-            self._replay_offsets = torch.tensor([so["h1g"], so["xs"]], dtype=torch.int64,
-                                                device=self.device)
+            # At EP = 1 a layer that keeps x instead of its rows (cfg.save_gathered_rows
+            # False) has its W13 WGRAD read x's rows in place, through the forward's gather
+            # table (row t of the dispatch buffer, moved to row t of the kept x): no
+            # regathered copy, and a replay stores h1 only.
+            self._wgrad_reads_x = self.ep_size == 1 and acts.regathers
+            # where the gather table's rows are (read once, at construction)
+            self._table_origin = (int(heap.base_table("dispatch")[self.rank])
+                                  if self._wgrad_reads_x else 0)
+            # [h1g, xs] element offsets (the replay's W13 outputs; -1: no x rows stored)
+            self._replay_offsets = torch.tensor(
+                [so["h1g"], -1 if self._wgrad_reads_x else so["xs"]], dtype=torch.int64,
+                device=self.device)
         else:
             self._h2 = torch.empty(self.receive_bound, F, dtype=torch.bfloat16,
                                    device=self.device)

@@ -37,7 +37,8 @@ SM90_SMEM_BYTES = 227 * 1024
 # Non-constexpr parameters: types by name (pointers default to bf16 tensors).
 _INTS = {"num_rows", "num_act_rows", "r_act", "num_pid_m", "num_progs", "need"}
 _I64 = {"grad_h3_ptrs_ptr", "scatter_ptrs_ptr", "gather_ptrs_ptr", "h1_offset_ptr",
-        "b_offset_ptr", "out_offsets_ptr"}
+        "b_offset_ptr", "out_offsets_ptr", "b_rows_ptr"}
+_I64_SCALARS = {"b_shift"}
 _I32 = {"padded_offsets_ptr", "row_offsets_ptr", "enable_ptr", "order_ptr", "positions_ptr",
         "done_ptr", "wait_ptr", "next_ptr"}
 
@@ -45,6 +46,8 @@ _I32 = {"padded_offsets_ptr", "row_offsets_ptr", "enable_ptr", "order_ptr", "pos
 def _default_type(name: str) -> str:
     if name in _INTS:
         return "i32"
+    if name in _I64_SCALARS:
+        return "i64"
     if name in _I64:
         return "*i64"
     if name in _I32:
@@ -177,7 +180,7 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
     gl = wg.gl
 
     def case(label, P, Q, E, bp, bq, stages, warps, b_offset, production, bk=64, ws=False,
-             pp=False):
+             pp=False, gather=False):
         b_layout = gl.NVMMASharedLayout.get_default_for([bk, bq], gl.bfloat16)
         types = {"a_desc": _gluon_desc(bk, P, [bk, bp]),
                  "o_desc": _gluon_desc(E * P, Q, [bp, bq]),
@@ -185,11 +188,14 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
                             else _gluon_desc(bk, Q, [bk, bq])),
                  "b_base": "*bf16" if b_offset else "*i32",
                  "b_offset_ptr": "*i64" if b_offset else "*i32"}
+        if ws and not gather:  # the address table's placeholders
+            types.update(b_rows_ptr="*i32", padded_offsets_ptr="*i32", b_shift="i32")
         return BuildCase(
             label, wg._gluon_wgrad_ws_kernel if ws else wg._gluon_wgrad_kernel,
             dict(P=P, Q=Q, NUM_EXPERTS=E, B_OFFSET=b_offset, B_LAYOUT=b_layout, BLOCK_K=bk,
                  BLOCK_P=bp, BLOCK_Q=bq, STAGES=stages, num_warps=warps,
-                 **({"ZERO_WARPS": wg.WS_ZERO_WARPS, "PINGPONG": pp} if ws else {})),
+                 **({"ZERO_WARPS": wg.WS_ZERO_WARPS, "PINGPONG": pp, "GATHER_B": gather}
+                    if ws else {})),
             warps, 1, types=types, production=production, gluon=True,
             options=dict(maxnreg=wg.ws_maxnreg(warps, pp)) if ws else {})
 
@@ -213,6 +219,11 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
                                   c.block_out_m, c.block_out_n, c.num_stages,
                                   c.num_warps if ws or not c.pingpong else 8,
                                   kind == "W13", True, c.block_k, ws, pp))
+                if ws and kind == "W13":  # x's rows read in place (EP = 1, x kept)
+                    cases.append(case(f"{name} W13 WGRAD gluon ws{' pingpong' if pp else ''} "
+                                      f"x_rows", P, Q, E, c.block_out_m, c.block_out_n,
+                                      c.num_stages, c.num_warps, True, True, c.block_k, ws,
+                                      pp, gather=True))
     s = SHAPES["fine"]
     for bp, bq, stages, warps, bk in wg.GLUON_WGRAD_CONFIGS:
         cases.append(case(f"variant W2 WGRAD gluon {bp}x{bq} k{bk} s{stages} w{warps}",
@@ -539,7 +550,8 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
                      H1_OFFSET=True, PERSISTENT=persistent, BLOCK_M=c.block_m,
                      BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m),
                 c.num_warps, c.num_stages, types=descs, production=production))
-        for kind, host, split_rows, overwrite in wgrad:
+        for kind, host, split_rows, overwrite, *gather in wgrad:
+            gather = bool(gather and gather[0])  # W13's x rows through the address table
             P, Q = (2 * F, D) if kind == "W13" else (D, F)
             c = w2b.WgradConfig.from_heuristic(out_rows=P, out_cols=Q, rows_per_expert=hint)
             b_offset = kind == "W13"  # the layer passes W13's x at a device offset
@@ -557,13 +569,17 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
                 descs["out_ptr"] = "*fp32"  # accumulating: fp32 .grad
             cases.append(BuildCase(
                 f"{name} {kind} WGRAD host={host} split_rows={split_rows} "
-                f"overwrite={overwrite}",
+                f"overwrite={overwrite}{' x_rows' if gather else ''}",
                 w2b._grouped_wgrad_kernel,
                 dict(P=P, Q=Q, NUM_EXPERTS=E, SPLIT_ROWS=split_rows, OVERWRITE=overwrite,
                      TMA_STORE=tma_store, INTERPRETED=False, HOST_DESC=host,
-                     B_OFFSET=b_offset, BLOCK_K=c.block_k, BLOCK_P=c.block_out_m,
-                     BLOCK_Q=c.block_out_n),
-                c.num_warps, c.num_stages, types=descs, production=production))
+                     B_OFFSET=b_offset, GATHER_B=gather, BLOCK_K=c.block_k,
+                     BLOCK_P=c.block_out_m, BLOCK_Q=c.block_out_n),
+                c.num_warps, c.num_stages, types=descs | (
+                    dict(b_rows_ptr="*i64", padded_offsets_ptr="*i32", b_shift="i64")
+                    if gather else
+                    dict(b_rows_ptr="*i32", padded_offsets_ptr="*i32", b_shift="i32")),
+                production=production))
 
     for shape in shapes:
         # what the training layer launches (host descriptors: the GemmConfig default)
@@ -578,7 +594,8 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
             # scored: 4 bytes of spills at fine (on Hopper the layer runs the Gluon kernel)
             w2d=[(False, True, False, False), (True, True, True, False),
                  (False, False, True, False), (True, None, False, True)],
-            wgrad=[("W13", False, 1, True), ("W2", True, 3, False), ("W2", False, 1, False)])
+            wgrad=[("W13", False, 1, True), ("W2", True, 3, False), ("W2", False, 1, False),
+                   ("W13", True, 1, True, True)])
     return cases
 
 
