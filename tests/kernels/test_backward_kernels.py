@@ -1402,9 +1402,10 @@ def rows_in_place(layout: Layout, hidden: int, *, top_k: int = 2, null_every: in
 )
 def test_w13_wgrad_x_rows(split_rows, host_descriptors, accumulate):
     """x's rows read in place through the gather table (``x_rows``): the same bits as the
-    same kernel over the gathered rows stored in order (same row steps, same order), with
-    null rows (zeros), NaN where a padding row's address points, NaN around x, and an
-    empty expert and partial last steps."""
+    same kernel over the gathered rows stored in order (same row steps, same order; split
+    rows add their partial sums by atomics, in an order that varies between runs on a GPU,
+    so there within fp32 rounding of the sum), with null rows (zeros), NaN where a padding
+    row's address points, NaN around x, and an empty expert and partial last steps."""
     num_experts, hidden, ffn, block_m = 4, 40, 24, 32
     layout = layout_from_counts([40, 0, 19, 33], block_m, idle_tiles=1)
     grad_h1 = _wgrad_operand(layout, 2 * ffn, big_experts=[2])
@@ -1420,7 +1421,12 @@ def test_w13_wgrad_x_rows(split_rows, host_descriptors, accumulate):
     w13_wgrad(grad_h1, base, po, ro, got, x_offset=x_offset, accumulate=accumulate,
               config=config, x_rows=table, rows_origin=origin)
     assert torch.isfinite(got).all()
-    assert same_bits(got, plain)
+    if split_rows == 1 or DEVICE.type == "cpu":
+        assert same_bits(got, plain)
+    else:  # fp32 atomics: a few roundings of the accumulated magnitude apart
+        bound = 4 * 2.0**-24 * (before.abs() + w13_wgrad_ref(
+            grad_h1.abs(), x_gathered.abs(), po, ro, torch.zeros_like(before)))
+        assert ((got - plain).abs() <= bound).all()
     if accumulate:
         assert_wgrad_close(got, grad_h1, x_gathered, layout, before, rows_sum=w13_wgrad_ref)
 

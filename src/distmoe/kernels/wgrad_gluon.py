@@ -87,15 +87,19 @@ __all__ = ["HAVE_GLUON", "GLUON_WGRAD_CONFIGS", "gluon_device_reason", "gluon_wg
 
 #: warps of the warp-specialised kernel's zeroing partition
 WS_ZERO_WARPS = 2
+#: warps of its producer partition when it gathers B's rows by address (``b_rows``)
+WS_GATHER_WARPS = 2
 
 
-def ws_maxnreg(num_warps: int, pingpong: bool = False) -> int:
+def ws_maxnreg(num_warps: int, pingpong: bool = False, gather: bool = False) -> int:
     """The warp-specialised kernel's register limit: the register file over its warps
-    (``num_warps`` MMA warps, twice that with ``pingpong``, the producer's one and the
-    zeroing partition's :data:`WS_ZERO_WARPS`, launched as a multiple of 4), rounded down
-    to a multiple of 8: 168 at 8 MMA warps (or two ping-pong warpgroups of 4), 248 at 4."""
+    (``num_warps`` MMA warps, twice that with ``pingpong``, the producer's one (with
+    ``gather``: :data:`WS_GATHER_WARPS`) and the zeroing partition's :data:`WS_ZERO_WARPS`,
+    launched as a multiple of 4), rounded down to a multiple of 8: 168 at 8 MMA warps (or
+    two ping-pong warpgroups of 4), 248 at 4."""
     mma_warps = 2 * num_warps if pingpong else num_warps
-    warps = -(-(mma_warps + 1 + WS_ZERO_WARPS) // 4) * 4
+    producer = WS_GATHER_WARPS if gather else 1
+    warps = -(-(mma_warps + producer + WS_ZERO_WARPS) // 4) * 4
     return min(255, 65536 // (32 * warps)) // 8 * 8
 
 GLUON_WGRAD_CONFIGS = ((128, 256, 3, 8, 64), (128, 128, 5, 8, 64), (128, 128, 6, 8, 64),
@@ -378,7 +382,8 @@ if HAVE_GLUON:
                      B_OFFSET: gl.constexpr, GATHER_B: gl.constexpr, B_LAYOUT: gl.constexpr,
                      BLOCK_K: gl.constexpr,
                      BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
-                     NUM_WARPS: gl.constexpr, a_desc):
+                     NUM_WARPS: gl.constexpr, a_desc, GATHER_WARPS: gl.constexpr,
+                     GATHER_SLICE: gl.constexpr):
         """One warp: the TMA loads of every row step of the program's tiles, each once the
         consumer has released its stage. A whole step completes the stage's barrier
         ``bars[s]`` itself; a partial one completes ``bars[STAGES + s]``, which the zeroing
@@ -387,17 +392,18 @@ if HAVE_GLUON:
         With ``GATHER_B`` only A comes by TMA; B's rows are copied by ``cp.async`` from the
         addresses in ``b_rows_ptr`` (by padded row, shifted by ``b_shift + 2 * b_offset[0]``
         bytes; rows at or past the expert's end and null addresses are zero-filled), and
-        every thread's ``cp.async.mbarrier.arrive.noinc`` counts in ``bars[s]``. Each step's
-        addresses are loaded one step ahead (within the tile), so the copies do not wait on
-        that load."""
+        every thread's ``cp.async.mbarrier.arrive.noinc`` counts in ``bars[s]``. The partition
+        then has :data:`WS_GATHER_WARPS` warps, each copying whole 256-byte row segments
+        (a warp: two rows per instruction), ``GATHER_SLICE`` rows of the step at a time (few
+        registers: the addresses of one slice are live at once)."""
         NUM_Q: gl.constexpr = (Q + BLOCK_Q - 1) // BLOCK_Q
         TILES_PER_EXPERT: gl.constexpr = (P // BLOCK_P) * NUM_Q
         num_tiles = NUM_EXPERTS * TILES_PER_EXPERT
         if GATHER_B:
             nbytes: gl.constexpr = a_desc.block_type.nbytes
-            # 16 bytes per thread; a warp covers 16 rows x 16 columns (whole 32-byte sectors)
-            CP: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [1, 1], [1, 0])
-            i = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, CP))
+            # 16 bytes per thread; a warp covers 2 rows x 128 columns (whole lines of a row)
+            CP: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [GATHER_WARPS, 1], [1, 0])
+            i = gl.arange(0, GATHER_SLICE, layout=gl.SliceLayout(1, CP))
             qq = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, CP))
             shift = b_shift + 2 * gl.load(b_offset_ptr)
         else:
@@ -408,16 +414,9 @@ if HAVE_GLUON:
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             first, end = _tile_rows(row_offsets_ptr, tile, num_tiles, TILES_PER_EXPERT)
             _row, p0, q0 = _tile_origin(tile, P, NUM_Q, TILES_PER_EXPERT, BLOCK_P, BLOCK_Q)
-            if GATHER_B:
-                # padded row of activation row `first`, then the first step's addresses
-                pad = gl.load(padded_offsets_ptr + tile // TILES_PER_EXPERT)
-                src = gl.load(b_rows_ptr + pad + i, mask=first + i < end, other=0)
+            if GATHER_B:  # the table's entry of activation row `first`
+                table = b_rows_ptr + gl.load(padded_offsets_ptr + tile // TILES_PER_EXPERT)
             for row in range(first, end, BLOCK_K):
-                if GATHER_B:
-                    cur = src
-                    ahead = row + BLOCK_K
-                    src = gl.load(b_rows_ptr + pad + (ahead - first) + i, mask=ahead + i < end,
-                                  other=0)
                 stage = count % STAGES
                 mbarrier.wait(empty.index(stage), ((count // STAGES) & 1) ^ 1)
                 ready = bars.index(stage)
@@ -425,10 +424,16 @@ if HAVE_GLUON:
                 mbarrier.expect(bar, nbytes)
                 tma.async_copy_global_to_shared(a_desc, [row, p0], bar, a_bufs.index(stage))
                 if GATHER_B:
-                    rows = gl.multiple_of((cur + shift).to(gl.pointer_type(gl.bfloat16)), 16)
-                    ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(q0 + qq, 0)
-                    read = gl.expand_dims(cur != 0, 1) & gl.expand_dims(qq >= 0, 0)
-                    async_copy.async_copy_global_to_shared(b_bufs.index(stage), ptrs, read)
+                    for sl in gl.static_range(BLOCK_K // GATHER_SLICE):
+                        r0 = row + sl * GATHER_SLICE
+                        src = gl.load(table + (r0 - first) + i, mask=r0 + i < end, other=0)
+                        rows = gl.multiple_of((src + shift).to(gl.pointer_type(gl.bfloat16)),
+                                              16)
+                        ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(q0 + qq, 0)
+                        read = gl.expand_dims(src != 0, 1) & gl.expand_dims(qq >= 0, 0)
+                        async_copy.async_copy_global_to_shared(
+                            b_bufs.index(stage).slice(sl * GATHER_SLICE, GATHER_SLICE), ptrs,
+                            read)
                     # arrives when this thread's copies have landed (counted in bars[s])
                     async_copy.mbarrier_arrive(ready, increment_count=False)
                 else:
@@ -480,7 +485,8 @@ if HAVE_GLUON:
         P: gl.constexpr, Q: gl.constexpr, NUM_EXPERTS: gl.constexpr, B_OFFSET: gl.constexpr,
         GATHER_B: gl.constexpr, B_LAYOUT: gl.constexpr, BLOCK_K: gl.constexpr,
         BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
-        ZERO_WARPS: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr,
+        ZERO_WARPS: gl.constexpr, PINGPONG: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         """:func:`_gluon_wgrad_kernel`'s contract and bits, warp-specialised: a one-warp TMA
         producer, a ``ZERO_WARPS``-warp partition zeroing each tile's partial last step off the
@@ -505,7 +511,7 @@ if HAVE_GLUON:
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         # with GATHER_B, bars[s] also counts one cp.async arrive per producer thread
         for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1 + 32 * GATHER_B)
+            mbarrier.init(bars.index(i), count=1 + 32 * PRODUCER_WARPS * GATHER_B)
             mbarrier.init(bars.index(STAGES + i), count=1)
             mbarrier.init(empty.index(i), count=1)
         mbarrier.init(turn.index(0), count=1)
@@ -527,13 +533,13 @@ if HAVE_GLUON:
                                 b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr,
                               b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
                                 B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps,
-                                a_desc)),
+                                a_desc, PRODUCER_WARPS, 16)),
                 (_ws_zeroer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
                               b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr,
                               b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
                               B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps,
                               ZERO_WARPS)),
-            ], [num_warps, 1, ZERO_WARPS], [232, 40, 48])
+            ], [num_warps, PRODUCER_WARPS, ZERO_WARPS], [232, 40, 48])
         else:
             gl.warp_specialize([
                 (_ws_consumer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
@@ -545,13 +551,13 @@ if HAVE_GLUON:
                                 b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr,
                               b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
                                 B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps,
-                                a_desc)),
+                                a_desc, PRODUCER_WARPS, 16)),
                 (_ws_zeroer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
                               b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr,
                               b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
                               B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps,
                               ZERO_WARPS)),
-            ], [1, ZERO_WARPS], [40, 48])
+            ], [PRODUCER_WARPS, ZERO_WARPS], [40, 48])
 
 
 def gluon_device_reason(device: torch.device) -> str | None:
@@ -679,8 +685,9 @@ def launch_gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_offsets: torch.Tens
         if block_q > 128:  # its m64n256 MMAs spill at ws_maxnreg(8) (sm_90 build)
             raise ValueError(f"specialized needs block_q <= 128, got {block_q}")
         kernel = _gluon_wgrad_ws_kernel
-        extra = {"maxnreg": ws_maxnreg(num_warps, pingpong), "ZERO_WARPS": WS_ZERO_WARPS,
-                 "PINGPONG": pingpong, "GATHER_B": gather}
+        extra = {"maxnreg": ws_maxnreg(num_warps, pingpong, gather),
+                 "ZERO_WARPS": WS_ZERO_WARPS, "PINGPONG": pingpong, "GATHER_B": gather,
+                 "PRODUCER_WARPS": WS_GATHER_WARPS if gather else 1}
     with device_context(out.device):
         table_args = ((b_rows, padded_offsets, b.data_ptr() - b_rows_origin) if gather
                       else (row_offsets, row_offsets, 0))  # placeholders, never read

@@ -194,10 +194,10 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
             label, wg._gluon_wgrad_ws_kernel if ws else wg._gluon_wgrad_kernel,
             dict(P=P, Q=Q, NUM_EXPERTS=E, B_OFFSET=b_offset, B_LAYOUT=b_layout, BLOCK_K=bk,
                  BLOCK_P=bp, BLOCK_Q=bq, STAGES=stages, num_warps=warps,
-                 **({"ZERO_WARPS": wg.WS_ZERO_WARPS, "PINGPONG": pp, "GATHER_B": gather}
-                    if ws else {})),
+                 **({"ZERO_WARPS": wg.WS_ZERO_WARPS, "PINGPONG": pp, "GATHER_B": gather,
+                     "PRODUCER_WARPS": wg.WS_GATHER_WARPS if gather else 1} if ws else {})),
             warps, 1, types=types, production=production, gluon=True,
-            options=dict(maxnreg=wg.ws_maxnreg(warps, pp)) if ws else {})
+            options=dict(maxnreg=wg.ws_maxnreg(warps, pp, gather)) if ws else {})
 
     cases = []
     for name in shapes:
