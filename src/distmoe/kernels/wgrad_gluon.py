@@ -382,8 +382,7 @@ if HAVE_GLUON:
                      B_OFFSET: gl.constexpr, GATHER_B: gl.constexpr, B_LAYOUT: gl.constexpr,
                      BLOCK_K: gl.constexpr,
                      BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
-                     NUM_WARPS: gl.constexpr, a_desc, GATHER_WARPS: gl.constexpr,
-                     GATHER_SLICE: gl.constexpr):
+                     NUM_WARPS: gl.constexpr, a_desc, GATHER_WARPS: gl.constexpr):
         """One warp: the TMA loads of every row step of the program's tiles, each once the
         consumer has released its stage. A whole step completes the stage's barrier
         ``bars[s]`` itself; a partial one completes ``bars[STAGES + s]``, which the zeroing
@@ -393,17 +392,17 @@ if HAVE_GLUON:
         addresses in ``b_rows_ptr`` (by padded row, shifted by ``b_shift + 2 * b_offset[0]``
         bytes; rows at or past the expert's end and null addresses are zero-filled), and
         every thread's ``cp.async.mbarrier.arrive.noinc`` counts in ``bars[s]``. The partition
-        then has :data:`WS_GATHER_WARPS` warps, each copying whole 256-byte row segments
-        (a warp: two rows per instruction), ``GATHER_SLICE`` rows of the step at a time (few
-        registers: the addresses of one slice are live at once)."""
+        then has ``GATHER_WARPS`` warps, each instruction of a warp copying whole 128-byte
+        lines of 4 rows, and each step's addresses are loaded one step ahead (within the
+        tile), so that the copies do not wait on that load."""
         NUM_Q: gl.constexpr = (Q + BLOCK_Q - 1) // BLOCK_Q
         TILES_PER_EXPERT: gl.constexpr = (P // BLOCK_P) * NUM_Q
         num_tiles = NUM_EXPERTS * TILES_PER_EXPERT
         if GATHER_B:
             nbytes: gl.constexpr = a_desc.block_type.nbytes
-            # 16 bytes per thread; a warp covers 2 rows x 128 columns (whole lines of a row)
-            CP: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [GATHER_WARPS, 1], [1, 0])
-            i = gl.arange(0, GATHER_SLICE, layout=gl.SliceLayout(1, CP))
+            # 16 bytes per thread; a warp covers 4 rows x 64 columns (a whole line of each row)
+            CP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [GATHER_WARPS, 1], [1, 0])
+            i = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, CP))
             qq = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, CP))
             shift = b_shift + 2 * gl.load(b_offset_ptr)
         else:
@@ -414,9 +413,14 @@ if HAVE_GLUON:
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             first, end = _tile_rows(row_offsets_ptr, tile, num_tiles, TILES_PER_EXPERT)
             _row, p0, q0 = _tile_origin(tile, P, NUM_Q, TILES_PER_EXPERT, BLOCK_P, BLOCK_Q)
-            if GATHER_B:  # the table's entry of activation row `first`
+            if GATHER_B:  # the table's entry of activation row `first`, the first addresses
                 table = b_rows_ptr + gl.load(padded_offsets_ptr + tile // TILES_PER_EXPERT)
+                src = gl.load(table + i, mask=first + i < end, other=0)
             for row in range(first, end, BLOCK_K):
+                if GATHER_B:  # this step's addresses; the next step's are loaded meanwhile
+                    cur = src
+                    ahead = row + BLOCK_K
+                    src = gl.load(table + (ahead - first) + i, mask=ahead + i < end, other=0)
                 stage = count % STAGES
                 mbarrier.wait(empty.index(stage), ((count // STAGES) & 1) ^ 1)
                 ready = bars.index(stage)
@@ -424,16 +428,10 @@ if HAVE_GLUON:
                 mbarrier.expect(bar, nbytes)
                 tma.async_copy_global_to_shared(a_desc, [row, p0], bar, a_bufs.index(stage))
                 if GATHER_B:
-                    for sl in gl.static_range(BLOCK_K // GATHER_SLICE):
-                        r0 = row + sl * GATHER_SLICE
-                        src = gl.load(table + (r0 - first) + i, mask=r0 + i < end, other=0)
-                        rows = gl.multiple_of((src + shift).to(gl.pointer_type(gl.bfloat16)),
-                                              16)
-                        ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(q0 + qq, 0)
-                        read = gl.expand_dims(src != 0, 1) & gl.expand_dims(qq >= 0, 0)
-                        async_copy.async_copy_global_to_shared(
-                            b_bufs.index(stage).slice(sl * GATHER_SLICE, GATHER_SLICE), ptrs,
-                            read)
+                    rows = gl.multiple_of((cur + shift).to(gl.pointer_type(gl.bfloat16)), 16)
+                    ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(q0 + qq, 0)
+                    read = gl.expand_dims(cur != 0, 1) & gl.expand_dims(qq >= 0, 0)
+                    async_copy.async_copy_global_to_shared(b_bufs.index(stage), ptrs, read)
                     # arrives when this thread's copies have landed (counted in bars[s])
                     async_copy.mbarrier_arrive(ready, increment_count=False)
                 else:
@@ -533,13 +531,13 @@ if HAVE_GLUON:
                                 b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr,
                               b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
                                 B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps,
-                                a_desc, PRODUCER_WARPS, 16)),
+                                a_desc, PRODUCER_WARPS)),
                 (_ws_zeroer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
                               b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr,
                               b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
                               B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps,
                               ZERO_WARPS)),
-            ], [num_warps, PRODUCER_WARPS, ZERO_WARPS], [232, 40, 48])
+            ], [num_warps, PRODUCER_WARPS, ZERO_WARPS], [232, 48 if GATHER_B else 40, 48])
         else:
             gl.warp_specialize([
                 (_ws_consumer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
@@ -551,13 +549,13 @@ if HAVE_GLUON:
                                 b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr,
                               b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
                                 B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps,
-                                a_desc, PRODUCER_WARPS, 16)),
+                                a_desc, PRODUCER_WARPS)),
                 (_ws_zeroer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
                               b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr,
                               b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
                               B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps,
                               ZERO_WARPS)),
-            ], [PRODUCER_WARPS, ZERO_WARPS], [40, 48])
+            ], [PRODUCER_WARPS, ZERO_WARPS], [48 if GATHER_B else 40, 48])
 
 
 def gluon_device_reason(device: torch.device) -> str | None:
