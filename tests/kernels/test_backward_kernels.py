@@ -2078,10 +2078,8 @@ def test_gluon_wgrad_x_rows(cfg, programs, form):
     counts = [0, 37, 64, 200, 1, 128, 301, 0, 75, 48]
     layout = layout_from_counts(counts, 128, idle_tiles=1)
     big = [e + 1 for e, c in enumerate(counts[:-1]) if 0 < c < 128]
-    hidden, ffn = 256, 192
+    hidden, ffn = 256, 256  # P = 512: 256-row tiles too (the heuristic's pick here)
     width_p, width_q = 2 * ffn, hidden
-    if width_p % block_p:
-        pytest.skip(f"P={width_p} is not a multiple of block_p={block_p}")
     a = _wgrad_operand(layout, width_p, big_experts=big)
     base, x_offset, table, origin, x_gathered, _keep = rows_in_place(layout, hidden)
     po, ro = layout.padded_offsets, layout.row_offsets
@@ -2110,6 +2108,15 @@ def test_gluon_wgrad_x_rows(cfg, programs, form):
 
 
 def test_gluon_wgrad_config_rules():
+    # B's rows by address (x_rows): 256-row output tiles where P allows, else the usual pick
+    got = WgradConfig.hopper_gluon(out_rows=1536, out_cols=2048, rows_per_expert=256,
+                                   gathered_b=True)
+    assert (got.block_out_m, got.block_out_n, got.num_warps, got.num_stages, got.specialized,
+            got.pingpong) == (256, 128, 8, 3, True, False)
+    for rows in (256, 4096):
+        assert WgradConfig.hopper_gluon(out_rows=384, out_cols=2048, rows_per_expert=rows,
+                                        gathered_b=True) == WgradConfig.hopper_gluon(
+            out_rows=384, out_cols=2048, rows_per_expert=rows)
     with pytest.raises(ValueError, match=r"gluon=True needs split_rows == 1 \(got 2\)"):
         WgradConfig(split_rows=2, gluon=True)
     with pytest.raises(ValueError, match=r"block_out_m >= 16 \* num_warps \(got 64 and 8"):

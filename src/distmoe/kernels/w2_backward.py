@@ -950,9 +950,11 @@ class WgradConfig:
     @classmethod
     def from_heuristic(cls, *, out_rows: int, out_cols: int, block_m: int = 128,
                        rows_per_expert: int | None = None,
-                       device: torch.device | None = None) -> WgradConfig:
+                       device: torch.device | None = None,
+                       gathered_b: bool = False) -> WgradConfig:
         """64 rows per step, 8 warps. ``rows_per_expert`` is a *shape* hint (the balanced
-        rows per local expert, ``T*K*EP/E``), never a routed count.
+        rows per local expert, ``T*K*EP/E``), never a routed count. ``gathered_b``: B's rows
+        are read through a row address table (``b_rows``; see :meth:`hopper_gluon`).
 
         On a Hopper ``device`` (and ``out_rows`` a multiple of 128) the persistent Gluon
         kernel (``gluon=True``), warp-specialised, 128 x 128 tiles, 5 stages: for long row
@@ -980,7 +982,7 @@ class WgradConfig:
         """
         if gluon_device(device):
             gluon = cls.hopper_gluon(out_rows=out_rows, out_cols=out_cols, block_m=block_m,
-                                     rows_per_expert=rows_per_expert)
+                                     rows_per_expert=rows_per_expert, gathered_b=gathered_b)
             if gluon is not None:
                 return gluon
         if rows_per_expert is not None and rows_per_expert >= 1024 and out_rows >= 128 \
@@ -1001,11 +1003,23 @@ class WgradConfig:
 
     @classmethod
     def hopper_gluon(cls, *, out_rows: int, out_cols: int, block_m: int = 128,
-                     rows_per_expert: int | None = None) -> WgradConfig | None:
+                     rows_per_expert: int | None = None,
+                     gathered_b: bool = False) -> WgradConfig | None:
         """The Gluon config :meth:`from_heuristic` picks on a Hopper device (None where the
-        Gluon kernel does not apply: ``out_rows`` not a multiple of 128, ``block_m`` < 64)."""
+        Gluon kernel does not apply: ``out_rows`` not a multiple of 128, ``block_m`` < 64).
+
+        With ``gathered_b`` (B's rows copied by address, ``cp.async``, rather than by TMA) and
+        ``out_rows`` a multiple of 256: the warp-specialised kernel with 256 x 128 tiles, 8
+        MMA warps and 3 stages, which loads each B row once per 256 output rows instead of
+        128. Kernel alone, one H200 (2026-12-04, ``tools/tune_wgrad.py --quick --routing
+        random``, performance.md run 47): 0.453 against 0.499 ms for the ping-pong 128 x 128
+        tiles at T=4096 D=2048 F=768 E=128 K=8 (TMA-fed: 0.401), 3.129 against 3.817 ms for
+        the two cooperating warpgroups at T=8192 D=4096 F=2048 E=32 K=8 (TMA-fed: 3.344)."""
         if block_m < 64 or out_rows % 128:
             return None
+        if gathered_b and out_rows % 256 == 0 and out_cols >= 128:
+            return cls(block_m=block_m, block_k=64, block_out_m=256, block_out_n=128,
+                       num_warps=8, num_stages=3, gluon=True, specialized=True)
         if rows_per_expert is not None and rows_per_expert >= 1024 and out_cols >= 256:
             # the warp-specialised kernel, two warpgroups cooperating on a 128 x 128 tile: the
             # layer fwd+bwd 1.3-1.5% faster than with the plain 128 x 256 one (one H200,

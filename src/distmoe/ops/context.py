@@ -230,11 +230,6 @@ class MoEContext:
             so = acts.scratch_elem_offsets
             # every rank's scratch gh3 row 0 (same layout on every rank)
             self._gh3_bases = heap.base_table("activations") + acts.scratch_layout["gh3"][0]
-            # At EP = 1 a layer that keeps x instead of its rows (cfg.save_gathered_rows
-            # False) has its W13 WGRAD read x's rows in place, through the forward's gather
-            # table (row t of the dispatch buffer, moved to row t of the kept x): no
-            # regathered copy, and a replay stores h1 only.
-            self._wgrad_reads_x = self.ep_size == 1 and acts.regathers
             # where the gather table's rows are (read once, at construction)
             self._table_origin = (int(heap.base_table("dispatch")[self.rank])
                                   if self._wgrad_reads_x else 0)
@@ -940,14 +935,20 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
 
         D, F = self.cfg.hidden, self.cfg.ffn
         shape_keys = dict(block_m=self.cfg.row_block, rows_per_expert=self.rows_per_expert_hint)
+        # At EP = 1 a layer that keeps x instead of its rows (cfg.save_gathered_rows False)
+        # has its W13 WGRAD read x's rows in place, through the forward's gather table (row t
+        # of the dispatch buffer, moved to row t of the kept x): no regathered copy, and a
+        # replay stores h1 only.
+        self._wgrad_reads_x = self.ep_size == 1 and not self.cfg.save_gathered_rows
         self._w2_dgrad_cfg = W2DgradConfig.from_heuristic(hidden=D, ffn=F, device=self.device,
                                                           **shape_keys)
         self._w13_dgrad_cfg = W13DgradConfig.from_heuristic(
             hidden=D, ffn=F, device=self.device, num_experts=self.num_local_experts, **shape_keys)
         self._w2_wgrad_cfg = WgradConfig.from_heuristic(out_rows=D, out_cols=F,
                                                         device=self.device, **shape_keys)
-        self._w13_wgrad_cfg = WgradConfig.from_heuristic(out_rows=2 * F, out_cols=D,
-                                                         device=self.device, **shape_keys)
+        self._w13_wgrad_cfg = WgradConfig.from_heuristic(
+            out_rows=2 * F, out_cols=D, device=self.device, gathered_b=self._wgrad_reads_x,
+            **shape_keys)
         self._score_parts = -(-F // self._w2_dgrad_cfg.block_n)
         if 1 + self._score_parts > D // 2:
             self.close()

@@ -219,11 +219,13 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
                                   c.block_out_m, c.block_out_n, c.num_stages,
                                   c.num_warps if ws or not c.pingpong else 8,
                                   kind == "W13", True, c.block_k, ws, pp))
-                if ws and kind == "W13":  # x's rows read in place (EP = 1, x kept)
-                    cases.append(case(f"{name} W13 WGRAD gluon ws{' pingpong' if pp else ''} "
-                                      f"x_rows", P, Q, E, c.block_out_m, c.block_out_n,
-                                      c.num_stages, c.num_warps, True, True, c.block_k, ws,
-                                      pp, gather=True))
+            if kind == "W13":  # x's rows read in place (EP = 1, x kept): as picked for it
+                g = w2b.WgradConfig.hopper_gluon(out_rows=P, out_cols=Q, rows_per_expert=hint,
+                                                 gathered_b=True)
+                cases.append(case(f"{name} W13 WGRAD gluon ws{' pingpong' if g.pingpong else ''}"
+                                  f" {g.block_out_m}x{g.block_out_n} x_rows", P, Q, E,
+                                  g.block_out_m, g.block_out_n, g.num_stages, g.num_warps, True,
+                                  True, g.block_k, True, g.pingpong, gather=True))
     s = SHAPES["fine"]
     for bp, bq, stages, warps, bk in wg.GLUON_WGRAD_CONFIGS:
         cases.append(case(f"variant W2 WGRAD gluon {bp}x{bq} k{bk} s{stages} w{warps}",
