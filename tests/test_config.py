@@ -54,6 +54,8 @@ def test_invalid_values_raise_value_error(kw, match):
         (dict(top_k=True), r"top_k must be an int, got bool"),
         (dict(training="yes"), r"training must be a bool, got str"),
         (dict(save_gathered_rows=1), r"save_gathered_rows must be a bool, got int"),
+        (dict(save_gathered_rows=False, gathered_rows_in_place=1),
+         r"gathered_rows_in_place must be a bool or None, got int"),
     ],
 )
 def test_wrong_types_raise_type_error(kw, match):
@@ -77,3 +79,10 @@ def test_receive_bound_is_capped_by_what_can_arrive():
     assert make(device_scratch_factor=1.5).receive_bound(2) == 192
     assert make(device_scratch_factor=1.0, total_scratch_factor=2.0).receive_bound(
         2, total=True) == 256
+
+
+def test_gathered_rows_in_place_needs_the_input_kept():
+    assert make(save_gathered_rows=False, gathered_rows_in_place=True).gathered_rows_in_place
+    with pytest.raises(ValueError, match=r"gathered_rows_in_place \(False\) applies only with "
+                                         r"save_gathered_rows=False .*got save_gathered_rows=True"):
+        make(gathered_rows_in_place=False)

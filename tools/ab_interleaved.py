@@ -33,6 +33,9 @@ activation buffer sizes are printed.
 ``--regather`` (``--mode fwdbwd`` only) adds a row "regather": another layer whose context
 has ``save_gathered_rows`` False (a saved layer keeps its input instead of its gathered rows,
 and its backward gathers them again), timed the same way, with its smaller slot printed.
+``--regather-in-place auto|on|off|both`` sets that layer's ``gathered_rows_in_place`` (auto:
+None, the library's rule; on / off: True / False, at EP = 1 the W13 WGRAD reads the rows in
+place or from a copy; both: two such layers, "regather" copying and "inplace" in place).
 
 ``--variant NAME=SPEC[+SPEC...]``, each SPEC ``KERNEL[:WHEN]:FIELD=VALUE[,FIELD=VALUE...]`` as
 in ``tools/ab_bench.py``: ``w13`` (``WHEN`` training / inference / any, matched against the
@@ -124,8 +127,8 @@ def variant_configs(ctx, specs: list[str], training: bool) -> dict[str, object]:
 
 
 #: row names the tool gives its own layers: the heuristics, ``--ep1-share``, ``--replay``,
-#: ``--regather``
-_RESERVED = ("base", "ep1share", "replay", "regather")
+#: ``--regather`` (and ``--regather-in-place both``)
+_RESERVED = ("base", "ep1share", "replay", "regather", "inplace")
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
@@ -180,6 +183,10 @@ def main() -> int:
                     help="also the same layer with saved layers keeping their input instead "
                          "of their gathered rows (save_gathered_rows False), in the same "
                          "rounds (--mode fwdbwd)")
+    ap.add_argument("--regather-in-place", choices=["auto", "on", "off", "both"],
+                    default="auto",
+                    help="with --regather: its layer's gathered_rows_in_place (auto: the "
+                         "rule; both: a copying layer and an in-place one)")
     add_routing_argument(ap)
     args = ap.parse_args()
     for name in ("rounds", "iters"):
@@ -208,8 +215,13 @@ def main() -> int:
         extra["replay"] = layer_step(args.shape, args.mode, joined, tokens=args.tokens,
                                      routing=args.routing, activation_factor=0.0)[:2]
     if args.regather:
-        extra["regather"] = layer_step(args.shape, args.mode, joined, tokens=args.tokens,
-                                       routing=args.routing, save_gathered_rows=False)[:2]
+        way = args.regather_in_place
+        kept_x = ([("regather", False), ("inplace", True)] if way == "both" else
+                  [("regather", {"auto": None, "on": True, "off": False}[way])])
+        for name, in_place in kept_x:
+            extra[name] = layer_step(args.shape, args.mode, joined, tokens=args.tokens,
+                                     routing=args.routing, save_gathered_rows=False,
+                                     gathered_rows_in_place=in_place)[:2]
     share = None
     if args.ep1_share:
         share = layer_step(args.shape, args.mode, ep1_share(joined), tokens=args.tokens,
@@ -247,7 +259,7 @@ def main() -> int:
                 print(f"  {name} layer: activation buffer {act['activation_buffer_bytes']} "
                       f"bytes, slot capacity {act['slot_capacity_bytes']} (activation_factor "
                       f"{other.cfg.activation_factor}, save_gathered_rows "
-                      f"{other.cfg.save_gathered_rows})")
+                      f"{other.cfg.save_gathered_rows}, rows in place {act['rows_in_place']})")
         fns = {n: runner(c) for n, c in configs.items()}
         fns.update((name, other_step) for name, (_, other_step) in extra.items())
         if share is not None:
@@ -273,7 +285,7 @@ def main() -> int:
                 note = f"  EP={joined.world} / EP=1 share: {ratio:.3f}x (median per round)"
             elif name == "replay":  # its own context, the heuristics' configs
                 note = f"  replayed / saved: {1 / ratio:.3f}x (median per round)"
-            elif name == "regather":
+            elif name in ("regather", "inplace"):
                 note = f"  regathered / saved: {1 / ratio:.3f}x (median per round)"
             elif "ep1share" in stats:  # this variant's time over the share's, per round
                 over = statistics.median(round_ratios(list(st.window_ms),

@@ -79,6 +79,13 @@ class MoEConfig:
             rows than it has tokens (at EP = 1, R = T*K: about a third of a bf16 layer at
             D = 2F), for one more copy of the rows per backward. Gradients are the same bits
             either way.
+        gathered_rows_in_place: with ``save_gathered_rows`` False, on a one-rank group:
+            ``True``: the W13 weight gradient reads x's rows in place, through the forward's
+            gather table (no copy of the rows; a replayed layer's W13 stores h1 only);
+            ``False``: the backward copies them into scratch first; ``None`` (the default):
+            in place from 512 rows per local expert (the shape hint ``T_max*K*EP/E``), where
+            it measured faster (docs/performance.md run 47). At EP > 1 the rows are always
+            copied (most live on the peers). Gradients are the same bits either way.
     """
 
     hidden: int
@@ -97,6 +104,7 @@ class MoEConfig:
     max_layers_per_slot: int = 1
     save_route_outputs: bool = True
     save_gathered_rows: bool = True
+    gathered_rows_in_place: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden", "ffn", "num_experts", "top_k", "max_tokens"):
@@ -148,6 +156,14 @@ class MoEConfig:
         if not isinstance(self.save_gathered_rows, bool):
             raise TypeError(f"save_gathered_rows must be a bool, got "
                             f"{type(self.save_gathered_rows).__name__}")
+        if self.gathered_rows_in_place is not None:
+            if not isinstance(self.gathered_rows_in_place, bool):
+                raise TypeError(f"gathered_rows_in_place must be a bool or None, got "
+                                f"{type(self.gathered_rows_in_place).__name__}")
+            if self.save_gathered_rows:
+                raise ValueError(f"gathered_rows_in_place ({self.gathered_rows_in_place}) "
+                                 "applies only with save_gathered_rows=False (a layer that "
+                                 "keeps x instead of its rows), got save_gathered_rows=True")
 
     # ----------------------------------------------------------------- group-size rules
     def check_ep_size(self, ep_size: int) -> None:

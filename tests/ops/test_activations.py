@@ -173,13 +173,14 @@ LAYERS = ["balanced", "imbalance_8x", "inactive_mix", "all_to_one_expert", "bala
 
 
 def _cfg(world, layers, *, num_slots=1, mode="mixed", save_route_outputs=True,
-         save_gathered_rows=True):
+         save_gathered_rows=True, in_place=None):
     base = dict(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T, row_block=BLOCK,
                 device_scratch_factor=float(world), max_layers_per_slot=layers,
                 num_slots=num_slots, save_route_outputs=save_route_outputs,
-                save_gathered_rows=save_gathered_rows)
+                save_gathered_rows=save_gathered_rows, gathered_rows_in_place=in_place)
     # the same bytes whether saved layers keep their gathered rows or their input
-    plan = dm.plan_memory(dm.MoEConfig(**{**base, "save_gathered_rows": True}), world)
+    plan = dm.plan_memory(dm.MoEConfig(**{**base, "save_gathered_rows": True,
+                                          "gathered_rows_in_place": None}), world)
     if mode == "save":
         cap = plan.useful_max_slot_bytes
     else:  # between the inputs-only minimum and the balanced full save
@@ -188,11 +189,11 @@ def _cfg(world, layers, *, num_slots=1, mode="mixed", save_route_outputs=True,
 
 
 def _stack_rank(rank, world, seed, mode, checkpointed=None, save_route_outputs=True,
-                save_gathered_rows=True):
+                save_gathered_rows=True, in_place=None):
     """``checkpointed``: {layer: use_reentrant} for layers run under torch.utils.checkpoint."""
     checkpointed = checkpointed or {}
     cfg = _cfg(world, len(LAYERS), mode=mode, save_route_outputs=save_route_outputs,
-               save_gathered_rows=save_gathered_rows)
+               save_gathered_rows=save_gathered_rows, in_place=in_place)
     problems = [split_global_problem(*make_problem(seed + i, world, T, D, F, E, K, name),
                                      world)[rank] for i, name in enumerate(LAYERS)]
     g = torch.Generator().manual_seed(seed)
@@ -215,7 +216,7 @@ def _stack_rank(rank, world, seed, mode, checkpointed=None, save_route_outputs=T
         return dict(y=h.detach(), grads=[t.grad for t in leaves], replays=replays,
                     depth=stats["slot_depth"], cursors=stats["slot_cursors"],
                     always_saves=stats["always_saves"], regathers=stats["regathers"],
-                    calls=all_stats["calls"])
+                    rows_in_place=stats["rows_in_place"], calls=all_stats["calls"])
 
 
 def test_six_layer_stack_replay_is_bit_identical_to_save_all():
@@ -262,18 +263,24 @@ def test_stack_without_route_outputs_in_the_slot_gives_the_same_bits():
 @pytest.mark.parametrize("world", [1, 2])
 def test_stack_regathering_rows_gives_the_same_bits(world):
     """save_gathered_rows=False: saved layers keep their input instead of their gathered
-    rows, which the backward gathers again; outputs and every gradient are bit-identical to
-    the default, saved or replayed (and with the route results dropped too). At EP = 1 a
-    saved layer keeps T rows instead of T*K, so the same mixed slot saves a longer run of
-    layers whole."""
+    rows, which the backward gathers again (copied into scratch, or at EP = 1 with
+    gathered_rows_in_place read in place by the W13 WGRAD); outputs and every gradient are
+    bit-identical to the default, saved or replayed (and with the route results dropped
+    too). At EP = 1 a saved layer keeps T rows instead of T*K, so the same mixed slot saves a
+    longer run of layers whole."""
     seed = 99
     saved = dm.launch(_stack_rank, world, args=(seed, "save"))
     default_mixed = dm.launch(_stack_rank, world, args=(seed, "mixed"))
-    for mode, drop in (("save", False), ("mixed", False), ("mixed", True)):
-        regather = dm.launch(_stack_rank, world, args=(seed, mode, None, not drop, False))
+    runs = [("save", False, None), ("mixed", False, None), ("mixed", True, None)]
+    if world == 1:  # in place (the rule copies at these few rows per expert)
+        runs += [("save", False, True), ("mixed", False, True)]
+    for mode, drop, in_place in runs:
+        regather = dm.launch(_stack_rank, world,
+                             args=(seed, mode, None, not drop, False, in_place))
         for rank in range(world):
             s, m = saved[rank], regather[rank]
             assert m["regathers"] and not s["regathers"]
+            assert m["rows_in_place"] is bool(in_place) and not s["rows_in_place"]
             if mode == "save":
                 assert m["always_saves"] and not any(m["replays"])
             else:

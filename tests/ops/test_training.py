@@ -38,12 +38,15 @@ def _cfg(world, mode):
     every layer whole whatever the routing (the backward's replay steps are skipped);
     ``save_lean``: the same without the route results in the slot (``save_route_outputs``
     False); ``save_regather``: saved layers keep x instead of their gathered rows
-    (``save_gathered_rows`` False: the backward gathers them again); ``replay`` /
-    ``replay_regather``: the inputs-only minimum, every layer replays in backward."""
+    (``save_gathered_rows`` False: the backward gathers them again); ``save_inplace``: the
+    same with ``gathered_rows_in_place`` (EP = 1: the W13 WGRAD reads x's rows in place);
+    ``replay`` / ``replay_regather`` / ``replay_inplace``: the inputs-only minimum, every
+    layer replays in backward."""
+    keeps_x = mode.endswith(("regather", "inplace"))
     base = dict(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T, training=True,
                 row_block=BLOCK, device_scratch_factor=float(world), max_layers_per_slot=2,
-                save_route_outputs=mode != "save_lean",
-                save_gathered_rows=not mode.endswith("regather"))
+                save_route_outputs=mode != "save_lean", save_gathered_rows=not keeps_x,
+                gathered_rows_in_place=True if mode.endswith("inplace") else None)
     plan = dm.plan_memory(dm.MoEConfig(**base), world)
     cap = plan.min_slot_bytes if mode.startswith("replay") else plan.useful_max_slot_bytes
     return dm.MoEConfig(**base, activation_bytes=cap)
@@ -197,7 +200,8 @@ def check_training(EP, mode, device, gpus=(0,)):
 @pytest.mark.parametrize("EP, mode", [(1, "save"), (1, "replay"), (2, "save"), (2, "replay"),
                                       (2, "save_lean"), (1, "save_regather"),
                                       (2, "save_regather"), (1, "replay_regather"),
-                                      (2, "replay_regather"),
+                                      (2, "replay_regather"), (1, "save_inplace"),
+                                      (1, "replay_inplace"),
                                       (4, "replay")])  # EP=4: issue 8's CPU share
 def test_training_matches_torch_autograd(EP, mode):
     check_training(EP, mode, "cpu")

@@ -12,20 +12,24 @@ from distmoe.reference import split_global_problem
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["save", "replay", "save_lean", "save_regather"])
+@pytest.mark.parametrize("mode", ["save", "replay", "save_lean", "save_regather",
+                                  "save_inplace", "replay_inplace"])
 @pytest.mark.parametrize("EP", [1, 2])
 def test_training_gpu_matches_torch_autograd(EP, mode):
+    if EP > 1 and mode.endswith("inplace"):
+        pytest.skip("rows are read in place at EP = 1 only")
     check_training(EP, mode, "cuda")
 
 
 D, F, T, E, K = 256, 128, 64, 8, 2
 
 
-def _graph_step_rank(rank, world, gathered=True):
+def _graph_step_rank(rank, world, rows="x_rows"):
     dev = torch.device("cuda", torch.cuda.current_device())
     base = dict(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
                 device_scratch_factor=float(world), max_layers_per_slot=2,
-                save_gathered_rows=gathered)
+                save_gathered_rows=rows == "x_rows",
+                gathered_rows_in_place=True if rows == "inplace" else None)
     plan = dm.plan_memory(dm.MoEConfig(**base), world)
     # a slot between the inputs-only minimum and full save: layer 2 (imbalanced) replays
     cfg = dm.MoEConfig(**base, activation_bytes=(plan.min_slot_bytes
@@ -86,10 +90,12 @@ def _graph_step_rank(rank, world, gathered=True):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gathered", [True, False], ids=["x_rows", "regather"])
+@pytest.mark.parametrize("rows", ["x_rows", "regather", "inplace"])
 @pytest.mark.parametrize("EP", [1, 2])
-def test_cuda_graph_training_step_with_new_inputs_equals_eager(EP, gathered):
-    out = dm.launch(_graph_step_rank, EP, args=(gathered,), device="cuda", gpus=[0],
+def test_cuda_graph_training_step_with_new_inputs_equals_eager(EP, rows):
+    if EP > 1 and rows == "inplace":
+        pytest.skip("rows are read in place at EP = 1 only")
+    out = dm.launch(_graph_step_rank, EP, args=(rows,), device="cuda", gpus=[0],
                     timeout=600)
     for results, depth in out:
         assert depth == [0]

@@ -118,6 +118,8 @@ class ActivationBuffer:
         self.always_saves = self.layers_per_slot * plan.full_state_bytes(R) <= self.slot_bytes
         # Saved layers keep x instead of x_rows: every backward gathers the rows again.
         self.regathers = not cfg.save_gathered_rows
+        # ... and (set by the context) the W13 WGRAD reads them in place instead (EP = 1)
+        self.rows_in_place = False
         self.kept_x_bytes = 0 if cfg.save_gathered_rows else self.input_bytes
 
         nbytes = plan.activation_buffer_bytes
@@ -262,4 +264,4 @@ class ActivationBuffer:
                     slot_capacity_bytes=self.slot_bytes, num_slots=self.num_slots,
                     scratch_bytes=self.plan.scratch_bytes, slot_depth=list(self.depth),
                     slot_cursors=self.cursors.tolist(), always_saves=self.always_saves,
-                    regathers=self.regathers)
+                    regathers=self.regathers, rows_in_place=self.rows_in_place)

@@ -74,7 +74,8 @@ def add_routing_argument(parser) -> None:
 
 def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None = None,
                share_of: int = 1, routing: str = "sampled",
-               activation_factor: float | None = None, save_gathered_rows: bool = True
+               activation_factor: float | None = None, save_gathered_rows: bool = True,
+               gathered_rows_in_place: bool | None = None
                ) -> tuple[object, Callable[[], None], int]:
     """``(ctx, step, T)`` for the named bench shape (``tokens`` instead of its T): the
     context (a :class:`~distmoe.MoEContext`, closed by the caller), one step and the tokens
@@ -90,7 +91,8 @@ def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None
     (None: the config's default, every layer saves its state; 0: its input only, every
     layer replays in backward). ``save_gathered_rows``: the context's
     :attr:`~distmoe.MoEConfig.save_gathered_rows` (False: saved layers keep their input and
-    the backward gathers the rows again). Two calls with the same arguments but these two
+    the backward gathers the rows again; ``gathered_rows_in_place``, with it: its
+    :attr:`~distmoe.MoEConfig.gathered_rows_in_place`). Two calls with the same arguments but these two
     draw the same inputs, so their steps compute the same layer."""
     import distmoe as dm
     from distmoe.reference import random_routing
@@ -116,6 +118,7 @@ def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None
     extra = {} if activation_factor is None else {"activation_factor": activation_factor}
     if not save_gathered_rows:
         extra["save_gathered_rows"] = False
+        extra["gathered_rows_in_place"] = gathered_rows_in_place
     cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
                        training=training, **extra)
     g = torch.Generator().manual_seed(joined.rank)
