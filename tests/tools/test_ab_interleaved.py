@@ -146,10 +146,12 @@ def test_two_cpu_ranks_with_the_ep1_share(tmp_path):
 def test_replay_row_times_the_same_layer_replayed(tmp_path):
     """``--replay``: a second layer whose slot holds its input only (activation_factor 0),
     so its backward replays the forward, timed in the same rounds as the saved layer;
-    ``--regather``: a third whose saved layers keep their input instead of their rows."""
+    ``--regather``: a third whose saved layers keep their input instead of their rows, with
+    ``--regather-in-place both`` a fourth that reads those rows in place instead of copying."""
     out = _run_tool(tmp_path, ["--shape", "smoke", "--tokens", "48", "--mode", "fwdbwd",
                                "--rounds", "2", "--iters", "1", "--warmup", "1", "--replay",
-                               "--regather", "--routing", "exact"], nproc=1)
+                               "--regather", "--regather-in-place", "both", "--routing",
+                               "exact"], nproc=1)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
     caps = {}
@@ -157,15 +159,19 @@ def test_replay_row_times_the_same_layer_replayed(tmp_path):
         if " layer: activation buffer " in line:
             name, rest = line.split(" layer: ")
             caps[name.strip()] = int(rest.split("slot capacity ")[1].split()[0])
-    assert set(caps) == {"base", "replay", "regather"}
+    assert set(caps) == {"base", "replay", "regather", "inplace"}
     assert 0 < caps["replay"] < caps["regather"] < caps["base"]  # EP = 1: T rows, not T*K
-    assert any("(activation_factor 0.0, save_gathered_rows True)" in line for line in lines)
-    assert any("regather layer:" in line and "save_gathered_rows False" in line
+    assert caps["inplace"] == caps["regather"]
+    assert any("(activation_factor 0.0, save_gathered_rows True, rows in place False)" in line
                for line in lines)
+    assert any("regather layer:" in line and "save_gathered_rows False, rows in place False"
+               in line for line in lines)
+    assert any("inplace layer:" in line and "save_gathered_rows False, rows in place True"
+               in line for line in lines)
     rows = {line.split()[0]: line for line in lines if line.startswith("  ") and " x" in line}
-    assert set(rows) == {"base", "replay", "regather"}
+    assert set(rows) == {"base", "replay", "regather", "inplace"}
     assert "replayed / saved:" in rows["replay"]
-    assert "regathered / saved:" in rows["regather"]
+    assert "regathered / saved:" in rows["regather"] and "regathered / saved:" in rows["inplace"]
 
 
 def test_replay_needs_the_backward(tmp_path):
