@@ -376,16 +376,6 @@ if HAVE_GLUON:
         tma.store_wait(0)
 
     @gluon.jit
-    def _table_row(b_rows_ptr, padded_offsets_ptr, tile, TILES_PER_EXPERT: gl.constexpr,
-                   NUM_EXPERTS: gl.constexpr):
-        """Where the address table holds ``tile``'s expert's first row (its padded start);
-        past the last tile, the last expert's (never read: no rows there)."""
-        expert = tile // TILES_PER_EXPERT
-        if expert > NUM_EXPERTS - 1:
-            expert = NUM_EXPERTS - 1
-        return b_rows_ptr + gl.load(padded_offsets_ptr + expert)
-
-    @gluon.jit
     def _ws_producer(a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
                      b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr, b_shift,
                      P: gl.constexpr, Q: gl.constexpr, NUM_EXPERTS: gl.constexpr,
@@ -403,9 +393,8 @@ if HAVE_GLUON:
         bytes; rows at or past the expert's end and null addresses are zero-filled), and
         every thread's ``cp.async.mbarrier.arrive.noinc`` counts in ``bars[s]``. The partition
         then has ``GATHER_WARPS`` warps, each instruction of a warp copying whole 128-byte
-        lines of 4 rows, and each step's addresses are loaded one step ahead (a tile's first
-        step's during the previous tile's last), so that the copies do not wait on that
-        load."""
+        lines of 4 rows, and each step's addresses are loaded one step ahead (within the
+        tile), so that the copies do not wait on that load."""
         NUM_Q: gl.constexpr = (Q + BLOCK_Q - 1) // BLOCK_Q
         TILES_PER_EXPERT: gl.constexpr = (P // BLOCK_P) * NUM_Q
         num_tiles = NUM_EXPERTS * TILES_PER_EXPERT
@@ -421,26 +410,17 @@ if HAVE_GLUON:
                               B_OFFSET, B_LAYOUT, BLOCK_K, BLOCK_Q)
             nbytes: gl.constexpr = a_desc.block_type.nbytes + b_src.block_type.nbytes
         count = 0
-        num_progs = gl.num_programs(0)
-        if GATHER_B:  # the first tile's bounds, table entry of its first row and addresses
-            n_first, n_end = _tile_rows(row_offsets_ptr, gl.program_id(0), num_tiles,
-                                        TILES_PER_EXPERT)
-            n_table = _table_row(b_rows_ptr, padded_offsets_ptr, gl.program_id(0),
-                                 TILES_PER_EXPERT, NUM_EXPERTS)
-            src = gl.load(n_table + i, mask=n_first + i < n_end, other=0)
-        for tile in range(gl.program_id(0), num_tiles, num_progs):
-            if GATHER_B:  # this tile's, loaded a tile ahead; then the next tile's
-                first, end, table = n_first, n_end, n_table
-                n_first, n_end = _tile_rows(row_offsets_ptr, tile + num_progs, num_tiles,
-                                            TILES_PER_EXPERT)
-                n_table = _table_row(b_rows_ptr, padded_offsets_ptr, tile + num_progs,
-                                     TILES_PER_EXPERT, NUM_EXPERTS)
-                if end <= first:  # no steps here: the next tile's first addresses now
-                    src = gl.load(n_table + i, mask=n_first + i < n_end, other=0)
-            else:
-                first, end = _tile_rows(row_offsets_ptr, tile, num_tiles, TILES_PER_EXPERT)
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            first, end = _tile_rows(row_offsets_ptr, tile, num_tiles, TILES_PER_EXPERT)
             _row, p0, q0 = _tile_origin(tile, P, NUM_Q, TILES_PER_EXPERT, BLOCK_P, BLOCK_Q)
+            if GATHER_B:  # the table's entry of activation row `first`, the first addresses
+                table = b_rows_ptr + gl.load(padded_offsets_ptr + tile // TILES_PER_EXPERT)
+                src = gl.load(table + i, mask=first + i < end, other=0)
             for row in range(first, end, BLOCK_K):
+                if GATHER_B:  # this step's addresses; the next step's are loaded meanwhile
+                    cur = src
+                    ahead = row + BLOCK_K
+                    src = gl.load(table + (ahead - first) + i, mask=ahead + i < end, other=0)
                 stage = count % STAGES
                 mbarrier.wait(empty.index(stage), ((count // STAGES) & 1) ^ 1)
                 ready = bars.index(stage)
@@ -448,20 +428,12 @@ if HAVE_GLUON:
                 mbarrier.expect(bar, nbytes)
                 tma.async_copy_global_to_shared(a_desc, [row, p0], bar, a_bufs.index(stage))
                 if GATHER_B:
-                    rows = gl.multiple_of((src + shift).to(gl.pointer_type(gl.bfloat16)), 16)
+                    rows = gl.multiple_of((cur + shift).to(gl.pointer_type(gl.bfloat16)), 16)
                     ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(q0 + qq, 0)
-                    read = gl.expand_dims(src != 0, 1) & gl.expand_dims(qq >= 0, 0)
+                    read = gl.expand_dims(cur != 0, 1) & gl.expand_dims(qq >= 0, 0)
                     async_copy.async_copy_global_to_shared(b_bufs.index(stage), ptrs, read)
                     # arrives when this thread's copies have landed (counted in bars[s])
                     async_copy.mbarrier_arrive(ready, increment_count=False)
-                    # the next step's addresses (the next tile's first, after the last
-                    # step), in flight while this partition waits for the next free stage
-                    ahead = row + BLOCK_K
-                    if ahead < end:
-                        src = gl.load(table + (ahead - first) + i, mask=ahead + i < end,
-                                      other=0)
-                    else:
-                        src = gl.load(n_table + i, mask=n_first + i < n_end, other=0)
                 else:
                     tma.async_copy_global_to_shared(b_src, [row, q0], bar, b_bufs.index(stage))
                 count += 1
