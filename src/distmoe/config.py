@@ -81,11 +81,13 @@ class MoEConfig:
             either way.
         gathered_rows_in_place: with ``save_gathered_rows`` False, on a one-rank group:
             ``True``: the W13 weight gradient reads x's rows in place, through the forward's
-            gather table (no copy of the rows; a replayed layer's W13 stores h1 only);
-            ``False``: the backward copies them into scratch first; ``None`` (the default):
-            in place from 512 rows per local expert (the shape hint ``T_max*K*EP/E``), where
-            it measured faster (docs/performance.md run 47). At EP > 1 the rows are always
-            copied (most live on the peers). Gradients are the same bits either way.
+            gather table (no copy of the rows, so the scratch holds ``2*R*D`` bytes less; a
+            replayed layer's W13 stores h1 only); ``False``: the backward copies them into
+            scratch first; ``None`` (the default): in place from 512 rows per local expert
+            (the shape hint ``T_max*K*EP/E``), where it measured faster
+            (:func:`distmoe.memory.rows_in_place`, docs/performance.md run 47). At EP > 1
+            the rows are always copied (most live on the peers). Gradients are the same bits
+            either way.
     """
 
     hidden: int

@@ -17,7 +17,9 @@ from distmoe.memory import (
     input_bytes,
     layer_costs,
     padded_rows,
+    plan_memory,
     row_multiple,
+    rows_in_place,
 )
 
 FAST = settings(max_examples=60, deadline=None, derandomize=True)
@@ -96,6 +98,38 @@ def test_bf16_scratch_formulas(d, f, rows):
         # the extra region: gathered grad_h3 outgrows what grad_h1 leaves free
         assert backward == 2 * rows * (d + 5 * f) + 2 * rows * (d - f)
     assert costs.scratch_bytes == backward
+    # a kept input's rows read in place (EP = 1): no gathered x in the backward scratch
+    kept = MoEConfig(hidden=d, ffn=f, num_experts=8, top_k=2, max_tokens=4, training=True,
+                     save_gathered_rows=False, gathered_rows_in_place=True)
+    in_place = layer_costs(kept, 1, rows)
+    assert in_place.backward_scratch.peak_bytes == backward - 2 * rows * d
+    assert in_place.scratch_bytes == max(in_place.backward_scratch.peak_bytes,
+                                         in_place.forward_scratch.peak_bytes)
+    assert layer_costs(kept, 2, rows).backward_scratch.peak_bytes == backward  # EP > 1
+
+
+def test_rows_in_place_rule():
+    """In place only at EP = 1, in bf16 training with the input kept: forced by
+    ``gathered_rows_in_place``, else from 512 rows per local expert (T*K/E)."""
+    def cfg(**kw):
+        base = dict(hidden=2048, ffn=768, num_experts=128, top_k=8, max_tokens=4096,
+                    training=True, save_gathered_rows=False)
+        return MoEConfig(**{**base, **kw})
+
+    assert not rows_in_place(cfg(), 1)  # 256 rows per expert: copied
+    assert rows_in_place(cfg(num_experts=64), 1)  # 512
+    assert not rows_in_place(cfg(num_experts=64, max_tokens=4095), 1)  # 511
+    assert rows_in_place(cfg(gathered_rows_in_place=True), 1)
+    assert not rows_in_place(cfg(num_experts=64, gathered_rows_in_place=False), 1)
+    assert not rows_in_place(cfg(num_experts=64, gathered_rows_in_place=True), 2)
+    assert not rows_in_place(cfg(num_experts=64, save_gathered_rows=True), 1)
+    assert not rows_in_place(cfg(num_experts=64, training=False), 1)
+    # the plan's scratch: the gathered copy of x left out, 2*R*D bytes at the device bound
+    copy = plan_memory(cfg(num_experts=64, gathered_rows_in_place=False), 1)
+    place = plan_memory(cfg(num_experts=64), 1)
+    rows = copy.device_receive_bound
+    assert copy.scratch_bytes - place.scratch_bytes == align128(rows * 2048 * 2)
+    assert place.slot_capacity_bytes == copy.slot_capacity_bytes
 
 
 def test_bf16_scratch_hand_values():

@@ -216,7 +216,8 @@ def _stack_rank(rank, world, seed, mode, checkpointed=None, save_route_outputs=T
         return dict(y=h.detach(), grads=[t.grad for t in leaves], replays=replays,
                     depth=stats["slot_depth"], cursors=stats["slot_cursors"],
                     always_saves=stats["always_saves"], regathers=stats["regathers"],
-                    rows_in_place=stats["rows_in_place"], calls=all_stats["calls"])
+                    rows_in_place=stats["rows_in_place"], calls=all_stats["calls"],
+                    buffer=stats["activation_buffer_bytes"])
 
 
 def test_six_layer_stack_replay_is_bit_identical_to_save_all():
@@ -274,6 +275,7 @@ def test_stack_regathering_rows_gives_the_same_bits(world):
     runs = [("save", False, None), ("mixed", False, None), ("mixed", True, None)]
     if world == 1:  # in place (the rule copies at these few rows per expert)
         runs += [("save", False, True), ("mixed", False, True)]
+    buffers = {}
     for mode, drop, in_place in runs:
         regather = dm.launch(_stack_rank, world,
                              args=(seed, mode, None, not drop, False, in_place))
@@ -281,6 +283,7 @@ def test_stack_regathering_rows_gives_the_same_bits(world):
             s, m = saved[rank], regather[rank]
             assert m["regathers"] and not s["regathers"]
             assert m["rows_in_place"] is bool(in_place) and not s["rows_in_place"]
+            buffers[mode, drop, in_place] = m["buffer"]
             if mode == "save":
                 assert m["always_saves"] and not any(m["replays"])
             else:
@@ -292,6 +295,9 @@ def test_stack_regathering_rows_gives_the_same_bits(world):
             for i, (ga, gb) in enumerate(zip(m["grads"], s["grads"], strict=True)):
                 assert ga is not None and torch.equal(ga, gb), f"{mode}: gradient {i} differs"
             assert m["depth"] == [0] and m["cursors"] == [[0] * world]
+    for mode, drop, in_place in runs:  # in place: no scratch copy of the rows (same slot)
+        if in_place:
+            assert buffers[mode, drop, in_place] < buffers[mode, drop, None]
 
 
 def _slots_rank(rank, world, seed):

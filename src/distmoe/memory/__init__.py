@@ -16,6 +16,7 @@ from distmoe.memory.costs import (
     layer_costs,
     padded_rows,
     row_multiple,
+    rows_in_place,
     scratch_bytes,
 )
 from distmoe.memory.planner import (
@@ -66,6 +67,7 @@ __all__ = [
     "plan_memory",
     "plan_saves",
     "row_multiple",
+    "rows_in_place",
     "scratch_bytes",
     "stage_lifetimes",
     "trace_saves",

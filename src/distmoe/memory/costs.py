@@ -38,6 +38,32 @@ from typing import NamedTuple
 from distmoe.config import MoEConfig
 
 ALIGN_BYTES = 128
+
+#: From this many rows per local expert (the shape hint ``T_max*K*EP/E``) a layer that keeps
+#: x instead of its gathered rows has its W13 WGRAD read those rows in place at EP = 1 (see
+#: :func:`rows_in_place`).
+ROWS_IN_PLACE_FROM = 512
+
+
+def rows_in_place(cfg: MoEConfig, ep_size: int) -> bool:
+    """Whether a training layer's backward reads a kept input's rows in place, so that it
+    needs no scratch copy of them (``x_gathered`` leaves the backward scratch): bf16, EP = 1,
+    ``save_gathered_rows`` False, and ``cfg.gathered_rows_in_place``, or where that is None
+    at least :data:`ROWS_IN_PLACE_FROM` rows per local expert (the shape hint).
+
+    Measured, one H200 (2026-12-04, ``tools/ab_interleaved.py --mode fwdbwd --regather
+    --regather-in-place both``, docs/performance.md run 47), step time against the default
+    mode (rows saved), copy / in place: 1.020x / 1.013x at T=8192 D=4096 F=2048 E=32 K=8
+    (2048 rows per expert) and 1.020x / 1.009x at T=4096 D=2048 F=1024 E=64 K=8 (512), but
+    1.035x / 1.057x at T=4096 D=2048 F=768 E=128 K=8 (256): the in-place WGRAD copies its
+    rows by ``cp.async`` from a table read per 64-row step, and at 256 rows per expert a
+    tile is four such steps."""
+    if not cfg.training or cfg.precision != "bf16" or ep_size != 1 or cfg.save_gathered_rows:
+        return False
+    if cfg.gathered_rows_in_place is not None:
+        return cfg.gathered_rows_in_place
+    return max(1, cfg.max_tokens * cfg.top_k // cfg.experts_per_rank(ep_size)) \
+        >= ROWS_IN_PLACE_FROM
 MX_BLOCK = 32  # mxfp8: values per E8M0 scale
 NVFP4_BLOCK = 16  # nvfp4: values per E4M3 scale
 
@@ -301,6 +327,9 @@ def backward_scratch_layout(cfg: MoEConfig, ep_size: int, rows: int) -> ScratchL
         D <= F:  2R(D + 5F)                 (grad_h1 is the larger tenant)
         D >  F:  2R(D + 5F) + 2R(D - F)     (h2 + grad_h3 is; the extra region is grad_h3's)
 
+    Where the rows are read in place (:func:`rows_in_place`), ``x_gathered`` is not there:
+    ``2RD`` less.
+
     before alignment; the code aligns each tensor and takes the max of the two tenants.
 
     mxfp8: resident ``x_col`` bundle [Rp, D], ``h1 [Rp, 2F] bf16``, ``grad_h2 [Rp, F] bf16``;
@@ -313,10 +342,13 @@ def backward_scratch_layout(cfg: MoEConfig, ep_size: int, rows: int) -> ScratchL
         return None
     d, f = cfg.hidden, cfg.ffn
     if cfg.precision == "bf16":
+        # rows read in place (rows_in_place): no gathered copy of x
+        gathered = () if rows_in_place(cfg, ep_size) else (
+            tensor_bytes("x_gathered", (rows, d), "bf16"),)
         return ScratchLayout(
             name="backward replay",
             resident=(
-                tensor_bytes("x_gathered", (rows, d), "bf16"),
+                *gathered,
                 tensor_bytes("h1", (rows, 2 * f), "bf16"),
                 tensor_bytes("grad_h2", (rows, f), "bf16"),
             ),

@@ -27,7 +27,8 @@ selected later.
 **Scratch** is shared by all calls, one at a time (activation rows, ``R = R_b`` the device
 receive bound)::
 
-    xs   [R, D]   replayed (or regathered) rows     (backward of a layer without x_rows)
+    xs   [R, D]   replayed (or regathered) rows     (backward of a layer without x_rows;
+                  absent where the rows are read in place, memory.rows_in_place)
     h1g  [R, 2F]  replayed h1, then grad_h1 in place (backward)
     h2   [R, F]   SwiGLU output (forward), score * h2 (backward, for W2 WGRAD)
     gh3  [R, D]   the routes' grad_y rows (unscaled), in activation rows: written by their
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import MoEConfig
-from ..memory import MemoryPlan, align128, plan_memory
+from ..memory import MemoryPlan, align128, plan_memory, rows_in_place
 
 
 @dataclass
@@ -118,8 +119,8 @@ class ActivationBuffer:
         self.always_saves = self.layers_per_slot * plan.full_state_bytes(R) <= self.slot_bytes
         # Saved layers keep x instead of x_rows: every backward gathers the rows again.
         self.regathers = not cfg.save_gathered_rows
-        # ... and (set by the context) the W13 WGRAD reads them in place instead (EP = 1)
-        self.rows_in_place = False
+        # ... and the W13 WGRAD reads them in place instead (EP = 1): no scratch xs
+        self.rows_in_place = rows_in_place(cfg, ep_size)
         self.kept_x_bytes = 0 if cfg.save_gathered_rows else self.input_bytes
 
         nbytes = plan.activation_buffer_bytes
@@ -131,7 +132,8 @@ class ActivationBuffer:
         # Scratch views, in activation rows.
         base = plan.slots_bytes
         layout = {}
-        for name, width in (("xs", D), ("h1g", 2 * F), ("h2", F), ("gh3", D)):
+        names = (("h1g", 2 * F), ("h2", F), ("gh3", D))
+        for name, width in names if self.rows_in_place else (("xs", D), *names):
             layout[name] = (base, width)
             base += align128(R * width * 2)
         used = base - plan.slots_bytes
@@ -223,7 +225,7 @@ class ActivationBuffer:
             h3_bytes=self.h3_bytes, x_row_bytes=0 if self.regathers else D * 2,
             h1_row_bytes=2 * F * 2, kept_x_bytes=self.kept_x_bytes,
             combine_address=combine_address, elements_address=self.elements.data_ptr(),
-            replay_offsets=(so["h1g"], so["xs"]), act_bases=act_bases,
+            replay_offsets=(so["h1g"], so.get("xs", -1)), act_bases=act_bases,
             combine_bases=combine_bases,
         )  # fmt: skip
         rec = LayerRecord(slot=s, layer=layer, cursor_before=before, replay=replay,

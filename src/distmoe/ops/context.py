@@ -74,6 +74,7 @@ import torch.distributed as dist
 
 from ..config import MoEConfig
 from ..kernels.pull_tokens import BLOCK_FLAG_ROWS
+from ..memory import rows_in_place
 from ..routing import build_routing_tables, row_capacity
 from ..runtime import create_heap
 from ..runtime.heap import round_up
@@ -227,7 +228,6 @@ class MoEContext:
                 allocate=lambda nbytes: heap.allocate("activations", nbytes))
             self._h2 = self.activations.scratch["h2"]
             acts = self.activations
-            acts.rows_in_place = self._wgrad_reads_x  # (reported by stats())
             so = acts.scratch_elem_offsets
             # every rank's scratch gh3 row 0 (same layout on every rank)
             self._gh3_bases = heap.base_table("activations") + acts.scratch_layout["gh3"][0]
@@ -294,22 +294,6 @@ class MoEContext:
         # invalid ids total, calls, calls with a token count that differs between ranks]
         # (distmoe.kernels.call_counters).
         self._counters = torch.zeros(6, dtype=torch.int64, device=self.device)
-
-    @staticmethod
-    def rows_in_place_rule(rows_per_expert: int) -> bool:
-        """Whether, at EP = 1, a layer that keeps x instead of its gathered rows
-        (``MoEConfig.save_gathered_rows`` False) has its W13 weight gradient read x's rows in
-        place rather than from a copy made in the backward (``MoEConfig.gathered_rows_in_place``
-        None): from 512 rows per local expert (a shape hint, never a routed count).
-
-        Measured, one H200 (2026-12-04, ``tools/ab_interleaved.py --mode fwdbwd --regather``,
-        performance.md run 47): step time against the default mode (rows saved) with rows
-        read in place 1.000x at T=8192 D=4096 F=2048 E=32 K=8 (2048 rows per expert; 1.017x
-        with the copy, run 46) and 1.010x at T=4096 D=2048 F=1024 E=64 K=8 (512; 1.024x),
-        but 1.059x / 1.047x at T=4096 D=2048 F=768 E=128 K=8 (256; 1.039x / 1.024x with the
-        copy): the in-place WGRAD copies its B rows by ``cp.async`` from a table read per
-        64-row step, and with 256 rows per expert each tile is only four such steps."""
-        return rows_per_expert >= 512
 
     @staticmethod
     def pull_all_rule(ep_size: int, top_k: int, tokens: int, max_tokens: int) -> bool:
@@ -956,10 +940,7 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         # may have its W13 WGRAD read x's rows in place, through the forward's gather table
         # (row t of the dispatch buffer, moved to row t of the kept x): no regathered copy,
         # and a replay stores h1 only (cfg.gathered_rows_in_place, else the rule).
-        want = self.cfg.gathered_rows_in_place
-        self._wgrad_reads_x = (
-            self.ep_size == 1 and not self.cfg.save_gathered_rows
-            and (self.rows_in_place_rule(self.rows_per_expert_hint) if want is None else want))
+        self._wgrad_reads_x = rows_in_place(self.cfg, self.ep_size)
         self._w2_dgrad_cfg = W2DgradConfig.from_heuristic(hidden=D, ffn=F, device=self.device,
                                                           **shape_keys)
         self._w13_dgrad_cfg = W13DgradConfig.from_heuristic(

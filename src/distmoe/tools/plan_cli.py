@@ -93,7 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--regather-rows",
         action="store_true",
         help="saved layers keep their input x [T, D] instead of their gathered rows "
-        "(MoEConfig.save_gathered_rows False; the backward gathers them again)",
+        "(MoEConfig.save_gathered_rows False; the backward gathers them again, or at EP=1 "
+        "from 512 rows per expert reads them in place: no scratch copy)",
     )
     budget.add_argument("--slots", type=int, default=None, help="activation slots (1)")
     budget.add_argument(
