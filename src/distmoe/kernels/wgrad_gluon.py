@@ -51,6 +51,17 @@ one-partition loop slowed every step (the loop's descriptors left the uniform da
 specialised kernel was 12-15% faster at exact routing and 17-31% under sampled routing
 (kernel alone, one H200, 2026-11-30, run 39 call 6).
 
+Reading B's rows in place (``b_rows``, the W13 WGRAD of a layer that kept its input x at
+EP = 1, :func:`distmoe.kernels.w13_backward.w13_wgrad`'s ``x_rows``): the warp-specialised
+kernel's producer, then two warps, loads A by TMA and copies each B row by 16-byte
+``cp.async`` from an address table (Hopper has no TMA gather), rows past the expert's end and
+null rows zero-filled, each step's addresses loaded a step ahead; every producer thread's
+``cp.async.mbarrier.arrive.noinc`` counts in the stage's barrier. Same MMAs, same bits. The
+copies are bound by the producer's latency, so 256 x 128 output tiles, which load each B row
+once per 256 output rows, are its pick: kernel alone 3.129 ms at T=8192 D=4096 F=2048 E=32
+K=8 (TMA-fed heuristic: 3.344), 0.453 at T=4096 D=2048 F=768 E=128 K=8 (0.401); one H200,
+2026-12-04, performance.md run 47.
+
 Only for CUDA devices of compute capability 9.x and outside the interpreter; the launcher
 (:func:`gluon_wgrad_supported`) says when, and the Triton kernel serves everything else.
 """
@@ -383,8 +394,8 @@ if HAVE_GLUON:
                      BLOCK_K: gl.constexpr,
                      BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
                      NUM_WARPS: gl.constexpr, a_desc, GATHER_WARPS: gl.constexpr):
-        """One warp: the TMA loads of every row step of the program's tiles, each once the
-        consumer has released its stage. A whole step completes the stage's barrier
+        """One warp (``GATHER_WARPS``): the loads of every row step of the program's tiles,
+        each once the consumer has released its stage. A whole step completes the stage's barrier
         ``bars[s]`` itself; a partial one completes ``bars[STAGES + s]``, which the zeroing
         partition waits for before it completes ``bars[s]``.
 
@@ -423,7 +434,6 @@ if HAVE_GLUON:
                     src = gl.load(table + (ahead - first) + i, mask=ahead + i < end, other=0)
                 stage = count % STAGES
                 mbarrier.wait(empty.index(stage), ((count // STAGES) & 1) ^ 1)
-                ready = bars.index(stage)
                 bar = bars.index(stage + STAGES * (row + BLOCK_K > end).to(gl.int32))
                 mbarrier.expect(bar, nbytes)
                 tma.async_copy_global_to_shared(a_desc, [row, p0], bar, a_bufs.index(stage))
@@ -433,7 +443,7 @@ if HAVE_GLUON:
                     read = gl.expand_dims(cur != 0, 1) & gl.expand_dims(qq >= 0, 0)
                     async_copy.async_copy_global_to_shared(b_bufs.index(stage), ptrs, read)
                     # arrives when this thread's copies have landed (counted in bars[s])
-                    async_copy.mbarrier_arrive(ready, increment_count=False)
+                    async_copy.mbarrier_arrive(bars.index(stage), increment_count=False)
                 else:
                     tma.async_copy_global_to_shared(b_src, [row, q0], bar, b_bufs.index(stage))
                 count += 1
@@ -493,8 +503,8 @@ if HAVE_GLUON:
 
         With ``GATHER_B`` the producer reads B's rows through a table of row addresses instead
         (``cp.async``, 16 bytes per thread; rows past the expert's end and null rows zero-filled,
-        so the zeroing partition zeroes only A), and each of its 32 threads completes the
-        stage's barrier once its copies have landed."""
+        so the zeroing partition zeroes only A), by ``PRODUCER_WARPS`` warps, each of whose
+        threads completes the stage's barrier once its copies have landed."""
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_P], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_Q], B_LAYOUT)
         if PINGPONG:
@@ -519,17 +529,17 @@ if HAVE_GLUON:
             gl.warp_specialize([
                 (_ws_consumer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
                                 b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr,
-                              b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
+                                b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
                                 B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps, turn,
                                 PINGPONG, 0)),
                 (_ws_consumer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
                                 b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr,
-                              b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
+                                b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
                                 B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps, turn,
                                 PINGPONG, 1)),
                 (_ws_producer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
                                 b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr,
-                              b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
+                                b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
                                 B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps,
                                 a_desc, PRODUCER_WARPS)),
                 (_ws_zeroer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
@@ -542,12 +552,12 @@ if HAVE_GLUON:
             gl.warp_specialize([
                 (_ws_consumer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
                                 b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr,
-                              b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
+                                b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
                                 B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps, turn,
                                 PINGPONG, 0)),
                 (_ws_producer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
                                 b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr,
-                              b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
+                                b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
                                 B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps,
                                 a_desc, PRODUCER_WARPS)),
                 (_ws_zeroer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
