@@ -39,6 +39,9 @@ from distmoe.config import MoEConfig
 
 ALIGN_BYTES = 128
 
+MX_BLOCK = 32  # mxfp8: values per E8M0 scale
+NVFP4_BLOCK = 16  # nvfp4: values per E4M3 scale
+
 #: From this many rows per local expert (the shape hint ``T_max*K*EP/E``) a layer that keeps
 #: x instead of its gathered rows has its W13 WGRAD read those rows in place at EP = 1 (see
 #: :func:`rows_in_place`).
@@ -64,8 +67,7 @@ def rows_in_place(cfg: MoEConfig, ep_size: int) -> bool:
         return cfg.gathered_rows_in_place
     return max(1, cfg.max_tokens * cfg.top_k // cfg.experts_per_rank(ep_size)) \
         >= ROWS_IN_PLACE_FROM
-MX_BLOCK = 32  # mxfp8: values per E8M0 scale
-NVFP4_BLOCK = 16  # nvfp4: values per E4M3 scale
+
 
 # Bytes per stored element. "e2m1x2" is one byte holding two packed E2M1 values, so a packed
 # tensor's shape already counts bytes (its last dimension is width / 2).
@@ -327,10 +329,9 @@ def backward_scratch_layout(cfg: MoEConfig, ep_size: int, rows: int) -> ScratchL
         D <= F:  2R(D + 5F)                 (grad_h1 is the larger tenant)
         D >  F:  2R(D + 5F) + 2R(D - F)     (h2 + grad_h3 is; the extra region is grad_h3's)
 
+    before alignment; the code aligns each tensor and takes the max of the two tenants.
     Where the rows are read in place (:func:`rows_in_place`), ``x_gathered`` is not there:
     ``2RD`` less.
-
-    before alignment; the code aligns each tensor and takes the max of the two tenants.
 
     mxfp8: resident ``x_col`` bundle [Rp, D], ``h1 [Rp, 2F] bf16``, ``grad_h2 [Rp, F] bf16``;
     the shared interval holds in turn: the ``x_row`` bundle (only while W13 rebuilds h1),

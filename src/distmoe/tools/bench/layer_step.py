@@ -92,8 +92,8 @@ def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None
     layer replays in backward). ``save_gathered_rows``: the context's
     :attr:`~distmoe.MoEConfig.save_gathered_rows` (False: saved layers keep their input and
     the backward gathers the rows again; ``gathered_rows_in_place``, with it: its
-    :attr:`~distmoe.MoEConfig.gathered_rows_in_place`). Two calls with the same arguments but these two
-    draw the same inputs, so their steps compute the same layer."""
+    :attr:`~distmoe.MoEConfig.gathered_rows_in_place`). Two calls whose arguments differ in
+    these three only draw the same inputs, so their steps compute the same layer."""
     import distmoe as dm
     from distmoe.reference import random_routing
 
