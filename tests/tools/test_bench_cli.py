@@ -199,6 +199,23 @@ def test_cpu_smoke_run_distmoe_training(tmp_path):
     lean = report.read_cases_csv(out3 / "cases.csv")
     assert lean[0]["status"] == "ok" and "no route outputs in the slot" in lean[0]["note"], lean
     assert lean[0]["max_rel_err_vs_torch"] < 0.05
+    # --regather-rows (and --rows-in-place) reach the config and the row's note
+    for way, note in (("auto", "input kept, rows copied"),
+                      ("on", "input kept, rows read in place")):
+        out4 = tmp_path / f"bench4_{way}"
+        args = _parse(["--shapes", "smoke", "--device", "cpu", "--providers", "distmoe",
+                       "--mode", "fwdbwd", "--warmup", "1", "--windows", "2", "--iters", "1",
+                       "--regather-rows", "--rows-in-place", way, "--no-plots",
+                       "--no-ceilings", "--out", str(out4)])
+        bench = cli.resolve_plan(args)
+        assert bench.save_gathered_rows is False
+        assert bench.gathered_rows_in_place is {"auto": None, "on": True}[way]
+        assert cli.run(args) == 0
+        kept = report.read_cases_csv(out4 / "cases.csv")
+        assert kept[0]["status"] == "ok" and note in kept[0]["note"], kept
+        assert kept[0]["max_rel_err_vs_torch"] < 0.05
+    with pytest.raises(ValueError, match=r"--rows-in-place on needs --regather-rows"):
+        cli.resolve_plan(_parse(["--rows-in-place", "on"]))
 
 
 def test_sampled_routing_run_and_rules(tmp_path, capsys):

@@ -118,6 +118,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "no returned route results in their slot (smaller slots, same gradients)",
     )
     parser.add_argument(
+        "--regather-rows",
+        action="store_true",
+        help="distmoe training cases: MoEConfig.save_gathered_rows=False, saved layers keep "
+        "their input instead of their gathered rows (smaller slots, same gradients; the "
+        "backward gathers the rows again)",
+    )
+    parser.add_argument(
+        "--rows-in-place",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="with --regather-rows: MoEConfig.gathered_rows_in_place (auto: None, the "
+        "library's rule; on: the W13 WGRAD reads the rows in place at EP=1; off: copied)",
+    )
+    parser.add_argument(
         "--imbalance-groups",
         type=int,
         default=8,
@@ -211,6 +225,8 @@ class BenchPlan:
     routing: str = "exact"
     activation_factor: float | None = None
     save_route_outputs: bool = True
+    save_gathered_rows: bool = True
+    gathered_rows_in_place: bool | None = None
 
     def tokens_for(self, shape: MoEShape) -> tuple[int, ...]:
         return self.tokens if self.tokens else (shape.tokens,)
@@ -262,6 +278,9 @@ def resolve_plan(args: argparse.Namespace) -> BenchPlan:
             f"--imbalance ({' '.join(f'{f:g}' for f in imbalances)}) needs --routing exact: "
             "sampled routing is balanced in expectation only"
         )
+    if args.rows_in_place != "auto" and not args.regather_rows:
+        raise ValueError(f"--rows-in-place {args.rows_in_place} needs --regather-rows (it "
+                         "chooses how a kept input's rows are read)")
     if args.activation_factor is not None and not args.activation_factor > 0:
         raise ValueError(f"--activation-factor ({args.activation_factor}) must be > 0")
     if args.tokens and any(t < 1 for t in args.tokens):
@@ -290,6 +309,8 @@ def resolve_plan(args: argparse.Namespace) -> BenchPlan:
         routing=args.routing,
         activation_factor=args.activation_factor,
         save_route_outputs=not args.drop_route_outputs,
+        save_gathered_rows=not args.regather_rows,
+        gathered_rows_in_place={"auto": None, "on": True, "off": False}[args.rows_in_place],
     )
 
 
@@ -518,6 +539,8 @@ def run_cases(
                                 max_imbalance=max(plan.imbalances),
                                 activation_factor=plan.activation_factor,
                                 save_route_outputs=plan.save_route_outputs,
+                                save_gathered_rows=plan.save_gathered_rows,
+                                gathered_rows_in_place=plan.gathered_rows_in_place,
                             )
                         row = _base_result(ctx, p, shape, t, mode, f)
                         value = run_case(ctx, built[p], inputs, row, y_ref)

@@ -68,6 +68,8 @@ def build_provider(
     max_imbalance: float = 1.0,
     activation_factor: float | None = None,
     save_route_outputs: bool = True,
+    save_gathered_rows: bool = True,
+    gathered_rows_in_place: bool | None = None,
 ) -> Provider:
     """Build provider ``name`` for one (shape, tokens, mode); never raises for provider failures.
 
@@ -79,6 +81,8 @@ def build_provider(
     ``activation_factor``: distmoe's ``MoEConfig.activation_factor`` in training cases (None:
     the config's default); the row note names it when given. ``save_route_outputs``:
     distmoe's ``MoEConfig.save_route_outputs`` in training cases (the note says when False).
+    ``save_gathered_rows`` / ``gathered_rows_in_place``: the same for those two fields (the
+    note says when the input is kept, and whether the rows are then read in place).
     """
     if name not in PROVIDERS:
         raise ValueError(f"provider ({name!r}) must be one of {PROVIDERS}")
@@ -92,6 +96,8 @@ def build_provider(
             receive_factor=max_imbalance if ep_size > 1 else 1.0,
             activation_factor=activation_factor,
             save_route_outputs=save_route_outputs,
+            save_gathered_rows=save_gathered_rows,
+            gathered_rows_in_place=gathered_rows_in_place,
         )
     path, reason = grouped_mm_path(device, torch.bfloat16)
     note = f"grouped GEMM: {path}" + (f" ({reason})" if reason else "")
@@ -111,6 +117,7 @@ def build_provider(
 def _build_distmoe(
     *, shape: MoEShape, tokens: int, training: bool, bench_group: BenchGroup, receive_factor: float,
     activation_factor: float | None = None, save_route_outputs: bool = True,
+    save_gathered_rows: bool = True, gathered_rows_in_place: bool | None = None,
 ) -> Provider:
     try:
         import distmoe as dm
@@ -135,7 +142,11 @@ def _build_distmoe(
     if training and not save_route_outputs and "save_route_outputs" in fields:
         kwargs["save_route_outputs"] = False
         notes.append("no route outputs in the slot")
-    note = "; ".join(notes)
+    kept_x = training and not save_gathered_rows and "save_gathered_rows" in fields
+    if kept_x:
+        kwargs["save_gathered_rows"] = False
+        if "gathered_rows_in_place" in fields:
+            kwargs["gathered_rows_in_place"] = gathered_rows_in_place
     try:
         cfg = dm.MoEConfig(
             hidden=shape.hidden,
@@ -148,6 +159,12 @@ def _build_distmoe(
             row_block=128,
             **kwargs,
         )
+        if kept_x:
+            from distmoe.memory import rows_in_place
+
+            in_place = rows_in_place(cfg, bench_group.world_size)
+            notes.append(f"input kept, rows {'read in place' if in_place else 'copied'}")
+        note = "; ".join(notes)
         ctx = dm.MoEContext(cfg, group=bench_group.group)
     except Exception as exc:
         return Provider(name="distmoe", status="failed", note="MoEContext: " + error_text(exc))
