@@ -230,13 +230,16 @@ def row_table(
     *,
     canary: torch.Tensor | None = None,
     null_rows: torch.Tensor | None = None,
+    top_k: int = 1,
 ):
-    """int64 [R_cap] addresses of ``buffer`` rows (route index = row) for live rows; padding
-    and idle rows point at rows of ``canary`` (kernels must never use those entries) or are 0
-    (the routing layer's padding value). ``null_rows`` (bool [R_cap]) zeroes live entries."""
+    """int64 [R_cap] addresses of ``buffer`` rows (row = route index // ``top_k``) for live
+    rows; padding and idle rows point at rows of ``canary`` (kernels must never use those
+    entries) or are 0 (the routing layer's padding value). ``null_rows`` (bool [R_cap])
+    zeroes live entries."""
     row_bytes = buffer.shape[-1] * buffer.element_size()
     route = layout.route_of_row
-    table = torch.where(route >= 0, buffer.data_ptr() + route.clamp(min=0) * row_bytes, 0)
+    table = torch.where(route >= 0,
+                        buffer.data_ptr() + route.clamp(min=0) // top_k * row_bytes, 0)
     if canary is not None:
         other = (route < 0).nonzero().reshape(-1)
         target_rows = torch.arange(other.numel()) % canary.shape[0]
@@ -1365,7 +1368,7 @@ def test_w13_wgrad_x_offset(host_descriptors):
     assert same_bits(got, plain)
 
 
-def rows_in_place(layout: Layout, hidden: int, *, top_k: int = 2, null_every: int = 7):
+def kept_x_rows(layout: Layout, hidden: int, *, top_k: int = 2, null_every: int = 7):
     """What a layer that kept its input hands the W13 WGRAD at EP = 1: token-major x
     ``[T, D]`` (token = route // ``top_k``) inside a NaN-poisoned 1-D base at an offset, and a
     table naming, by padded row, rows of another buffer (``origin``'s rows, never read) with
@@ -1380,20 +1383,14 @@ def rows_in_place(layout: Layout, hidden: int, *, top_k: int = 2, null_every: in
     base = poisoned(offset + (tokens + 1) * hidden)
     base[offset:offset + tokens * hidden] = x_tok.reshape(-1)
     origin_buffer = poisoned(tokens + 1, hidden)
-    origin = origin_buffer.data_ptr()
-    row_bytes = hidden * 2
-    live = route >= 0
-    token = route.clamp(min=0) // top_k
-    table = torch.where(live, origin + token * row_bytes, origin + tokens * row_bytes)
-    null = live & (torch.arange(route.numel()) % null_every == 3)
-    table[null] = 0
-    x_gathered = poisoned(layout.num_act, hidden)
-    act = layout.act_of_row
-    rows = live & (act >= 0)
-    x_gathered[act[rows].to(DEVICE)] = x_tok[token[rows].to(DEVICE)]
-    x_gathered[act[null].to(DEVICE)] = 0
+    null = (route >= 0) & (torch.arange(route.numel()) % null_every == 3)
+    # padding and idle rows: the row past x's tokens (its shifted address is base's NaN row)
+    table = row_table(layout, origin_buffer, canary=origin_buffer[tokens:], null_rows=null,
+                      top_k=top_k)
+    x_gathered = act_rows(layout, x_tok, top_k=top_k)
+    x_gathered[layout.act_of_row[null].to(DEVICE)] = 0
     x_offset = torch.tensor([offset], dtype=torch.int64, device=DEVICE)
-    return base, x_offset, table.to(DEVICE), origin, x_gathered, origin_buffer
+    return base, x_offset, table, origin_buffer.data_ptr(), x_gathered, origin_buffer
 
 
 @pytest.mark.parametrize(
@@ -1409,7 +1406,7 @@ def test_w13_wgrad_x_rows(split_rows, host_descriptors, accumulate):
     num_experts, hidden, ffn, block_m = 4, 40, 24, 32
     layout = layout_from_counts([40, 0, 19, 33], block_m, idle_tiles=1)
     grad_h1 = _wgrad_operand(layout, 2 * ffn, big_experts=[2])
-    base, x_offset, table, origin, x_gathered, _keep = rows_in_place(layout, hidden)
+    base, x_offset, table, origin, x_gathered, _keep = kept_x_rows(layout, hidden)
     before = torch.randn(num_experts, 2, ffn, hidden, device=DEVICE)
     config = WgradConfig(block_m=block_m, block_k=16, block_out_m=32, block_out_n=16,
                          split_rows=split_rows, num_warps=4, num_stages=2,
@@ -2064,7 +2061,7 @@ def test_gluon_wgrad(cfg, kind, programs, form):
 @pytest.mark.parametrize("cfg", _gluon_configs(), ids=lambda c: "x".join(map(str, c)))
 def test_gluon_wgrad_x_rows(cfg, programs, form):
     """The warp-specialised Gluon W13 WGRAD reading x's rows in place through the gather
-    table (``cp.async`` by address: :func:`rows_in_place`'s null rows, NaN behind padding
+    table (``cp.async`` by address: :func:`kept_x_rows`'s null rows, NaN behind padding
     addresses and around x) gives the same bits as the same kernel over the rows stored in
     order (TMA), and so does the public entry point (one program per SM)."""
     from distmoe.kernels.wgrad_gluon import launch_gluon_wgrad
@@ -2081,7 +2078,7 @@ def test_gluon_wgrad_x_rows(cfg, programs, form):
     hidden, ffn = 256, 256  # P = 512: 256-row tiles too (the heuristic's pick here)
     width_p, width_q = 2 * ffn, hidden
     a = _wgrad_operand(layout, width_p, big_experts=big)
-    base, x_offset, table, origin, x_gathered, _keep = rows_in_place(layout, hidden)
+    base, x_offset, table, origin, x_gathered, _keep = kept_x_rows(layout, hidden)
     po, ro = layout.padded_offsets, layout.row_offsets
     opts = dict(block_p=block_p, block_q=block_q, stages=stages, num_warps=warps,
                 block_k=block_k, programs=programs, specialized=True, pingpong=pingpong)
