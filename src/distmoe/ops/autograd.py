@@ -173,7 +173,7 @@ class MoEFunction(torch.autograd.Function):
         dispatch_rows = moe._dispatch[:T * K]
         replay = rec.replay
 
-        reads_x = moe._wgrad_reads_x  # EP = 1 and regathers: W13 WGRAD reads x in place
+        reads_x = acts.rows_in_place  # EP = 1 and regathers: W13 WGRAD reads x in place
         if not acts.always_saves or (acts.regathers and not reads_x):
             # r1-r3: rebuild a replayed layer's state (every kernel is off on the device for a
             # layer that kept its rows; the barrier runs either way so that all ranks stay

@@ -231,13 +231,15 @@ class MoEContext:
             so = acts.scratch_elem_offsets
             # every rank's scratch gh3 row 0 (same layout on every rank)
             self._gh3_bases = heap.base_table("activations") + acts.scratch_layout["gh3"][0]
-            # where the gather table's rows are (read once, at construction)
+            # At EP = 1 a layer that keeps x instead of its rows may have its W13 WGRAD read
+            # x's rows in place (acts.rows_in_place), through the forward's gather table (row
+            # t of the dispatch buffer, moved to row t of the kept x): no regathered copy,
+            # and a replay stores h1 only. Where the table's rows are (read once, here):
             self._table_origin = (int(heap.base_table("dispatch")[self.rank])
-                                  if self._wgrad_reads_x else 0)
+                                  if acts.rows_in_place else 0)
             # [h1g, xs] element offsets (the replay's W13 outputs; -1: no x rows stored)
             self._replay_offsets = torch.tensor(
-                [so["h1g"], -1 if self._wgrad_reads_x else so["xs"]], dtype=torch.int64,
-                device=self.device)
+                [so["h1g"], so.get("xs", -1)], dtype=torch.int64, device=self.device)
         else:
             self._h2 = torch.empty(self.receive_bound, F, dtype=torch.bfloat16,
                                    device=self.device)
@@ -936,11 +938,6 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
 
         D, F = self.cfg.hidden, self.cfg.ffn
         shape_keys = dict(block_m=self.cfg.row_block, rows_per_expert=self.rows_per_expert_hint)
-        # At EP = 1 a layer that keeps x instead of its rows (cfg.save_gathered_rows False)
-        # may have its W13 WGRAD read x's rows in place, through the forward's gather table
-        # (row t of the dispatch buffer, moved to row t of the kept x): no regathered copy,
-        # and a replay stores h1 only (cfg.gathered_rows_in_place, else the rule).
-        self._wgrad_reads_x = rows_in_place(self.cfg, self.ep_size)
         self._w2_dgrad_cfg = W2DgradConfig.from_heuristic(hidden=D, ffn=F, device=self.device,
                                                           **shape_keys)
         self._w13_dgrad_cfg = W13DgradConfig.from_heuristic(
@@ -948,8 +945,8 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         self._w2_wgrad_cfg = WgradConfig.from_heuristic(out_rows=D, out_cols=F,
                                                         device=self.device, **shape_keys)
         self._w13_wgrad_cfg = WgradConfig.from_heuristic(
-            out_rows=2 * F, out_cols=D, device=self.device, gathered_b=self._wgrad_reads_x,
-            **shape_keys)
+            out_rows=2 * F, out_cols=D, device=self.device,
+            gathered_b=rows_in_place(self.cfg, self.ep_size), **shape_keys)
         self._score_parts = -(-F // self._w2_dgrad_cfg.block_n)
         if 1 + self._score_parts > D // 2:
             self.close()
