@@ -43,6 +43,11 @@ _I32 = {"padded_offsets_ptr", "row_offsets_ptr", "enable_ptr", "order_ptr", "pos
         "done_ptr", "wait_ptr", "next_ptr"}
 
 
+#: the WGRAD kernels' address-table arguments when B is not gathered (placeholder tensors and
+#: a 0 shift; gathered, the name-based defaults above apply)
+_NO_ADDRESS_TABLE = {"b_rows_ptr": "*i32", "padded_offsets_ptr": "*i32", "b_shift": "i32"}
+
+
 def _default_type(name: str) -> str:
     if name in _INTS:
         return "i32"
@@ -188,8 +193,8 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
                             else _gluon_desc(bk, Q, [bk, bq])),
                  "b_base": "*bf16" if b_offset else "*i32",
                  "b_offset_ptr": "*i64" if b_offset else "*i32"}
-        if ws and not gather:  # the address table's placeholders
-            types.update(b_rows_ptr="*i32", padded_offsets_ptr="*i32", b_shift="i32")
+        if ws and not gather:
+            types.update(_NO_ADDRESS_TABLE)
         return BuildCase(
             label, wg._gluon_wgrad_ws_kernel if ws else wg._gluon_wgrad_kernel,
             dict(P=P, Q=Q, NUM_EXPERTS=E, B_OFFSET=b_offset, B_LAYOUT=b_layout, BLOCK_K=bk,
@@ -577,11 +582,8 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
                      TMA_STORE=tma_store, INTERPRETED=False, HOST_DESC=host,
                      B_OFFSET=b_offset, GATHER_B=gather, BLOCK_K=c.block_k,
                      BLOCK_P=c.block_out_m, BLOCK_Q=c.block_out_n),
-                c.num_warps, c.num_stages, types=descs | (
-                    dict(b_rows_ptr="*i64", padded_offsets_ptr="*i32", b_shift="i64")
-                    if gather else
-                    dict(b_rows_ptr="*i32", padded_offsets_ptr="*i32", b_shift="i32")),
-                production=production))
+                c.num_warps, c.num_stages,
+                types=descs if gather else descs | _NO_ADDRESS_TABLE, production=production))
 
     for shape in shapes:
         # what the training layer launches (host descriptors: the GemmConfig default)
