@@ -1180,10 +1180,11 @@ def launch_grouped_wgrad(
             out.zero_()
         return  # R_act >= row_offsets[E]: no live rows
     if config.gluon and not accumulate:
-        from .wgrad_gluon import gluon_wgrad_supported, launch_gluon_wgrad
+        from .wgrad_gluon import gluon_gather_reason, gluon_wgrad_supported, launch_gluon_wgrad
 
-        if gluon_wgrad_supported(a, out, config.block_out_m, config.block_out_n) is None \
-                and (b_rows is None or (config.specialized and width_q % config.block_out_n == 0)):
+        if gluon_wgrad_supported(a, out, config.block_out_m, config.block_out_n) is None and (
+                b_rows is None or gluon_gather_reason(config.specialized, width_q,
+                                                      config.block_out_n) is None):
             launch_gluon_wgrad(a, b, row_offsets, out, b_offset=b_offset,
                                block_p=config.block_out_m, block_q=config.block_out_n,
                                stages=config.num_stages, num_warps=config.num_warps,

@@ -88,8 +88,8 @@ try:  # Gluon ships with triton >= 3.4; keep the package importable without it
 except ImportError:  # pragma: no cover - depends on the installed triton
     HAVE_GLUON = False
 
-__all__ = ["HAVE_GLUON", "GLUON_WGRAD_CONFIGS", "gluon_device_reason", "gluon_wgrad_supported",
-           "launch_gluon_wgrad"]
+__all__ = ["HAVE_GLUON", "GLUON_WGRAD_CONFIGS", "gluon_device_reason", "gluon_gather_reason",
+           "gluon_wgrad_supported", "launch_gluon_wgrad"]
 
 # (block_p, block_q, stages, num_warps, block_k) candidates: the tuner times them all (the heuristic,
 # WgradConfig.from_heuristic, picks the first or the second). Shared memory:
@@ -619,6 +619,15 @@ def gluon_wgrad_supported(a: torch.Tensor, out: torch.Tensor, block_p: int,
     return None
 
 
+def gluon_gather_reason(specialized: bool, width_q: int, block_q: int) -> str | None:
+    """``None`` when the Gluon WGRAD can read B's rows by address (``b_rows``): only its
+    warp-specialised form, with ``Q`` a multiple of ``block_q``; else why not."""
+    if not specialized or width_q % block_q:
+        return (f"b_rows needs specialized=True and Q a multiple of block_q, got "
+                f"specialized={specialized}, Q={width_q}, block_q={block_q}")
+    return None
+
+
 def launch_gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_offsets: torch.Tensor,
                        out: torch.Tensor, *, b_offset: torch.Tensor | None = None,
                        block_p: int = 128, block_q: int = 256, stages: int = 3,
@@ -660,13 +669,14 @@ def launch_gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_offsets: torch.Tens
                          f"got {specialized}, {num_warps} and {block_p}")
 
     gather = b_rows is not None
-    if gather and (not specialized or b_offset is None or padded_offsets is None
-                   or out.shape[2] % block_q):
-        raise ValueError(f"b_rows needs specialized=True, b_offset, padded_offsets and Q a "
-                         f"multiple of block_q, got {specialized}, "
-                         f"{'a' if b_offset is not None else 'no'} b_offset, "
-                         f"{'a' if padded_offsets is not None else 'no'} padded_offsets and "
-                         f"Q={out.shape[2]}, block_q={block_q}")
+    if gather:
+        reason = gluon_gather_reason(specialized, out.shape[2], block_q)
+        if reason is None and (b_offset is None or padded_offsets is None):
+            reason = (f"b_rows needs b_offset and padded_offsets, got "
+                      f"{'a' if b_offset is not None else 'no'} b_offset and "
+                      f"{'' if padded_offsets is not None else 'no '}padded_offsets")
+        if reason is not None:
+            raise ValueError(reason)
     num_experts, width_p, width_q = out.shape
     num_act_rows = a.shape[0]
     a_layout = gl.NVMMASharedLayout.get_default_for([block_k, block_p], gl.bfloat16)
