@@ -220,7 +220,7 @@ class MoEFunction(torch.autograd.Function):
             grad_w13 = torch.empty(E_l, 2, F, D, dtype=w13.dtype, device=dev)
             w13_wgrad(scratch["h1g"], elements, po, ro, grad_w13, x_offset=x_offset,
                       accumulate=False, config=moe._w13_wgrad_cfg, x_rows=x_rows,
-                      rows_origin=moe._table_origin if reads_x else 0)
+                      rows_origin=moe._table_origin)  # 0 unless reads_x
         # Route input gradients into the owners' dispatch rows t*K+k (see the module
         # docstring for why no peer reads dispatch now).
         w13_dgrad_scatter(scratch["h1g"], po, ro, w13, tables.bwd_scatter_ptrs,
