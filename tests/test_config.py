@@ -53,7 +53,7 @@ def test_invalid_values_raise_value_error(kw, match):
         (dict(hidden=256.0), r"hidden must be an int, got float"),
         (dict(top_k=True), r"top_k must be an int, got bool"),
         (dict(training="yes"), r"training must be a bool, got str"),
-        (dict(save_gathered_rows=1), r"save_gathered_rows must be a bool, got int"),
+        (dict(save_gathered_rows=1), r"save_gathered_rows must be a bool or 'auto', got int"),
         (dict(save_gathered_rows=False, gathered_rows_in_place=1),
          r"gathered_rows_in_place must be a bool or None, got int"),
     ],
@@ -86,3 +86,16 @@ def test_gathered_rows_in_place_needs_the_input_kept():
     with pytest.raises(ValueError, match=r"gathered_rows_in_place \(False\) applies only with "
                                          r"save_gathered_rows=False .*got save_gathered_rows=True"):
         make(gathered_rows_in_place=False)
+
+
+def test_save_gathered_rows_auto():
+    """'auto' is the one string; with it the rows are never read in place (they may lie in
+    the slot), so gathered_rows_in_place=True is refused and False or None accepted."""
+    assert make(save_gathered_rows="auto").save_gathered_rows == "auto"
+    assert make(save_gathered_rows="auto", gathered_rows_in_place=False)
+    with pytest.raises(ValueError, match=r"save_gathered_rows must be True, False or 'auto', "
+                                         r"got 'x'"):
+        make(save_gathered_rows="x")
+    with pytest.raises(ValueError, match=r"gathered_rows_in_place \(True\) applies only with "
+                                         r"save_gathered_rows=False: with 'auto'"):
+        make(save_gathered_rows="auto", gathered_rows_in_place=True)

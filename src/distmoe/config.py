@@ -77,8 +77,14 @@ class MoEConfig:
             rows again into scratch before its weight gradients: ``align128(R*D*2) -
             align128(T_max*D*2)`` fewer bytes per saved layer wherever a rank executes more
             rows than it has tokens (at EP = 1, R = T*K: about a third of a bf16 layer at
-            D = 2F), for one more copy of the rows per backward. Gradients are the same bits
-            either way.
+            D = 2F), for one more copy of the rows per backward. ``"auto"``: each layer
+            chooses on the device, with its rows: its gathered rows where the slot has room
+            for them and for the later layers' smaller states, else x where that fits and
+            is smaller, else its input alone (replay): under a tight budget, layers that would
+            replay keep x instead where they can, and a regather costs far less step time
+            than a replay (one H200, docs/memory.md section 4; the rule:
+            :mod:`distmoe.kernels.slot_cursor`). Gradients are
+            the same bits in every mode.
         gathered_rows_in_place: with ``save_gathered_rows`` False, on a one-rank group:
             ``True``: the W13 weight gradient reads x's rows in place, through the forward's
             gather table (no copy of the rows, so the scratch holds ``2*R*D`` bytes less; a
@@ -86,8 +92,8 @@ class MoEConfig:
             scratch first; ``None`` (the default): in place from 512 rows per local expert
             (the shape hint ``T_max*K*EP/E``), where it measured faster
             (:func:`distmoe.memory.rows_in_place`, docs/performance.md run 47). At EP > 1
-            the rows are always copied (most live on the peers). Gradients are the same bits
-            either way.
+            and with ``save_gathered_rows="auto"`` the rows are always copied (at EP > 1
+            most live on the peers). Gradients are the same bits either way.
     """
 
     hidden: int
@@ -105,7 +111,7 @@ class MoEConfig:
     num_slots: int = 1
     max_layers_per_slot: int = 1
     save_route_outputs: bool = True
-    save_gathered_rows: bool = True
+    save_gathered_rows: bool | Literal["auto"] = True
     gathered_rows_in_place: bool | None = None
 
     def __post_init__(self) -> None:
@@ -155,17 +161,24 @@ class MoEConfig:
         if not isinstance(self.save_route_outputs, bool):
             raise TypeError(f"save_route_outputs must be a bool, got "
                             f"{type(self.save_route_outputs).__name__}")
-        if not isinstance(self.save_gathered_rows, bool):
-            raise TypeError(f"save_gathered_rows must be a bool, got "
+        if not isinstance(self.save_gathered_rows, bool | str):
+            raise TypeError(f"save_gathered_rows must be a bool or 'auto', got "
                             f"{type(self.save_gathered_rows).__name__}")
+        if isinstance(self.save_gathered_rows, str) and self.save_gathered_rows != "auto":
+            raise ValueError(f"save_gathered_rows must be True, False or 'auto', got "
+                             f"{self.save_gathered_rows!r}")
         if self.gathered_rows_in_place is not None:
             if not isinstance(self.gathered_rows_in_place, bool):
                 raise TypeError(f"gathered_rows_in_place must be a bool or None, got "
                                 f"{type(self.gathered_rows_in_place).__name__}")
-            if self.save_gathered_rows:
+            if self.save_gathered_rows is True:
                 raise ValueError(f"gathered_rows_in_place ({self.gathered_rows_in_place}) "
                                  "applies only with save_gathered_rows=False (a layer that "
                                  "keeps x instead of its rows), got save_gathered_rows=True")
+            if self.save_gathered_rows == "auto" and self.gathered_rows_in_place:
+                raise ValueError("gathered_rows_in_place (True) applies only with "
+                                 "save_gathered_rows=False: with 'auto' a layer's rows may "
+                                 "lie in its slot, and the backward copies them")
 
     # ----------------------------------------------------------------- group-size rules
     def check_ep_size(self, ep_size: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -15,6 +16,7 @@ from distmoe.memory import (
     full_state_bytes,
     input_bytes,
     is_capacity_monotone,
+    kept_x_state_bytes,
     layer_costs,
     plan_memory,
     plan_saves,
@@ -433,3 +435,68 @@ def test_counterexample_to_monotonicity():
     assert not is_capacity_monotone(cfg, rows)
     assert is_capacity_monotone(worked_cfg(), WORKED_ROWS)
     assert _first_flip(worked_cfg(), WORKED_ROWS) is None
+
+
+# --------------------------------------------------------------------------- "auto"
+def _modes(cfg):
+    return {mode: dataclasses.replace(cfg, save_gathered_rows=mode)
+            for mode in (True, False, "auto")}
+
+
+@PROPS
+@given(data=st.data(), precision=st.sampled_from(["bf16", "mxfp8"]))
+def test_auto_fits_and_keeps_what_it_says(data, precision):
+    """save_gathered_rows='auto': every layer keeps its rows, x or its input, the bytes kept
+    are that state's, and no rank ever passes the capacity with the later inputs reserved."""
+    cfg, rows = data.draw(instances(precision))
+    auto = _modes(cfg)["auto"]
+    capacity = data.draw(st.sampled_from(_capacity_range(cfg, rows)))
+    trace = trace_saves(auto, capacity, rows)
+    ep, i = len(rows[0]), input_bytes(cfg)
+    kept = [0] * ep
+    for layer, what in enumerate(trace.kept):
+        assert trace.decisions[layer] == (what != "input")
+        per_rank = [full_state_bytes(cfg, ep, r) if what == "rows" else
+                    kept_x_state_bytes(cfg, ep, r) if what == "x" else i
+                    for r in rows[layer]]
+        kept = [k + b for k, b in zip(kept, per_rank, strict=True)]
+        assert tuple(kept) == trace.saved_bytes[layer]
+        assert max(kept) + (len(rows) - 1 - layer) * i <= capacity
+    assert trace.x_state_bytes == tuple(
+        tuple(kept_x_state_bytes(cfg, ep, r) for r in layer) for layer in rows)
+    assert plan_saves(auto, capacity, rows) == list(trace.decisions)
+
+
+@PROPS
+@given(data=st.data(), precision=st.sampled_from(["bf16", "mxfp8"]))
+def test_auto_keeps_as_many_layers_as_either_mode_under_steady_rows(data, precision):
+    """The same rows in every layer (the rule's estimate is then exact): 'auto' replays no
+    more layers than True or False at any capacity, and keeps every layer's rows where they
+    all fit."""
+    cfg, rows = data.draw(instances(precision))
+    rows = [list(rows[0]) for _ in rows]
+    modes = _modes(cfg)
+    capacity = data.draw(st.sampled_from(_capacity_range(cfg, rows)))
+    traces = {m: trace_saves(c, capacity, rows) for m, c in modes.items()}
+    kept = {m: sum(t.decisions) for m, t in traces.items()}
+    assert kept["auto"] >= max(kept[True], kept[False]), (kept, traces["auto"].kept)
+    if all(traces[True].decisions):  # every layer's rows fit: all keep them
+        assert set(traces["auto"].kept) == {"rows"}
+
+
+def test_auto_on_the_worked_example():
+    """DESIGN.md's rows: at 28,672 B the first two layers estimate that all four could keep
+    x (the later layers' rows taken to be theirs) and keep x; L2 keeps its rows, L3 replays.
+    At 40,960 B (every layer's rows fit) all keep their rows. At 24,576 B it replays L2 and L3
+    as the default does, though x in L0-L2 would have fitted: from L0's rows it expected
+    three kept layers, one of them with its rows, and rank 0's heavier L2 and L3 were not
+    foreseen (the rule knows only the current layer's rows)."""
+    auto = worked_cfg(save_gathered_rows="auto")
+    assert trace_saves(auto, 28_672, WORKED_ROWS).kept == ("x", "x", "rows", "input")
+    assert trace_saves(auto, 40_960, WORKED_ROWS).kept == ("rows",) * 4
+    assert plan_saves(worked_cfg(), 24_576, WORKED_ROWS) == [True, True, False, False]
+    assert trace_saves(auto, 24_576, WORKED_ROWS).kept == ("rows", "rows", "input", "input")
+    assert trace_saves(worked_cfg(save_gathered_rows=False), 24_576,
+                       WORKED_ROWS).kept == ("x", "x", "x", "input")
+    with pytest.raises(ValueError, match="is_capacity_monotone: .*'auto'"):
+        is_capacity_monotone(auto, WORKED_ROWS)

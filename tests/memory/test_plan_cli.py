@@ -338,3 +338,22 @@ def test_cli_errors_have_no_traceback(tmp_path):
     assert r.returncode == 2, r.stderr
     assert r.stdout == ""
     assert r.stderr.startswith("distmoe plan: error: --json ") and r.stderr.count("\n") == 1
+
+
+def test_auto_rows_on_the_worked_example(tmp_path, capsys):
+    """--auto-rows: the decisions table names what each layer keeps (DESIGN.md's rows at
+    28,672 B: x, x, the rows, then a replay) and leaves the one-state monotonicity line out;
+    --regather-rows with it is refused by argparse."""
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps([[4, 4], [4, 4], [5, 3], [5, 3]]))
+    args = parse(*WORKED, "--activation-bytes", "28672", "--rows-json", str(rows),
+                 "--auto-rows")
+    assert plan_cli.run(args) == 0
+    out = capsys.readouterr().out
+    decisions = [line.split()[-1] if "replay" not in line else "replay"
+                 for line in out.splitlines() if line.strip().startswith(("L0", "L1", "L2",
+                                                                          "L3"))]
+    assert decisions == ["(regather)", "(regather)", "save", "replay"], out
+    assert "save_gathered_rows='auto'" in out and "is_capacity_monotone" not in out
+    with pytest.raises(SystemExit):
+        parse(*WORKED, "--auto-rows", "--regather-rows")

@@ -7,7 +7,7 @@ import torch.utils.checkpoint as ckpt
 from forward_cases import make_problem
 
 import distmoe as dm
-from distmoe.memory import trace_saves
+from distmoe.memory import kept_x_state_bytes, trace_saves
 from distmoe.ops.activations import ActivationBuffer
 from distmoe.reference import split_global_problem
 
@@ -79,16 +79,19 @@ def test_device_decisions_follow_the_planner(capacity, replays, gathered):
         assert buf.depth == [0]
 
 
-@pytest.mark.parametrize("ep, layers", [(3, 5), (4, 6), (8, 3)])
-def test_device_decisions_match_the_planner_on_random_rows(ep, layers):
+@pytest.mark.parametrize("mode", [True, False, "auto"], ids=["rows", "x", "auto"])
+@pytest.mark.parametrize("ep, layers", [(1, 6), (3, 5), (4, 6), (8, 3)])
+def test_device_decisions_match_the_planner_on_random_rows(ep, layers, mode):
     """Random received rows per layer and rank, capacities from the inputs-only minimum to
-    beyond the useful maximum: every rank's device decisions and cursors equal trace_saves."""
+    beyond the useful maximum: every rank's device decisions, what its layers keep and its
+    cursors equal trace_saves, for every ``save_gathered_rows`` mode."""
     g = torch.Generator().manual_seed(ep * 100 + layers)
     cfg0 = dm.MoEConfig(hidden=96, ffn=160, num_experts=8 * ep, top_k=4, max_tokens=24,
-                        device_scratch_factor=2.5, max_layers_per_slot=layers)
+                        device_scratch_factor=2.5, max_layers_per_slot=layers,
+                        save_gathered_rows=mode)
     plan = dm.plan_memory(cfg0, ep)
     bound = plan.device_receive_bound
-    seen = set()
+    seen, kinds = set(), set()
     for trial in range(6):
         cap = int(torch.randint(plan.min_slot_bytes, plan.useful_max_slot_bytes + 4096, (1,),
                                 generator=g)) // 128 * 128
@@ -108,9 +111,15 @@ def test_device_decisions_match_the_planner_on_random_rows(ep, layers):
             for layer in range(layers):
                 rec = buf.begin_layer(torch.tensor(rows[layer]), 4096)
                 assert bool(rec.replay) == (not trace.decisions[layer]), (trial, layer)
+                replayed, as_x, rebuild = rec.flags.tolist()
+                kept = "input" if replayed else "x" if as_x else "rows"
+                assert kept == trace.kept[layer] and rebuild == (kept != "rows")
+                kinds.add(kept)
                 assert buf.cursors[0].tolist() == list(trace.saved_bytes[layer])
                 assert buf.cursors[0].max().item() <= cap  # never past the slot
     assert seen == {True, False}  # both saves and replays were exercised
+    if mode == "auto" and ep == 1:  # (at EP > 1 a rank's x can outweigh its rows)
+        assert kinds == {"rows", "x", "input"}, kinds
 
 
 def test_abandon_reset_and_backward_errors():
@@ -183,6 +192,9 @@ def _cfg(world, layers, *, num_slots=1, mode="mixed", save_route_outputs=True,
                                           "gathered_rows_in_place": None}), world)
     if mode == "save":
         cap = plan.useful_max_slot_bytes
+    elif mode == "x4":  # balanced rows: four layers' x states and two inputs (three rows)
+        cap = (4 * kept_x_state_bytes(dm.MoEConfig(**base), world, T * K)
+               + (layers - 4) * plan.input_bytes)
     else:  # between the inputs-only minimum and the balanced full save
         cap = (plan.min_slot_bytes + plan.balanced_slot_bytes) // 2
     return dm.MoEConfig(**base, activation_bytes=cap)
@@ -200,7 +212,7 @@ def _stack_rank(rank, world, seed, mode, checkpointed=None, save_route_outputs=T
     gy = torch.randn(world * T, D, generator=g).bfloat16()[rank * T:(rank + 1) * T]
     with dm.MoEContext(cfg, device="cpu") as ctx:
         x = problems[0].x.clone().requires_grad_(True)
-        leaves, replays, h = [x], [], x
+        leaves, replays, kept, h = [x], [], [], x
         for i, p in enumerate(problems):
             s, a, b = (t.clone().requires_grad_(True) for t in (p.scores, p.w13, p.w2))
             leaves += [s, a, b]
@@ -210,13 +222,16 @@ def _stack_rank(rank, world, seed, mode, checkpointed=None, save_route_outputs=T
             else:
                 h = ctx(h, p.expert_ids, s, a, b)
                 replays.append(bool(h.grad_fn.record.replay))
+                flags = h.grad_fn.record.flags.tolist()
+                kept.append("input" if flags[0] else "x" if flags[1] else "rows")
         (h.float() * gy.float()).sum().backward()
         all_stats = ctx.stats()
         stats = all_stats["activations"]
-        return dict(y=h.detach(), grads=[t.grad for t in leaves], replays=replays,
+        return dict(y=h.detach(), grads=[t.grad for t in leaves], replays=replays, kept=kept,
                     depth=stats["slot_depth"], cursors=stats["slot_cursors"],
                     always_saves=stats["always_saves"], regathers=stats["regathers"],
                     rows_in_place=stats["rows_in_place"], calls=all_stats["calls"],
+                    may_regather=stats["may_regather"],
                     buffer=stats["activation_buffer_bytes"])
 
 
@@ -341,51 +356,110 @@ def test_backward_uses_the_slot_its_forward_recorded():
         assert r["two_slots_depth"] == [0, 0] and r["one_slot_depth"] == [0]
 
 
-@pytest.mark.parametrize("kept_x", [0, 1536], ids=["x_rows", "kept_x"])
+@pytest.mark.parametrize("mode", [True, False, "auto"], ids=["x_rows", "kept_x", "auto"])
 @pytest.mark.parametrize("h3_bytes", [2048, 0], ids=["route_outputs", "no_route_outputs"])
 @pytest.mark.parametrize("ep", [1, 3, 8])
-def test_slot_cursor_kernel_matches_torch_ops(ep, h3_bytes, kept_x):
+def test_slot_cursor_kernel_matches_torch_ops(ep, h3_bytes, mode):
     """The one-program decision (the device path, interpreted on CPU) against the same rule
     in torch ops, on random rows and cursors that straddle the save/replay boundary, with row
-    byte counts that are not multiples of 128 (the rounding matters). ``kept_x``: saved
-    layers keep the input (1536 B) instead of x_rows (``save_gathered_rows`` False)."""
+    byte counts that are not multiples of 128 (the rounding matters). ``mode``: saved layers
+    keep x_rows, the input (1536 B) instead (``save_gathered_rows`` False), or either
+    (``"auto"``); the host planner's rule (``_decide``) must agree with both."""
     from distmoe.kernels import slot_cursor as sc
+    from distmoe.memory.planner import _decide
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator().manual_seed(ep)
+    gen = torch.Generator().manual_seed(ep + 17 * (h3_bytes > 0))
     outcomes = set()
-    for trial in range(8):
-        rows = torch.randint(0, 50, (ep,), generator=gen).to(dev)
+    for trial in range(32):
+        rows = torch.randint(0, 100, (ep,), generator=gen).to(dev)  # x smaller from 20
         cursors = (torch.randint(0, 200, (ep,), generator=gen) * 128).to(dev)
-        args = dict(rank=trial % ep, slot_base=3 * 65536, slot_bytes=14_000 + 3_000 * trial,
-                    input_bytes=1536, reserve=1536 * (trial % 3), h3_bytes=h3_bytes,
-                    x_row_bytes=0 if kept_x else 2 * 40, kept_x_bytes=kept_x,
+        later = trial % 4
+        args = dict(rank=trial % ep, slot_base=3 * 65536, input_bytes=1536, later=later,
+                    # room for this layer's input and the later ones' (the invariant), and
+                    # up to 16 KB more: saves of both states, and replays
+                    slot_bytes=int(cursors.max()) + 1536 * (later + 1)
+                    + int(torch.randint(0, 16_000, (1,), generator=gen)),
+                    mode=mode, h3_bytes=h3_bytes, x_row_bytes=2 * 40, kept_x_bytes=1536,
                     h1_row_bytes=2 * 2 * 24, combine_address=7 * 4096,
                     elements_address=11 * 4096, replay_offsets=(12_288, 20_480),
                     act_bases=(torch.randint(1, 1 << 20, (ep,), generator=gen) * 4096).to(dev),
                     combine_bases=(torch.randint(1, 1 << 20, (ep,), generator=gen) * 4096).to(dev))
         want_cur = cursors.clone()
-        want = [torch.empty(ep, dtype=torch.int64, device=dev),
-                torch.empty(1, dtype=torch.bool, device=dev),
-                torch.empty(4, dtype=torch.int64, device=dev),
-                torch.empty(3, dtype=torch.int64, device=dev),
-                torch.empty(ep, dtype=torch.int64, device=dev)]
+        want = [torch.full((ep,), -7, dtype=torch.int64, device=dev),
+                torch.ones(1, dtype=torch.bool, device=dev),
+                torch.full((4,), -7, dtype=torch.int64, device=dev),
+                torch.full((3,), -7, dtype=torch.int64, device=dev),
+                torch.full((ep,), -7, dtype=torch.int64, device=dev),
+                torch.full((3,), -7, dtype=torch.int32, device=dev)]
         sc._begin_layer_torch(rows, want_cur, *want, **args)
         got_cur = cursors.clone()
         got = sc.begin_layer_on_device(rows, got_cur, **args)
         assert torch.equal(got_cur, want_cur)
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g, w), (trial, g, w)
-        outcomes.add(bool(got[1]))
+        replayed, as_x, rebuild = got[5].tolist()
+        assert replayed == bool(got[1]) and rebuild == (replayed or as_x)
+        assert not (replayed and as_x)
+        outcomes.add("input" if replayed else "x" if as_x else "rows")
+        # the host planner's rule on the same bytes: the cursors kept before the layer and
+        # `later` layers after it (their bytes do not matter to this one)
+        rest = (rows.cpu() * 96 + 127) // 128 * 128 + h3_bytes
+        rows_state = (rows.cpu() * 80 + 127) // 128 * 128 + rest
+        x_state = 1536 + rest
+        full = [(x_state if mode is False else rows_state).tolist()] + [[0] * ep] * later
+        xs = [x_state.tolist()] + [[0] * ep] * later if mode == "auto" else None
+        decisions, _, history, kept_x = _decide(full, 1536, args["slot_bytes"], xs,
+                                                saved=cursors.cpu().tolist())
+        assert decisions[0] == (not replayed)
+        assert kept_x[0] == (bool(as_x) and mode == "auto")  # _decide marks auto's choice
+        if mode != "auto":  # the fixed modes: x kept by every saved layer, or by none
+            assert bool(as_x) == (not replayed and mode is False)
+        assert list(history[0]) == got_cur.tolist()
+        assert got_cur.max().item() + 1536 * later <= args["slot_bytes"]  # never past it
         # every rank's h3 rows: its activation buffer + slot + cursor + x_rows (or x) + h1
-        x_state = kept_x if kept_x else (rows * 80 + 127) // 128 * 128
-        saved_at = (args["act_bases"] + args["slot_base"] + cursors + x_state
+        x_kept = torch.full_like(rows, 1536) if as_x or mode is False else (rows * 80 + 127) \
+            // 128 * 128
+        saved_at = (args["act_bases"] + args["slot_base"] + cursors + x_kept
                     + (rows * 96 + 127) // 128 * 128 - args["combine_bases"])
         saved = (~got[1]).long() * (h3_bytes > 0)
         assert torch.equal(got[4], saved_at * saved)
         if h3_bytes == 0:  # no route results in the slot: h3 offset -1, combine address
             assert got[2][2].item() == -1 and got[3][0].item() == args["combine_address"]
-        if kept_x:  # no x_rows, the input kept either way, the rows read from scratch xs
+        if as_x or replayed:  # no x_rows, the input kept, the rows read from scratch xs
             assert got[2][1].item() == -1 and got[2][3].item() >= 0
             assert got[3][2].item() == args["replay_offsets"][1]
-    assert outcomes == {False, True}  # both saved and replayed layers were compared
+        else:  # the rows kept at the cursor, no input
+            assert got[2][1].item() == (args["slot_base"] + cursors[args["rank"]].item()) // 2
+            assert got[2][3].item() == -1
+    want = {True: {"rows", "input"}, False: {"x", "input"}, "auto": {"rows", "x", "input"}}
+    assert outcomes == want[mode], outcomes  # every way a layer can go was compared
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_stack_choosing_rows_or_x_gives_the_same_bits(world):
+    """save_gathered_rows='auto': in the mixed slot each layer keeps its rows, x (its backward
+    gathers the rows again, turned on by the device for that layer only) or its input; the
+    outputs and every gradient are bit-identical to the default with every layer saved. The
+    slot has room for about four balanced layers' x or three layers' rows. With room for
+    every layer's rows, all keep them and the backward never regathers."""
+    seed = 99
+    saved = dm.launch(_stack_rank, world, args=(seed, "save"))
+    roomy = dm.launch(_stack_rank, world, args=(seed, "save", None, True, "auto"))
+    mixed = dm.launch(_stack_rank, world, args=(seed, "x4", None, True, "auto"))
+    rows_mode = dm.launch(_stack_rank, world, args=(seed, "x4"))
+    for rank in range(world):
+        s, r, m = saved[rank], roomy[rank], mixed[rank]
+        assert r["kept"] == ["rows"] * len(LAYERS) and not r["may_regather"]
+        assert m["may_regather"] and not m["regathers"] and not m["rows_in_place"]
+        assert m["kept"] == mixed[0]["kept"]  # every rank decided the same
+        assert m["replays"] == [k == "input" for k in m["kept"]]
+        # fewer replays than the default slot of the same bytes
+        assert m["replays"].count(True) <= rows_mode[rank]["replays"].count(True)
+        if world == 1:  # T rows of x against T*K gathered rows: x kept where rows do not fit
+            assert "x" in m["kept"] and "rows" in m["kept"], m["kept"]
+        for run in (r, m):
+            assert torch.equal(run["y"], s["y"])
+            for i, (ga, gb) in enumerate(zip(run["grads"], s["grads"], strict=True)):
+                assert ga is not None and torch.equal(ga, gb), f"gradient {i} differs"
+            assert run["depth"] == [0] and run["cursors"] == [[0] * world]

@@ -8,6 +8,7 @@ from forward_cases import make_problem
 from test_training import check_training
 
 import distmoe as dm
+from distmoe.memory import kept_x_state_bytes
 from distmoe.reference import split_global_problem
 
 
@@ -28,12 +29,14 @@ def _graph_step_rank(rank, world, rows="x_rows"):
     dev = torch.device("cuda", torch.cuda.current_device())
     base = dict(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
                 device_scratch_factor=float(world), max_layers_per_slot=2,
-                save_gathered_rows=rows == "x_rows",
+                save_gathered_rows={"x_rows": True, "auto": "auto"}.get(rows, False),
                 gathered_rows_in_place=True if rows == "inplace" else None)
     plan = dm.plan_memory(dm.MoEConfig(**base), world)
-    # a slot between the inputs-only minimum and full save: layer 2 (imbalanced) replays
-    cfg = dm.MoEConfig(**base, activation_bytes=(plan.min_slot_bytes
-                                                 + plan.balanced_slot_bytes) // 2)
+    # a slot between the inputs-only minimum and full save: layer 2 (imbalanced) replays;
+    # with "auto", room for one balanced layer's rows and one's x: rows, then x at EP = 1
+    cap = (plan.min_slot_bytes + plan.balanced_slot_bytes) // 2 if rows != "auto" else \
+        plan.full_state_bytes(T * K) + kept_x_state_bytes(dm.MoEConfig(**base), world, T * K)
+    cfg = dm.MoEConfig(**base, activation_bytes=cap)
 
     def problems(seed):
         return [split_global_problem(*make_problem(seed + i, world, T, D, F, E, K, name),
@@ -54,7 +57,7 @@ def _graph_step_rank(rank, world, rows="x_rows"):
             replays = []
             for i in range(2):
                 h = ctx(h, ids[i], scores[i], *weights[i])
-                replays.append(h.grad_fn.record.replay)
+                replays.append(h.grad_fn.record.flags)
             leaves = [xs] + scores + [w for pair in weights for w in pair]
             grads = torch.autograd.grad((h.float() * gy.float()).sum(), leaves)
             return [h.detach()] + list(grads), replays
@@ -80,19 +83,20 @@ def _graph_step_rank(rank, world, rows="x_rows"):
                     scores[i].copy_(new[i].scores.to(dev))
             graph.replay()
             replayed = [t.clone() for t in static_out]
-            replayed_flags = [bool(f) for f in static_replays]
+            replayed_flags = [tuple(f.tolist()) for f in static_replays]
             eager, eager_flags = step()
             torch.cuda.synchronize()
             same = all(torch.equal(a, b) for a, b in zip(replayed, eager, strict=True))
-            results.append((same, replayed_flags, [bool(f) for f in eager_flags]))
+            results.append((same, replayed_flags, [tuple(f.tolist()) for f in eager_flags]))
         stats = ctx.stats()["activations"]
     return results, stats["slot_depth"]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", ["x_rows", "regather", "inplace"])
+@pytest.mark.parametrize("rows", ["x_rows", "regather", "inplace", "auto"])
 @pytest.mark.parametrize("EP", [1, 2])
 def test_cuda_graph_training_step_with_new_inputs_equals_eager(EP, rows):
+    """``flags`` per layer: (replayed, x kept instead of the rows, either)."""
     if EP > 1 and rows == "inplace":
         pytest.skip("rows are read in place at EP = 1 only")
     out = dm.launch(_graph_step_rank, EP, args=(rows,), device="cuda", gpus=[0],
@@ -102,5 +106,10 @@ def test_cuda_graph_training_step_with_new_inputs_equals_eager(EP, rows):
         for same, replayed_flags, eager_flags in results:
             assert same
             assert replayed_flags == eager_flags
-        # the imbalanced layer replays at least once across the inputs
-        assert any(flags[1] for _, flags, _ in results)
+        if rows == "auto":  # each layer's choice, on the device, graph and eager alike
+            kinds = {("x" if f[1] else "input" if f[0] else "rows", i)
+                     for _, flags, _ in results for i, f in enumerate(flags)}
+            if EP == 1:  # every layer executes T*K rows: the rows, then x
+                assert kinds == {("rows", 0), ("x", 1)}, kinds
+        else:  # the imbalanced layer replays at least once across the inputs
+            assert any(flags[1][0] for _, flags, _ in results)

@@ -32,7 +32,7 @@ otherwise (one row in each expert, then whole blocks).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from distmoe.config import MoEConfig
@@ -61,7 +61,8 @@ def rows_in_place(cfg: MoEConfig, ep_size: int) -> bool:
     1.035x / 1.057x at T=4096 D=2048 F=768 E=128 K=8 (256): the in-place WGRAD copies its
     rows by ``cp.async`` from a table read per 64-row step, and at 256 rows per expert a
     tile is four such steps."""
-    if not cfg.training or cfg.precision != "bf16" or ep_size != 1 or cfg.save_gathered_rows:
+    if (not cfg.training or cfg.precision != "bf16" or ep_size != 1
+            or cfg.save_gathered_rows is not False):
         return False
     if cfg.gathered_rows_in_place is not None:
         return cfg.gathered_rows_in_place
@@ -256,7 +257,8 @@ def full_state_breakdown(cfg: MoEConfig, ep_size: int, rows: int) -> tuple[Tenso
 
     With ``cfg.save_gathered_rows`` False the gathered rows (``x_gathered``, or mxfp8's
     ``x_col`` bundle) give way to the layer's input ``x [T, D]`` bf16, ``align128(T*D*2)``,
-    which the backward gathers again (docs/memory.md).
+    which the backward gathers again (docs/memory.md). With ``"auto"`` this is the state
+    with the rows; :func:`kept_x_state_bytes` is the other one.
 
     Inference keeps nothing.
     """
@@ -264,7 +266,7 @@ def full_state_breakdown(cfg: MoEConfig, ep_size: int, rows: int) -> tuple[Tenso
         return ()
     t, d, f, k = cfg.max_tokens, cfg.hidden, cfg.ffn, cfg.top_k
     h3 = (tensor_bytes("h3_routes", (t, k, d), "bf16"),) if cfg.save_route_outputs else ()
-    kept_x = () if cfg.save_gathered_rows else input_breakdown(cfg)
+    kept_x = input_breakdown(cfg) if cfg.save_gathered_rows is False else ()
     if cfg.precision == "bf16":
         return (
             *(kept_x or (tensor_bytes("x_gathered", (rows, d), "bf16"),)),
@@ -410,6 +412,12 @@ def full_state_bytes(cfg: MoEConfig, ep_size: int, rows: int) -> int:
     """Bytes a saved layer keeps on a rank that received ``rows`` rows (see
     :func:`full_state_breakdown`)."""
     return total_bytes(full_state_breakdown(cfg, ep_size, rows))
+
+
+def kept_x_state_bytes(cfg: MoEConfig, ep_size: int, rows: int) -> int:
+    """Bytes a saved layer keeps where it keeps its input x instead of its gathered rows
+    (``cfg.save_gathered_rows`` False, or a layer's choice under ``"auto"``)."""
+    return full_state_bytes(replace(cfg, save_gathered_rows=False), ep_size, rows)
 
 
 def scratch_bytes(cfg: MoEConfig, ep_size: int, rows: int) -> int:

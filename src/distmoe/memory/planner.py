@@ -58,6 +58,7 @@ from distmoe.memory.costs import (
     align128,
     full_state_bytes,
     input_bytes,
+    kept_x_state_bytes,
     layer_costs,
 )
 
@@ -177,6 +178,12 @@ class SaveTrace:
             (L - 1 - l) * input_bytes`` of each layer.
         decisions: ``[L]`` True = save the full state, False = keep the input and replay.
         saved_bytes: ``[L][EP]`` bytes kept per rank after each layer's decision.
+        kept: ``[L]`` what each layer keeps: ``"rows"`` (its gathered rows, h1, h3),
+            ``"x"`` (its input x instead of the rows; ``cfg.save_gathered_rows`` False or
+            ``"auto"``) or ``"input"`` (replayed).
+        x_state_bytes: ``[L][EP]`` with ``save_gathered_rows="auto"``: the state with x
+            kept instead of the rows, per layer and rank (``full_bytes`` is the state with
+            the rows); None in the other modes.
     """
 
     capacity_bytes: int
@@ -186,6 +193,8 @@ class SaveTrace:
     required_bytes: tuple[int, ...]
     decisions: tuple[bool, ...]
     saved_bytes: tuple[tuple[int, ...], ...]
+    kept: tuple[str, ...] = ()
+    x_state_bytes: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def num_layers(self) -> int:
@@ -197,21 +206,43 @@ class SaveTrace:
 
 
 def _decide(
-    full: Sequence[Sequence[int]], in_bytes: int, capacity_bytes: int
-) -> tuple[list[bool], list[int], list[tuple[int, ...]]]:
-    """Core greedy rule on plain integers: ``full[l][r]`` bytes, one input size."""
+    full: Sequence[Sequence[int]], in_bytes: int, capacity_bytes: int,
+    x_state: Sequence[Sequence[int]] | None = None, saved: Sequence[int] | None = None,
+) -> tuple[list[bool], list[int], list[tuple[int, ...]], list[bool]]:
+    """Core greedy rule on plain integers: ``full[l][r]`` bytes, one input size. With
+    ``x_state`` (``save_gathered_rows="auto"``; ``full`` is then the state with the rows) a
+    layer that cannot keep its rows may keep x (:mod:`distmoe.kernels.slot_cursor` states
+    the rule; the device evaluates the same). Returns the decisions, the tested bytes
+    ``max_r(saved_r + full_r(l)) + reserve``, the kept bytes after each layer and, per
+    layer, whether it kept x instead of the rows (auto only; else all False). ``saved``: the
+    bytes each rank keeps before the first layer (0)."""
     num_layers = len(full)
-    saved = [0] * len(full[0])
-    decisions, required, history = [], [], []
+    saved = [0] * len(full[0]) if saved is None else list(saved)
+    decisions, required, history, kept_x = [], [], [], []
     for layer, full_r in enumerate(full):
-        reserve = (num_layers - 1 - layer) * in_bytes
-        need = max(s + f for s, f in zip(saved, full_r, strict=True)) + reserve
-        save = need <= capacity_bytes
-        saved = [s + (f if save else in_bytes) for s, f in zip(saved, full_r, strict=True)]
-        decisions.append(save)
+        later = num_layers - 1 - layer
+        need = max(s + f for s, f in zip(saved, full_r, strict=True)) + later * in_bytes
+        keep, as_x = need <= capacity_bytes, False
+        if x_state is not None:
+            x_r = x_state[layer]
+            n = later + 1
+            small = [max(in_bytes, min(f, x)) for f, x in zip(full_r, x_r, strict=True)]
+            k = min(0 if capacity_bytes - s - n * in_bytes < 0
+                    else min(n, (capacity_bytes - s - n * in_bytes) // (m - in_bytes))
+                    if m > in_bytes else n for s, m in zip(saved, small, strict=True))
+            rows_ahead = k >= 1 and all(
+                s + f + (k - 1) * m + (n - k) * in_bytes <= capacity_bytes
+                for s, f, m in zip(saved, full_r, small, strict=True))
+            need_x = max(s + x for s, x in zip(saved, x_r, strict=True)) + later * in_bytes
+            as_x = need_x <= capacity_bytes and need_x < need and not rows_ahead
+            keep = as_x or need <= capacity_bytes
+            full_r = x_r if as_x else full_r
+        saved = [s + (f if keep else in_bytes) for s, f in zip(saved, full_r, strict=True)]
+        decisions.append(keep)
         required.append(need)
         history.append(tuple(saved))
-    return decisions, required, history
+        kept_x.append(as_x)
+    return decisions, required, history, kept_x
 
 
 def trace_saves(
@@ -229,8 +260,14 @@ def _trace(
     in_bytes = input_bytes(cfg)
     _check_capacity(capacity_bytes, len(received_rows), in_bytes)
     full = [tuple(full_state_bytes(cfg, ep_size, r) for r in rows) for rows in received_rows]
-    decisions, required, history = _decide(full, in_bytes, capacity_bytes)
+    auto = cfg.save_gathered_rows == "auto"
+    x_state = [tuple(kept_x_state_bytes(cfg, ep_size, r) for r in rows)
+               for rows in received_rows] if auto else None
+    decisions, required, history, as_x = _decide(full, in_bytes, capacity_bytes, x_state)
     assert all(max(s) <= capacity_bytes for s in history), "a rank exceeded the capacity"
+    what_saves = "x" if cfg.save_gathered_rows is False else "rows"
+    kept = tuple("input" if not d else "x" if a else what_saves
+                 for d, a in zip(decisions, as_x, strict=True))
     return SaveTrace(
         capacity_bytes=capacity_bytes,
         input_bytes=in_bytes,
@@ -239,6 +276,8 @@ def _trace(
         required_bytes=tuple(required),
         decisions=tuple(decisions),
         saved_bytes=tuple(history),
+        kept=kept,
+        x_state_bytes=None if x_state is None else tuple(x_state),
     )
 
 
@@ -258,7 +297,9 @@ def plan_saves(
         One bool per layer, the same on every rank: True = save the full state, False =
         keep the input ``x [T, D]`` and replay the forward in backward. Layer l saves iff
         ``max_r(saved_r + full_r(l)) + (L - 1 - l) * input_bytes <= capacity_bytes``.
-        No rank's kept bytes ever exceed ``capacity_bytes``.
+        With ``cfg.save_gathered_rows="auto"`` a saved layer may keep x instead of its
+        rows (:mod:`distmoe.kernels.slot_cursor` states the rule; :func:`trace_saves`'s
+        ``kept`` says which). No rank's kept bytes ever exceed ``capacity_bytes``.
 
     Raises:
         ValueError: capacity below the inputs-only minimum, rows above the receive bound or
@@ -288,6 +329,10 @@ def is_capacity_monotone(cfg: MoEConfig, received_rows: Sequence[Sequence[int]])
     decrease from one layer to the next (for instance identical rows in every layer).
     """
     _check_training(cfg, "is_capacity_monotone")
+    if cfg.save_gathered_rows == "auto":
+        raise ValueError("is_capacity_monotone: the condition covers rules with one saved "
+                         "state per layer; cfg.save_gathered_rows is 'auto' (two); scan the "
+                         "capacities with trace_saves instead")
     ep_size = _check_received_rows(cfg, received_rows)
     full = [[full_state_bytes(cfg, ep_size, r) for r in rows] for rows in received_rows]
     return _capacity_monotone(full, input_bytes(cfg))
@@ -682,12 +727,14 @@ def format_saves(trace: SaveTrace) -> list[str]:
         f"  {'layer':<7}{'rows min..max':<22}{'worst full':>14}{'required':>18}"
         f"{'kept, worst rank':>20}  decision",
     ]
+    auto = trace.x_state_bytes is not None
     for layer in range(n):
         rows = trace.received_rows[layer]
         worst_full = max(trace.full_bytes[layer])
         need = trace.required_bytes[layer]
         kept = max(trace.saved_bytes[layer])
-        decision = "save" if trace.decisions[layer] else "replay (keep input)"
+        decision = {"rows": "save", "x": "save, keep x (regather)",
+                    "input": "replay (keep input)"}[trace.kept[layer]]
         lines.append(
             f"  L{layer:<6}{f'{min(rows):,}..{max(rows):,}':<22}{format_bytes(worst_full):>14}"
             f"{format_bytes(need):>18}{format_bytes(kept):>20}  {decision}"
@@ -696,6 +743,13 @@ def format_saves(trace: SaveTrace) -> list[str]:
         "  required = max over ranks (kept + full state) + inputs reserved for later layers;"
         " save iff required <= capacity"
     )
+    if auto:
+        lines.append(
+            "  save_gathered_rows='auto': a layer keeps its rows only if the later layers "
+            "could still keep the smaller state; else x (regathered in backward) if that "
+            "fits and is smaller"
+        )
+        return lines
     monotone = _capacity_monotone(trace.full_bytes, trace.input_bytes)
     lines.append(
         "  for these rows, raising the capacity "

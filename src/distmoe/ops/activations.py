@@ -19,7 +19,8 @@ gathered rows, h1 and its returned route results (``x_rows [R, D] | h1 [R, 2F] |
 D]`` at the cursor); a replayed layer keeps its input ``x [T, D]`` only and rebuilds the rest
 in backward. With ``cfg.save_gathered_rows`` False a saved layer keeps ``x [T, D] | h1 | h3``
 (``align128(R_r*D*2)`` becomes ``align128(T_max*D*2)`` in ``full_r``) and its backward
-gathers the rows again into scratch ``xs``. Every rank advances every rank's cursor
+gathers the rows again into scratch ``xs``; with ``"auto"`` each layer chooses one of the
+three on the device (:mod:`distmoe.kernels.slot_cursor` states the rule). Every rank advances every rank's cursor
 (``saved_r``) the same way, so the cursors stay identical replicas. Backward runs in reverse layer order and restores the cursor
 that its forward started from; it uses the slot id its forward recorded, whatever slot is
 selected later.
@@ -57,6 +58,8 @@ class LayerRecord:
     slot / layer: host ints (the slot id snapshot and the layer index in the slot).
     cursor_before: int64 [EP] device copy of the slot cursors when the forward started.
     replay: bool [1] device flag, True when the layer keeps only its input.
+    flags: int32 [3] device predicates for the backward's kernels: replayed; saved with x
+        kept instead of x_rows (its backward gathers the rows again); either of the two.
     offsets: int64 [4] device element offsets (bf16 elements from the buffer base) of this
         rank's saved h1, x_rows, h3 routes (or -1 when replayed) and of the kept input x
         (-1 when saved). The order matches the W13 kernel's ``out_offsets = [h1, x]``.
@@ -77,6 +80,7 @@ class LayerRecord:
     offsets: torch.Tensor
     backward: torch.Tensor
     h3_deltas: torch.Tensor | None = None
+    flags: torch.Tensor | None = None
     state: str = "live"  # "live" -> "done" (its backward ran) or "reset" (reset_slots)
 
 
@@ -116,12 +120,17 @@ class ActivationBuffer:
         # 0 when the slot does not keep the route results (cfg.save_route_outputs False)
         self.h3_bytes = align128(T * K * D * 2) if cfg.save_route_outputs else 0
         # Static: does every layer save whatever the routing? (then backward never replays)
-        self.always_saves = self.layers_per_slot * plan.full_state_bytes(R) <= self.slot_bytes
-        # Saved layers keep x instead of x_rows: every backward gathers the rows again.
-        self.regathers = not cfg.save_gathered_rows
+        # (a layer's test reserves an input per later layer, hence the max; under "auto" the
+        # later layers' smaller states, never more than the rows at the bound)
+        self.always_saves = self.layers_per_slot * max(plan.full_state_bytes(R),
+                                                       self.input_bytes) <= self.slot_bytes
+        # Saved layers keep x instead of x_rows: every backward gathers the rows again; with
+        # "auto" some may (none where every layer saves its rows whatever the routing).
+        self.regathers = cfg.save_gathered_rows is False
+        self.may_regather = self.regathers or (cfg.save_gathered_rows == "auto"
+                                               and not self.always_saves)
         # ... and the W13 WGRAD reads them in place instead (EP = 1): no scratch xs
         self.rows_in_place = rows_in_place(cfg, ep_size)
-        self.kept_x_bytes = 0 if cfg.save_gathered_rows else self.input_bytes
 
         nbytes = plan.activation_buffer_bytes
         if allocate is None:
@@ -217,19 +226,19 @@ class ActivationBuffer:
         layer = len(self.stacks[s])
         D, F = self.cfg.hidden, self.cfg.ffn
         so = self.scratch_elem_offsets
-        before, replay, offsets, backward, deltas = begin_layer_on_device(
+        before, replay, offsets, backward, deltas, flags = begin_layer_on_device(
             executed_rows_EP.to(device=self.device, dtype=torch.int64).contiguous(),
             self.cursors[s], rank=self.rank, slot_base=s * self.slot_bytes,
             slot_bytes=self.slot_bytes, input_bytes=self.input_bytes,
-            reserve=(self.layers_per_slot - 1 - layer) * self.input_bytes,
-            h3_bytes=self.h3_bytes, x_row_bytes=0 if self.regathers else D * 2,
-            h1_row_bytes=2 * F * 2, kept_x_bytes=self.kept_x_bytes,
+            later=self.layers_per_slot - 1 - layer, mode=self.cfg.save_gathered_rows,
+            h3_bytes=self.h3_bytes, x_row_bytes=D * 2, h1_row_bytes=2 * F * 2,
+            kept_x_bytes=self.input_bytes,
             combine_address=combine_address, elements_address=self.elements.data_ptr(),
             replay_offsets=(so["h1g"], so.get("xs", -1)), act_bases=act_bases,
             combine_bases=combine_bases,
         )  # fmt: skip
         rec = LayerRecord(slot=s, layer=layer, cursor_before=before, replay=replay,
-                          offsets=offsets, backward=backward, h3_deltas=deltas)
+                          offsets=offsets, backward=backward, h3_deltas=deltas, flags=flags)
         self.stacks[s].append(rec)
         return rec
 
@@ -266,4 +275,5 @@ class ActivationBuffer:
                     slot_capacity_bytes=self.slot_bytes, num_slots=self.num_slots,
                     scratch_bytes=self.plan.scratch_bytes, slot_depth=list(self.depth),
                     slot_cursors=self.cursors.tolist(), always_saves=self.always_saves,
-                    regathers=self.regathers, rows_in_place=self.rows_in_place)
+                    regathers=self.regathers, may_regather=self.may_regather,
+                    rows_in_place=self.rows_in_place)

@@ -20,8 +20,9 @@ order, and the layers of a slot in reverse order of their forwards. Per call:
     r3. expert: W13 again into scratch (xs, h1g, h2). W2 is not rerun: the backward needs
         no h3, since the experts compute the score gradients (step 3). A saved layer that
         kept x instead of its rows (``cfg.save_gathered_rows`` False) runs r1 and r2 too,
-        then only gathers its rows into scratch xs (regather_rows), the same bits; at
-        EP = 1 it runs none of r1-r3: its W13 WGRAD reads x's rows in place, through the
+        then only gathers its rows into scratch xs (regather_rows), the same bits (with
+        ``"auto"``, a layer that chose to keep x; a device predicate turns the gather off
+        for the others); at EP = 1 with ``False`` it runs none of r1-r3: its W13 WGRAD reads x's rows in place, through the
         forward's gather table moved onto the kept x (``w13_wgrad(x_rows=...)``), and a
         replayed layer's W13 stores h1 only
     1. owner:  push_route_grads: bf16(grad_y[t]) of every executed route, unscaled, is pushed
@@ -171,25 +172,26 @@ class MoEFunction(torch.autograd.Function):
         scratch = acts.scratch
         grad_y = grad_y.to(torch.bfloat16).contiguous()
         dispatch_rows = moe._dispatch[:T * K]
-        replay = rec.replay
+        # device predicates of the forward's decision: replayed; saved with x kept instead
+        # of its rows; either (:mod:`distmoe.kernels.slot_cursor`)
+        replayed, regather, rebuild = rec.flags[0:1], rec.flags[1:2], rec.flags[2:3]
 
         reads_x = acts.rows_in_place  # EP = 1 and regathers: W13 WGRAD reads x in place
-        if not acts.always_saves or (acts.regathers and not reads_x):
+        if not acts.always_saves or (acts.may_regather and not reads_x):
             # r1-r3: rebuild a replayed layer's state (every kernel is off on the device for a
             # layer that kept its rows; the barrier runs either way so that all ranks stay
             # paired). With regathers every layer kept x: the table is needed either way.
             offset_copy(moe._dispatch, elements, T * D, src_offset=rec.offsets[3:4])
             heap.barrier()
-            enable = replay.to(torch.int32)
             gather_ptrs = moe._gather_table(tables.gather_ptrs,
-                                            None if acts.regathers else enable)
-            if acts.regathers and not reads_x:
+                                            None if acts.regathers else rebuild)
+            if acts.may_regather and not reads_x:
                 regather_rows(gather_ptrs, po, ro, scratch["xs"], block_m=cfg.row_block,
-                              enable=1 - enable)
+                              enable=regather)
             if not acts.always_saves:
                 gather_w13_swiglu(gather_ptrs, po, ro, w13, scratch["h2"], h1_out=elements,
                                   x_out=elements, out_offsets=moe._replay_offsets,
-                                  enable=enable, config=moe._w13_cfg)
+                                  enable=replayed, config=moe._w13_cfg)
         # where the state is, saved or rebuilt (decided with the forward's slot record)
         h1_offset, x_offset = rec.backward[1:2], rec.backward[2:3]
         x_rows = None

@@ -89,12 +89,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="saved layers keep no returned route results h3 (MoEConfig.save_route_outputs "
         "False; the backward does not read them)",
     )
-    budget.add_argument(
+    rows_mode = budget.add_mutually_exclusive_group()
+    rows_mode.add_argument(
         "--regather-rows",
         action="store_true",
         help="saved layers keep their input x [T, D] instead of their gathered rows "
         "(MoEConfig.save_gathered_rows False; the backward gathers them again, or at EP=1 "
         "from 512 rows per expert reads them in place: no scratch copy)",
+    )
+    rows_mode.add_argument(
+        "--auto-rows",
+        action="store_true",
+        help="each layer keeps its gathered rows where the slot has room for them, else its "
+        "input x where that fits (regathered in backward), else replays "
+        "(MoEConfig.save_gathered_rows='auto')",
     )
     budget.add_argument("--slots", type=int, default=None, help="activation slots (1)")
     budget.add_argument(
@@ -206,7 +214,7 @@ def build_plan(args: argparse.Namespace) -> MemoryPlan:
             num_slots=1 if args.slots is None else args.slots,
             max_layers_per_slot=layers,
             save_route_outputs=not args.drop_route_outputs,
-            save_gathered_rows=not args.regather_rows,
+            save_gathered_rows="auto" if args.auto_rows else not args.regather_rows,
             **extra,
         )
         cfg.check_ep_size(args.ep)

@@ -213,9 +213,9 @@ def _time_cpu(fn: Callable[[], object], cfg: TimingConfig, group) -> list[float]
     return per_iteration_ms(totals, cfg.iters_per_window)
 
 
-def _capture(fn: Callable[[], object], iters: int) -> torch.cuda.CUDAGraph:
+def _capture(fn: Callable[[], object], iters: int, pool=None) -> torch.cuda.CUDAGraph:
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         for _ in range(iters):
             fn()
     graph.replay()  # one validating replay; errors surface here rather than mid-window
@@ -350,7 +350,8 @@ def round_orders(names: Sequence[str], rounds: int) -> list[list[str]]:
 
 def interleaved(fns: dict[str, Callable[[], object]], *, rounds: int = 7, iters: int = 20,
                 warmup: int = 3, device: torch.device | str | None = None,
-                group: dist.ProcessGroup | None = None) -> dict[str, WindowStats]:
+                group: dist.ProcessGroup | None = None,
+                share_pool: bool = False) -> dict[str, WindowStats]:
     """Time several functions against each other, one window of each per round.
 
     Each ``fns[name]()`` is warmed up, captured ``iters`` times into one CUDA graph (on CPU:
@@ -362,7 +363,10 @@ def interleaved(fns: dict[str, Callable[[], object]], *, rounds: int = 7, iters:
     (:class:`WindowStats`; ``window_ms`` in round order). With a multi-rank ``group`` every
     rank calls it with the same names in the same order (the functions' own collectives
     keep the ranks together), and each round is the slowest rank's, as in
-    :func:`benchmark` (:func:`reduce_windows`).
+    :func:`benchmark` (:func:`reduce_windows`). ``share_pool``: capture every graph into
+    one memory pool (``torch.cuda.graph_pool_handle``) instead of one pool each, for
+    functions whose temporaries are large and whose results nobody reads after the round
+    (the graphs never run at once, so each overwrites only dead memory of the others).
     """
     if iters < 1 or warmup < 0:
         raise ValueError(f"iters ({iters}) must be >= 1 and warmup ({warmup}) >= 0")
@@ -372,7 +376,8 @@ def interleaved(fns: dict[str, Callable[[], object]], *, rounds: int = 7, iters:
     steps: dict[str, Callable[[], object]] = {}
     if use_cuda:
         _warm_up_on_side_stream(list(fns.values()), warmup)
-        steps = {name: _capture(fn, iters).replay for name, fn in fns.items()}
+        pool = torch.cuda.graph_pool_handle() if share_pool else None
+        steps = {name: _capture(fn, iters, pool).replay for name, fn in fns.items()}
     else:
         for name, fn in fns.items():
             for _ in range(warmup):
