@@ -10,7 +10,7 @@ nvidia-smi --query-gpu=name,temperature.gpu,clocks.sm,power.draw --format=csv,no
 timeout 240 python3 -m pytest -v -p no:cacheprovider tests/ops/test_training_gpu.py \
   "tests/kernels/test_backward_kernels.py::test_gluon_wgrad_x_rows" \
   "tests/kernels/test_backward_kernels.py::test_w13_wgrad_x_rows" \
-  tests/ops/test_activations.py -k "not stack and not checkpoint" > $OUT/pytest.log 2>&1
+  "tests/ops/test_activations.py::test_slot_cursor_kernel_matches_torch_ops" > $OUT/pytest.log 2>&1
 echo "pytest rc=$? at $((SECONDS - t0)) s"
 grep -E "FAILED|ERROR" $OUT/pytest.log | head -20; tail -n 2 $OUT/pytest.log
 for spec in "fine 8 0.6,0.75,0.9 sampled" "olmoe 8 0.6,0.75,0.9 sampled" \

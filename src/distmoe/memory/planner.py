@@ -745,9 +745,9 @@ def format_saves(trace: SaveTrace) -> list[str]:
     )
     if auto:
         lines.append(
-            "  save_gathered_rows='auto': a layer keeps its rows only if the later layers "
-            "could still keep the smaller state; else x (regathered in backward) if that "
-            "fits and is smaller"
+            "  save_gathered_rows='auto': a layer keeps its rows if, with the later layers' "
+            "rows taken to be its own, as many layers can keep a state as if all kept the "
+            "smaller one; else x (regathered in backward) if that fits and is smaller"
         )
         return lines
     monotone = _capacity_monotone(trace.full_bytes, trace.input_bytes)
