@@ -83,8 +83,7 @@ class MoEConfig:
             is smaller, else its input alone (replay): under a tight budget, layers that would
             replay keep x instead where they can, and a regather costs far less step time
             than a replay (one H200, docs/memory.md section 4; the rule:
-            :mod:`distmoe.kernels.slot_cursor`). Gradients are
-            the same bits in every mode.
+            :mod:`distmoe.kernels.slot_cursor`). Gradients are the same bits in every mode.
         gathered_rows_in_place: with ``save_gathered_rows`` False, on a one-rank group:
             ``True``: the W13 weight gradient reads x's rows in place, through the forward's
             gather table (no copy of the rows, so the scratch holds ``2*R*D`` bytes less; a

@@ -22,9 +22,10 @@ order, and the layers of a slot in reverse order of their forwards. Per call:
         kept x instead of its rows (``cfg.save_gathered_rows`` False) runs r1 and r2 too,
         then only gathers its rows into scratch xs (regather_rows), the same bits (with
         ``"auto"``, a layer that chose to keep x; a device predicate turns the gather off
-        for the others); at EP = 1 with ``False`` it runs none of r1-r3: its W13 WGRAD reads x's rows in place, through the
-        forward's gather table moved onto the kept x (``w13_wgrad(x_rows=...)``), and a
-        replayed layer's W13 stores h1 only
+        for the others); at EP = 1 with ``False`` it runs none of r1-r3: its W13 WGRAD
+        reads x's rows in place, through the forward's gather table moved onto the kept x
+        (``w13_wgrad(x_rows=...)``), and a replayed layer's W13 stores h1 only (in place
+        where :func:`distmoe.memory.rows_in_place`)
     1. owner:  push_route_grads: bf16(grad_y[t]) of every executed route, unscaled, is pushed
                straight into the expert's scratch gh3, at the activation row the expert
                executes the route at (tables.dest_rows_TK; the activation buffer is a heap
