@@ -84,18 +84,17 @@ def test_receive_bound_is_capped_by_what_can_arrive():
 def test_gathered_rows_in_place_needs_the_input_kept():
     assert make(save_gathered_rows=False, gathered_rows_in_place=True).gathered_rows_in_place
     with pytest.raises(ValueError, match=r"gathered_rows_in_place \(False\) applies only with "
-                                         r"save_gathered_rows=False .*got save_gathered_rows=True"):
+                                         r"save_gathered_rows False or 'auto' .*got "
+                                         r"save_gathered_rows=True"):
         make(gathered_rows_in_place=False)
 
 
 def test_save_gathered_rows_auto():
-    """'auto' is the one string; with it the rows are never read in place (they may lie in
-    the slot), so gathered_rows_in_place=True is refused and False or None accepted."""
+    """'auto' is the one string, and takes gathered_rows_in_place like False."""
     assert make(save_gathered_rows="auto").save_gathered_rows == "auto"
-    assert make(save_gathered_rows="auto", gathered_rows_in_place=False)
+    for in_place in (None, True, False):
+        assert make(save_gathered_rows="auto",
+                    gathered_rows_in_place=in_place).gathered_rows_in_place is in_place
     with pytest.raises(ValueError, match=r"save_gathered_rows must be True, False or 'auto', "
                                          r"got 'x'"):
         make(save_gathered_rows="x")
-    with pytest.raises(ValueError, match=r"gathered_rows_in_place \(True\) applies only with "
-                                         r"save_gathered_rows=False: with 'auto'"):
-        make(save_gathered_rows="auto", gathered_rows_in_place=True)

@@ -16,7 +16,10 @@ regathers its rows in backward) or ``auto`` (each layer chooses on the device,
 ``activation_factor = factor`` in the ``rows`` mode for all three modes alike: ``min +
 factor * (balanced - min)`` bytes, the layers' inputs plus that share of what saving every
 layer's rows needs at balanced routing. Beside them ``saved``: a slot
-with room for every layer's rows whatever the routing. All candidates run the same layers
+with room for every layer's rows whatever the routing (and ``saved-auto``, the same slot in
+the ``auto`` mode: every layer keeps its rows, but where x's rows would be read in place,
+:func:`distmoe.memory.rows_in_place`, the W13 WGRAD is the in-place kernel reading them in
+order). All candidates run the same layers
 (weights and routing drawn once, one set per layer) and the same step: forward through the
 stack, then the gradients of x, every layer's scores and weights (``torch.autograd.grad``),
 captured ``--iters`` times into a CUDA graph per candidate and replayed round by round
@@ -132,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
                 max_layers_per_slot=args.layers)
     roomy = dm.plan_memory(dm.MoEConfig(**base), 1).useful_max_slot_bytes
     cfgs = {"saved": dm.MoEConfig(**base, activation_bytes=roomy)}
+    if "auto" in modes:  # where every layer's rows fit, what "auto" costs (its WGRAD's pick)
+        cfgs["saved-auto"] = dm.MoEConfig(**base, activation_bytes=roomy,
+                                          save_gathered_rows="auto")
     for factor in factors:  # the same bytes for every mode: the rows' plan at the factor
         cap = dm.plan_memory(dm.MoEConfig(**base, activation_factor=factor),
                              1).slot_capacity_bytes

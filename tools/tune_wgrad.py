@@ -131,7 +131,10 @@ def main() -> int:
         origin = x_tok.data_ptr()  # the table names x_tok's rows; read at tok_base + 64
         table[po.long()[expert] + act - ro.long()[expert]] = origin + token * (D * 2)
 
-        def run13_rows(c, gh1=gh1, x=tok_base, xo=x_offset, po=po, ro=ro, g13=g13, t=table,
+        # [offset, 0]: through the table (a nonzero second entry reads the rows in order)
+        xo_rows = torch.tensor([64, 0], dtype=torch.int64, device=dev)
+
+        def run13_rows(c, gh1=gh1, x=tok_base, xo=xo_rows, po=po, ro=ro, g13=g13, t=table,
                        o=origin):
             w13_wgrad(gh1, x, po, ro, g13, x_offset=xo, accumulate=False, config=c, x_rows=t,
                       rows_origin=o)

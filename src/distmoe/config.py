@@ -84,15 +84,17 @@ class MoEConfig:
             replay keep x instead where they can, and a regather costs far less step time
             than a replay (one H200, docs/memory.md section 4; the rule:
             :mod:`distmoe.kernels.slot_cursor`). Gradients are the same bits in every mode.
-        gathered_rows_in_place: with ``save_gathered_rows`` False, on a one-rank group:
+        gathered_rows_in_place: with ``save_gathered_rows`` False or ``"auto"``, on a one-rank
+            group:
             ``True``: the W13 weight gradient reads x's rows in place, through the forward's
             gather table (no copy of the rows, so the scratch holds ``2*R*D`` bytes less; a
             replayed layer's W13 stores h1 only); ``False``: the backward copies them into
             scratch first; ``None`` (the default): in place from 512 rows per local expert
             (the shape hint ``T_max*K*EP/E``), where it measured faster
-            (:func:`distmoe.memory.rows_in_place`, docs/performance.md run 47). At EP > 1
-            and with ``save_gathered_rows="auto"`` the rows are always copied (at EP > 1
-            most live on the peers). Gradients are the same bits either way.
+            (:func:`distmoe.memory.rows_in_place`, docs/performance.md run 47); under
+            ``"auto"`` the same kernel reads a layer's rows kept in its slot in order. At
+            EP > 1 the rows are always copied (most live on the peers). Gradients are the
+            same bits either way.
     """
 
     hidden: int
@@ -172,12 +174,9 @@ class MoEConfig:
                                 f"{type(self.gathered_rows_in_place).__name__}")
             if self.save_gathered_rows is True:
                 raise ValueError(f"gathered_rows_in_place ({self.gathered_rows_in_place}) "
-                                 "applies only with save_gathered_rows=False (a layer that "
-                                 "keeps x instead of its rows), got save_gathered_rows=True")
-            if self.save_gathered_rows == "auto" and self.gathered_rows_in_place:
-                raise ValueError("gathered_rows_in_place (True) applies only with "
-                                 "save_gathered_rows=False: with 'auto' a layer's rows may "
-                                 "lie in its slot, and the backward copies them")
+                                 "applies only with save_gathered_rows False or 'auto' (a "
+                                 "layer that may keep x instead of its rows), got "
+                                 "save_gathered_rows=True")
 
     # ----------------------------------------------------------------- group-size rules
     def check_ep_size(self, ep_size: int) -> None:

@@ -1389,8 +1389,20 @@ def kept_x_rows(layout: Layout, hidden: int, *, top_k: int = 2, null_every: int 
                       top_k=top_k)
     x_gathered = act_rows(layout, x_tok, top_k=top_k)
     x_gathered[layout.act_of_row[null].to(DEVICE)] = 0
-    x_offset = torch.tensor([offset], dtype=torch.int64, device=DEVICE)
+    # [offset, 0]: the rows through the table (the second entry is in_order_rows' switch)
+    x_offset = torch.tensor([offset, 0], dtype=torch.int64, device=DEVICE)
     return base, x_offset, table, origin_buffer.data_ptr(), x_gathered, origin_buffer
+
+
+def in_order_rows(x_gathered: torch.Tensor, origin: int):
+    """The other way of the x_rows path: rows stored in activation order (a layer that kept
+    its gathered rows) inside a NaN-poisoned 1-D base at an offset, and ``x_offset`` ``[offset,
+    origin]`` telling the kernel to leave the table unread. Returns ``(base, x_offset)``."""
+    rows, hidden = x_gathered.shape
+    offset = 8 * 5
+    base = poisoned(offset + (rows + 1) * hidden)
+    base[offset:offset + rows * hidden] = x_gathered.reshape(-1)
+    return base, torch.tensor([offset, origin], dtype=torch.int64, device=DEVICE)
 
 
 @pytest.mark.parametrize(
@@ -1417,13 +1429,21 @@ def test_w13_wgrad_x_rows(split_rows, host_descriptors, accumulate):
     got = before.clone() if accumulate else poisoned(*before.shape, dtype=torch.float32)
     w13_wgrad(grad_h1, base, po, ro, got, x_offset=x_offset, accumulate=accumulate,
               config=config, x_rows=table, rows_origin=origin)
-    assert torch.isfinite(got).all()
-    if split_rows == 1 or DEVICE.type == "cpu":
-        assert same_bits(got, plain)
-    else:  # fp32 atomics: a few roundings of the accumulated magnitude apart
-        bound = 4 * 2.0**-24 * (before.abs() + w13_wgrad_ref(
-            grad_h1.abs(), x_gathered.abs(), po, ro, torch.zeros_like(before)))
-        assert ((got - plain).abs() <= bound).all()
+    # the same launch with the rows stored in order and the switch set: the table (all null
+    # here, so read it would give zeros) is left unread
+    ordered_base, ordered_offset = in_order_rows(x_gathered, origin)  # NaN past the live rows
+    ordered = before.clone() if accumulate else poisoned(*before.shape, dtype=torch.float32)
+    w13_wgrad(grad_h1, ordered_base, po, ro, ordered, x_offset=ordered_offset,
+              accumulate=accumulate, config=config, x_rows=torch.zeros_like(table),
+              rows_origin=origin)
+    assert torch.isfinite(got).all() and torch.isfinite(ordered).all()
+    bound = 4 * 2.0**-24 * (before.abs() + w13_wgrad_ref(
+        grad_h1.abs(), x_gathered.abs(), po, ro, torch.zeros_like(before)))
+    for result in (got, ordered):
+        if split_rows == 1 or DEVICE.type == "cpu":
+            assert same_bits(result, plain)
+        else:  # fp32 atomics: a few roundings of the accumulated magnitude apart
+            assert ((result - plain).abs() <= bound).all()
     if accumulate:
         assert_wgrad_close(got, grad_h1, x_gathered, layout, before, rows_sum=w13_wgrad_ref)
 
@@ -1923,6 +1943,9 @@ def test_validation_errors_new_arguments():
                                          r"of 16 .*got 8"):
         w13_wgrad(h1, x_base, offsets, row_offsets, grad_w13, x_offset=off, x_rows=table,
                   rows_origin=8)
+    with pytest.raises(ValueError, match=r"x_offset must have shape \[2\] \[2\] with x_rows"):
+        w13_wgrad(h1, x_base, offsets, row_offsets, grad_w13, x_offset=off, x_rows=table,
+                  rows_origin=16)
     with pytest.raises(ValueError, match=r"rows_origin is read only with x_rows, got 16"):
         w13_wgrad(h1, x_base, offsets, row_offsets, grad_w13, x_offset=off, rows_origin=16)
 
@@ -2089,6 +2112,13 @@ def test_gluon_wgrad_x_rows(cfg, programs, form):
                        b_rows_origin=origin, **opts)
     assert torch.isfinite(got).all(), "an output element was not written (NaN poison left)"
     assert same_bits(got, want)
+    # rows stored in order, the switch set: the (null) table unread, the same bits
+    ordered_base, ordered_offset = in_order_rows(x_gathered, origin)  # NaN past the live rows
+    ordered = poisoned(len(counts), width_p, width_q)
+    launch_gluon_wgrad(a, ordered_base, ro, ordered, b_offset=ordered_offset,
+                       b_rows=torch.zeros_like(table), padded_offsets=po, b_rows_origin=origin,
+                       **opts)
+    assert same_bits(ordered, want)
     zeros = torch.zeros(len(counts), width_p, width_q, device=DEVICE)
     expected = w2_wgrad_ref(a, x_gathered, po, ro, zeros.clone())
     magnitude = w2_wgrad_ref(a.abs(), x_gathered.abs(), po, ro, zeros)

@@ -49,7 +49,8 @@ def test_device_decisions_follow_the_planner(capacity, replays, gathered):
             if replays[layer]:
                 assert rec.offsets.tolist() == [-1, -1, -1, start]
                 # the backward rebuilds h3 in the combine buffer, h1 and x_rows in scratch
-                assert rec.backward.tolist() == [combine_address, scratch["h1g"], scratch["xs"]]
+                assert rec.backward.tolist() == [combine_address, scratch["h1g"], scratch["xs"],
+                                                 start, 0]
                 assert rec.h3_deltas.tolist() == [0, 0]  # route results stay in combine
             else:
                 # x_rows at the cursor, or (gathered False) the input x [T=2, D] there and the
@@ -60,10 +61,10 @@ def test_device_decisions_follow_the_planner(capacity, replays, gathered):
                 h3_address = buf.elements.data_ptr() + 2 * h3
                 if gathered:
                     assert rec.offsets.tolist() == [h1, start, h3, -1]
-                    assert rec.backward.tolist() == [h3_address, h1, start]
+                    assert rec.backward.tolist() == [h3_address, h1, start, start, 0]
                 else:
                     assert rec.offsets.tolist() == [h1, -1, h3, start]
-                    assert rec.backward.tolist() == [h3_address, h1, scratch["xs"]]
+                    assert rec.backward.tolist() == [h3_address, h1, scratch["xs"], start, 0]
                 # the experts return this rank's h3 rows straight into its slot
                 assert combine_address + rec.h3_deltas[rank].item() == rec.backward[0].item()
         with pytest.raises(ValueError, match="slot 0 already holds 4 layers"):
@@ -181,6 +182,22 @@ LAYERS = ["balanced", "imbalance_8x", "inactive_mix", "all_to_one_expert", "bala
           "zero_live_tokens_on_last_rank"]
 
 
+def _layers(world):
+    """The stack's cases on ``world`` ranks. On one rank the last rank is the only one, and a
+    layer without live tokens would zero the output and every gradient (a stack that cannot
+    tell right from wrong): an 8x imbalance instead."""
+    return LAYERS if world > 1 else [
+        "imbalance_8x" if n == "zero_live_tokens_on_last_rank" else n for n in LAYERS]
+
+
+def _assert_nontrivial(runs):
+    """Every rank's y and every gradient nonzero on some rank: a comparison of these stacks
+    can fail."""
+    assert max(r["y"].abs().max().item() for r in runs) > 0
+    for i in range(len(runs[0]["grads"])):
+        assert max(r["grads"][i].abs().max().item() for r in runs) > 0, f"gradient {i} is 0"
+
+
 def _cfg(world, layers, *, num_slots=1, mode="mixed", save_route_outputs=True,
          save_gathered_rows=True, in_place=None):
     base = dict(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T, row_block=BLOCK,
@@ -207,7 +224,7 @@ def _stack_rank(rank, world, seed, mode, checkpointed=None, save_route_outputs=T
     cfg = _cfg(world, len(LAYERS), mode=mode, save_route_outputs=save_route_outputs,
                save_gathered_rows=save_gathered_rows, in_place=in_place)
     problems = [split_global_problem(*make_problem(seed + i, world, T, D, F, E, K, name),
-                                     world)[rank] for i, name in enumerate(LAYERS)]
+                                     world)[rank] for i, name in enumerate(_layers(world))]
     g = torch.Generator().manual_seed(seed)
     gy = torch.randn(world * T, D, generator=g).bfloat16()[rank * T:(rank + 1) * T]
     with dm.MoEContext(cfg, device="cpu") as ctx:
@@ -238,6 +255,7 @@ def _stack_rank(rank, world, seed, mode, checkpointed=None, save_route_outputs=T
 def test_six_layer_stack_replay_is_bit_identical_to_save_all():
     seed, world = 99, 2
     saved = dm.launch(_stack_rank, world, args=(seed, "save"))
+    _assert_nontrivial(saved)
     mixed = dm.launch(_stack_rank, world, args=(seed, "mixed"))
     checkpointed = dm.launch(_stack_rank, world,
                              args=(seed, "mixed", {2: True, 4: False}))
@@ -264,6 +282,7 @@ def test_stack_without_route_outputs_in_the_slot_gives_the_same_bits():
     gradient are bit-identical to the default, saved or replayed."""
     seed, world = 99, 2
     saved = dm.launch(_stack_rank, world, args=(seed, "save"))
+    _assert_nontrivial(saved)
     for mode in ("save", "mixed"):
         lean = dm.launch(_stack_rank, world, args=(seed, mode, None, False))
         for rank in range(world):
@@ -286,6 +305,7 @@ def test_stack_regathering_rows_gives_the_same_bits(world):
     longer run of layers whole."""
     seed = 99
     saved = dm.launch(_stack_rank, world, args=(seed, "save"))
+    _assert_nontrivial(saved)
     default_mixed = dm.launch(_stack_rank, world, args=(seed, "mixed"))
     runs = [("save", False, None), ("mixed", False, None), ("mixed", True, None)]
     if world == 1:  # in place (the rule copies at these few rows per expert)
@@ -384,12 +404,13 @@ def test_slot_cursor_kernel_matches_torch_ops(ep, h3_bytes, mode):
                     h1_row_bytes=2 * 2 * 24, combine_address=7 * 4096,
                     elements_address=11 * 4096, replay_offsets=(12_288, 20_480),
                     act_bases=(torch.randint(1, 1 << 20, (ep,), generator=gen) * 4096).to(dev),
-                    combine_bases=(torch.randint(1, 1 << 20, (ep,), generator=gen) * 4096).to(dev))
+                    combine_bases=(torch.randint(1, 1 << 20, (ep,), generator=gen) * 4096).to(dev),
+                    rows_origin=13 * 4096)
         want_cur = cursors.clone()
         want = [torch.full((ep,), -7, dtype=torch.int64, device=dev),
                 torch.ones(1, dtype=torch.bool, device=dev),
                 torch.full((4,), -7, dtype=torch.int64, device=dev),
-                torch.full((3,), -7, dtype=torch.int64, device=dev),
+                torch.full((5,), -7, dtype=torch.int64, device=dev),
                 torch.full((ep,), -7, dtype=torch.int64, device=dev),
                 torch.full((3,), -7, dtype=torch.int32, device=dev)]
         sc._begin_layer_torch(rows, want_cur, *want, **args)
@@ -432,6 +453,11 @@ def test_slot_cursor_kernel_matches_torch_ops(ep, h3_bytes, mode):
         else:  # the rows kept at the cursor, no input
             assert got[2][1].item() == (args["slot_base"] + cursors[args["rank"]].item()) // 2
             assert got[2][3].item() == -1
+        # the in-place WGRAD's x_offset: the state's start, and the table origin where the
+        # rows were kept (read in order), else 0 (x's rows through the table)
+        start = (args["slot_base"] + cursors[args["rank"]].item()) // 2
+        kept_rows = not (as_x or replayed)
+        assert got[3][3:].tolist() == [start, args["rows_origin"] if kept_rows else 0]
     want = {True: {"rows", "input"}, False: {"x", "input"}, "auto": {"rows", "x", "input"}}
     assert outcomes == want[mode], outcomes  # every way a layer can go was compared
 
@@ -442,14 +468,33 @@ def test_stack_choosing_rows_or_x_gives_the_same_bits(world):
     gathers the rows again, turned on by the device for that layer only) or its input; the
     outputs and every gradient are bit-identical to the default with every layer saved. The
     slot has room for about four balanced layers' x or three layers' rows. With room for
-    every layer's rows, all keep them and the backward never regathers."""
+    every layer's rows, all keep them and the backward never regathers. At EP = 1 with
+    gathered_rows_in_place the W13 WGRAD reads x's rows through the table and kept rows in
+    order, in one launch (the same bits again)."""
     seed = 99
     saved = dm.launch(_stack_rank, world, args=(seed, "save"))
+    _assert_nontrivial(saved)
     roomy = dm.launch(_stack_rank, world, args=(seed, "save", None, True, "auto"))
     mixed = dm.launch(_stack_rank, world, args=(seed, "x4", None, True, "auto"))
     rows_mode = dm.launch(_stack_rank, world, args=(seed, "x4"))
+    runs = [(roomy, False), (mixed, False)]
+    if world == 1:  # the rows read in place: x's through the table, kept rows in order
+        runs += [(dm.launch(_stack_rank, 1, args=(seed, "x4", None, True, "auto", True)),
+                  True),
+                 (dm.launch(_stack_rank, 1, args=(seed, "save", None, True, "auto", True)),
+                  True)]
+    for run, in_place in runs:
+        for rank in range(world):
+            assert run[rank]["rows_in_place"] is in_place
+            assert torch.equal(run[rank]["y"], saved[rank]["y"])
+            for i, (ga, gb) in enumerate(zip(run[rank]["grads"], saved[rank]["grads"],
+                                             strict=True)):
+                assert ga is not None and torch.equal(ga, gb), f"gradient {i} differs"
+            assert run[rank]["depth"] == [0] and run[rank]["cursors"] == [[0] * world]
+            if in_place:  # the same choices as with the rows copied
+                assert run[rank]["kept"] in (mixed[rank]["kept"], roomy[rank]["kept"])
     for rank in range(world):
-        s, r, m = saved[rank], roomy[rank], mixed[rank]
+        r, m = roomy[rank], mixed[rank]
         assert r["kept"] == ["rows"] * len(LAYERS) and not r["may_regather"]
         assert m["may_regather"] and not m["regathers"] and not m["rows_in_place"]
         assert m["kept"] == mixed[0]["kept"]  # every rank decided the same
@@ -458,8 +503,3 @@ def test_stack_choosing_rows_or_x_gives_the_same_bits(world):
         assert m["replays"].count(True) <= rows_mode[rank]["replays"].count(True)
         if world == 1:  # T rows of x against T*K gathered rows: x kept where rows do not fit
             assert "x" in m["kept"] and "rows" in m["kept"], m["kept"]
-        for run in (r, m):
-            assert torch.equal(run["y"], s["y"])
-            for i, (ga, gb) in enumerate(zip(run["grads"], s["grads"], strict=True)):
-                assert ga is not None and torch.equal(ga, gb), f"gradient {i} differs"
-            assert run["depth"] == [0] and run["cursors"] == [[0] * world]

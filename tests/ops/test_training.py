@@ -41,11 +41,14 @@ def _cfg(world, mode):
     (``save_gathered_rows`` False: the backward gathers them again); ``save_inplace``: the
     same with ``gathered_rows_in_place`` (EP = 1: the W13 WGRAD reads x's rows in place);
     ``replay`` / ``replay_regather`` / ``replay_inplace``: the inputs-only minimum, every
-    layer replays in backward."""
+    layer replays in backward. ``save_auto_inplace`` / ``replay_auto_inplace``:
+    ``save_gathered_rows="auto"`` with the rows read in place (EP = 1), every layer keeping its
+    rows (read in order by the in-place WGRAD) or replaying (x's rows through the table)."""
     keeps_x = mode.endswith(("regather", "inplace"))
+    rows_mode = "auto" if "_auto" in mode else not keeps_x
     base = dict(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T, training=True,
                 row_block=BLOCK, device_scratch_factor=float(world), max_layers_per_slot=2,
-                save_route_outputs=mode != "save_lean", save_gathered_rows=not keeps_x,
+                save_route_outputs=mode != "save_lean", save_gathered_rows=rows_mode,
                 gathered_rows_in_place=True if mode.endswith("inplace") else None)
     plan = dm.plan_memory(dm.MoEConfig(**base), world)
     cap = plan.min_slot_bytes if mode.startswith("replay") else plan.useful_max_slot_bytes
@@ -99,6 +102,7 @@ def training_rank(rank, world, seed, mode, device="cpu"):
     with dm.MoEContext(cfg, device=dev, check=True) as ctx, \
             dm.MoEContext(cfg, device=dev, check=True) as ctx2:
         out["always_saves"] = ctx.activations.always_saves
+        out["rows_in_place"] = ctx.activations.rows_in_place
         for name in NAMES:
             out[name] = _layer_case(rank, world, seed, name, ctx)
         out["replays"] = list(REPLAYS)
@@ -158,6 +162,7 @@ def check_training(EP, mode, device, gpus=(0,)):
     per_rank = dm.launch(training_rank, EP, args=(seed, mode, device), **kw)
     replays = mode.startswith("replay")
     assert all(r["always_saves"] == (not replays) for r in per_rank)
+    assert all(r["rows_in_place"] == mode.endswith("inplace") for r in per_rank)
     for r in per_rank:  # every case took the path the budget forces
         assert r["replays"] == [replays] * len(NAMES), r["replays"]
     gy = _upstream(seed, EP * T)
@@ -201,7 +206,8 @@ def check_training(EP, mode, device, gpus=(0,)):
                                       (2, "save_lean"), (1, "save_regather"),
                                       (2, "save_regather"), (1, "replay_regather"),
                                       (2, "replay_regather"), (1, "save_inplace"),
-                                      (1, "replay_inplace"),
+                                      (1, "replay_inplace"), (1, "save_auto_inplace"),
+                                      (1, "replay_auto_inplace"),
                                       (4, "replay")])  # EP=4: issue 8's CPU share
 def test_training_matches_torch_autograd(EP, mode):
     check_training(EP, mode, "cpu")

@@ -14,7 +14,8 @@ from distmoe.reference import split_global_problem
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["save", "replay", "save_lean", "save_regather",
-                                  "save_inplace", "replay_inplace"])
+                                  "save_inplace", "replay_inplace", "save_auto_inplace",
+                                  "replay_auto_inplace"])
 @pytest.mark.parametrize("EP", [1, 2])
 def test_training_gpu_matches_torch_autograd(EP, mode):
     if EP > 1 and mode.endswith("inplace"):
@@ -29,12 +30,13 @@ def _graph_step_rank(rank, world, rows="x_rows"):
     dev = torch.device("cuda", torch.cuda.current_device())
     base = dict(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
                 device_scratch_factor=float(world), max_layers_per_slot=2,
-                save_gathered_rows={"x_rows": True, "auto": "auto"}.get(rows, False),
-                gathered_rows_in_place=True if rows == "inplace" else None)
+                save_gathered_rows=(True if rows == "x_rows" else
+                                    "auto" if rows.startswith("auto") else False),
+                gathered_rows_in_place=True if rows.endswith("inplace") else None)
     plan = dm.plan_memory(dm.MoEConfig(**base), world)
     # a slot between the inputs-only minimum and full save: layer 2 (imbalanced) replays;
     # with "auto", room for one balanced layer's rows and one's x: rows, then x at EP = 1
-    cap = (plan.min_slot_bytes + plan.balanced_slot_bytes) // 2 if rows != "auto" else \
+    cap = (plan.min_slot_bytes + plan.balanced_slot_bytes) // 2 if "auto" not in rows else \
         plan.full_state_bytes(T * K) + kept_x_state_bytes(dm.MoEConfig(**base), world, T * K)
     cfg = dm.MoEConfig(**base, activation_bytes=cap)
 
@@ -93,11 +95,13 @@ def _graph_step_rank(rank, world, rows="x_rows"):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", ["x_rows", "regather", "inplace", "auto"])
+@pytest.mark.parametrize("rows", ["x_rows", "regather", "inplace", "auto", "auto_inplace"])
 @pytest.mark.parametrize("EP", [1, 2])
 def test_cuda_graph_training_step_with_new_inputs_equals_eager(EP, rows):
-    """``flags`` per layer: (replayed, x kept instead of the rows, either)."""
-    if EP > 1 and rows == "inplace":
+    """``flags`` per layer: (replayed, x kept instead of the rows, either). ``auto_inplace``:
+    one W13 WGRAD launch reads the first layer's kept rows in order and the second's x rows
+    through the table."""
+    if EP > 1 and rows.endswith("inplace"):
         pytest.skip("rows are read in place at EP = 1 only")
     out = dm.launch(_graph_step_rank, EP, args=(rows,), device="cuda", gpus=[0],
                     timeout=600)
@@ -106,7 +110,7 @@ def test_cuda_graph_training_step_with_new_inputs_equals_eager(EP, rows):
         for same, replayed_flags, eager_flags in results:
             assert same
             assert replayed_flags == eager_flags
-        if rows == "auto":  # each layer's choice, on the device, graph and eager alike
+        if rows.startswith("auto"):  # each layer's choice, on the device, graph and eager alike
             kinds = {("x" if f[1] else "input" if f[0] else "rows", i)
                      for _, flags, _ in results for i, f in enumerate(flags)}
             if EP == 1:  # every layer executes T*K rows: the rows, then x

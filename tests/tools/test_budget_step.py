@@ -39,12 +39,15 @@ def test_one_run_on_the_cpu(tmp_path):
          "0", "--csv", str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader(out.open()))
-    assert [r["candidate"] for r in rows] == ["saved", "rows@0.5", "x@0.5", "auto@0.5"]
-    assert rows[0]["kept"] == "RRR" and float(rows[0]["ratio_to_saved"]) == 1.0
+    assert [r["candidate"] for r in rows] == ["saved", "saved-auto", "rows@0.5", "x@0.5",
+                                              "auto@0.5"]
+    assert rows[0]["kept"] == rows[1]["kept"] == "RRR"
+    assert float(rows[0]["ratio_to_saved"]) == 1.0 and rows[0]["slot_bytes"] == rows[1][
+        "slot_bytes"]
     # the three modes share one slot size, smaller than the roomy one
-    assert len({r["slot_bytes"] for r in rows[1:]}) == 1
-    assert int(rows[1]["slot_bytes"]) < int(rows[0]["slot_bytes"])
+    assert len({r["slot_bytes"] for r in rows[2:]}) == 1
+    assert int(rows[2]["slot_bytes"]) < int(rows[0]["slot_bytes"])
     assert all(re.fullmatch(r"[RXI]{3}", r["kept"]) for r in rows)
-    assert "X" not in rows[1]["kept"] and "R" not in rows[2]["kept"]
+    assert "X" not in rows[2]["kept"] and "R" not in rows[3]["kept"]
     assert all(float(r["ms"]) > 0 for r in rows)
     assert "kept (R rows, X x, I input)" in proc.stdout

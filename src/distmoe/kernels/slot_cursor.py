@@ -42,11 +42,14 @@ Outputs (all written by the single program):
 * ``offsets`` int64 ``[4]``: bf16 element offsets from the buffer base of this rank's h1,
   x_rows, h3 (saved; else -1) and of its kept input x (replayed, or saved with x kept;
   else -1);
-* ``backward`` int64 ``[3]``: the h3 address, where the forward's combine reads the layer's
+* ``backward`` int64 ``[5]``: the h3 address, where the forward's combine reads the layer's
   route results (``combine_address`` when replayed; else the saved rows' absolute address),
   and what the backward reads h1 and x_rows through: the h1 offset and the x_rows offset
   (the scratch ``h1g`` / ``xs`` offsets when replayed; the scratch ``xs`` offset for x_rows
-  when a saved layer keeps no x_rows);
+  when a saved layer keeps no x_rows); then ``[start, in_order]``, the ``x_offset`` of a
+  W13 WGRAD that reads the rows in place (``w13_wgrad(x_rows=...)``): the element offset of
+  the layer's state (its x_rows or its x) and ``rows_origin`` where it kept its rows (read
+  in order, the table unread), else 0 (x's rows through the table);
 * with ``h3_bytes`` 0 (``MoEConfig.save_route_outputs`` False) a saved layer keeps no route
   results: its h3 offset is -1, its h3 address and deltas are those of a replayed layer;
 * ``deltas`` int64 ``[EP]``: for every rank ``r``, where the experts return its route
@@ -81,7 +84,7 @@ def _begin_layer_kernel(
     before_ptr,  # int64 [EP] out
     replay_ptr,  # bool [1] out
     offsets_ptr,  # int64 [4] out
-    backward_ptr,  # int64 [3] out
+    backward_ptr,  # int64 [5] out
     act_bases_ptr,  # int64 [EP]: every rank's activation buffer address
     combine_bases_ptr,  # int64 [EP]: every rank's combine buffer address
     deltas_ptr,  # int64 [EP] out
@@ -97,6 +100,7 @@ def _begin_layer_kernel(
     elements_address,
     replay_h1_offset,
     replay_x_offset,
+    rows_origin,  # the in-place W13 WGRAD's table origin (0: not read in place)
     X_ROW_BYTES: tl.constexpr,
     H1_ROW_BYTES: tl.constexpr,
     MODE: tl.constexpr,  # 0: x_rows kept, 1: x kept, 2: either (module docstring)
@@ -164,6 +168,8 @@ def _begin_layer_kernel(
                                         combine_address))
     tl.store(backward_ptr + 1, tl.where(save, h1_off, replay_h1_offset))
     tl.store(backward_ptr + 2, tl.where(keep_rows, start, replay_x_offset))
+    tl.store(backward_ptr + 3, start)
+    tl.store(backward_ptr + 4, tl.where(keep_rows, rows_origin, rows_origin * 0))
 
 
 #: ``MoEConfig.save_gathered_rows`` -> the kernel's MODE
@@ -173,7 +179,8 @@ MODES = {True: 0, False: 1, "auto": 2}
 def _begin_layer_torch(rows, cursors, before, replay, offsets, backward, deltas, flags, *,
                        rank, slot_base, slot_bytes, input_bytes, later, mode, h3_bytes,
                        x_row_bytes, h1_row_bytes, kept_x_bytes, combine_address,
-                       elements_address, replay_offsets, act_bases, combine_bases):
+                       elements_address, replay_offsets, act_bases, combine_bases,
+                       rows_origin=0):
     """The same decision as torch ops: CPU tensors outside the Triton interpreter (where no
     kernel can take them), and the reference of the kernel's tests."""
     def align(n):
@@ -218,7 +225,8 @@ def _begin_layer_torch(rows, cursors, before, replay, offsets, backward, deltas,
                                 h3 if keep_h3 else -1, -1 if keep_rows else start]))
     backward.copy_(torch.tensor([elements_address + 2 * h3 if keep_h3 else combine_address,
                                  h1 if save else replay_offsets[0],
-                                 start if keep_rows else replay_offsets[1]]))
+                                 start if keep_rows else replay_offsets[1], start,
+                                 rows_origin if keep_rows else 0]))
 
 
 def begin_layer_on_device(
@@ -240,6 +248,7 @@ def begin_layer_on_device(
     replay_offsets: tuple[int, int],
     act_bases: torch.Tensor | None = None,
     combine_bases: torch.Tensor | None = None,
+    rows_origin: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """Launch the decision (module docstring); ``rows`` and ``cursors`` are int64 ``[EP]`` on
     one device (validated by the caller, :class:`~distmoe.ops.activations.ActivationBuffer`),
@@ -248,7 +257,9 @@ def begin_layer_on_device(
     rank, meaningful at EP = 1 only). ``later``: the layers after this one in the slot;
     ``mode``: ``cfg.save_gathered_rows`` (True, False or ``"auto"``); ``x_row_bytes`` /
     ``kept_x_bytes``: a saved layer's gathered rows per row and its kept input x (module
-    docstring). Returns ``(before, replay, offsets, backward, deltas, flags)``;
+    docstring); ``rows_origin``: the table origin of a W13 WGRAD that reads the layer's rows
+    in place (``backward[4]``; 0 otherwise). Returns ``(before, replay, offsets, backward,
+    deltas, flags)``;
     ``cursors`` is advanced in place. Nothing is read back on the host. CPU tensors outside
     the interpreter take the torch-op path."""
     ep = cursors.shape[0]
@@ -260,7 +271,7 @@ def begin_layer_on_device(
     before = torch.empty(ep, dtype=torch.int64, device=dev)
     replay = torch.empty(1, dtype=torch.bool, device=dev)
     offsets = torch.empty(4, dtype=torch.int64, device=dev)
-    backward = torch.empty(3, dtype=torch.int64, device=dev)
+    backward = torch.empty(5, dtype=torch.int64, device=dev)
     deltas = torch.empty(ep, dtype=torch.int64, device=dev)
     flags = torch.empty(3, dtype=torch.int32, device=dev)
     outs = (before, replay, offsets, backward, deltas, flags)
@@ -270,13 +281,14 @@ def begin_layer_on_device(
             input_bytes=input_bytes, later=later, mode=mode, h3_bytes=h3_bytes,
             x_row_bytes=x_row_bytes, h1_row_bytes=h1_row_bytes, kept_x_bytes=kept_x_bytes,
             combine_address=combine_address, elements_address=elements_address,
-            replay_offsets=replay_offsets, act_bases=act_bases, combine_bases=combine_bases)
+            replay_offsets=replay_offsets, act_bases=act_bases, combine_bases=combine_bases,
+            rows_origin=rows_origin)
         return outs
     with device_context(dev):
         _begin_layer_kernel[(1,)](
             rows, cursors, before, replay, offsets, backward, act_bases, combine_bases, deltas,
             flags, rank, slot_base, slot_bytes, input_bytes, later, kept_x_bytes, h3_bytes,
-            combine_address, elements_address, replay_offsets[0], replay_offsets[1],
+            combine_address, elements_address, replay_offsets[0], replay_offsets[1], rows_origin,
             X_ROW_BYTES=x_row_bytes, H1_ROW_BYTES=h1_row_bytes, MODE=MODES[mode], EP=ep,
             EP_POW2=max(2, next_power_of_2(ep)), num_warps=1,
         )  # fmt: skip

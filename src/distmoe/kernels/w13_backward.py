@@ -658,10 +658,14 @@ def w13_wgrad(
             untouched); fp32 or bf16 with ``accumulate=False``.
         x_offset: optional int64 ``[1]`` device tensor, the bf16 element offset of activation
             row 0 in ``x_gathered`` (a multiple of 8 elements; not checked). The base is left
-            out of the overlap check (the rows it covers are known on the device only).
+            out of the overlap check (the rows it covers are known on the device only). With
+            ``x_rows``: int64 ``[2]``, that offset and a device switch: 0 reads the rows
+            through the table; ``rows_origin`` leaves the table unread and reads activation
+            row ``a`` at ``x_gathered + x_offset[0] + a*D`` (rows stored in order, as without
+            ``x_rows``; same bits), so that one launch serves a layer either way.
         config: :class:`WgradConfig` (output tile over ``[2F, D]``); ``None`` =
             ``from_heuristic`` with ``block_m`` 128.
-        x_rows: optional int64 ``[R_cap]`` (needs ``x_offset``): the rows are not stored in
+        x_rows: optional int64 ``[R_cap]`` (needs ``x_offset`` ``[2]``): the rows are not stored in
             activation order but named by a table of byte addresses by padded row, the table
             the forward's W13 gathered through (0 = a null row, zeros). Activation row ``a``
             of expert ``e`` is then the row whose address is
@@ -706,6 +710,13 @@ def w13_wgrad(
             shape_text="[R_act, D] like grad_h1 (or a 1-D base with x_offset)",
         )
         check_tma_aligned("x_gathered", x_gathered)
+    elif x_rows is not None:
+        check_tensor("x_offset", x_offset, dtypes=(torch.int64,), shape=[2],
+                     shape_text="[2] with x_rows (x_gathered's row-0 element offset, and 0 or "
+                                "rows_origin)")
+        check_base_tensor(
+            "x_gathered", x_gathered, "x_offset", "row a at x_gathered + x_offset[0] + a*D"
+        )
     else:
         check_device_scalar("x_offset", x_offset, "[1] (bf16 element offset of x_gathered's row 0)")
         check_base_tensor(

@@ -528,14 +528,17 @@ def _wgrad_tail_step(a_desc, b_desc, row, end, p0, q0, acc, BLOCK_K: tl.constexp
 
 
 @triton.jit
-def _gathered_b(b_rows_ptr, pad_base, row, end, q0, shift, Q: tl.constexpr,
+def _gathered_b(b_rows_ptr, pad_base, row, end, q0, shift, in_order, Q: tl.constexpr,
                 BLOCK_K: tl.constexpr, BLOCK_Q: tl.constexpr):
     """B's ``[BLOCK_K, BLOCK_Q]`` tile of activation rows ``row...`` read through the row
-    address table (padded row ``pad_base + row``, shifted by ``shift`` bytes); rows at or
-    past ``end`` and null addresses read as zeros."""
+    address table (padded row ``pad_base + row``, shifted by ``shift`` bytes), or with
+    ``in_order`` nonzero from ``in_order + row * 2Q`` (rows stored in activation order; the
+    table unread); rows at or past ``end`` and null addresses read as zeros."""
     i = tl.arange(0, BLOCK_K)
     live = row + i < end
-    src = tl.load(b_rows_ptr + pad_base + row + i, mask=live, other=0)
+    listed = tl.load(b_rows_ptr + pad_base + row + i, mask=live & (in_order == 0), other=0)
+    ordered = tl.where(live, in_order + (row + i).to(tl.int64) * (2 * Q), 0)
+    src = tl.where(live & (in_order != 0), ordered, listed)
     rows = tl.multiple_of((src + shift).to(tl.pointer_type(tl.bfloat16)), 16)
     q = q0 + tl.arange(0, BLOCK_Q)
     return tl.load(rows[:, None] + q[None, :], mask=(src != 0)[:, None] & (q < Q)[None, :],
@@ -543,7 +546,7 @@ def _gathered_b(b_rows_ptr, pad_base, row, end, q0, shift, Q: tl.constexpr,
 
 
 @triton.jit
-def _wgrad_gather_step(a_desc, b_rows_ptr, pad_base, row, end, p0, q0, shift, acc,
+def _wgrad_gather_step(a_desc, b_rows_ptr, pad_base, row, end, p0, q0, shift, in_order, acc,
                        Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_Q: tl.constexpr,
                        PARTIAL: tl.constexpr):
     """One row step with B gathered (:func:`_gathered_b`); a ``PARTIAL`` step zeroes A's
@@ -552,18 +555,18 @@ def _wgrad_gather_step(a_desc, b_rows_ptr, pad_base, row, end, p0, q0, shift, ac
     if PARTIAL:
         keep = ((row + tl.arange(0, BLOCK_K)) < end)[:, None]
         a = tl.where(keep, a, tl.zeros_like(a))
-    b = _gathered_b(b_rows_ptr, pad_base, row, end, q0, shift, Q, BLOCK_K, BLOCK_Q)
+    b = _gathered_b(b_rows_ptr, pad_base, row, end, q0, shift, in_order, Q, BLOCK_K, BLOCK_Q)
     return tl.dot(tl.trans(a), b, acc)
 
 
 @triton.jit
-def _wgrad_full_step(a_desc, b_desc, b_rows_ptr, pad_base, row, end, p0, q0, shift, acc,
-                     Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_Q: tl.constexpr,
+def _wgrad_full_step(a_desc, b_desc, b_rows_ptr, pad_base, row, end, p0, q0, shift, in_order,
+                     acc, Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_Q: tl.constexpr,
                      GATHER_B: tl.constexpr):
     """A whole row step, B by descriptor or (``GATHER_B``) through the address table."""
     if GATHER_B:
-        acc = _wgrad_gather_step(a_desc, b_rows_ptr, pad_base, row, end, p0, q0, shift, acc,
-                                 Q, BLOCK_K, BLOCK_Q, False)
+        acc = _wgrad_gather_step(a_desc, b_rows_ptr, pad_base, row, end, p0, q0, shift,
+                                 in_order, acc, Q, BLOCK_K, BLOCK_Q, False)
     else:
         acc = _wgrad_tile_step(a_desc, b_desc, row, p0, q0, acc)
     return acc
@@ -573,7 +576,9 @@ def _wgrad_full_step(a_desc, b_desc, b_rows_ptr, pad_base, row, end, p0, q0, shi
 def _grouped_wgrad_kernel(
     a,  # bf16 [R_act, P], or its TMA descriptor (HOST_DESC)
     b,  # bf16 [R_act, Q], or its TMA descriptor (HOST_DESC), or a 1-D bf16 base (B_OFFSET)
-    b_offset_ptr,  # int64 [1]: element offset of activation row 0 in b (B_OFFSET)
+    b_offset_ptr,  # int64 [1]: element offset of activation row 0 in b (B_OFFSET); with
+    #                GATHER_B int64 [2]: that offset, and 0 (rows through the table) or the
+    #                table's origin (rows in activation order, the table unread)
     b_rows_ptr,  # int64 [R_cap] B row addresses by padded row (GATHER_B), else a placeholder
     padded_offsets_ptr,  # int32 [E + 1] (GATHER_B), else a placeholder
     b_shift,  # int64 (GATHER_B): bytes from the table's addresses to b's rows, less 2*offset
@@ -627,9 +632,11 @@ def _grouped_wgrad_kernel(
         )
     shift = b_shift  # (GATHER_B only)
     pad_base = 0
+    in_order = 0
     if GATHER_B:
         b_desc = a_desc  # not read: B's rows come through the address table
         shift = b_shift + 2 * tl.load(b_offset_ptr)
+        in_order = tl.load(b_offset_ptr + 1)
         pad_base = tl.load(padded_offsets_ptr + expert) - tl.load(row_offsets_ptr + expert)
     elif B_OFFSET:
         # A host descriptor cannot see a device-side offset: build this one on the device,
@@ -658,17 +665,17 @@ def _grouped_wgrad_kernel(
         i = 0
         while i < num_full:
             acc = _wgrad_full_step(a_desc, b_desc, b_rows_ptr, pad_base, first + i * step, end,
-                                   p0, q0, shift, acc, Q, BLOCK_K, BLOCK_Q, GATHER_B)
+                                   p0, q0, shift, in_order, acc, Q, BLOCK_K, BLOCK_Q, GATHER_B)
             i += 1
     else:
         for i in range(0, num_full):
             acc = _wgrad_full_step(a_desc, b_desc, b_rows_ptr, pad_base, first + i * step, end,
-                                   p0, q0, shift, acc, Q, BLOCK_K, BLOCK_Q, GATHER_B)
+                                   p0, q0, shift, in_order, acc, Q, BLOCK_K, BLOCK_Q, GATHER_B)
     tail = first + num_full * step
     if tail < end:
         if GATHER_B:
             acc = _wgrad_gather_step(a_desc, b_rows_ptr, pad_base, tail, end, p0, q0, shift,
-                                     acc, Q, BLOCK_K, BLOCK_Q, True)
+                                     in_order, acc, Q, BLOCK_K, BLOCK_Q, True)
         else:
             acc = _wgrad_tail_step(a_desc, b_desc, tail, end, p0, q0, acc, BLOCK_K)
 
@@ -1166,10 +1173,12 @@ def launch_grouped_wgrad(
     ``[R_act, P]`` bf16, ``b`` ``[R_act, Q]`` bf16, or with ``b_offset`` (int64 ``[1]``) a
     1-D bf16 base with row ``r`` at ``b + b_offset[0] + r*Q``; ``out`` fp32 ``[E, P, Q]``).
 
-    With ``b_rows`` (int64 ``[R_cap]``, and ``b_offset`` and ``padded_offsets``) B's rows are
-    read through a table of byte addresses by padded row instead: activation row ``r`` of
-    expert ``e`` is the row at ``b + 2*b_offset[0] + b_rows[padded_offsets[e] + r -
-    row_offsets[e]] - b_rows_origin`` (bytes; 0 in the table = a null row, zeros)."""
+    With ``b_rows`` (int64 ``[R_cap]``, and ``b_offset`` int64 ``[2]`` and
+    ``padded_offsets``) B's rows are read through a table of byte addresses by padded row
+    instead: activation row ``r`` of expert ``e`` is the row at ``b + 2*b_offset[0] +
+    b_rows[padded_offsets[e] + r - row_offsets[e]] - b_rows_origin`` (bytes; 0 in the table =
+    a null row, zeros), or where ``b_offset[1]`` (0 or ``b_rows_origin``, on the device) is
+    nonzero, at ``b + 2*b_offset[0] + r*2Q`` (rows in order, the table unread)."""
     num_act_rows, width_p = a.shape
     width_q = out.shape[2]
     num_experts = row_offsets.shape[0] - 1

@@ -387,6 +387,49 @@ if HAVE_GLUON:
         tma.store_wait(0)
 
     @gluon.jit
+    def _ws_gather_tiles(a_bufs, b_bufs, bars, empty, a_desc, row_offsets_ptr, b_rows_ptr,
+                         padded_offsets_ptr, shift, i, qq, P: gl.constexpr, Q: gl.constexpr,
+                         NUM_EXPERTS: gl.constexpr, BLOCK_K: gl.constexpr,
+                         BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
+                         ORDERED: gl.constexpr):
+        """The gathering producer's walk over the program's tiles (:func:`_ws_producer`): A by
+        TMA, B's rows by ``cp.async`` from the table's addresses plus ``shift`` (loaded one
+        step ahead), or with ``ORDERED`` from ``shift + row * 2Q`` (rows in activation order,
+        no table). Rows at or past the expert's end and null addresses are zero-filled."""
+        NUM_Q: gl.constexpr = (Q + BLOCK_Q - 1) // BLOCK_Q
+        TILES_PER_EXPERT: gl.constexpr = (P // BLOCK_P) * NUM_Q
+        num_tiles = NUM_EXPERTS * TILES_PER_EXPERT
+        nbytes: gl.constexpr = a_desc.block_type.nbytes
+        count = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            first, end = _tile_rows(row_offsets_ptr, tile, num_tiles, TILES_PER_EXPERT)
+            _row, p0, q0 = _tile_origin(tile, P, NUM_Q, TILES_PER_EXPERT, BLOCK_P, BLOCK_Q)
+            if not ORDERED:  # the table's entry of activation row `first`, the first addresses
+                table = b_rows_ptr + gl.load(padded_offsets_ptr + tile // TILES_PER_EXPERT)
+                src = gl.load(table + i, mask=first + i < end, other=0)
+            for row in range(first, end, BLOCK_K):
+                if ORDERED:
+                    live = row + i < end
+                    cur = gl.where(live, (row + i).to(gl.int64) * (2 * Q), 0)
+                else:  # this step's addresses; the next step's are loaded meanwhile
+                    cur = src
+                    ahead = row + BLOCK_K
+                    src = gl.load(table + (ahead - first) + i, mask=ahead + i < end, other=0)
+                    live = cur != 0
+                stage = count % STAGES
+                mbarrier.wait(empty.index(stage), ((count // STAGES) & 1) ^ 1)
+                bar = bars.index(stage + STAGES * (row + BLOCK_K > end).to(gl.int32))
+                mbarrier.expect(bar, nbytes)
+                tma.async_copy_global_to_shared(a_desc, [row, p0], bar, a_bufs.index(stage))
+                rows = gl.multiple_of((cur + shift).to(gl.pointer_type(gl.bfloat16)), 16)
+                ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(q0 + qq, 0)
+                read = gl.expand_dims(live, 1) & gl.expand_dims(qq >= 0, 0)
+                async_copy.async_copy_global_to_shared(b_bufs.index(stage), ptrs, read)
+                # arrives when this thread's copies have landed (counted in bars[s])
+                async_copy.mbarrier_arrive(bars.index(stage), increment_count=False)
+                count += 1
+
+    @gluon.jit
     def _ws_producer(a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
                      b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr, b_shift,
                      P: gl.constexpr, Q: gl.constexpr, NUM_EXPERTS: gl.constexpr,
@@ -401,54 +444,51 @@ if HAVE_GLUON:
 
         With ``GATHER_B`` only A comes by TMA; B's rows are copied by ``cp.async`` from the
         addresses in ``b_rows_ptr`` (by padded row, shifted by ``b_shift + 2 * b_offset[0]``
-        bytes; rows at or past the expert's end and null addresses are zero-filled), and
-        every thread's ``cp.async.mbarrier.arrive.noinc`` counts in ``bars[s]``. The partition
-        then has ``GATHER_WARPS`` warps, each instruction of a warp copying whole 128-byte
-        lines of 4 rows, and each step's addresses are loaded one step ahead (within the
-        tile), so that the copies do not wait on that load."""
-        NUM_Q: gl.constexpr = (Q + BLOCK_Q - 1) // BLOCK_Q
-        TILES_PER_EXPERT: gl.constexpr = (P // BLOCK_P) * NUM_Q
-        num_tiles = NUM_EXPERTS * TILES_PER_EXPERT
+        bytes; rows at or past the expert's end and null addresses are zero-filled), or, where
+        the device switch ``b_offset[1]`` is nonzero, from rows in activation order (the table
+        unread: :func:`_ws_gather_tiles`), and every thread's
+        ``cp.async.mbarrier.arrive.noinc`` counts in ``bars[s]``. The partition then has
+        ``GATHER_WARPS`` warps, each instruction of a warp copying whole 128-byte lines of 4
+        rows, and each step's table addresses are loaded one step ahead (within the tile), so
+        that the copies do not wait on that load."""
         if GATHER_B:
-            nbytes: gl.constexpr = a_desc.block_type.nbytes
             # 16 bytes per thread; a warp covers 4 rows x 64 columns (a whole line of each row)
             CP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [GATHER_WARPS, 1], [1, 0])
             i = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, CP))
             qq = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, CP))
             shift = b_shift + 2 * gl.load(b_offset_ptr)
+            in_order = gl.load(b_offset_ptr + 1)  # 0, or the table's origin: rows in order
+            if in_order != 0:
+                _ws_gather_tiles(a_bufs, b_bufs, bars, empty, a_desc, row_offsets_ptr,
+                                 b_rows_ptr, padded_offsets_ptr, shift + in_order, i, qq, P, Q,
+                                 NUM_EXPERTS, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, True)
+            else:
+                _ws_gather_tiles(a_bufs, b_bufs, bars, empty, a_desc, row_offsets_ptr,
+                                 b_rows_ptr, padded_offsets_ptr, shift, i, qq, P, Q,
+                                 NUM_EXPERTS, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, False)
+            async_copy.wait_group(0)
         else:
+            NUM_Q: gl.constexpr = (Q + BLOCK_Q - 1) // BLOCK_Q
+            TILES_PER_EXPERT: gl.constexpr = (P // BLOCK_P) * NUM_Q
+            num_tiles = NUM_EXPERTS * TILES_PER_EXPERT
             b_src = _b_source(b_desc, b_base, b_offset_ptr, row_offsets_ptr, Q, NUM_EXPERTS,
                               B_OFFSET, B_LAYOUT, BLOCK_K, BLOCK_Q)
             nbytes: gl.constexpr = a_desc.block_type.nbytes + b_src.block_type.nbytes
-        count = 0
-        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            first, end = _tile_rows(row_offsets_ptr, tile, num_tiles, TILES_PER_EXPERT)
-            _row, p0, q0 = _tile_origin(tile, P, NUM_Q, TILES_PER_EXPERT, BLOCK_P, BLOCK_Q)
-            if GATHER_B:  # the table's entry of activation row `first`, the first addresses
-                table = b_rows_ptr + gl.load(padded_offsets_ptr + tile // TILES_PER_EXPERT)
-                src = gl.load(table + i, mask=first + i < end, other=0)
-            for row in range(first, end, BLOCK_K):
-                if GATHER_B:  # this step's addresses; the next step's are loaded meanwhile
-                    cur = src
-                    ahead = row + BLOCK_K
-                    src = gl.load(table + (ahead - first) + i, mask=ahead + i < end, other=0)
-                stage = count % STAGES
-                mbarrier.wait(empty.index(stage), ((count // STAGES) & 1) ^ 1)
-                bar = bars.index(stage + STAGES * (row + BLOCK_K > end).to(gl.int32))
-                mbarrier.expect(bar, nbytes)
-                tma.async_copy_global_to_shared(a_desc, [row, p0], bar, a_bufs.index(stage))
-                if GATHER_B:
-                    rows = gl.multiple_of((cur + shift).to(gl.pointer_type(gl.bfloat16)), 16)
-                    ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(q0 + qq, 0)
-                    read = gl.expand_dims(cur != 0, 1) & gl.expand_dims(qq >= 0, 0)
-                    async_copy.async_copy_global_to_shared(b_bufs.index(stage), ptrs, read)
-                    # arrives when this thread's copies have landed (counted in bars[s])
-                    async_copy.mbarrier_arrive(bars.index(stage), increment_count=False)
-                else:
-                    tma.async_copy_global_to_shared(b_src, [row, q0], bar, b_bufs.index(stage))
-                count += 1
-        if GATHER_B:
-            async_copy.wait_group(0)
+            count = 0
+            for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+                first, end = _tile_rows(row_offsets_ptr, tile, num_tiles, TILES_PER_EXPERT)
+                _row, p0, q0 = _tile_origin(tile, P, NUM_Q, TILES_PER_EXPERT, BLOCK_P,
+                                            BLOCK_Q)
+                for row in range(first, end, BLOCK_K):
+                    stage = count % STAGES
+                    mbarrier.wait(empty.index(stage), ((count // STAGES) & 1) ^ 1)
+                    bar = bars.index(stage + STAGES * (row + BLOCK_K > end).to(gl.int32))
+                    mbarrier.expect(bar, nbytes)
+                    tma.async_copy_global_to_shared(a_desc, [row, p0], bar,
+                                                    a_bufs.index(stage))
+                    tma.async_copy_global_to_shared(b_src, [row, q0], bar,
+                                                    b_bufs.index(stage))
+                    count += 1
 
     @gluon.jit
     def _ws_zeroer(a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
@@ -653,12 +693,14 @@ def launch_gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_offsets: torch.Tens
         pingpong: with ``specialized``, ``num_warps`` 4 and ``block_p`` 128: two MMA
             warpgroups take the program's tiles in turn, one's epilogue under the other's
             MMAs (the same bits).
-        b_rows: with ``specialized`` and ``b_offset``: int64 ``[R_cap]`` byte addresses of B's
-            rows by padded row (0 = a null row, zeros), relative to ``b_rows_origin``:
-            activation row ``a`` of expert ``e`` reads the row at byte address
-            ``b + 2*b_offset[0] + b_rows[padded_offsets[e] + a - row_offsets[e]] -
-            b_rows_origin`` (16-byte aligned), by ``cp.async`` (the same bits as B's rows
-            stored in order).
+        b_rows: with ``specialized`` and ``b_offset`` (then int64 ``[2]``): int64
+            ``[R_cap]`` byte addresses of B's rows by padded row (0 = a null row, zeros),
+            relative to ``b_rows_origin``: activation row ``a`` of expert ``e`` reads the row
+            at byte address ``b + 2*b_offset[0] + b_rows[padded_offsets[e] + a -
+            row_offsets[e]] - b_rows_origin`` (16-byte aligned), by ``cp.async`` (the same
+            bits as B's rows stored in order); where ``b_offset[1]`` (0 or
+            ``b_rows_origin``) is nonzero, the row at ``b + 2*b_offset[0] + a*2Q`` instead
+            (rows stored in order, the table unread).
         padded_offsets: int32 ``[E + 1]`` on the device, with ``b_rows``.
         b_rows_origin: an int, with ``b_rows``.
     """

@@ -51,7 +51,8 @@ ROWS_IN_PLACE_FROM = 512
 def rows_in_place(cfg: MoEConfig, ep_size: int) -> bool:
     """Whether a training layer's backward reads a kept input's rows in place, so that it
     needs no scratch copy of them (``x_gathered`` leaves the backward scratch): bf16, EP = 1,
-    ``save_gathered_rows`` False, and ``cfg.gathered_rows_in_place``, or where that is None
+    ``save_gathered_rows`` False or ``"auto"`` (a layer that kept its rows then has them read
+    in order by the same kernel), and ``cfg.gathered_rows_in_place``, or where that is None
     at least :data:`ROWS_IN_PLACE_FROM` rows per local expert (the shape hint).
 
     Measured, one H200 (2026-12-04, ``tools/ab_interleaved.py --mode fwdbwd --regather
@@ -62,7 +63,7 @@ def rows_in_place(cfg: MoEConfig, ep_size: int) -> bool:
     rows by ``cp.async`` from a table read per 64-row step, and at 256 rows per expert a
     tile is four such steps."""
     if (not cfg.training or cfg.precision != "bf16" or ep_size != 1
-            or cfg.save_gathered_rows is not False):
+            or cfg.save_gathered_rows is True):
         return False
     if cfg.gathered_rows_in_place is not None:
         return cfg.gathered_rows_in_place

@@ -63,11 +63,12 @@ class LayerRecord:
     offsets: int64 [4] device element offsets (bf16 elements from the buffer base) of this
         rank's saved h1, x_rows, h3 routes (or -1 when replayed) and of the kept input x
         (-1 when saved). The order matches the W13 kernel's ``out_offsets = [h1, x]``.
-    backward: int64 [3] device values: the h3 routes' absolute address (the combine
+    backward: int64 [5] device values: the h3 routes' absolute address (the combine
         buffer's when replayed), where the forward's combine reads them, and the element
         offsets of h1 and x_rows (the scratch ``h1g`` / ``xs`` when replayed), which the
         backward reads its state through (it reads no h3: the experts compute the score
-        gradients, :mod:`distmoe.ops.autograd`).
+        gradients, :mod:`distmoe.ops.autograd`); then the in-place W13 WGRAD's
+        ``x_offset`` (:mod:`distmoe.kernels.slot_cursor`).
     h3_deltas: int64 [EP] device values: per owner rank, the byte shift from its combine
         buffer to where the experts return its h3 routes (0 when replayed; else into its
         slot: :mod:`distmoe.kernels.slot_cursor`).
@@ -207,14 +208,17 @@ class ActivationBuffer:
     # ----------------------------------------------------------------- forward
     def begin_layer(self, executed_rows_EP: torch.Tensor, combine_address: int, *,
                     act_bases: torch.Tensor | None = None,
-                    combine_bases: torch.Tensor | None = None) -> LayerRecord:
+                    combine_bases: torch.Tensor | None = None,
+                    rows_origin: int = 0) -> LayerRecord:
         """Decide save/replay on the device for the next layer of the selected slot, advance
         the cursors and return the record for backward (no host synchronisation; one device
         program, :mod:`distmoe.kernels.slot_cursor`). ``combine_address``: the absolute address
         of this rank's combine buffer, where a replayed layer's backward finds its h3 routes.
         ``act_bases`` / ``combine_bases``: int64 ``[EP]`` device tables of every rank's
         activation buffer and combine buffer addresses (the heap's base tables), for the
-        record's ``h3_deltas``; ``None``: this rank's addresses stand for every rank's."""
+        record's ``h3_deltas``; ``None``: this rank's addresses stand for every rank's.
+        ``rows_origin``: where the rows are read in place (:attr:`rows_in_place`), the origin
+        of the gather table the W13 WGRAD reads them through (``backward[4]``)."""
         from ..kernels.slot_cursor import begin_layer_on_device
 
         if isinstance(combine_address, bool) or not isinstance(combine_address, int) \
@@ -235,7 +239,7 @@ class ActivationBuffer:
             kept_x_bytes=self.input_bytes,
             combine_address=combine_address, elements_address=self.elements.data_ptr(),
             replay_offsets=(so["h1g"], so.get("xs", -1)), act_bases=act_bases,
-            combine_bases=combine_bases,
+            combine_bases=combine_bases, rows_origin=rows_origin,
         )  # fmt: skip
         rec = LayerRecord(slot=s, layer=layer, cursor_before=before, replay=replay,
                           offsets=offsets, backward=backward, h3_deltas=deltas, flags=flags)

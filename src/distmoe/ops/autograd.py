@@ -196,8 +196,9 @@ class MoEFunction(torch.autograd.Function):
         # where the state is, saved or rebuilt (decided with the forward's slot record)
         h1_offset, x_offset = rec.backward[1:2], rec.backward[2:3]
         x_rows = None
-        if reads_x:  # x's rows read in place, saved or replayed (both kept x)
-            x_offset, x_rows = rec.offsets[3:4], tables.gather_ptrs
+        if reads_x:  # x's rows read in place through the table where the layer kept x
+            # (saved or replayed), its rows in order where it kept them ("auto")
+            x_offset, x_rows = rec.backward[3:5], tables.gather_ptrs
 
         # 1. owner: unscaled route output gradients pushed into the experts' gh3 rows, the
         #    scores into its own combine rows

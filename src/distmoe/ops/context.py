@@ -816,7 +816,8 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         heap = self.heap
         rec = acts.begin_layer(tables.executed_rows_EP, self._combine.data_ptr(),
                                act_bases=heap.base_table("activations"),
-                               combine_bases=heap.base_table("combine"))
+                               combine_bases=heap.base_table("combine"),
+                               rows_origin=self._table_origin)
         try:
             elements = acts.elements
             self._run_w13(phased, gather_ptrs, po, ro, w13, h1_out=elements, x_out=elements,

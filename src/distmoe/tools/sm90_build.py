@@ -735,7 +735,8 @@ def other_kernel_cases() -> list[BuildCase]:
         types={"counts_ptr": "*i32", "scratch_ptr": "*i32", "rows_per_expert_ptr": "*i32",
                "executed_ep_ptr": "*i64", "RANK": "i32", "RECEIVE_BOUND": "i32"}))
     i64 = ("slot_base", "slot_bytes", "input_bytes", "later", "kept_x_bytes", "h3_bytes",
-           "combine_address", "elements_address", "replay_h1_offset", "replay_x_offset")
+           "combine_address", "elements_address", "replay_h1_offset", "replay_x_offset",
+           "rows_origin")
     cases.append(BuildCase(
         "begin_layer (slot cursor)", slot_cursor._begin_layer_kernel,
         dict(X_ROW_BYTES=2 * D, H1_ROW_BYTES=4 * 768, MODE=2, EP=EP, EP_POW2=EP), 1, 1,
