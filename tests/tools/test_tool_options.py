@@ -23,7 +23,7 @@ def _table() -> dict[str, list[str]]:
 
 def test_readme_table_names_each_tools_options():
     rows = _table()
-    assert len(rows) == 9 and "python -m distmoe bench" in rows, sorted(rows)
+    assert len(rows) == 10 and "python -m distmoe bench" in rows, sorted(rows)
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     helps = {}
     for tool in rows:  # all at once: each process imports torch
