@@ -7,19 +7,19 @@ Usage (repository root; one GPU):
     (--csv FILE: the table as CSV too)
 
 What it answers: with one slot holding the state of ``--layers`` layers (the layers of one
-pipeline stage and micro-batch) and a budget too small for all of them, which of the three
-``MoEConfig.save_gathered_rows`` modes trains fastest: ``rows`` (True, DESIGN.md's rule:
-a layer keeps its gathered rows or replays), ``x`` (False: a saved layer keeps its input and
+pipeline stage and micro-batch) and a budget too small for all of them, which
+``MoEConfig.save_gathered_rows`` mode trains fastest: ``rows`` (True, DESIGN.md's rule: a
+layer keeps its gathered rows or replays), ``x`` (False: a saved layer keeps its input and
 regathers its rows in backward) or ``auto`` (each layer chooses on the device,
-:mod:`distmoe.kernels.slot_cursor`). Each candidate is a :class:`~distmoe.MoEContext` with
-``max_layers_per_slot = --layers`` and, for a factor of ``--factors``, the slot of
-``activation_factor = factor`` in the ``rows`` mode for all three modes alike: ``min +
-factor * (balanced - min)`` bytes, the layers' inputs plus that share of what saving every
-layer's rows needs at balanced routing. Beside them ``saved``: a slot
-with room for every layer's rows whatever the routing (and ``saved-auto``, the same slot in
-the ``auto`` mode: every layer keeps its rows, but where x's rows would be read in place,
-:func:`distmoe.memory.rows_in_place`, the W13 WGRAD is the in-place kernel reading them in
-order). All candidates run the same layers
+:mod:`distmoe.kernels.slot_cursor`); ``autoip`` is ``auto`` with ``gathered_rows_in_place``
+True (every layer's W13 WGRAD reads the rows in place). Each candidate is a
+:class:`~distmoe.MoEContext` with ``max_layers_per_slot = --layers`` and, for a factor of
+``--factors``, the slot of ``activation_factor = factor`` in the ``rows`` mode for every mode
+alike: ``min + factor * (balanced - min)`` bytes, the layers' inputs plus that share of what
+saving every layer's rows needs at balanced routing. Beside them ``saved``: a slot with room
+for every layer's rows whatever the routing (and ``saved-auto`` / ``saved-autoip``, the same
+slot in those modes: every layer keeps its rows; with ``autoip`` the in-place W13 WGRAD
+reads them in order). All candidates run the same layers
 (weights and routing drawn once, one set per layer) and the same step: forward through the
 stack, then the gradients of x, every layer's scores and weights (``torch.autograd.grad``),
 captured ``--iters`` times into a CUDA graph per candidate and replayed round by round
@@ -39,8 +39,9 @@ import sys
 
 import torch
 
-#: --modes names -> MoEConfig.save_gathered_rows
-MODES = {"rows": True, "x": False, "auto": "auto"}
+#: --modes names -> (MoEConfig.save_gathered_rows, gathered_rows_in_place)
+MODES = {"rows": (True, None), "x": (False, None), "auto": ("auto", None),
+         "autoip": ("auto", True)}
 
 
 def parse_factors(text: str) -> list[float]:
@@ -111,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="activation_factor of each budget, comma-separated (default: "
                          "0.6,0.75,0.9)")
     ap.add_argument("--modes", default="rows,x,auto",
-                    help="save_gathered_rows modes to time: rows (True), x (False), auto "
-                         "(default: all three)")
+                    help="save_gathered_rows modes to time: rows (True), x (False), auto, "
+                         "autoip (auto with gathered_rows_in_place=True) (default: "
+                         "rows,x,auto)")
     ap.add_argument("--rounds", type=int, default=7, help="rounds (default: 7)")
     ap.add_argument("--iters", type=int, default=3, help="steps per graph (default: 3)")
     ap.add_argument("--warmup", type=int, default=2, help="eager steps first (default: 2)")
@@ -135,15 +137,20 @@ def main(argv: list[str] | None = None) -> int:
                 max_layers_per_slot=args.layers)
     roomy = dm.plan_memory(dm.MoEConfig(**base), 1).useful_max_slot_bytes
     cfgs = {"saved": dm.MoEConfig(**base, activation_bytes=roomy)}
-    if "auto" in modes:  # where every layer's rows fit, what "auto" costs (its WGRAD's pick)
-        cfgs["saved-auto"] = dm.MoEConfig(**base, activation_bytes=roomy,
-                                          save_gathered_rows="auto")
+    for mode in ("auto", "autoip"):  # where every layer's rows fit, what the mode costs
+        if mode in modes:
+            rows, in_place = MODES[mode]
+            cfgs[f"saved-{mode}"] = dm.MoEConfig(**base, activation_bytes=roomy,
+                                                 save_gathered_rows=rows,
+                                                 gathered_rows_in_place=in_place)
     for factor in factors:  # the same bytes for every mode: the rows' plan at the factor
         cap = dm.plan_memory(dm.MoEConfig(**base, activation_factor=factor),
                              1).slot_capacity_bytes
         for mode in modes:
+            rows, in_place = MODES[mode]
             cfgs[f"{mode}@{factor:g}"] = dm.MoEConfig(**base, activation_bytes=cap,
-                                                      save_gathered_rows=MODES[mode])
+                                                      save_gathered_rows=rows,
+                                                      gathered_rows_in_place=in_place)
     ctxs = {name: dm.MoEContext(cfg, joined.group, device=dev) for name, cfg in cfgs.items()}
     leaves_of = [t for layer in stack for t in layer[1:]]
     kept: dict[str, list] = {}

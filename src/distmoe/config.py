@@ -91,10 +91,11 @@ class MoEConfig:
             replayed layer's W13 stores h1 only); ``False``: the backward copies them into
             scratch first; ``None`` (the default): in place from 512 rows per local expert
             (the shape hint ``T_max*K*EP/E``), where it measured faster
-            (:func:`distmoe.memory.rows_in_place`, docs/performance.md run 47); under
-            ``"auto"`` the same kernel reads a layer's rows kept in its slot in order. At
-            EP > 1 the rows are always copied (most live on the peers). Gradients are the
-            same bits either way.
+            (:func:`distmoe.memory.rows_in_place`, docs/performance.md run 47). Under
+            ``"auto"``, ``True`` has the same kernel read a layer's rows kept in its slot in
+            order, and ``None`` copies (measured slower in place, run 48). At EP > 1 the rows
+            are always copied (most live on the peers). Gradients are the same bits either
+            way.
     """
 
     hidden: int

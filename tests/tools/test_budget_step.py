@@ -25,7 +25,8 @@ def test_parsing(tool):
     with pytest.raises(ValueError, match=r"1.5 is not in \[0, 1\]"):
         tool.parse_factors("1.5")
     assert tool.parse_modes("auto,rows") == ["auto", "rows"]
-    with pytest.raises(ValueError, match=r"subset of \['auto', 'rows', 'x'\], got \['y'\]"):
+    with pytest.raises(ValueError,
+                       match=r"subset of \['auto', 'autoip', 'rows', 'x'\], got \['y'\]"):
         tool.parse_modes("rows,y")
     assert tool.kept_letters([[0, 0, 0], [0, 1, 1], [1, 0, 1]]) == "RXI"
 
