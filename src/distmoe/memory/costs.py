@@ -54,10 +54,10 @@ def rows_in_place(cfg: MoEConfig, ep_size: int) -> bool:
     ``save_gathered_rows`` False or ``"auto"`` (a layer that kept its rows then has them read
     in order by the same kernel), and ``cfg.gathered_rows_in_place``, or where that is None
     and ``save_gathered_rows`` is False, at least :data:`ROWS_IN_PLACE_FROM` rows per local
-    expert (the shape hint). Under ``"auto"`` None copies: with every layer's rows kept, the
-    in-place kernel reading them in order made the step 1.007x (OLMoE) and 1.021x (T=8192,
-    D=4096, F=2048, E=32) the default's (one H200, 2026-12-04, ``tools/budget_step.py``,
-    docs/performance.md run 48).
+    expert (the shape hint). Under ``"auto"`` None copies: read in place, the step was
+    0.3-2.9% slower in all six same-round comparisons at OLMoE and T=8192, D=4096, F=2048,
+    E=32 (one H200, 2026-12-04, ``tools/budget_step.py --modes rows,x,auto,autoip``,
+    docs/performance.md run 48 call 3).
 
     Measured, one H200 (2026-12-04, ``tools/ab_interleaved.py --mode fwdbwd --regather
     --regather-in-place both``, docs/performance.md run 47), step time against the default
@@ -71,8 +71,8 @@ def rows_in_place(cfg: MoEConfig, ep_size: int) -> bool:
         return False
     if cfg.gathered_rows_in_place is not None:
         return cfg.gathered_rows_in_place
-    if cfg.save_gathered_rows == "auto":  # copied unless forced (run 48: a slot of kept rows
-        return False  # read in order by this kernel made the step 0.7-2.1% slower)
+    if cfg.save_gathered_rows == "auto":  # copied unless forced (run 48: slower in place)
+        return False
     return max(1, cfg.max_tokens * cfg.top_k // cfg.experts_per_rank(ep_size)) \
         >= ROWS_IN_PLACE_FROM
 
