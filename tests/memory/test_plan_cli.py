@@ -348,12 +348,16 @@ def test_auto_rows_on_the_worked_example(tmp_path, capsys):
     rows.write_text(json.dumps([[4, 4], [4, 4], [5, 3], [5, 3]]))
     args = parse(*WORKED, "--activation-bytes", "28672", "--rows-json", str(rows),
                  "--auto-rows")
+    out_json = tmp_path / "plan.json"
+    args.json = str(out_json)
     assert plan_cli.run(args) == 0
     out = capsys.readouterr().out
+    saves = json.loads(out_json.read_text())["saves"]
+    assert saves["kept"] == ["x", "x", "rows", "input"] and len(saves["x_state_bytes"]) == 4
     decisions = [line.split()[-1] if "replay" not in line else "replay"
                  for line in out.splitlines() if line.strip().startswith(("L0", "L1", "L2",
                                                                           "L3"))]
-    assert decisions == ["(regather)", "(regather)", "save", "replay"], out
+    assert decisions == ["x", "x", "save", "replay"], out
     assert "save_gathered_rows='auto'" in out and "is_capacity_monotone" not in out
     with pytest.raises(SystemExit):
         parse(*WORKED, "--auto-rows", "--regather-rows")

@@ -20,13 +20,12 @@ min(n, (slot_bytes - cursor_r - n*i) // (s_r - i))``), keep the rows iff ``k >= 
 rows), else x iff ``need(xst) <= slot_bytes`` and ``need(xst) < need(rows)``, else the rows
 iff ``need(rows) <= slot_bytes``, else replay. So replays come first off the budget and
 regathers second: a slot with room for every layer's rows keeps them all, one a little
-short keeps x in only as many layers as it must.
-Every saved state leaves room for the later
-layers' inputs, so no mode overflows the slot. A saved layer's state lies at its cursor in
-the order ``x_rows | h1 | h3`` or ``x | h1 | h3``.
+short keeps x in only as many layers as it must. Every saved state leaves room for the
+later layers' inputs, so no mode overflows the slot. A saved layer's state lies at its
+cursor in the order ``x_rows | h1 | h3`` or ``x | h1 | h3``.
 
 The program advances every rank's cursor (by the kept state, else by ``input_bytes``) and
-writes this rank's element offsets and the three device values its backward needs. As plain torch
+writes this rank's element offsets and the device values its backward needs. As plain torch
 ops this was about twenty launches of one-element kernels per layer and three more in its
 backward; here it is one (docs/performance.md runs 15c-16: 2.585 -> 2.560 ms of kernels per
 training step at T=4096, D=2048, F=768, E=128, K=8 on one H200).
@@ -131,8 +130,8 @@ def _begin_layer_kernel(
         small = tl.maximum(tl.minimum(full_rows, full_x), input_bytes)
         free = slot_bytes - cur - n * input_bytes
         step = small - input_bytes
-        k_r = tl.where(free < 0, 0, tl.where(step > 0, tl.minimum(n, free // tl.maximum(step, 1)),
-                                              n))
+        fits = tl.minimum(n, free // tl.maximum(step, 1))
+        k_r = tl.where(free < 0, 0, tl.where(step > 0, fits, n))
         k = tl.min(tl.where(valid, k_r, n), axis=0)
         over = cur + full_rows + (k - 1) * small + (n - k) * input_bytes - slot_bytes
         rows_ahead = (k >= 1) & (tl.max(tl.where(valid, over, -1), axis=0) <= 0)

@@ -561,6 +561,9 @@ class MemoryPlan:
                 "required_bytes": list(s.required_bytes),
                 "decisions": list(s.decisions),
                 "saved_bytes": [list(r) for r in s.saved_bytes],
+                "kept": list(s.kept),
+                "x_state_bytes": (None if s.x_state_bytes is None
+                                  else [list(r) for r in s.x_state_bytes]),
             }
         json.dumps(data)  # fail here, not in the caller, if something is not serialisable
         return data
@@ -733,7 +736,7 @@ def format_saves(trace: SaveTrace) -> list[str]:
         worst_full = max(trace.full_bytes[layer])
         need = trace.required_bytes[layer]
         kept = max(trace.saved_bytes[layer])
-        decision = {"rows": "save", "x": "save, keep x (regather)",
+        decision = {"rows": "save", "x": "save, keep x",
                     "input": "replay (keep input)"}[trace.kept[layer]]
         lines.append(
             f"  L{layer:<6}{f'{min(rows):,}..{max(rows):,}':<22}{format_bytes(worst_full):>14}"
