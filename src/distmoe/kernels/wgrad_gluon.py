@@ -387,46 +387,56 @@ if HAVE_GLUON:
         tma.store_wait(0)
 
     @gluon.jit
-    def _ws_gather_tiles(a_bufs, b_bufs, bars, empty, a_desc, row_offsets_ptr, b_rows_ptr,
-                         padded_offsets_ptr, shift, i, qq, P: gl.constexpr, Q: gl.constexpr,
-                         NUM_EXPERTS: gl.constexpr, BLOCK_K: gl.constexpr,
-                         BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
-                         ORDERED: gl.constexpr):
-        """The gathering producer's walk over the program's tiles (:func:`_ws_producer`): A by
-        TMA, B's rows by ``cp.async`` from the table's addresses plus ``shift`` (loaded one
-        step ahead), or with ``ORDERED`` from ``shift + row * 2Q`` (rows in activation order,
-        no table). Rows at or past the expert's end and null addresses are zero-filled."""
+    def _ws_load_tiles(a_bufs, b_bufs, bars, empty, a_desc, b_src, row_offsets_ptr,
+                       b_rows_ptr, padded_offsets_ptr, shift, i, qq, P: gl.constexpr,
+                       Q: gl.constexpr, NUM_EXPERTS: gl.constexpr, BLOCK_K: gl.constexpr,
+                       BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
+                       GATHER: gl.constexpr, ORDERED: gl.constexpr):
+        """The producer's walk over the program's tiles (:func:`_ws_producer`): A by TMA, and
+        B by TMA from ``b_src``, or with ``GATHER`` B's rows by ``cp.async`` (``i`` / ``qq``
+        their row and column lanes) from the table's addresses plus ``shift`` (loaded one step
+        ahead), or with ``ORDERED`` too from ``shift + row * 2Q`` (rows in activation order,
+        no table). Gathered rows at or past the expert's end and null addresses are
+        zero-filled."""
         NUM_Q: gl.constexpr = (Q + BLOCK_Q - 1) // BLOCK_Q
         TILES_PER_EXPERT: gl.constexpr = (P // BLOCK_P) * NUM_Q
         num_tiles = NUM_EXPERTS * TILES_PER_EXPERT
-        nbytes: gl.constexpr = a_desc.block_type.nbytes
+        if GATHER:
+            nbytes: gl.constexpr = a_desc.block_type.nbytes
+        else:
+            nbytes: gl.constexpr = a_desc.block_type.nbytes + b_src.block_type.nbytes
         count = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             first, end = _tile_rows(row_offsets_ptr, tile, num_tiles, TILES_PER_EXPERT)
             _row, p0, q0 = _tile_origin(tile, P, NUM_Q, TILES_PER_EXPERT, BLOCK_P, BLOCK_Q)
-            if not ORDERED:  # the table's entry of activation row `first`, the first addresses
+            if GATHER and not ORDERED:  # the table's entry of row `first`, the first addresses
                 table = b_rows_ptr + gl.load(padded_offsets_ptr + tile // TILES_PER_EXPERT)
                 src = gl.load(table + i, mask=first + i < end, other=0)
             for row in range(first, end, BLOCK_K):
-                if ORDERED:
-                    live = row + i < end
-                    cur = gl.where(live, (row + i).to(gl.int64) * (2 * Q), 0)
-                else:  # this step's addresses; the next step's are loaded meanwhile
-                    cur = src
-                    ahead = row + BLOCK_K
-                    src = gl.load(table + (ahead - first) + i, mask=ahead + i < end, other=0)
-                    live = cur != 0
+                if GATHER:
+                    if ORDERED:
+                        live = row + i < end
+                        cur = gl.where(live, (row + i).to(gl.int64) * (2 * Q), 0)
+                    else:  # this step's addresses; the next step's are loaded meanwhile
+                        cur = src
+                        ahead = row + BLOCK_K
+                        src = gl.load(table + (ahead - first) + i, mask=ahead + i < end,
+                                      other=0)
+                        live = cur != 0
                 stage = count % STAGES
                 mbarrier.wait(empty.index(stage), ((count // STAGES) & 1) ^ 1)
                 bar = bars.index(stage + STAGES * (row + BLOCK_K > end).to(gl.int32))
                 mbarrier.expect(bar, nbytes)
                 tma.async_copy_global_to_shared(a_desc, [row, p0], bar, a_bufs.index(stage))
-                rows = gl.multiple_of((cur + shift).to(gl.pointer_type(gl.bfloat16)), 16)
-                ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(q0 + qq, 0)
-                read = gl.expand_dims(live, 1) & gl.expand_dims(qq >= 0, 0)
-                async_copy.async_copy_global_to_shared(b_bufs.index(stage), ptrs, read)
-                # arrives when this thread's copies have landed (counted in bars[s])
-                async_copy.mbarrier_arrive(bars.index(stage), increment_count=False)
+                if GATHER:
+                    rows = gl.multiple_of((cur + shift).to(gl.pointer_type(gl.bfloat16)), 16)
+                    ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(q0 + qq, 0)
+                    read = gl.expand_dims(live, 1) & gl.expand_dims(qq >= 0, 0)
+                    async_copy.async_copy_global_to_shared(b_bufs.index(stage), ptrs, read)
+                    # arrives when this thread's copies have landed (counted in bars[s])
+                    async_copy.mbarrier_arrive(bars.index(stage), increment_count=False)
+                else:
+                    tma.async_copy_global_to_shared(b_src, [row, q0], bar, b_bufs.index(stage))
                 count += 1
 
     @gluon.jit
@@ -438,19 +448,20 @@ if HAVE_GLUON:
                      BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
                      NUM_WARPS: gl.constexpr, a_desc, GATHER_WARPS: gl.constexpr):
         """One warp (``GATHER_WARPS``): the loads of every row step of the program's tiles,
-        each once the consumer has released its stage. A whole step completes the stage's barrier
-        ``bars[s]`` itself; a partial one completes ``bars[STAGES + s]``, which the zeroing
-        partition waits for before it completes ``bars[s]``.
+        each once the consumer has released its stage (:func:`_ws_load_tiles`). A whole step
+        completes the stage's barrier ``bars[s]`` itself; a partial one completes
+        ``bars[STAGES + s]``, which the zeroing partition waits for before it completes
+        ``bars[s]``.
 
         With ``GATHER_B`` only A comes by TMA; B's rows are copied by ``cp.async`` from the
         addresses in ``b_rows_ptr`` (by padded row, shifted by ``b_shift + 2 * b_offset[0]``
         bytes; rows at or past the expert's end and null addresses are zero-filled), or, where
         the device switch ``b_offset[1]`` is nonzero, from rows in activation order (the table
-        unread: :func:`_ws_gather_tiles`), and every thread's
-        ``cp.async.mbarrier.arrive.noinc`` counts in ``bars[s]``. The partition then has
-        ``GATHER_WARPS`` warps, each instruction of a warp copying whole 128-byte lines of 4
-        rows, and each step's table addresses are loaded one step ahead (within the tile), so
-        that the copies do not wait on that load."""
+        unread), and every thread's ``cp.async.mbarrier.arrive.noinc`` counts in ``bars[s]``.
+        The partition then has ``GATHER_WARPS`` warps, each instruction of a warp copying whole
+        128-byte lines of 4 rows, and each step's table addresses are loaded one step ahead
+        (within the tile), so that the copies do not wait on that load. The two ways are two
+        walks behind a branch on the switch (one walk selecting per step spilled)."""
         if GATHER_B:
             # 16 bytes per thread; a warp covers 4 rows x 64 columns (a whole line of each row)
             CP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [GATHER_WARPS, 1], [1, 0])
@@ -459,36 +470,20 @@ if HAVE_GLUON:
             shift = b_shift + 2 * gl.load(b_offset_ptr)
             in_order = gl.load(b_offset_ptr + 1)  # 0, or the table's origin: rows in order
             if in_order != 0:
-                _ws_gather_tiles(a_bufs, b_bufs, bars, empty, a_desc, row_offsets_ptr,
-                                 b_rows_ptr, padded_offsets_ptr, shift + in_order, i, qq, P, Q,
-                                 NUM_EXPERTS, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, True)
+                _ws_load_tiles(a_bufs, b_bufs, bars, empty, a_desc, a_desc, row_offsets_ptr,
+                               b_rows_ptr, padded_offsets_ptr, shift + in_order, i, qq, P, Q,
+                               NUM_EXPERTS, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, True, True)
             else:
-                _ws_gather_tiles(a_bufs, b_bufs, bars, empty, a_desc, row_offsets_ptr,
-                                 b_rows_ptr, padded_offsets_ptr, shift, i, qq, P, Q,
-                                 NUM_EXPERTS, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, False)
+                _ws_load_tiles(a_bufs, b_bufs, bars, empty, a_desc, a_desc, row_offsets_ptr,
+                               b_rows_ptr, padded_offsets_ptr, shift, i, qq, P, Q,
+                               NUM_EXPERTS, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, True, False)
             async_copy.wait_group(0)
         else:
-            NUM_Q: gl.constexpr = (Q + BLOCK_Q - 1) // BLOCK_Q
-            TILES_PER_EXPERT: gl.constexpr = (P // BLOCK_P) * NUM_Q
-            num_tiles = NUM_EXPERTS * TILES_PER_EXPERT
             b_src = _b_source(b_desc, b_base, b_offset_ptr, row_offsets_ptr, Q, NUM_EXPERTS,
                               B_OFFSET, B_LAYOUT, BLOCK_K, BLOCK_Q)
-            nbytes: gl.constexpr = a_desc.block_type.nbytes + b_src.block_type.nbytes
-            count = 0
-            for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-                first, end = _tile_rows(row_offsets_ptr, tile, num_tiles, TILES_PER_EXPERT)
-                _row, p0, q0 = _tile_origin(tile, P, NUM_Q, TILES_PER_EXPERT, BLOCK_P,
-                                            BLOCK_Q)
-                for row in range(first, end, BLOCK_K):
-                    stage = count % STAGES
-                    mbarrier.wait(empty.index(stage), ((count // STAGES) & 1) ^ 1)
-                    bar = bars.index(stage + STAGES * (row + BLOCK_K > end).to(gl.int32))
-                    mbarrier.expect(bar, nbytes)
-                    tma.async_copy_global_to_shared(a_desc, [row, p0], bar,
-                                                    a_bufs.index(stage))
-                    tma.async_copy_global_to_shared(b_src, [row, q0], bar,
-                                                    b_bufs.index(stage))
-                    count += 1
+            _ws_load_tiles(a_bufs, b_bufs, bars, empty, a_desc, b_src, row_offsets_ptr,
+                           b_rows_ptr, padded_offsets_ptr, b_shift, 0, 0, P, Q, NUM_EXPERTS,
+                           BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, False, False)
 
     @gluon.jit
     def _ws_zeroer(a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
