@@ -40,7 +40,7 @@ place or from a copy; both: two such layers, "regather" copying and "inplace" in
 ``--variant NAME=SPEC[+SPEC...]``, each SPEC ``KERNEL[:WHEN]:FIELD=VALUE[,FIELD=VALUE...]`` as
 in ``tools/ab_bench.py``: ``w13`` (``WHEN`` training / inference / any, matched against the
 mode), ``w2``, ``w2_dgrad`` (not ``block_n``: the score parts depend on it), ``w13_dgrad``,
-``wgrad`` (both WGRADs), ``combine`` (the owner combine); or ``layer:pull_all=True|False``,
+``wgrad`` (both WGRADs; ``w2_wgrad`` / ``w13_wgrad``: one), ``combine`` (the owner combine); or ``layer:pull_all=True|False``,
 the EP > 1 token pull's way (:meth:`distmoe.MoEContext.pull_all_rule`),
 ``layer:w13_phases=True|False``, W13 in two launches around that copy's join
 (:mod:`distmoe.kernels.w13_phases`), ``layer:w13_waves=N``, the waves of its first
@@ -79,6 +79,8 @@ INPUT_BUFFER = "input:buffer"
 _ATTRS = {"w13": ("_w13_cfg",), "w2": ("_w2_cfg",), "w2_dgrad": ("_w2_dgrad_cfg",),
           "w13_dgrad": ("_w13_dgrad_cfg",), "wgrad": ("_w2_wgrad_cfg", "_w13_wgrad_cfg"),
           "combine": ("_combine_cfg",)}
+#: kernels of a ``--variant`` spec that set one WGRAD's config only
+_ONE_WGRAD = ("w2_wgrad", "w13_wgrad")
 
 
 def variant_configs(ctx, specs: list[str], training: bool) -> dict[str, object]:
@@ -109,13 +111,16 @@ def variant_configs(ctx, specs: list[str], training: bool) -> dict[str, object]:
                                  f"{sorted(n for n, (_, k) in _LAYER.items() if k is int)}")
             out[attr] = value == "True"
             continue
+        one = next((k for k in _ONE_WGRAD if spec.startswith(k + ":")), None)
+        if one is not None:  # one of the two WGRADs: its fields are a WgradConfig's
+            spec = "wgrad" + spec[len(one):]
         kernel, when, fields = parse_override(spec)
         if kernel == "w2_dgrad" and "block_n" in fields:
             raise ValueError(f"{spec!r}: w2_dgrad block_n sets the layer's score parts; "
                              "it cannot change on a built layer")
         if when != "any" and (when == "training") != training:
             continue
-        for attr in _ATTRS[kernel]:
+        for attr in (f"_{one}_cfg",) if one is not None else _ATTRS[kernel]:
             if attr not in out:
                 raise ValueError(f"{spec!r}: this mode does not run {kernel}")
             names = {f.name for f in dataclasses.fields(out[attr])}

@@ -1050,13 +1050,13 @@ GLUON_W13D_COUNTS = [129, 192, 0, 256, 193, 228, 64, 255, 1, 300]
 GLUON_W13D_NULL = [3, 100, 1216, 1299, 1664, 1920]
 
 
-def _gluon_w13d_config(warps, stages):
+def _gluon_w13d_config(warps, stages, hidden=768):
     from distmoe.kernels.w2_gluon import gluon_w13_dgrad_reason
 
     block_n = 256 if warps == 8 else 128
     config = W13DgradConfig(block_m=128, block_n=block_n, block_k=64, num_warps=warps,
                             num_stages=stages, persistent=True, gluon=True)
-    reason = gluon_w13_dgrad_reason(DEVICE, hidden=768, ffn=384, block_m=128,
+    reason = gluon_w13_dgrad_reason(DEVICE, hidden=hidden, ffn=384, block_m=128,
                                     block_n=block_n, block_k=64, stages=stages, warps=warps)
     assert reason is None, f"the Gluon W13 DGRAD would not run here: {reason}"
     return config
@@ -1080,6 +1080,24 @@ def test_gluon_w13_dgrad(warps, stages, group_m):
     want = _w13_dgrad_pair_tails_case(GLUON_W13D_COUNTS, 768, 384, triton_cfg,
                                       null_rows=GLUON_W13D_NULL)
     if warps == 8:
+        assert same_bits(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps", [4, 8], ids=["pingpong", "coop"])
+def test_gluon_w13_dgrad_partial_column_tile(warps):
+    """D = 832, not a multiple of the tile's 128 or 256 columns (as GPT-OSS's 2880): each
+    row's last tile is partial, its weight columns past D TMA zeros, its parts past D not
+    stored (the NaN-poisoned output shows a store past a row's end); against the reference
+    and, cooperative, bit for bit against the Triton kernel's 128 x 256 tiles."""
+    config = _gluon_w13d_config(warps, 4, hidden=832)
+    got = _w13_dgrad_pair_tails_case(GLUON_W13D_COUNTS, 832, 384, config,
+                                     null_rows=GLUON_W13D_NULL)
+    if warps == 8:
+        triton_cfg = W13DgradConfig(block_m=128, block_n=256, block_k=64, num_warps=8,
+                                    num_stages=3, persistent=True)
+        want = _w13_dgrad_pair_tails_case(GLUON_W13D_COUNTS, 832, 384, triton_cfg,
+                                          null_rows=GLUON_W13D_NULL)
         assert same_bits(got, want)
 
 
@@ -1112,7 +1130,8 @@ def test_gluon_w13_dgrad_request_that_cannot_run_warns_and_runs_triton():
 
 def test_gluon_w13_dgrad_rules():
     """The config field's type, and the shape rules of the Gluon W13 DGRAD (whatever the
-    device): its two tiles, ring depths that fit, D a multiple of block_n, 2F of 64."""
+    device): its two tiles, ring depths that fit, D and 2F multiples of 64 (a row's last
+    column tile may be partial)."""
     from distmoe.kernels.w2_gluon import shape_reason
 
     with pytest.raises(TypeError, match="gluon must be a bool, got int"):
@@ -1122,16 +1141,17 @@ def test_gluon_w13_dgrad_rules():
     assert rule(hidden=768, ffn=384, block_n=128, stages=6, warps=4) is None
     assert rule(hidden=768, ffn=32, block_n=128, stages=6, warps=4) is None  # 2F = 64
     assert rule(hidden=768, ffn=48, block_n=128, stages=6, warps=4) == (
-        "D (768) must be a multiple of 128 and 2F (96) of 64")
-    assert rule(hidden=640, ffn=384, block_n=256, stages=4, warps=8) == (
-        "D (640) must be a multiple of 256 and 2F (768) of 64")
+        "D (768) must be a multiple of 64 and 2F (96) of 64")
+    assert rule(hidden=640, ffn=384, block_n=256, stages=4, warps=8) is None  # 2.5 tiles
+    assert rule(hidden=672, ffn=384, block_n=256, stages=4, warps=8) == (
+        "D (672) must be a multiple of 64 and 2F (768) of 64")
     assert "the Gluon W13 DGRAD kernel runs (block_m, block_n, block_k, num_warps) in" in rule(
         hidden=768, ffn=384, block_n=256, stages=4, warps=4)
     assert rule(hidden=768, ffn=384, block_n=256, stages=5, warps=8) == (
         "stages must be one of [3, 4] with block_n = 256 and num_warps = 8, got 5")
     # the W2 forward's rules name F, not 2F
     assert shape_reason(hidden=768, ffn=96, block_m=128, block_n=128, block_k=64, stages=6,
-                        warps=4) == "D (768) must be a multiple of 128 and F (96) of 64"
+                        warps=4) == "D (768) must be a multiple of 64 and F (96) of 64"
 
 
 def test_gluon_w13_dgrad_heuristic_rules():
@@ -1165,7 +1185,11 @@ def test_gluon_w13_dgrad_heuristic_rules():
     # fewer rows, no expert count, a width the kernel cannot tile
     assert pick(hidden=2048, ffn=768, rows_per_expert=127, num_experts=128) is None
     assert pick(hidden=2048, ffn=768, rows_per_expert=256, num_experts=None) is None
-    assert pick(hidden=2880, ffn=2880, rows_per_expert=256, num_experts=8) is None
+    assert pick(hidden=2912, ffn=2880, rows_per_expert=256, num_experts=8) is None
+    # D = 2880 (GPT-OSS): a partial last column tile; 8 experts are 0.25 GiB, 128 are 4 GiB
+    assert tile(pick(hidden=2880, ffn=2880, rows_per_expert=256, num_experts=8)) == (
+        True, 128, 4, 6)
+    assert pick(hidden=2880, ffn=2880, rows_per_expert=128, num_experts=128) is None
     triton_pick = W13DgradConfig.from_heuristic(hidden=2048, ffn=768, rows_per_expert=256)
     assert not triton_pick.gluon and triton_pick.dynamic and triton_pick.pair_tails
     assert W13DgradConfig.from_heuristic(hidden=2048, ffn=768, rows_per_expert=256,
@@ -1987,7 +2011,7 @@ def _gluon_configs():
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", ["main", "ws", "pp"])
 @pytest.mark.parametrize("programs", [3, None], ids=["3_programs", "one_per_sm"])
-@pytest.mark.parametrize("kind", ["W2", "W13_x_offset"])
+@pytest.mark.parametrize("kind", ["W2", "W13_x_offset", "W2_p_tail"])
 @pytest.mark.parametrize("cfg", _gluon_configs(), ids=lambda c: "x".join(map(str, c)))
 def test_gluon_wgrad(cfg, kind, programs, form):
     """The Gluon kernel (bf16 out, overwrite) over a NaN-poisoned output against the fp64-exact
@@ -1998,9 +2022,13 @@ def test_gluon_wgrad(cfg, kind, programs, form):
     small expert are scaled by 2^10 and the spare rows are NaN, so a partial step that reads
     past its expert's end shows. With 3 programs every program walks several tiles (the load
     stream crosses tile boundaries, empty tiles included). W13's x sits at a device offset
-    (descriptor built on the device). ``form``: the plain kernel, the warp-specialised one
-    ("ws"), or its ping-pong form ("pp", configs of 4 warps and 128 rows: also the same bits
-    as "ws" with two cooperating warpgroups)."""
+    (descriptor built on the device). P not a multiple of ``block_p`` (``W2_p_tail``: D =
+    320, 64 rows past the last whole 128- or 256-row block; W13 with 256-row blocks: 2F =
+    384): each expert's last row block is stored clipped, and the NaN-poisoned output shows
+    a store past an expert's rows (the next expert's first rows would be overwritten).
+    ``form``: the plain kernel, the warp-specialised one ("ws"), or its ping-pong form
+    ("pp", configs of 4 warps and 128 rows: also the same bits as "ws" with two cooperating
+    warpgroups)."""
     from distmoe.kernels.wgrad_gluon import gluon_wgrad_supported, launch_gluon_wgrad
 
     block_p, block_q, stages, warps, block_k = cfg
@@ -2012,13 +2040,11 @@ def test_gluon_wgrad(cfg, kind, programs, form):
     counts = [0, 37, 64, 200, 1, 128, 301, 0, 75, 48]
     layout = layout_from_counts(counts, 128, idle_tiles=1)
     big = [e + 1 for e, c in enumerate(counts[:-1]) if 0 < c < 128]
-    hidden, ffn = 256, 192
-    if kind == "W2":
+    hidden, ffn = (320 if kind == "W2_p_tail" else 256), 192
+    if kind.startswith("W2"):
         width_p, width_q = hidden, ffn  # Q below block_q: clipped columns
     else:
         width_p, width_q = 2 * ffn, hidden
-    if width_p % block_p:
-        pytest.skip(f"P={width_p} is not a multiple of block_p={block_p} (the Triton kernel runs)")
     a = _wgrad_operand(layout, width_p, big_experts=big)
     b = _wgrad_operand(layout, width_q, big_experts=big)
     out = poisoned(len(counts), width_p, width_q)
@@ -2058,7 +2084,7 @@ def test_gluon_wgrad(cfg, kind, programs, form):
     triton_out = poisoned(len(counts), width_p, width_q)
     config = WgradConfig(block_k=64, block_out_m=block_p, block_out_n=block_q,
                          num_warps=warps, num_stages=3)
-    if kind == "W2":
+    if kind.startswith("W2"):
         w2_wgrad(a, b, po, ro, triton_out, accumulate=False, config=config)
     else:
         w13_wgrad(a, b_src, po, ro, triton_out.view(len(counts), 2, ffn, hidden),
@@ -2070,7 +2096,7 @@ def test_gluon_wgrad(cfg, kind, programs, form):
     via = poisoned(len(counts), width_p, width_q)
     gconfig = WgradConfig(block_k=block_k, block_out_m=block_p, block_out_n=block_q,
                           num_warps=warps, num_stages=stages, gluon=True)
-    if kind == "W2":
+    if kind.startswith("W2"):
         w2_wgrad(a, b, po, ro, via, accumulate=False, config=gconfig)
     else:
         w13_wgrad(a, b_src, po, ro, via.view(len(counts), 2, ffn, hidden),
@@ -2181,7 +2207,12 @@ def test_gluon_wgrad_config_rules():
     assert form(pick(out_rows=2048, out_cols=128, rows_per_expert=2048)) == pingpong
     assert form(pick(out_rows=4096, out_cols=2048, rows_per_expert=1024)) == cooperative
     assert form(pick(out_rows=4096, out_cols=2048, rows_per_expert=2048)) == cooperative
-    assert pick(out_rows=4000, out_cols=2048, rows_per_expert=2048) is None
+    # P not a multiple of the tile (GPT-OSS: D = 2880): the same pick, the last row block
+    # stored clipped; below 128 rows or off TMA's 16-byte pitch, the Triton kernel
+    assert form(pick(out_rows=2880, out_cols=2880, rows_per_expert=128)) == pingpong
+    assert form(pick(out_rows=4000, out_cols=2048, rows_per_expert=2048)) == cooperative
+    assert pick(out_rows=4004, out_cols=2048, rows_per_expert=2048) is None
+    assert pick(out_rows=120, out_cols=2048, rows_per_expert=2048) is None
 
 
 def _gluon_dgrad_problem(hidden, ffn, block):

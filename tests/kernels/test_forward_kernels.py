@@ -1211,15 +1211,15 @@ GLUON_W2_MIN_ROWS = [512, 128, 0, 0, 0, 0, 0, 0]
 GLUON_W2_SKIP = [5, 500, 700, 1428]
 
 
-def _gluon_w2_tile(block_n, warps, stages=None):
+def _gluon_w2_tile(block_n, warps, stages=None, hidden=1024):
     """GLUON_W2 with a tile of GLUON_W2_TILE_PARAMS (the cooperative one takes at most 4 stages),
-    checked to run here."""
+    checked to run here at D = ``hidden``."""
     from distmoe.kernels.w2_gluon import gluon_w2_reason
 
     if stages is None:
         stages = 4 if warps == 8 else GLUON_W2.num_stages
     config = replace(GLUON_W2, block_n=block_n, num_warps=warps, num_stages=stages)
-    reason = gluon_w2_reason(DEVICE, hidden=1024, ffn=768, block_m=128, block_n=block_n,
+    reason = gluon_w2_reason(DEVICE, hidden=hidden, ffn=768, block_m=128, block_n=block_n,
                              block_k=64, stages=stages, warps=warps)
     assert reason is None, f"the Gluon W2 kernel would not run here: {reason}"
     return config
@@ -1255,8 +1255,21 @@ def test_gpu_w2_gluon_heuristic():
     assert not pick(hidden=2048, ffn=768, rows_per_expert=127).gluon
     assert tile(pick(hidden=4096, ffn=2048, rows_per_expert=2048, ep_size=2)) == \
         (True, 128, 4, 6)
-    assert not pick(hidden=2880, ffn=2880, rows_per_expert=2048).gluon
+    assert tile(pick(hidden=2880, ffn=2880, rows_per_expert=2048)) == (True, 128, 4, 6)
+    assert not pick(hidden=2912, ffn=2880, rows_per_expert=2048).gluon
     assert not W2Config.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048).gluon
+
+
+@pytest.mark.gpu
+@GLUON_W2_TILE_PARAMS
+def test_gpu_w2_gluon_partial_column_tile(block_n, warps):
+    # D = 1088, not a multiple of 128 or 256 (as GPT-OSS's 2880): each row's last tile is
+    # partial; its weight rows past D are the next expert's (TMA zeros after the last), its
+    # parts past D are not stored; run_w2_case's poisoned outputs and canaries show a store
+    # past a row's end (the next row's first columns), and the reference every column.
+    config = _gluon_w2_tile(block_n, warps, hidden=1088)
+    run_w2_case(GLUON_COUNTS, hidden=1088, ffn=768, r_cap=GLUON_R_CAP, config=config,
+                min_rows=GLUON_W2_MIN_ROWS, skip_live=GLUON_W2_SKIP)
 
 
 @pytest.mark.gpu
@@ -1476,7 +1489,7 @@ def test_gluon_w2_shape_rules_without_a_gpu():
                                                               warps=4)
     assert "stages must be one of [3, 4] with block_n = 256" in shape_reason(
         **ok, block_n=256, stages=5, warps=8)
-    assert "D (4000) must be a multiple of 128 and F (2048) of 64" in shape_reason(
+    assert "D (4000) must be a multiple of 64 and F (2048) of 64" in shape_reason(
         hidden=4000, ffn=2048, block_m=128, block_k=64, block_n=128, stages=5, warps=4)
     assert "F (2000)" in shape_reason(hidden=4096, ffn=2000, block_m=128, block_k=64,
                                       block_n=128, stages=5, warps=4)
@@ -1501,7 +1514,10 @@ def test_gluon_w2_shape_rules_without_a_gpu():
                                      num_experts=experts) is None
     assert tile(W2Config.hopper_gluon(hidden=4096, ffn=2048, rows_per_expert=2048,
                                       ep_size=2)) == (True, 128, 4, 6)
-    assert W2Config.hopper_gluon(hidden=2880, ffn=2880, rows_per_expert=2048) is None
+    # D = 2880 (GPT-OSS): each row's last column tile partial
+    assert tile(W2Config.hopper_gluon(hidden=2880, ffn=2880, rows_per_expert=2048)) == \
+        (True, 128, 4, 6)
+    assert W2Config.hopper_gluon(hidden=2912, ffn=2880, rows_per_expert=2048) is None
     assert W2Config.hopper_gluon(hidden=2048, ffn=200, rows_per_expert=2048) is None
     for device in (None, torch.device("cpu")):
         assert not W2Config.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048,

@@ -23,6 +23,56 @@ def test_training_gpu_matches_torch_autograd(EP, mode):
     check_training(EP, mode, "cuda")
 
 
+def _partial_tile_rank(rank, world, seed, shape, names):
+    """One layer's y and gradients (x, scores, w13, w2) for each routing case, and which
+    kernels the heuristics gave the layer."""
+    T, D, F, E, K = shape
+    dev = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+           else torch.device("cpu"))
+    cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T, training=True)
+    out = {}
+    with dm.MoEContext(cfg, device=dev) as ctx:
+        out["gluon"] = {a: getattr(ctx, a).gluon for a in ("_w2_cfg", "_w13_dgrad_cfg",
+                                                            "_w2_wgrad_cfg", "_w13_wgrad_cfg")}
+        for i, name in enumerate(names):
+            x, ids, scores, w13, w2 = make_problem(seed + i, world, T, D, F, E, K, name)
+            leaves = [t.to(dev).clone().requires_grad_(True) for t in (x, scores, w13, w2)]
+            y = ctx(leaves[0], ids.to(dev), *leaves[1:])
+            gy = torch.randn(T, D, generator=torch.Generator().manual_seed(seed + i)).bfloat16()
+            grads = torch.autograd.grad((y.float() * gy.to(dev).float()).sum(), leaves)
+            out[name] = [y.detach().cpu()] + [g.cpu() for g in grads] + [gy]
+    return out
+
+
+@pytest.mark.gpu
+def test_training_gpu_gluon_kernels_with_partial_column_tiles():
+    """D = 320 (like GPT-OSS's 2880, not a multiple of the 128-column tiles) at 128 rows per
+    expert, where the heuristics take the Gluon W2 forward and W13 DGRAD (each row's last
+    column tile partial) and both Gluon WGRADs (the W2 one's last row block of each expert
+    stored clipped): y and every gradient against torch autograd in fp64, within twice the
+    bf16 reference's error plus 1/128 of the largest value (test_training's rule), balanced
+    and 8x-imbalanced."""
+    from test_training import _check, _ref_grads
+
+    from distmoe.reference import moe_reference
+
+    shape, names, seed = (512, 320, 192, 8, 2), ("balanced", "imbalance_8x"), 31
+    (out,) = dm.launch(_partial_tile_rank, 1, args=(seed, shape, names), device="cuda",
+                       gpus=[0], timeout=600)
+    assert all(out["gluon"].values()), out["gluon"]
+    T, D, F, E, K = shape
+    for i, name in enumerate(names):
+        x, ids, scores, w13, w2 = make_problem(seed + i, 1, T, D, F, E, K, name)
+        gy = out[name][-1]
+        y64, g64 = _ref_grads(moe_reference, [x.double(), ids, scores.double(), w13.double(),
+                                              w2.double()], gy.double())
+        y16, g16 = _ref_grads(moe_reference, [x, ids, scores, w13, w2], gy.float())
+        assert y64.abs().max() > 0 and all(g.abs().max() > 0 for g in g64)
+        _check(f"{name} y", out[name][0], y64, y16)
+        for j, what in enumerate(("x", "scores", "w13", "w2")):
+            _check(f"{name} grad {what}", out[name][1 + j], g64[j], g16[j])
+
+
 D, F, T, E, K = 256, 128, 64, 8, 2
 
 

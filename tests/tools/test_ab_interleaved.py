@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distmoe.kernels.combine import CombineConfig
-from distmoe.kernels.w2_backward import W2DgradConfig
+from distmoe.kernels.w2_backward import W2DgradConfig, WgradConfig
 from distmoe.kernels.w2_scatter import W2Config
 from distmoe.kernels.w13_gather_swiglu import W13Config
 from distmoe.tools.bench.layer_step import Joined, layer_step
@@ -65,6 +65,17 @@ def test_variant_configs_apply_to_the_layer_attributes(abi):
                                training=True)["_w2_dgrad_cfg"].num_stages == 5
     with pytest.raises(ValueError, match="score parts"):
         abi.variant_configs(train, ["w2_dgrad:block_n=256"], training=True)
+    # one WGRAD, or both
+    train._w2_wgrad_cfg = WgradConfig(num_stages=3)
+    train._w13_wgrad_cfg = WgradConfig(num_stages=3)
+    out = abi.variant_configs(train, ["w2_wgrad:num_stages=4"], training=True)
+    assert (out["_w2_wgrad_cfg"].num_stages, out["_w13_wgrad_cfg"].num_stages) == (4, 3)
+    out = abi.variant_configs(train, ["w13_wgrad:num_stages=5"], training=True)
+    assert (out["_w2_wgrad_cfg"].num_stages, out["_w13_wgrad_cfg"].num_stages) == (3, 5)
+    out = abi.variant_configs(train, ["wgrad:num_stages=4"], training=True)
+    assert (out["_w2_wgrad_cfg"].num_stages, out["_w13_wgrad_cfg"].num_stages) == (4, 4)
+    with pytest.raises(ValueError, match="does not run wgrad"):
+        abi.variant_configs(ctx, ["w2_wgrad:num_stages=4"], training=False)
     # the owner combine's config
     out = abi.variant_configs(ctx, ["combine:block_t=4,num_warps=4"], training=False)
     assert (out["_combine_cfg"].block_t, out["_combine_cfg"].num_warps) == (4, 4)

@@ -444,7 +444,7 @@ class W13DgradConfig(GemmConfig):
         (``num_experts * 2F * D`` bf16) total under
         :data:`~distmoe.kernels._common.GLUON_MID_ROWS_WEIGHT_BYTES` (2 GiB), an expert's
         are at most :data:`GLUON_W13_DGRAD_EXPERT_BYTES` (32 MiB) and the kernel tiles the
-        shape (D a multiple of 128, 2F of 64). The per-expert bound keeps DeepSeek-V3's
+        shape (D and 2F multiples of 64). The per-expert bound keeps DeepSeek-V3's
         experts (56 MiB each) on the Triton kernel at every EP size: at 8 ranks their total
         falls under 2 GiB, but nothing else about a tile changes, and at one rank the Gluon
         kernel lost there (why was not measured).

@@ -356,7 +356,7 @@ if HAVE_GLUON:
                 mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
                 if is_w2:
                     _scatter_tile(acc, scatter_ptrs_ptr, row_start + ROW0, num_live - ROW0,
-                                  pid_n * (2 * BLOCK_N), ROWS, 2 * BLOCK_N)
+                                  pid_n * (2 * BLOCK_N), ROWS, 2 * BLOCK_N, HIDDEN)
                 else:
                     g, u = _column_halves(acc, ROWS, 2 * BLOCK_N)
                     g0, g1 = _column_halves(g, ROWS, BLOCK_N)

@@ -963,7 +963,7 @@ class WgradConfig:
         rows per local expert, ``T*K*EP/E``), never a routed count. ``gathered_b``: B's rows
         are read through a row address table (``b_rows``; see :meth:`hopper_gluon`).
 
-        On a Hopper ``device`` (and ``out_rows`` a multiple of 128) the persistent Gluon
+        On a Hopper ``device`` (and ``out_rows`` >= 128, a multiple of 8) the persistent Gluon
         kernel (``gluon=True``), warp-specialised, 128 x 128 tiles, 5 stages: for long row
         loops (hint >= 1024) with wide weights its 8-warp form (two warpgroups on one tile),
         else its ping-pong form (:meth:`hopper_gluon`). First measured with 128 x 256 tiles
@@ -1013,7 +1013,10 @@ class WgradConfig:
                      rows_per_expert: int | None = None,
                      gathered_b: bool = False) -> WgradConfig | None:
         """The Gluon config :meth:`from_heuristic` picks on a Hopper device (None where the
-        Gluon kernel does not apply: ``out_rows`` not a multiple of 128, ``block_m`` < 64).
+        Gluon kernel does not apply: ``out_rows`` under 128 or not a multiple of 8,
+        ``block_m`` < 64). ``out_rows`` need not be a multiple of the tile: an expert's last
+        row block is stored clipped (:func:`~distmoe.kernels.wgrad_gluon.launch_gluon_wgrad`;
+        D = 2880 at GPT-OSS).
 
         With ``gathered_b`` (B's rows copied by address, ``cp.async``, rather than by TMA) and
         ``out_rows`` a multiple of 256: the warp-specialised kernel with 256 x 128 tiles, 8
@@ -1022,7 +1025,7 @@ class WgradConfig:
         random``, performance.md run 47): 0.453 against 0.499 ms for the ping-pong 128 x 128
         tiles at T=4096 D=2048 F=768 E=128 K=8 (TMA-fed: 0.401), 3.129 against 3.817 ms for
         the two cooperating warpgroups at T=8192 D=4096 F=2048 E=32 K=8 (TMA-fed: 3.344)."""
-        if block_m < 64 or out_rows % 128:
+        if block_m < 64 or out_rows % 8 or out_rows < 128:
             return None
         if gathered_b and out_rows % 256 == 0 and out_cols >= 128:
             return cls(block_m=block_m, block_k=64, block_out_m=256, block_out_n=128,

@@ -45,8 +45,12 @@ route's input gradient row at ``scatter_ptrs[r]``. Measured (docs/performance.md
 1.08-1.25x the Triton W13 DGRAD at 128-2048 rows per expert where the weights total about a
 GiB, same bits.
 
-Only for CUDA devices of compute capability 9.x, outside the interpreter, with D a multiple
-of ``block_n`` and F of 64 (2F for the W13 DGRAD); :func:`gluon_w2_reason` and
+D need not be a multiple of ``block_n`` (GPT-OSS: D = 2880): a row's last tile is partial.
+Its weight rows past D are the next expert's (TMA zeros after the last expert; for the W13
+DGRAD, columns past D are TMA zeros), and its 64-column parts at or past D are not stored.
+
+Only for CUDA devices of compute capability 9.x, outside the interpreter, with D and F
+multiples of 64 (2F for the W13 DGRAD); :func:`gluon_w2_reason` and
 :func:`gluon_w13_dgrad_reason` say when.
 """
 
@@ -116,7 +120,7 @@ if HAVE_GLUON:
                   COOP: gl.constexpr, B_K_MAJOR: gl.constexpr, PARITY: gl.constexpr):
         """One warp: the TMA loads of every tile of the program, K step by K step."""
         NUM_K: gl.constexpr = FFN // BLOCK_K
-        NUM_PID_N: gl.constexpr = HIDDEN // BLOCK_N
+        NUM_PID_N: gl.constexpr = (HIDDEN + BLOCK_N - 1) // BLOCK_N  # the last may be partial
         num_pid_m, num_tiles, ends, starts, rbeg, rend, eidx = _program_tiles(
             padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2, NUM_PID_N,
             BLOCK_M, 1)
@@ -150,7 +154,7 @@ if HAVE_GLUON:
         ``PARITY + 2``, ... (in the program's own numbering); with ``COOP``, of rows
         ``64 PARITY`` to ``64 PARITY + 63`` of every tile of the program."""
         NUM_K: gl.constexpr = FFN // BLOCK_K
-        NUM_PID_N: gl.constexpr = HIDDEN // BLOCK_N
+        NUM_PID_N: gl.constexpr = (HIDDEN + BLOCK_N - 1) // BLOCK_N  # the last may be partial
         ROWS: gl.constexpr = BLOCK_M // 2 if COOP else BLOCK_M
         ROW0: gl.constexpr = PARITY * ROWS if COOP else 0  # its first row in the tile
         ACC: gl.constexpr = gl.NVMMADistributedLayout(
@@ -178,36 +182,45 @@ if HAVE_GLUON:
                 count += NUM_K  # the other consumer's tile
 
             _scatter_tile(acc, scatter_ptrs_ptr, row_start + ROW0, num_live - ROW0,
-                          pid_n * BLOCK_N, ROWS, BLOCK_N)
+                          pid_n * BLOCK_N, ROWS, BLOCK_N, HIDDEN)
 
     @gluon.jit
     def _scatter_tile(acc, scatter_ptrs_ptr, row_start, num_live, col0, ROWS: gl.constexpr,
-                      WIDTH: gl.constexpr):
+                      WIDTH: gl.constexpr, HIDDEN: gl.constexpr):
         """The epilogue of a ``[ROWS, WIDTH]`` fp32 tile (``WIDTH`` 128 or 256): bf16, then
         64-column parts (h3 columns ``col0 + ...``), each converted to 16-byte vectors and
-        stored at the addresses of padded rows ``row_start + i``, ``i < num_live``."""
+        stored at the addresses of padded rows ``row_start + i``, ``i < num_live``; parts at
+        or past column ``HIDDEN`` (a multiple of 64: the row's width) are not stored."""
         lo, hi = _column_halves(acc.to(gl.bfloat16), ROWS, WIDTH)
         if WIDTH == 256:
             q0, q1 = _column_halves(lo, ROWS, 128)
-            _scatter_part(q0, scatter_ptrs_ptr, row_start, num_live, col0, ROWS)
-            _scatter_part(q1, scatter_ptrs_ptr, row_start, num_live, col0 + 64, ROWS)
+            _scatter_part(q0, scatter_ptrs_ptr, row_start, num_live, col0, ROWS, WIDTH, HIDDEN)
+            _scatter_part(q1, scatter_ptrs_ptr, row_start, num_live, col0 + 64, ROWS, WIDTH,
+                          HIDDEN)
             q2, q3 = _column_halves(hi, ROWS, 128)
-            _scatter_part(q2, scatter_ptrs_ptr, row_start, num_live, col0 + 128, ROWS)
-            _scatter_part(q3, scatter_ptrs_ptr, row_start, num_live, col0 + 192, ROWS)
+            _scatter_part(q2, scatter_ptrs_ptr, row_start, num_live, col0 + 128, ROWS, WIDTH,
+                          HIDDEN)
+            _scatter_part(q3, scatter_ptrs_ptr, row_start, num_live, col0 + 192, ROWS, WIDTH,
+                          HIDDEN)
         else:
-            _scatter_part(lo, scatter_ptrs_ptr, row_start, num_live, col0, ROWS)
-            _scatter_part(hi, scatter_ptrs_ptr, row_start, num_live, col0 + 64, ROWS)
+            _scatter_part(lo, scatter_ptrs_ptr, row_start, num_live, col0, ROWS, WIDTH, HIDDEN)
+            _scatter_part(hi, scatter_ptrs_ptr, row_start, num_live, col0 + 64, ROWS, WIDTH,
+                          HIDDEN)
 
     @gluon.jit
     def _scatter_part(part, scatter_ptrs_ptr, row_start, num_live, col0,
-                      ROWS: gl.constexpr):
+                      ROWS: gl.constexpr, WIDTH: gl.constexpr, HIDDEN: gl.constexpr):
         """Store a ``[ROWS, 64]`` bf16 part (h3 columns ``col0 + j``) of padded rows
-        ``row_start + i``, ``i < num_live``, at their addresses (skipping address 0)."""
+        ``row_start + i``, ``i < num_live``, at their addresses (skipping address 0); none
+        where ``col0 >= HIDDEN`` (only where ``WIDTH`` does not divide ``HIDDEN``: the row's
+        last tile is partial)."""
         L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         v = gl.convert_layout(part, L)
         i = gl.arange(0, ROWS, layout=gl.SliceLayout(1, L))
         j = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
         live = i < num_live
+        if HIDDEN % WIDTH != 0:
+            live = live & (col0 < HIDDEN)
         dst = gl.load(scatter_ptrs_ptr + row_start + i, mask=live, other=0)
         rows = gl.multiple_of(dst.to(gl.pointer_type(gl.bfloat16)), 16)
         ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(col0 + j, 0)
@@ -281,8 +294,8 @@ def shape_reason(*, hidden: int, ffn: int, block_m: int, block_n: int, block_k: 
         per_stage=stage_bytes(block_n, block_k), stages=stages, depths=GLUON_W2_STAGES,
         ring_bytes=_RING_BYTES)
     depth, depth_name = (2 * ffn, "2F") if w13_dgrad else (ffn, "F")
-    if reason is None and (hidden % block_n or depth % block_k):
-        reason = (f"D ({hidden}) must be a multiple of {block_n} and {depth_name} ({depth}) "
+    if reason is None and (hidden % 64 or depth % block_k):
+        reason = (f"D ({hidden}) must be a multiple of 64 and {depth_name} ({depth}) "
                   f"of {block_k}")
     return reason
 
@@ -361,7 +374,7 @@ def _launch(a, w_desc, scatter_ptrs, padded_offsets, row_offsets, enable, wait, 
 
     a_layout = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, _BLOCK_K], gl.bfloat16)
     a_desc = GluonDescriptor(a, list(a.shape), [depth, 1], [_BLOCK_M, _BLOCK_K], a_layout)
-    tiles = (scatter_ptrs.shape[0] // _BLOCK_M) * (hidden // block_n)
+    tiles = (scatter_ptrs.shape[0] // _BLOCK_M) * -(-hidden // block_n)
     if programs is None:
         programs = num_sms(a.device)
     with device_context(a.device):

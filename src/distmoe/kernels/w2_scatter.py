@@ -312,8 +312,8 @@ class W2Config(GemmConfig):
         128), or ``None`` where it keeps the Triton kernel: ping-pong 128 x 128 tiles with 6
         stages from 128 rows per expert, and at 64-127 where
         :func:`~distmoe.kernels._common.gluon_mid_rows` holds for the local expert count
-        ``num_experts`` (their W2 weights under 2 GiB); where D is a multiple of 128 and F
-        of 64, at any ``ep_size`` (above 1 some rows are stored into peers' memory).
+        ``num_experts`` (their W2 weights under 2 GiB); where D and F are multiples of 64
+        (a partial last column tile where 128 does not divide D), at any ``ep_size`` (above 1 some rows are stored into peers' memory).
 
         Measured on one H200 (2026-11-30, docs/performance.md run 28), against the Triton
         kernel's 128 x 256 tiles:

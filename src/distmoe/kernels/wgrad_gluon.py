@@ -119,6 +119,25 @@ GLUON_WGRAD_CONFIGS = ((128, 256, 3, 8, 64), (128, 128, 5, 8, 64), (128, 128, 6,
 
 if HAVE_GLUON:
 
+    @gluon.constexpr_function
+    def _tiles_per_expert(P, NUM_Q, BLOCK_P):
+        """Output tiles of one expert: ``ceil(P / BLOCK_P)`` row blocks of ``NUM_Q`` tiles (an
+        expert's last row block may be partial: :func:`_store_tile` clips it)."""
+        return (P + BLOCK_P - 1) // BLOCK_P * NUM_Q
+
+    @gluon.jit
+    def _store_tile(o_desc, buf, out_row, p0, q0, P: gl.constexpr, BLOCK_P: gl.constexpr,
+                    BLOCK_Q: gl.constexpr):
+        """The tile's asynchronous TMA store from ``buf`` (bf16 ``[BLOCK_P, BLOCK_Q]``). With P
+        a multiple of ``BLOCK_P`` ``o_desc`` views out as ``[E*P, Q]``; otherwise as ``[E, P,
+        Q]`` (blocks ``[1, BLOCK_P, BLOCK_Q]``), so that TMA clips an expert's last row block
+        at P instead of writing into the next expert's rows."""
+        if P % BLOCK_P != 0:
+            tile3 = buf._reinterpret(gl.bfloat16, [1, BLOCK_P, BLOCK_Q], o_desc.layout)
+            tma.async_copy_shared_to_global(o_desc, [out_row // P, p0, q0], tile3)
+        else:
+            tma.async_copy_shared_to_global(o_desc, [out_row, q0], buf)
+
     @gluon.jit
     def _tile_rows(row_offsets_ptr, tile, num_tiles, TILES_PER_EXPERT: gl.constexpr):
         """Row bounds ``(first, end)`` of ``tile``'s expert; ``(0, 0)`` past the last tile."""
@@ -200,13 +219,15 @@ if HAVE_GLUON:
         b_desc,  # host descriptor of B [R_act, Q], block [BLOCK_K, BLOCK_Q] (not B_OFFSET)
         b_base,  # 1-D bf16 base of B (B_OFFSET), else a placeholder
         b_offset_ptr,  # int64 [1]: element offset of B's row 0 (B_OFFSET), else a placeholder
-        o_desc,  # host descriptor of out viewed [E*P, Q], block [BLOCK_P, BLOCK_Q]
+        o_desc,  # host descriptor of out viewed [E*P, Q], block [BLOCK_P, BLOCK_Q] (P a multiple
+        #        of BLOCK_P), else viewed [E, P, Q], block [1, BLOCK_P, BLOCK_Q]
         row_offsets_ptr,  # int32 [E + 1]
         P: gl.constexpr,
         Q: gl.constexpr,
         NUM_EXPERTS: gl.constexpr,
         B_OFFSET: gl.constexpr,
         B_LAYOUT: gl.constexpr,
+        C_LAYOUT: gl.constexpr,  # the epilogue buffer's: [BLOCK_P, BLOCK_Q] blocks of o_desc's
         BLOCK_K: gl.constexpr,
         BLOCK_P: gl.constexpr,
         BLOCK_Q: gl.constexpr,
@@ -214,7 +235,7 @@ if HAVE_GLUON:
         num_warps: gl.constexpr,
     ):
         NUM_Q: gl.constexpr = (Q + BLOCK_Q - 1) // BLOCK_Q
-        TILES_PER_EXPERT: gl.constexpr = (P // BLOCK_P) * NUM_Q
+        TILES_PER_EXPERT: gl.constexpr = _tiles_per_expert(P, NUM_Q, BLOCK_P)
         num_tiles = NUM_EXPERTS * TILES_PER_EXPERT
         pid = gl.program_id(0)
         num_progs = gl.num_programs(0)
@@ -224,7 +245,7 @@ if HAVE_GLUON:
 
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_P], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_Q], B_LAYOUT)
-        c_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_P, BLOCK_Q], o_desc.layout)
+        c_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_P, BLOCK_Q], C_LAYOUT)
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
@@ -253,7 +274,7 @@ if HAVE_GLUON:
         while tile < num_tiles:
             next_first, next_end = _tile_rows(row_offsets_ptr, tile + num_progs, num_tiles,
                                               TILES_PER_EXPERT)
-            out_row, _p0, q0 = _tile_origin(tile, P, NUM_Q, TILES_PER_EXPERT, BLOCK_P, BLOCK_Q)
+            out_row, p0, q0 = _tile_origin(tile, P, NUM_Q, TILES_PER_EXPERT, BLOCK_P, BLOCK_Q)
             acc = gl.zeros([BLOCK_P, BLOCK_Q], gl.float32, acc_layout)
             row = first
             while row < end:
@@ -286,7 +307,7 @@ if HAVE_GLUON:
             c_smem.store(acc.to(gl.bfloat16))
             fence_async_shared()
             gl.thread_barrier()
-            tma.async_copy_shared_to_global(o_desc, [out_row, q0], c_smem)
+            _store_tile(o_desc, c_smem, out_row, p0, q0, P, BLOCK_P, BLOCK_Q)
             tile += num_progs
             first = next_first
             end = next_end
@@ -333,7 +354,7 @@ if HAVE_GLUON:
         the ``turn`` pair, so that one's epilogue runs under the other's MMAs; it skips the
         other's steps in the ring's count."""
         NUM_Q: gl.constexpr = (Q + BLOCK_Q - 1) // BLOCK_Q
-        TILES_PER_EXPERT: gl.constexpr = (P // BLOCK_P) * NUM_Q
+        TILES_PER_EXPERT: gl.constexpr = _tiles_per_expert(P, NUM_Q, BLOCK_P)
         num_tiles = NUM_EXPERTS * TILES_PER_EXPERT
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_Q, 16])
@@ -353,7 +374,7 @@ if HAVE_GLUON:
         turns = 0
         for tile in range(start, num_tiles, stride):
             first, end = _tile_rows(row_offsets_ptr, tile, num_tiles, TILES_PER_EXPERT)
-            out_row, _p0, q0 = _tile_origin(tile, P, NUM_Q, TILES_PER_EXPERT, BLOCK_P, BLOCK_Q)
+            out_row, p0, q0 = _tile_origin(tile, P, NUM_Q, TILES_PER_EXPERT, BLOCK_P, BLOCK_Q)
             steps = (end - first + BLOCK_K - 1) // BLOCK_K
             if PINGPONG:  # the other warpgroup has issued every earlier step's MMA
                 mbarrier.wait(turn.index(PARITY), (turns & 1) ^ (1 - PARITY))
@@ -383,7 +404,7 @@ if HAVE_GLUON:
             buf.store(acc.to(gl.bfloat16))
             fence_async_shared()
             gl.thread_barrier()
-            tma.async_copy_shared_to_global(o_desc, [out_row, q0], buf)
+            _store_tile(o_desc, buf, out_row, p0, q0, P, BLOCK_P, BLOCK_Q)
         tma.store_wait(0)
 
     @gluon.jit
@@ -399,7 +420,7 @@ if HAVE_GLUON:
         no table). Gathered rows at or past the expert's end and null addresses are
         zero-filled."""
         NUM_Q: gl.constexpr = (Q + BLOCK_Q - 1) // BLOCK_Q
-        TILES_PER_EXPERT: gl.constexpr = (P // BLOCK_P) * NUM_Q
+        TILES_PER_EXPERT: gl.constexpr = _tiles_per_expert(P, NUM_Q, BLOCK_P)
         num_tiles = NUM_EXPERTS * TILES_PER_EXPERT
         if GATHER:
             nbytes: gl.constexpr = a_desc.block_type.nbytes
@@ -499,7 +520,7 @@ if HAVE_GLUON:
         ``bars[STAGES + s]`` completes only for partial steps, so its phases are tracked per
         stage (bit ``s`` of ``phases``)."""
         NUM_Q: gl.constexpr = (Q + BLOCK_Q - 1) // BLOCK_Q
-        TILES_PER_EXPERT: gl.constexpr = (P // BLOCK_P) * NUM_Q
+        TILES_PER_EXPERT: gl.constexpr = _tiles_per_expert(P, NUM_Q, BLOCK_P)
         num_tiles = NUM_EXPERTS * TILES_PER_EXPERT
         count = 0
         phases = 0
@@ -526,8 +547,8 @@ if HAVE_GLUON:
         padded_offsets_ptr,  # int32 [E + 1] (GATHER_B), else a placeholder
         b_shift,  # int64: bytes from the table's addresses to B's rows, less 2 * b_offset[0]
         P: gl.constexpr, Q: gl.constexpr, NUM_EXPERTS: gl.constexpr, B_OFFSET: gl.constexpr,
-        GATHER_B: gl.constexpr, B_LAYOUT: gl.constexpr, BLOCK_K: gl.constexpr,
-        BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
+        GATHER_B: gl.constexpr, B_LAYOUT: gl.constexpr, C_LAYOUT: gl.constexpr,
+        BLOCK_K: gl.constexpr, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
         ZERO_WARPS: gl.constexpr, PINGPONG: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
         num_warps: gl.constexpr,
     ):
@@ -543,10 +564,9 @@ if HAVE_GLUON:
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_P], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_Q], B_LAYOUT)
         if PINGPONG:
-            c_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_P, BLOCK_Q],
-                                               o_desc.layout)
+            c_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_P, BLOCK_Q], C_LAYOUT)
         else:
-            c_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_P, BLOCK_Q], o_desc.layout)
+            c_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_P, BLOCK_Q], C_LAYOUT)
         # bars[s]: stage s ready for the MMAs (a whole step's TMA bytes, or the zeroing
         # partition's arrive); bars[STAGES + s]: a partial step's TMA bytes landed
         bars = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
@@ -639,7 +659,8 @@ def gluon_wgrad_supported(a: torch.Tensor, out: torch.Tensor, block_p: int,
     """``None`` when :func:`launch_gluon_wgrad` can run this case, else why not (a sentence):
     Gluon present, a CUDA device of compute capability 9.x, not the interpreter, bf16 output
     overwritten (TMA store: contiguous, 16-byte aligned, 16-byte row pitch), ``P`` a multiple
-    of ``block_p`` (a tile never crosses into the next expert's rows of the ``[E*P, Q]`` view)."""
+    of 8 (A's TMA row pitch; an expert's last row block may be partial: it is stored through
+    an ``[E, P, Q]`` view that TMA clips at ``P``)."""
     reason = gluon_device_reason(out.device)
     if reason is not None:
         return reason
@@ -647,8 +668,8 @@ def gluon_wgrad_supported(a: torch.Tensor, out: torch.Tensor, block_p: int,
     if out.dtype != torch.bfloat16 or not out.is_contiguous() or out.data_ptr() % 16 \
             or (width_q * 2) % 16:
         return "out must be contiguous bf16 with a 16-byte aligned base and row pitch"
-    if width_p % block_p:
-        return f"P ({width_p}) must be a multiple of block_p ({block_p})"
+    if width_p % 8:
+        return f"P ({width_p}) must be a multiple of 8 (A's rows by TMA)"
     if a.shape[0] >= 2**31:
         return "more than 2**31 activation rows"
     return None
@@ -729,10 +750,16 @@ def launch_gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_offsets: torch.Tens
         b_desc = a_desc  # placeholder, never read
         b_base, b_off = b, b_offset
         ensure_tma_allocator()
-    o_desc = GluonDescriptor(out.view(num_experts * width_p, width_q),
-                             [num_experts * width_p, width_q], [width_q, 1], [block_p, block_q],
-                             o_layout)
-    tiles = num_experts * (width_p // block_p) * triton.cdiv(width_q, block_q)
+    if width_p % block_p:  # [E, P, Q]: TMA clips each expert's last row block at P
+        o_desc = GluonDescriptor(
+            out, [num_experts, width_p, width_q], [width_p * width_q, width_q, 1],
+            [1, block_p, block_q],
+            gl.NVMMASharedLayout.get_default_for([1, block_p, block_q], gl.bfloat16))
+    else:
+        o_desc = GluonDescriptor(out.view(num_experts * width_p, width_q),
+                                 [num_experts * width_p, width_q], [width_q, 1],
+                                 [block_p, block_q], o_layout)
+    tiles = num_experts * triton.cdiv(width_p, block_p) * triton.cdiv(width_q, block_q)
     if programs is None:
         programs = num_sms(out.device)
     kernel, extra = _gluon_wgrad_kernel, {}
@@ -750,6 +777,6 @@ def launch_gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_offsets: torch.Tens
             a_desc, b_desc, b_base, b_off, o_desc, row_offsets,
             *(table_args if specialized else ()),
             P=width_p, Q=width_q, NUM_EXPERTS=num_experts, B_OFFSET=b_offset is not None,
-            B_LAYOUT=b_layout, BLOCK_K=block_k, BLOCK_P=block_p, BLOCK_Q=block_q,
-            STAGES=stages, num_warps=num_warps, **extra,
+            B_LAYOUT=b_layout, C_LAYOUT=o_layout, BLOCK_K=block_k, BLOCK_P=block_p,
+            BLOCK_Q=block_q, STAGES=stages, num_warps=num_warps, **extra,
         )  # fmt: skip

@@ -159,23 +159,27 @@ def build(case: BuildCase) -> BuildReport:
     return report
 
 
-def _gluon_desc(rows: int, cols: int, block: list[int]) -> str:
+def _gluon_desc(rows: int, cols: int, block: list[int], planes: int | None = None) -> str:
     """Signature type of a host-built Gluon TMA descriptor over a bf16 ``[rows, cols]`` tensor
-    with this block (the default NVMMA shared layout)."""
+    (``[planes, rows, cols]`` with ``planes``) with this block (the default NVMMA shared
+    layout)."""
     import torch
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-    t = torch.empty(rows, cols, dtype=torch.bfloat16)
-    return mangle_type(TensorDescriptor(t, [rows, cols], [cols, 1], block, layout))
+    shape = [rows, cols] if planes is None else [planes, rows, cols]
+    t = torch.empty(*shape, dtype=torch.bfloat16)
+    strides = [cols, 1] if planes is None else [rows * cols, cols, 1]
+    return mangle_type(TensorDescriptor(t, shape, strides, block, layout))
 
 
 def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
     """The persistent Gluon WGRAD (:mod:`distmoe.kernels.wgrad_gluon`): the config the Hopper
-    heuristic picks for W13 (x at a device offset) and W2 at each shape (production: no
-    spills, no serialized wgmma), then every other tuner config at ``fine`` (build only)."""
+    heuristic picks for W13 (x at a device offset) and W2 at each shape and at gpt-oss-120b
+    (production: no spills, no serialized wgmma), then every other tuner config at ``fine``
+    (build only)."""
     from distmoe.kernels import w2_backward as w2b
     from distmoe.kernels import wgrad_gluon as wg
     from distmoe.tools.bench.workloads import SHAPES
@@ -187,8 +191,10 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
     def case(label, P, Q, E, bp, bq, stages, warps, b_offset, production, bk=64, ws=False,
              pp=False, gather=False):
         b_layout = gl.NVMMASharedLayout.get_default_for([bk, bq], gl.bfloat16)
+        c_layout = gl.NVMMASharedLayout.get_default_for([bp, bq], gl.bfloat16)
         types = {"a_desc": _gluon_desc(bk, P, [bk, bp]),
-                 "o_desc": _gluon_desc(E * P, Q, [bp, bq]),
+                 "o_desc": (_gluon_desc(P, Q, [1, bp, bq], planes=E) if P % bp
+                            else _gluon_desc(E * P, Q, [bp, bq])),
                  "b_desc": (_gluon_desc(bk, P, [bk, bp]) if b_offset
                             else _gluon_desc(bk, Q, [bk, bq])),
                  "b_base": "*bf16" if b_offset else "*i32",
@@ -197,7 +203,8 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
             types.update(_NO_ADDRESS_TABLE)
         return BuildCase(
             label, wg._gluon_wgrad_ws_kernel if ws else wg._gluon_wgrad_kernel,
-            dict(P=P, Q=Q, NUM_EXPERTS=E, B_OFFSET=b_offset, B_LAYOUT=b_layout, BLOCK_K=bk,
+            dict(P=P, Q=Q, NUM_EXPERTS=E, B_OFFSET=b_offset, B_LAYOUT=b_layout,
+                 C_LAYOUT=c_layout, BLOCK_K=bk,
                  BLOCK_P=bp, BLOCK_Q=bq, STAGES=stages, num_warps=warps,
                  **({"ZERO_WARPS": wg.WS_ZERO_WARPS, "PINGPONG": pp, "GATHER_B": gather,
                      "PRODUCER_WARPS": wg.WS_GATHER_WARPS if gather else 1} if ws else {})),
@@ -205,13 +212,15 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
             options=dict(maxnreg=wg.ws_maxnreg(warps, pp, gather)) if ws else {})
 
     cases = []
-    for name in shapes:
+    # and gpt-oss-120b, whose W2 WGRAD (P = D = 2880) stores each expert's last row block
+    # clipped (a 3-D output descriptor)
+    for name in dict.fromkeys((*shapes, "gpt-oss-120b")):
         s = SHAPES[name]
         D, F, E = s.hidden, s.ffn, s.num_experts
         hint = s.tokens * s.top_k // E
         for kind, P, Q in (("W13", 2 * F, D), ("W2", D, F)):
             c = w2b.WgradConfig.hopper_gluon(out_rows=P, out_cols=Q, rows_per_expert=hint)
-            if c is None:  # the Triton WGRAD serves this shape (P not a multiple of 128)
+            if c is None:  # the Triton WGRAD serves this shape (P under 128)
                 continue
             # the warp-specialised kernel as picked (ping-pong below 1024 rows per expert,
             # two cooperating warpgroups above), and the plain kernel of the same tile with 8
@@ -398,44 +407,43 @@ def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildC
     with an enable flag: the ping-pong 128 x 128 tile at ring depths 4 to 6 and the
     cooperative 128 x 256 tile at 3 and 4, each also waiting per row block for a W13
     beside it; and the same kernel as the W13 DGRAD (weights read N-major; ping-pong at 5
-    and 6 stages, cooperative at 4). Production: no spill, no serialized wgmma."""
+    and 6 stages, cooperative at 4). Then both as picked at gpt-oss-120b, whose D (2880)
+    leaves each row's last column tile partial. Production: no spill, no serialized wgmma."""
     from distmoe.kernels import w2_gluon as wg
     from distmoe.kernels._common import next_power_of_2
     from distmoe.tools.bench.workloads import SHAPES
 
     if not wg.HAVE_GLUON:
         return []
-    cases = []
-    for name in shapes:
+
+    def case(name, bn, warps, stages, wait=False, w13_dgrad=False):
         s = SHAPES[name]
         D, F, E = s.hidden, s.ffn, s.num_experts
+        depth = 2 * F if w13_dgrad else F
+        types = {"a_desc": _gluon_desc(1024, depth, [128, 64]),
+                 # W13 DGRAD: w13 viewed [E 2F, D], read N-major; W2: w2 viewed [E D, F]
+                 "w_desc": (_gluon_desc(E * depth, D, [64, bn]) if w13_dgrad
+                            else _gluon_desc(E * D, F, [bn, 64]))}
+        return BuildCase(
+            f"{name} {'W13 DGRAD' if w13_dgrad else 'W2 fwd'} gluon 128x{bn}"
+            f"{' coop' if warps == 8 else ''} s{stages}{' wait' if wait else ''}",
+            wg._gluon_w2_kernel,
+            dict(HIDDEN=D, FFN=depth, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
+                 GROUP_M=8, STAGES=stages, HAS_ENABLE=not w13_dgrad, HAS_WAIT=wait,
+                 BLOCK_M=128, BLOCK_N=bn, BLOCK_K=64, COOP=warps == 8,
+                 B_K_MAJOR=not w13_dgrad, num_warps=4),
+            4, 1, types=types, production=True, gluon=True, options=dict(maxnreg=wg._MAXNREG))
+
+    cases = []
+    for name in shapes:
         for (bn, warps, stages), wait in itertools.product(
                 ((128, 4, 4), (128, 4, 5), (128, 4, 6), (256, 8, 3), (256, 8, 4)),
                 (False, True)):
-            types = {"a_desc": _gluon_desc(1024, F, [128, 64]),
-                     "w_desc": _gluon_desc(E * D, F, [bn, 64])}
-            cases.append(BuildCase(
-                f"{name} W2 fwd gluon 128x{bn}{' coop' if warps == 8 else ''} s{stages}"
-                f"{' wait' if wait else ''}",
-                wg._gluon_w2_kernel,
-                dict(HIDDEN=D, FFN=F, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
-                     GROUP_M=8, STAGES=stages, HAS_ENABLE=True, HAS_WAIT=wait, BLOCK_M=128,
-                     BLOCK_N=bn, BLOCK_K=64, COOP=warps == 8, B_K_MAJOR=True, num_warps=4),
-                4, 1, types=types, production=True, gluon=True,
-                options=dict(maxnreg=wg._MAXNREG)))
-        # the same kernel as the W13 DGRAD: K = 2F, w13 viewed [E 2F, D], read N-major
+            cases.append(case(name, bn, warps, stages, wait))
         for bn, warps, stages in ((128, 4, 5), (128, 4, 6), (256, 8, 4)):
-            types = {"a_desc": _gluon_desc(1024, 2 * F, [128, 64]),
-                     "w_desc": _gluon_desc(E * 2 * F, D, [64, bn])}
-            cases.append(BuildCase(
-                f"{name} W13 DGRAD gluon 128x{bn}{' coop' if warps == 8 else ''} s{stages}",
-                wg._gluon_w2_kernel,
-                dict(HIDDEN=D, FFN=2 * F, NUM_EXPERTS=E,
-                     EXPERTS_POW2=max(32, next_power_of_2(E)), GROUP_M=8, STAGES=stages,
-                     HAS_ENABLE=False, HAS_WAIT=False, BLOCK_M=128, BLOCK_N=bn, BLOCK_K=64,
-                     COOP=warps == 8, B_K_MAJOR=False, num_warps=4),
-                4, 1, types=types, production=True, gluon=True,
-                options=dict(maxnreg=wg._MAXNREG)))
+            cases.append(case(name, bn, warps, stages, w13_dgrad=True))
+    if "gpt-oss-120b" not in shapes:
+        cases += [case("gpt-oss-120b", 128, 4, 6), case("gpt-oss-120b", 128, 4, 6, w13_dgrad=True)]
     return cases
 
 

@@ -95,6 +95,15 @@ SHAPES: dict[str, MoEShape] = {
             description="GPT-OSS-120B-like",
         ),
         MoEShape(
+            name="gpt-oss-20b",
+            hidden=2880,
+            ffn=2880,
+            num_experts=32,
+            top_k=4,
+            tokens=DEFAULT_MODEL_TOKENS,
+            description="GPT-OSS-20B-like",
+        ),
+        MoEShape(
             name="deepseek-v4-flash",
             hidden=4096,
             ffn=2048,
