@@ -2314,6 +2314,61 @@ def test_gluon_w2_dgrad(programs, stages, h1_mode):
         assert same_bits(out, got_h1) and same_bits(h2, got_h2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True], ids=["pingpong", "split"])
+@pytest.mark.parametrize("scored", [False, True], ids=["plain", "scored"])
+def test_gluon_w2_dgrad_partial_column_tile(split, scored):
+    """F = 320, not a multiple of the 128-column tiles (as GPT-OSS's 2880): each row's last
+    tile is partial (its weight columns past F TMA zeros, its quarters past F loading and
+    storing nothing). Against the Triton kernel at the same tiles: grad_h1 and h2 within one
+    bf16 rounding, null rows zeros, spare rows poisoned (a store past F lands in the row's
+    u half or the next row, which the comparison shows); scored, the three score parts (the
+    last over 64 columns) within 2^-8 of the largest. Ping-pong and split kernels, 3
+    programs."""
+    hidden, ffn, block = 256, 320, 128
+    layout, live, w2, rows, h1, null_rows, null_act = _gluon_dgrad_problem(hidden, ffn, block)
+    num_act = layout.num_act
+    route_rows, before = _scored_route_rows(layout, hidden)
+    ptrs = row_table(layout, route_rows if scored else rows, null_rows=null_rows)
+    po, ro = layout.padded_offsets, layout.row_offsets
+    launch = {"epilogue_warps": 8} if split else {}
+
+    def run(gluon):
+        route_rows.copy_(before)
+        out, h2 = poisoned(num_act, 2 * ffn), poisoned(num_act, ffn)
+        _gluon_or_reference_dgrad(gluon, ptrs, po, ro, w2, rows, h1, out, h2,
+                                  scored_rows=scored, programs=3, **launch)
+        return out, h2, route_rows.clone()
+
+    want = run(False)
+    got = run(True)
+    for g, w in zip(got[:2], want[:2], strict=True):
+        _assert_one_rounding_apart(g, w, live, null_act)
+    if scored:
+        route = layout.route_of_act.to(DEVICE)
+        has_part = live.clone()
+        has_part[null_act] = False
+        got_p, want_p = (r.view(torch.float32)[route[has_part]][:, 1:4] for r in (got[2],
+                                                                              want[2]))
+        assert torch.isfinite(got_p).all() and want_p[:, 2].abs().max() > 0
+        assert ((got_p - want_p).abs() <= 2.0**-8 * want_p.abs().max()).all()
+
+
+def test_gluon_w2_dgrad_partial_tile_refuses_prefetch_and_early_h1():
+    """The h1 prefetch and the split kernel's early h1 loads take whole column tiles only: a
+    ValueError naming both and F, before anything is launched."""
+    from distmoe.kernels.w2_dgrad_gluon import launch_gluon_w2_dgrad
+
+    some = torch.zeros(1)
+    w2 = torch.zeros(2, 256, 320, dtype=torch.bfloat16)
+    for opts in ({"h1_prefetch": 1}, {"epilogue_warps": 8, "epilogue_early_h1": True}):
+        with pytest.raises(ValueError, match=r"h1_prefetch \(\d\) and epilogue_early_h1 "
+                                             r"\((True|False)\) need F a multiple of 128 "
+                                             r"\(whole column tiles\), got F = 320"):
+            launch_gluon_w2_dgrad(some, some, some, w2, some, some, some, h1_offset=None,
+                                  h2_out=None, **opts)
+
+
 def _scored_route_rows(layout, hidden):
     """Poisoned bf16 route rows ``[routes, hidden]`` of ``layout``, each with its score (in
     [0.25, 1.25)) as the fp32 at its start, as the scored W2 DGRAD reads them; and a copy."""
@@ -2498,4 +2553,7 @@ def test_gluon_w2_dgrad_heuristic():
         assert (cfg.epilogue_warps, cfg.epilogue_buffers) == (8, 1)
     odd = W2DgradConfig.from_heuristic(hidden=4096, ffn=2000, rows_per_expert=2048, device=dev)
     assert not odd.gluon
+    # F = 2880 (GPT-OSS): the split kernel, each row's last column tile partial
+    tail = W2DgradConfig.from_heuristic(hidden=2880, ffn=2880, rows_per_expert=128, device=dev)
+    assert (tail.gluon, tail.block_n, tail.epilogue_warps) == (True, 128, 8)
 

@@ -1091,6 +1091,21 @@ def test_gpu_w13_gluon(training, block_n, stages, group_m, warps):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
+@pytest.mark.parametrize("block_n, warps", [(128, 4), (128, 8)], ids=["64x128", "128x128coop"])
+def test_gpu_w13_gluon_partial_column_tile(training, block_n, warps):
+    # F = 832, not a multiple of the 128 h2 columns of a tile (as GPT-OSS's 2880): each row's
+    # last tile is partial, its gate weight rows past F the expert's up rows, its up rows
+    # past F the next expert's gate rows (TMA zeros after the last), its column half past F
+    # not stored; run_w13_case's poisoned h2 / h1 / saved rows and the reference show a
+    # store past F (into h1's u half, or the next h2 row) or a wrong column.
+    config = _gluon_tile(block_n, warps)
+    _assert_gluon_w13_runs(config, ffn=832)
+    run_w13_case(GLUON_COUNTS, hidden=1024, ffn=832, r_cap=GLUON_R_CAP, config=config,
+                 training=training, null_live=[5])
+
+
+@pytest.mark.gpu
 @GLUON_TILES
 @pytest.mark.parametrize("programs", [1, 3, 7])
 def test_gpu_w13_gluon_programs_walk_many_tiles(block_n, warps, programs):
@@ -1542,10 +1557,16 @@ def test_gluon_w13_choice_and_limits_without_a_gpu():
                         (128, False)):
         assert tile(pick(hidden=4096, ffn=2048, rows_per_expert=rows, training=train)) == \
             (True, 128, 8, 4)
-    # ping-pong 128 x 64 below that (training) or where F is not a multiple of 128
-    long_train = pick(hidden=4096, ffn=1984, rows_per_expert=2048, training=True)
+    # where 128 does not divide F: cooperative with a partial last column tile while its
+    # columns past F are at most F / 16 (2880: 64; 1984: 64), else ping-pong 128 x 64
+    # (training, or inference from 1024 rows per expert) or Triton
+    for ffn in (2880, 1984):
+        for train in (True, False):
+            assert tile(pick(hidden=2880, ffn=ffn, rows_per_expert=128, training=train)) == \
+                (True, 128, 8, 4)
+    long_train = pick(hidden=4096, ffn=960, rows_per_expert=2048, training=True)
     assert tile(long_train) == (True, 64, 4, 5)
-    assert tile(pick(hidden=4096, ffn=1984, rows_per_expert=2048, training=False)) == \
+    assert tile(pick(hidden=4096, ffn=960, rows_per_expert=2048, training=False)) == \
         (True, 64, 4, 5)
     assert tile(pick(hidden=2048, ffn=704, rows_per_expert=256, training=True)) == \
         (True, 64, 4, 6)

@@ -32,8 +32,10 @@ def _partial_tile_rank(rank, world, seed, shape, names):
     cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T, training=True)
     out = {}
     with dm.MoEContext(cfg, device=dev) as ctx:
-        out["gluon"] = {a: getattr(ctx, a).gluon for a in ("_w2_cfg", "_w13_dgrad_cfg",
-                                                            "_w2_wgrad_cfg", "_w13_wgrad_cfg")}
+        out["gluon"] = {a: getattr(ctx, a).gluon
+                        for a in ("_w13_cfg", "_w2_cfg", "_w2_dgrad_cfg", "_w13_dgrad_cfg",
+                                  "_w2_wgrad_cfg", "_w13_wgrad_cfg")}
+        out["w13_warps"] = ctx._w13_cfg.num_warps
         for i, name in enumerate(names):
             x, ids, scores, w13, w2 = make_problem(seed + i, world, T, D, F, E, K, name)
             leaves = [t.to(dev).clone().requires_grad_(True) for t in (x, scores, w13, w2)]
@@ -46,20 +48,21 @@ def _partial_tile_rank(rank, world, seed, shape, names):
 
 @pytest.mark.gpu
 def test_training_gpu_gluon_kernels_with_partial_column_tiles():
-    """D = 320 (like GPT-OSS's 2880, not a multiple of the 128-column tiles) at 128 rows per
-    expert, where the heuristics take the Gluon W2 forward and W13 DGRAD (each row's last
-    column tile partial) and both Gluon WGRADs (the W2 one's last row block of each expert
-    stored clipped): y and every gradient against torch autograd in fp64, within twice the
-    bf16 reference's error plus 1/128 of the largest value (test_training's rule), balanced
-    and 8x-imbalanced."""
+    """D = 320 and F = 1088 (like GPT-OSS's 2880, not multiples of the 128-column tiles) at
+    128 rows per expert, where the heuristics take every Gluon kernel: the cooperative W13
+    forward, the W2 forward, the split W2 DGRAD and the W13 DGRAD (each row's last column
+    tile partial), and both WGRADs (the W2 one's last row block of each expert stored
+    clipped). y and every gradient against torch autograd in fp64, within twice the bf16
+    reference's error plus 1/128 of the largest value (test_training's rule), balanced and
+    8x-imbalanced."""
     from test_training import _check, _ref_grads
 
     from distmoe.reference import moe_reference
 
-    shape, names, seed = (512, 320, 192, 8, 2), ("balanced", "imbalance_8x"), 31
+    shape, names, seed = (512, 320, 1088, 8, 2), ("balanced", "imbalance_8x"), 31
     (out,) = dm.launch(_partial_tile_rank, 1, args=(seed, shape, names), device="cuda",
                        gpus=[0], timeout=600)
-    assert all(out["gluon"].values()), out["gluon"]
+    assert all(out["gluon"].values()) and out["w13_warps"] == 8, out
     T, D, F, E, K = shape
     for i, name in enumerate(names):
         x, ids, scores, w13, w2 = make_problem(seed + i, 1, T, D, F, E, K, name)

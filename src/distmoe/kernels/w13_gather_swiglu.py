@@ -548,6 +548,10 @@ shape_reason`):
           and 7168, F=2048, E=256 (and E=128 at EP=2): hence the bound on the weights;
         * for training, and for inference with >= 1024 rows per expert: ping-pong 128 x 64
           tiles, 5 stages at >= 1024 rows per expert, else 6 (run 24).
+
+        Where 128 does not divide F (F a multiple of 64) the cooperative tile's last column
+        tile is partial; it is a candidate only where its columns past F are at most 1/16 of
+        F (GPT-OSS's 2880: run 49 measured it there).
         """
         from .w13_gluon import shape_reason
 
@@ -555,7 +559,10 @@ shape_reason`):
         decode = not training and rows_per_expert < 64
         mid = not training and gluon_mid_rows(rows_per_expert, num_experts, 2 * ffn * hidden)
         candidates = []
-        if rows_per_expert >= 128 or decode or mid:
+        # a partial last column tile (128 not dividing F) wastes its columns past F: take the
+        # cooperative tile only where that is at most 1/16 of F (GPT-OSS: 64 of 2880)
+        coop_waste = -(-ffn // 128) * 128 - ffn
+        if (rows_per_expert >= 128 or decode or mid) and 16 * coop_waste <= ffn:
             candidates.append(cls(block_m=128, block_n=128, block_k=64, num_warps=8,
                                   num_stages=4, group_m=8, persistent=True, gluon=True))
         if training or long_segments:

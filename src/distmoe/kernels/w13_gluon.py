@@ -44,8 +44,13 @@ accumulator registers per consumer thread. The padding multiple (``block_m``) is
 Measured (docs/performance.md run 27): the cooperative tile is the fastest at both named
 shapes, 3.03 against 3.42 ms for the training kernel at T=8192, D=4096, F=2048, E=32, K=8.
 
-Only for CUDA devices of compute capability 9.x, outside the interpreter, with F a multiple
-of ``block_n`` and D of 64; :func:`gluon_w13_reason` says when.
+F need not be a multiple of ``block_n`` (GPT-OSS: F = 2880 with 128-column tiles): a row's
+last tile is then partial. Its gate weight rows past F are the expert's first up rows and
+its up rows past F the next expert's gate rows (TMA zeros after the last expert), and its
+column half past F is not stored.
+
+Only for CUDA devices of compute capability 9.x, outside the interpreter, with F and D
+multiples of 64; :func:`gluon_w13_reason` says when.
 
 History: performance.md run 21 measured an earlier Gluon W13 without warp specialisation
 (one load stream across tiles, the epilogue in the MMA warps): 8-16% slower than the Triton
@@ -134,7 +139,7 @@ def done_count(ffn: int, block_n: int, warps: int) -> int:
     """What each entry of ``done`` (one per ``DONE_BLOCK`` padded rows) reaches once every
     W13 tile over those rows has stored its h2 rows: every thread of each consumer
     warpgroup that ran a tile adds 1 (``warps`` 8: both consumers on every tile)."""
-    tiles = (ffn // block_n) * (DONE_BLOCK // tile_rows(block_n, warps))
+    tiles = -(-ffn // block_n) * (DONE_BLOCK // tile_rows(block_n, warps))
     return tiles * (2 if warps == 8 else 1) * 128
 
 
@@ -166,7 +171,7 @@ if HAVE_GLUON:
                   PARITY: gl.constexpr):
         """One warpgroup: the loads of every tile of the program, K step by K step."""
         NUM_K: gl.constexpr = HIDDEN // BLOCK_K
-        NUM_PID_N: gl.constexpr = FFN // BLOCK_N
+        NUM_PID_N: gl.constexpr = (FFN + BLOCK_N - 1) // BLOCK_N  # the last may be partial
         # cp.async: 8 bf16 (16 bytes) per thread and row; a warp covers 4 rows x 64 columns
         CP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         num_pid_m, num_tiles, ends, starts, rbeg, rend, eidx = _program_tiles(
@@ -228,7 +233,7 @@ if HAVE_GLUON:
         ``PARITY``, ``PARITY + 2``, ... (in the program's own numbering); with ``COOP``, of
         rows ``64 PARITY`` to ``64 PARITY + 63`` of every tile of the program."""
         NUM_K: gl.constexpr = HIDDEN // BLOCK_K
-        NUM_PID_N: gl.constexpr = FFN // BLOCK_N
+        NUM_PID_N: gl.constexpr = (FFN + BLOCK_N - 1) // BLOCK_N  # the last may be partial
         # this warpgroup's rows of a tile: all of them, or its half with COOP
         ROWS: gl.constexpr = BLOCK_M // 2 if COOP else BLOCK_M
         ROW0: gl.constexpr = PARITY * ROWS if COOP else 0  # its first row in the tile
@@ -308,14 +313,18 @@ if HAVE_GLUON:
                      W: gl.constexpr):
         """h2 = silu(g) * u of a ``[BLOCK_M, W]`` part (h2 columns ``col0 + j``) into rows
         ``act_start + i``, ``i < num_live``; with ``WRITE_H1`` (and ``h1_off >= 0``) also g and
-        u into h1 (``[g | u]`` rows of 2F at element ``h1_off``)."""
+        u into h1 (``[g | u]`` rows of 2F at element ``h1_off``). Nothing where ``col0 >= F``
+        (the part of a partial last column tile past F: ``W`` divides F)."""
         L: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // W, W // 8], [4, 1], [1, 0])
         h2 = g * (1.0 / (1.0 + gl.exp(-g))) * u
         i = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L))
         j = gl.arange(0, W, layout=gl.SliceLayout(0, L))
         rows = gl.expand_dims((act_start + i).to(gl.int64), 1)
         col = gl.expand_dims(col0 + j, 0)
-        mask = gl.expand_dims(i < num_live, 1)
+        live = i < num_live
+        if FFN % (2 * W) != 0:  # a row's last tile is partial: no part at or past F
+            live = live & (col0 < FFN)
+        mask = gl.expand_dims(live, 1)
         h2_ptrs = gl.multiple_of(h2_ptr + rows * FFN, [16, 16]) + col
         gl.store(h2_ptrs, gl.convert_layout(h2.to(gl.bfloat16), L), mask=mask)
         if WRITE_H1:
@@ -396,8 +405,8 @@ def shape_reason(*, hidden: int, ffn: int, block_m: int, block_n: int, block_k: 
         "num_warps 4: ping-pong tiles, block_n 64 or 128; 8: cooperative tiles, block_n 128",
         per_stage=stage_bytes(block_n, block_k, warps), stages=stages, depths=GLUON_W13_STAGES,
         ring_bytes=_RING_BYTES)
-    if reason is None and (ffn % block_n or hidden % block_k):
-        reason = f"F ({ffn}) must be a multiple of {block_n} and D ({hidden}) of {block_k}"
+    if reason is None and (ffn % 64 or hidden % block_k):
+        reason = f"F ({ffn}) must be a multiple of 64 and D ({hidden}) of {block_k}"
     return reason
 
 
@@ -434,7 +443,7 @@ def launch_gluon_w13(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
     w_desc = GluonDescriptor(w13.view(2 * num_experts * ffn, hidden),
                              [2 * num_experts * ffn, hidden], [hidden, 1], [block_n, block_k],
                              w_layout)
-    tiles = (gather_ptrs.shape[0] // block_m) * (ffn // block_n)
+    tiles = (gather_ptrs.shape[0] // block_m) * -(-ffn // block_n)
     if programs is None:
         programs = num_sms(h2_out.device)
     with device_context(h2_out.device):

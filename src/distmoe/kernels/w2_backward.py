@@ -728,7 +728,7 @@ class W2DgradConfig(GemmConfig):
     #: producer warp and two consumer warpgroups taking tiles in turn, so that one's epilogue
     #: runs under the other's MMAs; or, with ``epilogue_warps``, one MMA warpgroup and an
     #: epilogue partition) where it can run: Hopper, not the interpreter, rows already
-    #: gathered (``grad_h3_rows``), 128 x 128 x 64 tiles, D a multiple of 64 and F of 128.
+    #: gathered (``grad_h3_rows``), 128 x 128 x 64 tiles, D and F multiples of 64.
     #: Elsewhere the Triton kernel runs this config. Uses ``num_stages`` (the load ring, 4-6)
     #: and ``group_m``; ``num_warps``, ``persistent`` and ``host_descriptors`` do not apply.
     gluon: bool = False
@@ -818,7 +818,7 @@ class W2DgradConfig(GemmConfig):
         tool, gather launch included): 2.15 and 0.368 ms.
 
         With the hint and a ``device`` where the warp-specialised Gluon kernel runs (Hopper,
-        not the interpreter, D a multiple of 64, F of 128): that kernel (``gluon``), 128 x 128
+        not the interpreter, D and F multiples of 64): that kernel (``gluon``), 128 x 128
         tiles, a ring of 5 stages at >= 1024 rows per expert, else 4. Measured on one H200
         (2026-11-29, run 23, ``tools/tune_gemm.py --backward --kernels w2_dgrad``): 1.720 ms
         against 1.801 for the Triton heuristic at T=8192 D=4096 F=2048 E=32 K=8, 0.282 against

@@ -52,8 +52,15 @@ The bits are the ping-pong kernel's (the same fp32 values, the same epilogue cod
 2026-12-01 (run 43): the kernel alone 1.36x the ping-pong one at T=4096 D=2048 F=768 E=128
 K=8, 1.39x at OLMoE's shape, 1.24x at T=2048, 1.13x at T=8192 D=4096 F=2048 E=32.
 
+F need not be a multiple of ``block_n`` (GPT-OSS: F = 2880): a row's last tile is then
+partial. Its weight columns past F are TMA zeros (grad_h2 = 0 there, so the score parts are
+unchanged), and its column quarters past F load no h1 and store nothing. The h1 prefetch
+and the split kernel's early h1 loads take whole tiles only (their copies of later quarters
+share the first quarter's masks): :func:`launch_gluon_w2_dgrad` refuses them with a partial
+tile.
+
 Only for CUDA devices of compute capability 9.x, outside the interpreter, with ``D`` a multiple
-of ``block_k`` and ``F`` of ``block_n``; :func:`gluon_w2_dgrad_reason` says when. Opt-in
+of ``block_k`` and ``F`` of 64; :func:`gluon_w2_dgrad_reason` says when. Opt-in
 (:class:`~distmoe.kernels.w2_backward.W2DgradConfig` ``gluon``).
 """
 
@@ -129,7 +136,7 @@ if HAVE_GLUON:
         """The producer warp's loop: the tiles ``pid, pid + G, ...``, each ``D / BLOCK_K``
         ring steps of the grad_h3 rows and the expert's w2 columns."""
         NUM_K: gl.constexpr = HIDDEN // BLOCK_K
-        NUM_PID_N: gl.constexpr = FFN // BLOCK_N
+        NUM_PID_N: gl.constexpr = (FFN + BLOCK_N - 1) // BLOCK_N  # the last may be partial
         num_pid_m, num_tiles, ends, starts, rbeg, rend, eidx = _program_tiles(
             padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2, NUM_PID_N,
             BLOCK_M, 1)
@@ -155,7 +162,7 @@ if HAVE_GLUON:
         """One warpgroup: the MMAs and the epilogue of the program's tiles ``PARITY``,
         ``PARITY + 2``, ... (in the program's own numbering)."""
         NUM_K: gl.constexpr = HIDDEN // BLOCK_K
-        NUM_PID_N: gl.constexpr = FFN // BLOCK_N
+        NUM_PID_N: gl.constexpr = (FFN + BLOCK_N - 1) // BLOCK_N  # the last may be partial
         ACC: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
         if RELOAD_BOUNDS:  # the bounds are loaded per tile below
@@ -308,6 +315,10 @@ if HAVE_GLUON:
         grad_h2 = gl.convert_layout(part, L)
         live, addr, rows, col, g_ptrs, load_mask = _part_rows(
             ptrs_ptr, row_start, act_start, num_live, h1_base, col0, FFN, BLOCK_M, W, NW)
+        if FFN % (4 * W) != 0:  # a row's last tile is partial: no loads or stores past F
+            inside = col0 < FFN  # (its weight columns there are TMA zeros: grad_h2 = 0)
+            live = live & inside
+            load_mask = load_mask & inside
         store_mask = gl.expand_dims(live, 1)  # broadcast along the columns
         score = 1.0
         if SCORED:
@@ -376,7 +387,7 @@ if HAVE_GLUON:
         the program's ``t``-th tile, once the epilogue has read that buffer's previous tile)
         and the epilogue partition is told."""
         NUM_K: gl.constexpr = HIDDEN // BLOCK_K
-        NUM_PID_N: gl.constexpr = FFN // BLOCK_N
+        NUM_PID_N: gl.constexpr = (FFN + BLOCK_N - 1) // BLOCK_N  # the last may be partial
         ACC: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
         _num_pid_m, num_tiles = _tile_count(padded_offsets_ptr, NUM_EXPERTS, NUM_PID_N, BLOCK_M)
@@ -415,7 +426,7 @@ if HAVE_GLUON:
         """The split kernel's epilogue partition (``EPI_WARPS`` warps): the SwiGLU backward
         of every tile of the program, its quarters read from shared memory as the MMA
         warpgroup left them; the buffer goes back once the last quarter is read."""
-        NUM_PID_N: gl.constexpr = FFN // BLOCK_N
+        NUM_PID_N: gl.constexpr = (FFN + BLOCK_N - 1) // BLOCK_N  # the last may be partial
         Q: gl.constexpr = BLOCK_N // 4
         L: gl.constexpr = _part_layout(Q, EPI_WARPS)
         if RELOAD_BOUNDS:
@@ -652,8 +663,8 @@ def gluon_w2_dgrad_reason(device: torch.device, *, hidden: int, ffn: int, block_
     if block_m != 128 or block_n != 128 or block_k != 64:
         return f"the Gluon W2 DGRAD computes 128 x 128 x 64 tiles, got {block_m} x {block_n} " \
                f"x {block_k}"
-    if hidden % block_k or ffn % block_n:
-        return f"D ({hidden}) must be a multiple of {block_k} and F ({ffn}) of {block_n}"
+    if hidden % block_k or ffn % 64:
+        return f"D ({hidden}) must be a multiple of {block_k} and F ({ffn}) of 64"
     return None
 
 
@@ -683,18 +694,22 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
     ``epilogue_buffers`` (1 or 2) shared-memory tiles; ``stages + 2 * epilogue_buffers`` at
     most 7 (shared memory). ``epilogue_early_h1``: the split kernel's epilogue issues each
     column quarter's h1 loads a quarter ahead (the first before waiting for the tile). Same
-    bits as the ping-pong kernel."""
+    bits as the ping-pong kernel. Both options need F a multiple of 128 (whole tiles)."""
     from ._common import device_context, next_power_of_2, num_sms
 
     num_experts, hidden, ffn = w2.shape
     block_m, block_n, block_k = 128, 128, 64
+    if ffn % block_n and (h1_prefetch or epilogue_early_h1):
+        raise ValueError(f"h1_prefetch ({h1_prefetch}) and epilogue_early_h1 "
+                         f"({epilogue_early_h1}) need F a multiple of {block_n} (whole column "
+                         f"tiles), got F = {ffn}")
     a_layout = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gl.bfloat16)
     w_layout = gl.NVMMASharedLayout.get_default_for([block_k, block_n], gl.bfloat16)
     a_desc = GluonDescriptor(grad_h3_rows, list(grad_h3_rows.shape), [hidden, 1],
                              [block_m, block_k], a_layout)
     w_desc = GluonDescriptor(w2.view(num_experts * hidden, ffn), [num_experts * hidden, ffn],
                              [ffn, 1], [block_k, block_n], w_layout)
-    tiles_cap = (grad_h3_ptrs.shape[0] // block_m) * (ffn // block_n)
+    tiles_cap = (grad_h3_ptrs.shape[0] // block_m) * -(-ffn // block_n)
     if programs is None:
         programs = num_sms(w2.device)
     grid = (max(1, min(programs, tiles_cap)),)

@@ -290,7 +290,8 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
     from distmoe.kernels.w13_gather_swiglu import W13Config
 
     cases = []
-    for name in shapes:
+    # and gpt-oss-120b, whose F (2880) leaves each row's last column tile partial
+    for name in dict.fromkeys((*shapes, "gpt-oss-120b")):
         s = SHAPES[name]
         hint = s.tokens * s.top_k // s.num_experts
         for train in (True, False):
@@ -341,13 +342,34 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
     prefetch. In the ping-pong kernel above 32 experts the consumers load the per-expert
     bounds per tile (``RELOAD_BOUNDS``; held in registers they made the scored epilogue spill
     96-220 bytes, run 33), and its plain form still spills 16 bytes there; at ``smoke``
-    (D = 64) its epilogue spills 584-596 bytes. The split kernel spills in none of these."""
+    (D = 64) its epilogue spills 584-596 bytes. The split kernel spills in none of these.
+    Then the split kernel as picked at gpt-oss-120b (F = 2880: partial last column tiles)."""
     from distmoe.kernels import w2_dgrad_gluon as wg
     from distmoe.kernels._common import next_power_of_2
     from distmoe.tools.bench.workloads import SHAPES
 
     if not wg.HAVE_GLUON:
         return []
+
+    def split_case(name, epi, bufs, stages, early, scored, production):
+        s = SHAPES[name]
+        D, F, E = s.hidden, s.ffn, s.num_experts
+        bm, bn, bk = 128, 128, 64
+        types = {"a_desc": _gluon_desc(1024, D, [bm, bk]),
+                 "w_desc": _gluon_desc(E * D, F, [bk, bn]),
+                 "ptrs_ptr": "*i64", "h1_offset_ptr": "*i64"}
+        maxnreg, epi_regs = wg.SPLIT_REGISTERS[epi]
+        return BuildCase(
+            f"{name} W2 DGRAD gluon split epi{epi} x{bufs} s{stages}"
+            f"{' early_h1' if early else ''} scored={scored}",
+            wg._gluon_w2_dgrad_split_kernel,
+            dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
+                 GROUP_M=8, STAGES=stages, H1_OFFSET=True, STORE_H2=True, SCORED=scored,
+                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, RELOAD_BOUNDS=E > 32, ACC_BUFS=bufs,
+                 EPI_WARPS=epi, EPI_REGS=epi_regs, EARLY_H1=early, num_warps=4),
+            4, 1, types=types, production=production, gluon=True,
+            options=dict(maxnreg=maxnreg))
+
     cases = []
     for name in shapes:
         s = SHAPES[name]
@@ -381,24 +403,12 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
                 4, 1, types=types, production=False, gluon=True,
                 options=dict(maxnreg=wg._MAXNREG)))
         for epi, bufs, stages, early in GLUON_W2_DGRAD_SPLIT_CASES:  # the epilogue's partition
-            bm, bn, bk = 128, 128, 64
-            types = {"a_desc": _gluon_desc(1024, D, [bm, bk]),
-                     "w_desc": _gluon_desc(E * D, F, [bk, bn]),
-                     "ptrs_ptr": "*i64", "h1_offset_ptr": "*i64"}
-            maxnreg, epi_regs = wg.SPLIT_REGISTERS[epi]
             picked = (epi, bufs, early) == (8, 1, False) and stages in (4, 5) and name != "smoke"
             for scored in (True, False) if picked else (True,):  # the layer's, the plain one
-                cases.append(BuildCase(
-                    f"{name} W2 DGRAD gluon split epi{epi} x{bufs} s{stages}"
-                    f"{' early_h1' if early else ''} scored={scored}",
-                    wg._gluon_w2_dgrad_split_kernel,
-                    dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E,
-                         EXPERTS_POW2=max(32, next_power_of_2(E)), GROUP_M=8, STAGES=stages,
-                         H1_OFFSET=True, STORE_H2=True, SCORED=scored, BLOCK_M=bm, BLOCK_N=bn,
-                         BLOCK_K=bk, RELOAD_BOUNDS=E > 32, ACC_BUFS=bufs, EPI_WARPS=epi,
-                         EPI_REGS=epi_regs, EARLY_H1=early, num_warps=4),
-                    4, 1, types=types, production=picked, gluon=True,
-                    options=dict(maxnreg=maxnreg)))
+                cases.append(split_case(name, epi, bufs, stages, early, scored, picked))
+    if "gpt-oss-120b" not in shapes:  # F = 2880: each row's last column tile partial
+        cases += [split_case("gpt-oss-120b", 8, 1, 4, False, scored, True)
+                  for scored in (True, False)]
     return cases
 
 
