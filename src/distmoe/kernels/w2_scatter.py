@@ -337,6 +337,11 @@ class W2Config(GemmConfig):
           F=2048, E=256 (4.3-7.5 GB). Below 64 rows it stays Triton (run 30: 5.5% slower
           at 4 rows per expert of D=4096 F=2048 E=32; run 38: even at 48, 3.3% faster at
           32 of D=2048 F=768 E=128);
+        * where 128 does not divide D (a partial last column tile), from 128 rows per expert
+          only: at 64 rows per expert it measured 0.8% slower at GPT-OSS-120B (D = F =
+          2880, E=128, K=4, T=2048) and 0.9% at GPT-OSS-20B (E=32, T=512), at 128 rows per
+          expert 1.9% (120B) and 2.9% (20B) faster forward+backward (one H200, 2026-12-04,
+          run 49, ``tools/ab_interleaved.py``, 7-9 rounds);
         * at EP=2 on two H200s (half the rows stored across NVLink), run 28's sequential
           A/B read the layer forward 1.0% slower at the first shape and even at the second;
           timed interleaved (run 29) it is 0.9% faster at the first and 4.2% at the second
@@ -345,8 +350,8 @@ class W2Config(GemmConfig):
         from .w2_gluon import shape_reason
 
         del ep_size  # the same tile at every EP size (run 29)
-        if rows_per_expert < 128 and not gluon_mid_rows(rows_per_expert, num_experts,
-                                                         hidden * ffn):
+        if rows_per_expert < 128 and (hidden % 128 or not gluon_mid_rows(
+                rows_per_expert, num_experts, hidden * ffn)):
             return None
         config = cls(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=6,
                      group_m=8, persistent=True, gluon=True)
