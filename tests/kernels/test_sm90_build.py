@@ -40,6 +40,11 @@ def test_kernels_build_for_sm90_and_production_configs_do_not_spill():
 
     if HAVE_GLUON:  # the Gluon WGRAD's production configs: built, no spill, no serialized wgmma
         assert "fine W13 WGRAD gluon" in run.stdout and "issue-a W2 WGRAD gluon" in run.stdout
+        # the partial-tile builds at GPT-OSS's D = F = 2880, as the heuristics pick them
+        for label in ("gpt-oss-120b W2 WGRAD gluon ws pingpong", "gpt-oss-120b W2 fwd gluon",
+                      "gpt-oss-120b W13 DGRAD gluon", "gpt-oss-120b W13 fwd gluon 128x128 coop",
+                      "gpt-oss-120b W2 DGRAD gluon split"):
+            assert label in run.stdout, label
 
 
 def test_every_wgmma_serialization_note_counts():

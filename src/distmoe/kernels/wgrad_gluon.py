@@ -62,6 +62,12 @@ once per 256 output rows, are its pick: kernel alone 3.129 ms at T=8192 D=4096 F
 K=8 (TMA-fed heuristic: 3.344), 0.453 at T=4096 D=2048 F=768 E=128 K=8 (0.401); one H200,
 2026-12-04, performance.md run 47.
 
+P need not be a multiple of the tile's rows (GPT-OSS's W2: P = D = 2880): the output is then
+stored through an ``[E, P, Q]`` descriptor, whose clipping keeps each expert's partial last
+row block out of the next expert's rows, and A's columns past P are TMA zeros. At
+GPT-OSS-120B's shape this replaced the Triton W2 WGRAD and made the training step 13%
+faster (one H200, 2026-12-04, performance.md run 49).
+
 Only for CUDA devices of compute capability 9.x and outside the interpreter; the launcher
 (:func:`gluon_wgrad_supported`) says when, and the Triton kernel serves everything else.
 """
