@@ -137,8 +137,9 @@ def test_bad_inputs_raise_before_buffers_are_touched():
         assert re.search(pattern, msgs[name]), (name, msgs[name])
 
 
-def _overflow_rank(rank, world, check):
+def _overflow_rank(rank, world, check, device="cpu"):
     # Everyone routes everything to rank 0's experts; rank 0's bound is half its load.
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else "cpu"
     T2 = 32
     cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T2,
                        training=False, row_block=16, device_scratch_factor=0.5)
@@ -148,7 +149,8 @@ def _overflow_rank(rank, world, check):
     scores = torch.rand(T2, K, generator=g)
     w13 = torch.randn(E // world, 2, F, D, generator=g).bfloat16() / 8
     w2 = torch.randn(E // world, D, F, generator=g).bfloat16() / 8
-    with dm.MoEContext(cfg, device="cpu", check=check) as ctx:
+    x, ids, scores, w13, w2 = (t.to(dev) for t in (x, ids, scores, w13, w2))
+    with dm.MoEContext(cfg, device=dev, check=check) as ctx:
         # canaries: every heap buffer and the scratch beyond R_cap must keep their bytes
         h2_before = ctx._h2.clone()
         combine = ctx.heap.view("combine", rank, torch.bfloat16, (T2 * K, D))
@@ -163,12 +165,25 @@ def _overflow_rank(rank, world, check):
         ctx.heap.barrier()
         untouched_slots = int((combine == 1234.0).all(1).sum())
         return dict(stats=stats, err=err, untouched_slots=untouched_slots,
-                    h2_shape_same=ctx._h2.shape == h2_before.shape, y=y)
+                    h2_shape_same=ctx._h2.shape == h2_before.shape,
+                    y=None if y is None else y.cpu())
 
 
 @pytest.mark.parametrize("check", [False, True])
 def test_receive_bound_overflow_is_counted_and_never_written(check):
-    out = dm.launch(_overflow_rank, 2, args=(check,))
+    _check_overflow(dm.launch(_overflow_rank, 2, args=(check,)), check)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("check", [False, True])
+def test_receive_bound_overflow_on_one_gpu(check):
+    """The same at EP=2 with both ranks on one GPU (CUDA IPC heap): the device-side bound,
+    the drop count and, with check=True, the collective raise after the call."""
+    _check_overflow(dm.launch(_overflow_rank, 2, args=(check, "cuda"), device="cuda",
+                              gpus=[0], timeout=300), check)
+
+
+def _check_overflow(out, check):
     r0, r1 = out
     s = r0["stats"]
     # rank 0 receives 2 ranks x 32 tokens x 2 routes = 128 rows; bound = 0.5 * 32 * 2 = 32

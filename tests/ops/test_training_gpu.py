@@ -5,7 +5,7 @@ and replayed with new inputs gives the eager gradients bit for bit."""
 import pytest
 import torch
 from forward_cases import make_problem
-from test_training import check_training
+from test_training import _check, _compare, check_training
 
 import distmoe as dm
 from distmoe.memory import kept_x_state_bytes
@@ -24,8 +24,9 @@ def test_training_gpu_matches_torch_autograd(EP, mode):
 
 
 def _partial_tile_rank(rank, world, seed, shape, names):
-    """One layer's y and gradients (x, scores, w13, w2) for each routing case, and which
-    kernels the heuristics gave the layer."""
+    """This rank's y and gradients (x, scores, w13, w2) for each routing case, the global
+    upstream gradient, and which kernels the heuristics gave the layer (every rank shares one
+    GPU at ``world`` > 1: the IPC heap)."""
     T, D, F, E, K = shape
     dev = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
            else torch.device("cpu"))
@@ -37,43 +38,50 @@ def _partial_tile_rank(rank, world, seed, shape, names):
                                   "_w2_wgrad_cfg", "_w13_wgrad_cfg")}
         out["w13_warps"] = ctx._w13_cfg.num_warps
         for i, name in enumerate(names):
-            x, ids, scores, w13, w2 = make_problem(seed + i, world, T, D, F, E, K, name)
-            leaves = [t.to(dev).clone().requires_grad_(True) for t in (x, scores, w13, w2)]
-            y = ctx(leaves[0], ids.to(dev), *leaves[1:])
-            gy = torch.randn(T, D, generator=torch.Generator().manual_seed(seed + i)).bfloat16()
-            grads = torch.autograd.grad((y.float() * gy.to(dev).float()).sum(), leaves)
+            mine = split_global_problem(*make_problem(seed + i, world, T, D, F, E, K, name),
+                                        world)[rank]
+            leaves = [t.to(dev).clone().requires_grad_(True)
+                      for t in (mine.x, mine.scores, mine.w13, mine.w2)]
+            y = ctx(leaves[0], mine.expert_ids.to(dev), *leaves[1:])
+            gy = torch.randn(world * T, D,
+                             generator=torch.Generator().manual_seed(seed + i)).bfloat16()
+            gy_mine = gy[rank * T:(rank + 1) * T].to(dev).float()
+            grads = torch.autograd.grad((y.float() * gy_mine).sum(), leaves)
             out[name] = [y.detach().cpu()] + [g.cpu() for g in grads] + [gy]
     return out
 
 
 @pytest.mark.gpu
-def test_training_gpu_gluon_kernels_with_partial_column_tiles():
+@pytest.mark.parametrize("EP", [1, 2])
+def test_training_gpu_gluon_kernels_with_partial_column_tiles(EP):
     """D = 320 and F = 1088 (like GPT-OSS's 2880, not multiples of the 128-column tiles) at
-    128 rows per expert, where the heuristics take every Gluon kernel: the cooperative W13
-    forward, the W2 forward, the split W2 DGRAD and the W13 DGRAD (each row's last column
-    tile partial), and both WGRADs (the W2 one's last row block of each expert stored
-    clipped). y and every gradient against torch autograd in fp64, within twice the bf16
-    reference's error plus 1/128 of the largest value (test_training's rule), balanced and
-    8x-imbalanced."""
-    from test_training import _check, _ref_grads
+    128 (EP=1) and 256 (EP=2) rows per local expert, where the heuristics take every Gluon
+    kernel: the cooperative W13 forward, the W2 forward, the split W2 DGRAD and the W13 DGRAD
+    (each row's last column tile partial), and both WGRADs (the W2 one's last row block of
+    each expert stored clipped). At EP=2 the two ranks share the GPU through the IPC heap,
+    so the W2 forward's partial tiles store half their rows into the peer's combine buffer
+    and the W2 DGRAD reads the peer's route gradients. y and every gradient against torch
+    autograd in fp64, within twice the bf16 reference's error plus 1/128 of the largest
+    value (test_training's rule), balanced and 8x-imbalanced."""
+    from test_training import _ref_grads
 
     from distmoe.reference import moe_reference
 
     shape, names, seed = (512, 320, 1088, 8, 2), ("balanced", "imbalance_8x"), 31
-    (out,) = dm.launch(_partial_tile_rank, 1, args=(seed, shape, names), device="cuda",
-                       gpus=[0], timeout=600)
-    assert all(out["gluon"].values()) and out["w13_warps"] == 8, out
+    per_rank = dm.launch(_partial_tile_rank, EP, args=(seed, shape, names), device="cuda",
+                         gpus=[0], timeout=600)
+    for out in per_rank:
+        assert all(out["gluon"].values()) and out["w13_warps"] == 8, out["gluon"]
     T, D, F, E, K = shape
     for i, name in enumerate(names):
-        x, ids, scores, w13, w2 = make_problem(seed + i, 1, T, D, F, E, K, name)
-        gy = out[name][-1]
+        x, ids, scores, w13, w2 = make_problem(seed + i, EP, T, D, F, E, K, name)
+        gy = per_rank[0][name][-1]
         y64, g64 = _ref_grads(moe_reference, [x.double(), ids, scores.double(), w13.double(),
                                               w2.double()], gy.double())
         y16, g16 = _ref_grads(moe_reference, [x, ids, scores, w13, w2], gy.float())
         assert y64.abs().max() > 0 and all(g.abs().max() > 0 for g in g64)
-        _check(f"{name} y", out[name][0], y64, y16)
-        for j, what in enumerate(("x", "scores", "w13", "w2")):
-            _check(f"{name} grad {what}", out[name][1 + j], g64[j], g16[j])
+        _check(f"{name} y", torch.cat([o[name][0] for o in per_rank]), y64, y16)
+        _compare(name, [o[name][1:5] for o in per_rank], g64, g16, expert_slots={2, 3})
 
 
 D, F, T, E, K = 256, 128, 64, 8, 2
