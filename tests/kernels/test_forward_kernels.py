@@ -1130,6 +1130,36 @@ def test_gpu_w13_gluon_programs_walk_many_tiles(block_n, warps, programs):
 
 @pytest.mark.gpu
 @GLUON_TILES
+@pytest.mark.parametrize("programs", [3, None], ids=["3_programs", "one_per_sm"])
+def test_gpu_w13_gluon_lockstep(block_n, warps, programs):
+    # W13Config.lockstep: each producer waits on a device counter for the wave before each
+    # tile after its first; the last wave's programs with no tile leave, so the others' waits
+    # must count only the tiles that exist (else each spins to its bound). Same rows as the
+    # reference, poisoned outputs, through gather_w13_swiglu (one program per SM) and with
+    # few programs walking many tiles.
+    from distmoe.kernels.w13_gluon import launch_gluon_w13
+
+    config = replace(_gluon_tile(block_n, warps), lockstep=True)
+    _assert_gluon_w13_runs(config)
+    if programs is None:
+        run_w13_case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, config=config,
+                     training=True, null_live=[5])
+        return
+    case = W13Case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, block_m=128,
+                   null_live=[5, 700])
+    n = case.layout.num_act
+    h2, h1, x_out = poisoned(n + 3, 768), poisoned(n + 3, 1536), poisoned(n + 3, 1024)
+    launch_gluon_w13(case.gather_ptrs, case.layout.padded_offsets, case.layout.row_offsets,
+                     case.w13, h2, h1_out=h1, x_out=x_out, out_offsets=None, enable=None,
+                     block_n=block_n, stages=config.num_stages, warps=warps, programs=programs,
+                     lockstep=True)
+    case.check_rows("h2", h2[:n], tail=h2[n:])
+    case.check_rows("h1", h1[:n], tail=h1[n:])
+    case.check_rows("x", x_out[:n], tail=x_out[n:])
+
+
+@pytest.mark.gpu
+@GLUON_TILES
 @pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
 def test_gpu_w13_gluon_many_experts(block_n, warps, training):
     # 200 local experts: above the 128 whose bounds the producer holds in registers (it
@@ -1432,6 +1462,10 @@ def test_gluon_w13_config_reaches_the_launch(monkeypatch):
         assert (reason["block_n"], reason["warps"], reason["stages"]) == (block_n, warps, stages)
         assert (launch["block_n"], launch["warps"], launch["stages"], launch["group_m"]) == (
             block_n, warps, stages, group_m)
+        assert launch["lockstep"] is False
+    calls.clear()
+    case.run(h2, config=replace(GLUON_W13, lockstep=True))
+    assert calls[1][1]["lockstep"] is True
     assert_untouched(h2, what="h2 (the recorder launched nothing)")
 
 

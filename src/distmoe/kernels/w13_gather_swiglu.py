@@ -429,10 +429,16 @@ class W13Config(GemmConfig):
     #: (with a ``RuntimeWarning`` that says why). Uses ``num_stages`` and ``group_m``;
     #: ``persistent`` does not apply (12 warps, one program per SM).
     gluon: bool = False
+    #: The Gluon kernel's producers start each wave of tiles together: each waits (a bounded
+    #: spin on a device counter) until every program has issued the loads of its previous
+    #: tile. Under a real router's routing, tiles differ in live rows and so in time, and
+    #: programs that drift apart no longer find the row blocks and weight tiles they share
+    #: in L2. Same bits; the Triton kernel ignores it.
+    lockstep: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("tma_epilogue", "gluon"):
+        for name in ("tma_epilogue", "gluon", "lockstep"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
@@ -830,7 +836,8 @@ def gather_w13_swiglu(
                              h1_out=h1_out, x_out=x_out, out_offsets=out_offsets,
                              enable=enable, block_n=config.block_n, stages=config.num_stages,
                              group_m=config.group_m, warps=config.num_warps, order=order,
-                             positions=positions, done=done, programs=programs)
+                             positions=positions, done=done, programs=programs,
+                             lockstep=config.lockstep)
             return h2_out
         warn_gluon_fallback("gather_w13_swiglu", gluon_reason)
     num_pid_m = r_cap // config.block_m

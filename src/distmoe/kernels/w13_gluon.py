@@ -93,6 +93,8 @@ if HAVE_GLUON:
     #: across its tile loop (``5 * EXPERTS_POW2 / 32`` of its 56 per thread); above, it
     #: loads them per tile: at 256 experts the held bounds spilled 4 bytes (sm_90, ptxas -v)
     _HELD_BOUNDS = gl.constexpr(128)
+    #: the most counter reads a producer spends waiting for the wave (W13Config.lockstep)
+    _LOCKSTEP_SPINS = gl.constexpr(512)
 
 __all__ = ["DONE_BLOCK", "GLUON_W13_TILES", "done_count", "tile_rows", "gluon_w13_reason",
            "launch_gluon_w13", "shape_reason"]
@@ -159,16 +161,29 @@ if HAVE_GLUON:
         gl.store(ptrs, v, mask=mask)
 
     @gluon.jit
+    def _lockstep_wait(sync_ptr, need):
+        """Spin until ``sync[0] >= need`` (the tiles whose loads every program has issued),
+        at most ``_LOCKSTEP_SPINS`` reads: the programs start each wave's tiles together, so
+        the row blocks and weight tiles they share are read from L2 rather than DRAM; the
+        bound keeps a program that is not resident (another kernel on the SMs) from
+        deadlocking the others, at the cost of their lockstep."""
+        seen = gl.load(sync_ptr, volatile=True)
+        spins = 0
+        while (seen < need) & (spins < _LOCKSTEP_SPINS):
+            seen = gl.load(sync_ptr, volatile=True)
+            spins += 1
+
+    @gluon.jit
     def _producer(w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
                   padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr, out_offsets_ptr,
-                  enable_ptr, order_ptr, positions_ptr, done_ptr, FFN: gl.constexpr,
+                  enable_ptr, order_ptr, positions_ptr, done_ptr, sync_ptr, FFN: gl.constexpr,
                   HIDDEN: gl.constexpr,
                   NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr,
                   STAGES: gl.constexpr, WRITE_H1: gl.constexpr, WRITE_X: gl.constexpr,
                   DYN_OFFSETS: gl.constexpr, HAS_ENABLE: gl.constexpr,
                   HAS_ORDER: gl.constexpr, HAS_DONE: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
-                  PARITY: gl.constexpr):
+                  PARITY: gl.constexpr, LOCKSTEP: gl.constexpr):
         """One warpgroup: the loads of every tile of the program, K step by K step."""
         NUM_K: gl.constexpr = HIDDEN // BLOCK_K
         NUM_PID_N: gl.constexpr = (FFN + BLOCK_N - 1) // BLOCK_N  # the last may be partial
@@ -185,6 +200,8 @@ if HAVE_GLUON:
         nbytes: gl.constexpr = 2 * w_desc.block_type.nbytes
         count = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            if LOCKSTEP:  # every program has issued the loads of its tiles before this one
+                _lockstep_wait(sync_ptr, gl.minimum(num_tiles, tile - gl.program_id(0)))
             if EXPERTS_POW2 > _HELD_BOUNDS:
                 # loaded per tile (L1 hits after the first) rather than held across the loop
                 t_ends, t_starts, t_rbeg, t_rend, t_eidx = _expert_bounds(
@@ -216,19 +233,21 @@ if HAVE_GLUON:
                 # arrives when this thread's copies have landed (counted in the barrier)
                 async_copy.mbarrier_arrive(bar, increment_count=False)
                 count += 1
+            if LOCKSTEP:
+                gl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
         async_copy.wait_group(0)
 
     @gluon.jit
     def _consumer(w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
                   padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr, out_offsets_ptr,
-                  enable_ptr, order_ptr, positions_ptr, done_ptr, FFN: gl.constexpr,
+                  enable_ptr, order_ptr, positions_ptr, done_ptr, sync_ptr, FFN: gl.constexpr,
                   HIDDEN: gl.constexpr,
                   NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr,
                   STAGES: gl.constexpr, WRITE_H1: gl.constexpr, WRITE_X: gl.constexpr,
                   DYN_OFFSETS: gl.constexpr, HAS_ENABLE: gl.constexpr,
                   HAS_ORDER: gl.constexpr, HAS_DONE: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
-                  PARITY: gl.constexpr):
+                  PARITY: gl.constexpr, LOCKSTEP: gl.constexpr):
         """One warpgroup: the MMAs, the rows saved and the epilogue of the program's tiles
         ``PARITY``, ``PARITY + 2``, ... (in the program's own numbering); with ``COOP``, of
         rows ``64 PARITY`` to ``64 PARITY + 63`` of every tile of the program."""
@@ -347,6 +366,7 @@ if HAVE_GLUON:
         order_ptr,  # int32 [R_cap / BLOCK_M] (HAS_ORDER), else a placeholder
         positions_ptr,  # int32 [2] (HAS_ORDER), else a placeholder
         done_ptr,  # int32 [R_cap / DONE_BLOCK] (HAS_DONE), else a placeholder
+        sync_ptr,  # int32 [1], zero at the launch (LOCKSTEP), else a placeholder
         FFN: gl.constexpr,
         HIDDEN: gl.constexpr,
         NUM_EXPERTS: gl.constexpr,
@@ -365,6 +385,7 @@ if HAVE_GLUON:
         BLOCK_K: gl.constexpr,
         PRODUCER_THREADS: gl.constexpr,
         COOP: gl.constexpr,
+        LOCKSTEP: gl.constexpr,  # the producers start each wave's tiles together (sync_ptr)
         num_warps: gl.constexpr,
     ):
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], A_LAYOUT)
@@ -377,22 +398,22 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_consumer, (w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
                          padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr,
-                         out_offsets_ptr, enable_ptr, order_ptr, positions_ptr, done_ptr, FFN,
+                         out_offsets_ptr, enable_ptr, order_ptr, positions_ptr, done_ptr, sync_ptr, FFN,
                          HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, WRITE_H1,
                          WRITE_X, DYN_OFFSETS, HAS_ENABLE, HAS_ORDER, HAS_DONE, BLOCK_M,
-                         BLOCK_N, BLOCK_K, COOP, 0)),
+                         BLOCK_N, BLOCK_K, COOP, 0, LOCKSTEP)),
             (_consumer, (w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
                          padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr,
-                         out_offsets_ptr, enable_ptr, order_ptr, positions_ptr, done_ptr, FFN,
+                         out_offsets_ptr, enable_ptr, order_ptr, positions_ptr, done_ptr, sync_ptr, FFN,
                          HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, WRITE_H1,
                          WRITE_X, DYN_OFFSETS, HAS_ENABLE, HAS_ORDER, HAS_DONE, BLOCK_M,
-                         BLOCK_N, BLOCK_K, COOP, 1)),
+                         BLOCK_N, BLOCK_K, COOP, 1, LOCKSTEP)),
             (_producer, (w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
                          padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr,
-                         out_offsets_ptr, enable_ptr, order_ptr, positions_ptr, done_ptr, FFN,
+                         out_offsets_ptr, enable_ptr, order_ptr, positions_ptr, done_ptr, sync_ptr, FFN,
                          HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, WRITE_H1,
                          WRITE_X, DYN_OFFSETS, HAS_ENABLE, HAS_ORDER, HAS_DONE, BLOCK_M,
-                         BLOCK_N, BLOCK_K, COOP, 0)),
+                         BLOCK_N, BLOCK_K, COOP, 0, LOCKSTEP)),
         ], [4, PRODUCER_THREADS // 32], [224, 56])
 
 
@@ -426,14 +447,16 @@ def launch_gluon_w13(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
                      block_n: int = 64, stages: int = 5, group_m: int = 8, warps: int = 4,
                      programs: int | None = None, order: torch.Tensor | None = None,
                      positions: torch.Tensor | None = None,
-                     done: torch.Tensor | None = None) -> None:
+                     done: torch.Tensor | None = None, lockstep: bool = False) -> None:
     """Launch the kernel (arguments validated by
     :func:`~distmoe.kernels.w13_gather_swiglu.gather_w13_swiglu`, and
     :func:`gluon_w13_reason` returned ``None``). ``warps``: 4 (ping-pong) or 8 (cooperative).
     ``programs``: the grid (default one per SM); tests pass fewer so that every program walks
     many tiles. ``order`` / ``positions``: the row blocks of this launch (see
     :func:`~distmoe.kernels.w13_gather_swiglu.gather_w13_swiglu`). ``done``: int32
-    ``[R_cap / DONE_BLOCK]``, counted up after each tile's h2 stores (:func:`done_count`)."""
+    ``[R_cap / DONE_BLOCK]``, counted up after each tile's h2 stores (:func:`done_count`).
+    ``lockstep``: :attr:`~distmoe.kernels.w13_gather_swiglu.W13Config.lockstep` (a zeroed
+    int32 counter is allocated per launch)."""
     from ._common import device_context, next_power_of_2, num_sms
 
     block_m, block_k = tile_rows(block_n, warps), 64
@@ -456,6 +479,8 @@ def launch_gluon_w13(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
             padded_offsets if order is None else order,
             padded_offsets if positions is None else positions,
             padded_offsets if done is None else done,
+            torch.zeros(1, dtype=torch.int32, device=h2_out.device) if lockstep
+            else padded_offsets,
             FFN=ffn, HIDDEN=hidden, NUM_EXPERTS=num_experts,
             EXPERTS_POW2=max(32, next_power_of_2(num_experts)),
             GROUP_M=group_m, STAGES=stages,
@@ -464,6 +489,7 @@ def launch_gluon_w13(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
             HAS_ORDER=order is not None, HAS_DONE=done is not None, A_LAYOUT=a_layout,
             BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=block_k,
-            PRODUCER_THREADS=_PRODUCER_THREADS, COOP=warps == 8, num_warps=4,
+            PRODUCER_THREADS=_PRODUCER_THREADS, COOP=warps == 8, LOCKSTEP=lockstep,
+            num_warps=4,
             maxnreg=_MAXNREG,
         )  # fmt: skip

@@ -40,7 +40,7 @@ _I64 = {"grad_h3_ptrs_ptr", "scatter_ptrs_ptr", "gather_ptrs_ptr", "h1_offset_pt
         "b_offset_ptr", "out_offsets_ptr", "b_rows_ptr"}
 _I64_SCALARS = {"b_shift"}
 _I32 = {"padded_offsets_ptr", "row_offsets_ptr", "enable_ptr", "order_ptr", "positions_ptr",
-        "done_ptr", "wait_ptr", "next_ptr"}
+        "done_ptr", "wait_ptr", "next_ptr", "sync_ptr"}
 
 
 #: the WGRAD kernels' address-table arguments when B is not gathered (placeholder tensors and
@@ -266,7 +266,8 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
         return []
     gl = wg.gl
 
-    def case(label, name, train, bn, stages, production, warps=4, order=False, done=False):
+    def case(label, name, train, bn, stages, production, warps=4, order=False, done=False,
+             lockstep=False):
         s = SHAPES[name]
         D, F, E = s.hidden, s.ffn, s.num_experts
         bm, bk = wg.tile_rows(bn, warps), 64
@@ -276,14 +277,15 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
                  "enable_ptr": "*i32"}
         return BuildCase(
             f"{label} W13 fwd gluon {bm}x{bn}{' coop' if warps == 8 else ''} s{stages} "
-            f"training={train}{' ordered' if order else ''}{' done' if done else ''}",
+            f"training={train}{' ordered' if order else ''}{' done' if done else ''}"
+            f"{' lockstep' if lockstep else ''}",
             wg._gluon_w13_kernel,
             dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
                  GROUP_M=8, STAGES=stages, WRITE_H1=train, WRITE_X=train, DYN_OFFSETS=train,
                  HAS_ENABLE=train, HAS_ORDER=order, HAS_DONE=done,
                  A_LAYOUT=gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16),
                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRODUCER_THREADS=wg._PRODUCER_THREADS,
-                 COOP=warps == 8, num_warps=4),
+                 COOP=warps == 8, LOCKSTEP=lockstep, num_warps=4),
             4, 1, types=types, production=production, gluon=True,
             options=dict(maxnreg=wg._MAXNREG))
 
@@ -315,6 +317,13 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
         if c is not None:
             cases.append(case("deepseek-v3", "deepseek-v3", True, c.block_n, c.num_stages, True,
                               warps=c.num_warps))
+    # the producers in lockstep (W13Config.lockstep), deepseek-v3's training build
+    s = SHAPES["deepseek-v3"]
+    c = W13Config.hopper_gluon(hidden=s.hidden, ffn=s.ffn, training=True,
+                               rows_per_expert=s.tokens * s.top_k // s.num_experts)
+    if c is not None:
+        cases.append(case("variant deepseek-v3", "deepseek-v3", True, c.block_n, c.num_stages,
+                          False, warps=c.num_warps, lockstep=True))
     cases.append(case("variant fine", "fine", True, 128, 5, False))
     cases.append(case("variant fine", "fine", False, 64, 3, False))
     cases.append(case("variant fine", "fine", True, 64, 6, False))
