@@ -43,7 +43,9 @@ def test_kernels_build_for_sm90_and_production_configs_do_not_spill():
         # the partial-tile builds at GPT-OSS's D = F = 2880, as the heuristics pick them
         for label in ("gpt-oss-120b W2 WGRAD gluon ws pingpong", "gpt-oss-120b W2 fwd gluon",
                       "gpt-oss-120b W13 DGRAD gluon", "gpt-oss-120b W13 fwd gluon 128x128 coop",
-                      "gpt-oss-120b W2 DGRAD gluon split"):
+                      "gpt-oss-120b W2 DGRAD gluon split",
+                      # the producers in lockstep (W13Config.lockstep), built
+                      "deepseek-v3 W13 fwd gluon 128x128 coop s4 training=True lockstep"):
             assert label in run.stdout, label
 
 

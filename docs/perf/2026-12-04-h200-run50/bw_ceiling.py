@@ -15,7 +15,9 @@ def med(fn, reps=20):
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
           for _ in range(reps)]
     for s, e in ev:
-        s.record(); fn(); e.record()
+        s.record()
+        fn()
+        e.record()
     torch.cuda.synchronize()
     t = sorted(s.elapsed_time(e) for s, e in ev)
     return t[len(t) // 2] / 1e3

@@ -93,11 +93,11 @@ for name, c in [*cfgs.items(), ("heur_again", heur)]:
         t.fill_(float("nan"))
     run(c)()
     outs[name] = [t[live.to(dev)].clone() for t in (h2, h1, xo)]
-    same = all(torch.equal(a, b) for a, b in zip(outs[name], outs["heur"]))
+    same = all(torch.equal(a, b) for a, b in zip(outs[name], outs["heur"], strict=True))
     print(f"{name:>12} same bits as heur: {same}", flush=True)
     if not same:
         bad.append(name)
-        for what, a, b in zip(("h2", "h1", "x"), outs[name], outs["heur"]):
+        for what, a, b in zip(("h2", "h1", "x"), outs[name], outs["heur"], strict=True):
             diff = ~((a == b) | (a.isnan() & b.isnan()))
             rows = diff.any(1).nonzero().flatten()
             print(f"    {what}: {int(diff.sum())} elements differ in {rows.numel()} rows "
