@@ -1112,9 +1112,14 @@ def test_gpu_w13_gluon_programs_walk_many_tiles(block_n, warps, programs):
     # Few programs: each walks many tiles, its load stream crossing tile and expert
     # boundaries, its ring's phases wrapping many times, and ping-pong consumers taking
     # turns many times (odd tile counts per program included).
+    _walk_many_tiles(_gluon_tile(block_n, warps), programs)
+
+
+def _walk_many_tiles(config, programs):
+    """The Gluon W13 launched with ``programs`` programs (h1 and the rows stored, poisoned
+    outputs and tails), every row against the reference."""
     from distmoe.kernels.w13_gluon import launch_gluon_w13
 
-    config = _gluon_tile(block_n, warps)
     _assert_gluon_w13_runs(config)
     case = W13Case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, block_m=128,
                    null_live=[5, 700])
@@ -1122,7 +1127,8 @@ def test_gpu_w13_gluon_programs_walk_many_tiles(block_n, warps, programs):
     h2, h1, x_out = poisoned(n + 3, 768), poisoned(n + 3, 1536), poisoned(n + 3, 1024)
     launch_gluon_w13(case.gather_ptrs, case.layout.padded_offsets, case.layout.row_offsets,
                      case.w13, h2, h1_out=h1, x_out=x_out, out_offsets=None, enable=None,
-                     block_n=block_n, stages=config.num_stages, warps=warps, programs=programs)
+                     block_n=config.block_n, stages=config.num_stages, warps=config.num_warps,
+                     programs=programs, lockstep=config.lockstep)
     case.check_rows("h2", h2[:n], tail=h2[n:])
     case.check_rows("h1", h1[:n], tail=h1[n:])
     case.check_rows("x", x_out[:n], tail=x_out[n:])
@@ -1137,25 +1143,13 @@ def test_gpu_w13_gluon_lockstep(block_n, warps, programs):
     # must count only the tiles that exist (else each spins to its bound). Same rows as the
     # reference, poisoned outputs, through gather_w13_swiglu (one program per SM) and with
     # few programs walking many tiles.
-    from distmoe.kernels.w13_gluon import launch_gluon_w13
-
     config = replace(_gluon_tile(block_n, warps), lockstep=True)
-    _assert_gluon_w13_runs(config)
     if programs is None:
+        _assert_gluon_w13_runs(config)
         run_w13_case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, config=config,
                      training=True, null_live=[5])
-        return
-    case = W13Case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, block_m=128,
-                   null_live=[5, 700])
-    n = case.layout.num_act
-    h2, h1, x_out = poisoned(n + 3, 768), poisoned(n + 3, 1536), poisoned(n + 3, 1024)
-    launch_gluon_w13(case.gather_ptrs, case.layout.padded_offsets, case.layout.row_offsets,
-                     case.w13, h2, h1_out=h1, x_out=x_out, out_offsets=None, enable=None,
-                     block_n=block_n, stages=config.num_stages, warps=warps, programs=programs,
-                     lockstep=True)
-    case.check_rows("h2", h2[:n], tail=h2[n:])
-    case.check_rows("h1", h1[:n], tail=h1[n:])
-    case.check_rows("x", x_out[:n], tail=x_out[n:])
+    else:
+        _walk_many_tiles(config, programs)
 
 
 @pytest.mark.gpu
