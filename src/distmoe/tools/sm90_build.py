@@ -308,20 +308,16 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
                 if not train:  # EP > 1, with the W2 running beside it (done counters)
                     cases.append(case(name, name, train, c.block_n, c.num_stages, True,
                                       warps=c.num_warps, done=True))
-    if "deepseek-v3" not in shapes:
-        # 256 experts: the producer loads the per-expert bounds per tile (production build:
-        # holding them spilled 4 bytes)
-        s = SHAPES["deepseek-v3"]
-        c = W13Config.hopper_gluon(hidden=s.hidden, ffn=s.ffn, training=True,
-                                   rows_per_expert=s.tokens * s.top_k // s.num_experts)
-        if c is not None:
-            cases.append(case("deepseek-v3", "deepseek-v3", True, c.block_n, c.num_stages, True,
-                              warps=c.num_warps))
-    # the producers in lockstep (W13Config.lockstep), deepseek-v3's training build
     s = SHAPES["deepseek-v3"]
     c = W13Config.hopper_gluon(hidden=s.hidden, ffn=s.ffn, training=True,
                                rows_per_expert=s.tokens * s.top_k // s.num_experts)
     if c is not None:
+        if "deepseek-v3" not in shapes:
+            # 256 experts: the producer loads the per-expert bounds per tile (production
+            # build: holding them spilled 4 bytes)
+            cases.append(case("deepseek-v3", "deepseek-v3", True, c.block_n, c.num_stages, True,
+                              warps=c.num_warps))
+        # the producers in lockstep (W13Config.lockstep), deepseek-v3's training build
         cases.append(case("variant deepseek-v3", "deepseek-v3", True, c.block_n, c.num_stages,
                           False, warps=c.num_warps, lockstep=True))
     cases.append(case("variant fine", "fine", True, 128, 5, False))
