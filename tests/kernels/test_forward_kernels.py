@@ -1115,14 +1115,16 @@ def test_gpu_w13_gluon_programs_walk_many_tiles(block_n, warps, programs):
     _walk_many_tiles(_gluon_tile(block_n, warps), programs)
 
 
-def _walk_many_tiles(config, programs):
+def _walk_many_tiles(config, programs, scale=1):
     """The Gluon W13 launched with ``programs`` programs (h1 and the rows stored, poisoned
-    outputs and tails), every row against the reference."""
+    outputs and tails), every row against the reference; ``scale`` multiplies the rows of
+    every expert of GLUON_COUNTS (more tiles)."""
     from distmoe.kernels.w13_gluon import launch_gluon_w13
 
     _assert_gluon_w13_runs(config)
-    case = W13Case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, block_m=128,
-                   null_live=[5, 700])
+    counts = [scale * n for n in GLUON_COUNTS]
+    case = W13Case(counts, hidden=1024, ffn=768, block_m=128, null_live=[5, 700],
+                   r_cap=sum(math.ceil(n / 128) * 128 for n in counts) + 3 * 128)
     n = case.layout.num_act
     h2, h1, x_out = poisoned(n + 3, 768), poisoned(n + 3, 1536), poisoned(n + 3, 1024)
     launch_gluon_w13(case.gather_ptrs, case.layout.padded_offsets, case.layout.row_offsets,
@@ -1136,18 +1138,24 @@ def _walk_many_tiles(config, programs):
 
 @pytest.mark.gpu
 @GLUON_TILES
-@pytest.mark.parametrize("programs", [3, None], ids=["3_programs", "one_per_sm"])
+@pytest.mark.parametrize("programs", [3, None, "twice_the_sms"])
 def test_gpu_w13_gluon_lockstep(block_n, warps, programs):
     # W13Config.lockstep: each producer waits on a device counter for the wave before each
     # tile after its first; the last wave's programs with no tile leave, so the others' waits
     # must count only the tiles that exist (else each spins to its bound). Same rows as the
-    # reference, poisoned outputs, through gather_w13_swiglu (one program per SM) and with
-    # few programs walking many tiles.
+    # reference, poisoned outputs, through gather_w13_swiglu (one program per SM), with few
+    # programs walking many tiles, and with twice as many programs as SMs (one fits an SM:
+    # the second half waits for the first to leave, so the first half's waits miss their
+    # bound; each then stops waiting, and the rows are the same).
+    from distmoe.kernels._common import num_sms
+
     config = replace(_gluon_tile(block_n, warps), lockstep=True)
     if programs is None:
         _assert_gluon_w13_runs(config)
         run_w13_case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, config=config,
                      training=True, null_live=[5])
+    elif programs == "twice_the_sms":
+        _walk_many_tiles(config, 2 * num_sms(torch.device("cuda")), scale=4)
     else:
         _walk_many_tiles(config, programs)
 
@@ -1590,6 +1598,15 @@ def test_gluon_w13_choice_and_limits_without_a_gpu():
                         (128, False)):
         assert tile(pick(hidden=4096, ffn=2048, rows_per_expert=rows, training=train)) == \
             (True, 128, 8, 4)
+    # its producers in lockstep from 128 rows per expert to 191 (run 52), nowhere else
+    lockstep = lambda rows, train, **kw: pick(  # noqa: E731
+        hidden=2048, ffn=768, rows_per_expert=rows, training=train, **kw).lockstep
+    for train in (True, False):
+        assert lockstep(128, train) and lockstep(191, train)
+        assert not any(lockstep(rows, train) for rows in (192, 256, 2048))
+        assert not lockstep(96, train, num_experts=32)  # ping-pong (training), mid (inference)
+    assert not any(lockstep(rows, False) for rows in (1, 63))  # decode
+    assert pick(hidden=2880, ffn=2880, rows_per_expert=128, training=True).lockstep
     # where 128 does not divide F: cooperative with a partial last column tile while its
     # columns past F are at most F / 16 (2880: 64; 1984: 64), else ping-pong 128 x 64
     # (training, or inference from 1024 rows per expert) or Triton

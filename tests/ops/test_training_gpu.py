@@ -37,6 +37,7 @@ def _partial_tile_rank(rank, world, seed, shape, names):
                         for a in ("_w13_cfg", "_w2_cfg", "_w2_dgrad_cfg", "_w13_dgrad_cfg",
                                   "_w2_wgrad_cfg", "_w13_wgrad_cfg")}
         out["w13_warps"] = ctx._w13_cfg.num_warps
+        out["w13_lockstep"] = ctx._w13_cfg.lockstep
         for i, name in enumerate(names):
             mine = split_global_problem(*make_problem(seed + i, world, T, D, F, E, K, name),
                                         world)[rank]
@@ -62,7 +63,8 @@ def test_training_gpu_gluon_kernels_with_partial_column_tiles(EP):
     so the W2 forward's partial tiles store half their rows into the peer's combine buffer
     and the W2 DGRAD reads the peer's route gradients. y and every gradient against torch
     autograd in fp64, within twice the bf16 reference's error plus 1/128 of the largest
-    value (test_training's rule), balanced and 8x-imbalanced."""
+    value (test_training's rule), balanced and 8x-imbalanced. At 128 rows per local expert
+    the W13's producers run in lockstep (``W13Config.lockstep``, the heuristic's pick)."""
     from test_training import _ref_grads
 
     from distmoe.reference import moe_reference
@@ -72,6 +74,7 @@ def test_training_gpu_gluon_kernels_with_partial_column_tiles(EP):
                          gpus=[0], timeout=600)
     for out in per_rank:
         assert all(out["gluon"].values()) and out["w13_warps"] == 8, out["gluon"]
+        assert out["w13_lockstep"] == (EP == 1)
     T, D, F, E, K = shape
     for i, name in enumerate(names):
         x, ids, scores, w13, w2 = make_problem(seed + i, EP, T, D, F, E, K, name)

@@ -398,6 +398,10 @@ def _gather_w13_swiglu_kernel(
 # --------------------------------------------------------------------------------------------
 
 
+#: :meth:`W13Config.hopper_gluon` sets ``lockstep`` from 128 rows per expert up to this bound
+_LOCKSTEP_ROWS_END = 192
+
+
 @dataclass(frozen=True, kw_only=True)
 class W13Config(GemmConfig):
     """Launch configuration of :func:`gather_w13_swiglu` (see :class:`GemmConfig`).
@@ -433,7 +437,8 @@ class W13Config(GemmConfig):
     #: spin on a device counter) until every program has issued the loads of its previous
     #: tile. Under a real router's routing, tiles differ in live rows and so in time, and
     #: programs that drift apart no longer find the row blocks and weight tiles they share
-    #: in L2. Same bits; the Triton kernel ignores it.
+    #: in L2. Same bits; the Triton kernel ignores it. :meth:`hopper_gluon` sets it at 128
+    #: to 191 rows per expert.
     lockstep: bool = False
 
     def __post_init__(self) -> None:
@@ -555,6 +560,16 @@ shape_reason`):
         * for training, and for inference with >= 1024 rows per expert: ping-pong 128 x 64
           tiles, 5 stages at >= 1024 rows per expert, else 6 (run 24).
 
+        The cooperative tile runs with ``lockstep`` at 128 to ``_LOCKSTEP_ROWS_END`` - 1
+        rows per expert: there a router's histogram gives about half the experts a second,
+        nearly empty row block, and programs that drift apart read its weight tiles from
+        DRAM again (performance.md run 51). Run 52, interleaved, sampled routing, one H100:
+        inference forward 1.22x at T=4096 D=7168 F=2048 E=256 K=8 (1.07x under exact
+        routing), 1.085x at D=F=2880 E=128 K=4 and 1.018x at T=2048 D=2048 F=768 E=128
+        K=8; forward+backward 1.026-1.032x at the second and even at the third; at 256 rows
+        per expert (T=4096 at the third's widths) the forward 2.8% slower, at 512 and 2048
+        and at decode (T=64) even to 1.1% slower: hence the bound, halfway to 256.
+
         Where 128 does not divide F (F a multiple of 64) the cooperative tile's last column
         tile is partial; it is a candidate only where its columns past F are at most 1/16 of
         F (GPT-OSS's 2880: run 49 measured it there).
@@ -570,7 +585,8 @@ shape_reason`):
         coop_waste = -(-ffn // 128) * 128 - ffn
         if (rows_per_expert >= 128 or decode or mid) and 16 * coop_waste <= ffn:
             candidates.append(cls(block_m=128, block_n=128, block_k=64, num_warps=8,
-                                  num_stages=4, group_m=8, persistent=True, gluon=True))
+                                  num_stages=4, group_m=8, persistent=True, gluon=True,
+                                  lockstep=128 <= rows_per_expert < _LOCKSTEP_ROWS_END))
         if training or long_segments:
             candidates.append(cls(block_m=128, block_n=64, block_k=64, num_warps=4,
                                   num_stages=5 if long_segments else 6, group_m=8,

@@ -163,15 +163,18 @@ if HAVE_GLUON:
     @gluon.jit
     def _lockstep_wait(sync_ptr, need):
         """Spin until ``sync[0] >= need`` (the tiles whose loads every program has issued),
-        at most ``_LOCKSTEP_SPINS`` reads: the programs start each wave's tiles together, so
-        the row blocks and weight tiles they share are read from L2 rather than DRAM; the
-        bound keeps a program that is not resident (another kernel on the SMs) from
-        deadlocking the others, at the cost of their lockstep."""
+        at most ``_LOCKSTEP_SPINS`` reads; returns whether the wave arrived in time. The
+        programs start each wave's tiles together, so the row blocks and weight tiles they
+        share are read from L2 rather than DRAM. The bound keeps a program that is not
+        resident (another kernel holds its SM) from deadlocking the others, and the caller
+        stops waiting after the first miss, so such a launch pays one bound per program, not
+        one per tile."""
         seen = gl.load(sync_ptr, volatile=True)
         spins = 0
         while (seen < need) & (spins < _LOCKSTEP_SPINS):
             seen = gl.load(sync_ptr, volatile=True)
             spins += 1
+        return seen >= need
 
     @gluon.jit
     def _producer(w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
@@ -199,9 +202,12 @@ if HAVE_GLUON:
         kk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, CP))
         nbytes: gl.constexpr = 2 * w_desc.block_type.nbytes
         count = 0
+        in_step = gl.to_tensor(True)  # until a wait misses its bound (a program not resident)
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             if LOCKSTEP:  # every program has issued the loads of its tiles before this one
-                _lockstep_wait(sync_ptr, gl.minimum(num_tiles, tile - gl.program_id(0)))
+                if in_step:
+                    in_step = _lockstep_wait(sync_ptr,
+                                             gl.minimum(num_tiles, tile - gl.program_id(0)))
             if EXPERTS_POW2 > _HELD_BOUNDS:
                 # loaded per tile (L1 hits after the first) rather than held across the loop
                 t_ends, t_starts, t_rbeg, t_rend, t_eidx = _expert_bounds(

@@ -254,7 +254,8 @@ def gluon_w13_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Build
 W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and the rows
     saved at device offsets and an enable flag in training (production: no spill, no
     serialized wgmma), and deepseek-v3's training build (256 experts: the producer's bounds
-    loaded per tile) where it is not among ``shapes``; then (build only) at ``fine`` the
+    loaded per tile) where it is not among ``shapes``, each with the producers in lockstep
+    where the heuristic sets it (gpt-oss-120b and deepseek-v3: 128 rows per expert); then (build only) at ``fine`` the
     64 x 128 consumer tile with its deepest ring, a 3-stage inference build and the 6-stage
     128 x 64 training build (what the heuristic picks below 128 rows per expert), and the
     5-stage 128 x 64 tile at each shape."""
@@ -300,26 +301,23 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
             c = W13Config.hopper_gluon(hidden=s.hidden, ffn=s.ffn, rows_per_expert=hint,
                                        training=train)
             if c is not None:
+                # (the producers in lockstep where the heuristic sets W13Config.lockstep)
                 cases.append(case(name, name, train, c.block_n, c.num_stages, True,
-                                  warps=c.num_warps))
+                                  warps=c.num_warps, lockstep=c.lockstep))
                 # EP > 1 with every peer token copied: two launches over a block order
                 cases.append(case(name, name, train, c.block_n, c.num_stages, True,
-                                  warps=c.num_warps, order=True))
+                                  warps=c.num_warps, order=True, lockstep=c.lockstep))
                 if not train:  # EP > 1, with the W2 running beside it (done counters)
                     cases.append(case(name, name, train, c.block_n, c.num_stages, True,
-                                      warps=c.num_warps, done=True))
+                                      warps=c.num_warps, done=True, lockstep=c.lockstep))
     s = SHAPES["deepseek-v3"]
     c = W13Config.hopper_gluon(hidden=s.hidden, ffn=s.ffn, training=True,
                                rows_per_expert=s.tokens * s.top_k // s.num_experts)
-    if c is not None:
-        if "deepseek-v3" not in shapes:
-            # 256 experts: the producer loads the per-expert bounds per tile (production
-            # build: holding them spilled 4 bytes)
-            cases.append(case("deepseek-v3", "deepseek-v3", True, c.block_n, c.num_stages, True,
-                              warps=c.num_warps))
-        # the producers in lockstep (W13Config.lockstep), deepseek-v3's training build
-        cases.append(case("variant deepseek-v3", "deepseek-v3", True, c.block_n, c.num_stages,
-                          False, warps=c.num_warps, lockstep=True))
+    if c is not None and "deepseek-v3" not in shapes:
+        # 256 experts: the producer loads the per-expert bounds per tile (production build:
+        # holding them spilled 4 bytes)
+        cases.append(case("deepseek-v3", "deepseek-v3", True, c.block_n, c.num_stages, True,
+                          warps=c.num_warps, lockstep=c.lockstep))
     cases.append(case("variant fine", "fine", True, 128, 5, False))
     cases.append(case("variant fine", "fine", False, 64, 3, False))
     cases.append(case("variant fine", "fine", True, 64, 6, False))
