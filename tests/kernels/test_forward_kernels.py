@@ -1319,22 +1319,51 @@ def test_gpu_w2_gluon_partial_column_tile(block_n, warps):
                 min_rows=GLUON_W2_MIN_ROWS, skip_live=GLUON_W2_SKIP)
 
 
+def _w2_walk(config, programs, scale=1):
+    """The Gluon W2 launched with ``programs`` programs over GLUON_COUNTS with every
+    expert's rows times ``scale`` (poisoned outputs, canaries), against the reference."""
+    from distmoe.kernels.w2_gluon import launch_gluon_w2
+
+    counts = [scale * n for n in GLUON_COUNTS]
+    case = W2Case(counts, hidden=1024, ffn=768, block_m=128,
+                  r_cap=sum(max(math.ceil(n / 128) * 128, m)
+                            for n, m in zip(counts, GLUON_W2_MIN_ROWS, strict=True)) + 3 * 128,
+                  min_rows=GLUON_W2_MIN_ROWS, skip_live=GLUON_W2_SKIP)
+    layout = case.layout
+    launch_gluon_w2(case.h2, layout.padded_offsets, layout.row_offsets, case.w2,
+                    case.scatter_ptrs, enable=None, block_n=config.block_n,
+                    stages=config.num_stages, warps=config.num_warps, programs=programs,
+                    lockstep=config.lockstep)
+    case.check()
+
+
 @pytest.mark.gpu
 @GLUON_W2_TILE_PARAMS
 @pytest.mark.parametrize("programs", [1, 3, 7])
 def test_gpu_w2_gluon_programs_walk_many_tiles(block_n, warps, programs):
     # Few programs: each walks many tiles across expert boundaries, its ring's phases wrap
     # many times and ping-pong consumers take turns many times (odd counts included).
-    from distmoe.kernels.w2_gluon import launch_gluon_w2
+    _w2_walk(_gluon_w2_tile(block_n, warps), programs)
 
-    config = _gluon_w2_tile(block_n, warps)
-    case = W2Case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, block_m=128,
-                  min_rows=GLUON_W2_MIN_ROWS, skip_live=GLUON_W2_SKIP)
-    layout = case.layout
-    launch_gluon_w2(case.h2, layout.padded_offsets, layout.row_offsets, case.w2,
-                    case.scatter_ptrs, enable=None, block_n=block_n,
-                    stages=config.num_stages, warps=warps, programs=programs)
-    case.check()
+
+@pytest.mark.gpu
+@GLUON_W2_TILE_PARAMS
+@pytest.mark.parametrize("programs", [3, None, "twice_the_sms"])
+def test_gpu_w2_gluon_lockstep(block_n, warps, programs):
+    # W2Config.lockstep (as test_gpu_w13_gluon_lockstep): through w2_scatter with one
+    # program per SM, few programs walking many tiles (the last wave's idle programs must
+    # not hold the others' waits), and twice as many programs as SMs (the first half's waits
+    # miss their bound, after which each stops waiting). Same rows as the reference.
+    from distmoe.kernels._common import num_sms
+
+    config = replace(_gluon_w2_tile(block_n, warps), lockstep=True)
+    if programs is None:
+        run_w2_case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, config=config,
+                    min_rows=GLUON_W2_MIN_ROWS, skip_live=GLUON_W2_SKIP)
+    elif programs == "twice_the_sms":
+        _w2_walk(config, 2 * num_sms(torch.device("cuda")), scale=8)
+    else:
+        _w2_walk(config, programs)
 
 
 @pytest.mark.gpu
@@ -1493,6 +1522,10 @@ def test_gluon_w2_config_reaches_the_launch(monkeypatch):
         assert (launch["block_n"], launch["warps"], launch["stages"], launch["group_m"]) == (
             block_n, warps, stages, group_m)
         assert launch["enable"] is enable
+        assert launch["lockstep"] is False
+    calls.clear()
+    case.run(config=replace(GLUON_W2, lockstep=True), enable=enable)
+    assert calls[1][1]["lockstep"] is True
     for i, out in enumerate(case.outputs()):
         assert_untouched(out, what=f"output buffer {i} (the recorder launched nothing)")
     calls.clear()
@@ -1553,6 +1586,15 @@ def test_gluon_w2_shape_rules_without_a_gpu():
             (True, 128, 4, 6)
     assert W2Config.hopper_gluon(hidden=4096, ffn=2048, rows_per_expert=127) is None
     assert W2Config.hopper_gluon(hidden=2048, ffn=768, rows_per_expert=96) is None
+    # its producers in lockstep at 128-191 rows per expert where an expert's W2 weights hold
+    # at least 8 MiB (run 52): D=4096 F=1024 is exactly that, D=2048 F=768 (3 MiB) not
+    lockstep = lambda rows, hidden=4096, ffn=1024: W2Config.hopper_gluon(  # noqa: E731
+        hidden=hidden, ffn=ffn, rows_per_expert=rows).lockstep
+    assert lockstep(128) and lockstep(191) and lockstep(128, 2880, 2880)
+    assert not any(lockstep(rows) for rows in (192, 256, 2048))
+    assert not lockstep(128, 4096, 960) and not lockstep(128, 2048, 768)
+    assert not W2Config.hopper_gluon(hidden=4096, ffn=1024, rows_per_expert=96,
+                                     num_experts=32).lockstep  # mid rows
     # 64-127 rows per expert: Gluon where the local experts are given and their W2 weights
     # total less than 2 GiB (run 38; 128 experts at D=4096 F=2048 are exactly that); below
     # 64 Triton whatever the count

@@ -326,6 +326,21 @@ def gluon_mid_rows(rows_per_expert: int, num_experts: int | None,
     return num_experts * weights_per_expert * 2 < GLUON_MID_ROWS_WEIGHT_BYTES
 
 
+#: Rows per expert (the heuristics' hint) at which the Gluon W13 forward's producers run in
+#: lockstep (``W13Config.lockstep``), from the first to before the second; the Gluon W2
+#: forward's too where each expert's W2 weights hold at least
+#: :data:`LOCKSTEP_W2_WEIGHT_BYTES` (docs/performance.md runs 51-52).
+LOCKSTEP_ROWS = (128, 192)
+#: see :data:`LOCKSTEP_ROWS`: W2 lockstep measured 2.5-5.4% faster (forward) at 16.6 and
+#: 29 MB per expert, 1% slower at 3 MB
+LOCKSTEP_W2_WEIGHT_BYTES = 8 * 1024**2
+
+
+def lockstep_rows(rows_per_expert: int) -> bool:
+    """Whether a ``rows_per_expert`` hint lies in :data:`LOCKSTEP_ROWS`."""
+    return LOCKSTEP_ROWS[0] <= rows_per_expert < LOCKSTEP_ROWS[1]
+
+
 def gluon_device(device: torch.device | str | None) -> bool:
     """Whether ``device`` runs the warp-specialised Gluon kernels
     (:func:`~distmoe.kernels.wgrad_gluon.gluon_device_reason`: Hopper, not the interpreter);

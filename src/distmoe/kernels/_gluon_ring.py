@@ -24,6 +24,10 @@ if HAVE_GLUON:
 
     from ._common import swizzle_tile
 
+    #: the most counter reads a producer spends waiting for the wave (``lockstep`` of the
+    #: W13 and W2 configs: :func:`_lockstep_wait`)
+    _LOCKSTEP_SPINS = gl.constexpr(512)
+
     @gluon.jit
     def _tile_info(tile, num_pid_m, ends, starts, rbeg, rend, eidx,
                    NUM_PID_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_EXPERTS: gl.constexpr,
@@ -259,6 +263,27 @@ if HAVE_GLUON:
             seen = gl.atomic_add(ptrs, zero, sem="acquire", scope="gpu")
         gl.inline_asm_elementwise("fence.proxy.async.global; mov.b32 $0, $1;", "=r,r",
                                   [seen], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _lockstep_wait(sync_ptr, need):
+        """Spin until ``sync[0] >= need`` (the tiles whose loads every program has issued),
+        at most ``_LOCKSTEP_SPINS`` reads; returns whether the wave arrived in time. The
+        programs start each wave's tiles together, so the row blocks and weight tiles they
+        share are read from L2 rather than DRAM. The bound keeps a program that is not
+        resident (another kernel holds its SM) from deadlocking the others, and the caller
+        stops waiting after the first miss, so such a launch pays one bound per program, not
+        one per tile."""
+        seen = gl.load(sync_ptr, volatile=True)
+        spins = 0
+        while (seen < need) & (spins < _LOCKSTEP_SPINS):
+            seen = gl.load(sync_ptr, volatile=True)
+            spins += 1
+        return seen >= need
+
+    @gluon.jit
+    def _lockstep_tile_done(sync_ptr):
+        """Count one tile whose loads this program has issued (:func:`_lockstep_wait`)."""
+        gl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
 
     @gluon.jit
     def _enabled_tiles(enable_ptr, num_tiles, HAS_ENABLE: gl.constexpr):

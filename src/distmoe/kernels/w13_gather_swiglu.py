@@ -84,6 +84,7 @@ from distmoe.kernels._common import (
     gemm_grid,
     gluon_device,
     gluon_mid_rows,
+    lockstep_rows,
     next_power_of_2,
     rows_at,
     swizzle_tile,
@@ -398,10 +399,6 @@ def _gather_w13_swiglu_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-#: :meth:`W13Config.hopper_gluon` sets ``lockstep`` from 128 rows per expert up to this bound
-_LOCKSTEP_ROWS_END = 192
-
-
 @dataclass(frozen=True, kw_only=True)
 class W13Config(GemmConfig):
     """Launch configuration of :func:`gather_w13_swiglu` (see :class:`GemmConfig`).
@@ -560,8 +557,8 @@ shape_reason`):
         * for training, and for inference with >= 1024 rows per expert: ping-pong 128 x 64
           tiles, 5 stages at >= 1024 rows per expert, else 6 (run 24).
 
-        The cooperative tile runs with ``lockstep`` at 128 to ``_LOCKSTEP_ROWS_END`` - 1
-        rows per expert: there a router's histogram gives about half the experts a second,
+        The cooperative tile runs with ``lockstep`` at 128 to 191 rows per expert
+        (:data:`~distmoe.kernels._common.LOCKSTEP_ROWS`): there a router's histogram gives about half the experts a second,
         nearly empty row block, and programs that drift apart read its weight tiles from
         DRAM again (performance.md run 51). Run 52, interleaved, sampled routing, one H100:
         inference forward 1.22x at T=4096 D=7168 F=2048 E=256 K=8 (1.07x under exact
@@ -586,7 +583,7 @@ shape_reason`):
         if (rows_per_expert >= 128 or decode or mid) and 16 * coop_waste <= ffn:
             candidates.append(cls(block_m=128, block_n=128, block_k=64, num_warps=8,
                                   num_stages=4, group_m=8, persistent=True, gluon=True,
-                                  lockstep=128 <= rows_per_expert < _LOCKSTEP_ROWS_END))
+                                  lockstep=lockstep_rows(rows_per_expert)))
         if training or long_segments:
             candidates.append(cls(block_m=128, block_n=64, block_k=64, num_warps=4,
                                   num_stages=5 if long_segments else 6, group_m=8,

@@ -81,6 +81,8 @@ if HAVE_GLUON:
         _consumer_walk,
         _enabled_tiles,
         _expert_bounds,
+        _lockstep_tile_done,
+        _lockstep_wait,
         _ordered_tile_info,
         _ordered_tiles,
         _program_tiles,
@@ -93,8 +95,6 @@ if HAVE_GLUON:
     #: across its tile loop (``5 * EXPERTS_POW2 / 32`` of its 56 per thread); above, it
     #: loads them per tile: at 256 experts the held bounds spilled 4 bytes (sm_90, ptxas -v)
     _HELD_BOUNDS = gl.constexpr(128)
-    #: the most counter reads a producer spends waiting for the wave (W13Config.lockstep)
-    _LOCKSTEP_SPINS = gl.constexpr(512)
 
 __all__ = ["DONE_BLOCK", "GLUON_W13_TILES", "done_count", "tile_rows", "gluon_w13_reason",
            "launch_gluon_w13", "shape_reason"]
@@ -161,22 +161,6 @@ if HAVE_GLUON:
         gl.store(ptrs, v, mask=mask)
 
     @gluon.jit
-    def _lockstep_wait(sync_ptr, need):
-        """Spin until ``sync[0] >= need`` (the tiles whose loads every program has issued),
-        at most ``_LOCKSTEP_SPINS`` reads; returns whether the wave arrived in time. The
-        programs start each wave's tiles together, so the row blocks and weight tiles they
-        share are read from L2 rather than DRAM. The bound keeps a program that is not
-        resident (another kernel holds its SM) from deadlocking the others, and the caller
-        stops waiting after the first miss, so such a launch pays one bound per program, not
-        one per tile."""
-        seen = gl.load(sync_ptr, volatile=True)
-        spins = 0
-        while (seen < need) & (spins < _LOCKSTEP_SPINS):
-            seen = gl.load(sync_ptr, volatile=True)
-            spins += 1
-        return seen >= need
-
-    @gluon.jit
     def _producer(w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
                   padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr, out_offsets_ptr,
                   enable_ptr, order_ptr, positions_ptr, done_ptr, sync_ptr, FFN: gl.constexpr,
@@ -240,7 +224,7 @@ if HAVE_GLUON:
                 async_copy.mbarrier_arrive(bar, increment_count=False)
                 count += 1
             if LOCKSTEP:
-                gl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
+                _lockstep_tile_done(sync_ptr)
         async_copy.wait_group(0)
 
     @gluon.jit

@@ -72,6 +72,8 @@ if HAVE_GLUON:
     from ._gluon_ring import (
         _consumer_walk,
         _enabled_tiles,
+        _lockstep_tile_done,
+        _lockstep_wait,
         _mma_steps,
         _program_tiles,
         _ring_barriers,
@@ -111,13 +113,14 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,
-                  padded_offsets_ptr, row_offsets_ptr, enable_ptr, wait_ptr, need,
+                  padded_offsets_ptr, row_offsets_ptr, enable_ptr, wait_ptr, need, sync_ptr,
                   HIDDEN: gl.constexpr,
                   FFN: gl.constexpr, NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr,
                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_ENABLE: gl.constexpr,
                   HAS_WAIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   BLOCK_K: gl.constexpr,
-                  COOP: gl.constexpr, B_K_MAJOR: gl.constexpr, PARITY: gl.constexpr):
+                  COOP: gl.constexpr, B_K_MAJOR: gl.constexpr, PARITY: gl.constexpr,
+                  LOCKSTEP: gl.constexpr):
         """One warp: the TMA loads of every tile of the program, K step by K step."""
         NUM_K: gl.constexpr = FFN // BLOCK_K
         NUM_PID_N: gl.constexpr = (HIDDEN + BLOCK_N - 1) // BLOCK_N  # the last may be partial
@@ -126,7 +129,12 @@ if HAVE_GLUON:
             BLOCK_M, 1)
         num_tiles = _enabled_tiles(enable_ptr, num_tiles, HAS_ENABLE)
         count = 0
+        in_step = gl.to_tensor(True)  # until a wait misses its bound (a program not resident)
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            if LOCKSTEP:  # every program has issued the loads of its tiles before this one
+                if in_step:
+                    in_step = _lockstep_wait(sync_ptr,
+                                             gl.minimum(num_tiles, tile - gl.program_id(0)))
             pid_n, expert, row, act_start, _live = _tile_info(
                 tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
                 NUM_EXPERTS, BLOCK_M)
@@ -140,16 +148,19 @@ if HAVE_GLUON:
                 w_col = pid_n * BLOCK_N
             count = _tma_load_steps(a_desc, w_desc, a_bufs, b_bufs, ready, empty, count,
                                     act_start, w_row, w_col, NUM_K, STAGES, BLOCK_K, B_K_MAJOR)
+            if LOCKSTEP:
+                _lockstep_tile_done(sync_ptr)
 
     @gluon.jit
     def _consumer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,
-                  padded_offsets_ptr, row_offsets_ptr, enable_ptr, wait_ptr, need,
+                  padded_offsets_ptr, row_offsets_ptr, enable_ptr, wait_ptr, need, sync_ptr,
                   HIDDEN: gl.constexpr,
                   FFN: gl.constexpr, NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr,
                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_ENABLE: gl.constexpr,
                   HAS_WAIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   BLOCK_K: gl.constexpr,
-                  COOP: gl.constexpr, B_K_MAJOR: gl.constexpr, PARITY: gl.constexpr):
+                  COOP: gl.constexpr, B_K_MAJOR: gl.constexpr, PARITY: gl.constexpr,
+                  LOCKSTEP: gl.constexpr):
         """One warpgroup: the MMAs and the stores of the program's tiles ``PARITY``,
         ``PARITY + 2``, ... (in the program's own numbering); with ``COOP``, of rows
         ``64 PARITY`` to ``64 PARITY + 63`` of every tile of the program."""
@@ -237,6 +248,7 @@ if HAVE_GLUON:
         enable_ptr,  # int32 [1] (HAS_ENABLE), else a placeholder
         wait_ptr,  # int32 [R_cap / 128] (HAS_WAIT), else a placeholder
         need,  # the count a row block's wait entry reaches when its h2 rows are stored
+        sync_ptr,  # int32 [1], zeroed (LOCKSTEP), else a placeholder
         HIDDEN: gl.constexpr,  # N: the output row's width (D)
         FFN: gl.constexpr,  # K: the reduction (F for the W2 forward, 2F for the W13 DGRAD)
         NUM_EXPERTS: gl.constexpr,
@@ -250,6 +262,7 @@ if HAVE_GLUON:
         BLOCK_K: gl.constexpr,
         COOP: gl.constexpr,
         B_K_MAJOR: gl.constexpr,
+        LOCKSTEP: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K],
@@ -266,20 +279,20 @@ if HAVE_GLUON:
         # (the argument lists are written out: a tuple built here loses the constexprs)
         gl.warp_specialize([
             (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,
-                         padded_offsets_ptr, row_offsets_ptr, enable_ptr, wait_ptr, need, HIDDEN,
-                         FFN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, HAS_ENABLE,
-                         HAS_WAIT, BLOCK_M,
-                         BLOCK_N, BLOCK_K, COOP, B_K_MAJOR, 0)),
+                         padded_offsets_ptr, row_offsets_ptr, enable_ptr, wait_ptr, need,
+                         sync_ptr, HIDDEN, FFN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
+                         HAS_ENABLE, HAS_WAIT, BLOCK_M, BLOCK_N, BLOCK_K, COOP, B_K_MAJOR,
+                         0, LOCKSTEP)),
             (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,
-                         padded_offsets_ptr, row_offsets_ptr, enable_ptr, wait_ptr, need, HIDDEN,
-                         FFN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, HAS_ENABLE,
-                         HAS_WAIT, BLOCK_M,
-                         BLOCK_N, BLOCK_K, COOP, B_K_MAJOR, 1)),
+                         padded_offsets_ptr, row_offsets_ptr, enable_ptr, wait_ptr, need,
+                         sync_ptr, HIDDEN, FFN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
+                         HAS_ENABLE, HAS_WAIT, BLOCK_M, BLOCK_N, BLOCK_K, COOP, B_K_MAJOR,
+                         1, LOCKSTEP)),
             (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,
-                         padded_offsets_ptr, row_offsets_ptr, enable_ptr, wait_ptr, need, HIDDEN,
-                         FFN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, HAS_ENABLE,
-                         HAS_WAIT, BLOCK_M,
-                         BLOCK_N, BLOCK_K, COOP, B_K_MAJOR, 0)),
+                         padded_offsets_ptr, row_offsets_ptr, enable_ptr, wait_ptr, need,
+                         sync_ptr, HIDDEN, FFN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
+                         HAS_ENABLE, HAS_WAIT, BLOCK_M, BLOCK_N, BLOCK_K, COOP, B_K_MAJOR,
+                         0, LOCKSTEP)),
         ], [4, 1], [232, 40])
 
 
@@ -323,7 +336,8 @@ def launch_gluon_w2(h2: torch.Tensor, padded_offsets: torch.Tensor, row_offsets:
                     w2: torch.Tensor, scatter_ptrs: torch.Tensor, *,
                     enable: torch.Tensor | None, block_n: int = 128, stages: int = 5,
                     group_m: int = 8, warps: int = 4, programs: int | None = None,
-                    wait: torch.Tensor | None = None, need: int = 0) -> None:
+                    wait: torch.Tensor | None = None, need: int = 0,
+                    lockstep: bool = False) -> None:
     """Launch the kernel (arguments validated by
     :func:`~distmoe.kernels.w2_scatter.w2_scatter`, and :func:`gluon_w2_reason` returned
     ``None``). ``warps``: 4 (ping-pong, ``block_n`` 128) or 8 (cooperative, ``block_n`` 256).
@@ -331,14 +345,16 @@ def launch_gluon_w2(h2: torch.Tensor, padded_offsets: torch.Tensor, row_offsets:
     many tiles. ``wait``: int32 ``[R_cap / 128]``; the producer starts a tile's loads only
     once ``wait[padded row / 128] >= need`` (acquire), i.e. once a W13 running beside it has
     stored that row block's h2 rows (:func:`~distmoe.kernels.w13_gather_swiglu.\
-gather_w13_swiglu`'s ``done``)."""
+gather_w13_swiglu`'s ``done``). ``lockstep``: :attr:`~distmoe.kernels.w2_scatter.W2Config.\
+lockstep` (a zeroed int32 counter is allocated per launch)."""
     num_experts, hidden, ffn = w2.shape
     w_layout = gl.NVMMASharedLayout.get_default_for([block_n, _BLOCK_K], gl.bfloat16)
     w_desc = GluonDescriptor(w2.view(num_experts * hidden, ffn), [num_experts * hidden, ffn],
                              [ffn, 1], [block_n, _BLOCK_K], w_layout)
     _launch(h2, w_desc, scatter_ptrs, padded_offsets, row_offsets, enable, wait, need,
             hidden=hidden, depth=ffn, num_experts=num_experts, block_n=block_n,
-            stages=stages, group_m=group_m, warps=warps, programs=programs, b_k_major=True)
+            stages=stages, group_m=group_m, warps=warps, programs=programs, b_k_major=True,
+            lockstep=lockstep)
 
 
 def launch_gluon_w13_dgrad(grad_h1: torch.Tensor, padded_offsets: torch.Tensor,
@@ -361,11 +377,13 @@ def launch_gluon_w13_dgrad(grad_h1: torch.Tensor, padded_offsets: torch.Tensor,
                              w_layout)
     _launch(grad_h1, w_desc, scatter_ptrs, padded_offsets, row_offsets, None, None, 0,
             hidden=hidden, depth=depth, num_experts=num_experts, block_n=block_n,
-            stages=stages, group_m=group_m, warps=warps, programs=programs, b_k_major=False)
+            stages=stages, group_m=group_m, warps=warps, programs=programs, b_k_major=False,
+            lockstep=False)
 
 
 def _launch(a, w_desc, scatter_ptrs, padded_offsets, row_offsets, enable, wait, need, *,
-            hidden, depth, num_experts, block_n, stages, group_m, warps, programs, b_k_major):
+            hidden, depth, num_experts, block_n, stages, group_m, warps, programs, b_k_major,
+            lockstep):
     """One launch of the kernel: A ``[R_act, depth]`` by a host descriptor of ``[128, 64]``
     blocks, the weights' descriptor ``w_desc`` (``b_k_major``: ``[block_n, 64]`` blocks of
     ``[E N, K]``, else ``[64, block_n]`` blocks of ``[E K, N]``), one program per SM (or
@@ -382,9 +400,10 @@ def _launch(a, w_desc, scatter_ptrs, padded_offsets, row_offsets, enable, wait, 
             a_desc, w_desc, scatter_ptrs, padded_offsets, row_offsets,
             padded_offsets if enable is None else enable,
             padded_offsets if wait is None else wait, need,
+            torch.zeros(1, dtype=torch.int32, device=a.device) if lockstep else padded_offsets,
             HIDDEN=hidden, FFN=depth, NUM_EXPERTS=num_experts,
             EXPERTS_POW2=max(32, next_power_of_2(num_experts)), GROUP_M=group_m,
             STAGES=stages, HAS_ENABLE=enable is not None, HAS_WAIT=wait is not None,
             BLOCK_M=_BLOCK_M, BLOCK_N=block_n, BLOCK_K=_BLOCK_K, COOP=warps == 8,
-            B_K_MAJOR=b_k_major, num_warps=4, maxnreg=_MAXNREG,
+            B_K_MAJOR=b_k_major, LOCKSTEP=lockstep, num_warps=4, maxnreg=_MAXNREG,
         )  # fmt: skip

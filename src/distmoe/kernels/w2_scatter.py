@@ -53,6 +53,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from distmoe.kernels._common import (
+    LOCKSTEP_W2_WEIGHT_BYTES,
     GemmConfig,
     activation_segments,
     check_activation_rows,
@@ -70,6 +71,7 @@ from distmoe.kernels._common import (
     gemm_grid,
     gluon_device,
     gluon_mid_rows,
+    lockstep_rows,
     next_power_of_2,
     swizzle_tile,
     tile_activation_rows,
@@ -254,11 +256,20 @@ class W2Config(GemmConfig):
     #: why). Uses ``num_stages`` and ``group_m``; ``persistent`` and ``host_descriptors`` do
     #: not apply (one program per SM, host descriptors).
     gluon: bool = False
+    #: The Gluon kernel's producers start each wave of tiles together (as
+    #: :attr:`~distmoe.kernels.w13_gather_swiglu.W13Config.lockstep`): each waits, a bounded
+    #: spin on a device counter, until every program has issued the loads of its previous
+    #: tile, so the weight tiles that an expert's row blocks share are read from L2. Same
+    #: bits; the Triton kernel ignores it. :meth:`hopper_gluon` sets it at 128 to 191 rows
+    #: per expert where each expert's W2 weights hold at least 8 MiB.
+    lockstep: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.gluon, bool):
-            raise TypeError(f"gluon must be a bool, got {type(self.gluon).__name__}")
+        for name in ("gluon", "lockstep"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
     @classmethod
     def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128,
@@ -345,7 +356,13 @@ class W2Config(GemmConfig):
         * at EP=2 on two H200s (half the rows stored across NVLink), run 28's sequential
           A/B read the layer forward 1.0% slower at the first shape and even at the second;
           timed interleaved (run 29) it is 0.9% faster at the first and 4.2% at the second
-          (4 stages there: 5.1%), so it runs at ``ep_size`` > 1 too.
+          (4 stages there: 5.1%), so it runs at ``ep_size`` > 1 too;
+        * with ``lockstep`` at 128 to 191 rows per expert where each expert's W2 weights
+          hold at least 8 MiB (:data:`~distmoe.kernels._common.LOCKSTEP_ROWS`): one H100,
+          2026-12-05, run 52, interleaved, sampled routing, the layer forward 5.4% faster at
+          T=4096 D=7168 F=2048 E=256 K=8 and 2.5% at D = F = 2880 E=128 K=4
+          (forward+backward 0.4%), 1.0% slower at T=2048 D=2048 F=768 E=128 K=8 (3 MB per
+          expert) and 1.7% at 256 rows per expert (T=4096 there).
         """
         from .w2_gluon import shape_reason
 
@@ -354,7 +371,9 @@ class W2Config(GemmConfig):
                 rows_per_expert, num_experts, hidden * ffn)):
             return None
         config = cls(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=6,
-                     group_m=8, persistent=True, gluon=True)
+                     group_m=8, persistent=True, gluon=True,
+                     lockstep=lockstep_rows(rows_per_expert)
+                     and 2 * hidden * ffn >= LOCKSTEP_W2_WEIGHT_BYTES)
         if shape_reason(hidden=hidden, ffn=ffn, block_m=128, block_n=128, block_k=64,
                         stages=6, warps=4) is not None:
             return None
@@ -492,7 +511,7 @@ def w2_scatter(
         launch_gluon_w2(h2, padded_offsets, row_offsets, w2, scatter_ptrs, enable=enable,
                         block_n=config.block_n, stages=config.num_stages,
                         group_m=config.group_m, warps=config.num_warps, programs=programs,
-                        wait=wait, need=need)
+                        wait=wait, need=need, lockstep=config.lockstep)
         return
     if config.gluon:
         warn_gluon_fallback("w2_scatter", reason)

@@ -421,7 +421,8 @@ def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildC
     cooperative 128 x 256 tile at 3 and 4, each also waiting per row block for a W13
     beside it; and the same kernel as the W13 DGRAD (weights read N-major; ping-pong at 5
     and 6 stages, cooperative at 4). Then both as picked at gpt-oss-120b, whose D (2880)
-    leaves each row's last column tile partial. Production: no spill, no serialized wgmma."""
+    leaves each row's last column tile partial, the W2 forward also with its producers in
+    lockstep. Production: no spill, no serialized wgmma."""
     from distmoe.kernels import w2_gluon as wg
     from distmoe.kernels._common import next_power_of_2
     from distmoe.tools.bench.workloads import SHAPES
@@ -429,7 +430,7 @@ def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildC
     if not wg.HAVE_GLUON:
         return []
 
-    def case(name, bn, warps, stages, wait=False, w13_dgrad=False):
+    def case(name, bn, warps, stages, wait=False, w13_dgrad=False, lockstep=False):
         s = SHAPES[name]
         D, F, E = s.hidden, s.ffn, s.num_experts
         depth = 2 * F if w13_dgrad else F
@@ -439,12 +440,13 @@ def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildC
                             else _gluon_desc(E * D, F, [bn, 64]))}
         return BuildCase(
             f"{name} {'W13 DGRAD' if w13_dgrad else 'W2 fwd'} gluon 128x{bn}"
-            f"{' coop' if warps == 8 else ''} s{stages}{' wait' if wait else ''}",
+            f"{' coop' if warps == 8 else ''} s{stages}{' wait' if wait else ''}"
+            f"{' lockstep' if lockstep else ''}",
             wg._gluon_w2_kernel,
             dict(HIDDEN=D, FFN=depth, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
                  GROUP_M=8, STAGES=stages, HAS_ENABLE=not w13_dgrad, HAS_WAIT=wait,
                  BLOCK_M=128, BLOCK_N=bn, BLOCK_K=64, COOP=warps == 8,
-                 B_K_MAJOR=not w13_dgrad, num_warps=4),
+                 B_K_MAJOR=not w13_dgrad, LOCKSTEP=lockstep, num_warps=4),
             4, 1, types=types, production=True, gluon=True, options=dict(maxnreg=wg._MAXNREG))
 
     cases = []
@@ -457,6 +459,8 @@ def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildC
             cases.append(case(name, bn, warps, stages, w13_dgrad=True))
     if "gpt-oss-120b" not in shapes:
         cases += [case("gpt-oss-120b", 128, 4, 6), case("gpt-oss-120b", 128, 4, 6, w13_dgrad=True)]
+    # the producers in lockstep (W2Config.lockstep), as the W2 forward picked at gpt-oss-120b
+    cases.append(case("gpt-oss-120b", 128, 4, 6, lockstep=True))
     return cases
 
 
