@@ -558,14 +558,15 @@ shape_reason`):
           tiles, 5 stages at >= 1024 rows per expert, else 6 (run 24).
 
         The cooperative tile runs with ``lockstep`` at 128 to 191 rows per expert
-        (:data:`~distmoe.kernels._common.LOCKSTEP_ROWS`): there a router's histogram gives about half the experts a second,
-        nearly empty row block, and programs that drift apart read its weight tiles from
-        DRAM again (performance.md run 51). Run 52, interleaved, sampled routing, one H100:
-        inference forward 1.22x at T=4096 D=7168 F=2048 E=256 K=8 (1.07x under exact
-        routing), 1.085x at D=F=2880 E=128 K=4 and 1.018x at T=2048 D=2048 F=768 E=128
-        K=8; forward+backward 1.026-1.032x at the second and even at the third; at 256 rows
-        per expert (T=4096 at the third's widths) the forward 2.8% slower, at 512 and 2048
-        and at decode (T=64) even to 1.1% slower: hence the bound, halfway to 256.
+        (:data:`~distmoe.kernels._common.LOCKSTEP_ROWS`): there a router's histogram gives
+        about half the experts a second, nearly empty row block, and programs that drift
+        apart read its weight tiles from DRAM again (performance.md run 51). Run 52,
+        interleaved, sampled routing, one H100: inference forward 1.22x at T=4096 D=7168
+        F=2048 E=256 K=8 (1.07x under exact routing), 1.085x at D=F=2880 E=128 K=4 and
+        1.018x at T=2048 D=2048 F=768 E=128 K=8; forward+backward 1.026-1.032x at the
+        second and even at the third; at 256 rows per expert (T=4096 at the third's widths)
+        the forward 2.8% slower, at 512 and 2048 and at decode (T=64) even to 1.1% slower:
+        hence the bound, halfway to 256.
 
         Where 128 does not divide F (F a multiple of 64) the cooperative tile's last column
         tile is partial; it is a candidate only where its columns past F are at most 1/16 of

@@ -255,10 +255,10 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
     saved at device offsets and an enable flag in training (production: no spill, no
     serialized wgmma), and deepseek-v3's training build (256 experts: the producer's bounds
     loaded per tile) where it is not among ``shapes``, each with the producers in lockstep
-    where the heuristic sets it (gpt-oss-120b and deepseek-v3: 128 rows per expert); then (build only) at ``fine`` the
-    64 x 128 consumer tile with its deepest ring, a 3-stage inference build and the 6-stage
-    128 x 64 training build (what the heuristic picks below 128 rows per expert), and the
-    5-stage 128 x 64 tile at each shape."""
+    where the heuristic sets it (gpt-oss-120b and deepseek-v3: 128 rows per expert); then
+    (build only) at ``fine`` the 64 x 128 consumer tile with its deepest ring, a 3-stage
+    inference build and the 6-stage 128 x 64 training build (what the heuristic picks below
+    128 rows per expert), and the 5-stage 128 x 64 tile at each shape."""
     from distmoe.kernels import w13_gluon as wg
     from distmoe.kernels._common import next_power_of_2
     from distmoe.tools.bench.workloads import SHAPES
