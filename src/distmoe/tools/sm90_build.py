@@ -292,14 +292,17 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
 
     from distmoe.kernels.w13_gather_swiglu import W13Config
 
+    def pick(name, train):
+        """The heuristic's Gluon config at the named shape's hint (or None)."""
+        s = SHAPES[name]
+        return W13Config.hopper_gluon(hidden=s.hidden, ffn=s.ffn, training=train,
+                                      rows_per_expert=s.tokens * s.top_k // s.num_experts)
+
     cases = []
     # and gpt-oss-120b, whose F (2880) leaves each row's last column tile partial
     for name in dict.fromkeys((*shapes, "gpt-oss-120b")):
-        s = SHAPES[name]
-        hint = s.tokens * s.top_k // s.num_experts
         for train in (True, False):
-            c = W13Config.hopper_gluon(hidden=s.hidden, ffn=s.ffn, rows_per_expert=hint,
-                                       training=train)
+            c = pick(name, train)
             if c is not None:
                 # (the producers in lockstep where the heuristic sets W13Config.lockstep)
                 cases.append(case(name, name, train, c.block_n, c.num_stages, True,
@@ -310,10 +313,8 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
                 if not train:  # EP > 1, with the W2 running beside it (done counters)
                     cases.append(case(name, name, train, c.block_n, c.num_stages, True,
                                       warps=c.num_warps, done=True, lockstep=c.lockstep))
-    s = SHAPES["deepseek-v3"]
-    c = W13Config.hopper_gluon(hidden=s.hidden, ffn=s.ffn, training=True,
-                               rows_per_expert=s.tokens * s.top_k // s.num_experts)
-    if c is not None and "deepseek-v3" not in shapes:
+    c = None if "deepseek-v3" in shapes else pick("deepseek-v3", True)
+    if c is not None:
         # 256 experts: the producer loads the per-expert bounds per tile (production build:
         # holding them spilled 4 bytes)
         cases.append(case("deepseek-v3", "deepseek-v3", True, c.block_n, c.num_stages, True,
