@@ -281,6 +281,18 @@ if HAVE_GLUON:
         return seen >= need
 
     @gluon.jit
+    def _lockstep_before_tile(sync_ptr, in_step, tile, num_tiles, LOCKSTEP: gl.constexpr):
+        """A producer's wait before loading ``tile`` of its persistent loop (``LOCKSTEP``):
+        every program has issued the loads of the tiles before it in the previous waves.
+        ``in_step`` is whether this program's waits so far arrived in time (start with a
+        true tensor); returns it updated, so that after a first miss it waits no more."""
+        if LOCKSTEP:
+            if in_step:
+                in_step = _lockstep_wait(sync_ptr,
+                                         gl.minimum(num_tiles, tile - gl.program_id(0)))
+        return in_step
+
+    @gluon.jit
     def _lockstep_tile_done(sync_ptr):
         """Count one tile whose loads this program has issued (:func:`_lockstep_wait`)."""
         gl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")

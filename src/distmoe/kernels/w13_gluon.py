@@ -81,8 +81,8 @@ if HAVE_GLUON:
         _consumer_walk,
         _enabled_tiles,
         _expert_bounds,
+        _lockstep_before_tile,
         _lockstep_tile_done,
-        _lockstep_wait,
         _ordered_tile_info,
         _ordered_tiles,
         _program_tiles,
@@ -188,10 +188,7 @@ if HAVE_GLUON:
         count = 0
         in_step = gl.to_tensor(True)  # until a wait misses its bound (a program not resident)
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            if LOCKSTEP:  # every program has issued the loads of its tiles before this one
-                if in_step:
-                    in_step = _lockstep_wait(sync_ptr,
-                                             gl.minimum(num_tiles, tile - gl.program_id(0)))
+            in_step = _lockstep_before_tile(sync_ptr, in_step, tile, num_tiles, LOCKSTEP)
             if EXPERTS_POW2 > _HELD_BOUNDS:
                 # loaded per tile (L1 hits after the first) rather than held across the loop
                 t_ends, t_starts, t_rbeg, t_rend, t_eidx = _expert_bounds(

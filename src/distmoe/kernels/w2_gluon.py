@@ -72,8 +72,8 @@ if HAVE_GLUON:
     from ._gluon_ring import (
         _consumer_walk,
         _enabled_tiles,
+        _lockstep_before_tile,
         _lockstep_tile_done,
-        _lockstep_wait,
         _mma_steps,
         _program_tiles,
         _ring_barriers,
@@ -131,10 +131,7 @@ if HAVE_GLUON:
         count = 0
         in_step = gl.to_tensor(True)  # until a wait misses its bound (a program not resident)
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            if LOCKSTEP:  # every program has issued the loads of its tiles before this one
-                if in_step:
-                    in_step = _lockstep_wait(sync_ptr,
-                                             gl.minimum(num_tiles, tile - gl.program_id(0)))
+            in_step = _lockstep_before_tile(sync_ptr, in_step, tile, num_tiles, LOCKSTEP)
             pid_n, expert, row, act_start, _live = _tile_info(
                 tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
                 NUM_EXPERTS, BLOCK_M)
