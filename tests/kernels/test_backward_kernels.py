@@ -1116,6 +1116,33 @@ def test_gluon_w13_dgrad_programs_walk_many_tiles(warps, programs):
                                launch=launch)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps", [4, 8], ids=["pingpong", "coop"])
+@pytest.mark.parametrize("programs", [3, None, "twice_the_sms"])
+def test_gluon_w13_dgrad_lockstep(warps, programs):
+    """``W13DgradConfig.lockstep``: the producers wait on a device counter for the wave
+    before each tile. Through ``w13_dgrad_scatter`` with one program per SM; few programs
+    walking many tiles (the last wave's idle programs must not hold the others' waits); and
+    twice as many programs as SMs over eight times the rows (the programs not resident at
+    first make the others' waits miss their bound, after which each stops waiting). Same
+    rows as the reference, nothing else written."""
+    from distmoe.kernels._common import num_sms
+    from distmoe.kernels.w2_gluon import launch_gluon_w13_dgrad
+
+    config = replace(_gluon_w13d_config(warps, 4), lockstep=True)
+    if programs is None:
+        _w13_dgrad_pair_tails_case(GLUON_W13D_COUNTS, 768, 384, config,
+                                   null_rows=GLUON_W13D_NULL)
+        return
+    counts, null = GLUON_W13D_COUNTS, GLUON_W13D_NULL
+    if programs == "twice_the_sms":
+        programs = 2 * num_sms(DEVICE)
+        counts, null = [8 * n for n in counts], ()
+    launch = partial(launch_gluon_w13_dgrad, block_n=config.block_n, stages=4, warps=warps,
+                     programs=programs, lockstep=True)
+    _w13_dgrad_pair_tails_case(counts, 768, 384, config, null_rows=null, launch=launch)
+
+
 def test_gluon_w13_dgrad_request_that_cannot_run_warns_and_runs_triton():
     """``gluon=True`` where the Gluon kernel cannot run (here: the interpreter, or 32-row
     tiles it is not written for) says why in a RuntimeWarning; the Triton kernel then runs
@@ -1136,6 +1163,8 @@ def test_gluon_w13_dgrad_rules():
 
     with pytest.raises(TypeError, match="gluon must be a bool, got int"):
         W13DgradConfig(gluon=1)
+    with pytest.raises(TypeError, match="lockstep must be a bool, got str"):
+        W13DgradConfig(gluon=True, lockstep="yes")
     rule = partial(shape_reason, block_m=128, block_k=64, w13_dgrad=True)
     assert rule(hidden=768, ffn=384, block_n=256, stages=4, warps=8) is None
     assert rule(hidden=768, ffn=384, block_n=128, stages=6, warps=4) is None
@@ -1235,6 +1264,11 @@ def test_gluon_w13_dgrad_config_reaches_the_launch(monkeypatch):
         assert (reason["block_n"], reason["warps"], reason["stages"]) == (block_n, warps, stages)
         assert (launch["block_n"], launch["warps"], launch["stages"], launch["group_m"]) == (
             block_n, warps, stages, group_m)
+        assert launch["lockstep"] is False
+    calls.clear()
+    w13_dgrad_scatter(grad_h1, layout.padded_offsets, layout.row_offsets, w13, ptrs,
+                      config=replace(config, lockstep=True))
+    assert calls[1][1]["lockstep"] is True
     assert same_bits(dispatch, before)  # the recorder launched nothing
     calls.clear()
     w13_dgrad_scatter(grad_h1, layout.padded_offsets, layout.row_offsets, w13, ptrs,
@@ -2215,12 +2249,12 @@ def test_gluon_wgrad_config_rules():
     assert pick(out_rows=120, out_cols=2048, rows_per_expert=2048) is None
 
 
-def _gluon_dgrad_problem(hidden, ffn, block):
+def _gluon_dgrad_problem(hidden, ffn, block, scale=1):
     """The Gluon W2 DGRAD tests' rows: experts with no rows, one row, partial and whole tiles,
     a whole tile of padding rows, an idle tile, a null live row (expert 2; its grad_h3 row
-    zeros, its h1 row NaN: never read); spare rows NaN. Returns (layout, live, w2, rows, h1,
-    null_rows, null_act)."""
-    counts = [0, 37, 128, 300, 1, 129, 0, 75]
+    zeros, its h1 row NaN: never read); spare rows NaN. ``scale`` multiplies every expert's
+    rows. Returns (layout, live, w2, rows, h1, null_rows, null_act)."""
+    counts = [scale * n for n in (0, 37, 128, 300, 1, 129, 0, 75)]
     layout = layout_from_counts(counts, block, idle_tiles=1, extra_tiles={2: 1})
     num_experts, num_act = len(counts), layout.num_act
     live = layout.live_act()
@@ -2446,14 +2480,35 @@ def test_gluon_w2_dgrad_split_epilogue(warps, buffers, stages, early, form):
                                                   epilogue_early_h1=early))
 
 
-def _same_bits_as_the_ping_pong_kernel(form, fields):
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True], ids=["pingpong", "split"])
+@pytest.mark.parametrize("programs", [3, None, "twice_the_sms"])
+def test_gluon_w2_dgrad_lockstep(split, programs):
+    """``W2DgradConfig.lockstep`` (the TMA producer waits on a device counter for the wave
+    before each tile) gives the ping-pong kernel's bits without it, scored, in both kernels:
+    few programs walking many tiles (the last wave's idle programs must not hold the others'
+    waits), one per SM, and twice as many programs as SMs over ten times the rows (the
+    programs not resident at first make the others' waits miss their bound, after which each
+    stops waiting)."""
+    from distmoe.kernels._common import num_sms
+
+    scale = 1
+    if programs == "twice_the_sms":
+        programs, scale = 2 * num_sms(DEVICE), 10
+    fields = dict(num_stages=4, lockstep=True, **({"epilogue_warps": 8} if split else {}))
+    _same_bits_as_the_ping_pong_kernel("scored", fields, programs=programs, scale=scale)
+
+
+def _same_bits_as_the_ping_pong_kernel(form, fields, *, programs=3, scale=1):
     """The Gluon W2 DGRAD with the config ``fields`` (a variant of the kernel) gives the
     ping-pong kernel's bits at 4 stages: grad_h1, h2 and, scored, the route rows' score parts;
-    3 programs walk many tiles, null rows give zeros, spare rows keep their poison. ``form``:
-    ``scored`` (score parts written into the route rows) or ``offset_in_place`` (h1 at a device
-    offset, grad_h1 written over it). Also through the launcher's config (scored)."""
+    3 programs (or ``programs``; None: one per SM) walk many tiles, null rows give zeros,
+    spare rows keep their poison. ``form``: ``scored`` (score parts written into the route
+    rows) or ``offset_in_place`` (h1 at a device offset, grad_h1 written over it). Also
+    through the launcher's config (scored). ``scale``: as :func:`_gluon_dgrad_problem`'s."""
     hidden, ffn, block = 256, 384, 128
-    layout, live, w2, rows, h1, null_rows, null_act = _gluon_dgrad_problem(hidden, ffn, block)
+    layout, live, w2, rows, h1, null_rows, null_act = _gluon_dgrad_problem(hidden, ffn, block,
+                                                                           scale)
     num_act = layout.num_act
     route_rows, before = _scored_route_rows(layout, hidden)
     scored = form == "scored"
@@ -2472,7 +2527,7 @@ def _same_bits_as_the_ping_pong_kernel(form, fields):
             out = h1_arg[offset:offset + h1.numel()].view(num_act, 2 * ffn)  # in place
             h1_offset = torch.tensor([offset], dtype=torch.int64, device=DEVICE)
         _gluon_or_reference_dgrad(True, ptrs, po, ro, w2, rows, h1_arg, out, h2,
-                                  h1_offset=h1_offset, scored_rows=scored, programs=3,
+                                  h1_offset=h1_offset, scored_rows=scored, programs=programs,
                                   **launch)
         return out.clone(), h2, route_rows.clone()
 
@@ -2535,6 +2590,44 @@ def test_w2_dgrad_split_epilogue_config_rules():
         W2DgradConfig(**base, epilogue_early_h1=True)
     with pytest.raises(TypeError, match="epilogue_early_h1 must be a bool, got int"):
         W2DgradConfig(**base, epilogue_warps=8, epilogue_early_h1=1)
+    with pytest.raises(TypeError, match="lockstep must be a bool, got int"):
+        W2DgradConfig(**base, lockstep=1)
+
+
+def test_gluon_w2_dgrad_config_reaches_the_launch(monkeypatch):
+    """The W2 DGRAD config's Gluon fields (ring depth, group-M, split epilogue, lockstep)
+    reach the launch, on any machine: the launcher is a recorder and the check admits the
+    case; nothing is written. ``gluon=False`` calls neither."""
+    import distmoe.kernels.w2_dgrad_gluon as wg
+
+    calls = []
+    monkeypatch.setattr(wg, "gluon_w2_dgrad_reason",
+                        lambda device, **kw: calls.append(("reason", kw)) and None)
+    monkeypatch.setattr(wg, "launch_gluon_w2_dgrad",
+                        lambda *a, **kw: calls.append(("launch", kw)))
+    hidden, ffn, block = 256, 384, 128
+    layout, _live, w2, rows, h1, null_rows, _null_act = _gluon_dgrad_problem(hidden, ffn,
+                                                                             block)
+    ptrs = row_table(layout, rows, null_rows=null_rows)
+    po, ro = layout.padded_offsets, layout.row_offsets
+    out = poisoned(layout.num_act, 2 * ffn)
+    base = dict(block_m=block, block_n=128, block_k=64, gluon=True)
+    for fields in (dict(num_stages=4), dict(num_stages=5, group_m=16, epilogue_warps=8,
+                                            lockstep=True)):
+        calls.clear()
+        w2_dgrad_swiglu_bwd(ptrs, po, ro, w2, h1, out, grad_h3_rows=rows,
+                            config=W2DgradConfig(**base, **fields))
+        (_, reason), (_, launch) = calls
+        assert (reason["block_n"], reason["block_k"]) == (128, 64)
+        assert (launch["stages"], launch["group_m"], launch["epilogue_warps"],
+                launch["lockstep"]) == (fields["num_stages"], fields.get("group_m", 8),
+                                        fields.get("epilogue_warps", 0),
+                                        fields.get("lockstep", False))
+    assert same_bits(out, poisoned(layout.num_act, 2 * ffn))  # the recorder launched nothing
+    calls.clear()
+    w2_dgrad_swiglu_bwd(ptrs, po, ro, w2, h1, out, grad_h3_rows=rows,
+                        config=W2DgradConfig(block_m=block, block_n=128, block_k=64))
+    assert calls == []
 
 
 @pytest.mark.gpu

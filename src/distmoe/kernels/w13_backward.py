@@ -375,12 +375,20 @@ class W13DgradConfig(GemmConfig):
     #: ``dynamic`` and ``pair_tails`` are the Triton kernel's (the Gluon programs, one per
     #: SM, walk their tiles with a fixed stride and pair no tails).
     gluon: bool = False
+    #: The Gluon kernel's producers start each wave of tiles together (as
+    #: :attr:`~distmoe.kernels.w2_scatter.W2Config.lockstep`, on the same kernel): each
+    #: waits, a bounded spin on a device counter, until every program has issued the loads
+    #: of its previous tile, so that the weight tiles an expert's row blocks share are read
+    #: from L2 rather than DRAM again. Same bits; the Triton kernel ignores it.
+    lockstep: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_backward_gemm_config(self)
-        if not isinstance(self.gluon, bool):
-            raise TypeError(f"gluon must be a bool, got {type(self.gluon).__name__}")
+        for name in ("gluon", "lockstep"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
         if not isinstance(self.dynamic, bool):
             raise TypeError(f"dynamic must be a bool, got {type(self.dynamic).__name__}")
         if self.dynamic and not self.persistent:
@@ -557,7 +565,8 @@ def w13_dgrad_scatter(
 
         launch_gluon_w13_dgrad(grad_h1, padded_offsets, row_offsets, w13, scatter_ptrs,
                                block_n=config.block_n, stages=config.num_stages,
-                               group_m=config.group_m, warps=config.num_warps)
+                               group_m=config.group_m, warps=config.num_warps,
+                               lockstep=config.lockstep)
         return
     if config.gluon:
         warn_gluon_fallback("w13_dgrad_scatter", reason)

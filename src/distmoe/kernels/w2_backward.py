@@ -755,12 +755,20 @@ class W2DgradConfig(GemmConfig):
     #: measured even (kernel 1.005x at T=4096 D=2048 F=768 E=128, 1.001x at T=8192 D=4096,
     #: one H200, 2026-12-01), so off.
     epilogue_early_h1: bool = False
+    #: With ``gluon``: the TMA producers start each wave of tiles together (as
+    #: :attr:`~distmoe.kernels.w2_scatter.W2Config.lockstep`): each waits, a bounded spin on
+    #: a device counter, until every program has issued the loads of its previous tile, so
+    #: that the weight tiles an expert's row blocks share are read from L2 rather than DRAM
+    #: again. Same bits; the Triton kernel ignores it.
+    lockstep: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_backward_gemm_config(self)
-        if not isinstance(self.gluon, bool):
-            raise TypeError(f"gluon must be a bool, got {type(self.gluon).__name__}")
+        for name in ("gluon", "lockstep"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
         p = self.h1_prefetch
         if isinstance(p, bool) or not isinstance(p, int):
             raise TypeError(f"h1_prefetch must be an int, got {type(p).__name__} ({p!r})")
@@ -1419,7 +1427,8 @@ def w2_dgrad_swiglu_bwd(
                                   stages=config.num_stages, h1_prefetch=config.h1_prefetch,
                                   epilogue_warps=config.epilogue_warps,
                                   epilogue_buffers=config.epilogue_buffers,
-                                  epilogue_early_h1=config.epilogue_early_h1)
+                                  epilogue_early_h1=config.epilogue_early_h1,
+                                  lockstep=config.lockstep)
             return
         warn_gluon_fallback("w2_dgrad_swiglu_bwd", reason)
     gather_in_loop = gathered is None

@@ -83,6 +83,8 @@ if HAVE_GLUON:
     from ._gluon_ring import (
         _consumer_walk,
         _handoff_barriers,
+        _lockstep_before_tile,
+        _lockstep_tile_done,
         _mma_steps,
         _program_tiles,
         _ring_barriers,
@@ -115,50 +117,55 @@ if HAVE_GLUON:
     @gluon.jit
     def _producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, h1_smem,
                   ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
-                  grad_h1_ptr, h2_ptr,
+                  grad_h1_ptr, h2_ptr, sync_ptr,
                   FFN: gl.constexpr, HIDDEN: gl.constexpr, NUM_EXPERTS: gl.constexpr,
                   EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                   H1_OFFSET: gl.constexpr, STORE_H2: gl.constexpr, SCORED: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                   RELOAD_BOUNDS: gl.constexpr, H1_PREFETCH: gl.constexpr,
-                  PARITY: gl.constexpr):
+                  PARITY: gl.constexpr, LOCKSTEP: gl.constexpr):
         """One warp: the TMA loads of every tile of the program, K step by K step."""
         _produce_tiles(a_desc, w_desc, a_bufs, b_bufs, ready, empty, padded_offsets_ptr,
-                       row_offsets_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
-                       BLOCK_M, BLOCK_N, BLOCK_K)
+                       row_offsets_ptr, sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2,
+                       GROUP_M, STAGES, BLOCK_M, BLOCK_N, BLOCK_K, LOCKSTEP)
 
     @gluon.jit
     def _produce_tiles(a_desc, w_desc, a_bufs, b_bufs, ready, empty, padded_offsets_ptr,
-                       row_offsets_ptr, FFN: gl.constexpr, HIDDEN: gl.constexpr,
+                       row_offsets_ptr, sync_ptr, FFN: gl.constexpr, HIDDEN: gl.constexpr,
                        NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr,
                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LOCKSTEP: gl.constexpr):
         """The producer warp's loop: the tiles ``pid, pid + G, ...``, each ``D / BLOCK_K``
-        ring steps of the grad_h3 rows and the expert's w2 columns."""
+        ring steps of the grad_h3 rows and the expert's w2 columns; with ``LOCKSTEP`` each
+        wave's tiles start together (:func:`_lockstep_before_tile`)."""
         NUM_K: gl.constexpr = HIDDEN // BLOCK_K
         NUM_PID_N: gl.constexpr = (FFN + BLOCK_N - 1) // BLOCK_N  # the last may be partial
         num_pid_m, num_tiles, ends, starts, rbeg, rend, eidx = _program_tiles(
             padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2, NUM_PID_N,
             BLOCK_M, 1)
         count = 0
+        in_step = gl.to_tensor(True)  # until a wait misses its bound (a program not resident)
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            in_step = _lockstep_before_tile(sync_ptr, in_step, tile, num_tiles, LOCKSTEP)
             pid_n, expert, _row, act_start, _live = _tile_info(
                 tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
                 NUM_EXPERTS, BLOCK_M)
             count = _tma_load_steps(a_desc, w_desc, a_bufs, b_bufs, ready, empty, count,
                                     act_start, expert * HIDDEN, pid_n * BLOCK_N, NUM_K,
                                     STAGES, BLOCK_K, False)
+            if LOCKSTEP:
+                _lockstep_tile_done(sync_ptr)
 
     @gluon.jit
     def _consumer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, h1_smem,
                   ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
-                  grad_h1_ptr, h2_ptr,
+                  grad_h1_ptr, h2_ptr, sync_ptr,
                   FFN: gl.constexpr, HIDDEN: gl.constexpr, NUM_EXPERTS: gl.constexpr,
                   EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                   H1_OFFSET: gl.constexpr, STORE_H2: gl.constexpr, SCORED: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                   RELOAD_BOUNDS: gl.constexpr, H1_PREFETCH: gl.constexpr,
-                  PARITY: gl.constexpr):
+                  PARITY: gl.constexpr, LOCKSTEP: gl.constexpr):
         """One warpgroup: the MMAs and the epilogue of the program's tiles ``PARITY``,
         ``PARITY + 2``, ... (in the program's own numbering)."""
         NUM_K: gl.constexpr = HIDDEN // BLOCK_K
@@ -375,13 +382,13 @@ if HAVE_GLUON:
     @gluon.jit
     def _split_mma(a_desc, w_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready, acc_free,
                    ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
-                   grad_h1_ptr, h2_ptr,
+                   grad_h1_ptr, h2_ptr, sync_ptr,
                    FFN: gl.constexpr, HIDDEN: gl.constexpr, NUM_EXPERTS: gl.constexpr,
                    EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                    H1_OFFSET: gl.constexpr, STORE_H2: gl.constexpr, SCORED: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                    RELOAD_BOUNDS: gl.constexpr, ACC_BUFS: gl.constexpr,
-                   EPI_WARPS: gl.constexpr, EARLY_H1: gl.constexpr):
+                   EPI_WARPS: gl.constexpr, EARLY_H1: gl.constexpr, LOCKSTEP: gl.constexpr):
         """The split kernel's MMA warpgroup: every tile of the program in turn; each finished
         fp32 tile goes to shared memory as four column quarters (buffer ``t % ACC_BUFS`` of
         the program's ``t``-th tile, once the epilogue has read that buffer's previous tile)
@@ -415,14 +422,15 @@ if HAVE_GLUON:
     @gluon.jit
     def _split_epilogue(a_desc, w_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready,
                         acc_free, ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr,
-                        h1_offset_ptr, grad_h1_ptr, h2_ptr,
+                        h1_offset_ptr, grad_h1_ptr, h2_ptr, sync_ptr,
                         FFN: gl.constexpr, HIDDEN: gl.constexpr, NUM_EXPERTS: gl.constexpr,
                         EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr,
                         STAGES: gl.constexpr, H1_OFFSET: gl.constexpr,
                         STORE_H2: gl.constexpr, SCORED: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                         RELOAD_BOUNDS: gl.constexpr, ACC_BUFS: gl.constexpr,
-                        EPI_WARPS: gl.constexpr, EARLY_H1: gl.constexpr):
+                        EPI_WARPS: gl.constexpr, EARLY_H1: gl.constexpr,
+                        LOCKSTEP: gl.constexpr):
         """The split kernel's epilogue partition (``EPI_WARPS`` warps): the SwiGLU backward
         of every tile of the program, its quarters read from shared memory as the MMA
         warpgroup left them; the buffer goes back once the last quarter is read."""
@@ -530,18 +538,19 @@ if HAVE_GLUON:
     @gluon.jit
     def _split_producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready,
                         acc_free, ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr,
-                        h1_offset_ptr, grad_h1_ptr, h2_ptr,
+                        h1_offset_ptr, grad_h1_ptr, h2_ptr, sync_ptr,
                         FFN: gl.constexpr, HIDDEN: gl.constexpr, NUM_EXPERTS: gl.constexpr,
                         EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr,
                         STAGES: gl.constexpr, H1_OFFSET: gl.constexpr,
                         STORE_H2: gl.constexpr, SCORED: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                         RELOAD_BOUNDS: gl.constexpr, ACC_BUFS: gl.constexpr,
-                        EPI_WARPS: gl.constexpr, EARLY_H1: gl.constexpr):
+                        EPI_WARPS: gl.constexpr, EARLY_H1: gl.constexpr,
+                        LOCKSTEP: gl.constexpr):
         """The split kernel's TMA warp (:func:`_produce_tiles`)."""
         _produce_tiles(a_desc, w_desc, a_bufs, b_bufs, ready, empty, padded_offsets_ptr,
-                       row_offsets_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
-                       BLOCK_M, BLOCK_N, BLOCK_K)
+                       row_offsets_ptr, sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2,
+                       GROUP_M, STAGES, BLOCK_M, BLOCK_N, BLOCK_K, LOCKSTEP)
 
     @gluon.jit
     def _gluon_w2_dgrad_kernel(
@@ -554,6 +563,7 @@ if HAVE_GLUON:
         h1_offset_ptr,  # int64 [1] (H1_OFFSET), else a placeholder
         grad_h1_ptr,  # bf16 [R_act, 2F] (may be the h1 rows)
         h2_ptr,  # bf16 [R_act, F] (STORE_H2), else a placeholder
+        sync_ptr,  # int32 [1], zero at the launch (LOCKSTEP), else a placeholder
         FFN: gl.constexpr,
         HIDDEN: gl.constexpr,
         NUM_EXPERTS: gl.constexpr,
@@ -568,6 +578,7 @@ if HAVE_GLUON:
         BLOCK_K: gl.constexpr,
         RELOAD_BOUNDS: gl.constexpr,
         H1_PREFETCH: gl.constexpr,
+        LOCKSTEP: gl.constexpr,  # the producer starts each wave's tiles with the others'
         num_warps: gl.constexpr,
     ):
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K],
@@ -584,26 +595,26 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, h1_smem,
                          ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
-                         grad_h1_ptr, h2_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
+                         grad_h1_ptr, h2_ptr, sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
                          STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
-                         RELOAD_BOUNDS, H1_PREFETCH, 0)),
+                         RELOAD_BOUNDS, H1_PREFETCH, 0, LOCKSTEP)),
             (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, h1_smem,
                          ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
-                         grad_h1_ptr, h2_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
+                         grad_h1_ptr, h2_ptr, sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
                          STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
-                         RELOAD_BOUNDS, H1_PREFETCH, 1)),
+                         RELOAD_BOUNDS, H1_PREFETCH, 1, LOCKSTEP)),
             (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, h1_smem,
                          ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
-                         grad_h1_ptr, h2_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
+                         grad_h1_ptr, h2_ptr, sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
                          STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
-                         RELOAD_BOUNDS, H1_PREFETCH, 1)),
+                         RELOAD_BOUNDS, H1_PREFETCH, 1, LOCKSTEP)),
         ], [4, 1], [232, 40])
 
 
     @gluon.jit
     def _gluon_w2_dgrad_split_kernel(
         a_desc, w_desc, ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
-        grad_h1_ptr, h2_ptr,  # as _gluon_w2_dgrad_kernel's
+        grad_h1_ptr, h2_ptr, sync_ptr,  # as _gluon_w2_dgrad_kernel's
         FFN: gl.constexpr,
         HIDDEN: gl.constexpr,
         NUM_EXPERTS: gl.constexpr,
@@ -621,6 +632,7 @@ if HAVE_GLUON:
         EPI_WARPS: gl.constexpr,  # the epilogue partition's warps (4 or 8)
         EPI_REGS: gl.constexpr,  # its registers per thread
         EARLY_H1: gl.constexpr,  # h1 loads issued a quarter ahead (epilogue_early_h1)
+        LOCKSTEP: gl.constexpr,  # as _gluon_w2_dgrad_kernel's
         num_warps: gl.constexpr,
     ):
         """The W2 DGRAD with its epilogue in a partition of its own (``epilogue_warps``):
@@ -638,19 +650,19 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_split_mma, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready,
                  acc_free, ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
-                 grad_h1_ptr, h2_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
-                 H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K, RELOAD_BOUNDS,
-                 ACC_BUFS, EPI_WARPS, EARLY_H1)),
+                 grad_h1_ptr, h2_ptr, sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
+                 STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
+                 RELOAD_BOUNDS, ACC_BUFS, EPI_WARPS, EARLY_H1, LOCKSTEP)),
             (_split_epilogue, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready,
                  acc_free, ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
-                 grad_h1_ptr, h2_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
-                 H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K, RELOAD_BOUNDS,
-                 ACC_BUFS, EPI_WARPS, EARLY_H1)),
+                 grad_h1_ptr, h2_ptr, sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
+                 STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
+                 RELOAD_BOUNDS, ACC_BUFS, EPI_WARPS, EARLY_H1, LOCKSTEP)),
             (_split_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready,
                  acc_free, ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
-                 grad_h1_ptr, h2_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
-                 H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K, RELOAD_BOUNDS,
-                 ACC_BUFS, EPI_WARPS, EARLY_H1)),
+                 grad_h1_ptr, h2_ptr, sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
+                 STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
+                 RELOAD_BOUNDS, ACC_BUFS, EPI_WARPS, EARLY_H1, LOCKSTEP)),
         ], [EPI_WARPS, 1], [EPI_REGS, 40])
 
 
@@ -677,7 +689,7 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
                           programs: int | None = None,
                           reload_bounds: bool | None = None, h1_prefetch: int = 0,
                           epilogue_warps: int = 0, epilogue_buffers: int = 1,
-                          epilogue_early_h1: bool = False) -> None:
+                          epilogue_early_h1: bool = False, lockstep: bool = False) -> None:
     """Launch the kernel (arguments validated by the caller,
     :func:`~distmoe.kernels.w2_backward.w2_dgrad_swiglu_bwd`, and
     :func:`gluon_w2_dgrad_reason` returned ``None``). ``programs``: the grid (default one per
@@ -694,7 +706,9 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
     ``epilogue_buffers`` (1 or 2) shared-memory tiles; ``stages + 2 * epilogue_buffers`` at
     most 7 (shared memory). ``epilogue_early_h1``: the split kernel's epilogue issues each
     column quarter's h1 loads a quarter ahead (the first before waiting for the tile). Same
-    bits as the ping-pong kernel. Both options need F a multiple of 128 (whole tiles)."""
+    bits as the ping-pong kernel. Both options need F a multiple of 128 (whole tiles).
+    ``lockstep``: :attr:`~distmoe.kernels.w2_backward.W2DgradConfig.lockstep` (a zeroed int32
+    counter is allocated per launch)."""
     from ._common import device_context, next_power_of_2, num_sms
 
     num_experts, hidden, ffn = w2.shape
@@ -716,12 +730,13 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
     reload = num_experts > 32 if reload_bounds is None else bool(reload_bounds)
     args = (a_desc, w_desc, grad_h3_ptrs, padded_offsets, row_offsets, h1,
             h1_offset if h1_offset is not None else row_offsets, grad_h1_out,
-            h2_out if h2_out is not None else grad_h1_out)
+            h2_out if h2_out is not None else grad_h1_out,
+            torch.zeros(1, dtype=torch.int32, device=w2.device) if lockstep else row_offsets)
     common = dict(FFN=ffn, HIDDEN=hidden, NUM_EXPERTS=num_experts,
                   EXPERTS_POW2=max(32, next_power_of_2(num_experts)), GROUP_M=group_m,
                   STAGES=stages, H1_OFFSET=h1_offset is not None, STORE_H2=h2_out is not None,
                   SCORED=scored_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                  RELOAD_BOUNDS=reload, num_warps=4)
+                  RELOAD_BOUNDS=reload, LOCKSTEP=bool(lockstep), num_warps=4)
     if epilogue_warps:  # the split kernel
         maxnreg, epi_regs = SPLIT_REGISTERS[epilogue_warps]
         kernel = _gluon_w2_dgrad_split_kernel

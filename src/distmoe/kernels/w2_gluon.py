@@ -358,14 +358,14 @@ def launch_gluon_w13_dgrad(grad_h1: torch.Tensor, padded_offsets: torch.Tensor,
                            row_offsets: torch.Tensor, w13: torch.Tensor,
                            scatter_ptrs: torch.Tensor, *, block_n: int = 128,
                            stages: int = 5, group_m: int = 8, warps: int = 4,
-                           programs: int | None = None) -> None:
+                           programs: int | None = None, lockstep: bool = False) -> None:
     """The W13 DGRAD on this kernel: ``bf16(grad_h1[a] @ w13[e])`` (``w13[e]`` viewed ``[2F,
     D]``, read ``[64, block_n]`` at a time as stored, N-major) stored at ``scatter_ptrs[r]``
     for every live padded row ``r`` (the contract of
     :func:`~distmoe.kernels.w13_backward.w13_dgrad_scatter`, which validates the arguments;
     :func:`gluon_w13_dgrad_reason` returned ``None``). ``grad_h1``: bf16 ``[R_act, 2F]``;
     ``w13``: bf16 ``[E, 2, F, D]`` or ``[E, 2F, D]``, contiguous. ``warps``, ``block_n``,
-    ``programs``: as :func:`launch_gluon_w2`."""
+    ``programs``, ``lockstep``: as :func:`launch_gluon_w2`."""
     num_experts, hidden = w13.shape[0], w13.shape[-1]
     depth = grad_h1.shape[1]  # 2F
     w_layout = gl.NVMMASharedLayout.get_default_for([_BLOCK_K, block_n], gl.bfloat16)
@@ -375,7 +375,7 @@ def launch_gluon_w13_dgrad(grad_h1: torch.Tensor, padded_offsets: torch.Tensor,
     _launch(grad_h1, w_desc, scatter_ptrs, padded_offsets, row_offsets, None, None, 0,
             hidden=hidden, depth=depth, num_experts=num_experts, block_n=block_n,
             stages=stages, group_m=group_m, warps=warps, programs=programs, b_k_major=False,
-            lockstep=False)
+            lockstep=lockstep)
 
 
 def _launch(a, w_desc, scatter_ptrs, padded_offsets, row_offsets, enable, wait, need, *,

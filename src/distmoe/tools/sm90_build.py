@@ -347,7 +347,8 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
     bounds per tile (``RELOAD_BOUNDS``; held in registers they made the scored epilogue spill
     96-220 bytes, run 33), and its plain form still spills 16 bytes there; at ``smoke``
     (D = 64) its epilogue spills 584-596 bytes. The split kernel spills in none of these.
-    Then the split kernel as picked at gpt-oss-120b (F = 2880: partial last column tiles)."""
+    Then the split kernel as picked at gpt-oss-120b (F = 2880: partial last column tiles),
+    and built only, scored, with its TMA producer in lockstep."""
     from distmoe.kernels import w2_dgrad_gluon as wg
     from distmoe.kernels._common import next_power_of_2
     from distmoe.tools.bench.workloads import SHAPES
@@ -355,7 +356,7 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
     if not wg.HAVE_GLUON:
         return []
 
-    def split_case(name, epi, bufs, stages, early, scored, production):
+    def split_case(name, epi, bufs, stages, early, scored, production, lockstep=False):
         s = SHAPES[name]
         D, F, E = s.hidden, s.ffn, s.num_experts
         bm, bn, bk = 128, 128, 64
@@ -365,12 +366,13 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
         maxnreg, epi_regs = wg.SPLIT_REGISTERS[epi]
         return BuildCase(
             f"{name} W2 DGRAD gluon split epi{epi} x{bufs} s{stages}"
-            f"{' early_h1' if early else ''} scored={scored}",
+            f"{' early_h1' if early else ''} scored={scored}{' lockstep' if lockstep else ''}",
             wg._gluon_w2_dgrad_split_kernel,
             dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
                  GROUP_M=8, STAGES=stages, H1_OFFSET=True, STORE_H2=True, SCORED=scored,
                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, RELOAD_BOUNDS=E > 32, ACC_BUFS=bufs,
-                 EPI_WARPS=epi, EPI_REGS=epi_regs, EARLY_H1=early, num_warps=4),
+                 EPI_WARPS=epi, EPI_REGS=epi_regs, EARLY_H1=early, LOCKSTEP=lockstep,
+                 num_warps=4),
             4, 1, types=types, production=production, gluon=True,
             options=dict(maxnreg=maxnreg))
 
@@ -389,7 +391,8 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
                     dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E,
                          EXPERTS_POW2=max(32, next_power_of_2(E)), GROUP_M=8, STAGES=stages,
                          H1_OFFSET=True, STORE_H2=True, SCORED=scored, BLOCK_M=bm, BLOCK_N=bn,
-                         BLOCK_K=bk, RELOAD_BOUNDS=E > 32, H1_PREFETCH=0, num_warps=4),
+                         BLOCK_K=bk, RELOAD_BOUNDS=E > 32, H1_PREFETCH=0, LOCKSTEP=False,
+                         num_warps=4),
                     4, 1, types=types, production=False, gluon=True,
                     options=dict(maxnreg=wg._MAXNREG)))
         for stages, prefetch in GLUON_W2_DGRAD_PREFETCH_CASES:  # h1 by cp.async (scored)
@@ -403,7 +406,7 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
                 dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
                      GROUP_M=8, STAGES=stages, H1_OFFSET=True, STORE_H2=True, SCORED=True,
                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, RELOAD_BOUNDS=E > 32,
-                     H1_PREFETCH=prefetch, num_warps=4),
+                     H1_PREFETCH=prefetch, LOCKSTEP=False, num_warps=4),
                 4, 1, types=types, production=False, gluon=True,
                 options=dict(maxnreg=wg._MAXNREG)))
         for epi, bufs, stages, early in GLUON_W2_DGRAD_SPLIT_CASES:  # the epilogue's partition
@@ -413,6 +416,8 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
     if "gpt-oss-120b" not in shapes:  # F = 2880: each row's last column tile partial
         cases += [split_case("gpt-oss-120b", 8, 1, 4, False, scored, True)
                   for scored in (True, False)]
+    # the TMA producer in lockstep (W2DgradConfig.lockstep), built only
+    cases.append(split_case("gpt-oss-120b", 8, 1, 4, False, True, False, lockstep=True))
     return cases
 
 
@@ -423,7 +428,8 @@ def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildC
     beside it; and the same kernel as the W13 DGRAD (weights read N-major; ping-pong at 5
     and 6 stages, cooperative at 4). Then both as picked at gpt-oss-120b, whose D (2880)
     leaves each row's last column tile partial, the W2 forward also with its producers in
-    lockstep. Production: no spill, no serialized wgmma."""
+    lockstep; the W13 DGRAD in lockstep at deepseek-v3. Production: no spill, no serialized
+    wgmma."""
     from distmoe.kernels import w2_gluon as wg
     from distmoe.kernels._common import next_power_of_2
     from distmoe.tools.bench.workloads import SHAPES
@@ -462,6 +468,8 @@ def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildC
         cases += [case("gpt-oss-120b", 128, 4, 6), case("gpt-oss-120b", 128, 4, 6, w13_dgrad=True)]
     # the producers in lockstep (W2Config.lockstep), as the W2 forward picked at gpt-oss-120b
     cases.append(case("gpt-oss-120b", 128, 4, 6, lockstep=True))
+    # and the W13 DGRAD's (W13DgradConfig.lockstep) at deepseek-v3's 5-stage ring
+    cases.append(case("deepseek-v3", 128, 4, 5, w13_dgrad=True, lockstep=True))
     return cases
 
 
