@@ -2630,6 +2630,23 @@ def test_gluon_w2_dgrad_config_reaches_the_launch(monkeypatch):
     assert calls == []
 
 
+def test_w2_dgrad_lockstep_rule():
+    """The W2 DGRAD heuristic's lockstep rule (whatever the device): 96 to 191 rows per
+    expert with the rank's W2 weights at least 3 GiB (run 53: DeepSeek-V3 and V4-Flash
+    gained, GPT-OSS-120B's 2.1 GB was even, 0.4 GB lost); never without the expert count."""
+    from distmoe.kernels._common import w2_dgrad_lockstep
+
+    rule = lambda rows, e, d, f: w2_dgrad_lockstep(  # noqa: E731
+        rows_per_expert=rows, num_experts=e, hidden=d, ffn=f)
+    assert rule(128, 256, 7168, 2048) and rule(96, 256, 4096, 2048)  # 7.5 GB, 4 GiB
+    assert rule(191, 256, 4096, 2048) and not rule(192, 256, 4096, 2048)
+    assert not rule(95, 256, 4096, 2048) and not rule(256, 256, 7168, 2048)
+    assert not rule(128, 128, 2880, 2880) and not rule(128, 128, 2048, 768)  # 2.1, 0.4 GB
+    assert rule(128, 192, 4096, 2048) and not rule(128, 191, 4096, 2048)  # 3 GiB, under
+    assert not rule(128, None, 7168, 2048)
+    assert not rule(128, 32, 7168, 2048)  # DeepSeek-V3 at EP=8: 0.94 GB per rank
+
+
 @pytest.mark.gpu
 def test_gluon_w2_dgrad_heuristic():
     """On a Hopper GPU with the layer's hint the heuristic picks the Gluon kernel in its split
@@ -2649,4 +2666,10 @@ def test_gluon_w2_dgrad_heuristic():
     # F = 2880 (GPT-OSS): the split kernel, each row's last column tile partial
     tail = W2DgradConfig.from_heuristic(hidden=2880, ffn=2880, rows_per_expert=128, device=dev)
     assert (tail.gluon, tail.block_n, tail.epilogue_warps) == (True, 128, 8)
+    # lockstep with the local expert count where the rule takes it (DeepSeek-V3), else off
+    assert not any(c.lockstep for c in (big, small, tail))
+    assert W2DgradConfig.from_heuristic(hidden=7168, ffn=2048, rows_per_expert=128, device=dev,
+                                        num_experts=256).lockstep
+    assert not W2DgradConfig.from_heuristic(hidden=2880, ffn=2880, rows_per_expert=128,
+                                            device=dev, num_experts=128).lockstep
 

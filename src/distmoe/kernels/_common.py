@@ -336,9 +336,29 @@ LOCKSTEP_ROWS = (128, 192)
 LOCKSTEP_W2_WEIGHT_BYTES = 8 * 1024**2
 
 
+#: Rows per expert (the heuristic's hint) at which the Gluon W2 DGRAD's TMA producer runs in
+#: lockstep (``W2DgradConfig.lockstep``), from the first to before the second, where the
+#: rank's W2 weights total at least :data:`LOCKSTEP_W2_DGRAD_WEIGHT_BYTES` (docs/performance.md
+#: run 53: the kernel alone 1.05x at DeepSeek-V3's 7.5 GB and 1.10x at DeepSeek-V4-Flash's
+#: 4.3 GB; even at GPT-OSS-120B's 2.1 GB, 0.95x at 0.4 GB)
+LOCKSTEP_W2_DGRAD_ROWS = (96, 192)
+#: see :data:`LOCKSTEP_W2_DGRAD_ROWS`
+LOCKSTEP_W2_DGRAD_WEIGHT_BYTES = 3 * 1024**3
+
+
 def lockstep_rows(rows_per_expert: int) -> bool:
     """Whether a ``rows_per_expert`` hint lies in :data:`LOCKSTEP_ROWS`."""
     return LOCKSTEP_ROWS[0] <= rows_per_expert < LOCKSTEP_ROWS[1]
+
+
+def w2_dgrad_lockstep(*, rows_per_expert: int, num_experts: int | None, hidden: int,
+                      ffn: int) -> bool:
+    """Whether the Gluon W2 DGRAD's producer runs in lockstep (:data:`LOCKSTEP_W2_DGRAD_ROWS`):
+    the hint in that range and the rank's ``num_experts * hidden * ffn`` bf16 W2 weights at
+    least :data:`LOCKSTEP_W2_DGRAD_WEIGHT_BYTES`; never without the expert count."""
+    lo, hi = LOCKSTEP_W2_DGRAD_ROWS
+    return (num_experts is not None and lo <= rows_per_expert < hi
+            and 2 * num_experts * hidden * ffn >= LOCKSTEP_W2_DGRAD_WEIGHT_BYTES)
 
 
 def gluon_device(device: torch.device | str | None) -> bool:

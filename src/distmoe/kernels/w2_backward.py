@@ -759,7 +759,8 @@ class W2DgradConfig(GemmConfig):
     #: :attr:`~distmoe.kernels.w2_scatter.W2Config.lockstep`): each waits, a bounded spin on
     #: a device counter, until every program has issued the loads of its previous tile, so
     #: that the weight tiles an expert's row blocks share are read from L2 rather than DRAM
-    #: again. Same bits; the Triton kernel ignores it.
+    #: again. Same bits; the Triton kernel ignores it. :meth:`from_heuristic` sets it at 96
+    #: to 191 rows per expert where the rank's W2 weights total at least 3 GiB.
     lockstep: bool = False
 
     def __post_init__(self) -> None:
@@ -812,7 +813,8 @@ class W2DgradConfig(GemmConfig):
     @classmethod
     def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128,
                        rows_per_expert: int | None = None,
-                       device: torch.device | None = None) -> W2DgradConfig:
+                       device: torch.device | None = None,
+                       num_experts: int | None = None) -> W2DgradConfig:
         """128 x 128 x 64 tiles, 8 warps, 4 stages (128 KiB of SMEM) at training shapes;
         narrower tiles for narrow F/D. The SwiGLU epilogue needs about 180 registers per
         thread at 8 warps (sm_90 build), so one CTA per SM: the SMEM is there for a deeper
@@ -835,15 +837,29 @@ class W2DgradConfig(GemmConfig):
         (T=4096 D=2048 F=768 E=128), 1.39x (OLMoE) and 1.24x (T=2048) the ping-pong form,
         same bits; the layer's fwd+bwd 4.5% faster at the second (one H200, 2026-12-01,
         docs/performance.md run 43).
+
+        With the local expert count ``num_experts`` too, the Gluon pick's producer runs in
+        ``lockstep`` at 96 to 191 rows per expert where the rank's W2 weights
+        (``num_experts * D * F`` bf16) total at least 3 GiB
+        (:data:`~distmoe.kernels._common.LOCKSTEP_W2_DGRAD_WEIGHT_BYTES`). The kernel alone,
+        one H100, 2026-12-05 (docs/performance.md run 53, sampled routing): 1.05x at
+        DeepSeek-V3 (7.5 GB, 128 rows per expert), 1.10x at DeepSeek-V4-Flash (4.3 GB, 96
+        rows); 0.995x at GPT-OSS-120B (2.1 GB, 128 rows), 0.95x at T=2048 D=2048 F=768 E=128
+        (0.4 GB, 128 rows) and at T=4096 (256 rows).
         """
         if rows_per_expert is not None and block_m == 128 and device is not None:
             from .w2_dgrad_gluon import gluon_w2_dgrad_reason
 
             if gluon_w2_dgrad_reason(device, hidden=hidden, ffn=ffn, block_m=128, block_n=128,
                                      block_k=64) is None:
+                from ._common import w2_dgrad_lockstep
+
                 return cls(block_m=128, block_n=128, block_k=64,
                            num_stages=5 if rows_per_expert >= 1024 else 4, gluon=True,
-                           epilogue_warps=8)
+                           epilogue_warps=8,
+                           lockstep=w2_dgrad_lockstep(rows_per_expert=rows_per_expert,
+                                                      num_experts=num_experts, hidden=hidden,
+                                                      ffn=ffn))
         if rows_per_expert is not None and block_m == 128 and ffn >= 256 and hidden >= 64:
             return cls(block_m=block_m, block_n=256, block_k=64, num_warps=8, num_stages=4)
         block_n = _pow2_clamped(ffn, 16, 128)

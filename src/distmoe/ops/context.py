@@ -939,8 +939,9 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
 
         D, F = self.cfg.hidden, self.cfg.ffn
         shape_keys = dict(block_m=self.cfg.row_block, rows_per_expert=self.rows_per_expert_hint)
-        self._w2_dgrad_cfg = W2DgradConfig.from_heuristic(hidden=D, ffn=F, device=self.device,
-                                                          **shape_keys)
+        self._w2_dgrad_cfg = W2DgradConfig.from_heuristic(
+            hidden=D, ffn=F, device=self.device, num_experts=self.num_local_experts,
+            **shape_keys)
         self._w13_dgrad_cfg = W13DgradConfig.from_heuristic(
             hidden=D, ffn=F, device=self.device, num_experts=self.num_local_experts, **shape_keys)
         self._w2_wgrad_cfg = WgradConfig.from_heuristic(out_rows=D, out_cols=F,

@@ -348,7 +348,7 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
     96-220 bytes, run 33), and its plain form still spills 16 bytes there; at ``smoke``
     (D = 64) its epilogue spills 584-596 bytes. The split kernel spills in none of these.
     Then the split kernel as picked at gpt-oss-120b (F = 2880: partial last column tiles),
-    and built only, scored, with its TMA producer in lockstep."""
+    and at deepseek-v3 (scored), its TMA producer in lockstep."""
     from distmoe.kernels import w2_dgrad_gluon as wg
     from distmoe.kernels._common import next_power_of_2
     from distmoe.tools.bench.workloads import SHAPES
@@ -416,8 +416,8 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
     if "gpt-oss-120b" not in shapes:  # F = 2880: each row's last column tile partial
         cases += [split_case("gpt-oss-120b", 8, 1, 4, False, scored, True)
                   for scored in (True, False)]
-    # the TMA producer in lockstep (W2DgradConfig.lockstep), built only
-    cases.append(split_case("gpt-oss-120b", 8, 1, 4, False, True, False, lockstep=True))
+    # the TMA producer in lockstep (W2DgradConfig.lockstep), as picked at deepseek-v3
+    cases.append(split_case("deepseek-v3", 8, 1, 4, False, True, True, lockstep=True))
     return cases
 
 
