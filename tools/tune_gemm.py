@@ -211,7 +211,7 @@ def main() -> int:
             # Each candidate on both grids: one program per tile and persistent (heuristic
             # first: the results mark index 0 as the heuristic).
             cands["w2_dgrad"] = _both_grids([W2DgradConfig.from_heuristic(
-                hidden=D, ffn=F, rows_per_expert=hint, device=dev)] + [
+                hidden=D, ffn=F, rows_per_expert=hint, device=dev, num_experts=E)] + [
                 W2DgradConfig(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=st)
                 for bn, st in itertools.product([128, 256], [3, 4])]) + [
                 # the warp-specialised Gluon kernel (its own grid; ring depth = num_stages)
