@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # run 53, call 5 (one H200: deepseek-v3's layer fwd+bwd does not fit an H100): the heuristic
 # (W13 forward, W2 forward and W2 DGRAD producers in lockstep there) against the W2 DGRAD's
-# off and against all three off, interleaved, sampled then exact routing
+# off and against all three off, interleaved, sampled then exact routing (ROUTINGS, BUDGET:
+# the routings and the seconds this script may take)
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 t0=$SECONDS
 nvidia-smi --query-gpu=name,temperature.gpu,clocks.sm,power.draw,memory.total --format=csv,noheader
-for routing in sampled exact; do
-  left=$((400 - (SECONDS - t0))); [ $left -lt 60 ] && break
+for routing in ${ROUTINGS:-sampled exact}; do
+  left=$((${BUDGET:-400} - (SECONDS - t0))); [ $left -lt 60 ] && break
   timeout $left python3 tools/ab_interleaved.py --shape deepseek-v3 --mode fwdbwd \
     --routing $routing --rounds 7 --variant off=w2_dgrad:lockstep=False \
     --variant alloff=w13:lockstep=False+w2:lockstep=False+w2_dgrad:lockstep=False \
