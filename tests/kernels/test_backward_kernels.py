@@ -2487,9 +2487,10 @@ def test_gluon_w2_dgrad_lockstep(split, programs):
     """``W2DgradConfig.lockstep`` (the TMA producer waits on a device counter for the wave
     before each tile) gives the ping-pong kernel's bits without it, scored, in both kernels:
     few programs walking many tiles (the last wave's idle programs must not hold the others'
-    waits), one per SM, and twice as many programs as SMs over ten times the rows (the
-    programs not resident at first make the others' waits miss their bound, after which each
-    stops waiting)."""
+    waits), one per SM, and twice as many programs as SMs asked for over ten times the rows
+    (the grid is capped at the 171 tiles, still above an H100's or H200's 132 SMs at one
+    program per SM: the programs not resident at first make the others' waits miss their
+    bound, after which each stops waiting)."""
     from distmoe.kernels._common import num_sms
 
     scale = 1
