@@ -1471,6 +1471,27 @@ def test_gluon_request_that_cannot_run_warns_and_runs_triton():
         run_w13_case([5, 0, 16, 21], hidden=64, ffn=48, r_cap=96, config=config, null_live=[7])
 
 
+def test_every_bool_option_of_the_gemm_configs_is_checked():
+    """GemmConfig checks every field annotated ``bool``, a subclass's too (the four launch
+    configs declare theirs only): an int there is a TypeError naming the field and the type.
+    The options each config has are listed, so a new one cannot go unchecked unnoticed."""
+    import dataclasses
+
+    from distmoe.kernels.w2_backward import W2DgradConfig
+    from distmoe.kernels.w13_backward import W13DgradConfig
+
+    common = ["persistent", "host_descriptors"]
+    expected = {W13Config: common + ["tma_epilogue", "gluon", "lockstep"],
+                W2Config: common + ["gluon", "lockstep"],
+                W2DgradConfig: common + ["gluon", "epilogue_early_h1", "lockstep"],
+                W13DgradConfig: common + ["pair_tails", "dynamic", "gluon", "lockstep"]}
+    for cls, names in expected.items():
+        assert [f.name for f in dataclasses.fields(cls) if f.type in ("bool", bool)] == names
+        for name in names:
+            with pytest.raises(TypeError, match=f"^{name} must be a bool, got int$"):
+                cls(**{name: 1})
+
+
 def test_gluon_w13_config_reaches_the_launch(monkeypatch):
     """The config's tile reaches the Gluon launch: ``num_warps`` (4 ping-pong, 8
     cooperative), ``block_n``, ``num_stages`` and ``group_m``, into both the shape check and

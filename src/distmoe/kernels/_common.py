@@ -113,10 +113,11 @@ class GemmConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} ({value!r}) must be an int >= 1")
-        for name in ("persistent", "host_descriptors"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        for field in dataclasses.fields(self):  # every bool option, the subclasses' too
+            if field.type in ("bool", bool):
+                value = getattr(self, field.name)
+                if not isinstance(value, bool):
+                    raise TypeError(f"{field.name} must be a bool, got {type(value).__name__}")
 
     @classmethod
     def sweep(cls, *, block_m: int, block_ns: Sequence[int], block_ks: Sequence[int],

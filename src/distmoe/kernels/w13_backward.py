@@ -385,17 +385,9 @@ class W13DgradConfig(GemmConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_backward_gemm_config(self)
-        for name in ("gluon", "lockstep"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-        if not isinstance(self.dynamic, bool):
-            raise TypeError(f"dynamic must be a bool, got {type(self.dynamic).__name__}")
         if self.dynamic and not self.persistent:
             raise ValueError("dynamic=True needs persistent=True (a counter hands out the "
                              "tiles of a persistent grid)")
-        if not isinstance(self.pair_tails, bool):
-            raise TypeError(f"pair_tails must be a bool, got {type(self.pair_tails).__name__}")
         if self.pair_tails and self.block_n < 32:
             raise ValueError(f"pair_tails=True needs block_n >= 32, got block_n={self.block_n}")
 

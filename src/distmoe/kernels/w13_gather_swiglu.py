@@ -438,13 +438,6 @@ class W13Config(GemmConfig):
     #: to 191 rows per expert.
     lockstep: bool = False
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("tma_epilogue", "gluon", "lockstep"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-
     def smem_bytes(self) -> int:
         if self.gluon:
             from .w13_gluon import stage_bytes

@@ -766,10 +766,6 @@ class W2DgradConfig(GemmConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_backward_gemm_config(self)
-        for name in ("gluon", "lockstep"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
         p = self.h1_prefetch
         if isinstance(p, bool) or not isinstance(p, int):
             raise TypeError(f"h1_prefetch must be an int, got {type(p).__name__} ({p!r})")
@@ -792,9 +788,6 @@ class W2DgradConfig(GemmConfig):
         if w and not self.gluon:
             raise ValueError(f"epilogue_warps ({w}) needs gluon=True (only the Gluon W2 DGRAD "
                              "has an epilogue partition)")
-        if not isinstance(self.epilogue_early_h1, bool):
-            raise TypeError("epilogue_early_h1 must be a bool, got "
-                            f"{type(self.epilogue_early_h1).__name__}")
         if self.epilogue_early_h1 and not w:
             raise ValueError("epilogue_early_h1 needs epilogue_warps (4 or 8): only the split "
                              "kernel's epilogue loads h1 ahead")

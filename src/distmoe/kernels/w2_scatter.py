@@ -264,13 +264,6 @@ class W2Config(GemmConfig):
     #: per expert where each expert's W2 weights hold at least 8 MiB.
     lockstep: bool = False
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("gluon", "lockstep"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-
     @classmethod
     def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128,
                        rows_per_expert: int | None = None,
