@@ -2226,9 +2226,11 @@ def test_gluon_wgrad_config_rules():
         WgradConfig(gluon=True, specialized=True, pingpong=True)
     with pytest.raises(ValueError, match=r"block_out_m == 128 \(got 64\)"):
         WgradConfig(block_out_m=64, gluon=True, specialized=True, num_warps=4, pingpong=True)
-    # what the Hopper heuristic picks, always the specialised kernel's 128-column tile: its
-    # ping-pong form below 1024 rows per expert or for narrow outputs, its two cooperating
-    # warpgroups (8 warps, 5 stages) from 1024 rows per expert with outputs >= 256 wide
+    # what the Hopper heuristic picks, always the specialised kernel's 128-column tile: 256
+    # output rows (8 warps, 3 stages) where an expert's gradient holds >= 12 MiB, at any row
+    # count; else its ping-pong form below 1024 rows per expert or for narrow outputs, its two
+    # cooperating warpgroups (8 warps, 5 stages) from 1024 rows per expert with outputs >= 256
+    # wide
     pick = WgradConfig.hopper_gluon
 
     def form(c):
@@ -2236,17 +2238,34 @@ def test_gluon_wgrad_config_rules():
                 c.num_stages)
 
     pingpong, cooperative = (128, 128, True, True, True, 4, 5), (128, 128, True, True, False, 8, 5)
-    assert form(pick(out_rows=2048, out_cols=768, rows_per_expert=256)) == pingpong
+    wide = (256, 128, True, True, False, 8, 3)
+    assert form(pick(out_rows=2048, out_cols=768, rows_per_expert=256)) == pingpong  # 3 MiB
     assert form(pick(out_rows=2048, out_cols=768, rows_per_expert=1023)) == pingpong
     assert form(pick(out_rows=2048, out_cols=128, rows_per_expert=2048)) == pingpong
-    assert form(pick(out_rows=4096, out_cols=2048, rows_per_expert=1024)) == cooperative
-    assert form(pick(out_rows=4096, out_cols=2048, rows_per_expert=2048)) == cooperative
-    # P not a multiple of the tile (GPT-OSS: D = 2880): the same pick, the last row block
-    # stored clipped; below 128 rows or off TMA's 16-byte pitch, the Triton kernel
-    assert form(pick(out_rows=2880, out_cols=2880, rows_per_expert=128)) == pingpong
-    assert form(pick(out_rows=4000, out_cols=2048, rows_per_expert=2048)) == cooperative
+    assert form(pick(out_rows=1536, out_cols=2048, rows_per_expert=1024)) == cooperative  # 6 MiB
+    assert form(pick(out_rows=2048, out_cols=2048, rows_per_expert=2048)) == cooperative  # 8 MiB
+    for rows in (96, 128, 1024, 2048, None):  # 16 MiB: T=8192 D=4096 F=2048 E=32's W2
+        assert form(pick(out_rows=4096, out_cols=2048, rows_per_expert=rows)) == wide
+    assert form(pick(out_rows=4096, out_cols=7168, rows_per_expert=128)) == wide  # DeepSeek-V3
+    # the 12 MiB line, and the tile's 256 rows and 128 columns
+    assert form(pick(out_rows=3072, out_cols=2048, rows_per_expert=128)) == wide
+    assert form(pick(out_rows=3064, out_cols=2048, rows_per_expert=128)) == pingpong
+    assert form(pick(out_rows=248, out_cols=32768, rows_per_expert=128)) == pingpong
+    assert form(pick(out_rows=65536, out_cols=96, rows_per_expert=128)) == pingpong
+    # P not a multiple of the tile (GPT-OSS: D = 2880, 15.8 MiB per expert): the same picks,
+    # the last row block stored clipped; below 128 rows or off TMA's 16-byte pitch, the
+    # Triton kernel
+    assert form(pick(out_rows=2880, out_cols=2880, rows_per_expert=128)) == wide
+    assert form(pick(out_rows=4000, out_cols=2048, rows_per_expert=2048)) == wide
+    assert form(pick(out_rows=2000, out_cols=2048, rows_per_expert=2048)) == cooperative
     assert pick(out_rows=4004, out_cols=2048, rows_per_expert=2048) is None
     assert pick(out_rows=120, out_cols=2048, rows_per_expert=2048) is None
+    # through the device heuristic the same picks; without a Hopper device, Triton's
+    assert WgradConfig.from_heuristic(out_rows=4096, out_cols=2048, rows_per_expert=128) \
+        == WgradConfig.from_heuristic(out_rows=4096, out_cols=2048, rows_per_expert=128,
+                                      device="cpu")
+    assert not WgradConfig.from_heuristic(out_rows=4096, out_cols=2048,
+                                          rows_per_expert=128).gluon
 
 
 def _gluon_dgrad_problem(hidden, ffn, block, scale=1):

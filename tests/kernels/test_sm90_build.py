@@ -41,7 +41,12 @@ def test_kernels_build_for_sm90_and_production_configs_do_not_spill():
     if HAVE_GLUON:  # the Gluon WGRAD's production configs: built, no spill, no serialized wgmma
         assert "fine W13 WGRAD gluon" in run.stdout and "issue-a W2 WGRAD gluon" in run.stdout
         # the partial-tile builds at GPT-OSS's D = F = 2880, as the heuristics pick them
-        for label in ("gpt-oss-120b W2 WGRAD gluon ws pingpong", "gpt-oss-120b W2 fwd gluon",
+        for label in ("gpt-oss-120b W2 WGRAD gluon ws 256x128", "gpt-oss-120b W2 fwd gluon",
+                      # the WGRADs' 256 x 128 tiles from 12 MiB per expert, ping-pong, and
+                      # two cooperating warpgroups
+                      "issue-a W13 WGRAD gluon ws 256x128",
+                      "fine W2 WGRAD gluon ws pingpong 128x128",
+                      "fine T=16384 W13 WGRAD gluon ws 128x128 w8 s5",
                       "gpt-oss-120b W13 DGRAD gluon", "gpt-oss-120b W13 fwd gluon 128x128 coop",
                       "gpt-oss-120b W2 DGRAD gluon split",
                       # the producers in lockstep (W13Config.lockstep, W2DgradConfig's,

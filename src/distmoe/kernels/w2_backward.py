@@ -125,6 +125,7 @@ from distmoe.kernels._common import (
     tile_activation_rows,
     tile_expert,
     warn_gluon_fallback,
+    wgrad_wide_tiles,
 )
 from distmoe.kernels.interpreter import interpreter_active
 
@@ -981,9 +982,10 @@ class WgradConfig:
         are read through a row address table (``b_rows``; see :meth:`hopper_gluon`).
 
         On a Hopper ``device`` (and ``out_rows`` >= 128, a multiple of 8) the persistent Gluon
-        kernel (``gluon=True``), warp-specialised, 128 x 128 tiles, 5 stages: for long row
-        loops (hint >= 1024) with wide weights its 8-warp form (two warpgroups on one tile),
-        else its ping-pong form (:meth:`hopper_gluon`). First measured with 128 x 256 tiles
+        kernel (``gluon=True``), warp-specialised: 256 x 128 tiles where an expert's
+        gradient holds 12 MiB or more, else 128 x 128 tiles, 5 stages: for long row loops
+        (hint >= 1024) with wide weights its 8-warp form (two warpgroups on one tile), else
+        its ping-pong form (:meth:`hopper_gluon`). First measured with 128 x 256 tiles
         and 3 stages for the long row loops, plain 128 x 128 otherwise; on one
         H200 (2026-11-29, ``tools/tune_wgrad.py --quick``, docs/performance.md run 15), against
         the Triton configs below: at T=4096 D=2048 F=768 E=128 K=8, balanced routing, W13
@@ -1041,12 +1043,28 @@ class WgradConfig:
         128. Kernel alone, one H200 (2026-12-04, ``tools/tune_wgrad.py --quick --routing
         random``, performance.md run 47): 0.453 against 0.499 ms for the ping-pong 128 x 128
         tiles at T=4096 D=2048 F=768 E=128 K=8 (TMA-fed: 0.401), 3.129 against 3.817 ms for
-        the two cooperating warpgroups at T=8192 D=4096 F=2048 E=32 K=8 (TMA-fed: 3.344)."""
+        the two cooperating warpgroups at T=8192 D=4096 F=2048 E=32 K=8 (TMA-fed: 3.344).
+
+        B loaded by TMA, the same 256 x 128 tiles where one expert's gradient holds at least
+        :data:`~distmoe.kernels._common.WGRAD_WIDE_TILE_EXPERT_BYTES` (12 MiB;
+        :func:`~distmoe.kernels._common.wgrad_wide_tiles`), whatever the rows per expert:
+        layer fwd+bwd with both WGRADs so, one H100 (2026-12-05, ``tools/ab_interleaved.py
+        --variant wide=wgrad:block_out_m=256,num_warps=8,num_stages=3,pingpong=False``, 9
+        rounds, performance.md run 54), sampled / exact routing: DeepSeek-V3 1.049x / 1.081x,
+        DeepSeek-V4-Flash 1.132x / 1.097x, GPT-OSS-120B 1.021x (sampled), T=8192 D=4096
+        F=2048 E=32 K=8 1.090x / 1.099x; below it OLMoE 0.969x, T=2048 D=2048 F=768 E=128
+        1.001x, the same at T=16384 0.991x / 0.994x. On one H200 the last of the first four
+        read 16.29 against 16.42 ms (run 47, 7 rounds); the others are unmeasured there.
+        Elsewhere, two cooperating warpgroups from 1024 rows per expert with outputs at least
+        256 wide, else the ping-pong form."""
         if block_m < 64 or out_rows % 8 or out_rows < 128:
             return None
+        wide = cls(block_m=block_m, block_k=64, block_out_m=256, block_out_n=128,
+                   num_warps=8, num_stages=3, gluon=True, specialized=True)
         if gathered_b and out_rows % 256 == 0 and out_cols >= 128:
-            return cls(block_m=block_m, block_k=64, block_out_m=256, block_out_n=128,
-                       num_warps=8, num_stages=3, gluon=True, specialized=True)
+            return wide
+        if not gathered_b and wgrad_wide_tiles(out_rows=out_rows, out_cols=out_cols):
+            return wide
         if rows_per_expert is not None and rows_per_expert >= 1024 and out_cols >= 256:
             # the warp-specialised kernel, two warpgroups cooperating on a 128 x 128 tile: the
             # layer fwd+bwd 1.3-1.5% faster than with the plain 128 x 256 one (one H200,

@@ -222,14 +222,15 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
             c = w2b.WgradConfig.hopper_gluon(out_rows=P, out_cols=Q, rows_per_expert=hint)
             if c is None:  # the Triton WGRAD serves this shape (P under 128)
                 continue
-            # the warp-specialised kernel as picked (ping-pong below 1024 rows per expert,
-            # two cooperating warpgroups above), and the plain kernel of the same tile with 8
-            # warps. 128 x 256 tiles only in the plain kernel (the warp-specialised one needs
-            # more registers there).
+            # the warp-specialised kernel as picked (256 x 128 tiles from 12 MiB per
+            # expert; else ping-pong below 1024 rows per expert, two cooperating warpgroups
+            # above), and the plain kernel of the same tile with 8 warps. 128 x 256 tiles
+            # only in the plain kernel (the warp-specialised one needs more registers there).
             for ws in (False, True) if c.block_out_n <= 128 else (False,):
                 pp = ws and c.pingpong
                 cases.append(case(f"{name} {kind} WGRAD gluon{' ws' if ws else ''}"
-                                  f"{' pingpong' if pp else ''}", P, Q, E,
+                                  f"{' pingpong' if pp else ''} {c.block_out_m}x{c.block_out_n}",
+                                  P, Q, E,
                                   c.block_out_m, c.block_out_n, c.num_stages,
                                   c.num_warps if ws or not c.pingpong else 8,
                                   kind == "W13", True, c.block_k, ws, pp))
@@ -241,6 +242,13 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
                                   g.block_out_m, g.block_out_n, g.num_stages, g.num_warps, True,
                                   True, g.block_k, True, g.pingpong, gather=True))
     s = SHAPES["fine"]
+    # two cooperating warpgroups: the pick from 1024 rows per expert below 12 MiB per expert
+    # (fine at T=16384)
+    c = w2b.WgradConfig.hopper_gluon(out_rows=2 * s.ffn, out_cols=s.hidden, rows_per_expert=1024)
+    cases.append(case(f"fine T=16384 W13 WGRAD gluon ws {c.block_out_m}x{c.block_out_n} "
+                      f"w{c.num_warps} s{c.num_stages}", 2 * s.ffn, s.hidden, s.num_experts,
+                      c.block_out_m, c.block_out_n, c.num_stages, c.num_warps, True, True,
+                      c.block_k, True, c.pingpong))
     for bp, bq, stages, warps, bk in wg.GLUON_WGRAD_CONFIGS:
         cases.append(case(f"variant W2 WGRAD gluon {bp}x{bq} k{bk} s{stages} w{warps}",
                           s.hidden, s.ffn, s.num_experts, bp, min(bq, s.ffn), stages, warps,
