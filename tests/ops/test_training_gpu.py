@@ -37,6 +37,7 @@ def _partial_tile_rank(rank, world, seed, shape, names):
                         for a in ("_w13_cfg", "_w2_cfg", "_w2_dgrad_cfg", "_w13_dgrad_cfg",
                                   "_w2_wgrad_cfg", "_w13_wgrad_cfg")}
         out["w13_warps"] = ctx._w13_cfg.num_warps
+        out["wgrad_rows"] = (ctx._w13_wgrad_cfg.block_out_m, ctx._w2_wgrad_cfg.block_out_m)
         out["w13_lockstep"] = ctx._w13_cfg.lockstep
         for i, name in enumerate(names):
             mine = split_global_problem(*make_problem(seed + i, world, T, D, F, E, K, name),
@@ -65,9 +66,7 @@ def test_training_gpu_gluon_kernels_with_partial_column_tiles(EP):
     autograd in fp64, within twice the bf16 reference's error plus 1/128 of the largest
     value (test_training's rule), balanced and 8x-imbalanced. At 128 rows per local expert
     the W13's producers run in lockstep (``W13Config.lockstep``, the heuristic's pick)."""
-    from test_training import _ref_grads
 
-    from distmoe.reference import moe_reference
 
     shape, names, seed = (512, 320, 1088, 8, 2), ("balanced", "imbalance_8x"), 31
     per_rank = dm.launch(_partial_tile_rank, EP, args=(seed, shape, names), device="cuda",
@@ -75,6 +74,17 @@ def test_training_gpu_gluon_kernels_with_partial_column_tiles(EP):
     for out in per_rank:
         assert all(out["gluon"].values()) and out["w13_warps"] == 8, out["gluon"]
         assert out["w13_lockstep"] == (EP == 1)
+        assert out["wgrad_rows"] == (128, 128)  # 1.4 / 0.7 MB per expert: 128-row tiles
+    _check_against_reference(per_rank, shape, names, seed)
+
+
+def _check_against_reference(per_rank, shape, names, seed):
+    """Each routing case's y (all ranks' rows) and gradients against torch autograd."""
+    from test_training import _ref_grads
+
+    from distmoe.reference import moe_reference
+
+    EP = len(per_rank)
     T, D, F, E, K = shape
     for i, name in enumerate(names):
         x, ids, scores, w13, w2 = make_problem(seed + i, EP, T, D, F, E, K, name)
@@ -85,6 +95,23 @@ def test_training_gpu_gluon_kernels_with_partial_column_tiles(EP):
         assert y64.abs().max() > 0 and all(g.abs().max() > 0 for g in g64)
         _check(f"{name} y", torch.cat([o[name][0] for o in per_rank]), y64, y16)
         _compare(name, [o[name][1:5] for o in per_rank], g64, g16, expert_slots={2, 3})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("EP", [1, 2])
+def test_training_gpu_wgrad_256_row_tiles(EP):
+    """Experts whose weight gradients hold >= 12 MiB (D = 2880, F = 2304: W13's 25 MiB, W2's
+    12.7 MiB) take the WGRADs' 256 x 128 tiles (``_common.wgrad_wide_tiles``), W2's last row
+    block of each expert partial (2880 = 11 * 256 + 64). y and every gradient against torch
+    autograd as in the partial-tile test; at EP=2 the two ranks share the GPU, one expert
+    each."""
+    shape, names, seed = (256, 2880, 2304, 2, 2), ("balanced",), 43
+    per_rank = dm.launch(_partial_tile_rank, EP, args=(seed, shape, names), device="cuda",
+                         gpus=[0], timeout=600)
+    for out in per_rank:
+        assert out["gluon"]["_w13_wgrad_cfg"] and out["gluon"]["_w2_wgrad_cfg"], out["gluon"]
+        assert out["wgrad_rows"] == (256, 256)
+    _check_against_reference(per_rank, shape, names, seed)
 
 
 D, F, T, E, K = 256, 128, 64, 8, 2
