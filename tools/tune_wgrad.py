@@ -33,7 +33,8 @@ import torch
 def _rel_err(got, ref):
     """Largest |got - ref| over the largest |ref|, in fp32 one expert at a time (a whole
     fp32 copy of deepseek-v3's W13 gradients is 28 GiB); NaN where got holds a NaN."""
-    diff = torch.stack([(g.float() - r.float()).abs().max() for g, r in zip(got, ref, strict=True)])
+    diff = torch.stack([(g.float() - r.float()).abs().max()
+                        for g, r in zip(got, ref, strict=True)])
     mag = torch.stack([r.float().abs().max() for r in ref])
     return (diff.max() / mag.max()).item()
 

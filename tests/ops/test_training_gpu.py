@@ -66,8 +66,6 @@ def test_training_gpu_gluon_kernels_with_partial_column_tiles(EP):
     autograd in fp64, within twice the bf16 reference's error plus 1/128 of the largest
     value (test_training's rule), balanced and 8x-imbalanced. At 128 rows per local expert
     the W13's producers run in lockstep (``W13Config.lockstep``, the heuristic's pick)."""
-
-
     shape, names, seed = (512, 320, 1088, 8, 2), ("balanced", "imbalance_8x"), 31
     per_rank = dm.launch(_partial_tile_rank, EP, args=(seed, shape, names), device="cuda",
                          gpus=[0], timeout=600)

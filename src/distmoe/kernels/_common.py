@@ -350,9 +350,9 @@ LOCKSTEP_W2_DGRAD_WEIGHT_BYTES = 3 * 1024**3
 #: Bytes of one expert's weight gradient (``out_rows * out_cols`` bf16) from which the Gluon
 #: WGRAD takes 256 x 128 output tiles (:meth:`~distmoe.kernels.w2_backward.WgradConfig.
 #: hopper_gluon`): each row of its B operand loaded once per 256 output rows instead of 128.
-#: Layer fwd+bwd on one H100 (docs/performance.md run 54): 4.9-13.2% faster at 16-56 MiB per
-#: expert (DeepSeek-V3 and V4-Flash, GPT-OSS-120B, T=8192 D=4096 F=2048 E=32), 3% slower or
-#: even at 3-8 MiB (OLMoE, T=2048-16384 D=2048 F=768 E=128)
+#: Layer fwd+bwd on one H100 (docs/performance.md run 54, sampled routing): 2.1-13.2% faster
+#: at 15.8-56 MiB per expert (DeepSeek-V3 and V4-Flash, GPT-OSS-120B, T=8192 D=4096 F=2048
+#: E=32), 3% slower or even at 3-8 MiB (OLMoE, T=2048-16384 D=2048 F=768 E=128)
 WGRAD_WIDE_TILE_EXPERT_BYTES = 12 * 1024**2
 
 
