@@ -347,6 +347,21 @@ LOCKSTEP_W2_DGRAD_ROWS = (96, 192)
 LOCKSTEP_W2_DGRAD_WEIGHT_BYTES = 3 * 1024**3
 
 
+def lockstep_rows(rows_per_expert: int) -> bool:
+    """Whether a ``rows_per_expert`` hint lies in :data:`LOCKSTEP_ROWS`."""
+    return LOCKSTEP_ROWS[0] <= rows_per_expert < LOCKSTEP_ROWS[1]
+
+
+def w2_dgrad_lockstep(*, rows_per_expert: int, num_experts: int | None, hidden: int,
+                      ffn: int) -> bool:
+    """Whether the Gluon W2 DGRAD's producer runs in lockstep (:data:`LOCKSTEP_W2_DGRAD_ROWS`):
+    the hint in that range and the rank's ``num_experts * hidden * ffn`` bf16 W2 weights at
+    least :data:`LOCKSTEP_W2_DGRAD_WEIGHT_BYTES`; never without the expert count."""
+    lo, hi = LOCKSTEP_W2_DGRAD_ROWS
+    return (num_experts is not None and lo <= rows_per_expert < hi
+            and 2 * num_experts * hidden * ffn >= LOCKSTEP_W2_DGRAD_WEIGHT_BYTES)
+
+
 #: Bytes of one expert's weight gradient (``out_rows * out_cols`` bf16) from which the Gluon
 #: WGRAD takes 256 x 128 output tiles (:meth:`~distmoe.kernels.w2_backward.WgradConfig.
 #: hopper_gluon`): each row of its B operand loaded once per 256 output rows instead of 128.
@@ -362,21 +377,6 @@ def wgrad_wide_tiles(*, out_rows: int, out_cols: int) -> bool:
     least 256 rows and 128 columns."""
     return (out_rows >= 256 and out_cols >= 128
             and 2 * out_rows * out_cols >= WGRAD_WIDE_TILE_EXPERT_BYTES)
-
-
-def lockstep_rows(rows_per_expert: int) -> bool:
-    """Whether a ``rows_per_expert`` hint lies in :data:`LOCKSTEP_ROWS`."""
-    return LOCKSTEP_ROWS[0] <= rows_per_expert < LOCKSTEP_ROWS[1]
-
-
-def w2_dgrad_lockstep(*, rows_per_expert: int, num_experts: int | None, hidden: int,
-                      ffn: int) -> bool:
-    """Whether the Gluon W2 DGRAD's producer runs in lockstep (:data:`LOCKSTEP_W2_DGRAD_ROWS`):
-    the hint in that range and the rank's ``num_experts * hidden * ffn`` bf16 W2 weights at
-    least :data:`LOCKSTEP_W2_DGRAD_WEIGHT_BYTES`; never without the expert count."""
-    lo, hi = LOCKSTEP_W2_DGRAD_ROWS
-    return (num_experts is not None and lo <= rows_per_expert < hi
-            and 2 * num_experts * hidden * ffn >= LOCKSTEP_W2_DGRAD_WEIGHT_BYTES)
 
 
 def gluon_device(device: torch.device | str | None) -> bool:
