@@ -362,6 +362,15 @@ def w2_dgrad_lockstep(*, rows_per_expert: int, num_experts: int | None, hidden: 
             and 2 * num_experts * hidden * ffn >= LOCKSTEP_W2_DGRAD_WEIGHT_BYTES)
 
 
+def lockstep_counter(lockstep: bool, placeholder: torch.Tensor) -> torch.Tensor:
+    """The ``sync_ptr`` argument of a Gluon kernel with lockstep producers: with ``lockstep``
+    a zeroed int32 counter on ``placeholder``'s device, allocated per launch (the producers
+    count their issued tiles in it), else ``placeholder``, which the kernel does not read."""
+    if lockstep:
+        return torch.zeros(1, dtype=torch.int32, device=placeholder.device)
+    return placeholder
+
+
 #: Bytes of one expert's weight gradient (``out_rows * out_cols`` bf16) from which the Gluon
 #: WGRAD takes 256 x 128 output tiles (:meth:`~distmoe.kernels.w2_backward.WgradConfig.
 #: hopper_gluon`): each row of its B operand loaded once per 256 output rows instead of 128.

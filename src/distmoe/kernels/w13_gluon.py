@@ -444,7 +444,7 @@ def launch_gluon_w13(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
     ``[R_cap / DONE_BLOCK]``, counted up after each tile's h2 stores (:func:`done_count`).
     ``lockstep``: :attr:`~distmoe.kernels.w13_gather_swiglu.W13Config.lockstep` (a zeroed
     int32 counter is allocated per launch)."""
-    from ._common import device_context, next_power_of_2, num_sms
+    from ._common import device_context, lockstep_counter, next_power_of_2, num_sms
 
     block_m, block_k = tile_rows(block_n, warps), 64
     num_experts, _, ffn, hidden = w13.shape
@@ -466,8 +466,7 @@ def launch_gluon_w13(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
             padded_offsets if order is None else order,
             padded_offsets if positions is None else positions,
             padded_offsets if done is None else done,
-            torch.zeros(1, dtype=torch.int32, device=h2_out.device) if lockstep
-            else padded_offsets,
+            lockstep_counter(lockstep, padded_offsets),
             FFN=ffn, HIDDEN=hidden, NUM_EXPERTS=num_experts,
             EXPERTS_POW2=max(32, next_power_of_2(num_experts)),
             GROUP_M=group_m, STAGES=stages,

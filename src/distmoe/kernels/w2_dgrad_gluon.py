@@ -709,7 +709,7 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
     bits as the ping-pong kernel. Both options need F a multiple of 128 (whole tiles).
     ``lockstep``: :attr:`~distmoe.kernels.w2_backward.W2DgradConfig.lockstep` (a zeroed int32
     counter is allocated per launch)."""
-    from ._common import device_context, next_power_of_2, num_sms
+    from ._common import device_context, lockstep_counter, next_power_of_2, num_sms
 
     num_experts, hidden, ffn = w2.shape
     block_m, block_n, block_k = 128, 128, 64
@@ -731,7 +731,7 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
     args = (a_desc, w_desc, grad_h3_ptrs, padded_offsets, row_offsets, h1,
             h1_offset if h1_offset is not None else row_offsets, grad_h1_out,
             h2_out if h2_out is not None else grad_h1_out,
-            torch.zeros(1, dtype=torch.int32, device=w2.device) if lockstep else row_offsets)
+            lockstep_counter(lockstep, row_offsets))
     common = dict(FFN=ffn, HIDDEN=hidden, NUM_EXPERTS=num_experts,
                   EXPERTS_POW2=max(32, next_power_of_2(num_experts)), GROUP_M=group_m,
                   STAGES=stages, H1_OFFSET=h1_offset is not None, STORE_H2=h2_out is not None,

@@ -385,7 +385,7 @@ def _launch(a, w_desc, scatter_ptrs, padded_offsets, row_offsets, enable, wait, 
     blocks, the weights' descriptor ``w_desc`` (``b_k_major``: ``[block_n, 64]`` blocks of
     ``[E N, K]``, else ``[64, block_n]`` blocks of ``[E K, N]``), one program per SM (or
     ``programs``) and at most one per tile of the ``R_cap`` bound."""
-    from ._common import device_context, next_power_of_2, num_sms
+    from ._common import device_context, lockstep_counter, next_power_of_2, num_sms
 
     a_layout = gl.NVMMASharedLayout.get_default_for([_BLOCK_M, _BLOCK_K], gl.bfloat16)
     a_desc = GluonDescriptor(a, list(a.shape), [depth, 1], [_BLOCK_M, _BLOCK_K], a_layout)
@@ -397,7 +397,7 @@ def _launch(a, w_desc, scatter_ptrs, padded_offsets, row_offsets, enable, wait, 
             a_desc, w_desc, scatter_ptrs, padded_offsets, row_offsets,
             padded_offsets if enable is None else enable,
             padded_offsets if wait is None else wait, need,
-            torch.zeros(1, dtype=torch.int32, device=a.device) if lockstep else padded_offsets,
+            lockstep_counter(lockstep, padded_offsets),
             HIDDEN=hidden, FFN=depth, NUM_EXPERTS=num_experts,
             EXPERTS_POW2=max(32, next_power_of_2(num_experts)), GROUP_M=group_m,
             STAGES=stages, HAS_ENABLE=enable is not None, HAS_WAIT=wait is not None,
