@@ -2194,6 +2194,58 @@ def test_gluon_wgrad_x_rows(cfg, programs, form):
     assert same_bits(via, want)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", [3, None], ids=["3_programs", "one_per_sm"])
+@pytest.mark.parametrize("kind", ["W2_p_tail", "W13_x_offset"])
+@pytest.mark.parametrize("form", ["wide", "pp"])
+def test_gluon_wgrad_lockstep(form, kind, programs):
+    """The warp-specialised WGRAD with its producers in lockstep (``lockstep=True``: each
+    waits for the previous wave's loads, counted in a device counter) writes the same bits as
+    without, over a NaN-poisoned output: an expert with no rows, partial steps and a partial
+    last row block (P = 320), W13's B at a device offset; with 3 programs each walks many
+    tiles, so a counter that never reaches a wave's need would stall (the wait is bounded)
+    or mis-order nothing the bits would show. Through ``w2_wgrad`` with
+    ``WgradConfig(lockstep=True)`` too. A launch with B's rows from a table refuses it."""
+    from distmoe.kernels.wgrad_gluon import launch_gluon_wgrad
+
+    block_p, warps, stages = (256, 8, 3) if form == "wide" else (128, 4, 5)
+    counts = [0, 37, 64, 200, 1, 128, 301, 0, 75, 48]
+    layout = layout_from_counts(counts, 128, idle_tiles=1)
+    width_p, width_q = (320, 192) if kind == "W2_p_tail" else (384, 256)
+    big = [e + 1 for e, c in enumerate(counts[:-1]) if 0 < c < 128]
+    a = _wgrad_operand(layout, width_p, big_experts=big)
+    b = _wgrad_operand(layout, width_q, big_experts=big)
+    b_src, b_offset = b, None
+    if kind == "W13_x_offset":
+        offset = 8 * 5
+        b_src = poisoned(offset + b.numel() + width_q)
+        b_src[offset:offset + b.numel()] = b.reshape(-1)
+        b_offset = torch.tensor([offset], dtype=torch.int64, device=DEVICE)
+    outs = []
+    for lockstep in (False, True):
+        out = poisoned(len(counts), width_p, width_q)
+        launch_gluon_wgrad(a, b_src, layout.row_offsets, out, b_offset=b_offset,
+                           block_p=block_p, block_q=128, stages=stages, num_warps=warps,
+                           programs=programs, specialized=True, pingpong=form == "pp",
+                           lockstep=lockstep)
+        outs.append(out)
+    assert torch.isfinite(outs[1].float()).all(), "an output element was not written"
+    assert same_bits(outs[0], outs[1])
+    if kind == "W2_p_tail":
+        via = poisoned(len(counts), width_p, width_q)
+        w2_wgrad(a, b, layout.padded_offsets, layout.row_offsets, via, accumulate=False,
+                 config=WgradConfig(block_out_m=block_p, block_out_n=128, num_warps=warps,
+                                    num_stages=stages, gluon=True, specialized=True,
+                                    pingpong=form == "pp", lockstep=True))
+        assert same_bits(via, outs[0])
+    table = torch.zeros(int(layout.padded_offsets[-1]), dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"lockstep needs specialized=True and B loaded by TMA "
+                                         r"\(no b_rows\), got specialized=True and a b_rows"):
+        launch_gluon_wgrad(a, b_src, layout.row_offsets, outs[0], block_p=block_p,
+                           block_q=128, stages=stages, num_warps=warps, specialized=True,
+                           b_rows=table, lockstep=True)
+
+
 def test_gluon_wgrad_config_rules():
     # B's rows by address (x_rows): 256-row output tiles where P allows, else the usual pick
     got = WgradConfig.hopper_gluon(out_rows=1536, out_cols=2048, rows_per_expert=256,
@@ -2226,6 +2278,13 @@ def test_gluon_wgrad_config_rules():
         WgradConfig(gluon=True, specialized=True, pingpong=True)
     with pytest.raises(ValueError, match=r"block_out_m == 128 \(got 64\)"):
         WgradConfig(block_out_m=64, gluon=True, specialized=True, num_warps=4, pingpong=True)
+    # the producers in lockstep: the warp-specialised form's, off unless asked for
+    with pytest.raises(TypeError, match=r"lockstep must be a bool, got int"):
+        WgradConfig(gluon=True, specialized=True, lockstep=1)
+    with pytest.raises(ValueError, match=r"lockstep=True needs specialized=True \(got False\)"):
+        WgradConfig(gluon=True, lockstep=True)
+    assert not WgradConfig.hopper_gluon(out_rows=4096, out_cols=7168,
+                                        rows_per_expert=128).lockstep
     # what the Hopper heuristic picks, always the specialised kernel's 128-column tile: 256
     # output rows (8 warps, 3 stages) where an expert's gradient holds >= 12 MiB, at any row
     # count; else its ping-pong form below 1024 rows per expert or for narrow outputs, its two

@@ -10,7 +10,8 @@ specialised 256 x 128, 8 MMA warps, 3 stages: the heuristic's pick from 12 MiB p
 ``pp`` (warp-specialised ping-pong 128 x 128, 4 warps, 5 stages), ``coop`` (warp-specialised
 128 x 128, 8 warps, 5 stages). Timing reports ms, TFLOP/s and the output's write rate
 (E * P * Q bf16 per call), and each config's largest difference from ``plain``'s output
-(poisoned with NaN before each config's first call).
+(poisoned with NaN before each config's first call). ``widels`` / ``ppls``: wide and
+ping-pong with their producers in lockstep (``WgradConfig.lockstep``, run 55 call 7).
 """
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ CONFIGS = {
     "wide": dict(block_out_m=256, num_warps=8, num_stages=3, specialized=True),
     "pp": dict(block_out_m=128, num_warps=4, num_stages=5, specialized=True, pingpong=True),
     "coop": dict(block_out_m=128, num_warps=8, num_stages=5, specialized=True),
+    "widels": dict(block_out_m=256, num_warps=8, num_stages=3, specialized=True, lockstep=True),
+    "ppls": dict(block_out_m=128, num_warps=4, num_stages=5, specialized=True, pingpong=True,
+                 lockstep=True),
 }
 
 
@@ -37,7 +41,8 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=128, help="rows per expert (all equal)")
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--ffn", type=int, default=2048)
-    ap.add_argument("--config", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--config", nargs="+", default=["plain", "wide", "pp", "coop"],
+                    choices=list(CONFIGS))
     ap.add_argument("--kernel", nargs="+", default=["w13", "w2"], choices=["w13", "w2"])
     ap.add_argument("--time", action="store_true", help="do_bench each (else: 2 launches)")
     args = ap.parse_args()

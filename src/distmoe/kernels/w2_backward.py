@@ -909,6 +909,11 @@ class WgradConfig:
             128-row tile), so that one's epilogue (the tile's TMA store) runs under the
             other's MMAs; the same bits. Below 1024 rows per expert a tile is only a few
             row steps, so the epilogue is a large share of it.
+        lockstep: with ``specialized``, where B is loaded by TMA (not read through a row
+            table, ``w13_wgrad``'s ``x_rows``, which ignores it): the producers start each
+            wave of tiles together, counting issued tiles in a zeroed int32 counter
+            allocated per launch, so that the waves' A and B rows are read from L2 (the
+            forwards' ``lockstep``); the same bits.
     """
 
     block_m: int = 128
@@ -922,6 +927,7 @@ class WgradConfig:
     gluon: bool = False
     specialized: bool = False
     pingpong: bool = False
+    lockstep: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_k", "block_out_m", "block_out_n"):
@@ -941,7 +947,7 @@ class WgradConfig:
                 raise ValueError(f"{name} ({value!r}) must be an int >= 1")
         if self.num_warps not in (4, 8):
             raise ValueError(f"num_warps ({self.num_warps}) must be 4 or 8")
-        for name in ("host_descriptors", "gluon", "specialized", "pingpong"):
+        for name in ("host_descriptors", "gluon", "specialized", "pingpong", "lockstep"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(
                     f"{name} must be a bool, got {type(getattr(self, name)).__name__}"
@@ -962,6 +968,8 @@ class WgradConfig:
                 f"pingpong=True needs specialized=True (got {self.specialized}), num_warps == 4 "
                 f"(got {self.num_warps}) and block_out_m == 128 (got {self.block_out_m})"
             )
+        if self.lockstep and not self.specialized:
+            raise ValueError(f"lockstep=True needs specialized=True (got {self.specialized})")
 
     def smem_bytes(self) -> int:
         """Shared memory of the row-loop pipeline (bf16 A and B tiles of every stage)."""
@@ -1237,7 +1245,8 @@ def launch_grouped_wgrad(
                                stages=config.num_stages, num_warps=config.num_warps,
                                block_k=config.block_k, specialized=config.specialized,
                                pingpong=config.pingpong, b_rows=b_rows,
-                               padded_offsets=padded_offsets, b_rows_origin=b_rows_origin)
+                               padded_offsets=padded_offsets, b_rows_origin=b_rows_origin,
+                               lockstep=config.lockstep and b_rows is None)
             return
     tiles = triton.cdiv(width_p, config.block_out_m) * triton.cdiv(width_q, config.block_out_n)
     grid = (num_experts * config.split_rows * tiles,)

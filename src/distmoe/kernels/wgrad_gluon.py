@@ -418,13 +418,16 @@ if HAVE_GLUON:
                        b_rows_ptr, padded_offsets_ptr, shift, i, qq, P: gl.constexpr,
                        Q: gl.constexpr, NUM_EXPERTS: gl.constexpr, BLOCK_K: gl.constexpr,
                        BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
-                       GATHER: gl.constexpr, ORDERED: gl.constexpr):
+                       GATHER: gl.constexpr, ORDERED: gl.constexpr, sync_ptr,
+                       LOCKSTEP: gl.constexpr):
         """The producer's walk over the program's tiles (:func:`_ws_producer`): A by TMA, and
         B by TMA from ``b_src``, or with ``GATHER`` B's rows by ``cp.async`` (``i`` / ``qq``
         their row and column lanes) from the table's addresses plus ``shift`` (loaded one step
         ahead), or with ``ORDERED`` too from ``shift + row * 2Q`` (rows in activation order,
         no table). Gathered rows at or past the expert's end and null addresses are
-        zero-filled."""
+        zero-filled. With ``LOCKSTEP`` (``sync_ptr``: a zeroed int32 counter) every program
+        starts a wave's loads once all have issued the previous wave's
+        (:func:`~distmoe.kernels._gluon_ring._lockstep_before_tile`)."""
         NUM_Q: gl.constexpr = (Q + BLOCK_Q - 1) // BLOCK_Q
         TILES_PER_EXPERT: gl.constexpr = _tiles_per_expert(P, NUM_Q, BLOCK_P)
         num_tiles = NUM_EXPERTS * TILES_PER_EXPERT
@@ -433,7 +436,9 @@ if HAVE_GLUON:
         else:
             nbytes: gl.constexpr = a_desc.block_type.nbytes + b_src.block_type.nbytes
         count = 0
+        in_step = gl.to_tensor(True)  # until a wait misses its bound (a program not resident)
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            in_step = _lockstep_before_tile(sync_ptr, in_step, tile, num_tiles, LOCKSTEP)
             first, end = _tile_rows(row_offsets_ptr, tile, num_tiles, TILES_PER_EXPERT)
             _row, p0, q0 = _tile_origin(tile, P, NUM_Q, TILES_PER_EXPERT, BLOCK_P, BLOCK_Q)
             if GATHER and not ORDERED:  # the table's entry of row `first`, the first addresses
@@ -465,6 +470,8 @@ if HAVE_GLUON:
                 else:
                     tma.async_copy_global_to_shared(b_src, [row, q0], bar, b_bufs.index(stage))
                 count += 1
+            if LOCKSTEP:
+                _lockstep_tile_done(sync_ptr)
 
     @gluon.jit
     def _ws_producer(a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
@@ -473,7 +480,8 @@ if HAVE_GLUON:
                      B_OFFSET: gl.constexpr, GATHER_B: gl.constexpr, B_LAYOUT: gl.constexpr,
                      BLOCK_K: gl.constexpr,
                      BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
-                     NUM_WARPS: gl.constexpr, a_desc, GATHER_WARPS: gl.constexpr):
+                     NUM_WARPS: gl.constexpr, a_desc, GATHER_WARPS: gl.constexpr, sync_ptr,
+                     LOCKSTEP: gl.constexpr):
         """One warp (``GATHER_WARPS``): the loads of every row step of the program's tiles,
         each once the consumer has released its stage (:func:`_ws_load_tiles`). A whole step
         completes the stage's barrier ``bars[s]`` itself; a partial one completes
@@ -499,18 +507,21 @@ if HAVE_GLUON:
             if in_order != 0:
                 _ws_load_tiles(a_bufs, b_bufs, bars, empty, a_desc, a_desc, row_offsets_ptr,
                                b_rows_ptr, padded_offsets_ptr, shift + in_order, i, qq, P, Q,
-                               NUM_EXPERTS, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, True, True)
+                               NUM_EXPERTS, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, True, True,
+                               sync_ptr, False)
             else:
                 _ws_load_tiles(a_bufs, b_bufs, bars, empty, a_desc, a_desc, row_offsets_ptr,
                                b_rows_ptr, padded_offsets_ptr, shift, i, qq, P, Q,
-                               NUM_EXPERTS, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, True, False)
+                               NUM_EXPERTS, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, True, False,
+                               sync_ptr, False)
             async_copy.wait_group(0)
         else:
             b_src = _b_source(b_desc, b_base, b_offset_ptr, row_offsets_ptr, Q, NUM_EXPERTS,
                               B_OFFSET, B_LAYOUT, BLOCK_K, BLOCK_Q)
             _ws_load_tiles(a_bufs, b_bufs, bars, empty, a_desc, b_src, row_offsets_ptr,
                            b_rows_ptr, padded_offsets_ptr, b_shift, 0, 0, P, Q, NUM_EXPERTS,
-                           BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, False, False)
+                           BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, False, False, sync_ptr,
+                           LOCKSTEP)
 
     @gluon.jit
     def _ws_zeroer(a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
@@ -552,11 +563,12 @@ if HAVE_GLUON:
         b_rows_ptr,  # int64 [R_cap] B row addresses by padded row (GATHER_B), else a placeholder
         padded_offsets_ptr,  # int32 [E + 1] (GATHER_B), else a placeholder
         b_shift,  # int64: bytes from the table's addresses to B's rows, less 2 * b_offset[0]
+        sync_ptr,  # int32 [1], zeroed (LOCKSTEP), else a placeholder
         P: gl.constexpr, Q: gl.constexpr, NUM_EXPERTS: gl.constexpr, B_OFFSET: gl.constexpr,
         GATHER_B: gl.constexpr, B_LAYOUT: gl.constexpr, C_LAYOUT: gl.constexpr,
         BLOCK_K: gl.constexpr, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
         ZERO_WARPS: gl.constexpr, PINGPONG: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-        num_warps: gl.constexpr,
+        LOCKSTEP: gl.constexpr, num_warps: gl.constexpr,
     ):
         """:func:`_gluon_wgrad_kernel`'s contract and bits, warp-specialised: a one-warp TMA
         producer, a ``ZERO_WARPS``-warp partition zeroing each tile's partial last step off the
@@ -566,7 +578,10 @@ if HAVE_GLUON:
         With ``GATHER_B`` the producer reads B's rows through a table of row addresses instead
         (``cp.async``, 16 bytes per thread; rows past the expert's end and null rows zero-filled,
         so the zeroing partition zeroes only A), by ``PRODUCER_WARPS`` warps, each of whose
-        threads completes the stage's barrier once its copies have landed."""
+        threads completes the stage's barrier once its copies have landed.
+
+        With ``LOCKSTEP`` (B by TMA only) the producers start each wave of tiles together,
+        counting their issued tiles in ``sync_ptr``."""
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_P], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_Q], B_LAYOUT)
         if PINGPONG:
@@ -602,7 +617,7 @@ if HAVE_GLUON:
                                 b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr,
                                 b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
                                 B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps,
-                                a_desc, PRODUCER_WARPS)),
+                                a_desc, PRODUCER_WARPS, sync_ptr, LOCKSTEP)),
                 (_ws_zeroer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
                               b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr,
                               b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
@@ -620,7 +635,7 @@ if HAVE_GLUON:
                                 b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr,
                                 b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
                                 B_LAYOUT, BLOCK_K, BLOCK_P, BLOCK_Q, STAGES, num_warps,
-                                a_desc, PRODUCER_WARPS)),
+                                a_desc, PRODUCER_WARPS, sync_ptr, LOCKSTEP)),
                 (_ws_zeroer, (a_bufs, b_bufs, c_smem, bars, empty, o_desc, row_offsets_ptr,
                               b_desc, b_base, b_offset_ptr, b_rows_ptr, padded_offsets_ptr,
                               b_shift, P, Q, NUM_EXPERTS, B_OFFSET, GATHER_B,
@@ -697,7 +712,7 @@ def launch_gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_offsets: torch.Tens
                        programs: int | None = None, specialized: bool = False,
                        pingpong: bool = False, b_rows: torch.Tensor | None = None,
                        padded_offsets: torch.Tensor | None = None,
-                       b_rows_origin: int = 0) -> None:
+                       b_rows_origin: int = 0, lockstep: bool = False) -> None:
     """Launch the persistent Gluon WGRAD (overwrite mode; arguments validated by the caller,
     :func:`gluon_wgrad_supported` returned ``None``): ``out[e] = a[rows_e]^T @ b[rows_e]``.
 
@@ -725,12 +740,19 @@ def launch_gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_offsets: torch.Tens
             (rows stored in order, the table unread).
         padded_offsets: int32 ``[E + 1]`` on the device, with ``b_rows``.
         b_rows_origin: an int, with ``b_rows``.
+        lockstep: with ``specialized`` and B loaded by TMA (no ``b_rows``): the producers
+            start each wave of tiles together (:attr:`~distmoe.kernels.w2_backward.
+WgradConfig.lockstep`; a zeroed int32 counter is allocated per launch; the same bits).
     """
-    from ._common import device_context, ensure_tma_allocator, num_sms
+    from ._common import device_context, ensure_tma_allocator, lockstep_counter, num_sms
 
     if pingpong and (not specialized or num_warps != 4 or block_p != 128):
         raise ValueError(f"pingpong needs specialized=True, num_warps == 4 and block_p == 128, "
                          f"got {specialized}, {num_warps} and {block_p}")
+    if lockstep and (not specialized or b_rows is not None):
+        raise ValueError(f"lockstep needs specialized=True and B loaded by TMA (no b_rows), "
+                         f"got specialized={specialized} and "
+                         f"{'a' if b_rows is not None else 'no'} b_rows")
 
     gather = b_rows is not None
     if gather:
@@ -775,14 +797,18 @@ def launch_gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_offsets: torch.Tens
         kernel = _gluon_wgrad_ws_kernel
         extra = {"maxnreg": ws_maxnreg(num_warps, pingpong, gather),
                  "ZERO_WARPS": WS_ZERO_WARPS, "PINGPONG": pingpong, "GATHER_B": gather,
-                 "PRODUCER_WARPS": WS_GATHER_WARPS if gather else 1}
+                 "PRODUCER_WARPS": WS_GATHER_WARPS if gather else 1, "LOCKSTEP": lockstep}
     with device_context(out.device):
         table_args = ((b_rows, padded_offsets, b.data_ptr() - b_rows_origin) if gather
                       else (row_offsets, row_offsets, 0))  # placeholders, never read
         kernel[(max(1, min(programs, tiles)),)](
             a_desc, b_desc, b_base, b_off, o_desc, row_offsets,
-            *(table_args if specialized else ()),
+            *((*table_args, lockstep_counter(lockstep, row_offsets)) if specialized else ()),
             P=width_p, Q=width_q, NUM_EXPERTS=num_experts, B_OFFSET=b_offset is not None,
             B_LAYOUT=b_layout, C_LAYOUT=o_layout, BLOCK_K=block_k, BLOCK_P=block_p,
             BLOCK_Q=block_q, STAGES=stages, num_warps=num_warps, **extra,
         )  # fmt: skip
+
+
+if HAVE_GLUON:  # last: _gluon_ring imports this module's HAVE_GLUON
+    from ._gluon_ring import _lockstep_before_tile, _lockstep_tile_done  # noqa: E402

@@ -189,7 +189,7 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
     gl = wg.gl
 
     def case(label, P, Q, E, bp, bq, stages, warps, b_offset, production, bk=64, ws=False,
-             pp=False, gather=False):
+             pp=False, gather=False, ls=False):
         b_layout = gl.NVMMASharedLayout.get_default_for([bk, bq], gl.bfloat16)
         c_layout = gl.NVMMASharedLayout.get_default_for([bp, bq], gl.bfloat16)
         types = {"a_desc": _gluon_desc(bk, P, [bk, bp]),
@@ -207,7 +207,8 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
                  C_LAYOUT=c_layout, BLOCK_K=bk,
                  BLOCK_P=bp, BLOCK_Q=bq, STAGES=stages, num_warps=warps,
                  **({"ZERO_WARPS": wg.WS_ZERO_WARPS, "PINGPONG": pp, "GATHER_B": gather,
-                     "PRODUCER_WARPS": wg.WS_GATHER_WARPS if gather else 1} if ws else {})),
+                     "PRODUCER_WARPS": wg.WS_GATHER_WARPS if gather else 1,
+                     "LOCKSTEP": ls} if ws else {})),
             warps, 1, types=types, production=production, gluon=True,
             options=dict(maxnreg=wg.ws_maxnreg(warps, pp, gather)) if ws else {})
 
@@ -249,6 +250,10 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
                       f"w{c.num_warps} s{c.num_stages}", 2 * s.ffn, s.hidden, s.num_experts,
                       c.block_out_m, c.block_out_n, c.num_stages, c.num_warps, True, True,
                       c.block_k, True, c.pingpong))
+    # the producers in lockstep (WgradConfig.lockstep), on deepseek-v3's W13 wide tiles
+    d = SHAPES["deepseek-v3"]
+    cases.append(case("variant deepseek-v3 W13 WGRAD gluon ws 256x128 lockstep", 2 * d.ffn,
+                      d.hidden, d.num_experts, 256, 128, 3, 8, True, False, ws=True, ls=True))
     for bp, bq, stages, warps, bk in wg.GLUON_WGRAD_CONFIGS:
         cases.append(case(f"variant W2 WGRAD gluon {bp}x{bq} k{bk} s{stages} w{warps}",
                           s.hidden, s.ffn, s.num_experts, bp, min(bq, s.ffn), stages, warps,
