@@ -2283,8 +2283,19 @@ def test_gluon_wgrad_config_rules():
         WgradConfig(gluon=True, specialized=True, lockstep=1)
     with pytest.raises(ValueError, match=r"lockstep=True needs specialized=True \(got False\)"):
         WgradConfig(gluon=True, lockstep=True)
-    assert not WgradConfig.hopper_gluon(out_rows=4096, out_cols=7168,
-                                        rows_per_expert=128).lockstep
+    # the heuristic turns it on for the 256 x 128 tiles from 48 MiB an expert (DeepSeek-V3's
+    # W13: 56 MiB; not its W2's 28, nor V4-Flash's or GPT-OSS-120B's 32), B loaded by TMA
+    from distmoe.kernels._common import WGRAD_LOCKSTEP_EXPERT_BYTES
+
+    assert WGRAD_LOCKSTEP_EXPERT_BYTES == 2 * 4096 * 6144
+    for (rows, cols), on in {(4096, 7168): True, (4096, 6144): True, (4096, 6016): False,
+                             (7168, 2048): False, (4096, 4096): False, (5760, 2880): False,
+                             (8192, 3072): True}.items():
+        got = WgradConfig.hopper_gluon(out_rows=rows, out_cols=cols, rows_per_expert=128)
+        assert (got.block_out_m, got.lockstep) == (256, on), (rows, cols)
+        gathered = WgradConfig.hopper_gluon(out_rows=rows, out_cols=cols, rows_per_expert=128,
+                                            gathered_b=True)
+        assert not gathered.lockstep, (rows, cols)
     # what the Hopper heuristic picks, always the specialised kernel's 128-column tile: 256
     # output rows (8 warps, 3 stages) where an expert's gradient holds >= 12 MiB, at any row
     # count; else its ping-pong form below 1024 rows per expert or for narrow outputs, its two

@@ -380,6 +380,25 @@ def lockstep_counter(lockstep: bool, placeholder: torch.Tensor) -> torch.Tensor:
 WGRAD_WIDE_TILE_EXPERT_BYTES = 12 * 1024**2
 
 
+#: Bytes of one expert's weight gradient from which the Gluon WGRAD's 256 x 128 tiles run
+#: with their producers in lockstep (:attr:`~distmoe.kernels.w2_backward.WgradConfig.
+#: lockstep`): an expert whose gradient outgrows the 50 MB L2 streams its own rows out of it
+#: before the programs that lag behind read them. One H100 (docs/performance.md run 55):
+#: DeepSeek-V3's W13 WGRAD (56 MiB an expert) alone 1.41x, its layer fwd+bwd 1.050x under
+#: sampled routing with this one on (both WGRADs: 1.045x; 1.11x exact); at 28-32 MiB (its
+#: W2, DeepSeek-V4-Flash, GPT-OSS-120B, T=8192 D=4096 F=2048 E=32) the layer 0.99-1.00x
+#: under sampled routing.
+WGRAD_LOCKSTEP_EXPERT_BYTES = 48 * 1024**2
+
+
+def wgrad_lockstep(*, out_rows: int, out_cols: int) -> bool:
+    """Whether the Gluon WGRAD over a TMA-fed B (256 x 128 tiles) starts each wave of tiles
+    together: each expert's ``out_rows x out_cols`` bf16 gradient at least
+    :data:`WGRAD_LOCKSTEP_EXPERT_BYTES`."""
+    return (wgrad_wide_tiles(out_rows=out_rows, out_cols=out_cols)
+            and 2 * out_rows * out_cols >= WGRAD_LOCKSTEP_EXPERT_BYTES)
+
+
 def wgrad_wide_tiles(*, out_rows: int, out_cols: int) -> bool:
     """Whether the Gluon WGRAD over a TMA-fed B takes 256 x 128 output tiles: each expert's
     ``out_rows x out_cols`` bf16 gradient at least :data:`WGRAD_WIDE_TILE_EXPERT_BYTES`, at

@@ -100,7 +100,7 @@ safe, no host synchronisation).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -125,6 +125,7 @@ from distmoe.kernels._common import (
     tile_activation_rows,
     tile_expert,
     warn_gluon_fallback,
+    wgrad_lockstep,
     wgrad_wide_tiles,
 )
 from distmoe.kernels.interpreter import interpreter_active
@@ -1063,6 +1064,14 @@ class WgradConfig:
         F=2048 E=32 K=8 1.090x / 1.099x; below it OLMoE 0.969x, T=2048 D=2048 F=768 E=128
         1.001x, the same at T=16384 0.991x / 0.994x. On one H200 the last of the first four
         read 16.29 against 16.42 ms (run 47, 7 rounds); the others are unmeasured there.
+        From :data:`~distmoe.kernels._common.WGRAD_LOCKSTEP_EXPERT_BYTES` (48 MiB an expert,
+        :func:`~distmoe.kernels._common.wgrad_lockstep`) their producers run in lockstep:
+        DeepSeek-V3's W13 WGRAD (56 MiB) read its inputs from DRAM 4.5 times without it
+        (Nsight Compute, E=64) and once with it, alone 8.09 against 5.74 ms at 128 rows per
+        expert; the layer 1.050x faster under sampled routing with the W13 WGRAD's on, 1.11x
+        under exact routing with both (one H100, 2026-12-06, ``--variant
+        ls13=w13_wgrad:lockstep=True``, performance.md run 55); at 28-32 MiB even to 1%
+        slower under sampled routing.
         Elsewhere, two cooperating warpgroups from 1024 rows per expert with outputs at least
         256 wide, else the ping-pong form."""
         if block_m < 64 or out_rows % 8 or out_rows < 128:
@@ -1072,7 +1081,8 @@ class WgradConfig:
         if gathered_b and out_rows % 256 == 0 and out_cols >= 128:
             return wide
         if not gathered_b and wgrad_wide_tiles(out_rows=out_rows, out_cols=out_cols):
-            return wide
+            return replace(
+                wide, lockstep=wgrad_lockstep(out_rows=out_rows, out_cols=out_cols))
         if rows_per_expert is not None and rows_per_expert >= 1024 and out_cols >= 256:
             # the warp-specialised kernel, two warpgroups cooperating on a 128 x 128 tile: the
             # layer fwd+bwd 1.3-1.5% faster than with the plain 128 x 256 one (one H200,

@@ -250,10 +250,14 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
                       f"w{c.num_warps} s{c.num_stages}", 2 * s.ffn, s.hidden, s.num_experts,
                       c.block_out_m, c.block_out_n, c.num_stages, c.num_warps, True, True,
                       c.block_k, True, c.pingpong))
-    # the producers in lockstep (WgradConfig.lockstep), on deepseek-v3's W13 wide tiles
+    # the producers in lockstep (WgradConfig.lockstep), as picked for deepseek-v3's W13 (56 MiB
+    # an expert)
     d = SHAPES["deepseek-v3"]
-    cases.append(case("variant deepseek-v3 W13 WGRAD gluon ws 256x128 lockstep", 2 * d.ffn,
-                      d.hidden, d.num_experts, 256, 128, 3, 8, True, False, ws=True, ls=True))
+    c = w2b.WgradConfig.hopper_gluon(out_rows=2 * d.ffn, out_cols=d.hidden, rows_per_expert=128)
+    cases.append(case(f"deepseek-v3 W13 WGRAD gluon ws {c.block_out_m}x{c.block_out_n}"
+                      f"{' lockstep' if c.lockstep else ''}", 2 * d.ffn, d.hidden,
+                      d.num_experts, c.block_out_m, c.block_out_n, c.num_stages, c.num_warps,
+                      True, True, c.block_k, True, c.pingpong, ls=c.lockstep))
     for bp, bq, stages, warps, bk in wg.GLUON_WGRAD_CONFIGS:
         cases.append(case(f"variant W2 WGRAD gluon {bp}x{bq} k{bk} s{stages} w{warps}",
                           s.hidden, s.ffn, s.num_experts, bp, min(bq, s.ffn), stages, warps,
