@@ -186,7 +186,8 @@ def main() -> int:
                 print(f"  {ms:8.3f} ms {tflops:7.1f} TFLOP/s {'HEURISTIC ' if heur else ''}"
                       f"out {cfg.block_out_m}x{cfg.block_out_n} k{cfg.block_k} "
                       f"s{cfg.num_stages} w{cfg.num_warps}{' GLUON' if cfg.gluon else ''}"
-                      f"{' WS' if cfg.specialized else ''}{' PP' if cfg.pingpong else ''} "
+                      f"{' WS' if cfg.specialized else ''}{' PP' if cfg.pingpong else ''}"
+                      f"{' LS' if cfg.lockstep else ''} "
                       f"err {err:.1e}")
         # this shape's buffers (at deepseek-v3 21 GiB of gradients) go before the next one's
         del x, gh1, gh3, h2, g13, g2, x_base, x_tok, tok_base, table, first_out, out_t
