@@ -7,6 +7,8 @@ Modes (each tile's steps in order, tiles dealt out program by program; "/N": N s
   fwd     the W13 forward's order: a tile is 256 weight rows, its steps walk D in 64-column
           boxes (256 rows x 128 bytes a step)
   fwd2    the same, two steps landing in one stage (256 rows x 256 bytes a stage)
+  w13     the W13 forward's own boxes: a step loads 128 gate rows and the 128 up rows F rows
+          below them, 128 bytes each (a 4-stage ring is the kernel's, less its x tiles)
   dgrad   the W13 DGRAD's order: a tile is 256 columns of one expert, its steps walk the
           expert's 2F rows 64 at a time (64 rows x 512 bytes a step)
 and torch's read of the same tensor (``sum``) for the read-only ceiling. Prints GB/s.
@@ -25,22 +27,30 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 
 @gluon.jit
-def _coords(j, pid, G, K_STEPS: gl.constexpr, NC: gl.constexpr, ROWS_PER_EXPERT: gl.constexpr,
-            BR: gl.constexpr, BC: gl.constexpr, DGRAD: gl.constexpr):
-    t = pid + (j // K_STEPS) * G
-    k = j % K_STEPS
-    if DGRAD:
-        r = (t // NC) * ROWS_PER_EXPERT + k * BR
-        c = (t % NC) * BC
+def _coords(j, h, pid, G, K_STEPS: gl.constexpr, NC: gl.constexpr,
+            ROWS_PER_EXPERT: gl.constexpr, BR: gl.constexpr, BC: gl.constexpr,
+            MODE: gl.constexpr):
+    """Box ``h`` of the program's ``j``-th stage."""
+    if MODE == 2:  # gate and up: one step's two boxes, F rows apart
+        t = pid + (j // K_STEPS) * G
+        r = (t // NC) * ROWS_PER_EXPERT + (t % NC) * BR + h * (ROWS_PER_EXPERT // 2)
+        c = (j % K_STEPS) * BC
     else:
-        r = t * BR
-        c = k * BC
+        jj = j * (1 + (MODE == 3)) + h  # fwd2 (3): a stage holds two consecutive steps
+        t = pid + (jj // K_STEPS) * G
+        k = jj % K_STEPS
+        if MODE == 1:
+            r = (t // NC) * ROWS_PER_EXPERT + k * BR
+            c = (t % NC) * BC
+        else:
+            r = t * BR
+            c = k * BC
     return r, c
 
 
 @gluon.jit
 def _stream_kernel(desc, num_tiles, K_STEPS: gl.constexpr, NC: gl.constexpr,
-                   ROWS_PER_EXPERT: gl.constexpr, DGRAD: gl.constexpr, PER_STAGE: gl.constexpr,
+                   ROWS_PER_EXPERT: gl.constexpr, MODE: gl.constexpr, PER_STAGE: gl.constexpr,
                    STAGES: gl.constexpr):
     BR: gl.constexpr = desc.block_type.shape[0]
     BC: gl.constexpr = desc.block_type.shape[1]
@@ -51,13 +61,15 @@ def _stream_kernel(desc, num_tiles, K_STEPS: gl.constexpr, NC: gl.constexpr,
     pid = gl.program_id(0)
     G = gl.num_programs(0)
     my_tiles = (num_tiles - pid + G - 1) // G
-    total = my_tiles * (K_STEPS // PER_STAGE)  # stages' worth of steps
+    if MODE == 2:
+        total = my_tiles * K_STEPS
+    else:
+        total = my_tiles * (K_STEPS // PER_STAGE)  # stages' worth of steps
     for i in gl.static_range(STAGES):
         live = i < total
         mbarrier.expect(bars.index(i), PER_STAGE * desc.block_type.nbytes, pred=live)
         for h in gl.static_range(PER_STAGE):
-            r, c = _coords(i * PER_STAGE + h, pid, G, K_STEPS, NC, ROWS_PER_EXPERT, BR, BC,
-                           DGRAD)
+            r, c = _coords(i, h, pid, G, K_STEPS, NC, ROWS_PER_EXPERT, BR, BC, MODE)
             tma.async_copy_global_to_shared(desc, [r, c], bars.index(i),
                                             bufs.index(i * PER_STAGE + h), live)
     for j in range(total):
@@ -67,17 +79,20 @@ def _stream_kernel(desc, num_tiles, K_STEPS: gl.constexpr, NC: gl.constexpr,
         live = nj < total
         mbarrier.expect(bars.index(s), PER_STAGE * desc.block_type.nbytes, pred=live)
         for h in gl.static_range(PER_STAGE):
-            r, c = _coords(nj * PER_STAGE + h, pid, G, K_STEPS, NC, ROWS_PER_EXPERT, BR, BC,
-                           DGRAD)
+            r, c = _coords(nj, h, pid, G, K_STEPS, NC, ROWS_PER_EXPERT, BR, BC, MODE)
             tma.async_copy_global_to_shared(desc, [r, c], bars.index(s),
                                             bufs.index(s * PER_STAGE + h), live)
 
 
 def run(w: torch.Tensor, mode: str, stages: int, experts: int, rows: int, cols: int, sms: int):
-    per_stage = 2 if mode == "fwd2" else 1
+    per_stage = 2 if mode in ("fwd2", "w13") else 1
     if mode == "dgrad":
         br, bc = 64, 256
         k_steps, nc = rows // br, cols // bc
+        num_tiles = experts * nc
+    elif mode == "w13":
+        br, bc = 128, 64
+        k_steps, nc = cols // bc, rows // 2 // br
         num_tiles = experts * nc
     else:
         br, bc = 256, 64
@@ -88,7 +103,7 @@ def run(w: torch.Tensor, mode: str, stages: int, experts: int, rows: int, cols: 
 
     def launch():
         _stream_kernel[(sms,)](desc, num_tiles, K_STEPS=k_steps, NC=nc, ROWS_PER_EXPERT=rows,
-                               DGRAD=mode == "dgrad", PER_STAGE=per_stage, STAGES=stages,
+                               MODE={"fwd": 0, "dgrad": 1, "w13": 2, "fwd2": 3}[mode], PER_STAGE=per_stage, STAGES=stages,
                                num_warps=4)
     return launch
 
@@ -118,8 +133,8 @@ def main() -> None:
     gb = w.numel() * 2 / 1e9
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     fns = {"sum": lambda: w.sum(dtype=torch.float32)}
-    for mode, stages in (("fwd", 6), ("fwd", 4), ("fwd2", 3), ("fwd2", 2), ("dgrad", 6),
-                         ("dgrad", 4)):
+    for mode, stages in (("w13", 4), ("w13", 6), ("fwd", 6), ("fwd", 4), ("fwd2", 3),
+                         ("fwd2", 2), ("dgrad", 6), ("dgrad", 4)):
         name = f"{mode}/{stages}"
         try:
             fns[name] = run(w, mode, stages, args.experts, args.rows, args.cols, sms)
