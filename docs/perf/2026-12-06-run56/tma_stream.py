@@ -49,6 +49,19 @@ def _coords(j, h, pid, G, K_STEPS: gl.constexpr, NC: gl.constexpr,
 
 
 @gluon.jit
+def _issue(desc, bufs, bars, s, j, live, pid, G, K_STEPS: gl.constexpr, NC: gl.constexpr,
+           ROWS_PER_EXPERT: gl.constexpr, MODE: gl.constexpr, PER_STAGE: gl.constexpr):
+    """The loads of the program's ``j``-th stage into ring stage ``s`` (if ``live``)."""
+    BR: gl.constexpr = desc.block_type.shape[0]
+    BC: gl.constexpr = desc.block_type.shape[1]
+    mbarrier.expect(bars.index(s), PER_STAGE * desc.block_type.nbytes, pred=live)
+    for h in gl.static_range(PER_STAGE):
+        r, c = _coords(j, h, pid, G, K_STEPS, NC, ROWS_PER_EXPERT, BR, BC, MODE)
+        tma.async_copy_global_to_shared(desc, [r, c], bars.index(s),
+                                        bufs.index(s * PER_STAGE + h), live)
+
+
+@gluon.jit
 def _stream_kernel(desc, num_tiles, K_STEPS: gl.constexpr, NC: gl.constexpr,
                    ROWS_PER_EXPERT: gl.constexpr, MODE: gl.constexpr, PER_STAGE: gl.constexpr,
                    STAGES: gl.constexpr):
@@ -66,23 +79,13 @@ def _stream_kernel(desc, num_tiles, K_STEPS: gl.constexpr, NC: gl.constexpr,
     else:
         total = my_tiles * (K_STEPS // PER_STAGE)  # stages' worth of steps
     for i in gl.static_range(STAGES):
-        live = i < total
-        mbarrier.expect(bars.index(i), PER_STAGE * desc.block_type.nbytes, pred=live)
-        for h in gl.static_range(PER_STAGE):
-            r, c = _coords(i, h, pid, G, K_STEPS, NC, ROWS_PER_EXPERT, BR, BC, MODE)
-            tma.async_copy_global_to_shared(desc, [r, c], bars.index(i),
-                                            bufs.index(i * PER_STAGE + h), live)
+        _issue(desc, bufs, bars, i, i, i < total, pid, G, K_STEPS, NC, ROWS_PER_EXPERT, MODE,
+               PER_STAGE)
     for j in range(total):
         s = j % STAGES
         mbarrier.wait(bars.index(s), (j // STAGES) & 1)
-        nj = j + STAGES
-        live = nj < total
-        mbarrier.expect(bars.index(s), PER_STAGE * desc.block_type.nbytes, pred=live)
-        for h in gl.static_range(PER_STAGE):
-            r, c = _coords(nj, h, pid, G, K_STEPS, NC, ROWS_PER_EXPERT, BR, BC, MODE)
-            tma.async_copy_global_to_shared(desc, [r, c], bars.index(s),
-                                            bufs.index(s * PER_STAGE + h), live)
-
+        _issue(desc, bufs, bars, s, j + STAGES, j + STAGES < total, pid, G, K_STEPS, NC,
+               ROWS_PER_EXPERT, MODE, PER_STAGE)
 
 def run(w: torch.Tensor, mode: str, stages: int, experts: int, rows: int, cols: int, sms: int):
     per_stage = 2 if mode in ("fwd2", "w13") else 1
