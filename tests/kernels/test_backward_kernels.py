@@ -2328,6 +2328,39 @@ def test_gluon_wgrad_config_rules():
     assert form(pick(out_rows=2880, out_cols=2880, rows_per_expert=128)) == wide
     assert form(pick(out_rows=4000, out_cols=2048, rows_per_expert=2048)) == wide
     assert form(pick(out_rows=2000, out_cols=2048, rows_per_expert=2048)) == cooperative
+    # an HBM3e-class device (H200: 140.4 GiB as torch reports it; H100: 79.6): the 256 x 128
+    # tiles from 1024 rows per expert only, ping-pong below (and no lockstep); a device of
+    # unknown memory or no row hint keeps the H100's rule
+    from distmoe.kernels._common import HBM3E_MEMORY_BYTES, device_memory_bytes
+
+    h200, h100 = 143771 * 2**20, 81559 * 2**20
+    assert h100 < HBM3E_MEMORY_BYTES <= h200
+    for rows, cols in ((4096, 7168), (7168, 2048), (5760, 2880), (4096, 4096)):
+        for hint, want in ((96, pingpong), (128, pingpong), (1023, pingpong), (1024, wide),
+                           (2048, wide), (None, wide)):
+            got = pick(out_rows=rows, out_cols=cols, rows_per_expert=hint, device_memory=h200)
+            assert form(got) == want, (rows, cols, hint)
+            assert not got.lockstep or hint is None or hint >= 1024, (rows, cols, hint)
+            assert pick(out_rows=rows, out_cols=cols, rows_per_expert=hint,
+                        device_memory=h100) == pick(out_rows=rows, out_cols=cols,
+                                                    rows_per_expert=hint), (rows, cols, hint)
+    assert pick(out_rows=4096, out_cols=7168, rows_per_expert=1024, device_memory=h200).lockstep
+    # below 12 MiB the device changes nothing
+    for hint in (128, 2048):
+        assert pick(out_rows=2048, out_cols=2048, rows_per_expert=hint, device_memory=h200) \
+            == pick(out_rows=2048, out_cols=2048, rows_per_expert=hint)
+    # the heuristic reads the device's memory from the driver; no device, a CPU one: unknown
+    assert device_memory_bytes(None) is None and device_memory_bytes("cpu") is None
+    if torch.cuda.is_available():
+        assert device_memory_bytes("cuda") == torch.cuda.get_device_properties(0).total_memory
+        from distmoe.kernels._common import gluon_device
+
+        if gluon_device("cuda"):  # on a Hopper GPU the heuristic keys on its memory
+            assert WgradConfig.from_heuristic(
+                out_rows=4096, out_cols=7168, rows_per_expert=128,
+                device=torch.device("cuda")) == pick(
+                out_rows=4096, out_cols=7168, rows_per_expert=128,
+                device_memory=device_memory_bytes("cuda"))
     assert pick(out_rows=4004, out_cols=2048, rows_per_expert=2048) is None
     assert pick(out_rows=120, out_cols=2048, rows_per_expert=2048) is None
     # through the device heuristic the same picks; without a Hopper device, Triton's

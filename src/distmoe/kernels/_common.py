@@ -391,20 +391,57 @@ WGRAD_WIDE_TILE_EXPERT_BYTES = 12 * 1024**2
 WGRAD_LOCKSTEP_EXPERT_BYTES = 48 * 1024**2
 
 
-def wgrad_lockstep(*, out_rows: int, out_cols: int) -> bool:
+#: Device memory from which a Hopper GPU counts as HBM3e-class for the WGRAD's tile rule
+#: (:func:`wgrad_wide_tiles`): the H200's 141 GB (4.8 TB/s) and GH200's 144 GB, against the
+#: H100's 80 GB (3.35 TB/s) on the same 132 SMs. Memory size stands in for DRAM bandwidth,
+#: which torch does not report; parts between (H20, H100 NVL: 94-96 GB, about 4 TB/s) are
+#: unmeasured and take the H100's rule.
+HBM3E_MEMORY_BYTES = 120 * 1024**3
+
+#: On an HBM3e-class device (:data:`HBM3E_MEMORY_BYTES`), the rows per expert (the shape
+#: hint) from which the WGRAD's 256 x 128 tiles are taken; below, its ping-pong 128 x 128
+#: tiles. One H200 (docs/performance.md run 57, layer fwd+bwd, 15 rounds): ping-pong faster
+#: at 96-128 rows per expert (DeepSeek-V3 1.029x sampled / 1.035x exact, GPT-OSS-120B
+#: 1.048x exact, DeepSeek-V4-Flash 1.025x sampled, even exact), the 256 x 128 tiles faster at
+#: 2048 (T=8192 D=4096 F=2048 E=32: 1.028x over ping-pong; run 47: 16.29 against 16.42 ms
+#: over the two cooperating warpgroups). 1024 is where the cooperating warpgroups begin;
+#: between 128 and 2048 rows the line is not measured.
+WGRAD_WIDE_TILE_ROWS_HBM3E = 1024
+
+
+def wgrad_lockstep(*, out_rows: int, out_cols: int, rows_per_expert: int | None = None,
+                   device_memory: int | None = None) -> bool:
     """Whether the Gluon WGRAD over a TMA-fed B (256 x 128 tiles) starts each wave of tiles
-    together: each expert's ``out_rows x out_cols`` bf16 gradient at least
+    together: it takes those tiles (:func:`wgrad_wide_tiles`, same arguments) and each
+    expert's ``out_rows x out_cols`` bf16 gradient holds at least
     :data:`WGRAD_LOCKSTEP_EXPERT_BYTES`."""
-    return (wgrad_wide_tiles(out_rows=out_rows, out_cols=out_cols)
+    return (wgrad_wide_tiles(out_rows=out_rows, out_cols=out_cols,
+                             rows_per_expert=rows_per_expert, device_memory=device_memory)
             and 2 * out_rows * out_cols >= WGRAD_LOCKSTEP_EXPERT_BYTES)
 
 
-def wgrad_wide_tiles(*, out_rows: int, out_cols: int) -> bool:
+def wgrad_wide_tiles(*, out_rows: int, out_cols: int, rows_per_expert: int | None = None,
+                     device_memory: int | None = None) -> bool:
     """Whether the Gluon WGRAD over a TMA-fed B takes 256 x 128 output tiles: each expert's
     ``out_rows x out_cols`` bf16 gradient at least :data:`WGRAD_WIDE_TILE_EXPERT_BYTES`, at
-    least 256 rows and 128 columns."""
-    return (out_rows >= 256 and out_cols >= 128
-            and 2 * out_rows * out_cols >= WGRAD_WIDE_TILE_EXPERT_BYTES)
+    least 256 rows and 128 columns; and on a device with ``device_memory`` bytes (``None``:
+    not known) of at least :data:`HBM3E_MEMORY_BYTES`, a ``rows_per_expert`` hint (``None``:
+    none given) of at least :data:`WGRAD_WIDE_TILE_ROWS_HBM3E`."""
+    if not (out_rows >= 256 and out_cols >= 128
+            and 2 * out_rows * out_cols >= WGRAD_WIDE_TILE_EXPERT_BYTES):
+        return False
+    if device_memory is None or device_memory < HBM3E_MEMORY_BYTES or rows_per_expert is None:
+        return True
+    return rows_per_expert >= WGRAD_WIDE_TILE_ROWS_HBM3E
+
+
+def device_memory_bytes(device: torch.device | str | None) -> int | None:
+    """Total memory of CUDA ``device`` in bytes (``None`` for no device or a CPU one): the
+    device-model key of :func:`wgrad_wide_tiles`. Read from the driver's cached properties, no
+    synchronisation."""
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
 
 
 def gluon_device(device: torch.device | str | None) -> bool:

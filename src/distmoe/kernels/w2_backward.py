@@ -116,6 +116,7 @@ from distmoe.kernels._common import (
     check_tma_aligned,
     check_width,
     device_context,
+    device_memory_bytes,
     ensure_tma_allocator,
     gemm_grid,
     gluon_device,
@@ -992,7 +993,7 @@ class WgradConfig:
 
         On a Hopper ``device`` (and ``out_rows`` >= 128, a multiple of 8) the persistent Gluon
         kernel (``gluon=True``), warp-specialised: 256 x 128 tiles where an expert's
-        gradient holds 12 MiB or more, else 128 x 128 tiles, 5 stages: for long row loops
+        gradient holds 12 MiB or more (on an H200, from 1024 rows per expert), else 128 x 128 tiles, 5 stages: for long row loops
         (hint >= 1024) with wide weights its 8-warp form (two warpgroups on one tile), else
         its ping-pong form (:meth:`hopper_gluon`). First measured with 128 x 256 tiles
         and 3 stages for the long row loops, plain 128 x 128 otherwise; on one
@@ -1017,7 +1018,8 @@ class WgradConfig:
         """
         if gluon_device(device):
             gluon = cls.hopper_gluon(out_rows=out_rows, out_cols=out_cols, block_m=block_m,
-                                     rows_per_expert=rows_per_expert, gathered_b=gathered_b)
+                                     rows_per_expert=rows_per_expert, gathered_b=gathered_b,
+                                     device_memory=device_memory_bytes(device))
             if gluon is not None:
                 return gluon
         if rows_per_expert is not None and rows_per_expert >= 1024 and out_rows >= 128 \
@@ -1038,8 +1040,8 @@ class WgradConfig:
 
     @classmethod
     def hopper_gluon(cls, *, out_rows: int, out_cols: int, block_m: int = 128,
-                     rows_per_expert: int | None = None,
-                     gathered_b: bool = False) -> WgradConfig | None:
+                     rows_per_expert: int | None = None, gathered_b: bool = False,
+                     device_memory: int | None = None) -> WgradConfig | None:
         """The Gluon config :meth:`from_heuristic` picks on a Hopper device (None where the
         Gluon kernel does not apply: ``out_rows`` under 128 or not a multiple of 8,
         ``block_m`` < 64). ``out_rows`` need not be a multiple of the tile: an expert's last
@@ -1072,6 +1074,13 @@ class WgradConfig:
         under exact routing with both (one H100, 2026-12-06, ``--variant
         ls13=w13_wgrad:lockstep=True``, performance.md run 55); at 28-32 MiB even to 1%
         slower under sampled routing.
+        ``device_memory`` (bytes; ``None``: not known): on an HBM3e-class device (an H200,
+        :data:`~distmoe.kernels._common.HBM3E_MEMORY_BYTES`) the 256 x 128 tiles need a
+        ``rows_per_expert`` hint of at least 1024 as well
+        (:data:`~distmoe.kernels._common.WGRAD_WIDE_TILE_ROWS_HBM3E`): on one H200 the
+        ping-pong tiles below were 2.5-4.8% faster at 96-128 rows per expert (DeepSeek-V3,
+        V4-Flash, GPT-OSS-120B), the 256 x 128 tiles 2.8% faster at 2048 (one H200,
+        2026-12-06, performance.md run 57).
         Elsewhere, two cooperating warpgroups from 1024 rows per expert with outputs at least
         256 wide, else the ping-pong form."""
         if block_m < 64 or out_rows % 8 or out_rows < 128:
@@ -1080,9 +1089,10 @@ class WgradConfig:
                    num_warps=8, num_stages=3, gluon=True, specialized=True)
         if gathered_b and out_rows % 256 == 0 and out_cols >= 128:
             return wide
-        if not gathered_b and wgrad_wide_tiles(out_rows=out_rows, out_cols=out_cols):
-            return replace(
-                wide, lockstep=wgrad_lockstep(out_rows=out_rows, out_cols=out_cols))
+        keys = dict(out_rows=out_rows, out_cols=out_cols, rows_per_expert=rows_per_expert,
+                    device_memory=device_memory)
+        if not gathered_b and wgrad_wide_tiles(**keys):
+            return replace(wide, lockstep=wgrad_lockstep(**keys))
         if rows_per_expert is not None and rows_per_expert >= 1024 and out_cols >= 256:
             # the warp-specialised kernel, two warpgroups cooperating on a 128 x 128 tile: the
             # layer fwd+bwd 1.3-1.5% faster than with the plain 128 x 256 one (one H200,
