@@ -14,9 +14,9 @@ timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -n 3 -rfE \
   tests/ops/test_training_gpu.py::test_training_gpu_wgrad_256_row_tiles > $OUT/tests.log 2>&1
 echo "tests rc=$? at $((SECONDS - t0)) s"; tail -n 3 $OUT/tests.log
 w=block_out_m=256,num_warps=8,num_stages=3,pingpong=False
-old="w13_wgrad:$w,lockstep=True+w2_wgrad:$w,lockstep=False"
-for a in "deepseek-v3 exact" "gpt-oss-120b sampled"; do
-  set -- $a
+for a in "deepseek-v3 exact True" "gpt-oss-20b sampled False" "gpt-oss-120b sampled False"; do
+  set -- $a  # shape routing, and whether the old pick ran the W13 WGRAD in lockstep (>= 48 MiB)
+  old="w13_wgrad:$w,lockstep=$3+w2_wgrad:$w,lockstep=False"
   left=$((D - (SECONDS - t0))); [ $left -lt 40 ] && break
   timeout $left python3 tools/ab_interleaved.py --shape $1 --mode fwdbwd --routing $2 \
     --rounds 11 --variant wide=$old > $OUT/ab_$1_$2.log 2>&1
