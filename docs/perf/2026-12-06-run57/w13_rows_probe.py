@@ -22,6 +22,7 @@ with torch (fp32) on random inputs.
 import argparse
 
 import torch
+import triton.testing
 
 from distmoe.kernels.w13_gluon import gluon_w13_reason, launch_gluon_w13
 
@@ -94,18 +95,9 @@ def check(seed: int = 1) -> None:
     print("check: routed case matches torch (h2, h1 within 2e-2 relative; rows bit-exact)")
 
 
-def time_ms(fn, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+def time_ms(fn) -> float:
+    """Median ms of ``fn`` (triton's ``do_bench``: L2 flushed before each run)."""
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def main() -> None:
