@@ -393,9 +393,9 @@ WGRAD_LOCKSTEP_EXPERT_BYTES = 48 * 1024**2
 
 #: Device memory from which a Hopper GPU counts as HBM3e-class for the WGRAD's tile rule
 #: (:func:`wgrad_wide_tiles`): the H200's 141 GB (4.8 TB/s; torch reports 140.4 GiB) and
-#: GH200's 144 GB, against the H100's 80 GB (3.35 TB/s; 79.6 GiB) on the same 132 SMs. Memory size stands in for DRAM bandwidth,
-#: which torch does not report; parts between (H20, H100 NVL: 94-96 GB, about 4 TB/s) are
-#: unmeasured and take the H100's rule.
+#: GH200's 144 GB, against the H100's 80 GB (3.35 TB/s; 79.6 GiB) on the same 132 SMs.
+#: Memory size stands in for DRAM bandwidth, which torch does not report; parts between
+#: (H20, H100 NVL: 94-96 GB, about 4 TB/s) are unmeasured and take the H100's rule.
 HBM3E_MEMORY_BYTES = 120 * 1024**3
 
 #: On an HBM3e-class device (:data:`HBM3E_MEMORY_BYTES`), the rows per expert (the shape
