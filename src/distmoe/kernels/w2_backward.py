@@ -995,8 +995,9 @@ class WgradConfig:
         kernel (``gluon=True``), warp-specialised: 256 x 128 tiles where an expert's
         gradient holds 12 MiB or more (on an H200, from 1024 rows per expert), else 128 x
         128 tiles, 5 stages: for long row loops (hint >= 1024) with wide weights its 8-warp
-        form (two warpgroups on one tile), else its ping-pong form (:meth:`hopper_gluon`). First measured with 128 x 256 tiles
-        and 3 stages for the long row loops, plain 128 x 128 otherwise; on one
+        form (two warpgroups on one tile), else its ping-pong form (:meth:`hopper_gluon`).
+        First measured with 128 x 256 tiles and 3 stages for the long row loops, plain 128 x
+        128 otherwise; on one
         H200 (2026-11-29, ``tools/tune_wgrad.py --quick``, docs/performance.md run 15), against
         the Triton configs below: at T=4096 D=2048 F=768 E=128 K=8, balanced routing, W13
         (x at a device offset) 0.418 against 0.555 ms and W2 0.210 against 0.268; at T=8192
