@@ -4,12 +4,7 @@
 # DeepSeek-V3 inference forward (exact / sampled, 9 rounds) and 1.022x at GPT-OSS-120B
 # (sampled), even at issue-a and fine; here more rounds at the lockstep shapes, and the
 # training forward in fwd+bwd. x > 1 on g2's line: faster. Set DEADLINE (s).
-set -u
-export PYTHONPATH=src PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-t0=$SECONDS
-D=${DEADLINE:-540}
-nvidia-smi --query-gpu=name,temperature.gpu,clocks.sm --format=csv,noheader
-source "$(dirname "$0")/ab.sh"
+source "$(dirname "$0")/ab.sh"  # the environment, t0, D, the GPU's name, ab()
 ab deepseek-v3 fwd sampled 15 g2=w13:inference:group_m=2
 ab deepseek-v3 fwd exact 15 g2=w13:inference:group_m=2
 ab gpt-oss-120b fwd exact 15 g2=w13:inference:group_m=2

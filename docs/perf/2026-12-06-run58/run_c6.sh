@@ -3,12 +3,7 @@
 # other lockstep shapes (128 rows per expert): issue-b (T=2048 D=2048 F=768 E=128 K=8),
 # OLMoE at T=1024, issue-a at T=512, and DeepSeek-V3 sampled again (calls 4-5: 1.006x,
 # 1.001x). x > 1 on g2's line: faster. Set DEADLINE (s).
-set -u
-export PYTHONPATH=src PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-t0=$SECONDS
-D=${DEADLINE:-540}
-nvidia-smi --query-gpu=name,temperature.gpu,clocks.sm --format=csv,noheader
-source "$(dirname "$0")/ab.sh"
+source "$(dirname "$0")/ab.sh"  # the environment, t0, D, the GPU's name, ab()
 ab issue-b fwd sampled 15 g2=w13:inference:group_m=2
 ab issue-b fwd exact 15 g2=w13:inference:group_m=2
 ab olmoe@1024 fwd sampled 15 g2=w13:inference:group_m=2
