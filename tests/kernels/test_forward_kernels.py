@@ -1130,10 +1130,31 @@ def _walk_many_tiles(config, programs, scale=1):
     launch_gluon_w13(case.gather_ptrs, case.layout.padded_offsets, case.layout.row_offsets,
                      case.w13, h2, h1_out=h1, x_out=x_out, out_offsets=None, enable=None,
                      block_n=config.block_n, stages=config.num_stages, warps=config.num_warps,
-                     programs=programs, lockstep=config.lockstep)
+                     programs=programs, lockstep=config.lockstep,
+                     expert_groups=config.expert_groups)
     case.check_rows("h2", h2[:n], tail=h2[n:])
     case.check_rows("h1", h1[:n], tail=h1[n:])
     case.check_rows("x", x_out[:n], tail=x_out[n:])
+
+
+@pytest.mark.gpu
+@GLUON_TILES
+@pytest.mark.parametrize("lockstep", [False, True], ids=["free", "lockstep"])
+@pytest.mark.parametrize("programs", [1, 3, 7, None])
+def test_gpu_w13_gluon_expert_groups(block_n, warps, lockstep, programs):
+    # W13Config.expert_groups: each expert's tiles walked column tile by column tile over
+    # its row blocks (1 to 8 of them here, an empty expert between), in place of group-M
+    # order. A tile missed or taken twice leaves poisoned rows or a wrong one: every row
+    # against the reference, with few programs walking many tiles, and through
+    # gather_w13_swiglu (None: one program per SM) in training and inference.
+    config = replace(_gluon_tile(block_n, warps), lockstep=lockstep, expert_groups=True)
+    if programs is None:
+        _assert_gluon_w13_runs(config)
+        for training in (True, False):
+            run_w13_case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP,
+                         config=config, training=training, null_live=[5])
+    else:
+        _walk_many_tiles(config, programs, scale=2)
 
 
 @pytest.mark.gpu
@@ -1481,7 +1502,7 @@ def test_every_bool_option_of_the_gemm_configs_is_checked():
     from distmoe.kernels.w13_backward import W13DgradConfig
 
     common = ["persistent", "host_descriptors"]
-    expected = {W13Config: common + ["tma_epilogue", "gluon", "lockstep"],
+    expected = {W13Config: common + ["tma_epilogue", "gluon", "lockstep", "expert_groups"],
                 W2Config: common + ["gluon", "lockstep"],
                 W2DgradConfig: common + ["gluon", "epilogue_early_h1", "lockstep"],
                 W13DgradConfig: common + ["pair_tails", "dynamic", "gluon", "lockstep"]}
@@ -1514,10 +1535,13 @@ def test_gluon_w13_config_reaches_the_launch(monkeypatch):
         assert (reason["block_n"], reason["warps"], reason["stages"]) == (block_n, warps, stages)
         assert (launch["block_n"], launch["warps"], launch["stages"], launch["group_m"]) == (
             block_n, warps, stages, group_m)
-        assert launch["lockstep"] is False
+        assert launch["lockstep"] is False and launch["expert_groups"] is False
     calls.clear()
     case.run(h2, config=replace(GLUON_W13, lockstep=True))
     assert calls[1][1]["lockstep"] is True
+    calls.clear()
+    case.run(h2, config=replace(GLUON_W13, expert_groups=True))
+    assert calls[1][1]["expert_groups"] is True and calls[1][1]["lockstep"] is False
     assert_untouched(h2, what="h2 (the recorder launched nothing)")
 
 

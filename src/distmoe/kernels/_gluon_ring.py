@@ -44,14 +44,35 @@ if HAVE_GLUON:
     def _ordered_tile_info(tile, num_pid_m, order_ptr, pos_lo, ends, starts, rbeg, rend, eidx,
                            NUM_PID_N: gl.constexpr, GROUP_M: gl.constexpr,
                            NUM_EXPERTS: gl.constexpr, BLOCK_M: gl.constexpr,
-                           HAS_ORDER: gl.constexpr):
+                           HAS_ORDER: gl.constexpr, EXPERT_GROUPS: gl.constexpr):
         """:func:`_tile_info` of a launch over the row blocks ``order[pos_lo:pos_lo +
         num_pid_m]`` (``HAS_ORDER``; group-M order over the positions), else of all of them
-        (:mod:`distmoe.kernels.w13_phases`)."""
-        pid_m, pid_n = swizzle_tile(tile, num_pid_m, NUM_PID_N, GROUP_M)
+        (:mod:`distmoe.kernels.w13_phases`). ``EXPERT_GROUPS`` (without ``HAS_ORDER``): a
+        group per expert instead of per ``GROUP_M`` row blocks (:func:`_expert_group_tile`)."""
+        if EXPERT_GROUPS and not HAS_ORDER:
+            pid_m, pid_n = _expert_group_tile(tile, ends, starts, eidx, NUM_PID_N, NUM_EXPERTS,
+                                              BLOCK_M)
+        else:
+            pid_m, pid_n = swizzle_tile(tile, num_pid_m, NUM_PID_N, GROUP_M)
         if HAS_ORDER:
             pid_m = gl.load(order_ptr + pos_lo + pid_m)
         return _block_info(pid_m, pid_n, ends, starts, rbeg, rend, eidx, NUM_EXPERTS, BLOCK_M)
+
+    @gluon.jit
+    def _expert_group_tile(tile, ends, starts, eidx, NUM_PID_N: gl.constexpr,
+                           NUM_EXPERTS: gl.constexpr, BLOCK_M: gl.constexpr):
+        """``(pid_m, pid_n)`` of ``tile`` in the expert-group order: an expert's tiles are the
+        same range of tile numbers as in row-block order (``NUM_PID_N`` per row block), walked
+        column tile by column tile, each over all the expert's row blocks. So every column
+        tile of a row block runs within ``blocks * NUM_PID_N`` tiles of the others (in one
+        wave or two), and the row blocks that read a weight tile run side by side."""
+        row = (tile // NUM_PID_N) * BLOCK_M
+        expert = gl.minimum(gl.sum((ends <= row).to(gl.int32), axis=0), NUM_EXPERTS - 1)
+        sel = eidx == expert
+        first = gl.sum(gl.where(sel, starts, 0), axis=0) // BLOCK_M
+        blocks = gl.sum(gl.where(sel, ends, 0), axis=0) // BLOCK_M - first
+        local = tile - first * NUM_PID_N
+        return first + local % blocks, local // blocks
 
     @gluon.jit
     def _block_info(pid_m, pid_n, ends, starts, rbeg, rend, eidx, NUM_EXPERTS: gl.constexpr,

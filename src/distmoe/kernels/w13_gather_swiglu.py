@@ -437,6 +437,14 @@ class W13Config(GemmConfig):
     #: in L2. Same bits; the Triton kernel ignores it. :meth:`hopper_gluon` sets it at 128
     #: to 191 rows per expert.
     lockstep: bool = False
+    #: The Gluon kernel's tile order: a group per expert rather than per ``group_m`` row
+    #: blocks. An expert's tiles keep their range of tile numbers but are walked column tile
+    #: by column tile over all its row blocks, so a row block's column tiles run close
+    #: together (its gathered rows read from DRAM about once, not 2.6 times as in group-M 8
+    #: order at DeepSeek-V3's 128 rows per expert: performance.md run 58) and the row
+    #: blocks that read a weight tile run side by side. Ignored by the Triton kernel and
+    #: with a block order (``order``: EP > 1 with the token copy split around its join).
+    expert_groups: bool = False
 
     def smem_bytes(self) -> int:
         if self.gluon:
@@ -844,7 +852,7 @@ def gather_w13_swiglu(
                              enable=enable, block_n=config.block_n, stages=config.num_stages,
                              group_m=config.group_m, warps=config.num_warps, order=order,
                              positions=positions, done=done, programs=programs,
-                             lockstep=config.lockstep)
+                             lockstep=config.lockstep, expert_groups=config.expert_groups)
             return h2_out
         warn_gluon_fallback("gather_w13_swiglu", gluon_reason)
     num_pid_m = r_cap // config.block_m

@@ -170,7 +170,8 @@ if HAVE_GLUON:
                   DYN_OFFSETS: gl.constexpr, HAS_ENABLE: gl.constexpr,
                   HAS_ORDER: gl.constexpr, HAS_DONE: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
-                  PARITY: gl.constexpr, LOCKSTEP: gl.constexpr):
+                  PARITY: gl.constexpr, LOCKSTEP: gl.constexpr,
+                  EXPERT_GROUPS: gl.constexpr):
         """One warpgroup: the loads of every tile of the program, K step by K step."""
         NUM_K: gl.constexpr = HIDDEN // BLOCK_K
         NUM_PID_N: gl.constexpr = (FFN + BLOCK_N - 1) // BLOCK_N  # the last may be partial
@@ -198,7 +199,7 @@ if HAVE_GLUON:
                 t_ends, t_starts, t_rbeg, t_rend, t_eidx = ends, starts, rbeg, rend, eidx
             pid_n, expert, row_start, _act, num_live = _ordered_tile_info(
                 tile, num_pid_m, order_ptr, pos_lo, t_ends, t_starts, t_rbeg, t_rend, t_eidx,
-                NUM_PID_N, GROUP_M, NUM_EXPERTS, BLOCK_M, HAS_ORDER)
+                NUM_PID_N, GROUP_M, NUM_EXPERTS, BLOCK_M, HAS_ORDER, EXPERT_GROUPS)
             # this tile's row addresses (0: null or not live, zero-filled)
             src = gl.load(gather_ptrs_ptr + row_start + i, mask=i < num_live, other=0)
             rows = gl.multiple_of(src.to(gl.pointer_type(gl.bfloat16)), 16)
@@ -234,7 +235,8 @@ if HAVE_GLUON:
                   DYN_OFFSETS: gl.constexpr, HAS_ENABLE: gl.constexpr,
                   HAS_ORDER: gl.constexpr, HAS_DONE: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
-                  PARITY: gl.constexpr, LOCKSTEP: gl.constexpr):
+                  PARITY: gl.constexpr, LOCKSTEP: gl.constexpr,
+                  EXPERT_GROUPS: gl.constexpr):
         """One warpgroup: the MMAs, the rows saved and the epilogue of the program's tiles
         ``PARITY``, ``PARITY + 2``, ... (in the program's own numbering); with ``COOP``, of
         rows ``64 PARITY`` to ``64 PARITY + 63`` of every tile of the program."""
@@ -264,7 +266,7 @@ if HAVE_GLUON:
         for tile in range(first, num_tiles, step):
             pid_n, expert, row_start, act_start, num_live = _ordered_tile_info(
                 tile, num_pid_m, order_ptr, pos_lo, ends, starts, rbeg, rend, eidx, NUM_PID_N,
-                GROUP_M, NUM_EXPERTS, BLOCK_M, HAS_ORDER)
+                GROUP_M, NUM_EXPERTS, BLOCK_M, HAS_ORDER, EXPERT_GROUPS)
             act_start += ROW0
             num_live -= ROW0
             if not COOP:
@@ -373,6 +375,7 @@ if HAVE_GLUON:
         PRODUCER_THREADS: gl.constexpr,
         COOP: gl.constexpr,
         LOCKSTEP: gl.constexpr,  # the producers start each wave's tiles together (sync_ptr)
+        EXPERT_GROUPS: gl.constexpr,  # tile order: a group per expert (not with HAS_ORDER)
         num_warps: gl.constexpr,
     ):
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], A_LAYOUT)
@@ -388,19 +391,19 @@ if HAVE_GLUON:
                          out_offsets_ptr, enable_ptr, order_ptr, positions_ptr, done_ptr,
                          sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
                          WRITE_H1, WRITE_X, DYN_OFFSETS, HAS_ENABLE, HAS_ORDER, HAS_DONE, BLOCK_M,
-                         BLOCK_N, BLOCK_K, COOP, 0, LOCKSTEP)),
+                         BLOCK_N, BLOCK_K, COOP, 0, LOCKSTEP, EXPERT_GROUPS)),
             (_consumer, (w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
                          padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr,
                          out_offsets_ptr, enable_ptr, order_ptr, positions_ptr, done_ptr,
                          sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
                          WRITE_H1, WRITE_X, DYN_OFFSETS, HAS_ENABLE, HAS_ORDER, HAS_DONE, BLOCK_M,
-                         BLOCK_N, BLOCK_K, COOP, 1, LOCKSTEP)),
+                         BLOCK_N, BLOCK_K, COOP, 1, LOCKSTEP, EXPERT_GROUPS)),
             (_producer, (w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
                          padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr,
                          out_offsets_ptr, enable_ptr, order_ptr, positions_ptr, done_ptr,
                          sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
                          WRITE_H1, WRITE_X, DYN_OFFSETS, HAS_ENABLE, HAS_ORDER, HAS_DONE, BLOCK_M,
-                         BLOCK_N, BLOCK_K, COOP, 0, LOCKSTEP)),
+                         BLOCK_N, BLOCK_K, COOP, 0, LOCKSTEP, EXPERT_GROUPS)),
         ], [4, PRODUCER_THREADS // 32], [224, 56])
 
 
@@ -434,7 +437,8 @@ def launch_gluon_w13(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
                      block_n: int = 64, stages: int = 5, group_m: int = 8, warps: int = 4,
                      programs: int | None = None, order: torch.Tensor | None = None,
                      positions: torch.Tensor | None = None,
-                     done: torch.Tensor | None = None, lockstep: bool = False) -> None:
+                     done: torch.Tensor | None = None, lockstep: bool = False,
+                     expert_groups: bool = False) -> None:
     """Launch the kernel (arguments validated by
     :func:`~distmoe.kernels.w13_gather_swiglu.gather_w13_swiglu`, and
     :func:`gluon_w13_reason` returned ``None``). ``warps``: 4 (ping-pong) or 8 (cooperative).
@@ -443,7 +447,9 @@ def launch_gluon_w13(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
     :func:`~distmoe.kernels.w13_gather_swiglu.gather_w13_swiglu`). ``done``: int32
     ``[R_cap / DONE_BLOCK]``, counted up after each tile's h2 stores (:func:`done_count`).
     ``lockstep``: :attr:`~distmoe.kernels.w13_gather_swiglu.W13Config.lockstep` (a zeroed
-    int32 counter is allocated per launch)."""
+    int32 counter is allocated per launch). ``expert_groups``:
+    :attr:`~distmoe.kernels.w13_gather_swiglu.W13Config.expert_groups` (ignored with
+    ``order``)."""
     from ._common import device_context, lockstep_counter, next_power_of_2, num_sms
 
     block_m, block_k = tile_rows(block_n, warps), 64
@@ -476,6 +482,6 @@ def launch_gluon_w13(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
             BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=block_k,
             PRODUCER_THREADS=_PRODUCER_THREADS, COOP=warps == 8, LOCKSTEP=lockstep,
-            num_warps=4,
+            EXPERT_GROUPS=expert_groups, num_warps=4,
             maxnreg=_MAXNREG,
         )  # fmt: skip

@@ -285,7 +285,7 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
     gl = wg.gl
 
     def case(label, name, train, bn, stages, production, warps=4, order=False, done=False,
-             lockstep=False):
+             lockstep=False, expert_groups=False):
         s = SHAPES[name]
         D, F, E = s.hidden, s.ffn, s.num_experts
         bm, bk = wg.tile_rows(bn, warps), 64
@@ -296,14 +296,15 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
         return BuildCase(
             f"{label} W13 fwd gluon {bm}x{bn}{' coop' if warps == 8 else ''} s{stages} "
             f"training={train}{' ordered' if order else ''}{' done' if done else ''}"
-            f"{' lockstep' if lockstep else ''}",
+            f"{' lockstep' if lockstep else ''}{' expert-groups' if expert_groups else ''}",
             wg._gluon_w13_kernel,
             dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
                  GROUP_M=8, STAGES=stages, WRITE_H1=train, WRITE_X=train, DYN_OFFSETS=train,
                  HAS_ENABLE=train, HAS_ORDER=order, HAS_DONE=done,
                  A_LAYOUT=gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16),
                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRODUCER_THREADS=wg._PRODUCER_THREADS,
-                 COOP=warps == 8, LOCKSTEP=lockstep, num_warps=4),
+                 COOP=warps == 8, LOCKSTEP=lockstep, EXPERT_GROUPS=expert_groups,
+                 num_warps=4),
             4, 1, types=types, production=production, gluon=True,
             options=dict(maxnreg=wg._MAXNREG))
 
@@ -323,7 +324,8 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
             if c is not None:
                 # (the producers in lockstep where the heuristic sets W13Config.lockstep)
                 cases.append(case(name, name, train, c.block_n, c.num_stages, True,
-                                  warps=c.num_warps, lockstep=c.lockstep))
+                                  warps=c.num_warps, lockstep=c.lockstep,
+                                  expert_groups=c.expert_groups))
                 # EP > 1 with every peer token copied: two launches over a block order
                 cases.append(case(name, name, train, c.block_n, c.num_stages, True,
                                   warps=c.num_warps, order=True, lockstep=c.lockstep))
@@ -335,8 +337,12 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
         # 256 experts: the producer loads the per-expert bounds per tile (production build:
         # holding them spilled 4 bytes)
         cases.append(case("deepseek-v3", "deepseek-v3", True, c.block_n, c.num_stages, True,
-                          warps=c.num_warps, lockstep=c.lockstep))
+                          warps=c.num_warps, lockstep=c.lockstep,
+                          expert_groups=c.expert_groups))
     cases.append(case("variant fine", "fine", True, 128, 5, False))
+    # the expert-group tile order (W13Config.expert_groups), cooperative, in lockstep
+    cases.append(case("variant fine", "fine", False, 128, 4, False, warps=8, lockstep=True,
+                      expert_groups=True))
     cases.append(case("variant fine", "fine", False, 64, 3, False))
     cases.append(case("variant fine", "fine", True, 64, 6, False))
     for name in shapes:  # the ping-pong 128 x 64 tile, training and inference
