@@ -50,29 +50,34 @@ if HAVE_GLUON:
         (:mod:`distmoe.kernels.w13_phases`). ``EXPERT_GROUPS`` (without ``HAS_ORDER``): a
         group per expert instead of per ``GROUP_M`` row blocks (:func:`_expert_group_tile`)."""
         if EXPERT_GROUPS and not HAS_ORDER:
-            pid_m, pid_n = _expert_group_tile(tile, ends, starts, eidx, NUM_PID_N, NUM_EXPERTS,
-                                              BLOCK_M)
-        else:
-            pid_m, pid_n = swizzle_tile(tile, num_pid_m, NUM_PID_N, GROUP_M)
+            return _expert_group_tile_info(tile, ends, starts, rbeg, rend, eidx, NUM_PID_N,
+                                           NUM_EXPERTS, BLOCK_M)
+        pid_m, pid_n = swizzle_tile(tile, num_pid_m, NUM_PID_N, GROUP_M)
         if HAS_ORDER:
             pid_m = gl.load(order_ptr + pos_lo + pid_m)
         return _block_info(pid_m, pid_n, ends, starts, rbeg, rend, eidx, NUM_EXPERTS, BLOCK_M)
 
     @gluon.jit
-    def _expert_group_tile(tile, ends, starts, eidx, NUM_PID_N: gl.constexpr,
-                           NUM_EXPERTS: gl.constexpr, BLOCK_M: gl.constexpr):
-        """``(pid_m, pid_n)`` of ``tile`` in the expert-group order: an expert's tiles are the
-        same range of tile numbers as in row-block order (``NUM_PID_N`` per row block), walked
-        column tile by column tile, each over all the expert's row blocks. So every column
-        tile of a row block runs within ``blocks * NUM_PID_N`` tiles of the others (in one
-        wave or two), and the row blocks that read a weight tile run side by side."""
+    def _expert_group_tile_info(tile, ends, starts, rbeg, rend, eidx,
+                                NUM_PID_N: gl.constexpr, NUM_EXPERTS: gl.constexpr,
+                                BLOCK_M: gl.constexpr):
+        """:func:`_block_info` of ``tile`` in the expert-group order: an expert's tiles are
+        the same range of tile numbers as in row-block order (``NUM_PID_N`` per row block),
+        walked column tile by column tile, each over all the expert's row blocks. So every
+        column tile of a row block runs within ``blocks * NUM_PID_N`` tiles of the others (in
+        one wave or two), and the row blocks that read a weight tile run side by side. (The
+        expert is found once: the row-block order's lookup again spilled the producer's
+        registers at 256 experts.)"""
         row = (tile // NUM_PID_N) * BLOCK_M
         expert = gl.minimum(gl.sum((ends <= row).to(gl.int32), axis=0), NUM_EXPERTS - 1)
         sel = eidx == expert
         first = gl.sum(gl.where(sel, starts, 0), axis=0) // BLOCK_M
         blocks = gl.sum(gl.where(sel, ends, 0), axis=0) // BLOCK_M - first
         local = tile - first * NUM_PID_N
-        return first + local % blocks, local // blocks
+        block = local % blocks  # the row block within the expert
+        act_begin = gl.sum(gl.where(sel, rbeg, 0), axis=0) + block * BLOCK_M
+        act_end = gl.sum(gl.where(sel, rend, 0), axis=0)
+        return local // blocks, expert, (first + block) * BLOCK_M, act_begin, act_end - act_begin
 
     @gluon.jit
     def _block_info(pid_m, pid_n, ends, starts, rbeg, rend, eidx, NUM_EXPERTS: gl.constexpr,

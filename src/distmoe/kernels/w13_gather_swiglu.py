@@ -569,6 +569,12 @@ shape_reason`):
         the forward 2.8% slower, at 512 and 2048 and at decode (T=64) even to 1.1% slower:
         hence the bound, halfway to 256.
 
+        For inference it also walks its tiles in ``expert_groups`` order there: run 58,
+        interleaved, one H100, inference forward 1.034x (sampled) / 1.016x (exact) at T=4096
+        D=7168 F=2048 E=256 K=8, 1.058x at D=F=2880 E=128 K=4 (sampled), 1.008x at T=1024
+        D=2048 F=1024 E=64 K=8; at 256 and 2048 rows per expert (not taken there) 1.009x
+        and 0.996x, and in training the fwd+bwd step even (0.998x at the first shape).
+
         Where 128 does not divide F (F a multiple of 64) the cooperative tile's last column
         tile is partial; it is a candidate only where its columns past F are at most 1/16 of
         F (GPT-OSS's 2880: run 49 measured it there).
@@ -583,9 +589,10 @@ shape_reason`):
         # cooperative tile only where that is at most 1/16 of F (GPT-OSS: 64 of 2880)
         coop_waste = -(-ffn // 128) * 128 - ffn
         if (rows_per_expert >= 128 or decode or mid) and 16 * coop_waste <= ffn:
+            lockstep = lockstep_rows(rows_per_expert)
             candidates.append(cls(block_m=128, block_n=128, block_k=64, num_warps=8,
                                   num_stages=4, group_m=8, persistent=True, gluon=True,
-                                  lockstep=lockstep_rows(rows_per_expert)))
+                                  lockstep=lockstep, expert_groups=lockstep and not training))
         if training or long_segments:
             candidates.append(cls(block_m=128, block_n=64, block_k=64, num_warps=4,
                                   num_stages=5 if long_segments else 6, group_m=8,
