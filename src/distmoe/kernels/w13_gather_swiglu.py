@@ -440,9 +440,9 @@ class W13Config(GemmConfig):
     #: The Gluon kernel's tile order: a group per expert rather than per ``group_m`` row
     #: blocks. An expert's tiles keep their range of tile numbers but are walked column tile
     #: by column tile over all its row blocks, so a row block's column tiles run close
-    #: together (its gathered rows read from DRAM about once, not 2.6 times as in group-M 8
-    #: order at DeepSeek-V3's 128 rows per expert: performance.md run 58) and the row
-    #: blocks that read a weight tile run side by side. Ignored by the Triton kernel and
+    #: together, for its gathered rows to stay in L2 between them (in group-M 8 order at
+    #: DeepSeek-V3's 128 rows per expert they came from DRAM 2.6 times over: performance.md
+    #: run 58), and the row blocks that read a weight tile run side by side. Ignored by the Triton kernel and
     #: with a block order (``order``: EP > 1 with the token copy split around its join).
     expert_groups: bool = False
 

@@ -275,7 +275,9 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
     where the heuristic sets it (gpt-oss-120b and deepseek-v3: 128 rows per expert); then
     (build only) at ``fine`` the 64 x 128 consumer tile with its deepest ring, a 3-stage
     inference build and the 6-stage 128 x 64 training build (what the heuristic picks below
-    128 rows per expert), and the 5-stage 128 x 64 tile at each shape."""
+    128 rows per expert), and the 5-stage 128 x 64 tile at each shape. The expert-group
+    tile order (``W13Config.expert_groups``) where the heuristic sets it, and (build only)
+    in a cooperative inference build at ``fine``."""
     from distmoe.kernels import w13_gluon as wg
     from distmoe.kernels._common import next_power_of_2
     from distmoe.tools.bench.workloads import SHAPES
@@ -328,10 +330,12 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
                                   expert_groups=c.expert_groups))
                 # EP > 1 with every peer token copied: two launches over a block order
                 cases.append(case(name, name, train, c.block_n, c.num_stages, True,
-                                  warps=c.num_warps, order=True, lockstep=c.lockstep))
+                                  warps=c.num_warps, order=True, lockstep=c.lockstep,
+                                  expert_groups=c.expert_groups))
                 if not train:  # EP > 1, with the W2 running beside it (done counters)
                     cases.append(case(name, name, train, c.block_n, c.num_stages, True,
-                                      warps=c.num_warps, done=True, lockstep=c.lockstep))
+                                      warps=c.num_warps, done=True, lockstep=c.lockstep,
+                                      expert_groups=c.expert_groups))
     c = None if "deepseek-v3" in shapes else pick("deepseek-v3", True)
     if c is not None:
         # 256 experts: the producer loads the per-expert bounds per tile (production build:
