@@ -1143,7 +1143,7 @@ def _walk_many_tiles(config, programs, scale=1):
 @pytest.mark.parametrize("programs", [1, 3, 7, None])
 def test_gpu_w13_gluon_expert_groups(block_n, warps, lockstep, programs):
     # W13Config.expert_groups: each expert's tiles walked column tile by column tile over
-    # its row blocks (1 to 8 of them here, an empty expert between), in place of group-M
+    # its row blocks (1 to 16 of them here, an empty expert between), in place of group-M
     # order. A tile missed or taken twice leaves poisoned rows or a wrong one: every row
     # against the reference, with few programs walking many tiles, and through
     # gather_w13_swiglu (None: one program per SM) in training and inference.

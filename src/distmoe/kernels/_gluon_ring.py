@@ -48,7 +48,8 @@ if HAVE_GLUON:
         """:func:`_tile_info` of a launch over the row blocks ``order[pos_lo:pos_lo +
         num_pid_m]`` (``HAS_ORDER``; group-M order over the positions), else of all of them
         (:mod:`distmoe.kernels.w13_phases`). ``EXPERT_GROUPS`` (without ``HAS_ORDER``): a
-        group per expert instead of per ``GROUP_M`` row blocks (:func:`_expert_group_tile`)."""
+        group per expert instead of per ``GROUP_M`` row blocks
+        (:func:`_expert_group_tile_info`)."""
         if EXPERT_GROUPS and not HAS_ORDER:
             return _expert_group_tile_info(tile, ends, starts, rbeg, rend, eidx, NUM_PID_N,
                                            NUM_EXPERTS, BLOCK_M)

@@ -442,8 +442,10 @@ class W13Config(GemmConfig):
     #: by column tile over all its row blocks, so a row block's column tiles run close
     #: together, for its gathered rows to stay in L2 between them (in group-M 8 order at
     #: DeepSeek-V3's 128 rows per expert they came from DRAM 2.6 times over: performance.md
-    #: run 58), and the row blocks that read a weight tile run side by side. Ignored by the Triton kernel and
-    #: with a block order (``order``: EP > 1 with the token copy split around its join).
+    #: run 58), and the row blocks that read a weight tile run side by side. Ignored by the
+    #: Triton kernel and with a block order (``order``: EP > 1 with the token copy split
+    #: around its join). :meth:`hopper_gluon` sets it for inference where it sets
+    #: ``lockstep``.
     expert_groups: bool = False
 
     def smem_bytes(self) -> int:
