@@ -69,9 +69,7 @@ if HAVE_GLUON:
         one wave or two), and the row blocks that read a weight tile run side by side. (The
         expert is found once: the row-block order's lookup again spilled the producer's
         registers at 256 experts.)"""
-        row = (tile // NUM_PID_N) * BLOCK_M
-        expert = gl.minimum(gl.sum((ends <= row).to(gl.int32), axis=0), NUM_EXPERTS - 1)
-        sel = eidx == expert
+        expert, sel = _expert_at((tile // NUM_PID_N) * BLOCK_M, ends, eidx, NUM_EXPERTS)
         first = gl.sum(gl.where(sel, starts, 0), axis=0) // BLOCK_M
         blocks = gl.sum(gl.where(sel, ends, 0), axis=0) // BLOCK_M - first
         local = tile - first * NUM_PID_N
@@ -85,12 +83,18 @@ if HAVE_GLUON:
                     BLOCK_M: gl.constexpr):
         """:func:`_tile_info` from the tile's row block and column tile."""
         row_start = pid_m * BLOCK_M
-        expert = gl.minimum(gl.sum((ends <= row_start).to(gl.int32), axis=0), NUM_EXPERTS - 1)
-        sel = eidx == expert
+        expert, sel = _expert_at(row_start, ends, eidx, NUM_EXPERTS)
         local = row_start - gl.sum(gl.where(sel, starts, 0), axis=0)
         act_begin = gl.sum(gl.where(sel, rbeg, 0), axis=0)
         act_end = gl.sum(gl.where(sel, rend, 0), axis=0)
         return pid_n, expert, row_start, act_begin + local, act_end - act_begin - local
+
+    @gluon.jit
+    def _expert_at(row, ends, eidx, NUM_EXPERTS: gl.constexpr):
+        """The expert whose padded rows hold ``row`` (the experts ending at or before it
+        counted), and the mask of its entry in the per-expert bound vectors."""
+        expert = gl.minimum(gl.sum((ends <= row).to(gl.int32), axis=0), NUM_EXPERTS - 1)
+        return expert, eidx == expert
 
     @gluon.jit
     def _expert_bounds(padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS: gl.constexpr,
