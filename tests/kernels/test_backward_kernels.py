@@ -1143,6 +1143,26 @@ def test_gluon_w13_dgrad_lockstep(warps, programs):
     _w13_dgrad_pair_tails_case(counts, 768, 384, config, null_rows=null, launch=launch)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps", [4, 8], ids=["pingpong", "coop"])
+@pytest.mark.parametrize("lockstep", [False, True], ids=["free", "lockstep"])
+@pytest.mark.parametrize("programs", [1, 3, None])
+def test_gluon_w13_dgrad_expert_groups(warps, lockstep, programs):
+    """``W13DgradConfig.expert_groups``: each expert's tiles walked column tile by column
+    tile over its row blocks (one to three here, with a padding-only tile, an empty expert,
+    a one-row expert). A tile missed or taken twice leaves a route unwritten or wrong, or
+    writes a canary: through ``w13_dgrad_scatter`` (one program per SM) and with few
+    programs walking many tiles."""
+    from distmoe.kernels.w2_gluon import launch_gluon_w13_dgrad
+
+    config = replace(_gluon_w13d_config(warps, 4), lockstep=lockstep, expert_groups=True)
+    launch = None if programs is None else partial(
+        launch_gluon_w13_dgrad, block_n=config.block_n, stages=4, warps=warps,
+        programs=programs, lockstep=lockstep, expert_groups=True)
+    _w13_dgrad_pair_tails_case(GLUON_W13D_COUNTS, 768, 384, config, null_rows=GLUON_W13D_NULL,
+                               launch=launch)
+
+
 def test_gluon_w13_dgrad_request_that_cannot_run_warns_and_runs_triton():
     """``gluon=True`` where the Gluon kernel cannot run (here: the interpreter, or 32-row
     tiles it is not written for) says why in a RuntimeWarning; the Triton kernel then runs
@@ -1165,6 +1185,8 @@ def test_gluon_w13_dgrad_rules():
         W13DgradConfig(gluon=1)
     with pytest.raises(TypeError, match="lockstep must be a bool, got str"):
         W13DgradConfig(gluon=True, lockstep="yes")
+    with pytest.raises(TypeError, match="expert_groups must be a bool, got int"):
+        W13DgradConfig(gluon=True, expert_groups=1)
     rule = partial(shape_reason, block_m=128, block_k=64, w13_dgrad=True)
     assert rule(hidden=768, ffn=384, block_n=256, stages=4, warps=8) is None
     assert rule(hidden=768, ffn=384, block_n=128, stages=6, warps=4) is None
@@ -1264,11 +1286,15 @@ def test_gluon_w13_dgrad_config_reaches_the_launch(monkeypatch):
         assert (reason["block_n"], reason["warps"], reason["stages"]) == (block_n, warps, stages)
         assert (launch["block_n"], launch["warps"], launch["stages"], launch["group_m"]) == (
             block_n, warps, stages, group_m)
-        assert launch["lockstep"] is False
+        assert launch["lockstep"] is False and launch["expert_groups"] is False
     calls.clear()
     w13_dgrad_scatter(grad_h1, layout.padded_offsets, layout.row_offsets, w13, ptrs,
                       config=replace(config, lockstep=True))
-    assert calls[1][1]["lockstep"] is True
+    assert calls[1][1]["lockstep"] is True and calls[1][1]["expert_groups"] is False
+    calls.clear()
+    w13_dgrad_scatter(grad_h1, layout.padded_offsets, layout.row_offsets, w13, ptrs,
+                      config=replace(config, expert_groups=True))
+    assert calls[1][1]["expert_groups"] is True and calls[1][1]["lockstep"] is False
     assert same_bits(dispatch, before)  # the recorder launched nothing
     calls.clear()
     w13_dgrad_scatter(grad_h1, layout.padded_offsets, layout.row_offsets, w13, ptrs,

@@ -1354,7 +1354,7 @@ def _w2_walk(config, programs, scale=1):
     launch_gluon_w2(case.h2, layout.padded_offsets, layout.row_offsets, case.w2,
                     case.scatter_ptrs, enable=None, block_n=config.block_n,
                     stages=config.num_stages, warps=config.num_warps, programs=programs,
-                    lockstep=config.lockstep)
+                    lockstep=config.lockstep, expert_groups=config.expert_groups)
     case.check()
 
 
@@ -1385,6 +1385,24 @@ def test_gpu_w2_gluon_lockstep(block_n, warps, programs):
         _w2_walk(config, 2 * num_sms(torch.device("cuda")), scale=8)
     else:
         _w2_walk(config, programs)
+
+
+@pytest.mark.gpu
+@GLUON_W2_TILE_PARAMS
+@pytest.mark.parametrize("lockstep", [False, True], ids=["free", "lockstep"])
+@pytest.mark.parametrize("programs", [1, 3, 7, None])
+def test_gpu_w2_gluon_expert_groups(block_n, warps, lockstep, programs):
+    # W2Config.expert_groups (as test_gpu_w13_gluon_expert_groups): each expert's tiles
+    # walked column tile by column tile over its row blocks (1 to 16 of them here, an empty
+    # expert padded to a whole tile, an expert whose last tile is padding only). A tile
+    # missed or taken twice leaves a poisoned or wrong row, or writes a canary: few programs
+    # walking many tiles, and through w2_scatter (None: one program per SM).
+    config = replace(_gluon_w2_tile(block_n, warps), lockstep=lockstep, expert_groups=True)
+    if programs is None:
+        run_w2_case(GLUON_COUNTS, hidden=1024, ffn=768, r_cap=GLUON_R_CAP, config=config,
+                    min_rows=GLUON_W2_MIN_ROWS, skip_live=GLUON_W2_SKIP)
+    else:
+        _w2_walk(config, programs, scale=2)
 
 
 @pytest.mark.gpu
@@ -1503,9 +1521,10 @@ def test_every_bool_option_of_the_gemm_configs_is_checked():
 
     common = ["persistent", "host_descriptors"]
     expected = {W13Config: common + ["tma_epilogue", "gluon", "lockstep", "expert_groups"],
-                W2Config: common + ["gluon", "lockstep"],
+                W2Config: common + ["gluon", "lockstep", "expert_groups"],
                 W2DgradConfig: common + ["gluon", "epilogue_early_h1", "lockstep"],
-                W13DgradConfig: common + ["pair_tails", "dynamic", "gluon", "lockstep"]}
+                W13DgradConfig: common + ["pair_tails", "dynamic", "gluon", "lockstep",
+                                          "expert_groups"]}
     for cls, names in expected.items():
         assert [f.name for f in dataclasses.fields(cls) if f.type in ("bool", bool)] == names
         for name in names:
@@ -1567,10 +1586,13 @@ def test_gluon_w2_config_reaches_the_launch(monkeypatch):
         assert (launch["block_n"], launch["warps"], launch["stages"], launch["group_m"]) == (
             block_n, warps, stages, group_m)
         assert launch["enable"] is enable
-        assert launch["lockstep"] is False
+        assert launch["lockstep"] is False and launch["expert_groups"] is False
     calls.clear()
     case.run(config=replace(GLUON_W2, lockstep=True), enable=enable)
-    assert calls[1][1]["lockstep"] is True
+    assert calls[1][1]["lockstep"] is True and calls[1][1]["expert_groups"] is False
+    calls.clear()
+    case.run(config=replace(GLUON_W2, expert_groups=True), enable=enable)
+    assert calls[1][1]["expert_groups"] is True and calls[1][1]["lockstep"] is False
     for i, out in enumerate(case.outputs()):
         assert_untouched(out, what=f"output buffer {i} (the recorder launched nothing)")
     calls.clear()

@@ -54,6 +54,9 @@ def test_kernels_build_for_sm90_and_production_configs_do_not_spill():
                       "deepseek-v3 W13 fwd gluon 128x128 coop s4 training=True lockstep",
                       "deepseek-v3 W2 DGRAD gluon split epi8 x1 s4 scored=True lockstep",
                       "deepseek-v3 W13 DGRAD gluon 128x128 s5 lockstep",
+                      # the expert-group order (W2Config's, W13DgradConfig's) at 256 experts
+                      "deepseek-v3 W2 fwd gluon 128x128 s6 lockstep expert-groups",
+                      "deepseek-v3 W13 DGRAD gluon 128x128 s5 lockstep expert-groups",
                       # the WGRAD's (WgradConfig.lockstep) from 48 MiB an expert
                       "deepseek-v3 W13 WGRAD gluon ws 256x128 lockstep"):
             assert label in run.stdout, label

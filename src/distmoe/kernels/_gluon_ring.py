@@ -31,12 +31,16 @@ if HAVE_GLUON:
     @gluon.jit
     def _tile_info(tile, num_pid_m, ends, starts, rbeg, rend, eidx,
                    NUM_PID_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_EXPERTS: gl.constexpr,
-                   BLOCK_M: gl.constexpr):
+                   BLOCK_M: gl.constexpr, EXPERT_GROUPS: gl.constexpr):
         """Column tile, expert, first padded row, first activation row and live row count of
-        ``tile`` (group-M order: the Triton kernels' :func:`swizzle_tile`). The per-expert
-        bounds are register vectors loaded once per program (``ends`` = padded_offsets[1:],
-        ``starts`` = padded_offsets[:-1], ``rbeg`` / ``rend`` = row_offsets[:-1] / [1:],
-        ``eidx`` their expert index)."""
+        ``tile`` (group-M order: the Triton kernels' :func:`swizzle_tile`; with
+        ``EXPERT_GROUPS`` a group per expert, :func:`_expert_group_tile_info`). The
+        per-expert bounds are register vectors loaded once per program (``ends`` =
+        padded_offsets[1:], ``starts`` = padded_offsets[:-1], ``rbeg`` / ``rend`` =
+        row_offsets[:-1] / [1:], ``eidx`` their expert index)."""
+        if EXPERT_GROUPS:
+            return _expert_group_tile_info(tile, ends, starts, rbeg, rend, eidx, NUM_PID_N,
+                                           NUM_EXPERTS, BLOCK_M)
         pid_m, pid_n = swizzle_tile(tile, num_pid_m, NUM_PID_N, GROUP_M)
         return _block_info(pid_m, pid_n, ends, starts, rbeg, rend, eidx, NUM_EXPERTS, BLOCK_M)
 
@@ -50,12 +54,11 @@ if HAVE_GLUON:
         (:mod:`distmoe.kernels.w13_phases`). ``EXPERT_GROUPS`` (without ``HAS_ORDER``): a
         group per expert instead of per ``GROUP_M`` row blocks
         (:func:`_expert_group_tile_info`)."""
-        if EXPERT_GROUPS and not HAS_ORDER:
-            return _expert_group_tile_info(tile, ends, starts, rbeg, rend, eidx, NUM_PID_N,
-                                           NUM_EXPERTS, BLOCK_M)
+        if not HAS_ORDER:
+            return _tile_info(tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N,
+                              GROUP_M, NUM_EXPERTS, BLOCK_M, EXPERT_GROUPS)
         pid_m, pid_n = swizzle_tile(tile, num_pid_m, NUM_PID_N, GROUP_M)
-        if HAS_ORDER:
-            pid_m = gl.load(order_ptr + pos_lo + pid_m)
+        pid_m = gl.load(order_ptr + pos_lo + pid_m)
         return _block_info(pid_m, pid_n, ends, starts, rbeg, rend, eidx, NUM_EXPERTS, BLOCK_M)
 
     @gluon.jit
@@ -147,7 +150,7 @@ if HAVE_GLUON:
                                                         NUM_EXPERTS, EXPERTS_POW2,
                                                         _bounds_layout(EXPERTS_POW2, NW))
         return _tile_info(tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
-                          NUM_EXPERTS, BLOCK_M)
+                          NUM_EXPERTS, BLOCK_M, False)
 
     @gluon.jit
     def _wait_turn(turn, turns, PARITY: gl.constexpr):

@@ -381,6 +381,10 @@ class W13DgradConfig(GemmConfig):
     #: of its previous tile, so that the weight tiles an expert's row blocks share are read
     #: from L2 rather than DRAM again. Same bits; the Triton kernel ignores it.
     lockstep: bool = False
+    #: The Gluon kernel's tile order: a group per expert rather than per ``group_m`` row
+    #: blocks (as :attr:`~distmoe.kernels.w2_scatter.W2Config.expert_groups`, on the same
+    #: kernel). Same bits; the Triton kernel ignores it.
+    expert_groups: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -558,7 +562,8 @@ def w13_dgrad_scatter(
         launch_gluon_w13_dgrad(grad_h1, padded_offsets, row_offsets, w13, scatter_ptrs,
                                block_n=config.block_n, stages=config.num_stages,
                                group_m=config.group_m, warps=config.num_warps,
-                               lockstep=config.lockstep)
+                               lockstep=config.lockstep,
+                               expert_groups=config.expert_groups)
         return
     if config.gluon:
         warn_gluon_fallback("w13_dgrad_scatter", reason)

@@ -149,7 +149,7 @@ if HAVE_GLUON:
             in_step = _lockstep_before_tile(sync_ptr, in_step, tile, num_tiles, LOCKSTEP)
             pid_n, expert, _row, act_start, _live = _tile_info(
                 tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
-                NUM_EXPERTS, BLOCK_M)
+                NUM_EXPERTS, BLOCK_M, False)
             count = _tma_load_steps(a_desc, w_desc, a_bufs, b_bufs, ready, empty, count,
                                     act_start, expert * HIDDEN, pid_n * BLOCK_N, NUM_K,
                                     STAGES, BLOCK_K, False)
@@ -194,7 +194,7 @@ if HAVE_GLUON:
             else:
                 pid_n, expert, row_start, act_start, num_live = _tile_info(
                     tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
-                    NUM_EXPERTS, BLOCK_M)
+                    NUM_EXPERTS, BLOCK_M, False)
             if H1_PREFETCH > 0:  # the first quarters' h1 on its way before the MMAs
                 _h1_prefetch(h1_smem, ptrs_ptr, row_start, act_start, num_live, h1_base,
                              pid_n * BLOCK_N, FFN, BLOCK_M, BLOCK_N // 4,
@@ -456,7 +456,7 @@ if HAVE_GLUON:
             else:
                 pid_n, expert, row_start, act_start, num_live = _tile_info(
                     tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
-                    NUM_EXPERTS, BLOCK_M)
+                    NUM_EXPERTS, BLOCK_M, False)
             n0 = pid_n * BLOCK_N
             buf = t % ACC_BUFS
             if EARLY_H1:

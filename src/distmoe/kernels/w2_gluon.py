@@ -120,7 +120,7 @@ if HAVE_GLUON:
                   HAS_WAIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   BLOCK_K: gl.constexpr,
                   COOP: gl.constexpr, B_K_MAJOR: gl.constexpr, PARITY: gl.constexpr,
-                  LOCKSTEP: gl.constexpr):
+                  LOCKSTEP: gl.constexpr, EXPERT_GROUPS: gl.constexpr):
         """One warp: the TMA loads of every tile of the program, K step by K step."""
         NUM_K: gl.constexpr = FFN // BLOCK_K
         NUM_PID_N: gl.constexpr = (HIDDEN + BLOCK_N - 1) // BLOCK_N  # the last may be partial
@@ -134,7 +134,7 @@ if HAVE_GLUON:
             in_step = _lockstep_before_tile(sync_ptr, in_step, tile, num_tiles, LOCKSTEP)
             pid_n, expert, row, act_start, _live = _tile_info(
                 tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
-                NUM_EXPERTS, BLOCK_M)
+                NUM_EXPERTS, BLOCK_M, EXPERT_GROUPS)
             if HAS_WAIT:  # the W13 tiles of this row block have stored its h2 rows
                 _wait_block(wait_ptr, row, need, BLOCK_M, 1)  # BLOCK_M 128: one counter a tile
             if B_K_MAJOR:  # w2: expert e's [D, F] rows of the [E D, F] view
@@ -157,7 +157,7 @@ if HAVE_GLUON:
                   HAS_WAIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   BLOCK_K: gl.constexpr,
                   COOP: gl.constexpr, B_K_MAJOR: gl.constexpr, PARITY: gl.constexpr,
-                  LOCKSTEP: gl.constexpr):
+                  LOCKSTEP: gl.constexpr, EXPERT_GROUPS: gl.constexpr):
         """One warpgroup: the MMAs and the stores of the program's tiles ``PARITY``,
         ``PARITY + 2``, ... (in the program's own numbering); with ``COOP``, of rows
         ``64 PARITY`` to ``64 PARITY + 63`` of every tile of the program."""
@@ -176,7 +176,7 @@ if HAVE_GLUON:
         for tile in range(first, num_tiles, step):
             pid_n, expert, row_start, _act, num_live = _tile_info(
                 tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
-                NUM_EXPERTS, BLOCK_M)
+                NUM_EXPERTS, BLOCK_M, EXPERT_GROUPS)
             if not COOP:
                 turns = _wait_turn(turn, turns, PARITY)
             acc, count = _mma_steps(a_bufs, b_bufs, ready, empty,
@@ -260,6 +260,7 @@ if HAVE_GLUON:
         COOP: gl.constexpr,
         B_K_MAJOR: gl.constexpr,
         LOCKSTEP: gl.constexpr,
+        EXPERT_GROUPS: gl.constexpr,  # tile order: a group per expert (_expert_group_tile_info)
         num_warps: gl.constexpr,
     ):
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K],
@@ -279,17 +280,17 @@ if HAVE_GLUON:
                          padded_offsets_ptr, row_offsets_ptr, enable_ptr, wait_ptr, need,
                          sync_ptr, HIDDEN, FFN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
                          HAS_ENABLE, HAS_WAIT, BLOCK_M, BLOCK_N, BLOCK_K, COOP, B_K_MAJOR,
-                         0, LOCKSTEP)),
+                         0, LOCKSTEP, EXPERT_GROUPS)),
             (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,
                          padded_offsets_ptr, row_offsets_ptr, enable_ptr, wait_ptr, need,
                          sync_ptr, HIDDEN, FFN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
                          HAS_ENABLE, HAS_WAIT, BLOCK_M, BLOCK_N, BLOCK_K, COOP, B_K_MAJOR,
-                         1, LOCKSTEP)),
+                         1, LOCKSTEP, EXPERT_GROUPS)),
             (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,
                          padded_offsets_ptr, row_offsets_ptr, enable_ptr, wait_ptr, need,
                          sync_ptr, HIDDEN, FFN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
                          HAS_ENABLE, HAS_WAIT, BLOCK_M, BLOCK_N, BLOCK_K, COOP, B_K_MAJOR,
-                         0, LOCKSTEP)),
+                         0, LOCKSTEP, EXPERT_GROUPS)),
         ], [4, 1], [232, 40])
 
 
@@ -334,7 +335,7 @@ def launch_gluon_w2(h2: torch.Tensor, padded_offsets: torch.Tensor, row_offsets:
                     enable: torch.Tensor | None, block_n: int = 128, stages: int = 5,
                     group_m: int = 8, warps: int = 4, programs: int | None = None,
                     wait: torch.Tensor | None = None, need: int = 0,
-                    lockstep: bool = False) -> None:
+                    lockstep: bool = False, expert_groups: bool = False) -> None:
     """Launch the kernel (arguments validated by
     :func:`~distmoe.kernels.w2_scatter.w2_scatter`, and :func:`gluon_w2_reason` returned
     ``None``). ``warps``: 4 (ping-pong, ``block_n`` 128) or 8 (cooperative, ``block_n`` 256).
@@ -343,7 +344,8 @@ def launch_gluon_w2(h2: torch.Tensor, padded_offsets: torch.Tensor, row_offsets:
     once ``wait[padded row / 128] >= need`` (acquire), i.e. once a W13 running beside it has
     stored that row block's h2 rows (:func:`~distmoe.kernels.w13_gather_swiglu.\
 gather_w13_swiglu`'s ``done``). ``lockstep``: :attr:`~distmoe.kernels.w2_scatter.W2Config.\
-lockstep` (a zeroed int32 counter is allocated per launch)."""
+lockstep` (a zeroed int32 counter is allocated per launch). ``expert_groups``:
+    :attr:`~distmoe.kernels.w2_scatter.W2Config.expert_groups`."""
     num_experts, hidden, ffn = w2.shape
     w_layout = gl.NVMMASharedLayout.get_default_for([block_n, _BLOCK_K], gl.bfloat16)
     w_desc = GluonDescriptor(w2.view(num_experts * hidden, ffn), [num_experts * hidden, ffn],
@@ -351,21 +353,22 @@ lockstep` (a zeroed int32 counter is allocated per launch)."""
     _launch(h2, w_desc, scatter_ptrs, padded_offsets, row_offsets, enable, wait, need,
             hidden=hidden, depth=ffn, num_experts=num_experts, block_n=block_n,
             stages=stages, group_m=group_m, warps=warps, programs=programs, b_k_major=True,
-            lockstep=lockstep)
+            lockstep=lockstep, expert_groups=expert_groups)
 
 
 def launch_gluon_w13_dgrad(grad_h1: torch.Tensor, padded_offsets: torch.Tensor,
                            row_offsets: torch.Tensor, w13: torch.Tensor,
                            scatter_ptrs: torch.Tensor, *, block_n: int = 128,
                            stages: int = 5, group_m: int = 8, warps: int = 4,
-                           programs: int | None = None, lockstep: bool = False) -> None:
+                           programs: int | None = None, lockstep: bool = False,
+                           expert_groups: bool = False) -> None:
     """The W13 DGRAD on this kernel: ``bf16(grad_h1[a] @ w13[e])`` (``w13[e]`` viewed ``[2F,
     D]``, read ``[64, block_n]`` at a time as stored, N-major) stored at ``scatter_ptrs[r]``
     for every live padded row ``r`` (the contract of
     :func:`~distmoe.kernels.w13_backward.w13_dgrad_scatter`, which validates the arguments;
     :func:`gluon_w13_dgrad_reason` returned ``None``). ``grad_h1``: bf16 ``[R_act, 2F]``;
     ``w13``: bf16 ``[E, 2, F, D]`` or ``[E, 2F, D]``, contiguous. ``warps``, ``block_n``,
-    ``programs``, ``lockstep``: as :func:`launch_gluon_w2`."""
+    ``programs``, ``lockstep``, ``expert_groups``: as :func:`launch_gluon_w2`."""
     num_experts, hidden = w13.shape[0], w13.shape[-1]
     depth = grad_h1.shape[1]  # 2F
     w_layout = gl.NVMMASharedLayout.get_default_for([_BLOCK_K, block_n], gl.bfloat16)
@@ -375,12 +378,12 @@ def launch_gluon_w13_dgrad(grad_h1: torch.Tensor, padded_offsets: torch.Tensor,
     _launch(grad_h1, w_desc, scatter_ptrs, padded_offsets, row_offsets, None, None, 0,
             hidden=hidden, depth=depth, num_experts=num_experts, block_n=block_n,
             stages=stages, group_m=group_m, warps=warps, programs=programs, b_k_major=False,
-            lockstep=lockstep)
+            lockstep=lockstep, expert_groups=expert_groups)
 
 
 def _launch(a, w_desc, scatter_ptrs, padded_offsets, row_offsets, enable, wait, need, *,
             hidden, depth, num_experts, block_n, stages, group_m, warps, programs, b_k_major,
-            lockstep):
+            lockstep, expert_groups):
     """One launch of the kernel: A ``[R_act, depth]`` by a host descriptor of ``[128, 64]``
     blocks, the weights' descriptor ``w_desc`` (``b_k_major``: ``[block_n, 64]`` blocks of
     ``[E N, K]``, else ``[64, block_n]`` blocks of ``[E K, N]``), one program per SM (or
@@ -402,5 +405,6 @@ def _launch(a, w_desc, scatter_ptrs, padded_offsets, row_offsets, enable, wait, 
             EXPERTS_POW2=max(32, next_power_of_2(num_experts)), GROUP_M=group_m,
             STAGES=stages, HAS_ENABLE=enable is not None, HAS_WAIT=wait is not None,
             BLOCK_M=_BLOCK_M, BLOCK_N=block_n, BLOCK_K=_BLOCK_K, COOP=warps == 8,
-            B_K_MAJOR=b_k_major, LOCKSTEP=lockstep, num_warps=4, maxnreg=_MAXNREG,
+            B_K_MAJOR=b_k_major, LOCKSTEP=lockstep, EXPERT_GROUPS=expert_groups, num_warps=4,
+            maxnreg=_MAXNREG,
         )  # fmt: skip

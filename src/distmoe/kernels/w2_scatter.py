@@ -263,6 +263,12 @@ class W2Config(GemmConfig):
     #: bits; the Triton kernel ignores it. :meth:`hopper_gluon` sets it at 128 to 191 rows
     #: per expert where each expert's W2 weights hold at least 8 MiB.
     lockstep: bool = False
+    #: The Gluon kernel's tile order: a group per expert rather than per ``group_m`` row
+    #: blocks (as :attr:`~distmoe.kernels.w13_gather_swiglu.W13Config.expert_groups`): an
+    #: expert's tiles are walked column tile by column tile over all its row blocks, so a
+    #: row block's h2 rows are read by its column tiles close together in time. Same bits;
+    #: the Triton kernel ignores it.
+    expert_groups: bool = False
 
     @classmethod
     def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128,
@@ -504,7 +510,8 @@ def w2_scatter(
         launch_gluon_w2(h2, padded_offsets, row_offsets, w2, scatter_ptrs, enable=enable,
                         block_n=config.block_n, stages=config.num_stages,
                         group_m=config.group_m, warps=config.num_warps, programs=programs,
-                        wait=wait, need=need, lockstep=config.lockstep)
+                        wait=wait, need=need, lockstep=config.lockstep,
+                        expert_groups=config.expert_groups)
         return
     if config.gluon:
         warn_gluon_fallback("w2_scatter", reason)

@@ -455,8 +455,8 @@ def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildC
     beside it; and the same kernel as the W13 DGRAD (weights read N-major; ping-pong at 5
     and 6 stages, cooperative at 4). Then both as picked at gpt-oss-120b, whose D (2880)
     leaves each row's last column tile partial, the W2 forward also with its producers in
-    lockstep; the W13 DGRAD in lockstep at deepseek-v3. Production: no spill, no serialized
-    wgmma."""
+    lockstep; the W13 DGRAD in lockstep at deepseek-v3, and both in lockstep in the
+    expert-group order there. Production: no spill, no serialized wgmma."""
     from distmoe.kernels import w2_gluon as wg
     from distmoe.kernels._common import next_power_of_2
     from distmoe.tools.bench.workloads import SHAPES
@@ -464,7 +464,8 @@ def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildC
     if not wg.HAVE_GLUON:
         return []
 
-    def case(name, bn, warps, stages, wait=False, w13_dgrad=False, lockstep=False):
+    def case(name, bn, warps, stages, wait=False, w13_dgrad=False, lockstep=False,
+             expert_groups=False):
         s = SHAPES[name]
         D, F, E = s.hidden, s.ffn, s.num_experts
         depth = 2 * F if w13_dgrad else F
@@ -475,12 +476,13 @@ def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildC
         return BuildCase(
             f"{name} {'W13 DGRAD' if w13_dgrad else 'W2 fwd'} gluon 128x{bn}"
             f"{' coop' if warps == 8 else ''} s{stages}{' wait' if wait else ''}"
-            f"{' lockstep' if lockstep else ''}",
+            f"{' lockstep' if lockstep else ''}{' expert-groups' if expert_groups else ''}",
             wg._gluon_w2_kernel,
             dict(HIDDEN=D, FFN=depth, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
                  GROUP_M=8, STAGES=stages, HAS_ENABLE=not w13_dgrad, HAS_WAIT=wait,
                  BLOCK_M=128, BLOCK_N=bn, BLOCK_K=64, COOP=warps == 8,
-                 B_K_MAJOR=not w13_dgrad, LOCKSTEP=lockstep, num_warps=4),
+                 B_K_MAJOR=not w13_dgrad, LOCKSTEP=lockstep, EXPERT_GROUPS=expert_groups,
+                 num_warps=4),
             4, 1, types=types, production=True, gluon=True, options=dict(maxnreg=wg._MAXNREG))
 
     cases = []
@@ -497,6 +499,10 @@ def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildC
     cases.append(case("gpt-oss-120b", 128, 4, 6, lockstep=True))
     # and the W13 DGRAD's (W13DgradConfig.lockstep) at deepseek-v3's 5-stage ring
     cases.append(case("deepseek-v3", 128, 4, 5, w13_dgrad=True, lockstep=True))
+    # the expert-group tile order (W2Config / W13DgradConfig.expert_groups) at 256 experts
+    cases.append(case("deepseek-v3", 128, 4, 6, lockstep=True, expert_groups=True))
+    cases.append(case("deepseek-v3", 128, 4, 5, w13_dgrad=True, lockstep=True,
+                      expert_groups=True))
     return cases
 
 
