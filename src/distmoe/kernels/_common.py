@@ -347,6 +347,17 @@ LOCKSTEP_W2_DGRAD_ROWS = (96, 192)
 LOCKSTEP_W2_DGRAD_WEIGHT_BYTES = 3 * 1024**3
 
 
+#: Rows per expert (the heuristic's hint, first to last) at which the Gluon W2 forward walks
+#: its tiles in expert-group order for inference at EP=1 (``W2Config.expert_groups``; run
+#: 59, one H100, interleaved: the layer forward 1.010-1.041x at 128 to 1024 rows per expert,
+#: 0.967x at 2048; the fwd+bwd step 0.984x / 1.001x)
+EXPERT_GROUPS_W2_ROWS = (128, 1024)
+#: The same for the Gluon W13 DGRAD (``W13DgradConfig.expert_groups``; run 59: the fwd+bwd
+#: step 1.043x twice at 256 rows per expert under sampled routing, 1.006x exact, 1.009x at
+#: 512, 0.951x at 2048; not measured below 256 on the Gluon kernel)
+EXPERT_GROUPS_W13_DGRAD_ROWS = (256, 512)
+
+
 def lockstep_rows(rows_per_expert: int) -> bool:
     """Whether a ``rows_per_expert`` hint lies in :data:`LOCKSTEP_ROWS`."""
     return LOCKSTEP_ROWS[0] <= rows_per_expert < LOCKSTEP_ROWS[1]

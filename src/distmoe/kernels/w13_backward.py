@@ -383,7 +383,8 @@ class W13DgradConfig(GemmConfig):
     lockstep: bool = False
     #: The Gluon kernel's tile order: a group per expert rather than per ``group_m`` row
     #: blocks (as :attr:`~distmoe.kernels.w2_scatter.W2Config.expert_groups`, on the same
-    #: kernel). Same bits; the Triton kernel ignores it.
+    #: kernel). Same bits; the Triton kernel ignores it. :meth:`hopper_gluon` sets it at 256
+    #: to 512 rows per expert.
     expert_groups: bool = False
 
     def __post_init__(self) -> None:
@@ -466,8 +467,17 @@ class W13DgradConfig(GemmConfig):
           third, 1.9% / 4.0% there with 1024 / 2048 tokens (256 / 512 rows per expert);
           slower where the weights total 8-15 GB: DeepSeek-V3 2.4-5.5%, DeepSeek-V4-Flash
           with 8192 tokens (E=256, D=4096, 192 rows per expert) 1%.
+
+        With ``expert_groups`` at 256 to 512 rows per expert
+        (:data:`~distmoe.kernels._common.EXPERT_GROUPS_W13_DGRAD_ROWS`): one H100,
+        2026-12-06, run 59, the layer's fwd+bwd interleaved, 1.043x twice at the second shape
+        under sampled routing (1.006x exact), 1.009x at OLMoE (T=4096 D=2048 F=1024 E=64
+        K=8, 512 rows per expert); 0.951x at the first shape (2048 rows per expert, exact
+        routing, 5 rounds). Not measured at 128-255 rows per expert on this kernel (the same
+        call's DeepSeek-V3 and D=F=2880 E=128 K=4 layers run the Triton kernel, which
+        ignores the field).
         """
-        from ._common import GLUON_MID_ROWS_WEIGHT_BYTES
+        from ._common import EXPERT_GROUPS_W13_DGRAD_ROWS, GLUON_MID_ROWS_WEIGHT_BYTES
         from .w2_gluon import shape_reason
 
         if rows_per_expert < 128 or num_experts is None:
@@ -480,8 +490,10 @@ class W13DgradConfig(GemmConfig):
         if shape_reason(hidden=hidden, ffn=ffn, block_m=128, block_n=128, block_k=64,
                         stages=stages, warps=4, w13_dgrad=True) is not None:
             return None
+        lo, hi = EXPERT_GROUPS_W13_DGRAD_ROWS
         return cls(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=stages,
-                   group_m=8, persistent=True, gluon=True)
+                   group_m=8, persistent=True, gluon=True,
+                   expert_groups=lo <= rows_per_expert <= hi)
 
     @classmethod
     def all_configs(cls, *, hidden: int, ffn: int, block_m: int = 128) -> list[W13DgradConfig]:
