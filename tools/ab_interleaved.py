@@ -50,7 +50,9 @@ one kernel (EP > 1 inference; :mod:`distmoe.kernels.w13_w2_gluon`), ``layer:fuse
 its lag in row-block groups, ``layer:fused_pp=True|False``, its ping-pong tiles, and ``layer:fused_dynamic=True|False``,
 its tiles handed out at run time or statically; or ``input:buffer=True|False``, x passed as
 the context's :meth:`distmoe.MoEContext.input_buffer` (inference: no copy of x in the
-forward). The configs of every variant are printed first.
+forward). The configs of every variant are printed first, with a note where a variant
+sets a Gluon-only field (``lockstep``, ``expert_groups``) on a config that runs the Triton
+kernel, which ignores it (that variant times the base's kernels again).
 """
 
 from __future__ import annotations
@@ -128,6 +130,24 @@ def variant_configs(ctx, specs: list[str], training: bool) -> dict[str, object]:
                 raise ValueError(f"{spec!r}: {type(out[attr]).__name__} has no field(s) "
                                  f"{sorted(set(fields) - names)}")
             out[attr] = dataclasses.replace(out[attr], **fields)
+    return out
+
+
+#: config fields that only the Gluon kernels read (the Triton kernels ignore them)
+_GLUON_ONLY = ("lockstep", "expert_groups")
+
+
+def ignored_changes(base: dict[str, object], cfgs: dict[str, object]) -> list[str]:
+    """The fields a variant changed (``cfgs`` against ``base``, both from
+    :func:`variant_configs`) that its kernel ignores: a Gluon-only field on a config that
+    runs the Triton kernel (``gluon=False``), as ``"attr.field"``. Such a variant times the
+    base's kernels again."""
+    out = []
+    for attr, cfg in cfgs.items():
+        if not dataclasses.is_dataclass(cfg) or getattr(cfg, "gluon", True):
+            continue
+        out += [f"{attr}.{f}" for f in _GLUON_ONLY
+                if hasattr(cfg, f) and getattr(cfg, f) != getattr(base[attr], f)]
     return out
 
 
@@ -255,6 +275,11 @@ def main() -> int:
                 changed = {a: c for a, c in cfgs.items() if c != configs["base"][a]}
                 print(f"  {name}: " + ("; ".join(f"{a}={c}" for a, c in changed.items())
                                        if name != "base" else "the heuristics"))
+                ignored = ignored_changes(configs["base"], cfgs)
+                if ignored:
+                    print(f"      note: {', '.join(ignored)} changed on a config that runs "
+                          "the Triton kernel (gluon=False), which ignores it: the same "
+                          "kernel as the base")
                 if name == "base":
                     for a, c in cfgs.items():
                         print(f"      {a} = {c}")

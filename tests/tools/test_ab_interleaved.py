@@ -35,6 +35,24 @@ def _ctx(training):
     return ctx
 
 
+def test_ignored_changes_names_gluon_only_fields_on_triton_configs(abi):
+    """A Gluon-only field (``lockstep``, ``expert_groups``) set on a config that runs the
+    Triton kernel is named (run 59 timed such a variant against its own base); on a Gluon
+    config, or any other field, nothing is."""
+    ctx = _ctx(training=False)  # both configs Triton (gluon=False)
+    base = abi.variant_configs(ctx, [], training=False)
+    out = abi.variant_configs(ctx, ["w2:expert_groups=True", "w13:group_m=16"], training=False)
+    assert abi.ignored_changes(base, out) == ["_w2_cfg.expert_groups"]
+    out = abi.variant_configs(ctx, ["w13:lockstep=True,expert_groups=True"], training=False)
+    assert abi.ignored_changes(base, out) == ["_w13_cfg.lockstep", "_w13_cfg.expert_groups"]
+    ctx._w2_cfg = W2Config(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=6,
+                           group_m=8, persistent=True, gluon=True)
+    base = abi.variant_configs(ctx, [], training=False)
+    out = abi.variant_configs(ctx, ["w2:expert_groups=True"], training=False)
+    assert abi.ignored_changes(base, out) == []
+    assert abi.ignored_changes(base, base) == []
+
+
 def test_parse_variant(abi):
     assert abi.parse_variant("g16=w13:group_m=16+w2:gluon=False") == (
         "g16", ["w13:group_m=16", "w2:gluon=False"])
