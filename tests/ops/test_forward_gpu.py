@@ -52,6 +52,29 @@ def test_forward_gpu_gluon_kernels_at_mid_rows_per_expert():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [128, 512])
+def test_forward_gpu_expert_group_orders(rows):
+    """128 and 512 rows per expert (inference, EP=1), where the heuristics walk the Gluon W2
+    forward's tiles a group per expert (run 59), at 128 the cooperative W13's too, its
+    producers in lockstep (runs 52, 58): every routing case against the reference."""
+    from distmoe.kernels.w2_scatter import W2Config
+    from distmoe.kernels.w13_gather_swiglu import W13Config
+
+    E, K = 16, 4
+    T = rows * E // K
+    dev = torch.device("cuda", 0)
+    keys = dict(hidden=D, ffn=F, rows_per_expert=rows, device=dev, num_experts=E)
+    w13 = W13Config.from_heuristic(**keys, training=False)
+    assert (w13.gluon, w13.expert_groups) == (True, rows == 128), w13
+    assert W2Config.from_heuristic(**keys).expert_groups
+    names = sorted(CASES)
+    per_rank = dm.launch(forward_cases_rank, 1, device="cuda", gpus=[0], timeout=300,
+                         args=(93, T, D, F, E, K, names, "cuda"))
+    for i, name in enumerate(names):
+        check_against_reference([r[i] for r in per_rank], 93, 1, T, D, F, E, K, name)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("EP", [1, 2, 4])
 def test_input_buffer_gpu_with_ranks_sharing_the_gpu(EP):
     """x written into ``ctx.input_buffer(T)`` at EP = 1, 2 and 4 (the CPU test stops at
