@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# For the session after run 59 (any Hopper GPU, about 8 minutes; not run yet): the GPU tests
+# For the session after run 59 (any Hopper GPU, `DEADLINE=590 bash ...`, up to 10 minutes;
+# not run yet): the GPU tests
 # run 59 could not reach with its device time spent (the layer forward where the heuristics
 # take the expert-group orders, the training partial-tile test's new W13 DGRAD assertion,
 # the Gluon W2 kernel tests after their check was vectorised: --durations shows whether a
