@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # For the session after run 59 (any Hopper GPU, `DEADLINE=590 bash ...`, up to 10 minutes;
-# not run yet): the GPU tests
-# run 59 could not reach with its device time spent (the layer forward where the heuristics
-# take the expert-group orders, the training partial-tile test's new W13 DGRAD assertion,
+# not run yet): the GPU tests run 59 could not reach with its device time spent (the layer
+# forward where the heuristics take the expert-group orders, the training partial-tile
+# test's new W13 DGRAD assertion,
 # the Gluon W2 kernel tests after their check was vectorised: --durations shows whether a
 # test still takes a minute), then the inference bench at the shapes run 59's W2 pick
 # reaches (DeepSeek-V3, GPT-OSS-120B, OLMoE at 512 rows per expert, fine); last, the W2
