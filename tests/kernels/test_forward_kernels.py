@@ -64,30 +64,29 @@ def assert_bf16_close(actual: torch.Tensor, expected: torch.Tensor, *, what: str
     want = expected.double().cpu()
     assert not torch.isnan(got).any(), f"{what}: NaN (poison left or produced)"
     scale = want.abs().max().item() if want.numel() else 0.0
-    bound = 2**-7 * want.abs() + 1e-3 * scale
     err = (got - want).abs()
-    bad = err > bound
+    bad = err > _bf16_bound(want, scale)
     assert not bad.any(), (
         f"{what}: {int(bad.sum())}/{bad.numel()} elements out of tolerance, "
         f"max err {err.max().item():.3g} (scale {scale:.3g})"
     )
 
 
+def _bf16_bound(want: torch.Tensor, scale) -> torch.Tensor:
+    """:func:`assert_bf16_close`'s bound on ``|got - want|`` (``scale``: the magnitude the
+    absolute part is relative to)."""
+    return 2**-7 * want.abs() + 1e-3 * scale
+
+
 def _assert_rows_bf16_close(got: torch.Tensor, want: torch.Tensor, what) -> None:
-    """:func:`assert_bf16_close` on every row of ``got`` / ``want`` (fp64, CPU) at once, each
-    row with its own scale; a failure names the first bad row through ``what(row)``."""
-    nan = torch.isnan(got).any(dim=1)
-    if nan.any():
-        raise AssertionError(f"{what(int(nan.nonzero()[0]))}: NaN (poison left or produced)")
-    scale = want.abs().amax(dim=1, keepdim=True) if want.numel() else want
-    err = (got - want).abs()
-    bad = err > 2**-7 * want.abs() + 1e-3 * scale
-    rows = bad.any(dim=1)
-    if rows.any():
-        k = int(rows.nonzero()[0])
-        raise AssertionError(
-            f"{what(k)}: {int(bad[k].sum())}/{bad.shape[1]} elements out of tolerance, "
-            f"max err {err[k].max().item():.3g} (scale {scale[k].item():.3g})")
+    """:func:`assert_bf16_close` on every row of ``got`` / ``want`` (fp64, CPU), each row
+    with its own scale, found at once; the first bad row fails there, named by
+    ``what(row)``."""
+    scale = want.abs().amax(dim=1, keepdim=True)
+    bad = torch.isnan(got).any(dim=1) | ((got - want).abs() > _bf16_bound(want, scale)).any(1)
+    if bad.any():
+        k = int(bad.nonzero()[0])
+        assert_bf16_close(got[k], want[k], what=what(k))
 
 
 def poisoned(*shape: int) -> torch.Tensor:
