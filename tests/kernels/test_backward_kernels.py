@@ -2656,6 +2656,21 @@ def test_gluon_w2_dgrad_lockstep(split, programs):
     _same_bits_as_the_ping_pong_kernel("scored", fields, programs=programs, scale=scale)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True], ids=["pingpong", "split"])
+@pytest.mark.parametrize("lockstep", [False, True], ids=["free", "lockstep"])
+@pytest.mark.parametrize("programs", [1, 3, None])
+def test_gluon_w2_dgrad_expert_groups(split, lockstep, programs):
+    """``W2DgradConfig.expert_groups`` (each expert's tiles walked column tile by column tile
+    over its row blocks, one to five of them here with every expert's rows doubled) gives
+    the ping-pong kernel's bits in group-M order, scored, in both kernels, free and in
+    lockstep: one and three programs walking many tiles, one per SM. A tile missed or
+    taken twice leaves poison or a wrong row."""
+    fields = dict(num_stages=4, expert_groups=True, lockstep=lockstep,
+                  **({"epilogue_warps": 8} if split else {}))
+    _same_bits_as_the_ping_pong_kernel("scored", fields, programs=programs, scale=2)
+
+
 def _same_bits_as_the_ping_pong_kernel(form, fields, *, programs=3, scale=1):
     """The Gluon W2 DGRAD with the config ``fields`` (a variant of the kernel) gives the
     ping-pong kernel's bits at 4 stages: grad_h1, h2 and, scored, the route rows' score parts;
@@ -2749,11 +2764,13 @@ def test_w2_dgrad_split_epilogue_config_rules():
         W2DgradConfig(**base, epilogue_warps=8, epilogue_early_h1=1)
     with pytest.raises(TypeError, match="lockstep must be a bool, got int"):
         W2DgradConfig(**base, lockstep=1)
+    with pytest.raises(TypeError, match="expert_groups must be a bool, got int"):
+        W2DgradConfig(**base, expert_groups=1)
 
 
 def test_gluon_w2_dgrad_config_reaches_the_launch(monkeypatch):
-    """The W2 DGRAD config's Gluon fields (ring depth, group-M, split epilogue, lockstep)
-    reach the launch, on any machine: the launcher is a recorder and the check admits the
+    """The W2 DGRAD config's Gluon fields (ring depth, group-M, split epilogue, lockstep,
+    expert groups) reach the launch, on any machine: the launcher is a recorder and the check admits the
     case; nothing is written. ``gluon=False`` calls neither."""
     import distmoe.kernels.w2_dgrad_gluon as wg
 
@@ -2770,16 +2787,17 @@ def test_gluon_w2_dgrad_config_reaches_the_launch(monkeypatch):
     out = poisoned(layout.num_act, 2 * ffn)
     base = dict(block_m=block, block_n=128, block_k=64, gluon=True)
     for fields in (dict(num_stages=4), dict(num_stages=5, group_m=16, epilogue_warps=8,
-                                            lockstep=True)):
+                                            lockstep=True), dict(num_stages=4,
+                                                                 expert_groups=True)):
         calls.clear()
         w2_dgrad_swiglu_bwd(ptrs, po, ro, w2, h1, out, grad_h3_rows=rows,
                             config=W2DgradConfig(**base, **fields))
         (_, reason), (_, launch) = calls
         assert (reason["block_n"], reason["block_k"]) == (128, 64)
         assert (launch["stages"], launch["group_m"], launch["epilogue_warps"],
-                launch["lockstep"]) == (fields["num_stages"], fields.get("group_m", 8),
-                                        fields.get("epilogue_warps", 0),
-                                        fields.get("lockstep", False))
+                launch["lockstep"], launch["expert_groups"]) == (
+            fields["num_stages"], fields.get("group_m", 8), fields.get("epilogue_warps", 0),
+            fields.get("lockstep", False), fields.get("expert_groups", False))
     assert same_bits(out, poisoned(layout.num_act, 2 * ffn))  # the recorder launched nothing
     calls.clear()
     w2_dgrad_swiglu_bwd(ptrs, po, ro, w2, h1, out, grad_h3_rows=rows,

@@ -1551,7 +1551,8 @@ def test_every_bool_option_of_the_gemm_configs_is_checked():
     common = ["persistent", "host_descriptors"]
     expected = {W13Config: common + ["tma_epilogue", "gluon", "lockstep", "expert_groups"],
                 W2Config: common + ["gluon", "lockstep", "expert_groups"],
-                W2DgradConfig: common + ["gluon", "epilogue_early_h1", "lockstep"],
+                W2DgradConfig: common + ["gluon", "epilogue_early_h1", "lockstep",
+                                         "expert_groups"],
                 W13DgradConfig: common + ["pair_tails", "dynamic", "gluon", "lockstep",
                                           "expert_groups"]}
     for cls, names in expected.items():

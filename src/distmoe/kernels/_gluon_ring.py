@@ -142,7 +142,8 @@ if HAVE_GLUON:
     def _tile_info_reloaded(tile, num_pid_m, padded_offsets_ptr, row_offsets_ptr,
                             NUM_PID_N: gl.constexpr, GROUP_M: gl.constexpr,
                             NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr,
-                            BLOCK_M: gl.constexpr, NW: gl.constexpr):
+                            BLOCK_M: gl.constexpr, NW: gl.constexpr,
+                            EXPERT_GROUPS: gl.constexpr):
         """:func:`_tile_info` with the per-expert bounds loaded for this tile (L1 hits after
         the first) instead of held in registers across the loop: for a partition whose
         epilogue needs the registers (``5 * EXPERTS_POW2 / 32`` per thread otherwise)."""
@@ -150,7 +151,7 @@ if HAVE_GLUON:
                                                         NUM_EXPERTS, EXPERTS_POW2,
                                                         _bounds_layout(EXPERTS_POW2, NW))
         return _tile_info(tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
-                          NUM_EXPERTS, BLOCK_M, False)
+                          NUM_EXPERTS, BLOCK_M, EXPERT_GROUPS)
 
     @gluon.jit
     def _wait_turn(turn, turns, PARITY: gl.constexpr):

@@ -765,6 +765,12 @@ class W2DgradConfig(GemmConfig):
     #: again. Same bits; the Triton kernel ignores it. :meth:`from_heuristic` sets it at 96
     #: to 191 rows per expert where the rank's W2 weights total at least 3 GiB.
     lockstep: bool = False
+    #: With ``gluon``: the tile order is a group per expert rather than per ``group_m`` row
+    #: blocks (as :attr:`~distmoe.kernels.w2_scatter.W2Config.expert_groups`): an expert's
+    #: tiles are walked column tile by column tile over all its row blocks, so a row block's
+    #: grad_h3 rows are read by its column tiles close together in time. Same bits; the
+    #: Triton kernel ignores it. Not picked by :meth:`from_heuristic` (unmeasured).
+    expert_groups: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -1485,7 +1491,8 @@ def w2_dgrad_swiglu_bwd(
                                   epilogue_warps=config.epilogue_warps,
                                   epilogue_buffers=config.epilogue_buffers,
                                   epilogue_early_h1=config.epilogue_early_h1,
-                                  lockstep=config.lockstep)
+                                  lockstep=config.lockstep,
+                                  expert_groups=config.expert_groups)
             return
         warn_gluon_fallback("w2_dgrad_swiglu_bwd", reason)
     gather_in_loop = gathered is None

@@ -123,18 +123,21 @@ if HAVE_GLUON:
                   H1_OFFSET: gl.constexpr, STORE_H2: gl.constexpr, SCORED: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                   RELOAD_BOUNDS: gl.constexpr, H1_PREFETCH: gl.constexpr,
-                  PARITY: gl.constexpr, LOCKSTEP: gl.constexpr):
+                  PARITY: gl.constexpr, LOCKSTEP: gl.constexpr,
+                  EXPERT_GROUPS: gl.constexpr):
         """One warp: the TMA loads of every tile of the program, K step by K step."""
         _produce_tiles(a_desc, w_desc, a_bufs, b_bufs, ready, empty, padded_offsets_ptr,
                        row_offsets_ptr, sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2,
-                       GROUP_M, STAGES, BLOCK_M, BLOCK_N, BLOCK_K, LOCKSTEP)
+                       GROUP_M, STAGES, BLOCK_M, BLOCK_N, BLOCK_K, LOCKSTEP,
+                       EXPERT_GROUPS)
 
     @gluon.jit
     def _produce_tiles(a_desc, w_desc, a_bufs, b_bufs, ready, empty, padded_offsets_ptr,
                        row_offsets_ptr, sync_ptr, FFN: gl.constexpr, HIDDEN: gl.constexpr,
                        NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr,
                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LOCKSTEP: gl.constexpr):
+                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LOCKSTEP: gl.constexpr,
+                       EXPERT_GROUPS: gl.constexpr):
         """The producer warp's loop: the tiles ``pid, pid + G, ...``, each ``D / BLOCK_K``
         ring steps of the grad_h3 rows and the expert's w2 columns; with ``LOCKSTEP`` each
         wave's tiles start together (:func:`_lockstep_before_tile`)."""
@@ -149,7 +152,7 @@ if HAVE_GLUON:
             in_step = _lockstep_before_tile(sync_ptr, in_step, tile, num_tiles, LOCKSTEP)
             pid_n, expert, _row, act_start, _live = _tile_info(
                 tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
-                NUM_EXPERTS, BLOCK_M, False)
+                NUM_EXPERTS, BLOCK_M, EXPERT_GROUPS)
             count = _tma_load_steps(a_desc, w_desc, a_bufs, b_bufs, ready, empty, count,
                                     act_start, expert * HIDDEN, pid_n * BLOCK_N, NUM_K,
                                     STAGES, BLOCK_K, False)
@@ -165,7 +168,8 @@ if HAVE_GLUON:
                   H1_OFFSET: gl.constexpr, STORE_H2: gl.constexpr, SCORED: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                   RELOAD_BOUNDS: gl.constexpr, H1_PREFETCH: gl.constexpr,
-                  PARITY: gl.constexpr, LOCKSTEP: gl.constexpr):
+                  PARITY: gl.constexpr, LOCKSTEP: gl.constexpr,
+                  EXPERT_GROUPS: gl.constexpr):
         """One warpgroup: the MMAs and the epilogue of the program's tiles ``PARITY``,
         ``PARITY + 2``, ... (in the program's own numbering)."""
         NUM_K: gl.constexpr = HIDDEN // BLOCK_K
@@ -190,11 +194,11 @@ if HAVE_GLUON:
                 # per thread) they made the epilogue spill above 32 experts (run 33)
                 pid_n, expert, row_start, act_start, num_live = _tile_info_reloaded(
                     tile, num_pid_m, padded_offsets_ptr, row_offsets_ptr, NUM_PID_N, GROUP_M,
-                    NUM_EXPERTS, EXPERTS_POW2, BLOCK_M, 4)
+                    NUM_EXPERTS, EXPERTS_POW2, BLOCK_M, 4, EXPERT_GROUPS)
             else:
                 pid_n, expert, row_start, act_start, num_live = _tile_info(
                     tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
-                    NUM_EXPERTS, BLOCK_M, False)
+                    NUM_EXPERTS, BLOCK_M, EXPERT_GROUPS)
             if H1_PREFETCH > 0:  # the first quarters' h1 on its way before the MMAs
                 _h1_prefetch(h1_smem, ptrs_ptr, row_start, act_start, num_live, h1_base,
                              pid_n * BLOCK_N, FFN, BLOCK_M, BLOCK_N // 4,
@@ -388,7 +392,8 @@ if HAVE_GLUON:
                    H1_OFFSET: gl.constexpr, STORE_H2: gl.constexpr, SCORED: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                    RELOAD_BOUNDS: gl.constexpr, ACC_BUFS: gl.constexpr,
-                   EPI_WARPS: gl.constexpr, EARLY_H1: gl.constexpr, LOCKSTEP: gl.constexpr):
+                   EPI_WARPS: gl.constexpr, EARLY_H1: gl.constexpr, LOCKSTEP: gl.constexpr,
+                   EXPERT_GROUPS: gl.constexpr):
         """The split kernel's MMA warpgroup: every tile of the program in turn; each finished
         fp32 tile goes to shared memory as four column quarters (buffer ``t % ACC_BUFS`` of
         the program's ``t``-th tile, once the epilogue has read that buffer's previous tile)
@@ -430,7 +435,8 @@ if HAVE_GLUON:
                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                         RELOAD_BOUNDS: gl.constexpr, ACC_BUFS: gl.constexpr,
                         EPI_WARPS: gl.constexpr, EARLY_H1: gl.constexpr,
-                        LOCKSTEP: gl.constexpr):
+                        LOCKSTEP: gl.constexpr,
+                        EXPERT_GROUPS: gl.constexpr):
         """The split kernel's epilogue partition (``EPI_WARPS`` warps): the SwiGLU backward
         of every tile of the program, its quarters read from shared memory as the MMA
         warpgroup left them; the buffer goes back once the last quarter is read."""
@@ -452,11 +458,12 @@ if HAVE_GLUON:
             if RELOAD_BOUNDS:
                 pid_n, expert, row_start, act_start, num_live = _tile_info_reloaded(
                     tile, num_pid_m, padded_offsets_ptr, row_offsets_ptr, NUM_PID_N, GROUP_M,
-                    NUM_EXPERTS, EXPERTS_POW2, BLOCK_M, EPI_WARPS)
+                    NUM_EXPERTS, EXPERTS_POW2, BLOCK_M, EPI_WARPS,
+                    EXPERT_GROUPS)
             else:
                 pid_n, expert, row_start, act_start, num_live = _tile_info(
                     tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
-                    NUM_EXPERTS, BLOCK_M, False)
+                    NUM_EXPERTS, BLOCK_M, EXPERT_GROUPS)
             n0 = pid_n * BLOCK_N
             buf = t % ACC_BUFS
             if EARLY_H1:
@@ -546,11 +553,13 @@ if HAVE_GLUON:
                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                         RELOAD_BOUNDS: gl.constexpr, ACC_BUFS: gl.constexpr,
                         EPI_WARPS: gl.constexpr, EARLY_H1: gl.constexpr,
-                        LOCKSTEP: gl.constexpr):
+                        LOCKSTEP: gl.constexpr,
+                        EXPERT_GROUPS: gl.constexpr):
         """The split kernel's TMA warp (:func:`_produce_tiles`)."""
         _produce_tiles(a_desc, w_desc, a_bufs, b_bufs, ready, empty, padded_offsets_ptr,
                        row_offsets_ptr, sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2,
-                       GROUP_M, STAGES, BLOCK_M, BLOCK_N, BLOCK_K, LOCKSTEP)
+                       GROUP_M, STAGES, BLOCK_M, BLOCK_N, BLOCK_K, LOCKSTEP,
+                       EXPERT_GROUPS)
 
     @gluon.jit
     def _gluon_w2_dgrad_kernel(
@@ -579,6 +588,7 @@ if HAVE_GLUON:
         RELOAD_BOUNDS: gl.constexpr,
         H1_PREFETCH: gl.constexpr,
         LOCKSTEP: gl.constexpr,  # the producer starts each wave's tiles with the others'
+        EXPERT_GROUPS: gl.constexpr,  # tile order: a group per expert (_tile_info)
         num_warps: gl.constexpr,
     ):
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K],
@@ -597,17 +607,17 @@ if HAVE_GLUON:
                          ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
                          grad_h1_ptr, h2_ptr, sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2,
                          GROUP_M, STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
-                         RELOAD_BOUNDS, H1_PREFETCH, 0, LOCKSTEP)),
+                         RELOAD_BOUNDS, H1_PREFETCH, 0, LOCKSTEP, EXPERT_GROUPS)),
             (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, h1_smem,
                          ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
                          grad_h1_ptr, h2_ptr, sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2,
                          GROUP_M, STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
-                         RELOAD_BOUNDS, H1_PREFETCH, 1, LOCKSTEP)),
+                         RELOAD_BOUNDS, H1_PREFETCH, 1, LOCKSTEP, EXPERT_GROUPS)),
             (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, h1_smem,
                          ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
                          grad_h1_ptr, h2_ptr, sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2,
                          GROUP_M, STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
-                         RELOAD_BOUNDS, H1_PREFETCH, 1, LOCKSTEP)),
+                         RELOAD_BOUNDS, H1_PREFETCH, 1, LOCKSTEP, EXPERT_GROUPS)),
         ], [4, 1], [232, 40])
 
 
@@ -633,6 +643,7 @@ if HAVE_GLUON:
         EPI_REGS: gl.constexpr,  # its registers per thread
         EARLY_H1: gl.constexpr,  # h1 loads issued a quarter ahead (epilogue_early_h1)
         LOCKSTEP: gl.constexpr,  # as _gluon_w2_dgrad_kernel's
+        EXPERT_GROUPS: gl.constexpr,  # as _gluon_w2_dgrad_kernel's
         num_warps: gl.constexpr,
     ):
         """The W2 DGRAD with its epilogue in a partition of its own (``epilogue_warps``):
@@ -652,17 +663,17 @@ if HAVE_GLUON:
                  acc_free, ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
                  grad_h1_ptr, h2_ptr, sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
                  STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
-                 RELOAD_BOUNDS, ACC_BUFS, EPI_WARPS, EARLY_H1, LOCKSTEP)),
+                 RELOAD_BOUNDS, ACC_BUFS, EPI_WARPS, EARLY_H1, LOCKSTEP, EXPERT_GROUPS)),
             (_split_epilogue, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready,
                  acc_free, ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
                  grad_h1_ptr, h2_ptr, sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
                  STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
-                 RELOAD_BOUNDS, ACC_BUFS, EPI_WARPS, EARLY_H1, LOCKSTEP)),
+                 RELOAD_BOUNDS, ACC_BUFS, EPI_WARPS, EARLY_H1, LOCKSTEP, EXPERT_GROUPS)),
             (_split_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready,
                  acc_free, ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
                  grad_h1_ptr, h2_ptr, sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
                  STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
-                 RELOAD_BOUNDS, ACC_BUFS, EPI_WARPS, EARLY_H1, LOCKSTEP)),
+                 RELOAD_BOUNDS, ACC_BUFS, EPI_WARPS, EARLY_H1, LOCKSTEP, EXPERT_GROUPS)),
         ], [EPI_WARPS, 1], [EPI_REGS, 40])
 
 
@@ -689,7 +700,8 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
                           programs: int | None = None,
                           reload_bounds: bool | None = None, h1_prefetch: int = 0,
                           epilogue_warps: int = 0, epilogue_buffers: int = 1,
-                          epilogue_early_h1: bool = False, lockstep: bool = False) -> None:
+                          epilogue_early_h1: bool = False, lockstep: bool = False,
+                          expert_groups: bool = False) -> None:
     """Launch the kernel (arguments validated by the caller,
     :func:`~distmoe.kernels.w2_backward.w2_dgrad_swiglu_bwd`, and
     :func:`gluon_w2_dgrad_reason` returned ``None``). ``programs``: the grid (default one per
@@ -708,7 +720,8 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
     column quarter's h1 loads a quarter ahead (the first before waiting for the tile). Same
     bits as the ping-pong kernel. Both options need F a multiple of 128 (whole tiles).
     ``lockstep``: :attr:`~distmoe.kernels.w2_backward.W2DgradConfig.lockstep` (a zeroed int32
-    counter is allocated per launch)."""
+    counter is allocated per launch). ``expert_groups``:
+    :attr:`~distmoe.kernels.w2_backward.W2DgradConfig.expert_groups`."""
     from ._common import device_context, lockstep_counter, next_power_of_2, num_sms
 
     num_experts, hidden, ffn = w2.shape
@@ -736,7 +749,8 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
                   EXPERTS_POW2=max(32, next_power_of_2(num_experts)), GROUP_M=group_m,
                   STAGES=stages, H1_OFFSET=h1_offset is not None, STORE_H2=h2_out is not None,
                   SCORED=scored_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                  RELOAD_BOUNDS=reload, LOCKSTEP=bool(lockstep), num_warps=4)
+                  RELOAD_BOUNDS=reload, LOCKSTEP=bool(lockstep),
+                  EXPERT_GROUPS=bool(expert_groups), num_warps=4)
     if epilogue_warps:  # the split kernel
         maxnreg, epi_regs = SPLIT_REGISTERS[epilogue_warps]
         kernel = _gluon_w2_dgrad_split_kernel

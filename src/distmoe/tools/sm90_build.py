@@ -383,7 +383,8 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
     if not wg.HAVE_GLUON:
         return []
 
-    def split_case(name, epi, bufs, stages, early, scored, production, lockstep=False):
+    def split_case(name, epi, bufs, stages, early, scored, production, lockstep=False,
+                   expert_groups=False):
         s = SHAPES[name]
         D, F, E = s.hidden, s.ffn, s.num_experts
         bm, bn, bk = 128, 128, 64
@@ -393,13 +394,14 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
         maxnreg, epi_regs = wg.SPLIT_REGISTERS[epi]
         return BuildCase(
             f"{name} W2 DGRAD gluon split epi{epi} x{bufs} s{stages}"
-            f"{' early_h1' if early else ''} scored={scored}{' lockstep' if lockstep else ''}",
+            f"{' early_h1' if early else ''} scored={scored}{' lockstep' if lockstep else ''}"
+            f"{' expert-groups' if expert_groups else ''}",
             wg._gluon_w2_dgrad_split_kernel,
             dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
                  GROUP_M=8, STAGES=stages, H1_OFFSET=True, STORE_H2=True, SCORED=scored,
                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, RELOAD_BOUNDS=E > 32, ACC_BUFS=bufs,
                  EPI_WARPS=epi, EPI_REGS=epi_regs, EARLY_H1=early, LOCKSTEP=lockstep,
-                 num_warps=4),
+                 EXPERT_GROUPS=expert_groups, num_warps=4),
             4, 1, types=types, production=production, gluon=True,
             options=dict(maxnreg=maxnreg))
 
@@ -419,7 +421,7 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
                          EXPERTS_POW2=max(32, next_power_of_2(E)), GROUP_M=8, STAGES=stages,
                          H1_OFFSET=True, STORE_H2=True, SCORED=scored, BLOCK_M=bm, BLOCK_N=bn,
                          BLOCK_K=bk, RELOAD_BOUNDS=E > 32, H1_PREFETCH=0, LOCKSTEP=False,
-                         num_warps=4),
+                         EXPERT_GROUPS=False, num_warps=4),
                     4, 1, types=types, production=False, gluon=True,
                     options=dict(maxnreg=wg._MAXNREG)))
         for stages, prefetch in GLUON_W2_DGRAD_PREFETCH_CASES:  # h1 by cp.async (scored)
@@ -433,7 +435,8 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
                 dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
                      GROUP_M=8, STAGES=stages, H1_OFFSET=True, STORE_H2=True, SCORED=True,
                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, RELOAD_BOUNDS=E > 32,
-                     H1_PREFETCH=prefetch, LOCKSTEP=False, num_warps=4),
+                     H1_PREFETCH=prefetch, LOCKSTEP=False, EXPERT_GROUPS=False,
+                     num_warps=4),
                 4, 1, types=types, production=False, gluon=True,
                 options=dict(maxnreg=wg._MAXNREG)))
         for epi, bufs, stages, early in GLUON_W2_DGRAD_SPLIT_CASES:  # the epilogue's partition
@@ -445,6 +448,10 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
                   for scored in (True, False)]
     # the TMA producer in lockstep (W2DgradConfig.lockstep), as picked at deepseek-v3
     cases.append(split_case("deepseek-v3", 8, 1, 4, False, True, True, lockstep=True))
+    # and in the expert-group order (W2DgradConfig.expert_groups), there and at fine
+    cases.append(split_case("deepseek-v3", 8, 1, 4, False, True, True, lockstep=True,
+                            expert_groups=True))
+    cases.append(split_case("fine", 8, 1, 4, False, True, True, expert_groups=True))
     return cases
 
 
