@@ -3,7 +3,7 @@
 ROUTING [SPEC...]`` builds the bench's layer (one GPU), applies ``tools/ab_interleaved.py``'s
 ``--variant`` specs (e.g. ``w13:inference:group_m=1``) and runs 3 eager steps, so that
 ``ncu --kernel-name regex:... --launch-skip 2 --launch-count 1`` profiles the third step's
-kernel under that variant."""
+kernel under that variant. ``SHAPE@T`` (run 60): the shape with T tokens per rank."""
 import os
 import sys
 
@@ -16,7 +16,9 @@ from ab_interleaved import INPUT_BUFFER, variant_configs  # noqa: E402
 from distmoe.tools.bench.layer_step import join_group, layer_step  # noqa: E402
 
 shape, mode, routing, *specs = sys.argv[1:]
-ctx, step, _T = layer_step(shape, mode, join_group(), routing=routing)
+shape, _, tokens = shape.partition("@")
+ctx, step, _T = layer_step(shape, mode, join_group(), routing=routing,
+                           tokens=int(tokens) if tokens else None)
 with ctx:
     for attr, cfg in variant_configs(ctx, specs, mode != "fwd").items():
         if attr != INPUT_BUFFER:
