@@ -1654,9 +1654,8 @@ def test_w2_heuristic_takes_gluon_at_every_ep_size(monkeypatch):
     assert not pick(rows_per_expert=127).gluon
     # the local expert count reaches the mid-rows rule (at D=4096 F=2048: below 128 experts)
     assert pick(rows_per_expert=96, num_experts=32) == gluon_cfg
-    # training and the EP size reach the expert-group rule (inference at EP=1 only)
+    # the EP size reaches the expert-group rule (EP=1 only)
     assert pick(rows_per_expert=512).expert_groups
-    assert not pick(rows_per_expert=512, training=True).expert_groups
     assert not pick(rows_per_expert=512, ep_size=2).expert_groups
     assert not pick(rows_per_expert=96, num_experts=128).gluon
 
@@ -1696,14 +1695,13 @@ def test_gluon_w2_shape_rules_without_a_gpu():
     assert not lockstep(128, 4096, 960) and not lockstep(128, 2048, 768)
     assert not W2Config.hopper_gluon(hidden=4096, ffn=1024, rows_per_expert=96,
                                      num_experts=32).lockstep  # mid rows
-    # the expert-group tile order for inference at EP=1 from 128 to 1024 rows per expert
-    # (run 59: 1.010-1.041x there, 0.967x at 2048; fwd+bwd even to 0.984x)
+    # the expert-group tile order at EP=1 from 128 to 1024 rows per expert (run 59: the
+    # forward 1.010-1.041x there, 0.967x at 2048; run 60: in training too)
     groups = lambda rows, **kw: W2Config.hopper_gluon(  # noqa: E731
         hidden=4096, ffn=2048, rows_per_expert=rows, **kw).expert_groups
     assert groups(128) and groups(512) and groups(1024)
     assert not any(groups(rows) for rows in (1025, 2048))
     assert not groups(96, num_experts=32)  # mid rows: not measured
-    assert not any(groups(rows, training=True) for rows in (128, 512, 1024))
     assert not any(groups(rows, ep_size=2) for rows in (128, 512, 1024))
     # 64-127 rows per expert: Gluon where the local experts are given and their W2 weights
     # total less than 2 GiB (run 38; 128 experts at D=4096 F=2048 are exactly that); below

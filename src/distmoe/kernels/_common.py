@@ -348,14 +348,21 @@ LOCKSTEP_W2_DGRAD_WEIGHT_BYTES = 3 * 1024**3
 
 
 #: Rows per expert (the heuristic's hint, first to last) at which the Gluon W2 forward walks
-#: its tiles in expert-group order for inference at EP=1 (``W2Config.expert_groups``; run
-#: 59, one H100, interleaved: the layer forward 1.010-1.041x at 128 to 1024 rows per expert,
-#: 0.967x at 2048; the fwd+bwd step 0.984x / 1.001x)
+#: its tiles in expert-group order at EP=1 (``W2Config.expert_groups``; run 59, one H100,
+#: interleaved: the layer forward 1.010-1.041x at 128 to 1024 rows per expert, 0.967x at
+#: 2048; run 60: the kernel in DeepSeek-V3's training step 3.10 against 3.37 ms, the fwd+bwd
+#: step 1.011x there, 1.009x / 1.000x at GPT-OSS-120B / OLMoE)
 EXPERT_GROUPS_W2_ROWS = (128, 1024)
 #: The same for the Gluon W13 DGRAD (``W13DgradConfig.expert_groups``; run 59: the fwd+bwd
 #: step 1.043x twice at 256 rows per expert under sampled routing, 1.006x exact, 1.009x at
 #: 512, 0.951x at 2048; not measured below 256 on the Gluon kernel)
 EXPERT_GROUPS_W13_DGRAD_ROWS = (256, 512)
+#: The same for the Gluon W2 DGRAD (``W2DgradConfig.expert_groups``, at every EP size: it
+#: reads its gradient rows from the rank's own scratch). Run 60, one H100, Nsight Compute on
+#: the kernel in the fwd+bwd step: 3.7-9.7% faster at 128-512 rows per expert (DeepSeek-V3
+#: 3.07 against 3.34 ms, reading 8.38 GB instead of 9.10), even at 1024 (0.98x / 1.004x),
+#: 12% slower at 2048
+EXPERT_GROUPS_W2_DGRAD_ROWS = (128, 512)
 
 
 def lockstep_rows(rows_per_expert: int) -> bool:

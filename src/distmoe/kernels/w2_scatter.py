@@ -275,7 +275,7 @@ class W2Config(GemmConfig):
     def from_heuristic(cls, *, hidden: int, ffn: int, block_m: int = 128,
                        rows_per_expert: int | None = None,
                        device: torch.device | None = None, ep_size: int = 1,
-                       num_experts: int | None = None, training: bool = False) -> W2Config:
+                       num_experts: int | None = None) -> W2Config:
         """Config from the shapes (D = ``hidden``, F = ``ffn``) and the padding multiple.
 
         Hopper defaults: 128 x 128 x 64 tiles, 8 warps, 4 stages (32 KiB of SMEM per stage),
@@ -290,14 +290,12 @@ class W2Config(GemmConfig):
         With the hint and a ``device`` where the warp-specialised Gluon kernel runs (Hopper,
         not the interpreter): that kernel where :meth:`hopper_gluon` picks it. ``ep_size``
         (the expert-parallel group) and ``num_experts`` (the local experts: the Gluon
-        kernel at 64-127 rows per expert needs it) and ``training`` (the layer runs a
-        backward) are passed on; the tile does not depend on ``ep_size`` since run 29, the
-        tile order does.
+        kernel at 64-127 rows per expert needs it) are passed on; the tile does not depend on
+        ``ep_size`` since run 29, the tile order does.
         """
         if rows_per_expert is not None and block_m == 128 and gluon_device(device):
             gluon = cls.hopper_gluon(hidden=hidden, ffn=ffn, rows_per_expert=rows_per_expert,
-                                     ep_size=ep_size, num_experts=num_experts,
-                                     training=training)
+                                     ep_size=ep_size, num_experts=num_experts)
             if gluon is not None:
                 return gluon
         if rows_per_expert is not None and block_m == 128 and hidden >= 256 and ffn >= 64:
@@ -320,8 +318,7 @@ class W2Config(GemmConfig):
 
     @classmethod
     def hopper_gluon(cls, *, hidden: int, ffn: int, rows_per_expert: int,
-                     ep_size: int = 1, num_experts: int | None = None,
-                     training: bool = False) -> W2Config | None:
+                     ep_size: int = 1, num_experts: int | None = None) -> W2Config | None:
         """The Gluon config :meth:`from_heuristic` picks on a Hopper device (padding multiple
         128), or ``None`` where it keeps the Triton kernel: ping-pong 128 x 128 tiles with 6
         stages from 128 rows per expert, and at 64-127 where
@@ -366,24 +363,26 @@ class W2Config(GemmConfig):
           T=4096 D=7168 F=2048 E=256 K=8 and 2.5% at D = F = 2880 E=128 K=4
           (forward+backward 0.4%), 1.0% slower at T=2048 D=2048 F=768 E=128 K=8 (3 MB per
           expert) and 1.7% at 256 rows per expert (T=4096 there);
-        * with ``expert_groups`` for inference (not ``training``) at ``ep_size`` 1 from 128
-          to 1024 rows per expert (:data:`~distmoe.kernels._common.EXPERT_GROUPS_W2_ROWS`):
+        * with ``expert_groups`` at ``ep_size`` 1 from 128 to 1024 rows per expert (:data:`~distmoe.kernels._common.EXPERT_GROUPS_W2_ROWS`):
           one H100, 2026-12-06, run 59, interleaved, sampled routing, the layer forward
           1.031x at T=4096 D=7168 F=2048 E=256 K=8 (the kernel reads 7.76 GB from DRAM
           instead of 8.52, Nsight Compute), 1.037x at D=F=2880 E=128 K=4, 1.016x at T=2048
           D=2048 F=768 E=128 K=8, 1.023x at T=4096 there, 1.021x / 1.032x / 1.010x at
           D=2048 F=1024 E=64 K=8 with 1024 / 4096 / 8192 tokens, 1.041x at D=F=2880 E=32
           K=4, 1.013x at T=4096 D=4096 F=2048 E=32 K=8; 0.967x at T=8192 there (2048 rows
-          per expert, exact routing); the fwd+bwd step 0.984x at the first shape and
-          1.001x at the third's widths with 4096 tokens, so not in training. Not measured at
-          EP > 1 (rows stored into peers' memory), so not taken there.
+          per expert, exact routing). In training too since run 60 (one H100, 2026-12-06):
+          the kernel in the first shape's fwd+bwd step 3.10 against 3.37 ms (Nsight
+          Compute; 7.76 GB read instead of 8.51), the step 1.011x there in 11 interleaved
+          rounds (run 59: 0.984x in 7), 1.009x at D=F=2880 E=128 K=4, 1.000x at OLMoE,
+          1.001x at T=4096 D=2048 F=768 E=128 K=8. Not measured at EP > 1 (rows stored into
+          peers' memory), so not taken there.
         """
         from ._common import EXPERT_GROUPS_W2_ROWS
         from .w2_gluon import shape_reason
 
         # the same tile at every EP size (run 29); the expert-group order measured at EP=1
-        groups = (not training and ep_size == 1
-                  and EXPERT_GROUPS_W2_ROWS[0] <= rows_per_expert <= EXPERT_GROUPS_W2_ROWS[1])
+        lo, hi = EXPERT_GROUPS_W2_ROWS
+        groups = ep_size == 1 and lo <= rows_per_expert <= hi
         if rows_per_expert < 128 and (hidden % 128 or not gluon_mid_rows(
                 rows_per_expert, num_experts, hidden * ffn)):
             return None

@@ -217,8 +217,7 @@ class MoEContext:
         self._w2_cfg = W2Config.from_heuristic(hidden=D, ffn=F, block_m=cfg.row_block,
                                                rows_per_expert=self.rows_per_expert_hint,
                                                device=self.device, ep_size=self.ep_size,
-                                               num_experts=self.num_local_experts,
-                                               training=cfg.training)
+                                               num_experts=self.num_local_experts)
         self._combine_cfg = CombineConfig.from_heuristic(hidden=D)
         self.activations: ActivationBuffer | None = None
         if cfg.training:
