@@ -355,8 +355,10 @@ LOCKSTEP_W2_DGRAD_WEIGHT_BYTES = 3 * 1024**3
 EXPERT_GROUPS_W2_ROWS = (128, 1024)
 #: The same for the Gluon W13 DGRAD (``W13DgradConfig.expert_groups``; run 59: the fwd+bwd
 #: step 1.043x twice at 256 rows per expert under sampled routing, 1.006x exact, 1.009x at
-#: 512, 0.951x at 2048; not measured below 256 on the Gluon kernel)
-EXPERT_GROUPS_W13_DGRAD_ROWS = (256, 512)
+#: 512, 0.951x at 2048; run 60, Nsight Compute: the kernel in the step 1.05-1.09x at 128
+#: rows per expert, 1.25x at 256, 1.18x at 512, 0.986x at 1024; the kernel takes no fewer
+#: than 128)
+EXPERT_GROUPS_W13_DGRAD_ROWS = (128, 512)
 #: The same for the Gluon W2 DGRAD (``W2DgradConfig.expert_groups``, at every EP size: it
 #: reads its gradient rows from the rank's own scratch). Run 60, one H100, Nsight Compute on
 #: the kernel in the fwd+bwd step: 3.7-9.7% faster at 128-512 rows per expert (DeepSeek-V3

@@ -468,14 +468,16 @@ class W13DgradConfig(GemmConfig):
           slower where the weights total 8-15 GB: DeepSeek-V3 2.4-5.5%, DeepSeek-V4-Flash
           with 8192 tokens (E=256, D=4096, 192 rows per expert) 1%.
 
-        With ``expert_groups`` at 256 to 512 rows per expert
+        With ``expert_groups`` at 128 to 512 rows per expert
         (:data:`~distmoe.kernels._common.EXPERT_GROUPS_W13_DGRAD_ROWS`): one H100,
         2026-12-06, run 59, the layer's fwd+bwd interleaved, 1.043x twice at the second shape
         under sampled routing (1.006x exact), 1.009x at OLMoE (T=4096 D=2048 F=1024 E=64
         K=8, 512 rows per expert); 0.951x at the first shape (2048 rows per expert, exact
-        routing, 5 rounds). Not measured at 128-255 rows per expert on this kernel (the same
-        call's DeepSeek-V3 and D=F=2880 E=128 K=4 layers run the Triton kernel, which
-        ignores the field).
+        routing, 5 rounds). Run 60 (one H100, 2026-12-06, Nsight Compute on the kernel in
+        the fwd+bwd step, sampled routing): 340 -> 324 us at the third shape, 233 -> 215 us
+        at OLMoE with 1024 tokens (both 128 rows per expert), 478 -> 382 us at the second,
+        505 -> 429 us at OLMoE; 942 -> 956 us there with 8192 tokens (1024 rows per
+        expert).
         """
         from ._common import EXPERT_GROUPS_W13_DGRAD_ROWS, GLUON_MID_ROWS_WEIGHT_BYTES
         from .w2_gluon import shape_reason
