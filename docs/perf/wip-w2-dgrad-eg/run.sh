@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Branch wip/w2-dgrad-expert-groups (not run yet; any Hopper GPU, about 6 minutes): the
+# Branch wip/w2-dgrad-expert-groups (ran as run 60 call 2, logs in
+# docs/perf/2026-12-06-run60/c2; merged; any Hopper GPU, about 2 minutes there): the
 # expert-group tile order on the Gluon W2 DGRAD (W2DgradConfig.expert_groups, both of its
 # kernels), as run 59 measured on the W2 forward and the W13 DGRAD. Its GPU tests, then the
 # fwd+bwd layer against the heuristic (x > 1 on egw's line: faster), one variant per
