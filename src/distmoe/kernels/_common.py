@@ -361,10 +361,10 @@ EXPERT_GROUPS_W2_ROWS = (128, 1024)
 EXPERT_GROUPS_W13_DGRAD_ROWS = (128, 512)
 #: The same for the Gluon W2 DGRAD (``W2DgradConfig.expert_groups``, at every EP size: it
 #: reads its gradient rows from the rank's own scratch). Run 60, one H100, Nsight Compute on
-#: the kernel in the fwd+bwd step: 3.7-9.7% faster at 128-512 rows per expert (DeepSeek-V3
+#: the kernel in the fwd+bwd step: 3.4-11% faster at 96-512 rows per expert (DeepSeek-V3
 #: 3.07 against 3.34 ms, reading 8.38 GB instead of 9.10), even at 1024 (0.98x / 1.004x),
-#: 12% slower at 2048
-EXPERT_GROUPS_W2_DGRAD_ROWS = (128, 512)
+#: 12% slower at 2048; not measured below 96
+EXPERT_GROUPS_W2_DGRAD_ROWS = (96, 512)
 
 
 def lockstep_rows(rows_per_expert: int) -> bool:
