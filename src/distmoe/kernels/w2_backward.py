@@ -856,12 +856,12 @@ class W2DgradConfig(GemmConfig):
         Nsight Compute on the kernel in the layer's fwd+bwd step, sampled routing: 3.34 ->
         3.07 ms at DeepSeek-V3 (128 rows per expert, lockstep too; DRAM reads 9.10 -> 8.38
         GB), 1.80 -> 1.72 ms at DeepSeek-V4-Flash (96 rows, lockstep too), 230 -> 223 us at
-        T=2048 D=2048 F=768 E=128 K=8, 325 -> 310 us at T=4096 there,
-        349 -> 330 us at OLMoE, 317 -> 304 us at Qwen3-30B-A3B, 631 -> 570 us at D=F=2880 E=32 K=4 (512 rows); at 1024 rows
-        839 -> 855 us (OLMoE, 8192 tokens) and 860 -> 857 us (T=4096 D=4096 F=2048 E=32,
-        exact routing); 1.76 -> 1.98 ms at 2048 (T=8192 there). The layer's fwd+bwd
-        (``tools/ab_interleaved.py``, 5-9 rounds): 1.004-1.014x at 128-512 rows, 0.969x at
-        2048. Not measured at EP > 1 or below 96 rows per expert.
+        T=2048 D=2048 F=768 E=128 K=8, 325 -> 310 us at T=4096 there, 349 -> 330 us at
+        OLMoE, 317 -> 304 us at Qwen3-30B-A3B, 631 -> 570 us at D=F=2880 E=32 K=4 (512
+        rows); at 1024 rows 839 -> 855 us (OLMoE, 8192 tokens) and 860 -> 857 us (T=4096
+        D=4096 F=2048 E=32, exact routing); 1.76 -> 1.98 ms at 2048 (T=8192 there). The
+        layer's fwd+bwd (``tools/ab_interleaved.py``, 5-9 rounds): 1.004-1.014x at 128-512
+        rows, 0.969x at 2048. Not measured at EP > 1 or below 96 rows per expert.
         """
         if rows_per_expert is not None and block_m == 128 and device is not None:
             from .w2_dgrad_gluon import gluon_w2_dgrad_reason

@@ -324,7 +324,8 @@ class W2Config(GemmConfig):
         stages from 128 rows per expert, and at 64-127 where
         :func:`~distmoe.kernels._common.gluon_mid_rows` holds for the local expert count
         ``num_experts`` (their W2 weights under 2 GiB); where D and F are multiples of 64
-        (a partial last column tile where 128 does not divide D), at any ``ep_size`` (above 1 some rows are stored into peers' memory).
+        (a partial last column tile where 128 does not divide D), at any ``ep_size`` (above 1
+        some rows are stored into peers' memory).
 
         Measured on one H200 (2026-11-30, docs/performance.md run 28), against the Triton
         kernel's 128 x 256 tiles:
@@ -363,7 +364,8 @@ class W2Config(GemmConfig):
           T=4096 D=7168 F=2048 E=256 K=8 and 2.5% at D = F = 2880 E=128 K=4
           (forward+backward 0.4%), 1.0% slower at T=2048 D=2048 F=768 E=128 K=8 (3 MB per
           expert) and 1.7% at 256 rows per expert (T=4096 there);
-        * with ``expert_groups`` at ``ep_size`` 1 from 128 to 1024 rows per expert (:data:`~distmoe.kernels._common.EXPERT_GROUPS_W2_ROWS`):
+        * with ``expert_groups`` at ``ep_size`` 1 from 128 to 1024 rows per expert
+          (:data:`~distmoe.kernels._common.EXPERT_GROUPS_W2_ROWS`):
           one H100, 2026-12-06, run 59, interleaved, sampled routing, the layer forward
           1.031x at T=4096 D=7168 F=2048 E=256 K=8 (the kernel reads 7.76 GB from DRAM
           instead of 8.52, Nsight Compute), 1.037x at D=F=2880 E=128 K=4, 1.016x at T=2048
