@@ -2771,8 +2771,8 @@ def test_w2_dgrad_split_epilogue_config_rules():
 
 def test_gluon_w2_dgrad_config_reaches_the_launch(monkeypatch):
     """The W2 DGRAD config's Gluon fields (ring depth, group-M, split epilogue, lockstep,
-    expert groups) reach the launch, on any machine: the launcher is a recorder and the check admits the
-    case; nothing is written. ``gluon=False`` calls neither."""
+    expert groups) reach the launch, on any machine: the launcher is a recorder and the check
+    admits the case; nothing is written. ``gluon=False`` calls neither."""
     import distmoe.kernels.w2_dgrad_gluon as wg
 
     calls = []

@@ -65,9 +65,9 @@ def test_training_gpu_gluon_kernels_with_partial_column_tiles(EP):
     each expert stored clipped). At EP=2 the two ranks share the GPU through the IPC heap,
     so the W2 forward's partial tiles store half their rows into the peer's combine buffer
     and the W2 DGRAD reads the peer's route scores and writes its score-gradient parts
-    there (the route gradients were pushed into its own scratch). y and every gradient against torch
-    autograd in fp64, within twice the bf16 reference's error plus 1/128 of the largest
-    value (test_training's rule), balanced and 8x-imbalanced. At 128 rows per local expert
+    there (the route gradients were pushed into its own scratch). y and every gradient
+    against torch autograd in fp64, within twice the bf16 reference's error plus 1/128 of
+    the largest value (test_training's rule), balanced and 8x-imbalanced. At 128 rows per local expert
     the W13's producers run in lockstep (``W13Config.lockstep``, the heuristic's pick) and
     the W2 forward walks its tiles in expert-group order (``W2Config.expert_groups``); the
     DGRADs do at both (``W2DgradConfig.expert_groups``, ``W13DgradConfig.expert_groups``)."""
