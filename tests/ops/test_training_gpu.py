@@ -67,10 +67,11 @@ def test_training_gpu_gluon_kernels_with_partial_column_tiles(EP):
     and the W2 DGRAD reads the peer's route scores and writes its score-gradient parts
     there (the route gradients were pushed into its own scratch). y and every gradient
     against torch autograd in fp64, within twice the bf16 reference's error plus 1/128 of
-    the largest value (test_training's rule), balanced and 8x-imbalanced. At 128 rows per local expert
-    the W13's producers run in lockstep (``W13Config.lockstep``, the heuristic's pick) and
-    the W2 forward walks its tiles in expert-group order (``W2Config.expert_groups``); the
-    DGRADs do at both (``W2DgradConfig.expert_groups``, ``W13DgradConfig.expert_groups``)."""
+    the largest value (test_training's rule), balanced and 8x-imbalanced. At 128 rows per
+    local expert the W13's producers run in lockstep (``W13Config.lockstep``, the
+    heuristic's pick) and the W2 forward walks its tiles in expert-group order
+    (``W2Config.expert_groups``); the DGRADs do at both (``W2DgradConfig.expert_groups``,
+    ``W13DgradConfig.expert_groups``)."""
     shape, names, seed = (512, 320, 1088, 8, 2), ("balanced", "imbalance_8x"), 31
     per_rank = dm.launch(_partial_tile_rank, EP, args=(seed, shape, names), device="cuda",
                          gpus=[0], timeout=600)
