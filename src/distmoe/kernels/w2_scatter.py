@@ -267,8 +267,8 @@ class W2Config(GemmConfig):
     #: blocks (as :attr:`~distmoe.kernels.w13_gather_swiglu.W13Config.expert_groups`): an
     #: expert's tiles are walked column tile by column tile over all its row blocks, so a
     #: row block's h2 rows are read by its column tiles close together in time. Same bits;
-    #: the Triton kernel ignores it. :meth:`hopper_gluon` sets it for inference at EP=1 from
-    #: 128 to 1024 rows per expert.
+    #: the Triton kernel ignores it. :meth:`hopper_gluon` sets it at EP=1 from 128 to 1024
+    #: rows per expert (inference and training).
     expert_groups: bool = False
 
     @classmethod
