@@ -383,7 +383,7 @@ class W13DgradConfig(GemmConfig):
     lockstep: bool = False
     #: The Gluon kernel's tile order: a group per expert rather than per ``group_m`` row
     #: blocks (as :attr:`~distmoe.kernels.w2_scatter.W2Config.expert_groups`, on the same
-    #: kernel). Same bits; the Triton kernel ignores it. :meth:`hopper_gluon` sets it at 256
+    #: kernel). Same bits; the Triton kernel ignores it. :meth:`hopper_gluon` sets it at 128
     #: to 512 rows per expert.
     expert_groups: bool = False
 
