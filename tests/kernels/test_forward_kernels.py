@@ -1757,14 +1757,17 @@ def test_gluon_w13_choice_and_limits_without_a_gpu():
         assert not lockstep(96, train, num_experts=32)  # ping-pong (training), mid (inference)
     assert not any(lockstep(rows, False) for rows in (1, 63))  # decode
     assert pick(hidden=2880, ffn=2880, rows_per_expert=128, training=True).lockstep
-    # the expert-group tile order where the producers run in lockstep, for inference only
-    # (run 58)
+    # the expert-group tile order where the producers run in lockstep (run 58; in training
+    # too since run 61), nowhere else
     groups = lambda rows, train, **kw: pick(  # noqa: E731
         hidden=2048, ffn=768, rows_per_expert=rows, training=train, **kw).expert_groups
-    assert groups(128, False) and groups(191, False)
-    assert not any(groups(rows, False) for rows in (1, 63, 192, 256, 2048))
-    assert not any(groups(rows, True) for rows in (128, 191, 256, 2048))
-    assert pick(hidden=7168, ffn=2048, rows_per_expert=128, training=False).expert_groups
+    for train in (True, False):
+        assert groups(128, train) and groups(191, train)
+        assert not any(groups(rows, train) for rows in (192, 256, 2048))
+    assert not any(groups(rows, False) for rows in (1, 63))
+    assert not groups(96, True, num_experts=32)
+    for train in (True, False):
+        assert pick(hidden=7168, ffn=2048, rows_per_expert=128, training=train).expert_groups
     # where 128 does not divide F: cooperative with a partial last column tile while its
     # columns past F are at most F / 16 (2880: 64; 1984: 64), else ping-pong 128 x 64
     # (training, or inference from 1024 rows per expert) or Triton

@@ -40,7 +40,7 @@ def _partial_tile_rank(rank, world, seed, shape, names):
         out["wgrad_rows"] = (ctx._w13_wgrad_cfg.block_out_m, ctx._w2_wgrad_cfg.block_out_m)
         out["w13_lockstep"] = ctx._w13_cfg.lockstep
         out["expert_groups"] = tuple(getattr(ctx, a).expert_groups for a in (
-            "_w2_cfg", "_w2_dgrad_cfg", "_w13_dgrad_cfg"))
+            "_w13_cfg", "_w2_cfg", "_w2_dgrad_cfg", "_w13_dgrad_cfg"))
         for i, name in enumerate(names):
             mine = split_global_problem(*make_problem(seed + i, world, T, D, F, E, K, name),
                                         world)[rank]
@@ -69,18 +69,18 @@ def test_training_gpu_gluon_kernels_with_partial_column_tiles(EP):
     against torch autograd in fp64, within twice the bf16 reference's error plus 1/128 of
     the largest value (test_training's rule), balanced and 8x-imbalanced. At 128 rows per
     local expert the W13's producers run in lockstep (``W13Config.lockstep``, the
-    heuristic's pick) and the W2 forward walks its tiles in expert-group order
-    (``W2Config.expert_groups``); the DGRADs do at both (``W2DgradConfig.expert_groups``,
-    ``W13DgradConfig.expert_groups``)."""
+    heuristic's pick) and the W13 and W2 forwards walk their tiles in expert-group order
+    (``W13Config.expert_groups``, ``W2Config.expert_groups``); the DGRADs do at both
+    (``W2DgradConfig.expert_groups``, ``W13DgradConfig.expert_groups``)."""
     shape, names, seed = (512, 320, 1088, 8, 2), ("balanced", "imbalance_8x"), 31
     per_rank = dm.launch(_partial_tile_rank, EP, args=(seed, shape, names), device="cuda",
                          gpus=[0], timeout=600)
     for out in per_rank:
         assert all(out["gluon"].values()) and out["w13_warps"] == 8, out["gluon"]
         assert out["w13_lockstep"] == (EP == 1)
-        # the expert-group orders: the W2 forward's at EP=1 (128 rows per expert), the
+        # the expert-group orders: the forwards' at EP=1 (128 rows per expert), the
         # DGRADs' at both (128 and 256 rows per expert)
-        assert out["expert_groups"] == (EP == 1, True, True)
+        assert out["expert_groups"] == (EP == 1, EP == 1, True, True)
         assert out["wgrad_rows"] == (128, 128)  # 1.4 / 0.7 MB per expert: 128-row tiles
     _check_against_reference(per_rank, shape, names, seed)
 

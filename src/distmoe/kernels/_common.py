@@ -363,8 +363,9 @@ EXPERT_GROUPS_W13_DGRAD_ROWS = (128, 512)
 #: reads its gradient rows from the rank's own scratch). Run 60, one H100, Nsight Compute on
 #: the kernel in the fwd+bwd step: 3.4-11% faster at 96-512 rows per expert (DeepSeek-V3
 #: 3.07 against 3.34 ms, reading 8.38 GB instead of 9.10), even at 1024 (0.98x / 1.004x),
-#: 12% slower at 2048; not measured below 96
-EXPERT_GROUPS_W2_DGRAD_ROWS = (96, 512)
+#: 12% slower at 2048; run 61: 1.033x at 32 rows (DeepSeek-V3, T=1024), 1.099x / 1.018x /
+#: 1.018x at 64 (DeepSeek-V3, GPT-OSS-120B, OLMoE); not measured below 32
+EXPERT_GROUPS_W2_DGRAD_ROWS = (32, 512)
 
 
 def lockstep_rows(rows_per_expert: int) -> bool:

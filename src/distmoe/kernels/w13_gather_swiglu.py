@@ -444,8 +444,8 @@ class W13Config(GemmConfig):
     #: DeepSeek-V3's 128 rows per expert they came from DRAM 2.6 times over: performance.md
     #: run 58), and the row blocks that read a weight tile run side by side. Ignored by the
     #: Triton kernel and with a block order (``order``: EP > 1 with the token copy split
-    #: around its join). :meth:`hopper_gluon` sets it for inference where it sets
-    #: ``lockstep``.
+    #: around its join). :meth:`hopper_gluon` sets it where it sets ``lockstep`` (for
+    #: training too since run 61).
     expert_groups: bool = False
 
     def smem_bytes(self) -> int:
@@ -571,11 +571,15 @@ shape_reason`):
         the forward 2.8% slower, at 512 and 2048 and at decode (T=64) even to 1.1% slower:
         hence the bound, halfway to 256.
 
-        For inference it also walks its tiles in ``expert_groups`` order there: run 58,
-        interleaved, one H100, inference forward 1.034x (sampled) / 1.016x (exact) at T=4096
-        D=7168 F=2048 E=256 K=8, 1.058x at D=F=2880 E=128 K=4 (sampled), 1.008x at T=1024
-        D=2048 F=1024 E=64 K=8; at 256 and 2048 rows per expert (not taken there) 1.009x
-        and 0.996x, and in training the fwd+bwd step even (0.998x at the first shape).
+        It also walks its tiles in ``expert_groups`` order there: run 58, interleaved, one
+        H100, inference forward 1.034x (sampled) / 1.016x (exact) at T=4096 D=7168 F=2048
+        E=256 K=8, 1.058x at D=F=2880 E=128 K=4 (sampled), 1.008x at T=1024 D=2048 F=1024
+        E=64 K=8; at 256 and 2048 rows per expert (not taken there) 1.009x and 0.996x. In
+        training since run 61 (one H100, 2026-12-06): Nsight Compute on the kernel in the
+        first shape's fwd+bwd step 6.28 -> 5.94 ms (DRAM reads 16.65 -> 15.56 GB); the step
+        (interleaved, 9-15 rounds) 1.009x / 1.012x sampled and 1.000x exact there, 1.017x /
+        1.016x sampled and 1.007x exact at the second; forced on outside the lockstep rows
+        0.980-1.008x (fine, OLMoE, 2048 rows per expert), so not taken there.
 
         Where 128 does not divide F (F a multiple of 64) the cooperative tile's last column
         tile is partial; it is a candidate only where its columns past F are at most 1/16 of
@@ -594,7 +598,7 @@ shape_reason`):
             lockstep = lockstep_rows(rows_per_expert)
             candidates.append(cls(block_m=128, block_n=128, block_k=64, num_warps=8,
                                   num_stages=4, group_m=8, persistent=True, gluon=True,
-                                  lockstep=lockstep, expert_groups=lockstep and not training))
+                                  lockstep=lockstep, expert_groups=lockstep))
         if training or long_segments:
             candidates.append(cls(block_m=128, block_n=64, block_k=64, num_warps=4,
                                   num_stages=5 if long_segments else 6, group_m=8,

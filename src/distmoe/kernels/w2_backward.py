@@ -769,7 +769,7 @@ class W2DgradConfig(GemmConfig):
     #: blocks (as :attr:`~distmoe.kernels.w2_scatter.W2Config.expert_groups`): an expert's
     #: tiles are walked column tile by column tile over all its row blocks, so a row block's
     #: grad_h3 rows are read by its column tiles close together in time. Same bits; the
-    #: Triton kernel ignores it. :meth:`from_heuristic` sets it at 96 to 512 rows per
+    #: Triton kernel ignores it. :meth:`from_heuristic` sets it at 32 to 512 rows per
     #: expert.
     expert_groups: bool = False
 
@@ -850,7 +850,7 @@ class W2DgradConfig(GemmConfig):
         rows); 0.995x at GPT-OSS-120B (2.1 GB, 128 rows), 0.95x at T=2048 D=2048 F=768 E=128
         (0.4 GB, 128 rows) and at T=4096 (256 rows).
 
-        The Gluon pick walks its tiles in ``expert_groups`` order at 96 to 512 rows per
+        The Gluon pick walks its tiles in ``expert_groups`` order at 32 to 512 rows per
         expert (:data:`~distmoe.kernels._common.EXPERT_GROUPS_W2_DGRAD_ROWS`), at every EP
         size (the kernel reads the rank's own scratch rows). One H100, 2026-12-06, run 60,
         Nsight Compute on the kernel in the layer's fwd+bwd step, sampled routing: 3.34 ->
@@ -861,7 +861,11 @@ class W2DgradConfig(GemmConfig):
         rows); at 1024 rows 839 -> 855 us (OLMoE, 8192 tokens) and 860 -> 857 us (T=4096
         D=4096 F=2048 E=32, exact routing); 1.76 -> 1.98 ms at 2048 (T=8192 there). The
         layer's fwd+bwd (``tools/ab_interleaved.py``, 5-9 rounds): 1.004-1.014x at 128-512
-        rows, 0.969x at 2048. Not measured at EP > 1 or below 96 rows per expert.
+        rows, 0.969x at 2048. Run 61 (the kernel in the step as above): 3.11 -> 2.83 ms at
+        DeepSeek-V3 with T=2048 (64 rows per expert), 2.83 -> 2.74 ms at T=1024 (32), 868 ->
+        853 us at GPT-OSS-120B with T=2048 (64), 121 -> 119 us at OLMoE with T=512 (64); the
+        step 1.0045x and 1.0023x at the first and third. Not measured at EP > 1 or below 32
+        rows per expert.
         """
         if rows_per_expert is not None and block_m == 128 and device is not None:
             from .w2_dgrad_gluon import gluon_w2_dgrad_reason
