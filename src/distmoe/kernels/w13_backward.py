@@ -18,7 +18,8 @@ Per live row, with ``grad_h1 = [grad_g | grad_u]`` from
     device from ``padded_offsets[E]``) with a stride of the grid, or (``dynamic``) taking
     each next tile from a device counter, its descriptors built once; every tile is computed
     the same way on both grids. ``pair_tails``: an expert's short last tile is computed with
-    the tile before it, the weight tiles loaded once for both (:class:`W13DgradConfig`). ``grad_h1`` (local, contiguous) and the
+    the tile before it, the weight tiles loaded once for both (:class:`W13DgradConfig`).
+    ``grad_h1`` (local, contiguous) and the
     weights come through TMA descriptors (``[R_act, 2F]`` and ``[E, 2F, D]``; encoded on the
     host at launch by default, or built in every program). A tile reads the ``block_m``
     activation rows that follow its first row's; its padding rows thereby read the next

@@ -10,8 +10,8 @@ launches this kernel when its config asks for it (``W2Config.gluon``) and
 Why: the Triton kernel (128 x 256 tiles, two warpgroups) runs each tile's epilogue, 64 KiB of
 row stores that may cross NVLink, between its last MMA and the next tile's first in the same
 warps. At T=8192, D=4096, F=2048, E=32, K=8 it ran at 654 TFLOP/s in the layer against
-663-684 for the Gluon WGRAD and W13 forward (docs/performance.md run 27). Here each program (one per SM)
-has three partitions, as in :mod:`distmoe.kernels.w2_dgrad_gluon`:
+663-684 for the Gluon WGRAD and W13 forward (docs/performance.md run 27). Here each program
+(one per SM) has three partitions, as in :mod:`distmoe.kernels.w2_dgrad_gluon`:
 
 * a producer warp issues the TMA loads of the program's tiles, ``pid, pid + G, ...``, K step
   by K step over F, into a ring of ``STAGES`` shared-memory stages: the tile's h2 rows

@@ -97,8 +97,8 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 __all__ = ["HAVE_GLUON", "GLUON_WGRAD_CONFIGS", "gluon_device_reason", "gluon_gather_reason",
            "gluon_wgrad_supported", "launch_gluon_wgrad"]
 
-# (block_p, block_q, stages, num_warps, block_k) candidates: the tuner times them all (the heuristic,
-# WgradConfig.from_heuristic, picks the first or the second). Shared memory:
+# (block_p, block_q, stages, num_warps, block_k) candidates: the tuner times them all (the
+# heuristic, WgradConfig.from_heuristic, picks the first or the second). Shared memory:
 # stages * block_k * (block_p + block_q) * 2 + block_p * block_q * 2 bytes (at most 227 KiB).
 
 

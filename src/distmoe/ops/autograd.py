@@ -67,12 +67,12 @@ Why the peer writes are safe:
   expert, after barrier 2); the previous readers (step 3 of the previous backward) finished
   before that backward's barrier 4, which every rank passes before this backward began. No
   other kernel touches scratch gh3 (the replay's r3 writes xs, h1g and h2 only).
-* step 1 also writes the owner's own combine rows (scores). Their previous
-  readers were the owner's combine in forward (same stream) and peers' step 3 of the
-  previous backward (before its barrier 4). Peers read the scores and write the parts in step 3, between
+* step 1 also writes the owner's own combine rows (scores). Their previous readers were
+  the owner's combine in forward (same stream) and peers' step 3 of the previous backward
+  (before its barrier 4). Peers read the scores and write the parts in step 3, between
   barriers 2 and 4; the owner reads the parts in step 5, after barrier 4. The next writers
-  are peers' W2 scatters of a later forward, after barriers this rank enters only after its
-  step 5.
+  are peers' W2 scatters of a later forward, after barriers this rank enters only after
+  its step 5.
 * step 3's scatter writes peers' dispatch rows. Peers read their dispatch in forward (the
   W13 gather, finished before the forward's second barrier), in r3 (before barrier 2) and in
   step 5 of the previous backward (finished before they entered barrier 2 of this one).

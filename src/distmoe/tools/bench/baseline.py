@@ -95,7 +95,8 @@ def _run_probe(device, dtype: torch.dtype) -> tuple[bool, str]:
 def grouped_mm_path(
     device: torch.device | str, dtype: torch.dtype = torch.bfloat16
 ) -> tuple[GroupedMMPath, str]:
-    """Which grouped GEMM :func:`torch_moe` runs on ``device``/``dtype``, and why not the fast one."""
+    """Which grouped GEMM :func:`torch_moe` runs on ``device``/``dtype``, and why not the fast
+    one."""
     device = torch.device(device)
     index = device.index
     if device.type == "cuda" and index is None:
@@ -119,7 +120,8 @@ def grouped_swiglu_mlp(
     offs_e: torch.Tensor,
     path: GroupedMMPath,
 ) -> torch.Tensor:
-    """Expert-major rows through their experts: ``h3 = (silu(g) * u) @ W2^T`` with ``[g|u] = x @ W13^T``.
+    """Expert-major rows through their experts: ``h3 = (silu(g) * u) @ W2^T`` with
+    ``[g|u] = x @ W13^T``.
 
     Args:
         x_RD: ``[R, D]`` rows sorted by local expert.

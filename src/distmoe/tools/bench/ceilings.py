@@ -13,7 +13,8 @@
   bytes moved once (write: GPU 0 -> GPU 1 issued on GPU 0; read: GPU 1 -> GPU 0 issued on GPU 0).
 
 All use :func:`distmoe.tools.bench.timing.benchmark` (CUDA-graph windows, except the peer
-copies, timed eagerly) so ceilings and cases are timed alike. GFLOP/s figures are decimal (1e9). Everything returns ``None``-valued
+copies, timed eagerly) so ceilings and cases are timed alike. GFLOP/s figures are decimal
+(1e9). Everything returns ``None``-valued
 fields rather than raising when a ceiling cannot be measured (no CUDA, no fp8 support, one
 GPU); the reason is kept in :attr:`Ceiling.note`.
 """

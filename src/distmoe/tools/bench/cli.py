@@ -484,7 +484,8 @@ def run_cases(
                         for p in plan.providers:
                             row = _base_result(ctx, p, shape, t, mode, f)
                             row.status = "skipped"
-                            row.note = f"num_experts {shape.num_experts} not divisible by EP {bg.world_size}"
+                            row.note = (f"num_experts {shape.num_experts} not divisible "
+                                        f"by EP {bg.world_size}")
                             results.append(row)
                             if progress:
                                 progress.update(1)
@@ -791,7 +792,8 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         for s in SHAPES.values():
             print(
-                f"{s.name:<18} T{s.tokens:<6} D{s.hidden:<5} F{s.ffn:<5} E{s.num_experts:<4} K{s.top_k:<2} "
+                f"{s.name:<18} T{s.tokens:<6} D{s.hidden:<5} F{s.ffn:<5} E{s.num_experts:<4} "
+                f"K{s.top_k:<2} "
                 f"{s.description}"
             )
         return 0
@@ -1011,7 +1013,8 @@ def _run(
     for key, value in micro_summary.items():
         print(f"micro {key}: {value}")
     print(
-        f"elapsed {elapsed:.0f} s on {env['gpu']} (EP={bench_group.world_size}, torch {env['torch']})\n"
+        f"elapsed {elapsed:.0f} s on {env['gpu']} (EP={bench_group.world_size}, "
+        f"torch {env['torch']})\n"
     )
     print(report.format_table(cases, ceilings.as_dicts()))
     if args.routing == "exact":
