@@ -1,19 +1,10 @@
 #!/usr/bin/env bash
-# For the session after run 61 (any Hopper GPU, `DEADLINE=590 bash ...`, about 5 minutes;
-# not run yet; on an H200 it is the expert-group orders' first reading there): the layer
-# against every order off but the W13 forward's inference one (`old`; x < 1 on old's line:
-# the orders faster) at DeepSeek-V3 and fine, fwd+bwd; then the W2 forward's order forced
-# on at DeepSeek-V4-Flash's 96 rows per expert (inference forward; the heuristic takes it
-# from 128, run 61 read 64 rows even) and the fwd+bwd bench under sampled routing at the
-# two shapes. Logs in logs.tgz.
-source "$(dirname "$0")/../2026-12-06-run58/ab.sh"  # environment, t0, D, the GPU, ab()
-OLD=w2:expert_groups=False+w2_dgrad:expert_groups=False+w13_dgrad:expert_groups=False
-ab deepseek-v3 fwdbwd sampled 9 old=$OLD+w13:training:expert_groups=False
-ab fine fwdbwd sampled 9 old=$OLD
-ab deepseek-v4-flash fwd sampled 11 eg=w2:expert_groups=True
-left=$((D - (SECONDS - t0)))
-[ $left -gt 80 ] && timeout $left python3 -m distmoe bench --mode fwdbwd \
-  --shapes deepseek-v3 fine --routing sampled --providers distmoe torch --no-plots \
-  --out $OUT/bench > $OUT/bench.log 2>&1
-echo "bench rc=$? at $((SECONDS - t0)) s"; grep -E "^(distmoe|torch)" $OUT/bench.log | cut -c1-140
-(cd $OUT && tar czf logs.tgz --remove-files -- *.log bench 2>/dev/null); ls $OUT
+# For a session that gets an H200 (`DEADLINE=590 bash ...`, about 3 minutes): call 8's
+# script (run_c8.sh: the layer against every expert-group order off at DeepSeek-V3 and fine,
+# the W2 forward's order at 96 rows per expert, the fwd+bwd bench), the orders' first
+# reading on an H200. On any other GPU it says so and stops (run 61 read it on an H100).
+name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+case $name in
+  *H200*) exec bash "$(dirname "$0")/run_c8.sh" ;;
+  *) echo "not an H200 ($name): run 61 call 8 read this script on an H100; nothing run" ;;
+esac
