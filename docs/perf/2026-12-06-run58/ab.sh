@@ -20,3 +20,16 @@ ab() {
   echo "ab $tag $mode $routing rc=$? at $((SECONDS - t0)) s"
   grep -E "^ +[a-z0-9]+ +[0-9.]+ \(" $OUT/ab_${tag/@/_t}_${mode}_${routing}.log | head -3
 }
+ncu_eg() {
+  local regex=$1 tag=$2 mode=$3 routing=$4 spec=$5 eg log
+  for eg in False True; do
+    [ $((SECONDS - t0)) -gt $((D - 40)) ] && return
+    log=$OUT/ncu_${spec%%:*}_${tag/@/_t}_${mode}_eg$eg.log
+    timeout 100 ncu --clock-control none -k regex:$regex --launch-skip 2 --launch-count 1 \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum \
+      python3 "$(dirname "${BASH_SOURCE[0]}")/ncu_layer_variant.py" $tag $mode $routing \
+      $spec:expert_groups=$eg > $log 2>&1
+    echo "ncu $regex $tag $mode eg=$eg rc=$?"
+    grep -E "^  [_a-z]|gpu__time|dram__" $log | sed -E 's/ +/ /g' | cut -c1-70
+  done
+}
