@@ -364,8 +364,11 @@ EXPERT_GROUPS_W13_DGRAD_ROWS = (128, 512)
 #: the kernel in the fwd+bwd step: 3.4-11% faster at 96-512 rows per expert (DeepSeek-V3
 #: 3.07 against 3.34 ms, reading 8.38 GB instead of 9.10), even at 1024 (0.98x / 1.004x),
 #: 12% slower at 2048; run 61: 1.033x at 32 rows (DeepSeek-V3, T=1024), 1.099x / 1.018x /
-#: 1.018x at 64 (DeepSeek-V3, GPT-OSS-120B, OLMoE); not measured below 32
-EXPERT_GROUPS_W2_DGRAD_ROWS = (32, 512)
+#: 1.018x at 64 (DeepSeek-V3, GPT-OSS-120B, OLMoE); run 62: 1.027x / 1.022x at 16 / 24
+#: (DeepSeek-V3, T=512 / 768), 1.037x / 1.023x at 768 (OLMoE T=6144, Qwen3-30B-A3B
+#: T=12288), at 1024 again 0.984x / 0.83x (the same at 8192 / 16384 tokens); the layer even
+#: at 16 and 768 (1.0003x, 1.0008x); not measured below 16 or at 769-1023
+EXPERT_GROUPS_W2_DGRAD_ROWS = (16, 768)
 
 
 def lockstep_rows(rows_per_expert: int) -> bool:

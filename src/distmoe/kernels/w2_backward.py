@@ -769,7 +769,7 @@ class W2DgradConfig(GemmConfig):
     #: blocks (as :attr:`~distmoe.kernels.w2_scatter.W2Config.expert_groups`): an expert's
     #: tiles are walked column tile by column tile over all its row blocks, so a row block's
     #: grad_h3 rows are read by its column tiles close together in time. Same bits; the
-    #: Triton kernel ignores it. :meth:`from_heuristic` sets it at 32 to 512 rows per
+    #: Triton kernel ignores it. :meth:`from_heuristic` sets it at 16 to 768 rows per
     #: expert.
     expert_groups: bool = False
 
@@ -850,7 +850,7 @@ class W2DgradConfig(GemmConfig):
         rows); 0.995x at GPT-OSS-120B (2.1 GB, 128 rows), 0.95x at T=2048 D=2048 F=768 E=128
         (0.4 GB, 128 rows) and at T=4096 (256 rows).
 
-        The Gluon pick walks its tiles in ``expert_groups`` order at 32 to 512 rows per
+        The Gluon pick walks its tiles in ``expert_groups`` order at 16 to 768 rows per
         expert (:data:`~distmoe.kernels._common.EXPERT_GROUPS_W2_DGRAD_ROWS`), at every EP
         size (the kernel reads the rank's own scratch rows). One H100, 2026-12-06, run 60,
         Nsight Compute on the kernel in the layer's fwd+bwd step, sampled routing: 3.34 ->
@@ -864,8 +864,12 @@ class W2DgradConfig(GemmConfig):
         rows, 0.969x at 2048. Run 61 (the kernel in the step as above): 3.11 -> 2.83 ms at
         DeepSeek-V3 with T=2048 (64 rows per expert), 2.83 -> 2.74 ms at T=1024 (32), 868 ->
         853 us at GPT-OSS-120B with T=2048 (64), 121 -> 119 us at OLMoE with T=512 (64); the
-        step 1.0045x and 1.0023x at the first and third. Not measured at EP > 1 or below 32
-        rows per expert.
+        step 1.0045x and 1.0023x at the first and third. Run 62 (the same way): 2.71 -> 2.64
+        ms at DeepSeek-V3 with T=512 (16 rows), 2.80 -> 2.74 ms at T=768 (24), 487 -> 470 us
+        at OLMoE with T=6144 (768), 727 -> 710 us at Qwen3-30B-A3B with T=12288 (768); at
+        1024 829 -> 843 us (OLMoE) and 1.49 -> 1.80 ms (Qwen3-30B-A3B); the step even at 16
+        and 768 rows (1.0003x, 1.0008x). Not measured at EP > 1, below 16 rows per expert
+        or at 769-1023.
         """
         if rows_per_expert is not None and block_m == 128 and device is not None:
             from .w2_dgrad_gluon import gluon_w2_dgrad_reason
