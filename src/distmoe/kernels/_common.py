@@ -366,8 +366,8 @@ EXPERT_GROUPS_W13_DGRAD_ROWS = (128, 512)
 #: 12% slower at 2048; run 61: 1.033x at 32 rows (DeepSeek-V3, T=1024), 1.099x / 1.018x /
 #: 1.018x at 64 (DeepSeek-V3, GPT-OSS-120B, OLMoE); run 62: 1.027x / 1.022x at 16 / 24
 #: (DeepSeek-V3, T=512 / 768), 1.037x / 1.023x at 768 (OLMoE T=6144, Qwen3-30B-A3B
-#: T=12288), at 1024 again 0.984x / 0.83x (the same at 8192 / 16384 tokens); the layer even
-#: at 16 and 768 (1.0003x, 1.0008x); not measured below 16 or at 769-1023
+#: T=12288), at 1024 0.984x / 0.83x (the two at T=8192 / 16384); the layer even at 16 and
+#: 768 (1.0003x, 1.0008x); not measured below 16 or at 769-1023
 EXPERT_GROUPS_W2_DGRAD_ROWS = (16, 768)
 
 
