@@ -1764,10 +1764,9 @@ def test_gluon_w13_choice_and_limits_without_a_gpu():
     for train in (True, False):
         assert groups(128, train) and groups(191, train)
         assert not any(groups(rows, train) for rows in (192, 256, 2048))
+        assert pick(hidden=7168, ffn=2048, rows_per_expert=128, training=train).expert_groups
     assert not any(groups(rows, False) for rows in (1, 63))
     assert not groups(96, True, num_experts=32)
-    for train in (True, False):
-        assert pick(hidden=7168, ffn=2048, rows_per_expert=128, training=train).expert_groups
     # where 128 does not divide F: cooperative with a partial last column tile while its
     # columns past F are at most F / 16 (2880: 64; 1984: 64), else ping-pong 128 x 64
     # (training, or inference from 1024 rows per expert) or Triton

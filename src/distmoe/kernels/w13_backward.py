@@ -19,20 +19,20 @@ Per live row, with ``grad_h1 = [grad_g | grad_u]`` from
     each next tile from a device counter, its descriptors built once; every tile is computed
     the same way on both grids. ``pair_tails``: an expert's short last tile is computed with
     the tile before it, the weight tiles loaded once for both (:class:`W13DgradConfig`).
-    ``grad_h1`` (local, contiguous) and the
-    weights come through TMA descriptors (``[R_act, 2F]`` and ``[E, 2F, D]``; encoded on the
-    host at launch by default, or built in every program). A tile reads the ``block_m``
-    activation rows that follow its first row's; its padding rows thereby read the next
-    expert's rows, rows past the live end or TMA zeros, and their results are discarded. The
-    epilogue stores each live bf16 row with a plain ``tl.store`` to ``scatter_ptrs[row]``
-    (indexed by padded row), an absolute address (usually route slot ``t*K + k`` of the token
-    owner's dispatch buffer, possibly in a peer's memory); 0 = skip. Entries of padding and
-    idle rows are never read (masked loads). Never a TMA store: the owner reads these rows
-    after a release/acquire signal, and in triton 3.6 a later release does not order a TMA
-    store. Every destination row is written by exactly one program per column tile, so no
-    atomics. With ``W13DgradConfig.gluon`` (the heuristic's pick on Hopper from 128 rows per
-    expert where the rank's W13 weights total under 2 GiB), the warp-specialised Gluon
-    kernel of the W2 forward runs it instead (:func:`~distmoe.kernels.w2_gluon.\
+    ``grad_h1`` (local, contiguous) and the weights come through TMA descriptors
+    (``[R_act, 2F]`` and ``[E, 2F, D]``; encoded on the host at launch by default, or built
+    in every program). A tile reads the ``block_m`` activation rows that follow its first
+    row's; its padding rows thereby read the next expert's rows, rows past the live end or
+    TMA zeros, and their results are discarded. The epilogue stores each live bf16 row with
+    a plain ``tl.store`` to ``scatter_ptrs[row]`` (indexed by padded row), an absolute
+    address (usually route slot ``t*K + k`` of the token owner's dispatch buffer, possibly
+    in a peer's memory); 0 = skip. Entries of padding and idle rows are never read (masked
+    loads). Never a TMA store: the owner reads these rows after a release/acquire signal,
+    and in triton 3.6 a later release does not order a TMA store. Every destination row is
+    written by exactly one program per column tile, so no atomics. With
+    ``W13DgradConfig.gluon`` (the heuristic's pick on Hopper from 128 rows per expert where
+    the rank's W13 weights total under 2 GiB), the warp-specialised Gluon kernel of the W2
+    forward runs it instead (:func:`~distmoe.kernels.w2_gluon.\
 launch_gluon_w13_dgrad`: same tiles read, same stores, one program per SM).
 
 :func:`w13_wgrad`

@@ -22,9 +22,8 @@ in backward. With ``cfg.save_gathered_rows`` False a saved layer keeps ``x [T, D
 gathers the rows again into scratch ``xs``; with ``"auto"`` each layer chooses one of the
 three on the device (:mod:`distmoe.kernels.slot_cursor` states the rule). Every rank
 advances every rank's cursor (``saved_r``) the same way, so the cursors stay identical
-replicas. Backward runs in reverse layer order and restores the cursor
-that its forward started from; it uses the slot id its forward recorded, whatever slot is
-selected later.
+replicas. Backward runs in reverse layer order and restores the cursor that its forward
+started from; it uses the slot id its forward recorded, whatever slot is selected later.
 
 **Scratch** is shared by all calls, one at a time (activation rows, ``R = R_b`` the device
 receive bound)::

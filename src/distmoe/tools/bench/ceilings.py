@@ -14,9 +14,8 @@
 
 All use :func:`distmoe.tools.bench.timing.benchmark` (CUDA-graph windows, except the peer
 copies, timed eagerly) so ceilings and cases are timed alike. GFLOP/s figures are decimal
-(1e9). Everything returns ``None``-valued
-fields rather than raising when a ceiling cannot be measured (no CUDA, no fp8 support, one
-GPU); the reason is kept in :attr:`Ceiling.note`.
+(1e9). Everything returns ``None``-valued fields rather than raising when a ceiling cannot
+be measured (no CUDA, no fp8 support, one GPU); the reason is kept in :attr:`Ceiling.note`.
 """
 
 from __future__ import annotations

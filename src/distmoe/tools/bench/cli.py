@@ -793,8 +793,7 @@ def run(args: argparse.Namespace) -> int:
         for s in SHAPES.values():
             print(
                 f"{s.name:<18} T{s.tokens:<6} D{s.hidden:<5} F{s.ffn:<5} E{s.num_experts:<4} "
-                f"K{s.top_k:<2} "
-                f"{s.description}"
+                f"K{s.top_k:<2} {s.description}"
             )
         return 0
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
