@@ -2085,11 +2085,11 @@ def _gluon_configs():
 def test_gluon_wgrad(cfg, kind, programs, form):
     """The Gluon kernel (bf16 out, overwrite) over a NaN-poisoned output against the fp64-exact
     sum of the same bf16 products: each element within one bf16 rounding (2^-8 relative) plus
-    fp32 accumulation on both sides (2 * rows * 2^-24 of the magnitude sum). Row counts: an empty expert
-    (zeros), fewer rows than one step, whole steps, partial last steps (ending inside a
-    16-row slice, and on a slice boundary: 48); the rows after each
-    small expert are scaled by 2^10 and the spare rows are NaN, so a partial step that reads
-    past its expert's end shows. With 3 programs every program walks several tiles (the load
+    fp32 accumulation on both sides (2 * rows * 2^-24 of the magnitude sum). Row counts: an
+    empty expert (zeros), fewer rows than one step, whole steps, partial last steps (ending
+    inside a 16-row slice, and on a slice boundary: 48); the rows after each small expert
+    are scaled by 2^10 and the spare rows are NaN, so a partial step that reads past its
+    expert's end shows. With 3 programs every program walks several tiles (the load
     stream crosses tile boundaries, empty tiles included). W13's x sits at a device offset
     (descriptor built on the device). P not a multiple of ``block_p`` (``W2_p_tail``: D =
     320, 64 rows past the last whole 128- or 256-row block; W13 with 256-row blocks: 2F =
@@ -2670,6 +2670,17 @@ def test_gluon_w2_dgrad_expert_groups(split, lockstep, programs):
     fields = dict(num_stages=4, expert_groups=True, lockstep=lockstep,
                   **({"epilogue_warps": 8} if split else {}))
     _same_bits_as_the_ping_pong_kernel("scored", fields, programs=programs, scale=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", [3, None])
+def test_gluon_w2_dgrad_expert_groups_many_blocks(programs):
+    """The expert-group order in the form the heuristic picks at 513 to 768 rows per expert
+    (split epilogue, no lockstep) over one to eight row blocks per expert (every expert's
+    rows tripled: 900 rows is eight 128-row blocks, 768 rows is six): the ping-pong kernel's
+    bits, scored."""
+    fields = dict(num_stages=4, expert_groups=True, epilogue_warps=8)
+    _same_bits_as_the_ping_pong_kernel("scored", fields, programs=programs, scale=3)
 
 
 def _same_bits_as_the_ping_pong_kernel(form, fields, *, programs=3, scale=1):
