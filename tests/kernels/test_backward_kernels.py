@@ -2676,9 +2676,9 @@ def test_gluon_w2_dgrad_expert_groups(split, lockstep, programs):
 @pytest.mark.parametrize("programs", [3, None])
 def test_gluon_w2_dgrad_expert_groups_many_blocks(programs):
     """The expert-group order in the form the heuristic picks at 513 to 768 rows per expert
-    (split epilogue, no lockstep) over one to eight row blocks per expert (every expert's
-    rows tripled: 900 rows is eight 128-row blocks, 768 rows is six): the ping-pong kernel's
-    bits, scored."""
+    (split epilogue, no lockstep), every expert's rows tripled: one, two, four and eight
+    128-row blocks per expert (the largest, 900 rows, past the six blocks of 768), the
+    ping-pong kernel's bits, scored."""
     fields = dict(num_stages=4, expert_groups=True, epilogue_warps=8)
     _same_bits_as_the_ping_pong_kernel("scored", fields, programs=programs, scale=3)
 
