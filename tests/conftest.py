@@ -1,7 +1,7 @@
 """Test setup shared by the whole suite.
 
 * Without CUDA, Triton kernels run through the interpreter; importing distmoe selects it and
-  corrects Triton 3.6's interpreter bf16 ``tl.dot`` (distmoe.kernels.interpreter).
+  corrects Triton 3.6's interpreter bf16 ``tl.dot`` (distmoe.kernels.base.interpreter).
 * Every test starts from a fixed seed (reproducible, yet each test draws its own data).
 * ``gpu`` / ``multigpu`` tests skip without enough CUDA devices.
 * After the session, no distmoe segment may remain in /dev/shm.
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import distmoe  # noqa: F401  (selects the interpreter before kernel modules import)
-from distmoe.kernels.interpreter import interpreter_active, patch_interpreter_bf16_dot
+from distmoe.kernels.base.interpreter import interpreter_active, patch_interpreter_bf16_dot
 
 if interpreter_active():
     patch_interpreter_bf16_dot()

@@ -4,7 +4,7 @@ Public API (DESIGN.md): :class:`MoEConfig`, :func:`plan_memory`, :class:`MoECont
 :func:`launch`, and the reference in :mod:`distmoe.reference`.
 """
 
-from .kernels.interpreter import use_interpreter_if_no_gpu
+from .kernels.base.interpreter import use_interpreter_if_no_gpu
 
 # On a machine without CUDA, Triton kernels run through the interpreter (with its bf16 tl.dot
 # corrected); this must happen before any kernel module is imported.

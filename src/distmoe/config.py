@@ -83,7 +83,7 @@ class MoEConfig:
             is smaller, else its input alone (replay): under a tight budget, layers that would
             replay keep x instead where they can, and a regather costs far less step time
             than a replay (one H200, docs/memory.md section 4; the rule:
-            :mod:`distmoe.kernels.slot_cursor`). Gradients are the same bits in every mode.
+            :mod:`distmoe.kernels.movement.slot_cursor`). Gradients are the same bits in every mode.
         gathered_rows_in_place: with ``save_gathered_rows`` False or ``"auto"``, on a one-rank
             group:
             ``True``: the W13 weight gradient reads x's rows in place, through the forward's

@@ -385,7 +385,7 @@ def test_slot_cursor_kernel_matches_torch_ops(ep, h3_bytes, mode):
     byte counts that are not multiples of 128 (the rounding matters). ``mode``: saved layers
     keep x_rows, the input (1536 B) instead (``save_gathered_rows`` False), or either
     (``"auto"``); the host planner's rule (``_decide``) must agree with both."""
-    from distmoe.kernels import slot_cursor as sc
+    from distmoe.kernels.movement import slot_cursor as sc
     from distmoe.memory.planner import _decide
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -67,7 +67,7 @@ def test_token_pull_both_ways(EP, K):
 
 def test_w13_in_two_launches_gives_the_same_bits():
     """With every peer token copied, W13 can run the row blocks of own tokens first, then
-    the rest (distmoe.kernels.w13_phases). Both ways match the reference and each other bit
+    the rest (distmoe.kernels.w13_forward.phases). Both ways match the reference and each other bit
     for bit."""
     EP, T, E, K = 2, 300, 4, 2  # about 150 own rows per local expert: whole own blocks
     outs = {}

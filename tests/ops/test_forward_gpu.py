@@ -35,8 +35,8 @@ def test_forward_gpu_gluon_kernels_at_mid_rows_per_expert():
     """100 rows per expert (inference), where the heuristics take the Gluon W13 and W2 for
     experts whose weights total under 2 GiB since run 38: every routing case against the
     reference at EP=1."""
-    from distmoe.kernels.w2_scatter import W2Config
-    from distmoe.kernels.w13_gather_swiglu import W13Config
+    from distmoe.kernels.w2_forward.config import W2Config
+    from distmoe.kernels.w13_forward.config import W13Config
 
     T, E, K = 400, 16, 4
     dev = torch.device("cuda", 0)
@@ -57,8 +57,8 @@ def test_forward_gpu_expert_group_orders(rows):
     """128 and 512 rows per expert (inference, EP=1), where the heuristics walk the Gluon W2
     forward's tiles a group per expert (run 59), at 128 the cooperative W13's too, its
     producers in lockstep (runs 52, 58): every routing case against the reference."""
-    from distmoe.kernels.w2_scatter import W2Config
-    from distmoe.kernels.w13_gather_swiglu import W13Config
+    from distmoe.kernels.w2_forward.config import W2Config
+    from distmoe.kernels.w13_forward.config import W13Config
 
     E, K = 16, 4
     T = rows * E // K

@@ -143,8 +143,8 @@ def _fused_rank(rank, world):
     128 x 64, W2 128 x 128), each with its tiles handed out at run time and statically, at
     lags 1 to 3; then one CUDA graph of the fused layer (ping-pong, lag 3, run-time hand-out)
     replayed with each case's inputs against its eager result."""
-    from distmoe.kernels.w2_scatter import W2Config
-    from distmoe.kernels.w13_gather_swiglu import W13Config
+    from distmoe.kernels.w2_forward.config import W2Config
+    from distmoe.kernels.w13_forward.config import W13Config
 
     dev = torch.device("cuda", torch.cuda.current_device())
     cfg, args_of = _beside_problem(rank, world, dev)

@@ -108,8 +108,8 @@ def _check_against_reference(per_rank, shape, names, seed):
 @pytest.mark.parametrize("EP", [1, 2])
 def test_training_gpu_wgrad_256_row_tiles(EP):
     """Experts whose weight gradients hold >= 12 MiB (D = 2880, F = 2304: W13's 25 MiB, W2's
-    12.7 MiB) take the WGRADs' 256 x 128 tiles (``_common.wgrad_wide_tiles``; 1024 rows per
-    expert, so an H200 takes them too), W2's last row block of each expert partial (2880 =
+    12.7 MiB) take the WGRADs' 256 x 128 tiles (``base.rules_legacy.wgrad_wide_tiles``; 1024 rows
+    per expert, so an H200 takes them too), W2's last row block of each expert partial (2880 =
     11 * 256 + 64). y and every gradient against torch autograd as in the partial-tile test;
     at EP=2 the two ranks share the GPU, one expert each."""
     shape, names, seed = (1024, 2880, 2304, 2, 2), ("balanced",), 43

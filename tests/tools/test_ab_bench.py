@@ -3,8 +3,8 @@ GPU; its CPU path is covered by test_bench_cli)."""
 
 import pytest
 
-from distmoe.kernels.w2_backward import W2DgradConfig
-from distmoe.kernels.w13_gather_swiglu import W13Config
+from distmoe.kernels.w2_dgrad.config import W2DgradConfig
+from distmoe.kernels.w13_forward.config import W13Config
 
 
 @pytest.fixture

@@ -8,10 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from distmoe.kernels.combine import CombineConfig
-from distmoe.kernels.w2_backward import W2DgradConfig, WgradConfig
-from distmoe.kernels.w2_scatter import W2Config
-from distmoe.kernels.w13_gather_swiglu import W13Config
+from distmoe.kernels.movement.combine import CombineConfig
+from distmoe.kernels.w2_dgrad.config import W2DgradConfig
+from distmoe.kernels.w2_forward.config import W2Config
+from distmoe.kernels.w13_forward.config import W13Config
+from distmoe.kernels.wgrad.config import WgradConfig
 from distmoe.tools.bench.layer_step import Joined, layer_step
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "ab_interleaved.py"

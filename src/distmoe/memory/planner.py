@@ -211,7 +211,7 @@ def _decide(
 ) -> tuple[list[bool], list[int], list[tuple[int, ...]], list[bool]]:
     """Core greedy rule on plain integers: ``full[l][r]`` bytes, one input size. With
     ``x_state`` (``save_gathered_rows="auto"``; ``full`` is then the state with the rows) a
-    layer that cannot keep its rows may keep x (:mod:`distmoe.kernels.slot_cursor` states
+    layer that cannot keep its rows may keep x (:mod:`distmoe.kernels.movement.slot_cursor` states
     the rule; the device evaluates the same). Returns the decisions, the tested bytes
     ``max_r(saved_r + full_r(l)) + reserve``, the kept bytes after each layer and, per
     layer, whether it kept x instead of the rows (auto only; else all False). ``saved``: the
@@ -298,7 +298,7 @@ def plan_saves(
         keep the input ``x [T, D]`` and replay the forward in backward. Layer l saves iff
         ``max_r(saved_r + full_r(l)) + (L - 1 - l) * input_bytes <= capacity_bytes``.
         With ``cfg.save_gathered_rows="auto"`` a saved layer may keep x instead of its
-        rows (:mod:`distmoe.kernels.slot_cursor` states the rule; :func:`trace_saves`'s
+        rows (:mod:`distmoe.kernels.movement.slot_cursor` states the rule; :func:`trace_saves`'s
         ``kept`` says which). No rank's kept bytes ever exceed ``capacity_bytes``.
 
     Raises:

@@ -20,7 +20,7 @@ D]`` at the cursor); a replayed layer keeps its input ``x [T, D]`` only and rebu
 in backward. With ``cfg.save_gathered_rows`` False a saved layer keeps ``x [T, D] | h1 | h3``
 (``align128(R_r*D*2)`` becomes ``align128(T_max*D*2)`` in ``full_r``) and its backward
 gathers the rows again into scratch ``xs``; with ``"auto"`` each layer chooses one of the
-three on the device (:mod:`distmoe.kernels.slot_cursor` states the rule). Every rank
+three on the device (:mod:`distmoe.kernels.movement.slot_cursor` states the rule). Every rank
 advances every rank's cursor (``saved_r``) the same way, so the cursors stay identical
 replicas. Backward runs in reverse layer order and restores the cursor that its forward
 started from; it uses the slot id its forward recorded, whatever slot is selected later.
@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import MoEConfig
+from ..kernels.movement.slot_cursor import begin_layer_on_device
 from ..memory import MemoryPlan, align128, plan_memory, rows_in_place
 
 
@@ -68,10 +69,10 @@ class LayerRecord:
         offsets of h1 and x_rows (the scratch ``h1g`` / ``xs`` when replayed), which the
         backward reads its state through (it reads no h3: the experts compute the score
         gradients, :mod:`distmoe.ops.autograd`); then the in-place W13 WGRAD's
-        ``x_offset`` (:mod:`distmoe.kernels.slot_cursor`).
+        ``x_offset`` (:mod:`distmoe.kernels.movement.slot_cursor`).
     h3_deltas: int64 [EP] device values: per owner rank, the byte shift from its combine
         buffer to where the experts return its h3 routes (0 when replayed; else into its
-        slot: :mod:`distmoe.kernels.slot_cursor`).
+        slot: :mod:`distmoe.kernels.movement.slot_cursor`).
     """
 
     slot: int
@@ -212,15 +213,13 @@ class ActivationBuffer:
                     rows_origin: int = 0) -> LayerRecord:
         """Decide save/replay on the device for the next layer of the selected slot, advance
         the cursors and return the record for backward (no host synchronisation; one device
-        program, :mod:`distmoe.kernels.slot_cursor`). ``combine_address``: the absolute address
-        of this rank's combine buffer, where a replayed layer's backward finds its h3 routes.
-        ``act_bases`` / ``combine_bases``: int64 ``[EP]`` device tables of every rank's
+        program, :mod:`distmoe.kernels.movement.slot_cursor`). ``combine_address``: the absolute
+        address of this rank's combine buffer, where a replayed layer's backward finds its h3
+        routes. ``act_bases`` / ``combine_bases``: int64 ``[EP]`` device tables of every rank's
         activation buffer and combine buffer addresses (the heap's base tables), for the
         record's ``h3_deltas``; ``None``: this rank's addresses stand for every rank's.
         ``rows_origin``: where the rows are read in place (:attr:`rows_in_place`), the origin
         of the gather table the W13 WGRAD reads them through (``backward[4]``)."""
-        from ..kernels.slot_cursor import begin_layer_on_device
-
         if isinstance(combine_address, bool) or not isinstance(combine_address, int) \
                 or combine_address <= 0:
             raise ValueError(f"combine_address ({combine_address!r}) must be a positive int "

@@ -115,9 +115,13 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..kernels.route_grad import push_route_grads, reduce_routes
-from ..kernels.w2_backward import w2_dgrad_swiglu_bwd, w2_wgrad
-from ..kernels.w13_backward import w13_dgrad_scatter, w13_wgrad
+from ..kernels.movement.offset_copy import offset_copy
+from ..kernels.movement.regather_rows import regather_rows
+from ..kernels.movement.route_grad import push_route_grads, reduce_routes
+from ..kernels.w2_dgrad.triton import w2_dgrad_swiglu_bwd
+from ..kernels.w13_dgrad.triton import w13_dgrad_scatter
+from ..kernels.w13_forward.triton import gather_w13_swiglu
+from ..kernels.wgrad.triton import w2_wgrad, w13_wgrad
 
 
 class MoEFunction(torch.autograd.Function):
@@ -143,10 +147,6 @@ class MoEFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # its kernels build no graph: create_graph=True would lose terms
     def backward(ctx, grad_y):
-        from ..kernels.offset_copy import offset_copy
-        from ..kernels.regather_rows import regather_rows
-        from ..kernels.w13_gather_swiglu import gather_w13_swiglu
-
         moe = ctx.moe
         moe._check_open()
         for name, t, before in zip(("scores", "w13", "w2"), ctx.inputs[1:], ctx.versions,
@@ -174,7 +174,7 @@ class MoEFunction(torch.autograd.Function):
         grad_y = grad_y.to(torch.bfloat16).contiguous()
         dispatch_rows = moe._dispatch[:T * K]
         # device predicates of the forward's decision: replayed; saved with x kept instead
-        # of its rows; either (:mod:`distmoe.kernels.slot_cursor`)
+        # of its rows; either (:mod:`distmoe.kernels.movement.slot_cursor`)
         replayed, regather, rebuild = rec.flags[0:1], rec.flags[1:2], rec.flags[2:3]
 
         reads_x = acts.rows_in_place  # EP = 1 and regathers: W13 WGRAD reads x in place

@@ -11,7 +11,7 @@ Here the owners push them straight into the experts' scratch instead, which save
 a read of T*K*D bf16 per layer: :mod:`distmoe.ops.autograd`, docs/performance.md run 22.)
 
 plus, at EP > 1, a pull buffer [EP * T_max, D] bf16 with int8 flags [EP * T_max] and a
-pointer table [R_cap] int64 (:mod:`distmoe.kernels.pull_tokens`: each peer token W13 reads
+pointer table [R_cap] int64 (:mod:`distmoe.kernels.movement.pull_tokens`: each peer token W13 reads
 crosses NVLink once instead of once per route and column tile), plus local memory in
 activation rows (compact: executed row j of local expert e is row ``row_offsets[e] + j``,
 see :mod:`distmoe.routing.tables`), ``R_b`` = the receive bound:
@@ -33,13 +33,13 @@ CUDA graph and replayed with new inputs written into the same tensors):
     2. barrier                                 (everyone's ids and x are visible)
     3. gather every rank's ids [EP, T, K]; build expert-major tables (distmoe.routing)
     4. W13 grouped GEMM, gather prologue reads source rows from the owners' dispatch buffers
-       (at EP = 1 from x: the table is rewritten, :mod:`distmoe.kernels.pull_tokens`, and the
-       tables keep the dispatch rows for a backward's replay, which copies the saved x back
+       (at EP = 1 from x: the table is rewritten, :mod:`distmoe.kernels.movement.pull_tokens`, and
+       the tables keep the dispatch rows for a backward's replay, which copies the saved x back
        there. At EP > 1 peers' tokens are first pulled once into local memory; where nearly
        all of them are needed, :meth:`MoEContext.pull_all_rule`, every peer token is copied
        on a side stream from step 3 on, joined here, and with long expert segments
        (:meth:`MoEContext.w13_phases_rule`) W13 runs the row blocks of own tokens before
-       the join and the rest after it, :mod:`distmoe.kernels.w13_phases`), SwiGLU
+       the join and the rest after it, :mod:`distmoe.kernels.w13_forward.phases`), SwiGLU
        epilogue -> h2
     5. W2 grouped GEMM, scatter epilogue stores each row into its owner's combine slot
        (training, saved layer: into the h3 rows of the owner's activation slot instead).
@@ -49,7 +49,7 @@ CUDA graph and replayed with new inputs written into the same tensors):
        across NVLink spread over both GEMMs. Off unless asked for
        (:meth:`MoEContext._w2_runs_beside`): measured no faster (performance.md run 35).
        Or, in the same cases, W13 and W2 run as one persistent kernel whose W2 tiles wait
-       for those counters (:mod:`distmoe.kernels.w13_w2_gluon`), steps 4-5 in one launch.
+       for those counters (:mod:`distmoe.kernels.mega.gluon`), steps 4-5 in one launch.
        Off unless asked for (:meth:`MoEContext._runs_fused`): 1-2% faster or even at
        T=4096 D=2048 F=768 E=128 K=8, slower at T=8192 D=4096 F=2048 E=32 (run 36)
     6. barrier                                 (all results have landed; all gathers done)
@@ -73,7 +73,28 @@ import torch
 import torch.distributed as dist
 
 from ..config import MoEConfig
-from ..kernels.pull_tokens import BLOCK_FLAG_ROWS
+from ..kernels.base.device import num_sms
+from ..kernels.base.rows import byte_range
+from ..kernels.mega.gluon import FusedConfig, fused_reason, fused_w13_w2
+from ..kernels.movement.call_counters import count_call
+from ..kernels.movement.combine import CombineConfig, combine
+from ..kernels.movement.offset_copy import offset_copy
+from ..kernels.movement.publish_ids import publish_ids
+from ..kernels.movement.pull_tokens import BLOCK_FLAG_ROWS, pull_tokens
+from ..kernels.w2_dgrad.config import W2DgradConfig
+from ..kernels.w2_forward.config import W2Config
+from ..kernels.w2_forward.triton import gluon_reason as w2_gluon_reason
+from ..kernels.w2_forward.triton import w2_scatter
+from ..kernels.w13_dgrad.config import W13DgradConfig
+from ..kernels.w13_forward.config import W13Config
+from ..kernels.w13_forward.phases import first_blocks, phase_waves, w13_phase_order
+from ..kernels.w13_forward.triton import (
+    gather_w13_swiglu,
+    w13_done_count,
+    w13_gluon_reason,
+    w13_tile_rows,
+)
+from ..kernels.wgrad.config import WgradConfig
 from ..memory import rows_in_place
 from ..routing import build_routing_tables, row_capacity
 from ..runtime import create_heap
@@ -81,7 +102,7 @@ from ..runtime.heap import round_up
 from .activations import ActivationBuffer
 
 HEADER_BYTES = 128
-#: rows of the W13 row blocks the two-launch schedule moves (distmoe.kernels.w13_phases):
+#: rows of the W13 row blocks the two-launch schedule moves (distmoe.kernels.w13_forward.phases):
 #: the blocks pull_tokens flags
 _PHASE_ROWS = BLOCK_FLAG_ROWS
 #: the two launches are the default from this many rows per local expert from one source
@@ -206,10 +227,6 @@ class MoEContext:
         self._combine = heap.view("combine", self.rank, torch.bfloat16, (T * K, D))
         # Launch configs keyed on shapes only (balanced rows per local expert), never on
         # routed counts: the same kernels run whatever the routing, in graphs too.
-        from ..kernels.combine import CombineConfig
-        from ..kernels.w2_scatter import W2Config
-        from ..kernels.w13_gather_swiglu import W13Config
-
         self._w13_cfg = W13Config.from_heuristic(hidden=D, ffn=F, block_m=cfg.row_block,
                                                  rows_per_expert=self.rows_per_expert_hint,
                                                  training=cfg.training, device=self.device,
@@ -258,7 +275,7 @@ class MoEContext:
         # and tests).
         self._pull_all: bool | None = None
         # With that copy, W13 runs in two launches: first the row blocks of this rank's own
-        # tokens while the copy runs, then the rest (distmoe.kernels.w13_phases). None: the
+        # tokens while the copy runs, then the rest (distmoe.kernels.w13_forward.phases). None: the
         # layer's choice (_phased_w13); True / False force a way (A/B tools, tests).
         # _w13_phase_waves: waves of the first launch (None: estimated from the shapes).
         self._w13_phases: bool | None = None
@@ -267,7 +284,7 @@ class MoEContext:
         # _w2_beside_programs: W2's programs (None: beside_programs, a third of the SMs).
         self._w2_beside = False
         self._w2_beside_programs: int | None = None
-        # W13 and W2 in one persistent kernel (step 5; distmoe.kernels.w13_w2_gluon): True
+        # W13 and W2 in one persistent kernel (step 5; distmoe.kernels.mega.gluon): True
         # runs it (A/B tools, tests); off otherwise (run 36: 1-2% faster at T=4096 D=2048
         # F=768 E=128 K=8 on two H200s, not measured elsewhere enough to be the default).
         # _fused_lag: row-block groups between a group's W13 and W2 tiles; _fused_pingpong:
@@ -294,7 +311,7 @@ class MoEContext:
         self._pull_stream = None
         # Device-side counters: [last received rows, max received rows, dropped rows total,
         # invalid ids total, calls, calls with a token count that differs between ranks]
-        # (distmoe.kernels.call_counters).
+        # (distmoe.kernels.movement.call_counters).
         self._counters = torch.zeros(6, dtype=torch.int64, device=self.device)
 
     @staticmethod
@@ -459,8 +476,6 @@ class MoEContext:
         return x.data_ptr() == self._dispatch.data_ptr()
 
     def _overlaps_input_buffer(self, x) -> bool:
-        from ..kernels._common import byte_range
-
         lo, hi = byte_range(self._dispatch)
         start, end = byte_range(x)
         return x.numel() > 0 and start < hi and lo < end
@@ -488,8 +503,6 @@ class MoEContext:
         return y
 
     def _publish_and_route(self, x, expert_ids, pull_all: bool = False):
-        from ..kernels.publish_ids import publish_ids
-
         T = x.shape[0]
         # T and the ids in one launch; an id outside [-1, E) becomes an invalid -2 (a plain
         # int16 copy would wrap ids beyond int16 into valid ones)
@@ -514,8 +527,6 @@ class MoEContext:
     def _count_call(self, tables, tokens: int) -> None:
         """The device counters of :meth:`stats`, from this call's tables and every rank's
         published token count (one launch, after the publish barrier)."""
-        from ..kernels.call_counters import count_call
-
         count_call(self._counters, tables.num_recv_rows, tables.num_dropped_rows,
                    tables.num_invalid_ids, header_bases=self.heap.base_table("routing"),
                    headers=self._headers, tokens=tokens)
@@ -551,13 +562,11 @@ class MoEContext:
         """The table W13 reads its A rows through. At EP = 1: with ``x`` (a forward's input,
         where :meth:`_reads_x`) a copy of ``gather_ptrs`` that names x's rows, else
         ``gather_ptrs`` itself. At EP > 1 a copy whose peer tokens point at local copies,
-        pulled once per token (see :mod:`distmoe.kernels.pull_tokens`; ``enable`` an optional
-        device predicate). With ``pulled`` (after :meth:`_start_pull_all`) the tokens are
+        pulled once per token (see :mod:`distmoe.kernels.movement.pull_tokens`; ``enable`` an
+        optional device predicate). With ``pulled`` (after :meth:`_start_pull_all`) the tokens are
         being copied already: the table is rewritten and the copy joined, or with ``phased``
         not joined yet but the row blocks that name peer tokens flagged
         (:meth:`_run_w13` joins it between its two launches)."""
-        from ..kernels.pull_tokens import pull_tokens
-
         if self.ep_size == 1:
             if x is None or not self._reads_x(x):
                 return gather_ptrs
@@ -584,8 +593,6 @@ class MoEContext:
         one expert share its weight tiles)."""
         if self.ep_size == 1:
             return False
-        from ..kernels.w13_gather_swiglu import w13_tile_rows
-
         cfg = self._w13_cfg
         fits = (hasattr(self, "_block_peer") and cfg.block_m == _PHASE_ROWS
                 and w13_tile_rows(cfg) == _PHASE_ROWS)
@@ -606,11 +613,8 @@ class MoEContext:
         return max_tokens * top_k // num_experts >= _PHASE_MIN_OWN_ROWS
 
     def _w13_first_blocks(self) -> int:
-        """Own row blocks of the first W13 launch (:func:`~distmoe.kernels.w13_phases.\
+        """Own row blocks of the first W13 launch (:func:`~distmoe.kernels.w13_forward.phases.\
 first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic)."""
-        from ..kernels._common import num_sms
-        from ..kernels.w13_phases import first_blocks, phase_waves
-
         cfg, D, F = self._w13_cfg, self.cfg.hidden, self.cfg.ffn
         num_pid_n = -(-F // cfg.block_n)
         programs = min(num_sms(self.device), self._block_peer.numel() * num_pid_n)
@@ -625,10 +629,7 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         """W13 into ``self._h2`` (and ``outputs``: h1 / x / their offsets). With ``phased``,
         in two launches around the join of the peer-token copy: the row blocks of own tokens
         first (at most :meth:`_w13_first_blocks`), then the rest, the same bits
-        (:mod:`distmoe.kernels.w13_phases`)."""
-        from ..kernels.w13_gather_swiglu import gather_w13_swiglu
-        from ..kernels.w13_phases import w13_phase_order
-
+        (:mod:`distmoe.kernels.w13_forward.phases`)."""
         if not phased:
             gather_w13_swiglu(gather_ptrs, po, ro, w13, self._h2, config=self._w13_cfg,
                               **outputs)
@@ -660,8 +661,6 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         """The fused W13 + W2 kernel's config from the switches (``_fused_lag``,
         ``_fused_pingpong``, ``_fused_dynamic``): ping-pong 128 x 64 / 128 x 128 tiles with 6
         stages (the default), or cooperative 128 x 128 / 128 x 256 with 4."""
-        from ..kernels.w13_w2_gluon import FusedConfig
-
         if self._fused_pingpong:
             return FusedConfig(block_n=64, warps=4, stages=6, lag=self._fused_lag,
                                dynamic=self._fused_dynamic)
@@ -685,9 +684,7 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
     def _fused_reason(self, save: bool) -> str | None:
         """``None`` when the fused W13 + W2 kernel can run in this forward, else why not: the
         rule of :meth:`_beside_rule_reason` (EP > 1, inference, a GPU per rank) and the
-        kernel's own tiles (:func:`~distmoe.kernels.w13_w2_gluon.fused_reason`)."""
-        from ..kernels.w13_w2_gluon import fused_reason
-
+        kernel's own tiles (:func:`~distmoe.kernels.mega.gluon.fused_reason`)."""
         c = self.cfg
         return self._beside_rule_reason(save) or fused_reason(
             self.device, hidden=c.hidden, ffn=c.ffn, config=self._fused_config())
@@ -710,15 +707,12 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         """``None`` when W2 can run beside W13 in this forward, else why not: the rule of
         :meth:`_beside_rule_reason` (EP > 1, inference, a GPU per rank) and both GEMMs on
         their Gluon kernels."""
-        from ..kernels.w2_scatter import gluon_reason as w2_gluon_reason
-        from ..kernels.w13_gather_swiglu import _gluon_reason
-
         c = self.cfg
         rule = self._beside_rule_reason(save)
         if rule is not None:
             return rule
         for name, reason in (
-                ("W13", _gluon_reason(self._w13_cfg, self.device, c.hidden, c.ffn, True)),
+                ("W13", w13_gluon_reason(self._w13_cfg, self.device, c.hidden, c.ffn, True)),
                 ("W2", w2_gluon_reason(self._w2_cfg, self.device, c.hidden, c.ffn))):
             if reason is not None:
                 return f"{name}: {reason}"
@@ -735,13 +729,7 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         """W13 then W2 (steps 4-5) on the current stream, or with ``beside`` W2 on a side
         stream beside W13, each on its share of the SMs, joined back before returning, or
         with ``fused`` both in one kernel (not ``phased``: the copy is joined)."""
-        from ..kernels._common import num_sms
-        from ..kernels.w2_scatter import w2_scatter
-        from ..kernels.w13_gather_swiglu import w13_done_count
-
         if fused:
-            from ..kernels.w13_w2_gluon import fused_w13_w2
-
             counters = self._h2_done
             counters.zero_()
             fused_w13_w2(gather_ptrs, po, ro, w13, w2, self._h2, scatter_ptrs, counters,
@@ -785,10 +773,6 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         there (every owner's slot, at once), or, for a replayed layer, x is copied there. ``saved``
         is then a dict with the tables, the slot record, the executed ids (others -1) and
         fp32 scores; otherwise None."""
-        from ..kernels.combine import combine
-        from ..kernels.offset_copy import offset_copy
-        from ..kernels.w2_scatter import w2_scatter
-
         acts = self.activations
         if save:
             acts.check_room()  # before anything is published
@@ -934,9 +918,6 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         route's combine row holds the score and its gradient parts (one per W2 DGRAD column
         tile, distmoe.ops.autograd); a ValueError (after freeing the heap: every rank takes
         the same decision) if not."""
-        from ..kernels.w2_backward import W2DgradConfig, WgradConfig
-        from ..kernels.w13_backward import W13DgradConfig
-
         D, F = self.cfg.hidden, self.cfg.ffn
         shape_keys = dict(block_m=self.cfg.row_block, rows_per_expert=self.rows_per_expert_hint)
         self._w2_dgrad_cfg = W2DgradConfig.from_heuristic(

@@ -32,8 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernels._common import device_context, next_power_of_2
-from ..kernels.interpreter import interpreter_active
+from ..kernels.base.config import next_power_of_2
+from ..kernels.base.device import device_context
+from ..kernels.base.interpreter import interpreter_active
 
 #: Largest ``EP * T * K`` the one-program path takes (routes held in registers and sorted).
 MAX_FUSED_ROUTES = 4096

@@ -4,7 +4,7 @@ Shape legend: EP ranks, T tokens per rank (same physical T everywhere), K routes
 E_local experts on this rank, R_b = receive bound (rows a rank executes at most), R_cap =
 static row capacity of the padded tile layout (R_b plus worst-case per-expert padding).
 
-Two row numberings (see also :mod:`distmoe.kernels._common`):
+Two row numberings (see also :mod:`distmoe.kernels.base.rows`):
 
 * **padded rows** (the tile schedule): expert e owns rows [padded_offsets[e],
   padded_offsets[e+1]), its executed rows first, then padding up to a multiple of the row

@@ -176,12 +176,12 @@ def _gluon_desc(rows: int, cols: int, block: list[int], planes: int | None = Non
 
 
 def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
-    """The persistent Gluon WGRAD (:mod:`distmoe.kernels.wgrad_gluon`): the config the Hopper
+    """The persistent Gluon WGRAD (:mod:`distmoe.kernels.wgrad.gluon`): the config the Hopper
     heuristic picks for W13 (x at a device offset) and W2 at each shape and at gpt-oss-120b
     (production: no spills, no serialized wgmma), then every other tuner config at ``fine``
     (build only)."""
-    from distmoe.kernels import w2_backward as w2b
-    from distmoe.kernels import wgrad_gluon as wg
+    from distmoe.kernels.wgrad import gluon as wg
+    from distmoe.kernels.wgrad.config import WgradConfig
     from distmoe.tools.bench.workloads import SHAPES
 
     if not wg.HAVE_GLUON:
@@ -220,7 +220,7 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
         D, F, E = s.hidden, s.ffn, s.num_experts
         hint = s.tokens * s.top_k // E
         for kind, P, Q in (("W13", 2 * F, D), ("W2", D, F)):
-            c = w2b.WgradConfig.hopper_gluon(out_rows=P, out_cols=Q, rows_per_expert=hint)
+            c = WgradConfig.hopper_gluon(out_rows=P, out_cols=Q, rows_per_expert=hint)
             if c is None:  # the Triton WGRAD serves this shape (P under 128)
                 continue
             # the warp-specialised kernel as picked (256 x 128 tiles from 12 MiB per
@@ -236,7 +236,7 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
                                   c.num_warps if ws or not c.pingpong else 8,
                                   kind == "W13", True, c.block_k, ws, pp))
             if kind == "W13":  # x's rows read in place (EP = 1, x kept): as picked for it
-                g = w2b.WgradConfig.hopper_gluon(out_rows=P, out_cols=Q, rows_per_expert=hint,
+                g = WgradConfig.hopper_gluon(out_rows=P, out_cols=Q, rows_per_expert=hint,
                                                  gathered_b=True)
                 cases.append(case(f"{name} W13 WGRAD gluon ws{' pingpong' if g.pingpong else ''}"
                                   f" {g.block_out_m}x{g.block_out_n} x_rows", P, Q, E,
@@ -245,7 +245,7 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
     s = SHAPES["fine"]
     # two cooperating warpgroups: the pick from 1024 rows per expert below 12 MiB per expert
     # (fine at T=16384)
-    c = w2b.WgradConfig.hopper_gluon(out_rows=2 * s.ffn, out_cols=s.hidden, rows_per_expert=1024)
+    c = WgradConfig.hopper_gluon(out_rows=2 * s.ffn, out_cols=s.hidden, rows_per_expert=1024)
     cases.append(case(f"fine T=16384 W13 WGRAD gluon ws {c.block_out_m}x{c.block_out_n} "
                       f"w{c.num_warps} s{c.num_stages}", 2 * s.ffn, s.hidden, s.num_experts,
                       c.block_out_m, c.block_out_n, c.num_stages, c.num_warps, True, True,
@@ -253,7 +253,7 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
     # the producers in lockstep (WgradConfig.lockstep), as picked for deepseek-v3's W13 (56 MiB
     # an expert)
     d = SHAPES["deepseek-v3"]
-    c = w2b.WgradConfig.hopper_gluon(out_rows=2 * d.ffn, out_cols=d.hidden, rows_per_expert=128)
+    c = WgradConfig.hopper_gluon(out_rows=2 * d.ffn, out_cols=d.hidden, rows_per_expert=128)
     cases.append(case(f"deepseek-v3 W13 WGRAD gluon ws {c.block_out_m}x{c.block_out_n}"
                       f"{' lockstep' if c.lockstep else ''}", 2 * d.ffn, d.hidden,
                       d.num_experts, c.block_out_m, c.block_out_n, c.num_stages, c.num_warps,
@@ -266,8 +266,8 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
 
 
 def gluon_w13_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
-    """The warp-specialised Gluon W13 forward (:mod:`distmoe.kernels.w13_gluon`): what the
-    heuristic picks on Hopper at each shape (:meth:`~distmoe.kernels.w13_gather_swiglu.\
+    """The warp-specialised Gluon W13 forward (:mod:`distmoe.kernels.w13_forward.gluon`): what the
+    heuristic picks on Hopper at each shape (:meth:`~distmoe.kernels.w13_forward.config.\
 W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and the rows
     saved at device offsets and an enable flag in training (production: no spill, no
     serialized wgmma), and deepseek-v3's training build (256 experts: the producer's bounds
@@ -278,8 +278,8 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
     128 rows per expert), and the 5-stage 128 x 64 tile at each shape. The expert-group
     tile order (``W13Config.expert_groups``) where the heuristic sets it, and (build only)
     in a cooperative inference build at ``fine``."""
-    from distmoe.kernels import w13_gluon as wg
-    from distmoe.kernels._common import next_power_of_2
+    from distmoe.kernels.base.config import next_power_of_2
+    from distmoe.kernels.w13_forward import gluon as wg
     from distmoe.tools.bench.workloads import SHAPES
 
     if not wg.HAVE_GLUON:
@@ -310,7 +310,7 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
             4, 1, types=types, production=production, gluon=True,
             options=dict(maxnreg=wg._MAXNREG))
 
-    from distmoe.kernels.w13_gather_swiglu import W13Config
+    from distmoe.kernels.w13_forward.config import W13Config
 
     def pick(name, train):
         """The heuristic's Gluon config at the named shape's hint (or None)."""
@@ -364,7 +364,7 @@ GLUON_W2_DGRAD_SPLIT_CASES = ((4, 1, 5, False), (8, 1, 5, False), (8, 1, 4, Fals
 
 
 def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
-    """The warp-specialised Gluon W2 DGRAD (:mod:`distmoe.kernels.w2_dgrad_gluon`) at each
+    """The warp-specialised Gluon W2 DGRAD (:mod:`distmoe.kernels.w2_dgrad.gluon`) at each
     shape with h1 at a device offset and h2 stored. Production (no spill, no serialized
     wgmma): the split kernel as the heuristic picks it (8 epilogue warps, one fp32 tile
     buffer, 4 or 5 stages; run 43), scored (the layer's) and plain, at every shape but
@@ -376,8 +376,8 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
     (D = 64) its epilogue spills 584-596 bytes. The split kernel spills in none of these.
     Then the split kernel as picked at gpt-oss-120b (F = 2880: partial last column tiles),
     and at deepseek-v3 (scored), its TMA producer in lockstep."""
-    from distmoe.kernels import w2_dgrad_gluon as wg
-    from distmoe.kernels._common import next_power_of_2
+    from distmoe.kernels.base.config import next_power_of_2
+    from distmoe.kernels.w2_dgrad import gluon as wg
     from distmoe.tools.bench.workloads import SHAPES
 
     if not wg.HAVE_GLUON:
@@ -456,16 +456,16 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
 
 
 def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
-    """The warp-specialised Gluon W2 forward (:mod:`distmoe.kernels.w2_gluon`) at each shape,
-    with an enable flag: the ping-pong 128 x 128 tile at ring depths 4 to 6 and the
+    """The warp-specialised Gluon W2 forward (:mod:`distmoe.kernels.w2_forward.gluon`) at each
+    shape, with an enable flag: the ping-pong 128 x 128 tile at ring depths 4 to 6 and the
     cooperative 128 x 256 tile at 3 and 4, each also waiting per row block for a W13
     beside it; and the same kernel as the W13 DGRAD (weights read N-major; ping-pong at 5
     and 6 stages, cooperative at 4). Then both as picked at gpt-oss-120b, whose D (2880)
     leaves each row's last column tile partial, the W2 forward also with its producers in
     lockstep; the W13 DGRAD in lockstep at deepseek-v3, and both in lockstep in the
     expert-group order there. Production: no spill, no serialized wgmma."""
-    from distmoe.kernels import w2_gluon as wg
-    from distmoe.kernels._common import next_power_of_2
+    from distmoe.kernels.base.config import next_power_of_2
+    from distmoe.kernels.w2_forward import gluon as wg
     from distmoe.tools.bench.workloads import SHAPES
 
     if not wg.HAVE_GLUON:
@@ -514,13 +514,13 @@ def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildC
 
 
 def gluon_fused_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
-    """The fused W13 + W2 inference kernel (:mod:`distmoe.kernels.w13_w2_gluon`): at each
+    """The fused W13 + W2 inference kernel (:mod:`distmoe.kernels.mega.gluon`): at each
     shape its default (ping-pong 128 x 64 W13 / 128 x 128 W2 tiles, 6 stages, lag 3, static
     schedule) and the cooperative tiles (128 x 128 / 128 x 256, 4 stages), static
     (production: no spill, no serialized wgmma); at ``fine`` both with the tiles handed out
     at run time (build only: their producers spill 8-12 bytes)."""
-    from distmoe.kernels import w13_w2_gluon as wf
-    from distmoe.kernels._common import next_power_of_2
+    from distmoe.kernels.base.config import next_power_of_2
+    from distmoe.kernels.mega import gluon as wf
     from distmoe.tools.bench.workloads import SHAPES
 
     if not wf.HAVE_GLUON:
@@ -553,11 +553,12 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
                        variants: bool = True) -> list[BuildCase]:
     """Production cases at each of ``shapes`` (EP=1 shape keys), then, with ``variants``,
     the other flag combinations at the ``fine`` shape (module docstring)."""
-    from distmoe.kernels import w2_backward as w2b
-    from distmoe.kernels import w2_scatter as w2f
-    from distmoe.kernels import w13_backward as w13b
-    from distmoe.kernels import w13_gather_swiglu as w13f
-    from distmoe.kernels._common import next_power_of_2
+    from distmoe.kernels.base.config import next_power_of_2
+    from distmoe.kernels.w2_dgrad import triton as w2b
+    from distmoe.kernels.w2_forward import triton as w2f
+    from distmoe.kernels.w13_dgrad import triton as w13b
+    from distmoe.kernels.w13_forward import triton as w13f
+    from distmoe.kernels.wgrad import triton as wgt
     from distmoe.tools.bench.workloads import SHAPES
 
     cases: list[BuildCase] = []
@@ -634,7 +635,7 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
         for kind, host, split_rows, overwrite, *gather in wgrad:
             gather = bool(gather and gather[0])  # W13's x rows through the address table
             P, Q = (2 * F, D) if kind == "W13" else (D, F)
-            c = w2b.WgradConfig.from_heuristic(out_rows=P, out_cols=Q, rows_per_expert=hint)
+            c = wgt.WgradConfig.from_heuristic(out_rows=P, out_cols=Q, rows_per_expert=hint)
             b_offset = kind == "W13"  # the layer passes W13's x at a device offset
             tma_store = overwrite
             descs = {}
@@ -651,7 +652,7 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
             cases.append(BuildCase(
                 f"{name} {kind} WGRAD host={host} split_rows={split_rows} "
                 f"overwrite={overwrite}{' x_rows' if gather else ''}",
-                w2b._grouped_wgrad_kernel,
+                wgt._grouped_wgrad_kernel,
                 dict(P=P, Q=Q, NUM_EXPERTS=E, SPLIT_ROWS=split_rows, OVERWRITE=overwrite,
                      TMA_STORE=tma_store, INTERPRETED=False, HOST_DESC=host,
                      B_OFFSET=b_offset, GATHER_B=gather, BLOCK_K=c.block_k,
@@ -680,15 +681,15 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
 def other_kernel_cases() -> list[BuildCase]:
     """Every other kernel of the library, each flag value its launcher passes (``fine``
     shape: D=2048, E=128, K=8; EP=2 where a kernel takes it). Build only."""
-    from distmoe.kernels import call_counters, slot_cursor
-    from distmoe.kernels import combine as comb
-    from distmoe.kernels import offset_copy as oc
-    from distmoe.kernels import publish_ids as pub
-    from distmoe.kernels import pull_tokens as pull
-    from distmoe.kernels import regather_rows as regather
-    from distmoe.kernels import route_grad as rg
-    from distmoe.kernels import w2_backward as w2b
-    from distmoe.kernels import w13_phases as phases
+    from distmoe.kernels.movement import call_counters, slot_cursor
+    from distmoe.kernels.movement import combine as comb
+    from distmoe.kernels.movement import offset_copy as oc
+    from distmoe.kernels.movement import publish_ids as pub
+    from distmoe.kernels.movement import pull_tokens as pull
+    from distmoe.kernels.movement import regather_rows as regather
+    from distmoe.kernels.movement import route_grad as rg
+    from distmoe.kernels.w2_dgrad import triton as w2b
+    from distmoe.kernels.w13_forward import phases
     from distmoe.routing import fused
     from distmoe.runtime import barrier
 
@@ -748,7 +749,7 @@ def other_kernel_cases() -> list[BuildCase]:
                    "numel": "i32", "tokens": "i32", "num_experts": "i32"}))
     # the flagged pull (forward and replay), the table after the copy-engine pull, and
     # EP = 1's table that reads x in place
-    # (with the block flags of W13's two launches, distmoe.kernels.w13_phases)
+    # (with the block flags of W13's two launches, distmoe.kernels.w13_forward.phases)
     for enable, mark, own, ep, blocks in ((False, True, False, EP, False),
                                           (True, True, False, EP, False),
                                           (False, False, False, EP, True),

@@ -14,6 +14,10 @@ Files of one run (in the output directory):
 
 Plots use matplotlib's Agg backend (no display). Missing values are empty CSV cells and JSON
 ``null``.
+
+:func:`markdown_tables` turns ``results.json`` files back into one markdown table per device
+(docs/performance.md's current figures): ``python -m distmoe.tools.bench.report --markdown
+FILE...``.
 """
 
 from __future__ import annotations
@@ -633,3 +637,244 @@ def format_table(cases: Sequence[CaseResult], ceilings: Sequence[Mapping] = ()) 
             tail = " ".join(t for t in (c.get("detail", ""), clock, c.get("note", "")) if t)
             lines.append(f"ceiling {c['name']:<20} {value:>8} {c['unit']:<8} {tail}".rstrip())
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- markdown tables
+
+#: Shape names of older results files and the names the bench uses now (the same layers).
+LEGACY_SHAPE_NAMES = {
+    "issue-a": "dense-e32",
+    "issue-b": "qwen3-30b-a3b-t2048",
+    "fine": "qwen3-30b-a3b",
+}
+_MODE_TEXT = {"fwd": "forward", "bwd": "backward", "fwdbwd": "fwd+bwd"}
+_MODE_ORDER = {"fwd": 0, "fwdbwd": 1, "bwd": 2}
+
+
+def _routing_text(case: Mapping) -> str:
+    if case.get("routing") == "sampled":
+        return "sampled"
+    imbalance = case.get("imbalance") or 1.0
+    return "exact" if imbalance == 1 else f"exact, {imbalance:g}x hot group"
+
+
+def _command_text(command: str) -> str:
+    """The bench's command line with the interpreter's path shortened to ``python``."""
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        return command
+    if words and Path(words[0]).name.startswith("python"):
+        words[0] = "python"
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def _timing_text(payload: Mapping, cases: Sequence[Mapping]) -> str:
+    methods = {c.get("timing_method") for c in cases if c.get("timing_method")}
+    timing = payload.get("timing") or {}
+    graph = methods == {"cuda_graph"} if methods else bool(timing.get("use_cuda_graph"))
+    how = "CUDA-graph replay" if graph else "eager launches"
+    if timing.get("num_windows") and timing.get("iters_per_window"):
+        how += (
+            f", median of {timing['num_windows']} windows of "
+            f"{timing['iters_per_window']} iterations"
+        )
+    return how
+
+
+def _case_key(case: Mapping) -> tuple:
+    shape = LEGACY_SHAPE_NAMES.get(case["shape"], case["shape"])
+    return (
+        shape,
+        case["tokens"],
+        case["hidden"],
+        case["ffn"],
+        case["num_experts"],
+        case["top_k"],
+        case["ep_size"],
+        case.get("precision", "bf16"),
+        case["mode"],
+        case.get("routing", "exact"),
+        case.get("imbalance") or 1.0,
+    )
+
+
+def _load_results(path: Path) -> dict:
+    try:
+        payload = json.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"results file {path}: cannot read it: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"results file {path}: not valid JSON: {exc}") from None
+    if (
+        not isinstance(payload, Mapping)
+        or not isinstance(payload.get("cases"), list)
+        or not isinstance(payload.get("environment"), Mapping)
+    ):
+        raise ValueError(
+            f"results file {path}: expected the bench's results.json (an object "
+            "with 'environment' and 'cases')"
+        )
+    return payload
+
+
+def markdown_tables(
+    results_paths: Sequence[str | os.PathLike], *, baseline: str = "torch", ours: str = "distmoe"
+) -> str:
+    """Markdown tables of bench results, one per device, from ``results.json`` files.
+
+    Files are grouped by the GPU named in their environment block. Where several files of
+    one device hold the same case (shape, T, widths, EP, precision, mode, routing), the
+    newest file's (``date_utc``) is shown. A row gives the ``ours`` provider's time, the
+    ``baseline`` provider's, their ratio (baseline / ours: above 1 is faster than the
+    baseline), ours in useful TFLOP/s and in percent of the dense bf16 matmul measured in the
+    same run (burst clock, and sustained in brackets), and a footnote naming the file, its
+    date, git SHA, timing method and command. Shape names of older files are shown by their
+    current names (:data:`LEGACY_SHAPE_NAMES`). Raises ``ValueError`` naming a file that is
+    missing or is not a bench results file.
+    """
+    if isinstance(results_paths, (str, os.PathLike)):
+        raise TypeError("results_paths must be a sequence of paths, got a single path")
+    files = []
+    for p in results_paths:
+        path = Path(p)
+        payload = _load_results(path)
+        env = payload["environment"]
+        files.append(
+            dict(
+                path=path,
+                payload=payload,
+                env=env,
+                date=str(env.get("date_utc", "")),
+                gpu=str(env.get("gpu", "unknown")),
+            )
+        )
+    if not files:
+        raise ValueError("results_paths is empty: give at least one results.json")
+    blocks = []
+    for gpu in sorted({f["gpu"] for f in files}):
+        mine = sorted((f for f in files if f["gpu"] == gpu), key=lambda f: f["date"])
+        # key -> provider -> (case, file): the newest file wins per case
+        table: dict[tuple, dict[str, tuple[Mapping, dict]]] = {}
+        for f in mine:
+            for case in f["payload"]["cases"]:
+                if case.get("provider") in (ours, baseline):
+                    table.setdefault(_case_key(case), {})[case["provider"]] = (case, f)
+        used: list[dict] = []  # files in order of their first footnote
+        keys = sorted(
+            table,
+            key=lambda k: (_MODE_ORDER.get(k[8], 9), k[0], k[1], k[6], k[9] != "exact", k[10]),
+        )
+        rows = []
+        for key in keys:
+            pair = table[key]
+            mine_case, mine_file = pair.get(ours, (None, None))
+            base_case, base_file = pair.get(baseline, (None, None))
+            ref = mine_case or base_case
+            ms = mine_case.get("iter_ms") if mine_case and mine_case.get("status") == "ok" else None
+            base_ms = (
+                base_case.get("iter_ms") if base_case and base_case.get("status") == "ok" else None
+            )
+            ratio = base_ms / ms if ms and base_ms else None
+            notes = set()
+            for f in (mine_file, base_file):
+                if f is not None:
+                    if not any(f is u for u in used):
+                        used.append(f)
+                    notes.add(next(i for i, u in enumerate(used, 1) if u is f))
+            pct = _fmt(mine_case.get("pct_dense") if ms else None, ".0f")
+            sustained = mine_case.get("pct_dense_sustained") if ms else None
+            if pct != "-" and sustained is not None:
+                pct += f" ({sustained:.0f})"
+            shape = key[0]
+            dims = f"{key[1]}, {key[2]}, {key[3]}, {key[4]}, {key[5]}"
+            rows.append(
+                (
+                    f"`{shape}`",
+                    dims,
+                    str(key[6]),
+                    _MODE_TEXT.get(key[8], key[8]),
+                    _routing_text(ref),
+                    _fmt(ms, ".3f"),
+                    _fmt(base_ms, ".3f"),
+                    _fmt(ratio, ".2f") + ("x" if ratio else ""),
+                    _fmt(mine_case.get("tflops") if ms else None, ".0f"),
+                    pct,
+                    ", ".join(f"[{n}]" for n in sorted(notes)),
+                )
+            )
+        dates = sorted(f["date"][:10] for f in used)
+        span = dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"
+        timings = sorted({_timing_text(f["payload"], f["payload"]["cases"]) for f in used})
+        count = len({len(f["env"].get("gpus") or [None]) for f in used})
+        lines = [
+            f"### {gpu}",
+            "",
+            f"Device: {gpu}; dates (UTC): {span}; timing: {'; '.join(timings)}; "
+            f"{len(used)} results file{'s' if len(used) != 1 else ''}"
+            f"{'' if count == 1 else ' (machines with different GPU counts)'}. "
+            f"Ratio = {baseline} time / {ours} time.",
+            "",
+        ]
+        titles = (
+            "shape",
+            "T, D, F, E, K",
+            "EP",
+            "mode",
+            "routing",
+            f"{ours} ms",
+            f"{baseline} ms",
+            "ratio",
+            "TFLOP/s",
+            "% dense (sustained)",
+            "source",
+        )
+        lines.append("| " + " | ".join(titles) + " |")
+        lines.append(
+            "|" + "|".join("---" if i < 5 else "--:" for i in range(len(titles) - 1)) + "|---|"
+        )
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        lines.append("")
+        for n, f in enumerate(used, 1):
+            env = f["env"]
+            sha = str(env.get("git_sha", "unknown"))
+            short = sha[:7] + ("-dirty" if sha.endswith("-dirty") else "")
+            lines.append(
+                f"[{n}] `{f['path'].as_posix()}`: {f['date']}, git {short}, torch "
+                f"{env.get('torch', '?')}, triton {env.get('triton', '?')}, "
+                f"{_timing_text(f['payload'], f['payload']['cases'])}: "
+                f"`{_command_text(str(env.get('command', '')))}`"
+            )
+            lines.append("")
+        blocks.append("\n".join(lines).rstrip())
+    return "\n\n".join(blocks) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m distmoe.tools.bench.report --markdown FILE...``: print
+    :func:`markdown_tables` of the given results files."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m distmoe.tools.bench.report",
+        description="Render bench results.json files as markdown tables, one per device.",
+    )
+    parser.add_argument(
+        "--markdown",
+        nargs="+",
+        required=True,
+        metavar="FILE",
+        help="results.json files of `python -m distmoe bench`",
+    )
+    args = parser.parse_args(argv)
+    try:
+        text = markdown_tables(args.markdown)
+    except ValueError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

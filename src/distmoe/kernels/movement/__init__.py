@@ -1,0 +1,2 @@
+"""Data movement kernels, one module each: ``pull_tokens``, ``combine``, ``publish_ids``,
+``offset_copy``, ``regather_rows``, ``route_grad``, ``call_counters``, ``slot_cursor``."""

@@ -1,0 +1,295 @@
+"""The activation slot's save/replay decision for one layer, in one device program.
+
+:meth:`distmoe.ops.activations.ActivationBuffer.begin_layer` evaluates, for layer ``l`` of the
+``L`` layers of a slot and on the device, the planner's rule over every rank's executed rows
+``R_r`` (:func:`distmoe.memory.plan_saves`; ``m = L - 1 - l`` layers come after it, ``i`` is
+the input's bytes, ``rest_r = align128(R_r*2F*2) + h3_bytes``)::
+
+    rows_r = align128(R_r*X_ROW_BYTES) + rest_r       (the state with the gathered rows)
+    xst_r  = kept_x_bytes + rest_r                    (the state with the input x instead)
+    need(s) = max_r(cursor_r + s_r) + m*i
+
+``MoEConfig.save_gathered_rows`` True (MODE 0, DESIGN.md's rule): save ``rows`` iff
+``need(rows) <= slot_bytes``, else replay. False (MODE 1): the same with ``xst``: a saved
+layer keeps its input x and its backward gathers the rows again. ``"auto"`` (MODE 2), a
+greedy estimate that takes the later layers' rows to be this layer's: with ``n = m + 1``,
+``s_r = max(i, min(rows_r, xst_r))`` (the smaller state) and ``k`` the most of these ``n``
+layers that could keep a state beside the others' inputs on every rank (``k = min_r
+min(n, (slot_bytes - cursor_r - n*i) // (s_r - i))``), keep the rows iff ``k >= 1`` and
+``max_r(cursor_r + rows_r + (k-1)*s_r + (n-k)*i) <= slot_bytes`` (one of the k can be the
+rows), else x iff ``need(xst) <= slot_bytes`` and ``need(xst) < need(rows)``, else the rows
+iff ``need(rows) <= slot_bytes``, else replay. So replays come first off the budget and
+regathers second: a slot with room for every layer's rows keeps them all, one a little
+short keeps x in only as many layers as it must. Every saved state leaves room for the
+later layers' inputs, so no mode overflows the slot. A saved layer's state lies at its
+cursor in the order ``x_rows | h1 | h3`` or ``x | h1 | h3``.
+
+The program advances every rank's cursor (by the kept state, else by ``input_bytes``) and
+writes this rank's element offsets and the device values its backward needs. As plain torch
+ops this was about twenty launches of one-element kernels per layer and three more in its
+backward; here it is one (docs/performance.md runs 15c-16: 2.585 -> 2.560 ms of kernels per
+training step at T=4096, D=2048, F=768, E=128, K=8 on one H200).
+
+Outputs (all written by the single program):
+
+* ``before`` int64 ``[EP]``: the cursors as they were (the backward restores them);
+* ``cursors`` int64 ``[EP]``: advanced in place;
+* ``replay`` bool ``[1]``: the layer keeps only its input;
+* ``flags`` int32 ``[3]``: replayed; saved with x kept instead of x_rows (its backward
+  gathers the rows again); either of the two (its backward needs x's gather table). The
+  backward's device predicates, so it needs no conversion kernels;
+* ``offsets`` int64 ``[4]``: bf16 element offsets from the buffer base of this rank's h1,
+  x_rows, h3 (saved; else -1) and of its kept input x (replayed, or saved with x kept;
+  else -1);
+* ``backward`` int64 ``[5]``: the h3 address, where the forward's combine reads the layer's
+  route results (``combine_address`` when replayed; else the saved rows' absolute address),
+  and what the backward reads h1 and x_rows through: the h1 offset and the x_rows offset
+  (the scratch ``h1g`` / ``xs`` offsets when replayed; the scratch ``xs`` offset for x_rows
+  when a saved layer keeps no x_rows); then ``[start, in_order]``, the ``x_offset`` of a
+  W13 WGRAD that reads the rows in place (``w13_wgrad(x_rows=...)``): the element offset of
+  the layer's state (its x_rows or its x) and ``rows_origin`` where it kept its rows (read
+  in order, the table unread), else 0 (x's rows through the table);
+* with ``h3_bytes`` 0 (``MoEConfig.save_route_outputs`` False) a saved layer keeps no route
+  results: its h3 offset is -1, its h3 address and deltas are those of a replayed layer;
+* ``deltas`` int64 ``[EP]``: for every rank ``r``, where the experts return its route
+  results, as a byte shift from its combine buffer: 0 when the layer is replayed, else its
+  saved h3 rows' address in its activation buffer (``act_bases[r]`` plus its h3 offset;
+  every rank computes every rank's cursors, so all ranks agree) minus ``combine_bases[r]``.
+  The experts add it to their return addresses, so a saved layer's h3 rows land in the slot
+  at once and are never copied there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from distmoe.kernels.base.config import next_power_of_2
+from distmoe.kernels.base.device import device_context
+from distmoe.kernels.base.interpreter import interpreter_active
+
+__all__ = ["begin_layer_on_device"]
+
+
+@triton.jit
+def _align128(n):
+    return (n + 127) // 128 * 128
+
+
+@triton.jit
+def _begin_layer_kernel(
+    rows_ptr,  # int64 [EP]: executed rows of every rank
+    cursors_ptr,  # int64 [EP]: this slot's cursors (bytes from the slot start), in place
+    before_ptr,  # int64 [EP] out
+    replay_ptr,  # bool [1] out
+    offsets_ptr,  # int64 [4] out
+    backward_ptr,  # int64 [5] out
+    act_bases_ptr,  # int64 [EP]: every rank's activation buffer address
+    combine_bases_ptr,  # int64 [EP]: every rank's combine buffer address
+    deltas_ptr,  # int64 [EP] out
+    flags_ptr,  # int32 [3] out: replay, regather, either
+    rank,
+    slot_base,  # bytes from the buffer base to the slot
+    slot_bytes,
+    input_bytes,
+    later,  # layers after this one in the slot
+    kept_x_bytes,  # a saved layer's kept input, where it keeps x instead of x_rows
+    h3_bytes,
+    combine_address,
+    elements_address,
+    replay_h1_offset,
+    replay_x_offset,
+    rows_origin,  # the in-place W13 WGRAD's table origin (0: not read in place)
+    X_ROW_BYTES: tl.constexpr,
+    H1_ROW_BYTES: tl.constexpr,
+    MODE: tl.constexpr,  # 0: x_rows kept, 1: x kept, 2: either (module docstring)
+    EP: tl.constexpr,
+    EP_POW2: tl.constexpr,
+):
+    idx = tl.arange(0, EP_POW2)
+    valid = idx < EP
+    rows = tl.load(rows_ptr + idx, mask=valid, other=0)
+    cur = tl.load(cursors_ptr + idx, mask=valid, other=0)
+    rows_bytes = _align128(rows * X_ROW_BYTES)
+    rest = _align128(rows * H1_ROW_BYTES) + h3_bytes
+    full_rows = rows_bytes + rest
+    full_x = kept_x_bytes + rest
+    reserve = later * input_bytes
+    need_rows = tl.max(tl.where(valid, cur + full_rows, 0), axis=0) + reserve
+    need_x = tl.max(tl.where(valid, cur + full_x, 0), axis=0) + reserve
+    if MODE == 0:
+        keep_rows = need_rows <= slot_bytes
+        keep_x = need_rows < 0  # False
+    elif MODE == 1:
+        keep_x = need_x <= slot_bytes
+        keep_rows = need_x < 0  # False
+    else:
+        # how many of this and the later layers could keep a state if their rows were this
+        # layer's (k); the rows if one of those k states can be the rows (module docstring)
+        n = later + 1
+        small = tl.maximum(tl.minimum(full_rows, full_x), input_bytes)
+        free = slot_bytes - cur - n * input_bytes
+        step = small - input_bytes
+        fits = tl.minimum(n, free // tl.maximum(step, 1))
+        k_r = tl.where(free < 0, 0, tl.where(step > 0, fits, n))
+        k = tl.min(tl.where(valid, k_r, n), axis=0)
+        over = cur + full_rows + (k - 1) * small + (n - k) * input_bytes - slot_bytes
+        rows_ahead = (k >= 1) & (tl.max(tl.where(valid, over, -1), axis=0) <= 0)
+        keep_x = (need_x <= slot_bytes) & (need_x < need_rows) & (rows_ahead == 0)
+        keep_rows = (need_rows <= slot_bytes) & (keep_x == 0)
+    save = keep_rows | keep_x
+    x_state = tl.where(keep_rows, rows_bytes, kept_x_bytes)
+    full = x_state + rest
+    tl.store(before_ptr + idx, cur, mask=valid)
+    tl.store(cursors_ptr + idx, cur + tl.where(save, full, input_bytes), mask=valid)
+    # every rank's saved h3 rows: after its x_rows (or x) and h1 at its cursor
+    h3_at = (slot_base + cur + x_state + _align128(rows * H1_ROW_BYTES)
+             + tl.load(act_bases_ptr + idx, mask=valid, other=0)
+             - tl.load(combine_bases_ptr + idx, mask=valid, other=0))
+    keep_h3 = save & (h3_bytes > 0)  # h3_bytes 0: the slot keeps no route results
+    tl.store(deltas_ptr + idx, tl.where(keep_h3, h3_at, 0), mask=valid)
+    mine = idx == rank
+    my_cur = tl.sum(tl.where(mine, cur, 0), axis=0)
+    my_rows = tl.sum(tl.where(mine, rows, 0), axis=0)
+    start = (slot_base + my_cur) // 2
+    my_x_state = tl.where(keep_rows, _align128(my_rows * X_ROW_BYTES), kept_x_bytes)
+    h1_off = start + my_x_state // 2
+    h3_off = h1_off + _align128(my_rows * H1_ROW_BYTES) // 2
+    tl.store(replay_ptr, save == 0)
+    tl.store(flags_ptr + 0, (save == 0).to(tl.int32))
+    tl.store(flags_ptr + 1, keep_x.to(tl.int32))
+    tl.store(flags_ptr + 2, (keep_rows == 0).to(tl.int32))
+    tl.store(offsets_ptr + 0, tl.where(save, h1_off, -1))
+    tl.store(offsets_ptr + 1, tl.where(keep_rows, start, -1))
+    tl.store(offsets_ptr + 2, tl.where(keep_h3, h3_off, -1))
+    tl.store(offsets_ptr + 3, tl.where(keep_rows, -1, start))
+    tl.store(backward_ptr + 0, tl.where(keep_h3, elements_address + 2 * h3_off,
+                                        combine_address))
+    tl.store(backward_ptr + 1, tl.where(save, h1_off, replay_h1_offset))
+    tl.store(backward_ptr + 2, tl.where(keep_rows, start, replay_x_offset))
+    tl.store(backward_ptr + 3, start)
+    tl.store(backward_ptr + 4, tl.where(keep_rows, rows_origin, rows_origin * 0))
+
+
+#: ``MoEConfig.save_gathered_rows`` -> the kernel's MODE
+MODES = {True: 0, False: 1, "auto": 2}
+
+
+def _begin_layer_torch(rows, cursors, before, replay, offsets, backward, deltas, flags, *,
+                       rank, slot_base, slot_bytes, input_bytes, later, mode, h3_bytes,
+                       x_row_bytes, h1_row_bytes, kept_x_bytes, combine_address,
+                       elements_address, replay_offsets, act_bases, combine_bases,
+                       rows_origin=0):
+    """The same decision as torch ops: CPU tensors outside the Triton interpreter (where no
+    kernel can take them), and the reference of the kernel's tests."""
+    def align(n):
+        return (n + 127) // 128 * 128
+
+    cur = cursors.clone()
+    rows_bytes = align(rows * x_row_bytes)
+    rest = align(rows * h1_row_bytes) + h3_bytes
+    full_rows, full_x = rows_bytes + rest, kept_x_bytes + rest
+    reserve = later * input_bytes
+    need_rows = int((cur + full_rows).max()) + reserve
+    need_x = int((cur + full_x).max()) + reserve
+    if MODES[mode] == 0:
+        keep_rows, keep_x = need_rows <= slot_bytes, False
+    elif MODES[mode] == 1:
+        keep_rows, keep_x = False, need_x <= slot_bytes
+    else:
+        n = later + 1
+        small = torch.minimum(full_rows, full_x).clamp(min=input_bytes)
+        free = slot_bytes - cur - n * input_bytes
+        step = small - input_bytes
+        k = min(0 if f < 0 else min(n, f // st) if st > 0 else n
+                for f, st in zip(free.tolist(), step.tolist(), strict=True))
+        over = cur + full_rows + (k - 1) * small + (n - k) * input_bytes - slot_bytes
+        rows_ahead = k >= 1 and int(over.max()) <= 0
+        keep_x = need_x <= slot_bytes and need_x < need_rows and not rows_ahead
+        keep_rows = need_rows <= slot_bytes and not keep_x
+    save = keep_rows or keep_x
+    x_state = rows_bytes if keep_rows else torch.full_like(rows, kept_x_bytes)
+    full = x_state + rest
+    before.copy_(cur)
+    cursors.add_(full if save else torch.full_like(full, input_bytes))
+    h3_at = slot_base + cur + x_state + align(rows * h1_row_bytes) + act_bases - combine_bases
+    keep_h3 = save and h3_bytes > 0
+    deltas.copy_(h3_at if keep_h3 else torch.zeros_like(h3_at))
+    start = (slot_base + int(cur[rank])) // 2
+    h1 = start + int(x_state[rank]) // 2
+    h3 = h1 + int(align(rows[rank] * h1_row_bytes)) // 2
+    replay.fill_(not save)
+    flags.copy_(torch.tensor([not save, keep_x, not keep_rows], dtype=torch.int32))
+    offsets.copy_(torch.tensor([h1 if save else -1, start if keep_rows else -1,
+                                h3 if keep_h3 else -1, -1 if keep_rows else start]))
+    backward.copy_(torch.tensor([elements_address + 2 * h3 if keep_h3 else combine_address,
+                                 h1 if save else replay_offsets[0],
+                                 start if keep_rows else replay_offsets[1], start,
+                                 rows_origin if keep_rows else 0]))
+
+
+def begin_layer_on_device(
+    rows: torch.Tensor,
+    cursors: torch.Tensor,
+    *,
+    rank: int,
+    slot_base: int,
+    slot_bytes: int,
+    input_bytes: int,
+    later: int,
+    mode: bool | str,
+    h3_bytes: int,
+    x_row_bytes: int,
+    h1_row_bytes: int,
+    kept_x_bytes: int,
+    combine_address: int,
+    elements_address: int,
+    replay_offsets: tuple[int, int],
+    act_bases: torch.Tensor | None = None,
+    combine_bases: torch.Tensor | None = None,
+    rows_origin: int = 0,
+) -> tuple[torch.Tensor, ...]:
+    """Launch the decision (module docstring); ``rows`` and ``cursors`` are int64 ``[EP]`` on
+    one device (validated by the caller, :class:`~distmoe.ops.activations.ActivationBuffer`),
+    like ``act_bases`` / ``combine_bases`` (every rank's activation and combine buffer
+    addresses; ``None``: this rank's ``elements_address`` / ``combine_address`` for every
+    rank, meaningful at EP = 1 only). ``later``: the layers after this one in the slot;
+    ``mode``: ``cfg.save_gathered_rows`` (True, False or ``"auto"``); ``x_row_bytes`` /
+    ``kept_x_bytes``: a saved layer's gathered rows per row and its kept input x (module
+    docstring); ``rows_origin``: the table origin of a W13 WGRAD that reads the layer's rows
+    in place (``backward[4]``; 0 otherwise). Returns ``(before, replay, offsets, backward,
+    deltas, flags)``;
+    ``cursors`` is advanced in place. Nothing is read back on the host. CPU tensors outside
+    the interpreter take the torch-op path."""
+    ep = cursors.shape[0]
+    dev = cursors.device
+    if act_bases is None:
+        act_bases = torch.full((ep,), elements_address, dtype=torch.int64, device=dev)
+    if combine_bases is None:
+        combine_bases = torch.full((ep,), combine_address, dtype=torch.int64, device=dev)
+    before = torch.empty(ep, dtype=torch.int64, device=dev)
+    replay = torch.empty(1, dtype=torch.bool, device=dev)
+    offsets = torch.empty(4, dtype=torch.int64, device=dev)
+    backward = torch.empty(5, dtype=torch.int64, device=dev)
+    deltas = torch.empty(ep, dtype=torch.int64, device=dev)
+    flags = torch.empty(3, dtype=torch.int32, device=dev)
+    outs = (before, replay, offsets, backward, deltas, flags)
+    if dev.type == "cpu" and not interpreter_active():
+        _begin_layer_torch(
+            rows, cursors, *outs, rank=rank, slot_base=slot_base, slot_bytes=slot_bytes,
+            input_bytes=input_bytes, later=later, mode=mode, h3_bytes=h3_bytes,
+            x_row_bytes=x_row_bytes, h1_row_bytes=h1_row_bytes, kept_x_bytes=kept_x_bytes,
+            combine_address=combine_address, elements_address=elements_address,
+            replay_offsets=replay_offsets, act_bases=act_bases, combine_bases=combine_bases,
+            rows_origin=rows_origin)
+        return outs
+    with device_context(dev):
+        _begin_layer_kernel[(1,)](
+            rows, cursors, before, replay, offsets, backward, act_bases, combine_bases, deltas,
+            flags, rank, slot_base, slot_bytes, input_bytes, later, kept_x_bytes, h3_bytes,
+            combine_address, elements_address, replay_offsets[0], replay_offsets[1], rows_origin,
+            X_ROW_BYTES=x_row_bytes, H1_ROW_BYTES=h1_row_bytes, MODE=MODES[mode], EP=ep,
+            EP_POW2=max(2, next_power_of_2(ep)), num_warps=1,
+        )  # fmt: skip
+    return outs

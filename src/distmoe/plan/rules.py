@@ -1,0 +1,351 @@
+"""The rules that pick each kernel's launch config, one function per GEMM family.
+
+Each rule is a pure function of the layer's widths (D = ``hidden``, F = ``ffn``), the
+padding multiple ``block_m``, the rows per local expert (``rows_per_expert``: the shape key
+``T_max * K / E_local``, never a routed count; ``None`` = unknown, which gives the plain
+one-program-per-tile Triton configs that fit any width), the device class and the mode. The
+numbers they compare against are rows of :mod:`distmoe.plan.thresholds`; what a kernel can
+run at all (tiles, ring depths, widths) is the kernel's own check, which these call.
+
+Shared shape of every Gluon pick: a Hopper device class, ``block_m`` 128 and a rows hint;
+elsewhere the Triton kernel with tiles shrunk to the widths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..kernels.base.config import next_power_of_2
+from ..kernels.mega.gluon import FusedConfig
+from ..kernels.movement.combine import CombineConfig
+from ..kernels.w2_dgrad.config import W2DgradConfig
+from ..kernels.w2_dgrad.gluon import shape_reason as w2_dgrad_shape_reason
+from ..kernels.w2_forward.config import W2Config
+from ..kernels.w2_forward.gluon import shape_reason as w2_shape_reason
+from ..kernels.w13_dgrad.config import W13DgradConfig
+from ..kernels.w13_forward.config import W13Config
+from ..kernels.w13_forward.gluon import shape_reason as w13_shape_reason
+from ..kernels.wgrad.config import WgradConfig
+from .thresholds import DeviceClass, Thresholds, thresholds
+
+
+def _pow2_clamped(n: int, low: int, high: int) -> int:
+    return max(low, min(high, next_power_of_2(n)))
+
+
+def _hopper(device_class: DeviceClass) -> bool:
+    return device_class in ("h100", "h200")
+
+
+def _in(value: int, bounds: tuple[int, int], *, closed: bool) -> bool:
+    lo, hi = bounds
+    return lo <= value <= hi if closed else lo <= value < hi
+
+
+def gluon_mid_rows(t: Thresholds, rows_per_expert: int, num_experts: int | None,
+                   weights_per_expert: int) -> bool:
+    """Whether a Gluon forward runs at 64-127 rows per expert: the local expert count known
+    and ``num_experts * weights_per_expert`` bf16 values under the mid-rows weight bound."""
+    if num_experts is None or not 64 <= rows_per_expert < 128:
+        return False
+    return num_experts * weights_per_expert * 2 < t.value("gluon_mid_rows_weight_bytes")
+
+
+# ------------------------------------------------------------------------------ W13 forward
+def w13_forward_gluon(*, hidden: int, ffn: int, rows_per_expert: int, training: bool,
+                      num_experts: int | None = None,
+                      device_class: DeviceClass = "h100") -> W13Config | None:
+    """The Gluon W13 forward config on a Hopper class, or ``None`` for the Triton kernel.
+
+    Cooperative 128 x 128 tiles (8 MMA warps, 4 stages) from 128 rows, and in inference
+    below 64 rows (decode: weights streamed once) or at 64-127 under the mid-rows weight
+    bound; not where a partial last column tile wastes over 1/16 of F. Lockstep producers and
+    expert-group order on the lockstep rows. Else, for training or long segments, ping-pong
+    128 x 64 tiles (5 stages on long segments, else 6)."""
+    t = thresholds(device_class)
+    long_segments = rows_per_expert >= t.value("long_segment_rows")
+    decode = not training and rows_per_expert < 64
+    mid = not training and gluon_mid_rows(t, rows_per_expert, num_experts, 2 * ffn * hidden)
+    candidates = []
+    coop_waste = -(-ffn // 128) * 128 - ffn
+    if (rows_per_expert >= 128 or decode or mid) and 16 * coop_waste <= ffn:
+        lockstep = _in(rows_per_expert, t.value("lockstep_rows"), closed=False)
+        candidates.append(W13Config(block_m=128, block_n=128, block_k=64, num_warps=8,
+                                    num_stages=4, group_m=8, persistent=True, gluon=True,
+                                    lockstep=lockstep, expert_groups=lockstep))
+    if training or long_segments:
+        candidates.append(W13Config(block_m=128, block_n=64, block_k=64, num_warps=4,
+                                    num_stages=5 if long_segments else 6, group_m=8,
+                                    persistent=True, gluon=True))
+    for config in candidates:
+        if w13_shape_reason(hidden=hidden, ffn=ffn, block_m=128, block_n=config.block_n,
+                            block_k=64, stages=config.num_stages,
+                            warps=config.num_warps) is None:
+            return config
+    return None
+
+
+def w13_forward_config(*, hidden: int, ffn: int, block_m: int = 128,
+                       rows_per_expert: int | None = None, training: bool = False,
+                       num_experts: int | None = None,
+                       device_class: DeviceClass = "generic") -> W13Config:
+    """The W13 forward (gather + GEMM + SwiGLU) config.
+
+    Triton: 128 x 128 x 64 tiles shrunk to the widths, 8 warps at a full tile, stages to
+    fit 160 KiB; with a rows hint a persistent grid and stages to 200 KiB, except training
+    on long segments (h1 and x stored too: 3 stages); the TMA epilogue for inference on long
+    segments. On a Hopper class, :func:`w13_forward_gluon` where it picks."""
+    if rows_per_expert is not None and block_m == 128 and _hopper(device_class):
+        gluon = w13_forward_gluon(hidden=hidden, ffn=ffn, rows_per_expert=rows_per_expert,
+                                  training=training, num_experts=num_experts,
+                                  device_class=device_class)
+        if gluon is not None:
+            return gluon
+    block_n = min(128, max(16, next_power_of_2(ffn)))
+    block_k = min(64, max(16, next_power_of_2(hidden)))
+    num_warps = 8 if block_m * block_n >= 128 * 128 else 4
+    per_stage = (block_m + 2 * block_n) * block_k * 2
+    num_stages = max(2, min(4, (160 * 1024) // per_stage))
+    persistent = tma_epilogue = False
+    if rows_per_expert is not None:
+        persistent = True
+        long_segments = rows_per_expert >= thresholds(device_class).value("long_segment_rows")
+        if not (training and long_segments):
+            num_stages = max(2, min(4, (200 * 1024) // per_stage))
+        tma_epilogue = not training and long_segments
+    return W13Config(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
+                     num_stages=num_stages, group_m=8, persistent=persistent,
+                     tma_epilogue=tma_epilogue)
+
+
+# ------------------------------------------------------------------------------- W2 forward
+def w2_forward_gluon(*, hidden: int, ffn: int, rows_per_expert: int, ep_size: int = 1,
+                     num_experts: int | None = None,
+                     device_class: DeviceClass = "h100") -> W2Config | None:
+    """The Gluon W2 forward config on a Hopper class, or ``None`` for the Triton kernel:
+    ping-pong 128 x 128 tiles with 6 stages from 128 rows, at 64-127 under the mid-rows
+    weight bound where 128 divides D; lockstep on the lockstep rows where one expert's W2
+    weights reach the W2 lockstep bound; expert-group order at EP=1 on its rows."""
+    t = thresholds(device_class)
+    groups = ep_size == 1 and _in(rows_per_expert, t.value("expert_groups_w2_rows"),
+                                  closed=True)
+    if rows_per_expert < 128 and (hidden % 128 or not gluon_mid_rows(
+            t, rows_per_expert, num_experts, hidden * ffn)):
+        return None
+    lockstep = (_in(rows_per_expert, t.value("lockstep_rows"), closed=False)
+                and 2 * hidden * ffn >= t.value("lockstep_w2_weight_bytes"))
+    if w2_shape_reason(hidden=hidden, ffn=ffn, block_m=128, block_n=128, block_k=64,
+                       stages=6, warps=4) is not None:
+        return None
+    return W2Config(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=6,
+                    group_m=8, persistent=True, gluon=True, lockstep=lockstep,
+                    expert_groups=groups)
+
+
+def w2_forward_config(*, hidden: int, ffn: int, block_m: int = 128,
+                      rows_per_expert: int | None = None, ep_size: int = 1,
+                      num_experts: int | None = None,
+                      device_class: DeviceClass = "generic") -> W2Config:
+    """The W2 forward (GEMM + scatter epilogue) config. Triton: with a rows hint and
+    D >= 256, 128 x 256 tiles on a persistent grid (3 stages on long segments, else 4);
+    without, 128 x 128 x 64 tiles shrunk to the widths. On a Hopper class,
+    :func:`w2_forward_gluon` where it picks."""
+    if rows_per_expert is not None and block_m == 128 and _hopper(device_class):
+        gluon = w2_forward_gluon(hidden=hidden, ffn=ffn, rows_per_expert=rows_per_expert,
+                                 ep_size=ep_size, num_experts=num_experts,
+                                 device_class=device_class)
+        if gluon is not None:
+            return gluon
+    if rows_per_expert is not None and block_m == 128 and hidden >= 256 and ffn >= 64:
+        long_segments = rows_per_expert >= thresholds(device_class).value("long_segment_rows")
+        return W2Config(block_m=block_m, block_n=256, block_k=64, num_warps=8,
+                        num_stages=3 if long_segments else 4, group_m=8, persistent=True)
+    block_n = min(128, max(16, next_power_of_2(hidden)))
+    block_k = min(64, max(16, next_power_of_2(ffn)))
+    num_warps = 8 if block_m * block_n >= 128 * 128 else 4
+    per_stage = (block_m + block_n) * block_k * 2
+    num_stages = max(2, min(4, (160 * 1024) // per_stage))
+    return W2Config(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
+                    num_stages=num_stages, group_m=8)
+
+
+# -------------------------------------------------------------------------------- W2 DGRAD
+def w2_dgrad_config(*, hidden: int, ffn: int, block_m: int = 128,
+                    rows_per_expert: int | None = None, num_experts: int | None = None,
+                    device_class: DeviceClass = "generic") -> W2DgradConfig:
+    """The W2 DGRAD (+ SwiGLU backward) config. On a Hopper class with a rows hint: the
+    Gluon kernel, 128 x 128 x 64 tiles with its epilogue in an 8-warp partition, 5 stages on
+    long segments else 4, lockstep on its rows where the rank's W2 weights reach its bound,
+    expert-group order on its rows. Triton: 128 x 256 tiles with a rows hint (F >= 256),
+    else tiles shrunk to the widths, 4 stages."""
+    if rows_per_expert is not None and block_m == 128 and _hopper(device_class) \
+            and w2_dgrad_shape_reason(hidden=hidden, ffn=ffn) is None:
+        t = thresholds(device_class)
+        long_segments = rows_per_expert >= t.value("long_segment_rows")
+        lockstep = (num_experts is not None
+                    and _in(rows_per_expert, t.value("lockstep_w2_dgrad_rows"), closed=False)
+                    and 2 * num_experts * hidden * ffn
+                    >= t.value("lockstep_w2_dgrad_weight_bytes"))
+        return W2DgradConfig(
+            block_m=128, block_n=128, block_k=64, num_stages=5 if long_segments else 4,
+            gluon=True, epilogue_warps=8, lockstep=lockstep,
+            expert_groups=_in(rows_per_expert, t.value("expert_groups_w2_dgrad_rows"),
+                              closed=True))
+    if rows_per_expert is not None and block_m == 128 and ffn >= 256 and hidden >= 64:
+        return W2DgradConfig(block_m=block_m, block_n=256, block_k=64, num_warps=8,
+                             num_stages=4)
+    block_n = _pow2_clamped(ffn, 16, 128)
+    block_k = _pow2_clamped(hidden, 16, 64)
+    num_warps = 8 if block_m * block_n >= 128 * 128 else 4
+    return W2DgradConfig(block_m=block_m, block_n=block_n, block_k=block_k,
+                         num_warps=num_warps, num_stages=4)
+
+
+# ------------------------------------------------------------------------------- W13 DGRAD
+def w13_dgrad_gluon(*, hidden: int, ffn: int, rows_per_expert: int, num_experts: int | None,
+                    device_class: DeviceClass = "h100") -> W13DgradConfig | None:
+    """The Gluon W13 DGRAD config on a Hopper class, or ``None`` for the Triton kernel: from
+    128 rows where the rank's W13 weights stay under the mid-rows weight bound and one
+    expert's under the W13 DGRAD bound; ping-pong 128 x 128 tiles, 6 stages from 256 rows
+    else 5; expert-group order on its rows."""
+    t = thresholds(device_class)
+    if rows_per_expert < 128 or num_experts is None:
+        return None
+    expert_bytes = 2 * ffn * hidden * 2
+    if (num_experts * expert_bytes >= t.value("gluon_mid_rows_weight_bytes")
+            or expert_bytes > t.value("gluon_w13_dgrad_expert_bytes")):
+        return None
+    stages = 6 if rows_per_expert >= 256 else 5
+    if w2_shape_reason(hidden=hidden, ffn=ffn, block_m=128, block_n=128, block_k=64,
+                       stages=stages, warps=4, w13_dgrad=True) is not None:
+        return None
+    return W13DgradConfig(
+        block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=stages, group_m=8,
+        persistent=True, gluon=True,
+        expert_groups=_in(rows_per_expert, t.value("expert_groups_w13_dgrad_rows"),
+                          closed=True))
+
+
+def w13_dgrad_config(*, hidden: int, ffn: int, block_m: int = 128,
+                     rows_per_expert: int | None = None, num_experts: int | None = None,
+                     device_class: DeviceClass = "generic") -> W13DgradConfig:
+    """The W13 DGRAD (+ scatter) config. Triton with a rows hint (D >= 256): 128 x 256
+    tiles on a persistent grid whose tiles a counter hands out, an expert's short last tile
+    paired with the one before; without, tiles shrunk to the widths. On a Hopper class,
+    :func:`w13_dgrad_gluon` where it picks."""
+    if rows_per_expert is not None and block_m == 128 and _hopper(device_class):
+        gluon = w13_dgrad_gluon(hidden=hidden, ffn=ffn, rows_per_expert=rows_per_expert,
+                                num_experts=num_experts, device_class=device_class)
+        if gluon is not None:
+            return gluon
+    if rows_per_expert is not None and block_m == 128 and hidden >= 256 and ffn >= 32:
+        return W13DgradConfig(block_m=block_m, block_n=256, block_k=64, num_warps=8,
+                              num_stages=4, persistent=True, dynamic=True, pair_tails=True)
+    block_n = _pow2_clamped(hidden, 16, 128)
+    block_k = _pow2_clamped(2 * ffn, 16, 64)
+    num_warps = 8 if block_m * block_n >= 128 * 128 else 4
+    return W13DgradConfig(block_m=block_m, block_n=block_n, block_k=block_k,
+                          num_warps=num_warps, num_stages=3)
+
+
+# ------------------------------------------------------------------------------------ WGRAD
+def _wgrad_wide_tiles(t: Thresholds, out_rows: int, out_cols: int,
+                      rows_per_expert: int | None) -> bool:
+    if not (out_rows >= 256 and out_cols >= 128
+            and 2 * out_rows * out_cols >= t.value("wgrad_wide_tile_expert_bytes")):
+        return False
+    return rows_per_expert is None or rows_per_expert >= t.value("wgrad_wide_tile_min_rows")
+
+
+def wgrad_gluon(*, out_rows: int, out_cols: int, block_m: int = 128,
+                rows_per_expert: int | None = None, gathered_b: bool = False,
+                device_class: DeviceClass = "h100") -> WgradConfig | None:
+    """The warp-specialised Gluon WGRAD config on a Hopper class (``None`` where the shape
+    does not fit it): 256 x 128 tiles where B is gathered (the W13 WGRAD reading kept input
+    rows in place) or one expert's gradient reaches the wide-tile bound (lockstep producers
+    from the lockstep bound); cooperative 128 x 128 on long segments (>= 256 columns); else
+    ping-pong 128 x 128 (5 stages)."""
+    if block_m < 64 or out_rows % 8 or out_rows < 128:
+        return None
+    t = thresholds(device_class)
+    wide = WgradConfig(block_m=block_m, block_k=64, block_out_m=256, block_out_n=128,
+                       num_warps=8, num_stages=3, gluon=True, specialized=True)
+    if gathered_b and out_rows % 256 == 0 and out_cols >= 128:
+        return wide
+    if not gathered_b and _wgrad_wide_tiles(t, out_rows, out_cols, rows_per_expert):
+        return replace(wide, lockstep=2 * out_rows * out_cols
+                       >= t.value("wgrad_lockstep_expert_bytes"))
+    if (rows_per_expert is not None and rows_per_expert >= t.value("long_segment_rows")
+            and out_cols >= 256):
+        return WgradConfig(block_m=block_m, block_k=64, block_out_m=128, block_out_n=128,
+                           num_warps=8, num_stages=5, gluon=True, specialized=True)
+    return WgradConfig(block_m=block_m, block_k=64, block_out_m=128,
+                       block_out_n=_pow2_clamped(out_cols, 16, 128), num_warps=4,
+                       num_stages=5, gluon=True, specialized=True, pingpong=True)
+
+
+def wgrad_config(*, out_rows: int, out_cols: int, block_m: int = 128,
+                 rows_per_expert: int | None = None, gathered_b: bool = False,
+                 device_class: DeviceClass = "generic") -> WgradConfig:
+    """The grouped WGRAD config (``out_rows x out_cols`` per expert: D x F for W2, 2F x D for
+    W13). On a Hopper class :func:`wgrad_gluon`; Triton: 128 x 256 tiles on long segments,
+    else tiles shrunk to the output, 3 stages."""
+    if _hopper(device_class):
+        gluon = wgrad_gluon(out_rows=out_rows, out_cols=out_cols, block_m=block_m,
+                            rows_per_expert=rows_per_expert, gathered_b=gathered_b,
+                            device_class=device_class)
+        if gluon is not None:
+            return gluon
+    if (rows_per_expert is not None
+            and rows_per_expert >= thresholds(device_class).value("long_segment_rows")
+            and out_rows >= 128 and out_cols >= 256):
+        return WgradConfig(block_m=block_m, block_k=min(64, block_m), block_out_m=128,
+                           block_out_n=256, num_warps=8, num_stages=3)
+    block_out_m = _pow2_clamped(out_rows, 16, 128)
+    block_out_n = _pow2_clamped(out_cols, 16, 128)
+    num_warps = 8 if block_out_m * block_out_n >= 128 * 128 else 4
+    return WgradConfig(block_m=block_m, block_k=min(64, block_m), block_out_m=block_out_m,
+                       block_out_n=block_out_n, num_warps=num_warps, num_stages=3)
+
+
+# ---------------------------------------------------------------------------------- combine
+def combine_config(*, hidden: int) -> CombineConfig:
+    """The owner combine: one token of 1024 columns per program with 8 warps where
+    D >= 1024 (fastest of 31 configs at two shapes, docs/performance.md#run-33); narrower D
+    packs more tokens per program up to 1024 elements, 4 warps."""
+    block_d = min(1024, next_power_of_2(hidden))
+    return CombineConfig(block_t=max(1, 1024 // block_d), block_d=block_d,
+                         num_warps=8 if block_d >= 1024 else 4)
+
+
+# --------------------------------------------------------------------- per-call layer rules
+def pull_all(*, ep_size: int, top_k: int, tokens: int, max_tokens: int,
+             device_class: DeviceClass = "generic") -> bool:
+    """Whether a forward of ``tokens`` tokens (buffers for ``max_tokens``) copies every
+    peer's ``max_tokens`` rows (copy engines, beside the routing) rather than the rows its
+    tables name: where the expected used fraction ``tokens / max_tokens * (1 - (1 -
+    1/EP)^K)`` (uniform routing, this rank's count standing for its peers') reaches the
+    pull-all threshold. At full buffers: EP=2 with K >= 4, EP=3 with K >= 6, not EP=4 with
+    K=8. Either way gives the same bits."""
+    if ep_size <= 1 or max_tokens <= 0:
+        return False
+    used = tokens / max_tokens * (1 - (1 - 1 / ep_size) ** top_k)
+    return used >= thresholds(device_class).value("pull_all_fraction")
+
+
+def w13_phases(*, max_tokens: int, top_k: int, num_experts: int,
+               device_class: DeviceClass = "generic") -> bool:
+    """Whether W13 runs in two launches around the peer copy (where its tiles are the
+    copy's 128-row blocks): from the W13-phases threshold of rows per local expert from one
+    source rank, ``max_tokens * top_k / num_experts``."""
+    return (max_tokens * top_k // num_experts
+            >= thresholds(device_class).value("w13_phases_min_own_rows"))
+
+
+def mega_config(*, pingpong: bool = True, lag: int = 3, dynamic: bool = False) -> FusedConfig:
+    """The fused W13 + W2 kernel's config: ping-pong 128 x 64 / 128 x 128 tiles with 6
+    stages, or cooperative 128 x 128 / 128 x 256 with 4; ``lag`` row-block groups between a
+    group's W13 and W2 tiles; ``dynamic`` hands tiles out at run time."""
+    if pingpong:
+        return FusedConfig(block_n=64, warps=4, stages=6, lag=lag, dynamic=dynamic)
+    return FusedConfig(block_n=128, warps=8, stages=4, lag=lag, dynamic=dynamic)
