@@ -25,6 +25,7 @@ from distmoe.kernels.w13_dgrad.config import W13DgradConfig
 from distmoe.kernels.w13_dgrad.triton import w13_dgrad_scatter
 from distmoe.kernels.wgrad.config import WgradConfig
 from distmoe.kernels.wgrad.triton import w2_wgrad, w13_wgrad
+from distmoe.plan import rules
 from distmoe.reference import moe_reference
 
 
@@ -274,10 +275,10 @@ def test_backward_chain_gpu_default_configs(offsets, hint, scored):
     # shape hint: the tuned 128 x 256 DGRAD tiles (F = 384: a half-empty last tile), the
     # persistent W13 DGRAD grid and 128 x 256 WGRAD tiles.
     configs = {
-        "w2_dgrad": W2DgradConfig.from_heuristic(hidden=512, ffn=384, rows_per_expert=hint),
-        "w2_wgrad": WgradConfig.from_heuristic(out_rows=512, out_cols=384, rows_per_expert=hint),
-        "w13_dgrad": W13DgradConfig.from_heuristic(hidden=512, ffn=384, rows_per_expert=hint),
-        "w13_wgrad": WgradConfig.from_heuristic(out_rows=768, out_cols=512,
+        "w2_dgrad": rules.w2_dgrad_config(hidden=512, ffn=384, rows_per_expert=hint),
+        "w2_wgrad": rules.wgrad_config(out_rows=512, out_cols=384, rows_per_expert=hint),
+        "w13_dgrad": rules.w13_dgrad_config(hidden=512, ffn=384, rows_per_expert=hint),
+        "w13_wgrad": rules.wgrad_config(out_rows=768, out_cols=512,
                                                 rows_per_expert=hint),
     }
     if hint is not None:

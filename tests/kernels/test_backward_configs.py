@@ -16,6 +16,7 @@ from distmoe.kernels.w13_dgrad.config import W13DgradConfig
 from distmoe.kernels.w13_dgrad.triton import w13_dgrad_scatter
 from distmoe.kernels.wgrad.config import WgradConfig
 from distmoe.kernels.wgrad.triton import w2_wgrad, w13_wgrad
+from distmoe.plan import device_class, rules
 
 
 def test_configs():
@@ -26,36 +27,36 @@ def test_configs():
     for cfg in WgradConfig.all_configs(out_rows=4096, out_cols=2048, block_m=64):
         assert cfg.fits_hopper() and 64 % cfg.block_k == 0
     assert RouteGradConfig.all_configs(hidden=40)
-    big = WgradConfig.from_heuristic(out_rows=4096, out_cols=2048)
+    big = rules.wgrad_config(out_rows=4096, out_cols=2048)
     assert (big.block_out_m, big.block_out_n, big.num_warps) == (128, 128, 8)
-    assert W2DgradConfig.from_heuristic(hidden=4096, ffn=2048).block_n == 128
+    assert rules.w2_dgrad_config(hidden=4096, ffn=2048).block_n == 128
     with pytest.raises(ValueError, match=r"block_k \(64\) must divide block_m \(32\)"):
         WgradConfig(block_m=32, block_k=64)
     # Persistent grids: accepted, swept, never the default (until measured on an H200).
-    for cls in (W2DgradConfig, W13DgradConfig):
+    for cls, rule in ((W2DgradConfig, rules.w2_dgrad_config),
+                      (W13DgradConfig, rules.w13_dgrad_config)):
         assert cls(persistent=True).persistent
-        assert not cls.from_heuristic(hidden=4096, ffn=2048).persistent
+        assert not rule(hidden=4096, ffn=2048).persistent
         swept = cls.all_configs(hidden=4096, ffn=2048)
         assert {c.persistent for c in swept} == {False, True}
         tiles = [replace(c, persistent=False) for c in swept if c.persistent]
         assert tiles and all(c in swept for c in tiles)  # a persistent twin of each tile grid
     # With the layer's shape hint (balanced rows per local expert): the tuned 128 x 256 tiles
     # when the dimension they split is wide enough, else the defaults above.
-    w2d = W2DgradConfig.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048)
+    w2d = rules.w2_dgrad_config(hidden=4096, ffn=2048, rows_per_expert=2048)
     assert (w2d.block_n, w2d.num_stages, w2d.persistent) == (256, 4, False)
     # the Gluon W2 DGRAD only where it runs (a Hopper GPU outside the interpreter)
-    cpu = W2DgradConfig.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048,
-                                       device=torch.device("cpu"))
+    cpu = rules.w2_dgrad_config(hidden=4096, ffn=2048, rows_per_expert=2048,
+                                       device_class=device_class(torch.device("cpu")))
     assert cpu == w2d and not cpu.gluon
-    w13d = W13DgradConfig.from_heuristic(hidden=2048, ffn=768, rows_per_expert=256)
+    w13d = rules.w13_dgrad_config(hidden=2048, ffn=768, rows_per_expert=256)
     assert (w13d.block_n, w13d.num_stages, w13d.persistent) == (256, 4, True)
     assert w13d.dynamic and w13d.pair_tails  # run 40: the layer's tiles, handed out
     assert w2d.fits_hopper() and w13d.fits_hopper()
-    for cls in (W2DgradConfig, W13DgradConfig):
-        assert cls.from_heuristic(hidden=128, ffn=128, rows_per_expert=2048) \
-            == cls.from_heuristic(hidden=128, ffn=128)
-        assert cls.from_heuristic(hidden=4096, ffn=2048, block_m=64, rows_per_expert=2048) \
-            == cls.from_heuristic(hidden=4096, ffn=2048, block_m=64)
+    for rule in (rules.w2_dgrad_config, rules.w13_dgrad_config):
+        assert rule(hidden=128, ffn=128, rows_per_expert=2048) == rule(hidden=128, ffn=128)
+        assert rule(hidden=4096, ffn=2048, block_m=64, rows_per_expert=2048) \
+            == rule(hidden=4096, ffn=2048, block_m=64)
 
 
 def test_validation_errors():

@@ -6,13 +6,14 @@ import pytest
 from distmoe.kernels.movement.combine import CombineConfig
 from distmoe.kernels.w2_forward.config import W2Config
 from distmoe.kernels.w13_forward.config import W13Config
+from distmoe.plan import rules
 
 
 def test_configs():
-    w13 = W13Config.from_heuristic(hidden=4096, ffn=2048)
+    w13 = rules.w13_forward_config(hidden=4096, ffn=2048)
     assert (w13.block_m, w13.block_n, w13.block_k, w13.num_warps) == (128, 128, 64, 8)
     assert 3 <= w13.num_stages <= 4 and w13.fits_hopper()
-    w2 = W2Config.from_heuristic(hidden=4096, ffn=2048)
+    w2 = rules.w2_forward_config(hidden=4096, ffn=2048)
     assert (w2.block_m, w2.block_n, w2.block_k, w2.num_warps) == (128, 128, 64, 8)
     assert w2.fits_hopper()
     assert w13.host_descriptors and w2.host_descriptors and not (w13.persistent or w2.persistent)
@@ -21,7 +22,7 @@ def test_configs():
     # (hint >= 1024); the TMA epilogue only for inference with long segments.
     for hint, training, stages, tma in ((2048, False, 4, True), (2048, True, 3, False),
                                         (256, False, 4, False), (256, True, 4, False)):
-        c = W13Config.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=hint,
+        c = rules.w13_forward_config(hidden=4096, ffn=2048, rows_per_expert=hint,
                                      training=training)
         assert (c.persistent, c.num_stages, c.tma_epilogue) == (True, stages, tma)
         assert c.fits_hopper()
@@ -32,10 +33,10 @@ def test_configs():
         assert configs and all(c.fits_hopper() and c.block_m == 128 for c in configs)
     assert CombineConfig.all_configs()
     # the combine: one token of 1024 columns, 8 warps (run 33); small D: 1024 elements
-    assert CombineConfig.from_heuristic(hidden=2048) == CombineConfig(block_t=1, block_d=1024,
+    assert rules.combine_config(hidden=2048) == CombineConfig(block_t=1, block_d=1024,
                                                                       num_warps=8)
-    assert CombineConfig.from_heuristic(hidden=7168).block_d == 1024
-    assert CombineConfig.from_heuristic(hidden=48) == CombineConfig(block_t=16, block_d=64,
+    assert rules.combine_config(hidden=7168).block_d == 1024
+    assert rules.combine_config(hidden=48) == CombineConfig(block_t=16, block_d=64,
                                                                     num_warps=4)
     with pytest.raises(ValueError, match=r"block_k \(48\) must be a power of two"):
         W13Config(block_k=48)
@@ -57,8 +58,7 @@ def test_every_bool_option_of_the_gemm_configs_is_checked():
     common = ["persistent", "host_descriptors"]
     expected = {W13Config: common + ["tma_epilogue", "gluon", "lockstep", "expert_groups"],
                 W2Config: common + ["gluon", "lockstep", "expert_groups"],
-                W2DgradConfig: common + ["gluon", "epilogue_early_h1", "lockstep",
-                                         "expert_groups"],
+                W2DgradConfig: common + ["gluon", "lockstep", "expert_groups"],
                 W13DgradConfig: common + ["pair_tails", "dynamic", "gluon", "lockstep",
                                           "expert_groups"]}
     for cls, names in expected.items():

@@ -91,11 +91,9 @@ def forward_rank(rank, world, seed, T, D, F, E, K, case_name, device="cpu", row_
                        training=False, row_block=row_block,
                        device_scratch_factor=float(world))  # room for any imbalance
     dev = _rank_device(device)
-    with dm.MoEContext(cfg, device=dev, check=True) as ctx:
-        if pull_all is not None:
-            ctx._pull_all = pull_all
-        if w13_phases is not None:
-            ctx._w13_phases = w13_phases
+    layer = {k: v for k, v in (("pull_all", pull_all), ("w13_phases", w13_phases))
+             if v is not None}
+    with dm.MoEContext(cfg, device=dev, check=True, overrides={"layer": layer}) as ctx:
         args = [t.to(dev) for t in (mine.x, mine.expert_ids, mine.scores, mine.w13, mine.w2)]
         y = ctx(*args)
         stats = dict(ctx.stats(), w13_phased=ctx._phased_w13())

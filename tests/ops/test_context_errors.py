@@ -32,6 +32,9 @@ def _bad_inputs_rank(rank, world):
                             torch.zeros(T + 1, K), *good[3:]),
         "ids float": (good[0], good[1].float(), *good[2:]),
         "ids shape": (good[0], good[1][:, :1].contiguous(), *good[2:]),
+        # a transposed view of the wrong shape: the shape is reported, not the layout
+        "scores shape": (*good[:2], good[2].t(), *good[3:]),
+        "scores int": (*good[:2], good[2].long(), *good[3:]),
         "w13 shape": (*good[:3], good[3][:, :, :F - 8].contiguous(), good[4]),
         "w2 dtype": (*good[:4], good[4].float()),
         "non-contiguous x": (good[0].t().contiguous().t(),) + good[1:],
@@ -119,14 +122,18 @@ def test_bad_inputs_raise_before_buffers_are_touched():
     assert untouched
     expected = {
         "x dtype": r"TypeError: x must be torch.bfloat16, got torch.float32",
-        "x width": r"x must be \[T, 32\], got \(8, 40\)",
+        # shapes name the config field each width comes from
+        "x width": r"x must be \[T, hidden=32\], got \(8, 40\)",
         "too many tokens": r"x has T = 9 tokens, above max_tokens \(8\)",
         "ids float": r"TypeError: expert_ids must have an integer dtype",
-        "ids shape": r"expert_ids must be \[T, K\] = \(8, 2\), got \(8, 1\)",
-        "w13 shape": r"w13 must be \[E_local, 2, F, D\] = \(4, 2, 32, 32\)",
+        "ids shape": r"expert_ids must be \[T, top_k\] = \[8, 2\] \(T from x\), got \(8, 1\)",
+        "scores shape": r"scores must be \[T, top_k\] = \[8, 2\] \(T from x\), got \(2, 8\)",
+        "scores int": r"TypeError: scores must have a floating dtype \(float32, bfloat16, "
+                      r"float16, float64\), got torch.int64",
+        "w13 shape": r"w13 must be \[E_local=4, 2, ffn=32, hidden=32\] \(gate = w13\[e, 0\]",
         "w2 dtype": r"TypeError: w2 must be torch.bfloat16",
         "non-contiguous x": r"x must be contiguous, got shape \(8, 32\) with strides \(1, 8\)",
-        "id out of range": r"expert_ids must lie in \[-1, 4\); found 4 at \[\d+, \d+\]",
+        "id out of range": r"expert_ids must lie in \[-1, num_experts=4\); found 4 at \[\d+, \d+\]",
         "score on inactive": r"scores must be 0 on inactive routes",
         "closed": r"this MoEContext is closed",
     }

@@ -14,6 +14,7 @@ from forward_cases import (
 )
 
 import distmoe as dm
+from distmoe.plan import rules
 
 D, F = 32, 32
 
@@ -86,56 +87,43 @@ def test_w13_in_two_launches_gives_the_same_bits():
 
 def test_w13_phases_rule():
     """Two launches by default from 1024 rows per local expert from one rank (T_max*K/E)."""
-    rule = dm.MoEContext.w13_phases_rule
+    def rule(max_tokens, top_k, num_experts):
+        return rules.w13_phases(max_tokens=max_tokens, top_k=top_k, num_experts=num_experts)
+
     assert rule(8192, 8, 32)  # 2048 rows: T=8192, E=32, K=8
-    assert not rule(4096, 8, 128)  # 256 rows: the fine-grained shape (measured even)
+    assert not rule(4096, 8, 128)  # 256 rows: the Qwen3-30B-A3B layer (measured even)
     assert rule(4096, 8, 32) and not rule(4095, 8, 32)
 
 
-def _beside_rule_rank(rank, world):
+def _mega_rule_rank(rank, world):
     cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=4, top_k=2, max_tokens=16,
                        training=False)
+    out = []
     with dm.MoEContext(cfg, device="cpu") as ctx:
-        chosen = ctx._w2_runs_beside(False)
-        reasons = [ctx._w2_beside_reason(False), ctx._w2_beside_reason(True)]
-        ctx._w2_beside = True
-        try:
-            ctx._w2_runs_beside(False)
-        except ValueError as exc:
-            forced = str(exc)
-        else:
-            forced = None
-        ctx._w2_beside = False
-        fused = [ctx._runs_fused(False), ctx._fused_reason(False), ctx._fused_reason(True)]
-        ctx._fused = True
-        try:
-            ctx._runs_fused(False)
-        except ValueError as exc:
-            fused.append(str(exc))
-        ctx._w2_beside = True
-        try:
-            ctx._runs_fused(False)
-        except ValueError as exc:
-            fused.append(str(exc))
-    return chosen, reasons, forced, fused
+        out.append((ctx.plan.mega_config, ctx._runs_mega(False)))
+    try:
+        with dm.MoEContext(cfg, device="cpu", overrides={"layer": {"mega": True}}) as ctx:
+            out.append(ctx._mega_reason(False))
+            x = torch.randn(16, D).bfloat16()
+            ids = torch.zeros(16, 2, dtype=torch.int64)
+            ids[:, 1] = 1
+            ctx(x, ids, torch.rand(16, 2), torch.randn(4 // world, 2, F, D).bfloat16(),
+                torch.randn(4 // world, D, F).bfloat16())
+    except ValueError as exc:
+        out.append(str(exc))
+    return out
 
 
-def test_w2_beside_w13_is_refused_without_a_gpu_per_rank():
-    """W2 runs beside W13, or both fused into one kernel, only when asked for and where
-    every rank has a GPU of its own (GPU runs: the multigpu tests); on CPU ranks forcing it
-    says why."""
-    for chosen, (infer, train), forced, fused in dm.launch(_beside_rule_rank, 2):
-        assert chosen is False
-        assert "'cpu' heap" in infer and "every rank on a GPU of its own" in infer
-        assert "inference only" in train
-        assert forced is not None and forced.startswith("W2 beside W13 cannot run here")
-        # the fused W13 + W2 kernel: the same rule, off by default, one way at a time
-        f_chosen, f_infer, f_train, f_forced, f_both = fused
-        assert f_chosen is False and f_infer == infer and f_train == train
-        assert f_forced.startswith("the fused W13 + W2 kernel cannot run here")
-        assert "set one of _fused and _w2_beside" in f_both
-    ((chosen, (infer, _), _, fused),) = dm.launch(_beside_rule_rank, 1)
-    assert chosen is False and "EP > 1" in infer and "EP > 1" in fused[1]
+def test_mega_is_refused_without_a_gpu_per_rank():
+    """W13 and W2 in one kernel (Mega) only when the plan asks for it and where every rank
+    has a GPU of its own (GPU runs: the multigpu tests); on CPU ranks the call says why, at
+    EP=1 the plan itself refuses it."""
+    for (default, ran), reason, raised in dm.launch(_mega_rule_rank, 2):
+        assert default is None and ran is False
+        assert "'cpu' heap" in reason and "every rank on a GPU of its own" in reason
+        assert raised.startswith("Mega (W13 and W2 in one kernel) cannot run here")
+    ((_, _), raised), = dm.launch(_mega_rule_rank, 1)
+    assert "Mega runs in EP > 1 inference only" in raised
 
 
 def test_ep1_reads_x_in_place_and_copies_a_misaligned_x():
@@ -152,7 +140,7 @@ def test_ep1_reads_x_in_place_and_copies_a_misaligned_x():
 def test_pull_all_is_the_default_where_nearly_every_peer_token_is_needed():
     """The layer's choice: every peer token when T / T_max * (1 - (1 - 1/EP)^K) >= 0.9."""
     def choose(ep, k, tokens=64, max_tokens=64):
-        return dm.MoEContext.pull_all_rule(ep, k, tokens, max_tokens)
+        return rules.pull_all(ep_size=ep, top_k=k, tokens=tokens, max_tokens=max_tokens)
 
     assert choose(2, 8) and choose(2, 4) and choose(3, 6)
     assert not choose(1, 8) and not choose(2, 2) and not choose(4, 8) and not choose(8, 8)

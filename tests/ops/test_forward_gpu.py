@@ -14,6 +14,7 @@ from forward_cases import (
 )
 
 import distmoe as dm
+from distmoe.plan import device_class, rules
 from distmoe.reference import moe_reference, split_global_problem
 
 D, F = 256, 128
@@ -35,14 +36,12 @@ def test_forward_gpu_gluon_kernels_at_mid_rows_per_expert():
     """100 rows per expert (inference), where the heuristics take the Gluon W13 and W2 for
     experts whose weights total under 2 GiB since run 38: every routing case against the
     reference at EP=1."""
-    from distmoe.kernels.w2_forward.config import W2Config
-    from distmoe.kernels.w13_forward.config import W13Config
 
     T, E, K = 400, 16, 4
     dev = torch.device("cuda", 0)
-    assert W13Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=T * K // E, device=dev,
+    assert rules.w13_forward_config(hidden=D, ffn=F, rows_per_expert=T * K // E, device_class=device_class(dev),
                                     num_experts=E).gluon
-    assert W2Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=T * K // E, device=dev,
+    assert rules.w2_forward_config(hidden=D, ffn=F, rows_per_expert=T * K // E, device_class=device_class(dev),
                                    num_experts=E).gluon
     names = sorted(CASES)
     per_rank = dm.launch(forward_cases_rank, 1, device="cuda", gpus=[0], timeout=300,
@@ -57,16 +56,14 @@ def test_forward_gpu_expert_group_orders(rows):
     """128 and 512 rows per expert (inference, EP=1), where the heuristics walk the Gluon W2
     forward's tiles a group per expert (run 59), at 128 the cooperative W13's too, its
     producers in lockstep (runs 52, 58): every routing case against the reference."""
-    from distmoe.kernels.w2_forward.config import W2Config
-    from distmoe.kernels.w13_forward.config import W13Config
 
     E, K = 16, 4
     T = rows * E // K
     dev = torch.device("cuda", 0)
     keys = dict(hidden=D, ffn=F, rows_per_expert=rows, device=dev, num_experts=E)
-    w13 = W13Config.from_heuristic(**keys, training=False)
+    w13 = rules.w13_forward_config(**keys, training=False)
     assert (w13.gluon, w13.expert_groups) == (True, rows == 128), w13
-    assert W2Config.from_heuristic(**keys).expert_groups
+    assert rules.w2_forward_config(**keys).expert_groups
     names = sorted(CASES)
     per_rank = dm.launch(forward_cases_rank, 1, device="cuda", gpus=[0], timeout=300,
                          args=(93, T, D, F, E, K, names, "cuda"))
@@ -93,9 +90,10 @@ def _graph_rank(rank, world, T, E, K, phases=None, case="inactive_mix"):
                        device_scratch_factor=float(world))
     problems = [split_global_problem(*make_problem(s, world, T, D, F, E, K, case),
                                      world)[rank] for s in (1, 2)]
-    with dm.MoEContext(cfg, device=dev) as ctx:
-        if phases is not None:  # W13 in two launches around the copy-engine pull's join
-            ctx._pull_all = ctx._w13_phases = phases
+    # phases: W13 in two launches around the copy-engine pull's join (or not)
+    overrides = None if phases is None else {"layer": {"pull_all": phases,
+                                                        "w13_phases": phases}}
+    with dm.MoEContext(cfg, device=dev, overrides=overrides) as ctx:
         static = [t.to(dev) for t in (problems[0].x, problems[0].expert_ids,
                                       problems[0].scores, problems[0].w13, problems[0].w2)]
         s = torch.cuda.Stream()

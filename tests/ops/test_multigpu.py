@@ -1,7 +1,7 @@
 """One rank per GPU on every visible GPU (2, 4 or 8 H200s; skipped with fewer than two):
 the heap, the forward on every routing case, training (saving and replaying), a CUDA-graph
-training step, the forward with x in the context's input buffer, and with W2 beside W13 and
-with W13 and W2 fused (eager and in a graph). These are issue 8's correctness runs; on one
+training step, the forward with x in the context's input buffer, and with W13 and W2 in one kernel
+(Mega; eager and in a graph). These are issue 8's correctness runs; on one
 GPU the same code runs with ranks sharing it (test_forward_gpu.py, test_training_gpu.py)."""
 
 import pytest
@@ -109,46 +109,19 @@ def _graph_replays(ctx, args_of, eager, x_in_buffer=False):
     return replays
 
 
-def _w2_beside_rank(rank, world):
-    """W2 beside W13 (it can run here: inference, a GPU per rank, Gluon GEMMs at 1024 rows
-    per local expert; off by default) against W2 after W13, bit for bit, eager for every
-    routing case and with the 2-program W2 (long waits); then one CUDA graph captured
-    beside, replayed with each case's inputs copied in, against the eager result."""
-    dev = torch.device("cuda", torch.cuda.current_device())
-    cfg, args_of = _beside_problem(rank, world, dev)
-    outs = []
-    with dm.MoEContext(cfg, device=dev, check=True) as ctx:
-        default = (ctx._w2_runs_beside(False), ctx._w2_beside_reason(False))
-        eager = {}
-        for name, args in args_of.items():
-            ctx._w2_beside = False
-            after = ctx(*args)
-            ctx._w2_beside = True
-            beside = ctx(*args)
-            ctx._w2_beside_programs = 2
-            narrow = ctx(*args)
-            ctx._w2_beside_programs = None
-            torch.cuda.synchronize()
-            eager[name] = beside.clone()
-            outs.append((name, torch.equal(after, beside), torch.equal(after, narrow),
-                         bool(torch.isfinite(after.float()).all())))
-        replays = _graph_replays(ctx, args_of, eager)
-    return default, outs, replays
-
-
-def _fused_rank(rank, world):
-    """W13 and W2 as one fused kernel (off by default; it can run here) against the two
-    kernels in sequence with the same tiles, bit for bit, for every routing case: the
+def _mega_rank(rank, world):
+    """W13 and W2 as one persistent kernel (Mega; off by default, it can run here) against
+    the two kernels in sequence with the same tiles, bit for bit, for every routing case: the
     cooperative tiles (W2 at 128 x 256 in the sequence too) and the ping-pong tiles (W13
     128 x 64, W2 128 x 128), each with its tiles handed out at run time and statically, at
-    lags 1 to 3; then one CUDA graph of the fused layer (ping-pong, lag 3, run-time hand-out)
-    replayed with each case's inputs against its eager result."""
+    lags 1 to 3; then one CUDA graph of Mega (ping-pong, lag 3, run-time hand-out) replayed
+    with each case's inputs against its eager result."""
     from distmoe.kernels.w2_forward.config import W2Config
     from distmoe.kernels.w13_forward.config import W13Config
 
     dev = torch.device("cuda", torch.cuda.current_device())
     cfg, args_of = _beside_problem(rank, world, dev)
-    tiles = {  # the fused kernel's tiles as the two kernels' configs
+    tiles = {  # Mega's tiles as the two kernels' configs
         False: (W13Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4,
                           group_m=8, persistent=True, gluon=True),
                 W2Config(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4,
@@ -157,28 +130,28 @@ def _fused_rank(rank, world):
                          group_m=8, persistent=True, gluon=True),
                W2Config(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=6,
                         group_m=8, persistent=True, gluon=True))}
-    outs = []
-    with dm.MoEContext(cfg, device=dev, check=True) as ctx:
-        default = (ctx._runs_fused(False), ctx._fused_reason(False))
-        eager = {}
-        for name, args in args_of.items():
-            for pingpong, lag, dynamic in ((False, 2, True), (False, 1, False),
-                                           (True, 3, True), (True, 2, False)):
-                ctx._w13_cfg, ctx._w2_cfg = tiles[pingpong]
-                ctx._fused = False
-                after = ctx(*args)
-                ctx._fused, ctx._fused_pingpong = True, pingpong
-                ctx._fused_lag, ctx._fused_dynamic = lag, dynamic
-                fused = ctx(*args)
+    with dm.MoEContext(cfg, device=dev) as ctx:
+        default = (ctx.plan.mega_config, ctx._mega_reason(False))
+    outs, eager, replays = [], {}, []
+    for pingpong, lag, dynamic in ((False, 2, True), (False, 1, False), (True, 3, True),
+                                   (True, 2, False)):
+        w13_cfg, w2_cfg = tiles[pingpong]
+        kernels = {"w13": w13_cfg, "w2": w2_cfg}
+        mega = dict(kernels, layer={"mega": True, "mega_pingpong": pingpong,
+                                    "mega_lag": lag, "mega_dynamic": dynamic})
+        with dm.MoEContext(cfg, device=dev, check=True, overrides=kernels) as seq, \
+                dm.MoEContext(cfg, device=dev, check=True, overrides=mega) as fused_ctx:
+            for name, args in args_of.items():
+                after = seq(*args)
+                fused = fused_ctx(*args)
                 torch.cuda.synchronize()
                 if (pingpong, lag, dynamic) == (True, 3, True):
                     eager[name] = fused.clone()
                 outs.append((f"{name} pp={pingpong} lag={lag} dynamic={dynamic}",
                              torch.equal(after, fused),
                              bool(torch.isfinite(after.float()).all())))
-        ctx._fused, ctx._fused_pingpong, ctx._fused_lag = True, True, 3
-        ctx._fused_dynamic = True
-        replays = _graph_replays(ctx, args_of, eager)
+            if (pingpong, lag, dynamic) == (True, 3, True):
+                replays = _graph_replays(fused_ctx, args_of, eager)
     return default, outs, replays
 
 
@@ -213,25 +186,12 @@ def test_input_buffer_one_rank_per_gpu():
 
 
 @pytest.mark.multigpu
-def test_w2_beside_w13_one_rank_per_gpu():
+def test_mega_one_rank_per_gpu():
     gpus = _gpus()
-    out = dm.launch(_w2_beside_rank, len(gpus), device="cuda", gpus=gpus, timeout=600)
+    out = dm.launch(_mega_rank, len(gpus), device="cuda", gpus=gpus, timeout=600)
     for default, outs, replays in out:
-        assert default == (False, None), default  # off by default; it can run here
-        for name, same, same_narrow, finite in outs:
-            assert finite, name
-            assert same, f"{name}: beside differs from in sequence"
-            assert same_narrow, f"{name}: beside with 2 W2 programs differs"
-        assert all(same for _, same in replays), replays
-
-
-@pytest.mark.multigpu
-def test_fused_w13_w2_one_rank_per_gpu():
-    gpus = _gpus()
-    out = dm.launch(_fused_rank, len(gpus), device="cuda", gpus=gpus, timeout=600)
-    for default, outs, replays in out:
-        assert default == (False, None), default  # off by default; it can run here
+        assert default == (None, None), default  # off by default; it can run here
         for name, same, finite in outs:
             assert finite, name
-            assert same, f"{name}: fused differs from the two kernels in sequence"
+            assert same, f"{name}: Mega differs from the two kernels in sequence"
         assert all(same for _, same in replays), replays

@@ -33,14 +33,14 @@ def _partial_tile_rank(rank, world, seed, shape, names):
     cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T, training=True)
     out = {}
     with dm.MoEContext(cfg, device=dev) as ctx:
-        out["gluon"] = {a: getattr(ctx, a).gluon
-                        for a in ("_w13_cfg", "_w2_cfg", "_w2_dgrad_cfg", "_w13_dgrad_cfg",
-                                  "_w2_wgrad_cfg", "_w13_wgrad_cfg")}
-        out["w13_warps"] = ctx._w13_cfg.num_warps
-        out["wgrad_rows"] = (ctx._w13_wgrad_cfg.block_out_m, ctx._w2_wgrad_cfg.block_out_m)
-        out["w13_lockstep"] = ctx._w13_cfg.lockstep
-        out["expert_groups"] = tuple(getattr(ctx, a).expert_groups for a in (
-            "_w13_cfg", "_w2_cfg", "_w2_dgrad_cfg", "_w13_dgrad_cfg"))
+        plan = ctx.plan
+        out["gluon"] = {f"_{k}_cfg": c.gluon for k, c in plan.kernels().items()
+                        if k != "combine"}
+        out["w13_warps"] = plan.w13.num_warps
+        out["wgrad_rows"] = (plan.w13_wgrad.block_out_m, plan.w2_wgrad.block_out_m)
+        out["w13_lockstep"] = plan.w13.lockstep
+        out["expert_groups"] = tuple(c.expert_groups for c in (
+            plan.w13, plan.w2, plan.w2_dgrad, plan.w13_dgrad))
         for i, name in enumerate(names):
             mine = split_global_problem(*make_problem(seed + i, world, T, D, F, E, K, name),
                                         world)[rank]
@@ -108,7 +108,7 @@ def _check_against_reference(per_rank, shape, names, seed):
 @pytest.mark.parametrize("EP", [1, 2])
 def test_training_gpu_wgrad_256_row_tiles(EP):
     """Experts whose weight gradients hold >= 12 MiB (D = 2880, F = 2304: W13's 25 MiB, W2's
-    12.7 MiB) take the WGRADs' 256 x 128 tiles (``base.rules_legacy.wgrad_wide_tiles``; 1024 rows
+    12.7 MiB) take the WGRADs' 256 x 128 tiles (``distmoe.plan.rules.wgrad_gluon``; 1024 rows
     per expert, so an H200 takes them too), W2's last row block of each expert partial (2880 =
     11 * 256 + 64). y and every gradient against torch autograd as in the partial-tile test;
     at EP=2 the two ranks share the GPU, one expert each."""

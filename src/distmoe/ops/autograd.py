@@ -1,5 +1,10 @@
 """Autograd for :class:`distmoe.ops.MoEContext` (training).
 
+What it reads of the context is declared there: ``plan`` (the kernel configs),
+``backward_buffers`` (:class:`~distmoe.ops.context.BackwardBuffers`), ``forward_layer``,
+``gather_table``, ``check_open``, ``activations``, ``heap``, ``cfg``, ``num_local_experts``
+and ``device``; nothing private.
+
 Forward (same barriers as inference, see :mod:`distmoe.ops.context`): the layer's state goes
 to the selected slot of the context's activation buffer (:mod:`distmoe.ops.activations`):
 a *saved* layer keeps its gathered rows ``x_rows [R, D]``, ``h1 [R, 2F]`` and its returned
@@ -53,7 +58,7 @@ longer reads the saved h3 rows (``T*K*D*2`` bytes) and a replayed layer's backwa
 reruns W2 and its barrier: -8% per step at T=8192, D=4096, F=2048, E=32, K=8 and at the
 fine-grained shape when every layer replays. The W2 DGRAD epilogue does more per element
 (that kernel alone: +7-14% at the first shape, +30% at the second); with every layer saved
-the step time stays the same. The saved h3 rows (DESIGN.md's memory
+the step time stays the same. The saved h3 rows (the memory
 model keeps them in the slot) are now read only by the forward's combine.
 
 Why the peer writes are safe:
@@ -129,7 +134,7 @@ class MoEFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, moe, x, expert_ids, scores, w13, w2):
-        y, saved = moe._forward(x, expert_ids, scores, w13, w2, save=True)
+        y, saved = moe.forward_layer(x, expert_ids, scores, w13, w2, save=True)
         ctx.moe = moe
         ctx.tables = saved["tables"]
         ctx.record = saved["record"]
@@ -148,7 +153,7 @@ class MoEFunction(torch.autograd.Function):
     @once_differentiable  # its kernels build no graph: create_graph=True would lose terms
     def backward(ctx, grad_y):
         moe = ctx.moe
-        moe._check_open()
+        moe.check_open()
         for name, t, before in zip(("scores", "w13", "w2"), ctx.inputs[1:], ctx.versions,
                                    strict=True):
             if t._version != before:
@@ -172,7 +177,7 @@ class MoEFunction(torch.autograd.Function):
         elements = acts.elements
         scratch = acts.scratch
         grad_y = grad_y.to(torch.bfloat16).contiguous()
-        dispatch_rows = moe._dispatch[:T * K]
+        dispatch_rows = moe.backward_buffers.dispatch[:T * K]
         # device predicates of the forward's decision: replayed; saved with x kept instead
         # of its rows; either (:mod:`distmoe.kernels.movement.slot_cursor`)
         replayed, regather, rebuild = rec.flags[0:1], rec.flags[1:2], rec.flags[2:3]
@@ -182,17 +187,17 @@ class MoEFunction(torch.autograd.Function):
             # r1-r3: rebuild a replayed layer's state (every kernel is off on the device for a
             # layer that kept its rows; the barrier runs either way so that all ranks stay
             # paired). With regathers every layer kept x: the table is needed either way.
-            offset_copy(moe._dispatch, elements, T * D, src_offset=rec.offsets[3:4])
+            offset_copy(moe.backward_buffers.dispatch, elements, T * D, src_offset=rec.offsets[3:4])
             heap.barrier()
-            gather_ptrs = moe._gather_table(tables.gather_ptrs,
+            gather_ptrs = moe.gather_table(tables.gather_ptrs,
                                             None if acts.regathers else rebuild)
             if acts.may_regather and not reads_x:
                 regather_rows(gather_ptrs, po, ro, scratch["xs"], block_m=cfg.row_block,
                               enable=regather)
             if not acts.always_saves:
                 gather_w13_swiglu(gather_ptrs, po, ro, w13, scratch["h2"], h1_out=elements,
-                                  x_out=elements, out_offsets=moe._replay_offsets,
-                                  enable=replayed, config=moe._w13_cfg)
+                                  x_out=elements, out_offsets=moe.backward_buffers.replay_offsets,
+                                  enable=replayed, config=moe.plan.w13)
         # where the state is, saved or rebuilt (decided with the forward's slot record)
         h1_offset, x_offset = rec.backward[1:2], rec.backward[2:3]
         x_rows = None
@@ -202,9 +207,9 @@ class MoEFunction(torch.autograd.Function):
 
         # 1. owner: unscaled route output gradients pushed into the experts' gh3 rows, the
         #    scores into its own combine rows
-        combine_rows = moe._combine[:T * K]
+        combine_rows = moe.backward_buffers.combine[:T * K]
         push_route_grads(grad_y, ids_executed, scores_f32, combine_rows,
-                         dest_rows=tables.dest_rows_TK, dest_bases=moe._gh3_bases,
+                         dest_rows=tables.dest_rows_TK, dest_bases=moe.backward_buffers.gh3_bases,
                          experts_per_rank=E_l)
         # 2. route output gradients and scores visible to the experts
         heap.barrier()
@@ -212,23 +217,23 @@ class MoEFunction(torch.autograd.Function):
         w2_dgrad_swiglu_bwd(tables.scatter_ptrs, po, ro, w2, elements, scratch["h1g"],
                             h1_offset=h1_offset, h2_out=scratch["h2"],
                             grad_h3_rows=scratch["gh3"], scored_rows=True,
-                            config=moe._w2_dgrad_cfg)
+                            config=moe.plan.w2_dgrad)
         # WGRAD: fp32 accumulation, one rounding straight into the weights' dtype (one program
         # per output tile writes it whole: no zero fill, no conversion pass)
         need = ctx.needs_input_grad
         if need[5]:
             grad_w2 = torch.empty(E_l, D, F, dtype=w2.dtype, device=dev)
             w2_wgrad(scratch["gh3"], scratch["h2"], po, ro, grad_w2, accumulate=False,
-                     config=moe._w2_wgrad_cfg)
+                     config=moe.plan.w2_wgrad)
         if need[4]:
             grad_w13 = torch.empty(E_l, 2, F, D, dtype=w13.dtype, device=dev)
             w13_wgrad(scratch["h1g"], elements, po, ro, grad_w13, x_offset=x_offset,
-                      accumulate=False, config=moe._w13_wgrad_cfg, x_rows=x_rows,
-                      rows_origin=moe._table_origin)  # 0 unless reads_x
+                      accumulate=False, config=moe.plan.w13_wgrad, x_rows=x_rows,
+                      rows_origin=moe.backward_buffers.table_origin)  # 0 unless reads_x
         # Route input gradients into the owners' dispatch rows t*K+k (see the module
         # docstring for why no peer reads dispatch now).
         w13_dgrad_scatter(scratch["h1g"], po, ro, w13, tables.bwd_scatter_ptrs,
-                          config=moe._w13_dgrad_cfg)
+                          config=moe.plan.w13_dgrad)
         # 4. all route input gradients have landed
         heap.barrier()
         # 5. owner: sum its routes' input gradients and score parts (no barrier after: module
@@ -236,7 +241,7 @@ class MoEFunction(torch.autograd.Function):
         grad_x = torch.empty(ctx.x_shape, dtype=torch.bfloat16, device=dev)
         grad_scores = torch.empty(T, K, dtype=torch.float32, device=dev)
         reduce_routes(dispatch_rows, ids_executed, grad_x, score_rows=combine_rows,
-                      score_parts=moe._score_parts, grad_scores_out=grad_scores)
+                      score_parts=moe.backward_buffers.score_parts, grad_scores_out=grad_scores)
 
         return (
             None,

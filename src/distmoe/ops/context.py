@@ -1,12 +1,12 @@
 """MoEContext: the collective object that owns a layer's peer buffers and runs it.
 
-Per rank, on the symmetric heap (DESIGN.md, Buffers per rank):
+Per rank, on the symmetric heap (docs/design.md, buffers per rank):
 
     routing   128-byte header (int32 token count) + int16 expert ids [T_max, K]
     dispatch  [T_max * K, D] bf16: x at rows 0..T-1 in forward
     combine   [T_max * K, D] bf16: expert results at route slot t*K + k
 
-(DESIGN.md's table also has the combine buffer carry the route output gradients in backward.
+(docs/design.md: a first design had the combine buffer carry the route output gradients in backward.
 Here the owners push them straight into the experts' scratch instead, which saves a write and
 a read of T*K*D bf16 per layer: :mod:`distmoe.ops.autograd`, docs/performance.md run 22.)
 
@@ -43,15 +43,10 @@ CUDA graph and replayed with new inputs written into the same tensors):
        epilogue -> h2
     5. W2 grouped GEMM, scatter epilogue stores each row into its owner's combine slot
        (training, saved layer: into the h3 rows of the owner's activation slot instead).
-       At EP > 1 in inference, where every rank has a GPU of its own, W2 can run beside
-       W13 on a side stream, each on its share of the SMs, starting a row block once W13
-       has stored its h2 rows (device counters, ``done`` / ``wait``), so that its stores
-       across NVLink spread over both GEMMs. Off unless asked for
-       (:meth:`MoEContext._w2_runs_beside`): measured no faster (performance.md run 35).
-       Or, in the same cases, W13 and W2 run as one persistent kernel whose W2 tiles wait
-       for those counters (:mod:`distmoe.kernels.mega.gluon`), steps 4-5 in one launch.
-       Off unless asked for (:meth:`MoEContext._runs_fused`): 1-2% faster or even at
-       T=4096 D=2048 F=768 E=128 K=8, slower at T=8192 D=4096 F=2048 E=32 (run 36)
+       At EP > 1 in inference, where every rank has a GPU of its own, W13 and W2 can run as
+       one persistent kernel (Mega, :mod:`distmoe.kernels.mega`) whose W2 tiles wait for
+       device counters of stored h2 rows: steps 4-5 in one launch. Off unless the plan asks
+       for it (``overrides={"layer": {"mega": True}}``); it becomes a pipeline of its own.
     6. barrier                                 (all results have landed; all gathers done)
     7. owner combine y[t] = sum_k score[t,k] * h3[t*K+k] over executed routes, fp32, with
        h3 the combine buffer (or the slot's h3 rows)
@@ -67,62 +62,59 @@ never written anywhere; they are counted on the device
 from __future__ import annotations
 
 import warnings
-from typing import NamedTuple
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..config import MoEConfig
 from ..kernels.base.device import num_sms
-from ..kernels.base.rows import byte_range
-from ..kernels.mega.gluon import FusedConfig, fused_reason, fused_w13_w2
+from ..kernels.mega.gluon import fused_reason, fused_w13_w2
 from ..kernels.movement.call_counters import count_call
-from ..kernels.movement.combine import CombineConfig, combine
+from ..kernels.movement.combine import combine
 from ..kernels.movement.offset_copy import offset_copy
 from ..kernels.movement.publish_ids import publish_ids
 from ..kernels.movement.pull_tokens import BLOCK_FLAG_ROWS, pull_tokens
-from ..kernels.w2_dgrad.config import W2DgradConfig
-from ..kernels.w2_forward.config import W2Config
-from ..kernels.w2_forward.triton import gluon_reason as w2_gluon_reason
 from ..kernels.w2_forward.triton import w2_scatter
-from ..kernels.w13_dgrad.config import W13DgradConfig
-from ..kernels.w13_forward.config import W13Config
 from ..kernels.w13_forward.phases import first_blocks, phase_waves, w13_phase_order
-from ..kernels.w13_forward.triton import (
-    gather_w13_swiglu,
-    w13_done_count,
-    w13_gluon_reason,
-    w13_tile_rows,
-)
-from ..kernels.wgrad.config import WgradConfig
-from ..memory import rows_in_place
+from ..kernels.w13_forward.triton import gather_w13_swiglu, w13_tile_rows
+from ..plan import KernelPlan, plan_kernels
 from ..routing import build_routing_tables, row_capacity
 from ..runtime import create_heap
 from ..runtime.heap import round_up
 from .activations import ActivationBuffer
+from .validation import check_call, check_together, check_values
 
 HEADER_BYTES = 128
 #: rows of the W13 row blocks the two-launch schedule moves (distmoe.kernels.w13_forward.phases):
 #: the blocks pull_tokens flags
 _PHASE_ROWS = BLOCK_FLAG_ROWS
-#: the two launches are the default from this many rows per local expert from one source
-#: rank (T_max * K / E: eight own blocks per expert, whose weight tiles the first launch's
-#: tiles share). docs/performance.md run 32, interleaved A/Bs at EP=2: 1.2-1.9% faster at
-#: 2048 (T=8192, D=4096, E=32, K=8, four A/Bs); even at 256 (T=4096, D=2048, E=128, K=8:
-#: -1.0, +1.5 and -0.3% with pairs of own blocks first, -1.2% before), where an expert has
-#: at most two own blocks and the first launch reads many experts' weights for few rows
-_PHASE_MIN_OWN_ROWS = 1024
-_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
-class _RankCall(NamedTuple):
-    """One rank's view of a checked call, all-gathered in ``check`` mode
-    (:meth:`MoEContext._validate_together`)."""
+@dataclass(frozen=True)
+class BackwardBuffers:
+    """What :mod:`distmoe.ops.autograd` reads of a training context besides its plan (the
+    declared interface between the two; set once at construction).
 
-    tokens: int | None  # T, or None when x is not a tensor with a first dimension
-    error: str | None  # "TypeName: message" when the rank refused its input
-    autograd: bool  # the call takes the autograd path
-    serial: int  # the context's construction number on its rank
+    Attributes:
+        dispatch: this rank's dispatch rows, bf16 ``[T_max * K, D]`` (heap).
+        combine: this rank's combine rows, bf16 ``[T_max * K, D]`` (heap).
+        gh3_bases: int64 ``[EP]``: every rank's address of its scratch gh3 row 0.
+        replay_offsets: int64 ``[2]``: element offsets of the replay's h1g and xs outputs in
+            the activation buffer (-1: no x rows stored).
+        table_origin: address of this rank's dispatch rows where the W13 WGRAD reads a kept
+            input's rows in place (``ActivationBuffer.rows_in_place``), else 0.
+        score_parts: fp32 score-gradient parts per route, one per W2 DGRAD column tile.
+    """
+
+    dispatch: torch.Tensor
+    combine: torch.Tensor
+    gh3_bases: torch.Tensor
+    replay_offsets: torch.Tensor
+    table_origin: int
+    score_parts: int
 
 
 class MoEContext:
@@ -134,6 +126,9 @@ class MoEContext:
         group: the expert-parallel process group (default: the world group).
         device: this rank's device (default: the current CUDA device, else CPU).
         backend: heap backend (``"auto"``, ``"cpu"``, ``"cuda_ipc"``, ``"cuda_symm"``).
+        overrides: entries of the kernel plan to replace (``ctx.plan``, see
+            :mod:`distmoe.plan`): ``{"w13": {"num_stages": 3}, "layer": {"pull_all": True}}``;
+            an override that cannot apply raises ``ValueError`` before any buffer exists.
         check: debugging mode (it synchronises; off by default). Before each call, every
             rank checks its inputs, including ids outside [-1, E), a token naming an expert
             twice and non-zero scores on inactive routes, and the ranks share the outcome,
@@ -151,8 +146,10 @@ class MoEContext:
     counted in ``stats()["token_count_mismatches"]``; T = 0 only without autograd),
     expert_ids [T, K] int8 / uint8 / int16 / int32 / int64 (global ids, -1 inactive; unchecked,
     an id outside [-1, E) is dropped and counted in ``stats()["invalid_ids"]``), scores [T, K]
-    float, w13 [E_local, 2, F, D] bf16, w2 [E_local, D, F] bf16, all contiguous on ``device``
-    (a CPU or CUDA device).
+    float32 / bfloat16 / float16 / float64, w13 [E_local, 2, F, D] bf16 with the gate
+    projection ``w13[e, 0]`` and the up projection ``w13[e, 1]`` (y_e = (silu(x gate^T) *
+    (x up^T)) w2[e]^T), w2 [E_local, D, F] bf16, all contiguous on ``device`` (a CPU or CUDA
+    device).
     Returns y [T, D] bf16.
 
     Training: with ``cfg.training``, grad mode on and any of x / scores / w13 / w2 requiring
@@ -172,7 +169,7 @@ class MoEContext:
 
     def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | None = None, *,
                  device: torch.device | str | None = None, backend: str = "auto",
-                 check: bool = False) -> None:
+                 check: bool = False, overrides: Mapping[str, Any] | None = None) -> None:
         if not isinstance(cfg, MoEConfig):
             raise TypeError(f"cfg must be a distmoe.MoEConfig, got {type(cfg).__name__}")
         if cfg.precision != "bf16":
@@ -192,6 +189,23 @@ class MoEContext:
             if kind == "cuda" and not torch.cuda.is_available():
                 raise ValueError(f"device ({device!r}) is a CUDA device, but CUDA is not "
                                  "available in this process")
+        # the plan first: an override that cannot apply is refused before any buffer exists
+        ep_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        plan_device = device
+        if plan_device is None and torch.cuda.is_available():
+            plan_device = torch.device("cuda", torch.cuda.current_device())
+        #: every kernel and launch config this context's calls use (:mod:`distmoe.plan`)
+        self.plan: KernelPlan = plan_kernels(cfg, ep_size=ep_size, device=plan_device,
+                                             overrides=overrides)
+        if cfg.training:
+            dgrad_cols = self.plan.w2_dgrad.block_n
+            score_parts = -(-cfg.ffn // dgrad_cols)
+            if 1 + score_parts > cfg.hidden // 2:
+                raise ValueError(
+                    f"training needs hidden/2 >= 1 + ceil(ffn / {dgrad_cols}): the route's "
+                    "score and its gradient parts travel as fp32 values in its bf16 combine "
+                    f"row, got hidden = {cfg.hidden} (room for {cfg.hidden // 2}) and ffn = "
+                    f"{cfg.ffn} ({1 + score_parts} needed)")
         self.cfg = cfg
         self.check = check
         self._bound_seen = (0, 0)  # check mode: invalid ids and dropped rows already reported
@@ -212,9 +226,7 @@ class MoEContext:
         self.row_capacity = row_capacity(self.receive_bound, self.num_local_experts,
                                          cfg.row_block)
         self.row_bytes = D * 2
-        self.rows_per_expert_hint = max(1, T * K // self.num_local_experts)
-        if cfg.training:
-            self._training_setup()
+        assert self.plan.ep_size == self.ep_size, "the plan's EP size is the heap's"
         heap = self.heap
         heap.allocate("routing", HEADER_BYTES + round_up(T * K * 2, 128))
         heap.allocate("dispatch", T * K * D * 2)
@@ -225,17 +237,6 @@ class MoEContext:
                      for r in range(self.ep_size)]
         self._dispatch = heap.view("dispatch", self.rank, torch.bfloat16, (T * K, D))
         self._combine = heap.view("combine", self.rank, torch.bfloat16, (T * K, D))
-        # Launch configs keyed on shapes only (balanced rows per local expert), never on
-        # routed counts: the same kernels run whatever the routing, in graphs too.
-        self._w13_cfg = W13Config.from_heuristic(hidden=D, ffn=F, block_m=cfg.row_block,
-                                                 rows_per_expert=self.rows_per_expert_hint,
-                                                 training=cfg.training, device=self.device,
-                                                 num_experts=self.num_local_experts)
-        self._w2_cfg = W2Config.from_heuristic(hidden=D, ffn=F, block_m=cfg.row_block,
-                                               rows_per_expert=self.rows_per_expert_hint,
-                                               device=self.device, ep_size=self.ep_size,
-                                               num_experts=self.num_local_experts)
-        self._combine_cfg = CombineConfig.from_heuristic(hidden=D)
         self.activations: ActivationBuffer | None = None
         if cfg.training:
             # On the heap: the owners write their routes' output gradients straight into the
@@ -246,17 +247,21 @@ class MoEContext:
             self._h2 = self.activations.scratch["h2"]
             acts = self.activations
             so = acts.scratch_elem_offsets
-            # every rank's scratch gh3 row 0 (same layout on every rank)
-            self._gh3_bases = heap.base_table("activations") + acts.scratch_layout["gh3"][0]
             # At EP = 1 a layer that keeps x instead of its rows may have its W13 WGRAD read
             # x's rows in place (acts.rows_in_place), through the forward's gather table (row
             # t of the dispatch buffer, moved to row t of the kept x): no regathered copy,
             # and a replay stores h1 only. Where the table's rows are (read once, here):
             self._table_origin = (int(heap.base_table("dispatch")[self.rank])
                                   if acts.rows_in_place else 0)
-            # [h1g, xs] element offsets (the replay's W13 outputs; -1: no x rows stored)
-            self._replay_offsets = torch.tensor(
-                [so["h1g"], so.get("xs", -1)], dtype=torch.int64, device=self.device)
+            # every rank's scratch gh3 row 0 (same layout on every rank); [h1g, xs] element
+            # offsets (the replay's W13 outputs; -1: no x rows stored)
+            self.backward_buffers = BackwardBuffers(
+                dispatch=self._dispatch, combine=self._combine,
+                gh3_bases=heap.base_table("activations") + acts.scratch_layout["gh3"][0],
+                replay_offsets=torch.tensor([so["h1g"], so.get("xs", -1)], dtype=torch.int64,
+                                            device=self.device),
+                table_origin=self._table_origin,
+                score_parts=-(-F // self.plan.w2_dgrad.block_n))
         else:
             self._h2 = torch.empty(self.receive_bound, F, dtype=torch.bfloat16,
                                    device=self.device)
@@ -268,35 +273,9 @@ class MoEContext:
         # the table W13 reads (peer tokens pulled, own tokens read in place at EP = 1)
         self._pulled_ptrs = torch.empty(self.row_capacity, dtype=torch.int64,
                                         device=self.device)
-        # At small EP nearly every peer token has a route here: then the forward copies
-        # every peer's token rows with the copy engines while the routing tables are built
-        # (on a side stream, no SMs), instead of the tokens the tables name after them
-        # (pull_all_rule decides per call; True or False here forces a way, for A/B tools
-        # and tests).
-        self._pull_all: bool | None = None
-        # With that copy, W13 runs in two launches: first the row blocks of this rank's own
-        # tokens while the copy runs, then the rest (distmoe.kernels.w13_forward.phases). None: the
-        # layer's choice (_phased_w13); True / False force a way (A/B tools, tests).
-        # _w13_phase_waves: waves of the first launch (None: estimated from the shapes).
-        self._w13_phases: bool | None = None
-        self._w13_phase_waves: int | None = None
-        # W2 beside W13 (step 5): True runs it (A/B tools, tests); off otherwise.
-        # _w2_beside_programs: W2's programs (None: beside_programs, a third of the SMs).
-        self._w2_beside = False
-        self._w2_beside_programs: int | None = None
-        # W13 and W2 in one persistent kernel (step 5; distmoe.kernels.mega.gluon): True
-        # runs it (A/B tools, tests); off otherwise (run 36: 1-2% faster at T=4096 D=2048
-        # F=768 E=128 K=8 on two H200s, not measured elsewhere enough to be the default).
-        # _fused_lag: row-block groups between a group's W13 and W2 tiles; _fused_pingpong:
-        # ping-pong tiles (else cooperative); _fused_dynamic: tiles handed out at run time.
-        self._fused = False
-        self._fused_lag = 3
-        self._fused_pingpong = True
-        self._fused_dynamic = False
-        self._w2_stream = None
         if self.ep_size > 1 and self.row_capacity % 128 == 0:
-            # per 128 padded rows: W13's count of stored h2 tiles, then the fused kernel's
-            # next schedule position; zeroed before each call that uses them
+            # per 128 padded rows: Mega's count of stored h2 tiles, then its next schedule
+            # position; zeroed before each call that uses them
             self._h2_done = torch.zeros(self.row_capacity // 128 + 1, dtype=torch.int32,
                                         device=self.device)
         if self.ep_size > 1:
@@ -314,130 +293,21 @@ class MoEContext:
         # (distmoe.kernels.movement.call_counters).
         self._counters = torch.zeros(6, dtype=torch.int64, device=self.device)
 
-    @staticmethod
-    def pull_all_rule(ep_size: int, top_k: int, tokens: int, max_tokens: int) -> bool:
-        """Whether a forward of ``tokens`` tokens (buffers for ``max_tokens``) copies all
-        ``max_tokens`` token rows of every peer (``True``) or the tokens its tables name.
-
-        The copy runs on the copy engines while the tables are built, but moves a peer's
-        rows whatever its token count. It is chosen where at least 90% of it is expected to
-        be used: ``tokens / max_tokens * (1 - (1 - 1/EP)^K) >= 0.9``, with this rank's
-        count standing for its peers' and uniform routing (a token has a route to a given
-        rank with probability ``1 - (1 - 1/EP)^K``). At full buffers: EP=2 with K >= 4,
-        EP=3 with K >= 6, not EP=4 with K=8 (0.8999). Either way gives the same bits.
-        Measured at EP=2 only, full buffers (docs/performance.md run 30: 4.0% faster
-        forward at T=4096, D=2048, E=128, K=8)."""
-        if ep_size <= 1 or max_tokens <= 0:
-            return False
-        return tokens / max_tokens * (1 - (1 - 1 / ep_size) ** top_k) >= 0.9
-
     # ------------------------------------------------------------------ validation
     def _validate(self, x, expert_ids, scores, w13, w2) -> None:
-        cfg = self.cfg
-        named = {"x": x, "expert_ids": expert_ids, "scores": scores, "w13": w13, "w2": w2}
-        for name, t in named.items():
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.device != self.device:
-                raise ValueError(f"{name} must be on {self.device}, got {t.device}")
-            if not t.is_contiguous():
-                raise ValueError(f"{name} must be contiguous, got shape {tuple(t.shape)} with "
-                                 f"strides {t.stride()}")
-        for name in ("x", "w13", "w2"):
-            if named[name].dtype != torch.bfloat16:
-                raise TypeError(f"{name} must be torch.bfloat16, got {named[name].dtype}")
-        if expert_ids.dtype not in _INT_DTYPES:
-            raise TypeError(f"expert_ids must have an integer dtype, got {expert_ids.dtype}")
-        if not scores.is_floating_point():
-            raise TypeError(f"scores must have a floating dtype, got {scores.dtype}")
-        if x.dim() != 2 or x.shape[1] != cfg.hidden:
-            raise ValueError(f"x must be [T, {cfg.hidden}], got {tuple(x.shape)}")
-        T = x.shape[0]
-        if T > cfg.max_tokens:
-            raise ValueError(f"x has T = {T} tokens, above max_tokens ({cfg.max_tokens})")
-        if T == 0 and self._wants_autograd(x, scores, w13, w2):
-            raise ValueError("x has T = 0 tokens: a training forward under autograd needs "
-                             "T >= 1 (without autograd, T = 0 returns an empty y)")
-        for name in ("expert_ids", "scores"):
-            if tuple(named[name].shape) != (T, cfg.top_k):
-                raise ValueError(
-                    f"{name} must be [T, K] = {(T, cfg.top_k)}, got {tuple(named[name].shape)}"
-                )
-        E_l, F, D = self.num_local_experts, cfg.ffn, cfg.hidden
-        if tuple(w13.shape) != (E_l, 2, F, D):
-            raise ValueError(f"w13 must be [E_local, 2, F, D] = {(E_l, 2, F, D)}, got "
-                             f"{tuple(w13.shape)}")
-        if tuple(w2.shape) != (E_l, D, F):
-            raise ValueError(f"w2 must be [E_local, D, F] = {(E_l, D, F)}, got {tuple(w2.shape)}")
-        if self._overlaps_input_buffer(x) and not self._x_in_input_buffer(x):
-            raise ValueError(
-                "x overlaps this context's input buffer but does not start at its first row "
-                f"(x at {x.data_ptr():#x}, the buffer at {self._dispatch.data_ptr():#x}): pass "
-                "ctx.input_buffer(T) itself, or a tensor outside the buffer")
-
-    def _validate_values(self, expert_ids, scores) -> None:
-        E = self.cfg.num_experts
-        ids = expert_ids.long()  # compared as int64: -1 is no id of an unsigned dtype
-        bad = (ids < -1) | (ids >= E)
-        if bool(bad.any()):
-            t, k = (int(i) for i in bad.nonzero()[0])
-            raise ValueError(f"expert_ids must lie in [-1, {E}); found {int(ids[t, k])} at "
-                             f"[{t}, {k}]")
-        if ids.shape[1] > 1:  # a token's active routes name distinct experts
-            ordered = ids.sort(dim=1).values
-            twice = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-            if bool(twice.any()):
-                t, k = (int(i) for i in twice.nonzero()[0])
-                raise ValueError(
-                    f"expert_ids must name distinct experts per token (the receive bound "
-                    f"counts at most min(K, E_local) routes of a token per rank); token {t} "
-                    f"names expert {int(ordered[t, k])} more than once")
-        stray = (ids == -1) & (scores != 0)
-        if bool(stray.any()):
-            t, k = (int(i) for i in stray.nonzero()[0])
-            raise ValueError("scores must be 0 on inactive routes (expert id -1); found "
-                             f"{float(scores[t, k])} at [{t}, {k}]")
+        check_call(self.cfg, self.num_local_experts, self.device, self._dispatch, x,
+                   expert_ids, scores, w13, w2,
+                   wants_autograd=lambda: self._wants_autograd(x, scores, w13, w2))
 
     def _validate_together(self, x, expert_ids, scores, w13, w2) -> None:
-        """``check`` mode: this rank's checks (:meth:`_validate`, :meth:`_validate_values`),
-        then one host all-gather of (T, outcome) over the group, so that every rank raises
-        when any rank refused its input or the token counts differ (the layer needs the same
-        T on every rank: each rank reads its peers' ids up to its own T)."""
-        err = None
-        try:
+        """``check`` mode: every rank's checks, shared over the group
+        (:func:`distmoe.ops.validation.check_together`)."""
+        def run_checks():
             self._validate(x, expert_ids, scores, w13, w2)
-            self._validate_values(expert_ids, scores)
-        except (TypeError, ValueError) as exc:
-            err = exc
-        tokens = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() > 0 else None
-        autograd = err is None and self._wants_autograd(x, scores, w13, w2)
-        outcomes: list[_RankCall] = [None] * self.ep_size
-        dist.all_gather_object(
-            outcomes, _RankCall(tokens, None if err is None else f"{type(err).__name__}: {err}",
-                                autograd, self._serial), group=self.group)
-        serials = [o.serial for o in outcomes]
-        if len(set(serials)) > 1:
-            raise ValueError(
-                "the ranks called different MoEContexts in this call (context serials "
-                f"{serials}, rank r at index r; contexts are numbered in construction order): "
-                "every rank must call its contexts in the same order")
-        if err is not None:
-            raise err
-        for r, o in enumerate(outcomes):
-            if o.error is not None:
-                raise ValueError(f"rank {r} refused its input ({o.error}); every rank stops "
-                                 "(check=True)")
-        counts = [o.tokens for o in outcomes]
-        if len(set(counts)) > 1:
-            raise ValueError(f"x must have the same number of tokens T on every rank of the "
-                             f"group, got T = {counts} (rank r at index r)")
-        paths = [o.autograd for o in outcomes]
-        if len(set(paths)) > 1:
-            raise ValueError(
-                "every rank must take the same path, autograd or not (the backward is "
-                f"collective), got autograd = {paths} (rank r at index r): autograd runs "
-                "when cfg.training, grad mode is on and x, scores, w13 or w2 requires grad "
-                "(e.g. experts frozen on one rank only)")
+            check_values(self.cfg.num_experts, expert_ids, scores)
+
+        check_together(self.group, self.ep_size, self._serial, x, run_checks,
+                       lambda: self._wants_autograd(x, scores, w13, w2))
 
     # ------------------------------------------------------------------ forward
     def input_buffer(self, tokens: int | None = None) -> torch.Tensor:
@@ -459,7 +329,7 @@ class MoEContext:
         peer has read them before that forward's end barrier (module docstring, step 6).
         A view that overlaps the buffer without starting at its first row is refused as x.
         """
-        self._check_open()
+        self.check_open()
         if self.cfg.training:
             raise ValueError("input_buffer is for inference contexts (cfg.training=False): "
                              "a training forward's input must outlive the call")
@@ -475,13 +345,8 @@ class MoEContext:
         """Whether x starts at the first row of :meth:`input_buffer` (no copy in step 1)."""
         return x.data_ptr() == self._dispatch.data_ptr()
 
-    def _overlaps_input_buffer(self, x) -> bool:
-        lo, hi = byte_range(self._dispatch)
-        start, end = byte_range(x)
-        return x.numel() > 0 and start < hi and lo < end
-
     def __call__(self, x, expert_ids, scores, w13, w2) -> torch.Tensor:
-        self._check_open()
+        self.check_open()
         if self.check:
             self._validate_together(x, expert_ids, scores, w13, w2)
         else:
@@ -497,7 +362,7 @@ class MoEContext:
                     "(cfg.training is False): y has no grad_fn and no gradient flows back "
                     "through this layer. Use MoEConfig(training=True) for gradients, or "
                     "torch.no_grad() for inference.", UserWarning, stacklevel=2)
-            y, _ = self._forward(x, expert_ids, scores, w13, w2)
+            y, _ = self.forward_layer(x, expert_ids, scores, w13, w2)
         if self.check:
             self._check_bound(y)
         return y
@@ -534,7 +399,7 @@ class MoEContext:
     def _start_pull_all(self) -> None:
         """Copy every peer's ``max_tokens`` token rows into the pull buffer (after the
         publish barrier), one copy per peer: on CUDA on a side stream, by the copy engines,
-        so that it overlaps the routing tables; :meth:`_gather_table` with ``pulled`` joins
+        so that it overlaps the routing tables; :meth:`gather_table` with ``pulled`` joins
         it."""
         T = self.cfg.max_tokens
 
@@ -557,7 +422,7 @@ class MoEContext:
         vector loads) instead of a copy in the dispatch buffer."""
         return self.ep_size == 1 and x.data_ptr() % 16 == 0
 
-    def _gather_table(self, gather_ptrs, enable=None, *, pulled: bool = False, x=None,
+    def gather_table(self, gather_ptrs, enable=None, *, pulled: bool = False, x=None,
                       phased: bool = False):
         """The table W13 reads its A rows through. At EP = 1: with ``x`` (a forward's input,
         where :meth:`_reads_x`) a copy of ``gather_ptrs`` that names x's rows, else
@@ -587,38 +452,28 @@ class MoEContext:
 
     def _phased_w13(self) -> bool:
         """Whether a forward with every peer token copied runs W13 in two launches
-        (:meth:`_run_w13`): ``_w13_phases`` if set, else where the W13 tiles are blocks of
-        128 padded rows (the blocks the pull flags) and each local expert has about
-        ``_PHASE_MIN_OWN_ROWS`` or more rows of this rank's own tokens (whole own blocks of
-        one expert share its weight tiles)."""
+        (:meth:`_run_w13`): by the plan (:meth:`KernelPlan.phased_w13`) where the W13 tiles
+        are the 128-row blocks the pull flags (ValueError where an override asks for it and
+        the tiles do not allow it)."""
         if self.ep_size == 1:
             return False
-        cfg = self._w13_cfg
+        cfg = self.plan.w13
         fits = (hasattr(self, "_block_peer") and cfg.block_m == _PHASE_ROWS
                 and w13_tile_rows(cfg) == _PHASE_ROWS)
-        if self._w13_phases is not None:
-            if self._w13_phases and not fits:
-                raise ValueError(f"the two-launch W13 needs {_PHASE_ROWS}-row tiles and a "
-                                 f"row capacity divisible by {_PHASE_ROWS}, got tiles of "
-                                 f"{w13_tile_rows(cfg)} rows and {self.row_capacity} rows")
-            return self._w13_phases
-        c = self.cfg
-        return fits and self.w13_phases_rule(c.max_tokens, c.top_k, c.num_experts)
-
-    @staticmethod
-    def w13_phases_rule(max_tokens: int, top_k: int, num_experts: int) -> bool:
-        """Whether W13 runs in two launches by default (where its tiles allow, with every
-        peer token copied): from ``_PHASE_MIN_OWN_ROWS`` rows per local expert from one
-        source rank, ``max_tokens * top_k / num_experts`` (balanced routing)."""
-        return max_tokens * top_k // num_experts >= _PHASE_MIN_OWN_ROWS
+        if self.plan.layer.w13_phases and not fits:
+            raise ValueError(f"overrides['layer']['w13_phases']: the two-launch W13 needs "
+                             f"{_PHASE_ROWS}-row tiles and a row capacity divisible by "
+                             f"{_PHASE_ROWS}, got tiles of {w13_tile_rows(cfg)} rows and "
+                             f"{self.row_capacity} rows")
+        return fits and self.plan.phased_w13(self.cfg)
 
     def _w13_first_blocks(self) -> int:
         """Own row blocks of the first W13 launch (:func:`~distmoe.kernels.w13_forward.phases.\
-first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic)."""
-        cfg, D, F = self._w13_cfg, self.cfg.hidden, self.cfg.ffn
+first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
+        cfg, D, F = self.plan.w13, self.cfg.hidden, self.cfg.ffn
         num_pid_n = -(-F // cfg.block_n)
         programs = min(num_sms(self.device), self._block_peer.numel() * num_pid_n)
-        waves = self._w13_phase_waves
+        waves = self.plan.layer.w13_phase_waves
         if waves is None:
             waves = phase_waves(
                 copy_bytes=(self.ep_size - 1) * self.cfg.max_tokens * D * 2,
@@ -631,69 +486,34 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         first (at most :meth:`_w13_first_blocks`), then the rest, the same bits
         (:mod:`distmoe.kernels.w13_forward.phases`)."""
         if not phased:
-            gather_w13_swiglu(gather_ptrs, po, ro, w13, self._h2, config=self._w13_cfg,
+            gather_w13_swiglu(gather_ptrs, po, ro, w13, self._h2, config=self.plan.w13,
                               **outputs)
             return
         order, positions = self._w13_order, self._w13_positions
         w13_phase_order(self._block_peer, po, order, positions, self._w13_starts,
                         first=self._w13_first_blocks(), block_m=_PHASE_ROWS)
-        gather_w13_swiglu(gather_ptrs, po, ro, w13, self._h2, config=self._w13_cfg,
+        gather_w13_swiglu(gather_ptrs, po, ro, w13, self._h2, config=self.plan.w13,
                           order=order, positions=positions[0:2], **outputs)
         self._join_pull()
-        gather_w13_swiglu(gather_ptrs, po, ro, w13, self._h2, config=self._w13_cfg,
+        gather_w13_swiglu(gather_ptrs, po, ro, w13, self._h2, config=self.plan.w13,
                           order=order, positions=positions[2:4], **outputs)
 
-    def _w2_runs_beside(self, save: bool) -> bool:
-        """Whether this forward runs W2 beside W13 (module docstring, step 5): only when
-        ``_w2_beside`` is True (A/B tools, tests; ValueError where it cannot run, see
-        :meth:`_w2_beside_reason`). Not by default: at T=4096 D=2048 F=768 E=128 K=8 on two
-        H200s it measured 2.3% slower than W2 after W13 (performance.md run 35; the W13 on
-        two thirds of the SMs took 504 us against 314, the W2 beside it ended 21 us after
-        it)."""
-        if self._w2_beside:
-            reason = self._w2_beside_reason(save)
-            if reason is not None:
-                raise ValueError(f"W2 beside W13 cannot run here: {reason}")
-            return True
-        return False
-
-    def _fused_config(self):
-        """The fused W13 + W2 kernel's config from the switches (``_fused_lag``,
-        ``_fused_pingpong``, ``_fused_dynamic``): ping-pong 128 x 64 / 128 x 128 tiles with 6
-        stages (the default), or cooperative 128 x 128 / 128 x 256 with 4."""
-        if self._fused_pingpong:
-            return FusedConfig(block_n=64, warps=4, stages=6, lag=self._fused_lag,
-                               dynamic=self._fused_dynamic)
-        return FusedConfig(block_n=128, warps=8, stages=4, lag=self._fused_lag,
-                           dynamic=self._fused_dynamic)
-
-    def _runs_fused(self, save: bool) -> bool:
-        """Whether this forward runs W13 and W2 as one fused kernel: only when ``_fused`` is
-        True (A/B tools, tests), with the rule of :meth:`_fused_reason` (ValueError where it
-        cannot run)."""
-        if not self._fused:
+    def _runs_mega(self, save: bool) -> bool:
+        """Whether this forward runs W13 and W2 as one persistent kernel (Mega): where the
+        plan says so (``overrides={"layer": {"mega": True}}``), ValueError where it cannot
+        run (:meth:`_mega_reason`)."""
+        if self.plan.mega_config is None:
             return False
-        if self._w2_beside:
-            raise ValueError("the fused W13 + W2 kernel and W2 beside W13 are two ways of the "
-                             "same step: set one of _fused and _w2_beside")
-        reason = self._fused_reason(save)
+        reason = self._mega_reason(save)
         if reason is not None:
-            raise ValueError(f"the fused W13 + W2 kernel cannot run here: {reason}")
+            raise ValueError(f"Mega (W13 and W2 in one kernel) cannot run here: {reason}")
         return True
 
-    def _fused_reason(self, save: bool) -> str | None:
-        """``None`` when the fused W13 + W2 kernel can run in this forward, else why not: the
-        rule of :meth:`_beside_rule_reason` (EP > 1, inference, a GPU per rank) and the
-        kernel's own tiles (:func:`~distmoe.kernels.mega.gluon.fused_reason`)."""
-        c = self.cfg
-        return self._beside_rule_reason(save) or fused_reason(
-            self.device, hidden=c.hidden, ffn=c.ffn, config=self._fused_config())
-
-    def _beside_rule_reason(self, save: bool) -> str | None:
-        """What W2 beside W13 and the fused kernel both need, else why not: EP > 1 (the
-        counters), inference, and every rank on a GPU of its own (the ``cuda_symm`` heap).
-        Ranks sharing a GPU never qualify: a W2 tile waiting on one rank could hold the SMs
-        another rank's W13 needs."""
+    def _mega_reason(self, save: bool) -> str | None:
+        """``None`` when Mega can run in this forward, else why not: EP > 1 (the counters),
+        inference, every rank on a GPU of its own (the ``cuda_symm`` heap: a W2 tile waiting
+        on one rank could hold the SMs another rank's W13 needs where ranks share a GPU),
+        and the kernel's own tiles (:func:`~distmoe.kernels.mega.gluon.fused_reason`)."""
         if self.ep_size == 1 or not hasattr(self, "_h2_done"):
             return "it needs EP > 1 (nothing crosses NVLink at EP = 1)"
         if save:
@@ -701,61 +521,22 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         if self.heap.backend != "cuda_symm":
             return (f"the {self.heap.backend!r} heap (ranks may share a GPU); it needs "
                     "every rank on a GPU of its own")
-        return None
-
-    def _w2_beside_reason(self, save: bool) -> str | None:
-        """``None`` when W2 can run beside W13 in this forward, else why not: the rule of
-        :meth:`_beside_rule_reason` (EP > 1, inference, a GPU per rank) and both GEMMs on
-        their Gluon kernels."""
         c = self.cfg
-        rule = self._beside_rule_reason(save)
-        if rule is not None:
-            return rule
-        for name, reason in (
-                ("W13", w13_gluon_reason(self._w13_cfg, self.device, c.hidden, c.ffn, True)),
-                ("W2", w2_gluon_reason(self._w2_cfg, self.device, c.hidden, c.ffn))):
-            if reason is not None:
-                return f"{name}: {reason}"
-        return None
-
-    @staticmethod
-    def beside_programs(num_sms: int) -> int:
-        """W2's programs beside W13: a third of ``num_sms`` (W2 does a third of the FLOPs:
-        2 F D per row against W13's 4 F D), at least 1; W13 takes the rest."""
-        return max(1, num_sms // 3)
+        return fused_reason(self.device, hidden=c.hidden, ffn=c.ffn,
+                            config=self.plan.mega_config)
 
     def _run_w13_w2(self, phased: bool, gather_ptrs, po, ro, w13, w2, scatter_ptrs,
-                    beside: bool, fused: bool = False) -> None:
-        """W13 then W2 (steps 4-5) on the current stream, or with ``beside`` W2 on a side
-        stream beside W13, each on its share of the SMs, joined back before returning, or
-        with ``fused`` both in one kernel (not ``phased``: the copy is joined)."""
-        if fused:
+                    mega: bool = False) -> None:
+        """W13 then W2 (steps 4-5) on the current stream, or with ``mega`` both in one
+        kernel (not ``phased``: the copy is joined)."""
+        if mega:
             counters = self._h2_done
             counters.zero_()
             fused_w13_w2(gather_ptrs, po, ro, w13, w2, self._h2, scatter_ptrs, counters,
-                         config=self._fused_config())
+                         config=self.plan.mega_config)
             return
-        if not beside:
-            self._run_w13(phased, gather_ptrs, po, ro, w13)
-            w2_scatter(self._h2, po, ro, w2, scatter_ptrs, config=self._w2_cfg)
-            return
-        sms = num_sms(self.device)
-        p2 = self._w2_beside_programs or self.beside_programs(sms)
-        if not 1 <= p2 < sms:
-            raise ValueError(f"W2's programs beside W13 must be in [1, {sms - 1}] (the SMs "
-                             f"less one for W13), got {p2}")
-        done = self._h2_done[:-1]
-        done.zero_()
-        main = torch.cuda.current_stream(self.device)
-        if self._w2_stream is None:
-            self._w2_stream = torch.cuda.Stream(self.device)
-        side = self._w2_stream
-        side.wait_stream(main)  # the tables, h2's buffer and the zeroed counters
-        self._run_w13(phased, gather_ptrs, po, ro, w13, done=done, programs=sms - p2)
-        with torch.cuda.stream(side):
-            w2_scatter(self._h2, po, ro, w2, scatter_ptrs, config=self._w2_cfg, wait=done,
-                       need=w13_done_count(self._w13_cfg, self.cfg.ffn), programs=p2)
-        main.wait_stream(side)
+        self._run_w13(phased, gather_ptrs, po, ro, w13)
+        w2_scatter(self._h2, po, ro, w2, scatter_ptrs, config=self.plan.w2)
 
     def _wants_autograd(self, x, scores, w13, w2) -> bool:
         """Training call with autograd: cfg.training, grad mode on and an input requiring
@@ -764,8 +545,8 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         return (self.cfg.training and torch.is_grad_enabled()
                 and any(t.requires_grad for t in (x, scores, w13, w2)))
 
-    def _forward(self, x, expert_ids, scores, w13, w2, *, save: bool = False):
-        """Steps 1-7 of the module docstring; returns ``(y, saved)``.
+    def forward_layer(self, x, expert_ids, scores, w13, w2, *, save: bool = False):
+        """*Used by distmoe.ops.autograd.* Steps 1-7 of the module docstring; returns ``(y, saved)``.
 
         With ``save`` (training under autograd), the layer's state goes to the selected slot
         of the activation buffer (:meth:`ActivationBuffer.begin_layer` decides save or replay
@@ -777,25 +558,23 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         if save:
             acts.check_room()  # before anything is published
         T, K = expert_ids.shape
-        pull_all = self.ep_size > 1 and (
-            self.pull_all_rule(self.ep_size, K, T, self.cfg.max_tokens)
-            if self._pull_all is None else self._pull_all)
+        pull_all = self.ep_size > 1 and self.plan.pulls_all(self.cfg, T)
         tables = self._publish_and_route(x, expert_ids, pull_all)
         po, ro = tables.padded_offsets, tables.row_offsets
         scores_f32 = scores.float().contiguous()
         y = torch.empty_like(x)
-        fused = not save and self._runs_fused(save)
-        phased = pull_all and not fused and self._phased_w13()
-        gather_ptrs = self._gather_table(tables.gather_ptrs, pulled=pull_all, x=x,
+        mega = not save and self._runs_mega(save)
+        phased = pull_all and not mega and self._phased_w13()
+        gather_ptrs = self.gather_table(tables.gather_ptrs, pulled=pull_all, x=x,
                                          phased=phased)
         if not save:
             self._run_w13_w2(phased, gather_ptrs, po, ro, w13, w2, tables.scatter_ptrs,
-                             self._w2_runs_beside(save), fused)
+                             mega)
             self.heap.barrier()
             # dest_rows_TK is -1 exactly where a route is not executed: it serves as the
             # combine's ids (only their sign is read)
             combine(self._combine[:T * K], tables.dest_rows_TK, scores_f32, y,
-                    config=self._combine_cfg)
+                    config=self.plan.combine)
             return y, None
         heap = self.heap
         rec = acts.begin_layer(tables.executed_rows_EP, self._combine.data_ptr(),
@@ -810,12 +589,12 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
             # A saved layer's h3 rows go straight into each owner's slot (rec.h3_deltas); a
             # replayed layer's stay in the combine buffers.
             w2_scatter(self._h2, po, ro, w2, _shifted_returns(tables, rec.h3_deltas, T * K),
-                       config=self._w2_cfg)
+                       config=self.plan.w2)
             heap.barrier()
             ids_executed = torch.where(tables.is_route_executed_TK,
                                        expert_ids.to(torch.int32), -1)
             combine(None, ids_executed, scores_f32, y, rows_addr=rec.backward[0:1],
-                    config=self._combine_cfg)
+                    config=self.plan.combine)
         except BaseException:
             acts.abandon_layer(rec)  # keep the slot consistent on this rank
             raise
@@ -826,7 +605,7 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
     def select_slot(self, slot: int) -> None:
         """Select the activation slot that the next training forwards append to (host int in
         ``[0, cfg.num_slots)``). A backward always uses the slot its forward recorded."""
-        self._check_open()
+        self.check_open()
         self._require_training("select_slot")
         self.activations.select_slot(slot)
 
@@ -834,7 +613,7 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         """*Call on every rank at the same point.* Empty every slot: after an aborted schedule
         or after training forwards whose outputs were dropped without a backward (those keep
         their layer otherwise). A later backward of a forgotten layer raises."""
-        self._check_open()
+        self.check_open()
         self._require_training("reset_slots")
         self.activations.reset_slots()
 
@@ -856,7 +635,7 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         ``check=True`` refuses such a call before it runs); training contexts add
         ``activations`` (:meth:`ActivationBuffer.stats`).
         """
-        self._check_open()
+        self.check_open()
         last, mx, dropped, invalid, calls, mismatches = (int(v)
                                                          for v in self._counters.tolist())
         pull_tensors = [self._pulled_ptrs]
@@ -913,32 +692,6 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
                            "rank stops (check=True)")
 
     # ------------------------------------------------------------------ lifetime
-    def _training_setup(self) -> None:
-        """The backward's launch configs (keyed on shapes only, picked once), and whether a
-        route's combine row holds the score and its gradient parts (one per W2 DGRAD column
-        tile, distmoe.ops.autograd); a ValueError (after freeing the heap: every rank takes
-        the same decision) if not."""
-        D, F = self.cfg.hidden, self.cfg.ffn
-        shape_keys = dict(block_m=self.cfg.row_block, rows_per_expert=self.rows_per_expert_hint)
-        self._w2_dgrad_cfg = W2DgradConfig.from_heuristic(
-            hidden=D, ffn=F, device=self.device, num_experts=self.num_local_experts,
-            **shape_keys)
-        self._w13_dgrad_cfg = W13DgradConfig.from_heuristic(
-            hidden=D, ffn=F, device=self.device, num_experts=self.num_local_experts, **shape_keys)
-        self._w2_wgrad_cfg = WgradConfig.from_heuristic(out_rows=D, out_cols=F,
-                                                        device=self.device, **shape_keys)
-        self._w13_wgrad_cfg = WgradConfig.from_heuristic(
-            out_rows=2 * F, out_cols=D, device=self.device,
-            gathered_b=rows_in_place(self.cfg, self.ep_size), **shape_keys)
-        self._score_parts = -(-F // self._w2_dgrad_cfg.block_n)
-        if 1 + self._score_parts > D // 2:
-            self.close()
-            raise ValueError(
-                f"training needs hidden/2 >= 1 + ceil(ffn / {self._w2_dgrad_cfg.block_n}): the "
-                "route's score and its gradient parts travel as fp32 values in its bf16 "
-                f"combine row, got hidden = {D} (room for {D // 2}) and ffn = {F} "
-                f"({1 + self._score_parts} needed)")
-
     def close(self) -> None:
         """*Collective.* Free the heap buffers (idempotent); the context is unusable after."""
         if self._closed:
@@ -946,9 +699,22 @@ first_blocks`), for the current config and ``_w13_phase_waves`` (host arithmetic
         self._closed = True
         self.heap.close()
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """RuntimeError if this context is closed."""
         if self._closed:
             raise RuntimeError("this MoEContext is closed")
+
+    # ------------------------------------------------------------------ the plan
+    def explain(self, tokens: int | None = None) -> str:
+        """The kernel plan of this context as text: every kernel and launch config its
+        calls use, the layer switches, and for a call of ``tokens`` tokens (default
+        ``cfg.max_tokens``) the per-call choices (EP > 1: whether every peer token is copied,
+        W13 in two launches). Host arithmetic only."""
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int)
+                                   or not 0 <= tokens <= self.cfg.max_tokens):
+            raise ValueError(f"tokens ({tokens!r}) must be an int in [0, max_tokens = "
+                             f"{self.cfg.max_tokens}]")
+        return self.plan.describe(self.cfg, tokens)
 
     def __enter__(self) -> MoEContext:
         return self

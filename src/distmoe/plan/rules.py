@@ -101,21 +101,16 @@ def w13_forward_config(*, hidden: int, ffn: int, block_m: int = 128,
                                   device_class=device_class)
         if gluon is not None:
             return gluon
-    block_n = min(128, max(16, next_power_of_2(ffn)))
-    block_k = min(64, max(16, next_power_of_2(hidden)))
-    num_warps = 8 if block_m * block_n >= 128 * 128 else 4
-    per_stage = (block_m + 2 * block_n) * block_k * 2
-    num_stages = max(2, min(4, (160 * 1024) // per_stage))
-    persistent = tma_epilogue = False
-    if rows_per_expert is not None:
-        persistent = True
-        long_segments = rows_per_expert >= thresholds(device_class).value("long_segment_rows")
-        if not (training and long_segments):
-            num_stages = max(2, min(4, (200 * 1024) // per_stage))
-        tma_epilogue = not training and long_segments
-    return W13Config(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
-                     num_stages=num_stages, group_m=8, persistent=persistent,
-                     tma_epilogue=tma_epilogue)
+    base = W13Config.for_widths(hidden=hidden, ffn=ffn, block_m=block_m)
+    if rows_per_expert is None:
+        return base
+    long_segments = rows_per_expert >= thresholds(device_class).value("long_segment_rows")
+    num_stages = base.num_stages
+    if not (training and long_segments):  # the stages that fit 200 KiB
+        per_stage = (block_m + 2 * base.block_n) * base.block_k * 2
+        num_stages = max(2, min(4, (200 * 1024) // per_stage))
+    return replace(base, num_stages=num_stages, persistent=True,
+                   tma_epilogue=not training and long_segments)
 
 
 # ------------------------------------------------------------------------------- W2 forward
@@ -160,13 +155,7 @@ def w2_forward_config(*, hidden: int, ffn: int, block_m: int = 128,
         long_segments = rows_per_expert >= thresholds(device_class).value("long_segment_rows")
         return W2Config(block_m=block_m, block_n=256, block_k=64, num_warps=8,
                         num_stages=3 if long_segments else 4, group_m=8, persistent=True)
-    block_n = min(128, max(16, next_power_of_2(hidden)))
-    block_k = min(64, max(16, next_power_of_2(ffn)))
-    num_warps = 8 if block_m * block_n >= 128 * 128 else 4
-    per_stage = (block_m + block_n) * block_k * 2
-    num_stages = max(2, min(4, (160 * 1024) // per_stage))
-    return W2Config(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
-                    num_stages=num_stages, group_m=8)
+    return W2Config.for_widths(hidden=hidden, ffn=ffn, block_m=block_m)
 
 
 # -------------------------------------------------------------------------------- W2 DGRAD
@@ -194,11 +183,7 @@ def w2_dgrad_config(*, hidden: int, ffn: int, block_m: int = 128,
     if rows_per_expert is not None and block_m == 128 and ffn >= 256 and hidden >= 64:
         return W2DgradConfig(block_m=block_m, block_n=256, block_k=64, num_warps=8,
                              num_stages=4)
-    block_n = _pow2_clamped(ffn, 16, 128)
-    block_k = _pow2_clamped(hidden, 16, 64)
-    num_warps = 8 if block_m * block_n >= 128 * 128 else 4
-    return W2DgradConfig(block_m=block_m, block_n=block_n, block_k=block_k,
-                         num_warps=num_warps, num_stages=4)
+    return W2DgradConfig.for_widths(hidden=hidden, ffn=ffn, block_m=block_m)
 
 
 # ------------------------------------------------------------------------------- W13 DGRAD
@@ -241,11 +226,7 @@ def w13_dgrad_config(*, hidden: int, ffn: int, block_m: int = 128,
     if rows_per_expert is not None and block_m == 128 and hidden >= 256 and ffn >= 32:
         return W13DgradConfig(block_m=block_m, block_n=256, block_k=64, num_warps=8,
                               num_stages=4, persistent=True, dynamic=True, pair_tails=True)
-    block_n = _pow2_clamped(hidden, 16, 128)
-    block_k = _pow2_clamped(2 * ffn, 16, 64)
-    num_warps = 8 if block_m * block_n >= 128 * 128 else 4
-    return W13DgradConfig(block_m=block_m, block_n=block_n, block_k=block_k,
-                          num_warps=num_warps, num_stages=3)
+    return W13DgradConfig.for_widths(hidden=hidden, ffn=ffn, block_m=block_m)
 
 
 # ------------------------------------------------------------------------------------ WGRAD
@@ -301,11 +282,7 @@ def wgrad_config(*, out_rows: int, out_cols: int, block_m: int = 128,
             and out_rows >= 128 and out_cols >= 256):
         return WgradConfig(block_m=block_m, block_k=min(64, block_m), block_out_m=128,
                            block_out_n=256, num_warps=8, num_stages=3)
-    block_out_m = _pow2_clamped(out_rows, 16, 128)
-    block_out_n = _pow2_clamped(out_cols, 16, 128)
-    num_warps = 8 if block_out_m * block_out_n >= 128 * 128 else 4
-    return WgradConfig(block_m=block_m, block_k=min(64, block_m), block_out_m=block_out_m,
-                       block_out_n=block_out_n, num_warps=num_warps, num_stages=3)
+    return WgradConfig.for_widths(out_rows=out_rows, out_cols=out_cols, block_m=block_m)
 
 
 # ---------------------------------------------------------------------------------- combine
@@ -313,9 +290,8 @@ def combine_config(*, hidden: int) -> CombineConfig:
     """The owner combine: one token of 1024 columns per program with 8 warps where
     D >= 1024 (fastest of 31 configs at two shapes, docs/performance.md#run-33); narrower D
     packs more tokens per program up to 1024 elements, 4 warps."""
-    block_d = min(1024, next_power_of_2(hidden))
-    return CombineConfig(block_t=max(1, 1024 // block_d), block_d=block_d,
-                         num_warps=8 if block_d >= 1024 else 4)
+    base = CombineConfig.for_widths(hidden=hidden)
+    return replace(base, num_warps=8 if base.block_d >= 1024 else 4)
 
 
 # --------------------------------------------------------------------- per-call layer rules

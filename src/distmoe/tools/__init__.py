@@ -1,13 +1,28 @@
-"""Command-line tools: the benchmark harness, the memory planner CLI, the demo, sm_90 builds."""
+"""The commands of ``python -m distmoe`` and what they share.
+
+* ``demo`` (:mod:`.demo`): run the layer here and check it against the reference;
+* ``plan`` (:mod:`.plan_cli`): the activation-memory plan, or the kernel plan;
+* ``bench`` (:mod:`.bench`): the benchmark suite against the torch baseline and ceilings;
+* ``ab`` (:mod:`.ab`, :mod:`.budget`): layer A/B of kernel-plan variants or memory budgets;
+* ``profile`` (:mod:`.profile`, :mod:`.ncu_stalls`, :mod:`.ptxas`): one layer step under
+  torch.profiler, trace timelines, Nsight Compute stall tables, sm_90 register reports;
+* ``tune`` (:mod:`.tune`): launch-config sweeps of one kernel.
+
+:mod:`.sm90_build` builds kernels for sm_90 without a GPU (``profile --ptxas``).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+#: The note a command prints under times measured on the CPU.
+INTERPRETER_NOTE = ("these are CPU times: distmoe's kernels ran in Triton's interpreter (and "
+                    "torch's ops on the CPU), so they say nothing about GPU speed")
+
 
 def require_cuda(prog: str) -> None:
     """Exit with status 2 and a one-line message when this process sees no CUDA GPU: for the
-    GPU-only scripts in ``tools/`` (measurements of GPU kernels, nothing to do on a CPU)."""
+    GPU-only commands (measurements of GPU kernels, nothing to do on a CPU)."""
     import sys
 
     import torch

@@ -1,6 +1,19 @@
-"""``python -m distmoe plan``: print an activation-memory plan, optionally draw it.
+"""``python -m distmoe plan``: print an activation-memory plan (optionally draw it), or the
+kernel plan.
 
-The subcommand builds a :class:`~distmoe.config.MoEConfig` from its flags, runs
+The memory plan covers one context's activation buffer on one rank: its slots (the state
+kept for backward) and its scratch. It leaves out the weights and their gradients, the
+caller's tensors, the buffers on the symmetric heap that the peers read (routing, dispatch,
+combine), the EP > 1 pull buffer and the W13 pointer table (docs/memory.md, section 1); the
+output says so.
+
+``--kernels`` prints the kernel plan instead (:func:`distmoe.plan.plan_kernels`): every
+kernel and launch config the layer's calls use, for ``--device-class`` (default: this
+machine's GPU's, ``generic`` without one), inference unless ``--training``; ``--shape NAME``
+takes the layer from a bench shape. ``--rules`` prints the threshold table of the device
+class (name, value, reason, evidence).
+
+The memory subcommand builds a :class:`~distmoe.config.MoEConfig` from its flags, runs
 :func:`~distmoe.memory.plan_memory` and prints the table. For training it also shows the
 save/replay decisions of one slot, either for received rows read from ``--rows-json`` (a
 JSON list ``[layer][rank]`` of row counts, or an object with a ``"received_rows"`` key) or
@@ -17,7 +30,10 @@ decision options with ``--inference``, ``--imbalance`` with ``--rows-json``). A 
 stdout (``distmoe plan | head -1``) ends the command quietly with status 141.
 
 With no flags it plans a Qwen3-30B-A3B-like layer (D 2048, F 768, E 128, K 8) at T 4096
-tokens per rank on EP 8, four layers per slot, bf16 training.
+tokens per rank on EP 8, four layers per slot, bf16 training. The save/replay table then
+assumes the demo routing, not the balanced one, and says so: in layer l, rank ``l % EP``
+receives ``f * T*K`` rows (capped at the receive bound), f cycling through ``--imbalance``
+(default 1.0,1.5,1.25,1.75), and the other ranks share the rest as evenly as possible.
 
 Wiring (done in ``distmoe/__main__.py``)::
 
@@ -34,6 +50,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 from collections.abc import Sequence
 
 from distmoe.config import PRECISIONS, MoEConfig
@@ -43,24 +60,61 @@ from distmoe.memory import (
     format_bytes,
     plan_memory,
 )
+from distmoe.plan import DEVICE_CLASSES
 from distmoe.tools import quiet_on_closed_pipe, with_options
+from distmoe.tools.bench.workloads import SHAPES
 
 DEFAULT_IMBALANCE = "1.0,1.5,1.25,1.75"
+#: the layer planned when no shape option is given (Qwen3-30B-A3B-like at T 4096)
+DEFAULT_LAYER = dict(hidden=2048, ffn=768, experts=128, top_k=8, tokens=4096)
+
+#: what the memory plan counts and what it leaves out (printed under the plan's header)
+COVERAGE_NOTE = (
+    "Covers one context's activation buffer on one rank: its slots (state kept for backward)\n"
+    "and its scratch. Not counted: the weights and their gradients, the caller's tensors, the\n"
+    "symmetric-heap buffers the peers read (routing, dispatch, combine), the EP > 1 pull\n"
+    "buffer, the W13 pointer table (docs/memory.md, section 1).\n")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``plan`` flags to ``parser``."""
     parser.description = "Print the activation-memory plan of one MoE layer configuration."
+    parser.description = (
+        "Print the activation-memory plan of one MoE layer configuration (one context's "
+        "activation buffer on one rank: slots and scratch; not the weights, not the buffers "
+        "the peers read), or with --kernels its kernel plan.")
     shape = parser.add_argument_group("layer shape")
-    shape.add_argument("--hidden", type=int, default=2048, help="D, token width (2048)")
-    shape.add_argument("--ffn", type=int, default=768, help="F, expert width (768)")
-    shape.add_argument("--experts", type=int, default=128, help="E, global experts (128)")
-    shape.add_argument("--top-k", type=int, default=8, help="K, experts per token (8)")
-    shape.add_argument("--tokens", type=int, default=4096, help="T_max tokens per rank (4096)")
+    shape.add_argument("--shape", default=None, metavar="NAME", choices=sorted(SHAPES),
+                       help="take D, F, E, K and T from a bench shape (the options below "
+                            f"override it); one of {', '.join(sorted(SHAPES))}")
+    shape.add_argument("--hidden", type=int, default=None, help="D, token width (2048)")
+    shape.add_argument("--ffn", type=int, default=None, help="F, expert width (768)")
+    shape.add_argument("--experts", type=int, default=None, help="E, global experts (128)")
+    shape.add_argument("--top-k", type=int, default=None, help="K, experts per token (8)")
+    shape.add_argument("--tokens", type=int, default=None, help="T_max tokens per rank (4096)")
     shape.add_argument("--ep", type=int, default=8, help="EP ranks (8)")
     shape.add_argument("--precision", choices=PRECISIONS, default="bf16")
-    shape.add_argument("--inference", action="store_true", help="no backward, no saved state")
+    mode = shape.add_mutually_exclusive_group()
+    mode.add_argument("--inference", action="store_true",
+                      help="no backward, no saved state (the memory plan's default is "
+                           "training)")
+    mode.add_argument("--training", action="store_true",
+                      help="forward and backward (the kernel plan's default is inference)")
     shape.add_argument("--row-block", type=int, default=128, help="GEMM row block (128)")
+
+    kernels = parser.add_argument_group("kernel plan")
+    kernels.add_argument("--kernels", action="store_true",
+                         help="print the kernel plan (every kernel and launch config) "
+                              "instead of the memory plan")
+    kernels.add_argument("--rules", action="store_true",
+                         help="print the kernel plan's thresholds of --device-class (name, "
+                              "value, reason, evidence)")
+    kernels.add_argument("--device-class", choices=DEVICE_CLASSES, default=None,
+                         help="plan for this device class (default: this machine's GPU's; "
+                              "generic without one: Triton kernels only)")
+    kernels.add_argument("--call-tokens", type=int, default=None, metavar="T",
+                         help="with --kernels at EP > 1: the per-call choices for a call of T "
+                              "tokens (default: T_max)")
 
     budget = parser.add_argument_group("memory budget")
     cap = budget.add_mutually_exclusive_group()
@@ -186,9 +240,22 @@ def _default_imbalance(args: argparse.Namespace) -> str:
     return DEFAULT_IMBALANCE if args.imbalance is None else args.imbalance
 
 
+def fill_shape(args: argparse.Namespace) -> None:
+    """Fill the layer options not given: from ``--shape`` where given, else
+    :data:`DEFAULT_LAYER` (idempotent)."""
+    shape = SHAPES[args.shape] if getattr(args, "shape", None) else None
+    from_shape = {} if shape is None else dict(
+        hidden=shape.hidden, ffn=shape.ffn, experts=shape.num_experts, top_k=shape.top_k,
+        tokens=shape.tokens)
+    for name, value in DEFAULT_LAYER.items():
+        if getattr(args, name) is None:
+            setattr(args, name, from_shape.get(name, value))
+
+
 def build_plan(args: argparse.Namespace) -> MemoryPlan:
     """Config, received rows and plan from parsed arguments (raises ValueError/TypeError,
     with messages that name the options)."""
+    fill_shape(args)
     if args.precision == "nvfp4" and not args.inference:
         raise ValueError("--precision nvfp4 is inference only: add --inference")
     rows = _read_rows(args.rows_json) if args.rows_json else None
@@ -244,6 +311,40 @@ def build_plan(args: argparse.Namespace) -> MemoryPlan:
         if "received_rows" in message:
             message = source + message
         raise type(exc)(message) from None
+
+
+def rows_note(plan: MemoryPlan, args: argparse.Namespace) -> str:
+    """What the save/replay table's received rows are (printed above it; '' without the
+    table): the file's counts, or the demo routing of :func:`demo_rows`, which is assumed,
+    not measured."""
+    if plan.saves is None:
+        return ""
+    if args.rows_json:
+        return f"Received rows from --rows-json {args.rows_json}.\n"
+    text = _default_imbalance(args)
+    if plan.ep_size == 1:
+        return "Received rows: at EP 1 the one rank receives every route, T*K rows per layer.\n"
+    default = " (the default)" if args.imbalance is None else ""
+    return textwrap.fill(
+        "Received rows: an assumed imbalanced demo routing, not measured and not balanced "
+        "(--rows-json FILE gives real counts): in layer l, rank l % EP receives f x T*K rows, "
+        f"capped at the receive bound, f cycling through --imbalance {text}{default}; the "
+        "other ranks share the remaining routes as evenly as possible.", width=92,
+        break_on_hyphens=False) + "\n"
+
+
+def format_memory_plan(plan: MemoryPlan, args: argparse.Namespace) -> str:
+    """The printed memory plan: the plan's table with :data:`COVERAGE_NOTE` under its header
+    and :func:`rows_note` above the save/replay table."""
+    text = str(plan)
+    head, sep, rest = text.partition("\n\n")
+    text = head + "\n" + COVERAGE_NOTE.rstrip("\n") + sep + rest if sep else text
+    note = rows_note(plan, args)
+    marker = "\nSave/replay decisions"
+    if note and marker in text:
+        cut = text.index(marker) + 1
+        text = text[:cut] + note + text[cut:]
+    return text
 
 
 def imbalance_notes(plan: MemoryPlan, args: argparse.Namespace) -> list[str]:
@@ -576,7 +677,32 @@ def _draw_costs(ax, plan: MemoryPlan) -> None:
 # --------------------------------------------------------------------------- entry point
 def check_options(args: argparse.Namespace) -> None:
     """Raise ``ValueError`` for options that would be ignored: training-only options with
-    ``--inference``, and ``--imbalance`` with ``--rows-json``."""
+    ``--inference``, ``--imbalance`` with ``--rows-json``, memory-plan options with
+    ``--kernels`` / ``--rules``, kernel-plan options without them."""
+    if args.kernels or args.rules:
+        given = [name for name, value in (
+            ("--rows-json", args.rows_json), ("--imbalance", args.imbalance),
+            ("--activation-factor", args.activation_factor),
+            ("--activation-bytes", args.activation_bytes), ("--slots", args.slots),
+            ("--layers-per-slot", args.layers_per_slot),
+            ("--total-scratch-factor", args.total_scratch_factor),
+            ("--drop-route-outputs", args.drop_route_outputs),
+            ("--regather-rows", args.regather_rows), ("--auto-rows", args.auto_rows),
+            ("--tensors", args.tensors), ("--png", args.png), ("--json", args.json))
+            if value not in (None, False)]
+        if given:
+            raise ValueError(f"{', '.join(given)}: memory-plan options, no effect with "
+                             f"{'--kernels' if args.kernels else '--rules'}")
+        if args.rules and args.kernels:
+            raise ValueError("--kernels and --rules: one of them")
+        return
+    if args.device_class is not None or args.call_tokens is not None:
+        option = "--device-class" if args.device_class is not None else "--call-tokens"
+        raise ValueError(f"{option}: a kernel-plan option, no effect without --kernels "
+                         "(or --rules)")
+    if args.training:
+        raise ValueError("--training: the memory plan is for training unless --inference "
+                         "(--training is for --kernels)")
     if args.inference:
         given = []
         if args.rows_json is not None:
@@ -634,8 +760,69 @@ def _check_matplotlib() -> None:
         ) from None
 
 
+def local_device_class() -> str:
+    """The device class of this machine's first CUDA device (``generic`` without one)."""
+    import torch
+
+    from distmoe.plan import device_class
+
+    return device_class(torch.device("cuda", 0)) if torch.cuda.is_available() else "generic"
+
+
+def format_rules(device_class: str) -> str:
+    """The threshold table of ``device_class``: each threshold's name and value, its reason
+    and the measurement it rests on."""
+    from distmoe.plan import thresholds
+
+    lines = [f"kernel-plan thresholds of device class {device_class} "
+             "(distmoe.plan.thresholds; the rules in distmoe.plan.rules read them)"]
+    for name, row in thresholds(device_class).rows():
+        lines.append(f"  {name} = {row.value}")
+        lines.append(textwrap.fill(row.reason, width=96, initial_indent=" " * 6,
+                                   subsequent_indent=" " * 6, break_on_hyphens=False))
+        lines.append(f"      evidence: {row.evidence}")
+    return "\n".join(lines)
+
+
+def kernel_plan_text(args: argparse.Namespace) -> str:
+    """``--kernels``: the layer's kernel plan (raises ValueError/TypeError naming the
+    options)."""
+    from distmoe.plan import plan_kernels
+
+    fill_shape(args)
+    if args.precision == "nvfp4" and args.training:
+        raise ValueError("--precision nvfp4 is inference only: drop --training")
+    try:
+        cfg = MoEConfig(hidden=args.hidden, ffn=args.ffn, num_experts=args.experts,
+                        top_k=args.top_k, max_tokens=args.tokens, precision=args.precision,
+                        training=args.training, row_block=args.row_block,
+                        device_scratch_factor=args.device_scratch_factor)
+        cfg.check_ep_size(args.ep)
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(with_options(str(exc))) from None
+    call = args.call_tokens
+    if call is not None and not 1 <= call <= cfg.max_tokens:
+        raise ValueError(f"--call-tokens ({call}) must be in [1, --tokens ({cfg.max_tokens})]")
+    dc = args.device_class or local_device_class()
+    plan = plan_kernels(cfg, ep_size=args.ep, device_class=dc)
+    layer = (f"{args.shape}: " if args.shape else "") + (
+        f"T {cfg.max_tokens}, D {cfg.hidden}, F {cfg.ffn}, E {cfg.num_experts} "
+        f"({cfg.experts_per_rank(args.ep)} per rank), K {cfg.top_k}, {cfg.precision}")
+    return f"{layer}\n{plan.describe(cfg, tokens=call)}"
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the subcommand; returns the process exit status (0 ok, 2 bad input)."""
+    if args.kernels or args.rules:
+        try:
+            check_options(args)
+            text = (format_rules(args.device_class or local_device_class()) if args.rules
+                    else kernel_plan_text(args))
+        except (ValueError, TypeError) as exc:
+            print(f"distmoe plan: error: {exc}", file=sys.stderr)
+            return 2
+        print(text)
+        return 0
     try:
         check_options(args)
         check_output("--json", args.json)
@@ -646,7 +833,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as exc:
         print(f"distmoe plan: error: {exc}", file=sys.stderr)
         return 2
-    print(plan)
+    print(format_memory_plan(plan, args))
     if args.tensors:
         print()
         print(format_breakdown(plan.balanced_costs))

@@ -40,7 +40,7 @@ _I64 = {"grad_h3_ptrs_ptr", "scatter_ptrs_ptr", "gather_ptrs_ptr", "h1_offset_pt
         "b_offset_ptr", "out_offsets_ptr", "b_rows_ptr"}
 _I64_SCALARS = {"b_shift"}
 _I32 = {"padded_offsets_ptr", "row_offsets_ptr", "enable_ptr", "order_ptr", "positions_ptr",
-        "done_ptr", "wait_ptr", "next_ptr", "sync_ptr"}
+        "done_ptr", "next_ptr", "sync_ptr"}
 
 
 #: the WGRAD kernels' address-table arguments when B is not gathered (placeholder tensors and
@@ -181,7 +181,7 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
     (production: no spills, no serialized wgmma), then every other tuner config at ``fine``
     (build only)."""
     from distmoe.kernels.wgrad import gluon as wg
-    from distmoe.kernels.wgrad.config import WgradConfig
+    from distmoe.plan import rules
     from distmoe.tools.bench.workloads import SHAPES
 
     if not wg.HAVE_GLUON:
@@ -220,7 +220,7 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
         D, F, E = s.hidden, s.ffn, s.num_experts
         hint = s.tokens * s.top_k // E
         for kind, P, Q in (("W13", 2 * F, D), ("W2", D, F)):
-            c = WgradConfig.hopper_gluon(out_rows=P, out_cols=Q, rows_per_expert=hint)
+            c = rules.wgrad_gluon(out_rows=P, out_cols=Q, rows_per_expert=hint)
             if c is None:  # the Triton WGRAD serves this shape (P under 128)
                 continue
             # the warp-specialised kernel as picked (256 x 128 tiles from 12 MiB per
@@ -236,7 +236,7 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
                                   c.num_warps if ws or not c.pingpong else 8,
                                   kind == "W13", True, c.block_k, ws, pp))
             if kind == "W13":  # x's rows read in place (EP = 1, x kept): as picked for it
-                g = WgradConfig.hopper_gluon(out_rows=P, out_cols=Q, rows_per_expert=hint,
+                g = rules.wgrad_gluon(out_rows=P, out_cols=Q, rows_per_expert=hint,
                                                  gathered_b=True)
                 cases.append(case(f"{name} W13 WGRAD gluon ws{' pingpong' if g.pingpong else ''}"
                                   f" {g.block_out_m}x{g.block_out_n} x_rows", P, Q, E,
@@ -245,7 +245,7 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
     s = SHAPES["fine"]
     # two cooperating warpgroups: the pick from 1024 rows per expert below 12 MiB per expert
     # (fine at T=16384)
-    c = WgradConfig.hopper_gluon(out_rows=2 * s.ffn, out_cols=s.hidden, rows_per_expert=1024)
+    c = rules.wgrad_gluon(out_rows=2 * s.ffn, out_cols=s.hidden, rows_per_expert=1024)
     cases.append(case(f"fine T=16384 W13 WGRAD gluon ws {c.block_out_m}x{c.block_out_n} "
                       f"w{c.num_warps} s{c.num_stages}", 2 * s.ffn, s.hidden, s.num_experts,
                       c.block_out_m, c.block_out_n, c.num_stages, c.num_warps, True, True,
@@ -253,7 +253,7 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
     # the producers in lockstep (WgradConfig.lockstep), as picked for deepseek-v3's W13 (56 MiB
     # an expert)
     d = SHAPES["deepseek-v3"]
-    c = WgradConfig.hopper_gluon(out_rows=2 * d.ffn, out_cols=d.hidden, rows_per_expert=128)
+    c = rules.wgrad_gluon(out_rows=2 * d.ffn, out_cols=d.hidden, rows_per_expert=128)
     cases.append(case(f"deepseek-v3 W13 WGRAD gluon ws {c.block_out_m}x{c.block_out_n}"
                       f"{' lockstep' if c.lockstep else ''}", 2 * d.ffn, d.hidden,
                       d.num_experts, c.block_out_m, c.block_out_n, c.num_stages, c.num_warps,
@@ -267,8 +267,8 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
 
 def gluon_w13_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
     """The warp-specialised Gluon W13 forward (:mod:`distmoe.kernels.w13_forward.gluon`): what the
-    heuristic picks on Hopper at each shape (:meth:`~distmoe.kernels.w13_forward.config.\
-W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and the rows
+    plan picks on Hopper at each shape (:func:`distmoe.plan.rules.w13_forward_gluon`:
+    cooperative tiles at both named shapes), with h1 and the rows
     saved at device offsets and an enable flag in training (production: no spill, no
     serialized wgmma), and deepseek-v3's training build (256 experts: the producer's bounds
     loaded per tile) where it is not among ``shapes``, each with the producers in lockstep
@@ -286,8 +286,8 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
         return []
     gl = wg.gl
 
-    def case(label, name, train, bn, stages, production, warps=4, order=False, done=False,
-             lockstep=False, expert_groups=False):
+    def case(label, name, train, bn, stages, production, warps=4, order=False, lockstep=False,
+             expert_groups=False):
         s = SHAPES[name]
         D, F, E = s.hidden, s.ffn, s.num_experts
         bm, bk = wg.tile_rows(bn, warps), 64
@@ -297,12 +297,12 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
                  "enable_ptr": "*i32"}
         return BuildCase(
             f"{label} W13 fwd gluon {bm}x{bn}{' coop' if warps == 8 else ''} s{stages} "
-            f"training={train}{' ordered' if order else ''}{' done' if done else ''}"
+            f"training={train}{' ordered' if order else ''}"
             f"{' lockstep' if lockstep else ''}{' expert-groups' if expert_groups else ''}",
             wg._gluon_w13_kernel,
             dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
                  GROUP_M=8, STAGES=stages, WRITE_H1=train, WRITE_X=train, DYN_OFFSETS=train,
-                 HAS_ENABLE=train, HAS_ORDER=order, HAS_DONE=done,
+                 HAS_ENABLE=train, HAS_ORDER=order,
                  A_LAYOUT=gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16),
                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRODUCER_THREADS=wg._PRODUCER_THREADS,
                  COOP=warps == 8, LOCKSTEP=lockstep, EXPERT_GROUPS=expert_groups,
@@ -310,12 +310,12 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
             4, 1, types=types, production=production, gluon=True,
             options=dict(maxnreg=wg._MAXNREG))
 
-    from distmoe.kernels.w13_forward.config import W13Config
+    from distmoe.plan import rules
 
     def pick(name, train):
         """The heuristic's Gluon config at the named shape's hint (or None)."""
         s = SHAPES[name]
-        return W13Config.hopper_gluon(hidden=s.hidden, ffn=s.ffn, training=train,
+        return rules.w13_forward_gluon(hidden=s.hidden, ffn=s.ffn, training=train,
                                       rows_per_expert=s.tokens * s.top_k // s.num_experts)
 
     cases = []
@@ -332,10 +332,6 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
                 cases.append(case(name, name, train, c.block_n, c.num_stages, True,
                                   warps=c.num_warps, order=True, lockstep=c.lockstep,
                                   expert_groups=c.expert_groups))
-                if not train:  # EP > 1, with the W2 running beside it (done counters)
-                    cases.append(case(name, name, train, c.block_n, c.num_stages, True,
-                                      warps=c.num_warps, done=True, lockstep=c.lockstep,
-                                      expert_groups=c.expert_groups))
     c = None if "deepseek-v3" in shapes else pick("deepseek-v3", True)
     if c is not None:
         # 256 experts: the producer loads the per-expert bounds per tile (production build:
@@ -355,12 +351,9 @@ W13Config.hopper_gluon`: cooperative tiles at both named shapes), with h1 and th
     return cases
 
 
-#: (ring stages, h1_prefetch) of the W2 DGRAD's h1-by-cp.async builds (not production)
-GLUON_W2_DGRAD_PREFETCH_CASES = ((5, 1), (4, 2), (3, 3), (2, 4))
-#: (epilogue warps, fp32 tile buffers, ring stages, early h1 loads) of the split W2 DGRAD's
-#: builds; the heuristic's (run 43): 8 warps, one buffer, 4 or 5 stages, no early loads
-GLUON_W2_DGRAD_SPLIT_CASES = ((4, 1, 5, False), (8, 1, 5, False), (8, 1, 4, False),
-                              (8, 2, 3, False), (8, 1, 4, True), (8, 1, 5, True))
+#: (epilogue warps, fp32 tile buffers, ring stages) of the split W2 DGRAD's builds; the
+#: heuristic's (run 43): 8 warps, one buffer, 4 or 5 stages
+GLUON_W2_DGRAD_SPLIT_CASES = ((4, 1, 5), (8, 1, 5), (8, 1, 4), (8, 2, 3))
 
 
 def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
@@ -369,10 +362,10 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
     wgmma): the split kernel as the heuristic picks it (8 epilogue warps, one fp32 tile
     buffer, 4 or 5 stages; run 43), scored (the layer's) and plain, at every shape but
     ``smoke`` (a CPU test size). Built only: the other split forms (scored), and the
-    ping-pong kernel (production until run 43) at every ring depth it takes and with its h1
-    prefetch. In the ping-pong kernel above 32 experts the consumers load the per-expert
-    bounds per tile (``RELOAD_BOUNDS``; held in registers they made the scored epilogue spill
-    96-220 bytes, run 33), and its plain form still spills 16 bytes there; at ``smoke``
+    ping-pong kernel (production until run 43) at every ring depth it takes. In the
+    ping-pong kernel above 32 experts the consumers load the per-expert bounds per tile
+    (``RELOAD_BOUNDS``; held in registers they made the scored epilogue spill 96-220 bytes,
+    run 33), and its plain form still spills 16 bytes there; at ``smoke``
     (D = 64) its epilogue spills 584-596 bytes. The split kernel spills in none of these.
     Then the split kernel as picked at gpt-oss-120b (F = 2880: partial last column tiles),
     and at deepseek-v3 (scored), its TMA producer in lockstep."""
@@ -383,7 +376,7 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
     if not wg.HAVE_GLUON:
         return []
 
-    def split_case(name, epi, bufs, stages, early, scored, production, lockstep=False,
+    def split_case(name, epi, bufs, stages, scored, production, lockstep=False,
                    expert_groups=False):
         s = SHAPES[name]
         D, F, E = s.hidden, s.ffn, s.num_experts
@@ -394,13 +387,13 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
         maxnreg, epi_regs = wg.SPLIT_REGISTERS[epi]
         return BuildCase(
             f"{name} W2 DGRAD gluon split epi{epi} x{bufs} s{stages}"
-            f"{' early_h1' if early else ''} scored={scored}{' lockstep' if lockstep else ''}"
+            f" scored={scored}{' lockstep' if lockstep else ''}"
             f"{' expert-groups' if expert_groups else ''}",
             wg._gluon_w2_dgrad_split_kernel,
             dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
                  GROUP_M=8, STAGES=stages, H1_OFFSET=True, STORE_H2=True, SCORED=scored,
                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, RELOAD_BOUNDS=E > 32, ACC_BUFS=bufs,
-                 EPI_WARPS=epi, EPI_REGS=epi_regs, EARLY_H1=early, LOCKSTEP=lockstep,
+                 EPI_WARPS=epi, EPI_REGS=epi_regs, LOCKSTEP=lockstep,
                  EXPERT_GROUPS=expert_groups, num_warps=4),
             4, 1, types=types, production=production, gluon=True,
             options=dict(maxnreg=maxnreg))
@@ -420,47 +413,31 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
                     dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E,
                          EXPERTS_POW2=max(32, next_power_of_2(E)), GROUP_M=8, STAGES=stages,
                          H1_OFFSET=True, STORE_H2=True, SCORED=scored, BLOCK_M=bm, BLOCK_N=bn,
-                         BLOCK_K=bk, RELOAD_BOUNDS=E > 32, H1_PREFETCH=0, LOCKSTEP=False,
+                         BLOCK_K=bk, RELOAD_BOUNDS=E > 32, LOCKSTEP=False,
                          EXPERT_GROUPS=False, num_warps=4),
                     4, 1, types=types, production=False, gluon=True,
                     options=dict(maxnreg=wg._MAXNREG)))
-        for stages, prefetch in GLUON_W2_DGRAD_PREFETCH_CASES:  # h1 by cp.async (scored)
-            bm, bn, bk = 128, 128, 64
-            types = {"a_desc": _gluon_desc(1024, D, [bm, bk]),
-                     "w_desc": _gluon_desc(E * D, F, [bk, bn]),
-                     "ptrs_ptr": "*i64", "h1_offset_ptr": "*i64"}
-            cases.append(BuildCase(
-                f"{name} W2 DGRAD gluon s{stages} h1_prefetch={prefetch} scored=True",
-                wg._gluon_w2_dgrad_kernel,
-                dict(FFN=F, HIDDEN=D, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
-                     GROUP_M=8, STAGES=stages, H1_OFFSET=True, STORE_H2=True, SCORED=True,
-                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, RELOAD_BOUNDS=E > 32,
-                     H1_PREFETCH=prefetch, LOCKSTEP=False, EXPERT_GROUPS=False,
-                     num_warps=4),
-                4, 1, types=types, production=False, gluon=True,
-                options=dict(maxnreg=wg._MAXNREG)))
-        for epi, bufs, stages, early in GLUON_W2_DGRAD_SPLIT_CASES:  # the epilogue's partition
-            picked = (epi, bufs, early) == (8, 1, False) and stages in (4, 5) and name != "smoke"
+        for epi, bufs, stages in GLUON_W2_DGRAD_SPLIT_CASES:  # the epilogue's partition
+            picked = (epi, bufs) == (8, 1) and stages in (4, 5) and name != "smoke"
             for scored in (True, False) if picked else (True,):  # the layer's, the plain one
-                cases.append(split_case(name, epi, bufs, stages, early, scored, picked))
+                cases.append(split_case(name, epi, bufs, stages, scored, picked))
     if "gpt-oss-120b" not in shapes:  # F = 2880: each row's last column tile partial
-        cases += [split_case("gpt-oss-120b", 8, 1, 4, False, scored, True)
+        cases += [split_case("gpt-oss-120b", 8, 1, 4, scored, True)
                   for scored in (True, False)]
     # the TMA producer in lockstep (W2DgradConfig.lockstep), as picked at deepseek-v3
-    cases.append(split_case("deepseek-v3", 8, 1, 4, False, True, True, lockstep=True))
+    cases.append(split_case("deepseek-v3", 8, 1, 4, True, True, lockstep=True))
     # and in the expert-group order (W2DgradConfig.expert_groups), there and at fine
-    cases.append(split_case("deepseek-v3", 8, 1, 4, False, True, True, lockstep=True,
+    cases.append(split_case("deepseek-v3", 8, 1, 4, True, True, lockstep=True,
                             expert_groups=True))
-    cases.append(split_case("fine", 8, 1, 4, False, True, True, expert_groups=True))
+    cases.append(split_case("fine", 8, 1, 4, True, True, expert_groups=True))
     return cases
 
 
 def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
     """The warp-specialised Gluon W2 forward (:mod:`distmoe.kernels.w2_forward.gluon`) at each
     shape, with an enable flag: the ping-pong 128 x 128 tile at ring depths 4 to 6 and the
-    cooperative 128 x 256 tile at 3 and 4, each also waiting per row block for a W13
-    beside it; and the same kernel as the W13 DGRAD (weights read N-major; ping-pong at 5
-    and 6 stages, cooperative at 4). Then both as picked at gpt-oss-120b, whose D (2880)
+    cooperative 128 x 256 tile at 3 and 4; and the same kernel as the W13 DGRAD (weights
+    read N-major; ping-pong at 5 and 6 stages, cooperative at 4). Then both as picked at gpt-oss-120b, whose D (2880)
     leaves each row's last column tile partial, the W2 forward also with its producers in
     lockstep; the W13 DGRAD in lockstep at deepseek-v3, and both in lockstep in the
     expert-group order there. Production: no spill, no serialized wgmma."""
@@ -471,8 +448,7 @@ def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildC
     if not wg.HAVE_GLUON:
         return []
 
-    def case(name, bn, warps, stages, wait=False, w13_dgrad=False, lockstep=False,
-             expert_groups=False):
+    def case(name, bn, warps, stages, w13_dgrad=False, lockstep=False, expert_groups=False):
         s = SHAPES[name]
         D, F, E = s.hidden, s.ffn, s.num_experts
         depth = 2 * F if w13_dgrad else F
@@ -482,11 +458,11 @@ def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildC
                             else _gluon_desc(E * D, F, [bn, 64]))}
         return BuildCase(
             f"{name} {'W13 DGRAD' if w13_dgrad else 'W2 fwd'} gluon 128x{bn}"
-            f"{' coop' if warps == 8 else ''} s{stages}{' wait' if wait else ''}"
+            f"{' coop' if warps == 8 else ''} s{stages}"
             f"{' lockstep' if lockstep else ''}{' expert-groups' if expert_groups else ''}",
             wg._gluon_w2_kernel,
             dict(HIDDEN=D, FFN=depth, NUM_EXPERTS=E, EXPERTS_POW2=max(32, next_power_of_2(E)),
-                 GROUP_M=8, STAGES=stages, HAS_ENABLE=not w13_dgrad, HAS_WAIT=wait,
+                 GROUP_M=8, STAGES=stages, HAS_ENABLE=not w13_dgrad,
                  BLOCK_M=128, BLOCK_N=bn, BLOCK_K=64, COOP=warps == 8,
                  B_K_MAJOR=not w13_dgrad, LOCKSTEP=lockstep, EXPERT_GROUPS=expert_groups,
                  num_warps=4),
@@ -494,10 +470,9 @@ def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildC
 
     cases = []
     for name in shapes:
-        for (bn, warps, stages), wait in itertools.product(
-                ((128, 4, 4), (128, 4, 5), (128, 4, 6), (256, 8, 3), (256, 8, 4)),
-                (False, True)):
-            cases.append(case(name, bn, warps, stages, wait))
+        for bn, warps, stages in ((128, 4, 4), (128, 4, 5), (128, 4, 6), (256, 8, 3),
+                                  (256, 8, 4)):
+            cases.append(case(name, bn, warps, stages))
         for bn, warps, stages in ((128, 4, 5), (128, 4, 6), (256, 8, 4)):
             cases.append(case(name, bn, warps, stages, w13_dgrad=True))
     if "gpt-oss-120b" not in shapes:
@@ -559,6 +534,7 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
     from distmoe.kernels.w13_dgrad import triton as w13b
     from distmoe.kernels.w13_forward import triton as w13f
     from distmoe.kernels.wgrad import triton as wgt
+    from distmoe.plan import rules
     from distmoe.tools.bench.workloads import SHAPES
 
     cases: list[BuildCase] = []
@@ -570,7 +546,7 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
         ep2 = next_power_of_2(E)
         # persistent None: the heuristic's choice
         for host, persistent, train in w13:
-            c = w13f.W13Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint,
+            c = rules.w13_forward_config(hidden=D, ffn=F, rows_per_expert=hint,
                                               training=train)
             persistent = c.persistent if persistent is None else persistent
             cases.append(BuildCase(
@@ -586,7 +562,7 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
                 types={"w13": _desc(1, c.block_n, c.block_k)} if host else {},
                 production=production))
         for host, persistent in w2:
-            c = w2f.W2Config.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)
+            c = rules.w2_forward_config(hidden=D, ffn=F, rows_per_expert=hint)
             persistent = c.persistent if persistent is None else persistent
             descs = ({"h2": _desc(c.block_m, c.block_k), "w2": _desc(1, c.block_n, c.block_k)}
                      if host else {})
@@ -597,7 +573,7 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
                      PERSISTENT=persistent, HOST_DESC=host, HAS_ENABLE=True),
                 c.num_warps, c.num_stages, types=descs, production=production))
         for host, persistent in w13d:
-            c = w13b.W13DgradConfig.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)
+            c = rules.w13_dgrad_config(hidden=D, ffn=F, rows_per_expert=hint)
             persistent = c.persistent if persistent is None else persistent
             c = c.with_grid(persistent)
             descs = ({"grad_h1": _desc(c.block_m, c.block_k),
@@ -615,7 +591,7 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
                      DYNAMIC=c.dynamic),
                 c.num_warps, c.num_stages, types=descs, production=production))
         for host, persistent, gather_in_loop, scored in w2d:
-            c = w2b.W2DgradConfig.from_heuristic(hidden=D, ffn=F, rows_per_expert=hint)
+            c = rules.w2_dgrad_config(hidden=D, ffn=F, rows_per_expert=hint)
             persistent = c.persistent if persistent is None else persistent
             descs = {}
             if host:
@@ -635,7 +611,7 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
         for kind, host, split_rows, overwrite, *gather in wgrad:
             gather = bool(gather and gather[0])  # W13's x rows through the address table
             P, Q = (2 * F, D) if kind == "W13" else (D, F)
-            c = wgt.WgradConfig.from_heuristic(out_rows=P, out_cols=Q, rows_per_expert=hint)
+            c = rules.wgrad_config(out_rows=P, out_cols=Q, rows_per_expert=hint)
             b_offset = kind == "W13"  # the layer passes W13's x at a device offset
             tma_store = overwrite
             descs = {}
@@ -690,12 +666,13 @@ def other_kernel_cases() -> list[BuildCase]:
     from distmoe.kernels.movement import route_grad as rg
     from distmoe.kernels.w2_dgrad import triton as w2b
     from distmoe.kernels.w13_forward import phases
+    from distmoe.plan import rules
     from distmoe.routing import fused
     from distmoe.runtime import barrier
 
     D, E, K, EP, T = 2048, 128, 8, 2, 4096
     cases: list[BuildCase] = []
-    cc = comb.CombineConfig.from_heuristic(hidden=D)
+    cc = rules.combine_config(hidden=D)
     for rows_addr in (False, True):
         cases.append(BuildCase(
             f"combine rows_addr={rows_addr}", comb._combine_kernel,
@@ -704,7 +681,7 @@ def other_kernel_cases() -> list[BuildCase]:
             cc.num_warps, 1,
             types={"expert_ids_ptr": "*i64", "scores_ptr": "*fp32", "num_tokens": "i32",
                    "rows_ptr": "*i64" if rows_addr else "*bf16"}))
-    rc = rg.RouteGradConfig.from_heuristic(hidden=D)
+    rc = rg.RouteGradConfig.for_widths(hidden=D)
     for h3_addr, in_place, push in ((False, False, False), (True, False, False),
                                     (False, True, False), (True, False, True)):
         cases.append(BuildCase(

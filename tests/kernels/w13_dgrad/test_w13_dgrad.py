@@ -23,6 +23,7 @@ from backward_cases import (
 from distmoe.kernels.w2_dgrad.config import W2DgradConfig
 from distmoe.kernels.w13_dgrad.config import W13DgradConfig
 from distmoe.kernels.w13_dgrad.triton import w13_dgrad_scatter, w13_dgrad_scatter_ref
+from distmoe.plan import device_class, rules
 
 
 def _w13_problem(num_experts, hidden, ffn, block_m, experts):
@@ -208,7 +209,7 @@ def test_w13_dgrad_pair_tails_gpu(host_descriptors):
     of 1, 64 (a pair), 65, 100 and 127 rows, one after two whole tiles, whole tiles, an empty
     expert, a one-tile expert; D = 768. The routes' rows equal the plain kernel's bit for bit
     (the same MMAs per row in the same order)."""
-    base = W13DgradConfig.from_heuristic(hidden=768, ffn=384, rows_per_expert=256)
+    base = rules.w13_dgrad_config(hidden=768, ffn=384, rows_per_expert=256)
     assert base.persistent and base.block_m == 128 and base.pair_tails and base.dynamic
     counts = [129, 192, 0, 256, 193, 228, 64, 255, 1, 300]
     got = {}
@@ -393,7 +394,7 @@ def test_gluon_w13_dgrad_heuristic_rules():
     128 tiles, 6 stages from 256 rows per expert and 5 below, from 128 rows per expert while
     the rank's W13 weights total under 2 GiB and the kernel tiles the shape; elsewhere the
     Triton pick. Off a Hopper GPU (here: the CPU) the pick stays the Triton one."""
-    pick = W13DgradConfig.hopper_gluon
+    pick = rules.w13_dgrad_gluon
     tile = lambda c: (c.gluon, c.block_n, c.num_warps, c.num_stages)  # noqa: E731
     # T=4096 D=2048 F=768 E=128 (256 rows per expert), T=2048 (128), OLMoE, T=8192 D=4096
     # F=2048 E=32: the measured wins of run 44
@@ -433,20 +434,20 @@ def test_gluon_w13_dgrad_heuristic_rules():
     assert not any(groups(rows) for rows in (513, 1024, 2048))
     assert pick(hidden=2048, ffn=1024, rows_per_expert=512, num_experts=64).expert_groups
     assert not pick(hidden=4096, ffn=2048, rows_per_expert=2048, num_experts=32).expert_groups
-    triton_pick = W13DgradConfig.from_heuristic(hidden=2048, ffn=768, rows_per_expert=256)
+    triton_pick = rules.w13_dgrad_config(hidden=2048, ffn=768, rows_per_expert=256)
     assert not triton_pick.gluon and triton_pick.dynamic and triton_pick.pair_tails
-    assert W13DgradConfig.from_heuristic(hidden=2048, ffn=768, rows_per_expert=256,
-                                         device=torch.device("cpu"),
+    assert rules.w13_dgrad_config(hidden=2048, ffn=768, rows_per_expert=256,
+                                         device_class=device_class(torch.device("cpu")),
                                          num_experts=128) == triton_pick
 
 
 @pytest.mark.gpu
 def test_gluon_w13_dgrad_heuristic_gpu():
     """On a Hopper GPU the layer's pick (hint and local expert count given) is the Gluon
-    kernel where :meth:`W13DgradConfig.hopper_gluon` takes it, else the Triton pick."""
+    kernel where :func:`distmoe.plan.rules.w13_dgrad_gluon` takes it, else the Triton pick."""
     if torch.cuda.get_device_capability(DEVICE)[0] != 9:
         pytest.skip("the Gluon W13 DGRAD is for compute capability 9.x")
-    pick = partial(W13DgradConfig.from_heuristic, device=DEVICE)
+    pick = partial(rules.w13_dgrad_config, device_class=device_class(DEVICE))
     fine = pick(hidden=2048, ffn=768, rows_per_expert=256, num_experts=128)
     assert (fine.gluon, fine.block_n, fine.num_warps, fine.num_stages) == (True, 128, 4, 6)
     dsv3 = pick(hidden=7168, ffn=2048, rows_per_expert=128, num_experts=256)

@@ -31,6 +31,7 @@ from kernel_cases import (
 
 from distmoe.kernels.w13_forward.config import W13Config
 from distmoe.kernels.w13_forward.triton import gather_w13_swiglu, gather_w13_swiglu_ref
+from distmoe.plan import device_class, rules
 
 
 def peer_sources(hidden: int) -> list[torch.Tensor]:
@@ -442,7 +443,7 @@ def test_w13_reference_rejects_bad_layout():
 @GRIDS
 def test_gpu_w13_hopper_tiles(persistent, host_descriptors):
     # Default 128x128x64 tiles, F=768 (6 column tiles), skewed experts incl. an empty one.
-    config = W13Config.from_heuristic(hidden=1024, ffn=768)
+    config = rules.w13_forward_config(hidden=1024, ffn=768)
     config = replace(config, persistent=persistent, host_descriptors=host_descriptors)
     counts = [300, 0, 129, 1000, 1, 64, 128, 511]
     r_cap = sum(math.ceil(n / 128) * 128 for n in counts) + 3 * 128
@@ -652,7 +653,7 @@ def test_gpu_w13_gluon_heuristic():
     segments; short inference segments and widths it cannot tile keep the Triton kernel."""
     if torch.cuda.get_device_capability(DEVICE)[0] != 9:
         pytest.skip("the Gluon W13 is for compute capability 9.x")
-    pick = partial(W13Config.from_heuristic, device=DEVICE)
+    pick = partial(rules.w13_forward_config, device_class=device_class(DEVICE))
     tile = lambda c: (c.gluon, c.block_n, c.num_warps, c.num_stages)  # noqa: E731
     assert tile(pick(hidden=4096, ffn=2048, rows_per_expert=2048, training=True)) == \
         (True, 128, 8, 4)
@@ -665,7 +666,7 @@ def test_gpu_w13_gluon_heuristic():
     assert tile(pick(hidden=2048, ffn=704, rows_per_expert=2048)) == (True, 64, 4, 5)
     assert not pick(hidden=2048, ffn=768, rows_per_expert=127).gluon
     assert not pick(hidden=4096, ffn=2000, rows_per_expert=2048, training=True).gluon
-    assert not W13Config.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048).gluon
+    assert not rules.w13_forward_config(hidden=4096, ffn=2048, rows_per_expert=2048).gluon
 
 
 def test_gluon_request_that_cannot_run_warns_and_runs_triton():
@@ -713,12 +714,12 @@ def test_gluon_w13_config_reaches_the_launch(monkeypatch):
 
 
 def test_gluon_w13_choice_and_limits_without_a_gpu():
-    """What the Hopper heuristic would pick (``W13Config.hopper_gluon``, device-independent),
+    """What the Hopper heuristic would pick (``distmoe.plan.rules.w13_forward_gluon``, device-independent),
     that no device or a CPU device keeps the Triton kernel, and the shape rules with their
     messages (``shape_reason``), ring sizes included."""
     from distmoe.kernels.w13_forward.gluon import shape_reason, stage_bytes, tile_rows
 
-    pick = W13Config.hopper_gluon
+    pick = rules.w13_forward_gluon
     tile = lambda c: (c.gluon, c.block_n, c.num_warps, c.num_stages)  # noqa: E731
     # cooperative 128 x 128 from 128 rows per expert
     for rows, train in ((2048, True), (2048, False), (256, True), (256, False), (128, True),
@@ -784,8 +785,8 @@ def test_gluon_w13_choice_and_limits_without_a_gpu():
     assert pick(hidden=4096, ffn=2000, rows_per_expert=2048, training=True) is None
     assert pick(hidden=4000, ffn=2048, rows_per_expert=2048, training=True) is None
     for device in (None, torch.device("cpu")):
-        assert not W13Config.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048,
-                                            training=True, device=device).gluon
+        assert not rules.w13_forward_config(hidden=4096, ffn=2048, rows_per_expert=2048,
+                                            training=True, device_class=device_class(device)).gluon
     # the ring: 32 KiB stages with 128 x 64 tiles, 40 KiB with 64 x 128, 48 KiB with the
     # cooperative 128 x 128; at most 200 KiB
     assert (tile_rows(64), tile_rows(128), tile_rows(128, 8)) == (128, 64, 128)

@@ -23,6 +23,7 @@ from backward_cases import (
 
 from distmoe.kernels.w2_dgrad.config import W2DgradConfig
 from distmoe.kernels.w2_dgrad.triton import w2_dgrad_swiglu_bwd, w2_dgrad_swiglu_bwd_ref
+from distmoe.plan import device_class, rules
 
 
 def _w2_problem(hidden, ffn, block_m, *, one_expert=False):
@@ -492,21 +493,6 @@ def test_gluon_w2_dgrad_partial_column_tile(split, scored):
         assert ((got_p - want_p).abs() <= 2.0**-8 * want_p.abs().max()).all()
 
 
-def test_gluon_w2_dgrad_partial_tile_refuses_prefetch_and_early_h1():
-    """The h1 prefetch and the split kernel's early h1 loads take whole column tiles only: a
-    ValueError naming both and F, before anything is launched."""
-    from distmoe.kernels.w2_dgrad.gluon import launch_gluon_w2_dgrad
-
-    some = torch.zeros(1)
-    w2 = torch.zeros(2, 256, 320, dtype=torch.bfloat16)
-    for opts in ({"h1_prefetch": 1}, {"epilogue_warps": 8, "epilogue_early_h1": True}):
-        with pytest.raises(ValueError, match=r"h1_prefetch \(\d\) and epilogue_early_h1 "
-                                             r"\((True|False)\) need F a multiple of 128 "
-                                             r"\(whole column tiles\), got F = 320"):
-            launch_gluon_w2_dgrad(some, some, some, w2, some, some, some, h1_offset=None,
-                                  h2_out=None, **opts)
-
-
 def _scored_route_rows(layout, hidden):
     """Poisoned bf16 route rows ``[routes, hidden]`` of ``layout``, each with its score (in
     [0.25, 1.25)) as the fp32 at its start, as the scored W2 DGRAD reads them; and a copy."""
@@ -558,30 +544,17 @@ def test_gluon_w2_dgrad_scored(programs, reload):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages,prefetch", [(5, 1), (4, 2), (3, 3), (2, 4)],
+@pytest.mark.parametrize("warps,buffers,stages",
+                         [(4, 1, 5), (8, 1, 5), (8, 1, 4), (8, 2, 3)],
                          ids=lambda v: str(v))
 @pytest.mark.parametrize("form", ["scored", "offset_in_place"])
-def test_gluon_w2_dgrad_h1_prefetch(stages, prefetch, form):
-    """h1 brought into shared memory by cp.async (``h1_prefetch`` slots per consumer, the
-    slots refilled within the epilogue below 4) gives the same bits as the kernel's global
-    loads (slots reused across tiles by both consumers)."""
-    _same_bits_as_the_ping_pong_kernel(form, dict(num_stages=stages, h1_prefetch=prefetch))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("warps,buffers,stages,early",
-                         [(4, 1, 5, False), (8, 1, 5, False), (8, 1, 4, False),
-                          (8, 2, 3, False), (8, 1, 4, True), (4, 2, 3, True)],
-                         ids=lambda v: str(v))
-@pytest.mark.parametrize("form", ["scored", "offset_in_place"])
-def test_gluon_w2_dgrad_split_epilogue(warps, buffers, stages, early, form):
+def test_gluon_w2_dgrad_split_epilogue(warps, buffers, stages, form):
     """The split kernel (one MMA warpgroup handing each fp32 tile to an epilogue partition of
-    ``epilogue_warps`` warps through ``epilogue_buffers`` shared-memory tiles; ``early``: h1
-    loaded a quarter ahead) gives the same bits as the ping-pong kernel; 3 programs walk many
-    tiles, so each buffer is reused and its barriers change phase many times."""
+    ``epilogue_warps`` warps through ``epilogue_buffers`` shared-memory tiles) gives the same
+    bits as the ping-pong kernel; 3 programs walk many tiles, so each buffer is reused and
+    its barriers change phase many times."""
     _same_bits_as_the_ping_pong_kernel(form, dict(num_stages=stages, epilogue_warps=warps,
-                                                  epilogue_buffers=buffers,
-                                                  epilogue_early_h1=early))
+                                                  epilogue_buffers=buffers))
 
 
 @pytest.mark.gpu
@@ -680,24 +653,9 @@ def _same_bits_as_the_ping_pong_kernel(form, fields, *, programs=3, scale=1):
         assert same_bits(route_rows, got[2])
 
 
-def test_w2_dgrad_h1_prefetch_config_rules():
-    """h1_prefetch: an int in [0, 4], only with gluon, and ring + slots within 6 x 32 KiB."""
-    base = dict(block_m=128, block_n=128, block_k=64, gluon=True)
-    assert W2DgradConfig(**base, num_stages=4, h1_prefetch=2).h1_prefetch == 2
-    with pytest.raises(ValueError, match=r"h1_prefetch \(5\) must be in \[0, 4\]"):
-        W2DgradConfig(**base, num_stages=1, h1_prefetch=5)
-    with pytest.raises(TypeError, match="h1_prefetch must be an int, got bool"):
-        W2DgradConfig(**base, h1_prefetch=True)
-    with pytest.raises(ValueError, match=r"h1_prefetch \(1\) needs gluon=True"):
-        W2DgradConfig(block_m=128, block_n=128, block_k=64, h1_prefetch=1)
-    with pytest.raises(ValueError, match=r"num_stages \+ h1_prefetch \(5 \+ 2\) must be at "
-                                         "most 6"):
-        W2DgradConfig(**base, num_stages=5, h1_prefetch=2)
-
-
 def test_w2_dgrad_split_epilogue_config_rules():
-    """epilogue_warps in (0, 4, 8), epilogue_buffers in (1, 2), only with gluon, not with
-    h1_prefetch, and ring + fp32 tiles within 7 x 32 KiB."""
+    """epilogue_warps in (0, 4, 8), epilogue_buffers in (1, 2), only with gluon, and ring +
+    fp32 tiles within 7 x 32 KiB."""
     base = dict(block_m=128, block_n=128, block_k=64, gluon=True)
     cfg = W2DgradConfig(**base, num_stages=3, epilogue_warps=8, epilogue_buffers=2)
     assert (cfg.epilogue_warps, cfg.epilogue_buffers) == (8, 2)
@@ -709,18 +667,11 @@ def test_w2_dgrad_split_epilogue_config_rules():
         W2DgradConfig(**base, epilogue_warps=True)
     with pytest.raises(ValueError, match=r"epilogue_warps \(8\) needs gluon=True"):
         W2DgradConfig(block_m=128, block_n=128, block_k=64, epilogue_warps=8)
-    with pytest.raises(ValueError, match=r"epilogue_warps \(4\) and h1_prefetch \(1\) do "
-                                         "not combine"):
-        W2DgradConfig(**base, num_stages=4, epilogue_warps=4, h1_prefetch=1)
     with pytest.raises(ValueError, match=r"num_stages \+ 2 \* epilogue_buffers \(4 \+ 2 \* 2\) "
                                          "must be at most 7"):
         W2DgradConfig(**base, num_stages=4, epilogue_warps=8, epilogue_buffers=2)
     with pytest.raises(ValueError, match=r"num_stages \(1\) must be at least 2 with gluon"):
         W2DgradConfig(**base, num_stages=1)
-    with pytest.raises(ValueError, match="epilogue_early_h1 needs epilogue_warps"):
-        W2DgradConfig(**base, epilogue_early_h1=True)
-    with pytest.raises(TypeError, match="epilogue_early_h1 must be a bool, got int"):
-        W2DgradConfig(**base, epilogue_warps=8, epilogue_early_h1=1)
     with pytest.raises(TypeError, match="lockstep must be a bool, got int"):
         W2DgradConfig(**base, lockstep=1)
     with pytest.raises(TypeError, match="expert_groups must be a bool, got int"):
@@ -768,10 +719,8 @@ def test_w2_dgrad_lockstep_rule():
     """The W2 DGRAD heuristic's lockstep rule (whatever the device): 96 to 191 rows per
     expert with the rank's W2 weights at least 3 GiB (run 53: DeepSeek-V3 and V4-Flash
     gained, GPT-OSS-120B's 2.1 GB was even, 0.4 GB lost); never without the expert count."""
-    from distmoe.kernels.base.rules_legacy import w2_dgrad_lockstep
-
-    rule = lambda rows, e, d, f: w2_dgrad_lockstep(  # noqa: E731
-        rows_per_expert=rows, num_experts=e, hidden=d, ffn=f)
+    rule = lambda rows, e, d, f: rules.w2_dgrad_config(  # noqa: E731
+        rows_per_expert=rows, num_experts=e, hidden=d, ffn=f, device_class="h100").lockstep
     assert rule(128, 256, 7168, 2048) and rule(96, 256, 4096, 2048)  # 7.5 GB, 4 GiB
     assert rule(191, 256, 4096, 2048) and not rule(192, 256, 4096, 2048)
     assert not rule(95, 256, 4096, 2048) and not rule(256, 256, 7168, 2048)
@@ -781,16 +730,12 @@ def test_w2_dgrad_lockstep_rule():
     assert not rule(128, 32, 7168, 2048)  # DeepSeek-V3 at EP=8: 0.94 GB per rank
 
 
-def test_w2_dgrad_expert_groups_rule(monkeypatch):
+def test_w2_dgrad_expert_groups_rule():
     """The W2 DGRAD heuristic's Gluon pick walks its tiles in expert-group order at 16 to 768
-    rows per expert (runs 60-62: the kernel 1.8-11% faster there, even to 17% slower at 1024,
-    12% slower at 2048), on any machine: the device check admits the case (nothing is launched)."""
-    import distmoe.kernels.w2_dgrad.gluon as wg
-
-    monkeypatch.setattr(wg, "gluon_w2_dgrad_reason", lambda device, **kw: None)
-    pick = lambda rows: W2DgradConfig.from_heuristic(  # noqa: E731
-        hidden=7168, ffn=2048, rows_per_expert=rows, device=torch.device("cpu"),
-        num_experts=256)
+    rows per expert on a Hopper device class (the kernel faster there, slower at 1024 and
+    2048)."""
+    pick = lambda rows: rules.w2_dgrad_config(  # noqa: E731
+        hidden=7168, ffn=2048, rows_per_expert=rows, device_class="h100", num_experts=256)
     assert all(pick(rows).gluon for rows in (16, 64, 96, 128, 512, 1024))
     assert [pick(rows).expert_groups for rows in (8, 15, 16, 24, 64, 512, 768, 769, 1024)] \
         == [False, False, True, True, True, True, True, False, False]
@@ -805,26 +750,26 @@ def test_gluon_w2_dgrad_heuristic():
     dev = torch.device("cuda")
     if torch.cuda.get_device_capability(dev)[0] != 9:
         pytest.skip("the Gluon W2 DGRAD is for compute capability 9.x")
-    big = W2DgradConfig.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048, device=dev)
-    small = W2DgradConfig.from_heuristic(hidden=2048, ffn=768, rows_per_expert=256, device=dev)
+    big = rules.w2_dgrad_config(hidden=4096, ffn=2048, rows_per_expert=2048, device_class=device_class(dev))
+    small = rules.w2_dgrad_config(hidden=2048, ffn=768, rows_per_expert=256, device_class=device_class(dev))
     assert (big.gluon, big.block_n, big.num_stages) == (True, 128, 5)
     assert (small.gluon, small.block_n, small.num_stages) == (True, 128, 4)
     for cfg in (big, small):
         assert (cfg.epilogue_warps, cfg.epilogue_buffers) == (8, 1)
-    odd = W2DgradConfig.from_heuristic(hidden=4096, ffn=2000, rows_per_expert=2048, device=dev)
+    odd = rules.w2_dgrad_config(hidden=4096, ffn=2000, rows_per_expert=2048, device_class=device_class(dev))
     assert not odd.gluon
     # F = 2880 (GPT-OSS): the split kernel, each row's last column tile partial
-    tail = W2DgradConfig.from_heuristic(hidden=2880, ffn=2880, rows_per_expert=128, device=dev)
+    tail = rules.w2_dgrad_config(hidden=2880, ffn=2880, rows_per_expert=128, device_class=device_class(dev))
     assert (tail.gluon, tail.block_n, tail.epilogue_warps) == (True, 128, 8)
     # lockstep with the local expert count where the rule takes it (DeepSeek-V3), else off
     assert not any(c.lockstep for c in (big, small, tail))
-    assert W2DgradConfig.from_heuristic(hidden=7168, ffn=2048, rows_per_expert=128, device=dev,
+    assert rules.w2_dgrad_config(hidden=7168, ffn=2048, rows_per_expert=128, device_class=device_class(dev),
                                         num_experts=256).lockstep
-    assert not W2DgradConfig.from_heuristic(hidden=2880, ffn=2880, rows_per_expert=128,
-                                            device=dev, num_experts=128).lockstep
+    assert not rules.w2_dgrad_config(hidden=2880, ffn=2880, rows_per_expert=128,
+                                            device_class=device_class(dev), num_experts=128).lockstep
     # the expert-group tile order at 16 to 768 rows per expert (runs 60-62)
-    groups = [W2DgradConfig.from_heuristic(hidden=2048, ffn=768, rows_per_expert=rows,
-                                           device=dev).expert_groups
+    groups = [rules.w2_dgrad_config(hidden=2048, ffn=768, rows_per_expert=rows,
+                                           device_class=device_class(dev)).expert_groups
               for rows in (8, 16, 96, 128, 512, 768, 769, 1024, 2048)]
     assert groups == [False, True, True, True, True, True, False, False, False]
     assert tail.expert_groups and not big.expert_groups

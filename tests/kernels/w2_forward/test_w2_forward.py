@@ -32,6 +32,7 @@ from kernel_cases import (
 
 from distmoe.kernels.w2_forward.config import W2Config
 from distmoe.kernels.w2_forward.triton import w2_scatter, w2_scatter_ref
+from distmoe.plan import device_class, rules
 
 
 def _assert_rows_bf16_close(got: torch.Tensor, want: torch.Tensor, what) -> None:
@@ -244,7 +245,7 @@ def test_w2_scatter_rejects_bad_inputs(change, error, match):
 @GRIDS
 def test_gpu_w2_scatter_hopper_tiles(persistent, host_descriptors):
     # Default tiles, an empty expert padded to a whole null tile, two idle tiles.
-    config = W2Config.from_heuristic(hidden=1024, ffn=768)
+    config = rules.w2_forward_config(hidden=1024, ffn=768)
     config = replace(config, persistent=persistent, host_descriptors=host_descriptors)
     counts = [300, 0, 129, 700, 1, 64]
     r_cap = sum(math.ceil(n / 128) * 128 for n in counts) + 2 * 128
@@ -308,7 +309,7 @@ def test_gpu_w2_gluon_heuristic():
     kernel."""
     if torch.cuda.get_device_capability(DEVICE)[0] != 9:
         pytest.skip("the Gluon W2 is for compute capability 9.x")
-    pick = partial(W2Config.from_heuristic, device=DEVICE)
+    pick = partial(rules.w2_forward_config, device_class=device_class(DEVICE))
     tile = lambda c: (c.gluon, c.block_n, c.num_warps, c.num_stages)  # noqa: E731
     assert tile(pick(hidden=4096, ffn=2048, rows_per_expert=2048)) == (True, 128, 4, 6)
     assert tile(pick(hidden=2048, ffn=768, rows_per_expert=256)) == (True, 128, 4, 6)
@@ -318,7 +319,7 @@ def test_gpu_w2_gluon_heuristic():
         (True, 128, 4, 6)
     assert tile(pick(hidden=2880, ffn=2880, rows_per_expert=2048)) == (True, 128, 4, 6)
     assert not pick(hidden=2912, ffn=2880, rows_per_expert=2048).gluon
-    assert not W2Config.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048).gluon
+    assert not rules.w2_forward_config(hidden=4096, ffn=2048, rows_per_expert=2048).gluon
 
 
 @pytest.mark.gpu
@@ -443,25 +444,18 @@ def test_gluon_w2_config_reaches_the_launch(monkeypatch):
     case.check()
 
 
-def test_w2_heuristic_takes_gluon_at_every_ep_size(monkeypatch):
-    """``W2Config.from_heuristic`` on a device where Gluon runs (stood in for by the device
-    check returning ``None``): the Gluon tile from 128 rows per expert at EP=1 and EP=2 (run
+def test_w2_heuristic_takes_gluon_at_every_ep_size():
+    """The plan's W2 forward rule on a Hopper device class: the Gluon tile from 128 rows per expert at EP=1 and EP=2 (run
     29, interleaved: faster at both), the Triton kernel's config below 128 rows and with no
     device."""
-    # imported before the patch: a first import under it would bind the stand-in into
-    # w2_gluon's namespace for the rest of the process
-    import distmoe.kernels.base.gluon as wgg
-    import distmoe.kernels.w2_forward.gluon  # noqa: F401
-
-    monkeypatch.setattr(wgg, "gluon_device_reason", lambda device: None)
-    pick = partial(W2Config.from_heuristic, hidden=4096, ffn=2048, device=DEVICE)
-    gluon_cfg = W2Config.hopper_gluon(hidden=4096, ffn=2048, rows_per_expert=2048)
+    pick = partial(rules.w2_forward_config, hidden=4096, ffn=2048, device_class="h100")
+    gluon_cfg = rules.w2_forward_gluon(hidden=4096, ffn=2048, rows_per_expert=2048)
     assert gluon_cfg.gluon
     for ep in (1, 2, 4):
         assert pick(rows_per_expert=2048, ep_size=ep) == gluon_cfg
-    triton_cfg = W2Config.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048)
+    triton_cfg = rules.w2_forward_config(hidden=4096, ffn=2048, rows_per_expert=2048)
     assert not triton_cfg.gluon
-    assert pick(rows_per_expert=127) == W2Config.from_heuristic(hidden=4096, ffn=2048,
+    assert pick(rows_per_expert=127) == rules.w2_forward_config(hidden=4096, ffn=2048,
                                                                 rows_per_expert=127)
     assert not pick(rows_per_expert=127).gluon
     # the local expert count reaches the mid-rows rule (at D=4096 F=2048: below 128 experts)
@@ -494,22 +488,22 @@ def test_gluon_w2_shape_rules_without_a_gpu():
     # rows per expert where the widths tile; no device or a CPU device keeps Triton
     tile = lambda c: (c.gluon, c.block_n, c.num_warps, c.num_stages)  # noqa: E731
     for rows in (128, 256, 512, 2048):
-        assert tile(W2Config.hopper_gluon(hidden=4096, ffn=2048, rows_per_expert=rows)) == \
+        assert tile(rules.w2_forward_gluon(hidden=4096, ffn=2048, rows_per_expert=rows)) == \
             (True, 128, 4, 6)
-    assert W2Config.hopper_gluon(hidden=4096, ffn=2048, rows_per_expert=127) is None
-    assert W2Config.hopper_gluon(hidden=2048, ffn=768, rows_per_expert=96) is None
+    assert rules.w2_forward_gluon(hidden=4096, ffn=2048, rows_per_expert=127) is None
+    assert rules.w2_forward_gluon(hidden=2048, ffn=768, rows_per_expert=96) is None
     # its producers in lockstep at 128-191 rows per expert where an expert's W2 weights hold
     # at least 8 MiB (run 52): D=4096 F=1024 is exactly that, D=2048 F=768 (3 MiB) not
-    lockstep = lambda rows, hidden=4096, ffn=1024: W2Config.hopper_gluon(  # noqa: E731
+    lockstep = lambda rows, hidden=4096, ffn=1024: rules.w2_forward_gluon(  # noqa: E731
         hidden=hidden, ffn=ffn, rows_per_expert=rows).lockstep
     assert lockstep(128) and lockstep(191) and lockstep(128, 2880, 2880)
     assert not any(lockstep(rows) for rows in (192, 256, 2048))
     assert not lockstep(128, 4096, 960) and not lockstep(128, 2048, 768)
-    assert not W2Config.hopper_gluon(hidden=4096, ffn=1024, rows_per_expert=96,
+    assert not rules.w2_forward_gluon(hidden=4096, ffn=1024, rows_per_expert=96,
                                      num_experts=32).lockstep  # mid rows
     # the expert-group tile order at EP=1 from 128 to 1024 rows per expert (run 59: the
     # forward 1.010-1.041x there, 0.967x at 2048; run 60: in training too)
-    groups = lambda rows, **kw: W2Config.hopper_gluon(  # noqa: E731
+    groups = lambda rows, **kw: rules.w2_forward_gluon(  # noqa: E731
         hidden=4096, ffn=2048, rows_per_expert=rows, **kw).expert_groups
     assert groups(128) and groups(512) and groups(1024)
     assert not any(groups(rows) for rows in (1025, 2048))
@@ -519,27 +513,27 @@ def test_gluon_w2_shape_rules_without_a_gpu():
     # total less than 2 GiB (run 38; 128 experts at D=4096 F=2048 are exactly that); below
     # 64 Triton whatever the count
     for rows, experts, hidden in ((64, 128, 2048), (127, 64, 2048), (96, 127, 4096)):
-        assert tile(W2Config.hopper_gluon(hidden=hidden, ffn=2048, rows_per_expert=rows,
+        assert tile(rules.w2_forward_gluon(hidden=hidden, ffn=2048, rows_per_expert=rows,
                                           num_experts=experts)) == (True, 128, 4, 6)
     for rows, experts, hidden in ((96, 256, 4096), (96, 128, 4096), (96, 128, 7168),
                                   (63, 8, 2048), (96, None, 2048)):
-        assert W2Config.hopper_gluon(hidden=hidden, ffn=2048, rows_per_expert=rows,
+        assert rules.w2_forward_gluon(hidden=hidden, ffn=2048, rows_per_expert=rows,
                                      num_experts=experts) is None
-    assert tile(W2Config.hopper_gluon(hidden=4096, ffn=2048, rows_per_expert=2048,
+    assert tile(rules.w2_forward_gluon(hidden=4096, ffn=2048, rows_per_expert=2048,
                                       ep_size=2)) == (True, 128, 4, 6)
     # D = 2880 (GPT-OSS): each row's last column tile partial
-    assert tile(W2Config.hopper_gluon(hidden=2880, ffn=2880, rows_per_expert=2048)) == \
+    assert tile(rules.w2_forward_gluon(hidden=2880, ffn=2880, rows_per_expert=2048)) == \
         (True, 128, 4, 6)
-    assert W2Config.hopper_gluon(hidden=2912, ffn=2880, rows_per_expert=2048) is None
+    assert rules.w2_forward_gluon(hidden=2912, ffn=2880, rows_per_expert=2048) is None
     # at 64-127 rows per expert only where 128 divides D (run 49: 0.8-0.9% slower at 2880)
-    assert W2Config.hopper_gluon(hidden=2880, ffn=2880, rows_per_expert=64,
+    assert rules.w2_forward_gluon(hidden=2880, ffn=2880, rows_per_expert=64,
                                  num_experts=32) is None
-    assert tile(W2Config.hopper_gluon(hidden=2944, ffn=2880, rows_per_expert=128,
+    assert tile(rules.w2_forward_gluon(hidden=2944, ffn=2880, rows_per_expert=128,
                                       num_experts=32)) == (True, 128, 4, 6)
-    assert W2Config.hopper_gluon(hidden=2048, ffn=200, rows_per_expert=2048) is None
+    assert rules.w2_forward_gluon(hidden=2048, ffn=200, rows_per_expert=2048) is None
     for device in (None, torch.device("cpu")):
-        assert not W2Config.from_heuristic(hidden=4096, ffn=2048, rows_per_expert=2048,
-                                           device=device).gluon
+        assert not rules.w2_forward_config(hidden=4096, ffn=2048, rows_per_expert=2048,
+                                           device_class=device_class(device)).gluon
     if DEVICE.type == "cpu":
         case = W2Case([5, 0, 21], hidden=128, ffn=64, r_cap=3 * 128, block_m=128)
         with pytest.warns(RuntimeWarning, match="w2_scatter: config.gluon is set"):

@@ -18,6 +18,7 @@ from backward_cases import (
 
 from distmoe.kernels.wgrad.config import WgradConfig
 from distmoe.kernels.wgrad.triton import w2_wgrad, w2_wgrad_ref, w13_wgrad, w13_wgrad_ref
+from distmoe.plan import device_class, rules, thresholds
 
 
 def assert_wgrad_close(actual, a, b, layout, before, *, rows_sum):
@@ -478,13 +479,13 @@ def test_gluon_wgrad_lockstep(form, kind, programs):
 
 def test_gluon_wgrad_config_rules():
     # B's rows by address (x_rows): 256-row output tiles where P allows, else the usual pick
-    got = WgradConfig.hopper_gluon(out_rows=1536, out_cols=2048, rows_per_expert=256,
+    got = rules.wgrad_gluon(out_rows=1536, out_cols=2048, rows_per_expert=256,
                                    gathered_b=True)
     assert (got.block_out_m, got.block_out_n, got.num_warps, got.num_stages, got.specialized,
             got.pingpong) == (256, 128, 8, 3, True, False)
     for rows in (256, 4096):
-        assert WgradConfig.hopper_gluon(out_rows=384, out_cols=2048, rows_per_expert=rows,
-                                        gathered_b=True) == WgradConfig.hopper_gluon(
+        assert rules.wgrad_gluon(out_rows=384, out_cols=2048, rows_per_expert=rows,
+                                        gathered_b=True) == rules.wgrad_gluon(
             out_rows=384, out_cols=2048, rows_per_expert=rows)
     with pytest.raises(ValueError, match=r"gluon=True needs split_rows == 1 \(got 2\)"):
         WgradConfig(split_rows=2, gluon=True)
@@ -515,15 +516,13 @@ def test_gluon_wgrad_config_rules():
         WgradConfig(gluon=True, lockstep=True)
     # the heuristic turns it on for the 256 x 128 tiles from 48 MiB an expert (DeepSeek-V3's
     # W13: 56 MiB; not its W2's 28, nor V4-Flash's or GPT-OSS-120B's 32), B loaded by TMA
-    from distmoe.kernels.base.rules_legacy import WGRAD_LOCKSTEP_EXPERT_BYTES
-
-    assert WGRAD_LOCKSTEP_EXPERT_BYTES == 2 * 4096 * 6144
+    assert thresholds("h100").value("wgrad_lockstep_expert_bytes") == 2 * 4096 * 6144
     for (rows, cols), on in {(4096, 7168): True, (4096, 6144): True, (4096, 6016): False,
                              (7168, 2048): False, (4096, 4096): False, (5760, 2880): False,
                              (8192, 3072): True}.items():
-        got = WgradConfig.hopper_gluon(out_rows=rows, out_cols=cols, rows_per_expert=128)
+        got = rules.wgrad_gluon(out_rows=rows, out_cols=cols, rows_per_expert=128)
         assert (got.block_out_m, got.lockstep) == (256, on), (rows, cols)
-        gathered = WgradConfig.hopper_gluon(out_rows=rows, out_cols=cols, rows_per_expert=128,
+        gathered = rules.wgrad_gluon(out_rows=rows, out_cols=cols, rows_per_expert=128,
                                             gathered_b=True)
         assert not gathered.lockstep, (rows, cols)
     # what the Hopper heuristic picks, always the specialised kernel's 128-column tile: 256
@@ -531,7 +530,7 @@ def test_gluon_wgrad_config_rules():
     # count; else its ping-pong form below 1024 rows per expert or for narrow outputs, its two
     # cooperating warpgroups (8 warps, 5 stages) from 1024 rows per expert with outputs >= 256
     # wide
-    pick = WgradConfig.hopper_gluon
+    pick = rules.wgrad_gluon
 
     def form(c):
         return (c.block_out_m, c.block_out_n, c.gluon, c.specialized, c.pingpong, c.num_warps,
@@ -562,23 +561,23 @@ def test_gluon_wgrad_config_rules():
     # tiles from 1024 rows per expert only, ping-pong below (and no lockstep); a device of
     # unknown memory or no row hint keeps the H100's rule
     from distmoe.kernels.base.device import device_memory_bytes
-    from distmoe.kernels.base.rules_legacy import HBM3E_MEMORY_BYTES
+    from distmoe.plan.thresholds import HBM3E_MEMORY_BYTES
 
     h200, h100 = 143771 * 2**20, 81559 * 2**20
     assert h100 < HBM3E_MEMORY_BYTES <= h200
     for rows, cols in ((4096, 7168), (7168, 2048), (5760, 2880), (4096, 4096)):
         for hint, want in ((96, pingpong), (128, pingpong), (1023, pingpong), (1024, wide),
                            (2048, wide), (None, wide)):
-            got = pick(out_rows=rows, out_cols=cols, rows_per_expert=hint, device_memory=h200)
+            got = pick(out_rows=rows, out_cols=cols, rows_per_expert=hint, device_class="h200")
             assert form(got) == want, (rows, cols, hint)
             assert not got.lockstep or hint is None or hint >= 1024, (rows, cols, hint)
             assert pick(out_rows=rows, out_cols=cols, rows_per_expert=hint,
-                        device_memory=h100) == pick(out_rows=rows, out_cols=cols,
+                        device_class="h100") == pick(out_rows=rows, out_cols=cols,
                                                     rows_per_expert=hint), (rows, cols, hint)
-    assert pick(out_rows=4096, out_cols=7168, rows_per_expert=1024, device_memory=h200).lockstep
+    assert pick(out_rows=4096, out_cols=7168, rows_per_expert=1024, device_class="h200").lockstep
     # below 12 MiB the device changes nothing
     for hint in (128, 2048):
-        assert pick(out_rows=2048, out_cols=2048, rows_per_expert=hint, device_memory=h200) \
+        assert pick(out_rows=2048, out_cols=2048, rows_per_expert=hint, device_class="h200") \
             == pick(out_rows=2048, out_cols=2048, rows_per_expert=hint)
     # the heuristic reads the device's memory from the driver; no device, a CPU one: unknown
     assert device_memory_bytes(None) is None and device_memory_bytes("cpu") is None
@@ -587,16 +586,16 @@ def test_gluon_wgrad_config_rules():
         from distmoe.kernels.base.gluon import gluon_device
 
         if gluon_device("cuda"):  # on a Hopper GPU the heuristic keys on its memory
-            assert WgradConfig.from_heuristic(
+            assert rules.wgrad_config(
                 out_rows=4096, out_cols=7168, rows_per_expert=128,
-                device=torch.device("cuda")) == pick(
+                device_class=device_class(torch.device("cuda"))) == pick(
                 out_rows=4096, out_cols=7168, rows_per_expert=128,
-                device_memory=device_memory_bytes("cuda"))
+                device_class=device_class(torch.device("cuda")))
     assert pick(out_rows=4004, out_cols=2048, rows_per_expert=2048) is None
     assert pick(out_rows=120, out_cols=2048, rows_per_expert=2048) is None
     # through the device heuristic the same picks; without a Hopper device, Triton's
-    assert WgradConfig.from_heuristic(out_rows=4096, out_cols=2048, rows_per_expert=128) \
-        == WgradConfig.from_heuristic(out_rows=4096, out_cols=2048, rows_per_expert=128,
-                                      device="cpu")
-    assert not WgradConfig.from_heuristic(out_rows=4096, out_cols=2048,
+    assert rules.wgrad_config(out_rows=4096, out_cols=2048, rows_per_expert=128) \
+        == rules.wgrad_config(out_rows=4096, out_cols=2048, rows_per_expert=128,
+                                      device_class=device_class("cpu"))
+    assert not rules.wgrad_config(out_rows=4096, out_cols=2048,
                                           rows_per_expert=128).gluon

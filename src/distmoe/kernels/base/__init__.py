@@ -3,8 +3,8 @@
 ``config`` (:class:`~distmoe.kernels.base.config.GemmConfig`), ``device`` (device, grid and
 launch helpers), ``checks`` (input validation), ``rows`` (host row addresses and tables for the
 references), ``tiles`` (shared ``@triton.jit`` helpers), ``gluon`` (Gluon availability and the
-shared Gluon ring pieces), ``interpreter`` (CPU execution through Triton's interpreter) and
-``rules_legacy`` (the heuristics' thresholds, until they move to a plan module).
+shared Gluon ring pieces) and ``interpreter`` (CPU execution through Triton's interpreter).
+The rules that pick configs live in :mod:`distmoe.plan`.
 
 Nothing is imported here: :mod:`distmoe` imports ``base.interpreter`` before any kernel is
 defined.

@@ -64,9 +64,9 @@ def check_tensor(
 
 def check_block_counters(name: str, value: object, r_cap: int, device: torch.device,
                          programs: object) -> None:
-    """Validate the row-block counters of a W13 / W2 pair run side by side (``done`` /
-    ``wait``: int32 ``[R_cap / 128]`` on ``device``) and the grid ``programs`` (None or an
-    int >= 1) that such a launch takes."""
+    """Validate row-block counters (``value``, None or int32 ``[R_cap / 128]`` on ``device``)
+    and the grid ``programs`` (None or an int >= 1) of a launch whose W2 tiles wait for its
+    W13 tiles (:func:`~distmoe.kernels.mega.gluon.fused_w13_w2`)."""
     if value is not None:
         check_tensor(name, value, dtypes=(torch.int32,), shape=[r_cap // 128],
                      shape_text="[R_cap / 128] (one counter per 128 padded rows)")

@@ -1,6 +1,6 @@
 """Launch configuration shared by the grouped GEMMs: :class:`GemmConfig`, which each GEMM
 family's config subclasses (``W13Config``, ``W2Config``, ``W2DgradConfig``, ``W13DgradConfig``)
-with its own ``from_heuristic`` / ``all_configs``, and the power-of-two helpers they use."""
+with its own ``for_widths`` / ``all_configs``, and the power-of-two helpers they use."""
 
 from __future__ import annotations
 

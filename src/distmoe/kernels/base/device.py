@@ -85,7 +85,7 @@ def gemm_grid(config: GemmConfig, num_tiles_cap: int, device: torch.device) -> i
 
 def device_memory_bytes(device: torch.device | str | None) -> int | None:
     """Total memory of CUDA ``device`` in bytes (``None`` for no device or a CPU one): the
-    device-model key of :func:`~distmoe.kernels.base.rules_legacy.wgrad_wide_tiles`. Read from the
+    device-model key of :func:`distmoe.plan.device_class`. Read from the
     driver's cached properties, no synchronisation."""
     if device is None or torch.device(device).type != "cuda":
         return None

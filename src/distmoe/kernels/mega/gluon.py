@@ -3,9 +3,9 @@
 Why (docs/performance.md runs 33-36): at T=4096 D=2048 F=768 E=128 K=8 on two H200s the W2
 of the EP=2 forward stores half of its rows (67 MB) into the peer over NVLink and is bound
 by the link (about 210 us against the 166 us of its EP=1 share), while the link idles during
-W13 (about 310 us). Run 35 ran the W2 beside W13 on a third of the SMs, each row block once
-W13 had stored it: W13 on two thirds of the SMs lost what the spread-out stores saved. Here
-one program per SM takes the tiles of both GEMMs from one schedule
+W13 (about 310 us). Run 35 ran the W2 on a side stream on a third of the SMs, each row block
+once W13 had stored it (an option since removed): W13 on two thirds of the SMs lost what the
+spread-out stores saved. Here one program per SM takes the tiles of both GEMMs from one schedule
 (:func:`~distmoe.kernels.base.tiles.fused_tile`): period ``p`` holds W13's tiles of row-block
 group ``p`` (``group_m`` blocks of 128 padded rows), then W2's tiles of group ``p - lag``. A
 W2 tile starts once every W13 tile of its 128 rows has stored its h2 rows: the W13 tiles
@@ -140,9 +140,9 @@ class FusedConfig:
                              f" bytes exceed the ring's {_RING_BYTES} bytes")
 
     def done_count(self, ffn: int) -> int:
-        """What a ``done`` entry reaches once every W13 tile over its 128 rows has stored:
-        the W13 kernel's count for the same tile (:func:`~distmoe.kernels.w13_forward.gluon.\
-done_count`; the fused kernel's W13 tiles are that kernel's, with the same arrivals)."""
+        """What a ``done`` entry reaches once every W13 tile over its 128 rows has stored
+        (:func:`~distmoe.kernels.w13_forward.gluon.done_count`: the fused kernel's W13 tiles
+        are that kernel's)."""
         return done_count(ffn, self.block_n, self.warps)
 
 

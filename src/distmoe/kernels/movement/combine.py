@@ -107,20 +107,12 @@ class CombineConfig:
             raise ValueError(f"num_warps ({self.num_warps}) must be 1, 2, 4, 8 or 16")
 
     @classmethod
-    def from_heuristic(cls, *, hidden: int) -> CombineConfig:
-        """One token of 1024 columns per program with 8 warps where D >= 1024; narrower D
-        (not measured): more tokens per program, up to 1024 elements, 4 warps.
-
-        Measured on one H200 (2026-11-30, docs/performance.md run 33,
-        ``tools/tune_combine.py``, every route active, fp32 scores): 36.7 us against 43.4
-        for the former 4 tokens x 1024 columns, 4 warps at T=4096, D=2048, K=8 (4.11 TB/s,
-        the fastest of 31 configs; a device copy of as many bytes ran at 4.17 TB/s);
-        140.7 against 152.8 us at T=8192, D=4096, K=8 (fastest); 124.2 against 136.7 us at
-        T=4096, D=7168, K=8 (0.3% behind the fastest, 2048 columns). More, smaller programs
-        keep more row loads in flight."""
+    def for_widths(cls, *, hidden: int) -> CombineConfig:
+        """A config that fits D = ``hidden``: up to 1024 columns per program, more tokens per
+        program below (1024 elements in all), 4 warps. :mod:`distmoe.plan` picks the tuned
+        one."""
         block_d = min(1024, next_power_of_2(hidden))
-        block_t = max(1, 1024 // block_d)
-        return cls(block_t=block_t, block_d=block_d, num_warps=8 if block_d >= 1024 else 4)
+        return cls(block_t=max(1, 1024 // block_d), block_d=block_d, num_warps=4)
 
     @classmethod
     def all_configs(cls) -> list[CombineConfig]:
@@ -213,7 +205,7 @@ def combine(
             the rows to read (16-byte aligned, and ``T*K*D`` elements from there; not checked,
             the value lives on the device), instead of ``combine_rows``. The training layer
             reads a saved layer's rows where the experts wrote them, in its activation slot.
-        config: launch configuration; default :meth:`CombineConfig.from_heuristic`.
+        config: launch configuration; default :meth:`CombineConfig.for_widths`.
 
     Returns ``y_out``.
     """
@@ -221,7 +213,7 @@ def combine(
         combine_rows, expert_ids, scores, y_out, rows_addr=rows_addr, for_kernel=True,
     )
     if config is None:
-        config = CombineConfig.from_heuristic(hidden=hidden)
+        config = CombineConfig.for_widths(hidden=hidden)
     elif not isinstance(config, CombineConfig):
         raise TypeError(f"config must be a CombineConfig, got {type(config).__name__}")
     if num_tokens == 0 or hidden == 0:

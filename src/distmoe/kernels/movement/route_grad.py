@@ -259,7 +259,7 @@ class RouteGradConfig:
             raise ValueError(f"num_warps ({self.num_warps}) must be 1, 2, 4 or 8")
 
     @classmethod
-    def from_heuristic(cls, *, hidden: int) -> RouteGradConfig:
+    def for_widths(cls, *, hidden: int) -> RouteGradConfig:
         """Tiles of about 4096 elements (16 bf16 values per thread at 4 warps): memory-bound
         rows, one 16-byte vector per load per thread and a few loads in flight."""
         block_d = min(512, max(16, next_power_of_2(hidden)))
@@ -338,7 +338,7 @@ def _check_route_rows(name: str, value: object, num_routes: int, hidden: int) ->
 
 def _check_config(config: object, hidden: int) -> RouteGradConfig:
     if config is None:
-        return RouteGradConfig.from_heuristic(hidden=hidden)
+        return RouteGradConfig.for_widths(hidden=hidden)
     if not isinstance(config, RouteGradConfig):
         raise TypeError(f"config must be a RouteGradConfig or None, got {type(config).__name__}")
     return config
@@ -393,7 +393,7 @@ def route_grads(
         dest_bases: int64 ``[EP]`` absolute byte addresses (16-byte aligned) of row 0 of every
             rank's destination rows (push mode).
         experts_per_rank: experts per rank (push mode), an int >= 1.
-        config: launch configuration; ``None`` picks :meth:`RouteGradConfig.from_heuristic`.
+        config: launch configuration; ``None`` picks :meth:`RouteGradConfig.for_widths`.
 
     All tensors contiguous, on one CUDA device (CPU under the Triton interpreter).
     """
@@ -513,7 +513,7 @@ def push_route_grads(
             every ``expert_ids // experts_per_rank`` of an active route must index it, and the
             rows written must not overlap anything this call reads.
         experts_per_rank: experts per rank, an int >= 1.
-        config: launch configuration; ``None`` picks :meth:`RouteGradConfig.from_heuristic`.
+        config: launch configuration; ``None`` picks :meth:`RouteGradConfig.for_widths`.
     """
     num_tokens, top_k = _check_ids_scores(expert_ids, scores)
     hidden = _check_grad_y(grad_y, num_tokens)
@@ -581,7 +581,7 @@ def reduce_routes(
         grad_scores_out: fp32 ``[T, K]``; receives the fp32 sum of the route's parts, in part
             order, for active routes and 0 for inactive ones (with ``score_rows``).
         config: launch configuration (``block_rows`` = tokens per program); ``None`` picks
-            :meth:`RouteGradConfig.from_heuristic`.
+            :meth:`RouteGradConfig.for_widths`.
     """
     num_tokens, top_k = _check_ids_scores(expert_ids, None)
     check_tensor("grad_x_out", grad_x_out, dtypes=(torch.bfloat16,), ndim=2, shape_text="[T, D]")

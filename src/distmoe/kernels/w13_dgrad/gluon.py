@@ -55,7 +55,7 @@ def launch_gluon_w13_dgrad(grad_h1: torch.Tensor, padded_offsets: torch.Tensor,
     w_desc = GluonDescriptor(w13.reshape(num_experts * depth, hidden),
                              [num_experts * depth, hidden], [hidden, 1],
                              [GLUON_W2_BLOCK_K, block_n], w_layout)
-    launch_kernel(grad_h1, w_desc, scatter_ptrs, padded_offsets, row_offsets, None, None, 0,
+    launch_kernel(grad_h1, w_desc, scatter_ptrs, padded_offsets, row_offsets, None,
             hidden=hidden, depth=depth, num_experts=num_experts, block_n=block_n,
             stages=stages, group_m=group_m, warps=warps, programs=programs, b_k_major=False,
             lockstep=lockstep, expert_groups=expert_groups)

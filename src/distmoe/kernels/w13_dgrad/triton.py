@@ -341,7 +341,7 @@ def w13_dgrad_scatter(
         scatter_ptrs: int64 ``[R_cap]``, indexed by padded row: absolute byte addresses of bf16
             rows of ``D`` values (16-byte aligned; 0 = skip). Only live, non-null rows are
             written; nothing else is touched, and entries of padding rows are not read.
-        config: :class:`W13DgradConfig`; ``None`` = ``from_heuristic`` with ``block_m`` 128.
+        config: :class:`W13DgradConfig`; ``None`` = ``for_widths`` with ``block_m`` 128.
     """
     check_tensor("w13", w13, dtypes=(torch.bfloat16,), ndim=4, shape_text="[E_local, 2, F, D]")
     num_experts, two, ffn, hidden = w13.shape
@@ -366,7 +366,7 @@ def w13_dgrad_scatter(
         }
     )
     if config is None:
-        config = W13DgradConfig.from_heuristic(hidden=hidden, ffn=ffn)
+        config = W13DgradConfig.for_widths(hidden=hidden, ffn=ffn)
     elif not isinstance(config, W13DgradConfig):
         raise TypeError(f"config must be a W13DgradConfig or None, got {type(config).__name__}")
     check_rows_cap(num_rows, config.block_m)

@@ -78,7 +78,6 @@ if HAVE_GLUON:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
     from distmoe.kernels.base.gluon import (
-        arrive_block,
         bounds_layout,
         consumer_walk,
         enabled_tiles,
@@ -135,14 +134,16 @@ def stage_bytes(block_n: int, block_k: int = 64, warps: int = 4) -> int:
 #: (the producer) per thread.
 _MAXNREG = 168
 _PRODUCER_THREADS = 128
-#: padded rows per entry of ``done`` (the W2's tile rows)
+#: padded rows per entry of the fused W13 + W2 kernel's ``done`` counters (a W2 tile's rows)
 DONE_BLOCK = 128
 
 
 def done_count(ffn: int, block_n: int, warps: int) -> int:
-    """What each entry of ``done`` (one per ``DONE_BLOCK`` padded rows) reaches once every
-    W13 tile over those rows has stored its h2 rows: every thread of each consumer
-    warpgroup that ran a tile adds 1 (``warps`` 8: both consumers on every tile)."""
+    """What each entry of the fused W13 + W2 kernel's ``done`` counters
+    (:mod:`distmoe.kernels.mega.gluon`, whose W13 tiles are this kernel's; one entry per
+    ``DONE_BLOCK`` padded rows) reaches once every W13 tile over those rows has stored its
+    h2 rows: every thread of each consumer warpgroup that ran a tile adds 1 (``warps`` 8:
+    both consumers on every tile)."""
     tiles = -(-ffn // block_n) * (DONE_BLOCK // tile_rows(block_n, warps))
     return tiles * (2 if warps == 8 else 1) * 128
 
@@ -165,12 +166,12 @@ if HAVE_GLUON:
     @gluon.jit
     def _producer(w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
                   padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr, out_offsets_ptr,
-                  enable_ptr, order_ptr, positions_ptr, done_ptr, sync_ptr, FFN: gl.constexpr,
+                  enable_ptr, order_ptr, positions_ptr, sync_ptr, FFN: gl.constexpr,
                   HIDDEN: gl.constexpr,
                   NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr,
                   STAGES: gl.constexpr, WRITE_H1: gl.constexpr, WRITE_X: gl.constexpr,
                   DYN_OFFSETS: gl.constexpr, HAS_ENABLE: gl.constexpr,
-                  HAS_ORDER: gl.constexpr, HAS_DONE: gl.constexpr, BLOCK_M: gl.constexpr,
+                  HAS_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
                   PARITY: gl.constexpr, LOCKSTEP: gl.constexpr,
                   EXPERT_GROUPS: gl.constexpr):
@@ -230,12 +231,12 @@ if HAVE_GLUON:
     @gluon.jit
     def _consumer(w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
                   padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr, out_offsets_ptr,
-                  enable_ptr, order_ptr, positions_ptr, done_ptr, sync_ptr, FFN: gl.constexpr,
+                  enable_ptr, order_ptr, positions_ptr, sync_ptr, FFN: gl.constexpr,
                   HIDDEN: gl.constexpr,
                   NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr,
                   STAGES: gl.constexpr, WRITE_H1: gl.constexpr, WRITE_X: gl.constexpr,
                   DYN_OFFSETS: gl.constexpr, HAS_ENABLE: gl.constexpr,
-                  HAS_ORDER: gl.constexpr, HAS_DONE: gl.constexpr, BLOCK_M: gl.constexpr,
+                  HAS_ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
                   PARITY: gl.constexpr, LOCKSTEP: gl.constexpr,
                   EXPERT_GROUPS: gl.constexpr):
@@ -314,8 +315,6 @@ if HAVE_GLUON:
                          ROWS, H)
             swiglu_part(g1, u1, act_start, num_live, n0 + H, h2_ptr, h1_ptr, h1_off, FFN,
                          WRITE_H1, ROWS, H)
-            if HAS_DONE:  # this warpgroup's h2 rows of the tile are stored
-                arrive_block(done_ptr, row_start, 128, 4)  # DONE_BLOCK rows an entry
 
     @gluon.jit
     def swiglu_part(g, u, act_start, num_live, col0, h2_ptr, h1_ptr, h1_off,
@@ -356,7 +355,6 @@ if HAVE_GLUON:
         enable_ptr,  # int32 [1] (HAS_ENABLE), else a placeholder
         order_ptr,  # int32 [R_cap / BLOCK_M] (HAS_ORDER), else a placeholder
         positions_ptr,  # int32 [2] (HAS_ORDER), else a placeholder
-        done_ptr,  # int32 [R_cap / DONE_BLOCK] (HAS_DONE), else a placeholder
         sync_ptr,  # int32 [1], zero at the launch (LOCKSTEP), else a placeholder
         FFN: gl.constexpr,
         HIDDEN: gl.constexpr,
@@ -369,7 +367,6 @@ if HAVE_GLUON:
         DYN_OFFSETS: gl.constexpr,
         HAS_ENABLE: gl.constexpr,
         HAS_ORDER: gl.constexpr,
-        HAS_DONE: gl.constexpr,
         A_LAYOUT: gl.constexpr,
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
@@ -390,21 +387,21 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_consumer, (w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
                          padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr,
-                         out_offsets_ptr, enable_ptr, order_ptr, positions_ptr, done_ptr,
-                         sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
-                         WRITE_H1, WRITE_X, DYN_OFFSETS, HAS_ENABLE, HAS_ORDER, HAS_DONE, BLOCK_M,
+                         out_offsets_ptr, enable_ptr, order_ptr, positions_ptr, sync_ptr,
+                         FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
+                         WRITE_H1, WRITE_X, DYN_OFFSETS, HAS_ENABLE, HAS_ORDER, BLOCK_M,
                          BLOCK_N, BLOCK_K, COOP, 0, LOCKSTEP, EXPERT_GROUPS)),
             (_consumer, (w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
                          padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr,
-                         out_offsets_ptr, enable_ptr, order_ptr, positions_ptr, done_ptr,
-                         sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
-                         WRITE_H1, WRITE_X, DYN_OFFSETS, HAS_ENABLE, HAS_ORDER, HAS_DONE, BLOCK_M,
+                         out_offsets_ptr, enable_ptr, order_ptr, positions_ptr, sync_ptr,
+                         FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
+                         WRITE_H1, WRITE_X, DYN_OFFSETS, HAS_ENABLE, HAS_ORDER, BLOCK_M,
                          BLOCK_N, BLOCK_K, COOP, 1, LOCKSTEP, EXPERT_GROUPS)),
             (_producer, (w_desc, a_bufs, b_bufs, ready, empty, turn, gather_ptrs_ptr,
                          padded_offsets_ptr, row_offsets_ptr, h2_ptr, h1_ptr, x_ptr,
-                         out_offsets_ptr, enable_ptr, order_ptr, positions_ptr, done_ptr,
-                         sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
-                         WRITE_H1, WRITE_X, DYN_OFFSETS, HAS_ENABLE, HAS_ORDER, HAS_DONE, BLOCK_M,
+                         out_offsets_ptr, enable_ptr, order_ptr, positions_ptr, sync_ptr,
+                         FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
+                         WRITE_H1, WRITE_X, DYN_OFFSETS, HAS_ENABLE, HAS_ORDER, BLOCK_M,
                          BLOCK_N, BLOCK_K, COOP, 0, LOCKSTEP, EXPERT_GROUPS)),
         ], [4, PRODUCER_THREADS // 32], [224, 56])
 
@@ -438,18 +435,16 @@ def launch_gluon_w13(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
                      out_offsets: torch.Tensor | None, enable: torch.Tensor | None,
                      block_n: int = 64, stages: int = 5, group_m: int = 8, warps: int = 4,
                      programs: int | None = None, order: torch.Tensor | None = None,
-                     positions: torch.Tensor | None = None,
-                     done: torch.Tensor | None = None, lockstep: bool = False,
+                     positions: torch.Tensor | None = None, lockstep: bool = False,
                      expert_groups: bool = False) -> None:
     """Launch the kernel (arguments validated by
     :func:`~distmoe.kernels.w13_forward.triton.gather_w13_swiglu`, and
     :func:`gluon_w13_reason` returned ``None``). ``warps``: 4 (ping-pong) or 8 (cooperative).
     ``programs``: the grid (default one per SM); tests pass fewer so that every program walks
     many tiles. ``order`` / ``positions``: the row blocks of this launch (see
-    :func:`~distmoe.kernels.w13_forward.triton.gather_w13_swiglu`). ``done``: int32
-    ``[R_cap / DONE_BLOCK]``, counted up after each tile's h2 stores (:func:`done_count`).
-    ``lockstep``: :attr:`~distmoe.kernels.w13_forward.config.W13Config.lockstep` (a zeroed
-    int32 counter is allocated per launch). ``expert_groups``:
+    :func:`~distmoe.kernels.w13_forward.triton.gather_w13_swiglu`). ``lockstep``:
+    :attr:`~distmoe.kernels.w13_forward.config.W13Config.lockstep` (a zeroed int32 counter
+    is allocated per launch). ``expert_groups``:
     :attr:`~distmoe.kernels.w13_forward.config.W13Config.expert_groups` (ignored with
     ``order``)."""
     block_m, block_k = tile_rows(block_n, warps), 64
@@ -471,14 +466,13 @@ def launch_gluon_w13(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
             padded_offsets if enable is None else enable,
             padded_offsets if order is None else order,
             padded_offsets if positions is None else positions,
-            padded_offsets if done is None else done,
             lockstep_counter(lockstep, padded_offsets),
             FFN=ffn, HIDDEN=hidden, NUM_EXPERTS=num_experts,
             EXPERTS_POW2=max(32, next_power_of_2(num_experts)),
             GROUP_M=group_m, STAGES=stages,
             WRITE_H1=h1_out is not None, WRITE_X=x_out is not None,
             DYN_OFFSETS=out_offsets is not None, HAS_ENABLE=enable is not None,
-            HAS_ORDER=order is not None, HAS_DONE=done is not None, A_LAYOUT=a_layout,
+            HAS_ORDER=order is not None, A_LAYOUT=a_layout,
             BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=block_k,
             PRODUCER_THREADS=_PRODUCER_THREADS, COOP=warps == 8, LOCKSTEP=lockstep,

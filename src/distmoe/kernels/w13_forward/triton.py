@@ -67,7 +67,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from distmoe.kernels.base.checks import (
     check_activation_rows,
     check_bf16_base,
-    check_block_counters,
     check_devices,
     check_gather_r_cap,
     check_offsets,
@@ -89,7 +88,7 @@ from distmoe.kernels.base.rows import activation_segments, rows_at
 from distmoe.kernels.base.tiles import swizzle_tile, tile_activation_rows, tile_expert
 from distmoe.kernels.w13_forward import gluon as w13_gluon
 from distmoe.kernels.w13_forward.config import W13Config
-from distmoe.kernels.w13_forward.gluon import done_count, tile_rows
+from distmoe.kernels.w13_forward.gluon import tile_rows
 
 # --------------------------------------------------------------------------------------------
 # Kernels
@@ -485,13 +484,6 @@ def w13_gluon_reason(config: W13Config, device: torch.device, hidden: int, ffn: 
     return config_gluon_reason(config, w13_gluon.gluon_w13_reason, device, hidden, ffn)
 
 
-def w13_done_count(config: W13Config, ffn: int) -> int:
-    """What each entry of :func:`gather_w13_swiglu`'s ``done`` reaches once the Gluon kernel
-    under ``config`` has stored the h2 rows (F = ``ffn`` wide) of its 128 padded rows (the
-    ``need`` of :func:`~distmoe.kernels.w2_forward.triton.w2_scatter`'s ``wait``)."""
-    return done_count(ffn, config.block_n, config.num_warps)
-
-
 def w13_tile_rows(config: W13Config, gluon: bool | None = None) -> int:
     """Padded rows of one W13 tile (a row block of ``order``) under ``config``: the Gluon
     kernel's :func:`~distmoe.kernels.w13_forward.gluon.tile_rows` where it runs (``gluon``; default
@@ -532,8 +524,6 @@ def gather_w13_swiglu(
     block_m: int | None = None,
     order: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
-    done: torch.Tensor | None = None,
-    programs: int | None = None,
 ) -> torch.Tensor:
     """Gathered rows @ W13 with SwiGLU, into compact activation rows.
 
@@ -562,7 +552,7 @@ def gather_w13_swiglu(
             that output is not stored. Requires both ``h1_out`` and ``x_out``.
         enable: optional int32 ``[1]`` on the device: 0 = every program returns at once
             (nothing is written), anything else = run.
-        config: launch configuration; default :meth:`W13Config.from_heuristic`.
+        config: launch configuration; default :meth:`W13Config.for_widths`.
         block_m: the padding multiple (default 128); must match ``config.block_m`` if both
             are given.
         order, positions: optional, together: int32 ``[R_cap / M]`` (device), a permutation
@@ -572,13 +562,6 @@ def gather_w13_swiglu(
             without them), in group-M order over the positions. Launches over disjoint
             position ranges that cover the call's blocks compute what one launch does, bit
             for bit (:mod:`distmoe.kernels.w13_forward.phases`).
-        done: optional int32 ``[R_cap / 128]`` (device), for a W2 run beside this launch
-            (:func:`~distmoe.kernels.w2_forward.triton.w2_scatter`'s ``wait``): after storing its h2
-            rows each tile adds to the entry of its 128 padded rows (release, GPU scope), so
-            an entry zeroed before the call reaches :func:`w13_done_count` once every tile
-            over those rows has stored. Gluon kernel only (ValueError elsewhere).
-        programs: optional grid of the Gluon kernel (default one program per SM): fewer
-            leave SMs to a kernel run beside it.
 
     Only the live rows' activation rows ``< row_offsets[E_local]`` of every output are
     written (null rows as zeros); padding rows are not stored and every other row or element
@@ -597,7 +580,7 @@ def gather_w13_swiglu(
         for_kernel=True,
     )
     if config is None:
-        config = W13Config.from_heuristic(
+        config = W13Config.for_widths(
             hidden=hidden, ffn=ffn, block_m=128 if block_m is None else block_m
         )
     elif not isinstance(config, W13Config):
@@ -610,10 +593,6 @@ def gather_w13_swiglu(
     aligned = all(t is None or t.data_ptr() % 16 == 0 for t in (h2_out, h1_out, x_out))
     gluon_reason = w13_gluon_reason(config, device, hidden, ffn, aligned)
     _check_order(order, positions, r_cap, w13_tile_rows(config, gluon_reason is None), device)
-    check_block_counters("done", done, r_cap, device, programs)
-    if done is not None and gluon_reason is not None:
-        raise ValueError(f"done needs the Gluon W13 kernel, which does not run here: "
-                         f"{gluon_reason}")
     if r_cap == 0:
         return h2_out
 
@@ -623,8 +602,8 @@ def gather_w13_swiglu(
                 gather_ptrs, padded_offsets, row_offsets, w13, h2_out, h1_out=h1_out, x_out=x_out,
                 out_offsets=out_offsets, enable=enable, block_n=config.block_n,
                 stages=config.num_stages, group_m=config.group_m, warps=config.num_warps,
-                order=order, positions=positions, done=done, programs=programs,
-                lockstep=config.lockstep, expert_groups=config.expert_groups)
+                order=order, positions=positions, lockstep=config.lockstep,
+                expert_groups=config.expert_groups)
             return h2_out
         warn_gluon_fallback("gather_w13_swiglu", gluon_reason)
     num_pid_m = r_cap // config.block_m

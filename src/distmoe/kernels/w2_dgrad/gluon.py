@@ -54,10 +54,7 @@ K=8, 1.39x at OLMoE's shape, 1.24x at T=2048, 1.13x at T=8192 D=4096 F=2048 E=32
 
 F need not be a multiple of ``block_n`` (GPT-OSS: F = 2880): a row's last tile is then
 partial. Its weight columns past F are TMA zeros (grad_h2 = 0 there, so the score parts are
-unchanged), and its column quarters past F load no h1 and store nothing. The h1 prefetch
-and the split kernel's early h1 loads take whole tiles only (their copies of later quarters
-share the first quarter's masks): :func:`launch_gluon_w2_dgrad` refuses them with a partial
-tile.
+unchanged), and its column quarters past F load no h1 and store nothing.
 
 Only for CUDA devices of compute capability 9.x, outside the interpreter, with ``D`` a multiple
 of ``block_k`` and ``F`` of 64; :func:`gluon_w2_dgrad_reason` says when. Opt-in
@@ -75,7 +72,6 @@ from distmoe.kernels.base.gluon import HAVE_GLUON, gluon_device_reason
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
@@ -114,16 +110,15 @@ SPLIT_REGISTERS = {4: (168, 232), 8: (128, 128)}
 if HAVE_GLUON:
 
     @gluon.jit
-    def _producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, h1_smem,
-                  ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
-                  grad_h1_ptr, h2_ptr, sync_ptr,
+    def _producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, ptrs_ptr,
+                  padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr, grad_h1_ptr,
+                  h2_ptr, sync_ptr,
                   FFN: gl.constexpr, HIDDEN: gl.constexpr, NUM_EXPERTS: gl.constexpr,
                   EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                   H1_OFFSET: gl.constexpr, STORE_H2: gl.constexpr, SCORED: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  RELOAD_BOUNDS: gl.constexpr, H1_PREFETCH: gl.constexpr,
-                  PARITY: gl.constexpr, LOCKSTEP: gl.constexpr,
-                  EXPERT_GROUPS: gl.constexpr):
+                  RELOAD_BOUNDS: gl.constexpr, PARITY: gl.constexpr,
+                  LOCKSTEP: gl.constexpr, EXPERT_GROUPS: gl.constexpr):
         """One warp: the TMA loads of every tile of the program, K step by K step."""
         _produce_tiles(a_desc, w_desc, a_bufs, b_bufs, ready, empty, padded_offsets_ptr,
                        row_offsets_ptr, sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2,
@@ -159,16 +154,15 @@ if HAVE_GLUON:
                 lockstep_tile_done(sync_ptr)
 
     @gluon.jit
-    def _consumer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, h1_smem,
-                  ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
-                  grad_h1_ptr, h2_ptr, sync_ptr,
+    def _consumer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, ptrs_ptr,
+                  padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr, grad_h1_ptr,
+                  h2_ptr, sync_ptr,
                   FFN: gl.constexpr, HIDDEN: gl.constexpr, NUM_EXPERTS: gl.constexpr,
                   EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                   H1_OFFSET: gl.constexpr, STORE_H2: gl.constexpr, SCORED: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  RELOAD_BOUNDS: gl.constexpr, H1_PREFETCH: gl.constexpr,
-                  PARITY: gl.constexpr, LOCKSTEP: gl.constexpr,
-                  EXPERT_GROUPS: gl.constexpr):
+                  RELOAD_BOUNDS: gl.constexpr, PARITY: gl.constexpr,
+                  LOCKSTEP: gl.constexpr, EXPERT_GROUPS: gl.constexpr):
         """One warpgroup: the MMAs and the epilogue of the program's tiles ``PARITY``,
         ``PARITY + 2``, ... (in the program's own numbering)."""
         NUM_K: gl.constexpr = HIDDEN // BLOCK_K
@@ -198,10 +192,6 @@ if HAVE_GLUON:
                 pid_n, expert, row_start, act_start, num_live = tile_info(
                     tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
                     NUM_EXPERTS, BLOCK_M, EXPERT_GROUPS)
-            if H1_PREFETCH > 0:  # the first quarters' h1 on its way before the MMAs
-                _h1_prefetch(h1_smem, ptrs_ptr, row_start, act_start, num_live, h1_base,
-                             pid_n * BLOCK_N, FFN, BLOCK_M, BLOCK_N // 4,
-                             PARITY * H1_PREFETCH, H1_PREFETCH)
             turns = wait_turn(turn, turns, PARITY)
             acc, count = mma_steps(a_bufs, b_bufs, ready, empty,
                                     gl.zeros([BLOCK_M, BLOCK_N], gl.float32, ACC), count, NUM_K,
@@ -218,18 +208,17 @@ if HAVE_GLUON:
             n0 = pid_n * BLOCK_N
             Q: gl.constexpr = BLOCK_N // 4
             p0 = _swiglu_bwd_part(q0, ptrs_ptr, row_start, act_start, num_live, h1_base,
-                                  grad_h1_ptr, h2_ptr, n0, h1_smem, FFN, STORE_H2, SCORED,
-                                  BLOCK_M, Q, H1_PREFETCH, PARITY, 0, 4)
+                                  grad_h1_ptr, h2_ptr, n0, FFN, STORE_H2, SCORED, BLOCK_M, Q, 4)
             p1 = p0 + _swiglu_bwd_part(q1, ptrs_ptr, row_start, act_start, num_live, h1_base,
-                                  grad_h1_ptr, h2_ptr, n0 + Q, h1_smem, FFN, STORE_H2, SCORED,
-                                  BLOCK_M, Q, H1_PREFETCH, PARITY, 1, 4)
+                                  grad_h1_ptr, h2_ptr, n0 + Q, FFN, STORE_H2, SCORED, BLOCK_M,
+                                  Q, 4)
             q2, q3 = column_halves(hi, BLOCK_M, BLOCK_N // 2)
             p2 = p1 + _swiglu_bwd_part(q2, ptrs_ptr, row_start, act_start, num_live, h1_base,
-                                  grad_h1_ptr, h2_ptr, n0 + 2 * Q, h1_smem, FFN, STORE_H2,
-                                  SCORED, BLOCK_M, Q, H1_PREFETCH, PARITY, 2, 4)
+                                  grad_h1_ptr, h2_ptr, n0 + 2 * Q, FFN, STORE_H2, SCORED,
+                                  BLOCK_M, Q, 4)
             p3 = p2 + _swiglu_bwd_part(q3, ptrs_ptr, row_start, act_start, num_live, h1_base,
-                                  grad_h1_ptr, h2_ptr, n0 + 3 * Q, h1_smem, FFN, STORE_H2,
-                                  SCORED, BLOCK_M, Q, H1_PREFETCH, PARITY, 3, 4)
+                                  grad_h1_ptr, h2_ptr, n0 + 3 * Q, FFN, STORE_H2, SCORED,
+                                  BLOCK_M, Q, 4)
             if SCORED:
                 _store_score_part(p3, ptrs_ptr, row_start, num_live, pid_n, BLOCK_M, Q, 4)
 
@@ -252,28 +241,6 @@ if HAVE_GLUON:
         of 8 columns per thread."""
         return gl.BlockedLayout([1, 8], [32 * 8 // W, W // 8], [NW, 1], [1, 0])
 
-    @gluon.constexpr_function
-    def _h1_pending(prefetch, part):
-        """Copy groups a consumer may leave in flight when it reads quarter ``part``'s h1:
-        quarters ``0 .. prefetch - 1`` were issued before the MMAs, quarter ``q + prefetch``
-        after quarter ``q`` was read."""
-        return min(4, prefetch + part) - (part + 1)
-
-    @gluon.jit
-    def _h1_prefetch(h1_smem, ptrs_ptr, row_start, act_start, num_live, h1_base, col0,
-                     FFN: gl.constexpr, BLOCK_M: gl.constexpr, W: gl.constexpr,
-                     FIRST_SLOT: gl.constexpr, COUNT: gl.constexpr):
-        """Start the copies of ``COUNT`` consecutive ``[BLOCK_M, W]`` parts of the tile's h1
-        (g at columns ``col0 + q * W + j``, u ``FFN`` further) into slots ``FIRST_SLOT + q``
-        of ``h1_smem`` (buffers ``2 * slot`` and ``2 * slot + 1``), one cp.async group per
-        part. Null and dead rows are zero-filled, as the loads they replace read them. Each
-        thread copies the elements it later reads in :func:`_part_layout`, so a thread's wait
-        covers its own data."""
-        _live, _addr, _rows, _col, g_ptrs, load_mask = _part_rows(
-            ptrs_ptr, row_start, act_start, num_live, h1_base, col0, FFN, BLOCK_M, W, 4)
-        for q in gl.static_range(COUNT):
-            _h1_copy(h1_smem, FIRST_SLOT + q, g_ptrs + q * W, load_mask, FFN)
-
     @gluon.jit
     def _part_rows(ptrs_ptr, row_start, act_start, num_live, h1_base, col0,
                    FFN: gl.constexpr, BLOCK_M: gl.constexpr, W: gl.constexpr,
@@ -295,30 +262,16 @@ if HAVE_GLUON:
         return live, addr, rows, col, g_ptrs, load_mask
 
     @gluon.jit
-    def _h1_copy(h1_smem, SLOT: gl.constexpr, g_ptrs, load_mask, FFN: gl.constexpr):
-        """One cp.async group: a part's g (at ``g_ptrs``) and u (``FFN`` further) into slot
-        ``SLOT`` of ``h1_smem`` (buffers ``2 * SLOT``, ``2 * SLOT + 1``), masked rows
-        zero-filled."""
-        async_copy.async_copy_global_to_shared(h1_smem.index(2 * SLOT), g_ptrs, mask=load_mask)
-        async_copy.async_copy_global_to_shared(h1_smem.index(2 * SLOT + 1), g_ptrs + FFN,
-                                               mask=load_mask)
-        async_copy.commit_group()
-
-    @gluon.jit
     def _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base, grad_h1_ptr,
-                         h2_ptr, col0, h1_smem, FFN: gl.constexpr, STORE_H2: gl.constexpr,
+                         h2_ptr, col0, FFN: gl.constexpr, STORE_H2: gl.constexpr,
                          SCORED: gl.constexpr, BLOCK_M: gl.constexpr, W: gl.constexpr,
-                         H1_PREFETCH: gl.constexpr, PARITY: gl.constexpr, PART: gl.constexpr,
                          NW: gl.constexpr):
-        """SwiGLU backward of a ``[BLOCK_M, W]`` part of the tile (columns ``col0 + j``, the
-        tile's part ``PART`` of 4): rows ``act_start + i`` for ``i < num_live``; null rows
-        (address 0 in ``ptrs_ptr``) load zeros and store zeros. Returns the rows' fp32
-        ``dot(part, h2)`` over these columns when ``SCORED`` (``part`` unscaled, each row's
-        fp32 score at its address; the backward then runs on ``score * part`` and h2 is stored
-        scaled), else zeros. With ``H1_PREFETCH`` the part's h1 comes from the consumer's
-        slot ``PART % H1_PREFETCH`` of ``h1_smem`` (:func:`_h1_prefetch`), which then starts
-        part ``PART + H1_PREFETCH``'s copy if the tile has one; else from global memory. Runs
-        in a partition of ``NW`` warps (``part`` converted to its :func:`_part_layout`)."""
+        """SwiGLU backward of a ``[BLOCK_M, W]`` part of the tile (columns ``col0 + j``):
+        rows ``act_start + i`` for ``i < num_live``; null rows (address 0 in ``ptrs_ptr``)
+        load zeros and store zeros. Returns the rows' fp32 ``dot(part, h2)`` over these
+        columns when ``SCORED`` (``part`` unscaled, each row's fp32 score at its address; the
+        backward then runs on ``score * part`` and h2 is stored scaled), else zeros. Runs in
+        a partition of ``NW`` warps (``part`` converted to its :func:`_part_layout`)."""
         # 16-byte vectors of 8 columns per thread: few 64-bit addresses (in the accumulator's
         # layout every 2 columns need their own, and the epilogue spills)
         L: gl.constexpr = _part_layout(W, NW)
@@ -334,16 +287,8 @@ if HAVE_GLUON:
         if SCORED:
             score = gl.expand_dims(gl.load(addr.to(gl.pointer_type(gl.float32)),
                                            mask=live & (addr != 0), other=0.0), 1)
-        if H1_PREFETCH > 0:
-            SLOT: gl.constexpr = PARITY * H1_PREFETCH + PART % H1_PREFETCH
-            async_copy.wait_group(_h1_pending(H1_PREFETCH, PART))
-            g = h1_smem.index(2 * SLOT).load(L).to(gl.float32)
-            u = h1_smem.index(2 * SLOT + 1).load(L).to(gl.float32)
-            if PART + H1_PREFETCH < 4:  # the slot's next part (the compiler orders the reuse)
-                _h1_copy(h1_smem, SLOT, g_ptrs + H1_PREFETCH * W, load_mask, FFN)
-        else:
-            g = gl.load(g_ptrs, mask=load_mask, other=0.0).to(gl.float32)
-            u = gl.load(g_ptrs + FFN, mask=load_mask, other=0.0).to(gl.float32)
+        g = gl.load(g_ptrs, mask=load_mask, other=0.0).to(gl.float32)
+        u = gl.load(g_ptrs + FFN, mask=load_mask, other=0.0).to(gl.float32)
         return _swiglu_bwd_math(grad_h2, g, u, score, rows, col, store_mask, grad_h1_ptr,
                                 h2_ptr, FFN, STORE_H2, SCORED, BLOCK_M, L)
 
@@ -391,7 +336,7 @@ if HAVE_GLUON:
                    H1_OFFSET: gl.constexpr, STORE_H2: gl.constexpr, SCORED: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                    RELOAD_BOUNDS: gl.constexpr, ACC_BUFS: gl.constexpr,
-                   EPI_WARPS: gl.constexpr, EARLY_H1: gl.constexpr, LOCKSTEP: gl.constexpr,
+                   EPI_WARPS: gl.constexpr, LOCKSTEP: gl.constexpr,
                    EXPERT_GROUPS: gl.constexpr):
         """The split kernel's MMA warpgroup: every tile of the program in turn; each finished
         fp32 tile goes to shared memory as four column quarters (buffer ``t % ACC_BUFS`` of
@@ -433,8 +378,7 @@ if HAVE_GLUON:
                         STORE_H2: gl.constexpr, SCORED: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                         RELOAD_BOUNDS: gl.constexpr, ACC_BUFS: gl.constexpr,
-                        EPI_WARPS: gl.constexpr, EARLY_H1: gl.constexpr,
-                        LOCKSTEP: gl.constexpr,
+                        EPI_WARPS: gl.constexpr, LOCKSTEP: gl.constexpr,
                         EXPERT_GROUPS: gl.constexpr):
         """The split kernel's epilogue partition (``EPI_WARPS`` warps): the SwiGLU backward
         of every tile of the program, its quarters read from shared memory as the MMA
@@ -465,81 +409,29 @@ if HAVE_GLUON:
                     NUM_EXPERTS, BLOCK_M, EXPERT_GROUPS)
             n0 = pid_n * BLOCK_N
             buf = t % ACC_BUFS
-            if EARLY_H1:
-                p = _split_tile_early_h1(acc_smem, acc_ready, acc_free, buf, t, ptrs_ptr,
-                                         row_start, act_start, num_live, h1_base, grad_h1_ptr,
-                                         h2_ptr, n0, FFN, STORE_H2, SCORED, BLOCK_M, Q,
-                                         ACC_BUFS, EPI_WARPS)
-            else:
-                mbarrier.wait(acc_ready.index(buf), (t // ACC_BUFS) & 1)
-                part = acc_smem.index(4 * buf).load(L)
-                p = _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base,
-                                     grad_h1_ptr, h2_ptr, n0, acc_smem, FFN, STORE_H2, SCORED,
-                                     BLOCK_M, Q, 0, 0, 0, EPI_WARPS)
-                part = acc_smem.index(4 * buf + 1).load(L)
-                p += _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base,
-                                      grad_h1_ptr, h2_ptr, n0 + Q, acc_smem, FFN, STORE_H2, SCORED,
-                                      BLOCK_M, Q, 0, 0, 1, EPI_WARPS)
-                part = acc_smem.index(4 * buf + 2).load(L)
-                p += _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base,
-                                      grad_h1_ptr, h2_ptr, n0 + 2 * Q, acc_smem, FFN, STORE_H2,
-                                      SCORED, BLOCK_M, Q, 0, 0, 2, EPI_WARPS)
-                part = acc_smem.index(4 * buf + 3).load(L)
-                gl.thread_barrier()  # every thread's reads of the buffer, before the (one) arrive
-                mbarrier.arrive(acc_free.index(buf))
-                p += _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base,
-                                      grad_h1_ptr, h2_ptr, n0 + 3 * Q, acc_smem, FFN, STORE_H2,
-                                      SCORED, BLOCK_M, Q, 0, 0, 3, EPI_WARPS)
+            mbarrier.wait(acc_ready.index(buf), (t // ACC_BUFS) & 1)
+            part = acc_smem.index(4 * buf).load(L)
+            p = _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base,
+                                 grad_h1_ptr, h2_ptr, n0, FFN, STORE_H2, SCORED, BLOCK_M, Q,
+                                 EPI_WARPS)
+            part = acc_smem.index(4 * buf + 1).load(L)
+            p += _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base,
+                                  grad_h1_ptr, h2_ptr, n0 + Q, FFN, STORE_H2, SCORED, BLOCK_M,
+                                  Q, EPI_WARPS)
+            part = acc_smem.index(4 * buf + 2).load(L)
+            p += _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base,
+                                  grad_h1_ptr, h2_ptr, n0 + 2 * Q, FFN, STORE_H2, SCORED,
+                                  BLOCK_M, Q, EPI_WARPS)
+            part = acc_smem.index(4 * buf + 3).load(L)
+            gl.thread_barrier()  # every thread's reads of the buffer, before the (one) arrive
+            mbarrier.arrive(acc_free.index(buf))
+            p += _swiglu_bwd_part(part, ptrs_ptr, row_start, act_start, num_live, h1_base,
+                                  grad_h1_ptr, h2_ptr, n0 + 3 * Q, FFN, STORE_H2, SCORED,
+                                  BLOCK_M, Q, EPI_WARPS)
             if SCORED:
                 _store_score_part(p, ptrs_ptr, row_start, num_live, pid_n, BLOCK_M, Q,
                                   EPI_WARPS)
             t += 1
-
-    @gluon.jit
-    def _split_tile_early_h1(acc_smem, acc_ready, acc_free, buf, t, ptrs_ptr, row_start,
-                             act_start, num_live, h1_base, grad_h1_ptr, h2_ptr, n0,
-                             FFN: gl.constexpr, STORE_H2: gl.constexpr, SCORED: gl.constexpr,
-                             BLOCK_M: gl.constexpr, Q: gl.constexpr, ACC_BUFS: gl.constexpr,
-                             NW: gl.constexpr):
-        """One tile's epilogue in the split kernel with h1's loads a quarter ahead: the
-        rows, the score and quarter 0's h1 are loaded before waiting for the tile, each
-        later quarter's h1 before the previous quarter's math. The same values and order of
-        operations as :func:`_swiglu_bwd_part`, so the same bits. Returns the score part."""
-        L: gl.constexpr = _part_layout(Q, NW)
-        live, addr, rows, col, g_ptrs, load_mask = _part_rows(
-            ptrs_ptr, row_start, act_start, num_live, h1_base, n0, FFN, BLOCK_M, Q, NW)
-        store_mask = gl.expand_dims(live, 1)
-        score = 1.0
-        if SCORED:
-            score = gl.expand_dims(gl.load(addr.to(gl.pointer_type(gl.float32)),
-                                           mask=live & (addr != 0), other=0.0), 1)
-        g = gl.load(g_ptrs, mask=load_mask, other=0.0)
-        u = gl.load(g_ptrs + FFN, mask=load_mask, other=0.0)
-        mbarrier.wait(acc_ready.index(buf), (t // ACC_BUFS) & 1)
-        part = acc_smem.index(4 * buf).load(L)
-        g1 = gl.load(g_ptrs + Q, mask=load_mask, other=0.0)
-        u1 = gl.load(g_ptrs + Q + FFN, mask=load_mask, other=0.0)
-        p = _swiglu_bwd_math(part, g.to(gl.float32), u.to(gl.float32), score, rows, col,
-                             store_mask, grad_h1_ptr, h2_ptr, FFN, STORE_H2, SCORED, BLOCK_M, L)
-        part = acc_smem.index(4 * buf + 1).load(L)
-        g = gl.load(g_ptrs + 2 * Q, mask=load_mask, other=0.0)
-        u = gl.load(g_ptrs + 2 * Q + FFN, mask=load_mask, other=0.0)
-        p += _swiglu_bwd_math(part, g1.to(gl.float32), u1.to(gl.float32), score, rows,
-                              col + Q, store_mask, grad_h1_ptr, h2_ptr, FFN, STORE_H2, SCORED,
-                              BLOCK_M, L)
-        part = acc_smem.index(4 * buf + 2).load(L)
-        g1 = gl.load(g_ptrs + 3 * Q, mask=load_mask, other=0.0)
-        u1 = gl.load(g_ptrs + 3 * Q + FFN, mask=load_mask, other=0.0)
-        p += _swiglu_bwd_math(part, g.to(gl.float32), u.to(gl.float32), score, rows,
-                              col + 2 * Q, store_mask, grad_h1_ptr, h2_ptr, FFN, STORE_H2,
-                              SCORED, BLOCK_M, L)
-        part = acc_smem.index(4 * buf + 3).load(L)
-        gl.thread_barrier()  # every thread's reads of the buffer, before the (one) arrive
-        mbarrier.arrive(acc_free.index(buf))
-        p += _swiglu_bwd_math(part, g1.to(gl.float32), u1.to(gl.float32), score, rows,
-                              col + 3 * Q, store_mask, grad_h1_ptr, h2_ptr, FFN, STORE_H2,
-                              SCORED, BLOCK_M, L)
-        return p
 
     @gluon.jit
     def _split_producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready,
@@ -551,8 +443,7 @@ if HAVE_GLUON:
                         STORE_H2: gl.constexpr, SCORED: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                         RELOAD_BOUNDS: gl.constexpr, ACC_BUFS: gl.constexpr,
-                        EPI_WARPS: gl.constexpr, EARLY_H1: gl.constexpr,
-                        LOCKSTEP: gl.constexpr,
+                        EPI_WARPS: gl.constexpr, LOCKSTEP: gl.constexpr,
                         EXPERT_GROUPS: gl.constexpr):
         """The split kernel's TMA warp (:func:`_produce_tiles`)."""
         _produce_tiles(a_desc, w_desc, a_bufs, b_bufs, ready, empty, padded_offsets_ptr,
@@ -585,7 +476,6 @@ if HAVE_GLUON:
         BLOCK_N: gl.constexpr,
         BLOCK_K: gl.constexpr,
         RELOAD_BOUNDS: gl.constexpr,
-        H1_PREFETCH: gl.constexpr,
         LOCKSTEP: gl.constexpr,  # the producer starts each wave's tiles with the others'
         EXPERT_GROUPS: gl.constexpr,  # tile order: a group per expert (tile_info)
         num_warps: gl.constexpr,
@@ -594,29 +484,23 @@ if HAVE_GLUON:
                                            a_desc.layout)
         b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_N],
                                            w_desc.layout)
-        if H1_PREFETCH > 0:  # per consumer H1_PREFETCH slots of g and u column quarters
-            h1_smem = gl.allocate_shared_memory(
-                gl.bfloat16, [4 * H1_PREFETCH, BLOCK_M, BLOCK_N // 4],
-                gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-        else:
-            h1_smem = a_bufs  # unused
         ready, empty, turn = ring_barriers(STAGES, 1, 1)
         gl.warp_specialize([
-            (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, h1_smem,
-                         ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
+            (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, ptrs_ptr,
+                         padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
                          grad_h1_ptr, h2_ptr, sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2,
                          GROUP_M, STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
-                         RELOAD_BOUNDS, H1_PREFETCH, 0, LOCKSTEP, EXPERT_GROUPS)),
-            (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, h1_smem,
-                         ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
+                         RELOAD_BOUNDS, 0, LOCKSTEP, EXPERT_GROUPS)),
+            (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, ptrs_ptr,
+                         padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
                          grad_h1_ptr, h2_ptr, sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2,
                          GROUP_M, STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
-                         RELOAD_BOUNDS, H1_PREFETCH, 1, LOCKSTEP, EXPERT_GROUPS)),
-            (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, h1_smem,
-                         ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
+                         RELOAD_BOUNDS, 1, LOCKSTEP, EXPERT_GROUPS)),
+            (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, ptrs_ptr,
+                         padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
                          grad_h1_ptr, h2_ptr, sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2,
                          GROUP_M, STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
-                         RELOAD_BOUNDS, H1_PREFETCH, 1, LOCKSTEP, EXPERT_GROUPS)),
+                         RELOAD_BOUNDS, 1, LOCKSTEP, EXPERT_GROUPS)),
         ], [4, 1], [232, 40])
 
 
@@ -640,7 +524,6 @@ if HAVE_GLUON:
         ACC_BUFS: gl.constexpr,  # fp32 tiles in shared memory (64 KiB each)
         EPI_WARPS: gl.constexpr,  # the epilogue partition's warps (4 or 8)
         EPI_REGS: gl.constexpr,  # its registers per thread
-        EARLY_H1: gl.constexpr,  # h1 loads issued a quarter ahead (epilogue_early_h1)
         LOCKSTEP: gl.constexpr,  # as _gluon_w2_dgrad_kernel's
         EXPERT_GROUPS: gl.constexpr,  # as _gluon_w2_dgrad_kernel's
         num_warps: gl.constexpr,
@@ -662,17 +545,17 @@ if HAVE_GLUON:
                  acc_free, ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
                  grad_h1_ptr, h2_ptr, sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
                  STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
-                 RELOAD_BOUNDS, ACC_BUFS, EPI_WARPS, EARLY_H1, LOCKSTEP, EXPERT_GROUPS)),
+                 RELOAD_BOUNDS, ACC_BUFS, EPI_WARPS, LOCKSTEP, EXPERT_GROUPS)),
             (_split_epilogue, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready,
                  acc_free, ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
                  grad_h1_ptr, h2_ptr, sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
                  STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
-                 RELOAD_BOUNDS, ACC_BUFS, EPI_WARPS, EARLY_H1, LOCKSTEP, EXPERT_GROUPS)),
+                 RELOAD_BOUNDS, ACC_BUFS, EPI_WARPS, LOCKSTEP, EXPERT_GROUPS)),
             (_split_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready,
                  acc_free, ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, h1_ptr, h1_offset_ptr,
                  grad_h1_ptr, h2_ptr, sync_ptr, FFN, HIDDEN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M,
                  STAGES, H1_OFFSET, STORE_H2, SCORED, BLOCK_M, BLOCK_N, BLOCK_K,
-                 RELOAD_BOUNDS, ACC_BUFS, EPI_WARPS, EARLY_H1, LOCKSTEP, EXPERT_GROUPS)),
+                 RELOAD_BOUNDS, ACC_BUFS, EPI_WARPS, LOCKSTEP, EXPERT_GROUPS)),
         ], [EPI_WARPS, 1], [EPI_REGS, 40])
 
 
@@ -704,9 +587,8 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
                           h2_out: torch.Tensor | None, scored_rows: bool = False,
                           group_m: int = 8, stages: int = 5,
                           programs: int | None = None,
-                          reload_bounds: bool | None = None, h1_prefetch: int = 0,
-                          epilogue_warps: int = 0, epilogue_buffers: int = 1,
-                          epilogue_early_h1: bool = False, lockstep: bool = False,
+                          reload_bounds: bool | None = None, epilogue_warps: int = 0,
+                          epilogue_buffers: int = 1, lockstep: bool = False,
                           expert_groups: bool = False) -> None:
     """Launch the kernel (arguments validated by the caller,
     :func:`~distmoe.kernels.w2_dgrad.triton.w2_dgrad_swiglu_bwd`, and
@@ -716,24 +598,15 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
     (default: above 32 experts, where holding them made the epilogue spill: 132 bytes per
     thread at 128 experts in the scored form, 220 at 256, none after; at 32 experts holding
     them spills nothing and reloading would spill 16 bytes in the plain form).
-    ``h1_prefetch``: slots per consumer (0-4) for h1's column quarters brought into shared
-    memory by cp.async (:class:`~distmoe.kernels.w2_dgrad.config.W2DgradConfig`), the first ones
-    before the tile's MMAs; ``stages + h1_prefetch`` at most 6 (shared memory).
     ``epilogue_warps`` (4 or 8; 0: the ping-pong kernel): the split kernel, one MMA
     warpgroup handing each fp32 tile to an epilogue partition of that many warps through
     ``epilogue_buffers`` (1 or 2) shared-memory tiles; ``stages + 2 * epilogue_buffers`` at
-    most 7 (shared memory). ``epilogue_early_h1``: the split kernel's epilogue issues each
-    column quarter's h1 loads a quarter ahead (the first before waiting for the tile). Same
-    bits as the ping-pong kernel. Both options need F a multiple of 128 (whole tiles).
+    most 7 (shared memory). Same bits as the ping-pong kernel.
     ``lockstep``: :attr:`~distmoe.kernels.w2_dgrad.config.W2DgradConfig.lockstep` (a zeroed int32
     counter is allocated per launch). ``expert_groups``:
     :attr:`~distmoe.kernels.w2_dgrad.config.W2DgradConfig.expert_groups`."""
     num_experts, hidden, ffn = w2.shape
     block_m, block_n, block_k = 128, 128, 64
-    if ffn % block_n and (h1_prefetch or epilogue_early_h1):
-        raise ValueError(f"h1_prefetch ({h1_prefetch}) and epilogue_early_h1 "
-                         f"({epilogue_early_h1}) need F a multiple of {block_n} (whole column "
-                         f"tiles), got F = {ffn}")
     a_layout = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gl.bfloat16)
     w_layout = gl.NVMMASharedLayout.get_default_for([block_k, block_n], gl.bfloat16)
     a_desc = GluonDescriptor(grad_h3_rows, list(grad_h3_rows.shape), [hidden, 1],
@@ -759,9 +632,9 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
         maxnreg, epi_regs = SPLIT_REGISTERS[epilogue_warps]
         kernel = _gluon_w2_dgrad_split_kernel
         own = dict(ACC_BUFS=epilogue_buffers, EPI_WARPS=epilogue_warps, EPI_REGS=epi_regs,
-                   EARLY_H1=bool(epilogue_early_h1), maxnreg=maxnreg)
+                   maxnreg=maxnreg)
     else:  # the ping-pong kernel
         kernel = _gluon_w2_dgrad_kernel
-        own = dict(H1_PREFETCH=h1_prefetch, maxnreg=_MAXNREG)
+        own = dict(maxnreg=_MAXNREG)
     with device_context(w2.device):
         kernel[grid](*args, **common, **own)

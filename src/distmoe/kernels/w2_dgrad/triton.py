@@ -535,7 +535,7 @@ def w2_dgrad_swiglu_bwd(
             ``dot(g @ W2, h2)`` over its columns at fp32 value ``1 + j`` of that address:
             the rows must hold ``1 + ceil(F / block_n)`` fp32 values (not checked: addresses
             live on the device). Null rows get no parts.
-        config: :class:`W2DgradConfig`; ``None`` = ``from_heuristic`` with ``block_m`` 128.
+        config: :class:`W2DgradConfig`; ``None`` = ``for_widths`` with ``block_m`` 128.
 
     D and F must be multiples of 8. Live rows of every output are written (null rows as
     zeros); activation rows at/after ``row_offsets[E_local]`` are left untouched. Nothing is
@@ -611,7 +611,7 @@ def w2_dgrad_swiglu_bwd(
         del named["h1"]
     check_disjoint(named, same_ok=("h1", "grad_h1_out"))
     if config is None:
-        config = W2DgradConfig.from_heuristic(hidden=hidden, ffn=ffn)
+        config = W2DgradConfig.for_widths(hidden=hidden, ffn=ffn)
     elif not isinstance(config, W2DgradConfig):
         raise TypeError(f"config must be a W2DgradConfig or None, got {type(config).__name__}")
     check_rows_cap(num_rows, config.block_m)
@@ -627,9 +627,8 @@ def w2_dgrad_swiglu_bwd(
             w2_dgrad_gluon.launch_gluon_w2_dgrad(
                 grad_h3_ptrs, padded_offsets, row_offsets, w2, grad_h3_rows, h1, grad_h1_out,
                 h1_offset=h1_offset, h2_out=h2_out, scored_rows=scored_rows, group_m=config.group_m,
-                stages=config.num_stages, h1_prefetch=config.h1_prefetch,
-                epilogue_warps=config.epilogue_warps, epilogue_buffers=config.epilogue_buffers,
-                epilogue_early_h1=config.epilogue_early_h1, lockstep=config.lockstep,
+                stages=config.num_stages, epilogue_warps=config.epilogue_warps,
+                epilogue_buffers=config.epilogue_buffers, lockstep=config.lockstep,
                 expert_groups=config.expert_groups)
             return
         warn_gluon_fallback("w2_dgrad_swiglu_bwd", reason)

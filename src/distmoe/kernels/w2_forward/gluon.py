@@ -81,7 +81,6 @@ if HAVE_GLUON:
         ring_barriers,
         tile_info,
         tma_load_steps,
-        wait_block,
         wait_turn,
     )
     from distmoe.kernels.base.tiles import column_halves
@@ -115,11 +114,11 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,
-                  padded_offsets_ptr, row_offsets_ptr, enable_ptr, wait_ptr, need, sync_ptr,
+                  padded_offsets_ptr, row_offsets_ptr, enable_ptr, sync_ptr,
                   HIDDEN: gl.constexpr,
                   FFN: gl.constexpr, NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr,
                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_ENABLE: gl.constexpr,
-                  HAS_WAIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   BLOCK_K: gl.constexpr,
                   COOP: gl.constexpr, B_K_MAJOR: gl.constexpr, PARITY: gl.constexpr,
                   LOCKSTEP: gl.constexpr, EXPERT_GROUPS: gl.constexpr):
@@ -134,11 +133,9 @@ if HAVE_GLUON:
         in_step = gl.to_tensor(True)  # until a wait misses its bound (a program not resident)
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             in_step = lockstep_before_tile(sync_ptr, in_step, tile, num_tiles, LOCKSTEP)
-            pid_n, expert, row, act_start, _live = tile_info(
+            pid_n, expert, _row, act_start, _live = tile_info(
                 tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
                 NUM_EXPERTS, BLOCK_M, EXPERT_GROUPS)
-            if HAS_WAIT:  # the W13 tiles of this row block have stored its h2 rows
-                wait_block(wait_ptr, row, need, BLOCK_M, 1)  # BLOCK_M 128: one counter a tile
             if B_K_MAJOR:  # w2: expert e's [D, F] rows of the [E D, F] view
                 w_row = expert * HIDDEN + pid_n * BLOCK_N
                 w_col = 0
@@ -152,11 +149,11 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _consumer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,
-                  padded_offsets_ptr, row_offsets_ptr, enable_ptr, wait_ptr, need, sync_ptr,
+                  padded_offsets_ptr, row_offsets_ptr, enable_ptr, sync_ptr,
                   HIDDEN: gl.constexpr,
                   FFN: gl.constexpr, NUM_EXPERTS: gl.constexpr, EXPERTS_POW2: gl.constexpr,
                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_ENABLE: gl.constexpr,
-                  HAS_WAIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   BLOCK_K: gl.constexpr,
                   COOP: gl.constexpr, B_K_MAJOR: gl.constexpr, PARITY: gl.constexpr,
                   LOCKSTEP: gl.constexpr, EXPERT_GROUPS: gl.constexpr):
@@ -245,8 +242,6 @@ if HAVE_GLUON:
         padded_offsets_ptr,  # int32 [E + 1]
         row_offsets_ptr,  # int32 [E + 1]
         enable_ptr,  # int32 [1] (HAS_ENABLE), else a placeholder
-        wait_ptr,  # int32 [R_cap / 128] (HAS_WAIT), else a placeholder
-        need,  # the count a row block's wait entry reaches when its h2 rows are stored
         sync_ptr,  # int32 [1], zeroed (LOCKSTEP), else a placeholder
         HIDDEN: gl.constexpr,  # N: the output row's width (D)
         FFN: gl.constexpr,  # K: the reduction (F for the W2 forward, 2F for the W13 DGRAD)
@@ -255,7 +250,6 @@ if HAVE_GLUON:
         GROUP_M: gl.constexpr,
         STAGES: gl.constexpr,
         HAS_ENABLE: gl.constexpr,
-        HAS_WAIT: gl.constexpr,
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
         BLOCK_K: gl.constexpr,
@@ -279,20 +273,20 @@ if HAVE_GLUON:
         # (the argument lists are written out: a tuple built here loses the constexprs)
         gl.warp_specialize([
             (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,
-                         padded_offsets_ptr, row_offsets_ptr, enable_ptr, wait_ptr, need,
-                         sync_ptr, HIDDEN, FFN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
-                         HAS_ENABLE, HAS_WAIT, BLOCK_M, BLOCK_N, BLOCK_K, COOP, B_K_MAJOR,
-                         0, LOCKSTEP, EXPERT_GROUPS)),
+                         padded_offsets_ptr, row_offsets_ptr, enable_ptr, sync_ptr, HIDDEN,
+                         FFN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, HAS_ENABLE, BLOCK_M,
+                         BLOCK_N, BLOCK_K, COOP, B_K_MAJOR, 0, LOCKSTEP,
+                         EXPERT_GROUPS)),
             (_consumer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,
-                         padded_offsets_ptr, row_offsets_ptr, enable_ptr, wait_ptr, need,
-                         sync_ptr, HIDDEN, FFN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
-                         HAS_ENABLE, HAS_WAIT, BLOCK_M, BLOCK_N, BLOCK_K, COOP, B_K_MAJOR,
-                         1, LOCKSTEP, EXPERT_GROUPS)),
+                         padded_offsets_ptr, row_offsets_ptr, enable_ptr, sync_ptr, HIDDEN,
+                         FFN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, HAS_ENABLE, BLOCK_M,
+                         BLOCK_N, BLOCK_K, COOP, B_K_MAJOR, 1, LOCKSTEP,
+                         EXPERT_GROUPS)),
             (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, scatter_ptrs_ptr,
-                         padded_offsets_ptr, row_offsets_ptr, enable_ptr, wait_ptr, need,
-                         sync_ptr, HIDDEN, FFN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES,
-                         HAS_ENABLE, HAS_WAIT, BLOCK_M, BLOCK_N, BLOCK_K, COOP, B_K_MAJOR,
-                         0, LOCKSTEP, EXPERT_GROUPS)),
+                         padded_offsets_ptr, row_offsets_ptr, enable_ptr, sync_ptr, HIDDEN,
+                         FFN, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, HAS_ENABLE, BLOCK_M,
+                         BLOCK_N, BLOCK_K, COOP, B_K_MAJOR, 0, LOCKSTEP,
+                         EXPERT_GROUPS)),
         ], [4, 1], [232, 40])
 
 
@@ -326,29 +320,25 @@ def launch_gluon_w2(h2: torch.Tensor, padded_offsets: torch.Tensor, row_offsets:
                     w2: torch.Tensor, scatter_ptrs: torch.Tensor, *,
                     enable: torch.Tensor | None, block_n: int = 128, stages: int = 5,
                     group_m: int = 8, warps: int = 4, programs: int | None = None,
-                    wait: torch.Tensor | None = None, need: int = 0,
                     lockstep: bool = False, expert_groups: bool = False) -> None:
     """Launch the kernel (arguments validated by
     :func:`~distmoe.kernels.w2_forward.triton.w2_scatter`, and :func:`gluon_w2_reason` returned
     ``None``). ``warps``: 4 (ping-pong, ``block_n`` 128) or 8 (cooperative, ``block_n`` 256).
     ``programs``: the grid (default one per SM); tests pass fewer so that every program walks
-    many tiles. ``wait``: int32 ``[R_cap / 128]``; the producer starts a tile's loads only
-    once ``wait[padded row / 128] >= need`` (acquire), i.e. once a W13 running beside it has
-    stored that row block's h2 rows (:func:`~distmoe.kernels.w13_forward.triton.\
-gather_w13_swiglu`'s ``done``). ``lockstep``: :attr:`~distmoe.kernels.w2_forward.config.W2Config.\
-lockstep` (a zeroed int32 counter is allocated per launch). ``expert_groups``:
+    many tiles. ``lockstep``: :attr:`~distmoe.kernels.w2_forward.config.W2Config.lockstep` (a
+    zeroed int32 counter is allocated per launch). ``expert_groups``:
     :attr:`~distmoe.kernels.w2_forward.config.W2Config.expert_groups`."""
     num_experts, hidden, ffn = w2.shape
     w_layout = gl.NVMMASharedLayout.get_default_for([block_n, GLUON_W2_BLOCK_K], gl.bfloat16)
     w_desc = GluonDescriptor(w2.view(num_experts * hidden, ffn), [num_experts * hidden, ffn],
                              [ffn, 1], [block_n, GLUON_W2_BLOCK_K], w_layout)
-    launch_kernel(h2, w_desc, scatter_ptrs, padded_offsets, row_offsets, enable, wait, need,
+    launch_kernel(h2, w_desc, scatter_ptrs, padded_offsets, row_offsets, enable,
             hidden=hidden, depth=ffn, num_experts=num_experts, block_n=block_n,
             stages=stages, group_m=group_m, warps=warps, programs=programs, b_k_major=True,
             lockstep=lockstep, expert_groups=expert_groups)
 
 
-def launch_kernel(a, w_desc, scatter_ptrs, padded_offsets, row_offsets, enable, wait, need, *,
+def launch_kernel(a, w_desc, scatter_ptrs, padded_offsets, row_offsets, enable, *,
             hidden, depth, num_experts, block_n, stages, group_m, warps, programs, b_k_major,
             lockstep, expert_groups):
     """One launch of the kernel: A ``[R_act, depth]`` by a host descriptor of ``[128, 64]``
@@ -366,11 +356,10 @@ def launch_kernel(a, w_desc, scatter_ptrs, padded_offsets, row_offsets, enable, 
         _gluon_w2_kernel[(max(1, min(programs, tiles)),)](
             a_desc, w_desc, scatter_ptrs, padded_offsets, row_offsets,
             padded_offsets if enable is None else enable,
-            padded_offsets if wait is None else wait, need,
             lockstep_counter(lockstep, padded_offsets),
             HIDDEN=hidden, FFN=depth, NUM_EXPERTS=num_experts,
             EXPERTS_POW2=max(32, next_power_of_2(num_experts)), GROUP_M=group_m,
-            STAGES=stages, HAS_ENABLE=enable is not None, HAS_WAIT=wait is not None,
+            STAGES=stages, HAS_ENABLE=enable is not None,
             BLOCK_M=GLUON_W2_BLOCK_M, BLOCK_N=block_n, BLOCK_K=GLUON_W2_BLOCK_K, COOP=warps == 8,
             B_K_MAJOR=b_k_major, LOCKSTEP=lockstep, EXPERT_GROUPS=expert_groups, num_warps=4,
             maxnreg=_MAXNREG,

@@ -53,7 +53,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from distmoe.kernels.base.checks import (
     check_activation_rows,
-    check_block_counters,
     check_devices,
     check_offsets,
     check_padded_offsets_host,
@@ -281,9 +280,6 @@ def w2_scatter(
     enable: torch.Tensor | None = None,
     config: W2Config | None = None,
     block_m: int | None = None,
-    wait: torch.Tensor | None = None,
-    need: int = 0,
-    programs: int | None = None,
 ) -> None:
     """h2 @ W2 per expert, each live row's result stored at its own absolute address.
 
@@ -302,17 +298,9 @@ def w2_scatter(
             0 = skip the row. Entries of padding rows are never read.
         enable: optional int32 ``[1]`` on the device: 0 = every program returns at once
             (nothing is written), anything else = run.
-        config: launch configuration; default :meth:`W2Config.from_heuristic`.
+        config: launch configuration; default :meth:`W2Config.for_widths`.
         block_m: the padding multiple (default 128); must match ``config.block_m`` if both
             are given.
-        wait, need: optional int32 ``[R_cap / 128]`` (device) and an int >= 1, for a W2 run
-            beside the W13 that writes h2 (its ``done``, zeroed before both): a tile's loads
-            start once ``wait[padded row / 128] >= need`` (acquire, GPU scope; ``need`` =
-            :func:`~distmoe.kernels.w13_forward.triton.w13_done_count`). The caller makes
-            sure that W13 can run meanwhile: its programs and these fit on the device at
-            once, and it is launched first (a module loaded while this waits can stall the
-            device for good). Gluon kernel only (ValueError elsewhere).
-        programs: optional grid of the Gluon kernel (default one program per SM).
 
     Only live rows with a non-zero address are stored.
     """
@@ -320,7 +308,7 @@ def w2_scatter(
         h2, padded_offsets, row_offsets, w2, scatter_ptrs, enable, for_kernel=True
     )
     if config is None:
-        config = W2Config.from_heuristic(
+        config = W2Config.for_widths(
             hidden=hidden, ffn=ffn, block_m=128 if block_m is None else block_m
         )
     elif not isinstance(config, W2Config):
@@ -328,12 +316,7 @@ def w2_scatter(
     validate_block_m(config, block_m)
     check_scatter_r_cap(r_cap, config.block_m)
     device = h2.device
-    check_block_counters("wait", wait, r_cap, device, programs)
-    if wait is not None and (isinstance(need, bool) or not isinstance(need, int) or need < 1):
-        raise ValueError(f"need must be an int >= 1 with wait, got {need!r}")
     reason = gluon_reason(config, device, hidden, ffn)
-    if wait is not None and reason is not None:
-        raise ValueError(f"wait needs the Gluon W2 kernel, which does not run here: {reason}")
     if r_cap == 0:
         return
 
@@ -341,8 +324,8 @@ def w2_scatter(
         w2_gluon.launch_gluon_w2(
             h2, padded_offsets, row_offsets, w2, scatter_ptrs, enable=enable,
             block_n=config.block_n, stages=config.num_stages, group_m=config.group_m,
-            warps=config.num_warps, programs=programs, wait=wait, need=need,
-            lockstep=config.lockstep, expert_groups=config.expert_groups)
+            warps=config.num_warps, lockstep=config.lockstep,
+            expert_groups=config.expert_groups)
         return
     if config.gluon:
         warn_gluon_fallback("w2_scatter", reason)

@@ -104,7 +104,7 @@ __all__ = ["GLUON_WGRAD_CONFIGS", "gluon_gather_reason", "gluon_wgrad_supported"
            "launch_gluon_wgrad"]
 
 # (block_p, block_q, stages, num_warps, block_k) candidates: the tuner times them all (the
-# heuristic, WgradConfig.from_heuristic, picks the first or the second). Shared memory:
+# heuristic, distmoe.plan, picks the first or the second). Shared memory:
 # stages * block_k * (block_p + block_q) * 2 + block_p * block_q * 2 bytes (at most 227 KiB).
 
 

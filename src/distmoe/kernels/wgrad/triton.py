@@ -277,7 +277,7 @@ def check_wgrad_config(config: object, *, out_rows: int, out_cols: int,
     if not isinstance(accumulate, bool):
         raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
     if config is None:
-        config = WgradConfig.from_heuristic(out_rows=out_rows, out_cols=out_cols)
+        config = WgradConfig.for_widths(out_rows=out_rows, out_cols=out_cols)
     if not isinstance(config, WgradConfig):
         raise TypeError(f"config must be a WgradConfig or None, got {type(config).__name__}")
     if not accumulate and config.split_rows != 1:
@@ -424,7 +424,7 @@ def w2_wgrad(
             step loads are zeroed, so they may hold anything, NaN included.
         grad_w2: fp32 ``[E_local, D, F]``, accumulated into (experts without rows untouched);
             fp32 or bf16 with ``accumulate=False``.
-        config: :class:`WgradConfig`; ``None`` = ``from_heuristic`` with ``block_m`` 128.
+        config: :class:`WgradConfig`; ``None`` = ``for_widths`` with ``block_m`` 128.
     """
     out_dtypes = (torch.float32,) if accumulate else (torch.float32, torch.bfloat16)
     check_tensor("grad_w2", grad_w2, dtypes=out_dtypes, ndim=3, shape_text="[E_local, D, F]")
@@ -497,7 +497,7 @@ def w13_wgrad(
             row ``a`` at ``x_gathered + x_offset[0] + a*D`` (rows stored in order, as without
             ``x_rows``; same bits), so that one launch serves a layer either way.
         config: :class:`WgradConfig` (output tile over ``[2F, D]``); ``None`` =
-            ``from_heuristic`` with ``block_m`` 128.
+            ``for_widths`` with ``block_m`` 128.
         x_rows: optional int64 ``[R_cap]`` (needs ``x_offset`` ``[2]``): the rows are not stored in
             activation order but named by a table of byte addresses by padded row, the table
             the forward's W13 gathered through (0 = a null row, zeros). Activation row ``a``

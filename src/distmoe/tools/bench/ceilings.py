@@ -36,7 +36,7 @@ DENSE_SHAPES: tuple[tuple[int, int, int], ...] = (
 FP8_SHAPES: tuple[tuple[int, int, int], ...] = ((8192, 8192, 8192), (16384, 8192, 8192))
 COPY_BYTES = 2 << 30
 PEER_BYTES = 1 << 30
-# Window of the sustained dense ceiling: about one window (30 iterations) of the issue-a
+# Window of the sustained dense ceiling: about one window (30 iterations) of the dense-e32
 # forward on an H200.
 SUSTAINED_WINDOW_MS = 160.0
 
@@ -133,7 +133,7 @@ def dense_bf16_sustained(
     The layer cases run 30 iterations per window, 5 ms to 0.2 s; the ``dense_bf16`` ceiling
     runs 30 matmuls of about 0.17 ms (a 5 ms window). An H200 under seconds of full load
     lowers its SM clock (one H200, 2026-11-29: 1980 MHz after a 5 ms window, 1530 after a
-    187 ms one, ``tools/sustained_check.py``), so this ceiling is the matmul rate at the clock
+    187 ms one, docs/performance.md run 12), so this ceiling is the matmul rate at the clock
     the long layer cases run at."""
     m, n, k = shape
     c = Ceiling(name="dense_bf16_sustained", unit="TFLOP/s")

@@ -1,7 +1,8 @@
-"""``python -m distmoe bench``: the benchmark suite of issue 6.
+"""``python -m distmoe bench``: the benchmark suite.
 
-Default suite: ceilings, then the shapes ``issue-a issue-b fine deepseek-v3`` at their default
-T, forward and forward+backward, balanced routing, providers distmoe / torch / torch_compile
+Default suite: ceilings, then the shapes ``dense-e32 qwen3-30b-a3b-t2048 qwen3-30b-a3b
+deepseek-v3`` at their default T, forward and forward+backward, balanced routing, providers
+distmoe / torch / torch_compile
 (on one H200, measured 2026-11-29: about 105 s with ``--providers distmoe torch``, under 180 s
 with all three providers; benchmarks/README.md, "Run time"). ``--full`` adds every named shape,
 imbalance 1 4 8, the micro-benchmarks with their long sweeps and the roofline model. One GPU
@@ -13,7 +14,14 @@ The suite needs a CUDA GPU: ``--device auto`` (the default) without one is an er
 ``--shapes`` names others (then with a warning: hours on the CPU). ``--out`` and ``--archive``
 are checked before anything is measured. Exit status: 0 when at least one case succeeded
 (a line says how many failed), 1 when none did or the suite aborted, 2 for a usage error,
-141 when the reader of stdout went away (``... | head``; no traceback).
+141 when the reader of stdout went away (``... | head``; no traceback). On the CPU the table
+ends with a note that its times are the interpreter's.
+
+Reports beside the suite: ``--tables FILE...`` (markdown tables per device from results.json
+files, :func:`~distmoe.tools.bench.report.markdown_tables`), ``--replot RESULTS`` (the plots
+and the table of a finished run again), ``--routing-micro`` (routing-table construction per
+implementation, :mod:`~distmoe.tools.bench.routing_micro`). Old results files name shapes by
+their old names (``issue-a``, ``issue-b``, ``fine``); these read them under the new ones.
 
 Case order: shape -> tokens -> mode -> imbalance -> provider, so a provider built for one
 (shape, tokens, mode) (a distmoe context, a torch.compile graph) serves every imbalance.
@@ -25,6 +33,7 @@ import argparse
 import dataclasses
 import datetime
 import gc
+import json
 import os
 import sys
 import tarfile
@@ -35,7 +44,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from distmoe.tools import quiet_on_closed_pipe
+from distmoe.tools import INTERPRETER_NOTE, quiet_on_closed_pipe
 from distmoe.tools.bench import ceilings as ceilings_mod
 from distmoe.tools.bench import micro as micro_mod
 from distmoe.tools.bench import models, report
@@ -55,23 +64,49 @@ from distmoe.tools.bench.workloads import (
     SHAPES,
     LayerInputs,
     MoEShape,
+    current_shape_name,
     make_layer_inputs,
     make_weights,
 )
 
 FULL_IMBALANCE = (1.0, 4.0, 8.0)
-# 1 .. 65536 in quarter octaves (eq. 94 curves)
+# 1 .. 65536 in quarter octaves (the modeled rate's curves, --roofline)
 ROOFLINE_TOKENS = tuple(sorted({round(2 ** (i / 4)) for i in range(65)}))
+
+
+DESCRIPTION = """\
+Time distmoe's layer against a plain PyTorch implementation and against the GPU's own
+limits measured in the same run; write CSV, JSON and PNG files and print a table.
+
+Providers (what is timed):
+  distmoe        distmoe.MoEContext, this library's layer
+  torch          the same layer in plain PyTorch: rows gathered by expert, torch._grouped_mm
+                 for both projections with SwiGLU between, a score-weighted index_add back
+                 (EP > 1: all_to_all_single to exchange the rows)
+  torch_compile  torch.compile of that function (static shapes)
+
+Ceilings (measured first, rank 0; --no-ceilings skips them):
+  dense bf16 matrix multiply (torch.mm, the best of three sizes) and the same in windows
+  as long as a large case's (the clock a long run settles at); fp8 rowwise matrix
+  multiply; device copy and device read of 2 GiB (memory bandwidth); peer write and read
+  between two GPUs when two are visible. "% dense" in the table is a case's useful TFLOP/s over the
+  dense bf16 ceiling.
+
+Without a GPU: --device cpu runs the harness on the smoke shape (distmoe's kernels in
+Triton's interpreter): its times say nothing about GPU speed."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``bench`` options to ``parser`` (a subparser of ``python -m distmoe``)."""
+    parser.description = DESCRIPTION
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
         "--shapes",
         nargs="+",
         metavar="NAME",
         choices=[*SHAPES, "all"],
-        help=f"named shapes (default: {' '.join(DEFAULT_SHAPES)}; 'all' = every GPU shape)",
+        help=f"named shapes (default: {' '.join(DEFAULT_SHAPES)}; 'all' = every GPU shape; "
+        "--list prints them)",
     )
     parser.add_argument(
         "--tokens",
@@ -153,22 +188,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         nargs="+",
         choices=PROVIDERS,
         default=list(PROVIDERS),
-        help="implementations to time (default: all)",
+        help="implementations to time: distmoe, torch (plain PyTorch), torch_compile "
+        "(torch.compile of it) (default: all)",
     )
     parser.add_argument(
         "--micro",
         action="store_true",
-        help="also run the grouped-GEMM micro-benchmarks (seed 000 A.7-A.11)",
+        help="also run micro-benchmarks of grouped matrix multiplies: grouped against "
+        "capacity-padded batched, a grouped projection against the matched dense one, and "
+        "the effect of the expert histogram",
     )
     parser.add_argument(
         "--roofline",
         action="store_true",
-        help="also write the eq. 94 roofline model (CSV and plot)",
+        help="also write a roofline model: the modeled rate of the layer's two projections "
+        "against the token count, for a dense layer and for the MoE layer (CSV and plot)",
     )
     parser.add_argument(
         "--full",
         action="store_true",
-        help="all shapes, imbalance 1 4 8, long micro sweeps, roofline model",
+        help="all shapes, imbalance 1 4 8, the micro-benchmarks with long sweeps, the "
+        "roofline model",
     )
     parser.add_argument(
         "--out", metavar="DIR", help="output directory (default out/bench-<UTC time>)"
@@ -183,7 +223,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="iterations per CUDA graph (default: one window; 1 = replay a one-step graph)",
     )
     parser.add_argument("--no-graph", action="store_true", help="time eagerly (no CUDA graphs)")
-    parser.add_argument("--no-ceilings", action="store_true", help="skip the ceiling measurements")
+    parser.add_argument(
+        "--no-ceilings",
+        action="store_true",
+        help="skip the ceiling measurements (dense matmul, copies; see above)",
+    )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument(
         "--archive",
@@ -203,7 +247,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="SHA",
         help="record this commit (for copies of the tree without .git; default: git rev-parse)",
     )
-    parser.add_argument("--list", action="store_true", help="list the named shapes and exit")
+    other = parser.add_argument_group("reports instead of the suite")
+    only = other.add_mutually_exclusive_group()
+    only.add_argument("--list", action="store_true", help="list the named shapes and exit")
+    only.add_argument(
+        "--tables",
+        nargs="+",
+        metavar="FILE",
+        help="print markdown tables of these results.json files, one per device (newest "
+        "file per case; ratio = torch time / distmoe time)",
+    )
+    only.add_argument(
+        "--replot",
+        metavar="RESULTS",
+        help="redraw the plots and reprint the table of a finished run from its results.json "
+        "(into --out, default beside it)",
+    )
+    only.add_argument(
+        "--routing-micro",
+        action="store_true",
+        help="time the routing-table construction per implementation (torch ops, one Triton "
+        "program, blocked Triton) over --shapes (default: qwen3-30b-a3b dense-e32) and "
+        "--tokens (default: 16 128 512 4096)",
+    )
+    other.add_argument(
+        "--routing-ep",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --routing-micro: the ranks whose ids rank 0 reads (default 1)",
+    )
     return parser
 
 
@@ -796,6 +869,16 @@ def run(args: argparse.Namespace) -> int:
                 f"K{s.top_k:<2} {s.description}"
             )
         return 0
+    if args.routing_ep != 1 and not args.routing_micro:
+        print(f"distmoe bench: error: --routing-ep ({args.routing_ep}) needs --routing-micro",
+              file=sys.stderr)
+        return 2
+    if args.tables:
+        return print_tables(args.tables)
+    if args.replot:
+        return replot(Path(args.replot), Path(args.out) if args.out else None)
+    if args.routing_micro:
+        return run_routing_micro(args)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     out_dir = Path(args.out or f"out/bench-{stamp}")
     try:
@@ -821,6 +904,93 @@ def run(args: argparse.Namespace) -> int:
         return _run(args, plan, device, bench_group, is_rank0, out_dir)
     finally:
         bench_group.close()
+
+
+# ----------------------------------------------------------------------------- other reports
+
+
+def print_tables(paths: list[str]) -> int:
+    """``--tables``: :func:`report.markdown_tables` of the results files; exit status."""
+    try:
+        text = report.markdown_tables(paths)
+    except ValueError as exc:
+        print(f"distmoe bench: error: --tables: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(text)
+    return 0
+
+
+def replot(results: Path, out: Path | None = None) -> int:
+    """``--replot``: the plots (into ``out``, default beside ``results``) and the table of a
+    finished run from its results.json; old shape names read under the new ones. Exit
+    status (2 for a file that is no results.json of a run)."""
+    try:
+        data = json.loads(results.read_text())
+        cases = [report.CaseResult(**{**c, "shape": current_shape_name(c["shape"])})
+                 for c in data["cases"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"distmoe bench: error: --replot {results}: not a readable results.json of a "
+              f"bench run ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 2
+    out = out or results.parent
+    out.mkdir(parents=True, exist_ok=True)
+    ceilings = {c["name"]: c for c in data.get("ceilings", [])}
+    dense = (ceilings.get("dense_bf16") or {}).get("value")
+    model = data.get("roofline_model") or {}
+    peak = model.get("peak_tflops") or dense or models.H200_BF16_DENSE_FLOPS / 1e12
+    hbm = (model.get("hbm_gbps") or (ceilings.get("device_copy") or {}).get("value")
+           or models.H200_HBM_BYTES_PER_S / 1e9)
+    source = model.get("source") or ("measured" if dense else "H200 datasheet")
+    intensity = {}
+    for c in cases:
+        flops, nbytes, _ = case_work(c)
+        intensity[id(c)] = flops / nbytes
+    written = [
+        report.plot_tflops(cases, dense, out / "tflops.png"),
+        report.plot_roofline(cases, peak_tflops=peak, hbm_gbps=hbm, intensity=intensity,
+                             path=out / "roofline.png", source=source),
+    ]
+    curves = {current_shape_name(k): v for k, v in (model.get("curves") or {}).items()}
+    if curves:
+        marks: dict[str, set[int]] = {}
+        for c in cases:
+            marks.setdefault(c.shape, set()).add(c.tokens)
+        written.append(report.plot_roofline_model(curves, source=source,
+                                                  path=out / "roofline_model.png",
+                                                  marks={k: tuple(sorted(v))
+                                                         for k, v in marks.items()}))
+    micro_rows = (data.get("micro") or {}).get("rows") or []
+    written += report.plot_micro(micro_rows, out)
+    print("wrote " + " ".join(str(p) for p in written if p is not None))
+    print(report.format_table(cases, data.get("ceilings", [])))
+    return 0
+
+
+def run_routing_micro(args: argparse.Namespace) -> int:
+    """``--routing-micro``: :func:`routing_micro.run` over ``--shapes`` and ``--tokens`` on
+    ``--device`` (the CPU: the smoke shape unless named); exit status."""
+    from distmoe.tools.bench import routing_micro
+
+    try:
+        device = _select_device(args.device)
+        cpu = device.type == "cpu"
+        shapes = tuple(dict.fromkeys(args.shapes or (
+            ("smoke",) if cpu else routing_micro.DEFAULT_SHAPES)))
+        if "all" in shapes:
+            shapes = tuple(dict.fromkeys((*FULL_SHAPES, *(n for n in shapes if n != "all"))))
+        tokens = tuple(args.tokens or ((8,) if cpu and not args.shapes else
+                                       routing_micro.DEFAULT_TOKENS))
+        routing_micro.check(shapes, tokens, args.routing_ep)
+    except ValueError as exc:
+        print(f"distmoe bench: error: {exc}", file=sys.stderr)
+        return 2
+    rows = routing_micro.run(shapes, tokens, args.routing_ep, device)
+    if args.out and rows:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        path = report.write_csv(Path(args.out) / "routing_tables.csv", rows,
+                                list(routing_micro.COLUMNS))
+        print(f"wrote {path}")
+    return 0
 
 
 def _run(
@@ -1016,6 +1186,8 @@ def _run(
         f"torch {env['torch']})\n"
     )
     print(report.format_table(cases, ceilings.as_dicts()))
+    if device.type == "cpu":
+        print(f"\nnote: {INTERPRETER_NOTE}")
     if args.routing == "exact":
         print("\nrouting: exact (every expert gets T*K/E rows, so whole tiles and row steps); "
               "behind a real router the histogram is sampled and the grouped GEMMs run "

@@ -1,13 +1,14 @@
-"""One layer step on random inputs, for the profiling and A/B tools under ``tools/``.
+"""One layer step on random inputs, for ``python -m distmoe ab`` and ``profile``.
 
 :func:`join_group` joins ``torch.distributed.run``'s world (NCCL, one GPU per rank) or, in a
-plain process, a one-rank gloo group on GPU 0; :func:`layer_step` builds a
-:class:`~distmoe.MoEContext` for a named bench shape and returns it with a function that runs
-one forward (``mode="fwd"``, under ``no_grad``) or forward+backward step (``"fwdbwd"``:
-gradients for x, the scores and both weights through ``torch.autograd.grad``, as the bench
-takes them). Every rank runs the shape's T tokens routed over all E experts and holds its
-``E / EP`` local experts' weights, so the per-rank work is the bench's EP runs'. Routing is
-sampled by default (each token draws K distinct experts at random: balanced in expectation,
+plain process, a one-rank gloo group on GPU 0; :func:`draw_inputs` draws a named bench
+shape's inputs once and :func:`build_layer` builds a :class:`~distmoe.MoEContext` on them
+(with kernel-plan overrides, memory options) and a function that runs one forward
+(``mode="fwd"``, under ``no_grad``) or forward+backward step (``"fwdbwd"``: gradients for x,
+the scores and both weights through ``torch.autograd.grad``, as the bench takes them);
+:func:`layer_step` does both. Every rank runs the shape's T tokens routed over all E
+experts and holds its ``E / EP`` local experts' weights, so the per-rank work is the bench's
+EP runs'. Routing is sampled by default (each token draws K distinct experts at random: balanced in expectation,
 as behind a real router) or exact (``routing="exact"``: every expert gets T*K/E rows, the
 bench suite's default histogram).
 """
@@ -72,32 +73,39 @@ def add_routing_argument(parser) -> None:
                              "suite's default)")
 
 
-def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None = None,
-               share_of: int = 1, routing: str = "sampled",
-               activation_factor: float | None = None, save_gathered_rows: bool = True,
-               gathered_rows_in_place: bool | None = None
-               ) -> tuple[object, Callable[[], None], int]:
-    """``(ctx, step, T)`` for the named bench shape (``tokens`` instead of its T): the
-    context (a :class:`~distmoe.MoEContext`, closed by the caller), one step and the tokens
-    per rank. ``share_of``: the shape with E / ``share_of`` experts (one rank's share of
-    the work at EP = ``share_of``, for a one-rank ``joined``). Inputs are drawn once with
-    generators seeded by the rank (the routing on the host, the rest on the device);
-    ``step`` reuses them, so it can be captured into a CUDA graph.
-    ``step(x_in_buffer=True)`` (inference only) passes x as the context's
-    :meth:`~distmoe.MoEContext.input_buffer`, written there once here. ``routing``:
-    ``"sampled"`` (:func:`~distmoe.reference.random_routing`) or ``"exact"``
-    (:func:`~.workloads.make_routing`'s exact histogram), seeded by the rank.
-    ``activation_factor``: the context's :attr:`~distmoe.MoEConfig.activation_factor`
-    (None: the config's default, every layer saves its state; 0: its input only, every
-    layer replays in backward). ``save_gathered_rows``: the context's
-    :attr:`~distmoe.MoEConfig.save_gathered_rows` (False: saved layers keep their input and
-    the backward gathers the rows again; ``gathered_rows_in_place``, with it: its
-    :attr:`~distmoe.MoEConfig.gathered_rows_in_place`). Two calls whose arguments differ in
-    these three only draw the same inputs, so their steps compute the same layer."""
-    import distmoe as dm
+@dataclass
+class StepInputs:
+    """The inputs of one layer step, drawn once (:func:`draw_inputs`) and shared by every
+    layer built on them (:func:`build_layer`), so that variants compute the same layer.
+
+    ``shape``: the bench shape (with E / ``share_of`` experts for an EP=1 share); ``tokens``:
+    T per rank; ``training``: forward+backward; the tensors on the rank's device: ``ids``,
+    ``scores`` (fp32; requiring grad in training), ``x``, ``w13`` and ``w2`` (this rank's
+    E / EP experts; requiring grad in training) and the output gradient ``gy``."""
+
+    shape: object
+    tokens: int
+    training: bool
+    ids: torch.Tensor
+    scores: torch.Tensor
+    x: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    gy: torch.Tensor
+
+
+def draw_inputs(shape_name: str, mode: str, joined: Joined, *, tokens: int | None = None,
+                share_of: int = 1, routing: str = "sampled") -> StepInputs:
+    """The inputs of a step of the named bench shape (``tokens`` instead of its T) in
+    ``mode`` (``"fwd"`` or ``"fwdbwd"``), drawn with generators seeded by the rank (the
+    routing on the host, the rest on the device). ``share_of``: the shape with E /
+    ``share_of`` experts (one rank's share of the work at EP = ``share_of``, for a one-rank
+    ``joined``). ``routing``: ``"sampled"`` (:func:`~distmoe.reference.random_routing`) or
+    ``"exact"`` (:func:`~.workloads.make_routing`'s exact histogram). ValueError for a bad
+    argument, before anything is drawn."""
     from distmoe.reference import random_routing
 
-    from .workloads import ROUTING_KINDS, SHAPES, make_routing
+    from .workloads import ROUTING_KINDS, get_shape, make_routing
 
     if mode not in ("fwd", "fwdbwd"):
         raise ValueError(f"mode must be 'fwd' or 'fwdbwd', got {mode!r}")
@@ -105,7 +113,7 @@ def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None
         raise ValueError(f"routing must be one of {ROUTING_KINDS}, got {routing!r}")
     from .cli import rank_share
 
-    shape = rank_share(SHAPES[shape_name], share_of)
+    shape = rank_share(get_shape(shape_name), share_of)
     T, D, F, E, K = shape.tokens, shape.hidden, shape.ffn, shape.num_experts, shape.top_k
     if tokens is not None:
         if tokens < 1:
@@ -115,12 +123,6 @@ def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None
         raise ValueError(f"EP ({joined.world}) must divide the experts of {shape_name} ({E})")
     E_l, dev = E // joined.world, joined.device
     training = mode == "fwdbwd"
-    extra = {} if activation_factor is None else {"activation_factor": activation_factor}
-    if not save_gathered_rows:
-        extra["save_gathered_rows"] = False
-        extra["gathered_rows_in_place"] = gathered_rows_in_place
-    cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
-                       training=training, **extra)
     g = torch.Generator().manual_seed(joined.rank)
     ids, scores = random_routing(T, E, K, generator=g)
     if routing == "exact":  # the same scores, ids with every expert's count T*K/E (+-1)
@@ -130,16 +132,50 @@ def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None
     # on the host)
     gd = torch.Generator(device=dev).manual_seed(joined.rank)
 
-    def draw(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gd, device=dev) * scale).bfloat16()
+    def draw(*dims, scale=1.0):
+        return (torch.randn(*dims, generator=gd, device=dev) * scale).bfloat16()
 
     x = draw(T, D)
-    w13 = draw(E_l, 2, F, D, scale=D**-0.5)
-    w2 = draw(E_l, D, F, scale=F**-0.5)
+    w13 = draw(E_l, 2, F, D, scale=D**-0.5).requires_grad_(training)
+    w2 = draw(E_l, D, F, scale=F**-0.5).requires_grad_(training)
     gy = draw(T, D)
-    params = [t.requires_grad_(training) for t in (w13, w2)]
-    scores_g = scores.float().requires_grad_(training)
-    ctx = dm.MoEContext(cfg, joined.group, device=dev)
+    return StepInputs(shape=shape, tokens=T, training=training, ids=ids,
+                      scores=scores.float().requires_grad_(training), x=x, w13=w13, w2=w2,
+                      gy=gy)
+
+
+def build_layer(inputs: StepInputs, joined: Joined, *, overrides: dict | None = None,
+                activation_factor: float | None = None, save_gathered_rows: bool = True,
+                gathered_rows_in_place: bool | None = None
+                ) -> tuple[object, Callable[..., None]]:
+    """``(ctx, step)``: a :class:`~distmoe.MoEContext` (closed by the caller) for the layer
+    of ``inputs`` and a function running one step on them: a forward (under ``no_grad``) or
+    forward+backward (gradients for x, the scores and both weights through
+    ``torch.autograd.grad``, as the bench takes them). ``step`` reuses the inputs, so it can
+    be captured into a CUDA graph. ``step(x_in_buffer=True)`` (inference only) passes x as
+    the context's :meth:`~distmoe.MoEContext.input_buffer`, written there once here.
+
+    ``overrides``: the context's kernel-plan overrides (``MoEContext(..., overrides=)``;
+    ValueError for one that cannot apply). ``activation_factor``: the context's
+    :attr:`~distmoe.MoEConfig.activation_factor` (None: the config's default, every layer
+    saves its state; 0: its input only, every layer replays in backward).
+    ``save_gathered_rows``: :attr:`~distmoe.MoEConfig.save_gathered_rows` (False: saved
+    layers keep their input and the backward gathers the rows again;
+    ``gathered_rows_in_place``, with it: :attr:`~distmoe.MoEConfig.gathered_rows_in_place`).
+    """
+    import distmoe as dm
+
+    s, T, training = inputs.shape, inputs.tokens, inputs.training
+    extra = {} if activation_factor is None else {"activation_factor": activation_factor}
+    if not save_gathered_rows:
+        extra["save_gathered_rows"] = False
+        extra["gathered_rows_in_place"] = gathered_rows_in_place
+    cfg = dm.MoEConfig(hidden=s.hidden, ffn=s.ffn, num_experts=s.num_experts, top_k=s.top_k,
+                       max_tokens=T, training=training, **extra)
+    kw = {} if overrides is None else {"overrides": overrides}
+    ctx = dm.MoEContext(cfg, joined.group, device=joined.device, **kw)
+    ids, scores, x, w13, w2, gy = (inputs.ids, inputs.scores, inputs.x, inputs.w13, inputs.w2,
+                                   inputs.gy)
     # inference: x also in the context's input buffer, written once (every forward that
     # copies x there writes the same rows)
     x_buf = None if training else ctx.input_buffer(T).copy_(x)
@@ -149,10 +185,28 @@ def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None
             if x_in_buffer:
                 raise ValueError("x_in_buffer: the input buffer is for inference only")
             xs = x.detach().requires_grad_(True)
-            y = ctx(xs, ids, scores_g, *params)
-            torch.autograd.grad(y, (xs, scores_g, *params), gy)
+            y = ctx(xs, ids, scores, w13, w2)
+            torch.autograd.grad(y, (xs, scores, w13, w2), gy)
         else:
             with torch.no_grad():
                 ctx(x_buf if x_in_buffer else x, ids, scores, w13, w2)
 
-    return ctx, step, T
+    return ctx, step
+
+
+def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None = None,
+               share_of: int = 1, routing: str = "sampled",
+               activation_factor: float | None = None, save_gathered_rows: bool = True,
+               gathered_rows_in_place: bool | None = None, overrides: dict | None = None
+               ) -> tuple[object, Callable[..., None], int]:
+    """``(ctx, step, T)``: :func:`draw_inputs` then :func:`build_layer` (see both), and the
+    tokens per rank. Two calls whose arguments differ in the memory options and
+    ``overrides`` only draw the same inputs, so their steps compute the same layer (to
+    share one set of inputs, call the two functions)."""
+    inputs = draw_inputs(shape_name, mode, joined, tokens=tokens, share_of=share_of,
+                         routing=routing)
+    ctx, step = build_layer(inputs, joined, overrides=overrides,
+                            activation_factor=activation_factor,
+                            save_gathered_rows=save_gathered_rows,
+                            gathered_rows_in_place=gathered_rows_in_place)
+    return ctx, step, inputs.tokens

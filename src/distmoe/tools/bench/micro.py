@@ -1,4 +1,4 @@
-"""Grouped-GEMM micro-benchmarks of specification seed 000 (A.7-A.11), on one GPU.
+"""Grouped-GEMM micro-benchmarks (``bench --micro``), on one GPU.
 
 1. Grouped GEMM versus capacity-padded BMM: one BF16 projection [M_e, d] x [d, h] for each of
    16 local experts, balanced rows, d = h in {4096, 2048}, total rows M from 4K to 256K.

@@ -5,7 +5,7 @@ Files of one run (in the output directory):
     cases.csv            one row per (provider, shape, tokens, imbalance, mode): CASE_COLUMNS
     ceilings.csv         measured ceilings (dense bf16, fp8 rowwise, device copy, peer copy)
     micro.csv            micro-benchmark rows (--micro): MICRO_COLUMNS of micro.py
-    roofline_model.csv   eq. 94 curves (--roofline)
+    roofline_model.csv   modeled GEMM-pair rate versus tokens (--roofline)
     results.json         everything above plus the environment, arguments and window times
     tflops.png           useful TFLOP/s per provider per shape, dense ceiling as a line
     roofline.png         cases on the measured roofline (useful FLOPs / modeled HBM bytes)
@@ -16,8 +16,8 @@ Plots use matplotlib's Agg backend (no display). Missing values are empty CSV ce
 ``null``.
 
 :func:`markdown_tables` turns ``results.json`` files back into one markdown table per device
-(docs/performance.md's current figures): ``python -m distmoe.tools.bench.report --markdown
-FILE...``.
+(docs/performance.md's current figures): ``python -m distmoe bench --tables FILE...`` (or
+``python -m distmoe.tools.bench.report --markdown FILE...``).
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from . import workloads
 
 # Column name -> type, in CSV order.
 CASE_COLUMNS: dict[str, type] = {
@@ -641,12 +643,9 @@ def format_table(cases: Sequence[CaseResult], ceilings: Sequence[Mapping] = ()) 
 
 # ----------------------------------------------------------------------------- markdown tables
 
-#: Shape names of older results files and the names the bench uses now (the same layers).
-LEGACY_SHAPE_NAMES = {
-    "issue-a": "dense-e32",
-    "issue-b": "qwen3-30b-a3b-t2048",
-    "fine": "qwen3-30b-a3b",
-}
+#: Shape names of older results files and the names the bench uses now (the same layers);
+#: defined in :mod:`.workloads`.
+LEGACY_SHAPE_NAMES = workloads.LEGACY_SHAPE_NAMES
 _MODE_TEXT = {"fwd": "forward", "bwd": "backward", "fwdbwd": "fwd+bwd"}
 _MODE_ORDER = {"fwd": 0, "fwdbwd": 1, "bwd": 2}
 

@@ -1,8 +1,10 @@
-#!/usr/bin/env python3
-"""Registers and spills of the grouped-GEMM kernels built for sm_90a, without a GPU.
+"""Registers and spills of the kernels built for sm_90a, without a GPU
+(``python -m distmoe profile --ptxas``).
 
-Usage (repository root, any machine with triton):
-    PYTHONPATH=src python3 tools/ptxas_report.py [--shapes issue-a fine] [--no-variants] [--check]
+Usage (any machine with triton)::
+
+    python -m distmoe profile --ptxas [--shapes dense-e32 qwen3-30b-a3b] [--no-variants]
+        [--check] [--jobs N]
 
 Builds every case of :func:`distmoe.tools.sm90_build.grouped_gemm_cases` (the production
 configs the layer launches at each shape, then the other flag combinations at ``fine``) and
@@ -10,7 +12,9 @@ of :func:`~distmoe.tools.sm90_build.other_kernel_cases` (every other kernel) wit
 ``triton.compile`` for sm_90 and Triton's bundled ``ptxas -v``, and prints registers per
 thread, spill-store bytes and shared memory per case, and the persistent Gluon kernels' cases
 (:func:`~distmoe.tools.sm90_build.gluon_wgrad_cases`, :func:`~.gluon_w13_cases`, the fused
-W13 + W2 :func:`~.gluon_fused_cases`, ...), ``--jobs`` builds at once. ``--check``
+W13 + W2 :func:`~.gluon_fused_cases`, ...), ``--jobs`` builds at once. The builds need Triton
+imported without its interpreter, which ``import distmoe`` turns on where there is no GPU:
+:func:`main` runs them in a child process with ``TRITON_INTERPRET=0`` when it is on. ``--check``
 exits 1 if a case fails to build or needs more than 227 KiB of shared memory, or a production
 case spills or has its wgmma pipeline serialized by ptxas (any of its "wgmma.mma_async
 instructions are serialized" notes: C7514, a non-wgmma instruction touching an in-flight
@@ -24,9 +28,11 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import subprocess
 import sys
 
-os.environ["TRITON_INTERPRET"] = "0"  # build for the GPU target even on a CPU machine
+#: the default shapes (the layer's production configs are built at each)
+DEFAULT_SHAPES = ("dense-e32", "qwen3-30b-a3b")
 
 
 #: the cases of this run, for the forked build processes (set by main)
@@ -42,8 +48,43 @@ def _build_fields(index: int) -> dict:
                 error=r.error, wgmma_serialized=r.wgmma_serialized)
 
 
-def main() -> int:
+def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The report's options (also those of ``profile --ptxas``)."""
     from distmoe.tools.bench.workloads import SHAPES
+
+    ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), metavar="NAME",
+                    choices=sorted(SHAPES),
+                    help=f"bench shapes of the production cases (default: "
+                         f"{' '.join(DEFAULT_SHAPES)})")
+    ap.add_argument("--no-variants", action="store_true",
+                    help="production cases only (skip the other flag combinations and the "
+                         "other kernels)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                    help="builds run at once, one process each (default: the CPUs)")
+    ap.add_argument("--check", action="store_true",
+                    help="exit 1 on a build failure, more than 227 KiB of shared memory, or a "
+                         "spill or a wgmma pipeline serialized by ptxas in a production case")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build and report (module docstring); returns the exit status."""
+    ap = add_arguments(argparse.ArgumentParser(prog="distmoe profile --ptxas",
+                                               description=__doc__.splitlines()[0]))
+    args = ap.parse_args(argv)
+    from distmoe.kernels.base.interpreter import interpreter_active
+
+    if interpreter_active():  # the kernels are interpreted functions here: build in a child
+        env = dict(os.environ, TRITON_INTERPRET="0")
+        argv = sys.argv[1:] if argv is None else list(argv)
+        return subprocess.run([sys.executable, "-m", "distmoe.tools.ptxas", *argv],
+                              env=env).returncode
+    return report(args)
+
+
+def report(args: argparse.Namespace) -> int:
+    """The builds and the printed report of parsed ``args`` (in a process whose Triton is not
+    the interpreter)."""
     from distmoe.tools.sm90_build import (
         BuildReport,
         gluon_fused_cases,
@@ -55,17 +96,6 @@ def main() -> int:
         other_kernel_cases,
     )
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", nargs="+", default=["issue-a", "fine"], choices=sorted(SHAPES))
-    ap.add_argument("--no-variants", action="store_true",
-                    help="production cases only (skip the other flag combinations and the "
-                         "other kernels)")
-    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
-                    help="builds run at once, one process each (default: the CPUs)")
-    ap.add_argument("--check", action="store_true",
-                    help="exit 1 on a build failure, more than 227 KiB of shared memory, or a "
-                         "spill or a wgmma pipeline serialized by ptxas in a production case")
-    args = ap.parse_args()
     failed = 0
     cases = grouped_gemm_cases(tuple(args.shapes), variants=not args.no_variants)
     cases += [c for c in gluon_wgrad_cases(tuple(args.shapes)) + gluon_w13_cases(tuple(args.shapes))

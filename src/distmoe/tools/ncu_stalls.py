@@ -1,11 +1,11 @@
-#!/usr/bin/env python3
 """Where each warp role of a kernel waits: Nsight Compute's per-instruction stall samples,
-split by warp-specialised partition.
+split by warp-specialised partition (``python -m distmoe profile --ncu TABLE``).
 
-Usage (on any machine, over a table exported where the report was taken):
+Usage (on any machine, over a table exported where the report was taken)::
+
     ncu --section SourceCounters ... -o rep python3 ...            # on the GPU machine
     ncu --import rep.ncu-rep --page source --csv --print-source sass > sass.csv
-    python3 tools/ncu_stalls.py sass.csv[.gz] [--kernel REGEX] [--top 6]
+    python -m distmoe profile --ncu sass.csv[.gz] [--kernel REGEX] [--top 6]
 
 Why: a warp-specialised Gluon kernel runs a producer and one or two consumer warpgroups in
 one SASS body; Nsight Compute's stall totals mix them, so "83% long scoreboard" does not say
@@ -20,7 +20,6 @@ dominant stall reasons. Which partition is the producer is read from the code (i
 ``UTMALDG`` / ``LDGSTS`` issues and its smaller register budget), not guessed here.
 """
 
-import argparse
 import csv
 import gzip
 import io
@@ -161,29 +160,24 @@ def report(kernels: dict[str, list[Instr]], top: int, pattern: str | None = None
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("table", help="ncu --page source --csv --print-source sass output "
-                                  "(.gz read as gzip)")
-    ap.add_argument("--kernel", help="only kernels whose name matches this regex")
-    ap.add_argument("--top", type=int, default=6, help="instructions shown per partition")
-    args = ap.parse_args(argv)
-    if args.top < 1:
-        ap.error(f"--top must be >= 1, got {args.top}")
-    opener = gzip.open if args.table.endswith(".gz") else open
-    with opener(args.table, "rt") as f:
-        text = f.read()
+def summarize(table: str, top: int = 6, pattern: str | None = None) -> int:
+    """Print :func:`report` of the table file ``table`` (``.gz`` read as gzip); returns the
+    exit status (1 with a line on stderr for a table without stall samples, or none)."""
+    opener = gzip.open if table.endswith(".gz") else open
+    try:
+        with opener(table, "rt") as f:
+            text = f.read()
+    except OSError as exc:
+        print(f"distmoe profile: error: --ncu {table}: cannot read it: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 2
     try:
         kernels = read_tables(text)
     except ValueError as exc:
-        print(f"ncu_stalls: {exc}", file=sys.stderr)
+        print(f"distmoe profile: --ncu {table}: {exc}", file=sys.stderr)
         return 1
     if not kernels:
-        print(f"ncu_stalls: no kernel table in {args.table}", file=sys.stderr)
+        print(f"distmoe profile: --ncu: no kernel table in {table}", file=sys.stderr)
         return 1
-    print(report(kernels, args.top, args.kernel))
+    print(report(kernels, top, pattern))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
