@@ -1,7 +1,8 @@
 """distmoe: distributed Mixture-of-Experts expert MLPs for NVIDIA Hopper GPUs.
 
-Public API (DESIGN.md): :class:`MoEConfig`, :func:`plan_memory`, :class:`MoEContext`,
-:func:`launch`, and the reference in :mod:`distmoe.reference`.
+Public API (README.md; the architecture: docs/design.md): :class:`MoEConfig`,
+:func:`plan_memory`, :class:`MoEContext`, :func:`launch`, and the reference in
+:mod:`distmoe.reference`.
 """
 
 from .kernels.base.interpreter import use_interpreter_if_no_gpu

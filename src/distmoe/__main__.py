@@ -1,9 +1,31 @@
-"""Command line: ``python -m distmoe {demo,plan,bench} ...``."""
+"""Command line: ``python -m distmoe {demo,plan,bench,ab,profile,tune} ...``.
+
+* ``demo``: run the layer here (CPU ranks or every GPU) and check it against the reference;
+* ``plan``: the activation-memory plan of a layer, or its kernel plan (``--kernels``);
+* ``bench``: the benchmark suite against plain PyTorch and the GPU's ceilings;
+* ``ab``: time kernel-plan variants of one layer against its plan, interleaved;
+* ``profile``: one layer step under torch.profiler, trace timelines, Nsight Compute stall
+  tables, sm_90 register and spill reports;
+* ``tune``: time one kernel over its launch configs.
+
+``python -m distmoe CMD --help`` lists a command's options (no GPU needed).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+#: command -> (module under distmoe.tools, one-line help)
+COMMANDS = {
+    "demo": ("demo", "run the layer here and check it"),
+    "plan": ("plan_cli", "print a layer's activation-memory plan or its kernel plan"),
+    "bench": ("bench.cli", "benchmark the layer against plain PyTorch and GPU ceilings"),
+    "ab": ("ab", "time kernel-plan variants of one layer against its plan, interleaved"),
+    "profile": ("profile", "profile one layer step; read traces, ncu tables, ptxas reports"),
+    "tune": ("tune", "time one kernel over its launch configs"),
+}
 
 
 def _unavailable(sub, name: str, help_text: str, exc: ImportError):
@@ -22,29 +44,25 @@ def _unavailable(sub, name: str, help_text: str, exc: ImportError):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="distmoe", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    from .tools import demo, quiet_on_closed_pipe
+    parser = argparse.ArgumentParser(
+        prog="distmoe", description=__doc__.split("\n\n")[0],
+        epilog="`python -m distmoe CMD --help` lists a command's options.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="CMD")
+    from .tools import quiet_on_closed_pipe
 
-    demo.add_arguments(sub.add_parser("demo", help="run the layer here and check it"))
-    runners = {"demo": demo.run}
+    runners = {}
     unavailable = set()  # commands whose module failed to import: their arguments are not read
-    try:
-        from .tools import plan_cli
-
-        plan_cli.add_arguments(sub.add_parser("plan", help="print an activation-memory plan"))
-        runners["plan"] = plan_cli.run
-    except ImportError as exc:
-        runners["plan"] = _unavailable(sub, "plan", "print an activation-memory plan", exc)
-        unavailable.add("plan")
-    try:
-        from .tools.bench import cli as bench_cli
-
-        bench_cli.add_arguments(sub.add_parser("bench", help="benchmark on the GPU"))
-        runners["bench"] = bench_cli.run
-    except ImportError as exc:
-        runners["bench"] = _unavailable(sub, "bench", "benchmark on the GPU", exc)
-        unavailable.add("bench")
+    for name, (module, help_text) in COMMANDS.items():
+        try:
+            mod = importlib.import_module(f".tools.{module}", __package__)
+        except ImportError as exc:
+            if name == "demo":  # the library's own command: a failure here is a bug
+                raise
+            runners[name] = _unavailable(sub, name, help_text, exc)
+            unavailable.add(name)
+            continue
+        mod.add_arguments(sub.add_parser(name, help=help_text))
+        runners[name] = mod.run
     args, extra = parser.parse_known_args(argv)
     if extra and args.command not in unavailable:  # what parse_args would have refused
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -14,7 +14,7 @@ from typing import Literal
 Precision = Literal["bf16", "mxfp8", "nvfp4"]
 PRECISIONS: tuple[str, ...] = ("bf16", "mxfp8", "nvfp4")
 
-# Expert ids travel between ranks as int16 (DESIGN.md, routing buffers).
+# Expert ids travel between ranks as int16 (docs/design.md, Per-rank buffers).
 MAX_EXPERTS = 2**15 - 1
 
 
@@ -37,7 +37,7 @@ def _require_number(name: str, value: object, minimum: float, *, strict: bool = 
 class MoEConfig:
     """Static description of one routed-expert MoE layer and its memory budget.
 
-    Shapes of one call on one rank (DESIGN.md, Public API): ``x [T, D]`` bf16 with
+    Shapes of one call on one rank (README.md, Usage): ``x [T, D]`` bf16 with
     ``T <= max_tokens``, ``expert_ids [T, K]`` integer, ``scores [T, K]`` float,
     ``w13 [E_local, 2, F, D]`` bf16 and ``w2 [E_local, D, F]`` bf16 where
     ``E_local = num_experts / ep_size``.
@@ -66,7 +66,7 @@ class MoEConfig:
         num_slots: activation slots (pipeline stage-microbatch owners alive at once).
         max_layers_per_slot: MoE layers whose state one slot holds.
         save_route_outputs: a saved layer keeps its returned route results
-            ``h3 [T_max, K, D]`` bf16 in its slot (DESIGN.md's memory model, the default).
+            ``h3 [T_max, K, D]`` bf16 in its slot (docs/memory.md section 2; the default).
             The backward does not read them (the experts compute the score gradients,
             :mod:`distmoe.ops.autograd`), so ``False`` drops them: ``align128(T_max*K*D*2)``
             fewer bytes per saved layer (a third of a bf16 layer at D = 2F), so more layers
@@ -82,20 +82,20 @@ class MoEConfig:
             for them and for the later layers' smaller states, else x where that fits and
             is smaller, else its input alone (replay): under a tight budget, layers that would
             replay keep x instead where they can, and a regather costs far less step time
-            than a replay (one H200, docs/memory.md section 4; the rule:
-            :mod:`distmoe.kernels.movement.slot_cursor`). Gradients are the same bits in every mode.
+            than a replay (evidence: docs/memory.md section 4; the rule:
+            :mod:`distmoe.kernels.movement.slot_cursor`). Gradients are the same bits in
+            every mode.
         gathered_rows_in_place: with ``save_gathered_rows`` False or ``"auto"``, on a one-rank
             group:
             ``True``: the W13 weight gradient reads x's rows in place, through the forward's
             gather table (no copy of the rows, so the scratch holds ``2*R*D`` bytes less; a
             replayed layer's W13 stores h1 only); ``False``: the backward copies them into
             scratch first; ``None`` (the default): in place from 512 rows per local expert
-            (the shape hint ``T_max*K*EP/E``), where it measured faster
-            (:func:`distmoe.memory.rows_in_place`, docs/performance.md run 47). Under
+            (the shape hint ``T_max*K*EP/E``), where reading in place is faster
+            (:func:`distmoe.memory.rows_in_place`; evidence: docs/performance.md). Under
             ``"auto"``, ``True`` has the same kernel read a layer's rows kept in its slot in
-            order, and ``None`` copies (measured slower in place, run 48). At EP > 1 the rows
-            are always copied (most live on the peers). Gradients are the same bits either
-            way.
+            order, and ``None`` copies (in place is slower there). At EP > 1 the rows are
+            always copied (most live on the peers). Gradients are the same bits either way.
     """
 
     hidden: int

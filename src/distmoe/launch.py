@@ -106,9 +106,9 @@ def _worker(rank: int, world_size: int, device: str, backend: str, gpus: Sequenc
             **({"device_id": torch.device("cuda", torch.cuda.current_device())}
                if backend == "nccl" else {}),
         )
-        # Every rank connected before any goes on: a rank whose fn returns at once used to
-        # destroy the group and exit while a peer was still in gloo's connectFullMesh, which
-        # then failed ("Connection closed by peer"; 6 of 106 two-rank launches under load).
+        # Every rank connected before any goes on: otherwise a rank whose fn returns at once
+        # can destroy the group and exit while a peer is still in gloo's connectFullMesh,
+        # which then fails ("Connection closed by peer").
         dist.barrier()
         value = fn(rank, world_size, *args)
         # Plain pickle copies tensor data into bytes; torch.multiprocessing's queue would
@@ -232,8 +232,8 @@ def launch(
     results = ctx.Queue()
     prefix = f"distmoe-{uuid.uuid4().hex[:10]}"
     # The ranks meet through a file store, not a TCP port: a port picked as free here can be
-    # taken by another process before rank 0 listens on it (EADDRINUSE, seen on the GPU
-    # machine in run 38). A new file per launch; removed below.
+    # taken by another process before rank 0 listens on it (EADDRINUSE). A new file per
+    # launch; removed below.
     store_path = os.path.join(tempfile.gettempdir(), f"{prefix}-rendezvous")
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, device, backend, gpus, store_path, prefix,
@@ -301,7 +301,7 @@ def launch(
         finished = True
         return [values[r] for r in range(world_size)]
     finally:
-        # one shared grace period (not one per rank: a timeout was late by 2 s per rank)
+        # one shared grace period (one per rank would make a timeout late by 2 s per rank)
         grace_end = time.monotonic() + (2.0 if finished else 0.5)
         for p in procs:
             p.join(timeout=max(0.0, grace_end - time.monotonic()))

@@ -1,6 +1,6 @@
 """Plain-PyTorch reference of the routed-expert layer: the oracle of every test.
 
-Shapes (one process, all experts; DESIGN.md "The math"):
+Shapes (one process, all experts; docs/design.md, "Notation and the math"):
 
     x            [T, D]        float (bf16, fp32 or fp64)
     expert_ids   [T, K]        any integer dtype; -1 disables a route

@@ -1,27 +1,28 @@
-"""Shared by the tests of the scripts under ``tools/`` (not a package: each is loaded from its
-file)."""
+"""Shared by the tests of ``python -m distmoe``'s commands (:mod:`distmoe.tools`)."""
 
-import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_distmoe(*args: str, nproc: int | None = None, cwd=None, timeout: float = 600,
+                **env: str) -> subprocess.CompletedProcess:
+    """``python -m distmoe ARGS`` in a subprocess (this checkout's ``src``; kernels in
+    Triton's interpreter where there is no GPU), or under ``torch.distributed.run`` with
+    ``nproc`` ranks; output captured as text."""
+    environ = dict(os.environ, PYTHONPATH=str(ROOT / "src"), **env)
+    launch = ([] if nproc is None else
+              ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"])
+    return subprocess.run([sys.executable, *launch, "-m", "distmoe", *args], cwd=cwd or ROOT,
+                          env=environ, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture
-def load_tool():
-    """``load_tool(name)``: the module of ``tools/<name>.py``, freshly executed. Scripts that
-    import a sibling (``ab_interleaved`` imports ``ab_bench``) put ``tools/`` on sys.path;
-    this undoes that afterwards."""
-    path_before = list(sys.path)
-
-    def load(name: str):
-        spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-
-    yield load
-    sys.path[:] = path_before
+def distmoe_cli():
+    """:func:`run_distmoe`."""
+    return run_distmoe

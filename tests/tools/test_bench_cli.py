@@ -8,6 +8,7 @@ import tarfile
 import pytest
 import torch
 
+from distmoe.tools import INTERPRETER_NOTE
 from distmoe.tools.bench import baseline, cli, providers, report, workloads
 from distmoe.tools.bench.groups import init_single_process_group
 
@@ -19,7 +20,8 @@ def _parse(argv):
 def test_default_plan():
     plan = cli.resolve_plan(_parse([]))
     assert tuple(s.name for s in plan.shapes) == workloads.DEFAULT_SHAPES
-    assert workloads.DEFAULT_SHAPES == ("issue-a", "issue-b", "fine", "deepseek-v3")
+    assert workloads.DEFAULT_SHAPES == ("dense-e32", "qwen3-30b-a3b-t2048", "qwen3-30b-a3b",
+                                        "deepseek-v3")
     assert plan.modes == ("fwd", "fwdbwd")
     assert plan.imbalances == (1.0,)
     assert plan.providers == ("distmoe", "torch", "torch_compile")
@@ -43,7 +45,7 @@ def test_full_and_explicit_plan():
         _parse(
             [
                 "--shapes",
-                "fine",
+                "qwen3-30b-a3b",
                 "olmoe",
                 "--tokens",
                 "1024",
@@ -60,7 +62,7 @@ def test_full_and_explicit_plan():
             ]
         )
     )
-    assert [s.name for s in plan.shapes] == ["fine", "olmoe"]
+    assert [s.name for s in plan.shapes] == ["qwen3-30b-a3b", "olmoe"]
     assert plan.tokens_for(plan.shapes[0]) == (1024, 2048)
     assert plan.modes == ("fwd",) and plan.providers == ("torch",)
     assert plan.timing.capture_iters == 1
@@ -72,18 +74,21 @@ def test_full_and_explicit_plan():
 
 
 def test_rank_share_divides_the_experts():
-    plan = cli.resolve_plan(_parse(["--shapes", "issue-a", "fine", "--rank-share-of", "2"]))
-    a, fine = plan.shapes
-    assert (a.name, a.num_experts, a.tokens, a.top_k) == ("issue-a/ep2", 16, 8192, 8)
-    assert (fine.name, fine.num_experts) == ("fine/ep2", 64)
-    assert (a.hidden, a.ffn) == (workloads.SHAPES["issue-a"].hidden, workloads.SHAPES["issue-a"].ffn)
-    assert cli.resolve_plan(_parse(["--shapes", "fine"])).shapes[0] is workloads.SHAPES["fine"]
-    # issue-a has E=32, K=8: a share of 8 ranks leaves 4 experts, fewer than top_k.
+    plan = cli.resolve_plan(_parse(["--shapes", "dense-e32", "qwen3-30b-a3b",
+                                    "--rank-share-of", "2"]))
+    a, q = plan.shapes
+    assert (a.name, a.num_experts, a.tokens, a.top_k) == ("dense-e32/ep2", 16, 8192, 8)
+    assert (q.name, q.num_experts) == ("qwen3-30b-a3b/ep2", 64)
+    dense = workloads.SHAPES["dense-e32"]
+    assert (a.hidden, a.ffn) == (dense.hidden, dense.ffn)
+    assert cli.resolve_plan(_parse(["--shapes", "qwen3-30b-a3b"])).shapes[0] is \
+        workloads.SHAPES["qwen3-30b-a3b"]
+    # dense-e32 has E=32, K=8: a share of 8 ranks leaves 4 experts, fewer than top_k.
     with pytest.raises(ValueError, match=r"--rank-share-of \(8\) must divide the experts of "
-                       r"shape 'issue-a' \(E=32\) and leave at least top_k \(8\)"):
-        cli.resolve_plan(_parse(["--shapes", "issue-a", "--rank-share-of", "8"]))
+                       r"shape 'dense-e32' \(E=32\) and leave at least top_k \(8\)"):
+        cli.resolve_plan(_parse(["--shapes", "dense-e32", "--rank-share-of", "8"]))
     with pytest.raises(ValueError, match=r"--rank-share-of \(0\) must be an int >= 1"):
-        cli.resolve_plan(_parse(["--shapes", "fine", "--rank-share-of", "0"]))
+        cli.resolve_plan(_parse(["--shapes", "qwen3-30b-a3b", "--rank-share-of", "0"]))
 
 
 def test_distmoe_provider_unavailable_without_context(monkeypatch):
@@ -156,12 +161,21 @@ def test_cpu_smoke_run_writes_outputs(tmp_path, capsys):
     with tarfile.open(tmp_path / "bench.tar.gz") as tar:
         assert {m.name for m in tar.getmembers()} == {f"bench/{n}" for n in names}
     printed = capsys.readouterr().out.splitlines()
-    # the text table comes last, then (exact routing) the note on the histogram
+    # the text table comes last, then (CPU) the note that its times are the interpreter's,
+    # then (exact routing) the note on the histogram
     assert printed[-1].startswith("routing: exact (every expert gets T*K/E rows")
     assert "--routing sampled" in printed[-1]
-    assert printed[-3].startswith("ceiling peer_read") and printed[-2] == ""
+    assert printed[-3] == f"note: {INTERPRETER_NOTE}"
+    assert "say nothing about GPU speed" in printed[-3]
+    assert printed[-5].startswith("ceiling peer_read") and printed[-4] == ""
     assert any(line.startswith("provider") for line in printed)
     assert not torch.distributed.is_initialized()  # the private group was torn down
+    # --tables: the markdown table of this run's results.json
+    assert cli.main(["--tables", str(out / "results.json")]) == 0
+    tables = capsys.readouterr().out
+    assert tables.startswith("### ") and "| `smoke` | 64, 64, 32, 8, 2 |" in tables
+    assert cli.main(["--tables", str(tmp_path / "missing.json")]) == 2
+    assert "distmoe bench: error: --tables: results file" in capsys.readouterr().err
 
 
 def test_cpu_smoke_run_distmoe_training(tmp_path):
@@ -238,8 +252,34 @@ def test_sampled_routing_run_and_rules(tmp_path, capsys):
     assert not any(line.startswith("routing: exact") for line in table)
 
 
+def test_replot_redraws_a_run_under_current_shape_names(tmp_path, capsys):
+    """--replot: the plots and the table of a finished run from its results.json, a shape of
+    an older run (``fine``) shown by its current name; a file that is no results.json is one
+    error line."""
+    out = tmp_path / "bench"
+    args = _parse(["--shapes", "smoke", "--device", "cpu", "--providers", "torch", "--mode",
+                   "fwd", "--warmup", "1", "--windows", "1", "--iters", "1", "--roofline",
+                   "--no-plots", "--no-ceilings", "--out", str(out)])
+    assert cli.run(args) == 0
+    data = json.loads((out / "results.json").read_text())
+    data["cases"][0]["shape"] = "fine"
+    data["roofline_model"]["curves"]["fine"] = data["roofline_model"]["curves"].pop("smoke")
+    (out / "results.json").write_text(json.dumps(data))
+    capsys.readouterr()
+    plots = tmp_path / "plots"
+    assert cli.main(["--replot", str(out / "results.json"), "--out", str(plots)]) == 0
+    assert {p.name for p in plots.iterdir()} >= {"tflops.png", "roofline.png",
+                                                  "roofline_model.png"}
+    printed = capsys.readouterr().out
+    assert any(line.startswith("torch") and " qwen3-30b-a3b " in line
+               for line in printed.splitlines()), printed
+    assert cli.main(["--replot", str(tmp_path / "missing.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("distmoe bench: error: --replot ") and "not a readable" in err
+
+
 def test_fill_metrics_against_both_dense_ceilings():
-    row = report.CaseResult(provider="distmoe", status="ok", shape="issue-a", tokens=8192,
+    row = report.CaseResult(provider="distmoe", status="ok", shape="dense-e32", tokens=8192,
                             hidden=4096, ffn=2048, num_experts=32, top_k=8, ep_size=1,
                             imbalance=1.0, precision="bf16", mode="fwd", iter_ms=5.5)
     cli.fill_metrics(row, 800.0, 680.0)
@@ -255,7 +295,7 @@ def test_fill_metrics_against_both_dense_ceilings():
 def test_launched_by_torchrun_counts_a_one_process_run(monkeypatch):
     """torch.distributed.run with one process sets WORLD_SIZE=1 and its run id: its ranks
     must join through env:// (a store of their own waits on the agent's, which hung
-    ``tools/ab_interleaved.py`` under ``--nproc-per-node=1``)."""
+    ``distmoe ab`` under ``--nproc-per-node=1``)."""
     from distmoe.tools.bench.groups import launched_by_torchrun
 
     for name in ("TORCHELASTIC_RUN_ID", "WORLD_SIZE"):

@@ -47,7 +47,7 @@ def test_auto_device_without_cuda_is_a_usage_error(monkeypatch, capsys, no_measu
 @pytest.mark.parametrize(
     ("argv", "source"),
     [
-        ([], "the default suite selects issue-a issue-b fine deepseek-v3"),
+        ([], "the default suite selects dense-e32 qwen3-30b-a3b-t2048 qwen3-30b-a3b deepseek-v3"),
         (["--full"], "--full selects deepseek-v3"),
         (["--shapes", "smoke", "all"], "--shapes all selects deepseek-v3"),
     ],
@@ -68,10 +68,10 @@ def test_cpu_device_warns_for_named_gpu_shapes(capsys, no_measuring):
     assert cli.check_cpu_shapes(_parse(["--device", "cuda"])) == ""
     assert cli.check_cpu_shapes(_parse(["--device", "auto", "--full"])) == ""
     with pytest.raises(_Measured):  # named explicitly: it runs, after the warning
-        cli.run(_parse(["--device", "cpu", "--shapes", "smoke", "issue-a", "--out", "x"]))
+        cli.run(_parse(["--device", "cpu", "--shapes", "smoke", "dense-e32", "--out", "x"]))
     err = capsys.readouterr().err
     assert err.startswith(
-        "distmoe bench: warning: --device cpu with GPU-sized shape(s) issue-a: on the CPU"
+        "distmoe bench: warning: --device cpu with GPU-sized shape(s) dense-e32: on the CPU"
     )
     assert "will take very long" in err
 

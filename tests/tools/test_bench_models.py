@@ -8,7 +8,7 @@ from distmoe.tools.bench import models
 
 
 def test_useful_flops_forward_backward_training():
-    # fine: T4096 D2048 F768 K8 -> 6 * 4096 * 8 * 2048 * 768 = 6 * 32768 * 1572864
+    # qwen3-30b-a3b: T4096 D2048 F768 K8 -> 6 * 4096 * 8 * 2048 * 768 = 6 * 32768 * 1572864
     fwd = 309_237_645_312
     kw = {"tokens": 4096, "hidden": 2048, "ffn": 768, "top_k": 8}
     assert models.useful_flops(**kw, mode="fwd") == fwd
@@ -52,7 +52,7 @@ def test_modeled_hbm_bytes_modes_rows_and_precision():
 
 
 def test_hbm_bytes_issue_a_shape():
-    # issue-a: T8192 D4096 F2048 K8 E32, R = 65536
+    # dense-e32: T8192 D4096 F2048 K8 E32, R = 65536
     b = models.forward_hbm_bytes(tokens=8192, hidden=4096, ffn=2048, top_k=8, num_local_experts=32)
     assert b.x == b.y == 67_108_864
     assert b.weights == 1_610_612_736  # 2 * 32 * 3 * 4096 * 2048

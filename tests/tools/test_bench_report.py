@@ -14,7 +14,7 @@ def _case(provider="torch", status="ok", mode="fwd", tflops=500.0, **kw):
     base = dict(
         provider=provider,
         status=status,
-        shape="issue-a",
+        shape="dense-e32",
         tokens=8192,
         hidden=4096,
         ffn=2048,
@@ -211,7 +211,7 @@ def test_table_columns_never_touch():
     assert fields[2] == ["torch_compile", "deepseek-v4-flash/ep2", "65536", "fwdbwd", "1",
                          "1734.413", "1683.212-1785.613", "12345.6", "1234", "1456", "123456",
                          "1980", "699", "123.45", "ok"]
-    assert fields[1][:7] == ["torch", "issue-a", "8192", "fwd", "1", "2.000", "1.900-2.200"]
+    assert fields[1][:7] == ["torch", "dense-e32", "8192", "fwd", "1", "2.000", "1.900-2.200"]
     assert fields[3][:6] == ["distmoe", "smoke", "64", "fwd", "1", "-"]
     assert fields[3][-1] == "failed: RuntimeError: boom"
     assert "1734.4131683.212" not in text

@@ -73,7 +73,7 @@ def test_generator_properties(tokens, top_k, groups, experts_per_group, factor, 
 
 
 def test_infeasible_imbalance_raises():
-    # issue-a E32 K8 with 8 groups: tracked 4 experts would need 2T routes each at f=8
+    # dense-e32's E32 K8 with 8 groups: tracked 4 experts would need 2T routes each at f=8
     with pytest.raises(ValueError, match="infeasible"):
         workloads.make_routing(tokens=64, top_k=8, num_experts=32, imbalance=8, num_groups=8)
     with pytest.raises(ValueError, match="must be <= num_groups"):
@@ -101,8 +101,15 @@ def test_routing_is_deterministic_per_seed():
 
 
 def test_named_shapes():
-    s = workloads.get_shape("issue-a")
+    s = workloads.get_shape("dense-e32")
     assert (s.tokens, s.hidden, s.ffn, s.num_experts, s.top_k) == (8192, 4096, 2048, 32, 8)
+    b = workloads.SHAPES["qwen3-30b-a3b-t2048"]
+    q = workloads.SHAPES["qwen3-30b-a3b"]
+    assert (b.tokens, q.tokens) == (2048, 4096)
+    assert (b.hidden, b.ffn, b.num_experts, b.top_k) == (q.hidden, q.ffn, q.num_experts,
+                                                           q.top_k) == (2048, 768, 128, 8)
+    assert workloads.DEFAULT_SHAPES == ("dense-e32", "qwen3-30b-a3b-t2048", "qwen3-30b-a3b",
+                                        "deepseek-v3")
     assert (workloads.SHAPES["deepseek-v3"].hidden, workloads.SHAPES["gpt-oss-120b"].top_k) == (
         7168,
         4,
@@ -111,6 +118,20 @@ def test_named_shapes():
     assert "smoke" not in workloads.FULL_SHAPES
     with pytest.raises(ValueError, match="shape"):
         workloads.get_shape("mixtral")
+
+
+def test_old_shape_names_read_as_the_new_ones():
+    """Results and scripts of older runs name ``issue-a``, ``issue-b`` and ``fine``: looked up,
+    they give the same layers under their new names, but are not listed as shapes (``fine``
+    was ``qwen3-30b-a3b`` under a second name)."""
+    for old, new in (("issue-a", "dense-e32"), ("issue-b", "qwen3-30b-a3b-t2048"),
+                     ("fine", "qwen3-30b-a3b")):
+        assert workloads.current_shape_name(old) == new
+        assert workloads.SHAPES[old] is workloads.SHAPES[new] is workloads.get_shape(old)
+        assert old not in workloads.SHAPES and old not in workloads.FULL_SHAPES
+    assert workloads.current_shape_name("olmoe") == "olmoe"
+    with pytest.raises(KeyError):
+        workloads.SHAPES["mixtral"]
 
 
 def test_layer_inputs_shapes_and_shards():

@@ -1,10 +1,8 @@
-"""User errors at the command line end in one line and exit status 2, not a traceback: the
-GPU-only scripts on a machine without CUDA, gpu_check without a GPU, bad ``--set`` /
-``--variant`` specs, unreadable input files, ``tools/ab_layer.sh`` misuse, ``./run --help``,
-and a ``python -m distmoe`` command whose module cannot be imported; a closed stdout ends
-quietly (status 141)."""
+"""User errors at the command line end in one line and exit status 2, not a traceback: a
+GPU-only option on a machine without CUDA, bad ``--variant`` specs, unreadable input files,
+``./run --help``, and a ``python -m distmoe`` command whose module cannot be imported; a
+closed stdout ends quietly (status 141)."""
 
-import builtins
 import os
 import subprocess
 import sys
@@ -17,74 +15,53 @@ ROOT = Path(__file__).resolve().parents[2]
 GPU = torch.cuda.is_available()
 
 
-def _run(*cmd, timeout=120):
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    return subprocess.run(list(cmd), cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
 @pytest.mark.skipif(GPU, reason="the no-GPU message needs a machine without CUDA")
-@pytest.mark.parametrize("tool", ["profile_layer", "sustained_check", "tune_gemm",
-                                  "tune_wgrad", "tune_combine"])
-def test_gpu_only_tools_say_they_need_a_gpu(tool):
-    r = _run(sys.executable, f"tools/{tool}.py")
+def test_graph_profile_says_it_needs_a_gpu(distmoe_cli):
+    r = distmoe_cli("profile", "--shape", "smoke", "--graph")
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert r.stderr.strip().splitlines()[-1] == \
-        f"{tool}.py: error: needs a CUDA GPU (torch sees none in this process)"
+        "distmoe profile: error: --graph needs a CUDA GPU (a CUDA graph of the step)"
 
 
-@pytest.mark.skipif(GPU, reason="the no-GPU exit needs a machine without CUDA")
-def test_gpu_check_fails_without_a_gpu(tmp_path):
-    # it used to run the suite (everything skipped) and report success
-    r = _run(sys.executable, "tools/gpu_check.py", "--out", str(tmp_path))
-    assert r.returncode == 2, (r.returncode, r.stdout[-1000:], r.stderr[-1000:])
-    assert "gpu_check: error: no CUDA GPU in this process" in r.stderr
-
-
-@pytest.mark.parametrize("spec,message", [
-    ("bogus", "expected KERNEL[:WHEN]:FIELD=VALUE"),
-    ("w13:num_stages=abc", "VALUE must be an int, True / False, or a tuple of ints"),
-    ("w13:nofield=3", "W13Config has no field(s) ['nofield']"),
+@pytest.mark.parametrize("variant,message", [
+    ("bogus", "expected NAME=SPEC[+SPEC...]"),
+    ("v=bogus", "expected KERNEL:FIELD=VALUE"),
+    ("v=w13:num_stages=abc", "'abc' is not a VALUE: an int, True / False, None"),
+    ("v=w13:nofield=3", "unknown field(s) nofield of W13Config (w13)"),
 ])
-def test_ab_bench_bad_set_is_one_line(spec, message):
-    r = _run(sys.executable, "tools/ab_bench.py", "--set", spec, "--", "--help")
+def test_ab_bad_variant_is_one_line(variant, message, distmoe_cli):
+    r = distmoe_cli("ab", "--variant", variant)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert r.stderr.startswith("ab_bench.py: error: ") and message in r.stderr, r.stderr
+    assert r.stderr.startswith("distmoe ab: error: ") and message in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stdout == ""
 
 
-def test_ab_interleaved_refuses_zero_rounds_and_bad_variants():
-    r = _run(sys.executable, "tools/ab_interleaved.py", "--rounds", "0")
-    assert r.returncode == 2 and "--rounds (0) must be >= 1" in r.stderr, r.stderr[-2000:]
-    r = _run(sys.executable, "tools/ab_interleaved.py", "--variant", "novalue")
+def test_ab_refuses_zero_rounds(distmoe_cli):
+    r = distmoe_cli("ab", "--rounds", "0")
+    assert r.returncode == 2 and r.stderr == "distmoe ab: error: --rounds (0) must be >= 1\n"
+
+
+@pytest.mark.parametrize("argv", [["profile", "--timeline"], ["bench", "--replot"],
+                                  ["profile", "--ncu"]])
+def test_unreadable_input_file_is_one_line(argv, tmp_path, distmoe_cli):
+    r = distmoe_cli(*argv, str(tmp_path / "missing.json"))
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
-
-
-@pytest.mark.parametrize("script", ["tools/trace_timeline.py", "benchmarks/replot.py"])
-def test_unreadable_input_file_is_one_line(script, tmp_path):
-    r = _run(sys.executable, script, str(tmp_path / "missing.json"))
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert "missing.json: not a readable" in r.stderr
-
-
-def test_ab_layer_sh_checks_its_arguments(tmp_path):
-    r = _run("bash", "tools/ab_layer.sh")
-    assert r.returncode == 2 and r.stderr.startswith("usage: bash tools/ab_layer.sh")
-    r = _run("bash", "tools/ab_layer.sh", str(tmp_path), "2")
-    assert r.returncode == 2 and "holds no distmoe package" in r.stderr, r.stderr
-    r = _run("bash", "tools/ab_layer.sh", "src", "x")
-    assert r.returncode == 2 and "ROUNDS (x) must be a positive integer" in r.stderr, r.stderr
+    assert "missing.json" in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
 def test_run_script_help_needs_no_install():
-    r = _run("bash", "run", "--help", timeout=30)
-    assert r.returncode == 0 and r.stdout.startswith("usage: ./run {demo|test|plan|bench}")
+    r = subprocess.run(["bash", "run", "--help"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 0
+    assert r.stdout.startswith("usage: ./run {demo|test|plan|bench|ab|profile|tune}")
 
 
 @pytest.mark.parametrize("cmd", [
     ["-m", "distmoe", "plan", "--tensors"],
+    ["-m", "distmoe", "plan", "--kernels"],
     ["-m", "distmoe.tools.plan_cli", "--tensors"],  # the stand-alone entries: a traceback
     ["-m", "distmoe.tools.bench", "--list"],
-    ["tools/time_routing.py", "--shapes", "smoke", "--tokens", "4"],
+    ["-m", "distmoe", "bench", "--routing-micro", "--device", "cpu", "--tokens", "4"],
 ])
 def test_closed_stdout_ends_quietly_with_status_141(cmd):
     # `... | head -1` with the reader gone before the first write: no traceback, no
@@ -103,19 +80,19 @@ def test_closed_stdout_ends_quietly_with_status_141(cmd):
 def test_a_command_that_cannot_be_imported_says_why(monkeypatch, capsys):
     # an optional dependency missing: the command stays listed and says what failed, instead
     # of vanishing from argparse's choices
-    from distmoe.__main__ import main
+    import distmoe.__main__ as entry
 
-    real = builtins.__import__
+    real = entry.importlib.import_module
 
-    def fake_import(name, globals=None, locals=None, fromlist=(), level=0):
-        if name.endswith("bench") and fromlist and "cli" in fromlist:
+    def fake_import(name, package=None):
+        if name == ".tools.bench.cli":
             raise ImportError("No module named 'tqdm'")
-        return real(name, globals, locals, fromlist, level)
+        return real(name, package)
 
-    monkeypatch.setattr(builtins, "__import__", fake_import)
-    assert main(["bench", "--list"]) == 2
+    monkeypatch.setattr(entry.importlib, "import_module", fake_import)
+    assert entry.main(["bench", "--list"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("distmoe bench: error: this command could not be imported "
                           "(ImportError: No module named 'tqdm')"), err
     with pytest.raises(SystemExit):  # an available command still refuses unknown options
-        main(["plan", "--bogus"])
+        entry.main(["plan", "--bogus"])

@@ -1,10 +1,19 @@
-"""tools/ncu_stalls.py on a synthetic ``ncu --page source --csv`` table: a warp-specialised
-kernel split into its partitions (the out-of-line retry loops given back to the partition
-they return to), a kernel with no partitions, the polled barrier named, and clear errors."""
+"""``python -m distmoe profile --ncu`` (:mod:`distmoe.tools.ncu_stalls`) on a synthetic ``ncu
+--page source --csv`` table: a warp-specialised kernel split into its partitions (the
+out-of-line retry loops given back to the partition they return to), a kernel with no
+partitions, the polled barrier named, and clear errors."""
 
+import argparse
 import csv
 import gzip
 import io
+
+from distmoe.tools import ncu_stalls as mod
+from distmoe.tools import profile
+
+
+def _profile(*argv):
+    return profile.run(profile.add_arguments(argparse.ArgumentParser()).parse_args(list(argv)))
 
 HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)",
           "Warp Stall Sampling (Not-issued Samples)", "# Samples", "stall_long_sb",
@@ -47,8 +56,7 @@ WS = [
 PLAIN = [(0x10, "LDG.E R2, [R4.64]", 7, 7, 0), (0x20, "EXIT", 0, 0, 0)]
 
 
-def test_partitions_and_retry_loops(load_tool):
-    mod = load_tool("ncu_stalls")
+def test_partitions_and_retry_loops():
     kernels = mod.read_tables(_table({"ws_kernel": WS, "plain": PLAIN}))
     assert list(kernels) == ["ws_kernel", "plain"]
     parts = mod.partitions(kernels["ws_kernel"])
@@ -62,12 +70,11 @@ def test_partitions_and_retry_loops(load_tool):
     assert [len(p.instrs) for p in mod.partitions(kernels["plain"])] == [2]
 
 
-def test_report_names_the_polled_barriers(tmp_path, capsys, load_tool):
-    mod = load_tool("ncu_stalls")
+def test_report_names_the_polled_barriers(tmp_path, capsys):
     path = tmp_path / "sass.csv.gz"
     with gzip.open(path, "wt") as f:
         f.write(_table({"ws_kernel": WS, "plain": PLAIN}))
-    assert mod.main([str(path), "--top", "2", "--kernel", "ws_"]) == 0
+    assert _profile("--ncu", str(path), "--top", "2", "--kernel", "ws_") == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "ws_kernel: 16 instructions, 105 samples"
     assert out[1].startswith("  partition 0 (default): 61 samples, 58.1% of the kernel")
@@ -79,17 +86,20 @@ def test_report_names_the_polled_barriers(tmp_path, capsys, load_tool):
     assert not any("plain" in line for line in out)
 
 
-def test_clear_errors(tmp_path, capsys, load_tool):
-    mod = load_tool("ncu_stalls")
+def test_clear_errors(tmp_path, capsys):
     bad = tmp_path / "bad.csv"
     bad.write_text('"Kernel Name","k",\n"Address","Source"\n"0x10","NOP"\n')
-    assert mod.main([str(bad)]) == 1
+    assert _profile("--ncu", str(bad)) == 1
     assert "has no 'Warp Stall Sampling (All Samples)' column" in capsys.readouterr().err
     empty = tmp_path / "empty.csv"
     empty.write_text("")
-    assert mod.main([str(empty)]) == 1
+    assert _profile("--ncu", str(empty)) == 1
     assert "no kernel table in" in capsys.readouterr().err
     orphan = tmp_path / "orphan.csv"
     orphan.write_text('"0x10","NOP","3"\n')
-    assert mod.main([str(orphan)]) == 1
+    assert _profile("--ncu", str(orphan)) == 1
     assert "a table row before its kernel's name and header" in capsys.readouterr().err
+    assert _profile("--ncu", str(tmp_path / "missing.csv")) == 2
+    assert "--ncu " in capsys.readouterr().err
+    assert _profile("--ncu", str(bad), "--top", "0") == 2
+    assert capsys.readouterr().err == "distmoe profile: error: --top (0) must be >= 1\n"

@@ -2,7 +2,7 @@
 
 The interpreter runs the kernels' Python on the CPU and misses what only the compiler sees (a
 constexpr branch ending in ``return`` is built for both values; a descriptor reaching a
-pointer-only op) and says nothing about registers. ``tools/ptxas_report.py --check`` compiles
+pointer-only op) and says nothing about registers. ``python -m distmoe profile --ptxas --check`` compiles
 every case of :mod:`distmoe.tools.sm90_build` (the grouped GEMMs' production configs and flag
 variants, every other kernel with each flag value its launcher passes, and the persistent Gluon
 WGRAD) for sm_90 and reads Triton's bundled ``ptxas -v`` (a production case also fails when
@@ -30,23 +30,23 @@ def _ptxas() -> Path:
 def test_kernels_build_for_sm90_and_production_configs_do_not_spill():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    run = subprocess.run([sys.executable, str(ROOT / "tools" / "ptxas_report.py"), "--check"],
+    run = subprocess.run([sys.executable, "-m", "distmoe", "profile", "--ptxas", "--check"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     lines = [line for line in run.stdout.splitlines() if "regs" in line]
     assert len(lines) >= 45, run.stdout  # every case reported
-    assert "device_barrier" in run.stdout and "issue-a W2 DGRAD" in run.stdout
+    assert "device_barrier" in run.stdout and "dense-e32 W2 DGRAD" in run.stdout
     from distmoe.kernels.base.gluon import HAVE_GLUON
 
     if HAVE_GLUON:  # the Gluon WGRAD's production configs: built, no spill, no serialized wgmma
-        assert "fine W13 WGRAD gluon" in run.stdout and "issue-a W2 WGRAD gluon" in run.stdout
+        assert "qwen3-30b-a3b W13 WGRAD gluon" in run.stdout and "dense-e32 W2 WGRAD gluon" in run.stdout
         # the partial-tile builds at GPT-OSS's D = F = 2880, as the heuristics pick them
         for label in ("gpt-oss-120b W2 WGRAD gluon ws 256x128", "gpt-oss-120b W2 fwd gluon",
                       # the WGRADs' 256 x 128 tiles from 12 MiB per expert, ping-pong, and
                       # two cooperating warpgroups
-                      "issue-a W13 WGRAD gluon ws 256x128",
-                      "fine W2 WGRAD gluon ws pingpong 128x128",
-                      "fine T=16384 W13 WGRAD gluon ws 128x128 w8 s5",
+                      "dense-e32 W13 WGRAD gluon ws 256x128",
+                      "qwen3-30b-a3b W2 WGRAD gluon ws pingpong 128x128",
+                      "qwen3-30b-a3b T=16384 W13 WGRAD gluon ws 128x128 w8 s5",
                       "gpt-oss-120b W13 DGRAD gluon", "gpt-oss-120b W13 fwd gluon 128x128 coop",
                       "gpt-oss-120b W2 DGRAD gluon split",
                       # the producers in lockstep (W13Config.lockstep, W2DgradConfig's,

@@ -1,45 +1,47 @@
-"""benchmarks/README.md's table of the shape tools' options (``--shape`` or ``--shapes``,
-``--tokens``, ``--mode``, ``--routing``: each tool keeps its own spelling) matches what their
-parsers take."""
+"""The commands that take bench shapes spell their options alike where they mean the same:
+``--shape NAME`` for one layer (ab, profile), ``--shapes NAME...`` for a list (bench, tune,
+profile --ptxas), ``--tokens``, ``--mode`` and ``--routing`` where the command has them. The
+table below is what benchmarks/README.md's table of the commands states."""
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
+import argparse
+import importlib
 
-ROOT = Path(__file__).resolve().parents[2]
+import pytest
 
-
-def _table() -> dict[str, list[str]]:
-    """``{tool: [shapes, tokens, mode, routing]}``, the cells of the README's rows."""
-    rows = {}
-    for line in (ROOT / "benchmarks" / "README.md").read_text().splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 5 and cells[1].startswith(("`--shape ", "`--shapes ")):
-            rows[cells[0].strip("`")] = cells[1:]
-    return rows
+#: command -> (shapes option, has --tokens, has --mode, --routing choices)
+OPTIONS = {
+    "bench": ("--shapes", True, True, ("exact", "sampled")),
+    "ab": ("--shape", True, True, ("exact", "sampled")),
+    "profile": ("--shape", True, True, ("exact", "sampled")),
+    "tune": ("--shapes", False, False, ("random", "balanced")),
+}
+MODULES = {"bench": "bench.cli", "ab": "ab", "profile": "profile", "tune": "tune"}
 
 
-def test_readme_table_names_each_tools_options():
-    rows = _table()
-    assert len(rows) == 10 and "python -m distmoe bench" in rows, sorted(rows)
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    helps = {}
-    for tool in rows:  # all at once: each process imports torch
-        cmd = tool.replace("python", sys.executable, 1).split() if tool.startswith("python") \
-            else [sys.executable, tool]
-        helps[tool] = subprocess.Popen([*cmd, "--help"], cwd=ROOT, env=env, text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    for tool, proc in helps.items():
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, (tool, err[-2000:])
-        usage = " ".join(out.split("\n\n")[0].split())  # argparse wraps the usage lines
-        shapes, *others = rows[tool]
-        option = shapes.strip("`").split()[0]
-        other = "--shapes" if option == "--shape" else "--shape"
-        assert f"[{option} " in usage and f"[{other} " not in usage, (tool, usage)
-        for cell, name in zip(others, ("--tokens", "--mode", "--routing"), strict=True):
-            # a cell opens with the option when the tool has it, with "-" when it has not
-            assert cell.startswith(f"`{name}") == bool(re.search(rf"\[{name}[ \]]", usage)), \
-                (tool, name, cell)
+def _parser(command):
+    mod = importlib.import_module(f"distmoe.tools.{MODULES[command]}")
+    return mod.add_arguments(argparse.ArgumentParser(prog=f"distmoe {command}"))
+
+
+@pytest.mark.parametrize("command", sorted(OPTIONS))
+def test_shape_commands_spell_their_options_alike(command):
+    shapes, tokens, mode, routing = OPTIONS[command]
+    parser = _parser(command)
+    options = parser._option_string_actions
+    assert shapes in options
+    assert ("--tokens" in options) == tokens and ("--mode" in options) == mode
+    assert tuple(options["--routing"].choices) == routing
+    if shapes == "--shape":  # one layer: a list of shapes is refused
+        assert options["--shape"].nargs is None
+    else:
+        assert options["--shapes"].nargs == "+"
+
+
+def test_shape_choices_are_the_current_names():
+    from distmoe.tools.bench.workloads import SHAPES
+
+    for command in OPTIONS:
+        options = _parser(command)._option_string_actions
+        key = OPTIONS[command][0]
+        choices = set(options[key].choices)
+        assert set(SHAPES) <= choices and not {"issue-a", "issue-b", "fine"} & choices

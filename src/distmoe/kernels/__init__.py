@@ -3,7 +3,8 @@
 
 * ``base/``: what every family imports (and nothing from them): launch configs, device and
   grid helpers, input checks, host row helpers, shared ``@triton.jit`` tile helpers, the shared
-  Gluon pieces, the interpreter setup, and (for now) the heuristics' thresholds.
+  Gluon pieces and the interpreter setup. The rules that pick configs live in
+  :mod:`distmoe.plan`.
 * ``w13_forward/``: gather + W13 + SwiGLU (Triton and Gluon), and the two-launch phase order.
 * ``w2_forward/``: W2 with a row-scatter epilogue (Triton and Gluon; the Gluon kernel body also
   runs the W13 DGRAD).

@@ -4,9 +4,9 @@ Pure Python: nothing here allocates or touches a device. Every figure is a sum o
 each rounded up on its own with ``align128(n) = ceil(n / 128) * 128`` bytes, because each
 tensor starts at a 128-byte aligned offset in the activation buffer.
 
-Legend (DESIGN.md, Notation): T = ``cfg.max_tokens`` tokens per rank, D = ``cfg.hidden``,
-F = ``cfg.ffn``, K = ``cfg.top_k``, E_local = experts per rank, R = rows received by this
-rank, Rp = R padded per expert (see :func:`padded_rows`).
+Legend (docs/design.md, Notation and the math): T = ``cfg.max_tokens`` tokens per rank,
+D = ``cfg.hidden``, F = ``cfg.ffn``, K = ``cfg.top_k``, E_local = experts per rank, R = rows
+received by this rank, Rp = R padded per expert (see :func:`padded_rows`).
 
 Three kinds of cost exist per layer:
 
@@ -54,24 +54,18 @@ def rows_in_place(cfg: MoEConfig, ep_size: int) -> bool:
     ``save_gathered_rows`` False or ``"auto"`` (a layer that kept its rows then has them read
     in order by the same kernel), and ``cfg.gathered_rows_in_place``, or where that is None
     and ``save_gathered_rows`` is False, at least :data:`ROWS_IN_PLACE_FROM` rows per local
-    expert (the shape hint). Under ``"auto"`` None copies: read in place, the step was
-    0.3-2.9% slower in all six same-round comparisons at OLMoE and T=8192, D=4096, F=2048,
-    E=32 (one H200, 2026-12-04, ``tools/budget_step.py --modes rows,x,auto,autoip``,
-    docs/performance.md run 48 call 3).
+    expert (the shape hint). Under ``"auto"`` None copies: there the step is slower with the
+    rows read in place.
 
-    Measured, one H200 (2026-12-04, ``tools/ab_interleaved.py --mode fwdbwd --regather
-    --regather-in-place both``, docs/performance.md run 47), step time against the default
-    mode (rows saved), copy / in place: 1.020x / 1.013x at T=8192 D=4096 F=2048 E=32 K=8
-    (2048 rows per expert) and 1.020x / 1.009x at T=4096 D=2048 F=1024 E=64 K=8 (512), but
-    1.035x / 1.057x at T=4096 D=2048 F=768 E=128 K=8 (256): the in-place WGRAD copies its
-    rows by ``cp.async`` from a table read per 64-row step, and at 256 rows per expert a
-    tile is four such steps."""
+    Why the threshold: the in-place WGRAD copies its rows by ``cp.async`` from a table read
+    per 64-row step, which beats a separate copy from 512 rows per expert but not at 256,
+    where a tile is four such steps (evidence: docs/performance.md)."""
     if (not cfg.training or cfg.precision != "bf16" or ep_size != 1
             or cfg.save_gathered_rows is True):
         return False
     if cfg.gathered_rows_in_place is not None:
         return cfg.gathered_rows_in_place
-    if cfg.save_gathered_rows == "auto":  # copied unless forced (run 48: slower in place)
+    if cfg.save_gathered_rows == "auto":  # copied unless forced (slower in place)
         return False
     return max(1, cfg.max_tokens * cfg.top_k // cfg.experts_per_rank(ep_size)) \
         >= ROWS_IN_PLACE_FROM
@@ -247,11 +241,11 @@ def full_state_breakdown(cfg: MoEConfig, ep_size: int, rows: int) -> tuple[Tenso
 
         x_gathered  [R, D]     bf16    align128(R*D*2)
         h1          [R, 2F]    bf16    align128(R*2F*2)
-        h3_routes   [T, K, D]  bf16    align128(T*K*D*2)   (DESIGN.md: for the score gradients)
+        h3_routes   [T, K, D]  bf16    align128(T*K*D*2)   (for the score gradients)
 
-    (Since run 26 the bf16 backward computes the score gradients on the expert side and reads
-    no h3; the model keeps DESIGN.md's bytes unless ``cfg.save_route_outputs`` is False, which
-    leaves ``h3_routes`` out, see docs/memory.md.)
+    (The bf16 backward computes the score gradients on the expert side and reads no h3; the
+    model keeps these bytes unless ``cfg.save_route_outputs`` is False, which leaves
+    ``h3_routes`` out, see docs/memory.md.)
 
     mxfp8 (column bundles feed WGRAD; the row bundles stay temporary)::
 

@@ -53,13 +53,10 @@ order, and the layers of a slot in reverse order of their forwards. Per call:
     5. owner:  reduce_routes: grad_x[t] = bf16(sum_k dispatch[t*K+k]) over executed routes,
                and grad_scores[t,k] = the sum of the route's parts, in order
 
-Why the experts compute the score gradients (docs/performance.md, run 26): the owner no
-longer reads the saved h3 rows (``T*K*D*2`` bytes) and a replayed layer's backward no longer
-reruns W2 and its barrier: -8% per step at T=8192, D=4096, F=2048, E=32, K=8 and at the
-fine-grained shape when every layer replays. The W2 DGRAD epilogue does more per element
-(that kernel alone: +7-14% at the first shape, +30% at the second); with every layer saved
-the step time stays the same. The saved h3 rows (the memory
-model keeps them in the slot) are now read only by the forward's combine.
+Why the experts compute the score gradients: the owner no longer reads the saved h3 rows
+(``T*K*D*2`` bytes) and a replayed layer's backward no longer reruns W2 and its barrier, for a
+W2 DGRAD epilogue that does more per element (evidence: docs/performance.md). The saved h3
+rows are read only by the forward's combine.
 
 Why the peer writes are safe:
 

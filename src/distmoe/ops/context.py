@@ -6,9 +6,9 @@ Per rank, on the symmetric heap (docs/design.md, buffers per rank):
     dispatch  [T_max * K, D] bf16: x at rows 0..T-1 in forward
     combine   [T_max * K, D] bf16: expert results at route slot t*K + k
 
-(docs/design.md: a first design had the combine buffer carry the route output gradients in backward.
-Here the owners push them straight into the experts' scratch instead, which saves a write and
-a read of T*K*D bf16 per layer: :mod:`distmoe.ops.autograd`, docs/performance.md run 22.)
+(In backward the owners push route output gradients straight into the experts' scratch rather
+than through the combine buffer, which saves a write and a read of T*K*D bf16 per layer:
+:mod:`distmoe.ops.autograd`.)
 
 plus, at EP > 1, a pull buffer [EP * T_max, D] bf16 with int8 flags [EP * T_max] and a
 pointer table [R_cap] int64 (:mod:`distmoe.kernels.movement.pull_tokens`: each peer token W13 reads
@@ -36,9 +36,9 @@ CUDA graph and replayed with new inputs written into the same tensors):
        (at EP = 1 from x: the table is rewritten, :mod:`distmoe.kernels.movement.pull_tokens`, and
        the tables keep the dispatch rows for a backward's replay, which copies the saved x back
        there. At EP > 1 peers' tokens are first pulled once into local memory; where nearly
-       all of them are needed, :meth:`MoEContext.pull_all_rule`, every peer token is copied
+       all of them are needed, :func:`distmoe.plan.rules.pull_all`, every peer token is copied
        on a side stream from step 3 on, joined here, and with long expert segments
-       (:meth:`MoEContext.w13_phases_rule`) W13 runs the row blocks of own tokens before
+       (:func:`distmoe.plan.rules.w13_phases`) W13 runs the row blocks of own tokens before
        the join and the rest after it, :mod:`distmoe.kernels.w13_forward.phases`), SwiGLU
        epilogue -> h2
     5. W2 grouped GEMM, scatter epilogue stores each row into its owner's combine slot
@@ -85,6 +85,7 @@ from ..routing import build_routing_tables, row_capacity
 from ..runtime import create_heap
 from ..runtime.heap import round_up
 from .activations import ActivationBuffer
+from .graphs import ForwardGraphs
 from .validation import check_call, check_together, check_values
 
 HEADER_BYTES = 128
@@ -129,6 +130,11 @@ class MoEContext:
         overrides: entries of the kernel plan to replace (``ctx.plan``, see
             :mod:`distmoe.plan`): ``{"w13": {"num_stages": 3}, "layer": {"pull_all": True}}``;
             an override that cannot apply raises ``ValueError`` before any buffer exists.
+        graphs: inference contexts on a CUDA device replay eager calls from CUDA graphs
+            they capture themselves, one per call key (T, id and score dtypes, weight
+            addresses; :mod:`distmoe.ops.graphs`): the same bits at a fraction of the host
+            time. ``False`` runs every call eagerly. Off with ``check=True`` and in training
+            contexts.
         check: debugging mode (it synchronises; off by default). Before each call, every
             rank checks its inputs, including ids outside [-1, E), a token naming an expert
             twice and non-zero scores on inactive routes, and the ranks share the outcome,
@@ -169,7 +175,8 @@ class MoEContext:
 
     def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | None = None, *,
                  device: torch.device | str | None = None, backend: str = "auto",
-                 check: bool = False, overrides: Mapping[str, Any] | None = None) -> None:
+                 check: bool = False, overrides: Mapping[str, Any] | None = None,
+                 graphs: bool = True) -> None:
         if not isinstance(cfg, MoEConfig):
             raise TypeError(f"cfg must be a distmoe.MoEConfig, got {type(cfg).__name__}")
         if cfg.precision != "bf16":
@@ -178,6 +185,8 @@ class MoEContext:
             )
         if not isinstance(check, bool):
             raise TypeError(f"check must be a bool, got {type(check).__name__} ({check!r})")
+        if not isinstance(graphs, bool):
+            raise TypeError(f"graphs must be a bool, got {type(graphs).__name__} ({graphs!r})")
         if device is not None:
             try:
                 kind = torch.device(device).type
@@ -292,6 +301,10 @@ class MoEContext:
         # invalid ids total, calls, calls with a token count that differs between ranks]
         # (distmoe.kernels.movement.call_counters).
         self._counters = torch.zeros(6, dtype=torch.int64, device=self.device)
+        #: the captured inference forwards (None: every call eager)
+        self.graphs: ForwardGraphs | None = None
+        if graphs and not cfg.training and not check and self.device.type == "cuda":
+            self.graphs = ForwardGraphs(self)
 
     # ------------------------------------------------------------------ validation
     def _validate(self, x, expert_ids, scores, w13, w2) -> None:
@@ -317,9 +330,7 @@ class MoEContext:
         Write x here (for instance as the ``out=`` of the op that computes it) and pass this
         tensor as ``x``: the forward then skips step 1's copy of x into the buffer, ``T *
         hidden * 2`` bytes read and written. At EP > 1 that copy precedes the barrier the
-        peers' token copy waits for, so it is on the forward's critical path: the EP=2
-        forward at T=4096, D=2048, F=768, E=128, K=8 ran 1.8-3.3% faster with x here (two
-        H200s, six interleaved A/Bs, docs/performance.md run 37).
+        peers' token copy waits for, so it is on the forward's critical path.
 
         Inference contexts only (``cfg.training=False``): a training forward's input must
         outlive the call, and a replayed layer's backward writes these rows. The rows belong
@@ -362,7 +373,9 @@ class MoEContext:
                     "(cfg.training is False): y has no grad_fn and no gradient flows back "
                     "through this layer. Use MoEConfig(training=True) for gradients, or "
                     "torch.no_grad() for inference.", UserWarning, stacklevel=2)
-            y, _ = self.forward_layer(x, expert_ids, scores, w13, w2)
+            y = None if self.graphs is None else self.graphs(x, expert_ids, scores, w13, w2)
+            if y is None:
+                y, _ = self.forward_layer(x, expert_ids, scores, w13, w2)
         if self.check:
             self._check_bound(y)
         return y
@@ -545,15 +558,18 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
         return (self.cfg.training and torch.is_grad_enabled()
                 and any(t.requires_grad for t in (x, scores, w13, w2)))
 
-    def forward_layer(self, x, expert_ids, scores, w13, w2, *, save: bool = False):
-        """*Used by distmoe.ops.autograd.* Steps 1-7 of the module docstring; returns ``(y, saved)``.
+    def forward_layer(self, x, expert_ids, scores, w13, w2, *, save: bool = False,
+                      out: torch.Tensor | None = None):
+        """Steps 1-7 of the module docstring on checked inputs; returns ``(y, saved)`` (used
+        by :mod:`distmoe.ops.autograd` and :mod:`distmoe.ops.graphs`). ``out``: where y
+        [T, D] bf16 goes (default: a new tensor).
 
         With ``save`` (training under autograd), the layer's state goes to the selected slot
         of the activation buffer (:meth:`ActivationBuffer.begin_layer` decides save or replay
-        on the device): W13 writes h1 and the gathered rows there, W2 returns the route results
-        there (every owner's slot, at once), or, for a replayed layer, x is copied there. ``saved``
-        is then a dict with the tables, the slot record, the executed ids (others -1) and
-        fp32 scores; otherwise None."""
+        on the device): W13 writes h1 and the gathered rows there, W2 returns the route
+        results there (every owner's slot, at once), or, for a replayed layer, x is copied
+        there. ``saved`` is then a dict with the tables, the slot record, the executed ids
+        (others -1) and fp32 scores; otherwise None."""
         acts = self.activations
         if save:
             acts.check_room()  # before anything is published
@@ -562,7 +578,7 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
         tables = self._publish_and_route(x, expert_ids, pull_all)
         po, ro = tables.padded_offsets, tables.row_offsets
         scores_f32 = scores.float().contiguous()
-        y = torch.empty_like(x)
+        y = torch.empty_like(x) if out is None else out
         mega = not save and self._runs_mega(save)
         phased = pull_all and not mega and self._phased_w13()
         gather_ptrs = self.gather_table(tables.gather_ptrs, pulled=pull_all, x=x,
@@ -623,13 +639,16 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
 
     # ------------------------------------------------------------------ bounds and stats
     def stats(self) -> dict:
-        """Counters of this rank (reads device memory: synchronises; not for the hot path).
+        """Counters kept on this rank's device (reads device memory: synchronises; not for
+        the hot path).
 
         Returns a dict: ``rank``, ``receive_bound`` (rows), ``row_capacity`` (padded rows),
         ``pull_buffer_bytes`` (the EP > 1 pull buffer, its flags and the W13 block order,
         and the pointer table W13 reads, at EP = 1 too),
-        ``last_recv_rows``, ``max_recv_rows``, ``dropped_rows`` (received routes that were
-        not executed, summed over calls), ``invalid_ids`` (summed), ``calls``,
+        ``last_recv_rows``, ``max_recv_rows``, ``dropped_rows`` (routes this rank received
+        and did not execute, summed over calls), ``invalid_ids`` (ids outside [-1, E) in
+        the whole group's calls, summed: every rank reads every rank's ids, so every rank
+        counts the same number), ``calls``,
         ``token_count_mismatches`` (calls in which some rank's T differed from this rank's:
         the layer needs the same T everywhere and computes wrong results otherwise; only
         ``check=True`` refuses such a call before it runs); training contexts add
@@ -697,6 +716,8 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
         if self._closed:
             return
         self._closed = True
+        if self.graphs is not None:
+            self.graphs.clear()
         self.heap.close()
 
     def check_open(self) -> None:

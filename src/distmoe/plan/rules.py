@@ -288,7 +288,7 @@ def wgrad_config(*, out_rows: int, out_cols: int, block_m: int = 128,
 # ---------------------------------------------------------------------------------- combine
 def combine_config(*, hidden: int) -> CombineConfig:
     """The owner combine: one token of 1024 columns per program with 8 warps where
-    D >= 1024 (fastest of 31 configs at two shapes, docs/performance.md#run-33); narrower D
+    D >= 1024 (the fastest of a sweep, evidence: docs/performance.md#run-33); narrower D
     packs more tokens per program up to 1024 elements, 4 warps."""
     base = CombineConfig.for_widths(hidden=hidden)
     return replace(base, num_warps=8 if base.block_d >= 1024 else 4)

@@ -82,7 +82,7 @@ _H100 = Thresholds(
     gluon_mid_rows_weight_bytes=_row(
         2 * _GIB,
         "Gluon forwards at 64-127 rows only while the kernel's weights on the rank stay "
-        "under this: faster at 0.3-1.1 GB of weights, even to slower at 4.3-15 GB",
+        "under this: they gain where weights are small, not where streaming them dominates",
         "run-38"),
     lockstep_rows=_row(
         (128, 192),
@@ -91,8 +91,8 @@ _H100 = Thresholds(
         "run-52"),
     lockstep_w2_weight_bytes=_row(
         8 * _MIB,
-        "W2 forward lockstep only where one expert's W2 weights hold this much (faster at "
-        "16.6 and 29 MB, slower at 3 MB)",
+        "W2 forward lockstep only where one expert's W2 weights hold this much: small "
+        "experts' tiles stay in L2 without it",
         "run-52"),
     lockstep_w2_dgrad_rows=_row(
         (96, 192),
@@ -100,37 +100,36 @@ _H100 = Thresholds(
         "run-53"),
     lockstep_w2_dgrad_weight_bytes=_row(
         3 * _GIB,
-        "W2 DGRAD lockstep only where the rank's W2 weights total this much (1.05-1.10x at "
-        "4.3-7.5 GB, 0.95x at 0.4 GB)",
+        "W2 DGRAD lockstep only where the rank's W2 weights total this much: it loses on "
+        "small weights",
         "run-53"),
     expert_groups_w2_rows=_row(
         (128, 1024),
-        "Gluon W2 forward walks tiles expert by expert on [lo, hi] rows at EP=1 "
-        "(1.010-1.041x there, 0.967x at 2048)",
+        "Gluon W2 forward walks tiles expert by expert on [lo, hi] rows at EP=1: a row "
+        "block's h2 rows stay in L2 across its column tiles; slower on longer segments",
         "run-59"),
     expert_groups_w13_dgrad_rows=_row(
         (128, 512),
-        "Gluon W13 DGRAD expert-group order on [lo, hi] rows (1.25x at 256, 0.986x at 1024)",
+        "Gluon W13 DGRAD expert-group order on [lo, hi] rows; even to slower above",
         "run-60"),
     expert_groups_w2_dgrad_rows=_row(
         (16, 768),
-        "Gluon W2 DGRAD expert-group order on [lo, hi] rows (1.02-1.10x there, 0.83-0.98x "
-        "at 1024)",
+        "Gluon W2 DGRAD expert-group order on [lo, hi] rows; slower from 1024 rows",
         "run-62"),
     gluon_w13_dgrad_expert_bytes=_row(
         32 * _MIB,
-        "Gluon W13 DGRAD only where one expert's W13 weights are at most this (gained at "
-        "32 MiB, lost at DeepSeek-V3's 56 MiB)",
+        "Gluon W13 DGRAD only where one expert's W13 weights are at most this: larger "
+        "experts ran slower on it",
         "run-44"),
     wgrad_wide_tile_expert_bytes=_row(
         12 * _MIB,
-        "WGRAD takes 256 x 128 tiles from this much gradient per expert (2-13% faster at "
-        "15.8-56 MiB, 3% slower at 3-8 MiB)",
+        "WGRAD takes 256 x 128 tiles from this much gradient per expert: B rows loaded "
+        "once per 256 output rows; small experts lose the wave balance",
         "run-54"),
     wgrad_lockstep_expert_bytes=_row(
         48 * _MIB,
         "WGRAD 256 x 128 tiles in lockstep from this much gradient per expert: an expert "
-        "that outgrows the 50 MB L2 evicts its own rows (1.05x at 56 MiB)",
+        "that outgrows the 50 MB L2 evicts its own rows before lagging programs read them",
         "run-55"),
     wgrad_wide_tile_min_rows=_row(
         0,
@@ -144,12 +143,12 @@ _H100 = Thresholds(
     pull_all_fraction=_row(
         0.9,
         "EP > 1 copies every peer token (copy engines, beside the routing) where at least "
-        "this fraction of the copy is expected to be used (4.0% faster forward at EP=2)",
+        "this fraction of the copy is expected to be used",
         "run-30"),
     w13_phases_min_own_rows=_row(
         1024,
         "W13 in two launches around the peer copy from this many rows per local expert "
-        "from one source rank (1.2-1.9% faster at 2048, even at 256)",
+        "from one source rank: own blocks share weight tiles with the rest",
         "run-32"),
 )
 
@@ -159,8 +158,8 @@ _TABLES: dict[str, Thresholds] = {
     # tiles win below 1024 rows per expert.
     "h200": replace(_H100, wgrad_wide_tile_min_rows=_row(
         1024,
-        "on HBM3e the WGRAD's ping-pong tiles beat 256 x 128 ones at 96-128 rows "
-        "(1.03-1.05x); 256 x 128 faster at 2048",
+        "on HBM3e the WGRAD's ping-pong tiles beat 256 x 128 ones below this many rows; "
+        "256 x 128 wins on long segments",
         "run-57")),
     # No Gluon kernel runs here; the rows that only pick Gluon options are unused.
     "generic": _H100,

@@ -2,9 +2,8 @@
 
 :func:`distmoe.routing.build_routing_tables` builds the tables from about 60 small torch ops
 (fills, a radix sort, prefix sums, index scatters). At decode sizes each of those kernels is
-a few microseconds of launch and tail, and together they cost as much as streaming a third of
-the expert weights (0.14 ms of 0.36 ms at T=16, D=2048, F=768, E=128, K=8 on one H200,
-2026-11-29, ``tools/profile_layer.py --tokens 16 --graph``). Here one Triton program does the
+a few microseconds of launch and tail, and together they cost about as much as streaming a
+third of the expert weights (evidence: docs/performance.md). Here one Triton program does the
 whole construction for up to :data:`MAX_FUSED_ROUTES` routes and :data:`MAX_FUSED_EXPERTS`
 experts, after two fills of the padded-row tables. It gives the same tables bit for bit
 (tested against the torch construction and an independent loop).
@@ -41,9 +40,8 @@ MAX_FUSED_ROUTES = 4096
 #: Largest ``E + 2`` (expert lanes with the inactive and padding keys).
 MAX_FUSED_EXPERTS = 1024
 #: ``impl="auto"`` takes the one-program path up to this many routes and the blocked path
-#: above. One H200, 2026-11-29, ``tools/time_routing.py`` (docs/performance.md, run 8): at
-#: 128 routes one program 0.006 ms against 0.017 blocked; at 4096 routes 0.066 against 0.021
-#: (the single program's sort grows with N; the blocked path's blocks run in parallel).
+#: above: the single program's sort grows with N, while the blocked path's blocks run in
+#: parallel (evidence: docs/performance.md).
 AUTO_FUSED_ROUTES = 1024
 
 
@@ -255,9 +253,8 @@ def _block_prefix_kernel(
     ROWS: tl.constexpr,
 ):
     """Blocked path, step 2a (one program per ``COLS`` keys): the prefix sum over blocks,
-    ``ROWS`` blocks at a time with a running carry. It replaces a ``torch.cumsum`` over dim
-    0 that took 12.5 us at 64 x 256 (EP=2, T=4096, K=8, E=128) on an H200
-    (docs/performance.md, runs 30-31); this takes about 2."""
+    ``ROWS`` blocks at a time with a running carry, in place of a ``torch.cumsum`` over dim
+    0, which is several times slower at these small shapes (evidence: docs/performance.md)."""
     cols = tl.program_id(0) * COLS + tl.arange(0, COLS)
     carry = tl.zeros([COLS], dtype=tl.int32)
     r0 = 0

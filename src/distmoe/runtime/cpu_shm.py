@@ -89,6 +89,6 @@ class CpuShmHeap(SymmetricHeap):
         # tensor made by torch.frombuffer holds its mmap object, so a mapping is unmapped
         # when its last tensor goes. (mmap.close() would unmap it under such a tensor:
         # torch.frombuffer keeps no buffer export that makes close() refuse, and reading the
-        # tensor afterwards was a segmentation fault.)
+        # tensor afterwards is a segmentation fault.)
         self._views.clear()
         self._maps.clear()

@@ -24,8 +24,8 @@ class CudaHeapBase(SymmetricHeap):
 
     def barrier(self) -> None:
         """The device barrier; none on a one-rank group (no peer writes or reads anything,
-        and stream order already orders this rank's own work: the layer at EP = 1 saved two
-        kernels of about 3 us each per forward, docs/performance.md run 37)."""
+        and stream order already orders this rank's own work; this saves two kernels per
+        forward at EP = 1)."""
         from .barrier import device_barrier
 
         self._check_open()

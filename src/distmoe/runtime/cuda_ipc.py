@@ -2,7 +2,7 @@
 exchanged over the process group (torch.multiprocessing's tensor reductions).
 
 Unlike symmetric memory, this works when several ranks share one GPU, which is how EP=2 and
-EP=4 run on a single H200 in tests. Peers on the same device are reached through the IPC
+EP=4 run on a single GPU in tests. Peers on the same device are reached through the IPC
 mapping; peers on other devices need peer access (P2P/NVLink).
 """
 

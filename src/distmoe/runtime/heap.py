@@ -1,4 +1,4 @@
-"""The symmetric heap: named, peer-addressable byte buffers plus barriers (DESIGN.md layer 1).
+"""The symmetric heap: named, peer-addressable byte buffers plus barriers (docs/design.md).
 
 Every rank of a process group allocates the same named buffers with the same size. Each rank
 can then address every peer's copy: kernels receive an int64 table of the peers' base

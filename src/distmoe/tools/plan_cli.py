@@ -776,6 +776,9 @@ def format_rules(device_class: str) -> str:
 
     lines = [f"kernel-plan thresholds of device class {device_class} "
              "(distmoe.plan.thresholds; the rules in distmoe.plan.rules read them)"]
+    if device_class == "generic":
+        lines.append("  (generic: the Triton kernels only; the rows that pick Gluon options are "
+                     "unused)")
     for name, row in thresholds(device_class).rows():
         lines.append(f"  {name} = {row.value}")
         lines.append(textwrap.fill(row.reason, width=96, initial_indent=" " * 6,

@@ -12,13 +12,13 @@ forward, both DGRADs, the grouped WGRAD):
 
 * *production* cases: the config each heuristic picks at a named shape, with the constexpr
   flags and descriptor kinds the layer launches with. A spill there is a failure.
-* *variant* cases at the ``fine`` shape: the other flag combinations the launchers can
+* *variant* cases at the ``qwen3-30b-a3b`` shape: the other flag combinations the launchers can
   select (device-built descriptors, one program per tile, inference outputs, the in-loop
   gather, split-row atomics). These only have to build.
 
 :func:`other_kernel_cases` lists the rest of the library's kernels (combine, route gradients,
 row gather, offset copy, token pull, routing tables, slot cursor, device barrier) at the
-``fine`` shape
+``qwen3-30b-a3b`` shape
 with every flag value their launchers pass. They only have to build.
 """
 
@@ -175,10 +175,10 @@ def _gluon_desc(rows: int, cols: int, block: list[int], planes: int | None = Non
     return mangle_type(TensorDescriptor(t, shape, strides, block, layout))
 
 
-def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
+def gluon_wgrad_cases(shapes: tuple[str, ...] = ("dense-e32", "qwen3-30b-a3b")) -> list[BuildCase]:
     """The persistent Gluon WGRAD (:mod:`distmoe.kernels.wgrad.gluon`): the config the Hopper
     heuristic picks for W13 (x at a device offset) and W2 at each shape and at gpt-oss-120b
-    (production: no spills, no serialized wgmma), then every other tuner config at ``fine``
+    (production: no spills, no serialized wgmma), then every other tuner config at ``qwen3-30b-a3b``
     (build only)."""
     from distmoe.kernels.wgrad import gluon as wg
     from distmoe.plan import rules
@@ -242,11 +242,11 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
                                   f" {g.block_out_m}x{g.block_out_n} x_rows", P, Q, E,
                                   g.block_out_m, g.block_out_n, g.num_stages, g.num_warps, True,
                                   True, g.block_k, True, g.pingpong, gather=True))
-    s = SHAPES["fine"]
+    s = SHAPES["qwen3-30b-a3b"]
     # two cooperating warpgroups: the pick from 1024 rows per expert below 12 MiB per expert
-    # (fine at T=16384)
+    # (qwen3-30b-a3b at T=16384)
     c = rules.wgrad_gluon(out_rows=2 * s.ffn, out_cols=s.hidden, rows_per_expert=1024)
-    cases.append(case(f"fine T=16384 W13 WGRAD gluon ws {c.block_out_m}x{c.block_out_n} "
+    cases.append(case(f"qwen3-30b-a3b T=16384 W13 WGRAD gluon ws {c.block_out_m}x{c.block_out_n} "
                       f"w{c.num_warps} s{c.num_stages}", 2 * s.ffn, s.hidden, s.num_experts,
                       c.block_out_m, c.block_out_n, c.num_stages, c.num_warps, True, True,
                       c.block_k, True, c.pingpong))
@@ -265,7 +265,7 @@ def gluon_wgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
     return cases
 
 
-def gluon_w13_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
+def gluon_w13_cases(shapes: tuple[str, ...] = ("dense-e32", "qwen3-30b-a3b")) -> list[BuildCase]:
     """The warp-specialised Gluon W13 forward (:mod:`distmoe.kernels.w13_forward.gluon`): what the
     plan picks on Hopper at each shape (:func:`distmoe.plan.rules.w13_forward_gluon`:
     cooperative tiles at both named shapes), with h1 and the rows
@@ -273,11 +273,11 @@ def gluon_w13_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Build
     serialized wgmma), and deepseek-v3's training build (256 experts: the producer's bounds
     loaded per tile) where it is not among ``shapes``, each with the producers in lockstep
     where the heuristic sets it (gpt-oss-120b and deepseek-v3: 128 rows per expert); then
-    (build only) at ``fine`` the 64 x 128 consumer tile with its deepest ring, a 3-stage
+    (build only) at ``qwen3-30b-a3b`` the 64 x 128 consumer tile with its deepest ring, a 3-stage
     inference build and the 6-stage 128 x 64 training build (what the heuristic picks below
     128 rows per expert), and the 5-stage 128 x 64 tile at each shape. The expert-group
     tile order (``W13Config.expert_groups``) where the heuristic sets it, and (build only)
-    in a cooperative inference build at ``fine``."""
+    in a cooperative inference build at ``qwen3-30b-a3b``."""
     from distmoe.kernels.base.config import next_power_of_2
     from distmoe.kernels.w13_forward import gluon as wg
     from distmoe.tools.bench.workloads import SHAPES
@@ -339,12 +339,12 @@ def gluon_w13_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Build
         cases.append(case("deepseek-v3", "deepseek-v3", True, c.block_n, c.num_stages, True,
                           warps=c.num_warps, lockstep=c.lockstep,
                           expert_groups=c.expert_groups))
-    cases.append(case("variant fine", "fine", True, 128, 5, False))
+    cases.append(case("variant qwen3-30b-a3b", "qwen3-30b-a3b", True, 128, 5, False))
     # the expert-group tile order (W13Config.expert_groups), cooperative, in lockstep
-    cases.append(case("variant fine", "fine", False, 128, 4, False, warps=8, lockstep=True,
+    cases.append(case("variant qwen3-30b-a3b", "qwen3-30b-a3b", False, 128, 4, False, warps=8, lockstep=True,
                       expert_groups=True))
-    cases.append(case("variant fine", "fine", False, 64, 3, False))
-    cases.append(case("variant fine", "fine", True, 64, 6, False))
+    cases.append(case("variant qwen3-30b-a3b", "qwen3-30b-a3b", False, 64, 3, False))
+    cases.append(case("variant qwen3-30b-a3b", "qwen3-30b-a3b", True, 64, 6, False))
     for name in shapes:  # the ping-pong 128 x 64 tile, training and inference
         for train in (True, False):
             cases.append(case(f"variant {name}", name, train, 64, 5, False))
@@ -356,7 +356,7 @@ def gluon_w13_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Build
 GLUON_W2_DGRAD_SPLIT_CASES = ((4, 1, 5), (8, 1, 5), (8, 1, 4), (8, 2, 3))
 
 
-def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
+def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("dense-e32", "qwen3-30b-a3b")) -> list[BuildCase]:
     """The warp-specialised Gluon W2 DGRAD (:mod:`distmoe.kernels.w2_dgrad.gluon`) at each
     shape with h1 at a device offset and h2 stored. Production (no spill, no serialized
     wgmma): the split kernel as the heuristic picks it (8 epilogue warps, one fp32 tile
@@ -426,14 +426,14 @@ def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[
                   for scored in (True, False)]
     # the TMA producer in lockstep (W2DgradConfig.lockstep), as picked at deepseek-v3
     cases.append(split_case("deepseek-v3", 8, 1, 4, True, True, lockstep=True))
-    # and in the expert-group order (W2DgradConfig.expert_groups), there and at fine
+    # and in the expert-group order (W2DgradConfig.expert_groups), there and at qwen3-30b-a3b
     cases.append(split_case("deepseek-v3", 8, 1, 4, True, True, lockstep=True,
                             expert_groups=True))
-    cases.append(split_case("fine", 8, 1, 4, True, True, expert_groups=True))
+    cases.append(split_case("qwen3-30b-a3b", 8, 1, 4, True, True, expert_groups=True))
     return cases
 
 
-def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
+def gluon_w2_cases(shapes: tuple[str, ...] = ("dense-e32", "qwen3-30b-a3b")) -> list[BuildCase]:
     """The warp-specialised Gluon W2 forward (:mod:`distmoe.kernels.w2_forward.gluon`) at each
     shape, with an enable flag: the ping-pong 128 x 128 tile at ring depths 4 to 6 and the
     cooperative 128 x 256 tile at 3 and 4; and the same kernel as the W13 DGRAD (weights
@@ -488,11 +488,11 @@ def gluon_w2_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildC
     return cases
 
 
-def gluon_fused_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[BuildCase]:
+def gluon_fused_cases(shapes: tuple[str, ...] = ("dense-e32", "qwen3-30b-a3b")) -> list[BuildCase]:
     """The fused W13 + W2 inference kernel (:mod:`distmoe.kernels.mega.gluon`): at each
     shape its default (ping-pong 128 x 64 W13 / 128 x 128 W2 tiles, 6 stages, lag 3, static
     schedule) and the cooperative tiles (128 x 128 / 128 x 256, 4 stages), static
-    (production: no spill, no serialized wgmma); at ``fine`` both with the tiles handed out
+    (production: no spill, no serialized wgmma); at ``qwen3-30b-a3b`` both with the tiles handed out
     at run time (build only: their producers spill 8-12 bytes)."""
     from distmoe.kernels.base.config import next_power_of_2
     from distmoe.kernels.mega import gluon as wf
@@ -506,7 +506,7 @@ def gluon_fused_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
         D, F, E = s.hidden, s.ffn, s.num_experts
         for (bn, warps, stages), dyn in itertools.product(((64, 4, 6), (128, 8, 4)),
                                                           (False, True)):
-            if dyn and name != "fine":
+            if dyn and name != "qwen3-30b-a3b":
                 continue
             types = {"w13_desc": _gluon_desc(2 * E * F, D, [bn, 64]),
                      "w2_desc": _gluon_desc(E * D, F, [bn, 64]),
@@ -524,10 +524,10 @@ def gluon_fused_cases(shapes: tuple[str, ...] = ("issue-a", "fine")) -> list[Bui
     return cases
 
 
-def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
+def grouped_gemm_cases(shapes: tuple[str, ...] = ("dense-e32", "qwen3-30b-a3b"),
                        variants: bool = True) -> list[BuildCase]:
     """Production cases at each of ``shapes`` (EP=1 shape keys), then, with ``variants``,
-    the other flag combinations at the ``fine`` shape (module docstring)."""
+    the other flag combinations at the ``qwen3-30b-a3b`` shape (module docstring)."""
     from distmoe.kernels.base.config import next_power_of_2
     from distmoe.kernels.w2_dgrad import triton as w2b
     from distmoe.kernels.w2_forward import triton as w2f
@@ -642,11 +642,11 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
             w13d=[(True, None)], w2d=[(True, None, False, False)],
             wgrad=[("W13", True, 1, True), ("W2", True, 1, True)])
     if variants:
-        add("variant", False, "fine",
+        add("variant", False, "qwen3-30b-a3b",
             w13=[(False, True, True), (True, False, False), (False, False, False)],
             w2=[(False, True), (True, False)],
             w13d=[(False, False), (True, False)],
-            # scored: 4 bytes of spills at fine (on Hopper the layer runs the Gluon kernel)
+            # scored: 4 bytes of spills at qwen3-30b-a3b (on Hopper the layer runs the Gluon kernel)
             w2d=[(False, True, False, False), (True, True, True, False),
                  (False, False, True, False), (True, None, False, True)],
             wgrad=[("W13", False, 1, True), ("W2", True, 3, False), ("W2", False, 1, False),
@@ -655,7 +655,7 @@ def grouped_gemm_cases(shapes: tuple[str, ...] = ("issue-a", "fine"),
 
 
 def other_kernel_cases() -> list[BuildCase]:
-    """Every other kernel of the library, each flag value its launcher passes (``fine``
+    """Every other kernel of the library, each flag value its launcher passes (``qwen3-30b-a3b``
     shape: D=2048, E=128, K=8; EP=2 where a kernel takes it). Build only."""
     from distmoe.kernels.movement import call_counters, slot_cursor
     from distmoe.kernels.movement import combine as comb

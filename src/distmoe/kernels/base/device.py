@@ -108,8 +108,9 @@ def config_gluon_reason(config: GemmConfig, kernel_reason: Callable[..., str | N
 def warn_gluon_fallback(kernel: str, reason: str) -> None:
     """A config asked for a Gluon kernel (``gluon=True``) that cannot run this call: say why,
     as a ``RuntimeWarning`` (Python shows each message once per call site); the caller then
-    runs the Triton kernel with the same config. The heuristics only pick Gluon where it
-    runs, so this fires on explicit requests (a hand-written config, ``tools/ab_bench.py``)."""
+    runs the Triton kernel with the same config. The kernel plan (:mod:`distmoe.plan`) picks
+    Gluon only where it runs, so this fires on explicit requests (a hand-written config or an
+    override)."""
     warnings.warn(f"{kernel}: config.gluon is set, but the Gluon kernel cannot run this call "
                   f"({reason}); the Triton kernel runs the config instead", RuntimeWarning,
                   stacklevel=3)

@@ -73,7 +73,7 @@ def gluon_ring_reason(kernel: str, tiles: tuple, tile: tuple, tile_help: str, *,
 def gluon_device(device: torch.device | str | None) -> bool:
     """Whether ``device`` runs the warp-specialised Gluon kernels
     (:func:`~distmoe.kernels.base.gluon.gluon_device_reason`: Hopper, not the interpreter);
-    ``None`` (no device given to a heuristic) does not."""
+    ``None`` (no device given to a plan rule) does not."""
     if device is None:
         return False
     return gluon_device_reason(torch.device(device)) is None

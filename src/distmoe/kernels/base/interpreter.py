@@ -19,10 +19,10 @@ Two costs are cut as well, with the same results (:func:`patch_interpreter_neste
 
 * the interpreter patches ``triton.language`` again at every call of a ``@triton.jit``
   function from inside a kernel (``tl.sort``'s network alone makes thousands), which finds
-  nothing left to patch but took a third of a small layer forward on the CPU;
-* ``tl.xor_sum`` (in every compare-and-swap step of ``tl.sort``) fell to the interpreter's
-  element-by-element Python reduction; it is one numpy ``bitwise_xor`` reduction now, as
-  sums already were.
+  nothing left to patch but costs a large share of a small layer forward on the CPU;
+* ``tl.xor_sum`` (in every compare-and-swap step of ``tl.sort``) falls to the interpreter's
+  element-by-element Python reduction; the patch makes it one numpy ``bitwise_xor``
+  reduction, as sums already are.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Gather + W13 + SwiGLU and the W2 row scatter in one warp-specialised Gluon kernel (Hopper).
 
-Why (docs/performance.md runs 33-36): at T=4096 D=2048 F=768 E=128 K=8 on two H200s the W2
-of the EP=2 forward stores half of its rows (67 MB) into the peer over NVLink and is bound
-by the link (about 210 us against the 166 us of its EP=1 share), while the link idles during
-W13 (about 310 us). Run 35 ran the W2 on a side stream on a third of the SMs, each row block
-once W13 had stored it (an option since removed): W13 on two thirds of the SMs lost what the
-spread-out stores saved. Here one program per SM takes the tiles of both GEMMs from one schedule
+Why: at EP > 1 the W2 stores the rows of peer-owned routes into the peers over NVLink and is
+bound by the link, while the link idles during W13; a W2 on a side stream on part of the SMs
+costs W13 more than the spread-out stores save (evidence: docs/performance.md). Here one
+program per SM takes the tiles of both GEMMs from one schedule
 (:func:`~distmoe.kernels.base.tiles.fused_tile`): period ``p`` holds W13's tiles of row-block
 group ``p`` (``group_m`` blocks of 128 padded rows), then W2's tiles of group ``p - lag``. A
 W2 tile starts once every W13 tile of its 128 rows has stored its h2 rows: the W13 tiles
@@ -35,11 +33,11 @@ can always run (its W13 tiles came earlier): the waits cannot deadlock.
 
 Every program must be resident at once (a W2 tile waits for W13 tiles of other programs):
 one program per SM at most, and no other kernel that holds SMs for long beside it (ranks
-sharing a GPU do not use it; see the layer's rule). Inference only: no h1, no saved rows,
-no ``enable``. The results are bit for bit those of
+sharing a GPU do not use it: :class:`~distmoe.ops.context.MoEContext` refuses it there).
+Inference only: no h1, no saved rows, no ``enable``. The results are bit for bit those of
 :func:`~distmoe.kernels.w13_forward.triton.gather_w13_swiglu` then
-:func:`~distmoe.kernels.w2_forward.triton.w2_scatter` with the Gluon configs of the same tiles (same
-MMAs in the same order per tile).
+:func:`~distmoe.kernels.w2_forward.triton.w2_scatter` with the Gluon configs of the same tiles
+(same MMAs in the same order per tile).
 """
 
 from __future__ import annotations
@@ -108,15 +106,8 @@ class FusedConfig:
     schedule position from a counter at run time, instead of the static round robin
     (position ``t`` on program ``t mod G``).
 
-    The defaults are the fastest measured (docs/performance.md run 36, two H200s, T=4096
-    D=2048 F=768 E=128 K=8, EP=2 forward: 1-2% faster than W13 then W2 in five of seven
-    A/Bs, even in the longest). On one GPU without NVLink, against W13 then W2 (502-519
-    us): ping-pong static 520-542 us, cooperative static 537-587, cooperative dynamic
-    530-572, ping-pong dynamic 554-573 (four calls). A cost model of the schedule ends the
-    static round robin 7 us (ping-pong) and 17-45 us (cooperative) after a run-time
-    hand-out; the hand-out recovers most of that for the cooperative tiles but costs the
-    ping-pong ones about 35 us, for a reason not found (a relaxed atomic, and the next
-    position taken while the ring fills, did not change it)."""
+    The defaults (ping-pong, static, ``lag`` 3) are the fastest of these schedules in an
+    EP=2 forward (evidence: docs/performance.md)."""
 
     block_n: int = 64
     warps: int = 4

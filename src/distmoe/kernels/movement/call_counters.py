@@ -5,10 +5,9 @@ last call's received rows, the most received rows of any call, the dropped rows 
 ids summed over calls, the call count, and the calls in which some rank published a token
 count other than this rank's (the layer needs the same T on every rank; unchecked, a
 mismatch is not refused, but it is counted here). Each forward updates them from its routing
-tables' counters and every rank's published header. Five torch ops did the first five
-before: five launches of about 1 us each on the stream between the routing tables and W13,
-on the critical path of every forward (docs/performance.md run 32). This is one launch, of
-one program. No host synchronisation; capturable in a CUDA graph.
+tables' counters and every rank's published header, in one launch of one program: it sits
+on the critical path between the routing tables and W13, where five small torch kernels
+would each cost a launch. No host synchronisation; capturable in a CUDA graph.
 
 The headers are read after the publish barrier and before the call's last barrier, so every
 rank's header holds this call's T (the next call writes its own after that barrier).

@@ -3,11 +3,11 @@
 W13 reads its A rows through ``gather_ptrs`` (absolute addresses of token rows in the owners'
 dispatch buffers), once per column tile. On the rank's own memory the re-reads hit L2; a
 GPU does not keep a peer's memory in its L2, so every re-read of a peer row crosses NVLink.
-At T=8192, D=4096, F=2048, E=32, K=8 on two H200s W13 has 16 column tiles, about 4.3 GB of
-NVLink reads per rank, and the EP=2 forward took 2.7x the EP=1 time of the same per-rank work
-(docs/performance.md, run 8). A token routed to several experts of this rank is named by
-several rows of the table (about K/EP of them), so the copy is keyed on the token rather than
-on the row: each needed peer token crosses NVLink once.
+At T=8192, D=4096, F=2048, E=32, K=8 at EP=2 W13 has 16 column tiles, about 4.3 GB of NVLink
+reads per rank, which makes the forward NVLink-bound (evidence: docs/performance.md). A token
+routed to several experts of this rank is named by several rows of the table (about K/EP of
+them), so the copy is keyed on the token rather than on the row: each needed peer token
+crosses NVLink once.
 
 With ``span = T_max * ROW_BYTES`` (the token rows 0..T_max-1 of each rank's dispatch buffer):
 
@@ -32,8 +32,9 @@ At EP = 1 nothing is pulled: ``pull_tokens(..., dst=None, own_src=x)`` rewrites 
 that W13 reads the caller's x in place, and the forward skips its copy into the dispatch
 buffer (kept in the tables for a backward's replay, which copies the saved x back there).
 
-Reads happen where W13's reads used to (after the same barrier, before the next), so the
-safety argument of :mod:`distmoe.ops.context` and :mod:`distmoe.ops.autograd` is unchanged.
+The copy reads the peers' rows where W13 would otherwise read them (after the same barrier,
+before the next), so the safety argument of :mod:`distmoe.ops.context` and
+:mod:`distmoe.ops.autograd` is unchanged.
 """
 
 from __future__ import annotations

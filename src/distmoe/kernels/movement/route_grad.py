@@ -11,8 +11,8 @@ Forward, on the token owner: ``y[t] = sum_k score[t, k] * h3[t, k]`` (fp32), whe
 
   Inactive routes (expert id -1) get ``grad_scores = 0``; their ``h3`` rows are never read
   and their ``grad_routes`` rows never written. ``grad_routes`` is either a buffer that the
-  experts gather from for W2 DGRAD/WGRAD (DESIGN.md: the combine buffer), or, in *push* mode
-  (what the layer uses), each route's row goes straight to the row its destination rank
+  experts gather from for W2 DGRAD/WGRAD (the combine buffer, docs/design.md), or, in *push*
+  mode (what the layer uses), each route's row goes straight to the row its destination rank
   executes it at (:attr:`distmoe.routing.RoutingTables.dest_rows_TK`), inside that rank's
   gathered grad_h3: the expert then needs no gather, and the rows cross memory once instead
   of three times (owner write, expert read, expert write). The h3 rows are a tensor

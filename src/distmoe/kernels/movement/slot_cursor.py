@@ -9,7 +9,7 @@ the input's bytes, ``rest_r = align128(R_r*2F*2) + h3_bytes``)::
     xst_r  = kept_x_bytes + rest_r                    (the state with the input x instead)
     need(s) = max_r(cursor_r + s_r) + m*i
 
-``MoEConfig.save_gathered_rows`` True (MODE 0, DESIGN.md's rule): save ``rows`` iff
+``MoEConfig.save_gathered_rows`` True (MODE 0, docs/memory.md section 4): save ``rows`` iff
 ``need(rows) <= slot_bytes``, else replay. False (MODE 1): the same with ``xst``: a saved
 layer keeps its input x and its backward gathers the rows again. ``"auto"`` (MODE 2), a
 greedy estimate that takes the later layers' rows to be this layer's: with ``n = m + 1``,
@@ -25,10 +25,9 @@ later layers' inputs, so no mode overflows the slot. A saved layer's state lies 
 cursor in the order ``x_rows | h1 | h3`` or ``x | h1 | h3``.
 
 The program advances every rank's cursor (by the kept state, else by ``input_bytes``) and
-writes this rank's element offsets and the device values its backward needs. As plain torch
-ops this was about twenty launches of one-element kernels per layer and three more in its
-backward; here it is one (docs/performance.md runs 15c-16: 2.585 -> 2.560 ms of kernels per
-training step at T=4096, D=2048, F=768, E=128, K=8 on one H200).
+writes this rank's element offsets and the device values its backward needs, in one launch
+where plain torch ops would take about twenty one-element kernels per layer (and three more
+in its backward).
 
 Outputs (all written by the single program):
 

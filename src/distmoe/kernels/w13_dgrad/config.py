@@ -1,6 +1,7 @@
 """Launch configuration of the W13 DGRAD scatter (:class:`W13DgradConfig`): the Triton
 kernel's tiles and the Gluon kernel's (the W2 forward's kernel body,
-:mod:`distmoe.kernels.w2_forward.gluon`), with ``for_widths`` / ``all_configs`` (:mod:`distmoe.plan` picks the config a layer uses)."""
+:mod:`distmoe.kernels.w2_forward.gluon`), with ``for_widths`` / ``all_configs``
+(:mod:`distmoe.plan` picks the config a layer uses)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ class W13DgradConfig(GemmConfig):
     :class:`GemmConfig`).
 
     ``block_m`` rows (the padding multiple), ``block_n`` columns of D per tile, ``block_k``
-    step over 2F. ``persistent``: one program per SM walking the live tiles (else one program
-    per tile of the ``R_cap`` bound; the default until measured on an H200).
+    step over 2F. ``persistent``: one program per SM walking the live tiles (else, the
+    default, one program per tile of the ``R_cap`` bound).
     ``host_descriptors`` covers the grad_h1 and w13 TMA descriptors.
     """
 
@@ -52,8 +53,7 @@ class W13DgradConfig(GemmConfig):
     lockstep: bool = False
     #: The Gluon kernel's tile order: a group per expert rather than per ``group_m`` row
     #: blocks (as :attr:`~distmoe.kernels.w2_forward.config.W2Config.expert_groups`, on the same
-    #: kernel). Same bits; the Triton kernel ignores it. :mod:`distmoe.plan` sets it at 128
-    #: to 512 rows per expert.
+    #: kernel). Same bits; the Triton kernel ignores it. Picked by :mod:`distmoe.plan`.
     expert_groups: bool = False
 
     def __post_init__(self) -> None:

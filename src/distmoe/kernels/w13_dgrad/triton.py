@@ -31,9 +31,8 @@ Per live row, with ``grad_h1 = [grad_g | grad_u]`` from
     loads). Never a TMA store: the owner reads these rows after a release/acquire signal,
     and in triton 3.6 a later release does not order a TMA store. Every destination row is
     written by exactly one program per column tile, so no atomics. With
-    ``W13DgradConfig.gluon`` (the heuristic's pick on Hopper from 128 rows per expert where
-    the rank's W13 weights total under 2 GiB), the warp-specialised Gluon kernel of the W2
-    forward runs it instead (:func:`~distmoe.kernels.w13_dgrad.gluon.\
+    ``W13DgradConfig.gluon`` (where :mod:`distmoe.plan` picks it), the warp-specialised Gluon
+    kernel of the W2 forward runs it instead (:func:`~distmoe.kernels.w13_dgrad.gluon.\
 launch_gluon_w13_dgrad`: same tiles read, same stores, one program per SM).
 
 Requirements (device-side, not checked): the layout rules; non-null scatter addresses 16-byte

@@ -1,5 +1,6 @@
 """Launch configuration of the W13 gather + SwiGLU forward (:class:`W13Config`): the Triton
-kernel's tiles and the Gluon kernel's, with ``for_widths`` / ``all_configs`` (:mod:`distmoe.plan` picks the config a layer uses)."""
+kernel's tiles and the Gluon kernel's, with ``for_widths`` / ``all_configs``
+(:mod:`distmoe.plan` picks the config a layer uses)."""
 
 from __future__ import annotations
 
@@ -45,18 +46,16 @@ class W13Config(GemmConfig):
     #: spin on a device counter) until every program has issued the loads of its previous
     #: tile. Under a real router's routing, tiles differ in live rows and so in time, and
     #: programs that drift apart no longer find the row blocks and weight tiles they share
-    #: in L2. Same bits; the Triton kernel ignores it. :mod:`distmoe.plan` sets it at 128
-    #: to 191 rows per expert.
+    #: in L2. Same bits; the Triton kernel ignores it. Picked by :mod:`distmoe.plan`.
     lockstep: bool = False
     #: The Gluon kernel's tile order: a group per expert rather than per ``group_m`` row
     #: blocks. An expert's tiles keep their range of tile numbers but are walked column tile
     #: by column tile over all its row blocks, so a row block's column tiles run close
-    #: together, for its gathered rows to stay in L2 between them (in group-M 8 order at
-    #: DeepSeek-V3's 128 rows per expert they came from DRAM 2.6 times over: performance.md
-    #: run 58), and the row blocks that read a weight tile run side by side. Ignored by the
-    #: Triton kernel and with a block order (``order``: EP > 1 with the token copy split
-    #: around its join). :mod:`distmoe.plan` sets it where it sets ``lockstep`` (for
-    #: training too since run 61).
+    #: together, for its gathered rows to stay in L2 between them (in group-M order at few
+    #: rows per expert they come from DRAM several times over; evidence: docs/performance.md),
+    #: and the row blocks that read a weight tile run side by side. Ignored by the Triton
+    #: kernel and with a block order (``order``: EP > 1 with the token copy split around its
+    #: join). Picked by :mod:`distmoe.plan`, with ``lockstep``.
     expert_groups: bool = False
 
     def smem_bytes(self) -> int:

@@ -5,12 +5,11 @@ docstring defines the row numberings, ``out_offsets`` and ``enable``); that func
 this kernel when its config asks for it (``W13Config.gluon``) and :func:`gluon_w13_reason`
 returns ``None``.
 
-Why (docs/performance.md, the profile before run 19 and run 21): the Triton kernel runs each
-tile's epilogue between its last MMA and the next tile's first, in the same warps. In a
-training forward that epilogue stores h1 ``[g | u]``, h2 and a share of the gathered rows:
-about 160 KiB per 128 x 256 tile, and the kernel runs at about 590 TFLOP/s against about 685
-for inference at T=8192, D=4096, F=2048, E=32, K=8. The same gathers, MMAs and stores are
-split over three partitions here, one program per SM:
+Why: the Triton kernel runs each tile's epilogue between its last MMA and the next tile's
+first, in the same warps. In a training forward that epilogue stores h1 ``[g | u]``, h2 and a
+share of the gathered rows, about 160 KiB per 128 x 256 tile, and the tensor cores wait for it
+(evidence: docs/performance.md). The same gathers, MMAs and stores are split over three
+partitions here, one program per SM:
 
 * a producer warpgroup fills a ring of ``STAGES`` shared-memory stages, K step by K step over
   the program's tiles ``pid, pid + G, ...``: the gate and up weight tiles by TMA into the two
@@ -41,8 +40,7 @@ Tiles (``GLUON_W13_TILES``): ping-pong 128 x 64 h2 columns (``block_n`` 64: a 12
 GEMM tile, two m64n128 MMAs per k16) or 64 x 128 (``block_n`` 128: one m64n256 MMA, half the
 row gathers per FLOP and twice the weight loads); cooperative 128 x 128. Every way, 128 fp32
 accumulator registers per consumer thread. The padding multiple (``block_m``) is 128.
-Measured (docs/performance.md run 27): the cooperative tile is the fastest at both named
-shapes, 3.03 against 3.42 ms for the training kernel at T=8192, D=4096, F=2048, E=32, K=8.
+:mod:`distmoe.plan` picks the tile.
 
 F need not be a multiple of ``block_n`` (GPT-OSS: F = 2880 with 128-column tiles): a row's
 last tile is then partial. Its gate weight rows past F are the expert's first up rows and
@@ -51,10 +49,6 @@ column half past F is not stored.
 
 Only for CUDA devices of compute capability 9.x, outside the interpreter, with F and D
 multiples of 64; :func:`gluon_w13_reason` says when.
-
-History: performance.md run 21 measured an earlier Gluon W13 without warp specialisation
-(one load stream across tiles, the epilogue in the MMA warps): 8-16% slower than the Triton
-kernel. This kernel replaced it (run 24).
 """
 
 from __future__ import annotations

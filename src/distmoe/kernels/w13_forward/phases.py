@@ -1,12 +1,12 @@
 """A two-launch W13 schedule: row blocks of the rank's own tokens first, while peers' copy.
 
-At EP > 1 with every peer token copied by the copy engines (``MoEContext.pull_all_rule``),
-the W13 used to wait for the whole copy before its first tile (docs/performance.md, runs
-30-31: 16 MiB at fine, about 48 us, of which about 15 us stayed exposed after the routing
-tables). Yet each local expert's rows are in source-rank order, so the rows of the rank's
-own tokens are contiguous within every expert, and whole 128-row blocks of them read nothing
-that is being copied. This module orders the W13's row blocks so that the first launch
-computes only such blocks and the second, after the copy is joined, all the others:
+At EP > 1 with every peer token copied by the copy engines
+(:func:`distmoe.plan.rules.pull_all`), a W13 in one launch waits for the whole copy before its
+first tile, and part of the copy stays exposed after the routing tables. Yet each local
+expert's rows are in source-rank order, so the rows of the rank's own tokens are contiguous
+within every expert, and whole 128-row blocks of them read nothing that is being copied.
+This module orders the W13's row blocks so that the first launch computes only such blocks
+and the second, after the copy is joined, all the others:
 
     peer[b]   = 1 if a row of padded block b names a pulled (peer) token, else 0
                 (written by :func:`~distmoe.kernels.movement.pull_tokens.pull_tokens` with
@@ -25,9 +25,7 @@ computes only such blocks and the second, after the copy is joined, all the othe
 
 Paired blocks go first because a tile streams its expert's weight tiles: a first launch of
 single blocks, each from another expert, reads a whole expert's weights per block and is
-bound by memory (run 32: one wave at T=4096, D=2048, E=128, K=8, EP=2 took 37 us against
-about 24 in natural order, where about five blocks of an expert run together; 32 us with
-pairs first).
+bound by memory (evidence: docs/performance.md).
 
 ``order`` is a permutation of the call's blocks that keeps natural order within each phase
 (group-M order and its L2 reuse of weight tiles stay), and
@@ -40,8 +38,7 @@ copy's time (:func:`phase_waves`, :func:`first_blocks`). Where fewer own blocks 
 first launch simply has fewer tiles. One program: the experts' first blocks into a scratch
 array, then two passes over chunks of ``CHUNK`` blocks (counts, then positions); grids from
 static bounds, no host synchronisation, capturable in a CUDA graph. The layer uses this
-where each expert has about eight own blocks or more (``MoEContext.w13_phases_rule``; run
-32: even at two, faster at sixteen).
+where :func:`distmoe.plan.rules.w13_phases` says so.
 """
 
 from __future__ import annotations
@@ -201,14 +198,11 @@ def phase_waves(*, copy_bytes: int, tile_flops: int, head_start_s: float = 30e-6
 
     The remaining time is the copy of ``copy_bytes`` plus ``latency_s`` (the copy engines'
     join) less ``head_start_s`` (the copy starts with the routing tables, before the W13); a
-    tile takes ``tile_flops`` at ``sm_flops_per_s`` per SM. The rates are rough H200 figures
-    (performance.md runs 30-32: the copy at 344-380 GB/s, starting about 30 us before the
-    W13; a cooperative 128 x 128 tile at 5-6 TFLOP/s per SM). ``share`` is measured
-    (run 32, T=8192 D=4096 E=32 K=8 at EP=2, interleaved under sustained load): the
-    estimate there is 3.1 waves, and 2 waves were 1.0-2.2% faster than 4 and 0.5% faster
-    than 1, although a short profiled burst favoured 4 (every tile of the first launch
-    reads its expert's weights once more, and the overlap runs the copy, the link and the
-    W13 at once under the power limit)."""
+    tile takes ``tile_flops`` at ``sm_flops_per_s`` per SM. The defaults are rough Hopper
+    rates of the copy and of a cooperative 128 x 128 tile, and ``share`` fits sustained load
+    rather than a short burst: every tile of the first launch reads its expert's weights
+    once more, and the overlap runs the copy, the link and the W13 at once under the power
+    limit (evidence: docs/performance.md)."""
     copy_s = copy_bytes / link_bytes_per_s + latency_s - head_start_s
     return max(1, math.ceil(share * copy_s * sm_flops_per_s / tile_flops))
 

@@ -36,10 +36,9 @@ from routed counts.
 
 Memory: nothing is allocated (device-built descriptors: Triton's scratch, 128 bytes per
 program). Each gathered row is read once per column tile (``ceil(F / block_n)`` times):
-local rows mostly come from L2 after the first read; rows in a peer GPU's memory may cross
-NVLink on every read (peer memory is, as far as we know, not cached in the reader's L2; to be
-measured), which can make the kernel NVLink-bound; staging remote rows into a local buffer
-first would avoid that.
+local rows mostly come from L2 after the first read; rows in a peer GPU's memory cross NVLink
+on every read (a GPU does not keep a peer's memory in its L2), which is why the layer first
+copies peer rows into local memory (:mod:`distmoe.kernels.movement.pull_tokens`).
 Writes h2 (and h1 / x_out when given), live rows only.
 
 Sync points: none on the host. The gathered rows must be complete before the launch (the

@@ -1,5 +1,6 @@
 """Launch configuration of the W2 DGRAD + SwiGLU backward (:class:`W2DgradConfig`): the
-Triton kernel's tiles and the Gluon kernel's, with ``for_widths`` / ``all_configs`` (:mod:`distmoe.plan` picks the config a layer uses)."""
+Triton kernel's tiles and the Gluon kernel's, with ``for_widths`` / ``all_configs``
+(:mod:`distmoe.plan` picks the config a layer uses)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ class W2DgradConfig(GemmConfig):
 
     ``block_m`` rows (the padding multiple), ``block_n`` columns of F (each tile writes
     ``block_n`` columns of grad_g and of grad_u), ``block_k`` step over D. ``persistent``: one
-    program per SM walking the live tiles (else one program per tile of the ``R_cap`` bound;
-    the default until measured on an H200); the gather-once row copy keeps its own grid.
+    program per SM walking the live tiles (else, the default, one program per tile of the
+    ``R_cap`` bound); the gather-once row copy keeps its own grid.
     ``host_descriptors`` covers the w2 and gathered grad_h3 TMA descriptors.
     """
 
@@ -32,7 +33,7 @@ class W2DgradConfig(GemmConfig):
     #: With ``gluon``: 4 or 8 runs the split kernel instead of the ping-pong one: one MMA
     #: warpgroup computes every tile and hands it, as fp32 in shared memory, to an epilogue
     #: partition of this many warps, so the SwiGLU backward runs on more warps beside the
-    #: MMAs (docs/performance.md, run 43). 0: the two ping-pong consumers, each running its
+    #: MMAs (evidence: docs/performance.md). 0: the two ping-pong consumers, each running its
     #: own tiles' epilogue. The same bits.
     epilogue_warps: int = 0
     #: With ``epilogue_warps``: fp32 tiles in shared memory (1 or 2, 64 KiB each; with 2 the
@@ -43,15 +44,13 @@ class W2DgradConfig(GemmConfig):
     #: :attr:`~distmoe.kernels.w2_forward.config.W2Config.lockstep`): each waits, a bounded spin on
     #: a device counter, until every program has issued the loads of its previous tile, so
     #: that the weight tiles an expert's row blocks share are read from L2 rather than DRAM
-    #: again. Same bits; the Triton kernel ignores it. :mod:`distmoe.plan` sets it at 96
-    #: to 191 rows per expert where the rank's W2 weights total at least 3 GiB.
+    #: again. Same bits; the Triton kernel ignores it. Picked by :mod:`distmoe.plan`.
     lockstep: bool = False
     #: With ``gluon``: the tile order is a group per expert rather than per ``group_m`` row
     #: blocks (as :attr:`~distmoe.kernels.w2_forward.config.W2Config.expert_groups`): an expert's
     #: tiles are walked column tile by column tile over all its row blocks, so a row block's
     #: grad_h3 rows are read by its column tiles close together in time. Same bits; the
-    #: Triton kernel ignores it. :mod:`distmoe.plan` sets it at 16 to 768 rows per
-    #: expert.
+    #: Triton kernel ignores it. Picked by :mod:`distmoe.plan`.
     expert_groups: bool = False
 
     def __post_init__(self) -> None:

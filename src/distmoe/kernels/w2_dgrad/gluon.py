@@ -14,14 +14,13 @@ F::
 and with ``scored_rows`` the score form (each row's score ``s`` at its address: the SwiGLU
 backward of ``s * grad_h2``, ``s * h2`` stored, ``dot(grad_h2, h2)`` per column tile written
 after the score; the score multiplies ``u`` once, so ``grad_g`` and ``h2`` cost nothing more).
-It costs the epilogue-bound kernel 7-14% (issue-a) to 30% (fine) of its time
-(docs/performance.md, run 26).
+The dot products lengthen the epilogue of an epilogue-bound kernel (evidence:
+docs/performance.md), in exchange for the owner's backward reading no h3.
 
 Why a second kernel. The Triton kernel's epilogue (two loads and three stores per element) runs
-after the tile's last MMA and before the next tile's first one, in the same warps: at
-T=8192, D=4096, F=2048, E=32, K=8 it ran at about 575 TFLOP/s against about 700 for the
-kernels with light epilogues (docs/performance.md, run 22's profile). Triton 3.6 does not warp
-specialise on Hopper. Here each program (one per SM) has three partitions:
+after the tile's last MMA and before the next tile's first one, in the same warps, so the
+tensor cores wait for it (evidence: docs/performance.md). Triton 3.6 does not warp specialise
+on Hopper. Here each program (one per SM) has three partitions:
 
 * a producer warp issues the TMA loads of the program's tiles, ``pid, pid + G, ...``, K step
   by K step, into a ring of ``STAGES`` shared-memory stages (``ready`` / ``empty``
@@ -36,10 +35,9 @@ fp32 accumulator registers per thread) and runs the epilogue in column quarters,
 converted to a layout of 16-byte vectors.
 
 At 256-512 rows per expert (D = 2048) that epilogue takes longer than the other consumer's
-MMAs, so it is not hidden: the kernel took about twice its MMA-only time, with one epilogue
-warp per scheduler issuing 0.19 instructions per cycle (docs/performance.md, run 41). The
-**split kernel** (``epilogue_warps``, the heuristic's pick since run 43) moves the epilogue
-into a partition of its own:
+MMAs, so it is not hidden, and one epilogue warp per scheduler cannot issue it fast enough
+(evidence: docs/performance.md). The **split kernel** (``epilogue_warps``; picked by
+:mod:`distmoe.plan` on Hopper) moves the epilogue into a partition of its own:
 
 * one MMA warpgroup computes every tile of the program; it writes each finished fp32 tile
   into shared memory as four ``[128, 32]`` column quarters (``acc_ready`` / ``acc_free``
@@ -48,9 +46,7 @@ into a partition of its own:
   SwiGLU backward; with 8 warps, two warps per scheduler hide each other's latencies;
 * the TMA warp as above.
 
-The bits are the ping-pong kernel's (the same fp32 values, the same epilogue code). One H200,
-2026-12-01 (run 43): the kernel alone 1.36x the ping-pong one at T=4096 D=2048 F=768 E=128
-K=8, 1.39x at OLMoE's shape, 1.24x at T=2048, 1.13x at T=8192 D=4096 F=2048 E=32.
+The bits are the ping-pong kernel's (the same fp32 values, the same epilogue code).
 
 F need not be a multiple of ``block_n`` (GPT-OSS: F = 2880): a row's last tile is then
 partial. Its weight columns past F are TMA zeros (grad_h2 = 0 there, so the score parts are
@@ -184,7 +180,7 @@ if HAVE_GLUON:
         for tile in range(first, num_tiles, step):
             if RELOAD_BOUNDS:
                 # the bounds reloaded per tile: held across the loop (5 * E / 32 registers
-                # per thread) they made the epilogue spill above 32 experts (run 33)
+                # per thread) they make the epilogue spill above 32 experts
                 pid_n, expert, row_start, act_start, num_live = tile_info_reloaded(
                     tile, num_pid_m, padded_offsets_ptr, row_offsets_ptr, NUM_PID_N, GROUP_M,
                     NUM_EXPERTS, EXPERTS_POW2, BLOCK_M, 4, EXPERT_GROUPS)

@@ -339,10 +339,9 @@ def _w2_dgrad_tile(
 
         # SwiGLU backward in column parts: the whole 128 x 128 tile with its g/u pair and
         # their 64-bit addresses needs more than 255 registers per thread (spills); halves
-        # need about 180 on SM90 (ptxas). A 128 x 256 tile in halves spilled 560-600 bytes
-        # per thread; in quarters none (tools/ptxas_report.py; run 12: 2.23 -> 2.15 ms at
-        # issue-a). SCORED needs twice the parts (128 x 256 in quarters: 292 bytes of spills,
-        # in eighths none; 128 x 128 in halves: 4 bytes).
+        # need about 180 on SM90 (ptxas). A 128 x 256 tile in halves spills 560-600 bytes
+        # per thread; in quarters none. SCORED needs twice the parts (128 x 256 in quarters:
+        # 292 bytes of spills, in eighths none; 128 x 128 in halves: 4 bytes).
         args = (h1_ptr, grad_h1_ptr, h2_ptr, act_rows, is_live, is_row, score)
         PARTS: tl.constexpr = (4 if BLOCK_N >= 256 else (2 if BLOCK_N >= 32 else 1)) * (
             2 if SCORED and BLOCK_N >= 64 else 1)

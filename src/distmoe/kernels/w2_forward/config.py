@@ -1,5 +1,6 @@
 """Launch configuration of the W2 scatter forward (:class:`W2Config`): the Triton kernel's
-tiles and the Gluon kernel's, with ``for_widths`` / ``all_configs`` (:mod:`distmoe.plan` picks the config a layer uses)."""
+tiles and the Gluon kernel's, with ``for_widths`` / ``all_configs`` (:mod:`distmoe.plan`
+picks the config a layer uses)."""
 
 from __future__ import annotations
 
@@ -32,15 +33,13 @@ class W2Config(GemmConfig):
     #: :attr:`~distmoe.kernels.w13_forward.config.W13Config.lockstep`): each waits, a bounded
     #: spin on a device counter, until every program has issued the loads of its previous
     #: tile, so the weight tiles that an expert's row blocks share are read from L2. Same
-    #: bits; the Triton kernel ignores it. :mod:`distmoe.plan` sets it at 128 to 191 rows
-    #: per expert where each expert's W2 weights hold at least 8 MiB.
+    #: bits; the Triton kernel ignores it. Picked by :mod:`distmoe.plan`.
     lockstep: bool = False
     #: The Gluon kernel's tile order: a group per expert rather than per ``group_m`` row
     #: blocks (as :attr:`~distmoe.kernels.w13_forward.config.W13Config.expert_groups`): an
     #: expert's tiles are walked column tile by column tile over all its row blocks, so a
     #: row block's h2 rows are read by its column tiles close together in time. Same bits;
-    #: the Triton kernel ignores it. :mod:`distmoe.plan` sets it at EP=1 from 128 to 1024
-    #: rows per expert (inference and training).
+    #: the Triton kernel ignores it. Picked by :mod:`distmoe.plan`.
     expert_groups: bool = False
 
     @classmethod

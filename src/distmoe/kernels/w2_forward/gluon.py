@@ -9,9 +9,8 @@ launches this kernel when its config asks for it (``W2Config.gluon``) and
 
 Why: the Triton kernel (128 x 256 tiles, two warpgroups) runs each tile's epilogue, 64 KiB of
 row stores that may cross NVLink, between its last MMA and the next tile's first in the same
-warps. At T=8192, D=4096, F=2048, E=32, K=8 it ran at 654 TFLOP/s in the layer against
-663-684 for the Gluon WGRAD and W13 forward (docs/performance.md run 27). Here each program
-(one per SM) has three partitions, as in :mod:`distmoe.kernels.w2_dgrad.gluon`:
+warps, so the tensor cores wait for the stores (evidence: docs/performance.md). Here each
+program (one per SM) has three partitions, as in :mod:`distmoe.kernels.w2_dgrad.gluon`:
 
 * a producer warp issues the TMA loads of the program's tiles, ``pid, pid + G, ...``, K step
   by K step over F, into a ring of ``STAGES`` shared-memory stages: the tile's h2 rows
@@ -44,9 +43,8 @@ The same kernel runs the W13 DGRAD: this module holds the kernel body shared by 
 grad_h1 ``[R_act, 2F]`` in the same activation rows, the reduction runs over 2F, and the
 weight tiles come from ``w13[e]`` viewed ``[2F, D]`` as ``[64, block_n]`` blocks, N-major as
 stored (``B_K_MAJOR`` False: the MMAs read them untransposed); the epilogue stores each
-route's input gradient row at ``scatter_ptrs[r]``. Measured (docs/performance.md run 44):
-1.08-1.25x the Triton W13 DGRAD at 128-2048 rows per expert where the weights total about a
-GiB, same bits.
+route's input gradient row at ``scatter_ptrs[r]``. Same bits as the Triton W13 DGRAD; which
+of the two runs is picked by :mod:`distmoe.plan`.
 
 D need not be a multiple of ``block_n`` (GPT-OSS: D = 2880): a row's last tile is partial.
 Its weight rows past D are the next expert's (TMA zeros after the last expert; for the W13

@@ -1,5 +1,6 @@
 """Launch configuration of the grouped WGRAD (:class:`WgradConfig`): the Triton kernel's
-tiles and the Gluon kernel's, with ``for_widths`` / ``all_configs`` (:mod:`distmoe.plan` picks the config a layer uses)."""
+tiles and the Gluon kernel's, with ``for_widths`` / ``all_configs`` (:mod:`distmoe.plan`
+picks the config a layer uses)."""
 
 from __future__ import annotations
 
@@ -39,14 +40,13 @@ class WgradConfig:
         specialized: with ``gluon``, its warp-specialised form (a one-warp TMA producer,
             two warps zeroing each tile's partial last step off the MMA warps' path, no
             branch in their step loop; the same bits). Needs ``gluon`` and
-            ``block_out_n <= 128``. 12-15% faster than the plain Gluon kernel at exact
-            routing and 17-31% under sampled routing at the T=4096, E=128 and DeepSeek-V3
-            shapes (one H200, 2026-11-30, performance.md run 39).
+            ``block_out_n <= 128``. Faster than the plain Gluon kernel, most under a real
+            router's partial steps (evidence: docs/performance.md).
         pingpong: with ``specialized``, ``num_warps`` 4 and ``block_out_m`` 128: two MMA
             warpgroups of 4 warps take the program's tiles in turn (each a whole
             128-row tile), so that one's epilogue (the tile's TMA store) runs under the
-            other's MMAs; the same bits. Below 1024 rows per expert a tile is only a few
-            row steps, so the epilogue is a large share of it.
+            other's MMAs; the same bits. With few rows per expert a tile is only a few row
+            steps, so the epilogue is a large share of it.
         lockstep: with ``specialized``, where B is loaded by TMA (not read through a row
             table, ``w13_wgrad``'s ``x_rows``, which ignores it): the producers start each
             wave of tiles together, counting issued tiles in a zeroed int32 counter

@@ -11,10 +11,10 @@ accumulation and one rounding; an expert without rows gets zeros.
 Why a second kernel. The Triton kernel runs one program per (expert, output tile). At
 T=4096, E=128, K=8 an expert has about 256 rows, four 64-row steps, so each program spends a
 large part of its life filling its pipeline and storing its tile, and under real (unbalanced)
-routing its last, partial step waits for its own loads after the pipelined loop (28% more
-time at that shape, docs/performance.md run 12). Triton 3.6 pipelines only loads whose
-address is a closed form of the loop counter, so it cannot run one pipeline through several
-tiles. Here the pipeline is written out by hand:
+routing its last, partial step waits for its own loads after the pipelined loop (evidence:
+docs/performance.md). Triton 3.6 pipelines only loads whose address is a closed form of the
+loop counter, so it cannot run one pipeline through several tiles. Here the pipeline is
+written out by hand:
 
 * one program per SM walks the output tiles ``pid, pid + G, ...`` (``G`` programs);
 * one flat stream of TMA loads runs ``STAGES - 1`` row steps ahead of the MMAs, across tile
@@ -28,7 +28,7 @@ tiles. Here the pipeline is written out by hand:
 * every tile's row bounds are loaded one tile ahead, so tile switches do not wait on memory.
 
 The warp-specialised form (:func:`_gluon_wgrad_ws_kernel`, ``launch_gluon_wgrad(...,
-specialized=True)``; the Hopper heuristic's pick for 128-column tiles) computes the same
+specialized=True)``; picked by :mod:`distmoe.plan` for 128-column tiles) computes the same
 MMAs in the same order, so the same bits, with the work split over three partitions:
 
 * one warp issues the TMA loads, each once the MMA warps have released the stage;
@@ -37,19 +37,17 @@ MMAs in the same order, so the same bits, with the work split over three partiti
   time) and complete the stage's barrier themselves;
 * the MMA warps run one MMA per step with no branch in their loop, and the epilogue.
 
-Its ping-pong form (``pingpong=True``; the heuristic's pick since run 41) runs two MMA
-warpgroups of 4 warps, each on whole 128-row tiles, taking the program's tiles in turn: a
-``turn`` mbarrier pair orders their MMAs, and each skips the other's row steps in the ring's
-count, so one's epilogue (bf16 rounding, shared-memory store, TMA store) runs under the
-other's MMAs. Below 1024 rows per expert a tile is only 2-4 row steps and the epilogue is a
-large share of it: the kernel got 7-14% faster at the T=4096, E=128 and DeepSeek-V3 shapes
-(the same bits; one H200, 2026-11-30, performance.md run 41).
+Its ping-pong form (``pingpong=True``) runs two MMA warpgroups of 4 warps, each on whole
+128-row tiles, taking the program's tiles in turn: a ``turn`` mbarrier pair orders their
+MMAs, and each skips the other's row steps in the ring's count, so one's epilogue (bf16
+rounding, shared-memory store, TMA store) runs under the other's MMAs; the same bits. With a
+few hundred rows per expert a tile is only 2-4 row steps and the epilogue is a large share
+of it.
 
 Under a real router most experts end in a partial step. Zeroing it on the MMA warps' path
-cost the T=4096, E=128 shape's WGRADs 24% (performance.md run 39), and any code added to the
-one-partition loop slowed every step (the loop's descriptors left the uniform datapath). The
-specialised kernel was 12-15% faster at exact routing and 17-31% under sampled routing
-(kernel alone, one H200, 2026-11-30, run 39 call 6).
+is costly, and any code added to the one-partition loop slows every step (the loop's
+descriptors leave the uniform datapath); hence the zeroing partition (evidence:
+docs/performance.md).
 
 Reading B's rows in place (``b_rows``, the W13 WGRAD of a layer that kept its input x at
 EP = 1, :func:`distmoe.kernels.wgrad.triton.w13_wgrad`'s ``x_rows``): the warp-specialised
@@ -57,16 +55,12 @@ kernel's producer, then two warps, loads A by TMA and copies each B row by 16-by
 ``cp.async`` from an address table (Hopper has no TMA gather), rows past the expert's end and
 null rows zero-filled, each step's addresses loaded a step ahead; every producer thread's
 ``cp.async.mbarrier.arrive.noinc`` counts in the stage's barrier. Same MMAs, same bits. The
-copies are bound by the producer's latency, so 256 x 128 output tiles, which load each B row
-once per 256 output rows, are its pick: kernel alone 3.129 ms at T=8192 D=4096 F=2048 E=32
-K=8 (TMA-fed heuristic: 3.344), 0.453 at T=4096 D=2048 F=768 E=128 K=8 (0.401); one H200,
-2026-12-04, performance.md run 47.
+copies are bound by the producer's latency, so it runs best with 256 x 128 output tiles,
+which load each B row once per 256 output rows (:mod:`distmoe.plan` picks the tile).
 
 P need not be a multiple of the tile's rows (GPT-OSS's W2: P = D = 2880): the output is then
 stored through an ``[E, P, Q]`` descriptor, whose clipping keeps each expert's partial last
-row block out of the next expert's rows, and A's columns past P are TMA zeros. At
-GPT-OSS-120B's shape this replaced the Triton W2 WGRAD and made the training step 13%
-faster (one H200, 2026-12-04, performance.md run 49).
+row block out of the next expert's rows, and A's columns past P are TMA zeros.
 
 Only for CUDA devices of compute capability 9.x and outside the interpreter; the launcher
 (:func:`gluon_wgrad_supported`) says when, and the Triton kernel serves everything else.
@@ -103,8 +97,8 @@ if HAVE_GLUON:
 __all__ = ["GLUON_WGRAD_CONFIGS", "gluon_gather_reason", "gluon_wgrad_supported",
            "launch_gluon_wgrad"]
 
-# (block_p, block_q, stages, num_warps, block_k) candidates: the tuner times them all (the
-# heuristic, distmoe.plan, picks the first or the second). Shared memory:
+# (block_p, block_q, stages, num_warps, block_k) candidates: the tuner times them all
+# (distmoe.plan picks the config a layer runs). Shared memory:
 # stages * block_k * (block_p + block_q) * 2 + block_p * block_q * 2 bytes (at most 227 KiB).
 
 

@@ -2,7 +2,7 @@
 # CI as it runs elsewhere: `.ci/run` (the README's test command) in a clean clone of the
 # committed HEAD, with a fresh .venv, then the demo there.
 #
-#   bash tools/ci_clone.sh [LOG]   # LOG: where the output goes (default: /tmp/distmoe_ci_clone.log)
+#   bash .ci/clone_check.sh [LOG]   # LOG: where the output goes (default: /tmp/distmoe_ci_clone.log)
 #
 # The clone lives in a temporary folder that is removed on exit, whatever the outcome: its
 # .venv holds torch and triton (about 1.8 GB), and clones left behind by earlier runs once
