@@ -104,6 +104,32 @@ def _graph_ms(step, calls):
     return (time.perf_counter() - t0) / calls * 1e3
 
 
+def _cprofile(step, calls, label, out):
+    import cProfile
+    import io
+    import pstats
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumulative").print_stats(45)
+    text = f"== {label}: {calls} calls\n" + buf.getvalue()
+    print(text)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"cprofile_{label.replace(' ', '_')}.txt"), "w") as f:
+            f.write(text)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -111,6 +137,9 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--rounds", type=int, default=3, help="medians over this many rounds")
     p.add_argument("--out", default=None)
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="instead of timing: cProfile N eager distmoe calls of each shape and "
+                        "mode (host time by Python function, top 45 by own time)")
     args = p.parse_args(argv)
     import torch.distributed as dist
 
@@ -136,6 +165,12 @@ def main(argv=None) -> int:
             if not training:
                 ctxs.append(dm.MoEContext(cfg, device=dev, graphs=False))
                 providers["distmoe-nog"] = ctxs[1]
+            if args.cprofile:
+                _cprofile(_step_fn(ctxs[0], inputs, training), args.cprofile,
+                          f"{name} {mode}", args.out)
+                for c in ctxs:
+                    c.close()
+                continue
             for prov, layer in providers.items():
                 step = _step_fn(layer, inputs, training)
                 for _ in range(3):  # compile, capture the context's graphs, warm

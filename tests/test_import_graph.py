@@ -15,16 +15,6 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "distmoe"
 
-#: Known circles outside issue 57's scope (the kernels), left out of the graph until they are
-#: untangled: ``runtime.heap.create_heap`` imports its backends inside the function, and
-#: those backends import ``heap`` for the base class (``cpu_shm`` directly, ``cuda_ipc``
-#: and ``cuda_symm`` through ``cuda_common``). Add nothing here; remove these once ``create_heap``
-#: moves.
-KNOWN_EDGES = {
-    ("distmoe.runtime.heap", "distmoe.runtime.cpu_shm"),
-    ("distmoe.runtime.heap", "distmoe.runtime.cuda_ipc"),
-    ("distmoe.runtime.heap", "distmoe.runtime.cuda_symm"),
-}
 
 
 def _modules() -> dict[str, Path]:
@@ -78,7 +68,7 @@ def _graph():
     private = []
     for name, path in modules.items():
         for target, imported, line in _imports(name, path, modules):
-            if target != name and (name, target) not in KNOWN_EDGES:
+            if target != name:
                 edges[name].add(target)
             if (imported is not None and imported.startswith("_")
                     and not imported.startswith("__") and target != name):
@@ -117,14 +107,6 @@ def test_graph_sees_the_package():
     edges, _ = _graph()
     assert "distmoe.kernels.base.device" in edges, sorted(edges)
     assert any(edges.values()), "no import found: the walk is broken"
-
-
-def test_known_edges_still_exist():
-    """The exceptions name imports that are really there (a stale entry is removed)."""
-    modules = _modules()
-    found = {(name, target) for name, path in modules.items()
-             for target, _, _ in _imports(name, path, modules)}
-    assert KNOWN_EDGES <= found, sorted(KNOWN_EDGES - found)
 
 
 def test_no_import_cycle():

@@ -94,7 +94,7 @@ def _check_mode_rank(rank, world):
 def test_check_mode_reads_unsigned_ids_and_names_the_offending_entry():
     same, msgs, untouched = dm.launch(_check_mode_rank, 1)[0]
     assert same and untouched
-    assert msgs[0] == "expert_ids must lie in [-1, 4); found 200 at [3, 1]", msgs[0]
+    assert msgs[0] == "expert_ids must lie in [-1, num_experts=4); found 200 at [3, 1]", msgs[0]
     assert msgs[1] == "scores must be 0 on inactive routes (expert id -1); found 0.25 at [5, 0]", \
         msgs[1]
 

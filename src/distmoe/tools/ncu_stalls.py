@@ -9,8 +9,7 @@ Usage (on any machine, over a table exported where the report was taken)::
 
 Why: a warp-specialised Gluon kernel runs a producer and one or two consumer warpgroups in
 one SASS body; Nsight Compute's stall totals mix them, so "83% long scoreboard" does not say
-whether the consumers wait for data or the producer for a free stage (docs/performance.md
-run 57). Here each kernel's SASS is split where a partition begins (``USETMAXREG``, the
+whether the consumers wait for data or the producer for a free stage. Here each kernel's SASS is split where a partition begins (``USETMAXREG``, the
 register reallocation Gluon's ``warp_specialize`` emits at each worker's entry, after an
 unconditional branch), and the out-of-line blocks after the last ``EXIT`` (the barrier
 wait's retry loops) go to the partition their closing branch returns to. A kernel with no

@@ -352,20 +352,20 @@ def gluon_w13_cases(shapes: tuple[str, ...] = ("dense-e32", "qwen3-30b-a3b")) ->
 
 
 #: (epilogue warps, fp32 tile buffers, ring stages) of the split W2 DGRAD's builds; the
-#: heuristic's (run 43): 8 warps, one buffer, 4 or 5 stages
+#: plan's: 8 warps, one buffer, 4 or 5 stages
 GLUON_W2_DGRAD_SPLIT_CASES = ((4, 1, 5), (8, 1, 5), (8, 1, 4), (8, 2, 3))
 
 
 def gluon_w2_dgrad_cases(shapes: tuple[str, ...] = ("dense-e32", "qwen3-30b-a3b")) -> list[BuildCase]:
     """The warp-specialised Gluon W2 DGRAD (:mod:`distmoe.kernels.w2_dgrad.gluon`) at each
     shape with h1 at a device offset and h2 stored. Production (no spill, no serialized
-    wgmma): the split kernel as the heuristic picks it (8 epilogue warps, one fp32 tile
-    buffer, 4 or 5 stages; run 43), scored (the layer's) and plain, at every shape but
+    wgmma): the split kernel as the plan picks it (8 epilogue warps, one fp32 tile
+    buffer, 4 or 5 stages), scored (the layer's) and plain, at every shape but
     ``smoke`` (a CPU test size). Built only: the other split forms (scored), and the
-    ping-pong kernel (production until run 43) at every ring depth it takes. In the
+    ping-pong kernel (no longer picked) at every ring depth it takes. In the
     ping-pong kernel above 32 experts the consumers load the per-expert bounds per tile
-    (``RELOAD_BOUNDS``; held in registers they made the scored epilogue spill 96-220 bytes,
-    run 33), and its plain form still spills 16 bytes there; at ``smoke``
+    (``RELOAD_BOUNDS``; held in registers they made the scored epilogue spill), and its
+    plain form still spills 16 bytes there; at ``smoke``
     (D = 64) its epilogue spills 584-596 bytes. The split kernel spills in none of these.
     Then the split kernel as picked at gpt-oss-120b (F = 2880: partial last column tiles),
     and at deepseek-v3 (scored), its TMA producer in lockstep."""

@@ -131,10 +131,9 @@ def dense_bf16_sustained(
     iterations, sized from a burst timing), back to back like the layer's windows.
 
     The layer cases run 30 iterations per window, 5 ms to 0.2 s; the ``dense_bf16`` ceiling
-    runs 30 matmuls of about 0.17 ms (a 5 ms window). An H200 under seconds of full load
-    lowers its SM clock (one H200, 2026-11-29: 1980 MHz after a 5 ms window, 1530 after a
-    187 ms one, docs/performance.md run 12), so this ceiling is the matmul rate at the clock
-    the long layer cases run at."""
+    runs 30 matmuls of about 0.17 ms (a 5 ms window). A Hopper GPU under seconds of full
+    load lowers its SM clock (evidence: docs/performance.md), so this ceiling is the matmul
+    rate at the clock the long layer cases run at."""
     m, n, k = shape
     c = Ceiling(name="dense_bf16_sustained", unit="TFLOP/s")
     try:
@@ -227,8 +226,7 @@ def peer_copies(config: TimingConfig, nbytes: int = PEER_BYTES) -> list[Ceiling]
     d0, d1 = torch.device("cuda", 0), torch.device("cuda", 1)
     # Timed eagerly: the cross-device copy's capture failed (the timing fell back to eager),
     # and every run with two GPUs visible then aborted at exit with torch 2.11's
-    # "captures_underway.empty()" allocator assert (two H200s, 2026-11-29); runs on one GPU
-    # did not. A 1 GiB copy needs no graph to hide launch overhead.
+    # "captures_underway.empty()" allocator assert; runs on one GPU did not. A 1 GiB copy needs no graph to hide launch overhead.
     config = replace(config, use_cuda_graph=False)
     try:
         with torch.cuda.device(d0):

@@ -3,8 +3,7 @@
 Default suite: ceilings, then the shapes ``dense-e32 qwen3-30b-a3b-t2048 qwen3-30b-a3b
 deepseek-v3`` at their default T, forward and forward+backward, balanced routing, providers
 distmoe / torch / torch_compile
-(on one H200, measured 2026-11-29: about 105 s with ``--providers distmoe torch``, under 180 s
-with all three providers; benchmarks/README.md, "Run time"). ``--full`` adds every named shape,
+(a few minutes on one GPU; benchmarks/README.md). ``--full`` adds every named shape,
 imbalance 1 4 8, the micro-benchmarks with their long sweeps and the roofline model. One GPU
 runs EP = 1 on a private one-rank process group; under ``torchrun`` the world is the EP group
 (EP = world size) and rank 0 writes the outputs.
@@ -1191,7 +1190,7 @@ def _run(
     if args.routing == "exact":
         print("\nrouting: exact (every expert gets T*K/E rows, so whole tiles and row steps); "
               "behind a real router the histogram is sampled and the grouped GEMMs run "
-              "partial tiles: --routing sampled times that (docs/performance.md, run 39)")
+              "partial tiles: --routing sampled times that")
     ok = sum(c.status == "ok" for c in cases)
     failed = sum(c.status == "failed" for c in cases)
     if failed:

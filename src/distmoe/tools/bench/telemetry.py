@@ -1,7 +1,6 @@
 """SM clock and board power of a GPU while a benchmark's timed windows run.
 
-Why: an H200 running a large MoE layer sits at its power limit (performance.md run 24: about
-690 W of 700), and the SM clock is whatever that limit leaves. A kernel that keeps the tensor
+Why: a Hopper GPU running a large MoE layer sits at its power limit, and the SM clock is whatever that limit leaves. A kernel that keeps the tensor
 cores busier then lowers the clock for the whole step, so a kernel-level gain can all but
 vanish at the layer. Reading the clock and power beside every timing tells such a case from a
 change that did nothing.
@@ -9,9 +8,8 @@ change that did nothing.
 :class:`GpuTelemetry` polls ``nvidia-smi --query-gpu=clocks.sm,power.draw -lms 50`` in a child
 process for the duration of a ``with`` block and summarises the samples as medians. The SM
 clock is an instantaneous reading; ``power.draw`` is on recent drivers an average over about
-a second, so for a case whose timed windows last about a second or less (the forward at
-T=8192, D=4096, F=2048, E=32, K=8 reads 458 W against 691 W for its forward+backward, one
-H200, 2026-11-29) it includes the gaps between windows and reads low. Where
+a second, so for a case whose timed windows last about a second or less it includes the
+gaps between windows and reads low. Where
 there is no ``nvidia-smi`` (CPU machines, other vendors) it records nothing and
 :meth:`GpuTelemetry.summary` returns ``None``: telemetry never fails a benchmark.
 """

@@ -227,7 +227,7 @@ def _clear_rng_capture_state() -> None:
     """After a capture that raised, the device's default CUDA generator can stay marked as
     capturing (torch ends the stream's capture but not the generator's), and every later
     random op on the device then fails with "Offset increment outside graph capture
-    encountered unexpectedly" (run 43: a bench-tool test after the eager-fallback one). A
+    encountered unexpectedly" (seen in a bench-tool test after the eager-fallback one). A
     trivial capture that ends normally ends the generator's capture too."""
     try:
         graph = torch.cuda.CUDAGraph()
