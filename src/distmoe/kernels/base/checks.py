@@ -220,11 +220,10 @@ def check_disjoint(
 ) -> None:
     """Raise ``ValueError`` if two of the tensors share bytes (``same_ok`` names one pair that
     may be the identical tensor storage, e.g. an in-place output)."""
-    items = [(n, t) for n, t in named.items() if t is not None and t.numel() > 0]
-    for i, (name_a, a) in enumerate(items):
-        lo_a, hi_a = byte_range(a)
-        for name_b, b in items[i + 1 :]:
-            lo_b, hi_b = byte_range(b)
+    items = [(n, t, *byte_range(t)) for n, t in named.items()
+             if t is not None and t.numel() > 0]
+    for i, (name_a, a, lo_a, hi_a) in enumerate(items):
+        for name_b, b, lo_b, hi_b in items[i + 1 :]:
             if lo_a < hi_b and lo_b < hi_a:
                 identical = (lo_a, hi_a) == (lo_b, hi_b) and a.shape == b.shape
                 if identical and same_ok is not None and {name_a, name_b} == set(same_ok):

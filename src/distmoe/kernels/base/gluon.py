@@ -17,6 +17,8 @@ W13 DGRAD shares), :mod:`distmoe.kernels.w2_dgrad.gluon`, :mod:`distmoe.kernels.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from distmoe.kernels.base.interpreter import interpreter_active
@@ -41,6 +43,19 @@ except ImportError:  # pragma: no cover - depends on the installed triton
     HAVE_GLUON = False
 
 
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    # the driver's answer does not change in a process; asked on every launch otherwise
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.cache
+def shared_layout(block_shape: tuple[int, ...]):
+    """The default NVMMA shared-memory layout of a bf16 TMA block (one object per shape, made
+    once: building it costs host time on every launch otherwise)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), gl.bfloat16)
+
+
 def gluon_device_reason(device: torch.device) -> str | None:
     """``None`` when Gluon kernels can run on ``device`` (Gluon present, not the interpreter, a
     CUDA device of compute capability 9.x), else why not (a sentence)."""
@@ -48,7 +63,7 @@ def gluon_device_reason(device: torch.device) -> str | None:
         return "this triton has no Gluon"
     if interpreter_active():
         return "the Triton interpreter runs no Gluon kernels"
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+    if device.type != "cuda" or _capability(device.index)[0] != 9:
         return f"the Gluon kernels are written for CUDA devices of compute capability 9.x " \
                f"(Hopper), got {device}"
     return None

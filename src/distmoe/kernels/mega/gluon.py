@@ -49,7 +49,7 @@ import torch
 from distmoe.kernels.base.checks import check_block_counters, check_gather_r_cap, check_tensor
 from distmoe.kernels.base.config import next_power_of_2
 from distmoe.kernels.base.device import device_context, num_sms
-from distmoe.kernels.base.gluon import HAVE_GLUON, gluon_device_reason
+from distmoe.kernels.base.gluon import HAVE_GLUON, gluon_device_reason, shared_layout
 from distmoe.kernels.w2_forward.triton import check_w2_args
 from distmoe.kernels.w13_forward.gluon import done_count
 from distmoe.kernels.w13_forward.triton import check_w13_args
@@ -477,8 +477,8 @@ def fused_w13_w2(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
         raise ValueError(f"programs must be at most the SMs ({sms}): every program must be "
                          f"resident at once, got {programs}")
     bn = config.block_n
-    w_layout = gl.NVMMASharedLayout.get_default_for([bn, 64], gl.bfloat16)
-    a_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 64], gl.bfloat16)
+    w_layout = shared_layout((bn, 64))
+    a_layout = shared_layout((BLOCK_M, 64))
     w13_desc = GluonDescriptor(w13.view(2 * num_experts * ffn, hidden),
                                [2 * num_experts * ffn, hidden], [hidden, 1], [bn, 64], w_layout)
     w2_desc = GluonDescriptor(w2.view(num_experts * hidden, ffn), [num_experts * hidden, ffn],

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from distmoe.kernels.base.gluon import HAVE_GLUON, gluon_device_reason
+from distmoe.kernels.base.gluon import HAVE_GLUON, gluon_device_reason, shared_layout
 from distmoe.kernels.w2_forward.gluon import GLUON_W2_BLOCK_K, launch_kernel, shape_reason
 
 if HAVE_GLUON:
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
 __all__ = ["gluon_w13_dgrad_reason", "launch_gluon_w13_dgrad"]
@@ -51,7 +50,7 @@ def launch_gluon_w13_dgrad(grad_h1: torch.Tensor, padded_offsets: torch.Tensor,
     :func:`~distmoe.kernels.w2_forward.gluon.launch_gluon_w2`."""
     num_experts, hidden = w13.shape[0], w13.shape[-1]
     depth = grad_h1.shape[1]  # 2F
-    w_layout = gl.NVMMASharedLayout.get_default_for([GLUON_W2_BLOCK_K, block_n], gl.bfloat16)
+    w_layout = shared_layout((GLUON_W2_BLOCK_K, block_n))
     w_desc = GluonDescriptor(w13.reshape(num_experts * depth, hidden),
                              [num_experts * depth, hidden], [hidden, 1],
                              [GLUON_W2_BLOCK_K, block_n], w_layout)

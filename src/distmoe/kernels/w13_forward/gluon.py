@@ -57,7 +57,12 @@ import torch
 
 from distmoe.kernels.base.config import next_power_of_2
 from distmoe.kernels.base.device import device_context, lockstep_counter, num_sms
-from distmoe.kernels.base.gluon import HAVE_GLUON, gluon_device_reason, gluon_ring_reason
+from distmoe.kernels.base.gluon import (
+    HAVE_GLUON,
+    gluon_device_reason,
+    gluon_ring_reason,
+    shared_layout,
+)
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -443,8 +448,8 @@ def launch_gluon_w13(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
     ``order``)."""
     block_m, block_k = tile_rows(block_n, warps), 64
     num_experts, _, ffn, hidden = w13.shape
-    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.bfloat16)
-    a_layout = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gl.bfloat16)
+    w_layout = shared_layout((block_n, block_k))
+    a_layout = shared_layout((block_m, block_k))
     w_desc = GluonDescriptor(w13.view(2 * num_experts * ffn, hidden),
                              [2 * num_experts * ffn, hidden], [hidden, 1], [block_n, block_k],
                              w_layout)

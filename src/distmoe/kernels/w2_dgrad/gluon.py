@@ -63,7 +63,7 @@ import torch
 
 from distmoe.kernels.base.config import next_power_of_2
 from distmoe.kernels.base.device import device_context, lockstep_counter, num_sms
-from distmoe.kernels.base.gluon import HAVE_GLUON, gluon_device_reason
+from distmoe.kernels.base.gluon import HAVE_GLUON, gluon_device_reason, shared_layout
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -603,8 +603,8 @@ def launch_gluon_w2_dgrad(grad_h3_ptrs: torch.Tensor, padded_offsets: torch.Tens
     :attr:`~distmoe.kernels.w2_dgrad.config.W2DgradConfig.expert_groups`."""
     num_experts, hidden, ffn = w2.shape
     block_m, block_n, block_k = 128, 128, 64
-    a_layout = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gl.bfloat16)
-    w_layout = gl.NVMMASharedLayout.get_default_for([block_k, block_n], gl.bfloat16)
+    a_layout = shared_layout((block_m, block_k))
+    w_layout = shared_layout((block_k, block_n))
     a_desc = GluonDescriptor(grad_h3_rows, list(grad_h3_rows.shape), [hidden, 1],
                              [block_m, block_k], a_layout)
     w_desc = GluonDescriptor(w2.view(num_experts * hidden, ffn), [num_experts * hidden, ffn],

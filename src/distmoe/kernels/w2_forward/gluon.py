@@ -61,7 +61,12 @@ import torch
 
 from distmoe.kernels.base.config import next_power_of_2
 from distmoe.kernels.base.device import device_context, lockstep_counter, num_sms
-from distmoe.kernels.base.gluon import HAVE_GLUON, gluon_device_reason, gluon_ring_reason
+from distmoe.kernels.base.gluon import (
+    HAVE_GLUON,
+    gluon_device_reason,
+    gluon_ring_reason,
+    shared_layout,
+)
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -327,7 +332,7 @@ def launch_gluon_w2(h2: torch.Tensor, padded_offsets: torch.Tensor, row_offsets:
     zeroed int32 counter is allocated per launch). ``expert_groups``:
     :attr:`~distmoe.kernels.w2_forward.config.W2Config.expert_groups`."""
     num_experts, hidden, ffn = w2.shape
-    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, GLUON_W2_BLOCK_K], gl.bfloat16)
+    w_layout = shared_layout((block_n, GLUON_W2_BLOCK_K))
     w_desc = GluonDescriptor(w2.view(num_experts * hidden, ffn), [num_experts * hidden, ffn],
                              [ffn, 1], [block_n, GLUON_W2_BLOCK_K], w_layout)
     launch_kernel(h2, w_desc, scatter_ptrs, padded_offsets, row_offsets, enable,
@@ -343,8 +348,7 @@ def launch_kernel(a, w_desc, scatter_ptrs, padded_offsets, row_offsets, enable, 
     blocks, the weights' descriptor ``w_desc`` (``b_k_major``: ``[block_n, 64]`` blocks of
     ``[E N, K]``, else ``[64, block_n]`` blocks of ``[E K, N]``), one program per SM (or
     ``programs``) and at most one per tile of the ``R_cap`` bound."""
-    a_layout = gl.NVMMASharedLayout.get_default_for([GLUON_W2_BLOCK_M, GLUON_W2_BLOCK_K],
-                                                    gl.bfloat16)
+    a_layout = shared_layout((GLUON_W2_BLOCK_M, GLUON_W2_BLOCK_K))
     a_desc = GluonDescriptor(a, list(a.shape), [depth, 1], [GLUON_W2_BLOCK_M, GLUON_W2_BLOCK_K],
                              a_layout)
     tiles = (scatter_ptrs.shape[0] // GLUON_W2_BLOCK_M) * -(-hidden // block_n)

@@ -77,7 +77,7 @@ from distmoe.kernels.base.device import (
     lockstep_counter,
     num_sms,
 )
-from distmoe.kernels.base.gluon import HAVE_GLUON, gluon_device_reason
+from distmoe.kernels.base.gluon import HAVE_GLUON, gluon_device_reason, shared_layout
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -732,9 +732,9 @@ WgradConfig.lockstep`; a zeroed int32 counter is allocated per launch; the same 
             raise ValueError(reason)
     num_experts, width_p, width_q = out.shape
     num_act_rows = a.shape[0]
-    a_layout = gl.NVMMASharedLayout.get_default_for([block_k, block_p], gl.bfloat16)
-    b_layout = gl.NVMMASharedLayout.get_default_for([block_k, block_q], gl.bfloat16)
-    o_layout = gl.NVMMASharedLayout.get_default_for([block_p, block_q], gl.bfloat16)
+    a_layout = shared_layout((block_k, block_p))
+    b_layout = shared_layout((block_k, block_q))
+    o_layout = shared_layout((block_p, block_q))
     a_desc = GluonDescriptor(a, [num_act_rows, width_p], [width_p, 1], [block_k, block_p],
                              a_layout)
     if b_offset is None:
@@ -749,7 +749,7 @@ WgradConfig.lockstep`; a zeroed int32 counter is allocated per launch; the same 
         o_desc = GluonDescriptor(
             out, [num_experts, width_p, width_q], [width_p * width_q, width_q, 1],
             [1, block_p, block_q],
-            gl.NVMMASharedLayout.get_default_for([1, block_p, block_q], gl.bfloat16))
+            shared_layout((1, block_p, block_q)))
     else:
         o_desc = GluonDescriptor(out.view(num_experts * width_p, width_q),
                                  [num_experts * width_p, width_q], [width_q, 1],
