@@ -44,7 +44,7 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 
 
 @functools.cache
-def _capability(index: int | None) -> tuple[int, int]:
+def _capability(index: int) -> tuple[int, int]:
     # the driver's answer does not change in a process; asked on every launch otherwise
     return torch.cuda.get_device_capability(index)
 
@@ -63,7 +63,8 @@ def gluon_device_reason(device: torch.device) -> str | None:
         return "this triton has no Gluon"
     if interpreter_active():
         return "the Triton interpreter runs no Gluon kernels"
-    if device.type != "cuda" or _capability(device.index)[0] != 9:
+    if device.type != "cuda" or _capability(
+            torch.cuda.current_device() if device.index is None else device.index)[0] != 9:
         return f"the Gluon kernels are written for CUDA devices of compute capability 9.x " \
                f"(Hopper), got {device}"
     return None
