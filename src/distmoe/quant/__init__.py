@@ -1,0 +1,31 @@
+"""Block-scaled 8- and 4-bit number formats: MXFP8 and NVFP4 quantisers (docs/numerics.md).
+
+Each quantiser is a Triton kernel (CUDA, or the CPU through Triton's interpreter) with a
+plain-PyTorch reference ``*_ref`` that runs anywhere and gives the same bits:
+
+* :func:`mxfp8_quantize` / :func:`mxfp8_dequantize`: E4M3 values, one E8M0 scale per 32 values
+  along an axis (:mod:`distmoe.quant.mxfp8`);
+* :func:`mxfp8_quantize_weight`: a static weight in 32 x 32 blocks, one qdata for the forward
+  and the input-gradient GEMM (:class:`MXFP8Weight`, :mod:`distmoe.quant.mxfp8_weight`);
+* :func:`nvfp4_quantize` / :func:`nvfp4_dequantize`: E2M1 values packed two per byte, one E4M3
+  scale per 16 values and a float32 global scale per tensor or per row
+  (:mod:`distmoe.quant.nvfp4`).
+"""
+
+from .formats import QuantLaunchConfig
+from .mxfp8 import mxfp8_dequantize, mxfp8_quantize, mxfp8_quantize_ref
+from .mxfp8_weight import MXFP8Weight, mxfp8_quantize_weight, mxfp8_quantize_weight_ref
+from .nvfp4 import nvfp4_dequantize, nvfp4_quantize, nvfp4_quantize_ref
+
+__all__ = [
+    "MXFP8Weight",
+    "QuantLaunchConfig",
+    "mxfp8_dequantize",
+    "mxfp8_quantize",
+    "mxfp8_quantize_ref",
+    "mxfp8_quantize_weight",
+    "mxfp8_quantize_weight_ref",
+    "nvfp4_dequantize",
+    "nvfp4_quantize",
+    "nvfp4_quantize_ref",
+]
