@@ -35,7 +35,7 @@ from ..kernels.w13_forward.config import W13Config
 from ..kernels.wgrad.config import WgradConfig
 from ..memory import rows_in_place
 from . import rules
-from .thresholds import DEVICE_CLASSES, HBM3E_MEMORY_BYTES, DeviceClass, thresholds
+from .thresholds import DEVICE_CLASSES, HBM3E_MEMORY_BYTES, DeviceClass
 
 #: kernel keys of a plan and of an override, with their config class and whether only a
 #: training context runs them
@@ -217,7 +217,6 @@ def plan_kernels(cfg: MoEConfig, *, ep_size: int = 1,
         device_class = _device_class_checked(device)
     elif device_class not in DEVICE_CLASSES:
         raise ValueError(f"device_class ({device_class!r}) must be one of {DEVICE_CLASSES}")
-    thresholds(device_class)
     num_experts = cfg.experts_per_rank(ep_size)
     D, F = cfg.hidden, cfg.ffn
     rows = max(1, cfg.max_tokens * cfg.top_k // num_experts)
