@@ -16,7 +16,9 @@ on T only, which is part of the key).
 
 Memory: every graph captures into one private pool of the context; the intermediate tensors
 of a capture are freed when it ends, so the pool holds about one forward's temporaries plus
-one y per distinct T. At most ``max_graphs`` keys are kept (least recently used dropped).
+one y per distinct T. At most ``max_graphs`` keys get a graph; calls of later keys run
+eagerly (no eviction: a stack of more layers than that, each captured again when its turn
+came, would pay a capture per call).
 Weights are keyed by address: a weight tensor updated in place keeps its graph; a new
 tensor at a new address gets a new one.
 
@@ -28,20 +30,18 @@ Not used with ``check=True`` (it synchronises), on CPU devices, for training con
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 
 
 class ForwardGraphs:
     """The captured inference forwards of one :class:`~distmoe.ops.context.MoEContext`."""
 
-    def __init__(self, ctx, *, max_graphs: int = 32) -> None:
+    def __init__(self, ctx, *, max_graphs: int = 256) -> None:
         self.ctx = ctx
         self.max_graphs = max_graphs
         self.pool = None  # one private memory pool for every graph of this context
         self.seen: set = set()  # keys called eagerly once (kernels compiled)
-        self.graphs: OrderedDict = OrderedDict()  # key -> (graph, ids, scores)
+        self.graphs: dict = {}  # key -> (graph, ids, scores)
         self.outputs: dict[int, torch.Tensor] = {}  # T -> static y [T, D]
         self.replays = 0
         self.captures = 0
@@ -59,12 +59,10 @@ class ForwardGraphs:
         key = self.key(x, expert_ids, scores, w13, w2)
         entry = self.graphs.get(key)
         if entry is None:
-            if key not in self.seen:
+            if key not in self.seen or len(self.graphs) >= self.max_graphs:
                 self.seen.add(key)
                 return None
             entry = self._capture(key, T, expert_ids, scores, w13, w2)
-        else:
-            self.graphs.move_to_end(key)
         graph, ids_s, scores_s = entry
         ctx = self.ctx
         buffer = ctx.input_buffer(T)
@@ -78,8 +76,6 @@ class ForwardGraphs:
 
     def _capture(self, key, T, expert_ids, scores, w13, w2):
         ctx = self.ctx
-        if len(self.graphs) >= self.max_graphs:
-            self.graphs.popitem(last=False)
         ids_s = torch.empty_like(expert_ids)
         scores_s = torch.empty_like(scores)
         if T not in self.outputs:
