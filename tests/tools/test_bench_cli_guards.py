@@ -112,7 +112,7 @@ def test_out_and_archive_checked_before_measuring(tmp_path, monkeypatch, capsys,
 def test_exit_status_and_summary_of_failed_cases(tmp_path, monkeypatch, capsys):
     """A failing case is a result; the run exits 1 only when no case succeeded, and says how
     many failed. A second run into the same --out names the files it replaces."""
-    real_benchmark = cli.benchmark
+    real_benchmark = cli.benchmark_modes
     calls = []
 
     def second_call_fails(step, **kw):
@@ -121,7 +121,7 @@ def test_exit_status_and_summary_of_failed_cases(tmp_path, monkeypatch, capsys):
             raise RuntimeError("forced failure")
         return real_benchmark(step, **kw)
 
-    monkeypatch.setattr(cli, "benchmark", second_call_fails)
+    monkeypatch.setattr(cli, "benchmark_modes", second_call_fails)
     out = tmp_path / "bench"
     common = ["--shapes", "smoke", "--device", "cpu", "--providers", "torch", "--warmup", "1",
               "--windows", "1", "--iters", "1", "--no-plots", "--no-ceilings", "--out", str(out)]
@@ -133,7 +133,7 @@ def test_exit_status_and_summary_of_failed_cases(tmp_path, monkeypatch, capsys):
     assert "RuntimeError: forced failure" in rows[1]["note"]
 
     (out / "micro.csv").write_text("stale\n")
-    monkeypatch.setattr(cli, "benchmark", lambda step, **kw: (_ for _ in ()).throw(
+    monkeypatch.setattr(cli, "benchmark_modes", lambda step, **kw: (_ for _ in ()).throw(
         RuntimeError("forced failure")))
     assert cli.run(_parse([*common, "--mode", "fwd"])) == 1
     captured = capsys.readouterr()

@@ -66,6 +66,47 @@ def test_tiny_ceilings_and_micro():
     assert "bitwise equal" in proj[1].note
 
 
+def test_graph_and_eager_with_host_time():
+    """--timing both on the device: a graph figure, an eager figure and a host time per call
+    issued ahead of the GPU (the torch baseline does not wait for the GPU at EP = 1)."""
+    from distmoe.tools.bench.timing import CudaSleep, benchmark_modes
+
+    inputs = make_layer_inputs(SHAPES["smoke"], tokens=64, training=False, device="cuda")
+    path = baseline.grouped_mm_path("cuda")[0]
+    step = make_step(lambda *a: baseline.torch_moe(*a, path=path), inputs, "fwd")
+    res = benchmark_modes(step, timing="both", config=TINY, device="cuda")
+    assert res.graph is not None and res.graph.method == "cuda_graph", res.graph_reason
+    assert res.eager is not None and res.eager.method == "cuda_eager"
+    assert len(res.eager.stats.window_ms) == 2 and res.eager.iter_ms > 0
+    host = res.eager.host
+    assert host is not None and not host.synced and 0 < host.ms < 1000, host
+    only = benchmark_modes(step, timing="eager", config=TINY, device="cuda")
+    assert only.graph is None and only.graph_reason == "" and only.eager.host is not None
+    # the calibrated sleep lasts about as long as asked
+    sleeper = CudaSleep()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    done = sleeper.sleep(20.0)
+    end.record()
+    assert not done()  # queried at once: still sleeping
+    end.synchronize()
+    assert 5.0 < start.elapsed_time(end) < 80.0
+    assert done()
+
+
+def test_host_time_of_a_synchronising_function_is_sync():
+    """A function that reads a value back (.item()) waits for the queued sleep: its host time
+    is reported as sync, not as the sleep's length; no graph is tried (graph_safe False)."""
+    from distmoe.tools.bench.timing import benchmark_modes
+
+    res = benchmark_modes(lambda: torch.ones(8, device="cuda").sum().item(), timing="both",
+                          config=TINY, device="cuda", graph_safe=False)
+    assert res.graph is None and res.graph_reason == "provider synchronises with the host"
+    assert res.eager.method == "cuda_eager" and res.eager.host.synced
+    assert math.isnan(res.eager.host.ms)
+
+
 def test_eager_fallback_is_recorded():
     # last in the file: a refused capture (host sync) must fall back, not fail
     res = benchmark(lambda: torch.ones(8, device="cuda").sum().item(), config=TINY, device="cuda")

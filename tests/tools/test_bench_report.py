@@ -206,16 +206,18 @@ def test_table_columns_never_touch():
     text = report.format_table([_case(), wide, failed])
     lines = text.splitlines()
     fields = [re.split(r" {2,}", line.strip()) for line in [lines[0], *lines[2:]]]
-    assert fields[0] == ["provider", "shape", "T", "mode", "imb", "ms", "range", "TFLOP/s",
-                         "%dense", "%sust", "HBM GB/s", "MHz", "W", "peak GiB", "status"]
+    assert fields[0] == ["provider", "shape", "T", "mode", "imb", "graph ms", "eager ms",
+                         "host ms", "range", "TFLOP/s", "%dense", "%sust", "HBM GB/s", "MHz",
+                         "W", "peak GiB", "status"]
     assert fields[2] == ["torch_compile", "deepseek-v4-flash/ep2", "65536", "fwdbwd", "1",
-                         "1734.413", "1683.212-1785.613", "12345.6", "1234", "1456", "123456",
-                         "1980", "699", "123.45", "ok"]
-    assert fields[1][:7] == ["torch", "dense-e32", "8192", "fwd", "1", "2.000", "1.900-2.200"]
-    assert fields[3][:6] == ["distmoe", "smoke", "64", "fwd", "1", "-"]
+                         "1734.413", "-", "-", "1683.212-1785.613", "12345.6", "1234", "1456",
+                         "123456", "1980", "699", "123.45", "ok"]
+    assert fields[1][:9] == ["torch", "dense-e32", "8192", "fwd", "1", "2.000", "-", "-",
+                             "1.900-2.200"]
+    assert fields[3][:8] == ["distmoe", "smoke", "64", "fwd", "1", "-", "-", "-"]
     assert fields[3][-1] == "failed: RuntimeError: boom"
     assert "1734.4131683.212" not in text
     assert len(lines[1]) == len(lines[0]) and set(lines[1]) == {"-"}
     # the columns line up: the ms title ends where the right-aligned values end
-    end_ms = lines[0].index(" ms") + 3
+    end_ms = lines[0].index("graph ms") + len("graph ms")
     assert lines[3][:end_ms].endswith("1734.413") and lines[2][:end_ms].endswith("2.000")

@@ -1,7 +1,8 @@
 """Benchmark harness of distmoe: ``python -m distmoe bench`` (see benchmarks/README.md).
 
 Modules:
-    timing      CUDA-graph window timing, interleaved rounds, eager and CPU fallbacks
+    timing      CUDA-graph and eager window timing (``--timing``), host time per call,
+                interleaved rounds, CPU timing
     models      useful FLOPs, modeled HBM and NVLink bytes, roofline equations
     workloads   named shapes, routing generator with an imbalance knob, layer inputs
     baseline    the torch baseline (gather + torch._grouped_mm + SwiGLU + scatter-add; EP>1

@@ -24,6 +24,14 @@ their old names (``issue-a``, ``issue-b``, ``fine``); these read them under the 
 
 Case order: shape -> tokens -> mode -> imbalance -> provider, so a provider built for one
 (shape, tokens, mode) (a distmoe context, a torch.compile graph) serves every imbalance.
+
+Timing (``--timing``, default ``both``): each case is timed under CUDA-graph replay and as
+eager calls (the way users mostly call the layer), one row per figure in cases.csv and
+results.json (``timing_method`` ``cuda_graph`` or ``cuda_eager``; ``cpu`` on the CPU, one
+row); eager rows carry the host time per call (``host_ms``; empty, with the note
+``host: sync (...)``, for a provider that makes the host wait for the GPU). A provider that
+cannot be captured has an eager row only, noted ``graph: n/a (reason)``. ``--no-graph`` is
+``--timing eager``.
 """
 
 from __future__ import annotations
@@ -55,7 +63,7 @@ from distmoe.tools.bench.groups import (
     launched_by_torchrun,
 )
 from distmoe.tools.bench.providers import PROVIDERS, Provider, build_provider, make_step
-from distmoe.tools.bench.timing import TimingConfig, benchmark
+from distmoe.tools.bench.timing import TIMING_CHOICES, ModeResults, TimingConfig, benchmark_modes
 from distmoe.tools.bench.workloads import (
     DEFAULT_SHAPES,
     FULL_SHAPES,
@@ -221,7 +229,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="iterations per CUDA graph (default: one window; 1 = replay a one-step graph)",
     )
-    parser.add_argument("--no-graph", action="store_true", help="time eagerly (no CUDA graphs)")
+    parser.add_argument(
+        "--timing",
+        choices=TIMING_CHOICES,
+        default=None,
+        help="graph: CUDA-graph replay (a provider that cannot be captured: eager calls); "
+        "eager: back-to-back eager calls between CUDA events, the same windows, plus the "
+        "host's time per call (issued behind a GPU sleep; 'sync' for a provider that waits "
+        "for the GPU); both: each case both ways, side by side (default both; on the CPU "
+        "there is one timing, wall time per call)",
+    )
+    parser.add_argument(
+        "--no-graph",
+        action="store_true",
+        help="alias of --timing eager (no CUDA graphs, also for the ceilings)",
+    )
     parser.add_argument(
         "--no-ceilings",
         action="store_true",
@@ -292,6 +314,7 @@ class BenchPlan:
     micro_full: bool
     roofline: bool
     timing: TimingConfig
+    timing_mode: str = "both"
     seed: int = 0
     imbalance_groups: int = 8
     routing: str = "exact"
@@ -310,6 +333,17 @@ class BenchPlan:
             * len(self.imbalances)
             * len(self.providers)
         )
+
+
+def resolve_timing(args: argparse.Namespace) -> str:
+    """``--timing`` with ``--no-graph`` as its alias ``eager`` (default ``both``); ValueError
+    when the two say different things."""
+    timing = getattr(args, "timing", None)
+    if getattr(args, "no_graph", False):
+        if timing not in (None, "eager"):
+            raise ValueError(f"--no-graph is --timing eager; it contradicts --timing {timing}")
+        return "eager"
+    return timing or "both"
 
 
 def rank_share(shape: MoEShape, ranks: int) -> MoEShape:
@@ -358,13 +392,14 @@ def resolve_plan(args: argparse.Namespace) -> BenchPlan:
     if args.tokens and any(t < 1 for t in args.tokens):
         raise ValueError(f"--tokens values ({args.tokens}) must be >= 1")
     shapes = tuple(rank_share(SHAPES[n], args.rank_share_of) for n in names)
+    timing_mode = resolve_timing(args)
     capture = args.capture_iters if args.capture_iters is not None else args.iters
     timing = TimingConfig(
         num_warmup=args.warmup,
         num_windows=args.windows,
         iters_per_window=args.iters,
         capture_iters=capture,
-        use_cuda_graph=not args.no_graph,
+        use_cuda_graph=timing_mode != "eager",
     )
     return BenchPlan(
         shapes=shapes,
@@ -376,6 +411,7 @@ def resolve_plan(args: argparse.Namespace) -> BenchPlan:
         micro_full=args.full,
         roofline=args.roofline or args.full,
         timing=timing,
+        timing_mode=timing_mode,
         seed=args.seed,
         imbalance_groups=args.imbalance_groups,
         routing=args.routing,
@@ -455,17 +491,20 @@ def run_case(
     inputs: LayerInputs,
     row: report.CaseResult,
     y_ref: torch.Tensor | None,
-) -> float | None:
-    """Time one provider on one set of inputs, filling ``row``; returns the modeled intensity."""
+) -> list[tuple[report.CaseResult, float | None]]:
+    """Time one provider on one set of inputs.
+
+    Returns one row per figure measured (graph, then eager: :func:`case_rows`), each with its
+    modeled intensity (FLOP/byte), or ``[(row, None)]`` with ``row`` filled as a provider that
+    is not ok or a failed case. ``row`` is the template of the rows (and the first of them)."""
     start = time.perf_counter()
     row.baseline_path = provider.baseline_path
     row.routing = ctx.plan.routing
     row.achieved_imbalance = inputs.routing.achieved_imbalance
     row.tracked_rows = inputs.routing.tracked_rows
-    intensity = None
     if provider.status != "ok":
         row.status, row.note = provider.status, provider.note
-        return None
+        return [(row, None)]
     step = make_step(provider.layer, inputs, row.mode)
     args = (inputs.x_TD, inputs.expert_ids_TK, inputs.scores_TK, inputs.w13_e2FD, inputs.w2_eDF)
     try:
@@ -482,39 +521,65 @@ def run_case(
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(ctx.device)
         group = ctx.bench_group.group if ctx.bench_group.world_size > 1 else None
-        res = benchmark(
+        res = benchmark_modes(
             step,
+            timing=ctx.plan.timing_mode,
             config=ctx.plan.timing,
             group=group,
             device=ctx.device,
             graph_safe=provider.graph_safe,
         )
-        row.timing_method = res.method
-        row.iter_ms, row.window_min_ms, row.window_max_ms = (
-            res.stats.iter_ms,
-            res.stats.min_ms,
-            res.stats.max_ms,
-        )
-        row.window_ms = list(res.stats.window_ms)
-        if res.telemetry is not None:
-            row.sm_clock_mhz, row.power_w = res.telemetry.sm_clock_mhz, res.telemetry.power_w
-        notes = [provider.note] if provider.note else []
-        if res.fallback_reason:
-            notes.append("eager timing: " + res.fallback_reason)
-        if row.max_rel_err_vs_torch is not None and row.max_rel_err_vs_torch > 0.05:
-            notes.append("OUTPUT DIFFERS FROM TORCH BASELINE")
-        row.note = "; ".join(notes)
         if ctx.device.type == "cuda":
             # plus the symmetric heap's buffers where its allocator is not torch's (distmoe's
             # dispatch, combine and activation buffers under symmetric memory)
             heap = getattr(provider.layer, "heap", None)
             untracked = heap.untracked_bytes if heap is not None else 0
             row.peak_mem_gib = (torch.cuda.max_memory_allocated(ctx.device) + untracked) / 2**30
-        intensity = fill_metrics(row, ctx.dense_tflops, ctx.dense_sustained_tflops)
+        rows = case_rows(row, res, provider.note)
+        out = [(r, fill_metrics(r, ctx.dense_tflops, ctx.dense_sustained_tflops)) for r in rows]
     except Exception as exc:  # a failing provider is a result, not a harness error
         row.status, row.note = "failed", report.error_text(exc)
-    row.case_seconds = time.perf_counter() - start
-    return intensity
+        out = [(row, None)]
+    seconds = time.perf_counter() - start
+    for r, _ in out:
+        r.case_seconds = seconds
+    return out
+
+
+def case_rows(row: report.CaseResult, res: ModeResults, provider_note: str = ""
+              ) -> list[report.CaseResult]:
+    """The rows of one timed case: ``row`` (the template) filled with the graph figure, then a
+    copy with the eager one, as far as ``res`` holds them.
+
+    Notes, in order: the provider's, ``graph: n/a (reason)`` on the eager row of a case
+    whose graph figure was asked for but could not be taken, ``host: sync (...)`` on an
+    eager row whose calls made the host wait for the GPU (``host_ms`` NaN: an empty cell),
+    and ``OUTPUT DIFFERS FROM TORCH BASELINE``."""
+    rows = []
+    for i, r in enumerate(res.results()):
+        out = row if i == 0 else dataclasses.replace(row, window_ms=[])
+        out.timing_method = r.method
+        out.iter_ms, out.window_min_ms, out.window_max_ms = (
+            r.stats.iter_ms, r.stats.min_ms, r.stats.max_ms)
+        out.window_ms = list(r.stats.window_ms)
+        if r.telemetry is not None:
+            out.sm_clock_mhz, out.power_w = r.telemetry.sm_clock_mhz, r.telemetry.power_w
+        else:
+            out.sm_clock_mhz = out.power_w = None
+        notes = [provider_note] if provider_note else []
+        if r is res.eager and res.graph_reason:
+            notes.append(f"{report.GRAPH_NA_NOTE} ({res.graph_reason})")
+        out.host_ms = None
+        if r.host is not None:
+            out.host_ms = r.host.ms
+            if r.host.synced:
+                notes.append(f"{report.HOST_SYNC_NOTE} (the calls made the host wait for the "
+                             "GPU: it could not issue them ahead of a queued GPU sleep)")
+        if out.max_rel_err_vs_torch is not None and out.max_rel_err_vs_torch > 0.05:
+            notes.append("OUTPUT DIFFERS FROM TORCH BASELINE")
+        out.note = "; ".join(notes)
+        rows.append(out)
+    return rows
 
 
 # ----------------------------------------------------------------------------- the suite
@@ -616,10 +681,10 @@ def run_cases(
                                 gathered_rows_in_place=plan.gathered_rows_in_place,
                             )
                         row = _base_result(ctx, p, shape, t, mode, f)
-                        value = run_case(ctx, built[p], inputs, row, y_ref)
-                        if value is not None:
-                            intensity[id(row)] = value
-                        results.append(row)
+                        for r, value in run_case(ctx, built[p], inputs, row, y_ref):
+                            if value is not None:
+                                intensity[id(r)] = value
+                            results.append(r)
                         if on_case is not None:
                             on_case()
                         if progress:
@@ -1115,6 +1180,8 @@ def _run(
             "iters_per_window": plan.timing.iters_per_window,
             "capture_iters": plan.timing.capture_iters,
             "use_cuda_graph": plan.timing.use_cuda_graph,
+            "mode": plan.timing_mode,
+            "host_rounds": plan.timing.host_rounds,
         },
         "ceilings": ceilings.as_dicts(),
         "cases": [c.as_dict() for c in cases],
@@ -1191,14 +1258,19 @@ def _run(
         print("\nrouting: exact (every expert gets T*K/E rows, so whole tiles and row steps); "
               "behind a real router the histogram is sampled and the grouped GEMMs run "
               "partial tiles: --routing sampled times that")
-    ok = sum(c.status == "ok" for c in cases)
-    failed = sum(c.status == "failed" for c in cases)
+    # a case is one (provider, shape, T, mode, routing, imbalance), whatever its timings
+    status: dict[tuple, str] = {}
+    for c in cases:
+        key = report.case_key(c)
+        status[key] = c.status if status.get(key, "ok") == "ok" else status[key]
+    ok = sum(v == "ok" for v in status.values())
+    failed = sum(v == "failed" for v in status.values())
     if failed:
-        print(f"\n{failed} of {len(cases)} cases failed")
+        print(f"\n{failed} of {len(status)} cases failed")
     if not ok:
         counts: dict[str, int] = {}
-        for c in cases:
-            counts[c.status] = counts.get(c.status, 0) + 1
+        for v in status.values():
+            counts[v] = counts.get(v, 0) + 1
         detail = ", ".join(f"{n} {k}" for k, n in counts.items()) or "no cases"
         print(f"no case succeeded ({detail}): exit status 1")
     return 1 if aborted or archive_note or not ok else 0

@@ -2,7 +2,8 @@
 
 Files of one run (in the output directory):
 
-    cases.csv            one row per (provider, shape, tokens, imbalance, mode): CASE_COLUMNS
+    cases.csv            one row per (provider, shape, tokens, imbalance, mode) and timing
+                         (CUDA-graph replay, eager calls; one on the CPU): CASE_COLUMNS
     ceilings.csv         measured ceilings (dense bf16, fp8 rowwise, device copy, peer copy)
     micro.csv            micro-benchmark rows (--micro): MICRO_COLUMNS of micro.py
     roofline_model.csv   modeled GEMM-pair rate versus tokens (--roofline)
@@ -60,6 +61,7 @@ CASE_COLUMNS: dict[str, type] = {
     "iter_ms": float,
     "window_min_ms": float,
     "window_max_ms": float,
+    "host_ms": float,
     "tflops": float,
     "pct_dense": float,
     "pct_dense_sustained": float,
@@ -75,9 +77,25 @@ CASE_COLUMNS: dict[str, type] = {
 }
 
 
+#: Note of an eager row whose case has no graph figure although one was asked for:
+#: ``graph: n/a (reason)``.
+GRAPH_NA_NOTE = "graph: n/a"
+#: Note of an eager row whose calls made the host wait for the GPU (``host_ms`` empty):
+#: ``host: sync (...)``.
+HOST_SYNC_NOTE = "host: sync"
+
+
 @dataclass(kw_only=True)
 class CaseResult:
-    """One benchmark case; fields are :data:`CASE_COLUMNS` plus the window times (JSON only).
+    """One figure of one benchmark case; fields are :data:`CASE_COLUMNS` plus the window times
+    (JSON only).
+
+    A case timed both ways has two rows, alike but for the figure: ``timing_method``
+    ``cuda_graph`` (CUDA-graph replay) and ``cuda_eager`` (eager calls between CUDA events);
+    on the CPU one row, ``cpu``. ``host_ms`` (eager and CPU rows) is the host's time per
+    call, issued while the GPU is kept busy (:func:`~distmoe.tools.bench.timing.host_time_per_call`;
+    on the CPU the call's wall time); empty for graph rows and, with the note
+    ``host: sync (...)``, for calls that make the host wait for the GPU.
 
     ``tflops`` is useful TFLOP/s (models.useful_flops / iter time), ``pct_dense`` its
     percentage of the dense bf16 matmul measured in the same run (5 ms windows: the burst
@@ -111,6 +129,7 @@ class CaseResult:
     iter_ms: float | None = None
     window_min_ms: float | None = None
     window_max_ms: float | None = None
+    host_ms: float | None = None
     tflops: float | None = None
     pct_dense: float | None = None
     pct_dense_sustained: float | None = None
@@ -134,6 +153,34 @@ class CaseResult:
 
 
 assert set(CASE_COLUMNS) <= set(CaseResult.__dataclass_fields__), "CASE_COLUMNS out of sync"
+
+_KEY_FIELDS = ("provider", "shape", "tokens", "hidden", "ffn", "num_experts", "top_k", "ep_size",
+               "precision", "mode", "routing", "imbalance")
+_KEY_DEFAULTS = {"precision": "bf16", "routing": "exact", "imbalance": 1.0}
+
+
+def case_key(case: CaseResult | Mapping) -> tuple:
+    """What makes a case (provider, shape, widths, EP, precision, mode, routing, imbalance):
+    the rows of its timings share it."""
+    get = case.get if isinstance(case, Mapping) else lambda k, d=None: getattr(case, k, d)
+    return tuple(get(k, _KEY_DEFAULTS.get(k)) for k in _KEY_FIELDS)
+
+
+def timing_slot(case: CaseResult | Mapping) -> str:
+    """Where a row's figure goes in the tables: ``"graph"`` (CUDA-graph replay, and a row
+    without a figure) or ``"eager"`` (eager calls and the CPU's timing)."""
+    get = case.get if isinstance(case, Mapping) else lambda k, d=None: getattr(case, k, d)
+    return "eager" if get("timing_method") in ("cuda_eager", "cpu") else "graph"
+
+
+def host_text(case: CaseResult | Mapping | None) -> str:
+    """The host time per call of a row for the tables: ms, ``sync`` or ``-``."""
+    if case is None:
+        return "-"
+    get = case.get if isinstance(case, Mapping) else lambda k, d=None: getattr(case, k, d)
+    if HOST_SYNC_NOTE in (get("note") or ""):
+        return "sync"
+    return _fmt(get("host_ms"), ".3f")
 
 
 def error_text(exc: BaseException) -> str:
@@ -240,13 +287,14 @@ def write_csv(path: str | os.PathLike, rows: Iterable[Mapping], columns: Sequenc
 
 
 def read_cases_csv(path: str | os.PathLike) -> list[dict]:
-    """Read ``cases.csv`` back with :data:`CASE_COLUMNS` types (empty cells become None)."""
+    """Read ``cases.csv`` back with :data:`CASE_COLUMNS` types (empty cells become None, and so
+    do the columns of an older file that lacks them; ``""`` for text)."""
     out = []
     with Path(path).open(newline="") as f:
         for raw in csv.DictReader(f):
             out.append(
                 {
-                    k: (None if raw[k] == "" and t is not str else t(raw[k]))
+                    k: (None if raw.get(k, "") == "" and t is not str else t(raw.get(k, "")))
                     for k, t in CASE_COLUMNS.items()
                 }
             )
@@ -286,9 +334,18 @@ _PROVIDER_COLORS = {"distmoe": "#1b9e77", "torch": "#7570b3", "torch_compile": "
 
 
 def _ok(cases: Sequence[CaseResult]) -> list[CaseResult]:
-    return [
+    """The plotted rows: one per case, its graph figure where it has one, else its eager one."""
+    ok = [
         c for c in cases if c.status == "ok" and c.tflops is not None and math.isfinite(c.tflops)
     ]
+    chosen: dict[tuple, CaseResult] = {}
+    for c in ok:
+        key = case_key(c)
+        if key not in chosen or (timing_slot(chosen[key]) == "eager"
+                                 and timing_slot(c) == "graph"):
+            chosen[key] = c
+    picked = {id(c) for c in chosen.values()}
+    return [c for c in ok if id(c) in picked]
 
 
 def plot_tflops(
@@ -576,7 +633,9 @@ _TABLE_COLUMNS = (
     ("T", ">"),
     ("mode", ">"),
     ("imb", ">"),
-    ("ms", ">"),
+    ("graph ms", ">"),
+    ("eager ms", ">"),
+    ("host ms", ">"),
     ("range", ">"),
     ("TFLOP/s", ">"),
     ("%dense", ">"),
@@ -589,14 +648,41 @@ _TABLE_COLUMNS = (
 _TABLE_GAP = "  "  # between columns: numbers never touch, whatever their width
 
 
+def _note_part(note: str, prefix: str) -> str:
+    """The ``"; "``-separated part of ``note`` that starts with ``prefix`` ('' if none)."""
+    return next((part for part in note.split("; ") if part.startswith(prefix)), "")
+
+
+def merge_timings(cases: Sequence[CaseResult]) -> list[dict[str, CaseResult | None]]:
+    """The rows of ``cases`` grouped by case (:func:`case_key`), in order of first appearance:
+    ``{"graph": row, "eager": row, "other": row}`` (``other``: a row without a figure, a
+    failed or unavailable case; a slot without a row is ``None``; the first row wins)."""
+    groups: dict[tuple, dict[str, CaseResult | None]] = {}
+    for c in cases:
+        slots = groups.setdefault(case_key(c), {"graph": None, "eager": None, "other": None})
+        slot = timing_slot(c) if c.timing_method else "other"
+        if slots[slot] is None:
+            slots[slot] = c
+    return list(groups.values())
+
+
 def format_table(cases: Sequence[CaseResult], ceilings: Sequence[Mapping] = ()) -> str:
     """A short table of the cases, then the ceilings, for the terminal.
 
-    Each column is as wide as its title or its widest cell, columns are two spaces apart, and
-    the status (with the note of a case that is not ``ok``) comes last."""
+    One line per case: its graph figure (``n/a`` where the case could not be captured), its
+    eager figure and its host time per call (``sync`` where the calls wait for the GPU) side
+    by side; the window range and the rates are those of the graph figure where the case
+    has one, else of the eager one. Each column is as wide as its title or its widest cell,
+    columns are two spaces apart, and the status (with the note of a case that is not
+    ``ok``, or why it has no graph figure) comes last."""
     rows = []
     statuses = []
-    for c in cases:
+    for slots in merge_timings(cases):
+        graph, eager, other = slots["graph"], slots["eager"], slots["other"]
+        c = graph or eager or other
+        assert c is not None
+        na = _note_part(eager.note, GRAPH_NA_NOTE) if eager is not None else ""
+        graph_ms = _fmt(graph.iter_ms, ".3f") if graph is not None else ("n/a" if na else "-")
         rows.append(
             (
                 c.provider,
@@ -604,7 +690,9 @@ def format_table(cases: Sequence[CaseResult], ceilings: Sequence[Mapping] = ()) 
                 str(c.tokens),
                 c.mode,
                 _imb_text(c),
-                _fmt(c.iter_ms, ".3f"),
+                graph_ms,
+                _fmt(eager.iter_ms if eager is not None else None, ".3f"),
+                host_text(eager),
                 f"{_fmt(c.window_min_ms, '.3f')}-{_fmt(c.window_max_ms, '.3f')}",
                 _fmt(c.tflops, ".1f"),
                 _fmt(c.pct_dense, ".0f"),
@@ -615,7 +703,11 @@ def format_table(cases: Sequence[CaseResult], ceilings: Sequence[Mapping] = ()) 
                 _fmt(c.peak_mem_gib, ".2f"),
             )
         )
-        statuses.append(c.status if c.status == "ok" else f"{c.status}: {c.note[:60]}")
+        bad = next((r for r in (other, graph, eager) if r is not None and r.status != "ok"), None)
+        if bad is not None:
+            statuses.append(f"{bad.status}: {bad.note[:60]}")
+        else:
+            statuses.append("ok" + (f"; {na[:70]}" if na else ""))
     titles = tuple(t for t, _ in _TABLE_COLUMNS)
     widths = [max(len(cell) for cell in col) for col in zip(titles, *rows, strict=True)]
 
@@ -671,14 +763,29 @@ def _command_text(command: str) -> str:
 def _timing_text(payload: Mapping, cases: Sequence[Mapping]) -> str:
     methods = {c.get("timing_method") for c in cases if c.get("timing_method")}
     timing = payload.get("timing") or {}
-    graph = methods == {"cuda_graph"} if methods else bool(timing.get("use_cuda_graph"))
-    how = "CUDA-graph replay" if graph else "eager launches"
+    if methods:
+        graph, eager = "cuda_graph" in methods, bool(methods - {"cuda_graph"})
+    else:
+        graph = bool(timing.get("use_cuda_graph"))
+        eager = not graph
+    how = ("CUDA-graph replay and eager calls" if graph and eager
+           else "CUDA-graph replay" if graph else "eager launches")
+    if any(c.get("host_ms") is not None for c in cases):
+        how += " (host time per eager call issued behind a GPU sleep)"
     if timing.get("num_windows") and timing.get("iters_per_window"):
         how += (
             f", median of {timing['num_windows']} windows of "
             f"{timing['iters_per_window']} iterations"
         )
     return how
+
+
+def _graph_text(ms: float | None, graph: Mapping | None, eager: Mapping | None) -> str:
+    """A graph time for the markdown tables: ms, ``n/a`` (the case could not be captured:
+    its eager row says so) or ``-``."""
+    if graph is None and eager is not None and GRAPH_NA_NOTE in (eager.get("note") or ""):
+        return "n/a"
+    return _fmt(ms, ".3f")
 
 
 def _case_key(case: Mapping) -> tuple:
@@ -726,9 +833,14 @@ def markdown_tables(
     one device hold the same case (shape, T, widths, EP, precision, mode, routing), the
     newest file's (``date_utc``) is shown. A row gives the ``ours`` provider's time, the
     ``baseline`` provider's, their ratio (baseline / ours: above 1 is faster than the
-    baseline), ours in useful TFLOP/s and in percent of the dense bf16 matmul measured in the
-    same run (burst clock, and sustained in brackets), and a footnote naming the file, its
-    date, git SHA, timing method and command. Shape names of older files are shown by their
+    baseline; only where both were timed the same way), ours in useful TFLOP/s and in percent
+    of the dense bf16 matmul measured in the same run (burst clock, and sustained in
+    brackets), and a footnote naming the file, its date, git SHA, timing method and command.
+    Where the device's files hold eager figures (``timing_method`` ``cuda_eager`` or
+    ``cpu``: ``--timing eager|both``, or an old file's eager fallback), the times are those
+    of CUDA-graph replay and eager columns follow: both providers' eager times, their ratio,
+    and both providers' host time per call (``sync`` where the calls wait for the GPU; blank,
+    ``-``, in files without it). Files with graph figures only render as before. Shape names of older files are shown by their
     current names (:data:`LEGACY_SHAPE_NAMES`). Raises ``ValueError`` naming a file that is
     missing or is not a bench results file.
     """
@@ -753,81 +865,120 @@ def markdown_tables(
     blocks = []
     for gpu in sorted({f["gpu"] for f in files}):
         mine = sorted((f for f in files if f["gpu"] == gpu), key=lambda f: f["date"])
-        # key -> provider -> (case, file): the newest file wins per case
-        table: dict[tuple, dict[str, tuple[Mapping, dict]]] = {}
+        # key -> provider -> (file, slot -> case): the newest file wins per case; a case's
+        # rows of one file fill its slots (graph, eager: timing_slot)
+        table: dict[tuple, dict[str, tuple[dict, dict[str, Mapping]]]] = {}
         for f in mine:
             for case in f["payload"]["cases"]:
-                if case.get("provider") in (ours, baseline):
-                    table.setdefault(_case_key(case), {})[case["provider"]] = (case, f)
+                if case.get("provider") not in (ours, baseline):
+                    continue
+                per = table.setdefault(_case_key(case), {})
+                held = per.get(case["provider"])
+                if held is None or held[0] is not f:
+                    held = per[case["provider"]] = (f, {})
+                held[1].setdefault(timing_slot(case), case)
+        with_eager = any("eager" in slots for per in table.values()
+                         for _, slots in per.values())
         used: list[dict] = []  # files in order of their first footnote
         keys = sorted(
             table,
             key=lambda k: (_MODE_ORDER.get(k[8], 9), k[0], k[1], k[6], k[9] != "exact", k[10]),
         )
+
+        def figure(slots: Mapping[str, Mapping] | None, slot: str) -> tuple[Mapping | None,
+                                                                           float | None]:
+            case = (slots or {}).get(slot)
+            ok = case is not None and case.get("status") == "ok"
+            return case, (case.get("iter_ms") if ok else None)
+
         rows = []
         for key in keys:
             pair = table[key]
-            mine_case, mine_file = pair.get(ours, (None, None))
-            base_case, base_file = pair.get(baseline, (None, None))
-            ref = mine_case or base_case
-            ms = mine_case.get("iter_ms") if mine_case and mine_case.get("status") == "ok" else None
-            base_ms = (
-                base_case.get("iter_ms") if base_case and base_case.get("status") == "ok" else None
-            )
-            ratio = base_ms / ms if ms and base_ms else None
+            mine_file, mine_slots = pair.get(ours, (None, None))
+            base_file, base_slots = pair.get(baseline, (None, None))
+            ref = next(iter((mine_slots or base_slots).values()))
+            mine_case, ms = figure(mine_slots, "graph")
+            base_case, base_ms = figure(base_slots, "graph")
+            # within one timing method (an old file's eager fallback is no graph figure)
+            same = (mine_case or {}).get("timing_method") == (base_case or {}).get(
+                "timing_method")
+            ratio = base_ms / ms if ms and base_ms and same else None
+            mine_eager, eager_ms = figure(mine_slots, "eager")
+            base_eager, base_eager_ms = figure(base_slots, "eager")
+            eager_ratio = base_eager_ms / eager_ms if eager_ms and base_eager_ms else None
             notes = set()
             for f in (mine_file, base_file):
                 if f is not None:
                     if not any(f is u for u in used):
                         used.append(f)
                     notes.add(next(i for i, u in enumerate(used, 1) if u is f))
-            pct = _fmt(mine_case.get("pct_dense") if ms else None, ".0f")
-            sustained = mine_case.get("pct_dense_sustained") if ms else None
+            rated = mine_case if ms else (mine_eager if eager_ms else None)
+            pct = _fmt(rated.get("pct_dense") if rated else None, ".0f")
+            sustained = rated.get("pct_dense_sustained") if rated else None
             if pct != "-" and sustained is not None:
                 pct += f" ({sustained:.0f})"
             shape = key[0]
             dims = f"{key[1]}, {key[2]}, {key[3]}, {key[4]}, {key[5]}"
-            rows.append(
-                (
-                    f"`{shape}`",
-                    dims,
-                    str(key[6]),
-                    _MODE_TEXT.get(key[8], key[8]),
-                    _routing_text(ref),
-                    _fmt(ms, ".3f"),
-                    _fmt(base_ms, ".3f"),
-                    _fmt(ratio, ".2f") + ("x" if ratio else ""),
-                    _fmt(mine_case.get("tflops") if ms else None, ".0f"),
-                    pct,
-                    ", ".join(f"[{n}]" for n in sorted(notes)),
-                )
-            )
+            cells = [
+                f"`{shape}`",
+                dims,
+                str(key[6]),
+                _MODE_TEXT.get(key[8], key[8]),
+                _routing_text(ref),
+                _graph_text(ms, mine_case, mine_eager),
+                _graph_text(base_ms, base_case, base_eager),
+                _fmt(ratio, ".2f") + ("x" if ratio else ""),
+                _fmt(rated.get("tflops") if rated else None, ".0f"),
+                pct,
+            ]
+            if with_eager:
+                cells += [
+                    _fmt(eager_ms, ".3f"),
+                    _fmt(base_eager_ms, ".3f"),
+                    _fmt(eager_ratio, ".2f") + ("x" if eager_ratio else ""),
+                    host_text(mine_eager),
+                    host_text(base_eager),
+                ]
+            cells.append(", ".join(f"[{n}]" for n in sorted(notes)))
+            rows.append(tuple(cells))
         dates = sorted(f["date"][:10] for f in used)
         span = dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"
         timings = sorted({_timing_text(f["payload"], f["payload"]["cases"]) for f in used})
         count = len({len(f["env"].get("gpus") or [None]) for f in used})
+        ratio_text = f"Ratio = {baseline} time / {ours} time."
+        if with_eager:
+            ratio_text = (
+                f"Ratios = {baseline} time / {ours} time, each within one timing (graph: "
+                f"CUDA-graph replay; eager: back-to-back eager calls; host: the host's time "
+                f"per eager call, sync where the calls wait for the GPU). TFLOP/s and % dense "
+                f"of the graph figure, else the eager one."
+            )
         lines = [
             f"### {gpu}",
             "",
             f"Device: {gpu}; dates (UTC): {span}; timing: {'; '.join(timings)}; "
             f"{len(used)} results file{'s' if len(used) != 1 else ''}"
             f"{'' if count == 1 else ' (machines with different GPU counts)'}. "
-            f"Ratio = {baseline} time / {ours} time.",
+            f"{ratio_text}",
             "",
         ]
-        titles = (
+        graph = " graph" if with_eager else ""
+        titles = [
             "shape",
             "T, D, F, E, K",
             "EP",
             "mode",
             "routing",
-            f"{ours} ms",
-            f"{baseline} ms",
-            "ratio",
+            f"{ours}{graph} ms",
+            f"{baseline}{graph} ms",
+            f"{graph.strip()} ratio".strip(),
             "TFLOP/s",
             "% dense (sustained)",
-            "source",
-        )
+        ]
+        if with_eager:
+            titles += [f"{ours} eager ms", f"{baseline} eager ms", "eager ratio",
+                       f"{ours} host ms", f"{baseline} host ms"]
+        titles.append("source")
         lines.append("| " + " | ".join(titles) + " |")
         lines.append(
             "|" + "|".join("---" if i < 5 else "--:" for i in range(len(titles) - 1)) + "|---|"

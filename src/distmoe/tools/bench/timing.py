@@ -20,15 +20,34 @@ method used and the reason for a fallback are recorded in the result. Step 5 is 
 
 Sync points: one device synchronisation per window boundary and one barrier per window when
 a multi-rank group is given; none inside a window.
+
+Graph and eager (:func:`benchmark_modes`, ``python -m distmoe bench --timing``): users mostly
+call the layer eagerly, so a case can be timed both ways after one warm-up: CUDA-graph replay
+as above, and eager calls, the same windows of back-to-back calls between CUDA events, reduced
+the same way. A function that cannot be captured has no graph figure (the reason is kept).
+
+Host time per call (:func:`host_time_per_call`, eager timing only): a long GPU sleep
+(``torch.cuda._sleep``, its cycles per millisecond calibrated once per device) is queued
+first, so that the host never waits for the GPU while it issues ``n`` back-to-back calls,
+timed with ``time.perf_counter`` and divided by ``n``; then a device synchronisation. An event
+recorded after the sleep tells whether the sleep was still running when the last call
+returned. If it was not, the sleep was too short, the launch queue filled, or the function
+made the host wait for the GPU; the measurement is repeated with a longer sleep and fewer
+calls, and a function whose calls still outlast the sleep (the first call waits for it: a
+``.item()``, ``.tolist()``, a synchronisation) is reported as synchronising (``synced``, no
+number) rather than with the sleep's length as its host time. On the CPU the host time of a
+call is its wall time (the window times above).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -36,6 +55,8 @@ import torch.distributed as dist
 from .telemetry import GpuTelemetry, Telemetry
 
 TimingMethod = Literal["cuda_graph", "cuda_eager", "cpu"]
+#: ``--timing`` of ``python -m distmoe bench``: what :func:`benchmark_modes` times.
+TIMING_CHOICES: tuple[str, ...] = ("graph", "eager", "both")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +71,8 @@ class TimingConfig:
         use_cuda_graph: try CUDA-graph capture at all (``False``: eager CUDA events).
         telemetry: sample the GPU's SM clock and power while the timed windows run
             (:mod:`~distmoe.tools.bench.telemetry`; CUDA with ``nvidia-smi`` only).
+        host_rounds: rounds of the host-time measurement (each behind its own GPU sleep);
+            the median is reported.
     """
 
     num_warmup: int = 10
@@ -58,18 +81,22 @@ class TimingConfig:
     capture_iters: int = 30
     use_cuda_graph: bool = True
     telemetry: bool = True
+    host_rounds: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("num_warmup", "num_windows", "iters_per_window", "capture_iters"):
+        for name in ("num_warmup", "num_windows", "iters_per_window", "capture_iters",
+                     "host_rounds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if self.num_warmup < 0:
             raise ValueError(f"num_warmup ({self.num_warmup}) must be >= 0")
-        if self.num_windows < 1 or self.iters_per_window < 1 or self.capture_iters < 1:
+        if (self.num_windows < 1 or self.iters_per_window < 1 or self.capture_iters < 1
+                or self.host_rounds < 1):
             raise ValueError(
-                "num_windows, iters_per_window and capture_iters must be >= 1, got "
-                f"{self.num_windows}, {self.iters_per_window}, {self.capture_iters}"
+                "num_windows, iters_per_window, capture_iters and host_rounds must be >= 1, "
+                f"got {self.num_windows}, {self.iters_per_window}, {self.capture_iters}, "
+                f"{self.host_rounds}"
             )
         if self.iters_per_window % self.capture_iters:
             raise ValueError(
@@ -95,8 +122,28 @@ class WindowStats:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HostTime:
+    """Host time per call of eager calls (:func:`host_time_per_call`).
+
+    Attributes:
+        ms: host milliseconds per call, the median over rounds (the slowest rank's); NaN
+            when ``synced``.
+        synced: the calls made the host wait for the GPU: no host time can be given.
+        calls: calls per round (of the last attempt).
+        rounds: rounds measured (0 when ``synced``).
+        sleep_ms: the GPU sleep queued ahead of the calls (of the last attempt; 0 on CPU).
+    """
+
+    ms: float
+    synced: bool = False
+    calls: int = 0
+    rounds: int = 0
+    sleep_ms: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class TimingResult:
-    """Outcome of :func:`benchmark`.
+    """Outcome of :func:`benchmark` (and each half of :func:`benchmark_modes`).
 
     Attributes:
         stats: reduced window times.
@@ -105,6 +152,7 @@ class TimingResult:
         config: the timing configuration.
         telemetry: this rank's GPU clock and power over the timed windows, or ``None``
             (CPU timing, telemetry off, or no ``nvidia-smi``).
+        host: host time per call (eager and CPU timing, when asked for), else ``None``.
     """
 
     stats: WindowStats
@@ -112,10 +160,32 @@ class TimingResult:
     fallback_reason: str
     config: TimingConfig
     telemetry: Telemetry | None = None
+    host: HostTime | None = None
 
     @property
     def iter_ms(self) -> float:
         return self.stats.iter_ms
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModeResults:
+    """Outcome of :func:`benchmark_modes`.
+
+    Attributes:
+        graph: CUDA-graph replay (``None``: not asked for, not capturable, or no CUDA).
+        eager: eager calls (``"cuda_eager"``, with host time) or the CPU timing (``"cpu"``);
+            ``None`` only when graph timing alone was asked for and the capture worked.
+        graph_reason: why there is no graph figure although one was asked for ("" else;
+            also "" on the CPU, which has no CUDA graphs).
+    """
+
+    graph: TimingResult | None
+    eager: TimingResult | None
+    graph_reason: str = ""
+
+    def results(self) -> list[TimingResult]:
+        """The figures measured: graph first, then eager."""
+        return [r for r in (self.graph, self.eager) if r is not None]
 
 
 # ----------------------------------------------------------------------------- pure statistics
@@ -252,15 +322,13 @@ def _warm_up_on_side_stream(fns: Sequence[Callable[[], object]], calls: int) -> 
     torch.cuda.synchronize()
 
 
-def _time_cuda(
+def _try_capture(
     fn: Callable[[], object], cfg: TimingConfig, group, graph_safe: bool
-) -> tuple[list[float], TimingMethod, str, Telemetry | None]:
-    _warm_up_on_side_stream([fn], cfg.num_warmup)
-
+) -> tuple[torch.cuda.CUDAGraph | None, str]:
+    """A graph of ``cfg.capture_iters`` calls of ``fn`` (warmed up already), or ``None`` and
+    why not. Every rank of ``group`` gets a graph or none does."""
     graph, reason = None, ""
-    if not cfg.use_cuda_graph:
-        reason = "CUDA graphs disabled"
-    elif not graph_safe:
+    if not graph_safe:
         reason = "provider synchronises with the host"
     else:
         try:
@@ -275,12 +343,22 @@ def _time_cuda(
     # A collective inside fn must run the same way on every rank.
     if not _all_ranks_agree(graph is not None, group) and graph is not None:
         graph, reason = None, "capture failed on another rank"
+    return graph, reason
 
-    step = graph.replay if graph is not None else fn
-    calls = cfg.iters_per_window // cfg.capture_iters if graph is not None else cfg.iters_per_window
+
+def _cuda_windows(
+    step: Callable[[], object], calls: int, cfg: TimingConfig, group
+) -> tuple[list[float], Telemetry | None, float]:
+    """``cfg.num_windows`` windows of ``calls`` calls of ``step`` between CUDA events.
+
+    Returns the per-iteration milliseconds of each window (window / ``iters_per_window``),
+    the telemetry over the windows, and the host's wall milliseconds per iteration over all
+    windows (device synchronised at both ends; an upper bound of the host's issue time)."""
     events = []
     telemetry = GpuTelemetry(torch.device("cuda", torch.cuda.current_device())
                              if cfg.telemetry else None)
+    torch.cuda.synchronize()
+    wall_start = time.perf_counter()
     with telemetry:
         for _ in range(cfg.num_windows):
             _barrier(group)
@@ -293,10 +371,76 @@ def _time_cuda(
             end.record()
             events.append((start, end))
         torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - wall_start) * 1e3
     totals = [s.elapsed_time(e) for s, e in events]
-    del graph
-    method: TimingMethod = "cuda_graph" if not reason else "cuda_eager"
-    return per_iteration_ms(totals, cfg.iters_per_window), method, reason, telemetry.summary()
+    wall_per_iter = wall_ms / (cfg.num_windows * cfg.iters_per_window)
+    return per_iteration_ms(totals, cfg.iters_per_window), telemetry.summary(), wall_per_iter
+
+
+def _result(local: list[float], method: TimingMethod, reason: str, cfg: TimingConfig, group,
+            telemetry: Telemetry | None = None, host: HostTime | None = None) -> TimingResult:
+    stats = reduce_windows(_allreduce_max(local, group))
+    return TimingResult(stats=stats, method=method, fallback_reason=reason, config=cfg,
+                        telemetry=telemetry, host=host)
+
+
+def _use_cuda(device: torch.device | str | None) -> bool:
+    if device is None:
+        return torch.cuda.is_available()
+    return torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
+def benchmark_modes(
+    fn: Callable[[], object],
+    *,
+    timing: str = "both",
+    config: TimingConfig | None = None,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+    graph_safe: bool = True,
+    host_time: bool = True,
+) -> ModeResults:
+    """Time ``fn()`` under CUDA-graph replay, as eager calls, or both (``timing``: one of
+    :data:`TIMING_CHOICES`), after one warm-up.
+
+    Graph: as :func:`benchmark` (``config.use_cuda_graph`` is not read: ``timing`` decides).
+    Eager: the same windows of ``iters_per_window`` back-to-back eager calls between CUDA
+    events, the same reduction (maximum over ranks, median over windows), then
+    (``host_time``) the host time per call, :func:`host_time_per_call` over
+    ``config.host_rounds`` rounds. A function that cannot be captured gets its eager figure
+    whatever ``timing`` says, and ``graph_reason`` says why there is no graph figure. Without
+    CUDA (``device`` not CUDA) the windows are timed on the host (method ``"cpu"``), once,
+    as the eager figure, and the host time of a call is its wall time (the median window).
+    Every rank of ``group`` calls it with the same arguments.
+    """
+    cfg = config or TimingConfig()
+    if timing not in TIMING_CHOICES:
+        raise ValueError(f"timing ({timing!r}) must be one of {TIMING_CHOICES}")
+    if not _use_cuda(device):
+        res = _result(_time_cpu(fn, cfg, group), "cpu", "", cfg, group)
+        if host_time:
+            host = HostTime(ms=res.iter_ms, calls=cfg.iters_per_window, rounds=cfg.num_windows)
+            res = dataclasses.replace(res, host=host)
+        return ModeResults(graph=None, eager=res)
+
+    _warm_up_on_side_stream([fn], cfg.num_warmup)
+    graph_res, reason = None, ""
+    if timing != "eager":
+        graph, reason = _try_capture(fn, cfg, group, graph_safe)
+        if graph is not None:
+            local, telemetry, _ = _cuda_windows(
+                graph.replay, cfg.iters_per_window // cfg.capture_iters, cfg, group)
+            del graph
+            graph_res = _result(local, "cuda_graph", "", cfg, group, telemetry)
+    eager_res = None
+    if timing != "graph" or graph_res is None:
+        local, telemetry, wall_ms = _cuda_windows(fn, cfg.iters_per_window, cfg, group)
+        host = None
+        if host_time:
+            host = host_time_per_call(fn, calls=cfg.iters_per_window, wall_ms_per_call=wall_ms,
+                                      rounds=cfg.host_rounds, group=group)
+        eager_res = _result(local, "cuda_eager", reason, cfg, group, telemetry, host)
+    return ModeResults(graph=graph_res, eager=eager_res, graph_reason=reason)
 
 
 def benchmark(
@@ -306,31 +450,180 @@ def benchmark(
     group: dist.ProcessGroup | None = None,
     device: torch.device | str | None = None,
     graph_safe: bool = True,
+    host_time: bool = False,
 ) -> TimingResult:
     """Time ``fn()`` with the seed's window method and reduce over the ranks of ``group``.
 
     Args:
         fn: one iteration (no arguments; its result is discarded). Inputs must live at stable
             addresses for graph replay.
-        config: counts of warm-ups, windows and iterations.
+        config: counts of warm-ups, windows and iterations; ``use_cuda_graph=False`` times
+            eager calls only.
         group: ranks over which to take the per-window maximum (every rank must call).
         device: ``"cuda"``/CUDA device for CUDA timing, anything else (or no CUDA) times on
             the host with ``time.perf_counter``. Default: CUDA when available.
         graph_safe: ``False`` skips capture for functions known to synchronise with the host.
+        host_time: also measure the host time per call where the timing is eager.
+
+    Returns the graph figure, or, where capture was off or impossible, the eager one (its
+    ``fallback_reason`` says why). :func:`benchmark_modes` gives both.
     """
     cfg = config or TimingConfig()
-    if device is None:
-        use_cuda = torch.cuda.is_available()
-    else:
-        use_cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
-    telemetry = None
-    if use_cuda:
-        local, method, reason, telemetry = _time_cuda(fn, cfg, group, graph_safe)
-    else:
-        local, method, reason = _time_cpu(fn, cfg, group), "cpu", ""
-    stats = reduce_windows(_allreduce_max(local, group))
-    return TimingResult(stats=stats, method=method, fallback_reason=reason, config=cfg,
-                        telemetry=telemetry)
+    res = benchmark_modes(fn, timing="graph" if cfg.use_cuda_graph else "eager", config=cfg,
+                          group=group, device=device, graph_safe=graph_safe,
+                          host_time=host_time)
+    if res.graph is not None:
+        return res.graph
+    assert res.eager is not None
+    if res.eager.method == "cuda_eager" and not cfg.use_cuda_graph:
+        return dataclasses.replace(res.eager, fallback_reason="CUDA graphs disabled")
+    return res.eager
+
+
+# ----------------------------------------------------------------------------- host time
+
+#: Bounds of the GPU sleep queued ahead of the calls of :func:`host_time_per_call` (ms).
+MIN_HOST_SLEEP_MS = 20.0
+MAX_HOST_SLEEP_MS = 2000.0
+#: Attempts of one round before its calls count as synchronising.
+HOST_ATTEMPTS = 4
+
+
+class GpuQueue(Protocol):
+    """What :func:`host_time_per_call` needs of a device (a fake one in tests)."""
+
+    def sleep(self, ms: float) -> Callable[[], bool]:
+        """Queue about ``ms`` milliseconds of device work ahead of what comes next; returns a
+        check, ``True`` once that work has finished."""
+
+    def synchronize(self) -> None:
+        """Wait for all queued device work."""
+
+
+class CudaSleep:
+    """:class:`GpuQueue` of the current CUDA device and stream: ``torch.cuda._sleep`` (a
+    kernel that spins for a number of clock cycles), sized from a calibration made once per
+    device, and an event recorded after it."""
+
+    CALIBRATION_CYCLES = 10_000_000  # a few milliseconds at GPU clocks
+    _cycles_per_ms: dict[int, float] = {}
+
+    def __init__(self, device: torch.device | int | None = None) -> None:
+        if isinstance(device, int):
+            index = device
+        else:
+            index = None if device is None else torch.device(device).index
+        self.index = torch.cuda.current_device() if index is None else index
+        self.cycles_per_ms = self._calibrate(self.index)
+
+    @classmethod
+    def _calibrate(cls, index: int) -> float:
+        if index not in cls._cycles_per_ms:
+            with torch.cuda.device(index):
+                torch.cuda._sleep(1000)  # load the kernel
+                torch.cuda.synchronize()
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                torch.cuda._sleep(cls.CALIBRATION_CYCLES)
+                end.record()
+                end.synchronize()
+                ms = max(start.elapsed_time(end), 1e-3)
+            cls._cycles_per_ms[index] = cls.CALIBRATION_CYCLES / ms
+        return cls._cycles_per_ms[index]
+
+    def sleep(self, ms: float) -> Callable[[], bool]:
+        torch.cuda._sleep(max(1, int(ms * self.cycles_per_ms)))
+        done = torch.cuda.Event()
+        done.record()
+        return done.query
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+
+def _max_code(code: int, group) -> int:
+    """The largest of the ranks' ``code``."""
+    return int(_allreduce_max([float(code)], group)[0][0])
+
+
+def host_time_per_call(
+    fn: Callable[[], object],
+    *,
+    calls: int,
+    wall_ms_per_call: float,
+    rounds: int = 3,
+    group: dist.ProcessGroup | None = None,
+    gpu: GpuQueue | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    max_sleep_ms: float = MAX_HOST_SLEEP_MS,
+) -> HostTime:
+    """Host milliseconds per call of ``fn``, issued while the GPU is kept busy.
+
+    Each round: device synchronisation, a GPU sleep queued (``gpu.sleep``), ``calls``
+    back-to-back calls timed with ``clock``, a device synchronisation; the round's host time
+    is the elapsed time over ``calls``. The first sleep is twice the calls' wall time
+    (``wall_ms_per_call``, an upper bound of the host time, from the eager windows) plus
+    10 ms, within [:data:`MIN_HOST_SLEEP_MS`, ``max_sleep_ms``] (fewer calls where it would
+    not fit); later rounds use three times the host time measured plus 10 ms.
+
+    A round counts only if the sleep was still running when the last call returned (so the
+    host never waited for the GPU). If it was not: when the sleep ended during the first
+    call, that call waited for the GPU, and one more try with a single call and a sleep four
+    times as long decides; otherwise (a sleep too short, a full launch queue) the round is
+    tried again with a sleep four times as long and a quarter of the calls, at most
+    :data:`HOST_ATTEMPTS` tries in all. A round that never counts makes the result
+    ``synced`` (the function synchronises with the GPU; ``ms`` NaN). Returns the median
+    over ``rounds`` rounds, the slowest rank's with a ``group`` (every rank calls it; the
+    ranks retry together).
+
+    ``gpu`` and ``clock`` are for tests (default: :class:`CudaSleep` and ``perf_counter``).
+    """
+    if calls < 1 or rounds < 1:
+        raise ValueError(f"calls ({calls}) and rounds ({rounds}) must be >= 1")
+    if gpu is None:
+        gpu = CudaSleep()
+    wall = max(float(wall_ms_per_call), 0.0) if math.isfinite(wall_ms_per_call) else 0.0
+    room = max_sleep_ms - 10.0
+    if wall > 0 and 2 * calls * wall > room:
+        calls = max(1, int(room / (2 * wall)))
+    sleep_ms = min(max(2 * calls * wall + 10.0, MIN_HOST_SLEEP_MS), max_sleep_ms)
+    samples: list[float] = []
+    for _ in range(rounds):
+        measured = None
+        attempts = 0
+        n = calls  # this attempt's calls (one while confirming a wait in the first call)
+        while measured is None:
+            attempts += 1
+            _barrier(group)
+            gpu.synchronize()
+            finished = gpu.sleep(sleep_ms)
+            t0 = clock()
+            fn()
+            t1 = clock()
+            waited_first = finished()  # outside the timed calls
+            t2 = clock()
+            for _ in range(n - 1):
+                fn()
+            t3 = clock()
+            # 0: the host got ahead of the GPU; 1: the sleep ended during later calls;
+            # 2: it ended during the first call (that call waited for the GPU)
+            code = 2 if waited_first else (1 if finished() else 0)
+            gpu.synchronize()
+            code = _max_code(code, group)
+            if code == 0:
+                measured = ((t1 - t0) + (t3 - t2)) * 1e3 / n
+            elif attempts >= HOST_ATTEMPTS or (code == 2 and n == 1 and attempts > 1):
+                return HostTime(ms=math.nan, synced=True, calls=n, rounds=0, sleep_ms=sleep_ms)
+            elif code == 2:  # one more try, one call behind a longer sleep, decides
+                n, sleep_ms = 1, min(4 * sleep_ms, max_sleep_ms)
+            else:  # a sleep too short or a full launch queue: longer, and fewer calls
+                calls = max(1, calls // 4)
+                n, sleep_ms = calls, min(4 * sleep_ms, max_sleep_ms)
+        samples.append(measured)
+        sleep_ms = min(max(3 * calls * measured + 10.0, MIN_HOST_SLEEP_MS), max_sleep_ms)
+    ms = _allreduce_max([float(statistics.median(samples))], group)[0][0]
+    return HostTime(ms=ms, calls=calls, rounds=len(samples), sleep_ms=sleep_ms)
 
 
 # ----------------------------------------------------------------------- interleaved comparison
