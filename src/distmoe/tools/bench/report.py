@@ -392,7 +392,9 @@ def plot_tflops(
                     width,
                     color=_PROVIDER_COLORS[prov],
                     label=prov if i == 0 else None,
-                    yerr=[[c.tflops - lo], [hi - c.tflops]],
+                    # spread of the windows around the median; clamped at 0 (one window's
+                    # bounds equal the median up to rounding, and matplotlib refuses < 0)
+                    yerr=[[max(0.0, c.tflops - lo)], [max(0.0, hi - c.tflops)]],
                     capsize=2,
                 )
                 if c.pct_dense is not None and math.isfinite(c.pct_dense):
