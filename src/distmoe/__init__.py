@@ -11,6 +11,7 @@ from .kernels.base.interpreter import use_interpreter_if_no_gpu
 # corrected); this must happen before any kernel module is imported.
 use_interpreter_if_no_gpu()
 
+from . import nn as nn  # noqa: E402  (distmoe.nn: modules that hold parameters)
 from .config import MoEConfig  # noqa: E402
 from .launch import launch  # noqa: E402
 from .memory import MemoryPlan, plan_memory  # noqa: E402
