@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..config import MoEConfig
+from ..kernels.base.device import device_memory_bytes
 from ..kernels.base.gluon import gluon_device_reason
 from ..kernels.mega.gluon import FusedConfig
 from ..kernels.movement.combine import CombineConfig
@@ -75,8 +76,7 @@ def device_class(device: torch.device | str | None) -> DeviceClass:
     device = torch.device(device)
     if device.type != "cuda" or gluon_device_reason(device) is not None:
         return "generic"
-    memory = torch.cuda.get_device_properties(device).total_memory
-    return "h200" if memory >= HBM3E_MEMORY_BYTES else "h100"
+    return "h200" if device_memory_bytes(device) >= HBM3E_MEMORY_BYTES else "h100"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -319,6 +319,16 @@ def _kernel_override(key: str, cls: type, current, value, plan: KernelPlan):
     return config
 
 
+def layer_switch_type_error(name: str, value) -> str | None:
+    """``None`` when ``value`` has a type layer switch ``name`` (one of
+    :data:`LAYER_SWITCHES`) takes, else the types it takes ("bool or None"); a bool is not
+    an int here."""
+    types, _ = LAYER_SWITCHES[name]
+    if isinstance(value, types) and (bool in types or not isinstance(value, bool)):
+        return None
+    return " or ".join("None" if t is type(None) else t.__name__ for t in types)
+
+
 def _layer_override(plan: KernelPlan, value) -> LayerSwitches:
     if not isinstance(value, Mapping):
         raise TypeError(f"overrides['layer'] must be a dict, got {type(value).__name__}")
@@ -326,9 +336,8 @@ def _layer_override(plan: KernelPlan, value) -> LayerSwitches:
         if name not in LAYER_SWITCHES:
             raise ValueError(f"overrides['layer']: unknown switch {name!r}; switches: "
                              f"{sorted(LAYER_SWITCHES)}")
-        types, _ = LAYER_SWITCHES[name]
-        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
-            names = " or ".join("None" if t is type(None) else t.__name__ for t in types)
+        names = layer_switch_type_error(name, v)
+        if names is not None:
             raise TypeError(f"overrides['layer'][{name!r}] must be {names}, got {v!r}")
         if isinstance(v, int) and not isinstance(v, bool) and v < 1:
             raise ValueError(f"overrides['layer'][{name!r}] ({v}) must be >= 1")

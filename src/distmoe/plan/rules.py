@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..kernels.base.config import next_power_of_2
+from ..kernels.base.config import pow2_clamped
 from ..kernels.mega.gluon import FusedConfig
 from ..kernels.movement.combine import CombineConfig
 from ..kernels.w2_dgrad.config import W2DgradConfig
@@ -27,10 +27,6 @@ from ..kernels.w13_forward.config import W13Config
 from ..kernels.w13_forward.gluon import shape_reason as w13_shape_reason
 from ..kernels.wgrad.config import WgradConfig
 from .thresholds import DeviceClass, Thresholds, thresholds
-
-
-def _pow2_clamped(n: int, low: int, high: int) -> int:
-    return max(low, min(high, next_power_of_2(n)))
 
 
 def _hopper(device_class: DeviceClass) -> bool:
@@ -261,7 +257,7 @@ def wgrad_gluon(*, out_rows: int, out_cols: int, block_m: int = 128,
         return WgradConfig(block_m=block_m, block_k=64, block_out_m=128, block_out_n=128,
                            num_warps=8, num_stages=5, gluon=True, specialized=True)
     return WgradConfig(block_m=block_m, block_k=64, block_out_m=128,
-                       block_out_n=_pow2_clamped(out_cols, 16, 128), num_warps=4,
+                       block_out_n=pow2_clamped(out_cols, 16, 128), num_warps=4,
                        num_stages=5, gluon=True, specialized=True, pingpong=True)
 
 

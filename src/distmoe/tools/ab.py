@@ -105,7 +105,7 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     """One SPEC (module docstring) -> ``(key, fields)``: a kernel key (``"wgrad"`` for both
     WGRADs), ``"layer"`` or ``"input"``. ValueError naming what is wrong: the form, an unknown
     kernel, field or layer switch, a value of the wrong type."""
-    from distmoe.plan import KERNELS, LAYER_SWITCHES
+    from distmoe.plan.kernel_plan import KERNELS, LAYER_SWITCHES, layer_switch_type_error
 
     key, sep, rest = spec.partition(":")
     if not sep or not rest or ":" in rest:
@@ -121,9 +121,8 @@ def parse_spec(spec: str) -> tuple[str, dict]:
             if name not in LAYER_SWITCHES:
                 raise ValueError(f"{spec!r}: unknown layer switch {name!r}; switches: "
                                  f"{', '.join(sorted(LAYER_SWITCHES))}")
-            types, _ = LAYER_SWITCHES[name]
-            if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-                names = " or ".join("None" if t is type(None) else t.__name__ for t in types)
+            names = layer_switch_type_error(name, value)
+            if names is not None:
                 raise ValueError(f"{spec!r}: layer switch {name} must be {names}, "
                                  f"got {value!r}")
         return key, fields

@@ -5,7 +5,7 @@ W13 DGRAD shares), :mod:`distmoe.kernels.w2_dgrad.gluon`, :mod:`distmoe.kernels.
 :mod:`distmoe.kernels.wgrad.gluon`).
 
 * :data:`HAVE_GLUON`: the installed triton ships Gluon (with every piece the kernels use);
-  :func:`gluon_device_reason` / :func:`gluon_device`: whether Gluon kernels run on a device;
+  :func:`gluon_device_reason`: whether Gluon kernels run on a device;
   :func:`gluon_ring_reason`: the tile and ring-depth rules of a warp-specialised GEMM.
 * Each of the grouped GEMMs runs one program per SM over the tiles ``pid, pid + G, ...`` of
   the padded expert-major schedule (group-M order), with a producer partition filling a ring
@@ -84,15 +84,6 @@ def gluon_ring_reason(kernel: str, tiles: tuple, tile: tuple, tile_help: str, *,
         return (f"stages must be one of {fit} with block_n = {tile[1]} and num_warps = "
                 f"{tile[3]}, got {stages}")
     return None
-
-
-def gluon_device(device: torch.device | str | None) -> bool:
-    """Whether ``device`` runs the warp-specialised Gluon kernels
-    (:func:`~distmoe.kernels.base.gluon.gluon_device_reason`: Hopper, not the interpreter);
-    ``None`` (no device given to a plan rule) does not."""
-    if device is None:
-        return False
-    return gluon_device_reason(torch.device(device)) is None
 
 
 if HAVE_GLUON:
