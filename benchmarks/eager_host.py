@@ -12,7 +12,7 @@ shape and mode (``fwd``: inference forward; ``fwdbwd``: training forward + backw
 * ``wall_ms``: wall time per call of back-to-back calls, GPU synchronised at both ends;
 * ``graph_ms``: the same calls captured into one CUDA graph by the caller and replayed.
 
-Providers: ``distmoe`` (inference: the context's own graphs on, the default), ``distmoe-nog``
+Providers: ``distmoe`` (the context's own graphs on, the default), ``distmoe-nog``
 (``MoEContext(..., graphs=False)``: every call through the launch path) and ``torch`` (the
 grouped-GEMM baseline of :mod:`distmoe.tools.bench.baseline`). Results go to stdout and,
 with ``--out``, to ``eager_host.json`` with the GPU, versions, date and command.
@@ -162,9 +162,8 @@ def main(argv=None) -> int:
             providers = {"torch": lambda *a: torch_moe(*a)}
             ctxs = [dm.MoEContext(cfg, device=dev)]
             providers["distmoe"] = ctxs[0]
-            if not training:
-                ctxs.append(dm.MoEContext(cfg, device=dev, graphs=False))
-                providers["distmoe-nog"] = ctxs[1]
+            ctxs.append(dm.MoEContext(cfg, device=dev, graphs=False))
+            providers["distmoe-nog"] = ctxs[1]
             if args.cprofile:
                 _cprofile(_step_fn(ctxs[0], inputs, training), args.cprofile,
                           f"{name} {mode}", args.out)

@@ -254,9 +254,10 @@ class ActivationBuffer:
         rec.state = "reset"
 
     # ----------------------------------------------------------------- backward
-    def end_layer(self, rec: LayerRecord) -> None:
+    def end_layer(self, rec: LayerRecord, *, restore: bool = True) -> None:
         """Backward of ``rec``'s layer: it must be the slot's last live layer; rewind the
-        cursor."""
+        cursor (with ``restore=False`` the caller does, :meth:`restore_cursor`, so that the
+        device part can sit in a CUDA graph)."""
         stack = self.stacks[rec.slot]
         if rec.state != "live" or not stack or stack[-1] is not rec:
             if rec.state == "done":
@@ -270,6 +271,12 @@ class ActivationBuffer:
             raise RuntimeError(f"backward of layer {rec.layer} of slot {rec.slot}: {why}")
         stack.pop()
         rec.state = "done"
+        if restore:
+            self.restore_cursor(rec)
+
+    def restore_cursor(self, rec: LayerRecord) -> None:
+        """The device part of :meth:`end_layer`: the slot's cursors back to where ``rec``'s
+        forward started (one device copy)."""
         self.cursors[rec.slot].copy_(rec.cursor_before)
 
     def stats(self) -> dict:

@@ -131,18 +131,20 @@ class MoEFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, moe, x, expert_ids, scores, w13, w2):
-        y, saved = moe.forward_layer(x, expert_ids, scores, w13, w2, save=True)
+        # the context's own CUDA graphs replay it where they can (distmoe.ops.graphs)
+        y, saved = moe.training_forward(x, expert_ids, scores, w13, w2)
         ctx.moe = moe
-        ctx.tables = saved["tables"]
-        ctx.record = saved["record"]
-        ctx.scores_dtype = scores.dtype
         # Plain attributes, not save_for_backward: the layer's state lives in the activation
         # buffer, and a non-reentrant torch.utils.checkpoint around this call must not re-run
         # it (a re-run would append to the slot during backward).
-        ctx.inputs = (saved["ids_executed"], saved["scores_f32"], w13, w2)
+        ctx.saved = saved
+        ctx.record = saved["record"]  # the layer's slot record (tools and tests read it)
+        ctx.scores_dtype = scores.dtype
+        ctx.weights = (w13, w2)
         # ... so autograd's check of saved tensors' versions does not run: done by hand here
         # (the tensors the backward reads; x's rows are in the activation buffer already)
-        ctx.versions = tuple(t._version for t in ctx.inputs[1:])
+        ctx.inputs = (scores, w13, w2)
+        ctx.versions = tuple(t._version for t in ctx.inputs)
         ctx.x_shape = tuple(x.shape)
         return y
 
@@ -151,7 +153,7 @@ class MoEFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         moe = ctx.moe
         moe.check_open()
-        for name, t, before in zip(("scores", "w13", "w2"), ctx.inputs[1:], ctx.versions,
+        for name, t, before in zip(("scores", "w13", "w2"), ctx.inputs, ctx.versions,
                                    strict=True):
             if t._version != before:
                 raise RuntimeError(
@@ -159,92 +161,138 @@ class MoEFunction(torch.autograd.Function):
                     f"forward (tensor version {before} then, {t._version} now), so its "
                     "gradients would mix old and new values; modify a copy, or run the "
                     "forward again after the change")
-        acts = moe.activations
-        rec = ctx.record
-        acts.end_layer(rec)  # 0. checks the order, rewinds the cursor
-        ids_executed, scores_f32, w13, w2 = ctx.inputs
-        tables = ctx.tables
-        heap = moe.heap
-        cfg = moe.cfg
-        T, K = ids_executed.shape
-        D, F = cfg.hidden, cfg.ffn
-        E_l = moe.num_local_experts
-        dev = moe.device
-        po, ro = tables.padded_offsets, tables.row_offsets
-        elements = acts.elements
-        scratch = acts.scratch
-        grad_y = grad_y.to(torch.bfloat16).contiguous()
-        dispatch_rows = moe.backward_buffers.dispatch[:T * K]
-        # device predicates of the forward's decision: replayed; saved with x kept instead
-        # of its rows; either (:mod:`distmoe.kernels.movement.slot_cursor`)
-        replayed, regather, rebuild = rec.flags[0:1], rec.flags[1:2], rec.flags[2:3]
-
-        reads_x = acts.rows_in_place  # EP = 1 and regathers: W13 WGRAD reads x in place
-        if not acts.always_saves or (acts.may_regather and not reads_x):
-            # r1-r3: rebuild a replayed layer's state (every kernel is off on the device for a
-            # layer that kept its rows; the barrier runs either way so that all ranks stay
-            # paired). With regathers every layer kept x: the table is needed either way.
-            offset_copy(moe.backward_buffers.dispatch, elements, T * D, src_offset=rec.offsets[3:4])
-            heap.barrier()
-            gather_ptrs = moe.gather_table(tables.gather_ptrs,
-                                            None if acts.regathers else rebuild)
-            if acts.may_regather and not reads_x:
-                regather_rows(gather_ptrs, po, ro, scratch["xs"], block_m=cfg.row_block,
-                              enable=regather)
-            if not acts.always_saves:
-                gather_w13_swiglu(gather_ptrs, po, ro, w13, scratch["h2"], h1_out=elements,
-                                  x_out=elements, out_offsets=moe.backward_buffers.replay_offsets,
-                                  enable=replayed, config=moe.plan.w13)
-        # where the state is, saved or rebuilt (decided with the forward's slot record)
-        h1_offset, x_offset = rec.backward[1:2], rec.backward[2:3]
-        x_rows = None
-        if reads_x:  # x's rows read in place through the table where the layer kept x
-            # (saved or replayed), its rows in order where it kept them ("auto")
-            x_offset, x_rows = rec.backward[3:5], tables.gather_ptrs
-
-        # 1. owner: unscaled route output gradients pushed into the experts' gh3 rows, the
-        #    scores into its own combine rows
-        combine_rows = moe.backward_buffers.combine[:T * K]
-        push_route_grads(grad_y, ids_executed, scores_f32, combine_rows,
-                         dest_rows=tables.dest_rows_TK, dest_bases=moe.backward_buffers.gh3_bases,
-                         experts_per_rank=E_l)
-        # 2. route output gradients and scores visible to the experts
-        heap.barrier()
-        # 3. expert side (the score parts go into the owners' combine rows)
-        w2_dgrad_swiglu_bwd(tables.scatter_ptrs, po, ro, w2, elements, scratch["h1g"],
-                            h1_offset=h1_offset, h2_out=scratch["h2"],
-                            grad_h3_rows=scratch["gh3"], scored_rows=True,
-                            config=moe.plan.w2_dgrad)
-        # WGRAD: fp32 accumulation, one rounding straight into the weights' dtype (one program
-        # per output tile writes it whole: no zero fill, no conversion pass)
+        saved = ctx.saved
+        moe.activations.end_layer(saved["record"], restore=False)  # 0. checks the order
         need = ctx.needs_input_grad
-        if need[5]:
-            grad_w2 = torch.empty(E_l, D, F, dtype=w2.dtype, device=dev)
-            w2_wgrad(scratch["gh3"], scratch["h2"], po, ro, grad_w2, accumulate=False,
-                     config=moe.plan.w2_wgrad)
-        if need[4]:
-            grad_w13 = torch.empty(E_l, 2, F, D, dtype=w13.dtype, device=dev)
-            w13_wgrad(scratch["h1g"], elements, po, ro, grad_w13, x_offset=x_offset,
-                      accumulate=False, config=moe.plan.w13_wgrad, x_rows=x_rows,
-                      rows_origin=moe.backward_buffers.table_origin)  # 0 unless reads_x
-        # Route input gradients into the owners' dispatch rows t*K+k (see the module
-        # docstring for why no peer reads dispatch now).
-        w13_dgrad_scatter(scratch["h1g"], po, ro, w13, tables.bwd_scatter_ptrs,
-                          config=moe.plan.w13_dgrad)
-        # 4. all route input gradients have landed
-        heap.barrier()
-        # 5. owner: sum its routes' input gradients and score parts (no barrier after: module
-        #    docstring)
-        grad_x = torch.empty(ctx.x_shape, dtype=torch.bfloat16, device=dev)
-        grad_scores = torch.empty(T, K, dtype=torch.float32, device=dev)
-        reduce_routes(dispatch_rows, ids_executed, grad_x, score_rows=combine_rows,
-                      score_parts=moe.backward_buffers.score_parts, grad_scores_out=grad_scores)
-
+        grad_x, grad_scores, grad_w13, grad_w2 = moe.training_backward(
+            saved, grad_y, *ctx.weights, ctx.x_shape, need_w13=need[4], need_w2=need[5])
         return (
             None,
             grad_x if need[1] else None,
             None,
             grad_scores.to(ctx.scores_dtype) if need[3] else None,
-            grad_w13 if need[4] else None,
-            grad_w2 if need[5] else None,
+            grad_w13,
+            grad_w2,
         )
+
+
+def backward_route_grads(moe, saved: dict, w13, w2, grad_y: torch.Tensor) -> None:
+    """Steps 0 (the cursor rewind on the device), r1-r3 and 1-3 up to the W2 DGRAD (module
+    docstring): after it, scratch ``h1g`` holds grad_h1, ``h2`` score * h2 and ``gh3`` the
+    route output gradients that the weight gradients read. ``grad_y``: bf16 [T, D],
+    contiguous. Device work only (captured whole by :mod:`distmoe.ops.graphs`)."""
+    acts = moe.activations
+    rec, tables = saved["record"], saved["tables"]
+    acts.restore_cursor(rec)
+    ids_executed, scores_f32 = saved["ids_executed"], saved["scores_f32"]
+    heap = moe.heap
+    cfg = moe.cfg
+    T, K = ids_executed.shape
+    D = cfg.hidden
+    po, ro = tables.padded_offsets, tables.row_offsets
+    elements = acts.elements
+    scratch = acts.scratch
+    bufs = moe.backward_buffers
+    # device predicates of the forward's decision: replayed; saved with x kept instead
+    # of its rows; either (:mod:`distmoe.kernels.movement.slot_cursor`)
+    replayed, regather, rebuild = rec.flags[0:1], rec.flags[1:2], rec.flags[2:3]
+
+    reads_x = acts.rows_in_place  # EP = 1 and regathers: W13 WGRAD reads x in place
+    if not acts.always_saves or (acts.may_regather and not reads_x):
+        # r1-r3: rebuild a replayed layer's state (every kernel is off on the device for a
+        # layer that kept its rows; the barrier runs either way so that all ranks stay
+        # paired). With regathers every layer kept x: the table is needed either way.
+        offset_copy(bufs.dispatch, elements, T * D, src_offset=rec.offsets[3:4])
+        heap.barrier()
+        gather_ptrs = moe.gather_table(tables.gather_ptrs,
+                                        None if acts.regathers else rebuild)
+        if acts.may_regather and not reads_x:
+            regather_rows(gather_ptrs, po, ro, scratch["xs"], block_m=cfg.row_block,
+                          enable=regather)
+        if not acts.always_saves:
+            gather_w13_swiglu(gather_ptrs, po, ro, w13, scratch["h2"], h1_out=elements,
+                              x_out=elements, out_offsets=bufs.replay_offsets,
+                              enable=replayed, config=moe.plan.w13)
+    # 1. owner: unscaled route output gradients pushed into the experts' gh3 rows, the
+    #    scores into its own combine rows
+    push_route_grads(grad_y, ids_executed, scores_f32, bufs.combine[:T * K],
+                     dest_rows=tables.dest_rows_TK, dest_bases=bufs.gh3_bases,
+                     experts_per_rank=moe.num_local_experts)
+    # 2. route output gradients and scores visible to the experts
+    heap.barrier()
+    # 3. expert side (the score parts go into the owners' combine rows); h1 where the
+    #    forward left it, saved or rebuilt
+    w2_dgrad_swiglu_bwd(tables.scatter_ptrs, po, ro, w2, elements, scratch["h1g"],
+                        h1_offset=rec.backward[1:2], h2_out=scratch["h2"],
+                        grad_h3_rows=scratch["gh3"], scored_rows=True,
+                        config=moe.plan.w2_dgrad)
+
+
+def backward_weight_grads(moe, saved: dict, grad_w13: torch.Tensor | None,
+                          grad_w2: torch.Tensor | None) -> None:
+    """Step 3's weight gradients, after :func:`backward_route_grads`, written whole into
+    ``grad_w13`` [E_local, 2, F, D] and ``grad_w2`` [E_local, D, F] (the weights' dtype; each
+    skipped where ``None``): fp32 accumulation, one rounding straight into the output dtype
+    (one program per output tile writes it whole: no zero fill, no conversion pass). Device
+    work only. The outputs are new tensors per call (:func:`new_weight_grads`) because
+    autograd keeps them as ``.grad``."""
+    acts = moe.activations
+    rec, tables = saved["record"], saved["tables"]
+    po, ro = tables.padded_offsets, tables.row_offsets
+    scratch = acts.scratch
+    if grad_w2 is not None:
+        w2_wgrad(scratch["gh3"], scratch["h2"], po, ro, grad_w2, accumulate=False,
+                 config=moe.plan.w2_wgrad)
+    if grad_w13 is not None:
+        # x's rows: in order at rec.backward[2] (slot or scratch xs), or read in place
+        # through the table where the layer kept x (acts.rows_in_place)
+        x_offset, x_rows = rec.backward[2:3], None
+        if acts.rows_in_place:
+            x_offset, x_rows = rec.backward[3:5], tables.gather_ptrs
+        w13_wgrad(scratch["h1g"], acts.elements, po, ro, grad_w13, x_offset=x_offset,
+                  accumulate=False, config=moe.plan.w13_wgrad, x_rows=x_rows,
+                  rows_origin=moe.backward_buffers.table_origin)  # 0 unless in place
+
+
+def new_weight_grads(w13, w2, *, need_w13: bool, need_w2: bool):
+    """``(grad_w13, grad_w2)``: new uninitialised tensors of the weights' shapes and dtypes
+    (``None`` where not needed) for :func:`backward_weight_grads`."""
+    return (torch.empty_like(w13, memory_format=torch.contiguous_format) if need_w13 else None,
+            torch.empty_like(w2, memory_format=torch.contiguous_format) if need_w2 else None)
+
+
+def backward_input_grads(moe, saved: dict, w13, grad_x: torch.Tensor,
+                         grad_scores: torch.Tensor) -> None:
+    """The rest of step 3 and steps 4-5: every route's input gradient into its owner's
+    dispatch row, the barrier, then ``grad_x`` bf16 [T, D] and ``grad_scores`` fp32 [T, K]
+    written (every element). Device work only."""
+    tables = saved["tables"]
+    ids_executed = saved["ids_executed"]
+    T, K = ids_executed.shape
+    bufs = moe.backward_buffers
+    # Route input gradients into the owners' dispatch rows t*K+k (see the module docstring
+    # for why no peer reads dispatch now).
+    w13_dgrad_scatter(moe.activations.scratch["h1g"], tables.padded_offsets,
+                      tables.row_offsets, w13, tables.bwd_scatter_ptrs,
+                      config=moe.plan.w13_dgrad)
+    # 4. all route input gradients have landed
+    moe.heap.barrier()
+    # 5. owner: sum its routes' input gradients and score parts (no barrier after: module
+    #    docstring)
+    reduce_routes(bufs.dispatch[:T * K], ids_executed, grad_x, score_rows=bufs.combine[:T * K],
+                  score_parts=bufs.score_parts, grad_scores_out=grad_scores)
+
+
+def backward_eager(moe, saved: dict, grad_y: torch.Tensor, w13, w2, x_shape, *,
+                   need_w13: bool, need_w2: bool):
+    """The whole backward of one call, launched kernel by kernel: ``(grad_x bf16 [T, D],
+    grad_scores fp32 [T, K], grad_w13 | None, grad_w2 | None)``."""
+    grad_y = grad_y.to(torch.bfloat16).contiguous()
+    backward_route_grads(moe, saved, w13, w2, grad_y)
+    grad_w13, grad_w2 = new_weight_grads(w13, w2, need_w13=need_w13, need_w2=need_w2)
+    backward_weight_grads(moe, saved, grad_w13, grad_w2)
+    grad_x = torch.empty(x_shape, dtype=torch.bfloat16, device=moe.device)
+    grad_scores = torch.empty(saved["ids_executed"].shape, dtype=torch.float32,
+                              device=moe.device)
+    backward_input_grads(moe, saved, w13, grad_x, grad_scores)
+    return grad_x, grad_scores, grad_w13, grad_w2

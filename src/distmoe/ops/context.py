@@ -85,7 +85,8 @@ from ..routing import build_routing_tables, row_capacity
 from ..runtime import create_heap
 from ..runtime.heap import round_up
 from .activations import ActivationBuffer
-from .graphs import ForwardGraphs
+from .autograd import MoEFunction, backward_eager
+from .graphs import ForwardGraphs, GraphPool, TrainingGraphs
 from .validation import check_call, check_together, check_values
 
 HEADER_BYTES = 128
@@ -130,11 +131,11 @@ class MoEContext:
         overrides: entries of the kernel plan to replace (``ctx.plan``, see
             :mod:`distmoe.plan`): ``{"w13": {"num_stages": 3}, "layer": {"pull_all": True}}``;
             an override that cannot apply raises ``ValueError`` before any buffer exists.
-        graphs: inference contexts on a CUDA device replay eager calls from CUDA graphs
-            they capture themselves, one per call key (T, id and score dtypes, weight
-            addresses; :mod:`distmoe.ops.graphs`): the same bits at a fraction of the host
-            time. ``False`` runs every call eagerly. Off with ``check=True`` and in training
-            contexts.
+        graphs: contexts on a CUDA device replay eager calls from CUDA graphs they capture
+            themselves, one per call key (T, id and score dtypes, weight addresses, and in
+            training the slot and layer; :mod:`distmoe.ops.graphs`), the forward and in
+            training the backward: the same bits at a fraction of the host time. ``False``
+            runs every call eagerly. Off with ``check=True``.
         check: debugging mode (it synchronises; off by default). Before each call, every
             rank checks its inputs, including ids outside [-1, E), a token naming an expert
             twice and non-zero scores on inactive routes, and the ranks share the outcome,
@@ -301,10 +302,12 @@ class MoEContext:
         # invalid ids total, calls, calls with a token count that differs between ranks]
         # (distmoe.kernels.movement.call_counters).
         self._counters = torch.zeros(6, dtype=torch.int64, device=self.device)
-        #: the captured inference forwards (None: every call eager)
-        self.graphs: ForwardGraphs | None = None
-        if graphs and not cfg.training and not check and self.device.type == "cuda":
-            self.graphs = ForwardGraphs(self)
+        #: the captured calls (:mod:`distmoe.ops.graphs`; None: every call eager):
+        #: ForwardGraphs in inference contexts, TrainingGraphs in training contexts
+        self.graphs: ForwardGraphs | TrainingGraphs | None = None
+        if graphs and not check and self.device.type == "cuda":
+            pool = GraphPool(self.device)
+            self.graphs = (TrainingGraphs if cfg.training else ForwardGraphs)(self, pool)
 
     # ------------------------------------------------------------------ validation
     def _validate(self, x, expert_ids, scores, w13, w2) -> None:
@@ -363,7 +366,6 @@ class MoEContext:
         else:
             self._validate(x, expert_ids, scores, w13, w2)
         if self._wants_autograd(x, scores, w13, w2):
-            from .autograd import MoEFunction
             y = MoEFunction.apply(self, x, expert_ids, scores, w13, w2)
         else:
             if (not self.cfg.training and torch.is_grad_enabled()
@@ -373,7 +375,9 @@ class MoEContext:
                     "(cfg.training is False): y has no grad_fn and no gradient flows back "
                     "through this layer. Use MoEConfig(training=True) for gradients, or "
                     "torch.no_grad() for inference.", UserWarning, stacklevel=2)
-            y = None if self.graphs is None else self.graphs(x, expert_ids, scores, w13, w2)
+            y = None
+            if isinstance(self.graphs, ForwardGraphs):
+                y = self.graphs(x, expert_ids, scores, w13, w2)
             if y is None:
                 y, _ = self.forward_layer(x, expert_ids, scores, w13, w2)
         if self.check:
@@ -617,6 +621,28 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
         return y, dict(tables=tables, record=rec, ids_executed=ids_executed,
                        scores_f32=scores_f32)
 
+    def training_forward(self, x, expert_ids, scores, w13, w2):
+        """``(y, saved)`` of a forward under autograd (:meth:`forward_layer` with ``save``),
+        replayed from this context's CUDA graphs where they apply (:mod:`distmoe.ops.graphs`).
+        Used by :class:`distmoe.ops.autograd.MoEFunction`."""
+        if isinstance(self.graphs, TrainingGraphs):
+            return self.graphs.forward(x, expert_ids, scores, w13, w2)
+        return self.forward_layer(x, expert_ids, scores, w13, w2, save=True)
+
+    def training_backward(self, saved: dict, grad_y, w13, w2, x_shape, *, need_w13: bool,
+                          need_w2: bool):
+        """The backward of one :meth:`training_forward` after its layer left the slot's stack:
+        ``(grad_x bf16 [T, D], grad_scores fp32 [T, K], grad_w13 | None, grad_w2 | None)``,
+        from this context's CUDA graphs where they apply, else kernel by kernel (the same
+        bits). Collective (:mod:`distmoe.ops.autograd`)."""
+        if isinstance(self.graphs, TrainingGraphs):
+            out = self.graphs.backward(saved, grad_y, w13, w2, x_shape, need_w13=need_w13,
+                                       need_w2=need_w2)
+            if out is not None:
+                return out
+        return backward_eager(self, saved, grad_y, w13, w2, x_shape, need_w13=need_w13,
+                              need_w2=need_w2)
+
     # ------------------------------------------------------------------ slots
     def select_slot(self, slot: int) -> None:
         """Select the activation slot that the next training forwards append to (host int in
@@ -652,7 +678,8 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
         ``token_count_mismatches`` (calls in which some rank's T differed from this rank's:
         the layer needs the same T everywhere and computes wrong results otherwise; only
         ``check=True`` refuses such a call before it runs); training contexts add
-        ``activations`` (:meth:`ActivationBuffer.stats`).
+        ``activations`` (:meth:`ActivationBuffer.stats`); contexts with their own CUDA
+        graphs ``graphs`` (their counts, :mod:`distmoe.ops.graphs`).
         """
         self.check_open()
         last, mx, dropped, invalid, calls, mismatches = (int(v)
@@ -671,6 +698,8 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
                    token_count_mismatches=mismatches)
         if self.activations is not None:
             out["activations"] = self.activations.stats()
+        if self.graphs is not None:
+            out["graphs"] = self.graphs.stats()
         return out
 
     def _check_bound(self, y: torch.Tensor) -> None:
@@ -701,7 +730,7 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
         bad = [(r, o) for r, o in enumerate(outcomes) if o is not None]
         if not bad:
             return
-        record = getattr(y.grad_fn, "record", None)
+        record = getattr(y.grad_fn, "record", None)  # MoEFunction's ctx of a training call
         if record is not None:  # every rank alike: the layer's output is lost with the error
             self.activations.abandon_layer(record)
         if problem is not None:
@@ -718,6 +747,7 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
         self._closed = True
         if self.graphs is not None:
             self.graphs.clear()
+            self.graphs.pool.clear()
         self.heap.close()
 
     def check_open(self) -> None:

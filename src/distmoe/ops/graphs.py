@@ -22,27 +22,83 @@ came, would pay a capture per call).
 Weights are keyed by address: a weight tensor updated in place keeps its graph; a new
 tensor at a new address gets a new one.
 
-Not used with ``check=True`` (it synchronises), on CPU devices, for training contexts
-(their forwards record slot state on the host), inside a CUDA-graph capture of the caller's
-(the call is then captured into the caller's graph as it is), or with
-``MoEContext(..., graphs=False)``.
+**Training** (:class:`TrainingGraphs`): a forward under autograd is keyed by the same call
+key plus the slot and the layer's index in it (the slot state a forward appends to), and
+its backward by its forward's key. The host part of the slot bookkeeping (the check for a
+free layer, the layer's record on the slot's stack, the order check in backward) runs on
+every call; the device part (the save/replay decision, the cursors, the kernels) is in the
+graphs. A forward's routing tables, slot record, executed ids and fp32 scores are tensors of
+its key's graph, read by that key's backward graphs: two live calls never share a key (their
+slots or layer indices differ). A backward replays three graphs: up to the W2 DGRAD, the
+two weight gradients, and from the W13 DGRAD on. The weight gradients go into new tensors
+per call, because autograd keeps them as ``.grad`` (a static output would have to be
+copied, a full weight's bytes): their graph is keyed by the new tensors' addresses, which
+torch's caching allocator gives again in a steady training loop; a call whose tensors land
+elsewhere launches those two kernels eagerly (an address seen twice gets a graph, at most
+:attr:`TrainingGraphs.max_weight_graphs` per key). A key's backward is captured once a
+backward of that key ran eagerly (its kernels compiled), from a forward replayed from its
+graph. The same bits as the eager calls: the same kernels, configs and values. Memory: the
+saved tensors of every captured key stay in the pool (routing tables and the slot record,
+about ``T*K*40 + R_cap*40`` bytes per key), plus one x, y, grad_y, grad_x and grad_scores
+per distinct T.
+
+Not used with ``check=True`` (it synchronises), on CPU devices, inside a CUDA-graph capture
+of the caller's (the call is then captured into the caller's graph as it is), or with
+``MoEContext(..., graphs=False)``; a training context's forwards without autograd (no grad
+mode, nothing requiring grad) run eagerly.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+
+from .autograd import (
+    backward_input_grads,
+    backward_route_grads,
+    backward_weight_grads,
+    new_weight_grads,
+)
+
+
+class GraphPool:
+    """One private CUDA-graph memory pool per context, made on first use, and the static
+    tensors its graphs read or write that are shared between keys (inputs and outputs per
+    T: each is copied in right before a replay or out right after it, in stream order)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._handle = None
+        self._statics: dict = {}
+
+    def handle(self):
+        if self._handle is None:
+            self._handle = torch.cuda.graph_pool_handle()
+        return self._handle
+
+    def static(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """The static tensor ``name`` of ``shape`` and ``dtype`` (made once)."""
+        key = (name, tuple(shape), dtype)
+        t = self._statics.get(key)
+        if t is None:
+            t = self._statics[key] = torch.empty(shape, dtype=dtype, device=self.device)
+        return t
+
+    def clear(self) -> None:
+        self._statics.clear()
+        self._handle = None
 
 
 class ForwardGraphs:
     """The captured inference forwards of one :class:`~distmoe.ops.context.MoEContext`."""
 
-    def __init__(self, ctx, *, max_graphs: int = 256) -> None:
+    def __init__(self, ctx, pool: GraphPool, *, max_graphs: int = 256) -> None:
         self.ctx = ctx
         self.max_graphs = max_graphs
-        self.pool = None  # one private memory pool for every graph of this context
+        self.pool = pool  # one private memory pool for every graph of this context
         self.seen: set = set()  # keys called eagerly once (kernels compiled)
         self.graphs: dict = {}  # key -> (graph, ids, scores)
-        self.outputs: dict[int, torch.Tensor] = {}  # T -> static y [T, D]
         self.replays = 0
         self.captures = 0
 
@@ -72,22 +128,17 @@ class ForwardGraphs:
         scores_s.copy_(scores)
         graph.replay()
         self.replays += 1
-        return self.outputs[T].clone()
+        return self.pool.static("y", (T, ctx.cfg.hidden), torch.bfloat16).clone()
 
     def _capture(self, key, T, expert_ids, scores, w13, w2):
         ctx = self.ctx
         ids_s = torch.empty_like(expert_ids)
         scores_s = torch.empty_like(scores)
-        if T not in self.outputs:
-            self.outputs[T] = torch.empty(T, ctx.cfg.hidden, dtype=torch.bfloat16,
-                                          device=ctx.device)
-        out = self.outputs[T]
+        out = self.pool.static("y", (T, ctx.cfg.hidden), torch.bfloat16)
         graph = torch.cuda.CUDAGraph()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
         # The capture records the forward without running it; the caller's stream work so
         # far is ordered before it by torch.cuda.graph's own stream synchronisation.
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool.handle()):
             ctx.forward_layer(ctx.input_buffer(T), ids_s, scores_s, w13, w2, out=out)
         self.graphs[key] = (graph, ids_s, scores_s)
         self.captures += 1
@@ -97,8 +148,185 @@ class ForwardGraphs:
         """Drop every graph (their pool memory returns to torch's caching allocator)."""
         self.graphs.clear()
         self.seen.clear()
-        self.outputs.clear()
-        self.pool = None
 
     def stats(self) -> dict:
         return dict(graphs=len(self.graphs), captures=self.captures, replays=self.replays)
+
+
+@dataclasses.dataclass
+class _Forward:
+    """One captured training forward: its graph, static inputs, and the saved state its
+    backward reads (tensors of the graph; the record's host fields are copied per call)."""
+
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor
+    scores: torch.Tensor
+    saved: dict
+    record: object  # the LayerRecord template (distmoe.ops.activations)
+
+
+@dataclasses.dataclass
+class _Backward:
+    """One key's captured backward: up to the W2 DGRAD, and from the W13 DGRAD on."""
+
+    route_grads: torch.cuda.CUDAGraph
+    input_grads: torch.cuda.CUDAGraph
+    weight_grads: dict = dataclasses.field(default_factory=dict)  # out addresses -> graph
+    weight_seen: set = dataclasses.field(default_factory=set)  # out addresses launched once
+
+
+class TrainingGraphs:
+    """The captured training forwards and backwards of one training
+    :class:`~distmoe.ops.context.MoEContext` (module docstring, **Training**)."""
+
+    #: weight-gradient graphs per key (one per pair of output addresses)
+    max_weight_graphs = 4
+
+    def __init__(self, ctx, pool: GraphPool, *, max_graphs: int = 256) -> None:
+        self.ctx = ctx
+        self.pool = pool
+        self.max_graphs = max_graphs
+        self.seen: set = set()  # keys whose forward ran eagerly once
+        self.backward_seen: set = set()  # keys whose backward ran eagerly once
+        self.forwards: dict = {}  # key -> _Forward
+        self.backwards: dict = {}  # key -> _Backward
+        self.replays = 0
+        self.captures = 0
+
+    def key(self, x, expert_ids, scores, w13, w2) -> tuple:
+        acts = self.ctx.activations
+        return (x.shape[0], expert_ids.dtype, scores.dtype, w13.data_ptr(), w2.data_ptr(),
+                acts.slot, len(acts.stacks[acts.slot]))
+
+    def forward(self, x, expert_ids, scores, w13, w2):
+        """``(y, saved)`` of a forward under autograd (see
+        :meth:`~distmoe.ops.context.MoEContext.forward_layer`), from the key's graph (captured
+        on the key's second call) or eagerly. ``saved`` also names the key and whether the
+        graph ran (``graph_key``, ``graphed``)."""
+        ctx = self.ctx
+        T = x.shape[0]
+        key = self.key(x, expert_ids, scores, w13, w2)
+        entry = self.forwards.get(key)
+        if entry is None:
+            if (torch.cuda.is_current_stream_capturing() or key not in self.seen
+                    or len(self.forwards) >= self.max_graphs):
+                self.seen.add(key)
+                y, saved = ctx.forward_layer(x, expert_ids, scores, w13, w2, save=True)
+                return y, dict(saved, graph_key=key, graphed=False)
+            entry = self._capture_forward(key, T, expert_ids, scores, w13, w2)
+        elif torch.cuda.is_current_stream_capturing():
+            y, saved = ctx.forward_layer(x, expert_ids, scores, w13, w2, save=True)
+            return y, dict(saved, graph_key=None, graphed=False)
+        acts = ctx.activations
+        acts.check_room()  # before anything is written
+        self.pool.static("x", (T, ctx.cfg.hidden), torch.bfloat16).copy_(x)
+        entry.ids.copy_(expert_ids)
+        entry.scores.copy_(scores)
+        entry.graph.replay()
+        self.replays += 1
+        rec = dataclasses.replace(entry.record)  # a live record of this call, same tensors
+        acts.stacks[rec.slot].append(rec)
+        y = self.pool.static("y", (T, ctx.cfg.hidden), torch.bfloat16).clone()
+        return y, dict(entry.saved, record=rec, graph_key=key, graphed=True)
+
+    def _capture_forward(self, key, T, expert_ids, scores, w13, w2) -> _Forward:
+        ctx = self.ctx
+        acts = ctx.activations
+        D = ctx.cfg.hidden
+        x_s = self.pool.static("x", (T, D), torch.bfloat16)
+        y_s = self.pool.static("y", (T, D), torch.bfloat16)
+        ids_s = torch.empty_like(expert_ids)
+        scores_s = torch.empty_like(scores)
+        slot = acts.slot
+        depth = len(acts.stacks[slot])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool.handle()):
+            _, saved = ctx.forward_layer(x_s, ids_s, scores_s, w13, w2, save=True, out=y_s)
+        # The capture ran nothing: the layer it appended is not in the slot yet.
+        rec = acts.stacks[slot].pop()
+        assert rec is saved["record"] and len(acts.stacks[slot]) == depth
+        entry = _Forward(graph=graph, ids=ids_s, scores=scores_s, saved=saved, record=rec)
+        self.forwards[key] = entry
+        self.captures += 1
+        return entry
+
+    def backward(self, saved: dict, grad_y: torch.Tensor, w13, w2, x_shape, *,
+                 need_w13: bool, need_w2: bool):
+        """The backward of a forward that ran from its graph, from the key's backward graphs
+        (see :func:`distmoe.ops.autograd.backward_eager` for the result), or ``None`` where
+        the caller runs it eagerly (the forward ran eagerly, the key's first backward, or
+        inside a capture of the caller's)."""
+        key = saved.get("graph_key")
+        if key is None or torch.cuda.is_current_stream_capturing():
+            return None
+        entry = self.backwards.get(key)
+        if entry is None:
+            if not saved["graphed"] or key not in self.backward_seen:
+                self.backward_seen.add(key)
+                return None
+            entry = self._capture_backward(key, saved, w13, w2, x_shape)
+        T, K = saved["ids_executed"].shape
+        D = self.ctx.cfg.hidden
+        self.pool.static("grad_y", (T, D), torch.bfloat16).copy_(grad_y)
+        grad_w13, grad_w2 = new_weight_grads(w13, w2, need_w13=need_w13, need_w2=need_w2)
+        entry.route_grads.replay()
+        self._weight_grads(entry, saved, grad_w13, grad_w2)
+        entry.input_grads.replay()
+        self.replays += 1
+        grad_x = self.pool.static("grad_x", (T, D), torch.bfloat16).clone()
+        grad_scores = self.pool.static("grad_scores", (T, K), torch.float32).clone()
+        return grad_x.view(x_shape), grad_scores, grad_w13, grad_w2
+
+    def _weight_grads(self, entry: _Backward, saved: dict, grad_w13, grad_w2) -> None:
+        """:func:`~distmoe.ops.autograd.backward_weight_grads` into these outputs: from the
+        graph of their addresses, captured when the addresses come a second time, else
+        launched eagerly."""
+        wkey = tuple(None if t is None else (t.data_ptr(), t.dtype)
+                     for t in (grad_w13, grad_w2))
+        graph = entry.weight_grads.get(wkey)
+        if graph is None:
+            if (wkey not in entry.weight_seen
+                    or len(entry.weight_grads) >= self.max_weight_graphs):
+                entry.weight_seen.add(wkey)
+                backward_weight_grads(self.ctx, saved, grad_w13, grad_w2)
+                return
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool.handle(),
+                                  capture_error_mode="thread_local"):
+                backward_weight_grads(self.ctx, saved, grad_w13, grad_w2)
+            entry.weight_grads[wkey] = graph
+            self.captures += 1
+        graph.replay()
+
+    def _capture_backward(self, key, saved, w13, w2, x_shape) -> _Backward:
+        ctx = self.ctx
+        T, K = saved["ids_executed"].shape
+        D = ctx.cfg.hidden
+        grad_y = self.pool.static("grad_y", (T, D), torch.bfloat16)
+        grad_x = self.pool.static("grad_x", (T, D), torch.bfloat16)
+        grad_scores = self.pool.static("grad_scores", (T, K), torch.float32)
+        # autograd runs backward on a worker thread: capture errors stay on this thread
+        route_grads = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(route_grads, pool=self.pool.handle(),
+                              capture_error_mode="thread_local"):
+            backward_route_grads(ctx, saved, w13, w2, grad_y)
+        input_grads = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(input_grads, pool=self.pool.handle(),
+                              capture_error_mode="thread_local"):
+            backward_input_grads(ctx, saved, w13, grad_x, grad_scores)
+        entry = self.backwards[key] = _Backward(route_grads=route_grads,
+                                                input_grads=input_grads)
+        self.captures += 1
+        return entry
+
+    def clear(self) -> None:
+        """Drop every graph (their pool memory returns to torch's caching allocator)."""
+        self.forwards.clear()
+        self.backwards.clear()
+        self.seen.clear()
+        self.backward_seen.clear()
+
+    def stats(self) -> dict:
+        return dict(forward_graphs=len(self.forwards), backward_graphs=len(self.backwards),
+                    weight_graphs=sum(len(b.weight_grads) for b in self.backwards.values()),
+                    captures=self.captures, replays=self.replays)

@@ -1,0 +1,94 @@
+"""Eager training calls replayed from the context's own CUDA graphs (distmoe.ops.graphs,
+TrainingGraphs): forward and backward give the bits of the same calls launched kernel by
+kernel (``graphs=False``), with fresh inputs every step (for 6 steps), weights updated in place between
+steps (an optimizer's step), two layers stacked in one slot, two token counts, saving and
+replaying slots, at EP = 1 and at EP = 2 as ranks sharing one GPU (IPC heap)."""
+
+import pytest
+import torch
+from forward_cases import make_problem
+
+import distmoe as dm
+from distmoe.reference import split_global_problem
+
+D, F, E, K = 256, 128, 16, 4
+LAYERS = 2
+
+
+def _cfg(world, T_max, mode):
+    base = dict(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T_max, training=True,
+                device_scratch_factor=float(world), max_layers_per_slot=LAYERS)
+    plan = dm.plan_memory(dm.MoEConfig(**base), world)
+    cap = plan.min_slot_bytes if mode == "replay" else plan.useful_max_slot_bytes
+    return dm.MoEConfig(**base, activation_bytes=cap)
+
+
+def _step(ctx, weights, inputs, gys):
+    """One training step through the stack of layers: y of each layer, and the gradients of
+    x, scores, w13 and w2 of each (the upstream gradient of layer i is gys[i])."""
+    outs = []
+    leaves = []
+    for (w13, w2), (x, ids, scores) in zip(weights, inputs, strict=True):
+        xs = x.clone().requires_grad_(True)
+        sc = scores.clone().requires_grad_(True)
+        leaves.append((xs, sc, w13, w2))
+        outs.append(ctx(xs, ids, sc, w13, w2))
+    loss = sum((y.float() * gy.float()).sum() for y, gy in zip(outs, gys, strict=True))
+    grads = torch.autograd.grad(loss, [t for group in leaves for t in group])
+    return [y.detach() for y in outs] + list(grads)
+
+
+def _graphs_rank(rank, world, Ts, mode):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cfg = _cfg(world, max(Ts), mode)
+    results = []
+    with dm.MoEContext(cfg, device=dev) as fast, \
+            dm.MoEContext(cfg, device=dev, graphs=False) as slow:
+        assert fast.graphs is not None and slow.graphs is None
+        weights = []
+        for i in range(LAYERS):
+            p = split_global_problem(*make_problem(100 + i, world, max(Ts), D, F, E, K,
+                                                   "inactive_mix"), world)[rank]
+            weights.append((p.w13.to(dev).requires_grad_(True),
+                            p.w2.to(dev).requires_grad_(True)))
+        for step in range(6):
+            for T in Ts:
+                inputs, gys = [], []
+                for i in range(LAYERS):  # fresh inputs every call, never the captured ones
+                    p = split_global_problem(*make_problem(1000 * step + 10 * T + i, world,
+                                                           T, D, F, E, K, "inactive_mix"),
+                                             world)[rank]
+                    inputs.append(tuple(t.to(dev) for t in (p.x, p.expert_ids, p.scores)))
+                    g = torch.Generator().manual_seed(7 + 1000 * step + 10 * T + i + rank)
+                    gys.append(torch.randn(T, D, generator=g).bfloat16().to(dev))
+                got = _step(fast, weights, inputs, gys)
+                want = _step(slow, weights, inputs, gys)
+                same = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+                finite = all(bool(torch.isfinite(t.float()).all()) for t in got)
+                results.append((step, T, same, finite))
+            with torch.no_grad():  # an optimizer's step: the same tensors, new values
+                for w13, w2 in weights:
+                    w13.mul_(0.999).add_(0.001)
+                    w2.mul_(0.999).sub_(0.001)
+        stats = fast.stats()["graphs"]
+        depth = fast.stats()["activations"]["slot_depth"]
+    return results, stats, depth
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["save", "replay"])
+@pytest.mark.parametrize("EP", [1, 2])
+def test_graphed_training_calls_give_the_eager_bits(EP, mode):
+    Ts = (64, 200)
+    for results, stats, depth in dm.launch(_graphs_rank, EP, device="cuda", gpus=[0],
+                                           timeout=600, args=(Ts, mode)):
+        for step, T, same, finite in results:
+            assert finite and same, (step, T, mode)
+        keys = len(Ts) * LAYERS  # token counts x layers in the slot
+        # step 0: every call eager; step 1: forward and backward captured (and replayed)
+        assert stats["forward_graphs"] == keys and stats["backward_graphs"] == keys, stats
+        # weight gradients: graphed where the new .grad tensors land at an address seen
+        # before (the caching allocator repeats itself from step to step), else eager
+        assert stats["weight_graphs"] > 0, stats
+        assert stats["captures"] == 2 * keys + stats["weight_graphs"], stats
+        assert depth == [0] * len(depth), depth  # every layer left its slot
