@@ -1,8 +1,9 @@
 """distmoe: distributed Mixture-of-Experts expert MLPs for NVIDIA Hopper GPUs.
 
 Public API (README.md; the architecture: docs/design.md): :class:`MoEConfig`,
-:func:`plan_memory`, :class:`MoEContext`, :func:`launch`, and the reference in
-:mod:`distmoe.reference`.
+:func:`plan_memory`, :class:`MoEContext`, :func:`launch`, the reference in
+:mod:`distmoe.reference`, modules in :mod:`distmoe.nn` and the rowwise PUT/GET API in
+:mod:`distmoe.rowwise`.
 """
 
 from .kernels.base.interpreter import use_interpreter_if_no_gpu
@@ -12,6 +13,7 @@ from .kernels.base.interpreter import use_interpreter_if_no_gpu
 use_interpreter_if_no_gpu()
 
 from . import nn as nn  # noqa: E402  (distmoe.nn: modules that hold parameters)
+from . import rowwise as rowwise  # noqa: E402  (the lower-level PUT/GET API)
 from .config import MoEConfig  # noqa: E402
 from .launch import launch  # noqa: E402
 from .memory import MemoryPlan, plan_memory  # noqa: E402

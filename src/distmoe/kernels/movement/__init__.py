@@ -1,2 +1,3 @@
 """Data movement kernels, one module each: ``pull_tokens``, ``combine``, ``publish_ids``,
-``offset_copy``, ``regather_rows``, ``route_grad``, ``call_counters``, ``slot_cursor``."""
+``offset_copy``, ``regather_rows``, ``route_grad``, ``call_counters``, ``slot_cursor``, and the
+rowwise API's ``rowwise_put`` and ``rowwise_get`` (:mod:`distmoe.rowwise`)."""

@@ -1,0 +1,23 @@
+"""Rowwise PUT/GET over the symmetric heap: a lower-level API than
+:class:`distmoe.MoEContext`, for frameworks that schedule their own MoE phases
+(docs/rowwise.md).
+
+* :class:`Buffers` (collective): the heap buffers ``out`` / ``expert_out`` (bf16
+  ``[rows, hidden]`` on every rank), their gradient twins and bad-route counters.
+* :func:`dispatch_put`: each route ``(t, k)`` pushes ``input[t]`` (times ``probs[t, k]``)
+  into row ``dst_rows[t, k]`` of ``out`` on rank ``dst_ranks[t, k]``.
+* :func:`combine_get` / :func:`combine_get_fused`: each route pulls a row back; each token's
+  K routes are reduced in fp32 (weighted by ``probs``); the fused form in one kernel.
+* :func:`gather_get`: one-to-one pull.
+
+All are differentiable (bf16): dispatch's backward is a combine GET, the combines' and the
+gather's backward a (weighted) dispatch PUT. A negative rank or row marks an invalid route
+(PUT skips it, GET reads zeros); a rank >= world size or a row >= rows is a bad route,
+dropped and counted (``Buffers.stats()``), or refused with ``Buffers(check=True)``.
+"""
+
+from .buffers import Buffers
+from .combine import combine_get, combine_get_fused, gather_get
+from .dispatch import dispatch_put
+
+__all__ = ["Buffers", "combine_get", "combine_get_fused", "dispatch_put", "gather_get"]
