@@ -13,7 +13,9 @@ shape and mode (``fwd``: inference forward; ``fwdbwd``: training forward + backw
 * ``graph_ms``: the same calls captured into one CUDA graph by the caller and replayed.
 
 Providers: ``distmoe`` (the context's own graphs on, the default), ``distmoe-nog``
-(``MoEContext(..., graphs=False)``: every call through the launch path) and ``torch`` (the
+(``MoEContext(..., graphs=False)``: every call through the launch path), in training
+``distmoe-mg`` (``main_grad=True``: weight gradients added into fp32 ``main_grad`` buffers)
+and ``torch`` (the
 grouped-GEMM baseline of :mod:`distmoe.tools.bench.baseline`). Results go to stdout and,
 with ``--out``, to ``eager_host.json`` with the GPU, versions, date and command.
 """
@@ -58,7 +60,9 @@ def _step_fn(layer, inputs, training):
         if training:
             xs = x.detach().requires_grad_(True)
             y = layer(xs, ids, scores, w13, w2)
-            torch.autograd.grad(y, (xs, scores, w13, w2), gy)
+            # main_grad: the weights' gradients go to their main_grad buffers
+            wanted = (xs, scores) if getattr(layer, "main_grad", False) else (xs, scores, w13, w2)
+            torch.autograd.grad(y, wanted, gy)
         else:
             with torch.no_grad():
                 layer(x, ids, scores, w13, w2)
@@ -164,6 +168,11 @@ def main(argv=None) -> int:
             providers["distmoe"] = ctxs[0]
             ctxs.append(dm.MoEContext(cfg, device=dev, graphs=False))
             providers["distmoe-nog"] = ctxs[1]
+            if training:
+                for w in inputs[3:5]:
+                    w.main_grad = torch.zeros_like(w, dtype=torch.float32)
+                ctxs.append(dm.MoEContext(cfg, device=dev, main_grad=True))
+                providers["distmoe-mg"] = ctxs[2]
             if args.cprofile:
                 _cprofile(_step_fn(ctxs[0], inputs, training), args.cprofile,
                           f"{name} {mode}", args.out)

@@ -2,7 +2,8 @@
 TrainingGraphs): forward and backward give the bits of the same calls launched kernel by
 kernel (``graphs=False``), with fresh inputs every step (for 6 steps), weights updated in place between
 steps (an optimizer's step), two layers stacked in one slot, two token counts, saving and
-replaying slots, at EP = 1 and at EP = 2 as ranks sharing one GPU (IPC heap)."""
+replaying slots, at EP = 1 and at EP = 2 as ranks sharing one GPU (IPC heap). With
+``main_grad=True`` the fp32 weight-gradient buffers after every step are bit-equal too."""
 
 import pytest
 import torch
@@ -25,13 +26,14 @@ def _cfg(world, T_max, mode):
 
 def _step(ctx, weights, inputs, gys):
     """One training step through the stack of layers: y of each layer, and the gradients of
-    x, scores, w13 and w2 of each (the upstream gradient of layer i is gys[i])."""
+    x, scores, w13 and w2 of each (the upstream gradient of layer i is gys[i]; with
+    ``ctx.main_grad`` those of x and scores, the weights' go to their main_grad)."""
     outs = []
     leaves = []
     for (w13, w2), (x, ids, scores) in zip(weights, inputs, strict=True):
         xs = x.clone().requires_grad_(True)
         sc = scores.clone().requires_grad_(True)
-        leaves.append((xs, sc, w13, w2))
+        leaves.append((xs, sc) if ctx.main_grad else (xs, sc, w13, w2))
         outs.append(ctx(xs, ids, sc, w13, w2))
     loss = sum((y.float() * gy.float()).sum() for y, gy in zip(outs, gys, strict=True))
     grads = torch.autograd.grad(loss, [t for group in leaves for t in group])
@@ -40,17 +42,20 @@ def _step(ctx, weights, inputs, gys):
 
 def _graphs_rank(rank, world, Ts, mode):
     dev = torch.device("cuda", torch.cuda.current_device())
-    cfg = _cfg(world, max(Ts), mode)
+    main_grad = mode.endswith("main_grad")
+    cfg = _cfg(world, max(Ts), mode.removesuffix("_main_grad"))
     results = []
-    with dm.MoEContext(cfg, device=dev) as fast, \
-            dm.MoEContext(cfg, device=dev, graphs=False) as slow:
+    with dm.MoEContext(cfg, device=dev, main_grad=main_grad) as fast, \
+            dm.MoEContext(cfg, device=dev, graphs=False, main_grad=main_grad) as slow:
         assert fast.graphs is not None and slow.graphs is None
-        weights = []
+        weights = {fast: [], slow: []}  # the same values, main_grad buffers of their own
         for i in range(LAYERS):
             p = split_global_problem(*make_problem(100 + i, world, max(Ts), D, F, E, K,
                                                    "inactive_mix"), world)[rank]
-            weights.append((p.w13.to(dev).requires_grad_(True),
-                            p.w2.to(dev).requires_grad_(True)))
+            for ws in weights.values():
+                ws.append(tuple(w.to(dev).requires_grad_(True) for w in (p.w13, p.w2)))
+                for w in ws[-1]:
+                    w.main_grad = torch.zeros_like(w, dtype=torch.float32)
         for step in range(6):
             for T in Ts:
                 inputs, gys = [], []
@@ -61,22 +66,26 @@ def _graphs_rank(rank, world, Ts, mode):
                     inputs.append(tuple(t.to(dev) for t in (p.x, p.expert_ids, p.scores)))
                     g = torch.Generator().manual_seed(7 + 1000 * step + 10 * T + i + rank)
                     gys.append(torch.randn(T, D, generator=g).bfloat16().to(dev))
-                got = _step(fast, weights, inputs, gys)
-                want = _step(slow, weights, inputs, gys)
+                got = _step(fast, weights[fast], inputs, gys)
+                want = _step(slow, weights[slow], inputs, gys)
+                if main_grad:
+                    got += [w.main_grad for ws in weights[fast] for w in ws]
+                    want += [w.main_grad for ws in weights[slow] for w in ws]
                 same = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
                 finite = all(bool(torch.isfinite(t.float()).all()) for t in got)
                 results.append((step, T, same, finite))
             with torch.no_grad():  # an optimizer's step: the same tensors, new values
-                for w13, w2 in weights:
-                    w13.mul_(0.999).add_(0.001)
-                    w2.mul_(0.999).sub_(0.001)
+                for ws in weights.values():
+                    for w13, w2 in ws:
+                        w13.mul_(0.999).add_(0.001)
+                        w2.mul_(0.999).sub_(0.001)
         stats = fast.stats()["graphs"]
         depth = fast.stats()["activations"]["slot_depth"]
     return results, stats, depth
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["save", "replay"])
+@pytest.mark.parametrize("mode", ["save", "replay", "save_main_grad"])
 @pytest.mark.parametrize("EP", [1, 2])
 def test_graphed_training_calls_give_the_eager_bits(EP, mode):
     Ts = (64, 200)

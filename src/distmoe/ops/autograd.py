@@ -106,7 +106,10 @@ happen at a different moment on each rank and split the ranks' save/replay decis
 
 Returned gradients: x (bf16), scores (scores' dtype), w13 and w2 in the parameters' dtype
 (bf16: the WGRAD kernels accumulate in fp32 and round once when they store; autograd adds
-them into ``.grad``). Weight gradients that no input needs are not computed.
+them into ``.grad``). With ``MoEContext(main_grad=True)`` the WGRAD kernels add the fp32
+weight gradients into ``w13.main_grad`` and ``w2.main_grad`` instead (Megatron's gradient
+accumulation fusion: no bf16 rounding between micro-batches) and return none for the
+weights. Weight gradients that no input needs are not computed.
 Routes beyond the receive bound are not executed: they get zero gradients everywhere. Saved
 and replayed layers run the same kernels on the same values, so their gradients are
 bit-identical (the score parts are summed in a fixed order: no atomics).
@@ -164,8 +167,15 @@ class MoEFunction(torch.autograd.Function):
         saved = ctx.saved
         moe.activations.end_layer(saved["record"], restore=False)  # 0. checks the order
         need = ctx.needs_input_grad
-        grad_x, grad_scores, grad_w13, grad_w2 = moe.training_backward(
-            saved, grad_y, *ctx.weights, ctx.x_shape, need_w13=need[4], need_w2=need[5])
+        # weight gradients: new tensors autograd keeps as .grad, or added into the weights'
+        # main_grad buffers (MoEContext(main_grad=True); nothing returned for the weights)
+        w13, w2 = ctx.weights
+        weight_out = (new_weight_grads(w13, w2, need_w13=need[4], need_w2=need[5])
+                      if not moe.main_grad else
+                      (w13.main_grad if need[4] else None, w2.main_grad if need[5] else None))
+        grad_x, grad_scores = moe.training_backward(saved, grad_y, w13, w2, ctx.x_shape,
+                                                    weight_out)
+        grad_w13, grad_w2 = (None, None) if moe.main_grad else weight_out
         return (
             None,
             grad_x if need[1] else None,
@@ -230,18 +240,19 @@ def backward_route_grads(moe, saved: dict, w13, w2, grad_y: torch.Tensor) -> Non
 
 def backward_weight_grads(moe, saved: dict, grad_w13: torch.Tensor | None,
                           grad_w2: torch.Tensor | None) -> None:
-    """Step 3's weight gradients, after :func:`backward_route_grads`, written whole into
-    ``grad_w13`` [E_local, 2, F, D] and ``grad_w2`` [E_local, D, F] (the weights' dtype; each
-    skipped where ``None``): fp32 accumulation, one rounding straight into the output dtype
-    (one program per output tile writes it whole: no zero fill, no conversion pass). Device
-    work only. The outputs are new tensors per call (:func:`new_weight_grads`) because
-    autograd keeps them as ``.grad``."""
+    """Step 3's weight gradients, after :func:`backward_route_grads`, into ``grad_w13``
+    [E_local, 2, F, D] and ``grad_w2`` [E_local, D, F] (each skipped where ``None``). With
+    ``moe.main_grad`` added into them (fp32 buffers, the weights' ``main_grad``), else written
+    whole in the weights' dtype: fp32 accumulation, one rounding straight into the output
+    (one program per output tile writes it whole: no zero fill, no conversion pass); those
+    are new tensors per call (:func:`new_weight_grads`) because autograd keeps them as
+    ``.grad``. Device work only."""
     acts = moe.activations
     rec, tables = saved["record"], saved["tables"]
     po, ro = tables.padded_offsets, tables.row_offsets
     scratch = acts.scratch
     if grad_w2 is not None:
-        w2_wgrad(scratch["gh3"], scratch["h2"], po, ro, grad_w2, accumulate=False,
+        w2_wgrad(scratch["gh3"], scratch["h2"], po, ro, grad_w2, accumulate=moe.main_grad,
                  config=moe.plan.w2_wgrad)
     if grad_w13 is not None:
         # x's rows: in order at rec.backward[2] (slot or scratch xs), or read in place
@@ -250,7 +261,7 @@ def backward_weight_grads(moe, saved: dict, grad_w13: torch.Tensor | None,
         if acts.rows_in_place:
             x_offset, x_rows = rec.backward[3:5], tables.gather_ptrs
         w13_wgrad(scratch["h1g"], acts.elements, po, ro, grad_w13, x_offset=x_offset,
-                  accumulate=False, config=moe.plan.w13_wgrad, x_rows=x_rows,
+                  accumulate=moe.main_grad, config=moe.plan.w13_wgrad, x_rows=x_rows,
                   rows_origin=moe.backward_buffers.table_origin)  # 0 unless in place
 
 
@@ -283,16 +294,15 @@ def backward_input_grads(moe, saved: dict, w13, grad_x: torch.Tensor,
                   score_parts=bufs.score_parts, grad_scores_out=grad_scores)
 
 
-def backward_eager(moe, saved: dict, grad_y: torch.Tensor, w13, w2, x_shape, *,
-                   need_w13: bool, need_w2: bool):
+def backward_eager(moe, saved: dict, grad_y: torch.Tensor, w13, w2, x_shape, weight_out):
     """The whole backward of one call, launched kernel by kernel: ``(grad_x bf16 [T, D],
-    grad_scores fp32 [T, K], grad_w13 | None, grad_w2 | None)``."""
+    grad_scores fp32 [T, K])``, the weight gradients into ``weight_out`` (a pair for
+    :func:`backward_weight_grads`)."""
     grad_y = grad_y.to(torch.bfloat16).contiguous()
     backward_route_grads(moe, saved, w13, w2, grad_y)
-    grad_w13, grad_w2 = new_weight_grads(w13, w2, need_w13=need_w13, need_w2=need_w2)
-    backward_weight_grads(moe, saved, grad_w13, grad_w2)
+    backward_weight_grads(moe, saved, *weight_out)
     grad_x = torch.empty(x_shape, dtype=torch.bfloat16, device=moe.device)
     grad_scores = torch.empty(saved["ids_executed"].shape, dtype=torch.float32,
                               device=moe.device)
     backward_input_grads(moe, saved, w13, grad_x, grad_scores)
-    return grad_x, grad_scores, grad_w13, grad_w2
+    return grad_x, grad_scores

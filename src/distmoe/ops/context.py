@@ -87,7 +87,7 @@ from ..runtime.heap import round_up
 from .activations import ActivationBuffer
 from .autograd import MoEFunction, backward_eager
 from .graphs import ForwardGraphs, GraphPool, TrainingGraphs
-from .validation import check_call, check_together, check_values
+from .validation import check_call, check_main_grads, check_together, check_values
 
 HEADER_BYTES = 128
 #: rows of the W13 row blocks the two-launch schedule moves (distmoe.kernels.w13_forward.phases):
@@ -136,6 +136,13 @@ class MoEContext:
             training the slot and layer; :mod:`distmoe.ops.graphs`), the forward and in
             training the backward: the same bits at a fraction of the host time. ``False``
             runs every call eagerly. Off with ``check=True``.
+        main_grad: training only. The backward adds the weight gradients, accumulated in fp32,
+            into each weight's ``main_grad`` attribute (an fp32 tensor of the weight's shape
+            on ``device``, contiguous: Megatron's convention; the caller zeroes it) and gives
+            the weights no ``.grad``; the default returns bf16 gradients that autograd puts
+            in ``.grad``. Micro-batches then accumulate without a bf16 rounding each, and the
+            whole backward, weight gradients included, replays from the context's graphs
+            (the buffers stay where they are).
         check: debugging mode (it synchronises; off by default). Before each call, every
             rank checks its inputs, including ids outside [-1, E), a token naming an expert
             twice and non-zero scores on inactive routes, and the ranks share the outcome,
@@ -177,7 +184,7 @@ class MoEContext:
     def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | None = None, *,
                  device: torch.device | str | None = None, backend: str = "auto",
                  check: bool = False, overrides: Mapping[str, Any] | None = None,
-                 graphs: bool = True) -> None:
+                 graphs: bool = True, main_grad: bool = False) -> None:
         if not isinstance(cfg, MoEConfig):
             raise TypeError(f"cfg must be a distmoe.MoEConfig, got {type(cfg).__name__}")
         if cfg.precision != "bf16":
@@ -188,6 +195,12 @@ class MoEContext:
             raise TypeError(f"check must be a bool, got {type(check).__name__} ({check!r})")
         if not isinstance(graphs, bool):
             raise TypeError(f"graphs must be a bool, got {type(graphs).__name__} ({graphs!r})")
+        if not isinstance(main_grad, bool):
+            raise TypeError(f"main_grad must be a bool, got {type(main_grad).__name__} "
+                            f"({main_grad!r})")
+        if main_grad and not cfg.training:
+            raise ValueError("main_grad=True needs a training context (cfg.training=True): "
+                             "it says where the weight gradients go")
         if device is not None:
             try:
                 kind = torch.device(device).type
@@ -218,6 +231,8 @@ class MoEContext:
                     f"{cfg.ffn} ({1 + score_parts} needed)")
         self.cfg = cfg
         self.check = check
+        #: weight gradients added in fp32 into ``w13.main_grad`` / ``w2.main_grad``
+        self.main_grad = main_grad
         self._bound_seen = (0, 0)  # check mode: invalid ids and dropped rows already reported
         self._closed = False
         self.heap = create_heap(group, backend=backend, device=device)
@@ -314,6 +329,8 @@ class MoEContext:
         check_call(self.cfg, self.num_local_experts, self.device, self._dispatch, x,
                    expert_ids, scores, w13, w2,
                    wants_autograd=lambda: self._wants_autograd(x, scores, w13, w2))
+        if self.main_grad and self._wants_autograd(x, scores, w13, w2):
+            check_main_grads(w13, w2)
 
     def _validate_together(self, x, expert_ids, scores, w13, w2) -> None:
         """``check`` mode: every rank's checks, shared over the group
@@ -629,19 +646,18 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
             return self.graphs.forward(x, expert_ids, scores, w13, w2)
         return self.forward_layer(x, expert_ids, scores, w13, w2, save=True)
 
-    def training_backward(self, saved: dict, grad_y, w13, w2, x_shape, *, need_w13: bool,
-                          need_w2: bool):
+    def training_backward(self, saved: dict, grad_y, w13, w2, x_shape, weight_out):
         """The backward of one :meth:`training_forward` after its layer left the slot's stack:
-        ``(grad_x bf16 [T, D], grad_scores fp32 [T, K], grad_w13 | None, grad_w2 | None)``,
-        from this context's CUDA graphs where they apply, else kernel by kernel (the same
-        bits). Collective (:mod:`distmoe.ops.autograd`)."""
+        ``(grad_x bf16 [T, D], grad_scores fp32 [T, K])``, the weight gradients into
+        ``weight_out`` (``(grad_w13, grad_w2)``, each ``None`` where not needed: new tensors,
+        or the weights' ``main_grad`` with :attr:`main_grad`), from this context's CUDA graphs
+        where they apply, else kernel by kernel (the same bits). Collective
+        (:mod:`distmoe.ops.autograd`)."""
         if isinstance(self.graphs, TrainingGraphs):
-            out = self.graphs.backward(saved, grad_y, w13, w2, x_shape, need_w13=need_w13,
-                                       need_w2=need_w2)
+            out = self.graphs.backward(saved, grad_y, w13, w2, x_shape, weight_out)
             if out is not None:
                 return out
-        return backward_eager(self, saved, grad_y, w13, w2, x_shape, need_w13=need_w13,
-                              need_w2=need_w2)
+        return backward_eager(self, saved, grad_y, w13, w2, x_shape, weight_out)
 
     # ------------------------------------------------------------------ slots
     def select_slot(self, slot: int) -> None:

@@ -58,7 +58,6 @@ from .autograd import (
     backward_input_grads,
     backward_route_grads,
     backward_weight_grads,
-    new_weight_grads,
 )
 
 
@@ -250,8 +249,7 @@ class TrainingGraphs:
         self.captures += 1
         return entry
 
-    def backward(self, saved: dict, grad_y: torch.Tensor, w13, w2, x_shape, *,
-                 need_w13: bool, need_w2: bool):
+    def backward(self, saved: dict, grad_y: torch.Tensor, w13, w2, x_shape, weight_out):
         """The backward of a forward that ran from its graph, from the key's backward graphs
         (see :func:`distmoe.ops.autograd.backward_eager` for the result), or ``None`` where
         the caller runs it eagerly (the forward ran eagerly, the key's first backward, or
@@ -268,14 +266,13 @@ class TrainingGraphs:
         T, K = saved["ids_executed"].shape
         D = self.ctx.cfg.hidden
         self.pool.static("grad_y", (T, D), torch.bfloat16).copy_(grad_y)
-        grad_w13, grad_w2 = new_weight_grads(w13, w2, need_w13=need_w13, need_w2=need_w2)
         entry.route_grads.replay()
-        self._weight_grads(entry, saved, grad_w13, grad_w2)
+        self._weight_grads(entry, saved, *weight_out)
         entry.input_grads.replay()
         self.replays += 1
         grad_x = self.pool.static("grad_x", (T, D), torch.bfloat16).clone()
         grad_scores = self.pool.static("grad_scores", (T, K), torch.float32).clone()
-        return grad_x.view(x_shape), grad_scores, grad_w13, grad_w2
+        return grad_x.view(x_shape), grad_scores
 
     def _weight_grads(self, entry: _Backward, saved: dict, grad_w13, grad_w2) -> None:
         """:func:`~distmoe.ops.autograd.backward_weight_grads` into these outputs: from the

@@ -158,3 +158,28 @@ def check_together(group, ep_size: int, serial: int, x, run_checks, wants_autogr
             f"collective), got autograd = {paths} (rank r at index r): autograd runs "
             "when cfg.training, grad mode is on and x, scores, w13 or w2 requires grad "
             "(e.g. experts frozen on one rank only)")
+
+
+def check_main_grads(w13, w2) -> None:
+    """``MoEContext(main_grad=True)``: every weight that requires grad carries ``main_grad``,
+    an fp32 contiguous tensor of its shape on its device (``TypeError`` / ``ValueError``
+    naming ``w13.main_grad`` or ``w2.main_grad``)."""
+    for name, w in (("w13", w13), ("w2", w2)):
+        if not w.requires_grad:
+            continue
+        g = getattr(w, "main_grad", None)
+        if not isinstance(g, torch.Tensor):
+            raise TypeError(f"{name}.main_grad must be a torch.Tensor (MoEContext(main_grad="
+                            f"True) adds the fp32 weight gradient into it), got "
+                            f"{type(g).__name__}")
+        if g.dtype != torch.float32:
+            raise TypeError(f"{name}.main_grad must be torch.float32, got {g.dtype}")
+        if tuple(g.shape) != tuple(w.shape):
+            raise ValueError(f"{name}.main_grad must have {name}'s shape {list(w.shape)}, got "
+                             f"{list(g.shape)}")
+        if g.device != w.device:
+            raise ValueError(f"{name}.main_grad must be on {name}'s device {w.device}, got "
+                             f"{g.device}")
+        if not g.is_contiguous():
+            raise ValueError(f"{name}.main_grad must be contiguous, got strides "
+                             f"{list(g.stride())}")
