@@ -13,6 +13,8 @@
   kernel body).
 * ``wgrad/``: the grouped WGRAD of both backward GEMMs (Triton and Gluon).
 * ``mega/``: W13 and W2 fused into one persistent Gluon kernel (inference).
+* ``scaled/``: grouped GEMMs on block-scaled operands (MXFP8 with 32-wide K steps promoted
+  into fp32; Triton), not yet wired into the layer.
 * ``movement/``: data movement: token pulls, combine, id publishing, offset copies, row
   regathers, route gradients, call counters, the slot cursor.
 

@@ -1,0 +1,450 @@
+"""Grouped GEMM over experts on MXFP8 operands (SM90; Triton), optionally with SwiGLU.
+
+Operands come from :mod:`distmoe.quant`: the activation rows from
+:func:`~distmoe.quant.mxfp8_quantize` (``dim=-1``: one E8M0 scale per 32 values along K), the
+expert weights from :func:`~distmoe.quant.mxfp8_quantize_weight` (32 x 32 blocks; the kernel
+reads the forward orientation, :attr:`MXFP8Weight.scales` ``[E, N/32, K/32]``). Rows are in
+compact expert-major *activation* order, scheduled in *padded* row tiles as in the bf16
+families (:mod:`distmoe.kernels.base.rows`): expert ``e`` owns activation rows
+``[row_offsets[e], row_offsets[e+1])`` and padded rows ``[padded_offsets[e],
+padded_offsets[e+1])`` (a multiple of ``block_m``); padded row ``padded_offsets[e] + j`` is
+activation row ``row_offsets[e] + j`` when ``j < n_e``. For every live row ``a`` of expert
+``e`` and output column ``n``::
+
+    acc[a, n] = sum over K steps s of  P_s * 2^(sa[a, s] - 127) * 2^(sb[e, n // 32, s] - 127)
+    P_s       = sum_{k in [32 s, 32 s + 32)} a_q[a, k] * b_q[e, n, k]     (one FP8 dot)
+    out[a, n] = bf16(acc[a, n])                                          (swiglu=False)
+    out[a, f] = bf16(silu(acc_g) * acc_u), acc_g = acc[a, f], acc_u = acc[a, F + f]
+                                           (swiglu=True, fp32 epilogue, one rounding)
+
+Arithmetic: every 32-wide K step is one FP8 tensor-core dot (E4M3 x E4M3, fp32 out) into a
+fresh accumulator, so the E8M0 scales, which change every 32 values of K, never meet the
+tensor core; its partial ``P_s`` is promoted into the fp32 accumulator as ``acc += P_s * c``
+with ``c = 2^(sa - 127) * 2^(sb - 127)``, a power of two. An E4M3 x E4M3 product has at most
+8 significant bits, so every product is exact in fp32, and multiplying by ``c`` is exact
+while the result stays a normal fp32 (``c`` itself is exact for ``sa + sb - 254`` in
+[-149, 127]). This is exact MXFP8 arithmetic (eq. 87 of the block-scaled GEMM: each product
+``(S_a A)(S_b B)``, summed in fp32) up to the fp32 summation order: within a step the
+tensor core's (or the interpreter's) order, across steps the K order. Error against the
+exact sum, for ``K`` values and ``S = sum_k |a_k b_k|`` (dequantised operands)::
+
+    CPU interpreter:  |acc - exact| <= (31 + K/32 + 1) * 2^-24 * S      (first order)
+    SM90 tensor core: add, per step, the FP8 MMA's own accumulation error: Hopper's FP8 WGMMA
+                      adds the 32 exact products with a significand narrower than fp32's
+                      (reported for H100 as 13 fraction bits, truncated, aligned to the
+                      largest addend); on that model at most
+                      32 * 2^-13 * max_k |a_k b_k| + 2^-13 * |P_s| per step, times c
+                      (a model to confirm on the GPU: tests/kernels/scaled, gpu marker)
+
+then one bf16 rounding (relative 2^-8) of the result, or of the fp32 SwiGLU
+``g * sigmoid(g) * u`` (a few fp32 roundings; it flushes silu(g) to 0 once sigmoid(g) leaves
+fp32's normal range, g < -87: an absolute error below 2^-118 |u|). Edge cases:
+a NaN qdata byte (0x7F / 0xFF, from a non-finite input) or a NaN scale byte (0xFF) makes its
+output row / column NaN; ``c`` below 2^-149 flushes the step's term to zero (its value is
+then below 2^-126 in magnitude, since ``|P_s| < 2^23``); ``c`` above 2^127 overflows.
+
+Hopper note: one FP8 WGMMA is 32 deep in K, so each step is one MMA, whose result must land
+in registers before the promotion (the multiply-add on CUDA cores serialises with the MMAs:
+correct first, the fast variants of issue 58 come later). Compiled for sm_90a without a GPU
+(Triton 3.6, ptxas): e4m3 ``wgmma`` and a ``cp.async`` pipeline; at the ``for_widths``
+configs 254 registers (128 x 128) and 172 (SwiGLU, 128 x 64 per half), no spill.
+
+CPU: under Triton's interpreter (``TRITON_INTERPRET=1``), ``tl.dot`` does accept E4M3
+operands (Triton 3.6 widens them to fp16, exactly for every finite code, and multiplies in
+fp32), but decodes the NaN codes 0x7F / 0xFF as +-480. Only under the interpreter the kernel
+therefore widens both tiles to fp32 itself (exact: E4M3 values are fp32 values), restores
+NaN for the NaN codes and takes an fp32 ``tl.dot`` (``input_precision="ieee"``): the same
+products, bit for bit, and NaN where the GPU gives NaN.
+
+Algorithm: one program per ``block_m x block_n`` tile of the output, on a 1-D grid sized
+from ``R`` (the row capacity, ``a_q.shape[0]``) and N, never from routed counts: ``num_pid_m
+= cdiv(R, block_m) + E - 1`` row tiles (the most that ``R`` rows padded per expert to
+``block_m`` can fill) by ``cdiv(N_out, block_n)`` column tiles, in group-M order. A program
+walks its row tiles ``pid_m, pid_m + num_pid_m, ...`` below ``padded_offsets[E]`` (one at
+most under the routing layer's minimal padding; more padding is still covered); a tile's
+expert, activation rows and live row count come from the two tables on the device, tiles of
+padding rows only do no work. Per K step it loads the ``block_m x 32`` FP8 rows and their
+scales, the ``block_n x 32`` FP8 weight rows (and the up half's with SwiGLU) and their
+scales (pointer loads, pipelined by Triton), one dot per half, promotes, and at the end
+stores the live rows' bf16 values at their activation rows.
+
+Memory: nothing is allocated. Sync points: none on the host (the tables are read on the
+device); the operands must be complete before the launch.
+
+Requirements: K, N (and F = N / 2 with SwiGLU) positive multiples of 32; the padded segments
+multiples of ``config.block_m``; ``row_offsets[0] = 0``, ``0 <= n_e <=`` the expert's padded
+segment length and ``row_offsets[E] <= R`` (device values: not checked by the kernel; the
+reference checks them).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from distmoe.kernels.base.checks import (
+    check_devices,
+    check_offsets,
+    check_padded_offsets_host,
+    check_row_offsets_host,
+    check_tensor,
+)
+from distmoe.kernels.base.config import next_power_of_2
+from distmoe.kernels.base.device import device_context
+from distmoe.kernels.base.interpreter import interpreter_active
+from distmoe.kernels.base.rows import activation_segments
+from distmoe.kernels.base.tiles import swizzle_tile, tile_activation_rows, tile_expert
+from distmoe.kernels.scaled.config import SCALE_BLOCK, ScaledGemmConfig
+from distmoe.quant.mxfp8 import mxfp8_dequantize
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _e8m0_to_fp32(s):
+    """fp32 ``2^(s - 127)`` of E8M0 bytes ``s`` (int32), exact: byte 0 is the fp32 subnormal
+    2^-127, byte 255 is NaN."""
+    bits = tl.where(s == 0, 0x00400000, s << 23)
+    bits = tl.where(s == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_step(rows_ptr, srows_ptr, s, kk, ok, MASKED: tl.constexpr):
+    """K step ``s`` of a tile: the E4M3 values ``[rows, kk]`` and the rows' fp32 scales.
+    ``MASKED``: rows outside ``ok`` read zeros and scale byte 127 (1.0)."""
+    if MASKED:
+        q = tl.load(rows_ptr[:, None] + kk[None, :], mask=ok[:, None], other=0.0)
+        sc = tl.load(srows_ptr + s, mask=ok, other=127)
+    else:
+        q = tl.load(rows_ptr[:, None] + kk[None, :])
+        sc = tl.load(srows_ptr + s)
+    return q, _e8m0_to_fp32(sc.to(tl.int32))
+
+
+@triton.jit
+def _dot_step(a, b, INTERPRET: tl.constexpr):
+    """``a [M, 32] @ b [N, 32]^T`` of E4M3 tiles, fp32 out: one FP8 tensor-core dot, or under
+    the interpreter an fp32 dot of the exactly widened values with NaN codes kept NaN (the
+    interpreter's own E4M3 decoding turns them into +-480)."""
+    if INTERPRET:
+        a_nan = (a.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F
+        b_nan = (b.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F
+        a32 = tl.where(a_nan, float("nan"), a.to(tl.float32))
+        b32 = tl.where(b_nan, float("nan"), b.to(tl.float32))
+        return tl.dot(a32, tl.trans(b32), input_precision="ieee")
+    else:
+        return tl.dot(a, tl.trans(b))
+
+
+@triton.jit
+def _mxfp8_tile(
+    a_ptr,
+    sa_ptr,
+    b_ptr,
+    sb_ptr,
+    padded_offsets_ptr,
+    row_offsets_ptr,
+    out_ptr,
+    row_start,
+    pid_n,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    OUT_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """One ``BLOCK_M x BLOCK_N`` output tile of the padded row tile at ``row_start``."""
+    KS: tl.constexpr = K // 32  # scale columns of a row (K steps)
+    NUM_KB: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    STEPS: tl.constexpr = BLOCK_K // 32
+    expert = tile_expert(padded_offsets_ptr, row_start, NUM_EXPERTS, EXPERTS_POW2)
+    act_start, num_live = tile_activation_rows(
+        padded_offsets_ptr, row_offsets_ptr, expert, row_start
+    )
+    # Live rows come first in a segment: a tile starting at a padding row has none.
+    if num_live > 0:
+        idx = tl.arange(0, BLOCK_M)
+        is_live = idx < num_live
+        rows = act_start + idx  # int64 activation rows
+        a_rows = a_ptr + rows * K
+        sa_rows = sa_ptr + rows * KS
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        is_col = cols < OUT_N
+        e64 = expert.to(tl.int64)
+        # gate (or the only) weight rows, and the up rows F = OUT_N further with SwiGLU
+        g_rows = b_ptr + e64 * (N * K) + cols * K
+        g_srows = sb_ptr + e64 * ((N // 32) * KS) + (cols // 32) * KS
+        u_rows = g_rows + OUT_N * K
+        u_srows = g_srows + (OUT_N // 32) * KS
+        offs = tl.arange(0, 32)
+
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, NUM_KB):
+            for j in tl.static_range(STEPS):
+                s = kb * STEPS + j  # K step: values [32 s, 32 s + 32), scale column s
+                kk = s * 32 + offs
+                # Masked rows, columns and steps read zeros and scale byte 127 (1.0): their
+                # terms are 0 and never reach a stored element or change a live one.
+                if EVEN_K:
+                    row_ok = is_live
+                    col_ok = is_col
+                else:
+                    row_ok = is_live & (s < KS)
+                    col_ok = is_col & (s < KS)
+                a, sa = _load_step(a_rows, sa_rows, s, kk, row_ok, True)
+                b, sb = _load_step(g_rows, g_srows, s, kk, col_ok, not (EVEN_K and EVEN_N))
+                acc_g += _dot_step(a, b, INTERPRET) * (sa[:, None] * sb[None, :])
+                if SWIGLU:
+                    bu, su = _load_step(u_rows, u_srows, s, kk, col_ok,
+                                        not (EVEN_K and EVEN_N))
+                    acc_u += _dot_step(a, bu, INTERPRET) * (sa[:, None] * su[None, :])
+
+        if SWIGLU:
+            val = acc_g * tl.sigmoid(acc_g) * acc_u
+        else:
+            val = acc_g
+        out_rows = out_ptr + rows * OUT_N
+        tl.store(out_rows[:, None] + cols[None, :], val.to(tl.bfloat16),
+                 mask=is_live[:, None] & is_col[None, :])
+
+
+@triton.jit
+def _mxfp8_grouped_mm_kernel(
+    a_ptr,
+    sa_ptr,
+    b_ptr,
+    sb_ptr,
+    padded_offsets_ptr,
+    row_offsets_ptr,
+    out_ptr,
+    num_pid_m,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    OUT_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    NUM_PID_N: tl.constexpr = (OUT_N + BLOCK_N - 1) // BLOCK_N
+    pid_m, pid_n = swizzle_tile(tl.program_id(0), num_pid_m, NUM_PID_N, GROUP_M)
+    total_rows = tl.load(padded_offsets_ptr + NUM_EXPERTS)
+    # One row tile under minimal padding (the grid's bound); later ones only if the segments
+    # were padded further. A while loop (not range) keeps the interpreter working too.
+    row_start = pid_m * BLOCK_M
+    while row_start < total_rows:
+        _mxfp8_tile(a_ptr, sa_ptr, b_ptr, sb_ptr, padded_offsets_ptr, row_offsets_ptr, out_ptr,
+                    row_start, pid_n, NUM_EXPERTS, EXPERTS_POW2, K, N, OUT_N, BLOCK_M, BLOCK_N,
+                    BLOCK_K, EVEN_K, EVEN_N, SWIGLU, INTERPRET)
+        row_start += num_pid_m * BLOCK_M
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------
+
+
+def _multiple_of_32(name: str, value: int, text: str) -> None:
+    if value <= 0 or value % SCALE_BLOCK:
+        raise ValueError(f"{name} ({value}) must be a positive multiple of 32 ({text})")
+
+
+def check_mxfp8_grouped_mm_args(
+    a_q: object,
+    a_scales: object,
+    b_q: object,
+    b_scales: object,
+    padded_offsets: object,
+    row_offsets: object,
+    out: object,
+    *,
+    swiglu: object,
+    for_kernel: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int]:
+    """Validate :func:`mxfp8_grouped_mm`'s arguments (no synchronisation); return the weights
+    seen as ``[E, N, K]`` / ``[E, N/32, K/32]`` and ``(R, K, E, N)``."""
+    if not isinstance(swiglu, bool):
+        raise TypeError(f"swiglu must be a bool, got {type(swiglu).__name__}")
+    check_tensor("a_q", a_q, dtypes=(torch.float8_e4m3fn,), ndim=2, shape_text="[R, K]")
+    rows, k = a_q.shape
+    _multiple_of_32("K", k, "a_q.shape[1]: 32 values per E8M0 scale")
+    check_tensor("a_scales", a_scales, dtypes=(torch.uint8,), shape=[rows, k // SCALE_BLOCK],
+                 shape_text="[R, K/32] (E8M0, from mxfp8_quantize(x, dim=-1))")
+    if not isinstance(b_q, torch.Tensor):
+        raise TypeError(f"b_q must be a torch.Tensor, got {type(b_q).__name__}")
+    if swiglu and b_q.dim() == 4:
+        # w13's own layout [E, 2, F, K]: gate rows then up rows, seen as [E, 2F, K]
+        check_tensor("b_q", b_q, dtypes=(torch.float8_e4m3fn,), ndim=4,
+                     shape_text="[E, 2, F, K] (w13: gate, up)")
+        if b_q.shape[1] != 2:
+            raise ValueError(f"b_q must have shape [E, 2, F, K] (w13: gate, up) when 4-D, got "
+                             f"{list(b_q.shape)}")
+        num_experts, _, ffn, bk = b_q.shape
+        check_tensor("b_scales", b_scales, dtypes=(torch.uint8,),
+                     shape=[num_experts, 2, ffn // SCALE_BLOCK, bk // SCALE_BLOCK],
+                     shape_text="[E, 2, F/32, K/32] (MXFP8Weight.scales of w13)")
+        b_q = b_q.view(num_experts, 2 * ffn, bk)
+        b_scales = b_scales.view(num_experts, 2 * ffn // SCALE_BLOCK, bk // SCALE_BLOCK)
+    else:
+        check_tensor("b_q", b_q, dtypes=(torch.float8_e4m3fn,), ndim=3,
+                     shape_text="[E, N, K]" + (" or [E, 2, F, K]" if swiglu else ""))
+    num_experts, n, bk = b_q.shape
+    if bk != k:
+        raise ValueError(f"b_q must have K = {k} (a_q.shape[1]) as its last dimension, got "
+                         f"shape {list(b_q.shape)}")
+    if num_experts < 1:
+        raise ValueError(f"b_q must hold at least one expert (E >= 1), got shape "
+                         f"{list(b_q.shape)}")
+    _multiple_of_32("N", n, "b_q.shape[1]: 32 x 32 weight scale blocks")
+    if swiglu and n % (2 * SCALE_BLOCK):
+        raise ValueError(f"N ({n}, b_q.shape[1]) must be 2F with F a multiple of 32 when swiglu "
+                         "is set (gate and up halves of whole 32-row scale blocks)")
+    check_tensor("b_scales", b_scales, dtypes=(torch.uint8,),
+                 shape=[num_experts, n // SCALE_BLOCK, k // SCALE_BLOCK],
+                 shape_text="[E, N/32, K/32] (MXFP8Weight.scales: the forward orientation)")
+    check_offsets(padded_offsets, row_offsets, num_experts)
+    out_n = n // 2 if swiglu else n
+    check_tensor("out", out, dtypes=(torch.bfloat16,), shape=[rows, out_n],
+                 shape_text="[R, F = N/2] (swiglu)" if swiglu else "[R, N]")
+    check_devices({"a_q": a_q, "a_scales": a_scales, "b_q": b_q, "b_scales": b_scales,
+                   "padded_offsets": padded_offsets, "row_offsets": row_offsets, "out": out},
+                  for_kernel=for_kernel)
+    return b_q, b_scales, rows, k, num_experts, n
+
+
+def mxfp8_grouped_mm(
+    a_q: torch.Tensor,
+    a_scales: torch.Tensor,
+    b_q: torch.Tensor,
+    b_scales: torch.Tensor,
+    padded_offsets: torch.Tensor,
+    row_offsets: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    swiglu: bool = False,
+    config: ScaledGemmConfig | None = None,
+) -> torch.Tensor:
+    """Per expert ``e``: ``out[rows of e] = dequant(a_q) @ dequant(b_q[e])^T`` on MXFP8 operands
+    (or its SwiGLU), FP8 tensor-core dots per 32-wide K step promoted with both scales into
+    fp32: exact MXFP8 arithmetic up to the fp32 summation order (module docstring).
+
+    Args:
+        a_q: float8_e4m3fn ``[R, K]``, activation rows in expert-major order (expert ``e``
+            owns rows ``[row_offsets[e], row_offsets[e+1])``); K a multiple of 32. ``R`` is
+            the row capacity: it sizes the grid.
+        a_scales: uint8 E8M0 ``[R, K/32]`` (``mxfp8_quantize(x, dim=-1)``'s scales).
+        b_q: float8_e4m3fn ``[E, N, K]`` (``mxfp8_quantize_weight(w).qdata``, N a multiple of
+            32); with ``swiglu``, N = 2F in w13's order (gate rows, then up rows), also
+            accepted as w13's ``[E, 2, F, K]``.
+        b_scales: uint8 E8M0 ``[E, N/32, K/32]`` (or ``[E, 2, F/32, K/32]``): the 32 x 32
+            block scales in the forward orientation (``MXFP8Weight.scales``).
+        padded_offsets: int32 ``[E + 1]`` on the device: the padded row tiles of each expert
+            (segments multiples of ``config.block_m``).
+        row_offsets: int32 ``[E + 1]`` on the device: exclusive prefix sum of live rows per
+            expert, ``row_offsets[E] <= R``.
+        out: bf16 ``[R, N]``, or ``[R, F]`` with ``swiglu``; receives the live rows
+            ``[0, row_offsets[E])``; every other row is left untouched.
+        swiglu: ``out = silu(gate) * up`` from the two fp32 accumulators, rounded once.
+        config: launch configuration; default :meth:`ScaledGemmConfig.for_widths`.
+
+    Returns ``out``. No host synchronisation; nothing allocated.
+    """
+    b_q, b_scales, rows, k, num_experts, n = check_mxfp8_grouped_mm_args(
+        a_q, a_scales, b_q, b_scales, padded_offsets, row_offsets, out, swiglu=swiglu)
+    if config is None:
+        config = ScaledGemmConfig.for_widths(k=k, n=n, swiglu=swiglu)
+    elif not isinstance(config, ScaledGemmConfig):
+        raise TypeError(f"config must be a ScaledGemmConfig, got {type(config).__name__}")
+    if rows == 0:
+        return out
+    out_n = n // 2 if swiglu else n
+    num_pid_m = triton.cdiv(rows, config.block_m) + num_experts - 1
+    num_pid_n = triton.cdiv(out_n, config.block_n)
+    with device_context(a_q.device):
+        _mxfp8_grouped_mm_kernel[(num_pid_m * num_pid_n,)](
+            a_q,
+            a_scales,
+            b_q,
+            b_scales,
+            padded_offsets,
+            row_offsets,
+            out,
+            num_pid_m,
+            NUM_EXPERTS=num_experts,
+            EXPERTS_POW2=next_power_of_2(num_experts),
+            K=k,
+            N=n,
+            OUT_N=out_n,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            GROUP_M=config.group_m,
+            EVEN_K=k % config.block_k == 0,
+            EVEN_N=out_n % config.block_n == 0,
+            SWIGLU=swiglu,
+            INTERPRET=interpreter_active(),
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------
+
+
+def mxfp8_grouped_mm_ref(
+    a_q: torch.Tensor,
+    a_scales: torch.Tensor,
+    b_q: torch.Tensor,
+    b_scales: torch.Tensor,
+    padded_offsets: torch.Tensor,
+    row_offsets: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    swiglu: bool = False,
+    block_m: int = 128,
+) -> torch.Tensor:
+    """Plain-PyTorch :func:`mxfp8_grouped_mm` (any device; synchronises; for tests).
+
+    Same arguments and contract (``block_m``: the padding multiple, checked on the host with
+    both tables). Both operands dequantised exactly (:func:`~distmoe.quant.mxfp8_dequantize`,
+    fp32), one float64 matmul per expert, rounded to fp32 (the kernel's accumulator type);
+    SwiGLU in fp32; one rounding to bf16. Only the live rows are written.
+    """
+    b_q, b_scales, rows, k, num_experts, n = check_mxfp8_grouped_mm_args(
+        a_q, a_scales, b_q, b_scales, padded_offsets, row_offsets, out, swiglu=swiglu,
+        for_kernel=False)
+    check_padded_offsets_host(padded_offsets, block_m=block_m,
+                              r_cap=int(padded_offsets[-1].item()))
+    check_row_offsets_host(padded_offsets, row_offsets, r_act=rows)
+    a = mxfp8_dequantize(a_q, a_scales, dim=-1).double()
+    b = mxfp8_dequantize(b_q, b_scales.repeat_interleave(SCALE_BLOCK, dim=-2), dim=-1).double()
+    out_n = n // 2 if swiglu else n
+    for e, (_, act_start, count) in enumerate(activation_segments(padded_offsets, row_offsets)):
+        if count == 0:
+            continue
+        acc = (a[act_start:act_start + count] @ b[e].T).float()
+        if swiglu:
+            acc = torch.nn.functional.silu(acc[:, :out_n]) * acc[:, out_n:]
+        out[act_start:act_start + count] = acc.to(torch.bfloat16)
+    return out
