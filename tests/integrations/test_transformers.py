@@ -469,13 +469,18 @@ def test_gpt_oss_raises_naming_its_features():
         dmt.shard_experts(model)
 
 
-def test_needs_a_process_group():
-    # a supported model, but no torch.distributed in this (pytest) process
+def test_runs_without_torch_distributed():
+    """A process without torch.distributed (this pytest process) runs the experts as one rank
+    of its own: the same logits and gradients as the model's experts, by the parity rule."""
     assert not torch.distributed.is_initialized()
-    model = _build("mixtral", 0)
-    model.set_experts_implementation("distmoe")
-    with pytest.raises(RuntimeError, match=r"call torch\.distributed\.init_process_group"):
-        model(torch.zeros(1, 4, dtype=torch.long))
+    transformers.integrations.moe.ExpertsInterface.register(BASELINE, _bf16_reference_experts)
+    try:
+        res = _compare("mixtral", _build("mixtral", 0), _tokens(0, 0), 0, 1)
+    finally:
+        dmt.close_contexts()
+    assert res["same_routing"]
+    assert _check(res, skip=("sharded", "same_routing")) >= 8
+    assert not torch.distributed.is_initialized()
 
 
 def test_options_are_validated():

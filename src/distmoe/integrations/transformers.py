@@ -45,7 +45,7 @@ backward keeps its layers there until :func:`reset_contexts`. :func:`close_conte
 all (collective).
 
 Expert parallelism: by default an experts module holds all E experts and runs on a one-rank
-group (torch.distributed initialised with one rank). :func:`shard_experts` gives each rank of an
+group (the process alone where torch.distributed is not initialised). :func:`shard_experts` gives each rank of an
 EP group its E / EP consecutive global experts (rank r: ``r * E_local .. (r + 1) * E_local - 1``,
 the slice of ``gate_up_proj`` / ``down_proj`` along dim 0); the router still picks among all E
 experts, and distmoe's own dispatch (peer memory, no all-to-all) carries each route to its
@@ -134,7 +134,7 @@ class ExpertShard:
         options: how its contexts are built.
     """
 
-    group: dist.ProcessGroup
+    group: dist.ProcessGroup | None  # None: no torch.distributed, this process alone
     rank: int
     ep_size: int
     num_experts: int
@@ -256,13 +256,21 @@ def _weights_are_views(module: nn.Module) -> bool:
 
 
 # ---------------------------------------------------------------------------- sharding
-def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """``group``, the world group by default, or ``None`` in a process without
+    torch.distributed (one rank of its own: :class:`distmoe.MoEContext` runs alone)."""
     if not dist.is_initialized():
-        raise RuntimeError(
-            f"the {NAME!r} experts implementation runs over a torch.distributed process "
-            "group, even at one rank: call torch.distributed.init_process_group first (gloo "
-            "on CPU, nccl on GPUs; distmoe.launch and torchrun set one up)")
+        if group is not None:
+            raise RuntimeError(f"group ({group!r}) given, but torch.distributed is not "
+                               "initialised in this process")
+        return None
     return group if group is not None else dist.group.WORLD
+
+
+def _group_size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None, *,
@@ -296,7 +304,7 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None, *,
         if getattr(m, "distmoe_shard", None) is not None:
             raise ValueError(f"{name} is sharded already (distmoe_shard is set)")
     group = _resolve_group(group)
-    ep_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    ep_size, rank = _group_size_rank(group)
     for name, m in found:
         if m.gate_up_proj.shape[0] % ep_size:
             raise ValueError(f"num_experts ({m.gate_up_proj.shape[0]}) of {name} must be "
@@ -326,7 +334,7 @@ def _shard_of(module: nn.Module) -> ExpertShard:
     if shard is not None:
         return shard
     group = _resolve_group(None)
-    if dist.get_world_size(group) != 1:
+    if _group_size_rank(group)[0] != 1:
         raise ValueError(
             f"{type(module).__name__} holds all {module.gate_up_proj.shape[0]} experts but "
             f"torch.distributed has {dist.get_world_size(group)} ranks: call distmoe."

@@ -83,7 +83,7 @@ from ..kernels.w13_forward.triton import gather_w13_swiglu, w13_tile_rows
 from ..plan import KernelPlan, plan_kernels
 from ..routing import build_routing_tables, row_capacity
 from ..runtime import create_heap
-from ..runtime.heap import round_up
+from ..runtime.heap import gather_objects, round_up
 from .activations import ActivationBuffer
 from .autograd import MoEFunction, backward_eager
 from .graphs import ForwardGraphs, GraphPool, TrainingGraphs
@@ -741,8 +741,7 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
                        f"{self.cfg.max_possible_rows(self.ep_size)}); "
                        f"{dropped} routes were not executed. Raise device_scratch_factor, up "
                        "to that maximum.")
-        outcomes = [None] * self.ep_size
-        dist.all_gather_object(outcomes, problem, group=self.group)
+        outcomes = gather_objects(problem, self.group, self.ep_size)
         bad = [(r, o) for r, o in enumerate(outcomes) if o is not None]
         if not bad:
             return

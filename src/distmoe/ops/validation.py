@@ -13,10 +13,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from ..config import MoEConfig
 from ..kernels.base.rows import byte_range
+from ..runtime.heap import gather_objects
 
 #: the integer dtypes accepted for expert ids
 INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
@@ -131,10 +131,9 @@ def check_together(group, ep_size: int, serial: int, x, run_checks, wants_autogr
         err = exc
     tokens = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() > 0 else None
     autograd = err is None and wants_autograd()
-    outcomes: list[RankCall] = [None] * ep_size
-    dist.all_gather_object(
-        outcomes, RankCall(tokens, None if err is None else f"{type(err).__name__}: {err}",
-                           autograd, serial), group=group)
+    outcomes: list[RankCall] = gather_objects(
+        RankCall(tokens, None if err is None else f"{type(err).__name__}: {err}", autograd,
+                 serial), group, ep_size)
     serials = [o.serial for o in outcomes]
     if len(set(serials)) > 1:
         raise ValueError(

@@ -22,7 +22,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from .heap import SymmetricHeap
+from .heap import SymmetricHeap, group_barrier
 
 SHM_DIR = "/dev/shm"
 PREFIX_ENV = "DISTMOE_SHM_PREFIX"
@@ -39,8 +39,9 @@ class CpuShmHeap(SymmetricHeap):
     def __init__(self, group, device) -> None:
         super().__init__(group, device)
         token = [uuid.uuid4().hex[:12]]
-        dist.broadcast_object_list(token, src=dist.get_global_rank(self.group, 0),
-                                   group=self.group)
+        if self.world_size > 1:
+            dist.broadcast_object_list(token, src=dist.get_global_rank(self.group, 0),
+                                       group=self.group)
         self._token = token[0]
         self._maps: dict[str, list[mmap.mmap]] = {}
         self._views: dict[str, list[torch.Tensor]] = {}
@@ -58,14 +59,14 @@ class CpuShmHeap(SymmetricHeap):
             os.close(fd)
         maps: list[mmap.mmap] = []
         try:
-            dist.barrier(group=self.group)  # every segment exists
+            group_barrier(self.group, self.world_size)  # every segment exists
             for r in range(self.world_size):
                 fd = os.open(self._segment_path(name, r), os.O_RDWR)
                 try:
                     maps.append(mmap.mmap(fd, size))
                 finally:
                     os.close(fd)
-            dist.barrier(group=self.group)  # every rank has mapped every segment
+            group_barrier(self.group, self.world_size)  # every rank mapped every segment
         finally:
             # Unlink as early as possible; mappings keep the memory alive.
             try:
@@ -82,7 +83,7 @@ class CpuShmHeap(SymmetricHeap):
 
     def barrier(self) -> None:
         self._check_open()
-        dist.barrier(group=self.group)
+        group_barrier(self.group, self.world_size)
 
     def _close(self) -> None:
         # Tensors handed out may still reference the maps: drop our references only. Each

@@ -9,10 +9,10 @@ mapping; peers on other devices need peer access (P2P/NVLink).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
 
 from .cuda_common import CudaHeapBase
+from .heap import gather_objects, group_barrier
 
 
 class CudaIpcHeap(CudaHeapBase):
@@ -25,8 +25,7 @@ class CudaIpcHeap(CudaHeapBase):
     def _allocate(self, name: str, size: int) -> list[int]:
         own = torch.zeros(size, dtype=torch.uint8, device=self.device)
         torch.cuda.synchronize(self.device)
-        handles = [None] * self.world_size
-        dist.all_gather_object(handles, reduce_tensor(own), group=self.group)
+        handles = gather_objects(reduce_tensor(own), self.group, self.world_size)
         views = []
         for r, (rebuild, args) in enumerate(handles):
             views.append(own if r == self.rank else rebuild(*args))
@@ -38,5 +37,5 @@ class CudaIpcHeap(CudaHeapBase):
 
     def _close(self) -> None:
         torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)  # no peer still reads or writes our memory
+        group_barrier(self.group, self.world_size)  # no peer still reads or writes ours
         self._buffers.clear()

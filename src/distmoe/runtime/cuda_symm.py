@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .cuda_common import CudaHeapBase
+from .heap import gather_objects, group_barrier, solo
 
 
 def symmetric_memory_usable(group, device: torch.device) -> bool:
@@ -20,12 +21,13 @@ def symmetric_memory_usable(group, device: torch.device) -> bool:
         ok = False
     else:
         ok = True
+    if solo(group):
+        return False  # a rendezvous needs a process group: the IPC heap serves one rank
     group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
-    seen = [None] * world
     props = torch.cuda.get_device_properties(device)
     ident = str(getattr(props, "uuid", device))
-    dist.all_gather_object(seen, (ok, ident), group=group)
+    seen = gather_objects((ok, ident), group, world)
     devices = [s[1] for s in seen]
     return all(s[0] for s in seen) and len(set(devices)) == world
 
@@ -64,5 +66,5 @@ class CudaSymmHeap(CudaHeapBase):
 
     def _close(self) -> None:
         torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)
+        group_barrier(self.group, self.world_size)
         self._handles.clear()

@@ -37,6 +37,28 @@ Backend = Literal["auto", "cpu", "cuda_ipc", "cuda_symm"]
 ALIGNMENT = 256
 
 
+def solo(group: dist.ProcessGroup | None) -> bool:
+    """True for the default group in a process without torch.distributed: one rank of its
+    own, no collective (a single-GPU user need not call ``init_process_group``)."""
+    return group is None and not dist.is_initialized()
+
+
+def gather_objects(obj, group: dist.ProcessGroup | None, world_size: int) -> list:
+    """*Collective.* Every rank's ``obj`` in rank order (``dist.all_gather_object``; just
+    ``[obj]`` on a one-rank group, which needs no torch.distributed)."""
+    if world_size == 1:
+        return [obj]
+    out = [None] * world_size
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def group_barrier(group: dist.ProcessGroup | None, world_size: int) -> None:
+    """*Collective.* A host barrier over ``group`` (none on a one-rank group)."""
+    if world_size > 1:
+        dist.barrier(group=group)
+
+
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -57,9 +79,12 @@ class SymmetricHeap(ABC):
     allocates_through_torch: bool = True
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
+        if solo(group):  # no torch.distributed: this process alone
+            self.group, self.rank, self.world_size = None, 0, 1
+        else:
+            self.group = group if group is not None else dist.group.WORLD
+            self.rank = dist.get_rank(self.group)
+            self.world_size = dist.get_world_size(self.group)
         self.device = device
         self._sizes: dict[str, int] = {}
         self._tables: dict[str, torch.Tensor] = {}
@@ -77,8 +102,7 @@ class SymmetricHeap(ABC):
         if isinstance(num_bytes, bool) or not isinstance(num_bytes, int) or num_bytes < 1:
             raise ValueError(f"num_bytes ({num_bytes!r}) must be a positive int")
         size = round_up(num_bytes, ALIGNMENT)
-        sizes = [None] * self.world_size
-        dist.all_gather_object(sizes, (name, size), group=self._object_group())
+        sizes = gather_objects((name, size), self._object_group(), self.world_size)
         if any(s != (name, size) for s in sizes):
             raise ValueError(
                 f"allocate({name!r}, {num_bytes}) was called with different names or sizes "
