@@ -86,6 +86,7 @@ from ..runtime import create_heap
 from ..runtime.heap import gather_objects, round_up
 from .activations import ActivationBuffer
 from .autograd import MoEFunction, backward_eager
+from .custom_ops import traced_call, tracing
 from .graphs import ForwardGraphs, GraphPool, TrainingGraphs
 from .validation import check_call, check_main_grads, check_together, check_values
 
@@ -377,6 +378,8 @@ class MoEContext:
         return x.data_ptr() == self._dispatch.data_ptr()
 
     def __call__(self, x, expert_ids, scores, w13, w2) -> torch.Tensor:
+        if tracing(x):  # torch.compile / make_fx / fake tensors: distmoe.ops.custom_ops
+            return traced_call(self, x, expert_ids, scores, w13, w2)
         self.check_open()
         if self.check:
             self._validate_together(x, expert_ids, scores, w13, w2)
