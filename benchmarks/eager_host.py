@@ -10,7 +10,10 @@ shape and mode (``fwd``: inference forward; ``fwdbwd``: training forward + backw
   while the GPU is kept busy by a long sleep kernel queued first, divided by the count (so
   the host never waits for the GPU);
 * ``wall_ms``: wall time per call of back-to-back calls, GPU synchronised at both ends;
-* ``graph_ms``: the same calls captured into one CUDA graph by the caller and replayed.
+* ``graph_ms``: the same calls captured into one CUDA graph by the caller and replayed;
+* for forwards, ``weights_pct_copy``: the expert weights' bytes over ``wall_ms``, in percent
+  of the device copy rate (``dst.copy_(src)`` of 2 GiB, read + write bytes) measured once
+  at the start of the run (the decode target of issue 66).
 
 Providers: ``distmoe`` (the context's own graphs on, the default), ``distmoe-nog``
 (``MoEContext(..., graphs=False)``: every call through the launch path), in training
@@ -155,6 +158,11 @@ def main(argv=None) -> int:
     if not dist.is_initialized():
         store = dist.FileStore(f"/tmp/eager_host_{os.getpid()}", 1)
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    from distmoe.tools.bench.ceilings import device_copy
+    from distmoe.tools.bench.timing import TimingConfig
+
+    copy_gbps = device_copy(dev, TimingConfig()).value
+    print(f"device copy: {copy_gbps:.0f} GB/s (read + write)", flush=True)
     rows = []
     for name in args.shapes:
         T, D, F, E, K = SHAPES[name]
@@ -192,11 +200,17 @@ def main(argv=None) -> int:
                     graph = float("nan")
                     print(f"  {prov}: graph capture failed: {type(exc).__name__}: {exc}",
                           file=sys.stderr)
+                pct = None
+                if not training and copy_gbps:
+                    weight_bytes = (3 * E * F * D) * 2  # w13 and w2, bf16
+                    pct = 100 * weight_bytes / (wall * 1e-3) / 1e9 / copy_gbps
                 rows.append(dict(shape=name, T=T, D=D, F=F, E=E, K=K, mode=mode,
-                                 provider=prov, host_ms=host, wall_ms=wall, graph_ms=graph))
+                                 provider=prov, host_ms=host, wall_ms=wall, graph_ms=graph,
+                                 weights_pct_copy=pct))
+                extra = "" if pct is None else f"  weights {pct:5.1f}% of copy"
                 print(f"{name:18s} {mode:7s} {prov:12s} host {host:7.3f} ms  wall "
-                      f"{wall:7.3f} ms  graph {graph:7.3f} ms  ({time.time() - t0:.1f} s)",
-                      flush=True)
+                      f"{wall:7.3f} ms  graph {graph:7.3f} ms{extra}  "
+                      f"({time.time() - t0:.1f} s)", flush=True)
             for c in ctxs:
                 c.close()
             del inputs
@@ -204,6 +218,7 @@ def main(argv=None) -> int:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         env = dict(gpu=torch.cuda.get_device_name(dev), torch=torch.__version__,
+                   device_copy_gbps=copy_gbps,
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                    command=" ".join(sys.argv))
         try:

@@ -6,11 +6,11 @@ which read the route maps on the host and share the outcome over the group.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from distmoe.kernels.base.checks import check_tensor
 from distmoe.kernels.movement.rowwise_put import PROB_DTYPES, ROUTE_DTYPES
 from distmoe.rowwise.buffers import Buffers
+from distmoe.runtime.heap import gather_objects
 
 
 def check_flag(name: str, value: object) -> None:
@@ -75,8 +75,7 @@ def check_values(bufs: Buffers, op: str, ranks_name: str, ranks: torch.Tensor,
                    f"(a rank must be < world size {bufs.world_size} and a row < rows "
                    f"{bufs.rows}, or either negative for no route); the first at index "
                    f"{list(first)}: rank {int(ranks64[first])}, row {int(rows64[first])}")
-    outcomes = [None] * bufs.world_size
-    dist.all_gather_object(outcomes, (problem, differentiable), group=bufs.group)
+    outcomes = gather_objects((problem, differentiable), bufs.group, bufs.world_size)
     if problem is not None:
         raise ValueError(problem)
     bad = [(r, p) for r, (p, _) in enumerate(outcomes) if p is not None]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .heap import ALIGNMENT, SymmetricHeap
+from .heap import ALIGNMENT, SymmetricHeap, group_barrier
 
 SIGNAL = "__signal__"
 
@@ -20,7 +20,7 @@ class CudaHeapBase(SymmetricHeap):
         self._tables[SIGNAL] = torch.tensor(bases, dtype=torch.int64, device=device)
         self.local(SIGNAL).zero_()
         torch.cuda.synchronize(device)  # set-up only: the zeroed signals precede any barrier
-        torch.distributed.barrier(group=self.group)
+        group_barrier(self.group, self.world_size)
 
     def barrier(self) -> None:
         """The device barrier; none on a one-rank group (no peer writes or reads anything,
