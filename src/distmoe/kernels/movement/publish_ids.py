@@ -22,7 +22,10 @@ from distmoe.kernels.base.device import device_context
 _BLOCK = 1024
 
 
-@triton.jit
+# tokens is never specialised: Triton turns an int argument equal to 1 into a constant, which
+# has no .to() (a call with T = 1 failed to compile on the GPU; the interpreter never
+# specialises)
+@triton.jit(do_not_specialize=["tokens"])
 def _publish_ids_kernel(ids_ptr, out_ptr, header_ptr, numel, tokens, num_experts,
                         BLOCK: tl.constexpr):
     pid = tl.program_id(0)
