@@ -83,11 +83,12 @@ from ..kernels.w13_forward.triton import gather_w13_swiglu, w13_tile_rows
 from ..plan import KernelPlan, plan_kernels
 from ..routing import build_routing_tables, row_capacity
 from ..runtime import create_heap
-from ..runtime.heap import gather_objects, round_up
+from ..runtime.heap import gather_objects, round_up, solo
 from .activations import ActivationBuffer
 from .autograd import MoEFunction, backward_eager
 from .custom_ops import traced_call, tracing
 from .graphs import ForwardGraphs, GraphPool, TrainingGraphs
+from .transport import inner_config, nccl_call, resolve_transport
 from .validation import check_call, check_main_grads, check_together, check_values
 
 HEADER_BYTES = 128
@@ -126,7 +127,9 @@ class MoEContext:
     Args:
         cfg: the layer (:class:`distmoe.MoEConfig`); ``cfg.num_experts`` must be divisible
             by the group size.
-        group: the expert-parallel process group (default: the world group).
+        group: the expert-parallel process group (default: the world group; this process
+            alone where torch.distributed is not initialised). ``"local"``: this process
+            alone in any case (a one-rank group of its own).
         device: this rank's device (default: the current CUDA device, else CPU).
         backend: heap backend (``"auto"``, ``"cpu"``, ``"cuda_ipc"``, ``"cuda_symm"``).
         overrides: entries of the kernel plan to replace (``ctx.plan``, see
@@ -137,6 +140,15 @@ class MoEContext:
             training the slot and layer; :mod:`distmoe.ops.graphs`), the forward and in
             training the backward: the same bits at a fraction of the host time. ``False``
             runs every call eagerly. Off with ``check=True``.
+        transport: how rows cross between ranks. ``"peer"``: every rank maps every other's
+            memory (one host: CPU shared memory, CUDA IPC or symmetric memory), the kernels
+            read and write peers' buffers. ``"nccl"``: torch.distributed collectives
+            (all-gather, reduce-scatter) around a one-rank context of this process
+            (:mod:`distmoe.ops.transport`; for ranks on several nodes). ``"auto"``
+            (default): ``"peer"`` when every rank of the group runs on this host, else
+            ``"nccl"`` (a collective over the group's host names). ``ctx.transport``,
+            ``ctx.explain()`` and ``ctx.stats()`` say which. ``"hierarchical"`` (peer memory
+            inside a node, NCCL between) is refused: not implemented yet.
         main_grad: training only. The backward adds the weight gradients, accumulated in fp32,
             into each weight's ``main_grad`` attribute (an fp32 tensor of the weight's shape
             on ``device``, contiguous: Megatron's convention; the caller zeroes it) and gives
@@ -185,7 +197,8 @@ class MoEContext:
     def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | None = None, *,
                  device: torch.device | str | None = None, backend: str = "auto",
                  check: bool = False, overrides: Mapping[str, Any] | None = None,
-                 graphs: bool = True, main_grad: bool = False) -> None:
+                 graphs: bool = True, main_grad: bool = False,
+                 transport: str = "auto") -> None:
         if not isinstance(cfg, MoEConfig):
             raise TypeError(f"cfg must be a distmoe.MoEConfig, got {type(cfg).__name__}")
         if cfg.precision != "bf16":
@@ -213,8 +226,14 @@ class MoEContext:
             if kind == "cuda" and not torch.cuda.is_available():
                 raise ValueError(f"device ({device!r}) is a CUDA device, but CUDA is not "
                                  "available in this process")
+        #: "peer" (every rank maps every other's memory) or "nccl" (:mod:`.transport`)
+        self.transport = resolve_transport(transport, group)
+        if self.transport == "nccl":
+            self._init_nccl(cfg, group, device=device, backend=backend, check=check,
+                            overrides=overrides, graphs=graphs, main_grad=main_grad)
+            return
         # the plan first: an override that cannot apply is refused before any buffer exists
-        ep_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        ep_size = 1 if solo(group) else dist.get_world_size(group)
         plan_device = device
         if plan_device is None and torch.cuda.is_available():
             plan_device = torch.device("cuda", torch.cuda.current_device())
@@ -325,6 +344,41 @@ class MoEContext:
             pool = GraphPool(self.device)
             self.graphs = (TrainingGraphs if cfg.training else ForwardGraphs)(self, pool)
 
+    def _init_nccl(self, cfg, group, **kwargs) -> None:
+        """``transport="nccl"`` (:mod:`distmoe.ops.transport`): the group's size and this
+        rank from torch.distributed, the experts run by a one-rank context of this process
+        (``self.inner``), whose plan, activation buffer, graphs and heap this context
+        shows."""
+        self.cfg, self.check, self.main_grad = cfg, kwargs["check"], kwargs["main_grad"]
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank, self.ep_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.num_local_experts = cfg.experts_per_rank(self.ep_size)
+        self.receive_bound = cfg.receive_bound(self.ep_size)
+        self._bound_seen = (0, 0)
+        self._closed = False
+        key = id(self.group)
+        MoEContext._constructed[key] = MoEContext._constructed.get(key, 0) + 1
+        self._serial = MoEContext._constructed[key]
+        #: the one-rank context that runs this rank's experts (transport "nccl")
+        self.inner = MoEContext(inner_config(cfg, self.ep_size), "local", **kwargs)
+        self.device = self.inner.device
+        self.plan, self.activations = self.inner.plan, self.inner.activations
+        self.graphs, self.heap = self.inner.graphs, self.inner.heap
+        self._dispatch = torch.empty(0, dtype=torch.bfloat16, device=self.device)
+        self._invalid_ids = torch.zeros((), dtype=torch.int64, device=self.device)
+
+    def _call_nccl(self, x, expert_ids, scores, w13, w2) -> torch.Tensor:
+        self.check_open()
+        if self.check:
+            self._validate_together(x, expert_ids, scores, w13, w2)
+        else:
+            self._validate(x, expert_ids, scores, w13, w2)
+        y = nccl_call(self, x, expert_ids, scores, w13, w2,
+                      autograd=self._wants_autograd(x, scores, w13, w2))
+        if self.check:
+            self._check_bound(y)
+        return y
+
     # ------------------------------------------------------------------ validation
     def _validate(self, x, expert_ids, scores, w13, w2) -> None:
         check_call(self.cfg, self.num_local_experts, self.device, self._dispatch, x,
@@ -362,6 +416,9 @@ class MoEContext:
         A view that overlaps the buffer without starting at its first row is refused as x.
         """
         self.check_open()
+        if self.transport == "nccl":
+            raise ValueError("input_buffer is for the peer transport (transport='nccl' "
+                             "gathers x itself)")
         if self.cfg.training:
             raise ValueError("input_buffer is for inference contexts (cfg.training=False): "
                              "a training forward's input must outlive the call")
@@ -687,7 +744,7 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
         """Counters kept on this rank's device (reads device memory: synchronises; not for
         the hot path).
 
-        Returns a dict: ``rank``, ``receive_bound`` (rows), ``row_capacity`` (padded rows),
+        Returns a dict: ``rank``, ``transport``, ``receive_bound`` (rows), ``row_capacity`` (padded rows),
         ``pull_buffer_bytes`` (the EP > 1 pull buffer, its flags and the W13 block order,
         and the pointer table W13 reads, at EP = 1 too),
         ``last_recv_rows``, ``max_recv_rows``, ``dropped_rows`` (routes this rank received
@@ -701,6 +758,10 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
         graphs ``graphs`` (their counts, :mod:`distmoe.ops.graphs`).
         """
         self.check_open()
+        if self.transport == "nccl":  # the inner context's counters, this rank's view
+            out = self.inner.stats()
+            out.update(rank=self.rank, transport="nccl", invalid_ids=int(self._invalid_ids))
+            return out
         last, mx, dropped, invalid, calls, mismatches = (int(v)
                                                          for v in self._counters.tolist())
         pull_tensors = [self._pulled_ptrs]
@@ -710,7 +771,7 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
                 pull_tensors += [self._block_peer, self._w13_order, self._w13_positions,
                                  self._w13_starts]
         pull = sum(t.nbytes for t in pull_tensors)
-        out = dict(rank=self.rank, receive_bound=self.receive_bound,
+        out = dict(rank=self.rank, transport=self.transport, receive_bound=self.receive_bound,
                    row_capacity=self.row_capacity, pull_buffer_bytes=pull,
                    last_recv_rows=last, max_recv_rows=mx,
                    dropped_rows=dropped, invalid_ids=invalid, calls=calls,
@@ -763,6 +824,9 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
         if self._closed:
             return
         self._closed = True
+        if self.transport == "nccl":
+            self.inner.close()
+            return
         if self.graphs is not None:
             self.graphs.clear()
             self.graphs.pool.clear()
@@ -783,7 +847,11 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
                                    or not 0 <= tokens <= self.cfg.max_tokens):
             raise ValueError(f"tokens ({tokens!r}) must be an int in [0, max_tokens = "
                              f"{self.cfg.max_tokens}]")
-        return self.plan.describe(self.cfg, tokens)
+        if self.transport == "nccl":
+            return (f"transport: nccl (all-gather, one-rank layer of {self.ep_size} x "
+                    f"{self.cfg.max_tokens} tokens, reduce-scatter; distmoe.ops.transport)\n"
+                    + self.inner.explain(None if tokens is None else tokens * self.ep_size))
+        return f"transport: {self.transport}\n" + self.plan.describe(self.cfg, tokens)
 
     def __enter__(self) -> MoEContext:
         return self

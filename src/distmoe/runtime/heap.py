@@ -37,10 +37,17 @@ Backend = Literal["auto", "cpu", "cuda_ipc", "cuda_symm"]
 ALIGNMENT = 256
 
 
-def solo(group: dist.ProcessGroup | None) -> bool:
-    """True for the default group in a process without torch.distributed: one rank of its
-    own, no collective (a single-GPU user need not call ``init_process_group``)."""
-    return group is None and not dist.is_initialized()
+#: the ``group`` argument that names this process alone (a one-rank group of its own, whether
+#: or not torch.distributed is initialised)
+LOCAL = "local"
+
+
+def solo(group) -> bool:
+    """True for :data:`LOCAL`, and for the default group in a process without
+    torch.distributed: one rank of its own, no collective (a single-GPU user need not call
+    ``init_process_group``)."""
+    return (isinstance(group, str) and group == LOCAL) or (group is None
+                                                         and not dist.is_initialized())
 
 
 def gather_objects(obj, group: dist.ProcessGroup | None, world_size: int) -> list:
