@@ -1,7 +1,9 @@
-"""``MoEContext(..., transport="nccl")`` (distmoe.ops.transport) on CPU ranks, with gloo
-standing in for NCCL: the layer over all-gather / reduce-scatter collectives and a one-rank
-context per rank, against torch autograd of the reference at EP 2, 3 and 4, forward and every
-gradient, with skewed routing, inactive routes and a rank that receives no rows.
+"""``MoEContext(..., transport="nccl" | "hierarchical")`` (distmoe.ops.transport) on CPU
+ranks, with gloo standing in for NCCL: the layer over all-gather / reduce-scatter collectives
+around a one-rank context per rank ("nccl", EP 2, 3 and 4) or a peer-memory context per
+"node" (4 ranks as 2 nodes of 2, ``node_size=2``: the CPU shared-memory heap inside a node,
+gloo between), against torch autograd of the reference, forward and every gradient, with
+skewed routing, inactive routes and a rank that receives no rows.
 
 Tolerance: test_training's rule (our max abs error against the fp64 oracle at most twice the
 bf16 reference's, plus 1/128 of the largest fp64 value). The transport rounds y twice (each
@@ -30,10 +32,11 @@ def _cfg(world, training=True):
                         max_layers_per_slot=2)
 
 
-def _nccl_rank(rank, world, seed):
+def _nccl_rank(rank, world, seed, transport, node_size):
     out = {}
-    with dm.MoEContext(_cfg(world), transport="nccl") as ctx, \
-            dm.MoEContext(_cfg(world, training=False), transport="nccl") as inf:
+    kw = dict(transport=transport, node_size=node_size)
+    with dm.MoEContext(_cfg(world), **kw) as ctx, \
+            dm.MoEContext(_cfg(world, training=False), **kw) as inf:
         out["transport"] = (ctx.transport, ctx.stats()["transport"], inf.transport)
         out["explain"] = ctx.explain().splitlines()[0]
         for i, name in enumerate(CASES):
@@ -50,13 +53,14 @@ def _nccl_rank(rank, world, seed):
     return out
 
 
-@pytest.mark.parametrize("EP", [2, 3, 4])
-def test_nccl_transport_matches_the_reference(EP):
+@pytest.mark.parametrize("transport, EP, node_size", [
+    ("nccl", 2, None), ("nccl", 3, None), ("nccl", 4, None), ("hierarchical", 4, 2)])
+def test_collective_transports_match_the_reference(transport, EP, node_size):
     seed = 900 + EP
-    per_rank = dm.launch(_nccl_rank, EP, args=(seed,), timeout=600)
+    per_rank = dm.launch(_nccl_rank, EP, args=(seed, transport, node_size), timeout=600)
     for r in per_rank:
-        assert r["transport"] == ("nccl", "nccl", "nccl")
-        assert r["explain"].startswith("transport: nccl")
+        assert r["transport"] == (transport,) * 3
+        assert r["explain"].startswith(f"transport: {transport}")
         assert r["depth"] == [0] * len(r["depth"])
     for i, name in enumerate(CASES):
         x, ids, scores, w13, w2 = make_problem(seed + i, EP, T, D, F, E, K, name)
@@ -75,7 +79,7 @@ def test_nccl_transport_matches_the_reference(EP):
 
 def _errors_rank(rank, world):
     msgs = []
-    for transport in ("hierarchical", "bogus", 3):
+    for transport in ("bogus", 3):
         try:
             dm.MoEContext(_cfg(world), transport=transport)
             msgs.append(None)
@@ -83,6 +87,12 @@ def _errors_rank(rank, world):
             msgs.append(str(exc))
     with dm.MoEContext(_cfg(world), transport="auto") as ctx:  # one host: peer memory
         msgs.append(ctx.transport)
+    for transport, node_size in (("hierarchical", 3), ("nccl", 2)):
+        try:
+            dm.MoEContext(_cfg(world), transport=transport, node_size=node_size)
+            msgs.append(None)
+        except ValueError as exc:
+            msgs.append(str(exc))
     with dm.MoEContext(_cfg(world, training=False), transport="nccl") as ctx:
         try:
             ctx.input_buffer(4)
@@ -101,9 +111,11 @@ def _errors_rank(rank, world):
 
 def test_nccl_transport_errors():
     for msgs in dm.launch(_errors_rank, 2, timeout=300):
-        assert msgs[0].startswith("transport ('hierarchical'): peer memory inside a node")
-        assert msgs[1].startswith("transport ('bogus') must be one of ('auto', 'peer', 'nccl')")
-        assert msgs[2].startswith("transport (3) must be one of")
-        assert msgs[3] == "peer"
-        assert msgs[4].startswith("input_buffer is for the peer transport")
-        assert msgs[5].startswith("w13 must be [E_local=6, 2, ffn=32, hidden=32]"), msgs[5]
+        assert msgs[0].startswith("transport ('bogus') must be one of ('auto', 'peer', "
+                                  "'nccl', 'hierarchical')"), msgs[0]
+        assert msgs[1].startswith("transport (3) must be one of")
+        assert msgs[2] == "peer"
+        assert msgs[3] == "node_size (3) must divide the group size (2)", msgs[3]
+        assert msgs[4] == "node_size (2) is for transport='hierarchical', got transport='nccl'"
+        assert msgs[5].startswith("input_buffer is for the peer transport")
+        assert msgs[6].startswith("w13 must be [E_local=6, 2, ffn=32, hidden=32]"), msgs[6]

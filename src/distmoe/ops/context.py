@@ -88,7 +88,7 @@ from .activations import ActivationBuffer
 from .autograd import MoEFunction, backward_eager
 from .custom_ops import traced_call, tracing
 from .graphs import ForwardGraphs, GraphPool, TrainingGraphs
-from .transport import inner_config, nccl_call, resolve_transport
+from .transport import inner_config, nccl_call, node_groups, resolve_transport
 from .validation import check_call, check_main_grads, check_together, check_values
 
 HEADER_BYTES = 128
@@ -147,8 +147,11 @@ class MoEContext:
             (:mod:`distmoe.ops.transport`; for ranks on several nodes). ``"auto"``
             (default): ``"peer"`` when every rank of the group runs on this host, else
             ``"nccl"`` (a collective over the group's host names). ``ctx.transport``,
-            ``ctx.explain()`` and ``ctx.stats()`` say which. ``"hierarchical"`` (peer memory
-            inside a node, NCCL between) is refused: not implemented yet.
+            ``ctx.explain()`` and ``ctx.stats()`` say which. ``"hierarchical"``: peer memory
+            inside a node, collectives between nodes of ``node_size`` consecutive ranks;
+            ``"auto"`` picks it where the ranks form equal nodes on one host each.
+        node_size: ranks per node for ``"hierarchical"`` (default: from the ranks' host
+            names; tests split one host into "nodes" with it).
         main_grad: training only. The backward adds the weight gradients, accumulated in fp32,
             into each weight's ``main_grad`` attribute (an fp32 tensor of the weight's shape
             on ``device``, contiguous: Megatron's convention; the caller zeroes it) and gives
@@ -198,7 +201,7 @@ class MoEContext:
                  device: torch.device | str | None = None, backend: str = "auto",
                  check: bool = False, overrides: Mapping[str, Any] | None = None,
                  graphs: bool = True, main_grad: bool = False,
-                 transport: str = "auto") -> None:
+                 transport: str = "auto", node_size: int | None = None) -> None:
         if not isinstance(cfg, MoEConfig):
             raise TypeError(f"cfg must be a distmoe.MoEConfig, got {type(cfg).__name__}")
         if cfg.precision != "bf16":
@@ -226,11 +229,13 @@ class MoEContext:
             if kind == "cuda" and not torch.cuda.is_available():
                 raise ValueError(f"device ({device!r}) is a CUDA device, but CUDA is not "
                                  "available in this process")
-        #: "peer" (every rank maps every other's memory) or "nccl" (:mod:`.transport`)
-        self.transport = resolve_transport(transport, group)
-        if self.transport == "nccl":
-            self._init_nccl(cfg, group, device=device, backend=backend, check=check,
-                            overrides=overrides, graphs=graphs, main_grad=main_grad)
+        #: "peer" (every rank maps every other's memory), "nccl" or "hierarchical"
+        #: (:mod:`distmoe.ops.transport`)
+        self.transport, node_size = resolve_transport(transport, group, node_size)
+        if self.transport in ("nccl", "hierarchical"):
+            self._init_collective(cfg, group, node_size, device=device, backend=backend,
+                                  check=check, overrides=overrides, graphs=graphs,
+                                  main_grad=main_grad)
             return
         # the plan first: an override that cannot apply is refused before any buffer exists
         ep_size = 1 if solo(group) else dist.get_world_size(group)
@@ -344,11 +349,12 @@ class MoEContext:
             pool = GraphPool(self.device)
             self.graphs = (TrainingGraphs if cfg.training else ForwardGraphs)(self, pool)
 
-    def _init_nccl(self, cfg, group, **kwargs) -> None:
-        """``transport="nccl"`` (:mod:`distmoe.ops.transport`): the group's size and this
-        rank from torch.distributed, the experts run by a one-rank context of this process
-        (``self.inner``), whose plan, activation buffer, graphs and heap this context
-        shows."""
+    def _init_collective(self, cfg, group, node_size, **kwargs) -> None:
+        """``transport`` "nccl" or "hierarchical" (:mod:`distmoe.ops.transport`): the group's
+        size and this rank from torch.distributed; the experts run by ``self.inner``, a
+        one-rank context of this process ("nccl") or a peer-memory context over this rank's
+        node ("hierarchical"), whose plan, activation buffer, graphs and heap this context
+        shows. Collective (new process groups for "hierarchical")."""
         self.cfg, self.check, self.main_grad = cfg, kwargs["check"], kwargs["main_grad"]
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.ep_size = dist.get_rank(self.group), dist.get_world_size(self.group)
@@ -359,8 +365,16 @@ class MoEContext:
         key = id(self.group)
         MoEContext._constructed[key] = MoEContext._constructed.get(key, 0) + 1
         self._serial = MoEContext._constructed[key]
-        #: the one-rank context that runs this rank's experts (transport "nccl")
-        self.inner = MoEContext(inner_config(cfg, self.ep_size), "local", **kwargs)
+        if self.transport == "nccl":
+            node_size, node_group, self.cross_group = 1, "local", self.group
+        else:
+            node_group, self.cross_group = node_groups(self.group, node_size)
+        self.node_size = node_size
+        inner_cfg = inner_config(cfg, self.ep_size, node_size)
+        #: first global expert of the experts ``inner`` runs (this rank's node's, or its own)
+        self.expert_base = (self.rank // node_size) * inner_cfg.num_experts
+        #: the context that runs this node's experts (one rank for "nccl")
+        self.inner = MoEContext(inner_cfg, node_group, **kwargs)
         self.device = self.inner.device
         self.plan, self.activations = self.inner.plan, self.inner.activations
         self.graphs, self.heap = self.inner.graphs, self.inner.heap
@@ -416,9 +430,9 @@ class MoEContext:
         A view that overlaps the buffer without starting at its first row is refused as x.
         """
         self.check_open()
-        if self.transport == "nccl":
-            raise ValueError("input_buffer is for the peer transport (transport='nccl' "
-                             "gathers x itself)")
+        if self.transport != "peer":
+            raise ValueError(f"input_buffer is for the peer transport (transport="
+                             f"{self.transport!r} gathers x itself)")
         if self.cfg.training:
             raise ValueError("input_buffer is for inference contexts (cfg.training=False): "
                              "a training forward's input must outlive the call")
@@ -435,6 +449,8 @@ class MoEContext:
         return x.data_ptr() == self._dispatch.data_ptr()
 
     def __call__(self, x, expert_ids, scores, w13, w2) -> torch.Tensor:
+        if self.transport in ("nccl", "hierarchical"):
+            return self._call_nccl(x, expert_ids, scores, w13, w2)
         if tracing(x):  # torch.compile / make_fx / fake tensors: distmoe.ops.custom_ops
             return traced_call(self, x, expert_ids, scores, w13, w2)
         self.check_open()
@@ -758,9 +774,10 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
         graphs ``graphs`` (their counts, :mod:`distmoe.ops.graphs`).
         """
         self.check_open()
-        if self.transport == "nccl":  # the inner context's counters, this rank's view
+        if self.transport in ("nccl", "hierarchical"):  # the inner context's counters
             out = self.inner.stats()
-            out.update(rank=self.rank, transport="nccl", invalid_ids=int(self._invalid_ids))
+            out.update(rank=self.rank, transport=self.transport,
+                       invalid_ids=int(self._invalid_ids))
             return out
         last, mx, dropped, invalid, calls, mismatches = (int(v)
                                                          for v in self._counters.tolist())
@@ -824,7 +841,7 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
         if self._closed:
             return
         self._closed = True
-        if self.transport == "nccl":
+        if self.transport in ("nccl", "hierarchical"):
             self.inner.close()
             return
         if self.graphs is not None:
@@ -847,10 +864,13 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
                                    or not 0 <= tokens <= self.cfg.max_tokens):
             raise ValueError(f"tokens ({tokens!r}) must be an int in [0, max_tokens = "
                              f"{self.cfg.max_tokens}]")
-        if self.transport == "nccl":
-            return (f"transport: nccl (all-gather, one-rank layer of {self.ep_size} x "
-                    f"{self.cfg.max_tokens} tokens, reduce-scatter; distmoe.ops.transport)\n"
-                    + self.inner.explain(None if tokens is None else tokens * self.ep_size))
+        if self.transport in ("nccl", "hierarchical"):
+            nodes = self.ep_size // self.node_size
+            return (f"transport: {self.transport} (all-gather over {nodes} "
+                    f"{'ranks' if self.node_size == 1 else 'nodes'}, a layer of "
+                    f"{self.node_size} rank(s) over {nodes} x {self.cfg.max_tokens} tokens, "
+                    "reduce-scatter; distmoe.ops.transport)\n"
+                    + self.inner.explain(None if tokens is None else tokens * nodes))
         return f"transport: {self.transport}\n" + self.plan.describe(self.cfg, tokens)
 
     def __enter__(self) -> MoEContext:
