@@ -13,6 +13,7 @@
   kernel body).
 * ``wgrad/``: the grouped WGRAD of both backward GEMMs (Triton and Gluon).
 * ``mega/``: W13 and W2 fused into one persistent Gluon kernel (inference).
+* ``grouped/``: a plain bf16 grouped GEMM over row segments (``distmoe.grouped_mm``).
 * ``scaled/``: grouped GEMMs on block-scaled operands (MXFP8 with 32-wide K steps promoted
   into fp32; Triton), not yet wired into the layer.
 * ``movement/``: data movement: token pulls, combine, id publishing, offset copies, row

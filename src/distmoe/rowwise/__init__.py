@@ -9,6 +9,8 @@
 * :func:`combine_get` / :func:`combine_get_fused`: each route pulls a row back; each token's
   K routes are reduced in fp32 (weighted by ``probs``); the fused form in one kernel.
 * :func:`gather_get`: one-to-one pull.
+* :func:`grouped_mm`: torch._grouped_mm's grouped GEMM (bf16, differentiable), its result
+  and input gradient written into caller buffers (``out``, ``input_grad_out``).
 
 All are differentiable (bf16): dispatch's backward is a combine GET, the combines' and the
 gather's backward a (weighted) dispatch PUT. A negative rank or row marks an invalid route
@@ -19,5 +21,7 @@ dropped and counted (``Buffers.stats()``), or refused with ``Buffers(check=True)
 from .buffers import Buffers
 from .combine import combine_get, combine_get_fused, gather_get
 from .dispatch import dispatch_put
+from .grouped import grouped_mm
 
-__all__ = ["Buffers", "combine_get", "combine_get_fused", "dispatch_put", "gather_get"]
+__all__ = ["Buffers", "combine_get", "combine_get_fused", "dispatch_put", "gather_get",
+           "grouped_mm"]

@@ -1,0 +1,200 @@
+"""``grouped_mm``: torch._grouped_mm's 2-D x 3-D grouped GEMM (bf16) with autograd, its
+forward and input gradient written into caller buffers.
+
+Legend: M rows of ``a``, K its width, N the output width, E groups (experts).
+
+    a [M, K] bf16, rows grouped by expert     b [E, K, N] bf16     offs int32 [E]
+    group e owns rows offs[e-1] .. offs[e]-1  (offs[-1] taken as 0), offs[E-1] <= M
+
+    out[r]      = bf16(a[r] @ b[e])            r in group e (fp32 accumulation, one rounding)
+    out[r]      = 0                            r >= offs[E-1] (rows of no group)
+    grad_a[r]   = bf16(grad_out[r] @ b[e]^T)   0 for rows of no group
+    grad_b[e]   = bf16(a_e^T @ grad_out_e)     0 for an empty group
+
+torch._grouped_mm (torch 2.13, on the CPU as on CUDA) leaves the rows of no group of its
+result, and of ``a``'s gradient, uninitialised (``torch.empty``: whatever the allocator
+held); here they are zeros, in ``out`` and ``input_grad_out`` too. Elsewhere the results are
+torch's up to fp32 summation order (on the CPU torch also accumulates in fp32 and rounds
+once).
+
+``offs`` stays on the device and is never read on the host: it must be non-decreasing with
+``offs[E-1] <= M`` (not checked). Values outside that contract never touch memory out of
+bounds: the offsets are clamped to ``[0, M]`` and made non-decreasing (a running maximum) on
+the device, so a decreasing entry makes its group empty.
+
+Kernels: forward and DGRAD are :func:`distmoe.kernels.grouped.grouped_gemm` (grid from the
+shapes: ``cdiv(M, block_m) + E - 1`` row tiles), the weight gradient is the layer's grouped
+WGRAD (:func:`distmoe.kernels.wgrad.launch_grouped_wgrad`, overwrite mode: zeros for an empty
+group). ``b`` may be contiguous or the transpose of a contiguous ``[E, N, K]`` (weights
+stored ``[E, N, K]`` and passed as ``w.transpose(-2, -1)``, as torch._grouped_mm accepts);
+its gradient then has the same layout.
+
+Memory: the forward saves ``a``, ``b`` (references, no copies) and the ``[E + 1]`` offsets;
+the backward allocates ``grad_b`` and, without ``input_grad_out``, ``grad_a``.
+
+Sync points: none (the offsets are normalised by device ops; grids come from shapes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distmoe.kernels.base.checks import (
+    check_devices,
+    check_disjoint,
+    check_tensor,
+    check_tma_aligned,
+    check_width,
+)
+from distmoe.kernels.grouped import GroupedConfig, grouped_gemm
+from distmoe.kernels.wgrad import WgradConfig, launch_grouped_wgrad
+
+
+def _is_transposed(b: torch.Tensor) -> bool:
+    """``b`` [E, K, N] is the transpose of a contiguous [E, N, K] (and not contiguous)."""
+    return not b.is_contiguous() and b.transpose(1, 2).is_contiguous()
+
+
+def _row_offsets(offs: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """int32 ``[E + 1]``: 0, then ``offs`` clamped to ``[0, M]`` and non-decreasing (device
+    ops, no host read)."""
+    ends = offs.clamp(0, num_rows).cummax(0).values.to(torch.int32)
+    return torch.cat([ends.new_zeros(1), ends])
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous with a 16-byte aligned base (an upstream gradient may be neither)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _check_args(a, b, offs, out, input_grad_out, config):
+    check_tensor("a", a, dtypes=(torch.bfloat16,), ndim=2, shape_text="[M, K]")
+    check_tensor("b", b, dtypes=(torch.bfloat16,), ndim=3, shape_text="[E, K, N]",
+                 contiguous=False)
+    num_rows, width_k = a.shape
+    num_groups, bk, width_n = b.shape
+    if bk != width_k:
+        raise ValueError(f"b must have shape [E, K, N] with K = a.shape[1] ({width_k}), got "
+                         f"{list(b.shape)}")
+    if not (b.is_contiguous() or _is_transposed(b)):
+        raise ValueError(f"b must be contiguous or the transpose of a contiguous [E, N, K] "
+                         f"(b.transpose(1, 2).is_contiguous()), got strides {list(b.stride())}")
+    check_width("K (a.shape[1])", width_k)
+    check_width("N (b.shape[2])", width_n)
+    check_tensor("offs", offs, dtypes=(torch.int32,), shape=[num_groups],
+                 shape_text="[E] (cumulative row ends, int32, on the device)")
+    named = {"a": a, "b": b, "offs": offs}
+    if out is not None:
+        check_tensor("out", out, dtypes=(torch.bfloat16,), shape=[num_rows, width_n],
+                     shape_text="[M, N]")
+        if out.requires_grad:
+            raise ValueError("out must not require grad (it is written in place and returned "
+                             "as the differentiable result), got out.requires_grad=True")
+        named["out"] = out
+    if input_grad_out is not None:
+        check_tensor("input_grad_out", input_grad_out, dtypes=(torch.bfloat16,),
+                     shape=[num_rows, width_k], shape_text="[M, K] (a's gradient)")
+        if input_grad_out.requires_grad:
+            raise ValueError("input_grad_out must not require grad (the backward writes a's "
+                             "gradient into it), got input_grad_out.requires_grad=True")
+        named["input_grad_out"] = input_grad_out
+    if config is not None and not isinstance(config, GroupedConfig):
+        raise TypeError(f"config must be a GroupedConfig or None, got {type(config).__name__}")
+    check_devices(named)
+    check_tma_aligned("a", a)
+    check_tma_aligned("b", b)
+    check_disjoint(named)
+
+
+class GroupedMMFunction(torch.autograd.Function):
+    """Autograd node of :func:`grouped_mm`: forward grouped GEMM into ``out`` (returned itself,
+    marked dirty); backward DGRAD into ``input_grad_out`` (or a new tensor) and WGRAD."""
+
+    @staticmethod
+    def forward(ctx, out, a, b, offs, input_grad_out, config):
+        row_offsets = _row_offsets(offs, a.shape[0])
+        transposed = _is_transposed(b)
+        w = b.transpose(1, 2) if transposed else b  # contiguous storage
+        cfg = config or GroupedConfig.for_shape(rows=a.shape[0], groups=b.shape[0],
+                                                out_cols=b.shape[2], reduction=a.shape[1])
+        grouped_gemm(a, w, row_offsets, out, cfg, trans_w=transposed)
+        ctx.mark_dirty(out)
+        ctx.save_for_backward(a, b, row_offsets)
+        ctx.transposed, ctx.config, ctx.input_grad_out = transposed, config, input_grad_out
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        a, b, row_offsets = ctx.saved_tensors
+        grad_out = _aligned(grad_out.to(torch.bfloat16))
+        num_rows, width_k = a.shape
+        num_groups, _, width_n = b.shape
+        transposed = ctx.transposed
+        w = b.transpose(1, 2) if transposed else b
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[1]:
+            grad_a = ctx.input_grad_out
+            if grad_a is None:
+                grad_a = torch.empty_like(a)
+            cfg = ctx.config or GroupedConfig.for_shape(rows=num_rows, groups=num_groups,
+                                                        out_cols=width_k, reduction=width_n)
+            # grad_a = grad_out @ b_e^T: the same storage with the other orientation
+            grouped_gemm(grad_out, w, row_offsets, grad_a, cfg, trans_w=not transposed)
+        if ctx.needs_input_grad[2]:
+            # WGRAD in b's storage layout: [E, K, N] = a^T @ g, or [E, N, K] = g^T @ a
+            lhs, rhs = (grad_out, a) if transposed else (a, grad_out)
+            grad_w = torch.empty_like(w)
+            wcfg = WgradConfig.for_widths(out_rows=grad_w.shape[1], out_cols=grad_w.shape[2])
+            launch_grouped_wgrad(lhs, rhs, row_offsets, grad_w, wcfg, a.device,
+                                 accumulate=False)
+            grad_b = grad_w.transpose(1, 2) if transposed else grad_w
+        return None, grad_a, grad_b, None, None, None
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
+               out: torch.Tensor | None = None, input_grad_out: torch.Tensor | None = None,
+               *, config: GroupedConfig | None = None) -> torch.Tensor:
+    """Grouped GEMM with torch._grouped_mm's shapes and offsets (2-D ``a``, 3-D ``b``), bf16,
+    differentiable (module docstring for the full contract).
+
+    Args:
+        a: bf16 ``[M, K]`` contiguous, rows grouped by expert, 16-byte aligned.
+        b: bf16 ``[E, K, N]``, contiguous or the transpose of a contiguous ``[E, N, K]``;
+            K and N positive multiples of 8 (torch's 16-byte stride rule).
+        offs: int32 ``[E]`` on ``a``'s device: cumulative row ends (group ``e`` owns rows
+            ``offs[e-1] .. offs[e]-1``), non-decreasing, ``offs[-1] <= M`` (device values:
+            not checked, clamped).
+        out: optional bf16 ``[M, N]`` contiguous buffer the result is written into and
+            returned as (it must not require grad); rows past ``offs[-1]`` get zeros.
+        input_grad_out: optional bf16 ``[M, K]`` contiguous buffer that the backward writes
+            ``a``'s gradient into (rows past ``offs[-1]`` zeros), which autograd then
+            delivers (``a.grad`` may be this tensor itself, or a copy of it).
+        config: the :class:`GroupedConfig` of the forward and DGRAD launches (each picks
+            :meth:`GroupedConfig.for_shape` when None).
+
+    Returns:
+        bf16 ``[M, N]``: ``out`` itself when given. ``b``'s gradient is bf16 in ``b``'s
+        layout, zeros for an empty group.
+
+    Raises ``TypeError``/``ValueError`` naming the argument before any work.
+    """
+    _check_args(a, b, offs, out, input_grad_out, config)
+    if out is None:
+        out = torch.empty(a.shape[0], b.shape[2], dtype=torch.bfloat16, device=a.device)
+    # out first: when it is a view, autograd's CopySlices passes the gradient of the dirty
+    # view as the node's first input
+    return GroupedMMFunction.apply(out, a, b, offs, input_grad_out, config)
+
+
+def grouped_mm_ref(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Plain-PyTorch :func:`grouped_mm` in ``a``'s dtype (any float dtype, any device),
+    differentiable: one matmul per group, zeros in the rows of no group. Reads ``offs`` on the
+    host (it synchronises)."""
+    ends = offs.detach().to("cpu", torch.int64).clamp(0, a.shape[0]).cummax(0).values.tolist()
+    pieces, start = [], 0
+    for e, end in enumerate(ends):
+        pieces.append(a[start:end] @ b[e])
+        start = end
+    pieces.append(a.new_zeros(a.shape[0] - start, b.shape[2]))
+    return torch.cat(pieces)
