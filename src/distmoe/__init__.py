@@ -18,9 +18,10 @@ from .config import MoEConfig  # noqa: E402
 from .launch import launch  # noqa: E402
 from .memory import MemoryPlan, plan_memory  # noqa: E402
 from .ops import MoEContext  # noqa: E402
+from .quant import PreparedWeight, prepare_weights  # noqa: E402  (low-precision weights)
 from .rowwise import grouped_mm  # noqa: E402  (torch._grouped_mm-style bf16 grouped GEMM)
 
 __version__ = "0.1.0"
 
-__all__ = ["MemoryPlan", "MoEConfig", "MoEContext", "grouped_mm", "launch", "plan_memory",
-           "__version__"]
+__all__ = ["MemoryPlan", "MoEConfig", "MoEContext", "PreparedWeight", "grouped_mm", "launch",
+           "plan_memory", "prepare_weights", "__version__"]

@@ -9,16 +9,20 @@ plain-PyTorch reference ``*_ref`` that runs anywhere and gives the same bits:
   and the input-gradient GEMM (:class:`MXFP8Weight`, :mod:`distmoe.quant.mxfp8_weight`);
 * :func:`nvfp4_quantize` / :func:`nvfp4_dequantize`: E2M1 values packed two per byte, one E4M3
   scale per 16 values and a float32 global scale per tensor or per row
-  (:mod:`distmoe.quant.nvfp4`).
+  (:mod:`distmoe.quant.nvfp4`);
+* :func:`prepare_weights`: a layer's expert weights quantised once for a low-precision
+  ``MoEContext`` (:class:`PreparedWeight`, :mod:`distmoe.quant.prepare`).
 """
 
 from .formats import QuantLaunchConfig
 from .mxfp8 import mxfp8_dequantize, mxfp8_quantize, mxfp8_quantize_ref
 from .mxfp8_weight import MXFP8Weight, mxfp8_quantize_weight, mxfp8_quantize_weight_ref
 from .nvfp4 import nvfp4_dequantize, nvfp4_quantize, nvfp4_quantize_ref
+from .prepare import PreparedWeight, prepare_weights
 
 __all__ = [
     "MXFP8Weight",
+    "PreparedWeight",
     "QuantLaunchConfig",
     "mxfp8_dequantize",
     "mxfp8_quantize",
@@ -28,4 +32,5 @@ __all__ = [
     "nvfp4_dequantize",
     "nvfp4_quantize",
     "nvfp4_quantize_ref",
+    "prepare_weights",
 ]

@@ -1,0 +1,225 @@
+"""The MXFP8 inference forward of :class:`~distmoe.MoEContext` (``MoEConfig(precision=
+"mxfp8", training=False)``), on the MXFP8 grouped GEMM of :mod:`distmoe.kernels.scaled`.
+
+Weights come prepared (:func:`distmoe.quant.prepare_weights`: 32 x 32 blocks, quantised once).
+Activations are quantised on the expert's rank after the gather: bf16 rows cross to the
+experts exactly as in the bf16 forward, so publishing, routing, the receive bound, the
+combine and their protocol are the bf16 forward's own (:mod:`distmoe.ops.context`, steps
+1-7), called through the context. One call, ``R_b`` = the receive bound (legend of
+:mod:`distmoe.routing.tables`):
+
+    1-3. publish x and the ids, barrier, routing tables: ``ctx._publish_and_route`` (with
+         the plan's choice to pull every peer token at EP > 1)
+    4a. gather: the executed rows into compact activation rows ``x_rows [R_b, D]`` bf16
+        (``regather_rows`` through ``ctx.gather_table``: x in place at EP = 1, peer tokens
+        pulled once into local memory at EP > 1)
+    4b. quantise along D: ``x_rows -> (x_q [R_b, D] e4m3, x_s [R_b, D/32] e8m0)``
+        (:func:`~distmoe.quant.mxfp8.mxfp8_quantize_2d`, docs/numerics.md section 2)
+    4c. W13 + SwiGLU: ``mxfp8_grouped_mm(x_q, x_s, w13, swiglu=True) -> h2 [R_b, F]`` bf16
+    5a. quantise h2 along F: ``(h2_q [R_b, F], h2_s [R_b, F/32])``
+    5b. W2: ``mxfp8_grouped_mm(h2_q, h2_s, w2) -> h3 [R_b, D]`` bf16, in x_rows' memory
+        (x_rows is dead once quantised)
+    5c. scatter: each live row of h3 to its route's slot in the owner's combine buffer
+        (:func:`~distmoe.kernels.movement.scatter_rows.scatter_rows` through
+        ``tables.scatter_ptrs``; null rows skipped)
+    6. barrier
+    7. the owner's combine, ``y[t] = sum_k score[t, k] * h3[t*K + k]`` in fp32 (executed
+       routes only)
+
+Arithmetic (docs/numerics.md section 6): each GEMM is exact MXFP8 arithmetic up to the fp32
+summation order, then one bf16 rounding (W13: of the fp32 SwiGLU); against the bf16 layer the
+error is the quantisation of both operands of both GEMMs, at most 2^-4 relative per element
+(tests/ops/test_mxfp8_forward.py carries both bounds through the layer).
+
+Memory, allocated once per context (:func:`allocate_mxfp8`): ``x_rows`` ``2 R_b D``, ``x_q``
+``R_b D``, ``x_s`` ``R_b D / 32``, ``h2_q`` ``R_b F``, ``h2_s`` ``R_b F / 32`` bytes, beside
+the context's own ``h2 [R_b, F]`` bf16 scratch; nothing per call but the output y (and the
+small routing tables, as in bf16). The quantisers and GEMMs cover the ``R_b`` rows from the
+static bound (rows past the executed ones are quantised too and never read).
+
+Sync points: none on the host; the two barriers are the bf16 forward's. The context's own
+CUDA graphs are off for MXFP8 contexts (every call eager; capturing them is future work).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ..config import MoEConfig
+from ..kernels.movement.combine import combine
+from ..kernels.movement.regather_rows import regather_rows
+from ..kernels.movement.scatter_rows import scatter_rows
+from ..kernels.scaled import ScaledGemmConfig, mxfp8_grouped_mm
+from ..quant.mxfp8 import mxfp8_quantize_2d
+from ..quant.prepare import PreparedWeight
+from .custom_ops import tracing
+from .validation import check_call, check_together, check_values
+
+__all__ = ["MXFP8Scratch", "allocate_mxfp8", "mxfp8_call", "mxfp8_forward"]
+
+
+class _ShapeOnly(torch.Tensor):
+    """A tensor with shape, dtype and device and no storage: stands in for the bf16 weights
+    in :func:`~distmoe.ops.validation.check_call`, so that x, the ids and the scores are
+    checked by the same code (and messages) as in bf16; any operation on it is a bug."""
+
+    @staticmethod
+    def __new__(cls, shape, device):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.bfloat16,
+                                                   device=device)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(f"a weight shape stand-in reached {func} (distmoe.ops.lowp)")
+
+
+@dataclass(frozen=True)
+class MXFP8Scratch:
+    """What an MXFP8 inference context owns besides the bf16 context's buffers (allocated
+    once, :func:`allocate_mxfp8`; ``R_b`` = the receive bound).
+
+    Attributes:
+        x_rows: bf16 ``[R_b, D]``: the gathered rows, then W2's output h3 (activation rows).
+        x_q / x_s: float8_e4m3fn ``[R_b, D]`` / uint8 ``[R_b, D/32]``: the rows quantised.
+        h2_q / h2_s: float8_e4m3fn ``[R_b, F]`` / uint8 ``[R_b, F/32]``: h2 quantised.
+        w13_config / w2_config: the two grouped GEMMs' launch configs (``block_m`` = the
+            routing's ``row_block``, the padding multiple).
+        w13_shape / w2_shape: the prepared weights' shapes this context takes.
+        w13_standin / w2_standin: storage-less bf16 stand-ins of those shapes (validation).
+    """
+
+    x_rows: torch.Tensor
+    x_q: torch.Tensor
+    x_s: torch.Tensor
+    h2_q: torch.Tensor
+    h2_s: torch.Tensor
+    w13_config: ScaledGemmConfig
+    w2_config: ScaledGemmConfig
+    w13_shape: tuple[int, ...]
+    w2_shape: tuple[int, ...]
+    w13_standin: torch.Tensor
+    w2_standin: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.x_rows, self.x_q, self.x_s, self.h2_q, self.h2_s))
+
+
+def allocate_mxfp8(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
+                   device: torch.device) -> MXFP8Scratch:
+    """The scratch of an MXFP8 inference context (module docstring, Memory); zeroed once so
+    that rows never written hold finite values."""
+    if cfg.precision != "mxfp8" or cfg.training:
+        raise ValueError(f"allocate_mxfp8 is for MXFP8 inference contexts, got precision "
+                         f"{cfg.precision!r} with training={cfg.training}")
+    R, D, F, E = receive_bound, cfg.hidden, cfg.ffn, num_local_experts
+    w13_shape, w2_shape = (E, 2, F, D), (E, D, F)
+    return MXFP8Scratch(
+        x_rows=torch.zeros(R, D, dtype=torch.bfloat16, device=device),
+        x_q=torch.zeros(R, D, dtype=torch.float8_e4m3fn, device=device),
+        x_s=torch.zeros(R, D // 32, dtype=torch.uint8, device=device),
+        h2_q=torch.zeros(R, F, dtype=torch.float8_e4m3fn, device=device),
+        h2_s=torch.zeros(R, F // 32, dtype=torch.uint8, device=device),
+        w13_config=ScaledGemmConfig.for_widths(k=D, n=2 * F, swiglu=True,
+                                               block_m=cfg.row_block),
+        w2_config=ScaledGemmConfig.for_widths(k=F, n=D, block_m=cfg.row_block),
+        w13_shape=w13_shape,
+        w2_shape=w2_shape,
+        w13_standin=_ShapeOnly(w13_shape, device),
+        w2_standin=_ShapeOnly(w2_shape, device),
+    )
+
+
+def check_prepared(scratch: MXFP8Scratch, device: torch.device, w13, w2) -> None:
+    """The prepared weights of an MXFP8 call: :class:`PreparedWeight` of precision mxfp8, the
+    config's shapes, on the context's device (``TypeError`` / ``ValueError`` naming the
+    argument)."""
+    for name, w, shape, text in (
+            ("w13", w13, scratch.w13_shape, "[E_local, 2, ffn, hidden] (gate, up)"),
+            ("w2", w2, scratch.w2_shape, "[E_local, hidden, ffn]")):
+        if isinstance(w, torch.Tensor):
+            raise TypeError(
+                f"{name} must be a PreparedWeight for precision 'mxfp8', got a "
+                f"{w.dtype} tensor: quantise the weights once with "
+                "distmoe.quant.prepare_weights(w13, w2, 'mxfp8') and pass its results")
+        if not isinstance(w, PreparedWeight):
+            raise TypeError(f"{name} must be a PreparedWeight (distmoe.quant.prepare_weights), "
+                            f"got {type(w).__name__}")
+        if w.precision != "mxfp8":
+            raise ValueError(f"{name} was prepared for precision {w.precision!r}, the context "
+                             "runs 'mxfp8'")
+        if w.shape != shape:
+            raise ValueError(f"{name} must be prepared from a weight of shape {list(shape)} "
+                             f"{text}, got {list(w.shape)}")
+        if w.qdata.device != device:
+            raise ValueError(f"{name} must be on {device} (the context's device), got "
+                             f"{w.qdata.device} (PreparedWeight.to moves it)")
+
+
+def mxfp8_call(ctx, x, expert_ids, scores, w13, w2) -> torch.Tensor:
+    """``ctx(x, expert_ids, scores, w13, w2)`` of an MXFP8 inference context: the call's
+    checks (``check=True``: shared over the group, and the receive bound after the call, as
+    in bf16), then :func:`mxfp8_forward`. Returns y [T, D] bf16."""
+    if tracing(x):
+        raise NotImplementedError("precision 'mxfp8' does not run under torch.compile / "
+                                  "make_fx / fake tensors yet: call the context eagerly")
+    ctx.check_open()
+    if ctx.transport != "peer":
+        raise NotImplementedError(f"precision 'mxfp8' runs on the peer transport only so far, "
+                                  f"got transport {ctx.transport!r}")
+    scratch: MXFP8Scratch = ctx._lowp
+
+    def run_checks(values: bool) -> None:
+        check_prepared(scratch, ctx.device, w13, w2)
+        check_call(ctx.cfg, ctx.num_local_experts, ctx.device, ctx._dispatch, x, expert_ids,
+                   scores, scratch.w13_standin, scratch.w2_standin,
+                   wants_autograd=lambda: False)
+        if values:
+            check_values(ctx.cfg.num_experts, expert_ids, scores)
+
+    if ctx.check:
+        check_together(ctx.group, ctx.ep_size, ctx._serial, x, lambda: run_checks(True),
+                       lambda: False)
+    else:
+        run_checks(False)
+    if torch.is_grad_enabled() and (x.requires_grad or scores.requires_grad):
+        warnings.warn("MoEContext: x or scores requires grad, but this is an MXFP8 inference "
+                      "context: y has no grad_fn and no gradient flows back through this "
+                      "layer (MXFP8 training is not implemented yet).", UserWarning,
+                      stacklevel=3)
+    with torch.no_grad():
+        y = mxfp8_forward(ctx, x, expert_ids, scores, w13, w2)
+    if ctx.check:
+        ctx._check_bound(y)
+    return y
+
+
+def mxfp8_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedWeight, *,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Steps 1-7 of the module docstring on checked inputs; returns y [T, D] bf16 (into
+    ``out`` when given)."""
+    s: MXFP8Scratch = ctx._lowp
+    cfg = ctx.cfg
+    T, K = expert_ids.shape
+    pull_all = ctx.ep_size > 1 and ctx.plan.pulls_all(cfg, T)
+    tables = ctx._publish_and_route(x, expert_ids, pull_all)  # steps 1-3
+    po, ro = tables.padded_offsets, tables.row_offsets
+    gather_ptrs = ctx.gather_table(tables.gather_ptrs, pulled=pull_all, x=x)
+    regather_rows(gather_ptrs, po, ro, s.x_rows, block_m=cfg.row_block)
+    mxfp8_quantize_2d(s.x_rows, s.x_q, s.x_s)
+    h2 = ctx._h2
+    mxfp8_grouped_mm(s.x_q, s.x_s, w13.qdata, w13.scales, po, ro, h2, swiglu=True,
+                     config=s.w13_config)
+    mxfp8_quantize_2d(h2, s.h2_q, s.h2_s)
+    h3 = s.x_rows  # the gathered rows are dead once quantised
+    mxfp8_grouped_mm(s.h2_q, s.h2_s, w2.qdata, w2.scales, po, ro, h3, config=s.w2_config)
+    scatter_rows(h3, po, ro, tables.scatter_ptrs, block_m=cfg.row_block)
+    ctx.heap.barrier()
+    y = torch.empty_like(x) if out is None else out
+    # dest_rows_TK is -1 exactly where a route is not executed (the combine's ids)
+    combine(ctx._combine[:T * K], tables.dest_rows_TK, scores.float().contiguous(), y,
+            config=ctx.plan.combine)
+    return y

@@ -1,0 +1,161 @@
+"""Expert weights prepared once for a low-precision layer: :func:`prepare_weights`.
+
+A low-precision :class:`~distmoe.MoEContext` (``MoEConfig(precision="mxfp8")``) takes its
+expert weights already quantised, because static weights are quantised once per weight
+version, not once per call. ``prepare_weights(w13, w2, "mxfp8")`` quantises each with the
+32 x 32 weight quantiser (:func:`~distmoe.quant.mxfp8_quantize_weight`, docs/numerics.md
+section 3) into a :class:`PreparedWeight` holding exactly what the MXFP8 grouped GEMM
+(:func:`~distmoe.kernels.scaled.mxfp8_grouped_mm`) reads:
+
+    w13 [E_local, 2, F, D] -> qdata float8_e4m3fn [E_local, 2, F, D],
+                              scales uint8 E8M0 [E_local, 2, F/32, D/32]
+    w2  [E_local, D, F]    -> qdata float8_e4m3fn [E_local, D, F],
+                              scales uint8 E8M0 [E_local, D/32, F/32]
+
+(the forward orientation: ``w[..., n, k] ~ qdata[..., n, k] * 2^(scales[..., n//32, k//32]
+- 127)``; the same qdata will serve the input-gradient GEMM of MXFP8 training).
+
+Memory: ``1 + 1/1024`` bytes per weight value, new tensors on the weights' device. Sync
+points: none (one quantiser launch per weight). A :class:`PreparedWeight` saves and loads with
+``torch.save`` / ``torch.load`` (also ``weights_only=True``: the class is registered with
+``torch.serialization.add_safe_globals`` on import) and moves with :meth:`PreparedWeight.to`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from distmoe.quant.mxfp8 import mxfp8_dequantize
+from distmoe.quant.mxfp8_weight import mxfp8_quantize_weight, mxfp8_quantize_weight_ref
+
+__all__ = ["PreparedWeight", "prepare_weights"]
+
+#: precisions whose weights are prepared (bf16 takes its weights as they are)
+PREPARED_PRECISIONS = ("mxfp8",)
+_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class PreparedWeight:
+    """One expert weight quantised for a low-precision layer (:func:`prepare_weights`).
+
+    Attributes:
+        qdata: float8_e4m3fn, the source shape (``[E_local, 2, F, D]`` for w13,
+            ``[E_local, D, F]`` for w2), contiguous.
+        scales: uint8 E8M0 exponents (bias 127), one per 32 x 32 block of the last two dims:
+            the source shape with both last dims divided by 32, contiguous.
+        shape: the source weight's shape (a tuple of ints).
+        precision: ``"mxfp8"``.
+    """
+
+    qdata: torch.Tensor
+    scales: torch.Tensor
+    shape: tuple[int, ...]
+    precision: str
+
+    def __post_init__(self) -> None:
+        if self.precision not in PREPARED_PRECISIONS:
+            raise ValueError(f"precision ({self.precision!r}) must be one of "
+                             f"{PREPARED_PRECISIONS}")
+        if not isinstance(self.qdata, torch.Tensor) or self.qdata.dtype != torch.float8_e4m3fn:
+            raise TypeError("qdata must be a float8_e4m3fn tensor, got "
+                            f"{getattr(self.qdata, 'dtype', type(self.qdata).__name__)}")
+        shape = tuple(self.shape)
+        if tuple(self.qdata.shape) != shape or len(shape) < 2:
+            raise ValueError(f"qdata must have the source shape {list(shape)} (at least 2-D), "
+                             f"got {list(self.qdata.shape)}")
+        want = [*shape[:-2], shape[-2] // 32, shape[-1] // 32]
+        if (not isinstance(self.scales, torch.Tensor) or self.scales.dtype != torch.uint8
+                or list(self.scales.shape) != want):
+            raise ValueError(f"scales must be uint8 of shape {want} (one per 32 x 32 block), "
+                             f"got {getattr(self.scales, 'dtype', None)} "
+                             f"{list(getattr(self.scales, 'shape', []))}")
+        if self.scales.device != self.qdata.device:
+            raise ValueError(f"scales must be on qdata's device ({self.qdata.device}), got "
+                             f"{self.scales.device}")
+        object.__setattr__(self, "shape", shape)
+
+    def __reduce__(self):
+        # a plain constructor call: torch.load(weights_only=True) accepts it for a registered
+        # class (the default dataclass pickling sets fields one by one, which a frozen class
+        # refuses)
+        return (PreparedWeight, (self.qdata, self.scales, self.shape, self.precision))
+
+    @property
+    def device(self) -> torch.device:
+        return self.qdata.device
+
+    def to(self, device: torch.device | str) -> PreparedWeight:
+        """This weight on ``device`` (itself when it is there already)."""
+        device = torch.device(device)
+        if device == self.qdata.device:
+            return self
+        return PreparedWeight(self.qdata.to(device), self.scales.to(device), self.shape,
+                              self.precision)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``qdata * 2^(scale - 127)`` of every element as ``dtype`` (plain PyTorch, exact in
+        float32; for references and tests)."""
+        rows = self.scales.repeat_interleave(32, dim=-2)
+        return mxfp8_dequantize(self.qdata, rows, dim=-1, dtype=dtype)
+
+
+torch.serialization.add_safe_globals([PreparedWeight])
+
+
+def _check_weight(name: str, w: object, ndim: int, text: str) -> torch.Tensor:
+    if isinstance(w, PreparedWeight):
+        raise TypeError(f"{name} is a PreparedWeight already (prepare the bf16 weights once)")
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(w).__name__}")
+    if w.dtype not in _WEIGHT_DTYPES:
+        raise TypeError(f"{name} must be bfloat16, float16 or float32, got {w.dtype}")
+    if w.dim() != ndim:
+        raise ValueError(f"{name} must be {text}, got shape {list(w.shape)}")
+    return w
+
+
+def prepare_weights(w13: torch.Tensor, w2: torch.Tensor, precision: str = "mxfp8", *,
+                    reference: bool = False) -> tuple[PreparedWeight, PreparedWeight]:
+    """Quantise a layer's expert weights once for ``MoEContext`` at ``precision``.
+
+    Args:
+        w13: ``[E_local, 2, F, D]`` (gate ``w13[e, 0]``, up ``w13[e, 1]``), bf16 / fp16 / fp32.
+        w2: ``[E_local, D, F]``, same dtype family, same device as w13.
+        precision: ``"mxfp8"`` (D and F multiples of 32): 32 x 32 block quantisation
+            (:func:`~distmoe.quant.mxfp8_quantize_weight`, a Triton kernel: a CUDA device, or
+            the CPU under Triton's interpreter).
+        reference: quantise with the plain-PyTorch reference instead (any device; the same
+            bits).
+
+    Returns ``(w13_prepared, w2_prepared)``, :class:`PreparedWeight` each; gradients do not
+    flow through (the weights are read detached).
+    """
+    if precision not in PREPARED_PRECISIONS:
+        raise ValueError(f"precision ({precision!r}) must be one of {PREPARED_PRECISIONS} "
+                         "(bf16 takes its weights as they are; nvfp4 weights are not "
+                         "implemented)")
+    w13 = _check_weight("w13", w13, 4, "[E_local, 2, F, D] (gate, up)")
+    w2 = _check_weight("w2", w2, 3, "[E_local, D, F]")
+    num_experts, two, ffn, hidden = w13.shape
+    if two != 2:
+        raise ValueError(f"w13 must be [E_local, 2, F, D] (gate, up), got shape "
+                         f"{list(w13.shape)}")
+    if tuple(w2.shape) != (num_experts, hidden, ffn):
+        raise ValueError(f"w2 must be [E_local={num_experts}, D={hidden}, F={ffn}] (from w13's "
+                         f"shape), got {list(w2.shape)}")
+    for name, value in (("D", hidden), ("F", ffn)):
+        if value % 32:
+            raise ValueError(f"{name} ({value}) must be a multiple of 32 for precision "
+                             "'mxfp8' (32 x 32 weight blocks)")
+    if w2.device != w13.device:
+        raise ValueError(f"w2 must be on w13's device ({w13.device}), got {w2.device}")
+    quantize = mxfp8_quantize_weight_ref if reference else mxfp8_quantize_weight
+    out = []
+    with torch.no_grad():
+        for w in (w13, w2):
+            q = quantize(w.detach())
+            out.append(PreparedWeight(q.qdata, q.scales, tuple(w.shape), precision))
+    return out[0], out[1]
