@@ -61,21 +61,6 @@ from .validation import check_call, check_together, check_values
 __all__ = ["MXFP8Scratch", "allocate_mxfp8", "mxfp8_call", "mxfp8_forward"]
 
 
-class _ShapeOnly(torch.Tensor):
-    """A tensor with shape, dtype and device and no storage: stands in for the bf16 weights
-    in :func:`~distmoe.ops.validation.check_call`, so that x, the ids and the scores are
-    checked by the same code (and messages) as in bf16; any operation on it is a bug."""
-
-    @staticmethod
-    def __new__(cls, shape, device):
-        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.bfloat16,
-                                                   device=device)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise RuntimeError(f"a weight shape stand-in reached {func} (distmoe.ops.lowp)")
-
-
 @dataclass(frozen=True)
 class MXFP8Scratch:
     """What an MXFP8 inference context owns besides the bf16 context's buffers (allocated
@@ -88,7 +73,6 @@ class MXFP8Scratch:
         w13_config / w2_config: the two grouped GEMMs' launch configs (``block_m`` = the
             routing's ``row_block``, the padding multiple).
         w13_shape / w2_shape: the prepared weights' shapes this context takes.
-        w13_standin / w2_standin: storage-less bf16 stand-ins of those shapes (validation).
     """
 
     x_rows: torch.Tensor
@@ -100,8 +84,6 @@ class MXFP8Scratch:
     w2_config: ScaledGemmConfig
     w13_shape: tuple[int, ...]
     w2_shape: tuple[int, ...]
-    w13_standin: torch.Tensor
-    w2_standin: torch.Tensor
 
     @property
     def nbytes(self) -> int:
@@ -128,8 +110,6 @@ def allocate_mxfp8(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
         w2_config=ScaledGemmConfig.for_widths(k=F, n=D, block_m=cfg.row_block),
         w13_shape=w13_shape,
         w2_shape=w2_shape,
-        w13_standin=_ShapeOnly(w13_shape, device),
-        w2_standin=_ShapeOnly(w2_shape, device),
     )
 
 
@@ -175,7 +155,7 @@ def mxfp8_call(ctx, x, expert_ids, scores, w13, w2) -> torch.Tensor:
     def run_checks(values: bool) -> None:
         check_prepared(scratch, ctx.device, w13, w2)
         check_call(ctx.cfg, ctx.num_local_experts, ctx.device, ctx._dispatch, x, expert_ids,
-                   scores, scratch.w13_standin, scratch.w2_standin,
+                   scores, None, None,
                    wants_autograd=lambda: False)
         if values:
             check_values(ctx.cfg.num_experts, expert_ids, scores)

@@ -43,12 +43,16 @@ def check_call(cfg: MoEConfig, num_local_experts: int, device: torch.device,
     """The per-call checks of ``ctx(x, expert_ids, scores, w13, w2)``: ``TypeError`` /
     ``ValueError`` naming the argument. ``input_buffer`` is the context's dispatch rows (x
     may be a view starting at its first row, never another part of it); ``wants_autograd()``
-    says whether the call takes the autograd path (asked only for T = 0)."""
-    named = {"x": x, "expert_ids": expert_ids, "scores": scores, "w13": w13, "w2": w2}
+    says whether the call takes the autograd path (asked only for T = 0). ``w13`` and ``w2``
+    ``None``: the caller checks the weights itself (prepared low-precision weights)."""
+    weights = w13 is not None
+    named = {"x": x, "expert_ids": expert_ids, "scores": scores}
+    if weights:
+        named.update(w13=w13, w2=w2)
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    for name in ("x", "w13", "w2"):
+    for name in ("x", "w13", "w2") if weights else ("x",):
         if named[name].dtype != torch.bfloat16:
             raise TypeError(f"{name} must be torch.bfloat16, got {named[name].dtype}")
     if expert_ids.dtype not in INT_DTYPES:
@@ -70,10 +74,10 @@ def check_call(cfg: MoEConfig, num_local_experts: int, device: torch.device,
         if tuple(named[name].shape) != (T, K):
             raise ValueError(f"{name} must be [T, top_k] = [{T}, {K}] (T from x), got "
                              f"{tuple(named[name].shape)}")
-    if tuple(w13.shape) != (E_l, 2, F, D):
+    if weights and tuple(w13.shape) != (E_l, 2, F, D):
         raise ValueError(f"w13 must be [E_local={E_l}, 2, ffn={F}, hidden={D}] (gate = "
                          f"w13[e, 0], up = w13[e, 1]), got {tuple(w13.shape)}")
-    if tuple(w2.shape) != (E_l, D, F):
+    if weights and tuple(w2.shape) != (E_l, D, F):
         raise ValueError(f"w2 must be [E_local={E_l}, hidden={D}, ffn={F}], got "
                          f"{tuple(w2.shape)}")
     for name, t in named.items():
