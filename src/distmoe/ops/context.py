@@ -61,6 +61,7 @@ never written anywhere; they are counted on the device
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -153,6 +154,11 @@ class MoEContext:
             ``"auto"`` picks it where the ranks form equal nodes on one host each.
         node_size: ranks per node for ``"hierarchical"`` (default: from the ranks' host
             names; tests split one host into "nodes" with it).
+        timeout: seconds a host barrier waits for every rank (CPU ranks: the shared-memory
+            heap's barriers) before every rank that is still there raises a RuntimeError
+            naming the ranks that did not arrive and the step; the context is unusable after
+            (``None``: the process group's own timeout). The GPU heaps' barriers wait on the
+            device and take no timeout yet.
         main_grad: training only. The backward adds the weight gradients, accumulated in fp32,
             into each weight's ``main_grad`` attribute (an fp32 tensor of the weight's shape
             on ``device``, contiguous: Megatron's convention; the caller zeroes it) and gives
@@ -202,7 +208,8 @@ class MoEContext:
                  device: torch.device | str | None = None, backend: str = "auto",
                  check: bool = False, overrides: Mapping[str, Any] | None = None,
                  graphs: bool = True, main_grad: bool = False,
-                 transport: str = "auto", node_size: int | None = None) -> None:
+                 transport: str = "auto", node_size: int | None = None,
+                 timeout: float | None = 600.0) -> None:
         if not isinstance(cfg, MoEConfig):
             raise TypeError(f"cfg must be a distmoe.MoEConfig, got {type(cfg).__name__}")
         if cfg.precision == "mxfp8" and cfg.training:
@@ -216,6 +223,11 @@ class MoEContext:
             raise TypeError(f"check must be a bool, got {type(check).__name__} ({check!r})")
         if not isinstance(graphs, bool):
             raise TypeError(f"graphs must be a bool, got {type(graphs).__name__} ({graphs!r})")
+        if timeout is not None and (isinstance(timeout, bool)
+                                    or not isinstance(timeout, (int, float))
+                                    or not math.isfinite(timeout) or timeout <= 0):
+            raise ValueError(f"timeout ({timeout!r}) must be None or a finite number of "
+                             "seconds > 0")
         if not isinstance(main_grad, bool):
             raise TypeError(f"main_grad must be a bool, got {type(main_grad).__name__} "
                             f"({main_grad!r})")
@@ -239,7 +251,7 @@ class MoEContext:
         if self.transport in ("nccl", "hierarchical"):
             self._init_collective(cfg, group, node_size, device=device, backend=backend,
                                   check=check, overrides=overrides, graphs=graphs,
-                                  main_grad=main_grad)
+                                  main_grad=main_grad, timeout=timeout)
             return
         # the plan first: an override that cannot apply is refused before any buffer exists
         ep_size = 1 if solo(group) else dist.get_world_size(group)
@@ -265,6 +277,7 @@ class MoEContext:
         self._bound_seen = (0, 0)  # check mode: invalid ids and dropped rows already reported
         self._closed = False
         self.heap = create_heap(group, backend=backend, device=device)
+        self.heap.timeout = timeout
         self.group = self.heap.group
         # check mode: which context a call is on. Construction is collective, so the ranks of
         # a group number the contexts on it alike; calls on two contexts interleaved in a
@@ -860,9 +873,11 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
         self.heap.close()
 
     def check_open(self) -> None:
-        """RuntimeError if this context is closed."""
+        """RuntimeError if this context is closed, or unusable after a failed barrier."""
         if self._closed:
             raise RuntimeError("this MoEContext is closed")
+        if self.heap.failed is not None:
+            raise RuntimeError(f"this MoEContext is unusable: {self.heap.failed}")
 
     # ------------------------------------------------------------------ the plan
     def explain(self, tokens: int | None = None) -> str:

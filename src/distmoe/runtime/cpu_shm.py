@@ -14,9 +14,11 @@ barrier orders all earlier writes.
 
 from __future__ import annotations
 
+import datetime
 import mmap
 import os
 import re
+import sys
 import uuid
 
 import torch
@@ -82,8 +84,29 @@ class CpuShmHeap(SymmetricHeap):
         return self._views[name][rank]
 
     def barrier(self) -> None:
+        """The host barrier; with :attr:`timeout`, a monitored one that raises on every
+        rank (``RuntimeError`` naming the ranks that did not arrive where gloo says, and the
+        step: the function that called the barrier) instead of waiting for a dead or hung
+        rank; the heap is then unusable (:attr:`failed`)."""
         self._check_open()
-        group_barrier(self.group, self.world_size)
+        if self.world_size == 1:
+            return
+        if self.failed is not None:
+            raise RuntimeError(f"this heap is unusable: {self.failed}")
+        try:
+            if self.timeout is None:
+                dist.barrier(group=self.group)
+            else:
+                dist.monitored_barrier(group=self.group, wait_all_ranks=True,
+                                       timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            step = sys._getframe(1).f_code.co_name  # where the layer was (error path only)
+            reason = " ".join(str(exc).split())[:300]
+            self.failed = (f"rank {self.rank} of {self.world_size}: the barrier in {step} "
+                           f"failed after at most {self.timeout} s ({reason})")
+            raise RuntimeError(f"MoE layer: {self.failed}; a rank died or hangs. This "
+                               "context is unusable: build a new one (collectively) on the "
+                               "ranks that remain") from exc
 
     def _close(self) -> None:
         # Tensors handed out may still reference the maps: drop our references only. Each

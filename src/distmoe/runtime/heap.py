@@ -84,6 +84,12 @@ class SymmetricHeap(ABC):
     #: True when this backend's buffers come from torch's caching allocator (and so count in
     #: ``torch.cuda.max_memory_allocated``).
     allocates_through_torch: bool = True
+    #: seconds a host barrier waits for every rank before it raises naming the missing ones
+    #: (CPU backend; None: the process group's own timeout). The device barriers of the CUDA
+    #: backends wait on the GPU and take none yet.
+    timeout: float | None = None
+    #: why the heap became unusable (a barrier that failed), else None
+    failed: str | None = None
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
         if solo(group):  # no torch.distributed: this process alone
