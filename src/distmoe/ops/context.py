@@ -89,7 +89,7 @@ from .activations import ActivationBuffer
 from .autograd import MoEFunction, backward_eager
 from .custom_ops import traced_call, tracing
 from .graphs import ForwardGraphs, GraphPool, TrainingGraphs
-from .lowp import allocate_mxfp8, mxfp8_call
+from .lowp import LOWP_PRECISIONS, allocate_lowp, lowp_call
 from .transport import inner_config, nccl_call, node_groups, resolve_transport
 from .validation import check_call, check_main_grads, check_together, check_values
 
@@ -216,8 +216,8 @@ class MoEContext:
             raise ValueError("precision 'mxfp8' with training=True: MXFP8 training is not "
                              "implemented yet (MXFP8 inference is: MoEConfig(precision="
                              "'mxfp8', training=False))")
-        if cfg.precision not in ("bf16", "mxfp8"):
-            raise ValueError(f"precision ({cfg.precision!r}): only 'bf16' and 'mxfp8' "
+        if cfg.precision not in ("bf16", *LOWP_PRECISIONS):
+            raise ValueError(f"precision ({cfg.precision!r}): only 'bf16', 'mxfp8' and 'nvfp4' "
                              "(inference) are implemented so far")
         if not isinstance(check, bool):
             raise TypeError(f"check must be a bool, got {type(check).__name__} ({check!r})")
@@ -359,9 +359,8 @@ class MoEContext:
         # invalid ids total, calls, calls with a token count that differs between ranks]
         # (distmoe.kernels.movement.call_counters).
         self._counters = torch.zeros(6, dtype=torch.int64, device=self.device)
-        #: MXFP8 inference scratch (:mod:`distmoe.ops.lowp`); None at bf16
-        self._lowp = (allocate_mxfp8(cfg, self.num_local_experts, self.receive_bound,
-                                     self.device) if cfg.precision == "mxfp8" else None)
+        #: MXFP8 / NVFP4 inference scratch (:mod:`distmoe.ops.lowp`); None at bf16
+        self._lowp = allocate_lowp(cfg, self.num_local_experts, self.receive_bound, self.device)
         #: the captured calls (:mod:`distmoe.ops.graphs`; None: every call eager):
         #: ForwardGraphs in inference contexts, TrainingGraphs in training contexts
         #: (none at mxfp8 yet: its calls run eagerly)
@@ -470,8 +469,8 @@ class MoEContext:
         return x.data_ptr() == self._dispatch.data_ptr()
 
     def __call__(self, x, expert_ids, scores, w13, w2) -> torch.Tensor:
-        if self.cfg.precision == "mxfp8":  # prepared weights, MXFP8 inference (.lowp)
-            return mxfp8_call(self, x, expert_ids, scores, w13, w2)
+        if self.cfg.precision in LOWP_PRECISIONS:  # prepared weights, inference (.lowp)
+            return lowp_call(self, x, expert_ids, scores, w13, w2)
         if self.transport in ("nccl", "hierarchical"):
             return self._call_nccl(x, expert_ids, scores, w13, w2)
         if tracing(x):  # torch.compile / make_fx / fake tensors: distmoe.ops.custom_ops

@@ -1,24 +1,35 @@
-"""The MXFP8 inference forward of :class:`~distmoe.MoEContext` (``MoEConfig(precision=
-"mxfp8", training=False)``), on the MXFP8 grouped GEMM of :mod:`distmoe.kernels.scaled`.
+"""The low-precision inference forwards of :class:`~distmoe.MoEContext` (``MoEConfig(
+precision="mxfp8" | "nvfp4", training=False)``), on the grouped GEMMs of
+:mod:`distmoe.kernels.scaled`.
 
-Weights come prepared (:func:`distmoe.quant.prepare_weights`: 32 x 32 blocks, quantised once).
-Activations are quantised on the expert's rank after the gather: bf16 rows cross to the
-experts exactly as in the bf16 forward, so publishing, routing, the receive bound, the
-combine and their protocol are the bf16 forward's own (:mod:`distmoe.ops.context`, steps
-1-7), called through the context. One call, ``R_b`` = the receive bound (legend of
-:mod:`distmoe.routing.tables`):
+Weights come prepared (:func:`distmoe.quant.prepare_weights`, quantised once: mxfp8 in 32 x 32
+blocks, nvfp4 as E2M1 with E4M3 scales per 16 along K and a global scale per expert matrix).
+bf16 rows cross to the experts exactly as in the bf16 forward, so publishing, routing, the
+receive bound, the combine and their protocol are the bf16 forward's own
+(:mod:`distmoe.ops.context`, steps 1-7), called through the context. One call, ``R_b`` = the
+receive bound (legend of :mod:`distmoe.routing.tables`); steps 1-4a and 5c-7 are shared
+(:func:`_route_and_gather`, :func:`_scatter_and_combine`):
 
     1-3. publish x and the ids, barrier, routing tables: ``ctx._publish_and_route`` (with
          the plan's choice to pull every peer token at EP > 1)
     4a. gather: the executed rows into compact activation rows ``x_rows [R_b, D]`` bf16
         (``regather_rows`` through ``ctx.gather_table``: x in place at EP = 1, peer tokens
         pulled once into local memory at EP > 1)
+
+    mxfp8 (:func:`mxfp8_forward`):
     4b. quantise along D: ``x_rows -> (x_q [R_b, D] e4m3, x_s [R_b, D/32] e8m0)``
         (:func:`~distmoe.quant.mxfp8.mxfp8_quantize_2d`, docs/numerics.md section 2)
     4c. W13 + SwiGLU: ``mxfp8_grouped_mm(x_q, x_s, w13, swiglu=True) -> h2 [R_b, F]`` bf16
     5a. quantise h2 along F: ``(h2_q [R_b, F], h2_s [R_b, F/32])``
     5b. W2: ``mxfp8_grouped_mm(h2_q, h2_s, w2) -> h3 [R_b, D]`` bf16, in x_rows' memory
         (x_rows is dead once quantised)
+
+    nvfp4 (:func:`nvfp4_forward`; weights only: activations stay bf16 in this step):
+    4c. W13 + SwiGLU: ``nvfp4_weight_grouped_mm(x_rows, w13, swiglu=True) -> h2 [R_b, F]``
+        bf16 (E2M1 decoded to bf16 in the prologue, global scale in the epilogue)
+    5b. W2: ``nvfp4_weight_grouped_mm(h2, w2) -> h3 [R_b, D]`` bf16, in x_rows' memory
+        (x_rows is dead once W13 has read it)
+
     5c. scatter: each live row of h3 to its route's slot in the owner's combine buffer
         (:func:`~distmoe.kernels.movement.scatter_rows.scatter_rows` through
         ``tables.scatter_ptrs``; null rows skipped)
@@ -31,14 +42,21 @@ summation order, then one bf16 rounding (W13: of the fp32 SwiGLU); against the b
 error is the quantisation of both operands of both GEMMs, at most 2^-4 relative per element
 (tests/ops/test_mxfp8_forward.py carries both bounds through the layer).
 
-Memory, allocated once per context (:func:`allocate_mxfp8`): ``x_rows`` ``2 R_b D``, ``x_q``
-``R_b D``, ``x_s`` ``R_b D / 32``, ``h2_q`` ``R_b F``, ``h2_s`` ``R_b F / 32`` bytes, beside
-the context's own ``h2 [R_b, F]`` bf16 scratch; nothing per call but the output y (and the
-small routing tables, as in bf16). The quantisers and GEMMs cover the ``R_b`` rows from the
-static bound (rows past the executed ones are quantised too and never read).
+nvfp4 arithmetic (docs/numerics.md, the NVFP4 section): each GEMM is exact in the decoded
+weights (``v * s_b`` is exact in bf16) and the bf16 activations up to the fp32 summation
+order, then the global scale (one fp32 rounding) and one bf16 rounding; against the bf16
+layer the error is the weights' NVFP4 quantisation only (tests/ops/test_nvfp4_forward.py).
+
+Memory, allocated once per context (:func:`allocate_lowp`): mxfp8: ``x_rows`` ``2 R_b D``,
+``x_q`` ``R_b D``, ``x_s`` ``R_b D / 32``, ``h2_q`` ``R_b F``, ``h2_s`` ``R_b F / 32`` bytes;
+nvfp4: ``x_rows`` ``2 R_b D`` bytes; beside the context's own ``h2 [R_b, F]`` bf16 scratch;
+nothing per call but the output y (and the small routing tables, as in bf16). The quantisers
+and GEMMs cover the ``R_b`` rows from the static bound (rows past the executed ones are
+quantised too and never read).
 
 Sync points: none on the host; the two barriers are the bf16 forward's. The context's own
-CUDA graphs are off for MXFP8 contexts (every call eager; capturing them is future work).
+CUDA graphs are off for low-precision contexts (every call eager; capturing them is future
+work).
 """
 
 from __future__ import annotations
@@ -52,13 +70,22 @@ from ..config import MoEConfig
 from ..kernels.movement.combine import combine
 from ..kernels.movement.regather_rows import regather_rows
 from ..kernels.movement.scatter_rows import scatter_rows
-from ..kernels.scaled import ScaledGemmConfig, mxfp8_grouped_mm
+from ..kernels.scaled import (
+    ScaledGemmConfig,
+    mxfp8_grouped_mm,
+    nvfp4_weight_config,
+    nvfp4_weight_grouped_mm,
+)
 from ..quant.mxfp8 import mxfp8_quantize_2d
 from ..quant.prepare import PreparedWeight
 from .custom_ops import tracing
 from .validation import check_call, check_together, check_values
 
-__all__ = ["MXFP8Scratch", "allocate_mxfp8", "mxfp8_call", "mxfp8_forward"]
+__all__ = ["MXFP8Scratch", "NVFP4Scratch", "allocate_lowp", "allocate_mxfp8", "allocate_nvfp4",
+           "lowp_call", "lowp_forward", "mxfp8_forward", "nvfp4_forward"]
+
+#: the precisions of this module's inference forwards
+LOWP_PRECISIONS = ("mxfp8", "nvfp4")
 
 
 @dataclass(frozen=True)
@@ -113,24 +140,74 @@ def allocate_mxfp8(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
     )
 
 
-def check_prepared(scratch: MXFP8Scratch, device: torch.device, w13, w2) -> None:
-    """The prepared weights of an MXFP8 call: :class:`PreparedWeight` of precision mxfp8, the
-    config's shapes, on the context's device (``TypeError`` / ``ValueError`` naming the
-    argument)."""
+@dataclass(frozen=True)
+class NVFP4Scratch:
+    """What an NVFP4 inference context owns besides the bf16 context's buffers (allocated
+    once, :func:`allocate_nvfp4`; ``R_b`` = the receive bound).
+
+    Attributes:
+        x_rows: bf16 ``[R_b, D]``: the gathered rows, then W2's output h3 (activation rows).
+        w13_config / w2_config: the two grouped GEMMs' launch configs (``block_m`` = the
+            routing's ``row_block``, the padding multiple).
+        w13_shape / w2_shape: the prepared weights' shapes this context takes.
+    """
+
+    x_rows: torch.Tensor
+    w13_config: ScaledGemmConfig
+    w2_config: ScaledGemmConfig
+    w13_shape: tuple[int, ...]
+    w2_shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.x_rows.nbytes
+
+
+def allocate_nvfp4(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
+                   device: torch.device) -> NVFP4Scratch:
+    """The scratch of an NVFP4 inference context (module docstring, Memory); zeroed once."""
+    if cfg.precision != "nvfp4" or cfg.training:
+        raise ValueError(f"allocate_nvfp4 is for NVFP4 inference contexts, got precision "
+                         f"{cfg.precision!r} with training={cfg.training}")
+    R, D, F, E = receive_bound, cfg.hidden, cfg.ffn, num_local_experts
+    return NVFP4Scratch(
+        x_rows=torch.zeros(R, D, dtype=torch.bfloat16, device=device),
+        w13_config=nvfp4_weight_config(k=D, n=2 * F, swiglu=True, block_m=cfg.row_block),
+        w2_config=nvfp4_weight_config(k=F, n=D, block_m=cfg.row_block),
+        w13_shape=(E, 2, F, D),
+        w2_shape=(E, D, F),
+    )
+
+
+def allocate_lowp(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
+                  device: torch.device) -> MXFP8Scratch | NVFP4Scratch | None:
+    """The low-precision scratch of a context at ``cfg.precision`` (None at bf16)."""
+    if cfg.precision == "mxfp8":
+        return allocate_mxfp8(cfg, num_local_experts, receive_bound, device)
+    if cfg.precision == "nvfp4":
+        return allocate_nvfp4(cfg, num_local_experts, receive_bound, device)
+    return None
+
+
+def check_prepared(scratch: MXFP8Scratch | NVFP4Scratch, device: torch.device, w13, w2,
+                   precision: str) -> None:
+    """The prepared weights of a low-precision call: :class:`PreparedWeight` of the context's
+    precision, the config's shapes, on the context's device (``TypeError`` / ``ValueError``
+    naming the argument)."""
     for name, w, shape, text in (
             ("w13", w13, scratch.w13_shape, "[E_local, 2, ffn, hidden] (gate, up)"),
             ("w2", w2, scratch.w2_shape, "[E_local, hidden, ffn]")):
         if isinstance(w, torch.Tensor):
             raise TypeError(
-                f"{name} must be a PreparedWeight for precision 'mxfp8', got a "
+                f"{name} must be a PreparedWeight for precision {precision!r}, got a "
                 f"{w.dtype} tensor: quantise the weights once with "
-                "distmoe.quant.prepare_weights(w13, w2, 'mxfp8') and pass its results")
+                f"distmoe.quant.prepare_weights(w13, w2, {precision!r}) and pass its results")
         if not isinstance(w, PreparedWeight):
             raise TypeError(f"{name} must be a PreparedWeight (distmoe.quant.prepare_weights), "
                             f"got {type(w).__name__}")
-        if w.precision != "mxfp8":
+        if w.precision != precision:
             raise ValueError(f"{name} was prepared for precision {w.precision!r}, the context "
-                             "runs 'mxfp8'")
+                             f"runs {precision!r}")
         if w.shape != shape:
             raise ValueError(f"{name} must be prepared from a weight of shape {list(shape)} "
                              f"{text}, got {list(w.shape)}")
@@ -139,21 +216,22 @@ def check_prepared(scratch: MXFP8Scratch, device: torch.device, w13, w2) -> None
                              f"{w.qdata.device} (PreparedWeight.to moves it)")
 
 
-def mxfp8_call(ctx, x, expert_ids, scores, w13, w2) -> torch.Tensor:
-    """``ctx(x, expert_ids, scores, w13, w2)`` of an MXFP8 inference context: the call's
-    checks (``check=True``: shared over the group, and the receive bound after the call, as
-    in bf16), then :func:`mxfp8_forward`. Returns y [T, D] bf16."""
+def lowp_call(ctx, x, expert_ids, scores, w13, w2) -> torch.Tensor:
+    """``ctx(x, expert_ids, scores, w13, w2)`` of a low-precision inference context: the
+    call's checks (``check=True``: shared over the group, and the receive bound after the
+    call, as in bf16), then :func:`lowp_forward`. Returns y [T, D] bf16."""
+    precision = ctx.cfg.precision
     if tracing(x):
-        raise NotImplementedError("precision 'mxfp8' does not run under torch.compile / "
+        raise NotImplementedError(f"precision {precision!r} does not run under torch.compile / "
                                   "make_fx / fake tensors yet: call the context eagerly")
     ctx.check_open()
     if ctx.transport != "peer":
-        raise NotImplementedError(f"precision 'mxfp8' runs on the peer transport only so far, "
-                                  f"got transport {ctx.transport!r}")
-    scratch: MXFP8Scratch = ctx._lowp
+        raise NotImplementedError(f"precision {precision!r} runs on the peer transport only so "
+                                  f"far, got transport {ctx.transport!r}")
+    scratch = ctx._lowp
 
     def run_checks(values: bool) -> None:
-        check_prepared(scratch, ctx.device, w13, w2)
+        check_prepared(scratch, ctx.device, w13, w2, precision)
         check_call(ctx.cfg, ctx.num_local_experts, ctx.device, ctx._dispatch, x, expert_ids,
                    scores, None, None,
                    wants_autograd=lambda: False)
@@ -166,29 +244,58 @@ def mxfp8_call(ctx, x, expert_ids, scores, w13, w2) -> torch.Tensor:
     else:
         run_checks(False)
     if torch.is_grad_enabled() and (x.requires_grad or scores.requires_grad):
-        warnings.warn("MoEContext: x or scores requires grad, but this is an MXFP8 inference "
-                      "context: y has no grad_fn and no gradient flows back through this "
-                      "layer (MXFP8 training is not implemented yet).", UserWarning,
+        warnings.warn(f"MoEContext: x or scores requires grad, but this is a {precision} "
+                      "inference context: y has no grad_fn and no gradient flows back through "
+                      f"this layer ({precision} training is not implemented).", UserWarning,
                       stacklevel=3)
     with torch.no_grad():
-        y = mxfp8_forward(ctx, x, expert_ids, scores, w13, w2)
+        y = lowp_forward(ctx, x, expert_ids, scores, w13, w2)
     if ctx.check:
         ctx._check_bound(y)
     return y
 
 
+def lowp_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedWeight, *,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """The forward of ``ctx.cfg.precision`` on checked inputs (y [T, D] bf16)."""
+    forward = {"mxfp8": mxfp8_forward, "nvfp4": nvfp4_forward}[ctx.cfg.precision]
+    return forward(ctx, x, expert_ids, scores, w13, w2, out=out)
+
+
+def _route_and_gather(ctx, x, expert_ids, x_rows: torch.Tensor):
+    """Steps 1-4a: publish, route, gather the executed rows into ``x_rows``; returns the
+    routing tables (:mod:`distmoe.routing.tables`)."""
+    T = expert_ids.shape[0]
+    pull_all = ctx.ep_size > 1 and ctx.plan.pulls_all(ctx.cfg, T)
+    tables = ctx._publish_and_route(x, expert_ids, pull_all)  # steps 1-3
+    gather_ptrs = ctx.gather_table(tables.gather_ptrs, pulled=pull_all, x=x)
+    regather_rows(gather_ptrs, tables.padded_offsets, tables.row_offsets, x_rows,
+                  block_m=ctx.cfg.row_block)
+    return tables
+
+
+def _scatter_and_combine(ctx, tables, h3: torch.Tensor, x, expert_ids, scores,
+                         out: torch.Tensor | None) -> torch.Tensor:
+    """Steps 5c-7: scatter h3's live rows to their combine slots, barrier, combine; returns
+    y [T, D] bf16 (into ``out`` when given)."""
+    T, K = expert_ids.shape
+    scatter_rows(h3, tables.padded_offsets, tables.row_offsets, tables.scatter_ptrs,
+                 block_m=ctx.cfg.row_block)
+    ctx.heap.barrier()
+    y = torch.empty_like(x) if out is None else out
+    # dest_rows_TK is -1 exactly where a route is not executed (the combine's ids)
+    combine(ctx._combine[:T * K], tables.dest_rows_TK, scores.float().contiguous(), y,
+            config=ctx.plan.combine)
+    return y
+
+
 def mxfp8_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedWeight, *,
                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """Steps 1-7 of the module docstring on checked inputs; returns y [T, D] bf16 (into
-    ``out`` when given)."""
+    """Steps 1-7 of the module docstring (mxfp8) on checked inputs; returns y [T, D] bf16
+    (into ``out`` when given)."""
     s: MXFP8Scratch = ctx._lowp
-    cfg = ctx.cfg
-    T, K = expert_ids.shape
-    pull_all = ctx.ep_size > 1 and ctx.plan.pulls_all(cfg, T)
-    tables = ctx._publish_and_route(x, expert_ids, pull_all)  # steps 1-3
+    tables = _route_and_gather(ctx, x, expert_ids, s.x_rows)
     po, ro = tables.padded_offsets, tables.row_offsets
-    gather_ptrs = ctx.gather_table(tables.gather_ptrs, pulled=pull_all, x=x)
-    regather_rows(gather_ptrs, po, ro, s.x_rows, block_m=cfg.row_block)
     mxfp8_quantize_2d(s.x_rows, s.x_q, s.x_s)
     h2 = ctx._h2
     mxfp8_grouped_mm(s.x_q, s.x_s, w13.qdata, w13.scales, po, ro, h2, swiglu=True,
@@ -196,10 +303,20 @@ def mxfp8_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedW
     mxfp8_quantize_2d(h2, s.h2_q, s.h2_s)
     h3 = s.x_rows  # the gathered rows are dead once quantised
     mxfp8_grouped_mm(s.h2_q, s.h2_s, w2.qdata, w2.scales, po, ro, h3, config=s.w2_config)
-    scatter_rows(h3, po, ro, tables.scatter_ptrs, block_m=cfg.row_block)
-    ctx.heap.barrier()
-    y = torch.empty_like(x) if out is None else out
-    # dest_rows_TK is -1 exactly where a route is not executed (the combine's ids)
-    combine(ctx._combine[:T * K], tables.dest_rows_TK, scores.float().contiguous(), y,
-            config=ctx.plan.combine)
-    return y
+    return _scatter_and_combine(ctx, tables, h3, x, expert_ids, scores, out)
+
+
+def nvfp4_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedWeight, *,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Steps 1-7 of the module docstring (nvfp4: weight-only, bf16 activations) on checked
+    inputs; returns y [T, D] bf16 (into ``out`` when given)."""
+    s: NVFP4Scratch = ctx._lowp
+    tables = _route_and_gather(ctx, x, expert_ids, s.x_rows)
+    po, ro = tables.padded_offsets, tables.row_offsets
+    h2 = ctx._h2
+    nvfp4_weight_grouped_mm(s.x_rows, w13.qdata, w13.scales, w13.global_scale, po, ro, h2,
+                            swiglu=True, config=s.w13_config)
+    h3 = s.x_rows  # the gathered rows are dead once W13 has read them
+    nvfp4_weight_grouped_mm(h2, w2.qdata, w2.scales, w2.global_scale, po, ro, h3,
+                            config=s.w2_config)
+    return _scatter_and_combine(ctx, tables, h3, x, expert_ids, scores, out)

@@ -15,8 +15,23 @@ section 3) into a :class:`PreparedWeight` holding exactly what the MXFP8 grouped
 (the forward orientation: ``w[..., n, k] ~ qdata[..., n, k] * 2^(scales[..., n//32, k//32]
 - 127)``; the same qdata will serve the input-gradient GEMM of MXFP8 training).
 
-Memory: ``1 + 1/1024`` bytes per weight value, new tensors on the weights' device. Sync
-points: none (one quantiser launch per weight). A :class:`PreparedWeight` saves and loads with
+``prepare_weights(w13, w2, "nvfp4")`` quantises each expert matrix (``w13[e]`` as one
+``[2F, D]`` matrix, ``w2[e]``) with :func:`~distmoe.quant.nvfp4_quantize` (docs/numerics.md
+section 4) and one float32 global scale per expert matrix (``per="tensor"`` applied per
+expert: ``s_g[e] = max(amax(w[e]) / 2688, 2^-126)``), blocks of 16 along the last dim (K of
+the forward GEMM), for :func:`~distmoe.kernels.scaled.nvfp4_weight_grouped_mm`:
+
+    w13 [E_local, 2, F, D] -> qdata uint8 [E_local, 2, F, D/2] (two E2M1 per byte, even element
+                              in the low nibble), scales float8_e4m3fn [E_local, 2, F, D/16],
+                              global_scale float32 [E_local]
+    w2  [E_local, D, F]    -> qdata uint8 [E_local, D, F/2], scales float8_e4m3fn
+                              [E_local, D, F/16], global_scale float32 [E_local]
+
+(``w[e, ..., k] ~ v[e, ..., k] * s_b[e, ..., k // 16] * s_g[e]``).
+
+Memory: mxfp8 ``1 + 1/1024`` bytes per weight value, nvfp4 ``1/2 + 1/16`` (plus 4 bytes per
+expert matrix); new tensors on the weights' device. Sync points: none (one quantiser launch,
+two for nvfp4's amax, per weight). A :class:`PreparedWeight` saves and loads with
 ``torch.save`` / ``torch.load`` (also ``weights_only=True``: the class is registered with
 ``torch.serialization.add_safe_globals`` on import) and moves with :meth:`PreparedWeight.to`.
 """
@@ -29,11 +44,12 @@ import torch
 
 from distmoe.quant.mxfp8 import mxfp8_dequantize
 from distmoe.quant.mxfp8_weight import mxfp8_quantize_weight, mxfp8_quantize_weight_ref
+from distmoe.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize, nvfp4_quantize_ref
 
 __all__ = ["PreparedWeight", "prepare_weights"]
 
 #: precisions whose weights are prepared (bf16 takes its weights as they are)
-PREPARED_PRECISIONS = ("mxfp8",)
+PREPARED_PRECISIONS = ("mxfp8", "nvfp4")
 _WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -42,23 +58,34 @@ class PreparedWeight:
     """One expert weight quantised for a low-precision layer (:func:`prepare_weights`).
 
     Attributes:
-        qdata: float8_e4m3fn, the source shape (``[E_local, 2, F, D]`` for w13,
-            ``[E_local, D, F]`` for w2), contiguous.
-        scales: uint8 E8M0 exponents (bias 127), one per 32 x 32 block of the last two dims:
-            the source shape with both last dims divided by 32, contiguous.
+        qdata: mxfp8: float8_e4m3fn, the source shape (``[E_local, 2, F, D]`` for w13,
+            ``[E_local, D, F]`` for w2); nvfp4: uint8, the source shape with the last dim
+            halved (two E2M1 codes per byte, the even element in the low nibble). Contiguous.
+        scales: mxfp8: uint8 E8M0 exponents (bias 127), one per 32 x 32 block of the last two
+            dims (the source shape with both last dims divided by 32); nvfp4: float8_e4m3fn
+            block scales, one per 16 values along the last dim (the source shape with the
+            last dim divided by 16). Contiguous.
         shape: the source weight's shape (a tuple of ints).
-        precision: ``"mxfp8"``.
+        precision: ``"mxfp8"`` or ``"nvfp4"``.
+        global_scale: nvfp4: float32 ``[E_local]``, one global (decode) scale per expert
+            matrix; None for mxfp8.
     """
 
     qdata: torch.Tensor
     scales: torch.Tensor
     shape: tuple[int, ...]
     precision: str
+    global_scale: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in PREPARED_PRECISIONS:
             raise ValueError(f"precision ({self.precision!r}) must be one of "
                              f"{PREPARED_PRECISIONS}")
+        if self.precision == "nvfp4":
+            self._check_nvfp4()
+            return
+        if self.global_scale is not None:
+            raise ValueError("global_scale must be None for precision 'mxfp8'")
         if not isinstance(self.qdata, torch.Tensor) or self.qdata.dtype != torch.float8_e4m3fn:
             raise TypeError("qdata must be a float8_e4m3fn tensor, got "
                             f"{getattr(self.qdata, 'dtype', type(self.qdata).__name__)}")
@@ -77,11 +104,46 @@ class PreparedWeight:
                              f"{self.scales.device}")
         object.__setattr__(self, "shape", shape)
 
+    def _check_nvfp4(self) -> None:
+        if not isinstance(self.qdata, torch.Tensor) or self.qdata.dtype != torch.uint8:
+            raise TypeError("qdata must be a uint8 tensor (packed E2M1) for precision 'nvfp4', "
+                            f"got {getattr(self.qdata, 'dtype', type(self.qdata).__name__)}")
+        shape = tuple(self.shape)
+        if len(shape) < 2 or shape[-1] % 16:
+            raise ValueError(f"shape ({list(shape)}) must be at least 2-D with the last dim a "
+                             "multiple of 16 for precision 'nvfp4'")
+        packed = [*shape[:-1], shape[-1] // 2]
+        if list(self.qdata.shape) != packed or not self.qdata.is_contiguous():
+            raise ValueError(f"qdata must be contiguous of shape {packed} (two E2M1 values per "
+                             f"byte), got {list(self.qdata.shape)}")
+        want = [*shape[:-1], shape[-1] // 16]
+        if (not isinstance(self.scales, torch.Tensor)
+                or self.scales.dtype != torch.float8_e4m3fn
+                or list(self.scales.shape) != want or not self.scales.is_contiguous()):
+            raise ValueError(f"scales must be contiguous float8_e4m3fn of shape {want} (one "
+                             f"per 16 values), got {getattr(self.scales, 'dtype', None)} "
+                             f"{list(getattr(self.scales, 'shape', []))}")
+        gs = self.global_scale
+        if (not isinstance(gs, torch.Tensor) or gs.dtype != torch.float32
+                or list(gs.shape) != [shape[0]] or not gs.is_contiguous()):
+            raise ValueError(f"global_scale must be a contiguous float32 tensor of shape "
+                             f"[{shape[0]}] (one per expert matrix) for precision 'nvfp4', got "
+                             f"{getattr(gs, 'dtype', type(gs).__name__)} "
+                             f"{list(getattr(gs, 'shape', []))}")
+        for name, t in (("scales", self.scales), ("global_scale", gs)):
+            if t.device != self.qdata.device:
+                raise ValueError(f"{name} must be on qdata's device ({self.qdata.device}), got "
+                                 f"{t.device}")
+        object.__setattr__(self, "shape", shape)
+
     def __reduce__(self):
         # a plain constructor call: torch.load(weights_only=True) accepts it for a registered
         # class (the default dataclass pickling sets fields one by one, which a frozen class
         # refuses)
-        return (PreparedWeight, (self.qdata, self.scales, self.shape, self.precision))
+        if self.global_scale is None:
+            return (PreparedWeight, (self.qdata, self.scales, self.shape, self.precision))
+        return (PreparedWeight, (self.qdata, self.scales, self.shape, self.precision,
+                                 self.global_scale))
 
     @property
     def device(self) -> torch.device:
@@ -92,12 +154,17 @@ class PreparedWeight:
         device = torch.device(device)
         if device == self.qdata.device:
             return self
+        gs = None if self.global_scale is None else self.global_scale.to(device)
         return PreparedWeight(self.qdata.to(device), self.scales.to(device), self.shape,
-                              self.precision)
+                              self.precision, gs)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``qdata * 2^(scale - 127)`` of every element as ``dtype`` (plain PyTorch, exact in
-        float32; for references and tests)."""
+        """mxfp8: ``qdata * 2^(scale - 127)`` of every element as ``dtype`` (plain PyTorch,
+        exact in float32); nvfp4: ``fl32(v * fl32(s_b * s_g))``
+        (:func:`~distmoe.quant.nvfp4_dequantize`). For references and tests."""
+        if self.precision == "nvfp4":
+            gs = self.global_scale.view(-1, *([1] * (len(self.shape) - 1)))
+            return nvfp4_dequantize(self.qdata, self.scales, gs, dim=-1, dtype=dtype)
         rows = self.scales.repeat_interleave(32, dim=-2)
         return mxfp8_dequantize(self.qdata, rows, dim=-1, dtype=dtype)
 
@@ -126,7 +193,9 @@ def prepare_weights(w13: torch.Tensor, w2: torch.Tensor, precision: str = "mxfp8
         w2: ``[E_local, D, F]``, same dtype family, same device as w13.
         precision: ``"mxfp8"`` (D and F multiples of 32): 32 x 32 block quantisation
             (:func:`~distmoe.quant.mxfp8_quantize_weight`, a Triton kernel: a CUDA device, or
-            the CPU under Triton's interpreter).
+            the CPU under Triton's interpreter); ``"nvfp4"`` (D and F multiples of 16): E2M1
+            values, E4M3 scales per 16 along the last dim, one global scale per expert
+            matrix (:func:`~distmoe.quant.nvfp4_quantize`, the module docstring).
         reference: quantise with the plain-PyTorch reference instead (any device; the same
             bits).
 
@@ -135,8 +204,7 @@ def prepare_weights(w13: torch.Tensor, w2: torch.Tensor, precision: str = "mxfp8
     """
     if precision not in PREPARED_PRECISIONS:
         raise ValueError(f"precision ({precision!r}) must be one of {PREPARED_PRECISIONS} "
-                         "(bf16 takes its weights as they are; nvfp4 weights are not "
-                         "implemented)")
+                         "(bf16 takes its weights as they are)")
     w13 = _check_weight("w13", w13, 4, "[E_local, 2, F, D] (gate, up)")
     w2 = _check_weight("w2", w2, 3, "[E_local, D, F]")
     num_experts, two, ffn, hidden = w13.shape
@@ -146,12 +214,16 @@ def prepare_weights(w13: torch.Tensor, w2: torch.Tensor, precision: str = "mxfp8
     if tuple(w2.shape) != (num_experts, hidden, ffn):
         raise ValueError(f"w2 must be [E_local={num_experts}, D={hidden}, F={ffn}] (from w13's "
                          f"shape), got {list(w2.shape)}")
+    multiple, why = {"mxfp8": (32, "32 x 32 weight blocks"),
+                     "nvfp4": (16, "one E4M3 scale per 16 values")}[precision]
     for name, value in (("D", hidden), ("F", ffn)):
-        if value % 32:
-            raise ValueError(f"{name} ({value}) must be a multiple of 32 for precision "
-                             "'mxfp8' (32 x 32 weight blocks)")
+        if value % multiple:
+            raise ValueError(f"{name} ({value}) must be a multiple of {multiple} for precision "
+                             f"{precision!r} ({why})")
     if w2.device != w13.device:
         raise ValueError(f"w2 must be on w13's device ({w13.device}), got {w2.device}")
+    if precision == "nvfp4":
+        return _prepare_nvfp4(w13, reference), _prepare_nvfp4(w2, reference)
     quantize = mxfp8_quantize_weight_ref if reference else mxfp8_quantize_weight
     out = []
     with torch.no_grad():
@@ -159,3 +231,17 @@ def prepare_weights(w13: torch.Tensor, w2: torch.Tensor, precision: str = "mxfp8
             q = quantize(w.detach())
             out.append(PreparedWeight(q.qdata, q.scales, tuple(w.shape), precision))
     return out[0], out[1]
+
+
+def _prepare_nvfp4(w: torch.Tensor, reference: bool) -> PreparedWeight:
+    """One weight ``[E, ..., K]`` in NVFP4 with a global scale per expert matrix: each
+    ``w[e]`` flattened is one row of ``nvfp4_quantize(per="row")`` (blocks of 16 along the
+    flattened row are blocks along K since K % 16 == 0, and the packing order is the same)."""
+    quantize = nvfp4_quantize_ref if reference else nvfp4_quantize
+    num_experts = w.shape[0]
+    with torch.no_grad():
+        packed, scales, gs = quantize(w.detach().reshape(num_experts, -1), dim=-1, per="row")
+    lead = tuple(w.shape[:-1])
+    return PreparedWeight(packed.view(*lead, w.shape[-1] // 2).contiguous(),
+                          scales.view(*lead, w.shape[-1] // 16).contiguous(), tuple(w.shape),
+                          "nvfp4", gs.reshape(num_experts).contiguous())

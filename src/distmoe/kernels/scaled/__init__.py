@@ -1,7 +1,20 @@
-"""Block-scaled (MXFP8) grouped GEMMs: ``config`` (:class:`ScaledGemmConfig`), ``triton``
-(the Triton kernel, :func:`mxfp8_grouped_mm`, and its reference)."""
+"""Block-scaled grouped GEMMs: ``config`` (:class:`ScaledGemmConfig`), ``triton`` (MXFP8
+operands, :func:`mxfp8_grouped_mm`, and its reference), ``nvfp4`` (NVFP4 weights with bf16
+activations, :func:`nvfp4_weight_grouped_mm`, and its reference)."""
 
 from distmoe.kernels.scaled.config import ScaledGemmConfig
+from distmoe.kernels.scaled.nvfp4 import (
+    nvfp4_weight_config,
+    nvfp4_weight_grouped_mm,
+    nvfp4_weight_grouped_mm_ref,
+)
 from distmoe.kernels.scaled.triton import mxfp8_grouped_mm, mxfp8_grouped_mm_ref
 
-__all__ = ["ScaledGemmConfig", "mxfp8_grouped_mm", "mxfp8_grouped_mm_ref"]
+__all__ = [
+    "ScaledGemmConfig",
+    "mxfp8_grouped_mm",
+    "mxfp8_grouped_mm_ref",
+    "nvfp4_weight_config",
+    "nvfp4_weight_grouped_mm",
+    "nvfp4_weight_grouped_mm_ref",
+]

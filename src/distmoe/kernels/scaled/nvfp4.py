@@ -1,0 +1,442 @@
+"""Grouped GEMM over experts with NVFP4 weights and bf16 activations (weight-only; Triton),
+optionally with SwiGLU.
+
+Weights come from :func:`~distmoe.quant.prepare_weights` (``precision="nvfp4"``): per expert
+``e``, E2M1 codes packed two per byte along K (``b_packed [E, N, K/2]``, the element of even
+index in the low nibble, as :func:`~distmoe.quant.nvfp4_quantize`), one E4M3 block scale per
+16 values along K (``b_block_scales [E, N, K/16]``) and one float32 global scale per expert
+matrix (``b_global [E]``). Activation rows stay bf16. Rows are in compact expert-major
+*activation* order, scheduled in *padded* row tiles exactly as in
+:func:`~distmoe.kernels.scaled.triton.mxfp8_grouped_mm` (same tables, same grid). For every live
+row ``a`` of expert ``e`` and output column ``n``::
+
+    w[n, k]   = v[e, n, k] * s_b[e, n, k // 16]          (E2M1 value times E4M3 scale, in bf16)
+    acc[a, n] = sum_k a[a, k] * w[n, k]                  (bf16 tensor-core dots, fp32 accumulator)
+    out[a, n] = bf16(acc[a, n] * s_g[e])                                        (swiglu=False)
+    out[a, f] = bf16(silu(g) * u), g = acc[a, f] * s_g[e], u = acc[a, F + f] * s_g[e]
+                                                          (swiglu=True: fp32 epilogue, one rounding)
+
+Arithmetic: the prologue's ``v * s_b`` is exact in bf16. An E2M1 value (0.5 to 6) has at
+most 2 significant bits and an E4M3 scale at most 4 (normal: 1 implicit + 3 fraction bits;
+subnormal ``m * 2^-9``, m < 8: at most 3), so the product has at most 6 <= 8 (bf16's
+significand); its magnitude lies in [2^-10, 6 * 448 = 2688] (smallest nonzero 0.5 * 2^-9),
+inside bf16's normal range [2^-126, 2^127]: no rounding, no overflow, no subnormal. A bf16 x
+bf16 product (8 + 6 significant bits) is exact in fp32, so the dots are exact up to the fp32
+summation order, and multiplying by the global scale is one fp32 rounding. Against the exact
+sum over the dequantised operands, ``S = sum_k |a_k w_k|``, ``u = 2^-24``::
+
+    |acc * s_g - exact * s_g| <= ((K - 1) u S + u |acc|) * s_g       (first order)
+
+then one bf16 rounding (2^-8 relative) of the result or of the fp32 SwiGLU (a few fp32
+roundings; silu(g) flushes to 0 for g < -87, an absolute error below 2^-118 |u|). On SM90 the
+bf16 WGMMA accumulates in fp32 (no narrower internal accumulation is documented for 16-bit
+operands; the gpu tests allow a margin). Edge cases: a NaN block scale (``0x7F``, from a
+non-finite weight) makes the 16 values it scales NaN, hence every output row of that
+column; a NaN or Inf activation makes its row NaN; ``acc * s_g`` below fp32's normal range
+is a subnormal (no flush on the GPU's ``mul.f32``) or 0.
+
+Hopper has no FP4 tensor cores: the gain of this kernel is the bytes it streams (0.5 + 1/16
+bytes per weight value instead of 2), which bounds decode; the tensor-core work is bf16's.
+Correct first (issue 59): the E2M1 decode runs on CUDA cores per K tile and per output tile,
+with no attempt yet to hide it behind the MMAs.
+
+CPU: under Triton's interpreter the kernel decodes E4M3 scale bytes itself, by bits (the
+interpreter decodes the E4M3 NaN codes as +-480); it always does, so GPU and CPU run the same
+decode. Codes are unpacked into even and odd halves and interleaved with ``tl.join``.
+
+Algorithm: one program per ``block_m x block_n`` output tile on a 1-D grid sized from ``R``
+(``a.shape[0]``) and N, never from routed counts (``cdiv(R, block_m) + E - 1`` row tiles by
+``cdiv(N_out, block_n)`` column tiles, group-M order); a program walks its row tiles below
+``padded_offsets[E]``; a tile's expert, activation rows and live row count come from the two
+tables on the device. Per K tile (``block_k`` values, a multiple of 16 wide) it loads the
+``block_m x block_k`` bf16 rows, the ``block_n x block_k / 2`` packed bytes and the matching
+block scales (gate and up with SwiGLU), decodes, and takes one bf16 dot per half.
+
+Memory: nothing is allocated. Sync points: none on the host.
+
+Requirements: K a positive multiple of 16 (whole scale blocks), N >= 1 (N = 2F, F >= 1 with
+SwiGLU); the padded segments multiples of ``config.block_m``; ``row_offsets[0] = 0``,
+``0 <= n_e <=`` the expert's padded segment length and ``row_offsets[E] <= R`` (device
+values: not checked by the kernel; the reference checks them).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from distmoe.kernels.base.checks import (
+    check_devices,
+    check_offsets,
+    check_padded_offsets_host,
+    check_row_offsets_host,
+    check_tensor,
+)
+from distmoe.kernels.base.config import next_power_of_2
+from distmoe.kernels.base.device import device_context
+from distmoe.kernels.base.rows import activation_segments
+from distmoe.kernels.base.tiles import swizzle_tile, tile_activation_rows, tile_expert
+from distmoe.kernels.scaled.config import ScaledGemmConfig
+from distmoe.quant.nvfp4 import nvfp4_dequantize
+
+#: values per NVFP4 block scale along K
+NVFP4_BLOCK = 16
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _e2m1_to_fp32(nib):
+    """fp32 value of E2M1 nibbles (int32, ``sign << 3 | code``), exact: code ``2 e + m`` is
+    ``m / 2`` for e = 0, else ``2^(e - 1) (1 + m / 2)``."""
+    e = (nib >> 1) & 3
+    m = nib & 1
+    bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
+    bits = bits | ((nib & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_to_fp32(b):
+    """fp32 value of E4M3 bytes (int32 0..255), exact: NaN for ``0x7F`` / ``0xFF``,
+    ``m * 2^-9`` for exponent field 0."""
+    e = (b >> 3) & 15
+    m = b & 7
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125,
+                   (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True))
+    mag = tl.where((b & 0x7F) == 0x7F, float("nan"), mag)
+    return tl.where((b & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
+def _load_weight_tile(packed_rows, scale_rows, kb, col_ok, K: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The bf16 values ``v * s_b`` of weight rows ``[block_n]`` at K tile ``kb``:
+    ``[block_n, BLOCK_K]`` (exact). Masked rows and K past the end read 0."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    j = kb * HALF + tl.arange(0, HALF)  # byte index along K: values 2 j, 2 j + 1
+    if EVEN_K:
+        ok = col_ok[:, None]
+    else:
+        ok = col_ok[:, None] & (j < K // 2)[None, :]
+    byte = tl.load(packed_rows[:, None] + j[None, :], mask=ok, other=0).to(tl.int32)
+    sb = tl.load(scale_rows[:, None] + (j // 8)[None, :], mask=ok, other=0).to(tl.int32)
+    scale = _e4m3_to_fp32(sb)
+    lo = (_e2m1_to_fp32(byte & 15) * scale).to(tl.bfloat16)
+    hi = (_e2m1_to_fp32(byte >> 4) * scale).to(tl.bfloat16)
+    return tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _nvfp4_tile(
+    a_ptr,
+    b_ptr,
+    sb_ptr,
+    gs_ptr,
+    padded_offsets_ptr,
+    row_offsets_ptr,
+    out_ptr,
+    row_start,
+    pid_n,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    OUT_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SWIGLU: tl.constexpr,
+):
+    """One ``BLOCK_M x BLOCK_N`` output tile of the padded row tile at ``row_start``."""
+    KB: tl.constexpr = K // 2  # bytes of a packed weight row
+    KS: tl.constexpr = K // 16  # block scales of a weight row
+    NUM_KB: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    expert = tile_expert(padded_offsets_ptr, row_start, NUM_EXPERTS, EXPERTS_POW2)
+    act_start, num_live = tile_activation_rows(
+        padded_offsets_ptr, row_offsets_ptr, expert, row_start
+    )
+    # Live rows come first in a segment: a tile starting at a padding row has none.
+    if num_live > 0:
+        idx = tl.arange(0, BLOCK_M)
+        is_live = idx < num_live
+        rows = act_start + idx  # int64 activation rows
+        a_rows = a_ptr + rows * K
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        is_col = cols < OUT_N
+        e64 = expert.to(tl.int64)
+        # gate (or the only) weight rows, and the up rows OUT_N further with SwiGLU
+        g_rows = b_ptr + e64 * (N * KB) + cols * KB
+        g_srows = sb_ptr + e64 * (N * KS) + cols * KS
+        u_rows = g_rows + OUT_N * KB
+        u_srows = g_srows + OUT_N * KS
+        offs_k = tl.arange(0, BLOCK_K)
+
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, NUM_KB):
+            kk = kb * BLOCK_K + offs_k
+            if EVEN_K:
+                a_ok = is_live[:, None]
+            else:
+                a_ok = is_live[:, None] & (kk < K)[None, :]
+            # masked rows and K read zeros: their terms are 0 and reach no stored element
+            a = tl.load(a_rows[:, None] + kk[None, :], mask=a_ok, other=0.0)
+            w = _load_weight_tile(g_rows, g_srows, kb, is_col, K, BLOCK_N, BLOCK_K, EVEN_K)
+            acc_g = tl.dot(a, tl.trans(w), acc_g)
+            if SWIGLU:
+                wu = _load_weight_tile(u_rows, u_srows, kb, is_col, K, BLOCK_N, BLOCK_K,
+                                       EVEN_K)
+                acc_u = tl.dot(a, tl.trans(wu), acc_u)
+
+        s_g = tl.load(gs_ptr + expert)
+        if SWIGLU:
+            g = acc_g * s_g
+            val = g * tl.sigmoid(g) * (acc_u * s_g)
+        else:
+            val = acc_g * s_g
+        out_rows = out_ptr + rows * OUT_N
+        tl.store(out_rows[:, None] + cols[None, :], val.to(tl.bfloat16),
+                 mask=is_live[:, None] & is_col[None, :])
+
+
+@triton.jit
+def _nvfp4_weight_grouped_mm_kernel(
+    a_ptr,
+    b_ptr,
+    sb_ptr,
+    gs_ptr,
+    padded_offsets_ptr,
+    row_offsets_ptr,
+    out_ptr,
+    num_pid_m,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    OUT_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SWIGLU: tl.constexpr,
+):
+    NUM_PID_N: tl.constexpr = (OUT_N + BLOCK_N - 1) // BLOCK_N
+    pid_m, pid_n = swizzle_tile(tl.program_id(0), num_pid_m, NUM_PID_N, GROUP_M)
+    total_rows = tl.load(padded_offsets_ptr + NUM_EXPERTS)
+    # One row tile under minimal padding (the grid's bound); later ones only if the segments
+    # were padded further. A while loop (not range) keeps the interpreter working too.
+    row_start = pid_m * BLOCK_M
+    while row_start < total_rows:
+        _nvfp4_tile(a_ptr, b_ptr, sb_ptr, gs_ptr, padded_offsets_ptr, row_offsets_ptr, out_ptr,
+                    row_start, pid_n, NUM_EXPERTS, EXPERTS_POW2, K, N, OUT_N, BLOCK_M, BLOCK_N,
+                    BLOCK_K, EVEN_K, SWIGLU)
+        row_start += num_pid_m * BLOCK_M
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------
+
+
+def check_nvfp4_weight_grouped_mm_args(
+    a: object,
+    b_packed: object,
+    b_block_scales: object,
+    b_global: object,
+    padded_offsets: object,
+    row_offsets: object,
+    out: object,
+    *,
+    swiglu: object,
+    for_kernel: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int]:
+    """Validate :func:`nvfp4_weight_grouped_mm`'s arguments (no synchronisation); return the
+    weights seen as ``[E, N, K/2]`` uint8 / ``[E, N, K/16]`` uint8 and ``(R, K, E, N)``."""
+    if not isinstance(swiglu, bool):
+        raise TypeError(f"swiglu must be a bool, got {type(swiglu).__name__}")
+    check_tensor("a", a, dtypes=(torch.bfloat16,), ndim=2, shape_text="[R, K]")
+    rows, k = a.shape
+    if k <= 0 or k % NVFP4_BLOCK:
+        raise ValueError(f"K ({k}, a.shape[1]) must be a positive multiple of 16 (one E4M3 "
+                         "block scale per 16 values)")
+    scale_dtypes = (torch.float8_e4m3fn, torch.uint8)
+    if not isinstance(b_packed, torch.Tensor):
+        raise TypeError(f"b_packed must be a torch.Tensor, got {type(b_packed).__name__}")
+    if swiglu and b_packed.dim() == 4:
+        # w13's own layout [E, 2, F, K/2]: gate rows then up rows, seen as [E, 2F, K/2]
+        check_tensor("b_packed", b_packed, dtypes=(torch.uint8,), ndim=4,
+                     shape_text="[E, 2, F, K/2] (w13: gate, up)")
+        if b_packed.shape[1] != 2:
+            raise ValueError(f"b_packed must have shape [E, 2, F, K/2] (w13: gate, up) when "
+                             f"4-D, got {list(b_packed.shape)}")
+        num_experts, _, ffn, half = b_packed.shape
+        check_tensor("b_block_scales", b_block_scales, dtypes=scale_dtypes,
+                     shape=[num_experts, 2, ffn, 2 * half // NVFP4_BLOCK],
+                     shape_text="[E, 2, F, K/16] (E4M3, one per 16 values along K)")
+        b_packed = b_packed.view(num_experts, 2 * ffn, half)
+        b_block_scales = b_block_scales.view(num_experts, 2 * ffn, 2 * half // NVFP4_BLOCK)
+    else:
+        check_tensor("b_packed", b_packed, dtypes=(torch.uint8,), ndim=3,
+                     shape_text="[E, N, K/2]" + (" or [E, 2, F, K/2]" if swiglu else ""))
+    num_experts, n, half = b_packed.shape
+    if half * 2 != k:
+        raise ValueError(f"b_packed must have K/2 = {k // 2} bytes (a.shape[1] = {k} values, "
+                         f"two per byte) as its last dimension, got shape "
+                         f"{list(b_packed.shape)}")
+    if num_experts < 1 or n < 1:
+        raise ValueError(f"b_packed must hold at least one expert and one row (E, N >= 1), got "
+                         f"shape {list(b_packed.shape)}")
+    if swiglu and n % 2:
+        raise ValueError(f"N ({n}, b_packed.shape[1]) must be 2F (gate and up rows) when swiglu "
+                         "is set")
+    check_tensor("b_block_scales", b_block_scales, dtypes=scale_dtypes,
+                 shape=[num_experts, n, k // NVFP4_BLOCK],
+                 shape_text="[E, N, K/16] (E4M3, one per 16 values along K)")
+    check_tensor("b_global", b_global, dtypes=(torch.float32,), shape=[num_experts],
+                 shape_text="[E] (one float32 global scale per expert matrix)")
+    check_offsets(padded_offsets, row_offsets, num_experts)
+    out_n = n // 2 if swiglu else n
+    check_tensor("out", out, dtypes=(torch.bfloat16,), shape=[rows, out_n],
+                 shape_text="[R, F = N/2] (swiglu)" if swiglu else "[R, N]")
+    check_devices({"a": a, "b_packed": b_packed, "b_block_scales": b_block_scales,
+                   "b_global": b_global, "padded_offsets": padded_offsets,
+                   "row_offsets": row_offsets, "out": out}, for_kernel=for_kernel)
+    return b_packed, b_block_scales.view(torch.uint8), rows, k, num_experts, n
+
+
+def nvfp4_weight_config(*, k: int, n: int, swiglu: bool = False,
+                        block_m: int = 128) -> ScaledGemmConfig:
+    """The default launch config: :meth:`ScaledGemmConfig.for_widths` (its FP8 tile shapes;
+    untuned for bf16 x decoded-E2M1 tiles, a starting point)."""
+    return ScaledGemmConfig.for_widths(k=k, n=n, swiglu=swiglu, block_m=block_m)
+
+
+def nvfp4_weight_grouped_mm(
+    a: torch.Tensor,
+    b_packed: torch.Tensor,
+    b_block_scales: torch.Tensor,
+    b_global: torch.Tensor,
+    padded_offsets: torch.Tensor,
+    row_offsets: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    swiglu: bool = False,
+    config: ScaledGemmConfig | None = None,
+) -> torch.Tensor:
+    """Per expert ``e``: ``out[rows of e] = a @ dequant(b[e])^T`` (or its SwiGLU) with NVFP4
+    weights decoded to bf16 in the prologue, bf16 tensor-core dots into fp32, the global scale
+    in the epilogue, one bf16 rounding (module docstring).
+
+    Args:
+        a: bf16 ``[R, K]``, activation rows in expert-major order (expert ``e`` owns rows
+            ``[row_offsets[e], row_offsets[e+1])``); K a multiple of 16. ``R`` sizes the grid.
+        b_packed: uint8 ``[E, N, K/2]``, two E2M1 codes per byte along K (even element in the
+            low nibble); with ``swiglu``, N = 2F in w13's order (gate rows, then up rows), also
+            accepted as w13's ``[E, 2, F, K/2]``.
+        b_block_scales: float8_e4m3fn (or its uint8 view) ``[E, N, K/16]`` (or
+            ``[E, 2, F, K/16]``).
+        b_global: float32 ``[E]``: each expert matrix's global (decode) scale.
+        padded_offsets: int32 ``[E + 1]`` on the device: the padded row tiles of each expert
+            (segments multiples of ``config.block_m``).
+        row_offsets: int32 ``[E + 1]`` on the device: exclusive prefix sum of live rows per
+            expert, ``row_offsets[E] <= R``.
+        out: bf16 ``[R, N]``, or ``[R, F]`` with ``swiglu``; receives the live rows
+            ``[0, row_offsets[E])``; every other row is left untouched.
+        swiglu: ``out = silu(gate) * up`` from the two scaled fp32 accumulators, rounded once.
+        config: launch configuration; default :func:`nvfp4_weight_config`.
+
+    Returns ``out``. No host synchronisation; nothing allocated.
+    """
+    b_packed, b_scales, rows, k, num_experts, n = check_nvfp4_weight_grouped_mm_args(
+        a, b_packed, b_block_scales, b_global, padded_offsets, row_offsets, out, swiglu=swiglu)
+    if config is None:
+        config = nvfp4_weight_config(k=k, n=n, swiglu=swiglu)
+    elif not isinstance(config, ScaledGemmConfig):
+        raise TypeError(f"config must be a ScaledGemmConfig, got {type(config).__name__}")
+    if rows == 0:
+        return out
+    out_n = n // 2 if swiglu else n
+    num_pid_m = triton.cdiv(rows, config.block_m) + num_experts - 1
+    num_pid_n = triton.cdiv(out_n, config.block_n)
+    with device_context(a.device):
+        _nvfp4_weight_grouped_mm_kernel[(num_pid_m * num_pid_n,)](
+            a,
+            b_packed,
+            b_scales,
+            b_global,
+            padded_offsets,
+            row_offsets,
+            out,
+            num_pid_m,
+            NUM_EXPERTS=num_experts,
+            EXPERTS_POW2=next_power_of_2(num_experts),
+            K=k,
+            N=n,
+            OUT_N=out_n,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            GROUP_M=config.group_m,
+            EVEN_K=k % config.block_k == 0,
+            SWIGLU=swiglu,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------
+
+
+def nvfp4_weight_values(b_packed: torch.Tensor, b_block_scales: torch.Tensor) -> torch.Tensor:
+    """float32 ``v * s_b`` of every weight value (the kernel's bf16 prologue values, exact in
+    either type): ``b_packed``'s shape with the last dim doubled. Plain PyTorch."""
+    one = torch.ones((), dtype=torch.float32, device=b_packed.device)
+    return nvfp4_dequantize(b_packed, b_block_scales, one, dim=-1)
+
+
+def nvfp4_weight_grouped_mm_ref(
+    a: torch.Tensor,
+    b_packed: torch.Tensor,
+    b_block_scales: torch.Tensor,
+    b_global: torch.Tensor,
+    padded_offsets: torch.Tensor,
+    row_offsets: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    swiglu: bool = False,
+    block_m: int = 128,
+) -> torch.Tensor:
+    """Plain-PyTorch :func:`nvfp4_weight_grouped_mm` (any device; synchronises; for tests).
+
+    Same arguments and contract (``block_m``: the padding multiple, checked on the host with
+    both tables). The weights decoded exactly (``v * s_b``, :func:`nvfp4_weight_values`), one
+    float64 matmul per expert rounded to fp32 (the kernel's accumulator type), times the
+    global scale in fp32, SwiGLU in fp32, one rounding to bf16. Only the live rows are
+    written.
+    """
+    b_packed, b_scales, rows, k, num_experts, n = check_nvfp4_weight_grouped_mm_args(
+        a, b_packed, b_block_scales, b_global, padded_offsets, row_offsets, out, swiglu=swiglu,
+        for_kernel=False)
+    check_padded_offsets_host(padded_offsets, block_m=block_m,
+                              r_cap=int(padded_offsets[-1].item()))
+    check_row_offsets_host(padded_offsets, row_offsets, r_act=rows)
+    a64 = a.double()
+    w = nvfp4_weight_values(b_packed, b_scales).double()
+    out_n = n // 2 if swiglu else n
+    for e, (_, act_start, count) in enumerate(activation_segments(padded_offsets, row_offsets)):
+        if count == 0:
+            continue
+        acc = (a64[act_start:act_start + count] @ w[e].T).float() * b_global[e]
+        if swiglu:
+            acc = torch.nn.functional.silu(acc[:, :out_n]) * acc[:, out_n:]
+        out[act_start:act_start + count] = acc.to(torch.bfloat16)
+    return out
