@@ -15,7 +15,8 @@
 * ``mega/``: W13 and W2 fused into one persistent Gluon kernel (inference).
 * ``grouped/``: a plain bf16 grouped GEMM over row segments (``distmoe.grouped_mm``).
 * ``scaled/``: grouped GEMMs on block-scaled operands (MXFP8 with 32-wide K steps promoted
-  into fp32; Triton), not yet wired into the layer.
+  into fp32; NVFP4 weights decoded to bf16; Triton), run by the low-precision inference
+  layer (:mod:`distmoe.ops.lowp`).
 * ``movement/``: data movement: token pulls, combine, id publishing, offset copies, row
   regathers, route gradients, call counters, the slot cursor.
 
