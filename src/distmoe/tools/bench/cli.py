@@ -268,6 +268,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="SHA",
         help="record this commit (for copies of the tree without .git; default: git rev-parse)",
     )
+    seed = parser.add_argument_group("the seed's evaluation (--suite seed)")
+    seed.add_argument(
+        "--suite",
+        choices=("seed",),
+        help="seed: seed 002's evaluation cases at one-GPU sizes instead of the shapes "
+        "(imbalance 1 4 8 in bf16 and mxfp8 forward, an expert-width sweep, the ten-layer "
+        "packing workload with and without a shared expert; seed_suite.py, "
+        "benchmarks/README.md). Takes no --shapes or --tokens; --imbalance replaces 1 4 8; "
+        "on the CPU it runs tiny widths",
+    )
+    seed.add_argument(
+        "--seed-cases",
+        nargs="+",
+        metavar="KIND",
+        help="with --suite seed: the kinds to run, among imbalance width packing "
+        "packing-shared (default all)",
+    )
+    seed.add_argument(
+        "--pack-layers",
+        type=int,
+        default=10,
+        metavar="N",
+        help="with --suite seed: layers of the packing workload (default 10, the seed's)",
+    )
     other = parser.add_argument_group("reports instead of the suite")
     only = other.add_mutually_exclusive_group()
     only.add_argument("--list", action="store_true", help="list the named shapes and exit")
@@ -322,11 +346,20 @@ class BenchPlan:
     save_route_outputs: bool = True
     save_gathered_rows: bool = True
     gathered_rows_in_place: bool | None = None
+    suite: str = ""
+    seed_kinds: tuple[str, ...] = ()
+    pack_layers: int = 10
 
     def tokens_for(self, shape: MoEShape) -> tuple[int, ...]:
         return self.tokens if self.tokens else (shape.tokens,)
 
     def num_cases(self) -> int:
+        if self.suite == "seed":
+            from distmoe.tools.bench import seed_suite
+
+            cases = seed_suite.seed_cases(self.seed_kinds, layers=self.pack_layers,
+                                          imbalances=self.imbalances)
+            return seed_suite.count_rows(cases, self.providers)
         return (
             sum(len(self.tokens_for(s)) for s in self.shapes)
             * len(self.modes)
@@ -368,13 +401,29 @@ def rank_share(shape: MoEShape, ranks: int) -> MoEShape:
 
 def resolve_plan(args: argparse.Namespace) -> BenchPlan:
     """Turn parsed arguments into a :class:`BenchPlan` (``--full`` fills what was not given)."""
-    if args.shapes is None:
+    suite = getattr(args, "suite", None) or ""
+    seed_kinds: tuple[str, ...] = ()
+    if suite:
+        from distmoe.tools.bench import seed_suite
+
+        given = [f"--{n.replace('_', '-')}" for n in ("shapes", "tokens")
+                 if getattr(args, n) is not None] + (["--full"] if args.full else [])
+        if given:
+            raise ValueError(f"--suite {suite} chooses its own shapes; drop "
+                             f"{' '.join(given)}")
+        seed_kinds = tuple(dict.fromkeys(args.seed_cases or seed_suite.SEED_KINDS))
+        seed_suite.seed_cases(seed_kinds, layers=args.pack_layers)  # ValueError when bad
+    elif args.seed_cases or args.pack_layers != 10:
+        raise ValueError("--seed-cases and --pack-layers need --suite seed")
+    if suite:
+        names = ()  # the suite's own (seed_suite.seed_cases)
+    elif args.shapes is None:
         names = FULL_SHAPES if args.full else DEFAULT_SHAPES
     elif "all" in args.shapes:  # and any other named shape (e.g. smoke) after them
         names = tuple(dict.fromkeys((*FULL_SHAPES, *(n for n in args.shapes if n != "all"))))
     else:
         names = tuple(dict.fromkeys(args.shapes))
-    imbalances = args.imbalance or (FULL_IMBALANCE if args.full else (1.0,))
+    imbalances = args.imbalance or (FULL_IMBALANCE if args.full or suite else (1.0,))
     if any(not f >= 1 for f in imbalances):
         raise ValueError(f"--imbalance values ({imbalances}) must be >= 1")
     if args.imbalance_groups < 1:
@@ -419,6 +468,9 @@ def resolve_plan(args: argparse.Namespace) -> BenchPlan:
         save_route_outputs=not args.drop_route_outputs,
         save_gathered_rows=not args.regather_rows,
         gathered_rows_in_place={"auto": None, "on": True, "off": False}[args.rows_in_place],
+        suite=suite,
+        seed_kinds=seed_kinds,
+        pack_layers=args.pack_layers,
     )
 
 
@@ -465,7 +517,8 @@ def case_work(row: report.CaseResult) -> tuple[float, float, float]:
     kw = {"tokens": row.tokens, "hidden": row.hidden, "top_k": row.top_k, "mode": row.mode}
     flops = models.useful_flops(ffn=row.ffn, **kw)
     hbm = models.modeled_hbm_bytes(
-        ffn=row.ffn, num_local_experts=row.num_experts // row.ep_size, **kw
+        ffn=row.ffn, num_local_experts=row.num_experts // row.ep_size,
+        precision=row.precision or "bf16", **kw
     )
     nvlink = models.nvlink_bytes(ep_size=row.ep_size, **kw).total
     return flops, hbm, nvlink
@@ -814,8 +867,8 @@ def check_cpu_shapes(args: argparse.Namespace) -> str:
     ``--shapes`` names them. Raises ValueError for shapes the command line did not name (the
     default suite, ``--full``, ``--shapes all``); returns a warning for named GPU-sized shapes
     ('' when none, and always '' for other devices)."""
-    if args.device != "cpu":
-        return ""
+    if args.device != "cpu" or getattr(args, "suite", None):
+        return ""  # the seed suite runs tiny widths on the CPU
     if args.shapes is None or "all" in args.shapes:
         if args.shapes is not None:
             source, names = "--shapes all", FULL_SHAPES
@@ -885,6 +938,7 @@ OUTPUT_NAMES = (
     "results.json",
     "tflops.png",
     "roofline.png",
+    "seed.png",
     "roofline_model.png",
     "micro_grouped_vs_bmm.png",
     "micro_matched_projection.png",
@@ -901,6 +955,8 @@ def planned_outputs(plan: BenchPlan, device: torch.device, plots: bool) -> set[s
         names.add("roofline_model.csv")
     if plots:
         names |= {"tflops.png", "roofline.png"}
+        if plan.suite == "seed":
+            names.add("seed.png")
         if plan.roofline:
             names.add("roofline_model.png")
         if plan.micro and device.type == "cuda":
@@ -1023,6 +1079,7 @@ def replot(results: Path, out: Path | None = None) -> int:
                                                   path=out / "roofline_model.png",
                                                   marks={k: tuple(sorted(v))
                                                          for k, v in marks.items()}))
+    written.append(report.plot_seed(cases, out / "seed.png"))
     micro_rows = (data.get("micro") or {}).get("rows") or []
     written += report.plot_micro(micro_rows, out)
     print("wrote " + " ".join(str(p) for p in written if p is not None))
@@ -1105,7 +1162,13 @@ def _run(
             )
 
     try:
-        run_cases(ctx, cases, intensity, progress, on_case=checkpoint)
+        if plan.suite == "seed":
+            from distmoe.tools.bench import seed_suite
+
+            seed_suite.run(ctx, cases, intensity, progress, on_case=checkpoint,
+                           cli=sys.modules[__name__])
+        else:
+            run_cases(ctx, cases, intensity, progress, on_case=checkpoint)
     except Exception as exc:  # keep and write what was measured before the failure
         aborted = f"suite aborted after {len(cases)} cases: {report.error_text(exc)}"
     finally:
@@ -1217,6 +1280,7 @@ def _run(
                 )
                 if curves
                 else None,
+                report.plot_seed(cases, out_dir / "seed.png") if plan.suite else None,
             ):
                 if p is not None:
                     written.append(p)

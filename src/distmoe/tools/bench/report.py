@@ -74,6 +74,16 @@ CASE_COLUMNS: dict[str, type] = {
     "baseline_path": str,
     "case_seconds": float,
     "note": str,
+    # --suite seed (seed_suite.py); empty in the default suite's rows
+    "suite_case": str,
+    "layers": int,
+    "shared_ffn": int,
+    "kept": str,
+    "plans_agree": str,
+    "slot_gib": float,
+    "scratch_gib": float,
+    "peak_fwd_gib": float,
+    "peak_bwd_gib": float,
 }
 
 
@@ -108,6 +118,14 @@ class CaseResult:
     ``torch.cuda.max_memory_allocated`` during the case (inputs and weights included), plus
     the provider's symmetric-heap buffers that torch's allocator does not see (distmoe under
     symmetric memory; before commit 71e1582 these were left out).
+
+    ``--suite seed`` rows (:mod:`~distmoe.tools.bench.seed_suite`) also fill: ``suite_case``
+    (imbalance, width, packing, packing-shared), ``layers`` (layers in one timed step),
+    ``shared_ffn`` (width of a shared expert), ``kept`` (per layer R saved, I replayed),
+    ``plans_agree`` (a per-layer packing row: its outputs and gradients have the shared
+    plan's bits, yes / no), ``slot_gib`` and ``scratch_gib`` (planned saved-state and scratch
+    bytes), ``peak_fwd_gib`` / ``peak_bwd_gib`` (peak allocated bytes in the forward and the
+    backward phase of an untimed step; empty on the CPU).
     """
 
     provider: str
@@ -142,6 +160,15 @@ class CaseResult:
     baseline_path: str = ""
     case_seconds: float | None = None
     note: str = ""
+    suite_case: str = ""
+    layers: int | None = None
+    shared_ffn: int | None = None
+    kept: str = ""
+    plans_agree: str = ""
+    slot_gib: float | None = None
+    scratch_gib: float | None = None
+    peak_fwd_gib: float | None = None
+    peak_bwd_gib: float | None = None
     window_ms: list[float] = field(default_factory=list)
 
     def as_row(self) -> dict:
@@ -330,7 +357,8 @@ def _pyplot():
     return plt
 
 
-_PROVIDER_COLORS = {"distmoe": "#1b9e77", "torch": "#7570b3", "torch_compile": "#d95f02"}
+_PROVIDER_COLORS = {"distmoe": "#1b9e77", "torch": "#7570b3", "torch_compile": "#d95f02",
+                    "distmoe_per_layer": "#e7298a"}
 
 
 def _ok(cases: Sequence[CaseResult]) -> list[CaseResult]:
@@ -373,12 +401,15 @@ def plot_tflops(
     )
     for ax, mode in zip(axes[:, 0], modes, strict=True):
         sel = [c for c in ok if c.mode == mode]
-        groups = list(dict.fromkeys((c.shape, c.tokens, c.imbalance) for c in sel))  # run order
+        # run order; precision apart (the seed suite times bf16 and mxfp8 of one shape)
+        groups = list(dict.fromkeys((c.shape, c.tokens, c.imbalance, c.precision)
+                                    for c in sel))
         width = 0.8 / max(1, len(providers))
         for j, prov in enumerate(providers):
             for i, g in enumerate(groups):
                 match = [
-                    c for c in sel if c.provider == prov and (c.shape, c.tokens, c.imbalance) == g
+                    c for c in sel
+                    if c.provider == prov and (c.shape, c.tokens, c.imbalance, c.precision) == g
                 ]
                 if not match:
                     continue
@@ -409,12 +440,96 @@ def plot_tflops(
             )
         ax.set_xticks(range(len(groups)))
         ax.set_xticklabels(
-            [f"{s}\nT{t}" + (f" x{f:g}" if f != 1 else "") for s, t, f in groups], fontsize=8
+            [f"{s}\nT{t}" + (f" x{f:g}" if f != 1 else "") + (f" {p}" if p != "bf16" else "")
+             for s, t, f, p in groups],
+            fontsize=8,
         )
         ax.set_ylabel("useful TFLOP/s")
         ax.set_title(f"{mode}: useful TFLOP/s (median of windows; whiskers: window range)")
         ax.legend(fontsize=8, loc="upper left")
         ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_seed(cases: Sequence[CaseResult], path: str | os.PathLike) -> Path | None:
+    """``--suite seed``: four panels. Iteration time against imbalance (one line per provider,
+    precision and mode), useful TFLOP/s against expert width F, the packing workload's step
+    time per plan against imbalance (with and without a shared expert, the layers each plan
+    replayed written on its point), and peak allocated GiB by phase of every distmoe case.
+    Points are the graph figure where there is one; whiskers the window range."""
+    ok = [c for c in _ok(cases) if c.suite_case]
+    if not ok:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    styles = {"fwd": "-", "fwdbwd": "--"}
+
+    def line(ax, sel, x_of, y_of, label, color, ls, text=None):
+        sel = sorted(sel, key=x_of)
+        ys = [y_of(c) for c in sel]
+        err = [[max(0.0, y - y_of(c) * c.window_min_ms / c.iter_ms) if c.window_min_ms else 0
+                for c, y in zip(sel, ys, strict=True)],
+               [max(0.0, y_of(c) * c.window_max_ms / c.iter_ms - y) if c.window_max_ms else 0
+                for c, y in zip(sel, ys, strict=True)]]
+        ax.errorbar([x_of(c) for c in sel], ys, yerr=err, color=color, linestyle=ls,
+                    marker="o", capsize=2, label=label)
+        for c, y in zip(sel, ys, strict=True):
+            if text and text(c):
+                ax.annotate(text(c), (x_of(c), y), fontsize=6, xytext=(3, 3),
+                            textcoords="offset points")
+
+    def by(sel, *keys):
+        out: dict[tuple, list] = {}
+        for c in sel:
+            out.setdefault(tuple(getattr(c, k) for k in keys), []).append(c)
+        return out
+
+    ax = axes[0, 0]
+    for (prov, prec, mode), sel in by([c for c in ok if c.suite_case == "imbalance"],
+                                      "provider", "precision", "mode").items():
+        line(ax, sel, lambda c: c.imbalance, lambda c: c.iter_ms, f"{prov} {prec} {mode}",
+             _PROVIDER_COLORS.get(prov), styles.get(mode), None)
+    ax.set(xlabel="imbalance (tracked group's load / balanced)", ylabel="ms per iteration",
+           title="one layer under routing imbalance")
+    ax = axes[0, 1]
+    for (prov, mode), sel in by([c for c in ok if c.suite_case == "width"],
+                                "provider", "mode").items():
+        line(ax, sel, lambda c: c.ffn, lambda c: c.tflops, f"{prov} {mode}",
+             _PROVIDER_COLORS.get(prov), styles.get(mode), None)
+    ax.set(xlabel="expert width F", ylabel="useful TFLOP/s",
+           title="expert width at fixed T, D, E, K")
+    ax = axes[1, 0]
+    for (prov, kind), sel in by([c for c in ok if c.suite_case.startswith("packing")],
+                                "provider", "suite_case").items():
+        line(ax, sel, lambda c: c.imbalance, lambda c: c.iter_ms, f"{prov} {kind}",
+             _PROVIDER_COLORS.get(prov), "--" if kind.endswith("shared") else "-",
+             lambda c: c.kept)
+    ax.set(xlabel="imbalance of the loaded layers", ylabel="ms per step (fwd+bwd, all layers)",
+           title="packing: one shared slot (distmoe) vs per-layer budgets")
+    ax = axes[1, 1]
+    mem = [c for c in ok if c.provider.startswith("distmoe") and c.peak_fwd_gib is not None]
+    if mem:
+        labels = [f"{c.shape} {c.precision} {c.mode} x{c.imbalance:g}"
+                  + ("" if c.provider == "distmoe" else " per-layer") for c in mem]
+        xs = range(len(mem))
+        ax.bar([x - 0.2 for x in xs], [c.peak_fwd_gib for c in mem], 0.4, label="forward")
+        ax.bar([x + 0.2 for x in xs], [c.peak_bwd_gib or 0.0 for c in mem], 0.4,
+               label="backward")
+        ax.scatter(list(xs), [c.scratch_gib or 0.0 for c in mem], color="black", marker="_",
+                   s=200, label="planned scratch", zorder=3)
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(labels, rotation=90, fontsize=5)
+    else:
+        ax.text(0.5, 0.5, "memory by phase: not measured (CPU)", ha="center",
+                transform=ax.transAxes)
+    ax.set(ylabel="peak allocated GiB", title="peak allocated memory by phase")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
