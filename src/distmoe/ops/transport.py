@@ -203,7 +203,8 @@ def nccl_call(ctx, x, expert_ids, scores, w13, w2, *, autograd: bool) -> torch.T
         scores_all = torch.empty(EP * T, scores.shape[1], dtype=scores.dtype,
                                  device=ctx.device)
         dist.all_gather_into_tensor(scores_all, scores, group=group)
-    # every rank counts every rank's invalid ids, as the peer transport does
+    # the invalid ids of every rank gathered from: every rank's with "nccl" (as the peer
+    # transport counts them), the cross-node group's with "hierarchical"
     ctx._invalid_ids += ((ids_all < -1) | (ids_all >= E)).sum()
     local = ids_all - base
     mine = (ids_all >= 0) & (ids_all < E) & (local >= 0) & (local < E_l)
