@@ -279,12 +279,7 @@ class MoEContext:
         self.heap = create_heap(group, backend=backend, device=device)
         self.heap.timeout = timeout
         self.group = self.heap.group
-        # check mode: which context a call is on. Construction is collective, so the ranks of
-        # a group number the contexts on it alike; calls on two contexts interleaved in a
-        # different order on two ranks would pair their barriers across contexts.
-        key = id(self.group)
-        MoEContext._constructed[key] = MoEContext._constructed.get(key, 0) + 1
-        self._serial = MoEContext._constructed[key]
+        self._serial = self._number_on_group()
         self.rank, self.ep_size = self.heap.rank, self.heap.world_size
         self.device = self.heap.device
         self.num_local_experts = cfg.experts_per_rank(self.ep_size)
@@ -382,9 +377,7 @@ class MoEContext:
         self.receive_bound = cfg.receive_bound(self.ep_size)
         self._bound_seen = (0, 0)
         self._closed = False
-        key = id(self.group)
-        MoEContext._constructed[key] = MoEContext._constructed.get(key, 0) + 1
-        self._serial = MoEContext._constructed[key]
+        self._serial = self._number_on_group()
         if self.transport == "nccl":
             node_size, node_group, self.cross_group = 1, "local", self.group
         else:
@@ -401,17 +394,14 @@ class MoEContext:
         self._dispatch = torch.empty(0, dtype=torch.bfloat16, device=self.device)
         self._invalid_ids = torch.zeros((), dtype=torch.int64, device=self.device)
 
-    def _call_nccl(self, x, expert_ids, scores, w13, w2) -> torch.Tensor:
-        self.check_open()
-        if self.check:
-            self._validate_together(x, expert_ids, scores, w13, w2)
-        else:
-            self._validate(x, expert_ids, scores, w13, w2)
-        y = nccl_call(self, x, expert_ids, scores, w13, w2,
-                      autograd=self._wants_autograd(x, scores, w13, w2))
-        if self.check:
-            self._check_bound(y)
-        return y
+    def _number_on_group(self) -> int:
+        """This context's construction number on ``self.group`` in this process (check mode:
+        which context a call is on). Construction is collective, so the ranks of a group
+        number the contexts on it alike; calls on two contexts interleaved in a different
+        order on two ranks would pair their barriers across contexts."""
+        key = id(self.group)
+        MoEContext._constructed[key] = MoEContext._constructed.get(key, 0) + 1
+        return MoEContext._constructed[key]
 
     # ------------------------------------------------------------------ validation
     def _validate(self, x, expert_ids, scores, w13, w2) -> None:
@@ -471,16 +461,18 @@ class MoEContext:
     def __call__(self, x, expert_ids, scores, w13, w2) -> torch.Tensor:
         if self.cfg.precision in LOWP_PRECISIONS:  # prepared weights, inference (.lowp)
             return lowp_call(self, x, expert_ids, scores, w13, w2)
-        if self.transport in ("nccl", "hierarchical"):
-            return self._call_nccl(x, expert_ids, scores, w13, w2)
-        if tracing(x):  # torch.compile / make_fx / fake tensors: distmoe.ops.custom_ops
-            return traced_call(self, x, expert_ids, scores, w13, w2)
+        collective = self.transport != "peer"  # "nccl" / "hierarchical": .transport
+        if not collective and tracing(x):  # torch.compile / make_fx / fake tensors
+            return traced_call(self, x, expert_ids, scores, w13, w2)  # .custom_ops
         self.check_open()
         if self.check:
             self._validate_together(x, expert_ids, scores, w13, w2)
         else:
             self._validate(x, expert_ids, scores, w13, w2)
-        if self._wants_autograd(x, scores, w13, w2):
+        if collective:
+            y = nccl_call(self, x, expert_ids, scores, w13, w2,
+                          autograd=self._wants_autograd(x, scores, w13, w2))
+        elif self._wants_autograd(x, scores, w13, w2):
             y = MoEFunction.apply(self, x, expert_ids, scores, w13, w2)
         else:
             if (not self.cfg.training and torch.is_grad_enabled()
