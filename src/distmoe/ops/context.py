@@ -62,7 +62,6 @@ never written anywhere; they are counted on the device
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -89,9 +88,15 @@ from .activations import ActivationBuffer
 from .autograd import MoEFunction, backward_eager
 from .custom_ops import traced_call, tracing
 from .graphs import ForwardGraphs, GraphPool, TrainingGraphs
-from .lowp import LOWP_PRECISIONS, allocate_lowp, lowp_call
+from .lowp import LOWP_PRECISIONS, allocate_lowp, check_prepared, lowp_forward
 from .transport import inner_config, nccl_call, node_groups, resolve_transport
-from .validation import check_call, check_main_grads, check_together, check_values
+from .validation import (
+    check_call,
+    check_main_grads,
+    check_together,
+    check_values,
+    warn_inference_grad,
+)
 
 HEADER_BYTES = 128
 #: rows of the W13 row blocks the two-launch schedule moves (distmoe.kernels.w13_forward.phases):
@@ -405,8 +410,12 @@ class MoEContext:
 
     # ------------------------------------------------------------------ validation
     def _validate(self, x, expert_ids, scores, w13, w2) -> None:
+        weights = (w13, w2)
+        if self.cfg.precision in LOWP_PRECISIONS:  # prepared weights: checked here
+            check_prepared(self._lowp, self.device, w13, w2, self.cfg.precision)
+            weights = (None, None)
         check_call(self.cfg, self.num_local_experts, self.device, self._dispatch, x,
-                   expert_ids, scores, w13, w2,
+                   expert_ids, scores, *weights,
                    wants_autograd=lambda: self._wants_autograd(x, scores, w13, w2))
         if self.main_grad and self._wants_autograd(x, scores, w13, w2):
             check_main_grads(w13, w2)
@@ -459,12 +468,20 @@ class MoEContext:
         return x.data_ptr() == self._dispatch.data_ptr()
 
     def __call__(self, x, expert_ids, scores, w13, w2) -> torch.Tensor:
-        if self.cfg.precision in LOWP_PRECISIONS:  # prepared weights, inference (.lowp)
-            return lowp_call(self, x, expert_ids, scores, w13, w2)
+        precision = self.cfg.precision
+        lowp = precision in LOWP_PRECISIONS  # prepared weights, inference (.lowp)
         collective = self.transport != "peer"  # "nccl" / "hierarchical": .transport
-        if not collective and tracing(x):  # torch.compile / make_fx / fake tensors
-            return traced_call(self, x, expert_ids, scores, w13, w2)  # .custom_ops
+        if tracing(x):  # torch.compile / make_fx / fake tensors
+            if lowp:
+                raise NotImplementedError(
+                    f"precision {precision!r} does not run under torch.compile / make_fx / "
+                    "fake tensors yet: call the context eagerly")
+            if not collective:
+                return traced_call(self, x, expert_ids, scores, w13, w2)  # .custom_ops
         self.check_open()
+        if lowp and collective:
+            raise NotImplementedError(f"precision {precision!r} runs on the peer transport "
+                                      f"only so far, got transport {self.transport!r}")
         if self.check:
             self._validate_together(x, expert_ids, scores, w13, w2)
         else:
@@ -474,14 +491,18 @@ class MoEContext:
                           autograd=self._wants_autograd(x, scores, w13, w2))
         elif self._wants_autograd(x, scores, w13, w2):
             y = MoEFunction.apply(self, x, expert_ids, scores, w13, w2)
+        elif lowp:
+            warn_inference_grad(x, scores, f"this is a {precision} inference context: y has "
+                                "no grad_fn and no gradient flows back through this layer "
+                                f"({precision} training is not implemented).")
+            with torch.no_grad():
+                y = lowp_forward(self, x, expert_ids, scores, w13, w2)
         else:
-            if (not self.cfg.training and torch.is_grad_enabled()
-                    and (x.requires_grad or scores.requires_grad)):
-                warnings.warn(
-                    "MoEContext: x or scores requires grad, but this is an inference context "
-                    "(cfg.training is False): y has no grad_fn and no gradient flows back "
-                    "through this layer. Use MoEConfig(training=True) for gradients, or "
-                    "torch.no_grad() for inference.", UserWarning, stacklevel=2)
+            if not self.cfg.training:
+                warn_inference_grad(x, scores, "this is an inference context (cfg.training is "
+                                    "False): y has no grad_fn and no gradient flows back "
+                                    "through this layer. Use MoEConfig(training=True) for "
+                                    "gradients, or torch.no_grad() for inference.")
             y = None
             if isinstance(self.graphs, ForwardGraphs):
                 y = self.graphs(x, expert_ids, scores, w13, w2)

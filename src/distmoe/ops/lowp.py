@@ -61,7 +61,6 @@ work).
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -78,11 +77,9 @@ from ..kernels.scaled import (
 )
 from ..quant.mxfp8 import mxfp8_quantize_2d
 from ..quant.prepare import PreparedWeight
-from .custom_ops import tracing
-from .validation import check_call, check_together, check_values
 
 __all__ = ["MXFP8Scratch", "NVFP4Scratch", "allocate_lowp", "allocate_mxfp8", "allocate_nvfp4",
-           "lowp_call", "lowp_forward", "mxfp8_forward", "nvfp4_forward"]
+           "check_prepared", "lowp_forward", "mxfp8_forward", "nvfp4_forward"]
 
 #: the precisions of this module's inference forwards
 LOWP_PRECISIONS = ("mxfp8", "nvfp4")
@@ -214,45 +211,6 @@ def check_prepared(scratch: MXFP8Scratch | NVFP4Scratch, device: torch.device, w
         if w.qdata.device != device:
             raise ValueError(f"{name} must be on {device} (the context's device), got "
                              f"{w.qdata.device} (PreparedWeight.to moves it)")
-
-
-def lowp_call(ctx, x, expert_ids, scores, w13, w2) -> torch.Tensor:
-    """``ctx(x, expert_ids, scores, w13, w2)`` of a low-precision inference context: the
-    call's checks (``check=True``: shared over the group, and the receive bound after the
-    call, as in bf16), then :func:`lowp_forward`. Returns y [T, D] bf16."""
-    precision = ctx.cfg.precision
-    if tracing(x):
-        raise NotImplementedError(f"precision {precision!r} does not run under torch.compile / "
-                                  "make_fx / fake tensors yet: call the context eagerly")
-    ctx.check_open()
-    if ctx.transport != "peer":
-        raise NotImplementedError(f"precision {precision!r} runs on the peer transport only so "
-                                  f"far, got transport {ctx.transport!r}")
-    scratch = ctx._lowp
-
-    def run_checks(values: bool) -> None:
-        check_prepared(scratch, ctx.device, w13, w2, precision)
-        check_call(ctx.cfg, ctx.num_local_experts, ctx.device, ctx._dispatch, x, expert_ids,
-                   scores, None, None,
-                   wants_autograd=lambda: False)
-        if values:
-            check_values(ctx.cfg.num_experts, expert_ids, scores)
-
-    if ctx.check:
-        check_together(ctx.group, ctx.ep_size, ctx._serial, x, lambda: run_checks(True),
-                       lambda: False)
-    else:
-        run_checks(False)
-    if torch.is_grad_enabled() and (x.requires_grad or scores.requires_grad):
-        warnings.warn(f"MoEContext: x or scores requires grad, but this is a {precision} "
-                      "inference context: y has no grad_fn and no gradient flows back through "
-                      f"this layer ({precision} training is not implemented).", UserWarning,
-                      stacklevel=3)
-    with torch.no_grad():
-        y = lowp_forward(ctx, x, expert_ids, scores, w13, w2)
-    if ctx.check:
-        ctx._check_bound(y)
-    return y
 
 
 def lowp_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedWeight, *,

@@ -9,6 +9,7 @@ the config field a shape comes from, the rule and the value.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -186,3 +187,11 @@ def check_main_grads(w13, w2) -> None:
         if not g.is_contiguous():
             raise ValueError(f"{name}.main_grad must be contiguous, got strides "
                              f"{list(g.stride())}")
+
+
+def warn_inference_grad(x, scores, why: str) -> None:
+    """A ``UserWarning`` when grad mode is on and x or scores requires grad in a call that
+    gives y no grad_fn (``why``: the rest of the message), naming the caller's line."""
+    if torch.is_grad_enabled() and (x.requires_grad or scores.requires_grad):
+        warnings.warn(f"MoEContext: x or scores requires grad, but {why}", UserWarning,
+                      stacklevel=3)
