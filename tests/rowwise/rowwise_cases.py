@@ -17,6 +17,7 @@ are never zeros left by an allocation.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -105,6 +106,25 @@ def make_problem(world: int, seed: int, *, top_k: int = 2, hidden: int = 24,
         src.append(s_d)
     return Problem(world, num_tokens, top_k, hidden, rows_per_rank, tuple(ranks), tuple(rows),
                    tuple(probs), tuple(xs), tuple(src), tuple(bads))
+
+
+def on_device(p: Problem, device) -> Problem:
+    """The problem with every tensor on ``device`` (a GPU rank's copy)."""
+    moved = {f: tuple(t.to(device) for t in getattr(p, f))
+             for f in ("ranks", "rows", "probs", "x", "src")}
+    return dataclasses.replace(p, **moved)
+
+
+def to_cpu(obj):
+    """``obj`` (nested dicts, tuples, lists of tensors) with every tensor on the CPU: results
+    cross back from GPU ranks as plain CPU tensors."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
 
 
 def is_valid(ranks: torch.Tensor, rows: torch.Tensor, world: int, num_rows: int) -> torch.Tensor:

@@ -22,7 +22,8 @@ import re
 
 import pytest
 import torch
-from rowwise_cases import POISON, assert_bits_equal, make_problem, poison_
+from rowwise_cases import (POISON, assert_bits_equal, make_problem, on_device, poison_,
+                           to_cpu)
 
 import distmoe
 import distmoe.rowwise as rw
@@ -35,14 +36,14 @@ SEED, BAD_SEED = 5, 6
 WORLDS = [1, 2, 3, 4]
 
 
-def _upstream(seed: int, rows: int, hidden: int) -> torch.Tensor:
+def _upstream(seed: int, rows: int, hidden: int, device="cpu") -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, hidden, generator=g).bfloat16()
+    return torch.randn(rows, hidden, generator=g).bfloat16().to(device)
 
 
-def _scale(rank: int, hidden: int) -> torch.Tensor:
+def _scale(rank: int, hidden: int, device="cpu") -> torch.Tensor:
     """The chain's per-rank "expert": an elementwise scale, bf16 [D]."""
-    return _upstream(300 + rank, 1, hidden)[0]
+    return _upstream(300 + rank, 1, hidden, device)[0]
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
@@ -85,8 +86,8 @@ def _movement(bufs, p, rank, res, prefix=""):
 def _grads(bufs, p, rank, res):
     ranks, rows = p.ranks[rank], p.rows[rank]
     hidden, num_rows = p.hidden, p.rows_per_rank
-    g_out = _upstream(100 + rank, num_rows, hidden)
-    g_y = _upstream(200 + rank, p.num_tokens[rank], hidden)
+    g_out = _upstream(100 + rank, num_rows, hidden, bufs.device)
+    g_y = _upstream(200 + rank, p.num_tokens[rank], hidden, bufs.device)
     # dispatch backward: a combine GET of out's gradient (weighted: probs' gradient too)
     for key, probs in (("dispatch", None), ("dispatch_weighted", _leaf(p.probs[rank]))):
         x = _leaf(p.x[rank])
@@ -105,7 +106,7 @@ def _grads(bufs, p, rank, res):
             res[key + suffix] = (_grad(src), None if probs is None else _grad(probs))
             src.grad = None
     y = rw.gather_get(src, ranks.reshape(-1), rows.reshape(-1))
-    _backward(y, _upstream(400 + rank, y.shape[0], hidden))
+    _backward(y, _upstream(400 + rank, y.shape[0], hidden, bufs.device))
     res["gather"] = (_grad(src), None)
     src.grad = None
     src.requires_grad_(False)
@@ -122,30 +123,39 @@ def _chain(bufs, p, rank, res):
     for key, combine in (("chain", rw.combine_get), ("chain_fused", rw.combine_get_fused)):
         x, pd, pc = _leaf(p.x[rank]), _leaf(p.probs[rank]), _leaf(p.probs[rank] * 0.5)
         out = rw.dispatch_put(x, p.ranks[rank], p.rows[rank], bufs.out, pd)
-        src = bufs.write("expert_out", out.float() * _scale(rank, p.hidden).float())
+        src = bufs.write("expert_out", out.float() * _scale(rank, p.hidden, bufs.device).float())
         y = combine(src, p.ranks[rank], p.rows[rank], pc)
-        loss = (y.float() * _upstream(500 + rank, y.shape[0], p.hidden).float()).sum()
+        up = _upstream(500 + rank, y.shape[0], p.hidden, bufs.device)
+        loss = (y.float() * up.float()).sum()
         loss.backward()
         res[key] = (y.detach().clone(), _grad(x), _grad(pd), _grad(pc))
 
 
-def _scenarios(rank, world):
-    p = make_problem(world, SEED)
+def _scenarios(rank, world, device="cpu"):
+    """Every scenario on one rank; ``device="cuda"``: ranks sharing GPU 0 through the CUDA
+    IPC heap, results returned on the CPU."""
+    backend = "cpu" if device == "cpu" else "auto"
+    p = on_device(make_problem(world, SEED), device)
     res = {}
-    with rw.Buffers(None, p.rows_per_rank, p.hidden, backend="cpu") as bufs:
+    with rw.Buffers(None, p.rows_per_rank, p.hidden, backend=backend) as bufs:
         _movement(bufs, p, rank, res)
         _grads(bufs, p, rank, res)
         _chain(bufs, p, rank, res)
-    pb = make_problem(world, BAD_SEED, bad=True)
-    with rw.Buffers(None, pb.rows_per_rank, pb.hidden, backend="cpu", grad=False) as bufs:
+    pb = on_device(make_problem(world, BAD_SEED, bad=True), device)
+    with rw.Buffers(None, pb.rows_per_rank, pb.hidden, backend=backend, grad=False) as bufs:
         _movement(bufs, pb, rank, res, prefix="bad_")
-    return res
+    return to_cpu(res)
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"ep{w}")
+GROUPS = [pytest.param((w, "cpu"), id=f"ep{w}") for w in WORLDS] + [
+    pytest.param((w, "cuda"), id=f"gpu-ep{w}", marks=pytest.mark.gpu) for w in (1, 2)]
+
+
+@pytest.fixture(scope="module", params=GROUPS)
 def group(request):
-    world = request.param
-    return world, distmoe.launch(_scenarios, world, timeout=120)
+    world, device = request.param
+    return world, distmoe.launch(_scenarios, world, device=device, gpus=[0] if device == "cuda"
+                                 else None, timeout=120, args=(device,))
 
 
 # --------------------------------------------------------------------------------------------

@@ -42,7 +42,10 @@ with no attempt yet to hide it behind the MMAs.
 
 CPU: under Triton's interpreter the kernel decodes E4M3 scale bytes itself, by bits (the
 interpreter decodes the E4M3 NaN codes as +-480); it always does, so GPU and CPU run the same
-decode. Codes are unpacked into even and odd halves and interleaved with ``tl.join``.
+decode. A weight tile is loaded K-major and its low and high nibbles (the values at even and
+odd K) decoded into two tiles, each a dot operand with the activation's even or odd columns
+(two dots per K tile: a sum over K in any order; no interleave of register tiles, which
+Triton 3.6 failed to lower for Hopper MMA).
 
 Algorithm: one program per ``block_m x block_n`` output tile on a 1-D grid sized from ``R``
 (``a.shape[0]``) and N, never from routed counts (``cdiv(R, block_m) + E - 1`` row tiles by
@@ -114,20 +117,23 @@ def _e4m3_to_fp32(b):
 @triton.jit
 def _load_weight_tile(packed_rows, scale_rows, kb, col_ok, K: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """The bf16 values ``v * s_b`` of weight rows ``[block_n]`` at K tile ``kb``:
-    ``[block_n, BLOCK_K]`` (exact). Masked rows and K past the end read 0."""
+    """The bf16 values ``v * s_b`` of weight rows ``[block_n]`` at K tile ``kb``, transposed
+    and split by parity: ``(even, odd)``, each ``[BLOCK_K / 2, block_n]``, row j holding the
+    values at K = 2 j and 2 j + 1 of the tile (the low and high nibbles of byte j; exact).
+    Masked rows and K past the end read 0. (Loaded K-major so that each is a dot operand as
+    it stands: no interleave, reshape or transpose of a register tile before the MMA.)"""
     HALF: tl.constexpr = BLOCK_K // 2
     j = kb * HALF + tl.arange(0, HALF)  # byte index along K: values 2 j, 2 j + 1
     if EVEN_K:
-        ok = col_ok[:, None]
+        ok = col_ok[None, :]
     else:
-        ok = col_ok[:, None] & (j < K // 2)[None, :]
-    byte = tl.load(packed_rows[:, None] + j[None, :], mask=ok, other=0).to(tl.int32)
-    sb = tl.load(scale_rows[:, None] + (j // 8)[None, :], mask=ok, other=0).to(tl.int32)
+        ok = col_ok[None, :] & (j < K // 2)[:, None]
+    byte = tl.load(packed_rows[None, :] + j[:, None], mask=ok, other=0).to(tl.int32)
+    sb = tl.load(scale_rows[None, :] + (j // 8)[:, None], mask=ok, other=0).to(tl.int32)
     scale = _e4m3_to_fp32(sb)
-    lo = (_e2m1_to_fp32(byte & 15) * scale).to(tl.bfloat16)
-    hi = (_e2m1_to_fp32(byte >> 4) * scale).to(tl.bfloat16)
-    return tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+    even = (_e2m1_to_fp32(byte & 15) * scale).to(tl.bfloat16)
+    odd = (_e2m1_to_fp32(byte >> 4) * scale).to(tl.bfloat16)
+    return even, odd
 
 
 @triton.jit
@@ -174,7 +180,8 @@ def _nvfp4_tile(
         g_srows = sb_ptr + e64 * (N * KS) + cols * KS
         u_rows = g_rows + OUT_N * KB
         u_srows = g_srows + OUT_N * KS
-        offs_k = tl.arange(0, BLOCK_K)
+        # the activation's K split by parity, matching the weight tiles' even / odd halves
+        offs_k = 2 * tl.arange(0, BLOCK_K // 2)
 
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -183,15 +190,19 @@ def _nvfp4_tile(
             if EVEN_K:
                 a_ok = is_live[:, None]
             else:
-                a_ok = is_live[:, None] & (kk < K)[None, :]
+                a_ok = is_live[:, None] & (kk < K)[None, :]  # K even: 2 j + 1 < K iff 2 j < K
             # masked rows and K read zeros: their terms are 0 and reach no stored element
-            a = tl.load(a_rows[:, None] + kk[None, :], mask=a_ok, other=0.0)
-            w = _load_weight_tile(g_rows, g_srows, kb, is_col, K, BLOCK_N, BLOCK_K, EVEN_K)
-            acc_g = tl.dot(a, tl.trans(w), acc_g)
+            a_even = tl.load(a_rows[:, None] + kk[None, :], mask=a_ok, other=0.0)
+            a_odd = tl.load(a_rows[:, None] + (kk + 1)[None, :], mask=a_ok, other=0.0)
+            w_even, w_odd = _load_weight_tile(g_rows, g_srows, kb, is_col, K, BLOCK_N, BLOCK_K,
+                                              EVEN_K)
+            acc_g = tl.dot(a_even, w_even, acc_g)
+            acc_g = tl.dot(a_odd, w_odd, acc_g)
             if SWIGLU:
-                wu = _load_weight_tile(u_rows, u_srows, kb, is_col, K, BLOCK_N, BLOCK_K,
-                                       EVEN_K)
-                acc_u = tl.dot(a, tl.trans(wu), acc_u)
+                u_even, u_odd = _load_weight_tile(u_rows, u_srows, kb, is_col, K, BLOCK_N,
+                                                  BLOCK_K, EVEN_K)
+                acc_u = tl.dot(a_even, u_even, acc_u)
+                acc_u = tl.dot(a_odd, u_odd, acc_u)
 
         s_g = tl.load(gs_ptr + expert)
         if SWIGLU:
