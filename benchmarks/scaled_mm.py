@@ -1,4 +1,4 @@
-"""MXFP8 grouped GEMM (``distmoe.kernels.scaled``) against the dense FP8 rate and bf16 grouped.
+"""Block-scaled grouped GEMMs (``distmoe.kernels.scaled``) against the dense FP8 rate and bf16.
 
     python benchmarks/scaled_mm.py                       # W13 of dense-e32: T8192 K8 D4096 F2048 E32
     python benchmarks/scaled_mm.py --k 2048 --n 4096 --no-swiglu   # its W2
@@ -10,8 +10,14 @@ its range):
 
 * ``dense_fp8``: ``torch._scaled_mm`` on e4m3 at 8192^3, per-tensor scales, bf16 out: the dense
   FP8 rate of this GPU in this run (issue 58's ceiling);
-* ``mxfp8_grouped_mm``: ours on ``--rows`` rows routed at random over ``--experts`` experts
-  (segments padded to 128), K = ``--k``, N = ``--n`` (2F with SwiGLU, on by default);
+* ours on ``--rows`` rows routed at random over ``--experts`` experts (segments padded to
+  128), K = ``--k``, N = ``--n`` (2F with SwiGLU, on by default), one entry per
+  ``--variants``: ``mxfp8`` (exact MXFP8, a promotion per 32-wide K step), ``mxfp8_rebased``
+  (rebased onto 128-wide groups, :func:`distmoe.quant.mxfp8_rebase`: a promotion per 128),
+  ``fp8_block`` (DeepSeek-V3's 1 x 128 / 128 x 128 float32 scales); ``--sweep`` also times
+  a few configs of each and reports the best;
+* ``torch_scaled_grouped``: ``torch._scaled_grouped_mm`` with rowwise FP8 scales (one per
+  row and per weight column; no SwiGLU epilogue), where this torch has it;
 * ``bf16_grouped``: ``torch._grouped_mm`` on the same rows and weights in bf16 (the GEMM only,
   no SwiGLU epilogue).
 
@@ -31,12 +37,22 @@ from pathlib import Path
 
 import torch
 
-from distmoe.kernels.scaled import ScaledGemmConfig, mxfp8_grouped_mm
-from distmoe.quant import mxfp8_quantize, mxfp8_quantize_weight
+from distmoe.kernels.scaled import ScaledGemmConfig, fp8_block_grouped_mm, mxfp8_grouped_mm
+from distmoe.quant import (
+    fp8_block_quantize,
+    fp8_block_quantize_weight,
+    mxfp8_quantize,
+    mxfp8_quantize_weight,
+    mxfp8_rebase,
+)
 from distmoe.tools.bench.report import environment
 from distmoe.tools.bench.timing import TimingConfig, benchmark
 
 DENSE = 8192
+VARIANTS = ("mxfp8", "mxfp8_rebased", "fp8_block")
+SWEEP = ({"block_n": 128, "num_stages": 3}, {"block_n": 128, "num_stages": 4},
+         {"block_n": 256, "num_stages": 3}, {"block_n": 64, "num_stages": 4},
+         {"block_n": 128, "block_k": 256, "num_stages": 2})
 
 
 def _rate(flops: float, res) -> dict:
@@ -55,6 +71,8 @@ def main(argv=None) -> int:
     p.add_argument("--block-k", type=int, default=None, help="override the config's block_k")
     p.add_argument("--warps", type=int, default=None)
     p.add_argument("--stages", type=int, default=None)
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--sweep", action="store_true", help="time a few configs of each variant")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -85,38 +103,99 @@ def main(argv=None) -> int:
     row_offsets, padded_offsets = row_offsets.to(dev), padded_offsets.to(dev)
     x = torch.randn(r, k, device=dev, dtype=torch.bfloat16)
     w = torch.randn(e, n, k, device=dev, dtype=torch.bfloat16) * k**-0.5
-    a_q, a_scales = mxfp8_quantize(x)
-    w8 = mxfp8_quantize_weight(w)
     out_n = n // 2 if args.swiglu else n
     y = torch.empty(r, out_n, device=dev, dtype=torch.bfloat16)
-    config = ScaledGemmConfig.for_widths(k=k, n=n, swiglu=args.swiglu)
+    flops = 2 * r * n * k
     overrides = {name: v for name, v in (("block_n", args.block_n), ("block_k", args.block_k),
                                          ("num_warps", args.warps), ("num_stages", args.stages))
                  if v is not None}
-    if overrides:
-        config = dataclasses.replace(config, **overrides)
-    out["config"] = dataclasses.asdict(config)
-    flops = 2 * r * n * k
-    res = benchmark(lambda: mxfp8_grouped_mm(a_q, a_scales, w8.qdata, w8.scales, padded_offsets,
-                                             row_offsets, y, swiglu=args.swiglu, config=config),
-                    config=timing, device=dev)
-    out["mxfp8_grouped_mm"] = _rate(flops, res)
+    for variant in args.variants:
+        if variant == "fp8_block":
+            a_q, a_s = fp8_block_quantize(x)
+            b_q, b_s = fp8_block_quantize_weight(w)
+            group = 128
+        else:
+            a_q, a_s = mxfp8_quantize(x)
+            w8 = mxfp8_quantize_weight(w)
+            b_q, b_s = w8.qdata, w8.scales
+            group = 32
+            if variant == "mxfp8_rebased":
+                a_q, a_s, changed_a = mxfp8_rebase(a_q, a_s)
+                b_q, b_s, changed_b = mxfp8_rebase(b_q, b_s)
+                group = 128
+                out[variant + "_rebase_changed"] = {
+                    "activations": int(changed_a) / a_q.numel(),
+                    "weights": int(changed_b) / b_q.numel()}
+
+        def call(cfg, a_q=a_q, a_s=a_s, b_q=b_q, b_s=b_s, variant=variant):
+            if variant == "fp8_block":
+                return fp8_block_grouped_mm(a_q, a_s, b_q, b_s, padded_offsets, row_offsets, y,
+                                            swiglu=args.swiglu, config=cfg)
+            return mxfp8_grouped_mm(a_q, a_s, b_q, b_s, padded_offsets, row_offsets, y,
+                                    swiglu=args.swiglu, config=cfg,
+                                    k_group=32 if variant == "mxfp8" else 128)
+
+        base = ScaledGemmConfig.for_widths(k=k, n=n, swiglu=args.swiglu, k_group=group)
+        configs = [dataclasses.replace(base, **overrides)]
+        if args.sweep:
+            for change in SWEEP:
+                try:
+                    cfg = dataclasses.replace(base, **change)
+                except ValueError:
+                    continue
+                if cfg.block_k >= group and cfg.fits_hopper(swiglu=args.swiglu) \
+                        and cfg not in configs:
+                    configs.append(cfg)
+        best = None
+        for cfg in configs:
+            try:
+                res = benchmark(lambda cfg=cfg: call(cfg), config=timing, device=dev)
+            except Exception as exc:  # a config that fails to compile: reported, skipped
+                print(f"  {variant} {cfg}: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            entry = _rate(flops, res) | {"config": dataclasses.asdict(cfg)}
+            out.setdefault(variant + "_configs", []).append(entry)
+            if best is None or entry["tflops"] > best["tflops"]:
+                best = entry
+        if best is not None:
+            out[variant] = best
+        del a_q, a_s, b_q, b_s
+
+    # torch's rowwise-FP8 grouped GEMM (where present): one scale per row and weight column
+    try:
+        xr_s = x.float().abs().amax(-1).clamp(min=1e-12) / 448.0
+        xr_q = (x.float() / xr_s[:, None]).to(torch.float8_e4m3fn)
+        wr_s = w.float().abs().amax(-1).clamp(min=1e-12) / 448.0  # [E, N]
+        wr_q = (w.float() / wr_s[..., None]).to(torch.float8_e4m3fn)  # [E, N, K]
+        offs32 = row_offsets[1:].contiguous()
+        res = benchmark(lambda: torch._scaled_grouped_mm(
+            xr_q, wr_q.transpose(1, 2), xr_s, wr_s, offs=offs32, out_dtype=torch.bfloat16),
+            config=timing, device=dev)
+        out["torch_scaled_grouped"] = _rate(flops, res)
+    except Exception as exc:
+        out["torch_scaled_grouped_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        print(f"  torch_scaled_grouped: {out['torch_scaled_grouped_error']}")
 
     wt = w.transpose(1, 2)  # [E, K, N]
     offs = row_offsets[1:].contiguous()
     res = benchmark(lambda: torch._grouped_mm(x, wt, offs=offs), config=timing, device=dev)
     out["bf16_grouped"] = _rate(flops, res)
 
-    ours = out["mxfp8_grouped_mm"]["tflops"]
-    out["ratio_vs_dense_fp8"] = ours / out["dense_fp8"]["tflops"]
-    out["ratio_vs_bf16_grouped"] = ours / out["bf16_grouped"]["tflops"]
-    print(f"{out['env']['gpu']}  R={r} E={e} K={k} N={n} swiglu={args.swiglu}  {config}")
-    for name in ("dense_fp8", "mxfp8_grouped_mm", "bf16_grouped"):
+    dense = out["dense_fp8"]["tflops"]
+    print(f"{out['env']['gpu']}  R={r} E={e} K={k} N={n} swiglu={args.swiglu}")
+    for name in ("dense_fp8", *args.variants, "torch_scaled_grouped", "bf16_grouped"):
+        if name not in out:
+            continue
         v = out[name]
-        print(f"  {name:18s} {v['tflops']:8.1f} TFLOP/s  {v['ms']:.3f} ms "
-              f"[{v['min_ms']:.3f}, {v['max_ms']:.3f}] ({v['method']})")
-    print(f"  ours / dense_fp8 = {out['ratio_vs_dense_fp8']:.3f}   "
-          f"ours / bf16_grouped = {out['ratio_vs_bf16_grouped']:.3f}")
+        out[name]["ratio_vs_dense_fp8"] = v["tflops"] / dense
+        out[name]["ratio_vs_bf16_grouped"] = v["tflops"] / out["bf16_grouped"]["tflops"]
+        print(f"  {name:22s} {v['tflops']:8.1f} TFLOP/s  {v['ms']:.3f} ms "
+              f"[{v['min_ms']:.3f}, {v['max_ms']:.3f}] ({v['method']})  "
+              f"{v['tflops'] / dense:.3f} of dense FP8  "
+              + (str(v["config"]) if "config" in v else ""))
+    for variant in args.variants:
+        if variant + "_rebase_changed" in out:
+            print(f"  {variant}: values changed by rebasing {out[variant + '_rebase_changed']}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2, default=str))

@@ -1,5 +1,6 @@
 """Block-scaled grouped GEMMs: ``config`` (:class:`ScaledGemmConfig`), ``triton`` (MXFP8
-operands, :func:`mxfp8_grouped_mm`, and its reference), ``nvfp4`` (NVFP4 weights with bf16
+operands, :func:`mxfp8_grouped_mm`, exact or rebased onto 128-wide K groups, and block FP8,
+:func:`fp8_block_grouped_mm`, with their references), ``nvfp4`` (NVFP4 weights with bf16
 activations, :func:`nvfp4_weight_grouped_mm`, and its reference)."""
 
 from distmoe.kernels.scaled.config import ScaledGemmConfig
@@ -8,10 +9,17 @@ from distmoe.kernels.scaled.nvfp4 import (
     nvfp4_weight_grouped_mm,
     nvfp4_weight_grouped_mm_ref,
 )
-from distmoe.kernels.scaled.triton import mxfp8_grouped_mm, mxfp8_grouped_mm_ref
+from distmoe.kernels.scaled.triton import (
+    fp8_block_grouped_mm,
+    fp8_block_grouped_mm_ref,
+    mxfp8_grouped_mm,
+    mxfp8_grouped_mm_ref,
+)
 
 __all__ = [
     "ScaledGemmConfig",
+    "fp8_block_grouped_mm",
+    "fp8_block_grouped_mm_ref",
     "mxfp8_grouped_mm",
     "mxfp8_grouped_mm_ref",
     "nvfp4_weight_config",

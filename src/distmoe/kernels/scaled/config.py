@@ -23,8 +23,9 @@ class ScaledGemmConfig:
         block_n: output columns per tile (with SwiGLU: per half, a gate and an up tile of
             ``block_n`` weight rows each); power of two, 32-256 (a tile's columns then cover
             whole 32-row weight scale blocks).
-        block_k: K loaded per loop iteration, cut into ``block_k / 32`` dots of 32 (one scale
-            step each); power of two, 32-256.
+        block_k: K loaded per loop iteration, cut into one dot per scale group along K
+            (``block_k / 32`` dots of 32 for MXFP8, ``block_k / 128`` of 128 for 128-wide
+            groups; at least one group); power of two, 32-256.
         num_warps: 4 or 8 (one or two Hopper warpgroups).
         num_stages: software-pipeline depth of the K loop (>= 1).
         group_m: row tiles per group of the group-M swizzle (L2 reuse of weight tiles), >= 1.
@@ -71,16 +72,17 @@ class ScaledGemmConfig:
                 and self.accumulator_regs_per_thread(swiglu=swiglu) <= 128)
 
     @classmethod
-    def for_widths(cls, *, k: int, n: int, swiglu: bool = False,
-                   block_m: int = 128) -> ScaledGemmConfig:
+    def for_widths(cls, *, k: int, n: int, swiglu: bool = False, block_m: int = 128,
+                   k_group: int = SCALE_BLOCK) -> ScaledGemmConfig:
         """A config that fits these widths: 128 x 128 x 64 tiles (128 x 64 per half with
         SwiGLU, whose two accumulators and partials would not fit the registers at 128)
         shrunk to K = ``k`` and the output width (``n``, or ``n / 2`` with SwiGLU), 8 warps at
         a full tile, as many stages (2-4) as fit 160 KiB. (sm_90 ptxas, 8 warps: 128 x 128 at
-        block_k 64 takes 254 registers and no spill, at 128 it spills; SwiGLU 128 x 64: 172.)"""
+        block_k 64 takes 254 registers and no spill, at 128 it spills; SwiGLU 128 x 64: 172.)
+        ``k_group``: values per scale along K (32 or 128): block_k is at least one group."""
         out_n = n // 2 if swiglu else n
         block_n = min(64 if swiglu else 128, max(SCALE_BLOCK, next_power_of_2(out_n)))
-        block_k = min(64, max(SCALE_BLOCK, next_power_of_2(k)))
+        block_k = max(k_group, min(64, next_power_of_2(k)))
         num_warps = 8 if block_m * block_n * (2 if swiglu else 1) >= 128 * 128 else 4
         probe = cls(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
                     num_stages=1)

@@ -79,6 +79,8 @@ reference checks them).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -96,7 +98,7 @@ from distmoe.kernels.base.interpreter import interpreter_active
 from distmoe.kernels.base.rows import activation_segments
 from distmoe.kernels.base.tiles import swizzle_tile, tile_activation_rows, tile_expert
 from distmoe.kernels.scaled.config import SCALE_BLOCK, ScaledGemmConfig
-from distmoe.quant.mxfp8 import mxfp8_dequantize
+from distmoe.quant.mxfp8 import e8m0_to_float
 
 # --------------------------------------------------------------------------------------------
 # Kernels
@@ -113,21 +115,29 @@ def _e8m0_to_fp32(s):
 
 
 @triton.jit
-def _load_step(rows_ptr, srows_ptr, s, kk, ok, MASKED: tl.constexpr):
-    """K step ``s`` of a tile: the E4M3 values ``[rows, kk]`` and the rows' fp32 scales.
-    ``MASKED``: rows outside ``ok`` read zeros and scale byte 127 (1.0)."""
+def _load_step(rows_ptr, srows_ptr, s, kk, ok, MASKED: tl.constexpr, SCALE_FP32: tl.constexpr):
+    """K step ``s`` of a tile: the E4M3 values ``[rows, kk]`` and the rows' fp32 scales
+    (E8M0 bytes decoded, or fp32 scales as stored). ``MASKED``: rows outside ``ok`` read
+    zeros and scale 1.0."""
+    if SCALE_FP32:
+        one = 1.0
+    else:
+        one = 127
     if MASKED:
         q = tl.load(rows_ptr[:, None] + kk[None, :], mask=ok[:, None], other=0.0)
-        sc = tl.load(srows_ptr + s, mask=ok, other=127)
+        sc = tl.load(srows_ptr + s, mask=ok, other=one)
     else:
         q = tl.load(rows_ptr[:, None] + kk[None, :])
         sc = tl.load(srows_ptr + s)
-    return q, _e8m0_to_fp32(sc.to(tl.int32))
+    if SCALE_FP32:
+        return q, sc
+    else:
+        return q, _e8m0_to_fp32(sc.to(tl.int32))
 
 
 @triton.jit
 def _dot_step(a, b, INTERPRET: tl.constexpr):
-    """``a [M, 32] @ b [N, 32]^T`` of E4M3 tiles, fp32 out: one FP8 tensor-core dot, or under
+    """``a [M, G] @ b [N, G]^T`` of E4M3 tiles, fp32 out: FP8 tensor-core dots, or under
     the interpreter an fp32 dot of the exactly widened values with NaN codes kept NaN (the
     interpreter's own E4M3 decoding turns them into +-480)."""
     if INTERPRET:
@@ -163,11 +173,14 @@ def _mxfp8_tile(
     EVEN_N: tl.constexpr,
     SWIGLU: tl.constexpr,
     INTERPRET: tl.constexpr,
+    K_GROUP: tl.constexpr,
+    SB_ROWS: tl.constexpr,
+    SCALE_FP32: tl.constexpr,
 ):
     """One ``BLOCK_M x BLOCK_N`` output tile of the padded row tile at ``row_start``."""
-    KS: tl.constexpr = K // 32  # scale columns of a row (K steps)
+    KS: tl.constexpr = K // K_GROUP  # scale columns of a row (K steps)
     NUM_KB: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-    STEPS: tl.constexpr = BLOCK_K // 32
+    STEPS: tl.constexpr = BLOCK_K // K_GROUP
     expert = tile_expert(padded_offsets_ptr, row_start, NUM_EXPERTS, EXPERTS_POW2)
     act_start, num_live = tile_activation_rows(
         padded_offsets_ptr, row_offsets_ptr, expert, row_start
@@ -184,18 +197,18 @@ def _mxfp8_tile(
         e64 = expert.to(tl.int64)
         # gate (or the only) weight rows, and the up rows F = OUT_N further with SwiGLU
         g_rows = b_ptr + e64 * (N * K) + cols * K
-        g_srows = sb_ptr + e64 * ((N // 32) * KS) + (cols // 32) * KS
+        g_srows = sb_ptr + e64 * ((N // SB_ROWS) * KS) + (cols // SB_ROWS) * KS
         u_rows = g_rows + OUT_N * K
-        u_srows = g_srows + (OUT_N // 32) * KS
-        offs = tl.arange(0, 32)
+        u_srows = g_srows + (OUT_N // SB_ROWS) * KS
+        offs = tl.arange(0, K_GROUP)
 
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, NUM_KB):
             for j in tl.static_range(STEPS):
-                s = kb * STEPS + j  # K step: values [32 s, 32 s + 32), scale column s
-                kk = s * 32 + offs
-                # Masked rows, columns and steps read zeros and scale byte 127 (1.0): their
+                s = kb * STEPS + j  # K step: values [G s, G s + G), scale column s
+                kk = s * K_GROUP + offs
+                # Masked rows, columns and steps read zeros and scale 1.0: their
                 # terms are 0 and never reach a stored element or change a live one.
                 if EVEN_K:
                     row_ok = is_live
@@ -203,12 +216,13 @@ def _mxfp8_tile(
                 else:
                     row_ok = is_live & (s < KS)
                     col_ok = is_col & (s < KS)
-                a, sa = _load_step(a_rows, sa_rows, s, kk, row_ok, True)
-                b, sb = _load_step(g_rows, g_srows, s, kk, col_ok, not (EVEN_K and EVEN_N))
+                a, sa = _load_step(a_rows, sa_rows, s, kk, row_ok, True, SCALE_FP32)
+                b, sb = _load_step(g_rows, g_srows, s, kk, col_ok, not (EVEN_K and EVEN_N),
+                                   SCALE_FP32)
                 acc_g += _dot_step(a, b, INTERPRET) * (sa[:, None] * sb[None, :])
                 if SWIGLU:
                     bu, su = _load_step(u_rows, u_srows, s, kk, col_ok,
-                                        not (EVEN_K and EVEN_N))
+                                        not (EVEN_K and EVEN_N), SCALE_FP32)
                     acc_u += _dot_step(a, bu, INTERPRET) * (sa[:, None] * su[None, :])
 
         if SWIGLU:
@@ -243,6 +257,9 @@ def _mxfp8_grouped_mm_kernel(
     EVEN_N: tl.constexpr,
     SWIGLU: tl.constexpr,
     INTERPRET: tl.constexpr,
+    K_GROUP: tl.constexpr,
+    SB_ROWS: tl.constexpr,
+    SCALE_FP32: tl.constexpr,
 ):
     NUM_PID_N: tl.constexpr = (OUT_N + BLOCK_N - 1) // BLOCK_N
     pid_m, pid_n = swizzle_tile(tl.program_id(0), num_pid_m, NUM_PID_N, GROUP_M)
@@ -253,7 +270,7 @@ def _mxfp8_grouped_mm_kernel(
     while row_start < total_rows:
         _mxfp8_tile(a_ptr, sa_ptr, b_ptr, sb_ptr, padded_offsets_ptr, row_offsets_ptr, out_ptr,
                     row_start, pid_n, NUM_EXPERTS, EXPERTS_POW2, K, N, OUT_N, BLOCK_M, BLOCK_N,
-                    BLOCK_K, EVEN_K, EVEN_N, SWIGLU, INTERPRET)
+                    BLOCK_K, EVEN_K, EVEN_N, SWIGLU, INTERPRET, K_GROUP, SB_ROWS, SCALE_FP32)
         row_start += num_pid_m * BLOCK_M
 
 
@@ -262,12 +279,40 @@ def _mxfp8_grouped_mm_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-def _multiple_of_32(name: str, value: int, text: str) -> None:
-    if value <= 0 or value % SCALE_BLOCK:
-        raise ValueError(f"{name} ({value}) must be a positive multiple of 32 ({text})")
+@dataclass(frozen=True)
+class ScaleLayout:
+    """Where an operand pair's scales sit: one activation scale per ``k_group`` values of a
+    row along K; one weight scale per ``b_rows`` weight rows by ``k_group`` values; scales
+    stored as E8M0 bytes (uint8) or float32."""
+
+    name: str
+    k_group: int
+    b_rows: int
+    fp32: bool
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32 if self.fp32 else torch.uint8
+
+    @property
+    def kind(self) -> str:
+        return "float32" if self.fp32 else "E8M0"
 
 
-def check_mxfp8_grouped_mm_args(
+#: exact MXFP8: one E8M0 scale per 32 values, 32 x 32 weight blocks
+MXFP8 = ScaleLayout("mxfp8", SCALE_BLOCK, SCALE_BLOCK, False)
+#: MXFP8 rebased onto 128-wide K groups (:func:`distmoe.quant.mxfp8_rebase`)
+MXFP8_REBASED = ScaleLayout("mxfp8 rebased to 128", 128, SCALE_BLOCK, False)
+#: DeepSeek-V3's FP8 recipe: float32 scales, 1 x 128 activations, 128 x 128 weights
+FP8_BLOCK = ScaleLayout("fp8_block", 128, 128, True)
+
+
+def _multiple_of(name: str, value: int, m: int, text: str) -> None:
+    if value <= 0 or value % m:
+        raise ValueError(f"{name} ({value}) must be a positive multiple of {m} ({text})")
+
+
+def check_scaled_grouped_mm_args(
     a_q: object,
     a_scales: object,
     b_q: object,
@@ -277,17 +322,20 @@ def check_mxfp8_grouped_mm_args(
     out: object,
     *,
     swiglu: object,
+    layout: ScaleLayout = MXFP8,
     for_kernel: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int]:
-    """Validate :func:`mxfp8_grouped_mm`'s arguments (no synchronisation); return the weights
-    seen as ``[E, N, K]`` / ``[E, N/32, K/32]`` and ``(R, K, E, N)``."""
+    """Validate a block-scaled grouped GEMM's arguments for ``layout`` (no synchronisation);
+    return the weights seen as ``[E, N, K]`` / ``[E, N/b_rows, K/k_group]`` and
+    ``(R, K, E, N)``."""
     if not isinstance(swiglu, bool):
         raise TypeError(f"swiglu must be a bool, got {type(swiglu).__name__}")
+    g, br, sd, kind = layout.k_group, layout.b_rows, layout.dtype, layout.kind
     check_tensor("a_q", a_q, dtypes=(torch.float8_e4m3fn,), ndim=2, shape_text="[R, K]")
     rows, k = a_q.shape
-    _multiple_of_32("K", k, "a_q.shape[1]: 32 values per E8M0 scale")
-    check_tensor("a_scales", a_scales, dtypes=(torch.uint8,), shape=[rows, k // SCALE_BLOCK],
-                 shape_text="[R, K/32] (E8M0, from mxfp8_quantize(x, dim=-1))")
+    _multiple_of("K", k, g, f"a_q.shape[1]: {g} values per {layout.name} scale")
+    check_tensor("a_scales", a_scales, dtypes=(sd,), shape=[rows, k // g],
+                 shape_text=f"[R, K/{g}] ({kind}, {layout.name})")
     if not isinstance(b_q, torch.Tensor):
         raise TypeError(f"b_q must be a torch.Tensor, got {type(b_q).__name__}")
     if swiglu and b_q.dim() == 4:
@@ -298,11 +346,11 @@ def check_mxfp8_grouped_mm_args(
             raise ValueError(f"b_q must have shape [E, 2, F, K] (w13: gate, up) when 4-D, got "
                              f"{list(b_q.shape)}")
         num_experts, _, ffn, bk = b_q.shape
-        check_tensor("b_scales", b_scales, dtypes=(torch.uint8,),
-                     shape=[num_experts, 2, ffn // SCALE_BLOCK, bk // SCALE_BLOCK],
-                     shape_text="[E, 2, F/32, K/32] (MXFP8Weight.scales of w13)")
+        check_tensor("b_scales", b_scales, dtypes=(sd,),
+                     shape=[num_experts, 2, ffn // br, bk // g],
+                     shape_text=f"[E, 2, F/{br}, K/{g}] ({kind}, {layout.name} scales of w13)")
         b_q = b_q.view(num_experts, 2 * ffn, bk)
-        b_scales = b_scales.view(num_experts, 2 * ffn // SCALE_BLOCK, bk // SCALE_BLOCK)
+        b_scales = b_scales.view(num_experts, 2 * ffn // br, bk // g)
     else:
         check_tensor("b_q", b_q, dtypes=(torch.float8_e4m3fn,), ndim=3,
                      shape_text="[E, N, K]" + (" or [E, 2, F, K]" if swiglu else ""))
@@ -313,13 +361,13 @@ def check_mxfp8_grouped_mm_args(
     if num_experts < 1:
         raise ValueError(f"b_q must hold at least one expert (E >= 1), got shape "
                          f"{list(b_q.shape)}")
-    _multiple_of_32("N", n, "b_q.shape[1]: 32 x 32 weight scale blocks")
-    if swiglu and n % (2 * SCALE_BLOCK):
-        raise ValueError(f"N ({n}, b_q.shape[1]) must be 2F with F a multiple of 32 when swiglu "
-                         "is set (gate and up halves of whole 32-row scale blocks)")
-    check_tensor("b_scales", b_scales, dtypes=(torch.uint8,),
-                 shape=[num_experts, n // SCALE_BLOCK, k // SCALE_BLOCK],
-                 shape_text="[E, N/32, K/32] (MXFP8Weight.scales: the forward orientation)")
+    _multiple_of("N", n, br, f"b_q.shape[1]: {br} x {g} weight scale blocks")
+    if swiglu and n % (2 * br):
+        raise ValueError(f"N ({n}, b_q.shape[1]) must be 2F with F a multiple of {br} when "
+                         f"swiglu is set (gate and up halves of whole {br}-row scale blocks)")
+    check_tensor("b_scales", b_scales, dtypes=(sd,), shape=[num_experts, n // br, k // g],
+                 shape_text=f"[E, N/{br}, K/{g}] ({kind}, {layout.name}: the forward "
+                            "orientation)")
     check_offsets(padded_offsets, row_offsets, num_experts)
     out_n = n // 2 if swiglu else n
     check_tensor("out", out, dtypes=(torch.bfloat16,), shape=[rows, out_n],
@@ -330,49 +378,37 @@ def check_mxfp8_grouped_mm_args(
     return b_q, b_scales, rows, k, num_experts, n
 
 
-def mxfp8_grouped_mm(
-    a_q: torch.Tensor,
-    a_scales: torch.Tensor,
-    b_q: torch.Tensor,
-    b_scales: torch.Tensor,
-    padded_offsets: torch.Tensor,
-    row_offsets: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    swiglu: bool = False,
-    config: ScaledGemmConfig | None = None,
-) -> torch.Tensor:
-    """Per expert ``e``: ``out[rows of e] = dequant(a_q) @ dequant(b_q[e])^T`` on MXFP8 operands
-    (or its SwiGLU), FP8 tensor-core dots per 32-wide K step promoted with both scales into
-    fp32: exact MXFP8 arithmetic up to the fp32 summation order (module docstring).
+def check_mxfp8_grouped_mm_args(a_q, a_scales, b_q, b_scales, padded_offsets, row_offsets, out,
+                                *, swiglu, for_kernel=True):
+    """:func:`check_scaled_grouped_mm_args` for exact MXFP8 operands."""
+    return check_scaled_grouped_mm_args(a_q, a_scales, b_q, b_scales, padded_offsets,
+                                        row_offsets, out, swiglu=swiglu, layout=MXFP8,
+                                        for_kernel=for_kernel)
 
-    Args:
-        a_q: float8_e4m3fn ``[R, K]``, activation rows in expert-major order (expert ``e``
-            owns rows ``[row_offsets[e], row_offsets[e+1])``); K a multiple of 32. ``R`` is
-            the row capacity: it sizes the grid.
-        a_scales: uint8 E8M0 ``[R, K/32]`` (``mxfp8_quantize(x, dim=-1)``'s scales).
-        b_q: float8_e4m3fn ``[E, N, K]`` (``mxfp8_quantize_weight(w).qdata``, N a multiple of
-            32); with ``swiglu``, N = 2F in w13's order (gate rows, then up rows), also
-            accepted as w13's ``[E, 2, F, K]``.
-        b_scales: uint8 E8M0 ``[E, N/32, K/32]`` (or ``[E, 2, F/32, K/32]``): the 32 x 32
-            block scales in the forward orientation (``MXFP8Weight.scales``).
-        padded_offsets: int32 ``[E + 1]`` on the device: the padded row tiles of each expert
-            (segments multiples of ``config.block_m``).
-        row_offsets: int32 ``[E + 1]`` on the device: exclusive prefix sum of live rows per
-            expert, ``row_offsets[E] <= R``.
-        out: bf16 ``[R, N]``, or ``[R, F]`` with ``swiglu``; receives the live rows
-            ``[0, row_offsets[E])``; every other row is left untouched.
-        swiglu: ``out = silu(gate) * up`` from the two fp32 accumulators, rounded once.
-        config: launch configuration; default :meth:`ScaledGemmConfig.for_widths`.
 
-    Returns ``out``. No host synchronisation; nothing allocated.
-    """
-    b_q, b_scales, rows, k, num_experts, n = check_mxfp8_grouped_mm_args(
-        a_q, a_scales, b_q, b_scales, padded_offsets, row_offsets, out, swiglu=swiglu)
+def _layout_of_k_group(k_group: object) -> ScaleLayout:
+    if isinstance(k_group, bool) or k_group not in (32, 128):
+        raise ValueError(f"k_group ({k_group!r}) must be 32 (MXFP8 as quantised) or 128 "
+                         "(rebased onto 128-wide K groups by distmoe.quant.mxfp8_rebase)")
+    return MXFP8 if k_group == 32 else MXFP8_REBASED
+
+
+def scaled_grouped_mm(a_q, a_scales, b_q, b_scales, padded_offsets, row_offsets, out, *,
+                      layout: ScaleLayout, swiglu: bool = False,
+                      config: ScaledGemmConfig | None = None) -> torch.Tensor:
+    """The block-scaled grouped GEMM for operands of ``layout`` (:data:`MXFP8`,
+    :data:`MXFP8_REBASED`, :data:`FP8_BLOCK`): see :func:`mxfp8_grouped_mm` and
+    :func:`fp8_block_grouped_mm` for the contract."""
+    b_q, b_scales, rows, k, num_experts, n = check_scaled_grouped_mm_args(
+        a_q, a_scales, b_q, b_scales, padded_offsets, row_offsets, out, swiglu=swiglu,
+        layout=layout)
     if config is None:
-        config = ScaledGemmConfig.for_widths(k=k, n=n, swiglu=swiglu)
+        config = ScaledGemmConfig.for_widths(k=k, n=n, swiglu=swiglu, k_group=layout.k_group)
     elif not isinstance(config, ScaledGemmConfig):
         raise TypeError(f"config must be a ScaledGemmConfig, got {type(config).__name__}")
+    if config.block_k < layout.k_group:
+        raise ValueError(f"config.block_k ({config.block_k}) must be at least the K group of "
+                         f"the scales ({layout.k_group}, {layout.name})")
     if rows == 0:
         return out
     out_n = n // 2 if swiglu else n
@@ -401,18 +437,16 @@ def mxfp8_grouped_mm(
             EVEN_N=out_n % config.block_n == 0,
             SWIGLU=swiglu,
             INTERPRET=interpreter_active(),
+            K_GROUP=layout.k_group,
+            SB_ROWS=layout.b_rows,
+            SCALE_FP32=layout.fp32,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
     return out
 
 
-# --------------------------------------------------------------------------------------------
-# Reference
-# --------------------------------------------------------------------------------------------
-
-
-def mxfp8_grouped_mm_ref(
+def mxfp8_grouped_mm(
     a_q: torch.Tensor,
     a_scales: torch.Tensor,
     b_q: torch.Tensor,
@@ -422,23 +456,110 @@ def mxfp8_grouped_mm_ref(
     out: torch.Tensor,
     *,
     swiglu: bool = False,
+    config: ScaledGemmConfig | None = None,
+    k_group: int = 32,
+) -> torch.Tensor:
+    """Per expert ``e``: ``out[rows of e] = dequant(a_q) @ dequant(b_q[e])^T`` on MXFP8 operands
+    (or its SwiGLU), FP8 tensor-core dots per ``k_group``-wide K step promoted with both
+    scales into fp32: exact arithmetic on the operands as given, up to the fp32 summation
+    order (module docstring).
+
+    Args:
+        a_q: float8_e4m3fn ``[R, K]``, activation rows in expert-major order (expert ``e``
+            owns rows ``[row_offsets[e], row_offsets[e+1])``); K a multiple of ``k_group``.
+            ``R`` is the row capacity: it sizes the grid.
+        a_scales: uint8 E8M0 ``[R, K/k_group]`` (``mxfp8_quantize(x, dim=-1)``'s scales, or
+            :func:`~distmoe.quant.mxfp8_rebase`'s with ``k_group=128``).
+        b_q: float8_e4m3fn ``[E, N, K]`` (``mxfp8_quantize_weight(w).qdata``, N a multiple of
+            32); with ``swiglu``, N = 2F in w13's order (gate rows, then up rows), also
+            accepted as w13's ``[E, 2, F, K]``.
+        b_scales: uint8 E8M0 ``[E, N/32, K/k_group]`` (or ``[E, 2, F/32, K/k_group]``): the
+            32-row block scales in the forward orientation (``MXFP8Weight.scales``, or
+            rebased).
+        padded_offsets: int32 ``[E + 1]`` on the device: the padded row tiles of each expert
+            (segments multiples of ``config.block_m``).
+        row_offsets: int32 ``[E + 1]`` on the device: exclusive prefix sum of live rows per
+            expert, ``row_offsets[E] <= R``.
+        out: bf16 ``[R, N]``, or ``[R, F]`` with ``swiglu``; receives the live rows
+            ``[0, row_offsets[E])``; every other row is left untouched.
+        swiglu: ``out = silu(gate) * up`` from the two fp32 accumulators, rounded once.
+        config: launch configuration; default :meth:`ScaledGemmConfig.for_widths`.
+        k_group: values per scale along K: 32 (MXFP8 as quantised: one promotion per 32) or
+            128 (operands rebased onto 128-wide groups: one promotion per 128, so four FP8
+            MMAs run back to back between promotions).
+
+    Returns ``out``. No host synchronisation; nothing allocated.
+    """
+    return scaled_grouped_mm(a_q, a_scales, b_q, b_scales, padded_offsets, row_offsets, out,
+                             layout=_layout_of_k_group(k_group), swiglu=swiglu, config=config)
+
+
+def fp8_block_grouped_mm(
+    a_q: torch.Tensor,
+    a_scales: torch.Tensor,
+    b_q: torch.Tensor,
+    b_scales: torch.Tensor,
+    padded_offsets: torch.Tensor,
+    row_offsets: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    swiglu: bool = False,
+    config: ScaledGemmConfig | None = None,
+) -> torch.Tensor:
+    """:func:`mxfp8_grouped_mm` on DeepSeek-V3-style block-FP8 operands
+    (:func:`~distmoe.quant.fp8_block_quantize`): ``a_scales`` float32 ``[R, K/128]`` (one per
+    1 x 128 activation block), ``b_scales`` float32 ``[E, N/128, K/128]`` (one per 128 x 128
+    weight block; ``[E, 2, F/128, K/128]`` with w13's 4-D layout), values multiplied by their
+    scale on dequantisation (a checkpoint's ``weight_scale_inv``). K and N multiples of 128
+    (F with SwiGLU). One promotion per 128-wide K step: ``acc += P_s * sa * sb`` in fp32
+    (``sa * sb`` rounded once, unlike the power-of-two MXFP8 scales)."""
+    return scaled_grouped_mm(a_q, a_scales, b_q, b_scales, padded_offsets, row_offsets, out,
+                             layout=FP8_BLOCK, swiglu=swiglu, config=config)
+
+
+# --------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------
+
+
+def _dequantize(q: torch.Tensor, scales: torch.Tensor, layout: ScaleLayout,
+                rows_per_scale: int) -> torch.Tensor:
+    """float64 values of E4M3 ``q [..., rows, K]`` with ``scales [..., rows / rows_per_scale,
+    K / k_group]`` of ``layout`` (exact: E4M3 values and scales are float64 values; NaN codes
+    and the E8M0 NaN byte give NaN)."""
+    s = scales.float() if layout.fp32 else e8m0_to_float(scales)
+    s = s.repeat_interleave(rows_per_scale, dim=-2).repeat_interleave(layout.k_group, dim=-1)
+    return q.double() * s.double()
+
+
+def scaled_grouped_mm_ref(
+    a_q: torch.Tensor,
+    a_scales: torch.Tensor,
+    b_q: torch.Tensor,
+    b_scales: torch.Tensor,
+    padded_offsets: torch.Tensor,
+    row_offsets: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    layout: ScaleLayout = MXFP8,
+    swiglu: bool = False,
     block_m: int = 128,
 ) -> torch.Tensor:
-    """Plain-PyTorch :func:`mxfp8_grouped_mm` (any device; synchronises; for tests).
+    """Plain-PyTorch :func:`scaled_grouped_mm` (any device; synchronises; for tests).
 
     Same arguments and contract (``block_m``: the padding multiple, checked on the host with
-    both tables). Both operands dequantised exactly (:func:`~distmoe.quant.mxfp8_dequantize`,
-    fp32), one float64 matmul per expert, rounded to fp32 (the kernel's accumulator type);
-    SwiGLU in fp32; one rounding to bf16. Only the live rows are written.
+    both tables). Both operands dequantised exactly (float64), one float64 matmul per expert,
+    rounded to fp32 (the kernel's accumulator type); SwiGLU in fp32; one rounding to bf16.
+    Only the live rows are written.
     """
-    b_q, b_scales, rows, k, num_experts, n = check_mxfp8_grouped_mm_args(
+    b_q, b_scales, rows, k, num_experts, n = check_scaled_grouped_mm_args(
         a_q, a_scales, b_q, b_scales, padded_offsets, row_offsets, out, swiglu=swiglu,
-        for_kernel=False)
+        layout=layout, for_kernel=False)
     check_padded_offsets_host(padded_offsets, block_m=block_m,
                               r_cap=int(padded_offsets[-1].item()))
     check_row_offsets_host(padded_offsets, row_offsets, r_act=rows)
-    a = mxfp8_dequantize(a_q, a_scales, dim=-1).double()
-    b = mxfp8_dequantize(b_q, b_scales.repeat_interleave(SCALE_BLOCK, dim=-2), dim=-1).double()
+    a = _dequantize(a_q, a_scales, layout, 1)
+    b = _dequantize(b_q, b_scales, layout, layout.b_rows)
     out_n = n // 2 if swiglu else n
     for e, (_, act_start, count) in enumerate(activation_segments(padded_offsets, row_offsets)):
         if count == 0:
@@ -448,3 +569,19 @@ def mxfp8_grouped_mm_ref(
             acc = torch.nn.functional.silu(acc[:, :out_n]) * acc[:, out_n:]
         out[act_start:act_start + count] = acc.to(torch.bfloat16)
     return out
+
+
+def mxfp8_grouped_mm_ref(a_q, a_scales, b_q, b_scales, padded_offsets, row_offsets, out, *,
+                         swiglu: bool = False, block_m: int = 128,
+                         k_group: int = 32) -> torch.Tensor:
+    """Plain-PyTorch :func:`mxfp8_grouped_mm` (:func:`scaled_grouped_mm_ref`)."""
+    return scaled_grouped_mm_ref(a_q, a_scales, b_q, b_scales, padded_offsets, row_offsets,
+                                 out, layout=_layout_of_k_group(k_group), swiglu=swiglu,
+                                 block_m=block_m)
+
+
+def fp8_block_grouped_mm_ref(a_q, a_scales, b_q, b_scales, padded_offsets, row_offsets, out,
+                             *, swiglu: bool = False, block_m: int = 128) -> torch.Tensor:
+    """Plain-PyTorch :func:`fp8_block_grouped_mm` (:func:`scaled_grouped_mm_ref`)."""
+    return scaled_grouped_mm_ref(a_q, a_scales, b_q, b_scales, padded_offsets, row_offsets,
+                                 out, layout=FP8_BLOCK, swiglu=swiglu, block_m=block_m)

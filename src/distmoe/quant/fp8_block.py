@@ -1,0 +1,160 @@
+"""Block FP8 (DeepSeek-V3's released FP8 recipe) and MXFP8 rebased onto 128-wide K groups.
+
+**Block FP8** (``precision="fp8_block"``): E4M3 values with float32 scales, one per 1 x 128
+activation block (along K) and one per 128 x 128 weight block. Dequantised value =
+``q * s`` (a checkpoint's ``weight_scale_inv`` is such an ``s``). For each block::
+
+    amax = max |x| over the block's finite values          (0 if none)
+    s    = amax / 448 in float32 (correctly rounded), or 1.0 when amax is 0
+    q    = x / s (float32 division) rounded to nearest, ties to even, onto E4M3,
+           clamped at +-448 (x / s can exceed 448 by an ulp after the two roundings)
+
+NaN and +-Inf inputs are ignored by the amax and stored as E4M3 NaN (``0x7F`` with the
+input's sign). A finite ``x`` comes back within half an E4M3 step at ``x / s``'s binade (or
+2^-10 s below E4M3's normal range), plus the scale's own rounding (relative 2^-24).
+
+**Rebasing MXFP8 onto 128-wide K groups** (:func:`mxfp8_rebase`): Hopper's FP8 MMA applies
+no scale, so with a scale every 32 values of K the kernel must promote its partial sum after
+every 32-deep MMA. Rebasing makes one scale cover 128 values: each group of four 32-blocks
+takes the largest of their four E8M0 exponents ``e_max``, and each value of a block with
+exponent ``e`` is shifted down by ``d = e_max - e`` binades inside E4M3::
+
+    q' = q * 2^-d   rounded to nearest even onto E4M3;   scale' = e_max
+
+Exact unless ``q * 2^-d`` leaves E4M3's normal range and has bits below the subnormal step
+2^-9: then it is rounded, an error of at most ``2^-10 * 2^(e_max - 127)`` in the
+dequantised value (half a subnormal step at the group's scale), relative to the group's
+largest magnitude (at least ``224 * 2^(e_max - 127)`` under the ceil rule of
+:mod:`distmoe.quant.mxfp8`) below ``2^-17.8``. :func:`mxfp8_rebase` counts the values it
+changed. A NaN scale byte (255) stays NaN for its whole group.
+
+Plain PyTorch (any device; no host synchronisation): a weight is quantised or rebased once
+per weight version, outside any timed call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distmoe.kernels.base.checks import check_tensor
+from distmoe.quant.formats import E4M3_MAX
+
+#: values per block-FP8 scale along K, and weight rows per scale
+FP8_BLOCK = 128
+
+
+def _blocks(name: str, size: int, what: str) -> int:
+    if size % FP8_BLOCK or size == 0:
+        raise ValueError(f"{name} ({size}) must be a positive multiple of {FP8_BLOCK} ({what})")
+    return size // FP8_BLOCK
+
+
+def _check_float(name: str, x: object, ndim_min: int) -> None:
+    check_tensor(name, x, dtypes=(torch.bfloat16, torch.float16, torch.float32))
+    if x.dim() < ndim_min:
+        raise ValueError(f"{name} must have at least {ndim_min} dimensions, got shape "
+                         f"{list(x.shape)}")
+
+
+def _quantize_blocks(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``xb [..., n_blocks, block]`` float -> (E4M3 ``[..., n_blocks, block]``, float32 scales
+    ``[..., n_blocks]``) by the module's rule."""
+    x = xb.float()
+    finite = torch.isfinite(x)
+    amax = torch.where(finite, x.abs(), 0.0).amax(-1)
+    s = torch.where(amax > 0, amax / E4M3_MAX, 1.0)
+    y = (x / s[..., None]).clamp(-E4M3_MAX, E4M3_MAX)
+    y = torch.where(finite, y, torch.copysign(torch.full_like(y, float("nan")), x))
+    return y.to(torch.float8_e4m3fn), s
+
+
+def fp8_block_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations ``x [..., K]`` (bf16 / fp16 / fp32, K a multiple of 128) ->
+    ``(qdata float8_e4m3fn [..., K], scales float32 [..., K/128])``: one scale per 1 x 128
+    block along the last axis (module docstring)."""
+    _check_float("x", x, 1)
+    nb = _blocks("K", x.shape[-1], "x.shape[-1]: one float32 scale per 128 values")
+    q, s = _quantize_blocks(x.unflatten(-1, (nb, FP8_BLOCK)))
+    return q.flatten(-2), s
+
+
+def fp8_block_quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights ``w [..., N, K]`` (N and K multiples of 128) -> ``(qdata float8_e4m3fn
+    [..., N, K], scales float32 [..., N/128, K/128])``: one scale per 128 x 128 block (the
+    layout of DeepSeek-V3's FP8 checkpoints' ``weight_scale_inv``)."""
+    _check_float("w", w, 2)
+    nb = _blocks("N", w.shape[-2], "w.shape[-2]: 128 x 128 weight blocks")
+    kb = _blocks("K", w.shape[-1], "w.shape[-1]: 128 x 128 weight blocks")
+    blocks = w.unflatten(-1, (kb, FP8_BLOCK)).unflatten(-3, (nb, FP8_BLOCK))
+    blocks = blocks.movedim(-3, -2).flatten(-2)  # [..., nb, kb, 128 * 128]
+    q, s = _quantize_blocks(blocks)
+    q = q.unflatten(-1, (FP8_BLOCK, FP8_BLOCK)).movedim(-2, -3).flatten(-4, -3).flatten(-2)
+    return q, s
+
+
+def fp8_block_dequantize(qdata: torch.Tensor, scales: torch.Tensor, *,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``qdata * scale`` in ``dtype`` (float32 or float64: exact in float64) for activations
+    (``scales [..., K/128]``) or weights (``scales [..., N/128, K/128]``)."""
+    check_tensor("qdata", qdata, dtypes=(torch.float8_e4m3fn,))
+    check_tensor("scales", scales, dtypes=(torch.float32,))
+    if qdata.dim() == 0:
+        raise ValueError("qdata must have at least one dimension")
+    kb = _blocks("K", qdata.shape[-1], "qdata.shape[-1]")
+    rows = qdata.shape[-2] if qdata.dim() >= 2 else None
+    if list(scales.shape) == list(qdata.shape[:-1]) + [kb]:
+        s = scales.repeat_interleave(FP8_BLOCK, dim=-1)
+    elif rows is not None and rows % FP8_BLOCK == 0 and list(scales.shape) == (
+            list(qdata.shape[:-2]) + [rows // FP8_BLOCK, kb]):
+        s = scales.repeat_interleave(FP8_BLOCK, dim=-1).repeat_interleave(FP8_BLOCK, dim=-2)
+    else:
+        raise ValueError(f"scales must have shape {list(qdata.shape[:-1]) + [kb]} (1 x 128 "
+                         f"blocks) or [..., N/128, K/128] (128 x 128 blocks) for qdata of "
+                         f"shape {list(qdata.shape)}, got {list(scales.shape)}")
+    return (qdata.to(dtype) * s.to(dtype))
+
+
+def mxfp8_rebase(qdata: torch.Tensor, scales: torch.Tensor, *, group: int = 128
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MXFP8 operands with one E8M0 scale per ``group`` values along K (module docstring).
+
+    Args:
+        qdata: float8_e4m3fn ``[..., rows, K]``, K a multiple of ``group``.
+        scales: uint8 E8M0 ``[..., rows / b, K/32]`` with ``b`` = 1 (activations,
+            ``mxfp8_quantize(x, dim=-1)``) or 32 (a weight's 32 x 32 block scales,
+            ``MXFP8Weight.scales``).
+        group: values per new scale along K: 64 or 128.
+
+    Returns ``(qdata' [..., rows, K], scales' uint8 [..., rows / b, K/group], changed)``:
+    ``changed`` an int64 0-d device tensor, the number of values whose dequantised value the
+    rebasing changed (rounded below E4M3's subnormal step at the group's scale)."""
+    if isinstance(group, bool) or group not in (64, 128):
+        raise ValueError(f"group ({group!r}) must be 64 or 128 (values per new scale)")
+    check_tensor("qdata", qdata, dtypes=(torch.float8_e4m3fn,))
+    check_tensor("scales", scales, dtypes=(torch.uint8,))
+    if qdata.dim() < 2 or scales.dim() != qdata.dim():
+        raise ValueError(f"qdata must be [..., rows, K] and scales [..., rows/b, K/32] of the "
+                         f"same rank, got {list(qdata.shape)} and {list(scales.shape)}")
+    rows, k = qdata.shape[-2:]
+    if k % group or k == 0:
+        raise ValueError(f"K ({k}, qdata.shape[-1]) must be a positive multiple of group "
+                         f"({group})")
+    srows = scales.shape[-2]
+    b = rows // srows if srows else 0
+    if (b not in (1, 32) or b * srows != rows
+            or list(scales.shape) != list(qdata.shape[:-2]) + [srows, k // 32]):
+        raise ValueError(f"scales must have shape [..., rows, K/32] or [..., rows/32, K/32] "
+                         f"for qdata of shape {list(qdata.shape)}, got {list(scales.shape)}")
+    per = group // 32
+    s = scales.to(torch.int32).unflatten(-1, (k // group, per))  # [..., srows, G, per]
+    smax = s.amax(-1)
+    shift = (smax[..., None] - s).flatten(-2)  # [..., srows, K/32]
+    shift = shift.repeat_interleave(32, dim=-1).repeat_interleave(b, dim=-2)
+    v = qdata.float()
+    # 2^-shift as float32 bits (exact; 0 below 2^-149, where the E4M3 result is 0 anyway)
+    factor = torch.where(shift <= 126, (127 - shift).clamp(min=1) << 23, 0).view(torch.float32)
+    shifted = v * factor
+    q2 = shifted.to(torch.float8_e4m3fn)  # round to nearest even (NaN stays NaN)
+    back = q2.double() * torch.exp2(shift.double())  # the rebased value at the old scale
+    changed = (torch.isfinite(v) & (back != v.double())).sum()
+    return q2, smax.to(torch.uint8), changed
