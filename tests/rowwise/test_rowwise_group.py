@@ -22,8 +22,7 @@ import re
 
 import pytest
 import torch
-from rowwise_cases import (POISON, assert_bits_equal, make_problem, on_device, poison_,
-                           to_cpu)
+from rowwise_cases import POISON, assert_bits_equal, make_problem, on_device, poison_, to_cpu
 
 import distmoe
 import distmoe.rowwise as rw
