@@ -21,6 +21,7 @@ from .formats import QuantLaunchConfig
 from .fp8_block import (
     fp8_block_dequantize,
     fp8_block_quantize,
+    fp8_block_quantize_ref,
     fp8_block_quantize_weight,
     mxfp8_rebase,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "QuantLaunchConfig",
     "fp8_block_dequantize",
     "fp8_block_quantize",
+    "fp8_block_quantize_ref",
     "fp8_block_quantize_weight",
     "mxfp8_dequantize",
     "mxfp8_quantize",

@@ -28,16 +28,30 @@ largest magnitude (at least ``224 * 2^(e_max - 127)`` under the ceil rule of
 :mod:`distmoe.quant.mxfp8`) below ``2^-17.8``. :func:`mxfp8_rebase` counts the values it
 changed. A NaN scale byte (255) stays NaN for its whole group.
 
-Plain PyTorch (any device; no host synchronisation): a weight is quantised or rebased once
-per weight version, outside any timed call.
+Activations are quantised by a Triton kernel (:func:`fp8_block_quantize`,
+:func:`fp8_block_quantize_2d` into the caller's buffers; one program per rows x groups tile,
+correctly rounded divisions, the E4M3 rounding in integer arithmetic as the MXFP8 quantiser's)
+with a plain-PyTorch reference (:func:`fp8_block_quantize_ref`) of the same bits. Weights are
+quantised and MXFP8 operands rebased in plain PyTorch (any device; no host synchronisation):
+once per weight version, outside any timed call.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from distmoe.kernels.base.checks import check_tensor
-from distmoe.quant.formats import E4M3_MAX
+from distmoe.kernels.base.checks import check_devices, check_tensor
+from distmoe.kernels.base.device import device_context
+from distmoe.quant.formats import (
+    E4M3_MAX,
+    QuantLaunchConfig,
+    check_launch_config,
+    finite_abs_bits,
+    float32_bits,
+    round_minifloat,
+)
 
 #: values per block-FP8 scale along K, and weight rows per scale
 FP8_BLOCK = 128
@@ -68,10 +82,76 @@ def _quantize_blocks(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return y.to(torch.float8_e4m3fn), s
 
 
-def fp8_block_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations ``x [..., K]`` (bf16 / fp16 / fp32, K a multiple of 128) ->
-    ``(qdata float8_e4m3fn [..., K], scales float32 [..., K/128])``: one scale per 1 x 128
-    block along the last axis (module docstring)."""
+@triton.jit
+def _fp8_block_quantize_kernel(x_ptr, q_ptr, s_ptr, rows, num_groups,
+                               BLOCK_R: tl.constexpr, GROUPS: tl.constexpr):
+    pid_r = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    r = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    g = pid_g * GROUPS + tl.arange(0, GROUPS)
+    j = tl.arange(0, 128)
+    cols = num_groups * 128  # r is int64: offsets are int64
+    ok2 = (r[:, None] < rows) & (g[None, :] < num_groups)
+    offs = r[:, None, None] * cols + (g[None, :, None] * 128 + j[None, None, :])
+    ok3 = ok2[:, :, None]
+    bits = float32_bits(tl.load(x_ptr + offs, mask=ok3, other=0.0))
+    abs_bits = bits & 0x7FFFFFFF
+    amax_bits = tl.max(finite_abs_bits(bits), axis=2)
+    amax = amax_bits.to(tl.float32, bitcast=True)
+    s = tl.where(amax_bits > 0, tl.math.div_rn(amax, 448.0), 1.0)
+    y = tl.math.div_rn(bits.to(tl.float32, bitcast=True), s[:, :, None])
+    code = round_minifloat(y.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0, 3, -6, 126)
+    code = tl.where(abs_bits < 0x7F800000, code, 0x7F)  # NaN, Inf -> NaN
+    sign = (bits >> 24) & 0x80
+    tl.store(q_ptr + offs, (code | sign).to(tl.uint8), mask=ok3)
+    tl.store(s_ptr + r[:, None] * num_groups + g[None, :], s, mask=ok2)
+
+
+def fp8_block_quantize_2d(x: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor, *,
+                          config: QuantLaunchConfig | None = None) -> None:
+    """Launcher: quantise contiguous ``x [rows, cols]`` (bf16 / fp16 / fp32, cols a multiple
+    of 128) along its last axis into the caller's ``qdata`` (float8_e4m3fn ``[rows, cols]``,
+    or its uint8 view) and ``scales`` (float32 ``[rows, cols / 128]``), all contiguous on one
+    device (CUDA, or the CPU under the interpreter). ``config.block_groups`` counts 128-value
+    blocks. No host synchronisation."""
+    config = check_launch_config(config)
+    _check_float("x", x, 2)
+    check_tensor("x", x, dtypes=(x.dtype,), ndim=2, shape_text="[rows, cols]")
+    rows, cols = x.shape
+    groups = _blocks("cols", cols, "x.shape[1]: one float32 scale per 128 values")
+    check_tensor("qdata", qdata, dtypes=(torch.float8_e4m3fn, torch.uint8), shape=[rows, cols],
+                 shape_text="(x's shape)")
+    check_tensor("scales", scales, dtypes=(torch.float32,), shape=[rows, groups],
+                 shape_text="[rows, cols / 128]")
+    check_devices({"x": x, "qdata": qdata, "scales": scales})
+    if x.numel() == 0:
+        return
+    block_groups = min(config.block_groups, 2)  # 128 values per group: 2 x 128 per row
+    grid = (triton.cdiv(rows, config.block_rows), triton.cdiv(groups, block_groups))
+    with device_context(x.device):
+        _fp8_block_quantize_kernel[grid](x, qdata.view(torch.uint8), scales, rows, groups,
+                                         BLOCK_R=config.block_rows, GROUPS=block_groups,
+                                         num_warps=config.num_warps)
+
+
+def fp8_block_quantize(x: torch.Tensor, *, config: QuantLaunchConfig | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations ``x [..., K]`` (bf16 / fp16 / fp32 on a CUDA device, or the CPU under the
+    interpreter; K a multiple of 128) -> ``(qdata float8_e4m3fn [..., K], scales float32
+    [..., K/128])``: one scale per 1 x 128 block along the last axis (module docstring;
+    Triton kernel, the bits of :func:`fp8_block_quantize_ref`)."""
+    _check_float("x", x, 1)
+    k = x.shape[-1]
+    nb = _blocks("K", k, "x.shape[-1]: one float32 scale per 128 values")
+    flat = x.contiguous().view(-1, k)
+    qdata = torch.empty(flat.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(flat.shape[0], nb, dtype=torch.float32, device=x.device)
+    fp8_block_quantize_2d(flat, qdata, scales, config=config)
+    return qdata.view(x.shape), scales.view(*x.shape[:-1], nb)
+
+
+def fp8_block_quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-PyTorch :func:`fp8_block_quantize` (any device): the same bits."""
     _check_float("x", x, 1)
     nb = _blocks("K", x.shape[-1], "x.shape[-1]: one float32 scale per 128 values")
     q, s = _quantize_blocks(x.unflatten(-1, (nb, FP8_BLOCK)))

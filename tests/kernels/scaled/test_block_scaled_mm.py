@@ -32,6 +32,7 @@ from distmoe.kernels.scaled import (
 from distmoe.quant import (
     fp8_block_dequantize,
     fp8_block_quantize,
+    fp8_block_quantize_ref,
     fp8_block_quantize_weight,
     mxfp8_quantize,
     mxfp8_quantize_weight,
@@ -140,6 +141,35 @@ def test_swiglu_fp8_block():
 
 
 # ---------------------------------------------------------------------------- quantisers
+def _quant_input(dtype, device="cpu"):
+    """Magnitudes over 16 decades (E4M3 subnormals after scaling), an all-zero block, NaN,
+    -Inf and -0.0."""
+    x = torch.randn(37, 384) * torch.logspace(-8, 8, 384)
+    x[0, :128] = 0.0
+    x[1, 3] = float("nan")
+    x[2, 200] = float("-inf")
+    x[3, 7] = -0.0
+    return x.to(dtype).to(device)
+
+
+def _assert_same_quant(x):
+    q, s = fp8_block_quantize(x)
+    q_ref, s_ref = fp8_block_quantize_ref(x)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(s, s_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_block_kernel_gives_reference_bits(dtype):
+    _assert_same_quant(_quant_input(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_fp8_block_kernel_gives_reference_bits(dtype):
+    _assert_same_quant(_quant_input(dtype, "cuda"))
+
+
 def test_fp8_block_quantize_rule():
     x = torch.randn(3, 384) * torch.logspace(-4, 4, 384)
     x[0, :128] = 0.0  # an all-zero block: scale 1, zeros
