@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-Precision = Literal["bf16", "mxfp8", "nvfp4"]
-PRECISIONS: tuple[str, ...] = ("bf16", "mxfp8", "nvfp4")
+Precision = Literal["bf16", "mxfp8", "nvfp4", "fp8_block"]
+PRECISIONS: tuple[str, ...] = ("bf16", "mxfp8", "nvfp4", "fp8_block")
 
 # Expert ids travel between ranks as int16 (docs/design.md, Per-rank buffers).
 MAX_EXPERTS = 2**15 - 1
@@ -44,13 +44,16 @@ class MoEConfig:
 
     Attributes:
         hidden: D, the token width. bf16 needs a multiple of 8 (rows are whole 16-byte
-            stores), mxfp8 a multiple of 32 (one E8M0 scale per 32 values), nvfp4 of 16.
+            stores), mxfp8 a multiple of 32 (one E8M0 scale per 32 values), nvfp4 of 16,
+            fp8_block of 128 (one float32 scale per 128 values).
         ffn: F, the expert intermediate width (same multiples as ``hidden``).
         num_experts: E, global routed experts (at most 32767: ids travel as int16).
         top_k: K, experts chosen per token, ``1 <= top_k <= num_experts``.
         max_tokens: T_max, the largest physical token count per rank; every buffer is sized
             from it.
-        precision: ``"bf16"``, ``"mxfp8"`` or ``"nvfp4"`` (nvfp4 is inference only).
+        precision: ``"bf16"``, ``"mxfp8"``, ``"fp8_block"`` (DeepSeek-V3's block FP8) or
+            ``"nvfp4"`` (nvfp4 is inference only; a context runs mxfp8 and fp8_block in
+            inference so far).
         training: keep state for backward.
         row_block: rows of one GEMM tile; each local expert's rows are padded to a multiple
             of it. A power of two in [16, 256].
@@ -136,7 +139,7 @@ class MoEConfig:
             raise ValueError(
                 "precision 'nvfp4' is inference only: training (True) must be False"
             )
-        multiple = {"bf16": 8, "mxfp8": 32, "nvfp4": 16}[self.precision]
+        multiple = {"bf16": 8, "mxfp8": 32, "nvfp4": 16, "fp8_block": 128}[self.precision]
         for name in ("hidden", "ffn"):
             value = getattr(self, name)
             if value % multiple:

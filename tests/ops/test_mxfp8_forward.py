@@ -44,7 +44,7 @@ def _problem(seed, EP, T, E, K, case, dims=(D, F)):
 
 
 def _mxfp8_rank(rank, world, seed, T, E, K, cases, factors, device="cpu", check=True,
-                dims=(D, F)):
+                dims=(D, F), precision="mxfp8"):
     """Per case: (y, stats, second call equal) of this rank's MXFP8 context, with
     ``device_scratch_factor = factors[case]`` (unchecked where below the world size: the
     receive bound is then exceeded on purpose)."""
@@ -54,9 +54,9 @@ def _mxfp8_rank(rank, world, seed, T, E, K, cases, factors, device="cpu", check=
     for case in cases:
         x, ids, scores, w13, w2 = _problem(seed, world, T, E, K, case, dims)
         mine = split_global_problem(x, ids, scores, w13, w2, world)[rank]
-        w13p, w2p = prepare_weights(mine.w13.to(dev), mine.w2.to(dev), "mxfp8")
+        w13p, w2p = prepare_weights(mine.w13.to(dev), mine.w2.to(dev), precision)
         cfg = dm.MoEConfig(hidden=dims[0], ffn=dims[1], num_experts=E, top_k=K, max_tokens=T,
-                           precision="mxfp8", training=False, row_block=16,
+                           precision=precision, training=False, row_block=16,
                            device_scratch_factor=factors[case])
         with dm.MoEContext(cfg, device=dev, check=check and factors[case] >= world) as ctx:
             args = [t.to(dev) for t in (mine.x, mine.expert_ids, mine.scores)]
@@ -204,32 +204,54 @@ def _block_exponents(p):
     return (p.scales.to(torch.int64) - 127).repeat_interleave(32, -2).repeat_interleave(32, -1)
 
 
-def reference_b(x, ids, scores, w13, w2, executed, tc_rel=0.0):
+def _fp8_block_error_bound(v, block_max):
+    """|v - Q(v)| for block FP8 with the block's largest magnitude at most ``block_max``
+    (docs/numerics.md: half an E4M3 step at v / s, or 2^-10 s below E4M3's normal range,
+    with s = amax / 448), widened by 2^-20 for the scale's and the division's roundings."""
+    return torch.maximum(2.0**-4 * v.abs(), 2.0**-10 * block_max / 448.0) * (1 + 2.0**-20)
+
+
+def _weight_block_max(w, b=128):
+    """Per element of w [..., N, K], the largest |w| of its b x b block."""
+    blocks = w.abs().unflatten(-1, (-1, b)).unflatten(-3, (-1, b))  # [..., N/b, b, K/b, b]
+    return blocks.amax((-3, -1), keepdim=True).expand_as(blocks).reshape(w.shape)
+
+
+def reference_b(x, ids, scores, w13, w2, executed, tc_rel=0.0, precision="mxfp8"):
     """(y64, bound): the bf16 layer in float64 over the executed routes, and a bound on
-    |MXFP8 layer - y64| per element. Every operand of both GEMMs carries its quantisation
-    error, at most 2^-4 relative (plus 2^(e - 10) for values far below their block's amax):
-    for a product, |a' b' - a b| <= da |b| + |a| db + da db; summed over a dot:
-    |A| @ dB + dA @ |B| + dA @ dB, plus the kernel's fp32 summation ((32 + K/32) u S') and
+    |FP8 layer - y64| per element. Every operand of both GEMMs carries its quantisation
+    error, at most 2^-4 relative (plus 2^(e - 10) for values far below their block's amax;
+    block FP8: 2^-10 of the block scale): for a product, |a' b' - a b| <= da |b| + |a| db +
+    da db; summed over a dot: |A| @ dB + dA @ |B| + dA @ dB, plus the kernel's fp32
+    summation ((32 + K/32) u S' for MXFP8, (130 + K/128) u S' for 128-wide steps) and
     tc_rel S'. Carried through: silu is 1.1-Lipschitz; each bf16 rounding adds 2^-8 of the
-    value (h2, h3, y); h2's quantisation uses the largest exponent its block can have (from
+    value (h2, h3, y); h2's quantisation uses the largest scale its block can have (from
     |h2| + its error); the combine adds K u per term."""
     n, k, e, s = _routes(ids, scores, executed)
     ids_run = torch.where(executed, ids, -1)
     y64 = moe_reference(x.double(), ids_run, torch.where(executed, scores, 0).double(),
                         w13.double(), w2.double())
     xr = x[n].double()
-    _, x_scales = mxfp8_quantize_ref(x[n])
-    dx = _quant_error_bound(xr, x_scales.to(torch.int64).repeat_interleave(32, -1) - 127)
-    w13p, w2p = prepare_weights(w13, w2, "mxfp8", reference=True)
     w13r, w2r = w13.double(), w2.double()
-    dw13 = _quant_error_bound(w13r, _block_exponents(w13p))
-    dw2 = _quant_error_bound(w2r, _block_exponents(w2p))
+    block = 32 if precision == "mxfp8" else 128
+    if precision == "mxfp8":
+        _, x_scales = mxfp8_quantize_ref(x[n])
+        dx = _quant_error_bound(xr, x_scales.to(torch.int64).repeat_interleave(32, -1) - 127)
+        w13p, w2p = prepare_weights(w13, w2, "mxfp8", reference=True)
+        dw13 = _quant_error_bound(w13r, _block_exponents(w13p))
+        dw2 = _quant_error_bound(w2r, _block_exponents(w2p))
+    else:
+        x_max = xr.abs().unflatten(-1, (-1, 128)).amax(-1).repeat_interleave(128, -1)
+        dx = _fp8_block_error_bound(xr, x_max)
+        dw13 = _fp8_block_error_bound(w13r, _weight_block_max(w13r))
+        dw2 = _fp8_block_error_bound(w2r, _weight_block_max(w2r))
 
     def dot_error(a, da, w, dw, width):
         # a [R, K], w [E, N, K]: error of the quantised dot per output column
         err = _grouped(da, w.abs(), e) + _grouped(a.abs(), dw, e) + _grouped(da, dw, e)
         big = _grouped(a.abs() + da, w.abs() + dw, e)
-        return err + ((32 + width // 32) * U + tc_rel) * big
+        steps = (32 + width // 32) if block == 32 else (130 + width // 128)
+        return err + (steps * U + tc_rel) * big
 
     g, u = _grouped(xr, w13r[:, 0], e), _grouped(xr, w13r[:, 1], e)
     eg = dot_error(xr, dx, w13r[:, 0], dw13[:, 0], x.shape[1])
@@ -238,9 +260,13 @@ def reference_b(x, ids, scores, w13, w2, executed, tc_rel=0.0):
     e_h2 = (SILU_LIP * eg * (u.abs() + eu) + torch.nn.functional.silu(g).abs() * eu
             + 2.0**-20 * h2.abs())
     e_h2 = e_h2 + 2.0**-8 * (h2.abs() + e_h2)  # bf16 rounding of h2
-    amax = _blocks(h2.abs() + e_h2).amax(-1)
-    e_block = e8m0_exponent_ref(amax).repeat_interleave(32, -1)
-    e_h2 = e_h2 + _quant_error_bound(h2.abs() + e_h2, e_block)  # h2 quantised along F
+    amax = h2.abs().add(e_h2).unflatten(-1, (-1, block)).amax(-1)
+    if precision == "mxfp8":
+        e_block = e8m0_exponent_ref(amax).repeat_interleave(32, -1)
+        e_h2 = e_h2 + _quant_error_bound(h2.abs() + e_h2, e_block)  # h2 quantised along F
+    else:
+        e_h2 = e_h2 + _fp8_block_error_bound(h2.abs() + e_h2,
+                                             amax.repeat_interleave(128, -1))
     h3 = _grouped(h2, w2r, e)
     e_h3 = dot_error(h2, e_h2, w2r, dw2, w2.shape[2])
     e_h3 = e_h3 + 2.0**-8 * (h3.abs() + e_h3)  # bf16 rounding of h3
@@ -432,7 +458,7 @@ def _context_refusals_rank(rank, world):
 
 
 def test_context_refusals():
-    with pytest.raises(ValueError, match="MXFP8 training is not implemented yet"):
+    with pytest.raises(ValueError, match="training in mxfp8 is not implemented yet"):
         dm.MoEContext(dm.MoEConfig(hidden=D, ffn=F, num_experts=4, top_k=K, max_tokens=8,
                                    precision="mxfp8", training=True), device="cpu")
     msgs = dm.launch(_context_refusals_rank, 1)[0]

@@ -40,6 +40,7 @@ from distmoe.config import MoEConfig
 ALIGN_BYTES = 128
 
 MX_BLOCK = 32  # mxfp8: values per E8M0 scale
+FP8_BLOCK = 128  # fp8_block: values per float32 scale
 NVFP4_BLOCK = 16  # nvfp4: values per E4M3 scale
 
 #: From this many rows per local expert (the shape hint ``T_max*K*EP/E``) a layer that keeps
@@ -169,12 +170,13 @@ class LayerCosts:
 
 # --------------------------------------------------------------------------- row padding
 def row_multiple(cfg: MoEConfig) -> int:
-    """Per-expert row padding multiple P: 1 (bf16), max(row_block, 32) (mxfp8), row_block
-    (nvfp4)."""
+    """Per-expert row padding multiple P: 1 (bf16), max(row_block, 32) (mxfp8),
+    max(row_block, 128) (fp8_block), row_block (nvfp4): FP8 column bundles quantise along
+    the rows, in whole blocks."""
     if cfg.precision == "bf16":
         return 1
-    if cfg.precision == "mxfp8":
-        return max(cfg.row_block, MX_BLOCK)
+    if cfg.precision in ("mxfp8", "fp8_block"):
+        return max(cfg.row_block, fp8_format(cfg)[0])
     return cfg.row_block
 
 
@@ -194,21 +196,30 @@ def padded_rows(cfg: MoEConfig, ep_size: int, rows: int) -> int:
 
 
 # --------------------------------------------------------------------------- bundles
-def _mx_row_bundle(name: str, rows: int, width: int) -> tuple[TensorBytes, ...]:
-    """MXFP8 row-oriented bundle of a [rows, width] operand: scales run along width."""
+def fp8_format(cfg: MoEConfig) -> tuple[int, str]:
+    """``(values per scale, scale dtype)`` of an FP8 precision's operand bundles: mxfp8
+    ``(32, "e8m0")``, fp8_block ``(128, "fp32")`` (its 1 x 128 activation blocks)."""
+    return (FP8_BLOCK, "fp32") if cfg.precision == "fp8_block" else (MX_BLOCK, "e8m0")
+
+
+def _mx_row_bundle(name: str, rows: int, width: int, block: int = MX_BLOCK,
+                   kind: str = "e8m0") -> tuple[TensorBytes, ...]:
+    """FP8 row-oriented bundle of a [rows, width] operand: scales (one per ``block``
+    values, dtype ``kind``) run along width."""
     return (
         tensor_bytes(f"{name}.qdata", (rows, width), "e4m3"),
-        tensor_bytes(f"{name}.scale", (rows, width // MX_BLOCK), "e8m0"),
+        tensor_bytes(f"{name}.scale", (rows, width // block), kind),
     )
 
 
-def _mx_col_bundle(name: str, rows: int, width: int) -> tuple[TensorBytes, ...]:
-    """MXFP8 column-oriented bundle (for WGRAD, which contracts over rows): stored
-    transposed, scales run along the rows; ``rows`` is a multiple of 32."""
-    assert rows % MX_BLOCK == 0, f"column bundle rows ({rows}) must be a multiple of 32"
+def _mx_col_bundle(name: str, rows: int, width: int, block: int = MX_BLOCK,
+                   kind: str = "e8m0") -> tuple[TensorBytes, ...]:
+    """FP8 column-oriented bundle (for WGRAD, which contracts over rows): stored
+    transposed, scales run along the rows; ``rows`` is a multiple of ``block``."""
+    assert rows % block == 0, f"column bundle rows ({rows}) must be a multiple of {block}"
     return (
         tensor_bytes(f"{name}.qdata", (width, rows), "e4m3"),
-        tensor_bytes(f"{name}.scale", (width, rows // MX_BLOCK), "e8m0"),
+        tensor_bytes(f"{name}.scale", (width, rows // block), kind),
     )
 
 
@@ -276,9 +287,9 @@ def full_state_breakdown(cfg: MoEConfig, ep_size: int, rows: int) -> tuple[Tenso
         )
     rp = padded_rows(cfg, ep_size, rows)
     return (
-        *(kept_x or _mx_col_bundle("x_col", rp, d)),
+        *(kept_x or _mx_col_bundle("x_col", rp, d, *fp8_format(cfg))),
         tensor_bytes("h1", (rp, 2 * f), "bf16"),
-        *_mx_col_bundle("h2_col", rp, f),
+        *_mx_col_bundle("h2_col", rp, f, *fp8_format(cfg)),
         *h3,
     )
 
@@ -313,11 +324,15 @@ def forward_scratch_layout(cfg: MoEConfig, ep_size: int, rows: int) -> ScratchLa
         )
     else:
         rp = padded_rows(cfg, ep_size, rows)
-        bundle = _mx_row_bundle if cfg.precision == "mxfp8" else _nvfp4_row_bundle
+        if cfg.precision == "nvfp4":
+            bundles = (_nvfp4_row_bundle("x_row", rp, d), _nvfp4_row_bundle("h2_row", rp, f))
+        else:
+            bundles = (_mx_row_bundle("x_row", rp, d, *fp8_format(cfg)),
+                       _mx_row_bundle("h2_row", rp, f, *fp8_format(cfg)))
         resident = (
-            *bundle("x_row", rp, d),
+            *bundles[0],
             tensor_bytes("h1", (rp, 2 * f), "bf16"),
-            *bundle("h2_row", rp, f),
+            *bundles[1],
         )
     return ScratchLayout(name="forward", resident=resident)
 
@@ -368,20 +383,20 @@ def backward_scratch_layout(cfg: MoEConfig, ep_size: int, rows: int) -> ScratchL
     return ScratchLayout(
         name="backward replay",
         resident=(
-            *_mx_col_bundle("x_col", rp, d),
+            *_mx_col_bundle("x_col", rp, d, *fp8_format(cfg)),
             tensor_bytes("h1", (rp, 2 * f), "bf16"),
             tensor_bytes("grad_h2", (rp, f), "bf16"),
         ),
         phases=(
-            _mx_row_bundle("x_row", rp, d),
+            _mx_row_bundle("x_row", rp, d, *fp8_format(cfg)),
             (
-                *_mx_col_bundle("h2_col", rp, f),
-                *_mx_row_bundle("grad_h3_row", rp, d),
-                *_mx_col_bundle("grad_h3_col", rp, d),
+                *_mx_col_bundle("h2_col", rp, f, *fp8_format(cfg)),
+                *_mx_row_bundle("grad_h3_row", rp, d, *fp8_format(cfg)),
+                *_mx_col_bundle("grad_h3_col", rp, d, *fp8_format(cfg)),
             ),
             (
-                *_mx_row_bundle("grad_h1_row", rp, 2 * f),
-                *_mx_col_bundle("grad_h1_col", rp, 2 * f),
+                *_mx_row_bundle("grad_h1_row", rp, 2 * f, *fp8_format(cfg)),
+                *_mx_col_bundle("grad_h1_col", rp, 2 * f, *fp8_format(cfg)),
             ),
         ),
     )

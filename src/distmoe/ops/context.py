@@ -217,13 +217,13 @@ class MoEContext:
                  timeout: float | None = 600.0) -> None:
         if not isinstance(cfg, MoEConfig):
             raise TypeError(f"cfg must be a distmoe.MoEConfig, got {type(cfg).__name__}")
-        if cfg.precision == "mxfp8" and cfg.training:
-            raise ValueError("precision 'mxfp8' with training=True: MXFP8 training is not "
-                             "implemented yet (MXFP8 inference is: MoEConfig(precision="
-                             "'mxfp8', training=False))")
+        if cfg.precision in ("mxfp8", "fp8_block") and cfg.training:
+            raise ValueError(f"precision {cfg.precision!r} with training=True: training in "
+                             f"{cfg.precision} is not implemented yet (inference is: "
+                             f"MoEConfig(precision={cfg.precision!r}, training=False))")
         if cfg.precision not in ("bf16", *LOWP_PRECISIONS):
-            raise ValueError(f"precision ({cfg.precision!r}): only 'bf16', 'mxfp8' and 'nvfp4' "
-                             "(inference) are implemented so far")
+            raise ValueError(f"precision ({cfg.precision!r}): only 'bf16', and 'mxfp8', "
+                             "'fp8_block' and 'nvfp4' in inference, are implemented so far")
         if not isinstance(check, bool):
             raise TypeError(f"check must be a bool, got {type(check).__name__} ({check!r})")
         if not isinstance(graphs, bool):

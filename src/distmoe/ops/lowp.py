@@ -1,9 +1,10 @@
 """The low-precision inference forwards of :class:`~distmoe.MoEContext` (``MoEConfig(
-precision="mxfp8" | "nvfp4", training=False)``), on the grouped GEMMs of
+precision="mxfp8" | "fp8_block" | "nvfp4", training=False)``), on the grouped GEMMs of
 :mod:`distmoe.kernels.scaled`.
 
 Weights come prepared (:func:`distmoe.quant.prepare_weights`, quantised once: mxfp8 in 32 x 32
-blocks, nvfp4 as E2M1 with E4M3 scales per 16 along K and a global scale per expert matrix).
+blocks, fp8_block in 128 x 128 blocks with float32 scales, nvfp4 as E2M1 with E4M3 scales per
+16 along K and a global scale per expert matrix).
 bf16 rows cross to the experts exactly as in the bf16 forward, so publishing, routing, the
 receive bound, the combine and their protocol are the bf16 forward's own
 (:mod:`distmoe.ops.context`, steps 1-7), called through the context. One call, ``R_b`` = the
@@ -16,12 +17,15 @@ receive bound (legend of :mod:`distmoe.routing.tables`); steps 1-4a and 5c-7 are
         (``regather_rows`` through ``ctx.gather_table``: x in place at EP = 1, peer tokens
         pulled once into local memory at EP > 1)
 
-    mxfp8 (:func:`mxfp8_forward`):
-    4b. quantise along D: ``x_rows -> (x_q [R_b, D] e4m3, x_s [R_b, D/32] e8m0)``
-        (:func:`~distmoe.quant.mxfp8.mxfp8_quantize_2d`, docs/numerics.md section 2)
-    4c. W13 + SwiGLU: ``mxfp8_grouped_mm(x_q, x_s, w13, swiglu=True) -> h2 [R_b, F]`` bf16
-    5a. quantise h2 along F: ``(h2_q [R_b, F], h2_s [R_b, F/32])``
-    5b. W2: ``mxfp8_grouped_mm(h2_q, h2_s, w2) -> h3 [R_b, D]`` bf16, in x_rows' memory
+    mxfp8 and fp8_block (:func:`fp8_forward`; ``B`` = 32 with E8M0 scales for mxfp8, 128
+    with float32 scales for fp8_block):
+    4b. quantise along D: ``x_rows -> (x_q [R_b, D] e4m3, x_s [R_b, D/B])``
+        (:func:`~distmoe.quant.mxfp8.mxfp8_quantize_2d` /
+        :func:`~distmoe.quant.fp8_block.fp8_block_quantize_2d`, docs/numerics.md)
+    4c. W13 + SwiGLU: ``mxfp8_grouped_mm`` / ``fp8_block_grouped_mm(x_q, x_s, w13,
+        swiglu=True) -> h2 [R_b, F]`` bf16
+    5a. quantise h2 along F: ``(h2_q [R_b, F], h2_s [R_b, F/B])``
+    5b. W2: the same GEMM ``(h2_q, h2_s, w2) -> h3 [R_b, D]`` bf16, in x_rows' memory
         (x_rows is dead once quantised)
 
     nvfp4 (:func:`nvfp4_forward`; weights only: activations stay bf16 in this step):
@@ -48,7 +52,8 @@ order, then the global scale (one fp32 rounding) and one bf16 rounding; against 
 layer the error is the weights' NVFP4 quantisation only (tests/ops/test_nvfp4_forward.py).
 
 Memory, allocated once per context (:func:`allocate_lowp`): mxfp8: ``x_rows`` ``2 R_b D``,
-``x_q`` ``R_b D``, ``x_s`` ``R_b D / 32``, ``h2_q`` ``R_b F``, ``h2_s`` ``R_b F / 32`` bytes;
+``x_q`` ``R_b D``, ``x_s`` ``R_b D / 32``, ``h2_q`` ``R_b F``, ``h2_s`` ``R_b F / 32`` bytes
+(fp8_block: the scales ``4 R_b D / 128`` and ``4 R_b F / 128``);
 nvfp4: ``x_rows`` ``2 R_b D`` bytes; beside the context's own ``h2 [R_b, F]`` bf16 scratch;
 nothing per call but the output y (and the small routing tables, as in bf16). The quantisers
 and GEMMs cover the ``R_b`` rows from the static bound (rows past the executed ones are
@@ -71,34 +76,42 @@ from ..kernels.movement.regather_rows import regather_rows
 from ..kernels.movement.scatter_rows import scatter_rows
 from ..kernels.scaled import (
     ScaledGemmConfig,
+    fp8_block_grouped_mm,
     mxfp8_grouped_mm,
     nvfp4_weight_config,
     nvfp4_weight_grouped_mm,
 )
+from ..quant.fp8_block import fp8_block_quantize_2d
 from ..quant.mxfp8 import mxfp8_quantize_2d
 from ..quant.prepare import PreparedWeight
 
-__all__ = ["MXFP8Scratch", "NVFP4Scratch", "allocate_lowp", "allocate_mxfp8", "allocate_nvfp4",
-           "check_prepared", "lowp_forward", "mxfp8_forward", "nvfp4_forward"]
+__all__ = ["FP8Scratch", "NVFP4Scratch", "allocate_fp8", "allocate_lowp", "allocate_nvfp4",
+           "check_prepared", "fp8_forward", "lowp_forward", "nvfp4_forward"]
 
 #: the precisions of this module's inference forwards
-LOWP_PRECISIONS = ("mxfp8", "nvfp4")
+LOWP_PRECISIONS = ("mxfp8", "fp8_block", "nvfp4")
+#: per FP8 precision: values per activation scale, the scale dtype, the quantiser, the GEMM
+_FP8 = {"mxfp8": (32, torch.uint8, mxfp8_quantize_2d, mxfp8_grouped_mm),
+        "fp8_block": (128, torch.float32, fp8_block_quantize_2d, fp8_block_grouped_mm)}
 
 
 @dataclass(frozen=True)
-class MXFP8Scratch:
-    """What an MXFP8 inference context owns besides the bf16 context's buffers (allocated
-    once, :func:`allocate_mxfp8`; ``R_b`` = the receive bound).
+class FP8Scratch:
+    """What an MXFP8 or block-FP8 inference context owns besides the bf16 context's buffers
+    (allocated once, :func:`allocate_fp8`; ``R_b`` = the receive bound; ``B`` = 32 (mxfp8,
+    uint8 E8M0 scales) or 128 (fp8_block, float32 scales)).
 
     Attributes:
+        precision: ``"mxfp8"`` or ``"fp8_block"``.
         x_rows: bf16 ``[R_b, D]``: the gathered rows, then W2's output h3 (activation rows).
-        x_q / x_s: float8_e4m3fn ``[R_b, D]`` / uint8 ``[R_b, D/32]``: the rows quantised.
-        h2_q / h2_s: float8_e4m3fn ``[R_b, F]`` / uint8 ``[R_b, F/32]``: h2 quantised.
+        x_q / x_s: float8_e4m3fn ``[R_b, D]`` / scales ``[R_b, D/B]``: the rows quantised.
+        h2_q / h2_s: float8_e4m3fn ``[R_b, F]`` / scales ``[R_b, F/B]``: h2 quantised.
         w13_config / w2_config: the two grouped GEMMs' launch configs (``block_m`` = the
             routing's ``row_block``, the padding multiple).
         w13_shape / w2_shape: the prepared weights' shapes this context takes.
     """
 
+    precision: str
     x_rows: torch.Tensor
     x_q: torch.Tensor
     x_s: torch.Tensor
@@ -114,24 +127,27 @@ class MXFP8Scratch:
         return sum(t.nbytes for t in (self.x_rows, self.x_q, self.x_s, self.h2_q, self.h2_s))
 
 
-def allocate_mxfp8(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
-                   device: torch.device) -> MXFP8Scratch:
-    """The scratch of an MXFP8 inference context (module docstring, Memory); zeroed once so
-    that rows never written hold finite values."""
-    if cfg.precision != "mxfp8" or cfg.training:
-        raise ValueError(f"allocate_mxfp8 is for MXFP8 inference contexts, got precision "
-                         f"{cfg.precision!r} with training={cfg.training}")
+def allocate_fp8(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
+                 device: torch.device) -> FP8Scratch:
+    """The scratch of an MXFP8 or block-FP8 inference context (module docstring, Memory);
+    zeroed once so that rows never written hold finite values."""
+    if cfg.precision not in _FP8 or cfg.training:
+        raise ValueError(f"allocate_fp8 is for MXFP8 and block-FP8 inference contexts, got "
+                         f"precision {cfg.precision!r} with training={cfg.training}")
     R, D, F, E = receive_bound, cfg.hidden, cfg.ffn, num_local_experts
     w13_shape, w2_shape = (E, 2, F, D), (E, D, F)
-    return MXFP8Scratch(
+    block, scale_dtype = _FP8[cfg.precision][:2]
+    return FP8Scratch(
+        precision=cfg.precision,
         x_rows=torch.zeros(R, D, dtype=torch.bfloat16, device=device),
         x_q=torch.zeros(R, D, dtype=torch.float8_e4m3fn, device=device),
-        x_s=torch.zeros(R, D // 32, dtype=torch.uint8, device=device),
+        x_s=torch.zeros(R, D // block, dtype=scale_dtype, device=device),
         h2_q=torch.zeros(R, F, dtype=torch.float8_e4m3fn, device=device),
-        h2_s=torch.zeros(R, F // 32, dtype=torch.uint8, device=device),
+        h2_s=torch.zeros(R, F // block, dtype=scale_dtype, device=device),
         w13_config=ScaledGemmConfig.for_widths(k=D, n=2 * F, swiglu=True,
-                                               block_m=cfg.row_block),
-        w2_config=ScaledGemmConfig.for_widths(k=F, n=D, block_m=cfg.row_block),
+                                               block_m=cfg.row_block, k_group=min(block, 128)),
+        w2_config=ScaledGemmConfig.for_widths(k=F, n=D, block_m=cfg.row_block,
+                                              k_group=min(block, 128)),
         w13_shape=w13_shape,
         w2_shape=w2_shape,
     )
@@ -177,16 +193,16 @@ def allocate_nvfp4(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
 
 
 def allocate_lowp(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
-                  device: torch.device) -> MXFP8Scratch | NVFP4Scratch | None:
+                  device: torch.device) -> FP8Scratch | NVFP4Scratch | None:
     """The low-precision scratch of a context at ``cfg.precision`` (None at bf16)."""
-    if cfg.precision == "mxfp8":
-        return allocate_mxfp8(cfg, num_local_experts, receive_bound, device)
+    if cfg.precision in _FP8:
+        return allocate_fp8(cfg, num_local_experts, receive_bound, device)
     if cfg.precision == "nvfp4":
         return allocate_nvfp4(cfg, num_local_experts, receive_bound, device)
     return None
 
 
-def check_prepared(scratch: MXFP8Scratch | NVFP4Scratch, device: torch.device, w13, w2,
+def check_prepared(scratch: FP8Scratch | NVFP4Scratch, device: torch.device, w13, w2,
                    precision: str) -> None:
     """The prepared weights of a low-precision call: :class:`PreparedWeight` of the context's
     precision, the config's shapes, on the context's device (``TypeError`` / ``ValueError``
@@ -216,7 +232,7 @@ def check_prepared(scratch: MXFP8Scratch | NVFP4Scratch, device: torch.device, w
 def lowp_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedWeight, *,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """The forward of ``ctx.cfg.precision`` on checked inputs (y [T, D] bf16)."""
-    forward = {"mxfp8": mxfp8_forward, "nvfp4": nvfp4_forward}[ctx.cfg.precision]
+    forward = nvfp4_forward if ctx.cfg.precision == "nvfp4" else fp8_forward
     return forward(ctx, x, expert_ids, scores, w13, w2, out=out)
 
 
@@ -247,20 +263,21 @@ def _scatter_and_combine(ctx, tables, h3: torch.Tensor, x, expert_ids, scores,
     return y
 
 
-def mxfp8_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedWeight, *,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """Steps 1-7 of the module docstring (mxfp8) on checked inputs; returns y [T, D] bf16
-    (into ``out`` when given)."""
-    s: MXFP8Scratch = ctx._lowp
+def fp8_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedWeight, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Steps 1-7 of the module docstring (mxfp8, fp8_block) on checked inputs; returns
+    y [T, D] bf16 (into ``out`` when given)."""
+    s: FP8Scratch = ctx._lowp
+    _, _, quantize_2d, grouped_mm = _FP8[s.precision]
     tables = _route_and_gather(ctx, x, expert_ids, s.x_rows)
     po, ro = tables.padded_offsets, tables.row_offsets
-    mxfp8_quantize_2d(s.x_rows, s.x_q, s.x_s)
+    quantize_2d(s.x_rows, s.x_q, s.x_s)
     h2 = ctx._h2
-    mxfp8_grouped_mm(s.x_q, s.x_s, w13.qdata, w13.scales, po, ro, h2, swiglu=True,
-                     config=s.w13_config)
-    mxfp8_quantize_2d(h2, s.h2_q, s.h2_s)
+    grouped_mm(s.x_q, s.x_s, w13.qdata, w13.scales, po, ro, h2, swiglu=True,
+               config=s.w13_config)
+    quantize_2d(h2, s.h2_q, s.h2_s)
     h3 = s.x_rows  # the gathered rows are dead once quantised
-    mxfp8_grouped_mm(s.h2_q, s.h2_s, w2.qdata, w2.scales, po, ro, h3, config=s.w2_config)
+    grouped_mm(s.h2_q, s.h2_s, w2.qdata, w2.scales, po, ro, h3, config=s.w2_config)
     return _scatter_and_combine(ctx, tables, h3, x, expert_ids, scores, out)
 
 

@@ -29,7 +29,21 @@ the forward GEMM), for :func:`~distmoe.kernels.scaled.nvfp4_weight_grouped_mm`:
 
 (``w[e, ..., k] ~ v[e, ..., k] * s_b[e, ..., k // 16] * s_g[e]``).
 
-Memory: mxfp8 ``1 + 1/1024`` bytes per weight value, nvfp4 ``1/2 + 1/16`` (plus 4 bytes per
+``prepare_weights(w13, w2, "fp8_block")`` quantises each in 128 x 128 blocks with float32
+scales (:func:`~distmoe.quant.fp8_block_quantize_weight`, DeepSeek-V3's layout), for
+:func:`~distmoe.kernels.scaled.fp8_block_grouped_mm`:
+
+    w13 [E_local, 2, F, D] -> qdata float8_e4m3fn [E_local, 2, F, D],
+                              scales float32 [E_local, 2, F/128, D/128]
+    w2  [E_local, D, F]    -> qdata float8_e4m3fn [E_local, D, F],
+                              scales float32 [E_local, D/128, F/128]
+
+(``w[..., n, k] ~ qdata[..., n, k] * scales[..., n//128, k//128]``). A checkpoint already in
+that form (DeepSeek-V3's ``weight`` float8_e4m3fn with its ``weight_scale_inv``, per expert
+stacked as above) loads without requantisation: :meth:`PreparedWeight.fp8_block`.
+
+Memory: mxfp8 ``1 + 1/1024`` bytes per weight value, fp8_block ``1 + 1/4096``, nvfp4
+``1/2 + 1/16`` (plus 4 bytes per
 expert matrix); new tensors on the weights' device. Sync points: none (one quantiser launch,
 two for nvfp4's amax, per weight). A :class:`PreparedWeight` saves and loads with
 ``torch.save`` / ``torch.load`` (also ``weights_only=True``: the class is registered with
@@ -42,6 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
+from distmoe.quant.fp8_block import fp8_block_dequantize, fp8_block_quantize_weight
 from distmoe.quant.mxfp8 import mxfp8_dequantize
 from distmoe.quant.mxfp8_weight import mxfp8_quantize_weight, mxfp8_quantize_weight_ref
 from distmoe.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize, nvfp4_quantize_ref
@@ -49,7 +64,7 @@ from distmoe.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize, nvfp4_quantize
 __all__ = ["PreparedWeight", "prepare_weights"]
 
 #: precisions whose weights are prepared (bf16 takes its weights as they are)
-PREPARED_PRECISIONS = ("mxfp8", "nvfp4")
+PREPARED_PRECISIONS = ("mxfp8", "nvfp4", "fp8_block")
 _WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -65,8 +80,9 @@ class PreparedWeight:
             dims (the source shape with both last dims divided by 32); nvfp4: float8_e4m3fn
             block scales, one per 16 values along the last dim (the source shape with the
             last dim divided by 16). Contiguous.
+            fp8_block: float32 scales, one per 128 x 128 block of the last two dims.
         shape: the source weight's shape (a tuple of ints).
-        precision: ``"mxfp8"`` or ``"nvfp4"``.
+        precision: ``"mxfp8"``, ``"nvfp4"`` or ``"fp8_block"``.
         global_scale: nvfp4: float32 ``[E_local]``, one global (decode) scale per expert
             matrix; None for mxfp8.
     """
@@ -85,7 +101,7 @@ class PreparedWeight:
             self._check_nvfp4()
             return
         if self.global_scale is not None:
-            raise ValueError("global_scale must be None for precision 'mxfp8'")
+            raise ValueError(f"global_scale must be None for precision {self.precision!r}")
         if not isinstance(self.qdata, torch.Tensor) or self.qdata.dtype != torch.float8_e4m3fn:
             raise TypeError("qdata must be a float8_e4m3fn tensor, got "
                             f"{getattr(self.qdata, 'dtype', type(self.qdata).__name__)}")
@@ -93,11 +109,16 @@ class PreparedWeight:
         if tuple(self.qdata.shape) != shape or len(shape) < 2:
             raise ValueError(f"qdata must have the source shape {list(shape)} (at least 2-D), "
                              f"got {list(self.qdata.shape)}")
-        want = [*shape[:-2], shape[-2] // 32, shape[-1] // 32]
-        if (not isinstance(self.scales, torch.Tensor) or self.scales.dtype != torch.uint8
+        b, dtype = (32, torch.uint8) if self.precision == "mxfp8" else (128, torch.float32)
+        if shape[-2] % b or shape[-1] % b:
+            raise ValueError(f"shape ({list(shape)}) must have its last two dims multiples of "
+                             f"{b} for precision {self.precision!r}")
+        want = [*shape[:-2], shape[-2] // b, shape[-1] // b]
+        if (not isinstance(self.scales, torch.Tensor) or self.scales.dtype != dtype
                 or list(self.scales.shape) != want):
-            raise ValueError(f"scales must be uint8 of shape {want} (one per 32 x 32 block), "
-                             f"got {getattr(self.scales, 'dtype', None)} "
+            raise ValueError(f"scales must be {str(dtype).replace('torch.', '')} of shape "
+                             f"{want} (one per {b} x {b} block), got "
+                             f"{getattr(self.scales, 'dtype', None)} "
                              f"{list(getattr(self.scales, 'shape', []))}")
         if self.scales.device != self.qdata.device:
             raise ValueError(f"scales must be on qdata's device ({self.qdata.device}), got "
@@ -145,6 +166,18 @@ class PreparedWeight:
         return (PreparedWeight, (self.qdata, self.scales, self.shape, self.precision,
                                  self.global_scale))
 
+    @classmethod
+    def fp8_block(cls, qdata: torch.Tensor, scale_inv: torch.Tensor) -> PreparedWeight:
+        """A block-FP8 weight as a checkpoint stores it, without requantisation: ``qdata``
+        float8_e4m3fn ``[E_local, 2, F, D]`` (w13: each expert's gate_proj then up_proj
+        ``weight``) or ``[E_local, D, F]`` (w2: down_proj), ``scale_inv`` float32 with one
+        value per 128 x 128 block (the ``weight_scale_inv`` tensors, stacked the same way;
+        dequantised weight = qdata * scale_inv). Both made contiguous."""
+        if not isinstance(qdata, torch.Tensor):
+            raise TypeError(f"qdata must be a torch.Tensor, got {type(qdata).__name__}")
+        return cls(qdata.contiguous(), scale_inv.contiguous() if isinstance(
+            scale_inv, torch.Tensor) else scale_inv, tuple(qdata.shape), "fp8_block")
+
     @property
     def device(self) -> torch.device:
         return self.qdata.device
@@ -160,11 +193,13 @@ class PreparedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """mxfp8: ``qdata * 2^(scale - 127)`` of every element as ``dtype`` (plain PyTorch,
-        exact in float32); nvfp4: ``fl32(v * fl32(s_b * s_g))``
+        exact in float32); fp8_block: ``qdata * scale`` (exact in float64); nvfp4: ``fl32(v * fl32(s_b * s_g))``
         (:func:`~distmoe.quant.nvfp4_dequantize`). For references and tests."""
         if self.precision == "nvfp4":
             gs = self.global_scale.view(-1, *([1] * (len(self.shape) - 1)))
             return nvfp4_dequantize(self.qdata, self.scales, gs, dim=-1, dtype=dtype)
+        if self.precision == "fp8_block":
+            return fp8_block_dequantize(self.qdata, self.scales, dtype=dtype)
         rows = self.scales.repeat_interleave(32, dim=-2)
         return mxfp8_dequantize(self.qdata, rows, dim=-1, dtype=dtype)
 
@@ -195,7 +230,9 @@ def prepare_weights(w13: torch.Tensor, w2: torch.Tensor, precision: str = "mxfp8
             (:func:`~distmoe.quant.mxfp8_quantize_weight`, a Triton kernel: a CUDA device, or
             the CPU under Triton's interpreter); ``"nvfp4"`` (D and F multiples of 16): E2M1
             values, E4M3 scales per 16 along the last dim, one global scale per expert
-            matrix (:func:`~distmoe.quant.nvfp4_quantize`, the module docstring).
+            matrix (:func:`~distmoe.quant.nvfp4_quantize`, the module docstring);
+            ``"fp8_block"`` (D and F multiples of 128): float32 scales per 128 x 128 block
+            (:func:`~distmoe.quant.fp8_block_quantize_weight`, plain PyTorch).
         reference: quantise with the plain-PyTorch reference instead (any device; the same
             bits).
 
@@ -215,7 +252,8 @@ def prepare_weights(w13: torch.Tensor, w2: torch.Tensor, precision: str = "mxfp8
         raise ValueError(f"w2 must be [E_local={num_experts}, D={hidden}, F={ffn}] (from w13's "
                          f"shape), got {list(w2.shape)}")
     multiple, why = {"mxfp8": (32, "32 x 32 weight blocks"),
-                     "nvfp4": (16, "one E4M3 scale per 16 values")}[precision]
+                     "nvfp4": (16, "one E4M3 scale per 16 values"),
+                     "fp8_block": (128, "128 x 128 weight blocks")}[precision]
     for name, value in (("D", hidden), ("F", ffn)):
         if value % multiple:
             raise ValueError(f"{name} ({value}) must be a multiple of {multiple} for precision "
@@ -224,6 +262,11 @@ def prepare_weights(w13: torch.Tensor, w2: torch.Tensor, precision: str = "mxfp8
         raise ValueError(f"w2 must be on w13's device ({w13.device}), got {w2.device}")
     if precision == "nvfp4":
         return _prepare_nvfp4(w13, reference), _prepare_nvfp4(w2, reference)
+    if precision == "fp8_block":  # plain PyTorch: the same code with or without reference
+        with torch.no_grad():
+            prepared = [PreparedWeight(*fp8_block_quantize_weight(w.detach()), tuple(w.shape),
+                                       precision) for w in (w13, w2)]
+        return prepared[0], prepared[1]
     quantize = mxfp8_quantize_weight_ref if reference else mxfp8_quantize_weight
     out = []
     with torch.no_grad():

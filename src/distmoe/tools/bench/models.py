@@ -63,7 +63,8 @@ MODES: tuple[str, ...] = ("fwd", "bwd", "fwdbwd")
 _MODE_FACTOR = {"fwd": 1, "bwd": 2, "fwdbwd": 3}
 
 # Bytes per value of quantised operands (values + block scales), see the module docstring.
-_ELEMENT_BYTES = {"bf16": 2.0, "mxfp8": 1.0 + 1.0 / 32.0, "nvfp4": 0.5 + 1.0 / 16.0}
+_ELEMENT_BYTES = {"bf16": 2.0, "mxfp8": 1.0 + 1.0 / 32.0, "fp8_block": 1.0 + 4.0 / 128.0,
+                  "nvfp4": 0.5 + 1.0 / 16.0}
 
 # Nominal H200 SXM datasheet figures (dense, decimal units). Used only where a ceiling was not
 # measured in the same run; reports say which one they used.
