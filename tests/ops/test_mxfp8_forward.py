@@ -180,17 +180,22 @@ def reference_a(x, ids, scores, w13p, w2p, executed, tc_rel=0.0):
     e2 = _grouped(dq, w2.abs(), e) + ((33 + F_ // 32) * U + tc_rel) * s2
     h3 = acc2.float().bfloat16()
     dh3 = _bf16_ulp_allowance(h3.double(), e2)
-    # combine in fp32, k in order, as the kernel does
-    Ntok = x.shape[0]
-    acc = torch.zeros(Ntok, D_, dtype=torch.float32)
-    order = torch.argsort(n * ids.shape[1] + k)
+    return combine_ref(x.shape[0], ids.shape[1], n, k, s, h3, dh3)
+
+
+def combine_ref(num_tokens, top_k, n, k, s, h3, dh3):
+    """(y, bound): the owner's combine of route results ``h3`` (bf16, route i of token n[i],
+    slot k[i], score s[i]) each within ``dh3`` of the kernel's: an fp32 sum in k order, as
+    the kernel does, then bf16; bound = sum_k |s| dh3 + 2 K u sum_k |s h3| (two fp32 sums),
+    then one bf16 ulp."""
+    acc = torch.zeros(num_tokens, h3.shape[1], dtype=torch.float32)
+    order = torch.argsort(n * top_k + k)
     for i in order.tolist():
         acc[n[i]] += s[i].float() * h3[i].float()
-    dy = torch.zeros(Ntok, D_, dtype=torch.float64)
+    dy = torch.zeros(num_tokens, h3.shape[1], dtype=torch.float64)
     dy.index_add_(0, n, s.abs()[:, None] * dh3
-                  + 2 * ids.shape[1] * U * s.abs()[:, None] * (h3.double().abs() + dh3))
-    y = acc.bfloat16()
-    return y, _bf16_ulp_allowance(acc.double(), dy)
+                  + 2 * top_k * U * s.abs()[:, None] * (h3.double().abs() + dh3))
+    return acc.bfloat16(), _bf16_ulp_allowance(acc.double(), dy)
 
 
 def _quant_error_bound(v, e_elem):
