@@ -214,6 +214,24 @@ def e4m3_code_to_float(code):
     return tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)  # man * 2^-9
 
 
+@triton.jit
+def e8m0_to_fp32(s):
+    """fp32 ``2^(s - 127)`` of E8M0 bytes ``s`` (int32), exact: byte 0 is the fp32 subnormal
+    2^-127, byte 255 is NaN."""
+    bits = tl.where(s == 0, 0x00400000, s << 23)
+    bits = tl.where(s == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_byte_to_fp32(b):
+    """fp32 value of E4M3 bytes ``b`` (int32 0..255), exact, by bits: NaN for ``0x7F`` /
+    ``0xFF`` (Triton 3.6's interpreter would decode those as +-480)."""
+    mag = e4m3_code_to_float(b & 0x7F)
+    mag = tl.where((b & 0x7F) == 0x7F, float("nan"), mag)
+    return tl.where((b & 0x80) != 0, -mag, mag)
+
+
 # --------------------------------------------------------------------------------------------
 # Plain-PyTorch counterparts (float64; the references)
 # --------------------------------------------------------------------------------------------

@@ -9,10 +9,13 @@
 * :func:`combine_get` / :func:`combine_get_fused`: each route pulls a row back; each token's
   K routes are reduced in fp32 (weighted by ``probs``); the fused form in one kernel.
 * :func:`gather_get`: one-to-one pull.
+* :func:`dispatch_put_scaled` / :func:`combine_get_scaled`: MXFP8 rows (E4M3 values and E8M0
+  scales in two buffers of ``Buffers(scaled=True)``), moved bit for bit, dequantised and
+  reduced on arrival (:mod:`distmoe.rowwise.scaled`).
 * :func:`grouped_mm`: torch._grouped_mm's grouped GEMM (bf16, differentiable), its result
   and input gradient written into caller buffers (``out``, ``input_grad_out``).
 
-All are differentiable (bf16): dispatch's backward is a combine GET, the combines' and the
+The bf16 calls are differentiable: dispatch's backward is a combine GET, the combines' and the
 gather's backward a (weighted) dispatch PUT. A negative rank or row marks an invalid route
 (PUT skips it, GET reads zeros); a rank >= world size or a row >= rows is a bad route,
 dropped and counted (``Buffers.stats()``), or refused with ``Buffers(check=True)``.
@@ -22,6 +25,7 @@ from .buffers import Buffers
 from .combine import combine_get, combine_get_fused, gather_get
 from .dispatch import dispatch_put
 from .grouped import grouped_mm
+from .scaled import combine_get_scaled, dispatch_put_scaled
 
-__all__ = ["Buffers", "combine_get", "combine_get_fused", "dispatch_put", "gather_get",
-           "grouped_mm"]
+__all__ = ["Buffers", "combine_get", "combine_get_fused", "combine_get_scaled", "dispatch_put",
+           "dispatch_put_scaled", "gather_get", "grouped_mm"]

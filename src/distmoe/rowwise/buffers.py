@@ -14,6 +14,11 @@ heap buffer         shape, dtype           role
                                              the combine backward pushes
 ==================  =====================  ===================================================
 
+With ``scaled=True`` (MXFP8 rows, hidden a multiple of 32) also ``out_q`` / ``expert_out_q``
+(float8_e4m3fn ``[rows, hidden]``) and ``out_s`` / ``expert_out_s`` (uint8 E8M0
+``[rows, hidden/32]``): destination of :func:`~distmoe.rowwise.dispatch_put_scaled` and
+source of :func:`~distmoe.rowwise.combine_get_scaled`.
+
 Either of ``out`` / ``expert_out`` may serve as the PUT destination or the GET source; a call
 finds its :class:`Buffers` from the tensor it is given. Device counters (local, int64) count
 the bad routes this rank issued: :meth:`Buffers.stats` reads them.
@@ -35,6 +40,8 @@ from distmoe.runtime.heap import Backend
 
 #: names of the buffers a call may address, and of their gradient twins
 BUFFER_NAMES = ("out", "expert_out")
+#: the MXFP8 buffers of ``scaled=True``: per name, (qdata, scales)
+SCALED_NAMES = {"out_q": "out_s", "expert_out_q": "expert_out_s"}
 _OWNER_ATTR = "_distmoe_rowwise_owner"
 _COUNTERS = ("bad_put_routes", "bad_get_routes")
 
@@ -60,10 +67,14 @@ class Buffers:
             and counted, and so does a differentiable call on some ranks but not others.
         grad: allocate the two gradient buffers that differentiable calls need (default
             True; ``False`` for inference only halves the heap).
+        scaled: also allocate the MXFP8 buffers of the scaled calls (``hidden`` a multiple
+            of 32): ``out_q`` / ``out_s`` and ``expert_out_q`` / ``expert_out_s``.
 
     Attributes:
         out: bf16 ``[rows, hidden]``, this rank's dispatch destination (heap memory).
         expert_out: bf16 ``[rows, hidden]``, this rank's combine source (heap memory).
+        out_q / out_s, expert_out_q / expert_out_s: (``scaled=True``) float8_e4m3fn
+            ``[rows, hidden]`` / uint8 ``[rows, hidden/32]``, the scaled calls' buffers.
         rank, world_size, rows, hidden, dtype, device, check, group, heap.
 
     Both buffers start zero-filled. Pass them whole (not a slice) to the calls; write expert
@@ -73,32 +84,41 @@ class Buffers:
 
     def __init__(self, group: dist.ProcessGroup | None, rows: int, hidden: int,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
-                 backend: Backend = "auto", check: bool = False, *, grad: bool = True) -> None:
+                 backend: Backend = "auto", check: bool = False, *, grad: bool = True,
+                 scaled: bool = False) -> None:
         for name, value in (("rows", rows), ("hidden", hidden)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} ({value!r}) must be an int >= 1")
         if dtype != torch.bfloat16:
             raise ValueError(f"dtype ({dtype!r}) must be torch.bfloat16: the rowwise buffers "
                              "carry bf16 rows (the scaled MXFP8 forms are not built yet)")
-        for name, value in (("check", check), ("grad", grad)):
+        for name, value in (("check", check), ("grad", grad), ("scaled", scaled)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
+        if scaled and hidden % 32:
+            raise ValueError(f"hidden ({hidden}) must be a multiple of 32 with scaled=True (one "
+                             "E8M0 scale per 32 values)")
         self._closed = False
         self.heap = create_heap(group, backend=backend, device=device)
         self.group = self.heap.group
         self.rank, self.world_size = self.heap.rank, self.heap.world_size
         self.device = self.heap.device
         self.rows, self.hidden, self.dtype = rows, hidden, dtype
-        self.check, self.grad = check, grad
+        self.check, self.grad, self.scaled = check, grad, scaled
         self._tensors: dict[str, torch.Tensor] = {}
         names = BUFFER_NAMES + (tuple(f"grad_{n}" for n in BUFFER_NAMES) if grad else ())
+        layouts = [(name, dtype, (rows, hidden), rows * hidden * 2) for name in names]
+        if scaled:
+            for q_name, s_name in SCALED_NAMES.items():
+                layouts += [(q_name, torch.float8_e4m3fn, (rows, hidden), rows * hidden),
+                            (s_name, torch.uint8, (rows, hidden // 32), rows * hidden // 32)]
         try:
-            for name in names:
-                self.heap.allocate(name, rows * hidden * 2)
+            for name, view_dtype, shape, num_bytes in layouts:
+                self.heap.allocate(name, num_bytes)
                 # detach(): a fresh tensor over the heap memory, not an autograd view of the
                 # uint8 segment (autograd would route in-place history to that base and lose
                 # it)
-                tensor = self.heap.view(name, self.rank, dtype, (rows, hidden)).detach()
+                tensor = self.heap.view(name, self.rank, view_dtype, shape).detach()
                 setattr(tensor, _OWNER_ATTR, (weakref.ref(self), name))
                 self._tensors[name] = tensor
         except BaseException:
@@ -106,6 +126,10 @@ class Buffers:
             raise
         self.out = self._tensors["out"]
         self.expert_out = self._tensors["expert_out"]
+        if scaled:
+            self.out_q, self.out_s = self._tensors["out_q"], self._tensors["out_s"]
+            self.expert_out_q = self._tensors["expert_out_q"]
+            self.expert_out_s = self._tensors["expert_out_s"]
         #: int64 [2] device counters: bad PUT routes, bad GET routes (issued by this rank)
         self._counters = torch.zeros(len(_COUNTERS), dtype=torch.int64, device=self.device)
 
@@ -212,6 +236,22 @@ class Buffers:
         state = "closed" if self._closed else f"rank {self.rank} of {self.world_size}"
         return (f"Buffers(rows={self.rows}, hidden={self.hidden}, dtype={self.dtype}, "
                 f"device={self.device}, {state})")
+
+
+def scaled_buffer_of(arg_name: str, value: object) -> tuple[Buffers, str, str]:
+    """``(Buffers, qdata buffer name, scale buffer name)`` that tensor ``value`` (argument
+    ``arg_name``) is: the ``.out_q`` or ``.expert_out_q`` of open ``Buffers(scaled=True)``,
+    whole; ``TypeError``/``ValueError`` naming the argument otherwise."""
+    owner = getattr(value, _OWNER_ATTR, None) if isinstance(value, torch.Tensor) else None
+    bufs = owner[0]() if owner is not None else None
+    if owner is None or bufs is None or owner[1] not in SCALED_NAMES:
+        got = (f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor)
+               else type(value).__name__)
+        raise ValueError(f"{arg_name} must be the .out_q or .expert_out_q tensor of a "
+                         f"distmoe.rowwise.Buffers(scaled=True), whole, got {got}")
+    if bufs.closed:
+        raise RuntimeError(f"{arg_name} belongs to distmoe.rowwise.Buffers that are closed")
+    return bufs, owner[1], SCALED_NAMES[owner[1]]
 
 
 def buffer_of(arg_name: str, value: object) -> tuple[Buffers, str]:

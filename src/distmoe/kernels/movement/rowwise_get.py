@@ -11,6 +11,8 @@ either is negative, *bad* when both are non-negative and one is out of range (co
   read, -1 not) for the reduction that may follow
   (:func:`distmoe.kernels.movement.combine.combine` with ``is_read`` as its expert ids:
   the unfused combine).
+* :func:`rowwise_combine_get_scaled`: the fused combine of MXFP8 rows (qdata and scales in
+  two buffers, dequantised on arrival), optionally keeping every route's dequantised row.
 * :func:`rowwise_combine_get` (fused): ``y[t] = bf16(sum over read k of w[t, k] *
   src@ranks[t, k][rows[t, k]])`` in fp32, ``w = probs`` or 1, in k order, without the
   ``[N, K, D]`` intermediate. Its arithmetic is that of ``combine`` (same expression, same
@@ -43,6 +45,7 @@ from distmoe.kernels.movement.rowwise_put import (
     count_bad,
     route_targets,
 )
+from distmoe.quant.formats import e4m3_byte_to_fp32, e8m0_to_fp32
 
 # --------------------------------------------------------------------------------------------
 # Kernels
@@ -123,6 +126,58 @@ def _rowwise_combine_get_kernel(
                 count_bad(bad_ptr, is_bad)
     tl.store(y_ptr + tokens[:, None] * HIDDEN + cols[None, :], acc.to(tl.bfloat16),
              mask=is_token[:, None] & col_mask)
+
+
+@triton.jit
+def _rowwise_combine_get_scaled_kernel(
+    q_bases_ptr,  # int64 [EP]: row 0 of every rank's qdata buffer (D bytes a row)
+    s_bases_ptr,  # int64 [EP]: row 0 of every rank's scale buffer (D/32 bytes a row)
+    ranks_ptr,  # int [N*K]
+    rows_ptr,  # int [N*K]
+    probs_ptr,  # float [N*K] (WEIGHTED)
+    y_ptr,  # bf16 [N, D]
+    kept_ptr,  # bf16 [N, K, D] (KEEP)
+    bad_ptr,  # int64 [1] (COUNT)
+    num_tokens,  # N
+    world,  # EP
+    num_rows,  # R
+    TOP_K: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    KEEP: tl.constexpr,
+    COUNT: tl.constexpr,
+):
+    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    is_token = tokens < num_tokens
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < HIDDEN
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        route = tokens * TOP_K + k
+        is_read, is_bad, q_rows = route_targets(ranks_ptr, rows_ptr, q_bases_ptr, route,
+                                                is_token, world, num_rows, HIDDEN, True)
+        _, _, s_rows = route_targets(ranks_ptr, rows_ptr, s_bases_ptr, route, is_token, world,
+                                     num_rows, HIDDEN // 32, True)
+        ok = is_read[:, None] & col_ok[None, :]
+        q = tl.load(q_rows[:, None] + cols[None, :], mask=ok, other=0).to(tl.int32)
+        sc = tl.load(s_rows[:, None] + (cols // 32)[None, :], mask=ok, other=127).to(tl.int32)
+        # dequantised on arrival: an E4M3 value times a power of two, exact in fp32
+        row = e4m3_byte_to_fp32(q) * e8m0_to_fp32(sc)
+        if KEEP:
+            tl.store(kept_ptr + route[:, None] * HIDDEN + cols[None, :], row.to(tl.bfloat16),
+                     mask=is_token[:, None] & col_ok[None, :])
+        if WEIGHTED:
+            w = tl.load(probs_ptr + route, mask=is_read, other=0.0).to(tl.float32)
+            acc += w[:, None] * row
+        else:
+            acc += row
+        if COUNT:
+            if tl.program_id(1) == 0:
+                count_bad(bad_ptr, is_bad)
+    tl.store(y_ptr + tokens[:, None] * HIDDEN + cols[None, :], acc.to(tl.bfloat16),
+             mask=is_token[:, None] & col_ok[None, :])
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,6 +312,84 @@ def rowwise_combine_get(
             num_tokens, bases.shape[0], num_rows,
             TOP_K=top_k, HIDDEN=hidden, BLOCK_T=config.block_t, BLOCK_D=config.block_d,
             WEIGHTED=probs is not None, COUNT=bad_count is not None,
+            num_warps=config.num_warps,
+        )
+    return y
+
+
+def rowwise_combine_get_scaled(
+    q_bases: torch.Tensor,
+    s_bases: torch.Tensor,
+    num_rows: int,
+    src_ranks: torch.Tensor,
+    src_rows: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    probs: torch.Tensor | None = None,
+    kept: torch.Tensor | None = None,
+    bad_count: torch.Tensor | None = None,
+    config: CombineConfig | None = None,
+) -> torch.Tensor:
+    """:func:`rowwise_combine_get` of MXFP8 rows: each route pulls its row's E4M3 values
+    (D bytes) and E8M0 scales (D/32 bytes) from two heap buffers, dequantises them on
+    arrival (exact in fp32) and adds them, weighted, in fp32 in k order; one bf16 rounding.
+
+    Args:
+        q_bases / s_bases: int64 ``[EP]``: row 0 of every rank's qdata buffer (``num_rows``
+            rows of D bytes) and scale buffer (rows of D/32 bytes), as mapped here.
+        num_rows: R.
+        src_ranks / src_rows: signed integer ``[N, K]`` contiguous; negative = invalid.
+        y: bf16 ``[N, D]`` contiguous (D a multiple of 32); every row is written.
+        probs: optional float32 / bf16 / fp16 ``[N, K]``: weighted sum.
+        kept: optional bf16 ``[N, K, D]``: receives every route's dequantised row (exact in
+            bf16 for scales in bf16's normal range; zeros where not read), for the
+            probabilities' gradient.
+        bad_count: optional int64 ``[1]`` device counter.
+        config: tokens x columns per program; default :meth:`CombineConfig.for_widths`.
+
+    Returns ``y``. No host synchronisation.
+    """
+    check_tensor("q_bases", q_bases, dtypes=(torch.int64,), ndim=1, shape_text="[EP]")
+    check_tensor("s_bases", s_bases, dtypes=(torch.int64,), shape=list(q_bases.shape),
+                 shape_text="(the shape of q_bases)")
+    _check_num_rows(num_rows)
+    check_tensor("y", y, dtypes=(torch.bfloat16,), ndim=2, shape_text="[N, D]")
+    num_tokens, hidden = y.shape
+    if hidden % 32:
+        raise ValueError(f"D ({hidden}, y.shape[1]) must be a multiple of 32 (one E8M0 scale "
+                         "per 32 values)")
+    check_tensor("src_ranks", src_ranks, dtypes=(torch.int8, torch.int16, torch.int32,
+                                                 torch.int64), ndim=2, shape_text="[N, K]")
+    top_k = check_routes("src_ranks", src_ranks, "src_rows", src_rows, num_tokens)
+    named = dict(q_bases=q_bases, s_bases=s_bases, src_ranks=src_ranks, src_rows=src_rows,
+                 y=y)
+    if probs is not None:
+        check_tensor("probs", probs, dtypes=PROB_DTYPES, shape=list(src_ranks.shape),
+                     shape_text="(the shape of src_ranks)")
+        named["probs"] = probs
+    if kept is not None:
+        check_tensor("kept", kept, dtypes=(torch.bfloat16,),
+                     shape=[num_tokens, top_k, hidden], shape_text="[N, K, D]")
+        named["kept"] = kept
+    check_bad_count(bad_count)
+    if bad_count is not None:
+        named["bad_count"] = bad_count
+    check_devices(named)
+    if config is None:
+        config = CombineConfig.for_widths(hidden=max(1, hidden))
+    elif not isinstance(config, CombineConfig):
+        raise TypeError(f"config must be a CombineConfig, got {type(config).__name__}")
+    if num_tokens == 0 or hidden == 0:
+        return y
+    grid = (triton.cdiv(num_tokens, config.block_t), triton.cdiv(hidden, config.block_d))
+    with device_context(y.device):
+        _rowwise_combine_get_scaled_kernel[grid](
+            q_bases, s_bases, src_ranks, src_rows, y if probs is None else probs, y,
+            y if kept is None else kept,  # placeholders: never touched
+            q_bases if bad_count is None else bad_count,
+            num_tokens, q_bases.shape[0], num_rows,
+            TOP_K=top_k, HIDDEN=hidden, BLOCK_T=config.block_t, BLOCK_D=config.block_d,
+            WEIGHTED=probs is not None, KEEP=kept is not None, COUNT=bad_count is not None,
             num_warps=config.num_warps,
         )
     return y

@@ -50,20 +50,27 @@ PROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @triton.jit
 def route_targets(ranks_ptr, rows_ptr, bases_ptr, routes, is_route, world, num_rows,
-                  HIDDEN: tl.constexpr):
+                  HIDDEN: tl.constexpr, BYTES: tl.constexpr = False):
     """``(is_moved, is_bad, row pointers)`` of ``routes``: a route is moved when its rank
     and row lie in ``[0, world)`` x ``[0, num_rows)``, bad when both are non-negative and
-    one is out of range. Pointers of routes not moved are null (never dereferenced)."""
+    one is out of range. Pointers of routes not moved are null (never dereferenced). Rows
+    are ``HIDDEN`` bf16 values, or with ``BYTES`` ``HIDDEN`` bytes (uint8 pointers)."""
     rank = tl.load(ranks_ptr + routes, mask=is_route, other=-1).to(tl.int64)
     row = tl.load(rows_ptr + routes, mask=is_route, other=-1).to(tl.int64)
     is_valid = is_route & (rank >= 0) & (row >= 0)
     is_moved = is_valid & (rank < world) & (row < num_rows)
     is_bad = is_valid & ((rank >= world) | (row >= num_rows))
     base = tl.load(bases_ptr + tl.where(is_moved, rank, 0), mask=is_moved, other=0)
-    addr = base + tl.where(is_moved, row, 0) * (HIDDEN * 2)
-    row_ptrs = addr.to(tl.pointer_type(tl.bfloat16))
-    if HIDDEN % 8 == 0:
-        row_ptrs = tl.multiple_of(row_ptrs, 16)  # heap bases are 256-byte aligned
+    if BYTES:
+        addr = base + tl.where(is_moved, row, 0) * HIDDEN
+        row_ptrs = addr.to(tl.pointer_type(tl.uint8))
+        if HIDDEN % 16 == 0:
+            row_ptrs = tl.multiple_of(row_ptrs, 16)
+    else:
+        addr = base + tl.where(is_moved, row, 0) * (HIDDEN * 2)
+        row_ptrs = addr.to(tl.pointer_type(tl.bfloat16))
+        if HIDDEN % 8 == 0:
+            row_ptrs = tl.multiple_of(row_ptrs, 16)  # heap bases are 256-byte aligned
     return is_moved, is_bad, row_ptrs
 
 
@@ -78,7 +85,7 @@ def count_bad(bad_ptr, is_bad):
 
 @triton.jit
 def _rowwise_put_kernel(
-    x_ptr,  # bf16 [N, D]
+    x_ptr,  # bf16 [N, D] (uint8 with BYTES)
     ranks_ptr,  # int [N*K]
     rows_ptr,  # int [N*K]
     probs_ptr,  # float [N*K] (WEIGHTED)
@@ -93,15 +100,16 @@ def _rowwise_put_kernel(
     BLOCK_D: tl.constexpr,
     WEIGHTED: tl.constexpr,
     COUNT: tl.constexpr,
+    BYTES: tl.constexpr,
 ):
     routes = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     is_route = routes < num_routes
     is_moved, is_bad, dst_rows = route_targets(ranks_ptr, rows_ptr, bases_ptr, routes,
-                                               is_route, world, num_rows, HIDDEN)
+                                               is_route, world, num_rows, HIDDEN, BYTES)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = is_moved[:, None] & (cols < HIDDEN)[None, :]
     tokens = routes // TOP_K
-    vals = tl.load(x_ptr + tokens[:, None] * HIDDEN + cols[None, :], mask=mask, other=0.0)
+    vals = tl.load(x_ptr + tokens[:, None] * HIDDEN + cols[None, :], mask=mask, other=0)
     if WEIGHTED:
         p = tl.load(probs_ptr + routes, mask=is_moved, other=0.0).to(tl.float32)
         vals = (vals.to(tl.float32) * p[:, None]).to(tl.bfloat16)
@@ -195,19 +203,22 @@ def rowwise_put(
     """Push each route's token row into its destination row (see the module docstring).
 
     Args:
-        x: bf16 ``[N, D]`` contiguous, the token rows.
+        x: bf16 ``[N, D]`` contiguous, the token rows; or uint8 ``[N, D]`` (rows of D bytes,
+            e.g. MXFP8 qdata or scales viewed as uint8: moved bit for bit, unweighted).
         dst_ranks / dst_rows: signed integer ``[N, K]`` (or ``[N]``: K = 1) contiguous;
             negative = invalid route.
         bases: int64 ``[EP]``: address of row 0 of every rank's destination buffer, as mapped
-            in this process; each buffer holds ``num_rows`` rows of D bf16 (16-byte aligned
-            when D is a multiple of 8).
+            in this process; each buffer holds ``num_rows`` rows of D values of x's dtype
+            (16-byte aligned when a row is a multiple of 16 bytes).
         num_rows: R, the rows of every destination buffer.
         probs: optional float32 / bf16 / fp16 ``[N, K]`` contiguous: weighted PUT.
         bad_count: optional int64 ``[1]`` device counter: bad routes are added to it.
         config: launch configuration; default :meth:`RowwiseConfig.for_widths`.
     """
-    check_tensor("x", x, dtypes=(torch.bfloat16,), ndim=2, shape_text="[N, D]")
+    check_tensor("x", x, dtypes=(torch.bfloat16, torch.uint8), ndim=2, shape_text="[N, D]")
     num_tokens, hidden = x.shape
+    if x.dtype == torch.uint8 and probs is not None:
+        raise ValueError("probs must be None when x is uint8 (bytes move unweighted)")
     top_k = check_routes("dst_ranks", dst_ranks, "dst_rows", dst_rows, num_tokens)
     check_tensor("bases", bases, dtypes=(torch.int64,), ndim=1, shape_text="[EP]")
     if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 0:
@@ -237,7 +248,7 @@ def rowwise_put(
             num_routes, bases.shape[0], num_rows,
             TOP_K=top_k, HIDDEN=hidden, BLOCK_R=config.block_r, BLOCK_D=config.block_d,
             WEIGHTED=probs is not None, COUNT=bad_count is not None,
-            num_warps=config.num_warps,
+            BYTES=x.dtype == torch.uint8, num_warps=config.num_warps,
         )
 
 
@@ -249,7 +260,8 @@ def rowwise_put(
 def rowwise_put_ref(x: torch.Tensor, dst_ranks: torch.Tensor, dst_rows: torch.Tensor,
                     outs: list[torch.Tensor], probs: torch.Tensor | None = None) -> int:
     """Plain-PyTorch :func:`rowwise_put` of one source rank into ``outs`` (every rank's
-    destination buffer, bf16 ``[R, D]`` each, on any device); returns the bad routes.
+    destination buffer, ``[R, D]`` of x's dtype each, on any device); returns the bad
+    routes.
     Routes are written in route order (a later duplicate wins)."""
     two_d = (lambda m: m if m.dim() == 2 else m[:, None])
     ranks, rows = two_d(dst_ranks).tolist(), two_d(dst_rows).tolist()

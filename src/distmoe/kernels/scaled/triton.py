@@ -98,20 +98,12 @@ from distmoe.kernels.base.interpreter import interpreter_active
 from distmoe.kernels.base.rows import activation_segments
 from distmoe.kernels.base.tiles import swizzle_tile, tile_activation_rows, tile_expert
 from distmoe.kernels.scaled.config import SCALE_BLOCK, ScaledGemmConfig
+from distmoe.quant.formats import e8m0_to_fp32
 from distmoe.quant.mxfp8 import e8m0_to_float
 
 # --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _e8m0_to_fp32(s):
-    """fp32 ``2^(s - 127)`` of E8M0 bytes ``s`` (int32), exact: byte 0 is the fp32 subnormal
-    2^-127, byte 255 is NaN."""
-    bits = tl.where(s == 0, 0x00400000, s << 23)
-    bits = tl.where(s == 255, 0x7FC00000, bits)
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -132,7 +124,7 @@ def _load_step(rows_ptr, srows_ptr, s, kk, ok, MASKED: tl.constexpr, SCALE_FP32:
     if SCALE_FP32:
         return q, sc
     else:
-        return q, _e8m0_to_fp32(sc.to(tl.int32))
+        return q, e8m0_to_fp32(sc.to(tl.int32))
 
 
 @triton.jit
