@@ -122,7 +122,7 @@ def test_launcher_errors_name_the_argument():
     x = torch.zeros(4, 8, dtype=torch.bfloat16)
     maps = torch.zeros(4, 2, dtype=torch.int32)
     bases = torch.zeros(1, dtype=torch.int64)
-    with pytest.raises(TypeError, match=r"x must have dtype bfloat16, got torch.float32"):
+    with pytest.raises(TypeError, match=r"x must have dtype bfloat16 or uint8, got torch.float32"):
         rowwise_put(x.float(), maps, maps, bases, 4)
     with pytest.raises(TypeError, match=r"dst_ranks must have dtype int8 or int16"):
         rowwise_put(x, maps.to(torch.uint8), maps, bases, 4)
