@@ -44,10 +44,12 @@ from distmoe.quant.formats import (
     E4M3_NAN,
     E8M0_BIAS,
     MXFP8_BLOCK,
+    QUANT_INPUT_DTYPES,
     QuantLaunchConfig,
     check_block_dim,
     check_launch_config,
     check_quant_input,
+    e4m3_code_to_float,
     e8m0_exponent,
     e8m0_exponent_ref,
     finite_abs_bits,
@@ -61,7 +63,8 @@ from distmoe.quant.formats import (
 
 @triton.jit
 def _mxfp8_quantize_kernel(x_ptr, q_ptr, s_ptr, rows, num_groups,
-                           BLOCK_R: tl.constexpr, GROUPS: tl.constexpr):
+                           BLOCK_R: tl.constexpr, GROUPS: tl.constexpr,
+                           REBASE: tl.constexpr = False):
     pid_r = tl.program_id(0)
     pid_g = tl.program_id(1)
     r = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -75,10 +78,56 @@ def _mxfp8_quantize_kernel(x_ptr, q_ptr, s_ptr, rows, num_groups,
     abs_bits = bits & 0x7FFFFFFF
     e = e8m0_exponent(tl.max(finite_abs_bits(bits), axis=2))
     code = round_minifloat(abs_bits, e[:, :, None], 3, -6, 126)
+    if REBASE:
+        # onto the largest exponent of each 4 blocks (128 values): the value code * 2^e
+        # rounded again at 2^e_max (distmoe.quant.fp8_block.mxfp8_rebase's rule, the same
+        # bits as mxfp8_rebase(mxfp8_quantize(x)))
+        e_max = tl.max(tl.reshape(e, (BLOCK_R, GROUPS // 4, 4)), axis=2)
+        e_max = tl.reshape(tl.broadcast_to(e_max[:, :, None], (BLOCK_R, GROUPS // 4, 4)),
+                           (BLOCK_R, GROUPS))
+        v_bits = e4m3_code_to_float(code).to(tl.int32, bitcast=True)
+        code = round_minifloat(v_bits, (e_max - e)[:, :, None], 3, -6, 126)
+        e = e_max
     code = tl.where(abs_bits < 0x7F800000, code, 0x7F)  # NaN, Inf -> NaN
     sign = (bits >> 24) & 0x80
     tl.store(q_ptr + offs, (code | sign).to(tl.uint8), mask=ok3)
-    tl.store(s_ptr + r[:, None] * num_groups + g[None, :], (e + 127).to(tl.uint8), mask=ok2)
+    if REBASE:
+        g4 = pid_g * (GROUPS // 4) + tl.arange(0, GROUPS // 4)
+        e4 = tl.max(tl.reshape(e, (BLOCK_R, GROUPS // 4, 4)), axis=2)
+        ok4 = (r[:, None] < rows) & (g4[None, :] < num_groups // 4)
+        tl.store(s_ptr + r[:, None] * (num_groups // 4) + g4[None, :], (e4 + 127).to(tl.uint8),
+                 mask=ok4)
+    else:
+        tl.store(s_ptr + r[:, None] * num_groups + g[None, :], (e + 127).to(tl.uint8),
+                 mask=ok2)
+
+
+def mxfp8_quantize_rebased_2d(x: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor, *,
+                              config: QuantLaunchConfig | None = None) -> None:
+    """:func:`mxfp8_quantize_2d` then :func:`~distmoe.quant.mxfp8_rebase` (128-wide groups)
+    in one kernel, the same bits: ``x [rows, cols]`` (cols a multiple of 128) into ``qdata``
+    (float8_e4m3fn or uint8 ``[rows, cols]``) and ``scales`` (uint8 ``[rows, cols / 128]``),
+    for :func:`~distmoe.kernels.scaled.mxfp8_grouped_mm` with ``k_group=128``."""
+    config = check_launch_config(config)
+    check_tensor("x", x, dtypes=QUANT_INPUT_DTYPES, ndim=2, shape_text="[rows, cols]")
+    rows, cols = x.shape
+    if cols % 128 or cols == 0:
+        raise ValueError(f"cols ({cols}, x.shape[1]) must be a positive multiple of 128 (four "
+                         "32-value blocks per rebased scale)")
+    check_tensor("qdata", qdata, dtypes=(torch.float8_e4m3fn, torch.uint8), shape=[rows, cols],
+                 shape_text="(x's shape)")
+    check_tensor("scales", scales, dtypes=(torch.uint8,), shape=[rows, cols // 128],
+                 shape_text="[rows, cols / 128]")
+    check_devices({"x": x, "qdata": qdata, "scales": scales})
+    if x.numel() == 0:
+        return
+    num_groups = cols // MXFP8_BLOCK
+    block_groups = max(4, config.block_groups)  # whole 128-value groups per program
+    grid = (triton.cdiv(rows, config.block_rows), triton.cdiv(num_groups, block_groups))
+    with device_context(x.device):
+        _mxfp8_quantize_kernel[grid](x, qdata.view(torch.uint8), scales, rows, num_groups,
+                                     BLOCK_R=config.block_rows, GROUPS=block_groups,
+                                     REBASE=True, num_warps=config.num_warps)
 
 
 def mxfp8_quantize_2d(x: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor, *,

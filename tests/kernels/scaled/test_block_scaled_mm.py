@@ -255,3 +255,31 @@ def test_refusals():
 def test_gpu_matches_exact_product(kind):
     counts = (700, 0, 512, 1, 1000, 383, 900, 600)
     _run(kind, counts, 2048, 1536, block_m=128, device="cuda", spare=64)
+
+
+def _assert_rebased_quantiser_bits(device):
+    from distmoe.quant.formats import QuantLaunchConfig
+    from distmoe.quant.mxfp8 import mxfp8_quantize_rebased_2d
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(37, 512) * torch.logspace(-6, 6, 512)).to(dtype)
+        x[0, :40] = 0.0
+        x[1, 5] = float("nan")
+        x[2, 300] = float("inf")
+        x = x.to(device)
+        want_q, want_s, _ = mxfp8_rebase(*mxfp8_quantize(x, dim=-1))
+        for cfg in (None, QuantLaunchConfig(block_rows=8, block_groups=8)):
+            q = torch.empty(37, 512, dtype=torch.float8_e4m3fn, device=device)
+            s = torch.empty(37, 4, dtype=torch.uint8, device=device)
+            mxfp8_quantize_rebased_2d(x, q, s, config=cfg)
+            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+            assert torch.equal(s, want_s)
+
+
+def test_rebased_quantiser_gives_quantise_then_rebase_bits():
+    # one kernel: quantise per 32 then rebase per 128, the bits of the two-step path
+    _assert_rebased_quantiser_bits("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_rebased_quantiser_bits():
+    _assert_rebased_quantiser_bits("cuda")
