@@ -1,10 +1,12 @@
 """The shared expert's side stream on a GPU (MoEExperts with ``shared_ffn``): EP 1 and EP 2 as
 ranks sharing GPU 0 (CUDA IPC heap). The module forks the shared branch onto its own stream,
 runs the routed layer on the current one and joins; the same module's parameters and context
-run again with the branch inline on the current stream (``with_shared_expert(stream=None)``,
-the CPU path). Both issue the same kernels on the same inputs, so y and every gradient must be
-the same bits; a missing fork or join (the add or a backward reading a half-written tensor)
-shows as a difference. Five steps, each with fresh random inputs (never the buffers of the
+run again with the branch inline on the current stream, built in the same order (the shared
+branch, then the routed layer, then the add: so that autograd sums x's three gradient
+contributions in bf16 in the same order; ``with_shared_expert(stream=None)`` builds the
+routed layer first). Both issue the same kernels on the same inputs, so y and every gradient
+must be the same bits; a missing fork or join (the add or a backward reading a half-written
+tensor) shows as a difference. Five steps, each with fresh random inputs (never the buffers of the
 step before) and the module's output poisoned in between."""
 
 import pytest
@@ -12,7 +14,7 @@ import torch
 
 import distmoe as dm
 from distmoe.nn import MoEExperts
-from distmoe.nn.shared_expert import with_shared_expert
+from distmoe.nn.shared_expert import add_shared, shared_expert
 from distmoe.reference import random_routing
 
 T, D, F, E, K = 256, 256, 128, 8, 2
@@ -35,9 +37,9 @@ def _step(m, x, ids, scores, gy, side_stream):
         p.grad = None
     if side_stream:
         y = m(xa, ids, sa)
-    else:  # the same parameters and context, the branch inline on the current stream
-        y = with_shared_expert(lambda: m.context(xa, ids, sa, m.w13, m.w2), xa,
-                               m.shared_w13, m.shared_w2, m.shared_gate_w, stream=None)
+    else:  # the same parameters and context, the branch inline, in the side path's order
+        h3, logit = shared_expert(xa, m.shared_w13, m.shared_w2, m.shared_gate_w)
+        y = add_shared(m.context(xa, ids, sa, m.w13, m.w2), h3, logit)
     (y.float() * gy.float()).sum().backward()
     out = [y.detach().clone(), xa.grad, sa.grad]
     out += [p.grad.clone() for p in m.parameters()]
