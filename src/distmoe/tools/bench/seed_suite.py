@@ -6,9 +6,10 @@ Cases (:func:`seed_cases`; ``--seed-cases`` picks kinds, default all):
 ``imbalance``  one routed layer, the seed's layer as one rank's share at EP = 8
                (:data:`SEED_SHARE`: T2048 D7168 F3072 E48 K6), exact routing at imbalance
                1 / 4 / 8 (``--imbalance-groups`` 8: group 0 stands for rank 0's experts):
-               bf16 forward and forward+backward, and mxfp8 inference forward
-               (``MoEConfig(precision="mxfp8", training=False)``, weights from
-               :func:`distmoe.prepare_weights`, quantised outside the timing).
+               bf16 forward and forward+backward, and mxfp8 and fp8_block inference
+               forwards (``MoEConfig(precision=..., training=False)``, weights from
+               :func:`distmoe.prepare_weights`, quantised outside the timing; fp8_block
+               not at the CPU's tiny widths).
 ``width``      the same layer at F = 512 1024 1536 2048 3072 4096 (T, D, E, K fixed), bf16,
                forward and forward+backward.
 ``packing``    ten layers (``--pack-layers``) of :data:`PACK_SHAPE` (D2048 F768 E128 K8),
@@ -139,8 +140,10 @@ def seed_cases(kinds: tuple[str, ...] = SEED_KINDS, *, tiny: bool = False,
             for mode in ("fwd", "fwdbwd"):
                 out += [SeedCase(kind=kind, shape=share, mode=mode, imbalance=f)
                         for f in imbalances]
-            out += [SeedCase(kind=kind, shape=share, mode="fwd", precision="mxfp8",
-                             imbalance=f) for f in imbalances]
+            # block FP8 needs D and F multiples of 128: not at the CPU's tiny widths
+            lowp = ("mxfp8",) if tiny else ("mxfp8", "fp8_block")
+            out += [SeedCase(kind=kind, shape=share, mode="fwd", precision=p, imbalance=f)
+                    for p in lowp for f in imbalances]
         elif kind == "width":
             out += [SeedCase(kind=kind, shape=with_ffn(share, f), mode=mode)
                     for mode in ("fwd", "fwdbwd") for f in widths]
