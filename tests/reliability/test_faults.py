@@ -4,9 +4,10 @@ context is unusable afterwards (a clear error), and no shared-memory segment sta
 /dev/shm (the segments are unlinked as soon as every rank mapped them; the suite's conftest
 checks /dev/shm after the session too).
 
-Not covered here: a rank that exits or is killed (``distmoe.launch`` stops the others as soon
-as it sees a death, so their errors cannot be observed through it), and the GPU heaps, whose
-device barriers take no timeout yet.
+A rank killed (SIGKILL) between a training forward and its backward: the survivor's backward
+raises within the timeout naming it, the context is unusable, no segment stays (its own
+processes: ``distmoe.launch`` stops the others as soon as it sees a death). Not covered: the
+GPU heaps, whose device barriers take no timeout yet.
 """
 
 import os
@@ -67,3 +68,77 @@ def test_hung_rank_becomes_an_error_naming_it():
     assert hung["after"].startswith("this MoEContext is unusable"), hung["after"]
     for out in per_rank:
         assert not out["shm"], out["shm"]
+
+
+# --------------------------------------------------------------------------------------------
+# A killed rank (its own processes: distmoe.launch would stop the survivor at the death)
+# --------------------------------------------------------------------------------------------
+
+
+def _killed_rank_process(rank, world, store_path, results):
+    import signal
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                            world_size=world)
+    dist.barrier()
+    cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
+                       training=True, row_block=16, device_scratch_factor=float(world))
+    g = torch.Generator().manual_seed(rank)
+    e_local = E // world
+    x = torch.randn(T, D, generator=g).bfloat16().requires_grad_(True)
+    ids = torch.rand(T, E, generator=g).topk(K, dim=1).indices
+    scores = torch.rand(T, K, generator=g).requires_grad_(True)
+    w13 = (torch.randn(e_local, 2, F, D, generator=g) / D**0.5).bfloat16().requires_grad_(True)
+    w2 = (torch.randn(e_local, D, F, generator=g) / F**0.5).bfloat16().requires_grad_(True)
+    ctx = dm.MoEContext(cfg, device="cpu", timeout=TIMEOUT)
+    y = ctx(x, ids, scores, w13, w2)  # a healthy training forward; its backward is the fault
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # killed before the backward, holding nothing
+    start = time.monotonic()
+    try:
+        y.float().sum().backward()
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    seconds = time.monotonic() - start
+    try:
+        ctx(x.detach(), ids, scores.detach(), w13.detach(), w2.detach())
+        after = None
+    except RuntimeError as exc:
+        after = str(exc)
+    ctx.close()
+    results.put((error, seconds, after))
+
+
+def test_killed_rank_becomes_an_error_on_the_survivor(tmp_path):
+    import multiprocessing as mp
+
+    before = set(_segments())
+    spawn = mp.get_context("spawn")
+    results = spawn.Queue()
+    store = tmp_path / "store"
+    procs = [spawn.Process(target=_killed_rank_process, args=(r, 2, str(store), results),
+                           daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        error, seconds, after = results.get(timeout=120)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert procs[1].exitcode == -9, procs[1].exitcode  # SIGKILL
+    assert error is not None, "the survivor's backward did not raise"
+    assert "failed" in error and "1" in error, error  # names the dead rank
+    assert seconds < 4 * TIMEOUT, seconds
+    assert after is not None and after.startswith("this MoEContext is unusable"), after
+    left = sorted(set(_segments()) - before)
+    assert not left, f"segments left in /dev/shm: {left}"
+    print(f"survivor's error after {seconds:.1f} s: {error}")
+
+
+def _segments():
+    return [n for n in os.listdir("/dev/shm") if n.startswith("distmoe")]
