@@ -19,9 +19,9 @@ from .launch import launch  # noqa: E402
 from .memory import MemoryPlan, plan_memory  # noqa: E402
 from .ops import MoEContext  # noqa: E402
 from .quant import PreparedWeight, prepare_weights  # noqa: E402  (low-precision weights)
-from .rowwise import grouped_mm  # noqa: E402  (torch._grouped_mm-style bf16 grouped GEMM)
+from .rowwise import grouped_mm, scaled_grouped_mm_q  # noqa: E402  (torch._grouped_mm-style)
 
 __version__ = "0.1.0"
 
 __all__ = ["MemoryPlan", "MoEConfig", "MoEContext", "PreparedWeight", "grouped_mm", "launch",
-           "plan_memory", "prepare_weights", "__version__"]
+           "plan_memory", "prepare_weights", "scaled_grouped_mm_q", "__version__"]

@@ -17,7 +17,16 @@ no group get exact zeros in ``grad_a``, an empty group exact zeros in ``grad_b``
 import pytest
 import torch
 
+import distmoe
 from distmoe.kernels.grouped import GroupedConfig, num_row_tiles
+from distmoe.kernels.scaled.triton import FP8_BLOCK, MXFP8, MXFP8_REBASED, scaled_grouped_mm
+from distmoe.quant import (
+    fp8_block_quantize,
+    fp8_block_quantize_weight,
+    mxfp8_quantize,
+    mxfp8_quantize_weight,
+    mxfp8_rebase,
+)
 from distmoe.rowwise import grouped_mm
 from distmoe.rowwise.grouped import grouped_mm_ref
 
@@ -289,3 +298,49 @@ def test_gpu_against_torch_grouped_mm(align):
         err, ref_err = _max_err(ours, hi), _max_err(base, hi)
         assert err <= 2 * ref_err + floor, f"{label}: error {err} > 2 * {ref_err} + {floor}"
     assert torch.equal(ours_a.grad[live:], torch.zeros_like(ours_a.grad[live:]))
+
+
+# --------------------------------------------------------------------------------------------
+# scaled_grouped_mm_q: prequantised operands, torch._grouped_mm's shapes
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp8_rebased", "fp8_block"])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_scaled_grouped_mm_q_equals_the_kernel_on_padded_tables(fmt, swiglu):
+    # the wrapper builds the padded tables from offs on the device: its rows are the bits of
+    # the scaled kernel launched on tables built here (the kernel's arithmetic is tested in
+    # tests/kernels/scaled); rows of no group are zeros
+    counts, k, n = (5, 0, 19), 256, 256
+    m = sum(counts) + 3
+    x = torch.randn(m, k).bfloat16()
+    w = (torch.randn(len(counts), n, k) / k**0.5).bfloat16()
+    if fmt == "fp8_block":
+        a_q, a_s = fp8_block_quantize(x)
+        b_q, b_s = fp8_block_quantize_weight(w)
+    else:
+        a_q, a_s = mxfp8_quantize(x, dim=-1)
+        w8 = mxfp8_quantize_weight(w)
+        b_q, b_s = w8.qdata, w8.scales
+        if fmt == "mxfp8_rebased":
+            a_q, a_s, _ = mxfp8_rebase(a_q, a_s)
+            b_q, b_s, _ = mxfp8_rebase(b_q, b_s)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    out_n = n // 2 if swiglu else n
+    out = torch.full((m, out_n), float("nan"), dtype=torch.bfloat16)
+    got = distmoe.scaled_grouped_mm_q(a_q, a_s, b_q.transpose(1, 2), b_s, offs, out,
+                                      format=fmt, swiglu=swiglu)
+    assert got is out
+    layout = {"mxfp8": MXFP8, "mxfp8_rebased": MXFP8_REBASED, "fp8_block": FP8_BLOCK}[fmt]
+    po = torch.tensor([0, 128, 128, 256], dtype=torch.int32)
+    ro = torch.tensor([0, 5, 5, 24], dtype=torch.int32)
+    ref = torch.full_like(out, float("nan"))
+    scaled_grouped_mm(a_q, a_s, b_q, b_s, po, ro, ref, layout=layout, swiglu=swiglu)
+    live = sum(counts)
+    assert torch.equal(got[:live], ref[:live])
+    assert torch.equal(got[live:], torch.zeros(m - live, out_n, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"b_q must be the transpose of a contiguous"):
+        distmoe.scaled_grouped_mm_q(a_q, a_s, b_q.transpose(1, 2).contiguous(), b_s, offs,
+                                    format=fmt)
+    with pytest.raises(ValueError, match=r"format \('fp4'\) must be one of"):
+        distmoe.scaled_grouped_mm_q(a_q, a_s, b_q.transpose(1, 2), b_s, offs, format="fp4")

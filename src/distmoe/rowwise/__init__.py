@@ -13,7 +13,8 @@
   scales in two buffers of ``Buffers(scaled=True)``), moved bit for bit, dequantised and
   reduced on arrival (:mod:`distmoe.rowwise.scaled`).
 * :func:`grouped_mm`: torch._grouped_mm's grouped GEMM (bf16, differentiable), its result
-  and input gradient written into caller buffers (``out``, ``input_grad_out``).
+  and input gradient written into caller buffers (``out``, ``input_grad_out``);
+  :func:`scaled_grouped_mm_q`: the same shapes on prequantised FP8 operands (forward).
 
 The bf16 calls are differentiable: dispatch's backward is a combine GET, the combines' and the
 gather's backward a (weighted) dispatch PUT. A negative rank or row marks an invalid route
@@ -24,8 +25,8 @@ dropped and counted (``Buffers.stats()``), or refused with ``Buffers(check=True)
 from .buffers import Buffers
 from .combine import combine_get, combine_get_fused, gather_get
 from .dispatch import dispatch_put
-from .grouped import grouped_mm
+from .grouped import grouped_mm, scaled_grouped_mm_q
 from .scaled import combine_get_scaled, dispatch_put_scaled
 
 __all__ = ["Buffers", "combine_get", "combine_get_fused", "combine_get_scaled", "dispatch_put",
-           "dispatch_put_scaled", "gather_get", "grouped_mm"]
+           "dispatch_put_scaled", "gather_get", "grouped_mm", "scaled_grouped_mm_q"]

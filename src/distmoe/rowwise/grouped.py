@@ -47,6 +47,8 @@ from distmoe.kernels.base.checks import (
     check_width,
 )
 from distmoe.kernels.grouped import GroupedConfig, grouped_gemm
+from distmoe.kernels.scaled import ScaledGemmConfig
+from distmoe.kernels.scaled.triton import FP8_BLOCK, MXFP8, MXFP8_REBASED, scaled_grouped_mm
 from distmoe.kernels.wgrad import WgradConfig, launch_grouped_wgrad
 
 
@@ -198,3 +200,74 @@ def grouped_mm_ref(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torc
         start = end
     pieces.append(a.new_zeros(a.shape[0] - start, b.shape[2]))
     return torch.cat(pieces)
+
+
+# --------------------------------------------------------------------------------------------
+# Prequantised operands
+# --------------------------------------------------------------------------------------------
+
+#: operand formats of :func:`scaled_grouped_mm_q`: (values per scale along K, weight rows per
+#: scale, scale dtype)
+SCALED_FORMATS = {"mxfp8": (32, 32, torch.uint8), "mxfp8_rebased": (128, 32, torch.uint8),
+                  "fp8_block": (128, 128, torch.float32)}
+
+
+def scaled_grouped_mm_q(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: torch.Tensor,
+                        b_scales: torch.Tensor, offs: torch.Tensor,
+                        out: torch.Tensor | None = None, *, format: str = "mxfp8",
+                        swiglu: bool = False, config=None) -> torch.Tensor:
+    """:func:`grouped_mm`'s shapes and offsets on prequantised FP8 operands (forward only, no
+    autograd): ``out[r] = bf16(dequant(a_q[r]) @ dequant(b_q[e]))`` for row r of group e, fp32
+    accumulation per scale step (the :mod:`distmoe.kernels.scaled` GEMM: exact arithmetic on
+    the operands up to the fp32 summation order, docs/numerics.md); rows past ``offs[-1]``
+    zeros.
+
+    Args:
+        a_q: float8_e4m3fn ``[M, K]`` contiguous, rows grouped by expert.
+        a_scales: ``[M, K/g]``: uint8 E8M0 (``"mxfp8"``: g = 32, ``mxfp8_quantize``;
+            ``"mxfp8_rebased"``: g = 128, ``mxfp8_rebase``) or float32 (``"fp8_block"``:
+            g = 128, ``fp8_block_quantize``).
+        b_q: float8_e4m3fn ``[E, K, N]``, the transpose of a contiguous ``[E, N, K]`` (the
+            weights as quantised, passed as ``w_q.transpose(-2, -1)``, torch's layout for
+            ``torch._scaled_grouped_mm``).
+        b_scales: the weights' scales in their own ``[E, N/b, K/g]`` orientation (b = 32 for
+            the MXFP8 formats, 128 for block FP8).
+        offs: int32 ``[E]`` on the device: cumulative row ends (:func:`grouped_mm`'s; not
+            read on the host, clamped).
+        out: optional bf16 ``[M, N]`` (``[M, N/2]`` with ``swiglu``) contiguous.
+        format: ``"mxfp8"``, ``"mxfp8_rebased"`` or ``"fp8_block"``.
+        swiglu: ``out = silu(gate) * up`` of the two halves of N (w13's gate rows, then up).
+        config: a :class:`~distmoe.kernels.scaled.ScaledGemmConfig` (its ``block_m`` is the
+            padding of the row tiles; default for the widths).
+
+    Returns ``out`` (a new tensor when not given). No host synchronisation.
+    """
+    if format not in SCALED_FORMATS:
+        raise ValueError(f"format ({format!r}) must be one of {list(SCALED_FORMATS)}")
+    layout = {"mxfp8": MXFP8, "mxfp8_rebased": MXFP8_REBASED, "fp8_block": FP8_BLOCK}[format]
+    check_tensor("b_q", b_q, dtypes=(torch.float8_e4m3fn,), ndim=3, shape_text="[E, K, N]",
+                 contiguous=False)
+    if not _is_transposed(b_q):
+        raise ValueError("b_q must be the transpose of a contiguous [E, N, K] "
+                         "(w_q.transpose(-2, -1)), got strides " + str(list(b_q.stride())))
+    check_tensor("a_q", a_q, dtypes=(torch.float8_e4m3fn,), ndim=2, shape_text="[M, K]")
+    num_rows = a_q.shape[0]
+    num_groups, _, width_n = b_q.shape
+    check_tensor("offs", offs, dtypes=(torch.int32,), shape=[num_groups],
+                 shape_text="[E] (cumulative row ends, int32, on the device)")
+    out_n = width_n // 2 if swiglu else width_n
+    if out is None:
+        out = torch.empty(num_rows, out_n, dtype=torch.bfloat16, device=a_q.device)
+    if config is None:
+        config = ScaledGemmConfig.for_widths(k=a_q.shape[1], n=width_n, swiglu=swiglu,
+                                             k_group=layout.k_group)
+    row_offsets = _row_offsets(offs, num_rows)
+    counts = row_offsets[1:] - row_offsets[:-1]
+    block_m = config.block_m
+    padded = ((counts + block_m - 1) // block_m * block_m).cumsum(0).to(torch.int32)
+    padded_offsets = torch.cat([padded.new_zeros(1), padded])
+    scaled_grouped_mm(a_q, a_scales, b_q.transpose(1, 2), b_scales, padded_offsets,
+                      row_offsets, out, layout=layout, swiglu=swiglu, config=config)
+    # rows of no group: zeros (the kernel writes the live rows only)
+    rows = torch.arange(num_rows, device=out.device)[:, None]
+    return out.masked_fill_(rows >= row_offsets[-1], 0.0)
