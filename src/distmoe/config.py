@@ -13,6 +13,7 @@ from typing import Literal
 
 Precision = Literal["bf16", "mxfp8", "nvfp4", "fp8_block"]
 PRECISIONS: tuple[str, ...] = ("bf16", "mxfp8", "nvfp4", "fp8_block")
+PIPELINES: tuple[str, ...] = ("staged", "mega", "auto")
 
 # Expert ids travel between ranks as int16 (docs/design.md, Per-rank buffers).
 MAX_EXPERTS = 2**15 - 1
@@ -99,6 +100,12 @@ class MoEConfig:
             ``"auto"``, ``True`` has the same kernel read a layer's rows kept in its slot in
             order, and ``None`` copies (in place is slower there). At EP > 1 the rows are
             always copied (most live on the peers). Gradients are the same bits either way.
+        pipeline: how a forward runs its two GEMMs: ``"staged"`` (W13 + SwiGLU, then W2:
+            two launches), ``"mega"`` (one persistent kernel whose W2 tiles start as soon as
+            their h2 rows exist, storing into the owners' combine buffers; bf16 inference at
+            EP > 1 with every rank on a GPU of its own, refused elsewhere when the context
+            is built) or ``"auto"`` (the plan's rule, :func:`distmoe.plan.rules.
+            pipeline_for`: staged until Mega is measured faster).
     """
 
     hidden: int
@@ -118,6 +125,7 @@ class MoEConfig:
     save_route_outputs: bool = True
     save_gathered_rows: bool | Literal["auto"] = True
     gathered_rows_in_place: bool | None = None
+    pipeline: Literal["staged", "mega", "auto"] = "auto"
 
     def __post_init__(self) -> None:
         for name in ("hidden", "ffn", "num_experts", "top_k", "max_tokens"):
@@ -147,6 +155,12 @@ class MoEConfig:
                     f"{name} ({value}) must be a multiple of {multiple} for precision "
                     f"{self.precision!r}"
                 )
+        if self.pipeline not in PIPELINES:
+            raise ValueError(f"pipeline ({self.pipeline!r}) must be one of {PIPELINES}")
+        if self.pipeline == "mega" and (self.training or self.precision != "bf16"):
+            raise ValueError(
+                f"pipeline 'mega' runs bf16 inference only so far, got training="
+                f"{self.training}, precision {self.precision!r}: use 'staged' or 'auto'")
         _require_int("row_block", self.row_block, 16)
         if self.row_block > 256 or self.row_block & (self.row_block - 1):
             raise ValueError(f"row_block ({self.row_block}) must be a power of two in [16, 256]")

@@ -126,6 +126,37 @@ def test_mega_is_refused_without_a_gpu_per_rank():
     assert "Mega runs in EP > 1 inference only" in raised
 
 
+def _pipeline_rank(rank, world):
+    out = {}
+    for pipeline in ("auto", "staged", "mega"):
+        cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=4, top_k=2, max_tokens=16,
+                           training=False, pipeline=pipeline)
+        try:
+            with dm.MoEContext(cfg, device="cpu") as ctx:
+                out[pipeline] = ctx.plan.mega_config
+        except ValueError as exc:
+            out[pipeline] = str(exc)
+    return out
+
+
+def test_pipeline_option():
+    """``MoEConfig(pipeline=...)``: "auto" and "staged" plan no Mega (the rule,
+    distmoe.plan.rules.pipeline_for); "mega" is refused when the context is built where it
+    cannot run (CPU ranks share no GPU), at EP=1 by the plan, and in training or low
+    precision by the config."""
+    for out in dm.launch(_pipeline_rank, 2):
+        assert out["auto"] is None and out["staged"] is None
+        assert out["mega"].startswith("pipeline 'mega' (W13 and W2 in one kernel) cannot run "
+                                      "here: the 'cpu' heap"), out["mega"]
+    (out,) = dm.launch(_pipeline_rank, 1)
+    assert out["mega"].startswith("pipeline 'mega' needs EP > 1"), out["mega"]
+    with pytest.raises(ValueError, match=r"pipeline 'mega' runs bf16 inference only so far"):
+        dm.MoEConfig(hidden=D, ffn=F, num_experts=4, top_k=2, max_tokens=16, pipeline="mega")
+    with pytest.raises(ValueError, match=r"pipeline \('fused'\) must be one of"):
+        dm.MoEConfig(hidden=D, ffn=F, num_experts=4, top_k=2, max_tokens=16,
+                     training=False, pipeline="fused")
+
+
 def test_ep1_reads_x_in_place_and_copies_a_misaligned_x():
     T, E, K = 13, 8, 3
     (y, y_odd, written, stats), = dm.launch(x_in_place_rank, 1,

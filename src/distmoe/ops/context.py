@@ -345,6 +345,13 @@ class MoEContext:
             # position; zeroed before each call that uses them
             self._h2_done = torch.zeros(self.row_capacity // 128 + 1, dtype=torch.int32,
                                         device=self.device)
+        if cfg.pipeline == "mega":  # asked for by name: refused now, where it cannot run
+            reason = self._mega_reason(False)
+            if reason is not None:
+                heap.close()  # every rank has the same reason: each closes and raises
+                self._closed = True
+                raise ValueError(f"pipeline 'mega' (W13 and W2 in one kernel) cannot run "
+                                 f"here: {reason}; use 'staged' or 'auto'")
         if self.ep_size > 1:
             self._peer_tokens = [heap.view("dispatch", r, torch.bfloat16, (T, D))
                                  for r in range(self.ep_size)]

@@ -239,6 +239,12 @@ def plan_kernels(cfg: MoEConfig, *, ep_size: int = 1,
             w13_wgrad=rules.wgrad_config(out_rows=2 * F, out_cols=D,
                                          gathered_b=rows_in_place(cfg, ep_size), **keys),
         )
+    if rules.pipeline_for(cfg.pipeline, training=cfg.training, ep_size=ep_size) == "mega":
+        if ep_size == 1:
+            raise ValueError("pipeline 'mega' needs EP > 1 (at EP = 1 nothing crosses NVLink "
+                             "for W2 to overlap): use 'staged' or 'auto'")
+        plan["layer"] = LayerSwitches(mega=True)
+        plan["mega_config"] = rules.mega_config()
     return apply_overrides(KernelPlan(**plan), overrides)
 
 

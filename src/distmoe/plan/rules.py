@@ -314,6 +314,16 @@ def w13_phases(*, max_tokens: int, top_k: int, num_experts: int,
             >= thresholds(device_class).value("w13_phases_min_own_rows"))
 
 
+def pipeline_for(pipeline: str, *, training: bool, ep_size: int) -> str:
+    """The forward pipeline a layer runs: ``"mega"`` where asked for (the context refuses it
+    where it cannot run), else ``"staged"``. ``"auto"`` is staged everywhere: on two H200s
+    (docs/performance.md, run 36) Mega was 1-2% faster at qwen3-30b-a3b EP=2 in five of
+    seven readings, even at olmoe, slower at dense-e32 and 23% slower at deepseek-v3, too
+    narrow a win for a default."""
+    del training, ep_size  # the rule reads them once Mega wins somewhere by a clear margin
+    return "mega" if pipeline == "mega" else "staged"
+
+
 def mega_config(*, pingpong: bool = True, lag: int = 3, dynamic: bool = False) -> FusedConfig:
     """The fused W13 + W2 kernel's config: ping-pong 128 x 64 / 128 x 128 tiles with 6
     stages, or cooperative 128 x 128 / 128 x 256 with 4; ``lag`` row-block groups between a
