@@ -193,3 +193,33 @@ def test_sampled_routing_is_seeded_valid_and_not_exact():
     assert inputs.routing.rows_per_expert_E == tuple(
         torch.bincount(inputs.expert_ids_TK.reshape(-1).cpu(),
                        minlength=workloads.SHAPES["smoke"].num_experts).tolist())
+
+
+def test_transformers_peer_provider_matches_the_torch_baseline():
+    # the third-party peer (transformers' "grouped_mm" experts) on the case's own weights
+    # and routing: forward and every gradient close to the torch baseline's (both bf16
+    # GEMMs with fp32 accumulation; on the CPU the same torch._grouped_mm calls: equal)
+    from distmoe.tools.bench.baseline import torch_moe
+    from distmoe.tools.bench.groups import BenchGroup
+    from distmoe.tools.bench.providers import build_provider
+    from distmoe.tools.bench.workloads import MoEShape, make_layer_inputs
+
+    shape = MoEShape(name="t", hidden=64, ffn=32, num_experts=8, top_k=2, tokens=32,
+                     description="tiny")
+    one = BenchGroup(group=None, rank=0, world_size=1, owned=False)
+    prov = build_provider("transformers", shape=shape, tokens=32, training=True,
+                          bench_group=one, device=torch.device("cpu"))
+    assert prov.status == "ok", prov.note
+    inp = make_layer_inputs(shape, tokens=32, training=True, seed=3)
+    args = (inp.x_TD, inp.expert_ids_TK, inp.scores_TK, inp.w13_e2FD, inp.w2_eDF)
+    wrt = (inp.x_TD, inp.scores_TK, inp.w13_e2FD, inp.w2_eDF)
+    y, y_ref = prov.layer(*args), torch_moe(*args)
+    assert y.dtype == torch.bfloat16 and y.shape == y_ref.shape
+    for a, b in zip((y, *torch.autograd.grad(y, wrt, inp.grad_y_TD)),
+                    (y_ref, *torch.autograd.grad(y_ref, wrt, inp.grad_y_TD)), strict=True):
+        scale = b.float().abs().max().item()
+        assert (a.float() - b.float()).abs().max().item() <= 2.0**-7 * scale, "peer differs"
+    two = BenchGroup(group=None, rank=0, world_size=2, owned=False)
+    prov2 = build_provider("transformers", shape=shape, tokens=32, training=False,
+                           bench_group=two, device=torch.device("cpu"))
+    assert prov2.status == "unavailable" and "one rank only" in prov2.note

@@ -91,6 +91,9 @@ Providers (what is timed):
                  for both projections with SwiGLU between, a score-weighted index_add back
                  (EP > 1: all_to_all_single to exchange the rows)
   torch_compile  torch.compile of that function (static shapes)
+  transformers   a third-party peer: Hugging Face transformers' experts implementation
+                 "grouped_mm" (Qwen3MoeExperts) on the same weights and routing; one rank
+                 only, "unavailable" where transformers does not import
 
 Ceilings (measured first, rank 0; --no-ceilings skips them):
   dense bf16 matrix multiply (torch.mm, the best of three sizes) and the same in windows

@@ -8,6 +8,12 @@ API's signature, shared/DESIGN.md) plus facts the timer needs:
 - ``"torch"``: :func:`distmoe.tools.bench.baseline.torch_moe`.
 - ``"torch_compile"``: ``torch.compile`` of the same function; a compilation failure shows up
   at the first call (the harness's priming call) and is recorded as ``"failed"``.
+- ``"transformers"``: a third-party peer, Hugging Face transformers' experts implementation
+  ``"grouped_mm"`` (its Qwen3-MoE experts module, the code every transformers MoE model runs
+  through ``experts_implementation``), called on the case's own weights
+  (``torch.func.functional_call``: the module's parameters are meta tensors, no copy) and
+  routing. One rank only (transformers' expert parallelism shards DTensors; at EP > 1 the
+  provider is ``"unavailable"``), and ``"unavailable"`` where transformers does not import.
 
 :func:`make_step` turns a layer into one timed iteration: forward under ``torch.no_grad()``
 (inference) or forward plus ``torch.autograd.grad`` with respect to x, scores, w13 and w2
@@ -28,7 +34,7 @@ from distmoe.tools.bench.groups import BenchGroup
 from distmoe.tools.bench.report import error_text
 from distmoe.tools.bench.workloads import LayerInputs, MoEShape
 
-PROVIDERS: tuple[str, ...] = ("distmoe", "torch", "torch_compile")
+PROVIDERS: tuple[str, ...] = ("distmoe", "torch", "torch_compile", "transformers")
 
 Layer = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
@@ -99,6 +105,8 @@ def build_provider(
             save_gathered_rows=save_gathered_rows,
             gathered_rows_in_place=gathered_rows_in_place,
         )
+    if name == "transformers":
+        return _build_transformers(shape=shape, bench_group=bench_group, device=device)
     path, reason = grouped_mm_path(device, torch.bfloat16)
     note = f"grouped GEMM: {path}" + (f" ({reason})" if reason else "")
     group = bench_group.group if ep_size > 1 else None
@@ -112,6 +120,43 @@ def build_provider(
     return Provider(
         name=name, status="ok", note=note, layer=layer, graph_safe=ep_size == 1, baseline_path=path
     )
+
+
+def _build_transformers(*, shape: MoEShape, bench_group: BenchGroup,
+                        device: torch.device) -> Provider:
+    if bench_group.world_size > 1:
+        return Provider(name="transformers", status="unavailable",
+                        note="one rank only (transformers' expert parallelism shards DTensors "
+                             "and dispatches by all-to-all, outside this harness)")
+    try:
+        import transformers
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+    except Exception as exc:
+        return Provider(name="transformers", status="unavailable",
+                        note="import transformers: " + error_text(exc))
+    try:
+        cfg = transformers.Qwen3MoeConfig(hidden_size=shape.hidden,
+                                          moe_intermediate_size=shape.ffn,
+                                          num_experts=shape.num_experts,
+                                          num_experts_per_tok=shape.top_k)
+        cfg._experts_implementation = "grouped_mm"
+        with torch.device("meta"):  # shapes only: the case's weights are passed per call
+            module = Qwen3MoeExperts(cfg).to(torch.bfloat16)
+    except Exception as exc:
+        return Provider(name="transformers", status="failed",
+                        note="transformers' Qwen3MoeExperts: " + error_text(exc))
+    E, F, D = shape.num_experts, shape.ffn, shape.hidden
+
+    def layer(x, expert_ids, scores, w13, w2):
+        # gate_up_proj [E, 2F, D] (gate rows first) is w13 [E, 2, F, D] viewed; down_proj
+        # [E, D, F] is w2
+        params = {"gate_up_proj": w13.view(E, 2 * F, D), "down_proj": w2}
+        y = torch.func.functional_call(module, params, (x, expert_ids.long(), scores))
+        return y.to(x.dtype)
+
+    return Provider(name="transformers", status="ok", layer=layer,
+                    note=f"transformers {transformers.__version__} experts_implementation="
+                         "'grouped_mm' (Qwen3MoeExperts)")
 
 
 def _build_distmoe(
