@@ -112,8 +112,9 @@ def fp8_block_quantize_2d(x: torch.Tensor, qdata: torch.Tensor, scales: torch.Te
     """Launcher: quantise contiguous ``x [rows, cols]`` (bf16 / fp16 / fp32, cols a multiple
     of 128) along its last axis into the caller's ``qdata`` (float8_e4m3fn ``[rows, cols]``,
     or its uint8 view) and ``scales`` (float32 ``[rows, cols / 128]``), all contiguous on one
-    device (CUDA, or the CPU under the interpreter). ``config.block_groups`` counts 128-value
-    blocks. No host synchronisation."""
+    device (CUDA, or the CPU under the interpreter); ``config.block_rows`` rows per program,
+    one 128-value block each (``config.block_groups`` is not used). No host
+    synchronisation."""
     config = check_launch_config(config)
     _check_float("x", x, 2)
     check_tensor("x", x, dtypes=(x.dtype,), ndim=2, shape_text="[rows, cols]")
@@ -126,7 +127,8 @@ def fp8_block_quantize_2d(x: torch.Tensor, qdata: torch.Tensor, scales: torch.Te
     check_devices({"x": x, "qdata": qdata, "scales": scales})
     if x.numel() == 0:
         return
-    block_groups = min(config.block_groups, 2)  # 128 values per group: 2 x 128 per row
+    # one 128-value group per program (sm_90 build: two groups of 32 rows spill registers)
+    block_groups = 1
     grid = (triton.cdiv(rows, config.block_rows), triton.cdiv(groups, block_groups))
     with device_context(x.device):
         _fp8_block_quantize_kernel[grid](x, qdata.view(torch.uint8), scales, rows, groups,

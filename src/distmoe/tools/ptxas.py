@@ -8,7 +8,9 @@ Usage (any machine with triton)::
 
 Builds every case of :func:`distmoe.tools.sm90_build.grouped_gemm_cases` (the production
 configs the layer launches at each shape, then the other flag combinations at ``fine``) and
-of :func:`~distmoe.tools.sm90_build.other_kernel_cases` (every other kernel) with
+of :func:`~distmoe.tools.sm90_build.other_kernel_cases` (every other kernel) and
+:func:`~distmoe.tools.sm90_build.lowp_kernel_cases` (the low-precision GEMMs, quantisers and
+scaled rowwise moves) with
 ``triton.compile`` for sm_90 and Triton's bundled ``ptxas -v``, and prints registers per
 thread, spill-store bytes and shared memory per case, and the persistent Gluon kernels' cases
 (:func:`~distmoe.tools.sm90_build.gluon_wgrad_cases`, :func:`~.gluon_w13_cases`, the fused
@@ -93,6 +95,7 @@ def report(args: argparse.Namespace) -> int:
         gluon_w13_cases,
         gluon_wgrad_cases,
         grouped_gemm_cases,
+        lowp_kernel_cases,
         other_kernel_cases,
     )
 
@@ -103,7 +106,7 @@ def report(args: argparse.Namespace) -> int:
               + gluon_fused_cases(tuple(args.shapes))
               if c.production or not args.no_variants]
     if not args.no_variants:
-        cases += other_kernel_cases()
+        cases += other_kernel_cases() + lowp_kernel_cases()
     global _CASES
     _CASES = cases
     jobs = max(1, min(args.jobs, len(cases)))

@@ -19,7 +19,9 @@ forward, both DGRADs, the grouped WGRAD):
 :func:`other_kernel_cases` lists the rest of the library's kernels (combine, route gradients,
 row gather, offset copy, token pull, routing tables, slot cursor, device barrier) at the
 ``qwen3-30b-a3b`` shape
-with every flag value their launchers pass. They only have to build.
+with every flag value their launchers pass, and :func:`lowp_kernel_cases` the low-precision
+kernels (the block-scaled GEMM in each scale layout, the NVFP4-weight GEMM, the quantisers, the
+scaled rowwise moves). They only have to build.
 """
 
 from __future__ import annotations
@@ -806,4 +808,76 @@ def other_kernel_cases() -> list[BuildCase]:
     cases.append(BuildCase(
         "device_barrier", barrier._device_barrier_kernel, dict(WORLD=EP), 1, 1,
         types={"signal_bases_ptr": "*i64", "epoch_ptr": "*i64", "rank": "i32"}))
+    return cases
+
+
+def lowp_kernel_cases() -> list[BuildCase]:
+    """The low-precision kernels (``qwen3-30b-a3b`` widths: D=2048, F=768, E=64 local): the
+    block-scaled grouped GEMM in each scale layout (exact MXFP8, MXFP8 rebased onto 128-wide
+    groups, block FP8), W13 + SwiGLU and W2, at their default configs; the NVFP4-weight GEMM;
+    the MXFP8 (plain and rebased) and block-FP8 quantisers; the rowwise byte PUT and the
+    scaled combine. Build only (their speed is the bench's)."""
+    from distmoe.kernels.base.config import next_power_of_2
+    from distmoe.kernels.movement import rowwise_get, rowwise_put
+    from distmoe.kernels.scaled import ScaledGemmConfig, nvfp4, nvfp4_weight_config
+    from distmoe.kernels.scaled import triton as scaled
+    from distmoe.plan import rules
+    from distmoe.quant import fp8_block, mxfp8
+
+    D, F, E, K = 2048, 768, 64, 8
+    cases: list[BuildCase] = []
+    shapes = (("W13", D, 2 * F, True), ("W2", F, D, False))
+    for layout in (scaled.MXFP8, scaled.MXFP8_REBASED, scaled.FP8_BLOCK):
+        scale_type = "*fp32" if layout.fp32 else "*u8"
+        for name, k, n, swiglu in shapes:
+            cfg = ScaledGemmConfig.for_widths(k=k, n=n, swiglu=swiglu, k_group=layout.k_group)
+            out_n = n // 2 if swiglu else n
+            cases.append(BuildCase(
+                f"scaled {layout.name} {name}", scaled._mxfp8_grouped_mm_kernel,
+                dict(NUM_EXPERTS=E, EXPERTS_POW2=next_power_of_2(E), K=k, N=n, OUT_N=out_n,
+                     BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                     GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0,
+                     EVEN_N=out_n % cfg.block_n == 0, SWIGLU=swiglu, INTERPRET=False,
+                     K_GROUP=layout.k_group, SB_ROWS=layout.b_rows, SCALE_FP32=layout.fp32),
+                cfg.num_warps, cfg.num_stages,
+                types={"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "sa_ptr": scale_type,
+                       "sb_ptr": scale_type}))
+    for name, k, n, swiglu in shapes:
+        cfg = nvfp4_weight_config(k=k, n=n, swiglu=swiglu)
+        out_n = n // 2 if swiglu else n
+        cases.append(BuildCase(
+            f"nvfp4 weights {name}", nvfp4._nvfp4_weight_grouped_mm_kernel,
+            dict(NUM_EXPERTS=E, EXPERTS_POW2=next_power_of_2(E), K=k, N=n, OUT_N=out_n,
+                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                 GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0, SWIGLU=swiglu),
+            cfg.num_warps, cfg.num_stages,
+            types={"b_ptr": "*u8", "sb_ptr": "*u8", "gs_ptr": "*fp32"}))
+    quant_types = {"q_ptr": "*u8", "rows": "i32", "num_groups": "i32"}
+    for rebase in (False, True):
+        cases.append(BuildCase(
+            f"mxfp8 quantise rebase={rebase}", mxfp8._mxfp8_quantize_kernel,
+            dict(BLOCK_R=32, GROUPS=4, REBASE=rebase), 4, 1,
+            types={**quant_types, "x_ptr": "*bf16", "s_ptr": "*u8"}))
+    cases.append(BuildCase(
+        "fp8_block quantise", fp8_block._fp8_block_quantize_kernel,
+        dict(BLOCK_R=32, GROUPS=1), 4, 1,
+        types={**quant_types, "x_ptr": "*bf16", "s_ptr": "*fp32"}))
+    rc = rowwise_put.RowwiseConfig.for_widths(hidden=D)
+    route_types = {"ranks_ptr": "*i64", "rows_ptr": "*i64", "bases_ptr": "*i64",
+                   "bad_ptr": "*i64", "num_routes": "i32", "world": "i32", "num_rows": "i32"}
+    cases.append(BuildCase(
+        "rowwise put bytes", rowwise_put._rowwise_put_kernel,
+        dict(TOP_K=K, HIDDEN=D, BLOCK_R=rc.block_r, BLOCK_D=rc.block_d, WEIGHTED=False,
+             COUNT=True, BYTES=True), rc.num_warps, 1,
+        types={**route_types, "x_ptr": "*u8", "probs_ptr": "*fp32"}))
+    cc = rules.combine_config(hidden=D)
+    for weighted, keep in ((False, False), (True, True)):
+        cases.append(BuildCase(
+            f"rowwise combine scaled weighted={weighted} keep={keep}",
+            rowwise_get._rowwise_combine_get_scaled_kernel,
+            dict(TOP_K=K, HIDDEN=D, BLOCK_T=cc.block_t, BLOCK_D=cc.block_d,
+                 WEIGHTED=weighted, KEEP=keep, COUNT=True), cc.num_warps, 1,
+            types={**route_types, "q_bases_ptr": "*i64", "s_bases_ptr": "*i64",
+                   "probs_ptr": "*fp32", "y_ptr": "*bf16", "kept_ptr": "*bf16",
+                   "num_tokens": "i32"}))
     return cases
