@@ -1,9 +1,10 @@
 """A model step written with the rowwise API equals MoEContext's on the same inputs (issue 60):
 CPU ranks (gloo, the CPU heap, Triton's interpreter), EP 1 and 2, forward and every gradient.
 
-The rowwise step is the layer spelled out by hand: the ranks all-gather their per-expert route
-counts, each route gets its row on the expert's rank (experts in order, then source ranks,
-then routes in order), ``dispatch_put`` moves the rows, ``grouped_mm`` runs W13, SwiGLU in
+The rowwise step is the layer spelled out by hand: ``expert_major_rows`` all-gathers the
+per-expert route counts and gives each route its row on the expert's rank (experts in order,
+then source ranks, then routes in order; checked against a plain loop), ``dispatch_put``
+moves the rows, ``grouped_mm`` runs W13, SwiGLU in
 fp32, ``grouped_mm`` runs W2, ``Buffers.write`` stages the results and ``combine_get`` sums each
 token's routes weighted by its scores; autograd gives the backward.
 
@@ -78,8 +79,12 @@ def _rank(rank, world):
         y = ctx(leaves[0], mine.expert_ids, leaves[1], leaves[2], leaves[3])
         (y.float() * gy.float()).sum().backward()
     out["context"] = [y.detach()] + [t.grad for t in leaves]
-    # the rowwise step
-    dst_ranks, dst_rows, received = _routes(mine.expert_ids, rank, world)
+    # the rowwise step: destinations from the library's helper, which must give the rows of
+    # the plain loop above
+    dst_ranks, dst_rows, received = rw.expert_major_rows(mine.expert_ids, E)
+    want = _routes(mine.expert_ids, rank, world)
+    out["layout"] = all(torch.equal(a, b) for a, b in zip((dst_ranks, dst_rows, received),
+                                                          want, strict=True))
     rows = world * T * K  # room for every route of the group
     leaves = [t.clone().requires_grad_(True) for t in (mine.x, mine.scores, mine.w13, mine.w2)]
     xs, sc, w13s, w2s = leaves
@@ -109,6 +114,7 @@ def test_rowwise_step_equals_the_context(world):
     e_local = E // world
     names = ("y", "grad x", "grad scores", "grad w13", "grad w2")
     for r, out in enumerate(per_rank):
+        assert out["layout"], f"rank {r}: expert_major_rows differs from the plain loop"
         tok, exp = slice(r * T, (r + 1) * T), slice(r * e_local, (r + 1) * e_local)
         ref = [y64[tok], leaves[0].grad[tok], leaves[1].grad[tok], leaves[2].grad[exp],
                leaves[3].grad[exp]]

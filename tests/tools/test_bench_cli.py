@@ -24,7 +24,7 @@ def test_default_plan():
                                         "deepseek-v3")
     assert plan.modes == ("fwd", "fwdbwd")
     assert plan.imbalances == (1.0,)
-    assert plan.providers == ("distmoe", "torch", "torch_compile", "transformers")
+    assert plan.providers == ("distmoe", "torch", "torch_compile", "transformers", "rowwise")
     assert not plan.micro and not plan.roofline
     cfg = plan.timing
     assert (cfg.num_warmup, cfg.num_windows, cfg.iters_per_window, cfg.capture_iters) == (
@@ -33,7 +33,7 @@ def test_default_plan():
         30,
         30,
     )
-    assert plan.num_cases() == len(workloads.DEFAULT_SHAPES) * 2 * 4
+    assert plan.num_cases() == len(workloads.DEFAULT_SHAPES) * 2 * 5
     assert plan.routing == "exact"
 
 

@@ -195,10 +195,12 @@ def test_sampled_routing_is_seeded_valid_and_not_exact():
                        minlength=workloads.SHAPES["smoke"].num_experts).tolist())
 
 
-def test_transformers_peer_provider_matches_the_torch_baseline():
-    # the third-party peer (transformers' "grouped_mm" experts) on the case's own weights
-    # and routing: forward and every gradient close to the torch baseline's (both bf16
-    # GEMMs with fp32 accumulation; on the CPU the same torch._grouped_mm calls: equal)
+@pytest.mark.parametrize("name", ["transformers", "rowwise"])
+def test_peer_and_rowwise_providers_match_the_torch_baseline(name):
+    # the third-party peer (transformers' "grouped_mm" experts) and the layer written with
+    # distmoe.rowwise, on the case's own weights and routing: forward and every gradient
+    # within 2^-7 of the largest magnitude of the torch baseline's (bf16 GEMMs with fp32
+    # accumulation; the rowwise layer rounds h1 to bf16 before SwiGLU as the baseline does)
     from distmoe.tools.bench.baseline import torch_moe
     from distmoe.tools.bench.groups import BenchGroup
     from distmoe.tools.bench.providers import build_provider
@@ -207,7 +209,7 @@ def test_transformers_peer_provider_matches_the_torch_baseline():
     shape = MoEShape(name="t", hidden=64, ffn=32, num_experts=8, top_k=2, tokens=32,
                      description="tiny")
     one = BenchGroup(group=None, rank=0, world_size=1, owned=False)
-    prov = build_provider("transformers", shape=shape, tokens=32, training=True,
+    prov = build_provider(name, shape=shape, tokens=32, training=True,
                           bench_group=one, device=torch.device("cpu"))
     assert prov.status == "ok", prov.note
     inp = make_layer_inputs(shape, tokens=32, training=True, seed=3)
@@ -218,7 +220,10 @@ def test_transformers_peer_provider_matches_the_torch_baseline():
     for a, b in zip((y, *torch.autograd.grad(y, wrt, inp.grad_y_TD)),
                     (y_ref, *torch.autograd.grad(y_ref, wrt, inp.grad_y_TD)), strict=True):
         scale = b.float().abs().max().item()
-        assert (a.float() - b.float()).abs().max().item() <= 2.0**-7 * scale, "peer differs"
+        assert (a.float() - b.float()).abs().max().item() <= 2.0**-7 * scale, name
+    prov.close()
+    if name != "transformers":
+        return
     two = BenchGroup(group=None, rank=0, world_size=2, owned=False)
     prov2 = build_provider("transformers", shape=shape, tokens=32, training=False,
                            bench_group=two, device=torch.device("cpu"))

@@ -12,6 +12,8 @@
 * :func:`dispatch_put_scaled` / :func:`combine_get_scaled`: MXFP8 rows (E4M3 values and E8M0
   scales in two buffers of ``Buffers(scaled=True)``), moved bit for bit, dequantised and
   reduced on arrival (:mod:`distmoe.rowwise.scaled`).
+* :func:`expert_major_rows` (collective): each route's destination rank and row, laid out by
+  expert on every rank, from an all-gathered histogram.
 * :func:`grouped_mm`: torch._grouped_mm's grouped GEMM (bf16, differentiable), its result
   and input gradient written into caller buffers (``out``, ``input_grad_out``);
   :func:`scaled_grouped_mm_q`: the same shapes on prequantised FP8 operands (forward).
@@ -26,7 +28,9 @@ from .buffers import Buffers
 from .combine import combine_get, combine_get_fused, gather_get
 from .dispatch import dispatch_put
 from .grouped import grouped_mm, scaled_grouped_mm_q
+from .layout import expert_major_rows
 from .scaled import combine_get_scaled, dispatch_put_scaled
 
 __all__ = ["Buffers", "combine_get", "combine_get_fused", "combine_get_scaled", "dispatch_put",
-           "dispatch_put_scaled", "gather_get", "grouped_mm", "scaled_grouped_mm_q"]
+           "dispatch_put_scaled", "expert_major_rows", "gather_get", "grouped_mm",
+           "scaled_grouped_mm_q"]

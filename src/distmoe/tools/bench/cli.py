@@ -91,6 +91,8 @@ Providers (what is timed):
                  for both projections with SwiGLU between, a score-weighted index_add back
                  (EP > 1: all_to_all_single to exchange the rows)
   torch_compile  torch.compile of that function (static shapes)
+  rowwise        the same layer written with distmoe.rowwise (the lower-level API:
+                 dispatch_put, grouped_mm, SwiGLU, grouped_mm, combine_get)
   transformers   a third-party peer: Hugging Face transformers' experts implementation
                  "grouped_mm" (Qwen3MoeExperts) on the same weights and routing; one rank
                  only, "unavailable" where transformers does not import

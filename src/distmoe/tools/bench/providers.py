@@ -8,6 +8,9 @@ API's signature, shared/DESIGN.md) plus facts the timer needs:
 - ``"torch"``: :func:`distmoe.tools.bench.baseline.torch_moe`.
 - ``"torch_compile"``: ``torch.compile`` of the same function; a compilation failure shows up
   at the first call (the harness's priming call) and is recorded as ``"failed"``.
+- ``"rowwise"``: the layer written with :mod:`distmoe.rowwise` (``expert_major_rows``,
+  ``dispatch_put``, ``grouped_mm`` for W13, SwiGLU in fp32, ``grouped_mm`` for W2,
+  ``Buffers.write``, ``combine_get``), the lower-level API's cost against MoEContext's.
 - ``"transformers"``: a third-party peer, Hugging Face transformers' experts implementation
   ``"grouped_mm"`` (its Qwen3-MoE experts module, the code every transformers MoE model runs
   through ``experts_implementation``), called on the case's own weights
@@ -34,7 +37,7 @@ from distmoe.tools.bench.groups import BenchGroup
 from distmoe.tools.bench.report import error_text
 from distmoe.tools.bench.workloads import LayerInputs, MoEShape
 
-PROVIDERS: tuple[str, ...] = ("distmoe", "torch", "torch_compile", "transformers")
+PROVIDERS: tuple[str, ...] = ("distmoe", "torch", "torch_compile", "transformers", "rowwise")
 
 Layer = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
@@ -107,6 +110,9 @@ def build_provider(
         )
     if name == "transformers":
         return _build_transformers(shape=shape, bench_group=bench_group, device=device)
+    if name == "rowwise":
+        return _build_rowwise(shape=shape, tokens=tokens, bench_group=bench_group,
+                              device=device)
     path, reason = grouped_mm_path(device, torch.bfloat16)
     note = f"grouped GEMM: {path}" + (f" ({reason})" if reason else "")
     group = bench_group.group if ep_size > 1 else None
@@ -120,6 +126,35 @@ def build_provider(
     return Provider(
         name=name, status="ok", note=note, layer=layer, graph_safe=ep_size == 1, baseline_path=path
     )
+
+
+def _build_rowwise(*, shape: MoEShape, tokens: int, bench_group: BenchGroup,
+                   device: torch.device) -> Provider:
+    try:
+        import distmoe.rowwise as rw
+
+        ep = bench_group.world_size
+        group = bench_group.group if ep > 1 else None
+        # room for every route of the group on one rank (any imbalance)
+        bufs = rw.Buffers(group, ep * tokens * shape.top_k, shape.hidden, device=device)
+    except Exception as exc:
+        return Provider(name="rowwise", status="failed", note="Buffers: " + error_text(exc))
+    E, F, D = shape.num_experts, shape.ffn, shape.hidden
+    e_local = E // ep
+
+    def layer(x, expert_ids, scores, w13, w2):
+        dst_ranks, dst_rows, received = rw.expert_major_rows(expert_ids, E, group)
+        rows = rw.dispatch_put(x, dst_ranks, dst_rows, bufs.out)
+        offs = received.cumsum(0).to(torch.int32)
+        h1 = rw.grouped_mm(rows, w13.view(e_local, 2 * F, D).transpose(1, 2), offs).float()
+        h2 = (torch.nn.functional.silu(h1[:, :F]) * h1[:, F:]).to(torch.bfloat16)
+        h3 = rw.grouped_mm(h2, w2.transpose(1, 2), offs)
+        return rw.combine_get(bufs.write("expert_out", h3), dst_ranks, dst_rows, scores)
+
+    # EP > 1: the histogram's all_gather is a collective outside the heap (not captured)
+    return Provider(name="rowwise", status="ok", layer=layer, graph_safe=ep == 1,
+                    note=f"distmoe.rowwise layer, {bufs.rows} rows per rank",
+                    close=bufs.close)
 
 
 def _build_transformers(*, shape: MoEShape, bench_group: BenchGroup,
