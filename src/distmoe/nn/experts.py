@@ -81,6 +81,7 @@ from torch import nn
 from ..config import MoEConfig
 from ..ops import MoEContext
 from ..ops.custom_ops import tracing
+from ..quant import prepare_weights
 from .shared_expert import with_shared_expert
 
 #: per-expert state-dict suffixes and their shapes as functions of (F, D)
@@ -108,7 +109,9 @@ class MoEExperts(nn.Module):
     """This rank's routed experts of one MoE layer (see the module docstring).
 
     Args:
-        cfg: the layer (:class:`distmoe.MoEConfig`).
+        cfg: the layer (:class:`distmoe.MoEConfig`). At a low precision (inference) the
+            parameters stay bf16 and the forward runs on their prepared form, quantised once
+            per weight version (:meth:`expert_weights`).
         group: the expert-parallel process group (default: the world group; a one-rank
             "group" when torch.distributed is not initialised).
         device: where the parameters and the context live (default: the context's device:
@@ -267,15 +270,32 @@ class MoEExperts(nn.Module):
         grad_fn and its backward (collective too) fills ``w13.grad`` / ``w2.grad`` (and the
         shared expert's ``.grad``, which the routed layer's ``cfg.training`` does not gate:
         it follows grad mode like any torch op)."""
+        w13, w2 = self.expert_weights()
         if self.shared_ffn is None:
-            return self.context(x, expert_ids, scores, self.w13, self.w2)
+            return self.context(x, expert_ids, scores, w13, w2)
         stream = None
         if (self._shared_stream is not None and isinstance(x, torch.Tensor)
                 and x.device == self._shared_stream.device and not tracing(x)):
             stream = self._shared_stream
         return with_shared_expert(
-            lambda: self.context(x, expert_ids, scores, self.w13, self.w2), x,
+            lambda: self.context(x, expert_ids, scores, w13, w2), x,
             self.shared_w13, self.shared_w2, self.shared_gate_w, stream=stream)
+
+    def expert_weights(self):
+        """``(w13, w2)`` as the context takes them: the bf16 parameters, or at a low
+        precision (``cfg.precision`` ``"mxfp8"``, ``"fp8_block"`` or ``"nvfp4"``, inference)
+        their :func:`~distmoe.prepare_weights` form, quantised once per weight version: kept
+        until a parameter is changed in place (its version counter moves, e.g. an optimizer
+        step or ``load_state_dict``) or replaced, then quantised again at the next call."""
+        if self.cfg.precision == "bf16":
+            return self.w13, self.w2
+        key = tuple((p.data_ptr(), p._version) for p in (self.w13, self.w2))
+        cached = getattr(self, "_prepared", None)
+        if cached is None or cached[0] != key:
+            cached = (key, prepare_weights(self.w13.detach(), self.w2.detach(),
+                                           self.cfg.precision))
+            self._prepared = cached
+        return cached[1]
 
     def extra_repr(self) -> str:
         c = self.cfg
