@@ -1,4 +1,10 @@
-"""Grouped GEMM over experts on MXFP8 operands (SM90; Triton), optionally with SwiGLU.
+"""Grouped GEMM over experts on block-scaled FP8 operands (SM90; Triton), optionally with
+SwiGLU: exact MXFP8 (below), and with one scale per 128 values of K (:class:`ScaleLayout`):
+MXFP8 rebased onto 128-wide groups (E8M0 scales, 32-row weight blocks) and DeepSeek-V3's
+block FP8 (float32 scales, 128 x 128 weight blocks). The arithmetic is the same with
+``32`` read as the layout's ``k_group``: one FP8 dot per K step into a fresh partial,
+promoted with both scales (for float32 scales their product is rounded once); error bounds
+in docs/numerics.md (section 6, 128-wide K groups).
 
 Operands come from :mod:`distmoe.quant`: the activation rows from
 :func:`~distmoe.quant.mxfp8_quantize` (``dim=-1``: one E8M0 scale per 32 values along K), the
