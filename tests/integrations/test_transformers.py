@@ -488,3 +488,46 @@ def test_options_are_validated():
         dmt.ExpertsOptions(max_tokens=0)
     with pytest.raises(TypeError, match=r"options must be an ExpertsOptions"):
         dmt.shard_experts(_build("olmoe", 0), options={"max_tokens": 16})
+
+
+def test_inference_precision_option():
+    # ExpertsOptions(inference_precision=...): inference calls run at that precision on the
+    # module's weights prepared once per weight version (the bits of the context called with
+    # prepare_weights of the same weights); a training call stays bf16 (one process, CPU)
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    import distmoe as dm
+
+    cfg = transformers.Qwen3MoeConfig(hidden_size=128, moe_intermediate_size=128,
+                                      num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(4)
+    experts = Qwen3MoeExperts(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn_like(experts.gate_up_proj) / 128**0.5)
+        experts.down_proj.copy_(torch.randn_like(experts.down_proj) / 128**0.5)
+    dmt.shard_experts(experts, options=dmt.ExpertsOptions(inference_precision="fp8_block",
+                                                          row_block=16))
+    x = torch.randn(8, 128).bfloat16()
+    ids = torch.stack([torch.randperm(4)[:2] for _ in range(8)])
+    w = torch.rand(8, 2)
+    try:
+        with torch.no_grad():
+            y = dmt.distmoe_experts_forward(experts, x, ids, w)
+            first = experts._distmoe_prepared[1]
+            dmt.distmoe_experts_forward(experts, x, ids, w)
+            assert experts._distmoe_prepared[1] is first  # the same weight version
+            (ctx,) = [c for c in dmt.cached_contexts() if c.cfg.precision == "fp8_block"]
+            want = ctx(x, ids, w, *dm.prepare_weights(*dmt.expert_weights(experts),
+                                                      "fp8_block"))
+            assert torch.equal(y.view(torch.int16), want.view(torch.int16))
+            experts.down_proj.mul_(0.5)  # in place: prepared again at the next call
+            dmt.distmoe_experts_forward(experts, x, ids, w)
+            assert experts._distmoe_prepared[1] is not first
+        xg = x.clone().requires_grad_(True)
+        dmt.distmoe_experts_forward(experts, xg, ids, w).float().sum().backward()
+        assert xg.grad is not None
+        assert {c.cfg.precision for c in dmt.cached_contexts() if c.cfg.training} == {"bf16"}
+    finally:
+        dmt.close_contexts()
+    with pytest.raises(ValueError, match=r"inference_precision \('fp4'\) must be"):
+        dmt.ExpertsOptions(inference_precision="fp4")

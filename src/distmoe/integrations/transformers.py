@@ -71,6 +71,7 @@ from transformers.integrations.moe import ExpertsInterface
 
 from ..config import MoEConfig
 from ..ops import MoEContext
+from ..quant import prepare_weights
 
 #: the name under which the implementation is registered
 NAME = "distmoe"
@@ -102,6 +103,10 @@ class ExpertsOptions:
             ``None``: the model's ``config.num_hidden_layers``.
         check: ``MoEContext(check=...)``: every call validated and compared across ranks
             (synchronises; for debugging).
+        inference_precision: ``"bf16"`` (default), or ``"mxfp8"``, ``"fp8_block"`` or
+            ``"nvfp4"``: inference calls (no grad) run at that precision, on each module's
+            weights prepared once per weight version (:func:`distmoe.prepare_weights`, kept
+            until a parameter changes in place or is replaced); training calls stay bf16.
     """
 
     max_tokens: int | None = None
@@ -110,8 +115,12 @@ class ExpertsOptions:
     activation_factor: float = 1.0
     max_layers_per_slot: int | None = None
     check: bool = False
+    inference_precision: str = "bf16"
 
     def __post_init__(self) -> None:
+        if self.inference_precision not in ("bf16", "mxfp8", "fp8_block", "nvfp4"):
+            raise ValueError(f"inference_precision ({self.inference_precision!r}) must be "
+                             "'bf16', 'mxfp8', 'fp8_block' or 'nvfp4'")
         for name in ("max_tokens", "row_block", "max_layers_per_slot"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -346,7 +355,8 @@ def _shard_of(module: nn.Module) -> ExpertShard:
 
 # ---------------------------------------------------------------------------- contexts
 def _context(module: nn.Module, shard: ExpertShard, *, tokens: int, top_k: int, hidden: int,
-             ffn: int, training: bool, device: torch.device, graphs: bool) -> MoEContext:
+             ffn: int, training: bool, device: torch.device, graphs: bool,
+             precision: str = "bf16") -> MoEContext:
     """The cached context of this call's shape, built on first use (collective)."""
     opt = shard.options
     if opt.max_tokens is not None:
@@ -368,7 +378,7 @@ def _context(module: nn.Module, shard: ExpertShard, *, tokens: int, top_k: int, 
                     max_tokens=max_tokens, training=training, row_block=row_block,
                     device_scratch_factor=float(scratch),
                     activation_factor=opt.activation_factor,
-                    max_layers_per_slot=layers if training else 1)
+                    max_layers_per_slot=layers if training else 1, precision=precision)
     key = (cfg, shard.group, device, graphs, opt.check)
     ctx = _CONTEXTS.get(key)
     if ctx is None:
@@ -404,6 +414,19 @@ def close_contexts() -> None:
 
 
 # ---------------------------------------------------------------------------- the forward
+def _prepared(module: nn.Module, w13: torch.Tensor, w2: torch.Tensor, precision: str):
+    """The module's weights prepared at ``precision``, cached on the module per weight
+    version (the parameters' addresses and version counters)."""
+    key = (precision,) + tuple((p.data_ptr(), p._version)
+                               for p in (module.gate_up_proj, module.down_proj))
+    cached = getattr(module, "_distmoe_prepared", None)
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            cached = (key, prepare_weights(w13.detach(), w2.detach(), precision))
+        module._distmoe_prepared = cached
+    return cached[1]
+
+
 def distmoe_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
                             top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -437,11 +460,14 @@ def distmoe_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
     T, K = ids_TK.shape
     training = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x_TD, scores_TK, w13, w2))
+    precision = "bf16" if training else shard.options.inference_precision
     ctx = _context(module, shard, tokens=T, top_k=K, hidden=w13.shape[3], ffn=w13.shape[2],
-                   training=training, device=x_TD.device,
+                   training=training, device=x_TD.device, precision=precision,
                    # captured graphs (CUDA inference) key on weight addresses: per-call
                    # copies would capture again and again
                    graphs=x_TD.device.type == "cuda" and _weights_are_views(module))
+    if precision != "bf16":
+        w13, w2 = _prepared(module, w13, w2, precision)
     y_TD = ctx(x_TD, ids_TK, scores_TK, w13, w2)
     return y_TD.to(hidden_states.dtype)
 
