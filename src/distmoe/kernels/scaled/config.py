@@ -71,6 +71,24 @@ class ScaledGemmConfig:
         return (self.smem_bytes(swiglu=swiglu) <= 200 * 1024
                 and self.accumulator_regs_per_thread(swiglu=swiglu) <= 128)
 
+    def launch(self, *, rows: int, k: int, n: int, num_experts: int,
+               swiglu: bool) -> tuple[tuple[int], int, dict]:
+        """``(grid, num_pid_m, kwargs)`` of a grouped-GEMM launch of this family over ``rows``
+        row capacity, K = ``k``, ``n`` weight rows (2F with SwiGLU) and ``num_experts``: a
+        1-D grid sized from ``rows`` and the output width, never from routed counts
+        (``cdiv(rows, block_m) + E - 1`` row tiles, the most that ``rows`` rows padded per
+        expert can fill, by ``cdiv(N_out, block_n)`` column tiles), and the shape and tile
+        constexprs plus ``num_warps`` / ``num_stages`` every kernel of the family takes."""
+        out_n = n // 2 if swiglu else n
+        num_pid_m = -(-rows // self.block_m) + num_experts - 1
+        num_pid_n = -(-out_n // self.block_n)
+        kwargs = dict(NUM_EXPERTS=num_experts, EXPERTS_POW2=next_power_of_2(num_experts),
+                      K=k, N=n, OUT_N=out_n, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
+                      BLOCK_K=self.block_k, GROUP_M=self.group_m,
+                      EVEN_K=k % self.block_k == 0, SWIGLU=swiglu,
+                      num_warps=self.num_warps, num_stages=self.num_stages)
+        return (num_pid_m * num_pid_n,), num_pid_m, kwargs
+
     @classmethod
     def for_widths(cls, *, k: int, n: int, swiglu: bool = False, block_m: int = 128,
                    k_group: int = SCALE_BLOCK) -> ScaledGemmConfig:

@@ -76,7 +76,6 @@ from distmoe.kernels.base.checks import (
     check_row_offsets_host,
     check_tensor,
 )
-from distmoe.kernels.base.config import next_power_of_2
 from distmoe.kernels.base.device import device_context
 from distmoe.kernels.base.rows import activation_segments
 from distmoe.kernels.base.tiles import swizzle_tile, tile_activation_rows, tile_expert
@@ -372,32 +371,12 @@ def nvfp4_weight_grouped_mm(
         raise TypeError(f"config must be a ScaledGemmConfig, got {type(config).__name__}")
     if rows == 0:
         return out
-    out_n = n // 2 if swiglu else n
-    num_pid_m = triton.cdiv(rows, config.block_m) + num_experts - 1
-    num_pid_n = triton.cdiv(out_n, config.block_n)
+    grid, num_pid_m, kwargs = config.launch(rows=rows, k=k, n=n, num_experts=num_experts,
+                                            swiglu=swiglu)
     with device_context(a.device):
-        _nvfp4_weight_grouped_mm_kernel[(num_pid_m * num_pid_n,)](
-            a,
-            b_packed,
-            b_scales,
-            b_global,
-            padded_offsets,
-            row_offsets,
-            out,
-            num_pid_m,
-            NUM_EXPERTS=num_experts,
-            EXPERTS_POW2=next_power_of_2(num_experts),
-            K=k,
-            N=n,
-            OUT_N=out_n,
-            BLOCK_M=config.block_m,
-            BLOCK_N=config.block_n,
-            BLOCK_K=config.block_k,
-            GROUP_M=config.group_m,
-            EVEN_K=k % config.block_k == 0,
-            SWIGLU=swiglu,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
+        _nvfp4_weight_grouped_mm_kernel[grid](
+            a, b_packed, b_scales, b_global, padded_offsets, row_offsets, out, num_pid_m,
+            **kwargs,
         )
     return out
 

@@ -98,7 +98,6 @@ from distmoe.kernels.base.checks import (
     check_row_offsets_host,
     check_tensor,
 )
-from distmoe.kernels.base.config import next_power_of_2
 from distmoe.kernels.base.device import device_context
 from distmoe.kernels.base.interpreter import interpreter_active
 from distmoe.kernels.base.rows import activation_segments
@@ -409,37 +408,17 @@ def scaled_grouped_mm(a_q, a_scales, b_q, b_scales, padded_offsets, row_offsets,
                          f"the scales ({layout.k_group}, {layout.name})")
     if rows == 0:
         return out
-    out_n = n // 2 if swiglu else n
-    num_pid_m = triton.cdiv(rows, config.block_m) + num_experts - 1
-    num_pid_n = triton.cdiv(out_n, config.block_n)
+    grid, num_pid_m, kwargs = config.launch(rows=rows, k=k, n=n, num_experts=num_experts,
+                                            swiglu=swiglu)
     with device_context(a_q.device):
-        _mxfp8_grouped_mm_kernel[(num_pid_m * num_pid_n,)](
-            a_q,
-            a_scales,
-            b_q,
-            b_scales,
-            padded_offsets,
-            row_offsets,
-            out,
-            num_pid_m,
-            NUM_EXPERTS=num_experts,
-            EXPERTS_POW2=next_power_of_2(num_experts),
-            K=k,
-            N=n,
-            OUT_N=out_n,
-            BLOCK_M=config.block_m,
-            BLOCK_N=config.block_n,
-            BLOCK_K=config.block_k,
-            GROUP_M=config.group_m,
-            EVEN_K=k % config.block_k == 0,
-            EVEN_N=out_n % config.block_n == 0,
-            SWIGLU=swiglu,
+        _mxfp8_grouped_mm_kernel[grid](
+            a_q, a_scales, b_q, b_scales, padded_offsets, row_offsets, out, num_pid_m,
+            EVEN_N=kwargs["OUT_N"] % config.block_n == 0,
             INTERPRET=interpreter_active(),
             K_GROUP=layout.k_group,
             SB_ROWS=layout.b_rows,
             SCALE_FP32=layout.fp32,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
+            **kwargs,
         )
     return out
 
