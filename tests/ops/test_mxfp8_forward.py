@@ -151,23 +151,10 @@ def reference_a(x, ids, scores, w13p, w2p, executed, tc_rel=0.0):
     xr = dm.quant.mxfp8_dequantize(xq, xs).double()
     w13 = w13p.dequantize().double()  # [E, 2, F, D]
     w2 = w2p.dequantize().double()  # [E, D, F]
-    g64, u64 = _grouped(xr, w13[:, 0], e), _grouped(xr, w13[:, 1], e)
-    sg, su = _grouped(xr.abs(), w13[:, 0].abs(), e), _grouped(xr.abs(), w13[:, 1].abs(), e)
-    rel13 = (33 + D_ // 32) * U + tc_rel
-    eg, eu = rel13 * sg, rel13 * su
-    g32, u32 = g64.float(), u64.float()
-    f32 = torch.nn.functional.silu(g32) * u32
-    f = f32.double()
-    ef = (SILU_LIP * eg * (u32.double().abs() + eu) + torch.nn.functional.silu(g32).double()
-          .abs() * eu + 2.0**-20 * f.abs() + 2.0**-140)
-    h2 = f32.bfloat16()
-    lo = (f - ef).bfloat16().double()
-    hi = (f + ef).bfloat16().double()
+    h2, lo, hi, amin, amax = w13_swiglu_interval(xr, w13, e, (33 + D_ // 32) * U + tc_rel)
     # the h2 quantisation, element by element
     q_ref, s_ref = mxfp8_quantize_ref(h2)
     h2q = dm.quant.mxfp8_dequantize(q_ref, s_ref).double()
-    amin = torch.where((lo <= 0) & (hi >= 0), 0.0, torch.minimum(lo.abs(), hi.abs()))
-    amax = torch.maximum(lo.abs(), hi.abs())
     e_lo = e8m0_exponent_ref(_blocks(amin).amax(-1))
     e_hi = e8m0_exponent_ref(_blocks(amax).amax(-1))
     e_elem = e_hi.repeat_interleave(32, dim=-1)
@@ -175,12 +162,39 @@ def reference_a(x, ids, scores, w13p, w2p, executed, tc_rel=0.0):
     dq_same = torch.maximum(_quantize_at(hi, e_elem) - h2q, h2q - _quantize_at(lo, e_elem))
     dq_other = (hi - lo) + 2 * (2.0**-4 * amax + pow2_ref(e_elem - 10))
     dq = torch.where(same, dq_same, dq_other)
-    acc2 = _grouped(h2q, w2, e)
-    s2 = _grouped(h2q.abs() + dq, w2.abs(), e)
-    e2 = _grouped(dq, w2.abs(), e) + ((33 + F_ // 32) * U + tc_rel) * s2
-    h3 = acc2.float().bfloat16()
-    dh3 = _bf16_ulp_allowance(h3.double(), e2)
+    h3, dh3 = w2_routes(h2q, dq, w2, e, (33 + F_ // 32) * U + tc_rel)
     return combine_ref(x.shape[0], ids.shape[1], n, k, s, h3, dh3)
+
+
+def w13_swiglu_interval(xr, w13, e, rel13):
+    """The W13 + SwiGLU stage of a reference (a): from the gathered rows ``xr`` and the
+    dequantised ``w13`` (float64), with the kernel's accumulators within ``rel13 * S`` of
+    exact, ``(h2, lo, hi, amin, amax)``: the reference's bf16 h2 (fp32 SwiGLU of the fp32
+    rounded accumulators), the interval [lo, hi] in which the kernel's bf16 h2 lies (rounding
+    is monotone), and per element the smallest and largest magnitude in it."""
+    g64, u64 = _grouped(xr, w13[:, 0], e), _grouped(xr, w13[:, 1], e)
+    sg, su = _grouped(xr.abs(), w13[:, 0].abs(), e), _grouped(xr.abs(), w13[:, 1].abs(), e)
+    eg, eu = rel13 * sg, rel13 * su
+    g32, u32 = g64.float(), u64.float()
+    f32 = torch.nn.functional.silu(g32) * u32
+    f = f32.double()
+    ef = (SILU_LIP * eg * (u32.double().abs() + eu) + torch.nn.functional.silu(g32).double()
+          .abs() * eu + 2.0**-20 * f.abs() + 2.0**-140)
+    lo = (f - ef).bfloat16().double()
+    hi = (f + ef).bfloat16().double()
+    amin = torch.where((lo <= 0) & (hi >= 0), 0.0, torch.minimum(lo.abs(), hi.abs()))
+    amax = torch.maximum(lo.abs(), hi.abs())
+    return f32.bfloat16(), lo, hi, amin, amax
+
+
+def w2_routes(h2q, dq, w2, e, rel2):
+    """The W2 stage of a reference (a): ``(h3, dh3)``, the route results (bf16) from the
+    quantised h2 ``h2q`` (float64, each element within ``dq`` of the kernel's) and the
+    dequantised ``w2``, and their bound: ``|W2| @ dq + rel2 * S_2``, then one bf16 ulp."""
+    s2 = _grouped(h2q.abs() + dq, w2.abs(), e)
+    e2 = _grouped(dq, w2.abs(), e) + rel2 * s2
+    h3 = _grouped(h2q, w2, e).float().bfloat16()
+    return h3, _bf16_ulp_allowance(h3.double(), e2)
 
 
 def combine_ref(num_tokens, top_k, n, k, s, h3, dh3):
