@@ -71,7 +71,7 @@ from transformers.integrations.moe import ExpertsInterface
 
 from ..config import MoEConfig
 from ..ops import MoEContext
-from ..quant import prepare_weights
+from ..quant.prepare import prepare_cached
 
 #: the name under which the implementation is registered
 NAME = "distmoe"
@@ -414,19 +414,6 @@ def close_contexts() -> None:
 
 
 # ---------------------------------------------------------------------------- the forward
-def _prepared(module: nn.Module, w13: torch.Tensor, w2: torch.Tensor, precision: str):
-    """The module's weights prepared at ``precision``, cached on the module per weight
-    version (the parameters' addresses and version counters)."""
-    key = (precision,) + tuple((p.data_ptr(), p._version)
-                               for p in (module.gate_up_proj, module.down_proj))
-    cached = getattr(module, "_distmoe_prepared", None)
-    if cached is None or cached[0] != key:
-        with torch.no_grad():
-            cached = (key, prepare_weights(w13.detach(), w2.detach(), precision))
-        module._distmoe_prepared = cached
-    return cached[1]
-
-
 def distmoe_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
                             top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -467,7 +454,8 @@ def distmoe_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
                    # copies would capture again and again
                    graphs=x_TD.device.type == "cuda" and _weights_are_views(module))
     if precision != "bf16":
-        w13, w2 = _prepared(module, w13, w2, precision)
+        w13, w2 = prepare_cached(module, w13, w2, precision,
+                                 sources=(module.gate_up_proj, module.down_proj))
     y_TD = ctx(x_TD, ids_TK, scores_TK, w13, w2)
     return y_TD.to(hidden_states.dtype)
 

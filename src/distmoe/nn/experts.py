@@ -81,7 +81,7 @@ from torch import nn
 from ..config import MoEConfig
 from ..ops import MoEContext
 from ..ops.custom_ops import tracing
-from ..quant import prepare_weights
+from ..quant.prepare import prepare_cached
 from .shared_expert import with_shared_expert
 
 #: per-expert state-dict suffixes and their shapes as functions of (F, D)
@@ -289,13 +289,7 @@ class MoEExperts(nn.Module):
         step or ``load_state_dict``) or replaced, then quantised again at the next call."""
         if self.cfg.precision == "bf16":
             return self.w13, self.w2
-        key = tuple((p.data_ptr(), p._version) for p in (self.w13, self.w2))
-        cached = getattr(self, "_prepared", None)
-        if cached is None or cached[0] != key:
-            cached = (key, prepare_weights(self.w13.detach(), self.w2.detach(),
-                                           self.cfg.precision))
-            self._prepared = cached
-        return cached[1]
+        return prepare_cached(self, self.w13, self.w2, self.cfg.precision)
 
     def extra_repr(self) -> str:
         c = self.cfg

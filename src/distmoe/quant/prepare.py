@@ -288,3 +288,20 @@ def _prepare_nvfp4(w: torch.Tensor, reference: bool) -> PreparedWeight:
     return PreparedWeight(packed.view(*lead, w.shape[-1] // 2).contiguous(),
                           scales.view(*lead, w.shape[-1] // 16).contiguous(), tuple(w.shape),
                           "nvfp4", gs.reshape(num_experts).contiguous())
+
+
+def prepare_cached(owner: object, w13: torch.Tensor, w2: torch.Tensor, precision: str, *,
+                   sources: tuple[torch.Tensor, ...] | None = None
+                   ) -> tuple[PreparedWeight, PreparedWeight]:
+    """:func:`prepare_weights` of ``(w13, w2)``, kept on ``owner`` (its attribute
+    ``_distmoe_prepared``: the key and the pair) per weight version: quantised again only when
+    ``precision`` or one of ``sources`` (the parameters the weights come from; default
+    ``(w13, w2)``) has a new address or version counter (an in-place change: an optimizer
+    step, a load). Why: static weights are quantised once per version, not once per call."""
+    sources = (w13, w2) if sources is None else sources
+    key = (precision,) + tuple((t.data_ptr(), t._version) for t in sources)
+    cached = getattr(owner, "_distmoe_prepared", None)
+    if cached is None or cached[0] != key:
+        cached = (key, prepare_weights(w13.detach(), w2.detach(), precision))
+        owner._distmoe_prepared = cached
+    return cached[1]
