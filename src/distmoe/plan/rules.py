@@ -316,10 +316,8 @@ def w13_phases(*, max_tokens: int, top_k: int, num_experts: int,
 
 def pipeline_for(pipeline: str, *, training: bool, ep_size: int) -> str:
     """The forward pipeline a layer runs: ``"mega"`` where asked for (the context refuses it
-    where it cannot run), else ``"staged"``. ``"auto"`` is staged everywhere: on two H200s
-    (docs/performance.md, run 36) Mega was 1-2% faster at qwen3-30b-a3b EP=2 in five of
-    seven readings, even at olmoe, slower at dense-e32 and 23% slower at deepseek-v3, too
-    narrow a win for a default."""
+    where it cannot run), else ``"staged"``. ``"auto"`` is staged everywhere: Mega has not
+    been measured clearly faster at any shape (evidence: docs/performance.md#run-36)."""
     del training, ep_size  # the rule reads them once Mega wins somewhere by a clear margin
     return "mega" if pipeline == "mega" else "staged"
 
