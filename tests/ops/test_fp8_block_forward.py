@@ -156,12 +156,17 @@ def test_refusals():
                                          r"precision 'fp8_block'"):
         dm.MoEConfig(hidden=96, ffn=F, num_experts=4, top_k=K, max_tokens=T,
                      precision="fp8_block", training=False)
-    with pytest.raises(ValueError, match=r"precision 'fp8_block' with training=True"):
-        dm.MoEContext(dm.MoEConfig(hidden=D, ffn=F, num_experts=4, top_k=K, max_tokens=T,
-                                   precision="fp8_block"), group="local")
     w13 = torch.randn(4, 2, F, D)
     w2 = torch.randn(4, D, F)
     w13m, w2m = prepare_weights(w13, w2, "mxfp8")
+    train = dm.MoEConfig(hidden=D, ffn=F, num_experts=4, top_k=K, max_tokens=T,
+                         precision="fp8_block", training=True, row_block=16)
+    with dm.MoEContext(train, device="cpu") as ctx:  # takes the parameters, not prepared ones
+        w13b, w2b = prepare_weights(w13, w2, "fp8_block")
+        with pytest.raises(TypeError, match=r"w13 must be the layer's weight tensor in a "
+                                            r"fp8_block training context.*training=False"):
+            ctx(torch.randn(T, D).bfloat16(), torch.zeros(T, K, dtype=torch.int64),
+                torch.ones(T, K), w13b, w2b)
     with dm.MoEContext(cfg, device="cpu") as ctx:
         x = torch.randn(T, D).bfloat16()
         ids = torch.zeros(T, K, dtype=torch.int64)

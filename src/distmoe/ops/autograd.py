@@ -146,8 +146,7 @@ class MoEFunction(torch.autograd.Function):
         ctx.weights = (w13, w2)
         # ... so autograd's check of saved tensors' versions does not run: done by hand here
         # (the tensors the backward reads; x's rows are in the activation buffer already)
-        ctx.inputs = (scores, w13, w2)
-        ctx.versions = tuple(t._version for t in ctx.inputs)
+        record_versions(ctx, scores, w13, w2)
         ctx.x_shape = tuple(x.shape)
         return y
 
@@ -156,14 +155,7 @@ class MoEFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         moe = ctx.moe
         moe.check_open()
-        for name, t, before in zip(("scores", "w13", "w2"), ctx.inputs, ctx.versions,
-                                   strict=True):
-            if t._version != before:
-                raise RuntimeError(
-                    f"MoE layer backward: {name} was modified in place after the layer's "
-                    f"forward (tensor version {before} then, {t._version} now), so its "
-                    "gradients would mix old and new values; modify a copy, or run the "
-                    "forward again after the change")
+        check_versions(ctx)
         saved = ctx.saved
         moe.activations.end_layer(saved["record"], restore=False)  # 0. checks the order
         need = ctx.needs_input_grad
@@ -184,6 +176,25 @@ class MoEFunction(torch.autograd.Function):
             grad_w13,
             grad_w2,
         )
+
+
+def record_versions(ctx, scores, w13, w2) -> None:
+    """Keep the version counters of the tensors a backward reads but autograd does not save
+    (the layer's state lives in its own buffers), for :func:`check_versions`."""
+    ctx.inputs = (scores, w13, w2)
+    ctx.versions = tuple(t._version for t in ctx.inputs)
+
+
+def check_versions(ctx) -> None:
+    """RuntimeError where scores, w13 or w2 changed in place since the forward
+    (:func:`record_versions`): their gradients would mix old and new values."""
+    for name, t, before in zip(("scores", "w13", "w2"), ctx.inputs, ctx.versions, strict=True):
+        if t._version != before:
+            raise RuntimeError(
+                f"MoE layer backward: {name} was modified in place after the layer's "
+                f"forward (tensor version {before} then, {t._version} now), so its "
+                "gradients would mix old and new values; modify a copy, or run the "
+                "forward again after the change")
 
 
 def backward_route_grads(moe, saved: dict, w13, w2, grad_y: torch.Tensor) -> None:

@@ -81,6 +81,7 @@ from ..kernels.w2_forward.triton import w2_scatter
 from ..kernels.w13_forward.phases import first_blocks, phase_waves, w13_phase_order
 from ..kernels.w13_forward.triton import gather_w13_swiglu, w13_tile_rows
 from ..plan import KernelPlan, plan_kernels
+from ..quant.prepare import PreparedWeight
 from ..routing import build_routing_tables, row_capacity
 from ..runtime import create_heap
 from ..runtime.heap import gather_objects, round_up, solo
@@ -89,6 +90,7 @@ from .autograd import MoEFunction, backward_eager
 from .custom_ops import traced_call, tracing
 from .graphs import ForwardGraphs, GraphPool, TrainingGraphs
 from .lowp import LOWP_PRECISIONS, allocate_lowp, check_prepared, lowp_forward
+from .lowp_train import FP8TrainFunction, fp8_train_configs, train_weights
 from .transport import inner_config, nccl_call, node_groups, resolve_transport
 from .validation import (
     check_call,
@@ -217,10 +219,6 @@ class MoEContext:
                  timeout: float | None = 600.0) -> None:
         if not isinstance(cfg, MoEConfig):
             raise TypeError(f"cfg must be a distmoe.MoEConfig, got {type(cfg).__name__}")
-        if cfg.precision in ("mxfp8", "fp8_block") and cfg.training:
-            raise ValueError(f"precision {cfg.precision!r} with training=True: training in "
-                             f"{cfg.precision} is not implemented yet (inference is: "
-                             f"MoEConfig(precision={cfg.precision!r}, training=False))")
         if cfg.precision not in ("bf16", *LOWP_PRECISIONS):
             raise ValueError(f"precision ({cfg.precision!r}): only 'bf16', and 'mxfp8', "
                              "'fp8_block' and 'nvfp4' in inference, are implemented so far")
@@ -368,6 +366,9 @@ class MoEContext:
         self._counters = torch.zeros(6, dtype=torch.int64, device=self.device)
         #: MXFP8 / NVFP4 inference scratch (:mod:`distmoe.ops.lowp`); None at bf16
         self._lowp = allocate_lowp(cfg, self.num_local_experts, self.receive_bound, self.device)
+        #: the extra GEMM configs of an FP8 training context (:mod:`distmoe.ops.lowp_train`)
+        self._lowp_train = (fp8_train_configs(cfg) if cfg.training and self._lowp is not None
+                            else None)
         #: the captured calls (:mod:`distmoe.ops.graphs`; None: every call eager):
         #: ForwardGraphs in inference contexts, TrainingGraphs in training contexts
         #: (none at mxfp8 yet: its calls run eagerly)
@@ -418,9 +419,18 @@ class MoEContext:
     # ------------------------------------------------------------------ validation
     def _validate(self, x, expert_ids, scores, w13, w2) -> None:
         weights = (w13, w2)
-        if self.cfg.precision in LOWP_PRECISIONS:  # prepared weights: checked here
+        if self.cfg.precision in LOWP_PRECISIONS and not self.cfg.training:
+            # prepared weights: checked here (a training context takes the parameters)
             check_prepared(self._lowp, self.device, w13, w2, self.cfg.precision)
             weights = (None, None)
+        elif self.cfg.precision in LOWP_PRECISIONS:
+            for name, w in (("w13", w13), ("w2", w2)):
+                if isinstance(w, PreparedWeight):
+                    raise TypeError(
+                        f"{name} must be the layer's weight tensor in a {self.cfg.precision} "
+                        "training context (it quantises the weights itself, once per weight "
+                        "version), got a PreparedWeight: prepared weights are for "
+                        "MoEConfig(training=False)")
         check_call(self.cfg, self.num_local_experts, self.device, self._dispatch, x,
                    expert_ids, scores, *weights,
                    wants_autograd=lambda: self._wants_autograd(x, scores, w13, w2))
@@ -497,11 +507,17 @@ class MoEContext:
             y = nccl_call(self, x, expert_ids, scores, w13, w2,
                           autograd=self._wants_autograd(x, scores, w13, w2))
         elif self._wants_autograd(x, scores, w13, w2):
-            y = MoEFunction.apply(self, x, expert_ids, scores, w13, w2)
+            function = FP8TrainFunction if lowp else MoEFunction
+            y = function.apply(self, x, expert_ids, scores, w13, w2)
         elif lowp:
-            warn_inference_grad(x, scores, f"this is a {precision} inference context: y has "
-                                "no grad_fn and no gradient flows back through this layer "
-                                f"({precision} training is not implemented).")
+            if self.cfg.training:  # a call without autograd: the parameters' quantised forms
+                tw = train_weights(self, w13, w2)
+                w13, w2 = tw.w13, tw.w2
+            else:
+                warn_inference_grad(x, scores, f"this is a {precision} inference context: y "
+                                    "has no grad_fn and no gradient flows back through this "
+                                    f"layer (use MoEConfig(precision={precision!r}, "
+                                    "training=True) for gradients).")
             with torch.no_grad():
                 y = lowp_forward(self, x, expert_ids, scores, w13, w2)
         else:

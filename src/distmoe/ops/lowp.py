@@ -131,9 +131,9 @@ def allocate_fp8(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
                  device: torch.device) -> FP8Scratch:
     """The scratch of an MXFP8 or block-FP8 inference context (module docstring, Memory);
     zeroed once so that rows never written hold finite values."""
-    if cfg.precision not in _FP8 or cfg.training:
-        raise ValueError(f"allocate_fp8 is for MXFP8 and block-FP8 inference contexts, got "
-                         f"precision {cfg.precision!r} with training={cfg.training}")
+    if cfg.precision not in _FP8:
+        raise ValueError(f"allocate_fp8 is for MXFP8 and block-FP8 contexts, got precision "
+                         f"{cfg.precision!r}")
     R, D, F, E = receive_bound, cfg.hidden, cfg.ffn, num_local_experts
     w13_shape, w2_shape = (E, 2, F, D), (E, D, F)
     block, scale_dtype = _FP8[cfg.precision][:2]

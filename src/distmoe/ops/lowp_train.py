@@ -1,0 +1,276 @@
+"""Training at ``MoEConfig(precision="mxfp8" | "fp8_block", training=True)``: the four
+expert GEMMs of the forward and of the input-gradient backward on FP8 tensor cores, the
+weight gradients in bf16 (fp32 accumulation).
+
+Parameters stay bf16 (or whatever dtype the caller keeps); their quantised forms (32 x 32
+blocks for mxfp8, 128 x 128 for fp8_block: one qdata serves both orientations) are made once
+per weight version (:func:`distmoe.quant.prepare_cached`) together with the transposed copies
+the input-gradient GEMMs read. ``B`` = 32 (E8M0 scales) or 128 (float32 scales); ``R_b`` =
+the receive bound; rows in the expert-major activation order of the routing tables.
+
+Forward (collective; publishing, routing, gather, scatter and combine are the inference
+forward's, :mod:`distmoe.ops.lowp`)::
+
+    1-4a  route and gather the executed rows: x_rows [R_b, D] bf16
+    4b    quantise along D:          x_q [R_b, D] e4m3, x_s [R_b, D/B]        (saved)
+    4c    W13:  h1 = bf16(x_q W13_q^T)            [R_b, 2F]                    (saved)
+          SwiGLU in fp32 from h1:    h2 = bf16(silu(h1_gate) * h1_up)  [R_b, F]
+    5a    quantise h2 along F; W2:   h3 = bf16(h2_q W2_q^T)  [R_b, D]
+    5c-7  scatter, barrier, combine: y[t] = sum_k score[t, k] h3[t, k] (fp32); the
+          owner keeps its routes' h3 rows ``[T*K, D]`` bf16 (saved) for the score gradient
+
+Backward (collective: every rank runs the backward of the same calls in the same order)::
+
+    1  owner:  route_grads, push mode: grad_scores[t, k] = <grad_y[t], h3[t, k]> (fp32) and
+               bf16(score[t, k] * grad_y[t]) pushed into the expert's scratch gh3, at the
+               activation row the expert executed the route at
+    2  barrier
+    3  expert: quantise gh3 along D; gh2 = bf16(gh3_q W2_q)             [R_b, F]
+               SwiGLU backward in fp32 from h1: gh1 [R_b, 2F] bf16; h2 again (same bits)
+               quantise gh1 along 2F; gx = bf16(gh1_q W13_q)          [R_b, D]
+               WGRAD (bf16 operands, fp32 accumulation, activation rows of each expert):
+               grad_w2[e] = gh3_e^T h2_e, grad_w13[e] = gh1_e^T dequant(x_q)_e
+               scatter each live gx row into its owner's dispatch row t*K+k
+    4  barrier
+    5  owner:  grad_x[t] = bf16(sum over executed k of the route rows) (reduce_routes)
+
+The gradient of the quantised forward (straight-through: the rounding's derivative taken as
+one): the weight gradients use the operands the forward multiplied (``dequant(x_q)``, and
+``h2``, the operand W2 quantised, as bf16), the input gradients the same quantised weights
+as the forward. Routes beyond the receive bound are not executed and get zero gradients.
+
+Not yet (issue 58): WGRAD operands quantised along the token axis (the WGRAD is bf16 here);
+the saved state in the planner's activation buffer (here per-call tensors: ``x_q`` + ``x_s``
+``R_b (D + D/B)`` bytes (``4 R_b D / 128`` scale bytes for fp8_block), ``h1`` ``4 R_b F`` and
+the owner's h3 rows ``2 T K D`` bytes per layer until its backward; the context's activation
+slots are not used); the context's CUDA graphs (every call eager); replay under a budget.
+
+Sync points: none on the host. Memory per backward: the quantised gh1 (``R_b 2F (1 + 1/B)``
+bytes), gh1 and x dequantised (bf16), beside the context's scratch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ..kernels.movement.route_grad import reduce_routes, route_grads
+from ..kernels.movement.scatter_rows import scatter_rows
+from ..kernels.scaled import ScaledGemmConfig
+from ..kernels.wgrad import WgradConfig, launch_grouped_wgrad
+from ..quant.fp8_block import fp8_block_dequantize
+from ..quant.mxfp8 import mxfp8_dequantize
+from ..quant.prepare import PreparedWeight, prepare_cached
+from .autograd import check_versions, new_weight_grads, record_versions
+from .lowp import _FP8, _route_and_gather, _scatter_and_combine
+
+__all__ = ["FP8TrainConfigs", "FP8TrainFunction", "fp8_train_configs", "train_weights"]
+
+
+@dataclass(frozen=True)
+class FP8TrainConfigs:
+    """Launch configs of a low-precision training context's GEMMs beside the inference
+    forward's two (``block_m`` = the routing's ``row_block``): W13 without SwiGLU (h1 is
+    saved), the two input-gradient GEMMs, and the two bf16 WGRADs."""
+
+    w13_h1: ScaledGemmConfig
+    w2_dgrad: ScaledGemmConfig
+    w13_dgrad: ScaledGemmConfig
+    w2_wgrad: WgradConfig
+    w13_wgrad: WgradConfig
+
+
+def fp8_train_configs(cfg) -> FP8TrainConfigs:
+    """The configs of :class:`FP8TrainConfigs` for ``cfg`` (shapes only)."""
+    D, F, bm = cfg.hidden, cfg.ffn, cfg.row_block
+    g = min(_FP8[cfg.precision][0], 128)
+    return FP8TrainConfigs(
+        w13_h1=ScaledGemmConfig.for_widths(k=D, n=2 * F, block_m=bm, k_group=g),
+        w2_dgrad=ScaledGemmConfig.for_widths(k=D, n=F, block_m=bm, k_group=g),
+        w13_dgrad=ScaledGemmConfig.for_widths(k=2 * F, n=D, block_m=bm, k_group=g),
+        w2_wgrad=WgradConfig.for_widths(out_rows=D, out_cols=F),
+        w13_wgrad=WgradConfig.for_widths(out_rows=2 * F, out_cols=D),
+    )
+
+
+@dataclass(frozen=True)
+class TrainWeights:
+    """One weight version's quantised forms: the forward's (``w13 [E, 2, F, D]``, ``w2
+    [E, D, F]``, :class:`PreparedWeight`) and the input-gradient GEMMs' ``[E, N, K]``
+    operands, the same qdata and scales transposed (contiguous copies): ``w2t_q [E, F, D]``,
+    ``w2t_s [E, F/B, D/B]``, ``w13t_q [E, D, 2F]``, ``w13t_s [E, D/B, 2F/B]``."""
+
+    w13: PreparedWeight
+    w2: PreparedWeight
+    w2t_q: torch.Tensor
+    w2t_s: torch.Tensor
+    w13t_q: torch.Tensor
+    w13t_s: torch.Tensor
+
+
+def train_weights(moe, w13: torch.Tensor, w2: torch.Tensor) -> TrainWeights:
+    """The quantised forms of ``(w13, w2)`` at ``moe.cfg.precision``, made once per weight
+    version and kept on ``moe`` (a new address or version counter of either parameter, as
+    after an optimizer step, makes them again)."""
+    p13, p2 = prepare_cached(moe, w13, w2, moe.cfg.precision)
+    cached = getattr(moe, "_distmoe_train_weights", None)
+    if cached is not None and cached.w13 is p13 and cached.w2 is p2:
+        return cached
+    E, _, F, D = p13.shape
+    t = TrainWeights(
+        w13=p13, w2=p2,
+        w2t_q=p2.qdata.transpose(1, 2).contiguous(),
+        w2t_s=p2.scales.transpose(1, 2).contiguous(),
+        w13t_q=p13.qdata.view(E, 2 * F, D).transpose(1, 2).contiguous(),
+        w13t_s=p13.scales.flatten(1, 2).transpose(1, 2).contiguous())
+    moe._distmoe_train_weights = t
+    return t
+
+
+def _dequantize(q: torch.Tensor, s: torch.Tensor, precision: str) -> torch.Tensor:
+    """bf16 values of activation rows ``q [R, K]`` with scales ``s [R, K/B]`` (mxfp8:
+    exact; fp8_block: ``q * s`` rounded once to bf16)."""
+    if precision == "mxfp8":
+        return mxfp8_dequantize(q, s, dim=-1, dtype=torch.bfloat16)
+    return fp8_block_dequantize(q, s).to(torch.bfloat16)
+
+
+def _swiglu(h1: torch.Tensor, F: int) -> torch.Tensor:
+    """bf16 ``silu(gate) * up`` of ``h1 [R, 2F]`` (gate columns first), in fp32."""
+    g, u = h1[:, :F].float(), h1[:, F:].float()
+    return (torch.nn.functional.silu(g) * u).to(torch.bfloat16)
+
+
+def _swiglu_backward(h1: torch.Tensor, gh2: torch.Tensor, F: int) -> torch.Tensor:
+    """bf16 ``[R, 2F]`` gradient of SwiGLU at ``h1`` for ``gh2 [R, F]``, in fp32:
+    d gate = gh2 * up * s * (1 + gate * (1 - s)), d up = gh2 * silu(gate), s = sigmoid(gate)."""
+    g, u, d = h1[:, :F].float(), h1[:, F:].float(), gh2.float()
+    s = torch.sigmoid(g)
+    out = torch.empty_like(h1)
+    out[:, :F] = d * u * s * (1 + g * (1 - s))
+    out[:, F:] = d * g * s
+    return out
+
+
+def fp8_train_forward(moe, x, expert_ids, scores, tw: TrainWeights):
+    """Forward steps 1-7 (module docstring) on checked inputs: ``(y [T, D] bf16, saved)``."""
+    s = moe._lowp
+    conf = moe._lowp_train
+    _, scale_dtype, quantize_2d, grouped_mm = _FP8[s.precision]
+    block = _FP8[s.precision][0]
+    R, D = s.x_rows.shape
+    F = moe.cfg.ffn
+    E = moe.num_local_experts
+    tables = _route_and_gather(moe, x, expert_ids, s.x_rows)
+    po, ro = tables.padded_offsets, tables.row_offsets
+    x_q = torch.empty(R, D, dtype=torch.float8_e4m3fn, device=moe.device)
+    x_s = torch.empty(R, D // block, dtype=scale_dtype, device=moe.device)
+    quantize_2d(s.x_rows, x_q, x_s)
+    h1 = torch.empty(R, 2 * F, dtype=torch.bfloat16, device=moe.device)
+    b = tw.w13.scales.shape[-2]  # F / (weight rows per scale)
+    grouped_mm(x_q, x_s, tw.w13.qdata.view(E, 2 * F, D),
+               tw.w13.scales.view(E, 2 * b, tw.w13.scales.shape[-1]), po, ro, h1,
+               config=conf.w13_h1)
+    h2 = _swiglu(h1, F)
+    quantize_2d(h2, s.h2_q, s.h2_s)
+    h3 = s.x_rows  # the gathered rows are dead once quantised
+    grouped_mm(s.h2_q, s.h2_s, tw.w2.qdata, tw.w2.scales, po, ro, h3, config=s.w2_config)
+    y = _scatter_and_combine(moe, tables, h3, x, expert_ids, scores, None)
+    T, K = expert_ids.shape
+    saved = dict(tables=tables, x_q=x_q, x_s=x_s, h1=h1,
+                 h3_routes=moe._combine[:T * K].clone(),  # the next forward overwrites them
+                 ids_executed=torch.where(tables.is_route_executed_TK,
+                                          expert_ids.to(torch.int32), -1),
+                 scores_f32=scores.float().contiguous(), weights=tw)
+    return y, saved
+
+
+def fp8_train_backward(moe, saved: dict, grad_y: torch.Tensor, weight_out):
+    """Backward steps 1-5 (module docstring): ``(grad_x bf16 [T, D], grad_scores fp32
+    [T, K])``; weight gradients into ``weight_out = (grad_w13, grad_w2)`` (each None where
+    not needed; written whole, or added into fp32 ``main_grad`` buffers with
+    ``moe.main_grad``)."""
+    s, conf = moe._lowp, moe._lowp_train
+    precision = s.precision
+    _, _, quantize_2d, grouped_mm = _FP8[precision]
+    block = _FP8[precision][0]
+    tables, tw = saved["tables"], saved["weights"]
+    ids_executed, scores_f32 = saved["ids_executed"], saved["scores_f32"]
+    T, K = ids_executed.shape
+    R, D = s.x_rows.shape
+    F = moe.cfg.ffn
+    po, ro = tables.padded_offsets, tables.row_offsets
+    bufs = moe.backward_buffers
+    heap = moe.heap
+    grad_y = grad_y.to(torch.bfloat16).contiguous()
+    grad_scores = torch.empty(T, K, dtype=torch.float32, device=moe.device)
+    # 1. owner: score gradients from the kept h3 rows; scored route gradients pushed
+    route_grads(grad_y, saved["h3_routes"], ids_executed, scores_f32, None, grad_scores,
+                dest_rows=tables.dest_rows_TK, dest_bases=bufs.gh3_bases,
+                experts_per_rank=moe.num_local_experts)
+    # 2. the route gradients visible to the experts
+    heap.barrier()
+    # 3. expert side
+    gh3 = moe.activations.scratch["gh3"][:R]
+    g_q, g_s = s.x_q, s.x_s  # free in backward: the forward keeps its own x_q
+    quantize_2d(gh3, g_q, g_s)
+    gh2 = moe._h2[:R]
+    grouped_mm(g_q, g_s, tw.w2t_q, tw.w2t_s, po, ro, gh2, config=conf.w2_dgrad)
+    h1 = saved["h1"]
+    gh1 = _swiglu_backward(h1, gh2, F)
+    gh1_q = torch.empty(R, 2 * F, dtype=torch.float8_e4m3fn, device=moe.device)
+    gh1_s = torch.empty(R, 2 * F // block, dtype=s.x_s.dtype, device=moe.device)
+    quantize_2d(gh1, gh1_q, gh1_s)
+    gx = s.x_rows
+    grouped_mm(gh1_q, gh1_s, tw.w13t_q, tw.w13t_s, po, ro, gx, config=conf.w13_dgrad)
+    grad_w13, grad_w2 = weight_out
+    accumulate = moe.main_grad
+    if grad_w2 is not None:
+        launch_grouped_wgrad(gh3, _swiglu(h1, F), ro, grad_w2, conf.w2_wgrad, moe.device,
+                             accumulate=accumulate)
+    if grad_w13 is not None:
+        E = moe.num_local_experts
+        launch_grouped_wgrad(gh1, _dequantize(saved["x_q"], saved["x_s"], precision), ro,
+                             grad_w13.view(E, 2 * F, D), conf.w13_wgrad, moe.device,
+                             accumulate=accumulate)
+    scatter_rows(gx, po, ro, tables.bwd_scatter_ptrs, block_m=moe.cfg.row_block)
+    # 4. every route's input gradient has landed
+    heap.barrier()
+    # 5. owner
+    grad_x = torch.empty(T, D, dtype=torch.bfloat16, device=moe.device)
+    reduce_routes(bufs.dispatch[:T * K], ids_executed, grad_x)
+    return grad_x, grad_scores
+
+
+class FP8TrainFunction(torch.autograd.Function):
+    """``y = FP8TrainFunction.apply(moe_ctx, x, expert_ids, scores, w13, w2)`` (collective;
+    module docstring)."""
+
+    @staticmethod
+    def forward(ctx, moe, x, expert_ids, scores, w13, w2):
+        tw = train_weights(moe, w13, w2)
+        y, saved = fp8_train_forward(moe, x, expert_ids, scores, tw)
+        ctx.moe, ctx.saved = moe, saved
+        ctx.scores_dtype = scores.dtype
+        ctx.weights = (w13, w2)
+        record_versions(ctx, scores, w13, w2)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y):
+        moe = ctx.moe
+        moe.check_open()
+        check_versions(ctx)
+        need = ctx.needs_input_grad
+        w13, w2 = ctx.weights
+        weight_out = (new_weight_grads(w13, w2, need_w13=need[4], need_w2=need[5])
+                      if not moe.main_grad else
+                      (w13.main_grad if need[4] else None, w2.main_grad if need[5] else None))
+        grad_x, grad_scores = fp8_train_backward(moe, ctx.saved, grad_y, weight_out)
+        ctx.saved = None  # the layer's tensors go now, not with the graph
+        grad_w13, grad_w2 = (None, None) if moe.main_grad else weight_out
+        return (None, grad_x if need[1] else None, None,
+                grad_scores.to(ctx.scores_dtype) if need[3] else None, grad_w13, grad_w2)

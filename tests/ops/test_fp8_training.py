@@ -1,0 +1,214 @@
+"""MXFP8 and block-FP8 training (``MoEConfig(precision="mxfp8" | "fp8_block",
+training=True)``, :mod:`distmoe.ops.lowp_train`) on CPU ranks (gloo, the CPU heap, Triton's
+interpreter): forward and every gradient against two references.
+
+(a) The recipe in plain PyTorch (:func:`recipe_reference`): the same quantisations by the
+    reference quantisers (rows along D, h2 along F, the scored route gradients along D, gh1
+    along 2F; weights by ``prepare_weights(reference=True)``), each GEMM exact in float64
+    then rounded to fp32 and bf16 where the layer rounds. The two differ only by the fp32
+    summation order inside a GEMM (relative 2^-24 per term, far below one bf16 step) until a
+    bf16 rounding falls the other way (one bf16 step, 2^-8 of that element); when such an
+    element is quantised next, its E4M3 code can move by one step (2^-3 of the element, at
+    most 2^-3 of its block's largest value) and that enters one term of a sum over D or F
+    (>= 32 terms of similar size at these random inputs). Bound: every output within
+    2^-6 of its largest magnitude; a wrong scale, orientation or row gives O(1) errors.
+(b) The bf16 layer in float64 (``distmoe.reference.moe_reference``): each quantised operand
+    is within 2^-4 of itself (E4M3: 3 fraction bits, round to nearest), two per GEMM, two
+    GEMMs chained per output: within 2^-2 of the largest magnitude (a sanity bound; (a) is
+    the exact one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import distmoe as dm
+from distmoe.quant import fp8_block_quantize_ref, mxfp8_quantize_ref, prepare_weights
+from distmoe.quant.fp8_block import fp8_block_dequantize
+from distmoe.quant.mxfp8 import mxfp8_dequantize
+from distmoe.reference import moe_reference, random_routing, split_global_problem
+
+T, K = 12, 2
+TOL_RECIPE = 2.0**-6
+TOL_BF16 = 2.0**-2
+TOL_NO_GRAD = 2.0**-4
+NAMES = ("y", "grad x", "grad scores", "grad w13", "grad w2")
+
+
+def _problem(world, E, D, F, seed=58, tokens=T):
+    g = torch.Generator().manual_seed(seed + world)
+    x = torch.randn(world * tokens, D, generator=g).bfloat16()
+    w13 = (torch.randn(E, 2, F, D, generator=g) / D**0.5).bfloat16()
+    w2 = (torch.randn(E, D, F, generator=g) / F**0.5).bfloat16()
+    ids, scores = random_routing(world * tokens, E, K, generator=g, inactive_fraction=0.15)
+    gy = torch.randn(world * tokens, D, generator=g).bfloat16()
+    return x, ids, scores.float(), w13, w2, gy
+
+
+def _q(v: torch.Tensor, precision: str) -> torch.Tensor:
+    """float64 values of ``v`` (bf16 rows) quantised along the last dim by the reference."""
+    if precision == "mxfp8":
+        q, s = mxfp8_quantize_ref(v, dim=-1)
+        return mxfp8_dequantize(q, s, dim=-1).double()
+    q, s = fp8_block_quantize_ref(v)
+    return fp8_block_dequantize(q, s, dtype=torch.float64)
+
+
+def _w(p) -> torch.Tensor:
+    """float64 values of a prepared weight (32 x 32 or 128 x 128 blocks)."""
+    if p.precision == "mxfp8":
+        s = p.scales.repeat_interleave(32, -1).repeat_interleave(32, -2)
+        return p.qdata.double() * torch.exp2(s.double() - 127)
+    return fp8_block_dequantize(p.qdata, p.scales, dtype=torch.float64)
+
+
+def _bf(v: torch.Tensor) -> torch.Tensor:
+    return v.float().bfloat16()
+
+
+def recipe_reference(x, ids, scores, w13, w2, gy, precision):
+    """Reference (a): ``[y, grad x, grad scores, grad w13, grad w2]`` of the whole group
+    (every route executed)."""
+    p13, p2 = prepare_weights(w13, w2, precision, reference=True)
+    W13, W2 = _w(p13), _w(p2)  # [E, 2, F, D], [E, D, F]
+    E, _, F, D = W13.shape
+    N = x.shape[0]
+    t_idx, k_idx = (ids >= 0).nonzero(as_tuple=True)
+    e = ids[t_idx, k_idx]
+    s = scores[t_idx, k_idx].double()
+    xq = _q(x[t_idx], precision)
+    h1 = _bf(torch.einsum("rd,rnd->rn", xq, W13[e].flatten(1, 2)))
+    g, u = h1[:, :F].float(), h1[:, F:].float()
+    h2 = (torch.nn.functional.silu(g) * u).bfloat16()
+    h3 = _bf(torch.einsum("rf,rdf->rd", _q(h2, precision), W2[e]))
+    y = torch.zeros(N, D, dtype=torch.float64)
+    y.index_add_(0, t_idx, s[:, None] * h3.double())
+    gs = torch.zeros(N, K, dtype=torch.float64)
+    gs[t_idx, k_idx] = (gy[t_idx].double() * h3.double()).sum(1)
+    g3 = (s.float()[:, None] * gy[t_idx].float()).bfloat16()
+    gh2 = _bf(torch.einsum("rd,rdf->rf", _q(g3, precision), W2[e]))
+    sg, d = torch.sigmoid(g), gh2.float()
+    gh1 = torch.cat([d * u * sg * (1 + g * (1 - sg)), d * g * sg], 1).bfloat16()
+    gxr = _bf(torch.einsum("rn,rnd->rd", _q(gh1, precision), W13[e].flatten(1, 2)))
+    gx = torch.zeros(N, D, dtype=torch.float64).index_add_(0, t_idx, gxr.double())
+    gw2 = torch.zeros(E, D, F, dtype=torch.float64)
+    gw2.index_add_(0, e, g3.double()[:, :, None] * h2.double()[:, None, :])
+    gw13 = torch.zeros(E, 2 * F, D, dtype=torch.float64)
+    gw13.index_add_(0, e, gh1.double()[:, :, None] * xq[:, None, :])
+    return [y, gx, gs, gw13.view(E, 2, F, D), gw2]
+
+
+def _rank(rank, world, E, D, F, precision, main_grad=False, device="cpu", tokens=T):
+    x, ids, scores, w13, w2, gy = _problem(world, E, D, F, tokens=tokens)
+    mine = split_global_problem(x, ids, scores, w13, w2, world)[rank]
+    dev = torch.device(device)
+    mine = dataclasses.replace(mine, **{f.name: getattr(mine, f.name).to(dev)
+                                        for f in dataclasses.fields(mine)})
+    gy = gy[rank * tokens:(rank + 1) * tokens].to(dev)
+    cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=tokens,
+                       row_block=16, precision=precision, training=True,
+                       device_scratch_factor=float(world))
+    leaves = [t.clone().requires_grad_(True) for t in (mine.x, mine.scores, mine.w13, mine.w2)]
+    if main_grad:
+        for w in leaves[2:]:
+            w.main_grad = torch.full(w.shape, 0.5, dtype=torch.float32, device=dev)
+    out = {}
+    with dm.MoEContext(cfg, device=dev, main_grad=main_grad, check=True) as ctx:
+        y = ctx(leaves[0], mine.expert_ids, leaves[1], leaves[2], leaves[3])
+        (y.float() * gy.float()).sum().backward()
+        grads = [t.grad.clone() for t in leaves[:2]]  # later backwards add into .grad
+        grads += ([w.main_grad - 0.5 for w in leaves[2:]] if main_grad else
+                  [t.grad.clone() for t in leaves[2:]])
+        out["layer"] = [y.detach()] + grads
+        # a call without autograd on the same weights: the inference forward, whose W13
+        # epilogue applies SwiGLU to the fp32 accumulators (no bf16 h1): its h2 is within a
+        # bf16 step or two of the training forward's, which moves the E4M3 code of the h2
+        # values near a rounding boundary (a few percent of them) by one step (2^-3 of the
+        # value): bound TOL_NO_GRAD
+        with torch.no_grad():
+            out["no_grad"] = ctx(mine.x, mine.expert_ids, mine.scores, leaves[2], leaves[3])
+        cached = ctx._distmoe_train_weights
+        y2 = ctx(leaves[0], mine.expert_ids, leaves[1], leaves[2], leaves[3])
+        out["cache_kept"] = ctx._distmoe_train_weights is cached
+        out["repeat"] = torch.equal(y2.detach().view(torch.int16), y.detach().view(torch.int16))
+        y2.sum().backward()  # every rank runs the backward of every call
+        with torch.no_grad():
+            leaves[3].mul_(0.5)  # an optimizer step: a new weight version
+        y3 = ctx(leaves[0], mine.expert_ids, leaves[1], leaves[2], leaves[3])
+        out["cache_renewed"] = ctx._distmoe_train_weights is not cached
+        with torch.no_grad():
+            leaves[2].mul_(2.0)
+        try:
+            y3.sum().backward()
+        except RuntimeError as exc:
+            out["in_place"] = str(exc)
+        ctx.reset_slots()
+    return {k: ([t.cpu() for t in v] if isinstance(v, list) else
+                v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
+
+
+def _check(per_rank, world, E, D, F, precision, tokens=T):
+    x, ids, scores, w13, w2, gy = _problem(world, E, D, F, tokens=tokens)
+    recipe = recipe_reference(x, ids, scores, w13, w2, gy, precision)
+    leaves = [t.double().requires_grad_(True) for t in (x, scores, w13, w2)]
+    y64 = moe_reference(leaves[0], ids, leaves[1], leaves[2], leaves[3])
+    (y64 * gy.double()).sum().backward()
+    bf16 = [y64] + [t.grad for t in leaves]
+    e_local = E // world
+    worst = {}
+    for r, out in enumerate(per_rank):
+        tok = slice(r * tokens, (r + 1) * tokens)
+        exp = slice(r * e_local, (r + 1) * e_local)
+        for i, (name, got) in enumerate(zip(NAMES, out["layer"], strict=True)):
+            part = exp if i >= 3 else tok
+            for label, ref, tol in (("recipe", recipe[i][part], TOL_RECIPE),
+                                    ("bf16 float64", bf16[i][part], TOL_BF16)):
+                scale = ref.abs().max().item()
+                err = (got.double() - ref).abs().max().item()
+                assert err <= tol * scale, (f"rank {r} {name}: {err:.3g} from the {label} "
+                                            f"reference (bound {tol} x {scale:.3g})")
+                worst[(label, name)] = max(worst.get((label, name), 0), err / scale)
+        y = out["layer"][0]
+        diff = (out["no_grad"].double() - y.double()).abs().max().item()
+        assert diff <= TOL_NO_GRAD * y.abs().max().item(), f"rank {r}: no-grad call {diff:.3g}"
+        assert out["repeat"], f"rank {r}: a second call gave other bits"
+        assert out["cache_kept"], f"rank {r}: unchanged weights were quantised again"
+        assert out["cache_renewed"], f"rank {r}: a changed weight kept its old quantised form"
+        assert "w13 was modified in place" in out.get("in_place", ""), out.get("in_place")
+    return worst
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_mxfp8_training_against_both_references(world):
+    E, D, F = 4, 64, 32
+    per_rank = dm.launch(_rank, world, args=(E, D, F, "mxfp8"), timeout=300)
+    _check(per_rank, world, E, D, F, "mxfp8")
+
+
+def test_fp8_block_training_against_both_references():
+    E, D, F = 2, 128, 128
+    per_rank = dm.launch(_rank, 1, args=(E, D, F, "fp8_block"), timeout=300)
+    _check(per_rank, 1, E, D, F, "fp8_block")
+
+
+def test_mxfp8_training_main_grad():
+    """``main_grad=True``: the weight gradients added in fp32 into ``main_grad`` (starting
+    at 0.5 here), the same values within the bounds."""
+    E, D, F = 4, 64, 32
+    per_rank = dm.launch(_rank, 1, args=(E, D, F, "mxfp8", True), timeout=300)
+    _check(per_rank, 1, E, D, F, "mxfp8")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["mxfp8", "fp8_block"])
+def test_fp8_training_gpu(precision):
+    """One GPU (EP = 1, T = 256, D = 256, F = 128, E = 8): the same references and bounds
+    (the SM90 FP8 MMA's narrower accumulation, docs/numerics.md section 6, adds at most
+    33 * 2^-13 of a 32-wide step's sum of |products|: far inside the bounds)."""
+    E, D, F, tokens = 8, 256, 128, 256
+    out = _rank(0, 1, E, D, F, precision, device="cuda", tokens=tokens)
+    worst = _check([out], 1, E, D, F, precision, tokens=tokens)
+    print(precision, {f"{a} {b}": f"{v:.2e}" for (a, b), v in worst.items()})
