@@ -213,14 +213,20 @@ def _sync(device: torch.device) -> None:
 
 # ---------------------------------------------------------------------------- training
 def train(model: torch.nn.Module, impl: str, init_state: dict, data_V: torch.Tensor,
-          starts: torch.Tensor, size: Size, warmup: int, device: torch.device) -> dict:
-    """Train ``model`` from ``init_state`` with its experts on ``impl``; losses and times."""
+          starts: torch.Tensor, size: Size, warmup: int, device: torch.device,
+          precision: str = "bf16") -> dict:
+    """Train ``model`` from ``init_state`` with its experts on ``impl`` (distmoe's at
+    ``precision``); losses and times."""
     from tqdm import tqdm
 
     import distmoe.integrations.transformers as dmt
 
     model.load_state_dict(init_state)
+    if impl == "distmoe":
+        dmt.shard_experts(model, options=dmt.ExpertsOptions(training_precision=precision))
     model.set_experts_implementation(impl)
+    if precision != "bf16":
+        impl = f"{impl}-{precision}"
     checksum = sum(p.detach().double().sum().item() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=size.lr, betas=(0.9, 0.95),
                                   weight_decay=0.1, fused=device.type == "cuda")
@@ -281,7 +287,8 @@ def plot(path: Path, runs: list[dict], title: str, warmup: int) -> None:
 
     fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5),
                                            gridspec_kw={"width_ratios": [3, 2]})
-    for run, color in zip(runs, ("tab:red", "tab:blue"), strict=True):
+    colors = ("tab:red", "tab:orange", "tab:green", "tab:blue")
+    for run, color in zip(runs, colors[:len(runs) - 1] + colors[-1:], strict=True):
         losses = run["losses"]
         steps = range(1, len(losses) + 1)
         smooth, ema = [], losses[0]
@@ -328,10 +335,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, help="override the size's layer count")
     parser.add_argument("--batch", type=int, help="override the size's sequences per step")
+    parser.add_argument("--precisions", nargs="+", default=["bf16"],
+                        choices=("bf16", "mxfp8", "fp8_block"),
+                        help="distmoe's training precisions, one run each (mxfp8: hidden and "
+                             "ffn multiples of 32; fp8_block: of 128)")
+    parser.add_argument("--hidden", type=int, help="override the size's hidden width")
+    parser.add_argument("--ffn", type=int, help="override the size's expert FFN width")
     args = parser.parse_args(argv)
     size_name = args.size or ("full" if args.device == "cuda" else "tiny")
     size = SIZES[size_name]
-    for name in ("layers", "batch"):
+    for name in ("layers", "batch", "hidden", "ffn"):
         value = getattr(args, name)
         if value is not None:
             if value < 1:
@@ -373,12 +386,16 @@ def main(argv: list[str] | None = None) -> dict:
               f"{num_expert_params / num_params:.0%} in experts), {size}\n"
               f"baseline: {baseline_note}", flush=True)
 
-        runs = [train(model, impl, init_state, data_V, starts, size, warmup, device)
-                for impl in ("distmoe", baseline)]
-        ours, base = runs
+        runs = [train(model, "distmoe", init_state, data_V, starts, size, warmup, device,
+                      precision=p) for p in args.precisions]
+        runs.append(train(model, baseline, init_state, data_V, starts, size, warmup, device))
+        ours, base = runs[0], runs[-1]
         ratio = base["median_step_s"] / ours["median_step_s"]
-        loss_diff = (abs(ours["final_loss_mean_last_10pct"] - base["final_loss_mean_last_10pct"])
-                     / base["final_loss_mean_last_10pct"])
+
+        def rel_diff(run):
+            return (abs(run["final_loss_mean_last_10pct"] - base["final_loss_mean_last_10pct"])
+                    / base["final_loss_mean_last_10pct"])
+        loss_diff = rel_diff(ours)
         results = {
             "device": device_name,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -405,6 +422,7 @@ def main(argv: list[str] | None = None) -> dict:
             "runs": {r["implementation"]: r for r in runs},
             "speedup": ratio,
             "final_loss_rel_diff": loss_diff,
+            "final_loss_rel_diff_by_run": {r["implementation"]: rel_diff(r) for r in runs},
         }
         (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
         plot(out / "loss.png", runs,
@@ -420,6 +438,9 @@ def main(argv: list[str] | None = None) -> dict:
                   + (f", peak memory {peak / 2**30:.1f} GiB" if peak is not None else ""))
         note = ("" if device.type == "cuda" else
                 " (CPU: distmoe's kernels run in Triton's interpreter, not a speed figure)")
+        for r in runs[1:-1]:
+            print(f"{r['implementation']}: final loss differs from {baseline}'s by "
+                  f"{rel_diff(r):.2%}")
         print(f"step time {baseline} / distmoe: {ratio:.2f}x{note}; final losses differ by "
               f"{loss_diff:.2%}\nwrote {out / 'results.json'} and {out / 'loss.png'}")
         return results

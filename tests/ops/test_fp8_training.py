@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import distmoe as dm
+from distmoe.ops.lowp_train import train_weights
 from distmoe.quant import fp8_block_quantize_ref, mxfp8_quantize_ref, prepare_weights
 from distmoe.quant.fp8_block import fp8_block_dequantize
 from distmoe.quant.mxfp8 import mxfp8_dequantize
@@ -130,15 +131,18 @@ def _rank(rank, world, E, D, F, precision, main_grad=False, device="cpu", tokens
         # value): bound TOL_NO_GRAD
         with torch.no_grad():
             out["no_grad"] = ctx(mine.x, mine.expert_ids, mine.scores, leaves[2], leaves[3])
-        cached = ctx._distmoe_train_weights
+        cached = train_weights(ctx, leaves[2], leaves[3])
         y2 = ctx(leaves[0], mine.expert_ids, leaves[1], leaves[2], leaves[3])
-        out["cache_kept"] = ctx._distmoe_train_weights is cached
+        out["cache_kept"] = train_weights(ctx, leaves[2], leaves[3]) is cached
+        # a copy (a new tensor, maybe at a freed one's address) is never taken for the weight
+        out["copy_missed"] = train_weights(ctx, leaves[2].detach().clone(), leaves[3]) \
+            is not cached
         out["repeat"] = torch.equal(y2.detach().view(torch.int16), y.detach().view(torch.int16))
         y2.sum().backward()  # every rank runs the backward of every call
         with torch.no_grad():
             leaves[3].mul_(0.5)  # an optimizer step: a new weight version
         y3 = ctx(leaves[0], mine.expert_ids, leaves[1], leaves[2], leaves[3])
-        out["cache_renewed"] = ctx._distmoe_train_weights is not cached
+        out["cache_renewed"] = train_weights(ctx, leaves[2], leaves[3]) is not cached
         with torch.no_grad():
             leaves[2].mul_(2.0)
         try:
@@ -176,6 +180,7 @@ def _check(per_rank, world, E, D, F, precision, tokens=T):
         assert diff <= TOL_NO_GRAD * y.abs().max().item(), f"rank {r}: no-grad call {diff:.3g}"
         assert out["repeat"], f"rank {r}: a second call gave other bits"
         assert out["cache_kept"], f"rank {r}: unchanged weights were quantised again"
+        assert out["copy_missed"], f"rank {r}: a copy of a weight took its cached form"
         assert out["cache_renewed"], f"rank {r}: a changed weight kept its old quantised form"
         assert "w13 was modified in place" in out.get("in_place", ""), out.get("in_place")
     return worst

@@ -106,7 +106,11 @@ class ExpertsOptions:
         inference_precision: ``"bf16"`` (default), or ``"mxfp8"``, ``"fp8_block"`` or
             ``"nvfp4"``: inference calls (no grad) run at that precision, on each module's
             weights prepared once per weight version (:func:`distmoe.prepare_weights`, kept
-            until a parameter changes in place or is replaced); training calls stay bf16.
+            until a parameter changes in place or is replaced).
+        training_precision: ``"bf16"`` (default), ``"mxfp8"`` or ``"fp8_block"``: training
+            calls run their expert GEMMs at that precision (:mod:`distmoe.ops.lowp_train`:
+            bf16 parameters, quantised by the context once per weight version; bf16
+            gradients).
     """
 
     max_tokens: int | None = None
@@ -116,8 +120,12 @@ class ExpertsOptions:
     max_layers_per_slot: int | None = None
     check: bool = False
     inference_precision: str = "bf16"
+    training_precision: str = "bf16"
 
     def __post_init__(self) -> None:
+        if self.training_precision not in ("bf16", "mxfp8", "fp8_block"):
+            raise ValueError(f"training_precision ({self.training_precision!r}) must be "
+                             "'bf16', 'mxfp8' or 'fp8_block' (nvfp4 is inference only)")
         if self.inference_precision not in ("bf16", "mxfp8", "fp8_block", "nvfp4"):
             raise ValueError(f"inference_precision ({self.inference_precision!r}) must be "
                              "'bf16', 'mxfp8', 'fp8_block' or 'nvfp4'")
@@ -447,13 +455,14 @@ def distmoe_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
     T, K = ids_TK.shape
     training = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x_TD, scores_TK, w13, w2))
-    precision = "bf16" if training else shard.options.inference_precision
+    opt = shard.options
+    precision = opt.training_precision if training else opt.inference_precision
     ctx = _context(module, shard, tokens=T, top_k=K, hidden=w13.shape[3], ffn=w13.shape[2],
                    training=training, device=x_TD.device, precision=precision,
                    # captured graphs (CUDA inference) key on weight addresses: per-call
                    # copies would capture again and again
                    graphs=x_TD.device.type == "cuda" and _weights_are_views(module))
-    if precision != "bf16":
+    if precision != "bf16" and not training:  # a training context quantises them itself
         w13, w2 = prepare_cached(module, w13, w2, precision,
                                  sources=(module.gate_up_proj, module.down_proj))
     y_TD = ctx(x_TD, ids_TK, scores_TK, w13, w2)

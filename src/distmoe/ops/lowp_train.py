@@ -4,7 +4,7 @@ weight gradients in bf16 (fp32 accumulation).
 
 Parameters stay bf16 (or whatever dtype the caller keeps); their quantised forms (32 x 32
 blocks for mxfp8, 128 x 128 for fp8_block: one qdata serves both orientations) are made once
-per weight version (:func:`distmoe.quant.prepare_cached`) together with the transposed copies
+per weight version (:func:`train_weights`) together with the transposed copies
 the input-gradient GEMMs read. ``B`` = 32 (E8M0 scales) or 128 (float32 scales); ``R_b`` =
 the receive bound; rows in the expert-major activation order of the routing tables.
 
@@ -51,6 +51,7 @@ bytes), gh1 and x dequantised (bf16), beside the context's scratch.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -62,7 +63,7 @@ from ..kernels.scaled import ScaledGemmConfig
 from ..kernels.wgrad import WgradConfig, launch_grouped_wgrad
 from ..quant.fp8_block import fp8_block_dequantize
 from ..quant.mxfp8 import mxfp8_dequantize
-from ..quant.prepare import PreparedWeight, prepare_cached
+from ..quant.prepare import PreparedWeight, prepare_weights
 from .autograd import check_versions, new_weight_grads, record_versions
 from .lowp import _FP8, _route_and_gather, _scatter_and_combine
 
@@ -112,21 +113,30 @@ class TrainWeights:
 
 def train_weights(moe, w13: torch.Tensor, w2: torch.Tensor) -> TrainWeights:
     """The quantised forms of ``(w13, w2)`` at ``moe.cfg.precision``, made once per weight
-    version and kept on ``moe`` (a new address or version counter of either parameter, as
-    after an optimizer step, makes them again)."""
-    p13, p2 = prepare_cached(moe, w13, w2, moe.cfg.precision)
-    cached = getattr(moe, "_distmoe_train_weights", None)
-    if cached is not None and cached.w13 is p13 and cached.w2 is p2:
-        return cached
+    version and kept on ``moe``: for each of the last ``cfg.max_layers_per_slot`` weight pairs
+    (the layers that share a context), keyed by the tensor objects themselves (weak
+    references, so a new tensor at a freed one's address never matches) and their version
+    counters (an in-place change, as an optimizer step, makes them again). Why: static
+    weights are quantised once per version, not once per call."""
+    cache = moe.__dict__.setdefault("_distmoe_train_weights", {})
+    key = (id(w13), id(w2))
+    hit = cache.get(key)
+    if (hit is not None and hit[0]() is w13 and hit[1]() is w2
+            and hit[2] == (w13._version, w2._version)):
+        return hit[3]
+    p13, p2 = prepare_weights(w13.detach(), w2.detach(), moe.cfg.precision)
     E, _, F, D = p13.shape
-    t = TrainWeights(
+    tw = TrainWeights(
         w13=p13, w2=p2,
         w2t_q=p2.qdata.transpose(1, 2).contiguous(),
         w2t_s=p2.scales.transpose(1, 2).contiguous(),
         w13t_q=p13.qdata.view(E, 2 * F, D).transpose(1, 2).contiguous(),
         w13t_s=p13.scales.flatten(1, 2).transpose(1, 2).contiguous())
-    moe._distmoe_train_weights = t
-    return t
+    cache.pop(key, None)
+    while len(cache) >= moe.cfg.max_layers_per_slot:
+        cache.pop(next(iter(cache)))  # the oldest pair
+    cache[key] = (weakref.ref(w13), weakref.ref(w2), (w13._version, w2._version), tw)
+    return tw
 
 
 def _dequantize(q: torch.Tensor, s: torch.Tensor, precision: str) -> torch.Tensor:
