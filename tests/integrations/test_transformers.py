@@ -531,3 +531,37 @@ def test_inference_precision_option():
         dmt.close_contexts()
     with pytest.raises(ValueError, match=r"inference_precision \('fp4'\) must be"):
         dmt.ExpertsOptions(inference_precision="fp4")
+
+
+def test_training_precision_option():
+    # ExpertsOptions(training_precision="mxfp8"): a training call runs on an mxfp8 training
+    # context, which takes the module's bf16 weights (the bits of that context called
+    # directly with the same weights); gradients reach the input and both parameters
+    # (one process, CPU)
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    cfg = transformers.Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32,
+                                      num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(5)
+    experts = Qwen3MoeExperts(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn_like(experts.gate_up_proj) / 8)
+        experts.down_proj.copy_(torch.randn_like(experts.down_proj) / 8)
+    dmt.shard_experts(experts, options=dmt.ExpertsOptions(training_precision="mxfp8",
+                                                          row_block=16))
+    x = torch.randn(8, 64).bfloat16().requires_grad_(True)
+    ids = torch.stack([torch.randperm(4)[:2] for _ in range(8)])
+    w = torch.rand(8, 2)
+    try:
+        y = dmt.distmoe_experts_forward(experts, x, ids, w)
+        (ctx,) = [c for c in dmt.cached_contexts() if c.cfg.training]
+        assert ctx.cfg.precision == "mxfp8"
+        y.float().sum().backward()
+        assert x.grad is not None and experts.down_proj.grad is not None
+        assert experts.gate_up_proj.grad.abs().sum() > 0
+        want = ctx(x.detach().requires_grad_(True), ids, w, *dmt.expert_weights(experts))
+        assert torch.equal(y.detach().view(torch.int16), want.detach().view(torch.int16))
+    finally:
+        dmt.close_contexts()
+    with pytest.raises(ValueError, match=r"training_precision \('nvfp4'\) must be"):
+        dmt.ExpertsOptions(training_precision="nvfp4")

@@ -14,8 +14,10 @@ forward's, :mod:`distmoe.ops.lowp`)::
     1-4a  route and gather the executed rows: x_rows [R_b, D] bf16
     4b    quantise along D:          x_q [R_b, D] e4m3, x_s [R_b, D/B]        (saved)
     4c    W13:  h1 = bf16(x_q W13_q^T)            [R_b, 2F]                    (saved)
-          SwiGLU in fp32 from h1:    h2 = bf16(silu(h1_gate) * h1_up)  [R_b, F]
-    5a    quantise h2 along F; W2:   h3 = bf16(h2_q W2_q^T)  [R_b, D]
+    5a    SwiGLU in fp32 from h1, quantised along F in the same kernel
+          (:func:`~distmoe.kernels.scaled.swiglu_quant.swiglu_quantize`):
+          h2 = bf16(silu(h1_gate) * h1_up) [R_b, F], h2_q, h2_s
+          W2:   h3 = bf16(h2_q W2_q^T)  [R_b, D]
     5c-7  scatter, barrier, combine: y[t] = sum_k score[t, k] h3[t, k] (fp32); the
           owner keeps its routes' h3 rows ``[T*K, D]`` bf16 (saved) for the score gradient
 
@@ -26,8 +28,9 @@ Backward (collective: every rank runs the backward of the same calls in the same
                activation row the expert executed the route at
     2  barrier
     3  expert: quantise gh3 along D; gh2 = bf16(gh3_q W2_q)             [R_b, F]
-               SwiGLU backward in fp32 from h1: gh1 [R_b, 2F] bf16; h2 again (same bits)
-               quantise gh1 along 2F; gx = bf16(gh1_q W13_q)          [R_b, D]
+               SwiGLU backward in fp32 from h1, quantised along 2F in the same kernel
+               (``swiglu_backward_quantize``): gh1 [R_b, 2F] bf16, gh1_q, gh1_s, and h2
+               again (the forward's bits); gx = bf16(gh1_q W13_q)     [R_b, D]
                WGRAD (bf16 operands, fp32 accumulation, activation rows of each expert):
                grad_w2[e] = gh3_e^T h2_e, grad_w13[e] = gh1_e^T dequant(x_q)_e
                scatter each live gx row into its owner's dispatch row t*K+k
@@ -60,6 +63,7 @@ from torch.autograd.function import once_differentiable
 from ..kernels.movement.route_grad import reduce_routes, route_grads
 from ..kernels.movement.scatter_rows import scatter_rows
 from ..kernels.scaled import ScaledGemmConfig
+from ..kernels.scaled.swiglu_quant import swiglu_backward_quantize, swiglu_quantize
 from ..kernels.wgrad import WgradConfig, launch_grouped_wgrad
 from ..quant.fp8_block import fp8_block_dequantize
 from ..quant.mxfp8 import mxfp8_dequantize
@@ -147,23 +151,6 @@ def _dequantize(q: torch.Tensor, s: torch.Tensor, precision: str) -> torch.Tenso
     return fp8_block_dequantize(q, s).to(torch.bfloat16)
 
 
-def _swiglu(h1: torch.Tensor, F: int) -> torch.Tensor:
-    """bf16 ``silu(gate) * up`` of ``h1 [R, 2F]`` (gate columns first), in fp32."""
-    g, u = h1[:, :F].float(), h1[:, F:].float()
-    return (torch.nn.functional.silu(g) * u).to(torch.bfloat16)
-
-
-def _swiglu_backward(h1: torch.Tensor, gh2: torch.Tensor, F: int) -> torch.Tensor:
-    """bf16 ``[R, 2F]`` gradient of SwiGLU at ``h1`` for ``gh2 [R, F]``, in fp32:
-    d gate = gh2 * up * s * (1 + gate * (1 - s)), d up = gh2 * silu(gate), s = sigmoid(gate)."""
-    g, u, d = h1[:, :F].float(), h1[:, F:].float(), gh2.float()
-    s = torch.sigmoid(g)
-    out = torch.empty_like(h1)
-    out[:, :F] = d * u * s * (1 + g * (1 - s))
-    out[:, F:] = d * g * s
-    return out
-
-
 def fp8_train_forward(moe, x, expert_ids, scores, tw: TrainWeights):
     """Forward steps 1-7 (module docstring) on checked inputs: ``(y [T, D] bf16, saved)``."""
     s = moe._lowp
@@ -183,8 +170,7 @@ def fp8_train_forward(moe, x, expert_ids, scores, tw: TrainWeights):
     grouped_mm(x_q, x_s, tw.w13.qdata.view(E, 2 * F, D),
                tw.w13.scales.view(E, 2 * b, tw.w13.scales.shape[-1]), po, ro, h1,
                config=conf.w13_h1)
-    h2 = _swiglu(h1, F)
-    quantize_2d(h2, s.h2_q, s.h2_s)
+    swiglu_quantize(h1, moe._h2[:R], s.h2_q, s.h2_s, precision=s.precision)
     h3 = s.x_rows  # the gathered rows are dead once quantised
     grouped_mm(s.h2_q, s.h2_s, tw.w2.qdata, tw.w2.scales, po, ro, h3, config=s.w2_config)
     y = _scatter_and_combine(moe, tables, h3, x, expert_ids, scores, None)
@@ -229,16 +215,17 @@ def fp8_train_backward(moe, saved: dict, grad_y: torch.Tensor, weight_out):
     gh2 = moe._h2[:R]
     grouped_mm(g_q, g_s, tw.w2t_q, tw.w2t_s, po, ro, gh2, config=conf.w2_dgrad)
     h1 = saved["h1"]
-    gh1 = _swiglu_backward(h1, gh2, F)
+    gh1 = torch.empty_like(h1)
     gh1_q = torch.empty(R, 2 * F, dtype=torch.float8_e4m3fn, device=moe.device)
     gh1_s = torch.empty(R, 2 * F // block, dtype=s.x_s.dtype, device=moe.device)
-    quantize_2d(gh1, gh1_q, gh1_s)
+    h2 = torch.empty(R, F, dtype=torch.bfloat16, device=moe.device)  # W2 WGRAD's operand
+    swiglu_backward_quantize(h1, gh2, gh1, gh1_q, gh1_s, precision=precision, h2=h2)
     gx = s.x_rows
     grouped_mm(gh1_q, gh1_s, tw.w13t_q, tw.w13t_s, po, ro, gx, config=conf.w13_dgrad)
     grad_w13, grad_w2 = weight_out
     accumulate = moe.main_grad
     if grad_w2 is not None:
-        launch_grouped_wgrad(gh3, _swiglu(h1, F), ro, grad_w2, conf.w2_wgrad, moe.device,
+        launch_grouped_wgrad(gh3, h2, ro, grad_w2, conf.w2_wgrad, moe.device,
                              accumulate=accumulate)
     if grad_w13 is not None:
         E = moe.num_local_experts

@@ -83,6 +83,22 @@ def _quantize_blocks(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
+def fp8_block_encode(bits):
+    """E4M3 bytes and float32 scales of float32 ``bits [..., G, 128]`` (int32, one 128-value
+    block per last axis): the rule of the module docstring, NaN and Inf stored as NaN with
+    their sign. The quantiser's own arithmetic, for kernels that quantise what they
+    compute."""
+    abs_bits = bits & 0x7FFFFFFF
+    amax_bits = tl.max(finite_abs_bits(bits), axis=2)
+    amax = amax_bits.to(tl.float32, bitcast=True)
+    s = tl.where(amax_bits > 0, tl.math.div_rn(amax, 448.0), 1.0)
+    y = tl.math.div_rn(bits.to(tl.float32, bitcast=True), s[:, :, None])
+    code = round_minifloat(y.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0, 3, -6, 126)
+    code = tl.where(abs_bits < 0x7F800000, code, 0x7F)  # NaN, Inf -> NaN
+    return (code | ((bits >> 24) & 0x80)).to(tl.uint8), s
+
+
+@triton.jit
 def _fp8_block_quantize_kernel(x_ptr, q_ptr, s_ptr, rows, num_groups,
                                BLOCK_R: tl.constexpr, GROUPS: tl.constexpr):
     pid_r = tl.program_id(0)
@@ -94,16 +110,8 @@ def _fp8_block_quantize_kernel(x_ptr, q_ptr, s_ptr, rows, num_groups,
     ok2 = (r[:, None] < rows) & (g[None, :] < num_groups)
     offs = r[:, None, None] * cols + (g[None, :, None] * 128 + j[None, None, :])
     ok3 = ok2[:, :, None]
-    bits = float32_bits(tl.load(x_ptr + offs, mask=ok3, other=0.0))
-    abs_bits = bits & 0x7FFFFFFF
-    amax_bits = tl.max(finite_abs_bits(bits), axis=2)
-    amax = amax_bits.to(tl.float32, bitcast=True)
-    s = tl.where(amax_bits > 0, tl.math.div_rn(amax, 448.0), 1.0)
-    y = tl.math.div_rn(bits.to(tl.float32, bitcast=True), s[:, :, None])
-    code = round_minifloat(y.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0, 3, -6, 126)
-    code = tl.where(abs_bits < 0x7F800000, code, 0x7F)  # NaN, Inf -> NaN
-    sign = (bits >> 24) & 0x80
-    tl.store(q_ptr + offs, (code | sign).to(tl.uint8), mask=ok3)
+    q, s = fp8_block_encode(float32_bits(tl.load(x_ptr + offs, mask=ok3, other=0.0)))
+    tl.store(q_ptr + offs, q, mask=ok3)
     tl.store(s_ptr + r[:, None] * num_groups + g[None, :], s, mask=ok2)
 
 

@@ -62,6 +62,19 @@ from distmoe.quant.formats import (
 
 
 @triton.jit
+def mxfp8_encode(bits):
+    """E4M3 bytes and E8M0 exponents (unbiased) of float32 ``bits [..., G, 32]`` (int32, one
+    32-value block per last axis): the rule of the module docstring, NaN and Inf stored as
+    NaN with their sign. The quantiser's own arithmetic, for kernels that quantise what they
+    compute."""
+    abs_bits = bits & 0x7FFFFFFF
+    e = e8m0_exponent(tl.max(finite_abs_bits(bits), axis=2))
+    code = round_minifloat(abs_bits, e[:, :, None], 3, -6, 126)
+    code = tl.where(abs_bits < 0x7F800000, code, 0x7F)
+    return (code | ((bits >> 24) & 0x80)).to(tl.uint8), e
+
+
+@triton.jit
 def _mxfp8_quantize_kernel(x_ptr, q_ptr, s_ptr, rows, num_groups,
                            BLOCK_R: tl.constexpr, GROUPS: tl.constexpr,
                            REBASE: tl.constexpr = False):
@@ -75,9 +88,7 @@ def _mxfp8_quantize_kernel(x_ptr, q_ptr, s_ptr, rows, num_groups,
     offs = r[:, None, None] * cols + (g[None, :, None] * 32 + j[None, None, :])
     ok3 = ok2[:, :, None]
     bits = float32_bits(tl.load(x_ptr + offs, mask=ok3, other=0.0))
-    abs_bits = bits & 0x7FFFFFFF
-    e = e8m0_exponent(tl.max(finite_abs_bits(bits), axis=2))
-    code = round_minifloat(abs_bits, e[:, :, None], 3, -6, 126)
+    q, e = mxfp8_encode(bits)
     if REBASE:
         # onto the largest exponent of each 4 blocks (128 values): the value code * 2^e
         # rounded again at 2^e_max (distmoe.quant.fp8_block.mxfp8_rebase's rule, the same
@@ -85,12 +96,12 @@ def _mxfp8_quantize_kernel(x_ptr, q_ptr, s_ptr, rows, num_groups,
         e_max = tl.max(tl.reshape(e, (BLOCK_R, GROUPS // 4, 4)), axis=2)
         e_max = tl.reshape(tl.broadcast_to(e_max[:, :, None], (BLOCK_R, GROUPS // 4, 4)),
                            (BLOCK_R, GROUPS))
-        v_bits = e4m3_code_to_float(code).to(tl.int32, bitcast=True)
+        v_bits = e4m3_code_to_float(q.to(tl.int32) & 0x7F).to(tl.int32, bitcast=True)
         code = round_minifloat(v_bits, (e_max - e)[:, :, None], 3, -6, 126)
+        code = tl.where((bits & 0x7FFFFFFF) < 0x7F800000, code, 0x7F)  # NaN, Inf -> NaN
+        q = (code | ((bits >> 24) & 0x80)).to(tl.uint8)
         e = e_max
-    code = tl.where(abs_bits < 0x7F800000, code, 0x7F)  # NaN, Inf -> NaN
-    sign = (bits >> 24) & 0x80
-    tl.store(q_ptr + offs, (code | sign).to(tl.uint8), mask=ok3)
+    tl.store(q_ptr + offs, q, mask=ok3)
     if REBASE:
         g4 = pid_g * (GROUPS // 4) + tl.arange(0, GROUPS // 4)
         e4 = tl.max(tl.reshape(e, (BLOCK_R, GROUPS // 4, 4)), axis=2)
