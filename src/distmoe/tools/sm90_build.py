@@ -820,13 +820,18 @@ def lowp_kernel_cases() -> list[BuildCase]:
     from distmoe.kernels.base.config import next_power_of_2
     from distmoe.kernels.movement import rowwise_get, rowwise_put
     from distmoe.kernels.scaled import ScaledGemmConfig, nvfp4, nvfp4_weight_config
+    from distmoe.kernels.scaled import swiglu_quant
     from distmoe.kernels.scaled import triton as scaled
     from distmoe.plan import rules
     from distmoe.quant import fp8_block, mxfp8
 
     D, F, E, K = 2048, 768, 64, 8
     cases: list[BuildCase] = []
-    shapes = (("W13", D, 2 * F, True), ("W2", F, D, False))
+    shapes = (("W13", D, 2 * F, True), ("W2", F, D, False),
+              # FP8 training (distmoe.ops.lowp_train): W13 storing h1, the two input-gradient
+              # GEMMs
+              ("W13 h1", D, 2 * F, False), ("W2 dgrad", D, F, False),
+              ("W13 dgrad", 2 * F, D, False))
     for layout in (scaled.MXFP8, scaled.MXFP8_REBASED, scaled.FP8_BLOCK):
         scale_type = "*fp32" if layout.fp32 else "*u8"
         for name, k, n, swiglu in shapes:
@@ -842,7 +847,7 @@ def lowp_kernel_cases() -> list[BuildCase]:
                 cfg.num_warps, cfg.num_stages,
                 types={"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "sa_ptr": scale_type,
                        "sb_ptr": scale_type}))
-    for name, k, n, swiglu in shapes:
+    for name, k, n, swiglu in shapes[:2]:
         cfg = nvfp4_weight_config(k=k, n=n, swiglu=swiglu)
         out_n = n // 2 if swiglu else n
         cases.append(BuildCase(
@@ -862,6 +867,15 @@ def lowp_kernel_cases() -> list[BuildCase]:
         "fp8_block quantise", fp8_block._fp8_block_quantize_kernel,
         dict(BLOCK_R=32, GROUPS=1), 4, 1,
         types={**quant_types, "x_ptr": "*bf16", "s_ptr": "*fp32"}))
+    for precision, block, stype in (("mxfp8", 32, "*u8"), ("fp8_block", 128, "*fp32")):
+        for backward in (False, True):
+            cases.append(BuildCase(
+                f"{precision} swiglu quantise backward={backward}",
+                swiglu_quant._swiglu_quant_kernel,
+                dict(F=F, B=block, FP32_SCALES=precision == "fp8_block", BACKWARD=backward,
+                     STORE_H2=backward, BLOCK_R=32 if block == 32 else 8), 4, 1,
+                types={"h1_ptr": "*bf16", "gh2_ptr": "*bf16", "out_ptr": "*bf16",
+                       "q_ptr": "*u8", "s_ptr": stype, "h2_ptr": "*bf16", "rows": "i32"}))
     rc = rowwise_put.RowwiseConfig.for_widths(hidden=D)
     route_types = {"ranks_ptr": "*i64", "rows_ptr": "*i64", "bases_ptr": "*i64",
                    "bad_ptr": "*i64", "num_routes": "i32", "world": "i32", "num_rows": "i32"}
