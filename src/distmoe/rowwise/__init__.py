@@ -16,7 +16,9 @@
   expert on every rank, from an all-gathered histogram.
 * :func:`grouped_mm`: torch._grouped_mm's grouped GEMM (bf16, differentiable), its result
   and input gradient written into caller buffers (``out``, ``input_grad_out``);
-  :func:`scaled_grouped_mm_q`: the same shapes on prequantised FP8 operands (forward).
+  :func:`scaled_grouped_mm_q`: the same shapes on prequantised FP8 operands (forward);
+  :func:`scaled_grouped_mm`: on bf16 operands quantised per call, differentiable (FP8
+  forward and input gradient, bf16 weight gradient, optionally into a ``wgrad_sink``).
 
 The bf16 calls are differentiable: dispatch's backward is a combine GET, the combines' and the
 gather's backward a (weighted) dispatch PUT. A negative rank or row marks an invalid route
@@ -27,10 +29,10 @@ dropped and counted (``Buffers.stats()``), or refused with ``Buffers(check=True)
 from .buffers import Buffers
 from .combine import combine_get, combine_get_fused, gather_get
 from .dispatch import dispatch_put
-from .grouped import grouped_mm, scaled_grouped_mm_q
+from .grouped import grouped_mm, scaled_grouped_mm, scaled_grouped_mm_q
 from .layout import expert_major_rows
 from .scaled import combine_get_scaled, dispatch_put_scaled
 
 __all__ = ["Buffers", "combine_get", "combine_get_fused", "combine_get_scaled", "dispatch_put",
            "dispatch_put_scaled", "expert_major_rows", "gather_get", "grouped_mm",
-           "scaled_grouped_mm_q"]
+           "scaled_grouped_mm", "scaled_grouped_mm_q"]

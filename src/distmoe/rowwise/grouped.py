@@ -48,7 +48,8 @@ from distmoe.kernels.base.checks import (
 )
 from distmoe.kernels.grouped import GroupedConfig, grouped_gemm
 from distmoe.kernels.scaled import ScaledGemmConfig
-from distmoe.kernels.scaled.triton import FP8_BLOCK, MXFP8, MXFP8_REBASED, scaled_grouped_mm
+from distmoe.kernels.scaled.triton import FP8_BLOCK, MXFP8, MXFP8_REBASED
+from distmoe.kernels.scaled.triton import scaled_grouped_mm as block_scaled_grouped_mm
 from distmoe.kernels.wgrad import WgradConfig, launch_grouped_wgrad
 
 
@@ -266,8 +267,125 @@ def scaled_grouped_mm_q(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: torch.Te
     block_m = config.block_m
     padded = ((counts + block_m - 1) // block_m * block_m).cumsum(0).to(torch.int32)
     padded_offsets = torch.cat([padded.new_zeros(1), padded])
-    scaled_grouped_mm(a_q, a_scales, b_q.transpose(1, 2), b_scales, padded_offsets,
-                      row_offsets, out, layout=layout, swiglu=swiglu, config=config)
+    block_scaled_grouped_mm(a_q, a_scales, b_q.transpose(1, 2), b_scales, padded_offsets,
+                            row_offsets, out, layout=layout, swiglu=swiglu, config=config)
     # rows of no group: zeros (the kernel writes the live rows only)
     rows = torch.arange(num_rows, device=out.device)[:, None]
     return out.masked_fill_(rows >= row_offsets[-1], 0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 with autograd
+# --------------------------------------------------------------------------------------------
+
+#: per precision: values per scale (activation groups along K, weight blocks b x b)
+_TRAIN_BLOCK = {"mxfp8": 32, "fp8_block": 128}
+
+
+def _quantize_rows(x: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    from distmoe.quant import fp8_block_quantize, mxfp8_quantize
+
+    return mxfp8_quantize(x, dim=-1) if precision == "mxfp8" else fp8_block_quantize(x)
+
+
+def _quantize_weight(w: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    from distmoe.quant import fp8_block_quantize_weight, mxfp8_quantize_weight
+
+    if precision == "mxfp8":
+        q = mxfp8_quantize_weight(w)
+        return q.qdata, q.scales
+    return fp8_block_quantize_weight(w)
+
+
+class ScaledGroupedMMFunction(torch.autograd.Function):
+    """Autograd node of :func:`scaled_grouped_mm`: FP8 forward and DGRAD, bf16 WGRAD."""
+
+    @staticmethod
+    def forward(ctx, a, b, offs, precision, wgrad_sink):
+        from distmoe.quant.fp8_block import fp8_block_dequantize
+        from distmoe.quant.mxfp8 import mxfp8_dequantize
+
+        w = b.transpose(1, 2)  # [E, N, K], the forward orientation of the weight blocks
+        w_q, w_s = _quantize_weight(w.detach().contiguous(), precision)
+        a_q, a_s = _quantize_rows(a.detach(), precision)
+        out = scaled_grouped_mm_q(a_q, a_s, w_q.transpose(1, 2), w_s, offs, format=precision)
+        ctx.precision, ctx.transposed, ctx.wgrad_sink = precision, _is_transposed(b), wgrad_sink
+        # the input-gradient GEMM reads the same blocks transposed ([E, K, N] contiguous);
+        # the weight gradient multiplies the rows the forward multiplied
+        a_dq = (mxfp8_dequantize(a_q, a_s, dtype=torch.bfloat16) if precision == "mxfp8"
+                else fp8_block_dequantize(a_q, a_s).to(torch.bfloat16))
+        ctx.save_for_backward(w_q.transpose(1, 2).contiguous(),
+                              w_s.transpose(1, 2).contiguous(), a_dq, offs)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        wt_q, wt_s, a_dq, offs = ctx.saved_tensors
+        grad_out = _aligned(grad_out.to(torch.bfloat16))
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            g_q, g_s = _quantize_rows(grad_out, ctx.precision)
+            grad_a = scaled_grouped_mm_q(g_q, g_s, wt_q.transpose(1, 2), wt_s, offs,
+                                         format=ctx.precision)
+        if ctx.needs_input_grad[1] or ctx.wgrad_sink is not None:
+            num_groups, width_k, width_n = wt_q.shape
+            row_offsets = _row_offsets(offs, a_dq.shape[0])
+            sink = ctx.wgrad_sink
+            # WGRAD in b's storage layout: [E, N, K] = g^T @ a for a transposed b, else
+            # [E, K, N] = a^T @ g
+            lhs, rhs = (grad_out, a_dq) if ctx.transposed else (a_dq, grad_out)
+            if sink is not None:
+                out = sink.transpose(1, 2) if ctx.transposed else sink
+            else:
+                shape = (num_groups, width_n, width_k) if ctx.transposed else \
+                    (num_groups, width_k, width_n)
+                out = torch.empty(shape, dtype=torch.bfloat16, device=a_dq.device)
+            wcfg = WgradConfig.for_widths(out_rows=out.shape[1], out_cols=out.shape[2])
+            launch_grouped_wgrad(lhs, rhs, row_offsets, out, wcfg, a_dq.device,
+                                 accumulate=sink is not None)
+            if sink is None:
+                grad_b = out.transpose(1, 2) if ctx.transposed else out
+        return grad_a, grad_b, None, None, None
+
+
+def scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *,
+                      precision: str = "mxfp8",
+                      wgrad_sink: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`grouped_mm` on FP8 tensor cores, differentiable: ``a`` quantised along K and
+    ``b`` in ``B x B`` blocks in each call (``B`` = 32 for ``"mxfp8"``, E8M0 scales; 128 for
+    ``"fp8_block"``, float32 scales), ``out[r] = bf16(Q(a)[r] @ Q(b)[e])`` with fp32
+    accumulation per scale step (:mod:`distmoe.kernels.scaled`), zeros in rows of no group.
+
+    Backward (the gradient of the quantised product, each rounding's derivative taken as
+    one): ``grad_a = bf16(Q(grad_out) @ Q(b)[e]^T)`` on FP8 tensor cores (the same weight
+    blocks, transposed), and ``b``'s gradient ``bf16(Q(a)_e^T @ grad_out_e)`` from bf16
+    operands with fp32 accumulation; with ``wgrad_sink`` it is added in fp32 into that
+    buffer instead and ``b`` gets no ``.grad`` (a model's ``main_grad``).
+
+    Args:
+        a: bf16 ``[M, K]`` contiguous, rows grouped by expert.
+        b: bf16 ``[E, K, N]``, contiguous or the transpose of a contiguous ``[E, N, K]``; K and
+            N multiples of ``B``.
+        offs: int32 ``[E]`` on the device: cumulative row ends (not read on the host).
+        precision: ``"mxfp8"`` or ``"fp8_block"``.
+        wgrad_sink: optional float32 tensor of ``b``'s shape and layout.
+
+    Returns bf16 ``[M, N]``. Memory saved for the backward: the weight blocks transposed
+    (``E K N`` bytes plus scales) and ``Q(a)`` as bf16. No host synchronisation.
+    """
+    if precision not in _TRAIN_BLOCK:
+        raise ValueError(f"precision ({precision!r}) must be 'mxfp8' or 'fp8_block'")
+    _check_args(a, b, offs, None, None, None)
+    block = _TRAIN_BLOCK[precision]
+    for name, width in (("K (a.shape[1])", a.shape[1]), ("N (b.shape[2])", b.shape[2])):
+        if width % block:
+            raise ValueError(f"{name} ({width}) must be a multiple of {block} for precision "
+                             f"{precision!r}")
+    if wgrad_sink is not None:
+        check_tensor("wgrad_sink", wgrad_sink, dtypes=(torch.float32,), shape=list(b.shape),
+                     shape_text="b's shape", contiguous=False)
+        if wgrad_sink.stride() != b.stride():
+            raise ValueError(f"wgrad_sink must have b's layout (strides {list(b.stride())}), "
+                             f"got strides {list(wgrad_sink.stride())}")
+        check_devices({"a": a, "wgrad_sink": wgrad_sink})
+    return ScaledGroupedMMFunction.apply(a, b, offs, precision, wgrad_sink)

@@ -819,8 +819,7 @@ def lowp_kernel_cases() -> list[BuildCase]:
     scaled combine. Build only (their speed is the bench's)."""
     from distmoe.kernels.base.config import next_power_of_2
     from distmoe.kernels.movement import rowwise_get, rowwise_put
-    from distmoe.kernels.scaled import ScaledGemmConfig, nvfp4, nvfp4_weight_config
-    from distmoe.kernels.scaled import swiglu_quant
+    from distmoe.kernels.scaled import ScaledGemmConfig, nvfp4, nvfp4_weight_config, swiglu_quant
     from distmoe.kernels.scaled import triton as scaled
     from distmoe.plan import rules
     from distmoe.quant import fp8_block, mxfp8
