@@ -223,7 +223,11 @@ def train(model: torch.nn.Module, impl: str, init_state: dict, data_V: torch.Ten
 
     model.load_state_dict(init_state)
     if impl == "distmoe":
-        dmt.shard_experts(model, options=dmt.ExpertsOptions(training_precision=precision))
+        options = dmt.ExpertsOptions(training_precision=precision)
+        if not any(getattr(m, "distmoe_shard", None) for m in model.modules()):
+            dmt.shard_experts(model, options=options)  # one rank: records the options
+        else:
+            dmt.set_options(model, options)
     model.set_experts_implementation(impl)
     if precision != "bf16":
         impl = f"{impl}-{precision}"

@@ -563,5 +563,14 @@ def test_training_precision_option():
         assert torch.equal(y.detach().view(torch.int16), want.detach().view(torch.int16))
     finally:
         dmt.close_contexts()
+    # set_options: the next training call takes a bf16 context
+    assert dmt.set_options(experts, dmt.ExpertsOptions(row_block=16)) == 1
+    try:
+        dmt.distmoe_experts_forward(experts, x, ids, w).float().sum().backward()
+        assert {c.cfg.precision for c in dmt.cached_contexts() if c.cfg.training} == {"bf16"}
+    finally:
+        dmt.close_contexts()
+    with pytest.raises(ValueError, match=r"has no experts module placed by shard_experts"):
+        dmt.set_options(torch.nn.Linear(2, 2), dmt.ExpertsOptions())
     with pytest.raises(ValueError, match=r"training_precision \('nvfp4'\) must be"):
         dmt.ExpertsOptions(training_precision="nvfp4")

@@ -61,6 +61,7 @@ expert parallelism.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -342,6 +343,25 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None, *,
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation(NAME)
     return [name for name, _ in found]
+
+
+def set_options(model: nn.Module, options: ExpertsOptions) -> int:
+    """Replace the :class:`ExpertsOptions` of every experts module of ``model`` that
+    :func:`shard_experts` placed (for example to train at another ``training_precision``);
+    the cached contexts stay (a call whose options need another context builds it). Returns
+    the number of modules changed; ``ValueError`` where none was sharded."""
+    if not isinstance(options, ExpertsOptions):
+        raise TypeError(f"options must be an ExpertsOptions, got {type(options).__name__}")
+    changed = 0
+    for m in model.modules():
+        shard = getattr(m, "distmoe_shard", None)
+        if shard is not None:
+            m.distmoe_shard = dataclasses.replace(shard, options=options)
+            changed += 1
+    if not changed:
+        raise ValueError(f"{type(model).__name__} has no experts module placed by "
+                         "shard_experts: call shard_experts(model, group, options=...) first")
+    return changed
 
 
 def _shard_of(module: nn.Module) -> ExpertShard:
