@@ -102,7 +102,8 @@ def recipe_reference(x, ids, scores, w13, w2, gy, precision):
     return [y, gx, gs, gw13.view(E, 2, F, D), gw2]
 
 
-def _rank(rank, world, E, D, F, precision, main_grad=False, device="cpu", tokens=T):
+def _rank(rank, world, E, D, F, precision, main_grad=False, device="cpu", tokens=T,
+          transport="auto"):
     x, ids, scores, w13, w2, gy = _problem(world, E, D, F, tokens=tokens)
     mine = split_global_problem(x, ids, scores, w13, w2, world)[rank]
     dev = torch.device(device)
@@ -117,7 +118,8 @@ def _rank(rank, world, E, D, F, precision, main_grad=False, device="cpu", tokens
         for w in leaves[2:]:
             w.main_grad = torch.full(w.shape, 0.5, dtype=torch.float32, device=dev)
     out = {}
-    with dm.MoEContext(cfg, device=dev, main_grad=main_grad, check=True) as ctx:
+    with dm.MoEContext(cfg, device=dev, main_grad=main_grad, check=True,
+                       transport=transport) as ctx:
         y = ctx(leaves[0], mine.expert_ids, leaves[1], leaves[2], leaves[3])
         (y.float() * gy.float()).sum().backward()
         grads = [t.grad.clone() for t in leaves[:2]]  # later backwards add into .grad
@@ -191,6 +193,15 @@ def test_mxfp8_training_against_both_references(world):
     E, D, F = 4, 64, 32
     per_rank = dm.launch(_rank, world, args=(E, D, F, "mxfp8"), timeout=300)
     _check(per_rank, world, E, D, F, "mxfp8")
+
+
+def test_mxfp8_training_over_the_nccl_transport():
+    """``transport="nccl"`` (gloo standing in for NCCL): the collectives around a one-rank
+    MXFP8 training context per rank, the same bounds."""
+    E, D, F = 4, 64, 32
+    per_rank = dm.launch(_rank, 2, args=(E, D, F, "mxfp8", False, "cpu", T, "nccl"),
+                         timeout=300)
+    _check(per_rank, 2, E, D, F, "mxfp8")
 
 
 def test_fp8_block_training_against_both_references():

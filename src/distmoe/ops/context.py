@@ -404,6 +404,8 @@ class MoEContext:
         self.device = self.inner.device
         self.plan, self.activations = self.inner.plan, self.inner.activations
         self.graphs, self.heap = self.inner.graphs, self.inner.heap
+        # the low-precision scratch and configs the checks read (the inner context runs them)
+        self._lowp, self._lowp_train = self.inner._lowp, self.inner._lowp_train
         self._dispatch = torch.empty(0, dtype=torch.bfloat16, device=self.device)
         self._invalid_ids = torch.zeros((), dtype=torch.int64, device=self.device)
 
@@ -496,9 +498,6 @@ class MoEContext:
             if not collective:
                 return traced_call(self, x, expert_ids, scores, w13, w2)  # .custom_ops
         self.check_open()
-        if lowp and collective:
-            raise NotImplementedError(f"precision {precision!r} runs on the peer transport "
-                                      f"only so far, got transport {self.transport!r}")
         if self.check:
             self._validate_together(x, expert_ids, scores, w13, w2)
         else:
