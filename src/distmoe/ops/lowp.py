@@ -9,7 +9,7 @@ bf16 rows cross to the experts exactly as in the bf16 forward, so publishing, ro
 receive bound, the combine and their protocol are the bf16 forward's own
 (:mod:`distmoe.ops.context`, steps 1-7), called through the context. One call, ``R_b`` = the
 receive bound (legend of :mod:`distmoe.routing.tables`); steps 1-4a and 5c-7 are shared
-(:func:`_route_and_gather`, :func:`_scatter_and_combine`):
+(:func:`route_and_gather`, :func:`scatter_and_combine`):
 
     1-3. publish x and the ids, barrier, routing tables: ``ctx._publish_and_route`` (with
          the plan's choice to pull every peer token at EP > 1)
@@ -91,7 +91,7 @@ __all__ = ["FP8Scratch", "NVFP4Scratch", "allocate_fp8", "allocate_lowp", "alloc
 #: the precisions of this module's inference forwards
 LOWP_PRECISIONS = ("mxfp8", "fp8_block", "nvfp4")
 #: per FP8 precision: values per activation scale, the scale dtype, the quantiser, the GEMM
-_FP8 = {"mxfp8": (32, torch.uint8, mxfp8_quantize_2d, mxfp8_grouped_mm),
+FP8_FORMATS = {"mxfp8": (32, torch.uint8, mxfp8_quantize_2d, mxfp8_grouped_mm),
         "fp8_block": (128, torch.float32, fp8_block_quantize_2d, fp8_block_grouped_mm)}
 
 
@@ -131,12 +131,12 @@ def allocate_fp8(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
                  device: torch.device) -> FP8Scratch:
     """The scratch of an MXFP8 or block-FP8 inference context (module docstring, Memory);
     zeroed once so that rows never written hold finite values."""
-    if cfg.precision not in _FP8:
+    if cfg.precision not in FP8_FORMATS:
         raise ValueError(f"allocate_fp8 is for MXFP8 and block-FP8 contexts, got precision "
                          f"{cfg.precision!r}")
     R, D, F, E = receive_bound, cfg.hidden, cfg.ffn, num_local_experts
     w13_shape, w2_shape = (E, 2, F, D), (E, D, F)
-    block, scale_dtype = _FP8[cfg.precision][:2]
+    block, scale_dtype = FP8_FORMATS[cfg.precision][:2]
     return FP8Scratch(
         precision=cfg.precision,
         x_rows=torch.zeros(R, D, dtype=torch.bfloat16, device=device),
@@ -195,7 +195,7 @@ def allocate_nvfp4(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
 def allocate_lowp(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
                   device: torch.device) -> FP8Scratch | NVFP4Scratch | None:
     """The low-precision scratch of a context at ``cfg.precision`` (None at bf16)."""
-    if cfg.precision in _FP8:
+    if cfg.precision in FP8_FORMATS:
         return allocate_fp8(cfg, num_local_experts, receive_bound, device)
     if cfg.precision == "nvfp4":
         return allocate_nvfp4(cfg, num_local_experts, receive_bound, device)
@@ -236,7 +236,7 @@ def lowp_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedWe
     return forward(ctx, x, expert_ids, scores, w13, w2, out=out)
 
 
-def _route_and_gather(ctx, x, expert_ids, x_rows: torch.Tensor):
+def route_and_gather(ctx, x, expert_ids, x_rows: torch.Tensor):
     """Steps 1-4a: publish, route, gather the executed rows into ``x_rows``; returns the
     routing tables (:mod:`distmoe.routing.tables`)."""
     T = expert_ids.shape[0]
@@ -248,7 +248,7 @@ def _route_and_gather(ctx, x, expert_ids, x_rows: torch.Tensor):
     return tables
 
 
-def _scatter_and_combine(ctx, tables, h3: torch.Tensor, x, expert_ids, scores,
+def scatter_and_combine(ctx, tables, h3: torch.Tensor, x, expert_ids, scores,
                          out: torch.Tensor | None) -> torch.Tensor:
     """Steps 5c-7: scatter h3's live rows to their combine slots, barrier, combine; returns
     y [T, D] bf16 (into ``out`` when given)."""
@@ -268,8 +268,8 @@ def fp8_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedWei
     """Steps 1-7 of the module docstring (mxfp8, fp8_block) on checked inputs; returns
     y [T, D] bf16 (into ``out`` when given)."""
     s: FP8Scratch = ctx._lowp
-    _, _, quantize_2d, grouped_mm = _FP8[s.precision]
-    tables = _route_and_gather(ctx, x, expert_ids, s.x_rows)
+    _, _, quantize_2d, grouped_mm = FP8_FORMATS[s.precision]
+    tables = route_and_gather(ctx, x, expert_ids, s.x_rows)
     po, ro = tables.padded_offsets, tables.row_offsets
     quantize_2d(s.x_rows, s.x_q, s.x_s)
     h2 = ctx._h2
@@ -278,7 +278,7 @@ def fp8_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedWei
     quantize_2d(h2, s.h2_q, s.h2_s)
     h3 = s.x_rows  # the gathered rows are dead once quantised
     grouped_mm(s.h2_q, s.h2_s, w2.qdata, w2.scales, po, ro, h3, config=s.w2_config)
-    return _scatter_and_combine(ctx, tables, h3, x, expert_ids, scores, out)
+    return scatter_and_combine(ctx, tables, h3, x, expert_ids, scores, out)
 
 
 def nvfp4_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedWeight, *,
@@ -286,7 +286,7 @@ def nvfp4_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedW
     """Steps 1-7 of the module docstring (nvfp4: weight-only, bf16 activations) on checked
     inputs; returns y [T, D] bf16 (into ``out`` when given)."""
     s: NVFP4Scratch = ctx._lowp
-    tables = _route_and_gather(ctx, x, expert_ids, s.x_rows)
+    tables = route_and_gather(ctx, x, expert_ids, s.x_rows)
     po, ro = tables.padded_offsets, tables.row_offsets
     h2 = ctx._h2
     nvfp4_weight_grouped_mm(s.x_rows, w13.qdata, w13.scales, w13.global_scale, po, ro, h2,
@@ -294,4 +294,4 @@ def nvfp4_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedW
     h3 = s.x_rows  # the gathered rows are dead once W13 has read them
     nvfp4_weight_grouped_mm(h2, w2.qdata, w2.scales, w2.global_scale, po, ro, h3,
                             config=s.w2_config)
-    return _scatter_and_combine(ctx, tables, h3, x, expert_ids, scores, out)
+    return scatter_and_combine(ctx, tables, h3, x, expert_ids, scores, out)

@@ -69,7 +69,7 @@ from ..quant.fp8_block import fp8_block_dequantize
 from ..quant.mxfp8 import mxfp8_dequantize
 from ..quant.prepare import PreparedWeight, prepare_weights
 from .autograd import check_versions, new_weight_grads, record_versions
-from .lowp import _FP8, _route_and_gather, _scatter_and_combine
+from .lowp import FP8_FORMATS, route_and_gather, scatter_and_combine
 
 __all__ = ["FP8TrainConfigs", "FP8TrainFunction", "fp8_train_configs", "train_weights"]
 
@@ -90,7 +90,7 @@ class FP8TrainConfigs:
 def fp8_train_configs(cfg) -> FP8TrainConfigs:
     """The configs of :class:`FP8TrainConfigs` for ``cfg`` (shapes only)."""
     D, F, bm = cfg.hidden, cfg.ffn, cfg.row_block
-    g = min(_FP8[cfg.precision][0], 128)
+    g = min(FP8_FORMATS[cfg.precision][0], 128)
     return FP8TrainConfigs(
         w13_h1=ScaledGemmConfig.for_widths(k=D, n=2 * F, block_m=bm, k_group=g),
         w2_dgrad=ScaledGemmConfig.for_widths(k=D, n=F, block_m=bm, k_group=g),
@@ -155,12 +155,12 @@ def fp8_train_forward(moe, x, expert_ids, scores, tw: TrainWeights):
     """Forward steps 1-7 (module docstring) on checked inputs: ``(y [T, D] bf16, saved)``."""
     s = moe._lowp
     conf = moe._lowp_train
-    _, scale_dtype, quantize_2d, grouped_mm = _FP8[s.precision]
-    block = _FP8[s.precision][0]
+    _, scale_dtype, quantize_2d, grouped_mm = FP8_FORMATS[s.precision]
+    block = FP8_FORMATS[s.precision][0]
     R, D = s.x_rows.shape
     F = moe.cfg.ffn
     E = moe.num_local_experts
-    tables = _route_and_gather(moe, x, expert_ids, s.x_rows)
+    tables = route_and_gather(moe, x, expert_ids, s.x_rows)
     po, ro = tables.padded_offsets, tables.row_offsets
     x_q = torch.empty(R, D, dtype=torch.float8_e4m3fn, device=moe.device)
     x_s = torch.empty(R, D // block, dtype=scale_dtype, device=moe.device)
@@ -173,7 +173,7 @@ def fp8_train_forward(moe, x, expert_ids, scores, tw: TrainWeights):
     swiglu_quantize(h1, moe._h2[:R], s.h2_q, s.h2_s, precision=s.precision)
     h3 = s.x_rows  # the gathered rows are dead once quantised
     grouped_mm(s.h2_q, s.h2_s, tw.w2.qdata, tw.w2.scales, po, ro, h3, config=s.w2_config)
-    y = _scatter_and_combine(moe, tables, h3, x, expert_ids, scores, None)
+    y = scatter_and_combine(moe, tables, h3, x, expert_ids, scores, None)
     T, K = expert_ids.shape
     saved = dict(tables=tables, x_q=x_q, x_s=x_s, h1=h1,
                  h3_routes=moe._combine[:T * K].clone(),  # the next forward overwrites them
@@ -190,8 +190,8 @@ def fp8_train_backward(moe, saved: dict, grad_y: torch.Tensor, weight_out):
     ``moe.main_grad``)."""
     s, conf = moe._lowp, moe._lowp_train
     precision = s.precision
-    _, _, quantize_2d, grouped_mm = _FP8[precision]
-    block = _FP8[precision][0]
+    _, _, quantize_2d, grouped_mm = FP8_FORMATS[precision]
+    block = FP8_FORMATS[precision][0]
     tables, tw = saved["tables"], saved["weights"]
     ids_executed, scores_f32 = saved["ids_executed"], saved["scores_f32"]
     T, K = ids_executed.shape
