@@ -18,10 +18,10 @@ def _args(*argv):
 def test_case_list():
     cases = seed_suite.seed_cases()
     kinds = [c.kind for c in cases]
-    assert kinds == ["imbalance"] * 12 + ["width"] * 12 + ["packing"] * 3 + ["packing-shared"] * 3
+    assert kinds == ["imbalance"] * 18 + ["width"] * 12 + ["packing"] * 3 + ["packing-shared"] * 3
     imb = [c for c in cases if c.kind == "imbalance"]
-    assert {(c.mode, c.precision) for c in imb} == {("fwd", "bf16"), ("fwdbwd", "bf16"),
-                                                    ("fwd", "mxfp8"), ("fwd", "fp8_block")}
+    assert {(c.mode, c.precision) for c in imb} == {
+        (m, p) for m in ("fwd", "fwdbwd") for p in ("bf16", "mxfp8", "fp8_block")}
     assert sorted({c.imbalance for c in imb}) == [1.0, 4.0, 8.0]
     s = seed_suite.SEED_SHARE
     assert (s.tokens, s.hidden, s.ffn, s.num_experts, s.top_k) == (2048, 7168, 3072, 48, 6)

@@ -6,10 +6,10 @@ Cases (:func:`seed_cases`; ``--seed-cases`` picks kinds, default all):
 ``imbalance``  one routed layer, the seed's layer as one rank's share at EP = 8
                (:data:`SEED_SHARE`: T2048 D7168 F3072 E48 K6), exact routing at imbalance
                1 / 4 / 8 (``--imbalance-groups`` 8: group 0 stands for rank 0's experts):
-               bf16 forward and forward+backward, and mxfp8 and fp8_block inference
-               forwards (``MoEConfig(precision=..., training=False)``, weights from
-               :func:`distmoe.prepare_weights`, quantised outside the timing; fp8_block
-               not at the CPU's tiny widths).
+               bf16, mxfp8 and fp8_block forward and forward+backward (low precisions:
+               inference forwards take weights from :func:`distmoe.prepare_weights`,
+               training contexts quantise the bf16 weights once per version; both outside
+               the timing; fp8_block not at the CPU's tiny widths).
 ``width``      the same layer at F = 512 1024 1536 2048 3072 4096 (T, D, E, K fixed), bf16,
                forward and forward+backward.
 ``packing``    ten layers (``--pack-layers``) of :data:`PACK_SHAPE` (D2048 F768 E128 K8),
@@ -142,8 +142,8 @@ def seed_cases(kinds: tuple[str, ...] = SEED_KINDS, *, tiny: bool = False,
                         for f in imbalances]
             # block FP8 needs D and F multiples of 128: not at the CPU's tiny widths
             lowp = ("mxfp8",) if tiny else ("mxfp8", "fp8_block")
-            out += [SeedCase(kind=kind, shape=share, mode="fwd", precision=p, imbalance=f)
-                    for p in lowp for f in imbalances]
+            out += [SeedCase(kind=kind, shape=share, mode=mode, precision=p, imbalance=f)
+                    for mode in ("fwd", "fwdbwd") for p in lowp for f in imbalances]
         elif kind == "width":
             out += [SeedCase(kind=kind, shape=with_ffn(share, f), mode=mode)
                     for mode in ("fwd", "fwdbwd") for f in widths]
@@ -399,7 +399,7 @@ def _run_layer_cases(ctx, cases: list[SeedCase], intensity: dict, done, cli) -> 
                             max_imbalance=max(plan.imbalances))
                     else:
                         built[p] = _lowp_provider(shape, precision, weights, bg,
-                                                  max(plan.imbalances))
+                                                  max(plan.imbalances), training=training)
                 row = cli._base_result(ctx, p, shape, shape.tokens, mode, c.imbalance)
                 row.precision, row.suite_case, row.layers = precision, c.kind, 1
                 out = cli.run_case(ctx, built[p], inputs, row, y_ref)
@@ -423,9 +423,11 @@ def _run_layer_cases(ctx, cases: list[SeedCase], intensity: dict, done, cli) -> 
 
 
 def _lowp_provider(shape: MoEShape, precision: str, weights, bench_group,
-                   max_imbalance: float):
-    """distmoe at ``precision`` for inference: its weights prepared once, outside the timed
-    calls; the layer takes the bench's bf16 arguments and passes the prepared weights."""
+                   max_imbalance: float, training: bool = False):
+    """distmoe at ``precision``. Inference: its weights prepared once, outside the timed
+    calls; the layer takes the bench's bf16 arguments and passes the prepared weights.
+    Training (mxfp8, fp8_block): a training context that takes the bench's bf16 weights
+    (quantised once per weight version, so not in the timed calls) and runs eagerly."""
     from distmoe.tools.bench.providers import Provider
 
     try:
@@ -433,21 +435,29 @@ def _lowp_provider(shape: MoEShape, precision: str, weights, bench_group,
 
         cfg = dm.MoEConfig(hidden=shape.hidden, ffn=shape.ffn, num_experts=shape.num_experts,
                            top_k=shape.top_k, max_tokens=shape.tokens, precision=precision,
-                           training=False, row_block=128,
+                           training=training, row_block=128,
                            **({"device_scratch_factor": max(2.0, max_imbalance)}
                               if bench_group.world_size > 1 else {}))
-        w13p, w2p = dm.prepare_weights(weights[0].detach(), weights[1].detach(), precision)
+        if not training:
+            w13p, w2p = dm.prepare_weights(weights[0].detach(), weights[1].detach(),
+                                           precision)
         lctx = dm.MoEContext(cfg, group=bench_group.group)
     except Exception as exc:
         return Provider(name="distmoe", status="failed",
                         note=f"{precision} MoEContext: " + report.error_text(exc))
 
-    def layer(x, ids, scores, w13, w2):
-        return lctx(x, ids, scores, w13p, w2p)
+    if training:
+        def layer(x, ids, scores, w13, w2):
+            return lctx(x, ids, scores, w13, w2)
+        note = f"{precision} training, weights quantised once per version, eager"
+    else:
+        def layer(x, ids, scores, w13, w2):
+            return lctx(x, ids, scores, w13p, w2p)
+        note = f"{precision} weights prepared once"
 
     layer.heap = getattr(lctx, "heap", None)
-    return Provider(name="distmoe", status="ok", note=f"{precision} weights prepared once",
-                    layer=layer, graph_safe=True, close=lctx.close)
+    return Provider(name="distmoe", status="ok", note=note, layer=layer,
+                    graph_safe=not training, close=lctx.close)
 
 
 def _gib(nbytes: float) -> float:
