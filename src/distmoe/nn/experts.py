@@ -109,9 +109,9 @@ class MoEExperts(nn.Module):
     """This rank's routed experts of one MoE layer (see the module docstring).
 
     Args:
-        cfg: the layer (:class:`distmoe.MoEConfig`). At a low precision (inference) the
-            parameters stay bf16 and the forward runs on their prepared form, quantised once
-            per weight version (:meth:`expert_weights`).
+        cfg: the layer (:class:`distmoe.MoEConfig`). At a low precision the parameters stay
+            bf16; an inference forward runs on their prepared form, quantised once per weight
+            version (:meth:`expert_weights`), a training context quantises them itself.
         group: the expert-parallel process group (default: the world group; a one-rank
             "group" when torch.distributed is not initialised).
         device: where the parameters and the context live (default: the context's device:
@@ -282,13 +282,13 @@ class MoEExperts(nn.Module):
             self.shared_w13, self.shared_w2, self.shared_gate_w, stream=stream)
 
     def expert_weights(self):
-        """``(w13, w2)`` as the context takes them: the bf16 parameters, or at a low
-        precision (``cfg.precision`` ``"mxfp8"``, ``"fp8_block"`` or ``"nvfp4"``, inference)
-        their :func:`~distmoe.prepare_weights` form, quantised once per weight version: kept
+        """``(w13, w2)`` as the context takes them: the bf16 parameters (also in training at
+        a low precision), or at a low precision (``"mxfp8"``, ``"fp8_block"`` or ``"nvfp4"``)
+        in inference their :func:`~distmoe.prepare_weights` form, quantised once per weight version: kept
         until a parameter is changed in place (its version counter moves, e.g. an optimizer
         step or ``load_state_dict``) or replaced, then quantised again at the next call."""
-        if self.cfg.precision == "bf16":
-            return self.w13, self.w2
+        if self.cfg.precision == "bf16" or self.cfg.training:  # a training context
+            return self.w13, self.w2  # quantises the parameters itself
         return prepare_cached(self, self.w13, self.w2, self.cfg.precision)
 
     def extra_repr(self) -> str:
