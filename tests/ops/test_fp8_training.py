@@ -36,6 +36,12 @@ T, K = 12, 2
 TOL_RECIPE = 2.0**-6
 TOL_BF16 = 2.0**-2
 TOL_NO_GRAD = 2.0**-4
+#: (a) on SM90 with 128-wide K groups (fp8_block): the FP8 MMA adds a group's 128 products
+#: with a ~13-bit significand, truncating (docs/numerics.md section 6: up to 4 * 33 * 2^-13 of
+#: the group's sum of |products| per GEMM, a few percent of the largest output on random
+#: data; observed 2^-5.7 in y on an H100, run 66); 32-wide groups (mxfp8) stay within
+#: TOL_RECIPE (observed 2^-8.5)
+TOL_RECIPE_SM90_128 = 2.0**-4
 NAMES = ("y", "grad x", "grad scores", "grad w13", "grad w2")
 
 
@@ -156,7 +162,7 @@ def _rank(rank, world, E, D, F, precision, main_grad=False, device="cpu", tokens
                 v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
 
 
-def _check(per_rank, world, E, D, F, precision, tokens=T):
+def _check(per_rank, world, E, D, F, precision, tokens=T, tol_recipe=TOL_RECIPE):
     x, ids, scores, w13, w2, gy = _problem(world, E, D, F, tokens=tokens)
     recipe = recipe_reference(x, ids, scores, w13, w2, gy, precision)
     leaves = [t.double().requires_grad_(True) for t in (x, scores, w13, w2)]
@@ -170,7 +176,7 @@ def _check(per_rank, world, E, D, F, precision, tokens=T):
         exp = slice(r * e_local, (r + 1) * e_local)
         for i, (name, got) in enumerate(zip(NAMES, out["layer"], strict=True)):
             part = exp if i >= 3 else tok
-            for label, ref, tol in (("recipe", recipe[i][part], TOL_RECIPE),
+            for label, ref, tol in (("recipe", recipe[i][part], tol_recipe),
                                     ("bf16 float64", bf16[i][part], TOL_BF16)):
                 scale = ref.abs().max().item()
                 err = (got.double() - ref).abs().max().item()
@@ -221,10 +227,11 @@ def test_mxfp8_training_main_grad():
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["mxfp8", "fp8_block"])
 def test_fp8_training_gpu(precision):
-    """One GPU (EP = 1, T = 256, D = 256, F = 128, E = 8): the same references and bounds
-    (the SM90 FP8 MMA's narrower accumulation, docs/numerics.md section 6, adds at most
-    33 * 2^-13 of a 32-wide step's sum of |products|: far inside the bounds)."""
+    """One GPU (EP = 1, T = 256, D = 256, F = 128, E = 8): the same references; the recipe
+    bound of 128-wide groups widened for the SM90 FP8 MMA's accumulation
+    (``TOL_RECIPE_SM90_128``)."""
     E, D, F, tokens = 8, 256, 128, 256
     out = _rank(0, 1, E, D, F, precision, device="cuda", tokens=tokens)
-    worst = _check([out], 1, E, D, F, precision, tokens=tokens)
+    worst = _check([out], 1, E, D, F, precision, tokens=tokens,
+                   tol_recipe=TOL_RECIPE_SM90_128 if precision == "fp8_block" else TOL_RECIPE)
     print(precision, {f"{a} {b}": f"{v:.2e}" for (a, b), v in worst.items()})
