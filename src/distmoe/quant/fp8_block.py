@@ -5,7 +5,9 @@ activation block (along K) and one per 128 x 128 weight block. Dequantised value
 ``q * s`` (a checkpoint's ``weight_scale_inv`` is such an ``s``). For each block::
 
     amax = max |x| over the block's finite values          (0 if none)
-    s    = amax / 448 in float32 (correctly rounded), or 1.0 when amax is 0
+    s    = amax / 448 in float32 (correctly rounded), or 1.0 when that is 0 (amax 0, or
+           below 448 * 2^-150, where the quotient underflows; the block's values then
+           quantise to zero, an error below 2^-140)
     q    = x / s (float32 division) rounded to nearest, ties to even, onto E4M3,
            clamped at +-448 (x / s can exceed 448 by an ulp after the two roundings)
 
@@ -76,7 +78,8 @@ def _quantize_blocks(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = xb.float()
     finite = torch.isfinite(x)
     amax = torch.where(finite, x.abs(), 0.0).amax(-1)
-    s = torch.where(amax > 0, amax / E4M3_MAX, 1.0)
+    s = amax / E4M3_MAX
+    s = torch.where(s > 0, s, 1.0)  # amax 0, or below 448 * 2^-150 (the quotient underflows)
     y = (x / s[..., None]).clamp(-E4M3_MAX, E4M3_MAX)
     y = torch.where(finite, y, torch.copysign(torch.full_like(y, float("nan")), x))
     return y.to(torch.float8_e4m3fn), s
@@ -91,7 +94,8 @@ def fp8_block_encode(bits):
     abs_bits = bits & 0x7FFFFFFF
     amax_bits = tl.max(finite_abs_bits(bits), axis=2)
     amax = amax_bits.to(tl.float32, bitcast=True)
-    s = tl.where(amax_bits > 0, tl.math.div_rn(amax, 448.0), 1.0)
+    s = tl.math.div_rn(amax, 448.0)
+    s = tl.where(s > 0, s, 1.0)  # amax 0, or so small that the quotient underflows
     y = tl.math.div_rn(bits.to(tl.float32, bitcast=True), s[:, :, None])
     code = round_minifloat(y.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0, 3, -6, 126)
     code = tl.where(abs_bits < 0x7F800000, code, 0x7F)  # NaN, Inf -> NaN

@@ -75,6 +75,22 @@ def mxfp8_encode(bits):
 
 
 @triton.jit
+def mxfp8_rebase_codes(bits, q, e, ROWS: tl.constexpr, GROUPS: tl.constexpr):
+    """:func:`mxfp8_encode`'s ``(q [ROWS, GROUPS, 32], e [ROWS, GROUPS])`` of ``bits`` rebased
+    onto the largest exponent of each 4 blocks (128 values): the value code * 2^e rounded
+    again at 2^e_max (:func:`distmoe.quant.mxfp8_rebase`'s rule, the same bits as
+    ``mxfp8_rebase(mxfp8_quantize(x))``). Returns ``(q', e_max [ROWS, GROUPS])`` (each
+    block's exponent now its group's)."""
+    e_max = tl.max(tl.reshape(e, (ROWS, GROUPS // 4, 4)), axis=2)
+    e_max = tl.reshape(tl.broadcast_to(e_max[:, :, None], (ROWS, GROUPS // 4, 4)),
+                       (ROWS, GROUPS))
+    v_bits = e4m3_code_to_float(q.to(tl.int32) & 0x7F).to(tl.int32, bitcast=True)
+    code = round_minifloat(v_bits, (e_max - e)[:, :, None], 3, -6, 126)
+    code = tl.where((bits & 0x7FFFFFFF) < 0x7F800000, code, 0x7F)  # NaN, Inf -> NaN
+    return (code | ((bits >> 24) & 0x80)).to(tl.uint8), e_max
+
+
+@triton.jit
 def _mxfp8_quantize_kernel(x_ptr, q_ptr, s_ptr, rows, num_groups,
                            BLOCK_R: tl.constexpr, GROUPS: tl.constexpr,
                            REBASE: tl.constexpr = False):
@@ -90,17 +106,7 @@ def _mxfp8_quantize_kernel(x_ptr, q_ptr, s_ptr, rows, num_groups,
     bits = float32_bits(tl.load(x_ptr + offs, mask=ok3, other=0.0))
     q, e = mxfp8_encode(bits)
     if REBASE:
-        # onto the largest exponent of each 4 blocks (128 values): the value code * 2^e
-        # rounded again at 2^e_max (distmoe.quant.fp8_block.mxfp8_rebase's rule, the same
-        # bits as mxfp8_rebase(mxfp8_quantize(x)))
-        e_max = tl.max(tl.reshape(e, (BLOCK_R, GROUPS // 4, 4)), axis=2)
-        e_max = tl.reshape(tl.broadcast_to(e_max[:, :, None], (BLOCK_R, GROUPS // 4, 4)),
-                           (BLOCK_R, GROUPS))
-        v_bits = e4m3_code_to_float(q.to(tl.int32) & 0x7F).to(tl.int32, bitcast=True)
-        code = round_minifloat(v_bits, (e_max - e)[:, :, None], 3, -6, 126)
-        code = tl.where((bits & 0x7FFFFFFF) < 0x7F800000, code, 0x7F)  # NaN, Inf -> NaN
-        q = (code | ((bits >> 24) & 0x80)).to(tl.uint8)
-        e = e_max
+        q, e = mxfp8_rebase_codes(bits, q, e, BLOCK_R, GROUPS)
     tl.store(q_ptr + offs, q, mask=ok3)
     if REBASE:
         g4 = pid_g * (GROUPS // 4) + tl.arange(0, GROUPS // 4)

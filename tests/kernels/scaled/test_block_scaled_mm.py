@@ -192,6 +192,19 @@ def test_fp8_block_quantize_rule():
     assert ((y - x.double()).abs() <= bound)[finite].all()
 
 
+def test_fp8_block_scale_underflow():
+    # a block whose amax / 448 underflows float32 (found by hypothesis): scale 1, zeros, in
+    # the kernel and the reference alike (before the fix: 0 / 0 gave NaN in one, 448 in the
+    # other)
+    x = torch.full((1, 128), 2.0**-149)
+    x[0, 0] = 0.0
+    q, s = fp8_block_quantize(x)
+    q_ref, s_ref = fp8_block_quantize_ref(x)
+    assert torch.equal(s, torch.ones(1, 1)) and torch.equal(s_ref, s)
+    assert torch.equal(q.view(torch.uint8), torch.zeros(1, 128, dtype=torch.uint8))
+    assert torch.equal(q_ref.view(torch.uint8), q.view(torch.uint8))
+
+
 def test_fp8_block_weight_blocks():
     # one outlier in block (1, 2) of a [256, 384] weight changes only that block's scale
     w = torch.randn(2, 256, 384)

@@ -20,10 +20,12 @@ from distmoe.kernels.scaled.swiglu_quant import (
     swiglu_quantize_ref,
 )
 from distmoe.quant.fp8_block import fp8_block_quantize_2d
-from distmoe.quant.mxfp8 import mxfp8_quantize_2d
+from distmoe.quant.mxfp8 import mxfp8_quantize_2d, mxfp8_quantize_rebased_2d
 
 QUANT = {"mxfp8": (32, torch.uint8, mxfp8_quantize_2d),
+         "mxfp8_rebased": (128, torch.uint8, mxfp8_quantize_rebased_2d),
          "fp8_block": (128, torch.float32, fp8_block_quantize_2d)}
+PRECISIONS = list(QUANT)
 
 
 def _rows(rows, cols, seed):
@@ -44,7 +46,7 @@ def _close_bf16(got, want):
     return bool(((got.float() - want.float()).abs() <= ulp).all())
 
 
-@pytest.mark.parametrize("precision", ["mxfp8", "fp8_block"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_forward_quantises_what_it_stores(precision):
     B, sdtype, quantize = QUANT[precision]
     R, F = 19, 2 * B  # a partial row block
@@ -60,7 +62,7 @@ def test_forward_quantises_what_it_stores(precision):
     assert torch.equal(s.view(torch.uint8), s2.view(torch.uint8))
 
 
-@pytest.mark.parametrize("precision", ["mxfp8", "fp8_block"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_backward_quantises_what_it_stores(precision):
     B, sdtype, quantize = QUANT[precision]
     R, F = 19, B

@@ -1,7 +1,9 @@
 """SwiGLU forward and backward on activation rows, fused with the FP8 quantisation of their
 result (Triton), for the FP8 training layer (:mod:`distmoe.ops.lowp_train`).
 
-``B`` = 32 (MXFP8: E8M0 scales) or 128 (block FP8: float32 scales); ``h1 [R, 2F]`` bf16 holds
+``B`` = 32 (``"mxfp8"``: E8M0 scales), 128 (``"mxfp8_rebased"``: four 32-blocks rebased onto
+one E8M0 scale, :func:`distmoe.quant.mxfp8_rebase`; ``"fp8_block"``: float32 scales);
+``h1 [R, 2F]`` bf16 holds
 gate columns ``[0, F)`` then up columns ``[F, 2F)``; all math in fp32::
 
     forward   h2 = bf16(silu(g) * u)                                          [R, F]
@@ -13,8 +15,8 @@ gate columns ``[0, F)`` then up columns ``[F, 2F)``; all math in fp32::
 
 The quantisation is the quantisers' own arithmetic (:func:`distmoe.quant.mxfp8.mxfp8_encode`,
 :func:`distmoe.quant.fp8_block.fp8_block_encode`) applied to the bf16 values stored, so
-``(q, s)`` are bit for bit ``mxfp8_quantize_2d`` / ``fp8_block_quantize_2d`` of the stored
-bf16 tensor (tested). Why fused: unfused, each is a chain of fp32 elementwise passes over
+``(q, s)`` are bit for bit ``mxfp8_quantize_2d`` / ``mxfp8_quantize_rebased_2d`` /
+``fp8_block_quantize_2d`` of the stored bf16 tensor (tested). Why fused: unfused, each is a chain of fp32 elementwise passes over
 ``R x 2F`` plus a quantiser pass; fused, ``h1`` (and ``gh2``) are read once and the results
 written once.
 
@@ -33,29 +35,38 @@ from distmoe.kernels.base.checks import check_devices, check_tensor
 from distmoe.kernels.base.device import device_context
 from distmoe.quant.formats import float32_bits
 from distmoe.quant.fp8_block import fp8_block_encode
-from distmoe.quant.mxfp8 import mxfp8_encode
+from distmoe.quant.mxfp8 import mxfp8_encode, mxfp8_rebase_codes
 
-#: values per scale and the scale dtype per precision
-_FORMATS = {"mxfp8": (32, torch.uint8), "fp8_block": (128, torch.float32)}
+#: values per scale and the scale dtype per format ("mxfp8_rebased": four 32-blocks rebased
+#: onto one E8M0 scale per 128, distmoe.quant.mxfp8_rebase)
+_FORMATS = {"mxfp8": (32, torch.uint8), "mxfp8_rebased": (128, torch.uint8),
+            "fp8_block": (128, torch.float32)}
 
 
 @triton.jit
-def _encode(v, FP32_SCALES: tl.constexpr):
-    """``(E4M3 bytes [R, 1, B], scales [R, 1])`` of fp32 values ``v [R, 1, B]``."""
-    bits = float32_bits(v)
+def _encode(v, FP32_SCALES: tl.constexpr, REBASE: tl.constexpr, ROWS: tl.constexpr,
+            B: tl.constexpr):
+    """``(E4M3 bytes [ROWS, B], scales [ROWS, 1])`` of fp32 values ``v [ROWS, B]``: one
+    block-FP8 scale per 128, one E8M0 scale per 32, or (``REBASE``) four 32-blocks rebased
+    onto one E8M0 scale per 128."""
     if FP32_SCALES:
-        q, s = fp8_block_encode(bits)
-    else:
+        q, s = fp8_block_encode(float32_bits(tl.reshape(v, (ROWS, 1, B))))
+    elif REBASE:
+        bits = float32_bits(tl.reshape(v, (ROWS, B // 32, 32)))
         q, e = mxfp8_encode(bits)
+        q, e = mxfp8_rebase_codes(bits, q, e, ROWS, B // 32)
+        s = (tl.max(e, axis=1) + 127).to(tl.uint8)[:, None]
+    else:
+        q, e = mxfp8_encode(float32_bits(tl.reshape(v, (ROWS, 1, B))))
         s = (e + 127).to(tl.uint8)
-    return q, s
+    return tl.reshape(q, (ROWS, B)), s
 
 
 @triton.jit
 def _swiglu_quant_kernel(h1_ptr, gh2_ptr, out_ptr, q_ptr, s_ptr, h2_ptr, rows,
                          F: tl.constexpr, B: tl.constexpr, FP32_SCALES: tl.constexpr,
-                         BACKWARD: tl.constexpr, STORE_H2: tl.constexpr,
-                         BLOCK_R: tl.constexpr):
+                         REBASE: tl.constexpr, BACKWARD: tl.constexpr,
+                         STORE_H2: tl.constexpr, BLOCK_R: tl.constexpr):
     pid_r = tl.program_id(0)
     grp = tl.program_id(1)
     r = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -72,15 +83,14 @@ def _swiglu_quant_kernel(h1_ptr, gh2_ptr, out_ptr, q_ptr, s_ptr, h2_ptr, rows,
         du = (d * g * sg).to(tl.bfloat16)
         tl.store(out_ptr + row1 + c[None, :], dg, mask=ok)
         tl.store(out_ptr + row1 + F + c[None, :], du, mask=ok)
-        ok3 = ok[:, :, None]
-        qg, sg_ = _encode(tl.reshape(dg.to(tl.float32), (BLOCK_R, 1, B)), FP32_SCALES)
-        qu, su = _encode(tl.reshape(du.to(tl.float32), (BLOCK_R, 1, B)), FP32_SCALES)
-        q_offs = (row1 + c[None, :])[:, None, :]
-        tl.store(q_ptr + q_offs, qg, mask=ok3)
-        tl.store(q_ptr + q_offs + F, qu, mask=ok3)
+        qg, s_g = _encode(dg.to(tl.float32), FP32_SCALES, REBASE, BLOCK_R, B)
+        qu, s_u = _encode(du.to(tl.float32), FP32_SCALES, REBASE, BLOCK_R, B)
+        q_offs = row1 + c[None, :]
+        tl.store(q_ptr + q_offs, qg, mask=ok)
+        tl.store(q_ptr + q_offs + F, qu, mask=ok)
         s_row = r[:, None] * (2 * ngroups)
-        tl.store(s_ptr + s_row + grp, sg_, mask=ok)
-        tl.store(s_ptr + s_row + ngroups + grp, su, mask=ok)
+        tl.store(s_ptr + s_row + grp, s_g, mask=ok)
+        tl.store(s_ptr + s_row + ngroups + grp, s_u, mask=ok)
         if STORE_H2:
             tl.store(h2_ptr + r[:, None] * F + c[None, :], (g * sg * u).to(tl.bfloat16),
                      mask=ok)
@@ -88,8 +98,8 @@ def _swiglu_quant_kernel(h1_ptr, gh2_ptr, out_ptr, q_ptr, s_ptr, h2_ptr, rows,
         h2 = (g * sg * u).to(tl.bfloat16)
         offs = r[:, None] * F + c[None, :]
         tl.store(out_ptr + offs, h2, mask=ok)
-        q, s = _encode(tl.reshape(h2.to(tl.float32), (BLOCK_R, 1, B)), FP32_SCALES)
-        tl.store(q_ptr + offs[:, None, :], q, mask=ok[:, :, None])
+        q, s = _encode(h2.to(tl.float32), FP32_SCALES, REBASE, BLOCK_R, B)
+        tl.store(q_ptr + offs, q, mask=ok)
         tl.store(s_ptr + r[:, None] * ngroups + grp, s, mask=ok)
 
 
@@ -121,7 +131,8 @@ def _launch(h1, gh2, out, q, s, h2, rows, F, precision, backward):
         _swiglu_quant_kernel[grid](
             h1, gh2 if gh2 is not None else h1, out, q.view(torch.uint8), s,
             h2 if h2 is not None else out, rows, F=F, B=block,
-            FP32_SCALES=precision == "fp8_block", BACKWARD=backward, STORE_H2=h2 is not None,
+            FP32_SCALES=precision == "fp8_block", REBASE=precision == "mxfp8_rebased",
+            BACKWARD=backward, STORE_H2=h2 is not None,
             BLOCK_R=block_r, num_warps=4)
 
 
@@ -157,12 +168,16 @@ def swiglu_backward_quantize(h1: torch.Tensor, gh2: torch.Tensor, gh1: torch.Ten
 def swiglu_quantize_ref(h1: torch.Tensor, precision: str):
     """Plain PyTorch forward: ``(h2, h2_q, h2_s)`` (the bf16 values quantised by the
     precision's reference quantiser)."""
-    from distmoe.quant import fp8_block_quantize_ref, mxfp8_quantize_ref
+    from distmoe.quant import fp8_block_quantize_ref, mxfp8_quantize_ref, mxfp8_rebase
 
     F = h1.shape[1] // 2
     g, u = h1[:, :F].float(), h1[:, F:].float()
     h2 = (g * torch.sigmoid(g) * u).bfloat16()
-    q, s = mxfp8_quantize_ref(h2) if precision == "mxfp8" else fp8_block_quantize_ref(h2)
+    if precision == "fp8_block":
+        return (h2, *fp8_block_quantize_ref(h2))
+    q, s = mxfp8_quantize_ref(h2)
+    if precision == "mxfp8_rebased":
+        q, s, _ = mxfp8_rebase(q, s)
     return h2, q, s
 
 
