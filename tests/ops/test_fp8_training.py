@@ -26,9 +26,10 @@ import pytest
 import torch
 
 import distmoe as dm
+from distmoe.ops.lowp import fp8_format
 from distmoe.ops.lowp_train import train_weights
 from distmoe.quant import fp8_block_quantize_ref, mxfp8_quantize_ref, prepare_weights
-from distmoe.quant.fp8_block import fp8_block_dequantize
+from distmoe.quant.fp8_block import fp8_block_dequantize, mxfp8_rebase
 from distmoe.quant.mxfp8 import mxfp8_dequantize
 from distmoe.reference import moe_reference, random_routing, split_global_problem
 
@@ -55,21 +56,31 @@ def _problem(world, E, D, F, seed=58, tokens=T):
     return x, ids, scores.float(), w13, w2, gy
 
 
-def _q(v: torch.Tensor, precision: str) -> torch.Tensor:
-    """float64 values of ``v`` (bf16 rows) quantised along the last dim by the reference."""
-    if precision == "mxfp8":
-        q, s = mxfp8_quantize_ref(v, dim=-1)
+def _q(v: torch.Tensor, fmt: str) -> torch.Tensor:
+    """float64 values of ``v`` (bf16 rows) quantised along the last dim by the reference
+    quantisers in the layer's operand format (``distmoe.ops.lowp.fp8_format``)."""
+    if fmt == "fp8_block":
+        q, s = fp8_block_quantize_ref(v)
+        return fp8_block_dequantize(q, s, dtype=torch.float64)
+    q, s = mxfp8_quantize_ref(v, dim=-1)
+    if fmt == "mxfp8":
         return mxfp8_dequantize(q, s, dim=-1).double()
-    q, s = fp8_block_quantize_ref(v)
-    return fp8_block_dequantize(q, s, dtype=torch.float64)
+    q, s, _ = mxfp8_rebase(q, s)
+    return q.double() * torch.exp2(s.double() - 127).repeat_interleave(128, -1)
 
 
-def _w(p) -> torch.Tensor:
-    """float64 values of a prepared weight (32 x 32 or 128 x 128 blocks)."""
-    if p.precision == "mxfp8":
-        s = p.scales.repeat_interleave(32, -1).repeat_interleave(32, -2)
-        return p.qdata.double() * torch.exp2(s.double() - 127)
-    return fp8_block_dequantize(p.qdata, p.scales, dtype=torch.float64)
+def _w(q, s, fmt) -> torch.Tensor:
+    """float64 values of weight blocks ``q [..., N, K]`` with scales ``s [..., N/B, K/B]``
+    (32 x 32 or 128 x 128), rebased onto 128-wide K groups in the ``"mxfp8_rebased"``
+    format."""
+    if fmt == "fp8_block":
+        return fp8_block_dequantize(q, s, dtype=torch.float64)
+    g = 32
+    if fmt == "mxfp8_rebased":
+        q, s, _ = mxfp8_rebase(q, s)
+        g = 128
+    s = s.repeat_interleave(g, -1).repeat_interleave(32, -2)
+    return q.double() * torch.exp2(s.double() - 127)
 
 
 def _bf(v: torch.Tensor) -> torch.Tensor:
@@ -78,16 +89,26 @@ def _bf(v: torch.Tensor) -> torch.Tensor:
 
 def recipe_reference(x, ids, scores, w13, w2, gy, precision):
     """Reference (a): ``[y, grad x, grad scores, grad w13, grad w2]`` of the whole group
-    (every route executed)."""
-    p13, p2 = prepare_weights(w13, w2, precision, reference=True)
-    W13, W2 = _w(p13), _w(p2)  # [E, 2, F, D], [E, D, F]
-    E, _, F, D = W13.shape
+    (every route executed). The forward GEMMs read the weight blocks along their K, the
+    input-gradient GEMMs the same blocks transposed (rebased along the other axis in the
+    ``"mxfp8_rebased"`` format)."""
+    E, _, F, D = w13.shape
+    fmt = fp8_format(dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
+                                  precision=precision))
+    precision = fmt  # the activation quantisers' format
+    p13, p2 = prepare_weights(w13, w2, "fp8_block" if fmt == "fp8_block" else "mxfp8",
+                              reference=True)
+    W13 = _w(p13.qdata.view(E, 2 * F, D), p13.scales.flatten(1, 2), fmt)  # [E, 2F, D]
+    W2 = _w(p2.qdata, p2.scales, fmt)  # [E, D, F]
+    W13d = _w(p13.qdata.view(E, 2 * F, D).mT.contiguous(),
+              p13.scales.flatten(1, 2).mT.contiguous(), fmt)  # [E, D, 2F]
+    W2d = _w(p2.qdata.mT.contiguous(), p2.scales.mT.contiguous(), fmt)  # [E, F, D]
     N = x.shape[0]
     t_idx, k_idx = (ids >= 0).nonzero(as_tuple=True)
     e = ids[t_idx, k_idx]
     s = scores[t_idx, k_idx].double()
     xq = _q(x[t_idx], precision)
-    h1 = _bf(torch.einsum("rd,rnd->rn", xq, W13[e].flatten(1, 2)))
+    h1 = _bf(torch.einsum("rd,rnd->rn", xq, W13[e]))
     g, u = h1[:, :F].float(), h1[:, F:].float()
     h2 = (torch.nn.functional.silu(g) * u).bfloat16()
     h3 = _bf(torch.einsum("rf,rdf->rd", _q(h2, precision), W2[e]))
@@ -96,10 +117,10 @@ def recipe_reference(x, ids, scores, w13, w2, gy, precision):
     gs = torch.zeros(N, K, dtype=torch.float64)
     gs[t_idx, k_idx] = (gy[t_idx].double() * h3.double()).sum(1)
     g3 = (s.float()[:, None] * gy[t_idx].float()).bfloat16()
-    gh2 = _bf(torch.einsum("rd,rdf->rf", _q(g3, precision), W2[e]))
+    gh2 = _bf(torch.einsum("rd,rfd->rf", _q(g3, precision), W2d[e]))
     sg, d = torch.sigmoid(g), gh2.float()
     gh1 = torch.cat([d * u * sg * (1 + g * (1 - sg)), d * g * sg], 1).bfloat16()
-    gxr = _bf(torch.einsum("rn,rnd->rd", _q(gh1, precision), W13[e].flatten(1, 2)))
+    gxr = _bf(torch.einsum("rn,rdn->rd", _q(gh1, precision), W13d[e]))
     gx = torch.zeros(N, D, dtype=torch.float64).index_add_(0, t_idx, gxr.double())
     gw2 = torch.zeros(E, D, F, dtype=torch.float64)
     gw2.index_add_(0, e, g3.double()[:, :, None] * h2.double()[:, None, :])
@@ -210,6 +231,14 @@ def test_mxfp8_training_over_the_nccl_transport():
     _check(per_rank, 2, E, D, F, "mxfp8")
 
 
+def test_mxfp8_rebased_training_against_both_references():
+    """D and F multiples of 128: the mxfp8 layer runs its operands rebased onto 128-wide K
+    groups (``distmoe.plan.rules.mxfp8_k_group``); the recipe rebases alike."""
+    E, D, F = 2, 128, 128
+    per_rank = dm.launch(_rank, 1, args=(E, D, F, "mxfp8"), timeout=300)
+    _check(per_rank, 1, E, D, F, "mxfp8")
+
+
 def test_fp8_block_training_against_both_references():
     E, D, F = 2, 128, 128
     per_rank = dm.launch(_rank, 1, args=(E, D, F, "fp8_block"), timeout=300)
@@ -225,13 +254,15 @@ def test_mxfp8_training_main_grad():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["mxfp8", "fp8_block"])
-def test_fp8_training_gpu(precision):
-    """One GPU (EP = 1, T = 256, D = 256, F = 128, E = 8): the same references; the recipe
-    bound of 128-wide groups widened for the SM90 FP8 MMA's accumulation
-    (``TOL_RECIPE_SM90_128``)."""
-    E, D, F, tokens = 8, 256, 128, 256
+@pytest.mark.parametrize("precision,F", [("mxfp8", 224), ("mxfp8", 128), ("fp8_block", 128)])
+def test_fp8_training_gpu(precision, F):
+    """One GPU (EP = 1, T = 256, D = 256, E = 8; F = 224 keeps exact MXFP8, F = 128 rebases
+    it onto 128-wide groups): the same references; the recipe bound of 128-wide groups
+    widened for the SM90 FP8 MMA's accumulation (``TOL_RECIPE_SM90_128``)."""
+    E, D, tokens = 8, 256, 256
     out = _rank(0, 1, E, D, F, precision, device="cuda", tokens=tokens)
+    wide = fp8_format(dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=tokens,
+                                   precision=precision)) != "mxfp8"
     worst = _check([out], 1, E, D, F, precision, tokens=tokens,
-                   tol_recipe=TOL_RECIPE_SM90_128 if precision == "fp8_block" else TOL_RECIPE)
+                   tol_recipe=TOL_RECIPE_SM90_128 if wide else TOL_RECIPE)
     print(precision, {f"{a} {b}": f"{v:.2e}" for (a, b), v in worst.items()})

@@ -66,6 +66,8 @@ work).
 
 from __future__ import annotations
 
+import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -81,8 +83,9 @@ from ..kernels.scaled import (
     nvfp4_weight_config,
     nvfp4_weight_grouped_mm,
 )
-from ..quant.fp8_block import fp8_block_quantize_2d
-from ..quant.mxfp8 import mxfp8_quantize_2d
+from ..plan.rules import mxfp8_k_group
+from ..quant.fp8_block import fp8_block_quantize_2d, mxfp8_rebase
+from ..quant.mxfp8 import mxfp8_quantize_2d, mxfp8_quantize_rebased_2d
 from ..quant.prepare import PreparedWeight
 
 __all__ = ["FP8Scratch", "NVFP4Scratch", "allocate_fp8", "allocate_lowp", "allocate_nvfp4",
@@ -90,19 +93,50 @@ __all__ = ["FP8Scratch", "NVFP4Scratch", "allocate_fp8", "allocate_lowp", "alloc
 
 #: the precisions of this module's inference forwards
 LOWP_PRECISIONS = ("mxfp8", "fp8_block", "nvfp4")
-#: per FP8 precision: values per activation scale, the scale dtype, the quantiser, the GEMM
-FP8_FORMATS = {"mxfp8": (32, torch.uint8, mxfp8_quantize_2d, mxfp8_grouped_mm),
-        "fp8_block": (128, torch.float32, fp8_block_quantize_2d, fp8_block_grouped_mm)}
+#: per FP8 operand format: values per activation scale, the scale dtype, the quantiser, the
+#: GEMM; "mxfp8_rebased": MXFP8 with four 32-blocks rebased onto one scale per 128
+#: (distmoe.quant.mxfp8_rebase), which the mxfp8 layer runs where D and F allow
+#: (distmoe.plan.rules.mxfp8_k_group)
+FP8_FORMATS = {
+    "mxfp8": (32, torch.uint8, mxfp8_quantize_2d, mxfp8_grouped_mm),
+    "mxfp8_rebased": (128, torch.uint8, mxfp8_quantize_rebased_2d,
+                      functools.partial(mxfp8_grouped_mm, k_group=128)),
+    "fp8_block": (128, torch.float32, fp8_block_quantize_2d, fp8_block_grouped_mm)}
+
+
+def fp8_format(cfg: MoEConfig) -> str:
+    """The operand format of an FP8 context: ``cfg.precision``, or ``"mxfp8_rebased"`` for
+    mxfp8 where :func:`distmoe.plan.rules.mxfp8_k_group` picks 128-wide groups."""
+    if cfg.precision == "mxfp8" and mxfp8_k_group(hidden=cfg.hidden, ffn=cfg.ffn) == 128:
+        return "mxfp8_rebased"
+    return cfg.precision
+
+
+def rebased_weight(owner, w: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(qdata, scales [..., N/32, K/128])`` of an mxfp8 :class:`PreparedWeight` rebased
+    onto 128-wide K groups (:func:`distmoe.quant.mxfp8_rebase`), kept on ``owner`` per
+    prepared object (weak references: a new object at a freed one's address never matches)
+    for its last 8 weights. Why: once per weight, not per call."""
+    cache = owner.__dict__.setdefault("_distmoe_rebased", {})
+    hit = cache.get(id(w))
+    if hit is not None and hit[0]() is w:
+        return hit[1]
+    q, sc, _ = mxfp8_rebase(w.qdata, w.scales)
+    while len(cache) >= 8:
+        cache.pop(next(iter(cache)))
+    cache[id(w)] = (weakref.ref(w), (q, sc))
+    return q, sc
 
 
 @dataclass(frozen=True)
 class FP8Scratch:
-    """What an MXFP8 or block-FP8 inference context owns besides the bf16 context's buffers
+    """What an MXFP8 or block-FP8 context owns besides the bf16 context's buffers
     (allocated once, :func:`allocate_fp8`; ``R_b`` = the receive bound; ``B`` = 32 (mxfp8,
-    uint8 E8M0 scales) or 128 (fp8_block, float32 scales)).
+    uint8 E8M0 scales), 128 (mxfp8 rebased: uint8 E8M0 scales; fp8_block: float32 scales)).
 
     Attributes:
         precision: ``"mxfp8"`` or ``"fp8_block"``.
+        format: the operands' format (:data:`FP8_FORMATS`, :func:`fp8_format`).
         x_rows: bf16 ``[R_b, D]``: the gathered rows, then W2's output h3 (activation rows).
         x_q / x_s: float8_e4m3fn ``[R_b, D]`` / scales ``[R_b, D/B]``: the rows quantised.
         h2_q / h2_s: float8_e4m3fn ``[R_b, F]`` / scales ``[R_b, F/B]``: h2 quantised.
@@ -112,6 +146,7 @@ class FP8Scratch:
     """
 
     precision: str
+    format: str
     x_rows: torch.Tensor
     x_q: torch.Tensor
     x_s: torch.Tensor
@@ -136,18 +171,20 @@ def allocate_fp8(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
                          f"{cfg.precision!r}")
     R, D, F, E = receive_bound, cfg.hidden, cfg.ffn, num_local_experts
     w13_shape, w2_shape = (E, 2, F, D), (E, D, F)
-    block, scale_dtype = FP8_FORMATS[cfg.precision][:2]
+    fmt = fp8_format(cfg)
+    block, scale_dtype = FP8_FORMATS[fmt][:2]
     return FP8Scratch(
         precision=cfg.precision,
+        format=fmt,
         x_rows=torch.zeros(R, D, dtype=torch.bfloat16, device=device),
         x_q=torch.zeros(R, D, dtype=torch.float8_e4m3fn, device=device),
         x_s=torch.zeros(R, D // block, dtype=scale_dtype, device=device),
         h2_q=torch.zeros(R, F, dtype=torch.float8_e4m3fn, device=device),
         h2_s=torch.zeros(R, F // block, dtype=scale_dtype, device=device),
         w13_config=ScaledGemmConfig.for_widths(k=D, n=2 * F, swiglu=True,
-                                               block_m=cfg.row_block, k_group=min(block, 128)),
+                                               block_m=cfg.row_block, k_group=block),
         w2_config=ScaledGemmConfig.for_widths(k=F, n=D, block_m=cfg.row_block,
-                                              k_group=min(block, 128)),
+                                              k_group=block),
         w13_shape=w13_shape,
         w2_shape=w2_shape,
     )
@@ -268,16 +305,18 @@ def fp8_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedWei
     """Steps 1-7 of the module docstring (mxfp8, fp8_block) on checked inputs; returns
     y [T, D] bf16 (into ``out`` when given)."""
     s: FP8Scratch = ctx._lowp
-    _, _, quantize_2d, grouped_mm = FP8_FORMATS[s.precision]
+    _, _, quantize_2d, grouped_mm = FP8_FORMATS[s.format]
+    (q13, s13), (q2, s2) = ((rebased_weight(ctx, w) for w in (w13, w2))
+                            if s.format == "mxfp8_rebased" else
+                            ((w.qdata, w.scales) for w in (w13, w2)))
     tables = route_and_gather(ctx, x, expert_ids, s.x_rows)
     po, ro = tables.padded_offsets, tables.row_offsets
     quantize_2d(s.x_rows, s.x_q, s.x_s)
     h2 = ctx._h2
-    grouped_mm(s.x_q, s.x_s, w13.qdata, w13.scales, po, ro, h2, swiglu=True,
-               config=s.w13_config)
+    grouped_mm(s.x_q, s.x_s, q13, s13, po, ro, h2, swiglu=True, config=s.w13_config)
     quantize_2d(h2, s.h2_q, s.h2_s)
     h3 = s.x_rows  # the gathered rows are dead once quantised
-    grouped_mm(s.h2_q, s.h2_s, w2.qdata, w2.scales, po, ro, h3, config=s.w2_config)
+    grouped_mm(s.h2_q, s.h2_s, q2, s2, po, ro, h3, config=s.w2_config)
     return scatter_and_combine(ctx, tables, h3, x, expert_ids, scores, out)
 
 

@@ -65,11 +65,11 @@ from ..kernels.movement.scatter_rows import scatter_rows
 from ..kernels.scaled import ScaledGemmConfig
 from ..kernels.scaled.swiglu_quant import swiglu_backward_quantize, swiglu_quantize
 from ..kernels.wgrad import WgradConfig, launch_grouped_wgrad
-from ..quant.fp8_block import fp8_block_dequantize
-from ..quant.mxfp8 import mxfp8_dequantize
+from ..quant.fp8_block import fp8_block_dequantize, mxfp8_rebase
+from ..quant.mxfp8 import e8m0_to_float, mxfp8_dequantize
 from ..quant.prepare import PreparedWeight, prepare_weights
 from .autograd import check_versions, new_weight_grads, record_versions
-from .lowp import FP8_FORMATS, route_and_gather, scatter_and_combine
+from .lowp import FP8_FORMATS, fp8_format, route_and_gather, scatter_and_combine
 
 __all__ = ["FP8TrainConfigs", "FP8TrainFunction", "fp8_train_configs", "train_weights"]
 
@@ -90,7 +90,7 @@ class FP8TrainConfigs:
 def fp8_train_configs(cfg) -> FP8TrainConfigs:
     """The configs of :class:`FP8TrainConfigs` for ``cfg`` (shapes only)."""
     D, F, bm = cfg.hidden, cfg.ffn, cfg.row_block
-    g = min(FP8_FORMATS[cfg.precision][0], 128)
+    g = FP8_FORMATS[fp8_format(cfg)][0]
     return FP8TrainConfigs(
         w13_h1=ScaledGemmConfig.for_widths(k=D, n=2 * F, block_m=bm, k_group=g),
         w2_dgrad=ScaledGemmConfig.for_widths(k=D, n=F, block_m=bm, k_group=g),
@@ -102,13 +102,19 @@ def fp8_train_configs(cfg) -> FP8TrainConfigs:
 
 @dataclass(frozen=True)
 class TrainWeights:
-    """One weight version's quantised forms: the forward's (``w13 [E, 2, F, D]``, ``w2
-    [E, D, F]``, :class:`PreparedWeight`) and the input-gradient GEMMs' ``[E, N, K]``
-    operands, the same qdata and scales transposed (contiguous copies): ``w2t_q [E, F, D]``,
-    ``w2t_s [E, F/B, D/B]``, ``w13t_q [E, D, 2F]``, ``w13t_s [E, D/B, 2F/B]``."""
+    """One weight version's quantised forms: ``w13`` / ``w2`` as prepared
+    (:class:`PreparedWeight`, B x B blocks, ``B`` = 32 or 128), the forward GEMMs' operands
+    (``w13_q [E, 2, F, D]``, ``w2_q [E, D, F]`` and their scales) and the input-gradient
+    GEMMs' ``[E, N, K]`` operands, the same qdata and scales transposed (contiguous
+    copies): ``w2t_q [E, F, D]``, ``w13t_q [E, D, 2F]``. In the ``"mxfp8_rebased"`` format
+    the GEMM operands are rebased onto 128-wide K groups (scales ``[..., N/32, K/128]``)."""
 
     w13: PreparedWeight
     w2: PreparedWeight
+    w13_q: torch.Tensor
+    w13_s: torch.Tensor
+    w2_q: torch.Tensor
+    w2_s: torch.Tensor
     w2t_q: torch.Tensor
     w2t_s: torch.Tensor
     w13t_q: torch.Tensor
@@ -130,12 +136,15 @@ def train_weights(moe, w13: torch.Tensor, w2: torch.Tensor) -> TrainWeights:
         return hit[3]
     p13, p2 = prepare_weights(w13.detach(), w2.detach(), moe.cfg.precision)
     E, _, F, D = p13.shape
-    tw = TrainWeights(
-        w13=p13, w2=p2,
-        w2t_q=p2.qdata.transpose(1, 2).contiguous(),
-        w2t_s=p2.scales.transpose(1, 2).contiguous(),
-        w13t_q=p13.qdata.view(E, 2 * F, D).transpose(1, 2).contiguous(),
-        w13t_s=p13.scales.flatten(1, 2).transpose(1, 2).contiguous())
+    forms = [(p13.qdata, p13.scales), (p2.qdata, p2.scales),
+             (p2.qdata.transpose(1, 2).contiguous(), p2.scales.transpose(1, 2).contiguous()),
+             (p13.qdata.view(E, 2 * F, D).transpose(1, 2).contiguous(),
+              p13.scales.flatten(1, 2).transpose(1, 2).contiguous())]
+    if moe._lowp.format == "mxfp8_rebased":  # every operand onto 128-wide K groups
+        forms = [mxfp8_rebase(q, sc)[:2] for q, sc in forms]
+    (q13, s13), (q2, s2), (q2t, s2t), (q13t, s13t) = forms
+    tw = TrainWeights(w13=p13, w2=p2, w13_q=q13, w13_s=s13, w2_q=q2, w2_s=s2, w2t_q=q2t,
+                      w2t_s=s2t, w13t_q=q13t, w13t_s=s13t)
     cache.pop(key, None)
     while len(cache) >= moe.cfg.max_layers_per_slot:
         cache.pop(next(iter(cache)))  # the oldest pair
@@ -143,11 +152,13 @@ def train_weights(moe, w13: torch.Tensor, w2: torch.Tensor) -> TrainWeights:
     return tw
 
 
-def _dequantize(q: torch.Tensor, s: torch.Tensor, precision: str) -> torch.Tensor:
-    """bf16 values of activation rows ``q [R, K]`` with scales ``s [R, K/B]`` (mxfp8:
-    exact; fp8_block: ``q * s`` rounded once to bf16)."""
-    if precision == "mxfp8":
+def _dequantize(q: torch.Tensor, s: torch.Tensor, fmt: str) -> torch.Tensor:
+    """bf16 values of activation rows ``q [R, K]`` with scales ``s [R, K/B]`` of format
+    ``fmt`` (MXFP8: exact; block FP8: ``q * s`` rounded once to bf16)."""
+    if fmt == "mxfp8":
         return mxfp8_dequantize(q, s, dim=-1, dtype=torch.bfloat16)
+    if fmt == "mxfp8_rebased":
+        return (q.float() * e8m0_to_float(s).repeat_interleave(128, -1)).bfloat16()
     return fp8_block_dequantize(q, s).to(torch.bfloat16)
 
 
@@ -155,8 +166,7 @@ def fp8_train_forward(moe, x, expert_ids, scores, tw: TrainWeights):
     """Forward steps 1-7 (module docstring) on checked inputs: ``(y [T, D] bf16, saved)``."""
     s = moe._lowp
     conf = moe._lowp_train
-    _, scale_dtype, quantize_2d, grouped_mm = FP8_FORMATS[s.precision]
-    block = FP8_FORMATS[s.precision][0]
+    block, scale_dtype, quantize_2d, grouped_mm = FP8_FORMATS[s.format]
     R, D = s.x_rows.shape
     F = moe.cfg.ffn
     E = moe.num_local_experts
@@ -166,13 +176,11 @@ def fp8_train_forward(moe, x, expert_ids, scores, tw: TrainWeights):
     x_s = torch.empty(R, D // block, dtype=scale_dtype, device=moe.device)
     quantize_2d(s.x_rows, x_q, x_s)
     h1 = torch.empty(R, 2 * F, dtype=torch.bfloat16, device=moe.device)
-    b = tw.w13.scales.shape[-2]  # F / (weight rows per scale)
-    grouped_mm(x_q, x_s, tw.w13.qdata.view(E, 2 * F, D),
-               tw.w13.scales.view(E, 2 * b, tw.w13.scales.shape[-1]), po, ro, h1,
+    grouped_mm(x_q, x_s, tw.w13_q.view(E, 2 * F, D), tw.w13_s.flatten(1, 2), po, ro, h1,
                config=conf.w13_h1)
-    swiglu_quantize(h1, moe._h2[:R], s.h2_q, s.h2_s, precision=s.precision)
+    swiglu_quantize(h1, moe._h2[:R], s.h2_q, s.h2_s, precision=s.format)
     h3 = s.x_rows  # the gathered rows are dead once quantised
-    grouped_mm(s.h2_q, s.h2_s, tw.w2.qdata, tw.w2.scales, po, ro, h3, config=s.w2_config)
+    grouped_mm(s.h2_q, s.h2_s, tw.w2_q, tw.w2_s, po, ro, h3, config=s.w2_config)
     y = scatter_and_combine(moe, tables, h3, x, expert_ids, scores, None)
     T, K = expert_ids.shape
     saved = dict(tables=tables, x_q=x_q, x_s=x_s, h1=h1,
@@ -189,9 +197,8 @@ def fp8_train_backward(moe, saved: dict, grad_y: torch.Tensor, weight_out):
     not needed; written whole, or added into fp32 ``main_grad`` buffers with
     ``moe.main_grad``)."""
     s, conf = moe._lowp, moe._lowp_train
-    precision = s.precision
-    _, _, quantize_2d, grouped_mm = FP8_FORMATS[precision]
-    block = FP8_FORMATS[precision][0]
+    fmt = s.format
+    block, _, quantize_2d, grouped_mm = FP8_FORMATS[fmt]
     tables, tw = saved["tables"], saved["weights"]
     ids_executed, scores_f32 = saved["ids_executed"], saved["scores_f32"]
     T, K = ids_executed.shape
@@ -219,7 +226,7 @@ def fp8_train_backward(moe, saved: dict, grad_y: torch.Tensor, weight_out):
     gh1_q = torch.empty(R, 2 * F, dtype=torch.float8_e4m3fn, device=moe.device)
     gh1_s = torch.empty(R, 2 * F // block, dtype=s.x_s.dtype, device=moe.device)
     h2 = torch.empty(R, F, dtype=torch.bfloat16, device=moe.device)  # W2 WGRAD's operand
-    swiglu_backward_quantize(h1, gh2, gh1, gh1_q, gh1_s, precision=precision, h2=h2)
+    swiglu_backward_quantize(h1, gh2, gh1, gh1_q, gh1_s, precision=fmt, h2=h2)
     gx = s.x_rows
     grouped_mm(gh1_q, gh1_s, tw.w13t_q, tw.w13t_s, po, ro, gx, config=conf.w13_dgrad)
     grad_w13, grad_w2 = weight_out
@@ -229,7 +236,7 @@ def fp8_train_backward(moe, saved: dict, grad_y: torch.Tensor, weight_out):
                              accumulate=accumulate)
     if grad_w13 is not None:
         E = moe.num_local_experts
-        launch_grouped_wgrad(gh1, _dequantize(saved["x_q"], saved["x_s"], precision), ro,
+        launch_grouped_wgrad(gh1, _dequantize(saved["x_q"], saved["x_s"], fmt), ro,
                              grad_w13.view(E, 2 * F, D), conf.w13_wgrad, moe.device,
                              accumulate=accumulate)
     scatter_rows(gx, po, ro, tables.bwd_scatter_ptrs, block_m=moe.cfg.row_block)

@@ -866,12 +866,14 @@ def lowp_kernel_cases() -> list[BuildCase]:
         "fp8_block quantise", fp8_block._fp8_block_quantize_kernel,
         dict(BLOCK_R=32, GROUPS=1), 4, 1,
         types={**quant_types, "x_ptr": "*bf16", "s_ptr": "*fp32"}))
-    for precision, block, stype in (("mxfp8", 32, "*u8"), ("fp8_block", 128, "*fp32")):
+    for precision, block, stype in (("mxfp8", 32, "*u8"), ("mxfp8_rebased", 128, "*u8"),
+                                    ("fp8_block", 128, "*fp32")):
         for backward in (False, True):
             cases.append(BuildCase(
                 f"{precision} swiglu quantise backward={backward}",
                 swiglu_quant._swiglu_quant_kernel,
-                dict(F=F, B=block, FP32_SCALES=precision == "fp8_block", BACKWARD=backward,
+                dict(F=F, B=block, FP32_SCALES=precision == "fp8_block",
+                     REBASE=precision == "mxfp8_rebased", BACKWARD=backward,
                      STORE_H2=backward, BLOCK_R=32 if block == 32 else 8), 4, 1,
                 types={"h1_ptr": "*bf16", "gh2_ptr": "*bf16", "out_ptr": "*bf16",
                        "q_ptr": "*u8", "s_ptr": stype, "h2_ptr": "*bf16", "rows": "i32"}))
