@@ -31,7 +31,8 @@ Backward (collective: every rank runs the backward of the same calls in the same
                SwiGLU backward in fp32 from h1, quantised along 2F in the same kernel
                (``swiglu_backward_quantize``): gh1 [R_b, 2F] bf16, gh1_q, gh1_s, and h2
                again (the forward's bits); gx = bf16(gh1_q W13_q)     [R_b, D]
-               WGRAD (bf16 operands, fp32 accumulation, activation rows of each expert):
+               WGRAD (bf16 operands, fp32 accumulation, activation rows of each expert;
+               the bf16 layer's kernels, :mod:`distmoe.kernels.wgrad`):
                grad_w2[e] = gh3_e^T h2_e, grad_w13[e] = gh1_e^T dequant(x_q)_e
                scatter each live gx row into its owner's dispatch row t*K+k
     4  barrier
@@ -64,7 +65,7 @@ from ..kernels.movement.route_grad import reduce_routes, route_grads
 from ..kernels.movement.scatter_rows import scatter_rows
 from ..kernels.scaled import ScaledGemmConfig
 from ..kernels.scaled.swiglu_quant import swiglu_backward_quantize, swiglu_quantize
-from ..kernels.wgrad import WgradConfig, launch_grouped_wgrad
+from ..kernels.wgrad import w2_wgrad, w13_wgrad
 from ..quant.fp8_block import fp8_block_dequantize, mxfp8_rebase
 from ..quant.mxfp8 import e8m0_to_float, mxfp8_dequantize
 from ..quant.prepare import PreparedWeight, prepare_weights
@@ -78,13 +79,11 @@ __all__ = ["FP8TrainConfigs", "FP8TrainFunction", "fp8_train_configs", "train_we
 class FP8TrainConfigs:
     """Launch configs of a low-precision training context's GEMMs beside the inference
     forward's two (``block_m`` = the routing's ``row_block``): W13 without SwiGLU (h1 is
-    saved), the two input-gradient GEMMs, and the two bf16 WGRADs."""
+    saved) and the two input-gradient GEMMs (the bf16 WGRADs take the plan's configs)."""
 
     w13_h1: ScaledGemmConfig
     w2_dgrad: ScaledGemmConfig
     w13_dgrad: ScaledGemmConfig
-    w2_wgrad: WgradConfig
-    w13_wgrad: WgradConfig
 
 
 def fp8_train_configs(cfg) -> FP8TrainConfigs:
@@ -95,8 +94,6 @@ def fp8_train_configs(cfg) -> FP8TrainConfigs:
         w13_h1=ScaledGemmConfig.for_widths(k=D, n=2 * F, block_m=bm, k_group=g),
         w2_dgrad=ScaledGemmConfig.for_widths(k=D, n=F, block_m=bm, k_group=g),
         w13_dgrad=ScaledGemmConfig.for_widths(k=2 * F, n=D, block_m=bm, k_group=g),
-        w2_wgrad=WgradConfig.for_widths(out_rows=D, out_cols=F),
-        w13_wgrad=WgradConfig.for_widths(out_rows=2 * F, out_cols=D),
     )
 
 
@@ -231,14 +228,12 @@ def fp8_train_backward(moe, saved: dict, grad_y: torch.Tensor, weight_out):
     grouped_mm(gh1_q, gh1_s, tw.w13t_q, tw.w13t_s, po, ro, gx, config=conf.w13_dgrad)
     grad_w13, grad_w2 = weight_out
     accumulate = moe.main_grad
+    # the bf16 layer's WGRAD kernels and the plan's configs for them
     if grad_w2 is not None:
-        launch_grouped_wgrad(gh3, h2, ro, grad_w2, conf.w2_wgrad, moe.device,
-                             accumulate=accumulate)
+        w2_wgrad(gh3, h2, po, ro, grad_w2, accumulate=accumulate, config=moe.plan.w2_wgrad)
     if grad_w13 is not None:
-        E = moe.num_local_experts
-        launch_grouped_wgrad(gh1, _dequantize(saved["x_q"], saved["x_s"], fmt), ro,
-                             grad_w13.view(E, 2 * F, D), conf.w13_wgrad, moe.device,
-                             accumulate=accumulate)
+        w13_wgrad(gh1, _dequantize(saved["x_q"], saved["x_s"], fmt), po, ro, grad_w13,
+                  accumulate=accumulate, config=moe.plan.w13_wgrad)
     scatter_rows(gx, po, ro, tables.bwd_scatter_ptrs, block_m=moe.cfg.row_block)
     # 4. every route's input gradient has landed
     heap.barrier()

@@ -78,7 +78,9 @@ def _quantize_blocks(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = xb.float()
     finite = torch.isfinite(x)
     amax = torch.where(finite, x.abs(), 0.0).amax(-1)
-    s = amax / E4M3_MAX
+    # correctly rounded on every device: CUDA's tensor / scalar multiplies by the reciprocal
+    # (one ulp off at times); a float64 quotient rounded to float32 is the float32 quotient
+    s = (amax.double() / E4M3_MAX).float()
     s = torch.where(s > 0, s, 1.0)  # amax 0, or below 448 * 2^-150 (the quotient underflows)
     y = (x / s[..., None]).clamp(-E4M3_MAX, E4M3_MAX)
     y = torch.where(finite, y, torch.copysign(torch.full_like(y, float("nan")), x))
