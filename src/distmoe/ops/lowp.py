@@ -17,8 +17,10 @@ receive bound (legend of :mod:`distmoe.routing.tables`); steps 1-4a and 5c-7 are
         (``regather_rows`` through ``ctx.gather_table``: x in place at EP = 1, peer tokens
         pulled once into local memory at EP > 1)
 
-    mxfp8 and fp8_block (:func:`fp8_forward`; ``B`` = 32 with E8M0 scales for mxfp8, 128
-    with float32 scales for fp8_block):
+    mxfp8 and fp8_block (:func:`fp8_forward`; ``B`` = 32 with E8M0 scales for exact mxfp8,
+    128 with E8M0 scales for mxfp8 rebased onto 128-wide groups (where D and F are
+    multiples of 128, :func:`fp8_format`; the prepared 32 x 32 weight blocks rebased once per
+    weight, :func:`rebased_weight`), 128 with float32 scales for fp8_block):
     4b. quantise along D: ``x_rows -> (x_q [R_b, D] e4m3, x_s [R_b, D/B])``
         (:func:`~distmoe.quant.mxfp8.mxfp8_quantize_2d` /
         :func:`~distmoe.quant.fp8_block.fp8_block_quantize_2d`, docs/numerics.md)

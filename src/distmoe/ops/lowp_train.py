@@ -5,8 +5,11 @@ weight gradients in bf16 (fp32 accumulation).
 Parameters stay bf16 (or whatever dtype the caller keeps); their quantised forms (32 x 32
 blocks for mxfp8, 128 x 128 for fp8_block: one qdata serves both orientations) are made once
 per weight version (:func:`train_weights`) together with the transposed copies
-the input-gradient GEMMs read. ``B`` = 32 (E8M0 scales) or 128 (float32 scales); ``R_b`` =
-the receive bound; rows in the expert-major activation order of the routing tables.
+the input-gradient GEMMs read. ``B`` = values per activation scale of the context's operand
+format (:func:`~distmoe.ops.lowp.fp8_format`): 32 (exact MXFP8), 128 (MXFP8 rebased onto
+128-wide groups where D and F are multiples of 128, E8M0 scales; block FP8, float32 scales);
+``R_b`` = the receive bound; rows in the expert-major activation order of the routing
+tables.
 
 Forward (collective; publishing, routing, gather, scatter and combine are the inference
 forward's, :mod:`distmoe.ops.lowp`)::
