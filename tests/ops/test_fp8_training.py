@@ -147,6 +147,7 @@ def _rank(rank, world, E, D, F, precision, main_grad=False, device="cpu", tokens
     out = {}
     with dm.MoEContext(cfg, device=dev, main_grad=main_grad, check=True,
                        transport=transport) as ctx:
+        out["explain"] = ctx.explain()
         y = ctx(leaves[0], mine.expert_ids, leaves[1], leaves[2], leaves[3])
         (y.float() * gy.float()).sum().backward()
         grads = [t.grad.clone() for t in leaves[:2]]  # later backwards add into .grad
@@ -208,6 +209,8 @@ def _check(per_rank, world, E, D, F, precision, tokens=T, tol_recipe=TOL_RECIPE)
         diff = (out["no_grad"].double() - y.double()).abs().max().item()
         assert diff <= TOL_NO_GRAD * y.abs().max().item(), f"rank {r}: no-grad call {diff:.3g}"
         assert out["repeat"], f"rank {r}: a second call gave other bits"
+        assert f"precision: {precision}, operand format" in out["explain"], out["explain"]
+        assert "w13 dgrad" in out["explain"]
         assert out["cache_kept"], f"rank {r}: unchanged weights were quantised again"
         assert out["copy_missed"], f"rank {r}: a copy of a weight took its cached form"
         assert out["cache_renewed"], f"rank {r}: a changed weight kept its old quantised form"

@@ -930,7 +930,31 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
                     f"{self.node_size} rank(s) over {nodes} x {self.cfg.max_tokens} tokens, "
                     "reduce-scatter; distmoe.ops.transport)\n"
                     + self.inner.explain(None if tokens is None else tokens * nodes))
-        return f"transport: {self.transport}\n" + self.plan.describe(self.cfg, tokens)
+        text = f"transport: {self.transport}\n" + self.plan.describe(self.cfg, tokens)
+        if self._lowp is not None:
+            text += "\n" + self._describe_lowp()
+        return text
+
+    def _describe_lowp(self) -> str:
+        """The low-precision kernels of :meth:`explain` (the bf16 plan above covers routing,
+        the gather table and the combine; the expert GEMMs are these)."""
+        s = self._lowp
+        fmt = getattr(s, "format", self.cfg.precision)
+        lines = [f"precision: {self.cfg.precision}, operand format {fmt} "
+                 f"({'training' if self.cfg.training else 'inference'}; every call eager)"]
+        if fmt == "nvfp4":
+            lines.append("  nvfp4      Triton NVFP4-weight grouped GEMM (kernels/scaled/nvfp4)")
+        else:
+            lines.append("  gemms      Triton block-scaled grouped GEMM (kernels/scaled/triton)")
+        named = [("w13", s.w13_config), ("w2", s.w2_config)]
+        if self._lowp_train is not None:
+            t = self._lowp_train
+            named += [("w13 h1", t.w13_h1), ("w2 dgrad", t.w2_dgrad), ("w13 dgrad", t.w13_dgrad)]
+        for name, c in named:
+            lines.append(f"  {name:<10} block_m={c.block_m}, block_n={c.block_n}, "
+                         f"block_k={c.block_k}, num_warps={c.num_warps}, "
+                         f"num_stages={c.num_stages}, group_m={c.group_m}")
+        return "\n".join(lines)
 
     def __enter__(self) -> MoEContext:
         return self

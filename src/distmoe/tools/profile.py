@@ -112,6 +112,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     layer.add_argument("--tokens", type=int, default=None,
                        help="tokens per rank instead of the shape's own T (e.g. 16 for decode)")
     add_routing_argument(layer)
+    layer.add_argument("--precision", default="bf16",
+                       choices=["bf16", "mxfp8", "fp8_block", "nvfp4"],
+                       help="the layer's MoEConfig.precision (default bf16; nvfp4: --mode fwd)")
     layer.add_argument("--steps", type=int, default=5,
                        help="profiled steps after the warm-up; with --timeline: the steps in "
                             "the trace (default: 5)")
@@ -216,7 +219,8 @@ def _profile_layer(args, joined, overrides, x_in_buffer) -> int:
         share_of, joined = world, ep1_share(joined)
     cuda = dev.type == "cuda"
     ctx, step, T = layer_step(args.shape, args.mode, joined, tokens=args.tokens,
-                              share_of=share_of, routing=args.routing, overrides=overrides)
+                              share_of=share_of, routing=args.routing, overrides=overrides,
+                              precision=args.precision)
 
     def sync():
         if cuda:

@@ -146,7 +146,7 @@ def draw_inputs(shape_name: str, mode: str, joined: Joined, *, tokens: int | Non
 
 def build_layer(inputs: StepInputs, joined: Joined, *, overrides: dict | None = None,
                 activation_factor: float | None = None, save_gathered_rows: bool = True,
-                gathered_rows_in_place: bool | None = None
+                gathered_rows_in_place: bool | None = None, precision: str = "bf16"
                 ) -> tuple[object, Callable[..., None]]:
     """``(ctx, step)``: a :class:`~distmoe.MoEContext` (closed by the caller) for the layer
     of ``inputs`` and a function running one step on them: a forward (under ``no_grad``) or
@@ -162,6 +162,9 @@ def build_layer(inputs: StepInputs, joined: Joined, *, overrides: dict | None = 
     ``save_gathered_rows``: :attr:`~distmoe.MoEConfig.save_gathered_rows` (False: saved
     layers keep their input and the backward gathers the rows again;
     ``gathered_rows_in_place``, with it: :attr:`~distmoe.MoEConfig.gathered_rows_in_place`).
+    ``precision``: :attr:`~distmoe.MoEConfig.precision`; an inference step at a low precision
+    passes weights prepared once here (:func:`distmoe.prepare_weights`), a training step the
+    bf16 weights (the context quantises them once per version).
     """
     import distmoe as dm
 
@@ -171,11 +174,13 @@ def build_layer(inputs: StepInputs, joined: Joined, *, overrides: dict | None = 
         extra["save_gathered_rows"] = False
         extra["gathered_rows_in_place"] = gathered_rows_in_place
     cfg = dm.MoEConfig(hidden=s.hidden, ffn=s.ffn, num_experts=s.num_experts, top_k=s.top_k,
-                       max_tokens=T, training=training, **extra)
+                       max_tokens=T, training=training, precision=precision, **extra)
     kw = {} if overrides is None else {"overrides": overrides}
     ctx = dm.MoEContext(cfg, joined.group, device=joined.device, **kw)
     ids, scores, x, w13, w2, gy = (inputs.ids, inputs.scores, inputs.x, inputs.w13, inputs.w2,
                                    inputs.gy)
+    if precision != "bf16" and not training:
+        w13, w2 = dm.prepare_weights(w13, w2, precision)
     # inference: x also in the context's input buffer, written once (every forward that
     # copies x there writes the same rows)
     x_buf = None if training else ctx.input_buffer(T).copy_(x)
@@ -197,8 +202,8 @@ def build_layer(inputs: StepInputs, joined: Joined, *, overrides: dict | None = 
 def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None = None,
                share_of: int = 1, routing: str = "sampled",
                activation_factor: float | None = None, save_gathered_rows: bool = True,
-               gathered_rows_in_place: bool | None = None, overrides: dict | None = None
-               ) -> tuple[object, Callable[..., None], int]:
+               gathered_rows_in_place: bool | None = None, overrides: dict | None = None,
+               precision: str = "bf16") -> tuple[object, Callable[..., None], int]:
     """``(ctx, step, T)``: :func:`draw_inputs` then :func:`build_layer` (see both), and the
     tokens per rank. Two calls whose arguments differ in the memory options and
     ``overrides`` only draw the same inputs, so their steps compute the same layer (to
@@ -208,5 +213,6 @@ def layer_step(shape_name: str, mode: str, joined: Joined, *, tokens: int | None
     ctx, step = build_layer(inputs, joined, overrides=overrides,
                             activation_factor=activation_factor,
                             save_gathered_rows=save_gathered_rows,
-                            gathered_rows_in_place=gathered_rows_in_place)
+                            gathered_rows_in_place=gathered_rows_in_place,
+                            precision=precision)
     return ctx, step, inputs.tokens
