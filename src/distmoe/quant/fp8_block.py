@@ -241,6 +241,13 @@ def mxfp8_rebase(qdata: torch.Tensor, scales: torch.Tensor, *, group: int = 128
             or list(scales.shape) != list(qdata.shape[:-2]) + [srows, k // 32]):
         raise ValueError(f"scales must have shape [..., rows, K/32] or [..., rows/32, K/32] "
                          f"for qdata of shape {list(qdata.shape)}, got {list(scales.shape)}")
+    if qdata.dim() > 2 and qdata.shape[0] > 1:
+        # one leading slice at a time (an expert's matrix): the float temporaries below are
+        # 4-8 bytes a value, so a whole layer's weights at once would need several times
+        # their FP8 size (run 67: +10 GiB at dense-e32)
+        parts = [mxfp8_rebase(qdata[i], scales[i], group=group) for i in range(qdata.shape[0])]
+        return (torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]),
+                sum(p[2] for p in parts))
     per = group // 32
     s = scales.to(torch.int32).unflatten(-1, (k // group, per))  # [..., srows, G, per]
     smax = s.amax(-1)
