@@ -24,6 +24,8 @@ import dataclasses
 
 import pytest
 import torch
+from forward_cases import CASES
+from test_mxfp8_forward import executed_routes
 
 import distmoe as dm
 from distmoe.ops.lowp import fp8_format
@@ -46,12 +48,15 @@ TOL_RECIPE_SM90_128 = 2.0**-4
 NAMES = ("y", "grad x", "grad scores", "grad w13", "grad w2")
 
 
-def _problem(world, E, D, F, seed=58, tokens=T):
+def _problem(world, E, D, F, seed=58, tokens=T, case=None):
     g = torch.Generator().manual_seed(seed + world)
     x = torch.randn(world * tokens, D, generator=g).bfloat16()
     w13 = (torch.randn(E, 2, F, D, generator=g) / D**0.5).bfloat16()
     w2 = (torch.randn(E, D, F, generator=g) / F**0.5).bfloat16()
-    ids, scores = random_routing(world * tokens, E, K, generator=g, inactive_fraction=0.15)
+    if case is None:
+        ids, scores = random_routing(world * tokens, E, K, generator=g, inactive_fraction=0.15)
+    else:  # the forward tests' routing cases (tests/ops/forward_cases.py)
+        ids, scores = CASES[case](g, world, tokens, E, K)
     gy = torch.randn(world * tokens, D, generator=g).bfloat16()
     return x, ids, scores.float(), w13, w2, gy
 
@@ -87,7 +92,7 @@ def _bf(v: torch.Tensor) -> torch.Tensor:
     return v.float().bfloat16()
 
 
-def recipe_reference(x, ids, scores, w13, w2, gy, precision):
+def recipe_reference(x, ids, scores, w13, w2, gy, precision, executed=None):
     """Reference (a): ``[y, grad x, grad scores, grad w13, grad w2]`` of the whole group
     (every route executed). The forward GEMMs read the weight blocks along their K, the
     input-gradient GEMMs the same blocks transposed (rebased along the other axis in the
@@ -104,7 +109,8 @@ def recipe_reference(x, ids, scores, w13, w2, gy, precision):
               p13.scales.flatten(1, 2).mT.contiguous(), fmt)  # [E, D, 2F]
     W2d = _w(p2.qdata.mT.contiguous(), p2.scales.mT.contiguous(), fmt)  # [E, F, D]
     N = x.shape[0]
-    t_idx, k_idx = (ids >= 0).nonzero(as_tuple=True)
+    live = ids >= 0 if executed is None else executed  # routes past the bound: none
+    t_idx, k_idx = live.nonzero(as_tuple=True)
     e = ids[t_idx, k_idx]
     s = scores[t_idx, k_idx].double()
     xq = _q(x[t_idx], precision)
@@ -130,8 +136,8 @@ def recipe_reference(x, ids, scores, w13, w2, gy, precision):
 
 
 def _rank(rank, world, E, D, F, precision, main_grad=False, device="cpu", tokens=T,
-          transport="auto"):
-    x, ids, scores, w13, w2, gy = _problem(world, E, D, F, tokens=tokens)
+          transport="auto", case=None, factor=None):
+    x, ids, scores, w13, w2, gy = _problem(world, E, D, F, tokens=tokens, case=case)
     mine = split_global_problem(x, ids, scores, w13, w2, world)[rank]
     dev = torch.device(device)
     mine = dataclasses.replace(mine, **{f.name: getattr(mine, f.name).to(dev)
@@ -139,15 +145,17 @@ def _rank(rank, world, E, D, F, precision, main_grad=False, device="cpu", tokens
     gy = gy[rank * tokens:(rank + 1) * tokens].to(dev)
     cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=tokens,
                        row_block=16, precision=precision, training=True,
-                       device_scratch_factor=float(world))
+                       device_scratch_factor=float(world if factor is None else factor))
+    check = factor is None or factor >= world  # check mode refuses routes past the bound
     leaves = [t.clone().requires_grad_(True) for t in (mine.x, mine.scores, mine.w13, mine.w2)]
     if main_grad:
         for w in leaves[2:]:
             w.main_grad = torch.full(w.shape, 0.5, dtype=torch.float32, device=dev)
     out = {}
-    with dm.MoEContext(cfg, device=dev, main_grad=main_grad, check=True,
+    with dm.MoEContext(cfg, device=dev, main_grad=main_grad, check=check,
                        transport=transport) as ctx:
         out["explain"] = ctx.explain()
+        out["bound"] = ctx.receive_bound
         y = ctx(leaves[0], mine.expert_ids, leaves[1], leaves[2], leaves[3])
         (y.float() * gy.float()).sum().backward()
         grads = [t.grad.clone() for t in leaves[:2]]  # later backwards add into .grad
@@ -184,11 +192,15 @@ def _rank(rank, world, E, D, F, precision, main_grad=False, device="cpu", tokens
                 v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
 
 
-def _check(per_rank, world, E, D, F, precision, tokens=T, tol_recipe=TOL_RECIPE):
-    x, ids, scores, w13, w2, gy = _problem(world, E, D, F, tokens=tokens)
-    recipe = recipe_reference(x, ids, scores, w13, w2, gy, precision)
+def _check(per_rank, world, E, D, F, precision, tokens=T, tol_recipe=TOL_RECIPE, case=None):
+    x, ids, scores, w13, w2, gy = _problem(world, E, D, F, tokens=tokens, case=case)
+    executed = executed_routes(ids, world, E, per_rank[0]["bound"])
+    recipe = recipe_reference(x, ids, scores, w13, w2, gy, precision, executed)
     leaves = [t.double().requires_grad_(True) for t in (x, scores, w13, w2)]
-    y64 = moe_reference(leaves[0], ids, leaves[1], leaves[2], leaves[3])
+    # the bf16 layer in float64 on the executed routes (a dropped route contributes nothing
+    # and gets zero gradients)
+    y64 = moe_reference(leaves[0], torch.where(executed, ids, -1), leaves[1], leaves[2],
+                        leaves[3])
     (y64 * gy.double()).sum().backward()
     bf16 = [y64] + [t.grad for t in leaves]
     e_local = E // world
@@ -204,7 +216,8 @@ def _check(per_rank, world, E, D, F, precision, tokens=T, tol_recipe=TOL_RECIPE)
                 err = (got.double() - ref).abs().max().item()
                 assert err <= tol * scale, (f"rank {r} {name}: {err:.3g} from the {label} "
                                             f"reference (bound {tol} x {scale:.3g})")
-                worst[(label, name)] = max(worst.get((label, name), 0), err / scale)
+                worst[(label, name)] = max(worst.get((label, name), 0),
+                                           err / scale if scale else err)
         y = out["layer"][0]
         diff = (out["no_grad"].double() - y.double()).abs().max().item()
         assert diff <= TOL_NO_GRAD * y.abs().max().item(), f"rank {r}: no-grad call {diff:.3g}"
@@ -223,6 +236,23 @@ def test_mxfp8_training_against_both_references(world):
     E, D, F = 4, 64, 32
     per_rank = dm.launch(_rank, world, args=(E, D, F, "mxfp8"), timeout=300)
     _check(per_rank, world, E, D, F, "mxfp8")
+
+
+@pytest.mark.parametrize("case,factor", [("all_to_one_expert", None),
+                                         ("zero_live_tokens_on_last_rank", None),
+                                         ("imbalance_8x", 0.5)])
+def test_mxfp8_training_routing_cases(case, factor):
+    """EP 2: every route on one expert, a rank whose tokens route nowhere, and a skew past
+    the receive bound (half the routes' rows: the routes past it are dropped, counted, and
+    get zero gradients); the same references on the executed routes."""
+    E, D, F = 4, 64, 32
+    per_rank = dm.launch(_rank, 2, args=(E, D, F, "mxfp8", False, "cpu", T, "auto", case,
+                                         factor), timeout=300)
+    if factor is not None:
+        x, ids, *_ = _problem(2, E, D, F, case=case)
+        dropped = (ids >= 0).sum() - executed_routes(ids, 2, E, per_rank[0]["bound"]).sum()
+        assert dropped > 0, "the case must exceed the receive bound"
+    _check(per_rank, 2, E, D, F, "mxfp8", case=case)
 
 
 def test_mxfp8_training_over_the_nccl_transport():
