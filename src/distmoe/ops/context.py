@@ -220,8 +220,8 @@ class MoEContext:
         if not isinstance(cfg, MoEConfig):
             raise TypeError(f"cfg must be a distmoe.MoEConfig, got {type(cfg).__name__}")
         if cfg.precision not in ("bf16", *LOWP_PRECISIONS):
-            raise ValueError(f"precision ({cfg.precision!r}): only 'bf16', and 'mxfp8', "
-                             "'fp8_block' and 'nvfp4' in inference, are implemented so far")
+            raise ValueError(f"precision ({cfg.precision!r}) must be 'bf16', 'mxfp8' or "
+                             "'fp8_block' (training and inference) or 'nvfp4' (inference)")
         if not isinstance(check, bool):
             raise TypeError(f"check must be a bool, got {type(check).__name__} ({check!r})")
         if not isinstance(graphs, bool):
@@ -364,7 +364,7 @@ class MoEContext:
         # invalid ids total, calls, calls with a token count that differs between ranks]
         # (distmoe.kernels.movement.call_counters).
         self._counters = torch.zeros(6, dtype=torch.int64, device=self.device)
-        #: MXFP8 / NVFP4 inference scratch (:mod:`distmoe.ops.lowp`); None at bf16
+        #: MXFP8 / block-FP8 / NVFP4 scratch (:mod:`distmoe.ops.lowp`); None at bf16
         self._lowp = allocate_lowp(cfg, self.num_local_experts, self.receive_bound, self.device)
         #: the extra GEMM configs of an FP8 training context (:mod:`distmoe.ops.lowp_train`)
         self._lowp_train = (fp8_train_configs(cfg) if cfg.training and self._lowp is not None
@@ -488,7 +488,7 @@ class MoEContext:
 
     def __call__(self, x, expert_ids, scores, w13, w2) -> torch.Tensor:
         precision = self.cfg.precision
-        lowp = precision in LOWP_PRECISIONS  # prepared weights, inference (.lowp)
+        lowp = precision in LOWP_PRECISIONS  # .lowp (inference), .lowp_train (training)
         collective = self.transport != "peer"  # "nccl" / "hierarchical": .transport
         if tracing(x):  # torch.compile / make_fx / fake tensors
             if lowp:
