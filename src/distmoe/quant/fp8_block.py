@@ -181,6 +181,12 @@ def fp8_block_quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     _check_float("w", w, 2)
     nb = _blocks("N", w.shape[-2], "w.shape[-2]: 128 x 128 weight blocks")
     kb = _blocks("K", w.shape[-1], "w.shape[-1]: 128 x 128 weight blocks")
+    if w.dim() > 2 and w.shape[0] > 1:
+        # one leading slice (an expert's matrix) at a time: the float32 temporaries of
+        # _quantize_blocks are several times the FP8 result's size, and a training context
+        # quantises after every optimizer step
+        parts = [fp8_block_quantize_weight(w[i]) for i in range(w.shape[0])]
+        return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
     blocks = w.unflatten(-1, (kb, FP8_BLOCK)).unflatten(-3, (nb, FP8_BLOCK))
     blocks = blocks.movedim(-3, -2).flatten(-2)  # [..., nb, kb, 128 * 128]
     q, s = _quantize_blocks(blocks)
