@@ -490,26 +490,34 @@ def test_options_are_validated():
         dmt.shard_experts(_build("olmoe", 0), options={"max_tokens": 16})
 
 
+def _placed_qwen3_experts(hidden, ffn, seed, std, options):
+    """``(experts, x, ids, w)``: a bf16 Qwen3-MoE experts module of 4 experts with N(0, std^2)
+    weights, placed by ``shard_experts`` with ``options`` (one process), and 8 tokens routed
+    to 2 distinct experts each."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    cfg = transformers.Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=ffn,
+                                      num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(seed)
+    experts = Qwen3MoeExperts(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn_like(experts.gate_up_proj) * std)
+        experts.down_proj.copy_(torch.randn_like(experts.down_proj) * std)
+    dmt.shard_experts(experts, options=options)
+    x = torch.randn(8, hidden).bfloat16()
+    ids = torch.stack([torch.randperm(4)[:2] for _ in range(8)])
+    return experts, x, ids, torch.rand(8, 2)
+
+
 def test_inference_precision_option():
     # ExpertsOptions(inference_precision=...): inference calls run at that precision on the
     # module's weights prepared once per weight version (the bits of the context called with
     # prepare_weights of the same weights); a training call stays bf16 (one process, CPU)
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-
     import distmoe as dm
 
-    cfg = transformers.Qwen3MoeConfig(hidden_size=128, moe_intermediate_size=128,
-                                      num_experts=4, num_experts_per_tok=2)
-    torch.manual_seed(4)
-    experts = Qwen3MoeExperts(cfg).to(torch.bfloat16)
-    with torch.no_grad():
-        experts.gate_up_proj.copy_(torch.randn_like(experts.gate_up_proj) / 128**0.5)
-        experts.down_proj.copy_(torch.randn_like(experts.down_proj) / 128**0.5)
-    dmt.shard_experts(experts, options=dmt.ExpertsOptions(inference_precision="fp8_block",
-                                                          row_block=16))
-    x = torch.randn(8, 128).bfloat16()
-    ids = torch.stack([torch.randperm(4)[:2] for _ in range(8)])
-    w = torch.rand(8, 2)
+    experts, x, ids, w = _placed_qwen3_experts(
+        128, 128, 4, 128**-0.5, dmt.ExpertsOptions(inference_precision="fp8_block",
+                                                   row_block=16))
     try:
         with torch.no_grad():
             y = dmt.distmoe_experts_forward(experts, x, ids, w)
@@ -538,20 +546,9 @@ def test_training_precision_option():
     # context, which takes the module's bf16 weights (the bits of that context called
     # directly with the same weights); gradients reach the input and both parameters
     # (one process, CPU)
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-
-    cfg = transformers.Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32,
-                                      num_experts=4, num_experts_per_tok=2)
-    torch.manual_seed(5)
-    experts = Qwen3MoeExperts(cfg).to(torch.bfloat16)
-    with torch.no_grad():
-        experts.gate_up_proj.copy_(torch.randn_like(experts.gate_up_proj) / 8)
-        experts.down_proj.copy_(torch.randn_like(experts.down_proj) / 8)
-    dmt.shard_experts(experts, options=dmt.ExpertsOptions(training_precision="mxfp8",
-                                                          row_block=16))
-    x = torch.randn(8, 64).bfloat16().requires_grad_(True)
-    ids = torch.stack([torch.randperm(4)[:2] for _ in range(8)])
-    w = torch.rand(8, 2)
+    experts, x, ids, w = _placed_qwen3_experts(
+        64, 32, 5, 1 / 8, dmt.ExpertsOptions(training_precision="mxfp8", row_block=16))
+    x.requires_grad_(True)
     try:
         y = dmt.distmoe_experts_forward(experts, x, ids, w)
         (ctx,) = [c for c in dmt.cached_contexts() if c.cfg.training]

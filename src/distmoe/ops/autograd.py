@@ -158,24 +158,33 @@ class MoEFunction(torch.autograd.Function):
         check_versions(ctx)
         saved = ctx.saved
         moe.activations.end_layer(saved["record"], restore=False)  # 0. checks the order
-        need = ctx.needs_input_grad
-        # weight gradients: new tensors autograd keeps as .grad, or added into the weights'
-        # main_grad buffers (MoEContext(main_grad=True); nothing returned for the weights)
         w13, w2 = ctx.weights
-        weight_out = (new_weight_grads(w13, w2, need_w13=need[4], need_w2=need[5])
-                      if not moe.main_grad else
-                      (w13.main_grad if need[4] else None, w2.main_grad if need[5] else None))
+        weight_out = weight_grad_outputs(ctx, moe)
         grad_x, grad_scores = moe.training_backward(saved, grad_y, w13, w2, ctx.x_shape,
                                                     weight_out)
-        grad_w13, grad_w2 = (None, None) if moe.main_grad else weight_out
-        return (
-            None,
-            grad_x if need[1] else None,
-            None,
-            grad_scores.to(ctx.scores_dtype) if need[3] else None,
-            grad_w13,
-            grad_w2,
-        )
+        return backward_outputs(ctx, moe, grad_x, grad_scores, weight_out)
+
+
+def weight_grad_outputs(ctx, moe):
+    """Where a layer backward writes its weight gradients, ``(grad_w13, grad_w2)`` (each
+    None where not needed): new tensors autograd keeps as ``.grad``, or the weights'
+    ``main_grad`` buffers (``MoEContext(main_grad=True)``). ``ctx.weights`` holds the
+    weights."""
+    need = ctx.needs_input_grad
+    w13, w2 = ctx.weights
+    if moe.main_grad:
+        return (w13.main_grad if need[4] else None, w2.main_grad if need[5] else None)
+    return new_weight_grads(w13, w2, need_w13=need[4], need_w2=need[5])
+
+
+def backward_outputs(ctx, moe, grad_x, grad_scores, weight_out) -> tuple:
+    """The gradients a layer function's backward returns for ``(moe, x, expert_ids, scores,
+    w13, w2)``: none for the weights with ``main_grad`` (added into their buffers); the
+    score gradient in the scores' dtype (``ctx.scores_dtype``)."""
+    need = ctx.needs_input_grad
+    grad_w13, grad_w2 = (None, None) if moe.main_grad else weight_out
+    return (None, grad_x if need[1] else None, None,
+            grad_scores.to(ctx.scores_dtype) if need[3] else None, grad_w13, grad_w2)
 
 
 def record_versions(ctx, scores, w13, w2) -> None:

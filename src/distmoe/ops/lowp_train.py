@@ -72,7 +72,7 @@ from ..kernels.wgrad import w2_wgrad, w13_wgrad
 from ..quant.fp8_block import fp8_block_dequantize, mxfp8_rebase
 from ..quant.mxfp8 import e8m0_to_float, mxfp8_dequantize
 from ..quant.prepare import PreparedWeight, prepare_weights
-from .autograd import check_versions, new_weight_grads, record_versions
+from .autograd import backward_outputs, check_versions, record_versions, weight_grad_outputs
 from .lowp import FP8_FORMATS, fp8_format, route_and_gather, scatter_and_combine
 
 __all__ = ["FP8TrainConfigs", "FP8TrainFunction", "fp8_train_configs", "train_weights"]
@@ -266,13 +266,7 @@ class FP8TrainFunction(torch.autograd.Function):
         moe = ctx.moe
         moe.check_open()
         check_versions(ctx)
-        need = ctx.needs_input_grad
-        w13, w2 = ctx.weights
-        weight_out = (new_weight_grads(w13, w2, need_w13=need[4], need_w2=need[5])
-                      if not moe.main_grad else
-                      (w13.main_grad if need[4] else None, w2.main_grad if need[5] else None))
+        weight_out = weight_grad_outputs(ctx, moe)
         grad_x, grad_scores = fp8_train_backward(moe, ctx.saved, grad_y, weight_out)
         ctx.saved = None  # the layer's tensors go now, not with the graph
-        grad_w13, grad_w2 = (None, None) if moe.main_grad else weight_out
-        return (None, grad_x if need[1] else None, None,
-                grad_scores.to(ctx.scores_dtype) if need[3] else None, grad_w13, grad_w2)
+        return backward_outputs(ctx, moe, grad_x, grad_scores, weight_out)

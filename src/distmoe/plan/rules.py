@@ -335,8 +335,8 @@ def mxfp8_k_group(*, hidden: int, ffn: int) -> int:
     """Values per activation scale along K in the MXFP8 layer's GEMMs: 128 (the operands
     rebased onto 128-wide groups, :func:`distmoe.quant.mxfp8_rebase`: one promotion per four
     FP8 MMAs) where D and F are multiples of 128, else 32 (exact MXFP8, a promotion per MMA).
-    Why: the rebased GEMM ran 3.3x the exact one (W13 of dense-e32 on an H100, 54% against
-    16% of the dense FP8 rate; docs/performance.md, run 66); it changes only values that fall
-    below E4M3's subnormal step at the group's scale, and on SM90 the 128-deep MMA chain
+    Why: the rebased GEMM measured several times faster than the exact one (evidence:
+    docs/performance.md, section "FP8 (issue 58)"); it changes only values that fall below
+    E4M3's subnormal step at the group's scale, and on SM90 the 128-deep MMA chain
     accumulates with a narrower significand (docs/numerics.md sections 6 and 9)."""
     return 128 if hidden % 128 == 0 and ffn % 128 == 0 else 32

@@ -250,7 +250,7 @@ def mxfp8_rebase(qdata: torch.Tensor, scales: torch.Tensor, *, group: int = 128
     if qdata.dim() > 2 and qdata.shape[0] > 1:
         # one leading slice at a time (an expert's matrix): the float temporaries below are
         # 4-8 bytes a value, so a whole layer's weights at once would need several times
-        # their FP8 size (run 67: +10 GiB at dense-e32)
+        # their FP8 size
         parts = [mxfp8_rebase(qdata[i], scales[i], group=group) for i in range(qdata.shape[0])]
         return (torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]),
                 sum(p[2] for p in parts))
