@@ -69,9 +69,8 @@ from ..kernels.movement.scatter_rows import scatter_rows
 from ..kernels.scaled import ScaledGemmConfig
 from ..kernels.scaled.swiglu_quant import swiglu_backward_quantize, swiglu_quantize
 from ..kernels.wgrad import w2_wgrad, w13_wgrad
-from ..quant.fp8_block import fp8_block_dequantize, mxfp8_rebase
-from ..quant.mxfp8 import e8m0_to_float, mxfp8_dequantize
-from ..quant.prepare import PreparedWeight, prepare_weights
+from ..quant.fp8_block import mxfp8_rebase
+from ..quant.prepare import PreparedWeight, dequantize_rows, prepare_weights
 from .autograd import backward_outputs, check_versions, record_versions, weight_grad_outputs
 from .lowp import FP8_FORMATS, fp8_format, route_and_gather, scatter_and_combine
 
@@ -152,16 +151,6 @@ def train_weights(moe, w13: torch.Tensor, w2: torch.Tensor) -> TrainWeights:
     return tw
 
 
-def _dequantize(q: torch.Tensor, s: torch.Tensor, fmt: str) -> torch.Tensor:
-    """bf16 values of activation rows ``q [R, K]`` with scales ``s [R, K/B]`` of format
-    ``fmt`` (MXFP8: exact; block FP8: ``q * s`` rounded once to bf16)."""
-    if fmt == "mxfp8":
-        return mxfp8_dequantize(q, s, dim=-1, dtype=torch.bfloat16)
-    if fmt == "mxfp8_rebased":
-        return (q.float() * e8m0_to_float(s).repeat_interleave(128, -1)).bfloat16()
-    return fp8_block_dequantize(q, s).to(torch.bfloat16)
-
-
 def fp8_train_forward(moe, x, expert_ids, scores, tw: TrainWeights):
     """Forward steps 1-7 (module docstring) on checked inputs: ``(y [T, D] bf16, saved)``."""
     s = moe._lowp
@@ -235,7 +224,7 @@ def fp8_train_backward(moe, saved: dict, grad_y: torch.Tensor, weight_out):
     if grad_w2 is not None:
         w2_wgrad(gh3, h2, po, ro, grad_w2, accumulate=accumulate, config=moe.plan.w2_wgrad)
     if grad_w13 is not None:
-        w13_wgrad(gh1, _dequantize(saved["x_q"], saved["x_s"], fmt), po, ro, grad_w13,
+        w13_wgrad(gh1, dequantize_rows(saved["x_q"], saved["x_s"], fmt), po, ro, grad_w13,
                   accumulate=accumulate, config=moe.plan.w13_wgrad)
     scatter_rows(gx, po, ro, tables.bwd_scatter_ptrs, block_m=moe.cfg.row_block)
     # 4. every route's input gradient has landed

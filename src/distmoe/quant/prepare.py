@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from distmoe.quant.fp8_block import fp8_block_dequantize, fp8_block_quantize_weight
-from distmoe.quant.mxfp8 import mxfp8_dequantize
+from distmoe.quant.mxfp8 import e8m0_to_float, mxfp8_dequantize
 from distmoe.quant.mxfp8_weight import mxfp8_quantize_weight, mxfp8_quantize_weight_ref
 from distmoe.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize, nvfp4_quantize_ref
 
@@ -288,6 +288,21 @@ def _prepare_nvfp4(w: torch.Tensor, reference: bool) -> PreparedWeight:
     return PreparedWeight(packed.view(*lead, w.shape[-1] // 2).contiguous(),
                           scales.view(*lead, w.shape[-1] // 16).contiguous(), tuple(w.shape),
                           "nvfp4", gs.reshape(num_experts).contiguous())
+
+
+def dequantize_rows(qdata: torch.Tensor, scales: torch.Tensor, fmt: str, *,
+                    dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Values of FP8 activation rows ``qdata [R, K]`` (float8_e4m3fn) with their scales along
+    K in operand format ``fmt``, as ``dtype``: ``"mxfp8"`` (uint8 E8M0 ``[R, K/32]``) and
+    ``"mxfp8_rebased"`` (uint8 E8M0 ``[R, K/128]``): exact; ``"fp8_block"`` (float32
+    ``[R, K/128]``): ``q * s`` in float32, rounded once to ``dtype``."""
+    if fmt == "mxfp8":
+        return mxfp8_dequantize(qdata, scales, dim=-1, dtype=dtype)
+    if fmt == "mxfp8_rebased":
+        return (qdata.float() * e8m0_to_float(scales).repeat_interleave(128, -1)).to(dtype)
+    if fmt == "fp8_block":
+        return fp8_block_dequantize(qdata, scales).to(dtype)
+    raise ValueError(f"fmt ({fmt!r}) must be 'mxfp8', 'mxfp8_rebased' or 'fp8_block'")
 
 
 def prepare_cached(owner: object, w13: torch.Tensor, w2: torch.Tensor, precision: str, *,

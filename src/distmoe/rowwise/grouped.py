@@ -302,8 +302,7 @@ class ScaledGroupedMMFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, b, offs, precision, wgrad_sink):
-        from distmoe.quant.fp8_block import fp8_block_dequantize
-        from distmoe.quant.mxfp8 import mxfp8_dequantize
+        from distmoe.quant.prepare import dequantize_rows
 
         w = b.transpose(1, 2)  # [E, N, K], the forward orientation of the weight blocks
         w_q, w_s = _quantize_weight(w.detach().contiguous(), precision)
@@ -312,8 +311,7 @@ class ScaledGroupedMMFunction(torch.autograd.Function):
         ctx.precision, ctx.transposed, ctx.wgrad_sink = precision, _is_transposed(b), wgrad_sink
         # the input-gradient GEMM reads the same blocks transposed ([E, K, N] contiguous);
         # the weight gradient multiplies the rows the forward multiplied
-        a_dq = (mxfp8_dequantize(a_q, a_s, dtype=torch.bfloat16) if precision == "mxfp8"
-                else fp8_block_dequantize(a_q, a_s).to(torch.bfloat16))
+        a_dq = dequantize_rows(a_q, a_s, precision)
         ctx.save_for_backward(w_q.transpose(1, 2).contiguous(),
                               w_s.transpose(1, 2).contiguous(), a_dq, offs)
         return out
