@@ -69,7 +69,6 @@ work).
 from __future__ import annotations
 
 import functools
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -88,7 +87,7 @@ from ..kernels.scaled import (
 from ..plan.rules import mxfp8_k_group
 from ..quant.fp8_block import fp8_block_quantize_2d, mxfp8_rebase
 from ..quant.mxfp8 import mxfp8_quantize_2d, mxfp8_quantize_rebased_2d
-from ..quant.prepare import PreparedWeight
+from ..quant.prepare import PreparedWeight, cached_per_object
 
 __all__ = ["FP8Scratch", "NVFP4Scratch", "allocate_fp8", "allocate_lowp", "allocate_nvfp4",
            "check_prepared", "fp8_forward", "lowp_forward", "nvfp4_forward"]
@@ -119,15 +118,8 @@ def rebased_weight(owner, w: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor
     onto 128-wide K groups (:func:`distmoe.quant.mxfp8_rebase`), kept on ``owner`` per
     prepared object (weak references: a new object at a freed one's address never matches)
     for its last 8 weights. Why: once per weight, not per call."""
-    cache = owner.__dict__.setdefault("_distmoe_rebased", {})
-    hit = cache.get(id(w))
-    if hit is not None and hit[0]() is w:
-        return hit[1]
-    q, sc, _ = mxfp8_rebase(w.qdata, w.scales)
-    while len(cache) >= 8:
-        cache.pop(next(iter(cache)))
-    cache[id(w)] = (weakref.ref(w), (q, sc))
-    return q, sc
+    return cached_per_object(owner, "_distmoe_rebased", (w,),
+                             lambda: mxfp8_rebase(w.qdata, w.scales)[:2], size=8)
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,6 @@ bytes), gh1 and x dequantised (bf16), beside the context's scratch.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -70,7 +69,7 @@ from ..kernels.scaled import ScaledGemmConfig
 from ..kernels.scaled.swiglu_quant import swiglu_backward_quantize, swiglu_quantize
 from ..kernels.wgrad import w2_wgrad, w13_wgrad
 from ..quant.fp8_block import mxfp8_rebase
-from ..quant.prepare import PreparedWeight, dequantize_rows, prepare_weights
+from ..quant.prepare import PreparedWeight, cached_per_object, dequantize_rows, prepare_weights
 from .autograd import backward_outputs, check_versions, record_versions, weight_grad_outputs
 from .lowp import FP8_FORMATS, fp8_format, route_and_gather, scatter_and_combine
 
@@ -127,12 +126,13 @@ def train_weights(moe, w13: torch.Tensor, w2: torch.Tensor) -> TrainWeights:
     references, so a new tensor at a freed one's address never matches) and their version
     counters (an in-place change, as an optimizer step, makes them again). Why: static
     weights are quantised once per version, not once per call."""
-    cache = moe.__dict__.setdefault("_distmoe_train_weights", {})
-    key = (id(w13), id(w2))
-    hit = cache.get(key)
-    if (hit is not None and hit[0]() is w13 and hit[1]() is w2
-            and hit[2] == (w13._version, w2._version)):
-        return hit[3]
+    return cached_per_object(moe, "_distmoe_train_weights", (w13, w2),
+                             lambda: _quantise_weights(moe, w13, w2),
+                             size=moe.cfg.max_layers_per_slot)
+
+
+def _quantise_weights(moe, w13: torch.Tensor, w2: torch.Tensor) -> TrainWeights:
+    """:class:`TrainWeights` of ``(w13, w2)`` in ``moe``'s operand format."""
     p13, p2 = prepare_weights(w13.detach(), w2.detach(), moe.cfg.precision)
     E, _, F, D = p13.shape
     forms = [(p13.qdata, p13.scales), (p2.qdata, p2.scales),
@@ -142,13 +142,8 @@ def train_weights(moe, w13: torch.Tensor, w2: torch.Tensor) -> TrainWeights:
     if moe._lowp.format == "mxfp8_rebased":  # every operand onto 128-wide K groups
         forms = [mxfp8_rebase(q, sc)[:2] for q, sc in forms]
     (q13, s13), (q2, s2), (q2t, s2t), (q13t, s13t) = forms
-    tw = TrainWeights(w13=p13, w2=p2, w13_q=q13, w13_s=s13, w2_q=q2, w2_s=s2, w2t_q=q2t,
-                      w2t_s=s2t, w13t_q=q13t, w13t_s=s13t)
-    cache.pop(key, None)
-    while len(cache) >= moe.cfg.max_layers_per_slot:
-        cache.pop(next(iter(cache)))  # the oldest pair
-    cache[key] = (weakref.ref(w13), weakref.ref(w2), (w13._version, w2._version), tw)
-    return tw
+    return TrainWeights(w13=p13, w2=p2, w13_q=q13, w13_s=s13, w2_q=q2, w2_s=s2, w2t_q=q2t,
+                        w2t_s=s2t, w13t_q=q13t, w13t_s=s13t)
 
 
 def fp8_train_forward(moe, x, expert_ids, scores, tw: TrainWeights):

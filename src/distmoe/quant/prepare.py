@@ -52,6 +52,7 @@ two for nvfp4's amax, per weight). A :class:`PreparedWeight` saves and loads wit
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -288,6 +289,27 @@ def _prepare_nvfp4(w: torch.Tensor, reference: bool) -> PreparedWeight:
     return PreparedWeight(packed.view(*lead, w.shape[-1] // 2).contiguous(),
                           scales.view(*lead, w.shape[-1] // 16).contiguous(), tuple(w.shape),
                           "nvfp4", gs.reshape(num_experts).contiguous())
+
+
+def cached_per_object(owner: object, name: str, objects: tuple, make, *, size: int):
+    """``make()``, kept on ``owner`` (its attribute ``name``, a dict) for each of the last
+    ``size`` tuples of ``objects`` it was asked for, keyed by the objects themselves (weak
+    references: a new object at a freed one's address never matches) and, for tensors,
+    their version counters (an in-place change, as an optimizer step, makes it again). Why:
+    derived forms of static weights are made once per weight version, not once per call."""
+    cache = owner.__dict__.setdefault(name, {})
+    key = tuple(id(o) for o in objects)
+    versions = tuple(getattr(o, "_version", 0) for o in objects)
+    hit = cache.get(key)
+    if (hit is not None and all(r() is o for r, o in zip(hit[0], objects, strict=True))
+            and hit[1] == versions):
+        return hit[2]
+    value = make()
+    cache.pop(key, None)
+    while len(cache) >= size:
+        cache.pop(next(iter(cache)))  # the oldest
+    cache[key] = (tuple(weakref.ref(o) for o in objects), versions, value)
+    return value
 
 
 def dequantize_rows(qdata: torch.Tensor, scales: torch.Tensor, fmt: str, *,
