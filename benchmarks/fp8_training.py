@@ -19,6 +19,7 @@ environment (GPU, versions, git SHA, date, command).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -45,14 +46,39 @@ def _inputs(T, D, F, E, K, dev):
     return x, ids, scores, w13.requires_grad_(True), w2.requires_grad_(True)
 
 
+def _triton_scaled(ctx) -> None:
+    """Put the Triton kernel's configs (:meth:`ScaledGemmConfig.for_widths`) in place of the
+    plan's block-scaled GEMM configs of an FP8 context: the A/B of
+    :func:`distmoe.plan.rules.scaled_gemm`'s Gluon choice in one run."""
+    from distmoe.kernels.scaled import ScaledGemmConfig
+
+    def plain(c: ScaledGemmConfig, k: int, n: int, swiglu: bool = False) -> ScaledGemmConfig:
+        k_group = 128 if c.block_k == 128 and c.gluon else None
+        if k_group is None:
+            return c
+        return ScaledGemmConfig.for_widths(k=k, n=n, swiglu=swiglu, block_m=c.block_m,
+                                           k_group=k_group)
+
+    D, F = ctx.cfg.hidden, ctx.cfg.ffn
+    lp, lt = ctx._lowp, ctx._lowp_train
+    ctx._lowp = dataclasses.replace(lp, w13_config=plain(lp.w13_config, D, 2 * F, True),
+                                    w2_config=plain(lp.w2_config, F, D))
+    ctx._lowp_train = dataclasses.replace(lt, w13_h1=plain(lt.w13_h1, D, 2 * F),
+                                          w2_dgrad=plain(lt.w2_dgrad, D, F),
+                                          w13_dgrad=plain(lt.w13_dgrad, 2 * F, D))
+
+
 def run_case(shape: str, precision: str, timing: TimingConfig) -> dict:
+    precision, _, kernel = precision.partition("/")
     T, D, F, E, K = SHAPES[shape]
     dev = torch.device("cuda", torch.cuda.current_device())
     x, ids, scores, w13, w2 = _inputs(T, D, F, E, K, dev)
     cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
                        precision=precision, training=True)
-    out = {"shape": shape, "precision": precision}
+    out = {"shape": shape, "precision": precision + (f"/{kernel}" if kernel else "")}
     with dm.MoEContext(cfg, device=dev) as ctx:
+        if kernel == "triton":
+            _triton_scaled(ctx)
         leaves = (x, scores, w13, w2)
 
         def fwd():
@@ -76,7 +102,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--precisions", nargs="+", default=["bf16", "mxfp8", "fp8_block"],
-                    choices=["bf16", "mxfp8", "fp8_block"])
+                    choices=["bf16", "mxfp8", "fp8_block", "mxfp8/triton", "fp8_block/triton"],
+                    help="'/triton': the block-scaled GEMMs on the Triton kernel instead of "
+                         "the plan's choice (an A/B in one run)")
     ap.add_argument("--windows", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", type=Path)
@@ -97,7 +125,7 @@ def main(argv=None) -> int:
                 if mode in base:
                     r[mode]["x_bf16"] = base[mode] / r[mode]["ms"]
             rows.append(r)
-            print(f"{shape:15s} {precision:9s} fwd {r['fwd']['ms']:8.3f} ms "
+            print(f"{shape:15s} {precision:16s} fwd {r['fwd']['ms']:8.3f} ms "
                   f"(x{r['fwd'].get('x_bf16', float('nan')):.2f})  fwd+bwd "
                   f"{r['fwdbwd']['ms']:8.3f} ms (x{r['fwdbwd'].get('x_bf16', float('nan')):.2f})"
                   f"  peak {r['peak_gib']:.1f} GiB", flush=True)

@@ -15,7 +15,8 @@ its range):
   ``--variants``: ``mxfp8`` (exact MXFP8, a promotion per 32-wide K step), ``mxfp8_rebased``
   (rebased onto 128-wide groups, :func:`distmoe.quant.mxfp8_rebase`: a promotion per 128),
   ``fp8_block`` (DeepSeek-V3's 1 x 128 / 128 x 128 float32 scales); ``--sweep`` also times
-  a few configs of each and reports the best;
+  a few configs of each and reports the best; the two 128-group variants also run the
+  warp-specialised Gluon kernel (``<variant>_gluon``; ``--sweep``: ring depths 4-6);
 * ``torch_scaled_grouped``: ``torch._scaled_grouped_mm`` with rowwise FP8 scales (one per
   row and per weight column; no SwiGLU epilogue), where this torch has it;
 * ``bf16_grouped``: ``torch._grouped_mm`` on the same rows and weights in bf16 (the GEMM only,
@@ -144,19 +145,22 @@ def main(argv=None) -> int:
                 if cfg.block_k >= group and cfg.fits_hopper(swiglu=args.swiglu) \
                         and cfg not in configs:
                     configs.append(cfg)
-        best = None
+        if group == 128:  # the warp-specialised Gluon kernel, reported as its own entry
+            configs += [ScaledGemmConfig(block_m=128, block_n=64 if args.swiglu else 128,
+                                         block_k=128, num_warps=8, num_stages=stages,
+                                         gluon=True)
+                        for stages in ((4, 5, 6) if args.sweep else (5,))]
         for cfg in configs:
+            name = variant + ("_gluon" if cfg.gluon else "")
             try:
                 res = benchmark(lambda cfg=cfg: call(cfg), config=timing, device=dev)
             except Exception as exc:  # a config that fails to compile: reported, skipped
-                print(f"  {variant} {cfg}: {type(exc).__name__}: {str(exc)[:200]}")
+                print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
             entry = _rate(flops, res) | {"config": dataclasses.asdict(cfg)}
-            out.setdefault(variant + "_configs", []).append(entry)
-            if best is None or entry["tflops"] > best["tflops"]:
-                best = entry
-        if best is not None:
-            out[variant] = best
+            out.setdefault(name + "_configs", []).append(entry)
+            if name not in out or entry["tflops"] > out[name]["tflops"]:
+                out[name] = entry
         del a_q, a_s, b_q, b_s
 
     # torch's rowwise-FP8 grouped GEMM (where present): one scale per row and weight column
@@ -181,7 +185,8 @@ def main(argv=None) -> int:
 
     dense = out["dense_fp8"]["tflops"]
     print(f"{out['env']['gpu']}  R={r} E={e} K={k} N={n} swiglu={args.swiglu}")
-    for name in ("dense_fp8", *args.variants, "torch_scaled_grouped", "bf16_grouped"):
+    names = [v + g for v in args.variants for g in ("", "_gluon")]
+    for name in ("dense_fp8", *names, "torch_scaled_grouped", "bf16_grouped"):
         if name not in out:
             continue
         v = out[name]

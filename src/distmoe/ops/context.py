@@ -367,8 +367,8 @@ class MoEContext:
         #: MXFP8 / block-FP8 / NVFP4 scratch (:mod:`distmoe.ops.lowp`); None at bf16
         self._lowp = allocate_lowp(cfg, self.num_local_experts, self.receive_bound, self.device)
         #: the extra GEMM configs of an FP8 training context (:mod:`distmoe.ops.lowp_train`)
-        self._lowp_train = (fp8_train_configs(cfg) if cfg.training and self._lowp is not None
-                            else None)
+        self._lowp_train = (fp8_train_configs(cfg, self.device)
+                            if cfg.training and self._lowp is not None else None)
         #: the captured calls (:mod:`distmoe.ops.graphs`; None: every call eager):
         #: ForwardGraphs in inference contexts, TrainingGraphs in training contexts
         #: (none at mxfp8 yet: its calls run eagerly)

@@ -74,6 +74,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import MoEConfig
+from ..kernels.base.gluon import gluon_device_reason
 from ..kernels.movement.combine import combine
 from ..kernels.movement.regather_rows import regather_rows
 from ..kernels.movement.scatter_rows import scatter_rows
@@ -84,6 +85,7 @@ from ..kernels.scaled import (
     nvfp4_weight_config,
     nvfp4_weight_grouped_mm,
 )
+from ..plan import rules
 from ..plan.rules import mxfp8_k_group
 from ..quant.fp8_block import fp8_block_quantize_2d, mxfp8_rebase
 from ..quant.mxfp8 import mxfp8_quantize_2d, mxfp8_quantize_rebased_2d
@@ -167,6 +169,7 @@ def allocate_fp8(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
     w13_shape, w2_shape = (E, 2, F, D), (E, D, F)
     fmt = fp8_format(cfg)
     block, scale_dtype = FP8_FORMATS[fmt][:2]
+    gluon = gluon_device_reason(device) is None
     return FP8Scratch(
         precision=cfg.precision,
         format=fmt,
@@ -175,10 +178,10 @@ def allocate_fp8(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
         x_s=torch.zeros(R, D // block, dtype=scale_dtype, device=device),
         h2_q=torch.zeros(R, F, dtype=torch.float8_e4m3fn, device=device),
         h2_s=torch.zeros(R, F // block, dtype=scale_dtype, device=device),
-        w13_config=ScaledGemmConfig.for_widths(k=D, n=2 * F, swiglu=True,
-                                               block_m=cfg.row_block, k_group=block),
-        w2_config=ScaledGemmConfig.for_widths(k=F, n=D, block_m=cfg.row_block,
-                                              k_group=block),
+        w13_config=rules.scaled_gemm(k=D, n=2 * F, swiglu=True, block_m=cfg.row_block,
+                                     k_group=block, gluon=gluon),
+        w2_config=rules.scaled_gemm(k=F, n=D, block_m=cfg.row_block, k_group=block,
+                                    gluon=gluon),
         w13_shape=w13_shape,
         w2_shape=w2_shape,
     )

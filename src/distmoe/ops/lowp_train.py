@@ -63,11 +63,13 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..kernels.base.gluon import gluon_device_reason
 from ..kernels.movement.route_grad import reduce_routes, route_grads
 from ..kernels.movement.scatter_rows import scatter_rows
 from ..kernels.scaled import ScaledGemmConfig
 from ..kernels.scaled.swiglu_quant import swiglu_backward_quantize, swiglu_quantize
 from ..kernels.wgrad import w2_wgrad, w13_wgrad
+from ..plan import rules
 from ..quant.fp8_block import mxfp8_rebase
 from ..quant.prepare import PreparedWeight, cached_per_object, dequantize_rows, prepare_weights
 from .autograd import backward_outputs, check_versions, record_versions, weight_grad_outputs
@@ -87,14 +89,16 @@ class FP8TrainConfigs:
     w13_dgrad: ScaledGemmConfig
 
 
-def fp8_train_configs(cfg) -> FP8TrainConfigs:
-    """The configs of :class:`FP8TrainConfigs` for ``cfg`` (shapes only)."""
+def fp8_train_configs(cfg, device: torch.device) -> FP8TrainConfigs:
+    """The configs of :class:`FP8TrainConfigs` for ``cfg`` on ``device``
+    (:func:`distmoe.plan.rules.scaled_gemm`)."""
     D, F, bm = cfg.hidden, cfg.ffn, cfg.row_block
     g = FP8_FORMATS[fp8_format(cfg)][0]
+    gluon = gluon_device_reason(device) is None
     return FP8TrainConfigs(
-        w13_h1=ScaledGemmConfig.for_widths(k=D, n=2 * F, block_m=bm, k_group=g),
-        w2_dgrad=ScaledGemmConfig.for_widths(k=D, n=F, block_m=bm, k_group=g),
-        w13_dgrad=ScaledGemmConfig.for_widths(k=2 * F, n=D, block_m=bm, k_group=g),
+        w13_h1=rules.scaled_gemm(k=D, n=2 * F, block_m=bm, k_group=g, gluon=gluon),
+        w2_dgrad=rules.scaled_gemm(k=D, n=F, block_m=bm, k_group=g, gluon=gluon),
+        w13_dgrad=rules.scaled_gemm(k=2 * F, n=D, block_m=bm, k_group=g, gluon=gluon),
     )
 
 

@@ -18,6 +18,8 @@ from dataclasses import replace
 from ..kernels.base.config import pow2_clamped
 from ..kernels.mega.gluon import FusedConfig
 from ..kernels.movement.combine import CombineConfig
+from ..kernels.scaled.config import ScaledGemmConfig
+from ..kernels.scaled.gluon import shape_reason as scaled_shape_reason
 from ..kernels.w2_dgrad.config import W2DgradConfig
 from ..kernels.w2_dgrad.gluon import shape_reason as w2_dgrad_shape_reason
 from ..kernels.w2_forward.config import W2Config
@@ -340,3 +342,23 @@ def mxfp8_k_group(*, hidden: int, ffn: int) -> int:
     E4M3's subnormal step at the group's scale, and on SM90 the 128-deep MMA chain
     accumulates with a narrower significand (docs/numerics.md sections 6 and 9)."""
     return 128 if hidden % 128 == 0 and ffn % 128 == 0 else 32
+
+
+def scaled_gemm(*, k: int, n: int, swiglu: bool = False, k_group: int, block_m: int,
+                gluon: bool) -> ScaledGemmConfig:
+    """The block-scaled grouped GEMM's config (FP8 layers' W13, W2 and input-gradient GEMMs):
+    K = ``k``, ``n`` weight rows per expert (2F with ``swiglu``), ``k_group`` values per
+    scale along K, ``block_m`` the padding multiple, ``gluon`` whether the device runs Gluon
+    kernels (:func:`~distmoe.kernels.base.gluon.gluon_device_reason`). The warp-specialised
+    Gluon kernel (128 x 128 x 128 tiles, 5 stages) wherever it can tile the case (128-wide K
+    groups, K a multiple of 128, N of 128 or F of 64), else the Triton kernel's
+    :meth:`~ScaledGemmConfig.for_widths`. Why: on the Triton kernel the promotions stall the
+    tensor cores (evidence: docs/performance.md, section "FP8 (issue 58)")."""
+    cfg = ScaledGemmConfig(block_m=block_m, block_n=64 if swiglu else 128, block_k=128,
+                           num_warps=8, num_stages=5, gluon=True)
+    if gluon and scaled_shape_reason(
+            k=k, n=n, swiglu=swiglu, k_group=k_group, block_m=block_m, block_n=cfg.block_n,
+            block_k=cfg.block_k, stages=cfg.num_stages, warps=cfg.num_warps) is None:
+        return cfg
+    return ScaledGemmConfig.for_widths(k=k, n=n, swiglu=swiglu, block_m=block_m,
+                                       k_group=k_group)

@@ -161,18 +161,19 @@ def build(case: BuildCase) -> BuildReport:
     return report
 
 
-def _gluon_desc(rows: int, cols: int, block: list[int], planes: int | None = None) -> str:
-    """Signature type of a host-built Gluon TMA descriptor over a bf16 ``[rows, cols]`` tensor
-    (``[planes, rows, cols]`` with ``planes``) with this block (the default NVMMA shared
-    layout)."""
+def _gluon_desc(rows: int, cols: int, block: list[int], planes: int | None = None,
+                fp8: bool = False) -> str:
+    """Signature type of a host-built Gluon TMA descriptor over a bf16 (``fp8``: E4M3)
+    ``[rows, cols]`` tensor (``[planes, rows, cols]`` with ``planes``) with this block (the
+    default NVMMA shared layout)."""
     import torch
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv if fp8 else gl.bfloat16)
     shape = [rows, cols] if planes is None else [planes, rows, cols]
-    t = torch.empty(*shape, dtype=torch.bfloat16)
+    t = torch.empty(*shape, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
     strides = [cols, 1] if planes is None else [rows * cols, cols, 1]
     return mangle_type(TensorDescriptor(t, shape, strides, block, layout))
 
@@ -811,6 +812,32 @@ def other_kernel_cases() -> list[BuildCase]:
     return cases
 
 
+def gluon_scaled_cases(shapes: tuple, num_experts: int) -> list[BuildCase]:
+    """The warp-specialised block-scaled GEMM (:mod:`distmoe.kernels.scaled.gluon`) for both
+    128-group layouts at each ``(name, K, N, swiglu)`` of ``shapes``; a spill is a failure."""
+    from distmoe.kernels.base.config import next_power_of_2
+    from distmoe.kernels.scaled import gluon as sg
+    from distmoe.kernels.scaled import triton as scaled
+
+    cases = []
+    for layout in (scaled.MXFP8_REBASED, scaled.FP8_BLOCK):
+        scale_type = "*fp32" if layout.fp32 else "*u8"
+        for name, k, n, swiglu in shapes:
+            out_n = n // 2 if swiglu else n
+            types = {"a_desc": _gluon_desc(4096, k, [128, 128], fp8=True),
+                     "b_desc": _gluon_desc(num_experts * n, k, [64 if swiglu else 128, 128],
+                                           fp8=True),
+                     "sa_ptr": scale_type, "sb_ptr": scale_type}
+            cases.append(BuildCase(
+                f"scaled {layout.name} {name} gluon", sg._gluon_scaled_kernel,
+                dict(K=k, N=n, OUT_N=out_n, NUM_EXPERTS=num_experts,
+                     EXPERTS_POW2=max(32, next_power_of_2(num_experts)), GROUP_M=8, STAGES=5,
+                     SWIGLU=swiglu, SB_ROWS=layout.b_rows, SCALE_FP32=layout.fp32),
+                4, 1, types=types, production=True, gluon=True,
+                options=dict(maxnreg=sg._MAXNREG)))
+    return cases
+
+
 def lowp_kernel_cases() -> list[BuildCase]:
     """The low-precision kernels (``qwen3-30b-a3b`` widths: D=2048, F=768, E=64 local): the
     block-scaled grouped GEMM in each scale layout (exact MXFP8, MXFP8 rebased onto 128-wide
@@ -846,6 +873,7 @@ def lowp_kernel_cases() -> list[BuildCase]:
                 cfg.num_warps, cfg.num_stages,
                 types={"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "sa_ptr": scale_type,
                        "sb_ptr": scale_type}))
+    cases += gluon_scaled_cases(shapes, E)
     for name, k, n, swiglu in shapes[:2]:
         cfg = nvfp4_weight_config(k=k, n=n, swiglu=swiglu)
         out_n = n // 2 if swiglu else n

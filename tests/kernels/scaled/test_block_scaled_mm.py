@@ -296,3 +296,73 @@ def test_rebased_quantiser_gives_quantise_then_rebase_bits():
 @pytest.mark.gpu
 def test_gpu_rebased_quantiser_bits():
     _assert_rebased_quantiser_bits("cuda")
+
+
+# ---------------------------------------------------------------------------- Gluon kernel
+def _gluon_config(swiglu, stages=5):
+    return ScaledGemmConfig(block_m=128, block_n=64 if swiglu else 128, block_k=128,
+                            num_warps=8, num_stages=stages, gluon=True)
+
+
+def test_gluon_reasons():
+    # where the warp-specialised kernel cannot run, a sentence says why (on CPU: the device)
+    from distmoe.kernels.scaled.gluon import gluon_scaled_reason, shape_reason
+    ok = dict(k=2048, n=1536, swiglu=False, k_group=128, block_m=128, block_n=128,
+              block_k=128, stages=5, warps=8)
+    assert shape_reason(**ok) is None
+    assert shape_reason(**(ok | dict(swiglu=True, block_n=64))) is None
+    assert "k_group 32" in shape_reason(**(ok | dict(k_group=32)))
+    assert "block_n must be 64 with SwiGLU" in shape_reason(**(ok | dict(swiglu=True)))
+    assert "K (2112) must be a multiple of 128" in shape_reason(**(ok | dict(k=2112)))
+    assert "stages must be one of" in shape_reason(**(ok | dict(stages=7)))
+    assert "(128, 128, 64, 8)" in shape_reason(**(ok | dict(block_k=64)))
+    assert gluon_scaled_reason(torch.device("cpu"), **ok) is not None
+
+
+def test_gluon_config_falls_back_with_a_warning():
+    # on CPU the Gluon config runs the Triton kernel and says why
+    counts, k, n = (5, 11), 128, 128
+    po, ro = _layout(counts, 128)
+    ops, a, b, _ = _operands("fp8_block", sum(counts), k, 2, n)
+    out = torch.full((sum(counts), n), float("nan"), dtype=torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="Gluon kernel cannot run this call"):
+        fp8_block_grouped_mm(*ops, po, ro, out, config=_gluon_config(False, 3))
+    exact, tol = _expected(a, b, counts, n, False)
+    _check_output(out, exact, tol, ro)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [4, 6])
+@pytest.mark.parametrize("kind", ["fp8_block", "rebased"])
+def test_gpu_gluon_matches_exact_product(kind, stages):
+    counts = (700, 0, 512, 1, 1000, 383, 900, 600)
+    _run(kind, counts, 2048, 1536, block_m=128, device="cuda", spare=64,
+         config=_gluon_config(False, stages))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["fp8_block", "rebased"])
+def test_gpu_gluon_swiglu(kind):
+    # h = silu(g) * u against the exact g and u: |dh| <= 1.1 |u| tol_g + |silu(g)| tol_u +
+    # tol_g tol_u, then the bf16 rounding of h (and fp32 slack in the SwiGLU)
+    counts, k, f = (300, 129, 0, 1024, 77), 1024, 768
+    rows = sum(counts) + 40
+    po, ro = _layout(counts, 128)
+    ops, a, b, _ = _operands(kind, rows, k, len(counts), 2 * f, "cuda")
+    out = torch.full((rows, f), float("nan"), dtype=torch.bfloat16, device="cuda")
+    tables = (po.cuda(), ro.cuda())
+    if kind == "fp8_block":
+        fp8_block_grouped_mm(*ops, *tables, out, swiglu=True, config=_gluon_config(True))
+    else:
+        mxfp8_grouped_mm(*ops, *tables, out, swiglu=True, config=_gluon_config(True),
+                         k_group=128)
+    exact, tol = _expected(a, b, counts, 2 * f, True)
+    g, u, tg, tu = exact[:, :f], exact[:, f:], tol[:, :f], tol[:, f:]
+    h = torch.nn.functional.silu(g) * u
+    bound = 1.1 * u.abs() * tg + torch.nn.functional.silu(g).abs() * tu + tg * tu
+    bound = bound + U16 * (h.abs() + bound) + 8 * U32 * h.abs() + 2.0**-133
+    live = out[:int(ro[-1])].double()
+    assert not torch.isnan(live).any()
+    err = (live - h).abs()
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"
+    assert torch.isnan(out[int(ro[-1]):].float()).all()  # rows past the live ones untouched

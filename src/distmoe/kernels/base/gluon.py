@@ -50,10 +50,12 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 @functools.cache
-def shared_layout(block_shape: tuple[int, ...]):
-    """The default NVMMA shared-memory layout of a bf16 TMA block (one object per shape, made
-    once: building it costs host time on every launch otherwise)."""
-    return gl.NVMMASharedLayout.get_default_for(list(block_shape), gl.bfloat16)
+def shared_layout(block_shape: tuple[int, ...], fp8: bool = False):
+    """The default NVMMA shared-memory layout of a bf16 (or, with ``fp8``, E4M3) TMA block
+    (one object per shape, made once: building it costs host time on every launch
+    otherwise)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape),
+                                                gl.float8e4nv if fp8 else gl.bfloat16)
 
 
 def gluon_device_reason(device: torch.device) -> str | None:

@@ -37,6 +37,15 @@ class ScaledGemmConfig:
     num_warps: int = 8
     num_stages: int = 3
     group_m: int = 8
+    #: Run the warp-specialised Gluon kernel (:mod:`distmoe.kernels.scaled.gluon`: a producer
+    #: warp loads by TMA, two consumer warpgroups each promote while the other's MMAs run)
+    #: where it can run: Hopper, not the interpreter, scales per 128 values of K, the tiles
+    #: of :data:`~distmoe.kernels.scaled.gluon.GLUON_SCALED_TILES` (128 x 128 x 128, or
+    #: ``block_n`` 64 with SwiGLU; ``num_warps`` 8), a ring depth of
+    #: :data:`~distmoe.kernels.scaled.gluon.GLUON_SCALED_STAGES`
+    #: (:func:`~distmoe.kernels.scaled.gluon.gluon_scaled_reason`). Elsewhere the Triton
+    #: kernel runs this config (with a ``RuntimeWarning`` that says why).
+    gluon: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("block_m", 16), ("block_n", SCALE_BLOCK), ("block_k", SCALE_BLOCK)):
@@ -47,6 +56,8 @@ class ScaledGemmConfig:
                 raise ValueError(f"{name} ({value}) must be a power of two in [{low}, 256]")
         if self.num_warps not in (4, 8) or isinstance(self.num_warps, bool):
             raise ValueError(f"num_warps ({self.num_warps!r}) must be 4 or 8")
+        if not isinstance(self.gluon, bool):
+            raise TypeError(f"gluon must be a bool, got {type(self.gluon).__name__}")
         for name in ("num_stages", "group_m"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

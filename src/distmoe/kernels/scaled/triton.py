@@ -98,10 +98,11 @@ from distmoe.kernels.base.checks import (
     check_row_offsets_host,
     check_tensor,
 )
-from distmoe.kernels.base.device import device_context
+from distmoe.kernels.base.device import device_context, warn_gluon_fallback
 from distmoe.kernels.base.interpreter import interpreter_active
 from distmoe.kernels.base.rows import activation_segments
 from distmoe.kernels.base.tiles import swizzle_tile, tile_activation_rows, tile_expert
+from distmoe.kernels.scaled import gluon as scaled_gluon
 from distmoe.kernels.scaled.config import SCALE_BLOCK, ScaledGemmConfig
 from distmoe.quant.formats import e8m0_to_fp32
 from distmoe.quant.mxfp8 import e8m0_to_float
@@ -408,6 +409,18 @@ def scaled_grouped_mm(a_q, a_scales, b_q, b_scales, padded_offsets, row_offsets,
                          f"the scales ({layout.k_group}, {layout.name})")
     if rows == 0:
         return out
+    if config.gluon:
+        reason = scaled_gluon.gluon_scaled_reason(
+            a_q.device, k=k, n=n, swiglu=swiglu, k_group=layout.k_group, block_m=config.block_m,
+            block_n=config.block_n, block_k=config.block_k, stages=config.num_stages,
+            warps=config.num_warps)
+        if reason is None:
+            scaled_gluon.launch_gluon_scaled(
+                a_q, a_scales, b_q, b_scales, padded_offsets, row_offsets, out, swiglu=swiglu,
+                b_rows=layout.b_rows, scale_fp32=layout.fp32, stages=config.num_stages,
+                group_m=config.group_m)
+            return out
+        warn_gluon_fallback("scaled_grouped_mm", reason)
     grid, num_pid_m, kwargs = config.launch(rows=rows, k=k, n=n, num_experts=num_experts,
                                             swiglu=swiglu)
     with device_context(a_q.device):
