@@ -827,12 +827,13 @@ def gluon_scaled_cases(shapes: tuple, num_experts: int) -> list[BuildCase]:
             types = {"a_desc": _gluon_desc(4096, k, [128, 128], fp8=True),
                      "b_desc": _gluon_desc(num_experts * n, k, [64 if swiglu else 128, 128],
                                            fp8=True),
-                     "sa_ptr": scale_type, "sb_ptr": scale_type}
+                     "sa_ptr": scale_type, "sb_ptr": scale_type, "scatter_ptr": "*i64"}
             cases.append(BuildCase(
                 f"scaled {layout.name} {name} gluon", sg._gluon_scaled_kernel,
                 dict(K=k, N=n, OUT_N=out_n, NUM_EXPERTS=num_experts,
                      EXPERTS_POW2=max(32, next_power_of_2(num_experts)), GROUP_M=8, STAGES=5,
-                     SWIGLU=swiglu, SB_ROWS=layout.b_rows, SCALE_FP32=layout.fp32),
+                     SWIGLU=swiglu, SB_ROWS=layout.b_rows, SCALE_FP32=layout.fp32,
+                     SCATTER=name == "W2"),
                 4, 1, types=types, production=True, gluon=True,
                 options=dict(maxnreg=sg._MAXNREG)))
     return cases
@@ -869,10 +870,11 @@ def lowp_kernel_cases() -> list[BuildCase]:
                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                      GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0,
                      EVEN_N=out_n % cfg.block_n == 0, SWIGLU=swiglu, INTERPRET=False,
-                     K_GROUP=layout.k_group, SB_ROWS=layout.b_rows, SCALE_FP32=layout.fp32),
+                     K_GROUP=layout.k_group, SB_ROWS=layout.b_rows, SCALE_FP32=layout.fp32,
+                     SCATTER=name == "W2"),
                 cfg.num_warps, cfg.num_stages,
                 types={"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "sa_ptr": scale_type,
-                       "sb_ptr": scale_type}))
+                       "sb_ptr": scale_type, "scatter_ptr": "*i64"}))
     cases += gluon_scaled_cases(shapes, E)
     for name, k, n, swiglu in shapes[:2]:
         cfg = nvfp4_weight_config(k=k, n=n, swiglu=swiglu)

@@ -366,3 +366,56 @@ def test_gpu_gluon_swiglu(kind):
     err = (live - h).abs()
     assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"
     assert torch.isnan(out[int(ro[-1]):].float()).all()  # rows past the live ones untouched
+
+
+def _scatter_case(kind, counts, k, n, device, config):
+    """The GEMM into ``out``, and again into rows at addresses (``scatter_ptrs``: a shuffled
+    destination row per live padded row, 0 for every third): the stored rows must be the
+    ``out`` rows bit for bit, and nothing else written."""
+    po, ro = _layout(counts, 128 if device == "cuda" else 16)
+    rows = sum(counts) + 5
+    ops, _, _, _ = _operands(kind, rows, k, len(counts), n, device)
+    tables = (po.to(device), ro.to(device))
+    run = fp8_block_grouped_mm if kind == "fp8_block" else \
+        (lambda *a, **kw: mxfp8_grouped_mm(*a, **kw, k_group=128))
+    out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device=device)
+    run(*ops, *tables, out, config=config)
+    r_cap = int(po[-1])
+    dest = torch.full((r_cap + 3, n), float("nan"), dtype=torch.bfloat16, device=device)
+    perm = torch.randperm(r_cap + 3)[:r_cap]
+    ptrs = dest.data_ptr() + perm.to(torch.int64) * (n * 2)
+    ptrs[::3] = 0
+    act = torch.full((r_cap,), -1, dtype=torch.int64)  # activation row of each padded row
+    for e in range(len(counts)):
+        c = int(ro[e + 1] - ro[e])
+        act[int(po[e]):int(po[e]) + c] = torch.arange(int(ro[e]), int(ro[e]) + c)
+    run(*ops, *tables, None, config=config, scatter_ptrs=ptrs.to(device))
+    stored = (act >= 0) & (ptrs != 0)
+    want = torch.full_like(dest, float("nan"))
+    want[perm[stored]] = out[act[stored].to(device)]
+    assert torch.equal(dest.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("kind", ["fp8_block", "rebased"])
+def test_scatter_rows_are_out_rows(kind):
+    _scatter_case(kind, (5, 0, 21), 128, 128, "cpu",
+                  ScaledGemmConfig(block_m=16, block_n=32, block_k=128, num_warps=4,
+                                   num_stages=2))
+
+
+def test_scatter_refusals():
+    ops, _, _, _ = _operands("fp8_block", 8, 128, 2, 128)
+    po, ro = _layout((3, 5), 16)
+    out = torch.empty(8, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out must be None when scatter_ptrs is given"):
+        fp8_block_grouped_mm(*ops, po, ro, out, scatter_ptrs=torch.zeros(32, dtype=torch.int64))
+    with pytest.raises(TypeError, match="scatter_ptrs must have dtype int64"):
+        fp8_block_grouped_mm(*ops, po, ro, None, scatter_ptrs=torch.zeros(32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gluon", [False, True])
+@pytest.mark.parametrize("kind", ["fp8_block", "rebased"])
+def test_gpu_scatter_rows_are_out_rows(kind, gluon):
+    cfg = _gluon_config(False) if gluon else None
+    _scatter_case(kind, (700, 0, 129, 1000), 1024, 2048, "cuda", cfg)

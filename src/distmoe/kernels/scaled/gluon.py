@@ -93,11 +93,11 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr,
-                  padded_offsets_ptr, row_offsets_ptr, out_ptr, K: gl.constexpr,
+                  padded_offsets_ptr, row_offsets_ptr, out_ptr, scatter_ptr, K: gl.constexpr,
                   N: gl.constexpr, OUT_N: gl.constexpr, NUM_EXPERTS: gl.constexpr,
                   EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                   SWIGLU: gl.constexpr, SB_ROWS: gl.constexpr, SCALE_FP32: gl.constexpr,
-                  PARITY: gl.constexpr):
+                  SCATTER: gl.constexpr, PARITY: gl.constexpr):
         """One warp: the TMA loads of every tile of the program, K step by K step."""
         NUM_K: gl.constexpr = K // 128
         OUT_TILE: gl.constexpr = 64 if SWIGLU else 128
@@ -146,24 +146,32 @@ if HAVE_GLUON:
             return e8m0_to_fp32(s.to(gl.int32))
 
     @gluon.jit
-    def _store_chunk(out_ptr, act_start, num_live, col0, value, OUT_N: gl.constexpr):
+    def _store_chunk(out_ptr, scatter_ptr, act_start, row_start, num_live, col0, value,
+                     OUT_N: gl.constexpr, SCATTER: gl.constexpr):
         """Masked 16-byte stores of a ``[64, 32]`` fp32 chunk, rounded to bf16, into rows
-        ``act_start + i`` (``i < num_live``), columns ``col0 + j`` of the output."""
+        ``act_start + i`` (``i < num_live``), columns ``col0 + j`` of the output; with
+        ``SCATTER`` at the addresses ``scatter[row_start + i]`` instead (0: not stored)."""
         L: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
         v = gl.convert_layout(value.to(gl.bfloat16), L)
         i = gl.arange(0, 64, layout=gl.SliceLayout(1, L))
         j = gl.arange(0, 32, layout=gl.SliceLayout(0, L))
-        rows = gl.multiple_of(out_ptr + (act_start + i).to(gl.int64) * OUT_N, 16)
+        live = i < num_live
+        if SCATTER:
+            dst = gl.load(scatter_ptr + row_start + i, mask=live, other=0)
+            rows = gl.multiple_of(dst.to(gl.pointer_type(gl.bfloat16)), 16)
+            live = live & (dst != 0)
+        else:
+            rows = gl.multiple_of(out_ptr + (act_start + i).to(gl.int64) * OUT_N, 16)
         ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(col0 + j, 0)
-        gl.store(ptrs, v, mask=gl.expand_dims(i < num_live, 1))
+        gl.store(ptrs, v, mask=gl.expand_dims(live, 1))
 
     @gluon.jit
     def _consumer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr,
-                  padded_offsets_ptr, row_offsets_ptr, out_ptr, K: gl.constexpr,
+                  padded_offsets_ptr, row_offsets_ptr, out_ptr, scatter_ptr, K: gl.constexpr,
                   N: gl.constexpr, OUT_N: gl.constexpr, NUM_EXPERTS: gl.constexpr,
                   EXPERTS_POW2: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                   SWIGLU: gl.constexpr, SB_ROWS: gl.constexpr, SCALE_FP32: gl.constexpr,
-                  PARITY: gl.constexpr):
+                  SCATTER: gl.constexpr, PARITY: gl.constexpr):
         """One warpgroup: rows ``64 PARITY`` to ``64 PARITY + 63`` of every tile of the
         program: MMAs, promotions and the epilogue."""
         NUM_K: gl.constexpr = K // 128
@@ -184,9 +192,10 @@ if HAVE_GLUON:
         count = 0
         p = zero
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            pid_n, expert, _row, act_start, num_live = tile_info(
+            pid_n, expert, row_start, act_start, num_live = tile_info(
                 tile, num_pid_m, ends, starts, rbeg, rend, eidx, NUM_PID_N, GROUP_M,
                 NUM_EXPERTS, 128, False)
+            row_start += ROW0
             act_start += ROW0
             num_live -= ROW0
             sa_rows = sa_ptr + (act_start + i).to(gl.int64) * KS
@@ -232,13 +241,19 @@ if HAVE_GLUON:
             if SWIGLU:
                 h0 = acc0 * (1.0 / (1.0 + gl.exp(-acc0))) * acc2
                 h1 = acc1 * (1.0 / (1.0 + gl.exp(-acc1))) * acc3
-                _store_chunk(out_ptr, act_start, num_live, n0, h0, OUT_N)
-                _store_chunk(out_ptr, act_start, num_live, n0 + 32, h1, OUT_N)
+                _store_chunk(out_ptr, scatter_ptr, act_start, row_start, num_live, n0, h0,
+                             OUT_N, SCATTER)
+                _store_chunk(out_ptr, scatter_ptr, act_start, row_start, num_live, n0 + 32, h1,
+                             OUT_N, SCATTER)
             else:
-                _store_chunk(out_ptr, act_start, num_live, n0, acc0, OUT_N)
-                _store_chunk(out_ptr, act_start, num_live, n0 + 32, acc1, OUT_N)
-                _store_chunk(out_ptr, act_start, num_live, n0 + 64, acc2, OUT_N)
-                _store_chunk(out_ptr, act_start, num_live, n0 + 96, acc3, OUT_N)
+                _store_chunk(out_ptr, scatter_ptr, act_start, row_start, num_live, n0, acc0,
+                             OUT_N, SCATTER)
+                _store_chunk(out_ptr, scatter_ptr, act_start, row_start, num_live, n0 + 32,
+                             acc1, OUT_N, SCATTER)
+                _store_chunk(out_ptr, scatter_ptr, act_start, row_start, num_live, n0 + 64,
+                             acc2, OUT_N, SCATTER)
+                _store_chunk(out_ptr, scatter_ptr, act_start, row_start, num_live, n0 + 96,
+                             acc3, OUT_N, SCATTER)
 
     @gluon.jit
     def _gluon_scaled_kernel(
@@ -248,7 +263,8 @@ if HAVE_GLUON:
         sb_ptr,  # weight scales [E N / SB_ROWS, K/128]
         padded_offsets_ptr,  # int32 [E + 1]
         row_offsets_ptr,  # int32 [E + 1]
-        out_ptr,  # bf16 [R, OUT_N]
+        out_ptr,  # bf16 [R, OUT_N] (not SCATTER)
+        scatter_ptr,  # int64 [R_cap]: output row addresses by padded row (SCATTER)
         K: gl.constexpr,
         N: gl.constexpr,  # weight rows per expert (2F with SwiGLU)
         OUT_N: gl.constexpr,  # output columns (N, or F with SwiGLU)
@@ -259,6 +275,7 @@ if HAVE_GLUON:
         SWIGLU: gl.constexpr,
         SB_ROWS: gl.constexpr,  # weight rows per scale (32 MXFP8, 128 block FP8)
         SCALE_FP32: gl.constexpr,
+        SCATTER: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 128, 128], a_desc.layout)
@@ -268,17 +285,17 @@ if HAVE_GLUON:
         # (the argument lists are written out: a tuple built here loses the constexprs)
         gl.warp_specialize([
             (_consumer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr,
-                         padded_offsets_ptr, row_offsets_ptr, out_ptr, K, N, OUT_N,
-                         NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, SWIGLU, SB_ROWS,
-                         SCALE_FP32, 0)),
+                         padded_offsets_ptr, row_offsets_ptr, out_ptr, scatter_ptr, K, N,
+                         OUT_N, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, SWIGLU, SB_ROWS,
+                         SCALE_FP32, SCATTER, 0)),
             (_consumer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr,
-                         padded_offsets_ptr, row_offsets_ptr, out_ptr, K, N, OUT_N,
-                         NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, SWIGLU, SB_ROWS,
-                         SCALE_FP32, 1)),
+                         padded_offsets_ptr, row_offsets_ptr, out_ptr, scatter_ptr, K, N,
+                         OUT_N, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, SWIGLU, SB_ROWS,
+                         SCALE_FP32, SCATTER, 1)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr,
-                         padded_offsets_ptr, row_offsets_ptr, out_ptr, K, N, OUT_N,
-                         NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, SWIGLU, SB_ROWS,
-                         SCALE_FP32, 0)),
+                         padded_offsets_ptr, row_offsets_ptr, out_ptr, scatter_ptr, K, N,
+                         OUT_N, NUM_EXPERTS, EXPERTS_POW2, GROUP_M, STAGES, SWIGLU, SB_ROWS,
+                         SCALE_FP32, SCATTER, 0)),
         ], [4, 1], [232, 40])
 
 
@@ -313,12 +330,14 @@ def launch_gluon_scaled(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: torch.Te
                         b_scales: torch.Tensor, padded_offsets: torch.Tensor,
                         row_offsets: torch.Tensor, out: torch.Tensor, *, swiglu: bool,
                         b_rows: int, scale_fp32: bool, stages: int = 5, group_m: int = 8,
-                        programs: int | None = None) -> None:
+                        programs: int | None = None,
+                        scatter_ptrs: torch.Tensor | None = None) -> None:
     """Launch the kernel (arguments validated by
     :func:`~distmoe.kernels.scaled.triton.check_scaled_grouped_mm_args`, ``b_q`` / ``b_scales``
     as it returns them, ``[E, N, K]`` / ``[E, N / b_rows, K / 128]``, and
     :func:`gluon_scaled_reason` returned ``None``). ``programs``: the grid (default one per
-    SM); tests pass fewer so that every program walks many tiles."""
+    SM); tests pass fewer so that every program walks many tiles. ``scatter_ptrs`` (with
+    ``out`` None): each live row at its padded row's address instead."""
     rows, k = a_q.shape
     num_experts, n, _ = b_q.shape
     out_n = n // 2 if swiglu else n
@@ -332,9 +351,11 @@ def launch_gluon_scaled(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: torch.Te
         programs = num_sms(a_q.device)
     with device_context(a_q.device):
         _gluon_scaled_kernel[(max(1, min(programs, tiles)),)](
-            a_desc, b_desc, a_scales, b_scales, padded_offsets, row_offsets, out,
+            a_desc, b_desc, a_scales, b_scales, padded_offsets, row_offsets,
+            scatter_ptrs if out is None else out,
+            padded_offsets if scatter_ptrs is None else scatter_ptrs,
             K=k, N=n, OUT_N=out_n, NUM_EXPERTS=num_experts,
             EXPERTS_POW2=max(32, next_power_of_2(num_experts)), GROUP_M=group_m,
             STAGES=stages, SWIGLU=swiglu, SB_ROWS=b_rows, SCALE_FP32=scale_fp32,
-            num_warps=4, maxnreg=_MAXNREG,
+            SCATTER=scatter_ptrs is not None, num_warps=4, maxnreg=_MAXNREG,
         )  # fmt: skip

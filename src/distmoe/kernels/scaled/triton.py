@@ -157,6 +157,7 @@ def _mxfp8_tile(
     padded_offsets_ptr,
     row_offsets_ptr,
     out_ptr,
+    scatter_ptr,
     row_start,
     pid_n,
     NUM_EXPERTS: tl.constexpr,
@@ -174,6 +175,7 @@ def _mxfp8_tile(
     K_GROUP: tl.constexpr,
     SB_ROWS: tl.constexpr,
     SCALE_FP32: tl.constexpr,
+    SCATTER: tl.constexpr,
 ):
     """One ``BLOCK_M x BLOCK_N`` output tile of the padded row tile at ``row_start``."""
     KS: tl.constexpr = K // K_GROUP  # scale columns of a row (K steps)
@@ -227,7 +229,12 @@ def _mxfp8_tile(
             val = acc_g * tl.sigmoid(acc_g) * acc_u
         else:
             val = acc_g
-        out_rows = out_ptr + rows * OUT_N
+        if SCATTER:  # each live row at its padded row's address (0: not stored)
+            dst = tl.load(scatter_ptr + row_start + idx, mask=is_live, other=0)
+            out_rows = tl.multiple_of(dst.to(tl.pointer_type(tl.bfloat16)), 16)
+            is_live = is_live & (dst != 0)
+        else:
+            out_rows = out_ptr + rows * OUT_N
         tl.store(out_rows[:, None] + cols[None, :], val.to(tl.bfloat16),
                  mask=is_live[:, None] & is_col[None, :])
 
@@ -241,6 +248,7 @@ def _mxfp8_grouped_mm_kernel(
     padded_offsets_ptr,
     row_offsets_ptr,
     out_ptr,
+    scatter_ptr,
     num_pid_m,
     NUM_EXPERTS: tl.constexpr,
     EXPERTS_POW2: tl.constexpr,
@@ -258,6 +266,7 @@ def _mxfp8_grouped_mm_kernel(
     K_GROUP: tl.constexpr,
     SB_ROWS: tl.constexpr,
     SCALE_FP32: tl.constexpr,
+    SCATTER: tl.constexpr,
 ):
     NUM_PID_N: tl.constexpr = (OUT_N + BLOCK_N - 1) // BLOCK_N
     pid_m, pid_n = swizzle_tile(tl.program_id(0), num_pid_m, NUM_PID_N, GROUP_M)
@@ -267,8 +276,9 @@ def _mxfp8_grouped_mm_kernel(
     row_start = pid_m * BLOCK_M
     while row_start < total_rows:
         _mxfp8_tile(a_ptr, sa_ptr, b_ptr, sb_ptr, padded_offsets_ptr, row_offsets_ptr, out_ptr,
-                    row_start, pid_n, NUM_EXPERTS, EXPERTS_POW2, K, N, OUT_N, BLOCK_M, BLOCK_N,
-                    BLOCK_K, EVEN_K, EVEN_N, SWIGLU, INTERPRET, K_GROUP, SB_ROWS, SCALE_FP32)
+                    scatter_ptr, row_start, pid_n, NUM_EXPERTS, EXPERTS_POW2, K, N, OUT_N,
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, SWIGLU, INTERPRET, K_GROUP,
+                    SB_ROWS, SCALE_FP32, SCATTER)
         row_start += num_pid_m * BLOCK_M
 
 
@@ -322,10 +332,11 @@ def check_scaled_grouped_mm_args(
     swiglu: object,
     layout: ScaleLayout = MXFP8,
     for_kernel: bool = True,
+    scatter_ptrs: object = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int]:
     """Validate a block-scaled grouped GEMM's arguments for ``layout`` (no synchronisation);
     return the weights seen as ``[E, N, K]`` / ``[E, N/b_rows, K/k_group]`` and
-    ``(R, K, E, N)``."""
+    ``(R, K, E, N)``. With ``scatter_ptrs`` (int64 ``[R_cap]``), ``out`` must be None."""
     if not isinstance(swiglu, bool):
         raise TypeError(f"swiglu must be a bool, got {type(swiglu).__name__}")
     g, br, sd, kind = layout.k_group, layout.b_rows, layout.dtype, layout.kind
@@ -368,10 +379,19 @@ def check_scaled_grouped_mm_args(
                             "orientation)")
     check_offsets(padded_offsets, row_offsets, num_experts)
     out_n = n // 2 if swiglu else n
-    check_tensor("out", out, dtypes=(torch.bfloat16,), shape=[rows, out_n],
-                 shape_text="[R, F = N/2] (swiglu)" if swiglu else "[R, N]")
+    if scatter_ptrs is None:
+        check_tensor("out", out, dtypes=(torch.bfloat16,), shape=[rows, out_n],
+                     shape_text="[R, F = N/2] (swiglu)" if swiglu else "[R, N]")
+        dest = {"out": out}
+    else:
+        if out is not None:
+            raise ValueError("out must be None when scatter_ptrs is given (the rows go to "
+                             "their addresses), got a tensor")
+        check_tensor("scatter_ptrs", scatter_ptrs, dtypes=(torch.int64,), ndim=1,
+                     shape_text="[R_cap] (a byte address per padded row, 0: not stored)")
+        dest = {"scatter_ptrs": scatter_ptrs}
     check_devices({"a_q": a_q, "a_scales": a_scales, "b_q": b_q, "b_scales": b_scales,
-                   "padded_offsets": padded_offsets, "row_offsets": row_offsets, "out": out},
+                   "padded_offsets": padded_offsets, "row_offsets": row_offsets, **dest},
                   for_kernel=for_kernel)
     return b_q, b_scales, rows, k, num_experts, n
 
@@ -393,13 +413,21 @@ def _layout_of_k_group(k_group: object) -> ScaleLayout:
 
 def scaled_grouped_mm(a_q, a_scales, b_q, b_scales, padded_offsets, row_offsets, out, *,
                       layout: ScaleLayout, swiglu: bool = False,
-                      config: ScaledGemmConfig | None = None) -> torch.Tensor:
+                      config: ScaledGemmConfig | None = None,
+                      scatter_ptrs: torch.Tensor | None = None) -> torch.Tensor | None:
     """The block-scaled grouped GEMM for operands of ``layout`` (:data:`MXFP8`,
     :data:`MXFP8_REBASED`, :data:`FP8_BLOCK`): see :func:`mxfp8_grouped_mm` and
-    :func:`fp8_block_grouped_mm` for the contract."""
+    :func:`fp8_block_grouped_mm` for the contract.
+
+    ``scatter_ptrs`` (int64 ``[R_cap]``, with ``out=None``): instead of activation row ``a``
+    of ``out``, each live row goes to the byte address ``scatter_ptrs[r]`` of its padded row
+    ``r`` (a bf16 row of the output width; 0: not stored), as
+    :func:`~distmoe.kernels.movement.scatter_rows.scatter_rows` would move it: the W2
+    epilogue writes straight into the owners' combine rows. ``R_cap`` covers the padded rows
+    (``padded_offsets[E] <= R_cap``, a device value: not checked)."""
     b_q, b_scales, rows, k, num_experts, n = check_scaled_grouped_mm_args(
         a_q, a_scales, b_q, b_scales, padded_offsets, row_offsets, out, swiglu=swiglu,
-        layout=layout)
+        layout=layout, scatter_ptrs=scatter_ptrs)
     if config is None:
         config = ScaledGemmConfig.for_widths(k=k, n=n, swiglu=swiglu, k_group=layout.k_group)
     elif not isinstance(config, ScaledGemmConfig):
@@ -418,14 +446,17 @@ def scaled_grouped_mm(a_q, a_scales, b_q, b_scales, padded_offsets, row_offsets,
             scaled_gluon.launch_gluon_scaled(
                 a_q, a_scales, b_q, b_scales, padded_offsets, row_offsets, out, swiglu=swiglu,
                 b_rows=layout.b_rows, scale_fp32=layout.fp32, stages=config.num_stages,
-                group_m=config.group_m)
+                group_m=config.group_m, scatter_ptrs=scatter_ptrs)
             return out
         warn_gluon_fallback("scaled_grouped_mm", reason)
     grid, num_pid_m, kwargs = config.launch(rows=rows, k=k, n=n, num_experts=num_experts,
                                             swiglu=swiglu)
     with device_context(a_q.device):
         _mxfp8_grouped_mm_kernel[grid](
-            a_q, a_scales, b_q, b_scales, padded_offsets, row_offsets, out, num_pid_m,
+            a_q, a_scales, b_q, b_scales, padded_offsets, row_offsets,
+            scatter_ptrs if out is None else out,
+            padded_offsets if scatter_ptrs is None else scatter_ptrs, num_pid_m,
+            SCATTER=scatter_ptrs is not None,
             EVEN_N=kwargs["OUT_N"] % config.block_n == 0,
             INTERPRET=interpreter_active(),
             K_GROUP=layout.k_group,
@@ -448,7 +479,8 @@ def mxfp8_grouped_mm(
     swiglu: bool = False,
     config: ScaledGemmConfig | None = None,
     k_group: int = 32,
-) -> torch.Tensor:
+    scatter_ptrs: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """Per expert ``e``: ``out[rows of e] = dequant(a_q) @ dequant(b_q[e])^T`` on MXFP8 operands
     (or its SwiGLU), FP8 tensor-core dots per ``k_group``-wide K step promoted with both
     scales into fp32: exact arithmetic on the operands as given, up to the fp32 summation
@@ -477,11 +509,14 @@ def mxfp8_grouped_mm(
         k_group: values per scale along K: 32 (MXFP8 as quantised: one promotion per 32) or
             128 (operands rebased onto 128-wide groups: one promotion per 128, so four FP8
             MMAs run back to back between promotions).
+        scatter_ptrs: int64 ``[R_cap]`` with ``out=None``: each live row stored at its padded
+            row's byte address instead (0: not stored; :func:`scaled_grouped_mm`).
 
     Returns ``out``. No host synchronisation; nothing allocated.
     """
     return scaled_grouped_mm(a_q, a_scales, b_q, b_scales, padded_offsets, row_offsets, out,
-                             layout=_layout_of_k_group(k_group), swiglu=swiglu, config=config)
+                             layout=_layout_of_k_group(k_group), swiglu=swiglu, config=config,
+                             scatter_ptrs=scatter_ptrs)
 
 
 def fp8_block_grouped_mm(
@@ -495,7 +530,8 @@ def fp8_block_grouped_mm(
     *,
     swiglu: bool = False,
     config: ScaledGemmConfig | None = None,
-) -> torch.Tensor:
+    scatter_ptrs: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """:func:`mxfp8_grouped_mm` on DeepSeek-V3-style block-FP8 operands
     (:func:`~distmoe.quant.fp8_block_quantize`): ``a_scales`` float32 ``[R, K/128]`` (one per
     1 x 128 activation block), ``b_scales`` float32 ``[E, N/128, K/128]`` (one per 128 x 128
@@ -504,7 +540,8 @@ def fp8_block_grouped_mm(
     (F with SwiGLU). One promotion per 128-wide K step: ``acc += P_s * sa * sb`` in fp32
     (``sa * sb`` rounded once, unlike the power-of-two MXFP8 scales)."""
     return scaled_grouped_mm(a_q, a_scales, b_q, b_scales, padded_offsets, row_offsets, out,
-                             layout=FP8_BLOCK, swiglu=swiglu, config=config)
+                             layout=FP8_BLOCK, swiglu=swiglu, config=config,
+                             scatter_ptrs=scatter_ptrs)
 
 
 # --------------------------------------------------------------------------------------------
