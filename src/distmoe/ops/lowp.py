@@ -27,8 +27,9 @@ receive bound (legend of :mod:`distmoe.routing.tables`); steps 1-4a and 5c-7 are
     4c. W13 + SwiGLU: ``mxfp8_grouped_mm`` / ``fp8_block_grouped_mm(x_q, x_s, w13,
         swiglu=True) -> h2 [R_b, F]`` bf16
     5a. quantise h2 along F: ``(h2_q [R_b, F], h2_s [R_b, F/B])``
-    5b. W2: the same GEMM ``(h2_q, h2_s, w2) -> h3 [R_b, D]`` bf16, in x_rows' memory
-        (x_rows is dead once quantised)
+    5b. W2: the same GEMM ``(h2_q, h2_s, w2) -> h3`` bf16, each live row stored straight
+        into its owner's combine slot (the GEMM's ``scatter_ptrs`` epilogue: 5b and 5c in
+        one kernel)
 
     nvfp4 (:func:`nvfp4_forward`; weights only: activations stay bf16 in this step):
     4c. W13 + SwiGLU: ``nvfp4_weight_grouped_mm(x_rows, w13, swiglu=True) -> h2 [R_b, F]``
@@ -36,8 +37,8 @@ receive bound (legend of :mod:`distmoe.routing.tables`); steps 1-4a and 5c-7 are
     5b. W2: ``nvfp4_weight_grouped_mm(h2, w2) -> h3 [R_b, D]`` bf16, in x_rows' memory
         (x_rows is dead once W13 has read it)
 
-    5c. scatter: each live row of h3 to its route's slot in the owner's combine buffer
-        (:func:`~distmoe.kernels.movement.scatter_rows.scatter_rows` through
+    5c. nvfp4: scatter each live row of h3 to its route's slot in the owner's combine
+        buffer (:func:`~distmoe.kernels.movement.scatter_rows.scatter_rows` through
         ``tables.scatter_ptrs``; null rows skipped)
     6. barrier
     7. the owner's combine, ``y[t] = sum_k score[t, k] * h3[t*K + k]`` in fp32 (executed
@@ -282,13 +283,15 @@ def route_and_gather(ctx, x, expert_ids, x_rows: torch.Tensor):
     return tables
 
 
-def scatter_and_combine(ctx, tables, h3: torch.Tensor, x, expert_ids, scores,
+def scatter_and_combine(ctx, tables, h3: torch.Tensor | None, x, expert_ids, scores,
                          out: torch.Tensor | None) -> torch.Tensor:
-    """Steps 5c-7: scatter h3's live rows to their combine slots, barrier, combine; returns
-    y [T, D] bf16 (into ``out`` when given)."""
+    """Steps 5c-7: scatter h3's live rows to their combine slots (``h3`` None: W2 stored
+    them there itself), barrier, combine; returns y [T, D] bf16 (into ``out`` when
+    given)."""
     T, K = expert_ids.shape
-    scatter_rows(h3, tables.padded_offsets, tables.row_offsets, tables.scatter_ptrs,
-                 block_m=ctx.cfg.row_block)
+    if h3 is not None:
+        scatter_rows(h3, tables.padded_offsets, tables.row_offsets, tables.scatter_ptrs,
+                     block_m=ctx.cfg.row_block)
     ctx.heap.barrier()
     y = torch.empty_like(x) if out is None else out
     # dest_rows_TK is -1 exactly where a route is not executed (the combine's ids)
@@ -312,9 +315,10 @@ def fp8_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedWei
     h2 = ctx._h2
     grouped_mm(s.x_q, s.x_s, q13, s13, po, ro, h2, swiglu=True, config=s.w13_config)
     quantize_2d(h2, s.h2_q, s.h2_s)
-    h3 = s.x_rows  # the gathered rows are dead once quantised
-    grouped_mm(s.h2_q, s.h2_s, q2, s2, po, ro, h3, config=s.w2_config)
-    return scatter_and_combine(ctx, tables, h3, x, expert_ids, scores, out)
+    # W2 stores each route's h3 row in its owner's combine slot (5b and 5c in one kernel)
+    grouped_mm(s.h2_q, s.h2_s, q2, s2, po, ro, None, config=s.w2_config,
+               scatter_ptrs=tables.scatter_ptrs)
+    return scatter_and_combine(ctx, tables, None, x, expert_ids, scores, out)
 
 
 def nvfp4_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedWeight, *,

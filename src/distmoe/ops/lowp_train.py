@@ -20,8 +20,9 @@ forward's, :mod:`distmoe.ops.lowp`)::
     5a    SwiGLU in fp32 from h1, quantised along F in the same kernel
           (:func:`~distmoe.kernels.scaled.swiglu_quant.swiglu_quantize`):
           h2 = bf16(silu(h1_gate) * h1_up) [R_b, F], h2_q, h2_s
-          W2:   h3 = bf16(h2_q W2_q^T)  [R_b, D]
-    5c-7  scatter, barrier, combine: y[t] = sum_k score[t, k] h3[t, k] (fp32); the
+          W2:   h3 = bf16(h2_q W2_q^T)  [R_b, D], each live row stored straight into
+          its owner's combine slot (the GEMM's ``scatter_ptrs`` epilogue)
+    5c-7  barrier, combine: y[t] = sum_k score[t, k] h3[t, k] (fp32); the
           owner keeps its routes' h3 rows ``[T*K, D]`` bf16 (saved) for the score gradient
 
 Backward (collective: every rank runs the backward of the same calls in the same order)::
@@ -37,7 +38,8 @@ Backward (collective: every rank runs the backward of the same calls in the same
                WGRAD (bf16 operands, fp32 accumulation, activation rows of each expert;
                the bf16 layer's kernels, :mod:`distmoe.kernels.wgrad`):
                grad_w2[e] = gh3_e^T h2_e, grad_w13[e] = gh1_e^T dequant(x_q)_e
-               scatter each live gx row into its owner's dispatch row t*K+k
+               (the gx GEMM stores each live row straight into its owner's dispatch row
+               t*K+k: its ``scatter_ptrs`` epilogue)
     4  barrier
     5  owner:  grad_x[t] = bf16(sum over executed k of the route rows) (reduce_routes)
 
@@ -65,7 +67,6 @@ from torch.autograd.function import once_differentiable
 
 from ..kernels.base.gluon import gluon_device_reason
 from ..kernels.movement.route_grad import reduce_routes, route_grads
-from ..kernels.movement.scatter_rows import scatter_rows
 from ..kernels.scaled import ScaledGemmConfig
 from ..kernels.scaled.swiglu_quant import swiglu_backward_quantize, swiglu_quantize
 from ..kernels.wgrad import w2_wgrad, w13_wgrad
@@ -167,9 +168,10 @@ def fp8_train_forward(moe, x, expert_ids, scores, tw: TrainWeights):
     grouped_mm(x_q, x_s, tw.w13_q.view(E, 2 * F, D), tw.w13_s.flatten(1, 2), po, ro, h1,
                config=conf.w13_h1)
     swiglu_quantize(h1, moe._h2[:R], s.h2_q, s.h2_s, precision=s.format)
-    h3 = s.x_rows  # the gathered rows are dead once quantised
-    grouped_mm(s.h2_q, s.h2_s, tw.w2_q, tw.w2_s, po, ro, h3, config=s.w2_config)
-    y = scatter_and_combine(moe, tables, h3, x, expert_ids, scores, None)
+    # h3 rows straight into their owners' combine slots
+    grouped_mm(s.h2_q, s.h2_s, tw.w2_q, tw.w2_s, po, ro, None, config=s.w2_config,
+               scatter_ptrs=tables.scatter_ptrs)
+    y = scatter_and_combine(moe, tables, None, x, expert_ids, scores, None)
     T, K = expert_ids.shape
     saved = dict(tables=tables, x_q=x_q, x_s=x_s, h1=h1,
                  h3_routes=moe._combine[:T * K].clone(),  # the next forward overwrites them
@@ -215,8 +217,9 @@ def fp8_train_backward(moe, saved: dict, grad_y: torch.Tensor, weight_out):
     gh1_s = torch.empty(R, 2 * F // block, dtype=s.x_s.dtype, device=moe.device)
     h2 = torch.empty(R, F, dtype=torch.bfloat16, device=moe.device)  # W2 WGRAD's operand
     swiglu_backward_quantize(h1, gh2, gh1, gh1_q, gh1_s, precision=fmt, h2=h2)
-    gx = s.x_rows
-    grouped_mm(gh1_q, gh1_s, tw.w13t_q, tw.w13t_s, po, ro, gx, config=conf.w13_dgrad)
+    # each route's input gradient row straight into its owner's dispatch row
+    grouped_mm(gh1_q, gh1_s, tw.w13t_q, tw.w13t_s, po, ro, None, config=conf.w13_dgrad,
+               scatter_ptrs=tables.bwd_scatter_ptrs)
     grad_w13, grad_w2 = weight_out
     accumulate = moe.main_grad
     # the bf16 layer's WGRAD kernels and the plan's configs for them
@@ -225,7 +228,6 @@ def fp8_train_backward(moe, saved: dict, grad_y: torch.Tensor, weight_out):
     if grad_w13 is not None:
         w13_wgrad(gh1, dequantize_rows(saved["x_q"], saved["x_s"], fmt), po, ro, grad_w13,
                   accumulate=accumulate, config=moe.plan.w13_wgrad)
-    scatter_rows(gx, po, ro, tables.bwd_scatter_ptrs, block_m=moe.cfg.row_block)
     # 4. every route's input gradient has landed
     heap.barrier()
     # 5. owner
