@@ -13,17 +13,20 @@ receive bound (legend of :mod:`distmoe.routing.tables`); steps 1-4a and 5c-7 are
 
     1-3. publish x and the ids, barrier, routing tables: ``ctx._publish_and_route`` (with
          the plan's choice to pull every peer token at EP > 1)
-    4a. gather: the executed rows into compact activation rows ``x_rows [R_b, D]`` bf16
-        (``regather_rows`` through ``ctx.gather_table``: x in place at EP = 1, peer tokens
-        pulled once into local memory at EP > 1)
+    4a. gather: the executed rows in compact activation order, read through
+        ``ctx.gather_table`` (x in place at EP = 1, peer tokens pulled once into local memory
+        at EP > 1): nvfp4 copies them into ``x_rows [R_b, D]`` bf16 (``regather_rows``); the
+        FP8 formats quantise them as they read them (4a and 4b in one kernel,
+        :func:`~distmoe.kernels.scaled.gather_quant.gather_quantize`)
 
     mxfp8 and fp8_block (:func:`fp8_forward`; ``B`` = 32 with E8M0 scales for exact mxfp8,
     128 with E8M0 scales for mxfp8 rebased onto 128-wide groups (where D and F are
     multiples of 128, :func:`fp8_format`; the prepared 32 x 32 weight blocks rebased once per
     weight, :func:`rebased_weight`), 128 with float32 scales for fp8_block):
-    4b. quantise along D: ``x_rows -> (x_q [R_b, D] e4m3, x_s [R_b, D/B])``
-        (:func:`~distmoe.quant.mxfp8.mxfp8_quantize_2d` /
-        :func:`~distmoe.quant.fp8_block.fp8_block_quantize_2d`, docs/numerics.md)
+    4b. quantise along D: ``(x_q [R_b, D] e4m3, x_s [R_b, D/B])``, the bits of
+        :func:`~distmoe.quant.mxfp8.mxfp8_quantize_2d` /
+        :func:`~distmoe.quant.fp8_block.fp8_block_quantize_2d` on the gathered rows
+        (docs/numerics.md)
     4c. W13 + SwiGLU: ``mxfp8_grouped_mm`` / ``fp8_block_grouped_mm(x_q, x_s, w13,
         swiglu=True) -> h2 [R_b, F]`` bf16
     5a. quantise h2 along F: ``(h2_q [R_b, F], h2_s [R_b, F/B])``
@@ -54,8 +57,7 @@ weights (``v * s_b`` is exact in bf16) and the bf16 activations up to the fp32 s
 order, then the global scale (one fp32 rounding) and one bf16 rounding; against the bf16
 layer the error is the weights' NVFP4 quantisation only (tests/ops/test_nvfp4_forward.py).
 
-Memory, allocated once per context (:func:`allocate_lowp`): mxfp8: ``x_rows`` ``2 R_b D``,
-``x_q`` ``R_b D``, ``x_s`` ``R_b D / 32``, ``h2_q`` ``R_b F``, ``h2_s`` ``R_b F / 32`` bytes
+Memory, allocated once per context (:func:`allocate_lowp`): mxfp8: ``x_q`` ``R_b D``, ``x_s`` ``R_b D / 32``, ``h2_q`` ``R_b F``, ``h2_s`` ``R_b F / 32`` bytes
 (fp8_block: the scales ``4 R_b D / 128`` and ``4 R_b F / 128``);
 nvfp4: ``x_rows`` ``2 R_b D`` bytes; beside the context's own ``h2 [R_b, F]`` bf16 scratch;
 nothing per call but the output y (and the small routing tables, as in bf16). The quantisers
@@ -86,6 +88,7 @@ from ..kernels.scaled import (
     nvfp4_weight_config,
     nvfp4_weight_grouped_mm,
 )
+from ..kernels.scaled.gather_quant import gather_quantize
 from ..plan import rules
 from ..plan.rules import mxfp8_k_group
 from ..quant.fp8_block import fp8_block_quantize_2d, mxfp8_rebase
@@ -134,8 +137,8 @@ class FP8Scratch:
     Attributes:
         precision: ``"mxfp8"`` or ``"fp8_block"``.
         format: the operands' format (:data:`FP8_FORMATS`, :func:`fp8_format`).
-        x_rows: bf16 ``[R_b, D]``: the gathered rows, then W2's output h3 (activation rows).
-        x_q / x_s: float8_e4m3fn ``[R_b, D]`` / scales ``[R_b, D/B]``: the rows quantised.
+        x_q / x_s: float8_e4m3fn ``[R_b, D]`` / scales ``[R_b, D/B]``: the gathered rows
+            quantised.
         h2_q / h2_s: float8_e4m3fn ``[R_b, F]`` / scales ``[R_b, F/B]``: h2 quantised.
         w13_config / w2_config: the two grouped GEMMs' launch configs (``block_m`` = the
             routing's ``row_block``, the padding multiple).
@@ -144,7 +147,6 @@ class FP8Scratch:
 
     precision: str
     format: str
-    x_rows: torch.Tensor
     x_q: torch.Tensor
     x_s: torch.Tensor
     h2_q: torch.Tensor
@@ -156,7 +158,7 @@ class FP8Scratch:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.x_rows, self.x_q, self.x_s, self.h2_q, self.h2_s))
+        return sum(t.nbytes for t in (self.x_q, self.x_s, self.h2_q, self.h2_s))
 
 
 def allocate_fp8(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
@@ -174,7 +176,6 @@ def allocate_fp8(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
     return FP8Scratch(
         precision=cfg.precision,
         format=fmt,
-        x_rows=torch.zeros(R, D, dtype=torch.bfloat16, device=device),
         x_q=torch.zeros(R, D, dtype=torch.float8_e4m3fn, device=device),
         x_s=torch.zeros(R, D // block, dtype=scale_dtype, device=device),
         h2_q=torch.zeros(R, F, dtype=torch.float8_e4m3fn, device=device),
@@ -271,15 +272,30 @@ def lowp_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedWe
     return forward(ctx, x, expert_ids, scores, w13, w2, out=out)
 
 
-def route_and_gather(ctx, x, expert_ids, x_rows: torch.Tensor):
-    """Steps 1-4a: publish, route, gather the executed rows into ``x_rows``; returns the
-    routing tables (:mod:`distmoe.routing.tables`)."""
+def route_rows(ctx, x, expert_ids):
+    """Steps 1-3 and the rows' addresses: publish, route; returns the routing tables
+    (:mod:`distmoe.routing.tables`) and the gather table the rows are read through."""
     T = expert_ids.shape[0]
     pull_all = ctx.ep_size > 1 and ctx.plan.pulls_all(ctx.cfg, T)
     tables = ctx._publish_and_route(x, expert_ids, pull_all)  # steps 1-3
-    gather_ptrs = ctx.gather_table(tables.gather_ptrs, pulled=pull_all, x=x)
+    return tables, ctx.gather_table(tables.gather_ptrs, pulled=pull_all, x=x)
+
+
+def route_and_gather(ctx, x, expert_ids, x_rows: torch.Tensor):
+    """Steps 1-4a: publish, route, gather the executed rows into ``x_rows``; returns the
+    routing tables (:mod:`distmoe.routing.tables`)."""
+    tables, gather_ptrs = route_rows(ctx, x, expert_ids)
     regather_rows(gather_ptrs, tables.padded_offsets, tables.row_offsets, x_rows,
                   block_m=ctx.cfg.row_block)
+    return tables
+
+
+def route_and_quantize(ctx, x, expert_ids, x_q: torch.Tensor, x_s: torch.Tensor, fmt: str):
+    """Steps 1-4b of the FP8 formats: publish, route, gather the executed rows quantised in
+    format ``fmt`` into ``x_q`` / ``x_s`` (one kernel); returns the routing tables."""
+    tables, gather_ptrs = route_rows(ctx, x, expert_ids)
+    gather_quantize(gather_ptrs, tables.padded_offsets, tables.row_offsets, x_q, x_s,
+                    format=fmt, block_m=ctx.cfg.row_block)
     return tables
 
 
@@ -309,9 +325,8 @@ def fp8_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedWei
     (q13, s13), (q2, s2) = ((rebased_weight(ctx, w) for w in (w13, w2))
                             if s.format == "mxfp8_rebased" else
                             ((w.qdata, w.scales) for w in (w13, w2)))
-    tables = route_and_gather(ctx, x, expert_ids, s.x_rows)
+    tables = route_and_quantize(ctx, x, expert_ids, s.x_q, s.x_s, s.format)
     po, ro = tables.padded_offsets, tables.row_offsets
-    quantize_2d(s.x_rows, s.x_q, s.x_s)
     h2 = ctx._h2
     grouped_mm(s.x_q, s.x_s, q13, s13, po, ro, h2, swiglu=True, config=s.w13_config)
     quantize_2d(h2, s.h2_q, s.h2_s)

@@ -14,8 +14,9 @@ tables.
 Forward (collective; publishing, routing, gather, scatter and combine are the inference
 forward's, :mod:`distmoe.ops.lowp`)::
 
-    1-4a  route and gather the executed rows: x_rows [R_b, D] bf16
-    4b    quantise along D:          x_q [R_b, D] e4m3, x_s [R_b, D/B]        (saved)
+    1-4b  route, gather the executed rows and quantise them along D in one kernel
+          (:func:`~distmoe.kernels.scaled.gather_quant.gather_quantize`):
+                                     x_q [R_b, D] e4m3, x_s [R_b, D/B]        (saved)
     4c    W13:  h1 = bf16(x_q W13_q^T)            [R_b, 2F]                    (saved)
     5a    SwiGLU in fp32 from h1, quantised along F in the same kernel
           (:func:`~distmoe.kernels.scaled.swiglu_quant.swiglu_quantize`):
@@ -74,7 +75,7 @@ from ..plan import rules
 from ..quant.fp8_block import mxfp8_rebase
 from ..quant.prepare import PreparedWeight, cached_per_object, dequantize_rows, prepare_weights
 from .autograd import backward_outputs, check_versions, record_versions, weight_grad_outputs
-from .lowp import FP8_FORMATS, fp8_format, route_and_gather, scatter_and_combine
+from .lowp import FP8_FORMATS, fp8_format, route_and_quantize, scatter_and_combine
 
 __all__ = ["FP8TrainConfigs", "FP8TrainFunction", "fp8_train_configs", "train_weights"]
 
@@ -155,15 +156,14 @@ def fp8_train_forward(moe, x, expert_ids, scores, tw: TrainWeights):
     """Forward steps 1-7 (module docstring) on checked inputs: ``(y [T, D] bf16, saved)``."""
     s = moe._lowp
     conf = moe._lowp_train
-    block, scale_dtype, quantize_2d, grouped_mm = FP8_FORMATS[s.format]
-    R, D = s.x_rows.shape
+    block, scale_dtype, _, grouped_mm = FP8_FORMATS[s.format]
+    R, D = s.x_q.shape
     F = moe.cfg.ffn
     E = moe.num_local_experts
-    tables = route_and_gather(moe, x, expert_ids, s.x_rows)
-    po, ro = tables.padded_offsets, tables.row_offsets
     x_q = torch.empty(R, D, dtype=torch.float8_e4m3fn, device=moe.device)
     x_s = torch.empty(R, D // block, dtype=scale_dtype, device=moe.device)
-    quantize_2d(s.x_rows, x_q, x_s)
+    tables = route_and_quantize(moe, x, expert_ids, x_q, x_s, s.format)
+    po, ro = tables.padded_offsets, tables.row_offsets
     h1 = torch.empty(R, 2 * F, dtype=torch.bfloat16, device=moe.device)
     grouped_mm(x_q, x_s, tw.w13_q.view(E, 2 * F, D), tw.w13_s.flatten(1, 2), po, ro, h1,
                config=conf.w13_h1)
@@ -192,7 +192,7 @@ def fp8_train_backward(moe, saved: dict, grad_y: torch.Tensor, weight_out):
     tables, tw = saved["tables"], saved["weights"]
     ids_executed, scores_f32 = saved["ids_executed"], saved["scores_f32"]
     T, K = ids_executed.shape
-    R, D = s.x_rows.shape
+    R, D = s.x_q.shape
     F = moe.cfg.ffn
     po, ro = tables.padded_offsets, tables.row_offsets
     bufs = moe.backward_buffers
