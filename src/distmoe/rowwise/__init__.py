@@ -19,6 +19,9 @@
   :func:`scaled_grouped_mm_q`: the same shapes on prequantised FP8 operands (forward);
   :func:`scaled_grouped_mm`: on bf16 operands quantised per call, differentiable (FP8
   forward and input gradient, bf16 weight gradient, optionally into a ``wgrad_sink``).
+* :func:`scaled_expert_mlp`: scaled dispatch -> W13 -> SwiGLU -> W2 -> scaled combine as one
+  autograd node with its adjoint backward, optionally recomputing SwiGLU in backward
+  (:mod:`distmoe.rowwise.fused`).
 
 The bf16 calls are differentiable: dispatch's backward is a combine GET, the combines' and the
 gather's backward a (weighted) dispatch PUT. A negative rank or row marks an invalid route
@@ -29,10 +32,11 @@ dropped and counted (``Buffers.stats()``), or refused with ``Buffers(check=True)
 from .buffers import Buffers
 from .combine import combine_get, combine_get_fused, gather_get
 from .dispatch import dispatch_put
+from .fused import scaled_expert_mlp
 from .grouped import grouped_mm, scaled_grouped_mm, scaled_grouped_mm_q
 from .layout import expert_major_rows
 from .scaled import combine_get_scaled, dispatch_put_scaled
 
 __all__ = ["Buffers", "combine_get", "combine_get_fused", "combine_get_scaled", "dispatch_put",
            "dispatch_put_scaled", "expert_major_rows", "gather_get", "grouped_mm",
-           "scaled_grouped_mm", "scaled_grouped_mm_q"]
+           "scaled_expert_mlp", "scaled_grouped_mm", "scaled_grouped_mm_q"]

@@ -88,3 +88,56 @@ def check_values(bufs: Buffers, op: str, ranks_name: str, ranks: torch.Tensor,
                          f"requires grad) on ranks {[r for r, d in enumerate(flags) if d]} "
                          f"only; its backward is collective, so every rank must take part "
                          "(check=True)")
+
+
+#: values per scale of the fused expert path's GEMM operands, by precision
+EXPERT_BLOCKS = {"mxfp8": 32, "fp8_block": 128}
+
+
+def check_expert_buffers(bufs: object) -> Buffers:
+    """``bufs`` of :func:`~distmoe.rowwise.scaled_expert_mlp`: open ``Buffers(scaled=True)``."""
+    if not isinstance(bufs, Buffers):
+        raise TypeError(f"bufs must be a distmoe.rowwise.Buffers (built with scaled=True), got "
+                        f"{type(bufs).__name__}")
+    bufs.check_open()
+    if not bufs.scaled:
+        raise ValueError("bufs must be built with scaled=True (the fused expert path moves "
+                         "MXFP8 rows through .out_q and .expert_out_q), got Buffers with "
+                         "scaled=False")
+    return bufs
+
+
+def check_expert_weights(w13: object, w2: object, offs: object, precision: object,
+                         bufs: Buffers) -> tuple[int, int]:
+    """The expert weights and layout of :func:`~distmoe.rowwise.scaled_expert_mlp`: w13 bf16
+    ``[E, 2, F, D]`` and w2 bf16 ``[E, D, F]`` contiguous, offs int32 ``[E]``, D (the
+    Buffers' hidden) and F positive multiples of the precision's block, on the Buffers'
+    device. Returns ``(E, F)``."""
+    if precision not in EXPERT_BLOCKS:
+        raise ValueError(f"precision ({precision!r}) must be one of {list(EXPERT_BLOCKS)}")
+    check_tensor("w13", w13, dtypes=(torch.bfloat16,), ndim=4,
+                 shape_text="[E, 2, F, D] (gate rows w13[e, 0], up rows w13[e, 1])")
+    num_experts, two, ffn, hidden = w13.shape
+    if two != 2 or hidden != bufs.hidden or num_experts < 1:
+        raise ValueError(f"w13 must have shape [E, 2, F, D] with E >= 1 and D = {bufs.hidden} "
+                         f"(the Buffers' hidden), got {list(w13.shape)}")
+    check_tensor("w2", w2, dtypes=(torch.bfloat16,), shape=[num_experts, hidden, ffn],
+                 shape_text="[E, D, F] (w13's E and F, the Buffers' D)")
+    check_tensor("offs", offs, dtypes=(torch.int32,), shape=[num_experts],
+                 shape_text="[E] (cumulative row ends of the local experts, int32, on the "
+                            "device)")
+    block = EXPERT_BLOCKS[precision]
+    for name, width in (("D (the Buffers' hidden)", hidden), ("F (w13.shape[2])", ffn)):
+        if width < 1 or width % block:
+            raise ValueError(f"{name} ({width}) must be a positive multiple of {block} for "
+                             f"precision {precision!r} (one scale per {block} values)")
+    for name, tensor in (("w13", w13), ("w2", w2), ("offs", offs)):
+        check_on_device(name, tensor, bufs)
+    return num_experts, ffn
+
+
+def check_grad_buffers(bufs: Buffers, differentiable: bool, inputs: str, owner: str) -> None:
+    """A differentiable call needs the gradient twins of ``Buffers(grad=True)``."""
+    if differentiable and not bufs.grad:
+        raise ValueError(f"{inputs} requires grad, but {owner} were built with grad=False (no "
+                         "gradient buffers for the backward)")

@@ -70,12 +70,8 @@ class GetRowsFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         bufs, name = ctx.bufs, ctx.name
         probs, src_ranks, src_rows, gathered, is_read = ctx.saved_tensors
-        twin = bufs.grad_buffer(name)
         grad_y = grad_y.contiguous()
-        twin.zero_()
-        bufs.barrier()  # every twin zeroed before any peer writes into it
-        put(bufs, f"grad_{name}", grad_y, src_ranks, src_rows, probs, count=False)
-        bufs.barrier()  # every route's gradient landed
+        twin = push_grad_rows(bufs, name, grad_y, src_ranks, src_rows, probs)
         grad_src = twin.clone() if ctx.needs_input_grad[0] else None
         grad_probs = None
         if ctx.has_probs and ctx.needs_input_grad[1]:
@@ -83,6 +79,21 @@ class GetRowsFunction(torch.autograd.Function):
                 gathered, is_read = gather(bufs, name, src_ranks, src_rows, count=False)
             grad_probs = route_dots(gathered, is_read, grad_y, probs.dtype)
         return grad_src, grad_probs, None, None, None, None, None, None, None
+
+
+def push_grad_rows(bufs: Buffers, name: str, grad_y: torch.Tensor, src_ranks: torch.Tensor,
+                   src_rows: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+    """*Collective.* The adjoint of a GET from buffer ``name``: zero this rank's gradient
+    twin; barrier; every route PUTs ``bf16(fp32(grad_y[t]) * fp32(probs[t, k]))`` (or
+    ``grad_y[t]``) into its source row's twin; barrier. Returns this rank's twin (bf16 ``[R,
+    D]``, heap memory: rows no route read are 0), valid until the next backward step writes
+    it."""
+    twin = bufs.grad_buffer(name)
+    twin.zero_()
+    bufs.barrier()  # every twin zeroed before any peer writes into it
+    put(bufs, f"grad_{name}", grad_y, src_ranks, src_rows, probs, count=False)
+    bufs.barrier()  # every route's gradient landed
+    return twin
 
 
 def _get(bufs: Buffers, name: str, src_ranks: torch.Tensor, src_rows: torch.Tensor,

@@ -71,19 +71,33 @@ class DispatchPutFunction(torch.autograd.Function):
             twin.zero_()
         elif grad_out.data_ptr() != twin.data_ptr() or grad_out.stride() != twin.stride():
             twin.copy_(grad_out)
-        bufs.barrier()
         need_x, need_probs = ctx.needs_input_grad[0], ctx.has_probs and ctx.needs_input_grad[1]
-        grad_x = grad_probs = None
-        if need_x or need_probs:
-            y, gathered, is_read = get_reduce(bufs, f"grad_{name}", dst_ranks, dst_rows, probs,
-                                              fused=not need_probs, keep=need_probs,
-                                              count=False)
-            grad_x = y if need_x else None
-            if need_probs:
-                grad_probs = route_dots(gathered, is_read, x, probs.dtype)
-        # no peer still reads this rank's twin when the next backward step writes a twin
-        bufs.barrier()
+        grad_probs = None
+        y, gathered, is_read = pull_grad_rows(bufs, name, dst_ranks, dst_rows, probs,
+                                              run=need_x or need_probs, keep=need_probs)
+        grad_x = y if need_x else None
+        if need_probs:
+            grad_probs = route_dots(gathered, is_read, x, probs.dtype)
         return grad_x, grad_probs, None, None, None, None, None, None, None
+
+
+def pull_grad_rows(bufs: Buffers, name: str, dst_ranks: torch.Tensor, dst_rows: torch.Tensor,
+                   probs: torch.Tensor | None, *, run: bool, keep: bool
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """*Collective.* The adjoint of a PUT into buffer ``name``, once every rank has staged
+    its gradient rows in its twin: barrier; GET every route's row of the peers' twins and sum
+    each token's routes in fp32 (weighted by ``probs``; fused unless ``keep``, which also
+    returns the gathered rows and their ``is_read`` flags); barrier. ``run=False`` skips the
+    GET (the barriers still run: they are collective). Returns ``(y [N, D] bf16, gathered,
+    is_read)`` (Nones where not computed)."""
+    bufs.barrier()
+    out = (None, None, None)
+    if run:
+        out = get_reduce(bufs, f"grad_{name}", dst_ranks, dst_rows, probs, fused=not keep,
+                         keep=keep, count=False)
+    # no peer still reads this rank's twin when the next backward step writes a twin
+    bufs.barrier()
+    return out
 
 
 def _dispatch(bufs: Buffers, name: str, x: torch.Tensor, dst_ranks: torch.Tensor,

@@ -282,7 +282,10 @@ def scaled_grouped_mm_q(a_q: torch.Tensor, a_scales: torch.Tensor, b_q: torch.Te
 _TRAIN_BLOCK = {"mxfp8": 32, "fp8_block": 128}
 
 
-def _quantize_rows(x: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(qdata, scales)`` of bf16 rows ``x [M, K]`` along K in ``precision``'s activation
+    format: MXFP8 (``"mxfp8"``, uint8 E8M0 ``[M, K/32]``) or block FP8 (``"fp8_block"``,
+    float32 ``[M, K/128]``)."""
     from distmoe.quant import fp8_block_quantize, mxfp8_quantize
 
     return mxfp8_quantize(x, dim=-1) if precision == "mxfp8" else fp8_block_quantize(x)
@@ -297,6 +300,51 @@ def _quantize_weight(w: torch.Tensor, precision: str) -> tuple[torch.Tensor, tor
     return fp8_block_quantize_weight(w)
 
 
+def scaled_weight_blocks(b: torch.Tensor, precision: str
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weight operands of one FP8 training GEMM, from bf16 ``b [E, K, N]`` (values only,
+    no autograd): ``(w_q, w_s)``, ``b^T`` quantised in ``B x B`` blocks (``[E, N, K]``, the
+    forward's orientation: pass ``w_q.transpose(1, 2)``), and ``(wt_q, wt_s)``, the same
+    blocks transposed and contiguous (``[E, K, N]``: the input-gradient GEMM's operand)."""
+    w_q, w_s = _quantize_weight(b.transpose(1, 2).detach().contiguous(), precision)
+    return w_q, w_s, w_q.transpose(1, 2).contiguous(), w_s.transpose(1, 2).contiguous()
+
+
+def scaled_dgrad(g_q: torch.Tensor, g_s: torch.Tensor, wt_q: torch.Tensor,
+                 wt_s: torch.Tensor, offs: torch.Tensor, precision: str,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Input gradient of an FP8 training GEMM: ``bf16(Q(grad_out)[r] @ Q(b)[e]^T)`` from the
+    quantised output gradient ``(g_q, g_s)`` and the transposed blocks of
+    :func:`scaled_weight_blocks` (into ``out`` when given; rows of no group zeros)."""
+    return scaled_grouped_mm_q(g_q, g_s, wt_q.transpose(1, 2), wt_s, offs, out,
+                               format=precision)
+
+
+def scaled_wgrad(grad_out: torch.Tensor, a_dq: torch.Tensor, offs: torch.Tensor,
+                 b_shape: tuple[int, int, int], transposed: bool,
+                 sink: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Weight gradient of an FP8 training GEMM from bf16 operands with fp32 accumulation:
+    ``bf16(a_dq_e^T @ grad_out_e)`` per group, in ``b``'s layout (``b_shape`` = ``[E, K,
+    N]``; ``transposed``: ``b`` is the transpose of a contiguous ``[E, N, K]``), zeros for an
+    empty group; or added in fp32 into ``sink`` (``b``'s shape and layout), returning None."""
+    num_groups, width_k, width_n = b_shape
+    row_offsets = _row_offsets(offs, a_dq.shape[0])
+    # WGRAD in b's storage layout: [E, N, K] = g^T @ a for a transposed b, else
+    # [E, K, N] = a^T @ g
+    lhs, rhs = (grad_out, a_dq) if transposed else (a_dq, grad_out)
+    if sink is not None:
+        out = sink.transpose(1, 2) if transposed else sink
+    else:
+        shape = (num_groups, width_n, width_k) if transposed else (num_groups, width_k, width_n)
+        out = torch.empty(shape, dtype=torch.bfloat16, device=a_dq.device)
+    wcfg = WgradConfig.for_widths(out_rows=out.shape[1], out_cols=out.shape[2])
+    launch_grouped_wgrad(lhs, rhs, row_offsets, out, wcfg, a_dq.device,
+                         accumulate=sink is not None)
+    if sink is not None:
+        return None
+    return out.transpose(1, 2) if transposed else out
+
+
 class ScaledGroupedMMFunction(torch.autograd.Function):
     """Autograd node of :func:`scaled_grouped_mm`: FP8 forward and DGRAD, bf16 WGRAD."""
 
@@ -304,16 +352,14 @@ class ScaledGroupedMMFunction(torch.autograd.Function):
     def forward(ctx, a, b, offs, precision, wgrad_sink):
         from distmoe.quant.prepare import dequantize_rows
 
-        w = b.transpose(1, 2)  # [E, N, K], the forward orientation of the weight blocks
-        w_q, w_s = _quantize_weight(w.detach().contiguous(), precision)
-        a_q, a_s = _quantize_rows(a.detach(), precision)
+        w_q, w_s, wt_q, wt_s = scaled_weight_blocks(b, precision)
+        a_q, a_s = quantize_rows(a.detach(), precision)
         out = scaled_grouped_mm_q(a_q, a_s, w_q.transpose(1, 2), w_s, offs, format=precision)
         ctx.precision, ctx.transposed, ctx.wgrad_sink = precision, _is_transposed(b), wgrad_sink
         # the input-gradient GEMM reads the same blocks transposed ([E, K, N] contiguous);
         # the weight gradient multiplies the rows the forward multiplied
         a_dq = dequantize_rows(a_q, a_s, precision)
-        ctx.save_for_backward(w_q.transpose(1, 2).contiguous(),
-                              w_s.transpose(1, 2).contiguous(), a_dq, offs)
+        ctx.save_for_backward(wt_q, wt_s, a_dq, offs)
         return out
 
     @staticmethod
@@ -322,27 +368,11 @@ class ScaledGroupedMMFunction(torch.autograd.Function):
         grad_out = _aligned(grad_out.to(torch.bfloat16))
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
-            g_q, g_s = _quantize_rows(grad_out, ctx.precision)
-            grad_a = scaled_grouped_mm_q(g_q, g_s, wt_q.transpose(1, 2), wt_s, offs,
-                                         format=ctx.precision)
+            g_q, g_s = quantize_rows(grad_out, ctx.precision)
+            grad_a = scaled_dgrad(g_q, g_s, wt_q, wt_s, offs, ctx.precision)
         if ctx.needs_input_grad[1] or ctx.wgrad_sink is not None:
-            num_groups, width_k, width_n = wt_q.shape
-            row_offsets = _row_offsets(offs, a_dq.shape[0])
-            sink = ctx.wgrad_sink
-            # WGRAD in b's storage layout: [E, N, K] = g^T @ a for a transposed b, else
-            # [E, K, N] = a^T @ g
-            lhs, rhs = (grad_out, a_dq) if ctx.transposed else (a_dq, grad_out)
-            if sink is not None:
-                out = sink.transpose(1, 2) if ctx.transposed else sink
-            else:
-                shape = (num_groups, width_n, width_k) if ctx.transposed else \
-                    (num_groups, width_k, width_n)
-                out = torch.empty(shape, dtype=torch.bfloat16, device=a_dq.device)
-            wcfg = WgradConfig.for_widths(out_rows=out.shape[1], out_cols=out.shape[2])
-            launch_grouped_wgrad(lhs, rhs, row_offsets, out, wcfg, a_dq.device,
-                                 accumulate=sink is not None)
-            if sink is None:
-                grad_b = out.transpose(1, 2) if ctx.transposed else out
+            grad_b = scaled_wgrad(grad_out, a_dq, offs, tuple(wt_q.shape), ctx.transposed,
+                                  ctx.wgrad_sink)
         return grad_a, grad_b, None, None, None
 
 

@@ -69,6 +69,16 @@ def dispatch_put_scaled(qdata: torch.Tensor, scales: torch.Tensor, dst_ranks: to
     if bufs.check:
         check_values(bufs, "dispatch_put_scaled", "dst_ranks/dst_rows", dst_ranks, dst_rows,
                      False)
+    put_scaled_rows(bufs, q_name, s_name, qdata, scales, dst_ranks, dst_rows, pre_barrier,
+                    post_barrier)
+    return getattr(bufs, q_name), getattr(bufs, s_name)
+
+
+def put_scaled_rows(bufs: Buffers, q_name: str, s_name: str, qdata: torch.Tensor,
+                    scales: torch.Tensor, dst_ranks: torch.Tensor, dst_rows: torch.Tensor,
+                    pre_barrier: bool, post_barrier: bool) -> None:
+    """The scaled PUT (checked arguments): the barriers asked for around two row PUTs, the
+    qdata bytes (bad routes counted) and the scale bytes."""
     if pre_barrier:
         bufs.barrier()
     rowwise_put(qdata.view(torch.uint8), dst_ranks, dst_rows, bufs.bases(q_name), bufs.rows,
@@ -76,7 +86,6 @@ def dispatch_put_scaled(qdata: torch.Tensor, scales: torch.Tensor, dst_ranks: to
     rowwise_put(scales, dst_ranks, dst_rows, bufs.bases(s_name), bufs.rows)
     if post_barrier:
         bufs.barrier()
-    return getattr(bufs, q_name), getattr(bufs, s_name)
 
 
 def check_scaled_rows(qdata: object, scales: object, bufs: Buffers) -> None:
@@ -107,8 +116,8 @@ class CombineGetScaledFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, probs, bufs: Buffers, q_name: str, s_name: str, src_ranks, src_rows,
                 pre_barrier: bool, post_barrier: bool):
-        y, kept = _combine_scaled(bufs, q_name, s_name, src_ranks, src_rows, probs, True,
-                                  pre_barrier, post_barrier)
+        y, kept = combine_scaled_rows(bufs, q_name, s_name, src_ranks, src_rows, probs, True,
+                                      pre_barrier, post_barrier)
         ctx.probs_dtype = probs.dtype
         ctx.save_for_backward(kept)
         ctx.mark_non_differentiable(kept)
@@ -119,14 +128,25 @@ class CombineGetScaledFunction(torch.autograd.Function):
         (kept,) = ctx.saved_tensors
         if grad_y is None:
             return None, None, None, None, None, None, None, None
-        # routes not read were kept as zero rows: their dot is 0
-        read = torch.ones(kept.shape[:2], dtype=torch.int8, device=kept.device)
-        grad_probs = route_dots(kept, read, grad_y, ctx.probs_dtype)
+        grad_probs = scaled_probs_grad(kept, grad_y, ctx.probs_dtype)
         return grad_probs, None, None, None, None, None, None, None
 
 
-def _combine_scaled(bufs, q_name, s_name, src_ranks, src_rows, probs, keep, pre_barrier,
-                    post_barrier):
+def scaled_probs_grad(kept: torch.Tensor, grad_y: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """``grad_probs[t, k] = dot(fp32 kept[t, k], fp32 grad_y[t])`` in ``dtype``, from the
+    routes a scaled combine kept (``[N, K, D]`` bf16)."""
+    # routes not read were kept as zero rows: their dot is 0
+    read = torch.ones(kept.shape[:2], dtype=torch.int8, device=kept.device)
+    return route_dots(kept, read, grad_y, dtype)
+
+
+def combine_scaled_rows(bufs: Buffers, q_name: str, s_name: str, src_ranks: torch.Tensor,
+                        src_rows: torch.Tensor, probs: torch.Tensor | None, keep: bool,
+                        pre_barrier: bool, post_barrier: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The scaled combine (checked arguments): ``(y [N, D] bf16, kept routes [N, K, D] bf16
+    or None)``, the barriers asked for around one fused GET-dequantise-reduce kernel."""
     if pre_barrier:
         bufs.barrier()
     num_tokens, top_k = src_ranks.shape
@@ -176,8 +196,8 @@ def combine_get_scaled(expert_out_q: torch.Tensor, src_ranks: torch.Tensor,
         y, kept = CombineGetScaledFunction.apply(probs, bufs, q_name, s_name, src_ranks,
                                                  src_rows, pre_barrier, post_barrier)
     else:
-        y, kept = _combine_scaled(bufs, q_name, s_name, src_ranks, src_rows, probs,
-                                  keep_routes, pre_barrier, post_barrier)
+        y, kept = combine_scaled_rows(bufs, q_name, s_name, src_ranks, src_rows, probs,
+                                      keep_routes, pre_barrier, post_barrier)
     return (y, kept) if keep_routes else y
 
 
