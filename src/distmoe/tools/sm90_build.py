@@ -818,10 +818,25 @@ def gluon_scaled_cases(shapes: tuple, num_experts: int) -> list[BuildCase]:
     from distmoe.kernels.base.config import next_power_of_2
     from distmoe.kernels.scaled import gluon as sg
     from distmoe.kernels.scaled import triton as scaled
+    from distmoe.kernels.scaled import wgrad_gluon as wg
 
     cases = []
     for layout in (scaled.MXFP8_REBASED, scaled.FP8_BLOCK):
         scale_type = "*fp32" if layout.fp32 else "*u8"
+        # the FP8 weight gradients (token-axis operands): W13's [2F, D] and W2's [D, F]
+        d, f = shapes[0][1], shapes[0][2] // 2
+        for name, m, n, acc in (("W13", 2 * f, d, False), ("W2", d, f, True)):
+            types = {"a_desc": _gluon_desc(m, 8192, [128, 128], fp8=True),
+                     "b_desc": _gluon_desc(n, 8192, [128, 128], fp8=True),
+                     "sa_ptr": scale_type, "sb_ptr": scale_type,
+                     "out_ptr": "*fp32" if acc else "*bf16", "R_CAP": "i32"}
+            cases.append(BuildCase(
+                f"scaled {layout.name} {name} WGRAD gluon{' accumulate' if acc else ''}",
+                wg._gluon_scaled_wgrad_kernel,
+                dict(M=m, N=n, NUM_EXPERTS=num_experts, STAGES=5, SCALE_FP32=layout.fp32,
+                     ACCUMULATE=acc),
+                4, 1, types=types, production=True, gluon=True,
+                options=dict(maxnreg=wg._MAXNREG)))
         for name, k, n, swiglu in shapes:
             out_n = n // 2 if swiglu else n
             types = {"a_desc": _gluon_desc(4096, k, [128, 128], fp8=True),
@@ -876,6 +891,30 @@ def lowp_kernel_cases() -> list[BuildCase]:
                 types={"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "sa_ptr": scale_type,
                        "sb_ptr": scale_type, "scatter_ptr": "*i64"}))
     cases += gluon_scaled_cases(shapes, E)
+    from distmoe.kernels.scaled import token_quant, wgrad
+    for fp32 in (False, True):
+        scale_type = "*fp32" if fp32 else "*u8"
+        cases.append(BuildCase(
+            f"scaled WGRAD triton fp32_scales={fp32}", wgrad._scaled_wgrad_kernel,
+            dict(M=2 * F, N=D, NUM_EXPERTS=E, BLOCK_M=128, BLOCK_N=128, INTERPRET=False,
+                 SCALE_FP32=fp32, ACCUMULATE=fp32),
+            8, 3, types={"at_ptr": "*fp8e4nv", "bt_ptr": "*fp8e4nv", "sa_ptr": scale_type,
+                         "sb_ptr": scale_type, "out_ptr": "*fp32" if fp32 else "*bf16",
+                         "R_CAP": "i32"}))
+        cases.append(BuildCase(
+            f"token quantise fp8_block={fp32}", token_quant._token_quant_kernel,
+            dict(C=D, NUM_EXPERTS=E, EXPERTS_POW2=E, BLOCK_C=64, GATHER=fp32,
+                 BLOCK_FP8=fp32), 8, 1,
+            types={"qt_ptr": "*u8", "st_ptr": scale_type, "R_CAP": "i32",
+                   "rows_ptr": "*bf16"}))
+    from distmoe.kernels.scaled import gather_quant
+    for fmt, (unit, blocks) in (("mxfp8", (32, 8)), ("mxfp8_rebased", (32, 8)),
+                                ("fp8_block", (128, 2))):
+        cases.append(BuildCase(
+            f"gather quantise {fmt}", gather_quant._gather_quant_kernel,
+            dict(HIDDEN=D, NUM_EXPERTS=E, EXPERTS_POW2=E, BLOCK_M=32, UNIT=unit, BLOCKS=blocks,
+                 REBASE=fmt == "mxfp8_rebased", BLOCK_FP8=fmt == "fp8_block"), 8, 1,
+            types={"q_ptr": "*u8", "s_ptr": "*fp32" if fmt == "fp8_block" else "*u8"}))
     for name, k, n, swiglu in shapes[:2]:
         cfg = nvfp4_weight_config(k=k, n=n, swiglu=swiglu)
         out_n = n // 2 if swiglu else n

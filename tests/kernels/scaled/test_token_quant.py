@@ -27,7 +27,7 @@ def _layout(live):
 def _poison(c, r_cap, fmt):
     qt = torch.full((c, r_cap), 0x7E, dtype=torch.uint8, device=DEV)
     sd = TOKEN_FORMATS[fmt]
-    st = torch.full((c, r_cap // 128), 0xFE if sd == torch.uint8 else -7.0, dtype=sd,
+    st = torch.full((r_cap // 128, c), 0xFE if sd == torch.uint8 else -7.0, dtype=sd,
                     device=DEV)
     return qt, st
 
@@ -40,7 +40,7 @@ def _expected(values_by_padded_row, padded, r_cap, c, fmt):
         block = values_by_padded_row[128 * b:128 * b + 128].T.contiguous()  # [C, 128]
         q, s = quantize_tokens_ref(block.float(), fmt)
         qt[:, 128 * b:128 * b + 128] = q.view(torch.uint8)
-        st[:, b] = s
+        st[b] = s
     return qt, st
 
 

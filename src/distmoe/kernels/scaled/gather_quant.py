@@ -150,5 +150,5 @@ def gather_quantize(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
             HIDDEN=hidden,
             NUM_EXPERTS=num_experts, EXPERTS_POW2=max(2, next_power_of_2(num_experts)),
             BLOCK_M=block_rows, UNIT=unit, BLOCKS=blocks, REBASE=format == "mxfp8_rebased",
-            BLOCK_FP8=format == "fp8_block", num_warps=4,
+            BLOCK_FP8=format == "fp8_block", num_warps=8,
         )  # fmt: skip

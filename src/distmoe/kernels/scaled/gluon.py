@@ -130,7 +130,7 @@ if HAVE_GLUON:
                 count += 1
 
     @gluon.jit
-    def _quarters(x):
+    def quarters(x):
         """The four 32-column chunks of a ``[64, 128]`` tile."""
         lo, hi = column_halves(x, 64, 128)
         c0, c1 = column_halves(lo, 64, 64)
@@ -138,7 +138,7 @@ if HAVE_GLUON:
         return c0, c1, c2, c3
 
     @gluon.jit
-    def _scale(s, SCALE_FP32: gl.constexpr):
+    def decode_scale(s, SCALE_FP32: gl.constexpr):
         """fp32 value of scales as stored (E8M0 bytes decoded)."""
         if SCALE_FP32:
             return s
@@ -211,14 +211,14 @@ if HAVE_GLUON:
             sb1 = sb_ptr + ((r0 + 32) // SB_ROWS).to(gl.int64) * KS
             sb2 = sb_ptr + (r2 // SB_ROWS).to(gl.int64) * KS
             sb3 = sb_ptr + ((r2 + 32) // SB_ROWS).to(gl.int64) * KS
-            acc0, acc1, acc2, acc3 = _quarters(zero)
+            acc0, acc1, acc2, acc3 = quarters(zero)
             for k in range(NUM_K):
                 # this step's scales (L2), loaded before the ring wait
-                sa = _scale(gl.load(sa_rows + k, mask=live, other=one), SCALE_FP32)
-                s0 = _scale(gl.load(sb0 + k), SCALE_FP32)
-                s1 = _scale(gl.load(sb1 + k), SCALE_FP32)
-                s2 = _scale(gl.load(sb2 + k), SCALE_FP32)
-                s3 = _scale(gl.load(sb3 + k), SCALE_FP32)
+                sa = decode_scale(gl.load(sa_rows + k, mask=live, other=one), SCALE_FP32)
+                s0 = decode_scale(gl.load(sb0 + k), SCALE_FP32)
+                s1 = decode_scale(gl.load(sb1 + k), SCALE_FP32)
+                s2 = decode_scale(gl.load(sb2 + k), SCALE_FP32)
+                s3 = decode_scale(gl.load(sb3 + k), SCALE_FP32)
                 stage = count % STAGES
                 mbarrier.wait(ready.index(stage), (count // STAGES) & 1)
                 p = warpgroup_mma(a_bufs.index(stage).slice(ROW0, 64),
@@ -230,8 +230,8 @@ if HAVE_GLUON:
                 # promotion: the row scales broadcast over the tile (registers only), cut
                 # into the chunks like the partial
                 sa_full, _ = gl.broadcast(gl.expand_dims(sa, 1), zero)
-                a0, a1, a2, a3 = _quarters(sa_full)
-                p0, p1, p2, p3 = _quarters(p)
+                a0, a1, a2, a3 = quarters(sa_full)
+                p0, p1, p2, p3 = quarters(p)
                 acc0 = gl.fma(p0, a0 * s0, acc0)
                 acc1 = gl.fma(p1, a1 * s1, acc1)
                 acc2 = gl.fma(p2, a2 * s2, acc2)

@@ -8,7 +8,7 @@ them K-major: token-contiguous, ``[C, R_cap]`` with the column index of the padd
 rows inside its segment and column ``c``::
 
     v[j]          = rows[act(padded_offsets[e] + 128 b + j), c]  for live rows j, else 0
-    (qt[c, 128 b' + j], st[c, b']) = quantise(v[0:128])           b' = padded_offsets[e] / 128 + b
+    (qt[c, 128 b' + j], st[b', c]) = quantise(v[0:128])           b' = padded_offsets[e] / 128 + b
 
 in one of two formats of the 128-wide groups (:data:`TOKEN_FORMATS`):
 
@@ -37,8 +37,8 @@ from distmoe.kernels.base.checks import check_devices, check_offsets, check_tens
 from distmoe.kernels.base.config import next_power_of_2
 from distmoe.kernels.base.device import device_context
 from distmoe.kernels.base.tiles import tile_activation_rows, tile_expert
-from distmoe.quant.fp8_block import fp8_block_encode
 from distmoe.quant.formats import float32_bits
+from distmoe.quant.fp8_block import fp8_block_encode
 from distmoe.quant.mxfp8 import mxfp8_encode
 
 __all__ = ["TOKEN_BLOCK", "TOKEN_FORMATS", "quantize_tokens", "quantize_tokens_ref"]
@@ -83,7 +83,7 @@ def _token_quant_kernel(rows_ptr, gather_ptrs_ptr, padded_offsets_ptr, row_offse
         cols = c.to(tl.int64)
         tl.store(qt_ptr + cols[:, None] * R_CAP + (row_start + j)[None, :], q,
                  mask=in_c[:, None])
-        tl.store(st_ptr + cols * (R_CAP // 128) + row_start // 128, sv, mask=in_c)
+        tl.store(st_ptr + (row_start // 128) * C + cols, sv, mask=in_c)
 
 
 def quantize_tokens(rows: torch.Tensor | None, padded_offsets: torch.Tensor,
@@ -98,8 +98,8 @@ def quantize_tokens(rows: torch.Tensor | None, padded_offsets: torch.Tensor,
             (multiples of 128) and the live rows' exclusive prefix sum.
         qt: float8_e4m3fn (or its uint8 view) ``[C, R_cap]`` contiguous, ``R_cap`` a multiple
             of 128 covering the padded rows.
-        st: ``[C, R_cap / 128]`` contiguous: float32 (``"fp8_block"``) or uint8 E8M0
-            (``"mxfp8_rebased"``).
+        st: ``[R_cap / 128, C]`` contiguous (block-major: a GEMM step reads one row of it):
+            float32 (``"fp8_block"``) or uint8 E8M0 (``"mxfp8_rebased"``).
         format: ``"fp8_block"`` or ``"mxfp8_rebased"``.
         gather_ptrs: int64 ``[R_cap]``: the row addresses by padded row (bf16 rows of C; 0:
             a null row) instead of ``rows``.
@@ -112,8 +112,8 @@ def quantize_tokens(rows: torch.Tensor | None, padded_offsets: torch.Tensor,
     if r_cap % TOKEN_BLOCK:
         raise ValueError(f"R_cap ({r_cap}, qt.shape[1]) must be a multiple of {TOKEN_BLOCK} "
                          "(tokens per scale)")
-    check_tensor("st", st, dtypes=(TOKEN_FORMATS[format],), shape=[cols, r_cap // TOKEN_BLOCK],
-                 shape_text=f"[C, R_cap/{TOKEN_BLOCK}] ({format} scales)")
+    check_tensor("st", st, dtypes=(TOKEN_FORMATS[format],), shape=[r_cap // TOKEN_BLOCK, cols],
+                 shape_text=f"[R_cap/{TOKEN_BLOCK}, C] ({format} scales)")
     named = dict(padded_offsets=padded_offsets, row_offsets=row_offsets, qt=qt, st=st)
     if (rows is None) == (gather_ptrs is None):
         raise ValueError("pass exactly one of rows and gather_ptrs, got "
@@ -145,15 +145,15 @@ def quantize_tokens(rows: torch.Tensor | None, padded_offsets: torch.Tensor,
             padded_offsets if gather_ptrs is None else gather_ptrs, padded_offsets,
             row_offsets, qt.view(torch.uint8), st, r_cap, C=cols, NUM_EXPERTS=num_experts,
             EXPERTS_POW2=max(2, next_power_of_2(num_experts)), BLOCK_C=_BLOCK_C,
-            GATHER=gather_ptrs is not None, BLOCK_FP8=format == "fp8_block", num_warps=4,
+            GATHER=gather_ptrs is not None, BLOCK_FP8=format == "fp8_block", num_warps=8,
         )  # fmt: skip
 
 
 def quantize_tokens_ref(values: torch.Tensor, format: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-PyTorch rule of one block: ``values [..., 128]`` (float) quantised along the last
     axis, ``(q float8_e4m3fn [..., 128], s [...])`` (float32, or uint8 E8M0). For tests."""
-    from distmoe.quant.fp8_block import fp8_block_quantize_ref
     from distmoe.quant.formats import e8m0_exponent_ref
+    from distmoe.quant.fp8_block import fp8_block_quantize_ref
 
     if format == "fp8_block":
         q, s = fp8_block_quantize_ref(values)
