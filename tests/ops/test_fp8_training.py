@@ -28,6 +28,7 @@ from forward_cases import CASES
 from test_mxfp8_forward import executed_routes
 
 import distmoe as dm
+from distmoe.kernels.scaled.token_quant import quantize_tokens_ref
 from distmoe.ops.lowp import fp8_format
 from distmoe.ops.lowp_train import train_weights
 from distmoe.quant import fp8_block_quantize_ref, mxfp8_quantize_ref, prepare_weights
@@ -92,11 +93,32 @@ def _bf(v: torch.Tensor) -> torch.Tensor:
     return v.float().bfloat16()
 
 
-def recipe_reference(x, ids, scores, w13, w2, gy, precision, executed=None):
+def _q_tokens(v: torch.Tensor, experts: torch.Tensor, fmt: str) -> torch.Tensor:
+    """float64 values of the routes' rows ``v [n, C]`` quantised along tokens per expert and
+    column (one 128-token block: every expert here has at most 128 rows, so their order in
+    the block does not matter), the FP8 weight gradients' operands."""
+    out = torch.zeros(v.shape, dtype=torch.float64)
+    for ex in experts.unique().tolist():
+        sel = experts == ex
+        n = int(sel.sum())
+        assert n <= 128, "the reference takes one token block per expert"
+        block = torch.zeros(128, v.shape[1], dtype=torch.float32)
+        block[:n] = v[sel].float()
+        q, sc = quantize_tokens_ref(block.T.contiguous(), fmt)  # [C, 128], [C]
+        scale = sc.double() if fmt == "fp8_block" else torch.exp2(sc.double() - 127)
+        out[sel] = (q.double() * scale[:, None]).T[:n]
+    return out
+
+
+def recipe_reference(x, ids, scores, w13, w2, gy, precision, executed=None,
+                     token_wgrad=False):
     """Reference (a): ``[y, grad x, grad scores, grad w13, grad w2]`` of the whole group
     (every route executed). The forward GEMMs read the weight blocks along their K, the
     input-gradient GEMMs the same blocks transposed (rebased along the other axis in the
-    ``"mxfp8_rebased"`` format)."""
+    ``"mxfp8_rebased"`` format). ``token_wgrad``: the weight gradients' operands quantised
+    along tokens (the FP8 WGRAD, :func:`distmoe.plan.rules.fp8_wgrad`): gh3 and h2 for
+    grad w2, gh1 and the bf16 x rows for grad w13; else gh3, h2 and gh1 in bf16 with x as
+    the forward quantised it."""
     E, _, F, D = w13.shape
     fmt = fp8_format(dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
                                   precision=precision))
@@ -128,15 +150,20 @@ def recipe_reference(x, ids, scores, w13, w2, gy, precision, executed=None):
     gh1 = torch.cat([d * u * sg * (1 + g * (1 - sg)), d * g * sg], 1).bfloat16()
     gxr = _bf(torch.einsum("rn,rdn->rd", _q(gh1, precision), W13d[e]))
     gx = torch.zeros(N, D, dtype=torch.float64).index_add_(0, t_idx, gxr.double())
+    if token_wgrad:
+        wg3, wh2 = _q_tokens(g3, e, fmt), _q_tokens(h2, e, fmt)
+        wgh1, wx = _q_tokens(gh1, e, fmt), _q_tokens(x[t_idx], e, fmt)
+    else:
+        wg3, wh2, wgh1, wx = g3.double(), h2.double(), gh1.double(), xq
     gw2 = torch.zeros(E, D, F, dtype=torch.float64)
-    gw2.index_add_(0, e, g3.double()[:, :, None] * h2.double()[:, None, :])
+    gw2.index_add_(0, e, wg3[:, :, None] * wh2[:, None, :])
     gw13 = torch.zeros(E, 2 * F, D, dtype=torch.float64)
-    gw13.index_add_(0, e, gh1.double()[:, :, None] * xq[:, None, :])
+    gw13.index_add_(0, e, wgh1[:, :, None] * wx[:, None, :])
     return [y, gx, gs, gw13.view(E, 2, F, D), gw2]
 
 
 def _rank(rank, world, E, D, F, precision, main_grad=False, device="cpu", tokens=T,
-          transport="auto", case=None, factor=None):
+          transport="auto", case=None, factor=None, row_block=16):
     x, ids, scores, w13, w2, gy = _problem(world, E, D, F, tokens=tokens, case=case)
     mine = split_global_problem(x, ids, scores, w13, w2, world)[rank]
     dev = torch.device(device)
@@ -144,7 +171,7 @@ def _rank(rank, world, E, D, F, precision, main_grad=False, device="cpu", tokens
                                         for f in dataclasses.fields(mine)})
     gy = gy[rank * tokens:(rank + 1) * tokens].to(dev)
     cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=tokens,
-                       row_block=16, precision=precision, training=True,
+                       row_block=row_block, precision=precision, training=True,
                        device_scratch_factor=float(world if factor is None else factor))
     check = factor is None or factor >= world  # check mode refuses routes past the bound
     leaves = [t.clone().requires_grad_(True) for t in (mine.x, mine.scores, mine.w13, mine.w2)]
@@ -155,6 +182,7 @@ def _rank(rank, world, E, D, F, precision, main_grad=False, device="cpu", tokens
     with dm.MoEContext(cfg, device=dev, main_grad=main_grad, check=check,
                        transport=transport) as ctx:
         out["explain"] = ctx.explain()
+        out["fp8_wgrad"] = ctx._lowp_train.w13_wgrad is not None
         out["bound"] = ctx.receive_bound
         y = ctx(leaves[0], mine.expert_ids, leaves[1], leaves[2], leaves[3])
         (y.float() * gy.float()).sum().backward()
@@ -195,7 +223,8 @@ def _rank(rank, world, E, D, F, precision, main_grad=False, device="cpu", tokens
 def _check(per_rank, world, E, D, F, precision, tokens=T, tol_recipe=TOL_RECIPE, case=None):
     x, ids, scores, w13, w2, gy = _problem(world, E, D, F, tokens=tokens, case=case)
     executed = executed_routes(ids, world, E, per_rank[0]["bound"])
-    recipe = recipe_reference(x, ids, scores, w13, w2, gy, precision, executed)
+    recipe = recipe_reference(x, ids, scores, w13, w2, gy, precision, executed,
+                              token_wgrad=per_rank[0]["fp8_wgrad"])
     leaves = [t.double().requires_grad_(True) for t in (x, scores, w13, w2)]
     # the bf16 layer in float64 on the executed routes (a dropped route contributes nothing
     # and gets zero gradients)
@@ -266,15 +295,23 @@ def test_mxfp8_training_over_the_nccl_transport():
 
 def test_mxfp8_rebased_training_against_both_references():
     """D and F multiples of 128: the mxfp8 layer runs its operands rebased onto 128-wide K
-    groups (``distmoe.plan.rules.mxfp8_k_group``); the recipe rebases alike."""
+    groups (``distmoe.plan.rules.mxfp8_k_group``); the recipe rebases alike. Row blocks of
+    128: the weight gradients on FP8 operands quantised along tokens."""
     E, D, F = 2, 128, 128
-    per_rank = dm.launch(_rank, 1, args=(E, D, F, "mxfp8"), timeout=300)
+    per_rank = dm.launch(_rank, 1, args=(E, D, F, "mxfp8", False, "cpu", T, "auto", None,
+                                         None, 128), timeout=300)
+    assert per_rank[0]["fp8_wgrad"]
     _check(per_rank, 1, E, D, F, "mxfp8")
 
 
-def test_fp8_block_training_against_both_references():
+@pytest.mark.parametrize("row_block,main_grad", [(16, False), (128, True)])
+def test_fp8_block_training_against_both_references(row_block, main_grad):
+    """Row blocks of 16: bf16 weight gradients; of 128: FP8 weight gradients on operands
+    quantised along tokens, added in fp32 into ``main_grad``."""
     E, D, F = 2, 128, 128
-    per_rank = dm.launch(_rank, 1, args=(E, D, F, "fp8_block"), timeout=300)
+    per_rank = dm.launch(_rank, 1, args=(E, D, F, "fp8_block", main_grad, "cpu", T, "auto",
+                                         None, None, row_block), timeout=300)
+    assert per_rank[0]["fp8_wgrad"] == (row_block == 128)
     _check(per_rank, 1, E, D, F, "fp8_block")
 
 
@@ -290,12 +327,16 @@ def test_mxfp8_training_main_grad():
 @pytest.mark.parametrize("precision,F", [("mxfp8", 224), ("mxfp8", 128), ("fp8_block", 128)])
 def test_fp8_training_gpu(precision, F):
     """One GPU (EP = 1, T = 256, D = 256, E = 8; F = 224 keeps exact MXFP8, F = 128 rebases
-    it onto 128-wide groups): the same references; the recipe bound of 128-wide groups
-    widened for the SM90 FP8 MMA's accumulation (``TOL_RECIPE_SM90_128``)."""
+    it onto 128-wide groups, whose layer also takes FP8 weight gradients): the same
+    references; the recipe bound of 128-wide groups widened for the SM90 FP8 MMA's
+    accumulation (``TOL_RECIPE_SM90_128``)."""
     E, D, tokens = 8, 256, 256
-    out = _rank(0, 1, E, D, F, precision, device="cuda", tokens=tokens)
     wide = fp8_format(dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=tokens,
                                    precision=precision)) != "mxfp8"
+    # 128-wide groups with row blocks of 128: the FP8 weight gradients (Gluon on Hopper)
+    out = _rank(0, 1, E, D, F, precision, device="cuda", tokens=tokens,
+                row_block=128 if wide else 16)
+    assert out["fp8_wgrad"] == wide
     worst = _check([out], 1, E, D, F, precision, tokens=tokens,
                    tol_recipe=TOL_RECIPE_SM90_128 if wide else TOL_RECIPE)
     print(precision, {f"{a} {b}": f"{v:.2e}" for (a, b), v in worst.items()})

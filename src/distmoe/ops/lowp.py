@@ -292,11 +292,12 @@ def route_and_gather(ctx, x, expert_ids, x_rows: torch.Tensor):
 
 def route_and_quantize(ctx, x, expert_ids, x_q: torch.Tensor, x_s: torch.Tensor, fmt: str):
     """Steps 1-4b of the FP8 formats: publish, route, gather the executed rows quantised in
-    format ``fmt`` into ``x_q`` / ``x_s`` (one kernel); returns the routing tables."""
+    format ``fmt`` into ``x_q`` / ``x_s`` (one kernel); returns the routing tables and the
+    gather table the rows were read through."""
     tables, gather_ptrs = route_rows(ctx, x, expert_ids)
     gather_quantize(gather_ptrs, tables.padded_offsets, tables.row_offsets, x_q, x_s,
                     format=fmt, block_m=ctx.cfg.row_block)
-    return tables
+    return tables, gather_ptrs
 
 
 def scatter_and_combine(ctx, tables, h3: torch.Tensor | None, x, expert_ids, scores,
@@ -325,7 +326,7 @@ def fp8_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedWei
     (q13, s13), (q2, s2) = ((rebased_weight(ctx, w) for w in (w13, w2))
                             if s.format == "mxfp8_rebased" else
                             ((w.qdata, w.scales) for w in (w13, w2)))
-    tables = route_and_quantize(ctx, x, expert_ids, s.x_q, s.x_s, s.format)
+    tables, _ = route_and_quantize(ctx, x, expert_ids, s.x_q, s.x_s, s.format)
     po, ro = tables.padded_offsets, tables.row_offsets
     h2 = ctx._h2
     grouped_mm(s.x_q, s.x_s, q13, s13, po, ro, h2, swiglu=True, config=s.w13_config)

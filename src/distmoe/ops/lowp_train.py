@@ -70,6 +70,8 @@ from ..kernels.base.gluon import gluon_device_reason
 from ..kernels.movement.route_grad import reduce_routes, route_grads
 from ..kernels.scaled import ScaledGemmConfig
 from ..kernels.scaled.swiglu_quant import swiglu_backward_quantize, swiglu_quantize
+from ..kernels.scaled.token_quant import TOKEN_BLOCK, quantize_tokens
+from ..kernels.scaled.wgrad import ScaledWgradConfig, scaled_wgrad
 from ..kernels.wgrad import w2_wgrad, w13_wgrad
 from ..plan import rules
 from ..quant.fp8_block import mxfp8_rebase
@@ -84,23 +86,31 @@ __all__ = ["FP8TrainConfigs", "FP8TrainFunction", "fp8_train_configs", "train_we
 class FP8TrainConfigs:
     """Launch configs of a low-precision training context's GEMMs beside the inference
     forward's two (``block_m`` = the routing's ``row_block``): W13 without SwiGLU (h1 is
-    saved) and the two input-gradient GEMMs (the bf16 WGRADs take the plan's configs)."""
+    saved), the two input-gradient GEMMs, and the two FP8 weight-gradient GEMMs
+    (``w13_wgrad`` / ``w2_wgrad``; None: the bf16 WGRADs on the plan's configs;
+    :func:`distmoe.plan.rules.fp8_wgrad`)."""
 
     w13_h1: ScaledGemmConfig
     w2_dgrad: ScaledGemmConfig
     w13_dgrad: ScaledGemmConfig
+    w13_wgrad: ScaledWgradConfig | None = None
+    w2_wgrad: ScaledWgradConfig | None = None
 
 
 def fp8_train_configs(cfg, device: torch.device) -> FP8TrainConfigs:
     """The configs of :class:`FP8TrainConfigs` for ``cfg`` on ``device``
     (:func:`distmoe.plan.rules.scaled_gemm`)."""
     D, F, bm = cfg.hidden, cfg.ffn, cfg.row_block
-    g = FP8_FORMATS[fp8_format(cfg)][0]
+    fmt = fp8_format(cfg)
+    g = FP8_FORMATS[fmt][0]
     gluon = gluon_device_reason(device) is None
     return FP8TrainConfigs(
         w13_h1=rules.scaled_gemm(k=D, n=2 * F, block_m=bm, k_group=g, gluon=gluon),
         w2_dgrad=rules.scaled_gemm(k=D, n=F, block_m=bm, k_group=g, gluon=gluon),
         w13_dgrad=rules.scaled_gemm(k=2 * F, n=D, block_m=bm, k_group=g, gluon=gluon),
+        w13_wgrad=rules.fp8_wgrad(fmt=fmt, row_block=bm, out_rows=2 * F, out_cols=D,
+                                  gluon=gluon),
+        w2_wgrad=rules.fp8_wgrad(fmt=fmt, row_block=bm, out_rows=D, out_cols=F, gluon=gluon),
     )
 
 
@@ -162,8 +172,17 @@ def fp8_train_forward(moe, x, expert_ids, scores, tw: TrainWeights):
     E = moe.num_local_experts
     x_q = torch.empty(R, D, dtype=torch.float8_e4m3fn, device=moe.device)
     x_s = torch.empty(R, D // block, dtype=scale_dtype, device=moe.device)
-    tables = route_and_quantize(moe, x, expert_ids, x_q, x_s, s.format)
+    tables, gather_ptrs = route_and_quantize(moe, x, expert_ids, x_q, x_s, s.format)
     po, ro = tables.padded_offsets, tables.row_offsets
+    if conf.w13_wgrad is not None:
+        # W13's weight gradient reads x quantised along tokens, from the bf16 rows where
+        # W13 read them (saved instead of x_q, the same bytes)
+        r_cap = gather_ptrs.shape[0]
+        wx = (torch.empty(D, r_cap, dtype=torch.float8_e4m3fn, device=moe.device),
+              torch.empty(r_cap // TOKEN_BLOCK, D, dtype=scale_dtype, device=moe.device))
+        quantize_tokens(None, po, ro, *wx, format=s.format, gather_ptrs=gather_ptrs)
+    else:
+        wx = (x_q, x_s)
     h1 = torch.empty(R, 2 * F, dtype=torch.bfloat16, device=moe.device)
     grouped_mm(x_q, x_s, tw.w13_q.view(E, 2 * F, D), tw.w13_s.flatten(1, 2), po, ro, h1,
                config=conf.w13_h1)
@@ -173,12 +192,23 @@ def fp8_train_forward(moe, x, expert_ids, scores, tw: TrainWeights):
                scatter_ptrs=tables.scatter_ptrs)
     y = scatter_and_combine(moe, tables, None, x, expert_ids, scores, None)
     T, K = expert_ids.shape
-    saved = dict(tables=tables, x_q=x_q, x_s=x_s, h1=h1,
+    saved = dict(tables=tables, wgrad_x=wx, h1=h1,
                  h3_routes=moe._combine[:T * K].clone(),  # the next forward overwrites them
                  ids_executed=torch.where(tables.is_route_executed_TK,
                                           expert_ids.to(torch.int32), -1),
                  scores_f32=scores.float().contiguous(), weights=tw)
     return y, saved
+
+
+def _token_quantized(rows: torch.Tensor, po: torch.Tensor, ro: torch.Tensor, like: tuple,
+                     fmt: str):
+    """``rows [R, C]`` (activation rows) quantised along tokens: ``(qt [C, R_cap], st
+    [R_cap/128, C])`` with ``R_cap`` and the scale dtype of ``like`` (the saved x's)."""
+    r_cap, C = like[0].shape[1], rows.shape[1]
+    qt = torch.empty(C, r_cap, dtype=torch.float8_e4m3fn, device=rows.device)
+    st = torch.empty(r_cap // TOKEN_BLOCK, C, dtype=like[1].dtype, device=rows.device)
+    quantize_tokens(rows, po, ro, qt, st, format=fmt)
+    return qt, st
 
 
 def fp8_train_backward(moe, saved: dict, grad_y: torch.Tensor, weight_out):
@@ -222,12 +252,24 @@ def fp8_train_backward(moe, saved: dict, grad_y: torch.Tensor, weight_out):
                scatter_ptrs=tables.bwd_scatter_ptrs)
     grad_w13, grad_w2 = weight_out
     accumulate = moe.main_grad
-    # the bf16 layer's WGRAD kernels and the plan's configs for them
-    if grad_w2 is not None:
-        w2_wgrad(gh3, h2, po, ro, grad_w2, accumulate=accumulate, config=moe.plan.w2_wgrad)
-    if grad_w13 is not None:
-        w13_wgrad(gh1, dequantize_rows(saved["x_q"], saved["x_s"], fmt), po, ro, grad_w13,
-                  accumulate=accumulate, config=moe.plan.w13_wgrad)
+    if conf.w13_wgrad is not None:  # FP8, operands quantised along tokens
+        E = moe.num_local_experts
+        x_t = saved["wgrad_x"]
+        if grad_w2 is not None:
+            scaled_wgrad(*_token_quantized(gh3, po, ro, x_t, fmt),
+                         *_token_quantized(h2, po, ro, x_t, fmt), po, grad_w2, format=fmt,
+                         accumulate=accumulate, config=conf.w2_wgrad)
+        if grad_w13 is not None:
+            scaled_wgrad(*_token_quantized(gh1, po, ro, x_t, fmt), *x_t, po,
+                         grad_w13.view(E, 2 * F, D), format=fmt, accumulate=accumulate,
+                         config=conf.w13_wgrad)
+    else:  # the bf16 layer's WGRAD kernels and the plan's configs for them
+        if grad_w2 is not None:
+            w2_wgrad(gh3, h2, po, ro, grad_w2, accumulate=accumulate,
+                     config=moe.plan.w2_wgrad)
+        if grad_w13 is not None:
+            w13_wgrad(gh1, dequantize_rows(*saved["wgrad_x"], fmt), po, ro, grad_w13,
+                      accumulate=accumulate, config=moe.plan.w13_wgrad)
     # 4. every route's input gradient has landed
     heap.barrier()
     # 5. owner

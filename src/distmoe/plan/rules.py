@@ -20,6 +20,7 @@ from ..kernels.mega.gluon import FusedConfig
 from ..kernels.movement.combine import CombineConfig
 from ..kernels.scaled.config import ScaledGemmConfig
 from ..kernels.scaled.gluon import shape_reason as scaled_shape_reason
+from ..kernels.scaled.wgrad import ScaledWgradConfig
 from ..kernels.w2_dgrad.config import W2DgradConfig
 from ..kernels.w2_dgrad.gluon import shape_reason as w2_dgrad_shape_reason
 from ..kernels.w2_forward.config import W2Config
@@ -362,3 +363,22 @@ def scaled_gemm(*, k: int, n: int, swiglu: bool = False, k_group: int, block_m: 
         return cfg
     return ScaledGemmConfig.for_widths(k=k, n=n, swiglu=swiglu, block_m=block_m,
                                        k_group=k_group)
+
+
+def fp8_wgrad(*, fmt: str, row_block: int, out_rows: int, out_cols: int,
+              gluon: bool) -> ScaledWgradConfig | None:
+    """The FP8 training layer's weight-gradient GEMM for one weight (``out_rows x out_cols``
+    per expert), or None for the bf16 WGRAD (:mod:`distmoe.kernels.wgrad`). FP8, on operands
+    quantised along tokens in 128-token blocks (:mod:`distmoe.kernels.scaled.wgrad`), where
+    the operand format has 128-wide groups (``"fp8_block"``, ``"mxfp8_rebased"``) and the
+    padding multiple ``row_block`` is a multiple of 128 (a token block never spans two
+    experts); the Gluon form on Hopper where both widths are multiples of 128. Why: the
+    issue's recipe (WGRAD operands quantised along the token axis) and the FP8 rate for the
+    third of the training FLOPs that the weight gradients are."""
+    if fmt not in ("fp8_block", "mxfp8_rebased") or row_block % 128:
+        return None
+    tiles = out_rows % 128 == 0 and out_cols % 128 == 0
+    if gluon and tiles:
+        return ScaledWgradConfig(block_m=128, block_n=128, num_warps=8, num_stages=5,
+                                 gluon=True)
+    return ScaledWgradConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)

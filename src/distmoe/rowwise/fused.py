@@ -77,7 +77,10 @@ operands of the two WGRADs and the weight gradients. The heap buffers used: ``ou
 gradient twins ``grad_expert_out`` / ``grad_out`` (backward).
 
 Sync points: none on the host (``Buffers(check=True)`` excepted); barriers: the forward's two
-inner ones plus those asked for, four in backward.
+inner ones plus those asked for, four in backward. The forward reads (or copies) the received
+rows before it reaches the combine's barrier, after which a peer's next PUT may land: with
+the default barriers, calls repeat safely as the separate calls do (docs/rowwise.md,
+Barriers).
 """
 
 from __future__ import annotations
@@ -143,6 +146,8 @@ def _forward(bufs: Buffers, x_ND, probs_NK, w13, w2, dst_ranks, dst_rows, offs, 
     # 2 expert: the W13 operand is the received rows (their block-FP8 form for fp8_block)
     if precision == "mxfp8":
         a_q, a_s = bufs.out_q, bufs.out_s
+        if save:  # a peer's next PUT may land once this rank passes the combine's barrier
+            a_q, a_s = a_q.clone(), a_s.clone()
     else:
         a_q, a_s = quantize_rows(dequantize_rows(bufs.out_q, bufs.out_s, "mxfp8"), precision)
     w13_q, w13_s, w13t_q, w13t_s = scaled_weight_blocks(
@@ -155,8 +160,6 @@ def _forward(bufs: Buffers, x_ND, probs_NK, w13, w2, dst_ranks, dst_rows, offs, 
     # 3 source: pull, dequantise and reduce every token's routes (after the peers' writes)
     y_ND, routes_NKD = combine_scaled_rows(bufs, "expert_out_q", "expert_out_s", dst_ranks,
                                            dst_rows, probs_NK, keep_routes, True, post_barrier)
-    if save and precision == "mxfp8":  # a later call overwrites the heap rows: keep a copy
-        a_q, a_s = a_q.clone(), a_s.clone()
     return y_ND, (a_q, a_s, w13t_q, w13t_s, w2t_q, w2t_s, h1_R2F, h2_q, h2_s, routes_NKD)
 
 
