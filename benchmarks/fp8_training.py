@@ -47,9 +47,10 @@ def _inputs(T, D, F, E, K, dev):
 
 
 def _triton_scaled(ctx) -> None:
-    """Put the Triton kernel's configs (:meth:`ScaledGemmConfig.for_widths`) in place of the
-    plan's block-scaled GEMM configs of an FP8 context: the A/B of
-    :func:`distmoe.plan.rules.scaled_gemm`'s Gluon choice in one run."""
+    """Put the Triton kernels' configs (:meth:`ScaledGemmConfig.for_widths`, and the FP8
+    weight gradients' without Gluon) in place of the plan's in an FP8 context: the A/B of
+    the Gluon choices of :func:`distmoe.plan.rules.scaled_gemm` and
+    :func:`~distmoe.plan.rules.fp8_wgrad` in one run."""
     from distmoe.kernels.scaled import ScaledGemmConfig
 
     def plain(c: ScaledGemmConfig, k: int, n: int, swiglu: bool = False) -> ScaledGemmConfig:
@@ -59,13 +60,18 @@ def _triton_scaled(ctx) -> None:
         return ScaledGemmConfig.for_widths(k=k, n=n, swiglu=swiglu, block_m=c.block_m,
                                            k_group=k_group)
 
+    def triton_wgrad(c):
+        return c and dataclasses.replace(c, gluon=False, num_stages=3)
+
     D, F = ctx.cfg.hidden, ctx.cfg.ffn
     lp, lt = ctx._lowp, ctx._lowp_train
     ctx._lowp = dataclasses.replace(lp, w13_config=plain(lp.w13_config, D, 2 * F, True),
                                     w2_config=plain(lp.w2_config, F, D))
     ctx._lowp_train = dataclasses.replace(lt, w13_h1=plain(lt.w13_h1, D, 2 * F),
                                           w2_dgrad=plain(lt.w2_dgrad, D, F),
-                                          w13_dgrad=plain(lt.w13_dgrad, 2 * F, D))
+                                          w13_dgrad=plain(lt.w13_dgrad, 2 * F, D),
+                                          w13_wgrad=triton_wgrad(lt.w13_wgrad),
+                                          w2_wgrad=triton_wgrad(lt.w2_wgrad))
 
 
 def run_case(shape: str, precision: str, timing: TimingConfig) -> dict:
@@ -79,6 +85,9 @@ def run_case(shape: str, precision: str, timing: TimingConfig) -> dict:
     with dm.MoEContext(cfg, device=dev) as ctx:
         if kernel == "triton":
             _triton_scaled(ctx)
+        elif kernel == "bf16wgrad":  # the plan's GEMMs, the weight gradients in bf16
+            ctx._lowp_train = dataclasses.replace(ctx._lowp_train, w13_wgrad=None,
+                                                  w2_wgrad=None)
         leaves = (x, scores, w13, w2)
 
         def fwd():
@@ -102,9 +111,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--precisions", nargs="+", default=["bf16", "mxfp8", "fp8_block"],
-                    choices=["bf16", "mxfp8", "fp8_block", "mxfp8/triton", "fp8_block/triton"],
-                    help="'/triton': the block-scaled GEMMs on the Triton kernel instead of "
-                         "the plan's choice (an A/B in one run)")
+                    choices=["bf16", "mxfp8", "fp8_block", "mxfp8/triton", "fp8_block/triton",
+                             "mxfp8/bf16wgrad", "fp8_block/bf16wgrad"],
+                    help="A/B in one run: '/triton' runs the block-scaled GEMMs and the FP8 "
+                         "weight gradients on their Triton kernels instead of the plan's "
+                         "Gluon ones; '/bf16wgrad' the weight gradients in bf16")
     ap.add_argument("--windows", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", type=Path)
