@@ -825,7 +825,9 @@ def gluon_scaled_cases(shapes: tuple, num_experts: int) -> list[BuildCase]:
         scale_type = "*fp32" if layout.fp32 else "*u8"
         # the FP8 weight gradients (token-axis operands): W13's [2F, D] and W2's [D, F]
         d, f = shapes[0][1], shapes[0][2] // 2
-        for name, m, n, acc in (("W13", 2 * f, d, False), ("W2", d, f, True)):
+        # (one per layout: the two differ only in the widths and the output mode)
+        for name, m, n, acc in ((("W13", 2 * f, d, False),) if not layout.fp32 else
+                                (("W2", d, f, True),)):
             types = {"a_desc": _gluon_desc(m, 8192, [128, 128], fp8=True),
                      "b_desc": _gluon_desc(n, 8192, [128, 128], fp8=True),
                      "sa_ptr": scale_type, "sb_ptr": scale_type,
@@ -890,10 +892,18 @@ def lowp_kernel_cases() -> list[BuildCase]:
                 cfg.num_warps, cfg.num_stages,
                 types={"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "sa_ptr": scale_type,
                        "sb_ptr": scale_type, "scatter_ptr": "*i64"}))
-    cases += gluon_scaled_cases(shapes, E)
+    cases += gluon_scaled_cases(shapes[:2], E)  # W13 + SwiGLU, W2 with its scatter epilogue
     from distmoe.kernels.scaled import token_quant, wgrad
     for fp32 in (False, True):
         scale_type = "*fp32" if fp32 else "*u8"
+        cases.append(BuildCase(
+            f"token quantise fp8_block={fp32}", token_quant._token_quant_kernel,
+            dict(C=D, NUM_EXPERTS=E, EXPERTS_POW2=E, BLOCK_C=64, GATHER=fp32,
+                 BLOCK_FP8=fp32), 8, 1,
+            types={"qt_ptr": "*u8", "st_ptr": scale_type, "R_CAP": "i32",
+                   "rows_ptr": "*bf16"}))
+    for fp32 in (True,):  # the fallback of the Gluon FP8 WGRAD
+        scale_type = "*fp32"
         cases.append(BuildCase(
             f"scaled WGRAD triton fp32_scales={fp32}", wgrad._scaled_wgrad_kernel,
             dict(M=2 * F, N=D, NUM_EXPERTS=E, BLOCK_M=128, BLOCK_N=128, INTERPRET=False,
@@ -901,12 +911,6 @@ def lowp_kernel_cases() -> list[BuildCase]:
             8, 3, types={"at_ptr": "*fp8e4nv", "bt_ptr": "*fp8e4nv", "sa_ptr": scale_type,
                          "sb_ptr": scale_type, "out_ptr": "*fp32" if fp32 else "*bf16",
                          "R_CAP": "i32"}))
-        cases.append(BuildCase(
-            f"token quantise fp8_block={fp32}", token_quant._token_quant_kernel,
-            dict(C=D, NUM_EXPERTS=E, EXPERTS_POW2=E, BLOCK_C=64, GATHER=fp32,
-                 BLOCK_FP8=fp32), 8, 1,
-            types={"qt_ptr": "*u8", "st_ptr": scale_type, "R_CAP": "i32",
-                   "rows_ptr": "*bf16"}))
     from distmoe.kernels.scaled import gather_quant
     for fmt, (unit, blocks) in (("mxfp8", (32, 8)), ("mxfp8_rebased", (32, 8)),
                                 ("fp8_block", (128, 2))):
