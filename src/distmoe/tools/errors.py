@@ -41,6 +41,8 @@ MODULES = (
     "distmoe.rowwise.dispatch",
     "distmoe.rowwise.combine",
     "distmoe.rowwise.grouped",
+    "distmoe.rowwise.scaled",
+    "distmoe.rowwise.fused",
     "distmoe.integrations.transformers",
 )
 ERRORS = ("ValueError", "TypeError", "RuntimeError", "NotImplementedError", "TimeoutError")

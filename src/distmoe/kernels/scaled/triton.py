@@ -134,7 +134,7 @@ def _load_step(rows_ptr, srows_ptr, s, kk, ok, MASKED: tl.constexpr, SCALE_FP32:
 
 
 @triton.jit
-def _dot_step(a, b, INTERPRET: tl.constexpr):
+def dot_step(a, b, INTERPRET: tl.constexpr):
     """``a [M, G] @ b [N, G]^T`` of E4M3 tiles, fp32 out: FP8 tensor-core dots, or under
     the interpreter an fp32 dot of the exactly widened values with NaN codes kept NaN (the
     interpreter's own E4M3 decoding turns them into +-480)."""
@@ -219,11 +219,11 @@ def _mxfp8_tile(
                 a, sa = _load_step(a_rows, sa_rows, s, kk, row_ok, True, SCALE_FP32)
                 b, sb = _load_step(g_rows, g_srows, s, kk, col_ok, not (EVEN_K and EVEN_N),
                                    SCALE_FP32)
-                acc_g += _dot_step(a, b, INTERPRET) * (sa[:, None] * sb[None, :])
+                acc_g += dot_step(a, b, INTERPRET) * (sa[:, None] * sb[None, :])
                 if SWIGLU:
                     bu, su = _load_step(u_rows, u_srows, s, kk, col_ok,
                                         not (EVEN_K and EVEN_N), SCALE_FP32)
-                    acc_u += _dot_step(a, bu, INTERPRET) * (sa[:, None] * su[None, :])
+                    acc_u += dot_step(a, bu, INTERPRET) * (sa[:, None] * su[None, :])
 
         if SWIGLU:
             val = acc_g * tl.sigmoid(acc_g) * acc_u

@@ -42,7 +42,7 @@ from distmoe.kernels.base.device import device_context, warn_gluon_fallback
 from distmoe.kernels.base.interpreter import interpreter_active
 from distmoe.kernels.scaled import wgrad_gluon
 from distmoe.kernels.scaled.token_quant import TOKEN_BLOCK, TOKEN_FORMATS
-from distmoe.kernels.scaled.triton import _dot_step
+from distmoe.kernels.scaled.triton import dot_step
 from distmoe.quant.formats import e8m0_to_fp32
 from distmoe.quant.mxfp8 import e8m0_to_float
 
@@ -118,7 +118,7 @@ def _scaled_wgrad_kernel(at_ptr, sa_ptr, bt_ptr, sb_ptr, padded_offsets_ptr, out
         if not SCALE_FP32:
             sa = e8m0_to_fp32(sa.to(tl.int32))
             sb = e8m0_to_fp32(sb.to(tl.int32))
-        acc += _dot_step(a, b, INTERPRET) * (sa[:, None] * sb[None, :])
+        acc += dot_step(a, b, INTERPRET) * (sa[:, None] * sb[None, :])
         kb += 1
     ptrs = out_ptr + expert.to(tl.int64) * (M * N) + m[:, None] * N + n[None, :]
     ok = in_m[:, None] & in_n[None, :]
