@@ -36,11 +36,18 @@ Backward (collective: every rank runs the backward of the same calls in the same
                SwiGLU backward in fp32 from h1, quantised along 2F in the same kernel
                (``swiglu_backward_quantize``): gh1 [R_b, 2F] bf16, gh1_q, gh1_s, and h2
                again (the forward's bits); gx = bf16(gh1_q W13_q)     [R_b, D]
-               WGRAD (bf16 operands, fp32 accumulation, activation rows of each expert;
-               the bf16 layer's kernels, :mod:`distmoe.kernels.wgrad`):
-               grad_w2[e] = gh3_e^T h2_e, grad_w13[e] = gh1_e^T dequant(x_q)_e
                (the gx GEMM stores each live row straight into its owner's dispatch row
                t*K+k: its ``scatter_ptrs`` epilogue)
+               WGRAD, FP8 where :func:`distmoe.plan.rules.fp8_wgrad` gives configs
+               (128-wide groups, row blocks of 128): the operands quantised along tokens
+               per 128 padded rows (:func:`~distmoe.kernels.scaled.token_quant.quantize_tokens`,
+               transposed; x's in the forward, from the rows W13 read) and one grouped GEMM
+               per weight reducing along each expert's tokens
+               (:func:`~distmoe.kernels.scaled.wgrad.scaled_wgrad`):
+               grad_w2[e] = Q_T(gh3)_e^T Q_T(h2)_e, grad_w13[e] = Q_T(gh1)_e^T Q_T(x)_e;
+               else bf16 (fp32 accumulation, the bf16 layer's kernels,
+               :mod:`distmoe.kernels.wgrad`): grad_w2[e] = gh3_e^T h2_e,
+               grad_w13[e] = gh1_e^T dequant(x_q)_e
     4  barrier
     5  owner:  grad_x[t] = bf16(sum over executed k of the route rows) (reduce_routes)
 
@@ -49,14 +56,16 @@ one): the weight gradients use the operands the forward multiplied (``dequant(x_
 ``h2``, the operand W2 quantised, as bf16), the input gradients the same quantised weights
 as the forward. Routes beyond the receive bound are not executed and get zero gradients.
 
-Not yet (issue 58): WGRAD operands quantised along the token axis (the WGRAD is bf16 here);
-the saved state in the planner's activation buffer (here per-call tensors: ``x_q`` + ``x_s``
-``R_b (D + D/B)`` bytes (``4 R_b D / 128`` scale bytes for fp8_block), ``h1`` ``4 R_b F`` and
+Not yet (issue 58): the saved state in the planner's activation buffer (here per-call
+tensors: x for the weight gradient, ``x_q`` + ``x_s`` ``R_b (D + D/B)`` bytes, or with FP8
+weight gradients x along tokens ``R_cap (D + D/32)`` (``4 R_cap D / 128`` scale bytes for
+fp8_block), ``h1`` ``4 R_b F`` and
 the owner's h3 rows ``2 T K D`` bytes per layer until its backward; the context's activation
 slots are not used); the context's CUDA graphs (every call eager); replay under a budget.
 
 Sync points: none on the host. Memory per backward: the quantised gh1 (``R_b 2F (1 + 1/B)``
-bytes), gh1 and x dequantised (bf16), beside the context's scratch.
+bytes), gh1, and x dequantised (bf16) or the token-axis operands (about one byte per value
+of gh3, h2 and gh1), beside the context's scratch.
 """
 
 from __future__ import annotations
