@@ -945,15 +945,25 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
         if fmt == "nvfp4":
             lines.append("  nvfp4      Triton NVFP4-weight grouped GEMM (kernels/scaled/nvfp4)")
         else:
-            lines.append("  gemms      Triton block-scaled grouped GEMM (kernels/scaled/triton)")
+            lines.append("  gemms      block-scaled grouped GEMM (kernels/scaled: Triton, or "
+                         "the Gluon form where a config says gluon=True)")
         named = [("w13", s.w13_config), ("w2", s.w2_config)]
+        wgrads = []
         if self._lowp_train is not None:
             t = self._lowp_train
             named += [("w13 h1", t.w13_h1), ("w2 dgrad", t.w2_dgrad), ("w13 dgrad", t.w13_dgrad)]
+            wgrads = [("w13 wgrad", t.w13_wgrad), ("w2 wgrad", t.w2_wgrad)]
         for name, c in named:
             lines.append(f"  {name:<10} block_m={c.block_m}, block_n={c.block_n}, "
                          f"block_k={c.block_k}, num_warps={c.num_warps}, "
-                         f"num_stages={c.num_stages}, group_m={c.group_m}")
+                         f"num_stages={c.num_stages}, group_m={c.group_m}"
+                         + (", gluon" if c.gluon else ""))
+        for name, c in wgrads:
+            lines.append(f"  {name:<10} " + (
+                "bf16 (the plan's WGRAD above)" if c is None else
+                f"FP8, token-axis operands (kernels/scaled/wgrad): block_m={c.block_m}, "
+                f"block_n={c.block_n}, num_stages={c.num_stages}"
+                + (", gluon" if c.gluon else "")))
         return "\n".join(lines)
 
     def __enter__(self) -> MoEContext:
