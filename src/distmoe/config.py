@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-Precision = Literal["bf16", "mxfp8", "nvfp4", "fp8_block"]
-PRECISIONS: tuple[str, ...] = ("bf16", "mxfp8", "nvfp4", "fp8_block")
+Precision = Literal["bf16", "mxfp8", "nvfp4", "fp8_block", "mxfp4"]
+PRECISIONS: tuple[str, ...] = ("bf16", "mxfp8", "nvfp4", "fp8_block", "mxfp4")
 PIPELINES: tuple[str, ...] = ("staged", "mega", "auto")
 
 # Expert ids travel between ranks as int16 (docs/design.md, Per-rank buffers).
@@ -45,16 +45,16 @@ class MoEConfig:
 
     Attributes:
         hidden: D, the token width. bf16 needs a multiple of 8 (rows are whole 16-byte
-            stores), mxfp8 a multiple of 32 (one E8M0 scale per 32 values), nvfp4 of 16,
-            fp8_block of 128 (one float32 scale per 128 values).
+            stores), mxfp8 and mxfp4 a multiple of 32 (one E8M0 scale per 32 values), nvfp4
+            of 16, fp8_block of 128 (one float32 scale per 128 values).
         ffn: F, the expert intermediate width (same multiples as ``hidden``).
         num_experts: E, global routed experts (at most 32767: ids travel as int16).
         top_k: K, experts chosen per token, ``1 <= top_k <= num_experts``.
         max_tokens: T_max, the largest physical token count per rank; every buffer is sized
             from it.
-        precision: ``"bf16"``, ``"mxfp8"``, ``"fp8_block"`` (DeepSeek-V3's block FP8) or
-            ``"nvfp4"`` (nvfp4 is inference only; a context runs mxfp8 and fp8_block in
-            inference so far).
+        precision: ``"bf16"``, ``"mxfp8"``, ``"fp8_block"`` (DeepSeek-V3's block FP8),
+            ``"nvfp4"`` or ``"mxfp4"`` (GPT-OSS's expert format; the two FP4 precisions are
+            inference only, weights in FP4 and activations bf16).
         training: keep state for backward.
         row_block: rows of one GEMM tile; each local expert's rows are padded to a multiple
             of it. A power of two in [16, 256].
@@ -143,11 +143,12 @@ class MoEConfig:
             raise ValueError(f"precision ({self.precision!r}) must be one of {PRECISIONS}")
         if not isinstance(self.training, bool):
             raise TypeError(f"training must be a bool, got {type(self.training).__name__}")
-        if self.precision == "nvfp4" and self.training:
+        if self.precision in ("nvfp4", "mxfp4") and self.training:
             raise ValueError(
-                "precision 'nvfp4' is inference only: training (True) must be False"
+                f"precision {self.precision!r} is inference only: training (True) must be False"
             )
-        multiple = {"bf16": 8, "mxfp8": 32, "nvfp4": 16, "fp8_block": 128}[self.precision]
+        multiple = {"bf16": 8, "mxfp8": 32, "nvfp4": 16, "fp8_block": 128,
+                    "mxfp4": 32}[self.precision]
         for name in ("hidden", "ffn"):
             value = getattr(self, name)
             if value % multiple:

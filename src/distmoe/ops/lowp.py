@@ -84,6 +84,7 @@ from ..kernels.movement.scatter_rows import scatter_rows
 from ..kernels.scaled import (
     ScaledGemmConfig,
     fp8_block_grouped_mm,
+    mxfp4_weight_grouped_mm,
     mxfp8_grouped_mm,
     nvfp4_weight_config,
     nvfp4_weight_grouped_mm,
@@ -99,7 +100,7 @@ __all__ = ["FP8Scratch", "NVFP4Scratch", "allocate_fp8", "allocate_lowp", "alloc
            "check_prepared", "fp8_forward", "lowp_forward", "nvfp4_forward"]
 
 #: the precisions of this module's inference forwards
-LOWP_PRECISIONS = ("mxfp8", "fp8_block", "nvfp4")
+LOWP_PRECISIONS = ("mxfp8", "fp8_block", "nvfp4", "mxfp4")
 #: per FP8 operand format: values per activation scale, the scale dtype, the quantiser, the
 #: GEMM; "mxfp8_rebased": MXFP8 with four 32-blocks rebased onto one scale per 128
 #: (distmoe.quant.mxfp8_rebase), which the mxfp8 layer runs where D and F allow
@@ -215,8 +216,8 @@ class NVFP4Scratch:
 def allocate_nvfp4(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
                    device: torch.device) -> NVFP4Scratch:
     """The scratch of an NVFP4 inference context (module docstring, Memory); zeroed once."""
-    if cfg.precision != "nvfp4" or cfg.training:
-        raise ValueError(f"allocate_nvfp4 is for NVFP4 inference contexts, got precision "
+    if cfg.precision not in ("nvfp4", "mxfp4") or cfg.training:
+        raise ValueError(f"allocate_nvfp4 is for NVFP4 / MXFP4 inference contexts, got precision "
                          f"{cfg.precision!r} with training={cfg.training}")
     R, D, F, E = receive_bound, cfg.hidden, cfg.ffn, num_local_experts
     return NVFP4Scratch(
@@ -233,7 +234,7 @@ def allocate_lowp(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
     """The low-precision scratch of a context at ``cfg.precision`` (None at bf16)."""
     if cfg.precision in FP8_FORMATS:
         return allocate_fp8(cfg, num_local_experts, receive_bound, device)
-    if cfg.precision == "nvfp4":
+    if cfg.precision in ("nvfp4", "mxfp4"):
         return allocate_nvfp4(cfg, num_local_experts, receive_bound, device)
     return None
 
@@ -268,7 +269,7 @@ def check_prepared(scratch: FP8Scratch | NVFP4Scratch, device: torch.device, w13
 def lowp_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedWeight, *,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """The forward of ``ctx.cfg.precision`` on checked inputs (y [T, D] bf16)."""
-    forward = nvfp4_forward if ctx.cfg.precision == "nvfp4" else fp8_forward
+    forward = nvfp4_forward if ctx.cfg.precision in ("nvfp4", "mxfp4") else fp8_forward
     return forward(ctx, x, expert_ids, scores, w13, w2, out=out)
 
 
@@ -345,9 +346,15 @@ def nvfp4_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedW
     tables = route_and_gather(ctx, x, expert_ids, s.x_rows)
     po, ro = tables.padded_offsets, tables.row_offsets
     h2 = ctx._h2
-    nvfp4_weight_grouped_mm(s.x_rows, w13.qdata, w13.scales, w13.global_scale, po, ro, h2,
-                            swiglu=True, config=s.w13_config)
-    h3 = s.x_rows  # the gathered rows are dead once W13 has read them
-    nvfp4_weight_grouped_mm(h2, w2.qdata, w2.scales, w2.global_scale, po, ro, h3,
-                            config=s.w2_config)
+    if ctx.cfg.precision == "mxfp4":
+        mxfp4_weight_grouped_mm(s.x_rows, w13.qdata, w13.scales, po, ro, h2, swiglu=True,
+                                config=s.w13_config)
+        h3 = s.x_rows  # the gathered rows are dead once W13 has read them
+        mxfp4_weight_grouped_mm(h2, w2.qdata, w2.scales, po, ro, h3, config=s.w2_config)
+    else:
+        nvfp4_weight_grouped_mm(s.x_rows, w13.qdata, w13.scales, w13.global_scale, po, ro,
+                                h2, swiglu=True, config=s.w13_config)
+        h3 = s.x_rows  # the gathered rows are dead once W13 has read them
+        nvfp4_weight_grouped_mm(h2, w2.qdata, w2.scales, w2.global_scale, po, ro, h3,
+                                config=s.w2_config)
     return scatter_and_combine(ctx, tables, h3, x, expert_ids, scores, out)

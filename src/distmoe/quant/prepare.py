@@ -42,8 +42,13 @@ scales (:func:`~distmoe.quant.fp8_block_quantize_weight`, DeepSeek-V3's layout),
 that form (DeepSeek-V3's ``weight`` float8_e4m3fn with its ``weight_scale_inv``, per expert
 stacked as above) loads without requantisation: :meth:`PreparedWeight.fp8_block`.
 
+``prepare_weights(w13, w2, "mxfp4")`` (GPT-OSS's format, :mod:`distmoe.quant.mxfp4`): packed
+E2M1 as nvfp4 with one uint8 E8M0 scale per 32 values along the last dim and no global scale;
+a checkpoint's ``*_blocks`` / ``*_scales`` tensors load as they are
+(:meth:`PreparedWeight.mxfp4`).
+
 Memory: mxfp8 ``1 + 1/1024`` bytes per weight value, fp8_block ``1 + 1/4096``, nvfp4
-``1/2 + 1/16`` (plus 4 bytes per
+``1/2 + 1/16`` (mxfp4 ``1/2 + 1/32``) (plus 4 bytes per
 expert matrix); new tensors on the weights' device. Sync points: none (one quantiser launch,
 two for nvfp4's amax, per weight). A :class:`PreparedWeight` saves and loads with
 ``torch.save`` / ``torch.load`` (also ``weights_only=True``: the class is registered with
@@ -58,6 +63,7 @@ from dataclasses import dataclass
 import torch
 
 from distmoe.quant.fp8_block import fp8_block_dequantize, fp8_block_quantize_weight
+from distmoe.quant.mxfp4 import mxfp4_dequantize, mxfp4_quantize
 from distmoe.quant.mxfp8 import e8m0_to_float, mxfp8_dequantize
 from distmoe.quant.mxfp8_weight import mxfp8_quantize_weight, mxfp8_quantize_weight_ref
 from distmoe.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize, nvfp4_quantize_ref
@@ -65,7 +71,7 @@ from distmoe.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize, nvfp4_quantize
 __all__ = ["PreparedWeight", "prepare_weights"]
 
 #: precisions whose weights are prepared (bf16 takes its weights as they are)
-PREPARED_PRECISIONS = ("mxfp8", "nvfp4", "fp8_block")
+PREPARED_PRECISIONS = ("mxfp8", "nvfp4", "fp8_block", "mxfp4")
 _WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -98,8 +104,8 @@ class PreparedWeight:
         if self.precision not in PREPARED_PRECISIONS:
             raise ValueError(f"precision ({self.precision!r}) must be one of "
                              f"{PREPARED_PRECISIONS}")
-        if self.precision == "nvfp4":
-            self._check_nvfp4()
+        if self.precision in ("nvfp4", "mxfp4"):
+            self._check_fp4()
             return
         if self.global_scale is not None:
             raise ValueError(f"global_scale must be None for precision {self.precision!r}")
@@ -126,25 +132,35 @@ class PreparedWeight:
                              f"{self.scales.device}")
         object.__setattr__(self, "shape", shape)
 
-    def _check_nvfp4(self) -> None:
+    def _check_fp4(self) -> None:
+        p = self.precision
         if not isinstance(self.qdata, torch.Tensor) or self.qdata.dtype != torch.uint8:
-            raise TypeError("qdata must be a uint8 tensor (packed E2M1) for precision 'nvfp4', "
+            raise TypeError(f"qdata must be a uint8 tensor (packed E2M1) for precision {p!r}, "
                             f"got {getattr(self.qdata, 'dtype', type(self.qdata).__name__)}")
         shape = tuple(self.shape)
-        if len(shape) < 2 or shape[-1] % 16:
+        group, sdtype = (32, torch.uint8) if p == "mxfp4" else (16, torch.float8_e4m3fn)
+        if len(shape) < 2 or shape[-1] % group:
             raise ValueError(f"shape ({list(shape)}) must be at least 2-D with the last dim a "
-                             "multiple of 16 for precision 'nvfp4'")
+                             f"multiple of {group} for precision {p!r}")
         packed = [*shape[:-1], shape[-1] // 2]
         if list(self.qdata.shape) != packed or not self.qdata.is_contiguous():
             raise ValueError(f"qdata must be contiguous of shape {packed} (two E2M1 values per "
                              f"byte), got {list(self.qdata.shape)}")
-        want = [*shape[:-1], shape[-1] // 16]
-        if (not isinstance(self.scales, torch.Tensor)
-                or self.scales.dtype != torch.float8_e4m3fn
+        want = [*shape[:-1], shape[-1] // group]
+        if (not isinstance(self.scales, torch.Tensor) or self.scales.dtype != sdtype
                 or list(self.scales.shape) != want or not self.scales.is_contiguous()):
-            raise ValueError(f"scales must be contiguous float8_e4m3fn of shape {want} (one "
-                             f"per 16 values), got {getattr(self.scales, 'dtype', None)} "
+            raise ValueError(f"scales must be contiguous {str(sdtype).replace('torch.', '')} "
+                             f"of shape {want} (one per {group} values), got "
+                             f"{getattr(self.scales, 'dtype', None)} "
                              f"{list(getattr(self.scales, 'shape', []))}")
+        if self.scales.device != self.qdata.device:
+            raise ValueError(f"scales must be on qdata's device ({self.qdata.device}), got "
+                             f"{self.scales.device}")
+        if p == "mxfp4":
+            if self.global_scale is not None:
+                raise ValueError("global_scale must be None for precision 'mxfp4'")
+            object.__setattr__(self, "shape", shape)
+            return
         gs = self.global_scale
         if (not isinstance(gs, torch.Tensor) or gs.dtype != torch.float32
                 or list(gs.shape) != [shape[0]] or not gs.is_contiguous()):
@@ -179,6 +195,36 @@ class PreparedWeight:
         return cls(qdata.contiguous(), scale_inv.contiguous() if isinstance(
             scale_inv, torch.Tensor) else scale_inv, tuple(qdata.shape), "fp8_block")
 
+    @classmethod
+    def mxfp4(cls, blocks: torch.Tensor, scales: torch.Tensor, *,
+              interleaved: bool = False) -> PreparedWeight:
+        """An MXFP4 weight as GPT-OSS checkpoints store it, without requantisation:
+        ``blocks`` uint8 ``[E, N, K/32, 16]`` (the ``*_blocks`` tensors: 32 E2M1 values per
+        16 bytes, the even element in the low nibble) and ``scales`` uint8 E8M0 ``[E, N,
+        K/32]`` (``*_scales``), N the output features and K the input ones. For w13 pass
+        ``gate_up_proj``'s (N = 2F; ``interleaved``: gate and up rows alternate, as GPT-OSS
+        stores them, and are sorted into gate rows then up rows: ``[E, 2, F, K]``); for w2
+        ``down_proj``'s (``[E, D, F]``). Made contiguous. (GPT-OSS's experts also have biases
+        and a clamped SwiGLU; the layer runs plain SwiGLU without biases.)"""
+        for name, t, nd in (("blocks", blocks, 4), ("scales", scales, 3)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != nd:
+                raise TypeError(f"{name} must be a {nd}-D uint8 tensor, got "
+                                f"{getattr(t, 'dtype', type(t).__name__)} "
+                                f"{list(getattr(t, 'shape', []))}")
+        E, N, G, B = blocks.shape
+        if B != 16 or list(scales.shape) != [E, N, G]:
+            raise ValueError(f"blocks must be [E, N, K/32, 16] and scales [E, N, K/32], got "
+                             f"{list(blocks.shape)} and {list(scales.shape)}")
+        qdata, sc = blocks.reshape(E, N, G * 16), scales
+        shape: tuple[int, ...] = (E, N, G * 32)
+        if interleaved:
+            if N % 2:
+                raise ValueError(f"interleaved gate/up rows need an even N, got {N}")
+            qdata = torch.stack((qdata[:, 0::2], qdata[:, 1::2]), 1)
+            sc = torch.stack((sc[:, 0::2], sc[:, 1::2]), 1)
+            shape = (E, 2, N // 2, G * 32)
+        return cls(qdata.contiguous(), sc.contiguous(), shape, "mxfp4")
+
     @property
     def device(self) -> torch.device:
         return self.qdata.device
@@ -199,6 +245,8 @@ class PreparedWeight:
         if self.precision == "nvfp4":
             gs = self.global_scale.view(-1, *([1] * (len(self.shape) - 1)))
             return nvfp4_dequantize(self.qdata, self.scales, gs, dim=-1, dtype=dtype)
+        if self.precision == "mxfp4":
+            return mxfp4_dequantize(self.qdata, self.scales, dim=-1, dtype=dtype)
         if self.precision == "fp8_block":
             return fp8_block_dequantize(self.qdata, self.scales, dtype=dtype)
         rows = self.scales.repeat_interleave(32, dim=-2)
@@ -233,7 +281,9 @@ def prepare_weights(w13: torch.Tensor, w2: torch.Tensor, precision: str = "mxfp8
             values, E4M3 scales per 16 along the last dim, one global scale per expert
             matrix (:func:`~distmoe.quant.nvfp4_quantize`, the module docstring);
             ``"fp8_block"`` (D and F multiples of 128): float32 scales per 128 x 128 block
-            (:func:`~distmoe.quant.fp8_block_quantize_weight`, plain PyTorch).
+            (:func:`~distmoe.quant.fp8_block_quantize_weight`, plain PyTorch); ``"mxfp4"``
+            (D and F multiples of 32): E2M1 values with an E8M0 scale per 32 along the last
+            dim (:func:`~distmoe.quant.mxfp4.mxfp4_quantize`, plain PyTorch).
         reference: quantise with the plain-PyTorch reference instead (any device; the same
             bits).
 
@@ -254,6 +304,7 @@ def prepare_weights(w13: torch.Tensor, w2: torch.Tensor, precision: str = "mxfp8
                          f"shape), got {list(w2.shape)}")
     multiple, why = {"mxfp8": (32, "32 x 32 weight blocks"),
                      "nvfp4": (16, "one E4M3 scale per 16 values"),
+                     "mxfp4": (32, "one E8M0 scale per 32 values"),
                      "fp8_block": (128, "128 x 128 weight blocks")}[precision]
     for name, value in (("D", hidden), ("F", ffn)):
         if value % multiple:
@@ -263,6 +314,11 @@ def prepare_weights(w13: torch.Tensor, w2: torch.Tensor, precision: str = "mxfp8
         raise ValueError(f"w2 must be on w13's device ({w13.device}), got {w2.device}")
     if precision == "nvfp4":
         return _prepare_nvfp4(w13, reference), _prepare_nvfp4(w2, reference)
+    if precision == "mxfp4":  # plain PyTorch: the same code with or without reference
+        with torch.no_grad():
+            prepared = [PreparedWeight(*mxfp4_quantize(w.detach(), dim=-1), tuple(w.shape),
+                                       precision) for w in (w13, w2)]
+        return prepared[0], prepared[1]
     if precision == "fp8_block":  # plain PyTorch: the same code with or without reference
         with torch.no_grad():
             prepared = [PreparedWeight(*fp8_block_quantize_weight(w.detach()), tuple(w.shape),

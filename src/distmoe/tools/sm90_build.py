@@ -919,14 +919,15 @@ def lowp_kernel_cases() -> list[BuildCase]:
             dict(HIDDEN=D, NUM_EXPERTS=E, EXPERTS_POW2=E, BLOCK_M=32, UNIT=unit, BLOCKS=blocks,
                  REBASE=fmt == "mxfp8_rebased", BLOCK_FP8=fmt == "fp8_block"), 8, 1,
             types={"q_ptr": "*u8", "s_ptr": "*fp32" if fmt == "fp8_block" else "*u8"}))
-    for name, k, n, swiglu in shapes[:2]:
+    for (name, k, n, swiglu), mx in itertools.product(shapes[:2], (False, True)):
         cfg = nvfp4_weight_config(k=k, n=n, swiglu=swiglu)
         out_n = n // 2 if swiglu else n
         cases.append(BuildCase(
-            f"nvfp4 weights {name}", nvfp4._nvfp4_weight_grouped_mm_kernel,
+            f"{'mxfp4' if mx else 'nvfp4'} weights {name}", nvfp4._nvfp4_weight_grouped_mm_kernel,
             dict(NUM_EXPERTS=E, EXPERTS_POW2=next_power_of_2(E), K=k, N=n, OUT_N=out_n,
                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                 GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0, SWIGLU=swiglu),
+                 GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0, SWIGLU=swiglu,
+                 SCALE_GROUP=32 if mx else 16, E8M0=mx, HAS_GLOBAL=not mx),
             cfg.num_warps, cfg.num_stages,
             types={"b_ptr": "*u8", "sb_ptr": "*u8", "gs_ptr": "*fp32"}))
     quant_types = {"q_ptr": "*u8", "rows": "i32", "num_groups": "i32"}

@@ -5,6 +5,7 @@ activations, :func:`nvfp4_weight_grouped_mm`, and its reference)."""
 
 from distmoe.kernels.scaled.config import ScaledGemmConfig
 from distmoe.kernels.scaled.nvfp4 import (
+    mxfp4_weight_grouped_mm,
     nvfp4_weight_config,
     nvfp4_weight_grouped_mm,
     nvfp4_weight_grouped_mm_ref,
@@ -20,6 +21,7 @@ __all__ = [
     "ScaledGemmConfig",
     "fp8_block_grouped_mm",
     "fp8_block_grouped_mm_ref",
+    "mxfp4_weight_grouped_mm",
     "mxfp8_grouped_mm",
     "mxfp8_grouped_mm_ref",
     "nvfp4_weight_config",

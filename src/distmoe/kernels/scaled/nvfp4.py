@@ -80,6 +80,8 @@ from distmoe.kernels.base.device import device_context
 from distmoe.kernels.base.rows import activation_segments
 from distmoe.kernels.base.tiles import swizzle_tile, tile_activation_rows, tile_expert
 from distmoe.kernels.scaled.config import ScaledGemmConfig
+from distmoe.quant.formats import e8m0_to_fp32
+from distmoe.quant.mxfp4 import MXFP4_BLOCK, mxfp4_dequantize
 from distmoe.quant.nvfp4 import nvfp4_dequantize
 
 #: values per NVFP4 block scale along K
@@ -115,7 +117,8 @@ def _e4m3_to_fp32(b):
 
 @triton.jit
 def _load_weight_tile(packed_rows, scale_rows, kb, col_ok, K: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                      SCALE_GROUP: tl.constexpr, E8M0: tl.constexpr):
     """The bf16 values ``v * s_b`` of weight rows ``[block_n]`` at K tile ``kb``, transposed
     and split by parity: ``(even, odd)``, each ``[BLOCK_K / 2, block_n]``, row j holding the
     values at K = 2 j and 2 j + 1 of the tile (the low and high nibbles of byte j; exact).
@@ -128,8 +131,12 @@ def _load_weight_tile(packed_rows, scale_rows, kb, col_ok, K: tl.constexpr,
     else:
         ok = col_ok[None, :] & (j < K // 2)[:, None]
     byte = tl.load(packed_rows[None, :] + j[:, None], mask=ok, other=0).to(tl.int32)
-    sb = tl.load(scale_rows[None, :] + (j // 8)[:, None], mask=ok, other=0).to(tl.int32)
-    scale = _e4m3_to_fp32(sb)
+    sb = tl.load(scale_rows[None, :] + (j // (SCALE_GROUP // 2))[:, None], mask=ok,
+                 other=0).to(tl.int32)
+    if E8M0:  # MXFP4: a power of two per 32 values
+        scale = e8m0_to_fp32(sb)
+    else:
+        scale = _e4m3_to_fp32(sb)
     even = (_e2m1_to_fp32(byte & 15) * scale).to(tl.bfloat16)
     odd = (_e2m1_to_fp32(byte >> 4) * scale).to(tl.bfloat16)
     return even, odd
@@ -156,10 +163,13 @@ def _nvfp4_tile(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     SWIGLU: tl.constexpr,
+    SCALE_GROUP: tl.constexpr,
+    E8M0: tl.constexpr,
+    HAS_GLOBAL: tl.constexpr,
 ):
     """One ``BLOCK_M x BLOCK_N`` output tile of the padded row tile at ``row_start``."""
     KB: tl.constexpr = K // 2  # bytes of a packed weight row
-    KS: tl.constexpr = K // 16  # block scales of a weight row
+    KS: tl.constexpr = K // SCALE_GROUP  # block scales of a weight row
     NUM_KB: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     expert = tile_expert(padded_offsets_ptr, row_start, NUM_EXPERTS, EXPERTS_POW2)
     act_start, num_live = tile_activation_rows(
@@ -194,16 +204,19 @@ def _nvfp4_tile(
             a_even = tl.load(a_rows[:, None] + kk[None, :], mask=a_ok, other=0.0)
             a_odd = tl.load(a_rows[:, None] + (kk + 1)[None, :], mask=a_ok, other=0.0)
             w_even, w_odd = _load_weight_tile(g_rows, g_srows, kb, is_col, K, BLOCK_N, BLOCK_K,
-                                              EVEN_K)
+                                              EVEN_K, SCALE_GROUP, E8M0)
             acc_g = tl.dot(a_even, w_even, acc_g)
             acc_g = tl.dot(a_odd, w_odd, acc_g)
             if SWIGLU:
                 u_even, u_odd = _load_weight_tile(u_rows, u_srows, kb, is_col, K, BLOCK_N,
-                                                  BLOCK_K, EVEN_K)
+                                                  BLOCK_K, EVEN_K, SCALE_GROUP, E8M0)
                 acc_u = tl.dot(a_even, u_even, acc_u)
                 acc_u = tl.dot(a_odd, u_odd, acc_u)
 
-        s_g = tl.load(gs_ptr + expert)
+        if HAS_GLOBAL:
+            s_g = tl.load(gs_ptr + expert)
+        else:
+            s_g = 1.0
         if SWIGLU:
             g = acc_g * s_g
             val = g * tl.sigmoid(g) * (acc_u * s_g)
@@ -235,6 +248,9 @@ def _nvfp4_weight_grouped_mm_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     SWIGLU: tl.constexpr,
+    SCALE_GROUP: tl.constexpr = 16,
+    E8M0: tl.constexpr = False,
+    HAS_GLOBAL: tl.constexpr = True,
 ):
     NUM_PID_N: tl.constexpr = (OUT_N + BLOCK_N - 1) // BLOCK_N
     pid_m, pid_n = swizzle_tile(tl.program_id(0), num_pid_m, NUM_PID_N, GROUP_M)
@@ -245,7 +261,7 @@ def _nvfp4_weight_grouped_mm_kernel(
     while row_start < total_rows:
         _nvfp4_tile(a_ptr, b_ptr, sb_ptr, gs_ptr, padded_offsets_ptr, row_offsets_ptr, out_ptr,
                     row_start, pid_n, NUM_EXPERTS, EXPERTS_POW2, K, N, OUT_N, BLOCK_M, BLOCK_N,
-                    BLOCK_K, EVEN_K, SWIGLU)
+                    BLOCK_K, EVEN_K, SWIGLU, SCALE_GROUP, E8M0, HAS_GLOBAL)
         row_start += num_pid_m * BLOCK_M
 
 
@@ -265,17 +281,22 @@ def check_nvfp4_weight_grouped_mm_args(
     *,
     swiglu: object,
     for_kernel: bool = True,
+    mx: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int]:
     """Validate :func:`nvfp4_weight_grouped_mm`'s arguments (no synchronisation); return the
-    weights seen as ``[E, N, K/2]`` uint8 / ``[E, N, K/16]`` uint8 and ``(R, K, E, N)``."""
+    weights seen as ``[E, N, K/2]`` uint8 / ``[E, N, K/G]`` uint8 and ``(R, K, E, N)``.
+    ``mx``: MXFP4 weights (:func:`mxfp4_weight_grouped_mm`: E8M0 scales per 32, no global
+    scale) instead of NVFP4's (E4M3 per 16 and a global scale)."""
     if not isinstance(swiglu, bool):
         raise TypeError(f"swiglu must be a bool, got {type(swiglu).__name__}")
+    group = MXFP4_BLOCK if mx else NVFP4_BLOCK
+    kind = "E8M0, one per 32 values along K" if mx else "E4M3, one per 16 values along K"
+    scale_dtypes = (torch.uint8,) if mx else (torch.float8_e4m3fn, torch.uint8)
     check_tensor("a", a, dtypes=(torch.bfloat16,), ndim=2, shape_text="[R, K]")
     rows, k = a.shape
-    if k <= 0 or k % NVFP4_BLOCK:
-        raise ValueError(f"K ({k}, a.shape[1]) must be a positive multiple of 16 (one E4M3 "
-                         "block scale per 16 values)")
-    scale_dtypes = (torch.float8_e4m3fn, torch.uint8)
+    if k <= 0 or k % group:
+        raise ValueError(f"K ({k}, a.shape[1]) must be a positive multiple of {group} (one "
+                         f"{'E8M0' if mx else 'E4M3'} block scale per {group} values)")
     if not isinstance(b_packed, torch.Tensor):
         raise TypeError(f"b_packed must be a torch.Tensor, got {type(b_packed).__name__}")
     if swiglu and b_packed.dim() == 4:
@@ -287,10 +308,10 @@ def check_nvfp4_weight_grouped_mm_args(
                              f"4-D, got {list(b_packed.shape)}")
         num_experts, _, ffn, half = b_packed.shape
         check_tensor("b_block_scales", b_block_scales, dtypes=scale_dtypes,
-                     shape=[num_experts, 2, ffn, 2 * half // NVFP4_BLOCK],
-                     shape_text="[E, 2, F, K/16] (E4M3, one per 16 values along K)")
+                     shape=[num_experts, 2, ffn, 2 * half // group],
+                     shape_text=f"[E, 2, F, K/{group}] ({kind})")
         b_packed = b_packed.view(num_experts, 2 * ffn, half)
-        b_block_scales = b_block_scales.view(num_experts, 2 * ffn, 2 * half // NVFP4_BLOCK)
+        b_block_scales = b_block_scales.view(num_experts, 2 * ffn, 2 * half // group)
     else:
         check_tensor("b_packed", b_packed, dtypes=(torch.uint8,), ndim=3,
                      shape_text="[E, N, K/2]" + (" or [E, 2, F, K/2]" if swiglu else ""))
@@ -306,17 +327,22 @@ def check_nvfp4_weight_grouped_mm_args(
         raise ValueError(f"N ({n}, b_packed.shape[1]) must be 2F (gate and up rows) when swiglu "
                          "is set")
     check_tensor("b_block_scales", b_block_scales, dtypes=scale_dtypes,
-                 shape=[num_experts, n, k // NVFP4_BLOCK],
-                 shape_text="[E, N, K/16] (E4M3, one per 16 values along K)")
-    check_tensor("b_global", b_global, dtypes=(torch.float32,), shape=[num_experts],
-                 shape_text="[E] (one float32 global scale per expert matrix)")
+                 shape=[num_experts, n, k // group], shape_text=f"[E, N, K/{group}] ({kind})")
+    named = {"a": a, "b_packed": b_packed, "b_block_scales": b_block_scales,
+             "padded_offsets": padded_offsets, "row_offsets": row_offsets, "out": out}
+    if mx:
+        if b_global is not None:
+            raise ValueError("b_global must be None for MXFP4 weights (no global scale), got "
+                             f"{type(b_global).__name__}")
+    else:
+        check_tensor("b_global", b_global, dtypes=(torch.float32,), shape=[num_experts],
+                     shape_text="[E] (one float32 global scale per expert matrix)")
+        named["b_global"] = b_global
     check_offsets(padded_offsets, row_offsets, num_experts)
     out_n = n // 2 if swiglu else n
     check_tensor("out", out, dtypes=(torch.bfloat16,), shape=[rows, out_n],
                  shape_text="[R, F = N/2] (swiglu)" if swiglu else "[R, N]")
-    check_devices({"a": a, "b_packed": b_packed, "b_block_scales": b_block_scales,
-                   "b_global": b_global, "padded_offsets": padded_offsets,
-                   "row_offsets": row_offsets, "out": out}, for_kernel=for_kernel)
+    check_devices(named, for_kernel=for_kernel)
     return b_packed, b_block_scales.view(torch.uint8), rows, k, num_experts, n
 
 
@@ -363,8 +389,36 @@ def nvfp4_weight_grouped_mm(
 
     Returns ``out``. No host synchronisation; nothing allocated.
     """
+    return _fp4_weight_grouped_mm(a, b_packed, b_block_scales, b_global, padded_offsets,
+                                  row_offsets, out, swiglu=swiglu, config=config, mx=False)
+
+
+def mxfp4_weight_grouped_mm(
+    a: torch.Tensor,
+    b_packed: torch.Tensor,
+    b_scales: torch.Tensor,
+    padded_offsets: torch.Tensor,
+    row_offsets: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    swiglu: bool = False,
+    config: ScaledGemmConfig | None = None,
+) -> torch.Tensor:
+    """:func:`nvfp4_weight_grouped_mm` on MXFP4 weights (:mod:`distmoe.quant.mxfp4`, GPT-OSS's
+    format): ``b_packed`` uint8 ``[E, N, K/2]`` (or ``[E, 2, F, K/2]``), ``b_scales`` uint8
+    E8M0 ``[E, N, K/32]`` (or ``[E, 2, F, K/32]``), no global scale; K a multiple of 32. The
+    prologue's ``v * 2^(s - 127)`` is exact in bf16 (a 2-bit significand times a power of
+    two) for scale bytes up to 251; larger ones overflow to Inf. Same grid, tables and
+    arithmetic otherwise."""
+    return _fp4_weight_grouped_mm(a, b_packed, b_scales, None, padded_offsets, row_offsets,
+                                  out, swiglu=swiglu, config=config, mx=True)
+
+
+def _fp4_weight_grouped_mm(a, b_packed, b_block_scales, b_global, padded_offsets, row_offsets,
+                           out, *, swiglu, config, mx):
     b_packed, b_scales, rows, k, num_experts, n = check_nvfp4_weight_grouped_mm_args(
-        a, b_packed, b_block_scales, b_global, padded_offsets, row_offsets, out, swiglu=swiglu)
+        a, b_packed, b_block_scales, b_global, padded_offsets, row_offsets, out, swiglu=swiglu,
+        mx=mx)
     if config is None:
         config = nvfp4_weight_config(k=k, n=n, swiglu=swiglu)
     elif not isinstance(config, ScaledGemmConfig):
@@ -375,8 +429,9 @@ def nvfp4_weight_grouped_mm(
                                             swiglu=swiglu)
     with device_context(a.device):
         _nvfp4_weight_grouped_mm_kernel[grid](
-            a, b_packed, b_scales, b_global, padded_offsets, row_offsets, out, num_pid_m,
-            **kwargs,
+            a, b_packed, b_scales, b_scales if b_global is None else b_global, padded_offsets,
+            row_offsets, out, num_pid_m, SCALE_GROUP=MXFP4_BLOCK if mx else NVFP4_BLOCK,
+            E8M0=mx, HAS_GLOBAL=not mx, **kwargs,
         )
     return out
 
@@ -405,7 +460,9 @@ def nvfp4_weight_grouped_mm_ref(
     swiglu: bool = False,
     block_m: int = 128,
 ) -> torch.Tensor:
-    """Plain-PyTorch :func:`nvfp4_weight_grouped_mm` (any device; synchronises; for tests).
+    """Plain-PyTorch :func:`nvfp4_weight_grouped_mm` (any device; synchronises; for tests);
+    with ``b_global=None``, of :func:`mxfp4_weight_grouped_mm` (MXFP4 weights, ``b_block_scales``
+    its E8M0 scales).
 
     Same arguments and contract (``block_m``: the padding multiple, checked on the host with
     both tables). The weights decoded exactly (``v * s_b``, :func:`nvfp4_weight_values`), one
@@ -413,19 +470,23 @@ def nvfp4_weight_grouped_mm_ref(
     global scale in fp32, SwiGLU in fp32, one rounding to bf16. Only the live rows are
     written.
     """
+    mx = b_global is None
     b_packed, b_scales, rows, k, num_experts, n = check_nvfp4_weight_grouped_mm_args(
         a, b_packed, b_block_scales, b_global, padded_offsets, row_offsets, out, swiglu=swiglu,
-        for_kernel=False)
+        for_kernel=False, mx=mx)
     check_padded_offsets_host(padded_offsets, block_m=block_m,
                               r_cap=int(padded_offsets[-1].item()))
     check_row_offsets_host(padded_offsets, row_offsets, r_act=rows)
     a64 = a.double()
-    w = nvfp4_weight_values(b_packed, b_scales).double()
+    w = (mxfp4_dequantize(b_packed, b_scales, dtype=torch.float64) if mx else
+         nvfp4_weight_values(b_packed, b_scales).double())
     out_n = n // 2 if swiglu else n
     for e, (_, act_start, count) in enumerate(activation_segments(padded_offsets, row_offsets)):
         if count == 0:
             continue
-        acc = (a64[act_start:act_start + count] @ w[e].T).float() * b_global[e]
+        acc = (a64[act_start:act_start + count] @ w[e].T).float()
+        if not mx:
+            acc = acc * b_global[e]
         if swiglu:
             acc = torch.nn.functional.silu(acc[:, :out_n]) * acc[:, out_n:]
         out[act_start:act_start + count] = acc.to(torch.bfloat16)
