@@ -46,32 +46,28 @@ def _inputs(T, D, F, E, K, dev):
     return x, ids, scores, w13.requires_grad_(True), w2.requires_grad_(True)
 
 
-def _triton_scaled(ctx) -> None:
-    """Put the Triton kernels' configs (:meth:`ScaledGemmConfig.for_widths`, and the FP8
-    weight gradients' without Gluon) in place of the plan's in an FP8 context: the A/B of
-    the Gluon choices of :func:`distmoe.plan.rules.scaled_gemm` and
-    :func:`~distmoe.plan.rules.fp8_wgrad` in one run."""
-    from distmoe.kernels.scaled import ScaledGemmConfig
+def _gluon_scaled(ctx) -> None:
+    """Put the Gluon forms' configs (:func:`distmoe.plan.rules.scaled_gemm` and
+    :func:`~distmoe.plan.rules.fp8_wgrad` with ``gluon=True``) in place of the plan's in an
+    FP8 context: the A/B of :data:`~distmoe.plan.rules.PICK_GLUON_SCALED` in one run."""
+    from distmoe.ops.lowp import FP8_FORMATS
+    from distmoe.plan import rules
 
-    def plain(c: ScaledGemmConfig, k: int, n: int, swiglu: bool = False) -> ScaledGemmConfig:
-        k_group = 128 if c.block_k == 128 and c.gluon else None
-        if k_group is None:
-            return c
-        return ScaledGemmConfig.for_widths(k=k, n=n, swiglu=swiglu, block_m=c.block_m,
-                                           k_group=k_group)
+    cfg = ctx.cfg
+    D, F, bm = cfg.hidden, cfg.ffn, cfg.row_block
+    fmt = ctx._lowp.format
+    g = FP8_FORMATS[fmt][0]
 
-    def triton_wgrad(c):
-        return c and dataclasses.replace(c, gluon=False, num_stages=3)
+    def gemm(k, n, swiglu=False):
+        return rules.scaled_gemm(k=k, n=n, swiglu=swiglu, k_group=g, block_m=bm, gluon=True)
 
-    D, F = ctx.cfg.hidden, ctx.cfg.ffn
-    lp, lt = ctx._lowp, ctx._lowp_train
-    ctx._lowp = dataclasses.replace(lp, w13_config=plain(lp.w13_config, D, 2 * F, True),
-                                    w2_config=plain(lp.w2_config, F, D))
-    ctx._lowp_train = dataclasses.replace(lt, w13_h1=plain(lt.w13_h1, D, 2 * F),
-                                          w2_dgrad=plain(lt.w2_dgrad, D, F),
-                                          w13_dgrad=plain(lt.w13_dgrad, 2 * F, D),
-                                          w13_wgrad=triton_wgrad(lt.w13_wgrad),
-                                          w2_wgrad=triton_wgrad(lt.w2_wgrad))
+    ctx._lowp = dataclasses.replace(ctx._lowp, w13_config=gemm(D, 2 * F, True),
+                                    w2_config=gemm(F, D))
+    ctx._lowp_train = dataclasses.replace(
+        ctx._lowp_train, w13_h1=gemm(D, 2 * F), w2_dgrad=gemm(D, F), w13_dgrad=gemm(2 * F, D),
+        w13_wgrad=rules.fp8_wgrad(fmt=fmt, row_block=bm, out_rows=2 * F, out_cols=D,
+                                  gluon=True),
+        w2_wgrad=rules.fp8_wgrad(fmt=fmt, row_block=bm, out_rows=D, out_cols=F, gluon=True))
 
 
 def run_case(shape: str, precision: str, timing: TimingConfig) -> dict:
@@ -83,8 +79,8 @@ def run_case(shape: str, precision: str, timing: TimingConfig) -> dict:
                        precision=precision, training=True)
     out = {"shape": shape, "precision": precision + (f"/{kernel}" if kernel else "")}
     with dm.MoEContext(cfg, device=dev) as ctx:
-        if kernel == "triton":
-            _triton_scaled(ctx)
+        if kernel == "gluon":
+            _gluon_scaled(ctx)
         elif kernel == "bf16wgrad":  # the plan's GEMMs, the weight gradients in bf16
             ctx._lowp_train = dataclasses.replace(ctx._lowp_train, w13_wgrad=None,
                                                   w2_wgrad=None)
@@ -111,11 +107,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--precisions", nargs="+", default=["bf16", "mxfp8", "fp8_block"],
-                    choices=["bf16", "mxfp8", "fp8_block", "mxfp8/triton", "fp8_block/triton",
+                    choices=["bf16", "mxfp8", "fp8_block", "mxfp8/gluon", "fp8_block/gluon",
                              "mxfp8/bf16wgrad", "fp8_block/bf16wgrad"],
-                    help="A/B in one run: '/triton' runs the block-scaled GEMMs and the FP8 "
-                         "weight gradients on their Triton kernels instead of the plan's "
-                         "Gluon ones; '/bf16wgrad' the weight gradients in bf16")
+                    help="A/B in one run: '/gluon' runs the block-scaled GEMMs and the FP8 "
+                         "weight gradients on their Gluon forms instead of the plan's "
+                         "choice; '/bf16wgrad' the weight gradients in bf16")
     ap.add_argument("--windows", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", type=Path)

@@ -77,7 +77,6 @@ from dataclasses import dataclass
 import torch
 
 from ..config import MoEConfig
-from ..kernels.base.gluon import gluon_device_reason
 from ..kernels.movement.combine import combine
 from ..kernels.movement.regather_rows import regather_rows
 from ..kernels.movement.scatter_rows import scatter_rows
@@ -173,7 +172,7 @@ def allocate_fp8(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
     w13_shape, w2_shape = (E, 2, F, D), (E, D, F)
     fmt = fp8_format(cfg)
     block, scale_dtype = FP8_FORMATS[fmt][:2]
-    gluon = gluon_device_reason(device) is None
+    gluon = rules.scaled_gluon(device)
     return FP8Scratch(
         precision=cfg.precision,
         format=fmt,

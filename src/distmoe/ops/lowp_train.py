@@ -75,7 +75,6 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..kernels.base.gluon import gluon_device_reason
 from ..kernels.movement.route_grad import reduce_routes, route_grads
 from ..kernels.scaled import ScaledGemmConfig
 from ..kernels.scaled.swiglu_quant import swiglu_backward_quantize, swiglu_quantize
@@ -112,7 +111,7 @@ def fp8_train_configs(cfg, device: torch.device) -> FP8TrainConfigs:
     D, F, bm = cfg.hidden, cfg.ffn, cfg.row_block
     fmt = fp8_format(cfg)
     g = FP8_FORMATS[fmt][0]
-    gluon = gluon_device_reason(device) is None
+    gluon = rules.scaled_gluon(device)
     return FP8TrainConfigs(
         w13_h1=rules.scaled_gemm(k=D, n=2 * F, block_m=bm, k_group=g, gluon=gluon),
         w2_dgrad=rules.scaled_gemm(k=D, n=F, block_m=bm, k_group=g, gluon=gluon),

@@ -345,16 +345,32 @@ def mxfp8_k_group(*, hidden: int, ffn: int) -> int:
     return 128 if hidden % 128 == 0 and ffn % 128 == 0 else 32
 
 
+#: Whether the FP8 layers' plan picks the warp-specialised Gluon forms of the block-scaled
+#: GEMM and of the FP8 weight gradient on Hopper (:func:`scaled_gluon`). Off until their GPU
+#: tests have passed and the A/B has measured them (docs/performance.md, "Not measured yet");
+#: the configs exist and run when passed explicitly.
+PICK_GLUON_SCALED = False
+
+
+def scaled_gluon(device) -> bool:
+    """Whether the FP8 layers on ``device`` take the Gluon forms (:data:`PICK_GLUON_SCALED`
+    and a device that runs Gluon kernels): the ``gluon`` argument of :func:`scaled_gemm` and
+    :func:`fp8_wgrad`."""
+    from ..kernels.base.gluon import gluon_device_reason
+
+    return PICK_GLUON_SCALED and gluon_device_reason(device) is None
+
+
 def scaled_gemm(*, k: int, n: int, swiglu: bool = False, k_group: int, block_m: int,
                 gluon: bool) -> ScaledGemmConfig:
     """The block-scaled grouped GEMM's config (FP8 layers' W13, W2 and input-gradient GEMMs):
     K = ``k``, ``n`` weight rows per expert (2F with ``swiglu``), ``k_group`` values per
-    scale along K, ``block_m`` the padding multiple, ``gluon`` whether the device runs Gluon
-    kernels (:func:`~distmoe.kernels.base.gluon.gluon_device_reason`). The warp-specialised
-    Gluon kernel (128 x 128 x 128 tiles, 5 stages) wherever it can tile the case (128-wide K
-    groups, K a multiple of 128, N of 128 or F of 64), else the Triton kernel's
-    :meth:`~ScaledGemmConfig.for_widths`. Why: on the Triton kernel the promotions stall the
-    tensor cores (evidence: docs/performance.md, section "FP8 (issue 58)")."""
+    scale along K, ``block_m`` the padding multiple, ``gluon`` whether to take the Gluon form
+    (:func:`scaled_gluon`). With ``gluon``, the warp-specialised Gluon kernel (128 x 128 x 128
+    tiles, 5 stages) wherever it can tile the case (128-wide K groups, K a multiple of 128, N
+    of 128 or F of 64); else the Triton kernel's :meth:`~ScaledGemmConfig.for_widths`. Why:
+    on the Triton kernel the promotions stall the tensor cores (evidence:
+    docs/performance.md, section "FP8 (issue 58)")."""
     cfg = ScaledGemmConfig(block_m=block_m, block_n=64 if swiglu else 128, block_k=128,
                            num_warps=8, num_stages=5, gluon=True)
     if gluon and scaled_shape_reason(
@@ -372,7 +388,8 @@ def fp8_wgrad(*, fmt: str, row_block: int, out_rows: int, out_cols: int,
     quantised along tokens in 128-token blocks (:mod:`distmoe.kernels.scaled.wgrad`), where
     the operand format has 128-wide groups (``"fp8_block"``, ``"mxfp8_rebased"``) and the
     padding multiple ``row_block`` is a multiple of 128 (a token block never spans two
-    experts); the Gluon form on Hopper where both widths are multiples of 128. Why: the
+    experts); with ``gluon`` (:func:`scaled_gluon`) the Gluon form where both widths are
+    multiples of 128. Why: the
     issue's recipe (WGRAD operands quantised along the token axis) and the FP8 rate for the
     third of the training FLOPs that the weight gradients are."""
     if fmt not in ("fp8_block", "mxfp8_rebased") or row_block % 128:
