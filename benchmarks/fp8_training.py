@@ -79,9 +79,10 @@ def run_case(shape: str, precision: str, timing: TimingConfig) -> dict:
                        precision=precision, training=True)
     out = {"shape": shape, "precision": precision + (f"/{kernel}" if kernel else "")}
     with dm.MoEContext(cfg, device=dev) as ctx:
-        if kernel == "gluon":
+        options = set(kernel.split("+")) - {""}
+        if "gluon" in options:
             _gluon_scaled(ctx)
-        elif kernel == "bf16wgrad":  # the plan's GEMMs, the weight gradients in bf16
+        if "bf16wgrad" in options:  # the weight gradients in bf16
             ctx._lowp_train = dataclasses.replace(ctx._lowp_train, w13_wgrad=None,
                                                   w2_wgrad=None)
         leaves = (x, scores, w13, w2)
@@ -107,15 +108,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--precisions", nargs="+", default=["bf16", "mxfp8", "fp8_block"],
-                    choices=["bf16", "mxfp8", "fp8_block", "mxfp8/gluon", "fp8_block/gluon",
-                             "mxfp8/bf16wgrad", "fp8_block/bf16wgrad"],
-                    help="A/B in one run: '/gluon' runs the block-scaled GEMMs and the FP8 "
-                         "weight gradients on their Gluon forms instead of the plan's "
-                         "choice; '/bf16wgrad' the weight gradients in bf16")
+                    help="bf16, mxfp8, fp8_block, each FP8 one with an A/B suffix of options "
+                         "joined by '+': '/gluon' runs the block-scaled GEMMs and the FP8 "
+                         "weight gradients on their Gluon forms, '/bf16wgrad' the weight "
+                         "gradients in bf16 (e.g. fp8_block/gluon+bf16wgrad)")
     ap.add_argument("--windows", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    for p in args.precisions:
+        base, _, opts = p.partition("/")
+        bad = set(opts.split("+")) - {"", "gluon", "bf16wgrad"}
+        if base not in ("bf16", "mxfp8", "fp8_block") or bad or (opts and base == "bf16"):
+            ap.error(f"--precisions: {p!r} is not bf16, mxfp8 or fp8_block with options "
+                     "from gluon, bf16wgrad")
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -349,7 +349,7 @@ def mxfp8_k_group(*, hidden: int, ffn: int) -> int:
 #: GEMM and of the FP8 weight gradient on Hopper (:func:`scaled_gluon`). Off until their GPU
 #: tests have passed and the A/B has measured them (docs/performance.md, "Not measured yet");
 #: the configs exist and run when passed explicitly.
-PICK_GLUON_SCALED = False
+PICK_GLUON_SCALED = True
 
 
 def scaled_gluon(device) -> bool:

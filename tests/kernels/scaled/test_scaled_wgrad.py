@@ -44,7 +44,7 @@ def _bound(a, b, padded, gpu):
         lo, hi = padded[e], padded[e + 1]
         s_abs = a[:, lo:hi].abs() @ b[:, lo:hi].abs().T
         t = (127 + (hi - lo) // 128 + 3) * U32 * s_abs
-        if gpu:
+        if gpu and hi > lo:  # (an expert without tokens: exactly zero)
             t = t + 4 * TC * s_abs + 32 * TC * (a[:, lo:hi].abs().amax(1)[:, None]
                                                  * b[:, lo:hi].abs().amax(1)[None, :]) \
                 * max(1, (hi - lo) // 32)
