@@ -65,9 +65,10 @@ def _gluon_scaled(ctx) -> None:
                                     w2_config=gemm(F, D))
     ctx._lowp_train = dataclasses.replace(
         ctx._lowp_train, w13_h1=gemm(D, 2 * F), w2_dgrad=gemm(D, F), w13_dgrad=gemm(2 * F, D),
-        w13_wgrad=rules.fp8_wgrad(fmt=fmt, row_block=bm, out_rows=2 * F, out_cols=D,
-                                  gluon=True),
-        w2_wgrad=rules.fp8_wgrad(fmt=fmt, row_block=bm, out_rows=D, out_cols=F, gluon=True))
+        w13_wgrad=ctx._lowp_train.w13_wgrad and rules.fp8_wgrad(
+            fmt=fmt, row_block=bm, out_rows=2 * F, out_cols=D, gluon=True, pick=True),
+        w2_wgrad=ctx._lowp_train.w2_wgrad and rules.fp8_wgrad(
+            fmt=fmt, row_block=bm, out_rows=D, out_cols=F, gluon=True, pick=True))
 
 
 def run_case(shape: str, precision: str, timing: TimingConfig) -> dict:
@@ -80,11 +81,12 @@ def run_case(shape: str, precision: str, timing: TimingConfig) -> dict:
     out = {"shape": shape, "precision": precision + (f"/{kernel}" if kernel else "")}
     with dm.MoEContext(cfg, device=dev) as ctx:
         options = set(kernel.split("+")) - {""}
+        if "fp8wgrad" in options:  # the FP8 weight gradients where they apply
+            from distmoe.ops.lowp_train import fp8_train_configs
+
+            ctx._lowp_train = fp8_train_configs(cfg, dev, fp8_wgrad=True)
         if "gluon" in options:
             _gluon_scaled(ctx)
-        if "bf16wgrad" in options:  # the weight gradients in bf16
-            ctx._lowp_train = dataclasses.replace(ctx._lowp_train, w13_wgrad=None,
-                                                  w2_wgrad=None)
         leaves = (x, scores, w13, w2)
 
         def fwd():
@@ -109,19 +111,20 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--precisions", nargs="+", default=["bf16", "mxfp8", "fp8_block"],
                     help="bf16, mxfp8, fp8_block, each FP8 one with an A/B suffix of options "
-                         "joined by '+': '/gluon' runs the block-scaled GEMMs and the FP8 "
-                         "weight gradients on their Gluon forms, '/bf16wgrad' the weight "
-                         "gradients in bf16 (e.g. fp8_block/gluon+bf16wgrad)")
+                         "joined by '+': '/fp8wgrad' takes FP8 weight gradients (token-axis "
+                         "operands) instead of bf16's, '/gluon' runs the block-scaled GEMMs "
+                         "(and FP8 weight gradients) on their Gluon forms whatever the plan "
+                         "says (e.g. fp8_block/fp8wgrad)")
     ap.add_argument("--windows", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     for p in args.precisions:
         base, _, opts = p.partition("/")
-        bad = set(opts.split("+")) - {"", "gluon", "bf16wgrad"}
+        bad = set(opts.split("+")) - {"", "gluon", "fp8wgrad"}
         if base not in ("bf16", "mxfp8", "fp8_block") or bad or (opts and base == "bf16"):
             ap.error(f"--precisions: {p!r} is not bf16, mxfp8 or fp8_block with options "
-                     "from gluon, bf16wgrad")
+                     "from gluon, fp8wgrad")
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -30,7 +30,7 @@ from test_mxfp8_forward import executed_routes
 import distmoe as dm
 from distmoe.kernels.scaled.token_quant import quantize_tokens_ref
 from distmoe.ops.lowp import fp8_format
-from distmoe.ops.lowp_train import train_weights
+from distmoe.ops.lowp_train import fp8_train_configs, train_weights
 from distmoe.quant import fp8_block_quantize_ref, mxfp8_quantize_ref, prepare_weights
 from distmoe.quant.fp8_block import fp8_block_dequantize, mxfp8_rebase
 from distmoe.quant.mxfp8 import mxfp8_dequantize
@@ -163,7 +163,7 @@ def recipe_reference(x, ids, scores, w13, w2, gy, precision, executed=None,
 
 
 def _rank(rank, world, E, D, F, precision, main_grad=False, device="cpu", tokens=T,
-          transport="auto", case=None, factor=None, row_block=16):
+          transport="auto", case=None, factor=None, row_block=16, fp8_wgrad=False):
     x, ids, scores, w13, w2, gy = _problem(world, E, D, F, tokens=tokens, case=case)
     mine = split_global_problem(x, ids, scores, w13, w2, world)[rank]
     dev = torch.device(device)
@@ -181,6 +181,8 @@ def _rank(rank, world, E, D, F, precision, main_grad=False, device="cpu", tokens
     out = {}
     with dm.MoEContext(cfg, device=dev, main_grad=main_grad, check=check,
                        transport=transport) as ctx:
+        if fp8_wgrad:  # the FP8 weight gradients (not the plan's choice: rules.PICK_FP8_WGRAD)
+            ctx._lowp_train = fp8_train_configs(cfg, dev, fp8_wgrad=True)
         out["explain"] = ctx.explain()
         out["fp8_wgrad"] = ctx._lowp_train.w13_wgrad is not None
         out["bound"] = ctx.receive_bound
@@ -296,21 +298,21 @@ def test_mxfp8_training_over_the_nccl_transport():
 def test_mxfp8_rebased_training_against_both_references():
     """D and F multiples of 128: the mxfp8 layer runs its operands rebased onto 128-wide K
     groups (``distmoe.plan.rules.mxfp8_k_group``); the recipe rebases alike. Row blocks of
-    128: the weight gradients on FP8 operands quantised along tokens."""
+    128 with the FP8 weight gradients asked for: on operands quantised along tokens."""
     E, D, F = 2, 128, 128
     per_rank = dm.launch(_rank, 1, args=(E, D, F, "mxfp8", False, "cpu", T, "auto", None,
-                                         None, 128), timeout=300)
+                                         None, 128, True), timeout=300)
     assert per_rank[0]["fp8_wgrad"]
     _check(per_rank, 1, E, D, F, "mxfp8")
 
 
 @pytest.mark.parametrize("row_block,main_grad", [(16, False), (128, True)])
 def test_fp8_block_training_against_both_references(row_block, main_grad):
-    """Row blocks of 16: bf16 weight gradients; of 128: FP8 weight gradients on operands
-    quantised along tokens, added in fp32 into ``main_grad``."""
+    """Row blocks of 16: bf16 weight gradients; of 128 with the FP8 weight gradients asked
+    for: on operands quantised along tokens, added in fp32 into ``main_grad``."""
     E, D, F = 2, 128, 128
     per_rank = dm.launch(_rank, 1, args=(E, D, F, "fp8_block", main_grad, "cpu", T, "auto",
-                                         None, None, row_block), timeout=300)
+                                         None, None, row_block, True), timeout=300)
     assert per_rank[0]["fp8_wgrad"] == (row_block == 128)
     _check(per_rank, 1, E, D, F, "fp8_block")
 
@@ -335,7 +337,7 @@ def test_fp8_training_gpu(precision, F):
                                    precision=precision)) != "mxfp8"
     # 128-wide groups with row blocks of 128: the FP8 weight gradients (Gluon on Hopper)
     out = _rank(0, 1, E, D, F, precision, device="cuda", tokens=tokens,
-                row_block=128 if wide else 16)
+                row_block=128 if wide else 16, fp8_wgrad=wide)
     assert out["fp8_wgrad"] == wide
     worst = _check([out], 1, E, D, F, precision, tokens=tokens,
                    tol_recipe=TOL_RECIPE_SM90_128 if wide else TOL_RECIPE)

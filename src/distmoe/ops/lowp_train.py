@@ -39,7 +39,7 @@ Backward (collective: every rank runs the backward of the same calls in the same
                (the gx GEMM stores each live row straight into its owner's dispatch row
                t*K+k: its ``scatter_ptrs`` epilogue)
                WGRAD, FP8 where :func:`distmoe.plan.rules.fp8_wgrad` gives configs
-               (128-wide groups, row blocks of 128): the operands quantised along tokens
+               (when chosen; 128-wide groups, row blocks of 128): operands quantised along tokens
                per 128 padded rows (:func:`~distmoe.kernels.scaled.token_quant.quantize_tokens`,
                transposed; x's in the forward, from the rows W13 read) and one grouped GEMM
                per weight reducing along each expert's tokens
@@ -105,9 +105,12 @@ class FP8TrainConfigs:
     w2_wgrad: ScaledWgradConfig | None = None
 
 
-def fp8_train_configs(cfg, device: torch.device) -> FP8TrainConfigs:
+def fp8_train_configs(cfg, device: torch.device, *,
+                      fp8_wgrad: bool | None = None) -> FP8TrainConfigs:
     """The configs of :class:`FP8TrainConfigs` for ``cfg`` on ``device``
-    (:func:`distmoe.plan.rules.scaled_gemm`)."""
+    (:func:`distmoe.plan.rules.scaled_gemm`, :func:`~distmoe.plan.rules.fp8_wgrad`;
+    ``fp8_wgrad``: take FP8 weight gradients where they apply, default the plan's
+    :data:`~distmoe.plan.rules.PICK_FP8_WGRAD`)."""
     D, F, bm = cfg.hidden, cfg.ffn, cfg.row_block
     fmt = fp8_format(cfg)
     g = FP8_FORMATS[fmt][0]
@@ -117,8 +120,9 @@ def fp8_train_configs(cfg, device: torch.device) -> FP8TrainConfigs:
         w2_dgrad=rules.scaled_gemm(k=D, n=F, block_m=bm, k_group=g, gluon=gluon),
         w13_dgrad=rules.scaled_gemm(k=2 * F, n=D, block_m=bm, k_group=g, gluon=gluon),
         w13_wgrad=rules.fp8_wgrad(fmt=fmt, row_block=bm, out_rows=2 * F, out_cols=D,
-                                  gluon=gluon),
-        w2_wgrad=rules.fp8_wgrad(fmt=fmt, row_block=bm, out_rows=D, out_cols=F, gluon=gluon),
+                                  gluon=gluon, pick=fp8_wgrad),
+        w2_wgrad=rules.fp8_wgrad(fmt=fmt, row_block=bm, out_rows=D, out_cols=F, gluon=gluon,
+                                 pick=fp8_wgrad),
     )
 
 

@@ -381,17 +381,27 @@ def scaled_gemm(*, k: int, n: int, swiglu: bool = False, k_group: int, block_m: 
                                        k_group=k_group)
 
 
-def fp8_wgrad(*, fmt: str, row_block: int, out_rows: int, out_cols: int,
-              gluon: bool) -> ScaledWgradConfig | None:
+#: Whether the FP8 training layer takes FP8 weight gradients (:func:`fp8_wgrad`) where they
+#: apply. Off: even with the Gluon GEMMs they were slower than the bf16 weight gradients
+#: (their four token-axis quantisation passes; evidence: docs/performance.md#run-68). The
+#: recipe stays available (``fp8_train_configs(..., fp8_wgrad=True)``) until fused
+#: quantisation makes it pay.
+PICK_FP8_WGRAD = False
+
+
+def fp8_wgrad(*, fmt: str, row_block: int, out_rows: int, out_cols: int, gluon: bool,
+              pick: bool | None = None) -> ScaledWgradConfig | None:
     """The FP8 training layer's weight-gradient GEMM for one weight (``out_rows x out_cols``
-    per expert), or None for the bf16 WGRAD (:mod:`distmoe.kernels.wgrad`). FP8, on operands
-    quantised along tokens in 128-token blocks (:mod:`distmoe.kernels.scaled.wgrad`), where
-    the operand format has 128-wide groups (``"fp8_block"``, ``"mxfp8_rebased"``) and the
-    padding multiple ``row_block`` is a multiple of 128 (a token block never spans two
-    experts); with ``gluon`` (:func:`scaled_gluon`) the Gluon form where both widths are
-    multiples of 128. Why: the
-    issue's recipe (WGRAD operands quantised along the token axis) and the FP8 rate for the
+    per expert), or None for the bf16 WGRAD (:mod:`distmoe.kernels.wgrad`). With ``pick``
+    (default :data:`PICK_FP8_WGRAD`): FP8, on operands quantised along tokens in 128-token
+    blocks (:mod:`distmoe.kernels.scaled.wgrad`), where the operand format has 128-wide
+    groups (``"fp8_block"``, ``"mxfp8_rebased"``) and the padding multiple ``row_block`` is a
+    multiple of 128 (a token block never spans two experts); with ``gluon``
+    (:func:`scaled_gluon`) the Gluon form where both widths are multiples of 128. Why: the
+    issue's recipe (WGRAD operands quantised along the token axis) at the FP8 rate, for the
     third of the training FLOPs that the weight gradients are."""
+    if not (PICK_FP8_WGRAD if pick is None else pick):
+        return None
     if fmt not in ("fp8_block", "mxfp8_rebased") or row_block % 128:
         return None
     tiles = out_rows % 128 == 0 and out_cols % 128 == 0
