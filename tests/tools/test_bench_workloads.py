@@ -228,3 +228,55 @@ def test_peer_and_rowwise_providers_match_the_torch_baseline(name):
     prov2 = build_provider("transformers", shape=shape, tokens=32, training=False,
                            bench_group=two, device=torch.device("cpu"))
     assert prov2.status == "unavailable" and "one rank only" in prov2.note
+
+
+def test_torch_fp8_provider_is_the_rowwise_fp8_recipe():
+    # the rowwise-FP8 torch baseline (issue 58's FP8 baseline provider) on CPU runs its loop
+    # path: against the bf16 baseline its rows and weights carry E4M3's rounding (2^-4
+    # relative per operand, two per GEMM, two GEMMs: a sanity bound of 2^-2 of the largest
+    # output); exactly the recipe's values against a float64 evaluation of the same
+    # quantised operands (within bf16's rounding of h1 / h3 and the fp32 sums: 2^-6); the
+    # weights quantised once per version; training and EP > 1 unavailable
+    from distmoe.tools.bench.baseline import rowwise_fp8, torch_moe
+    from distmoe.tools.bench.groups import BenchGroup
+    from distmoe.tools.bench.providers import build_provider
+    from distmoe.tools.bench.workloads import MoEShape, make_layer_inputs
+
+    shape = MoEShape(name="t", hidden=64, ffn=32, num_experts=8, top_k=2, tokens=32,
+                     description="tiny")
+    one = BenchGroup(group=None, rank=0, world_size=1, owned=False)
+    prov = build_provider("torch_fp8", shape=shape, tokens=32, training=False,
+                          bench_group=one, device=torch.device("cpu"))
+    assert prov.status == "ok" and "loop" in prov.note, prov.note
+    inp = make_layer_inputs(shape, tokens=32, training=False, seed=4)
+    args = (inp.x_TD, inp.expert_ids_TK, inp.scores_TK, inp.w13_e2FD, inp.w2_eDF)
+    y = prov.layer(*args)
+    assert torch.equal(prov.layer(*args), y)
+    ref = torch_moe(*args).float()
+    assert (y.float() - ref).abs().max() <= 2.0**-2 * ref.abs().max()
+    # the recipe in float64
+    x, ids, sc, w13, w2 = args
+    E, _, F_, D = w13.shape
+
+    def deq(v):
+        q, s = rowwise_fp8(v)
+        return q.double() * s.double()[..., None]
+
+    W13, W2 = deq(w13.reshape(E, 2 * F_, D)), deq(w2)
+    want = torch.zeros(x.shape[0], D, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            if e < 0:
+                continue
+            h1 = (deq(x[t:t + 1]) @ W13[e].T).bfloat16().double()
+            h2 = torch.nn.functional.silu(h1[:, :F_]) * h1[:, F_:]
+            h3 = (deq(h2) @ W2[e].T).bfloat16().double()
+            want[t] += float(sc[t, k]) * h3[0]
+    assert (y.double() - want).abs().max() <= 2.0**-6 * want.abs().max()
+    for training, world in ((True, 1), (False, 2)):
+        other = build_provider("torch_fp8", shape=shape, tokens=32, training=training,
+                               bench_group=BenchGroup(group=None, rank=0, world_size=world,
+                                                      owned=False),
+                               device=torch.device("cpu"))
+        assert other.status == "unavailable"

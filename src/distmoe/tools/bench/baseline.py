@@ -260,3 +260,71 @@ def _torch_moe_ep(x_TD, expert_ids_TK, scores_TK, w13_e2FD, w2_eDF, group, path)
     h3_arrival_ND = h3_ND.index_select(0, torch.argsort(perm_N))
     h3_RD = _all_to_all(h3_arrival_ND, input_splits, output_splits, group)
     return _combine(h3_RD, token_R, score_R, x_TD)
+
+
+# ----------------------------------------------------------------------------- rowwise FP8
+
+
+def rowwise_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rowwise FP8 of ``v [..., K]``: ``(q float8_e4m3fn, s float32 [...])`` with
+    ``s = max(amax, 1e-12) / 448`` per row and ``q = fp8(v / s)`` (torch's round to nearest).
+    The recipe ``torch._scaled_grouped_mm``'s rowwise scaling takes (dequantised: ``q * s``)."""
+    s = v.float().abs().amax(-1).clamp(min=1e-12) / 448.0
+    return (v.float() / s[..., None]).to(torch.float8_e4m3fn), s
+
+
+def scaled_grouped_mm_path(device: torch.device | str) -> tuple[GroupedMMPath, str]:
+    """``"grouped_mm"`` where ``torch._scaled_grouped_mm`` runs on ``device`` (a tiny probe
+    against the dequantised product), else ``"loop"`` (dequantised operands, a host loop) and
+    why."""
+    device = torch.device(device)
+    if device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm"):
+        return "loop", "torch._scaled_grouped_mm needs CUDA (and a torch that has it)"
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        a, sa = rowwise_fp8(torch.randn(32, 32, device=device, generator=gen))
+        b, sb = rowwise_fp8(torch.randn(2, 16, 32, device=device, generator=gen))
+        offs = torch.tensor([16, 32], device=device, dtype=torch.int32)
+        out = torch._scaled_grouped_mm(a, b.transpose(1, 2), sa, sb, offs=offs,
+                                       out_dtype=torch.bfloat16)
+        ref = _scaled_loop(a, sa, b, sb, offs)
+        if (out.float() - ref).abs().max().item() > 0.02 * ref.abs().max().item():
+            return "loop", "torch._scaled_grouped_mm probe gave wrong values"
+    except Exception as exc:
+        return "loop", f"torch._scaled_grouped_mm probe failed: {type(exc).__name__}"
+    return "grouped_mm", ""
+
+
+def _scaled_loop(a_q, s_a, b_q, s_b, offs_e):
+    """The rowwise-FP8 grouped product on dequantised operands (fp32; a host loop)."""
+    a = a_q.float() * s_a[:, None]
+    b = b_q.float() * s_b[..., None]  # [E, N, K]
+    return _grouped_mm_loop(a, b.transpose(1, 2), offs_e)
+
+
+def _scaled_grouped(a_q, s_a, b_q, s_b, offs_e, path):
+    if path == "grouped_mm":
+        return torch._scaled_grouped_mm(a_q, b_q.transpose(1, 2), s_a, s_b, offs=offs_e,
+                                        out_dtype=torch.bfloat16)
+    return _scaled_loop(a_q, s_a, b_q, s_b, offs_e).bfloat16()
+
+
+def torch_fp8_moe(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: torch.Tensor,
+                  w13: tuple[torch.Tensor, torch.Tensor], w2: tuple[torch.Tensor, torch.Tensor],
+                  *, path: GroupedMMPath) -> torch.Tensor:
+    """The torch baseline's inference forward (EP = 1, :func:`torch_moe`'s steps) with both
+    GEMMs on rowwise FP8 (``torch._scaled_grouped_mm``, issue 58's baseline provider): the
+    routed rows and h2 quantised per row (:func:`rowwise_fp8`), the weights given quantised
+    per output row (``w13 = (q [E, 2F, D], s [E, 2F])``, ``w2 = (q [E, D, F], s [E, D])``,
+    made once per weight version by the caller); no SwiGLU epilogue (SwiGLU in PyTorch
+    between the GEMMs). ``path``: :func:`scaled_grouped_mm_path`. No autograd."""
+    num_experts = w13[0].shape[0]
+    ffn = w13[0].shape[1] // 2
+    ids_R, order_R, token_R, score_R = _sort_routes(expert_ids_TK, scores_TK, inactive_expert=0)
+    offs_e = _count(ids_R, num_experts).cumsum(0).to(torch.int32)
+    xq, xs = rowwise_fp8(x_TD.index_select(0, token_R))
+    h1 = _scaled_grouped(xq, xs, *w13, offs_e, path)
+    h2 = F.silu(h1[:, :ffn].float()) * h1[:, ffn:].float()
+    hq, hs = rowwise_fp8(h2)
+    h3 = _scaled_grouped(hq, hs, *w2, offs_e, path)
+    return _combine(h3, token_R, score_R, x_TD)

@@ -62,7 +62,13 @@ from distmoe.tools.bench.groups import (
     init_torchrun_group,
     launched_by_torchrun,
 )
-from distmoe.tools.bench.providers import PROVIDERS, Provider, build_provider, make_step
+from distmoe.tools.bench.providers import (
+    DEFAULT_PROVIDERS,
+    PROVIDERS,
+    Provider,
+    build_provider,
+    make_step,
+)
 from distmoe.tools.bench.timing import TIMING_CHOICES, ModeResults, TimingConfig, benchmark_modes
 from distmoe.tools.bench.workloads import (
     DEFAULT_SHAPES,
@@ -199,7 +205,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--providers",
         nargs="+",
         choices=PROVIDERS,
-        default=list(PROVIDERS),
+        default=list(DEFAULT_PROVIDERS),
         help="implementations to time: distmoe, torch (plain PyTorch), torch_compile "
         "(torch.compile of it) (default: all)",
     )

@@ -11,6 +11,10 @@ API's signature, shared/DESIGN.md) plus facts the timer needs:
 - ``"rowwise"``: the layer written with :mod:`distmoe.rowwise` (``expert_major_rows``,
   ``dispatch_put``, ``grouped_mm`` for W13, SwiGLU in fp32, ``grouped_mm`` for W2,
   ``Buffers.write``, ``combine_get``), the lower-level API's cost against MoEContext's.
+- ``"torch_fp8"``: the torch baseline's inference forward with both GEMMs on rowwise FP8
+  (:func:`distmoe.tools.bench.baseline.torch_fp8_moe`, ``torch._scaled_grouped_mm``; weights
+  quantised once per weight version), the baseline of issue 58's FP8 layers; EP = 1 and
+  inference only (``"unavailable"`` otherwise).
 - ``"transformers"``: a third-party peer, Hugging Face transformers' experts implementation
   ``"grouped_mm"`` (its Qwen3-MoE experts module, the code every transformers MoE model runs
   through ``experts_implementation``), called on the case's own weights
@@ -32,12 +36,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from distmoe.tools.bench.baseline import grouped_mm_path, torch_moe
+from distmoe.tools.bench.baseline import (
+    grouped_mm_path,
+    rowwise_fp8,
+    scaled_grouped_mm_path,
+    torch_fp8_moe,
+    torch_moe,
+)
 from distmoe.tools.bench.groups import BenchGroup
 from distmoe.tools.bench.report import error_text
 from distmoe.tools.bench.workloads import LayerInputs, MoEShape
 
-PROVIDERS: tuple[str, ...] = ("distmoe", "torch", "torch_compile", "transformers", "rowwise")
+PROVIDERS: tuple[str, ...] = ("distmoe", "torch", "torch_compile", "transformers", "rowwise",
+                              "torch_fp8")
+#: the bench's default providers: all but the FP8 baseline, whose peer is an FP8 distmoe
+#: layer (``--providers torch_fp8`` with a low-precision case)
+DEFAULT_PROVIDERS: tuple[str, ...] = PROVIDERS[:-1]
 
 Layer = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
@@ -113,6 +127,8 @@ def build_provider(
     if name == "rowwise":
         return _build_rowwise(shape=shape, tokens=tokens, bench_group=bench_group,
                               device=device)
+    if name == "torch_fp8":
+        return _build_torch_fp8(training=training, bench_group=bench_group, device=device)
     path, reason = grouped_mm_path(device, torch.bfloat16)
     note = f"grouped GEMM: {path}" + (f" ({reason})" if reason else "")
     group = bench_group.group if ep_size > 1 else None
@@ -126,6 +142,31 @@ def build_provider(
     return Provider(
         name=name, status="ok", note=note, layer=layer, graph_safe=ep_size == 1, baseline_path=path
     )
+
+
+def _build_torch_fp8(*, training: bool, bench_group: BenchGroup,
+                     device: torch.device) -> Provider:
+    if training or bench_group.world_size > 1:
+        return Provider(name="torch_fp8", status="unavailable",
+                        note="rowwise-FP8 torch baseline: EP = 1 inference only")
+    path, reason = scaled_grouped_mm_path(device)
+    cache: dict = {}
+
+    def quantised(w: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # once per weight version (as the FP8 layers' prepared weights), not per call
+        key = (w.data_ptr(), w._version, rows)
+        if key not in cache:
+            if len(cache) > 8:
+                cache.clear()
+            cache[key] = rowwise_fp8(w.detach().reshape(w.shape[0], rows, -1))
+        return cache[key]
+
+    def layer(x, ids, scores, w13, w2):
+        return torch_fp8_moe(x, ids, scores, quantised(w13, 2 * w13.shape[2]),
+                             quantised(w2, w2.shape[1]), path=path)
+
+    note = f"scaled grouped GEMM: {path}" + (f" ({reason})" if reason else "")
+    return Provider(name="torch_fp8", status="ok", note=note, layer=layer, baseline_path=path)
 
 
 def _build_rowwise(*, shape: MoEShape, tokens: int, bench_group: BenchGroup,

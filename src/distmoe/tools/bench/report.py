@@ -358,7 +358,7 @@ def _pyplot():
 
 
 _PROVIDER_COLORS = {"distmoe": "#1b9e77", "torch": "#7570b3", "torch_compile": "#d95f02",
-                    "transformers": "#66a61e", "rowwise": "#e6ab02",
+                    "transformers": "#66a61e", "rowwise": "#e6ab02", "torch_fp8": "#a6761d",
                     "distmoe_per_layer": "#e7298a"}
 
 
