@@ -229,7 +229,8 @@ def e4m3_byte_to_fp32(b):
     ``0xFF`` (Triton 3.6's interpreter would decode those as +-480)."""
     mag = e4m3_code_to_float(b & 0x7F)
     mag = tl.where((b & 0x7F) == 0x7F, float("nan"), mag)
-    return tl.where((b & 0x80) != 0, -mag, mag)
+    # the sign by its bit (a negation would turn code 0x80, -0.0, into +0.0)
+    return (mag.to(tl.int32, bitcast=True) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -62,6 +62,7 @@ from dataclasses import dataclass
 
 import torch
 
+from distmoe.quant.dequant import dequantize_rows_2d
 from distmoe.quant.fp8_block import fp8_block_dequantize, fp8_block_quantize_weight
 from distmoe.quant.mxfp4 import mxfp4_dequantize, mxfp4_quantize
 from distmoe.quant.mxfp8 import e8m0_to_float, mxfp8_dequantize
@@ -371,9 +372,18 @@ def cached_per_object(owner: object, name: str, objects: tuple, make, *, size: i
 def dequantize_rows(qdata: torch.Tensor, scales: torch.Tensor, fmt: str, *,
                     dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Values of FP8 activation rows ``qdata [R, K]`` (float8_e4m3fn) with their scales along
-    K in operand format ``fmt``, as ``dtype``: ``"mxfp8"`` (uint8 E8M0 ``[R, K/32]``) and
-    ``"mxfp8_rebased"`` (uint8 E8M0 ``[R, K/128]``): exact; ``"fp8_block"`` (float32
-    ``[R, K/128]``): ``q * s`` in float32, rounded once to ``dtype``."""
+    K in operand format ``fmt``, as ``dtype`` (bf16 or float32), in one Triton pass
+    (:func:`~distmoe.quant.dequant.dequantize_rows_2d`): ``"mxfp8"`` (uint8 E8M0
+    ``[R, K/32]``) and ``"mxfp8_rebased"`` (uint8 E8M0 ``[R, K/128]``): exact;
+    ``"fp8_block"`` (float32 ``[R, K/128]``): ``q * s`` in float32, rounded once to
+    ``dtype``. The same bits as :func:`dequantize_rows_ref`. A new tensor."""
+    out = torch.empty(qdata.shape, dtype=dtype, device=qdata.device)
+    return dequantize_rows_2d(qdata, scales, fmt, out)
+
+
+def dequantize_rows_ref(qdata: torch.Tensor, scales: torch.Tensor, fmt: str, *,
+                        dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Plain-PyTorch :func:`dequantize_rows` (any device; float32 products, then ``dtype``)."""
     if fmt == "mxfp8":
         return mxfp8_dequantize(qdata, scales, dim=-1, dtype=dtype)
     if fmt == "mxfp8_rebased":

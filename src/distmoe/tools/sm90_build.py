@@ -911,6 +911,13 @@ def lowp_kernel_cases() -> list[BuildCase]:
             8, 3, types={"at_ptr": "*fp8e4nv", "bt_ptr": "*fp8e4nv", "sa_ptr": scale_type,
                          "sb_ptr": scale_type, "out_ptr": "*fp32" if fp32 else "*bf16",
                          "R_CAP": "i32"}))
+    from distmoe.quant import dequant
+    for fmt, (group, _) in dequant.DEQUANT_FORMATS.items():
+        cases.append(BuildCase(
+            f"dequantise rows {fmt}", dequant._dequant_rows_kernel,
+            dict(COLS=D, GROUP=group, E8M0=fmt != "fp8_block", BLOCK_R=32, BLOCK_C=256), 4, 1,
+            types={"q_ptr": "*u8", "s_ptr": "*fp32" if fmt == "fp8_block" else "*u8",
+                   "rows": "i32"}))
     from distmoe.kernels.scaled import gather_quant
     for fmt, (unit, blocks) in (("mxfp8", (32, 8)), ("mxfp8_rebased", (32, 8)),
                                 ("fp8_block", (128, 2))):
