@@ -86,6 +86,26 @@ def check_offsets(padded_offsets: object, row_offsets: object, num_experts: int)
                  shape_text="[E_local + 1] (live rows per expert, exclusive prefix sum)")
 
 
+def check_expert_tables(padded_offsets: object, row_offsets: object) -> int:
+    """The per-expert tables of a row-moving kernel: ``padded_offsets`` int32 ``[E + 1]`` with
+    E >= 1, ``row_offsets`` alike (:func:`check_offsets`); returns E."""
+    check_tensor("padded_offsets", padded_offsets, dtypes=(torch.int32,), ndim=1,
+                 shape_text="[E_local + 1]")
+    num_experts = padded_offsets.shape[0] - 1
+    if num_experts < 1:
+        raise ValueError(f"padded_offsets must have E_local + 1 >= 2 entries, got "
+                         f"{list(padded_offsets.shape)}")
+    check_offsets(padded_offsets, row_offsets, num_experts)
+    return num_experts
+
+
+def check_block_m(block_m: object) -> None:
+    """``block_m``, the padding multiple: a power of two >= 16."""
+    if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 16 \
+            or block_m & (block_m - 1):
+        raise ValueError(f"block_m ({block_m!r}) must be a power of two >= 16")
+
+
 def check_devices(named: dict[str, torch.Tensor], *, for_kernel: bool = True) -> torch.device:
     """All tensors on one device; for a kernel, a CUDA device unless the interpreter runs."""
     items = list(named.items())

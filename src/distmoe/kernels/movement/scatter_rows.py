@@ -29,8 +29,9 @@ import triton
 import triton.language as tl
 
 from distmoe.kernels.base.checks import (
+    check_block_m,
     check_devices,
-    check_offsets,
+    check_expert_tables,
     check_scatter_r_cap,
     check_tensor,
 )
@@ -70,16 +71,8 @@ def _check(rows, padded_offsets, row_offsets, scatter_ptrs, block_m, *, for_kern
     check_tensor("rows", rows, dtypes=(torch.bfloat16,), ndim=2, shape_text="[R_act, D]")
     check_tensor("scatter_ptrs", scatter_ptrs, dtypes=(torch.int64,), ndim=1,
                  shape_text="[R_cap] (row addresses by padded row)")
-    check_tensor("padded_offsets", padded_offsets, dtypes=(torch.int32,), ndim=1,
-                 shape_text="[E_local + 1]")
-    num_experts = padded_offsets.shape[0] - 1
-    if num_experts < 1:
-        raise ValueError(f"padded_offsets must have E_local + 1 >= 2 entries, got "
-                         f"{list(padded_offsets.shape)}")
-    check_offsets(padded_offsets, row_offsets, num_experts)
-    if (isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 16
-            or block_m & (block_m - 1)):
-        raise ValueError(f"block_m ({block_m!r}) must be a power of two >= 16")
+    num_experts = check_expert_tables(padded_offsets, row_offsets)
+    check_block_m(block_m)
     check_scatter_r_cap(scatter_ptrs.shape[0], block_m)
     hidden = rows.shape[1]
     if hidden % 8 or rows.data_ptr() % 16:

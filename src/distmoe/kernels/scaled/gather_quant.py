@@ -27,9 +27,10 @@ import triton
 import triton.language as tl
 
 from distmoe.kernels.base.checks import (
+    check_block_m,
     check_devices,
+    check_expert_tables,
     check_gather_r_cap,
-    check_offsets,
     check_tensor,
 )
 from distmoe.kernels.base.config import next_power_of_2
@@ -122,16 +123,8 @@ def gather_quantize(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
                          f"(values per {format} scale)")
     check_tensor("scales", scales, dtypes=(scale_dtype,), shape=[rows, hidden // group],
                  shape_text=f"[R_act, D/{group}] ({format} scales)")
-    check_tensor("padded_offsets", padded_offsets, dtypes=(torch.int32,), ndim=1,
-                 shape_text="[E_local + 1]")
-    num_experts = padded_offsets.shape[0] - 1
-    if num_experts < 1:
-        raise ValueError(f"padded_offsets must have E_local + 1 >= 2 entries, got "
-                         f"{list(padded_offsets.shape)}")
-    check_offsets(padded_offsets, row_offsets, num_experts)
-    if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 16 \
-            or block_m & (block_m - 1):
-        raise ValueError(f"block_m ({block_m!r}) must be a power of two >= 16")
+    num_experts = check_expert_tables(padded_offsets, row_offsets)
+    check_block_m(block_m)
     r_cap = gather_ptrs.shape[0]
     check_gather_r_cap(r_cap, block_m)
     device = check_devices(dict(gather_ptrs=gather_ptrs, padded_offsets=padded_offsets,

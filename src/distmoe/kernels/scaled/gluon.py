@@ -138,6 +138,28 @@ if HAVE_GLUON:
         return c0, c1, c2, c3
 
     @gluon.jit
+    def partial_step(a_bufs, b_bufs, ready, empty, p, count, STAGES: gl.constexpr,
+                     ROW0: gl.constexpr):
+        """A consumer's FP8 MMA chain of one 128-wide K step into a fresh partial ``p``
+        (``[64, 128]``, rows ``ROW0`` to ``ROW0 + 63`` of the A stage), waited for, the stage
+        released. Returns ``(p, count + 1)``."""
+        stage = count % STAGES
+        mbarrier.wait(ready.index(stage), (count // STAGES) & 1)
+        p = warpgroup_mma(a_bufs.index(stage).slice(ROW0, 64),
+                          b_bufs.index(stage).permute((1, 0)), p, use_acc=False, is_async=True)
+        p = warpgroup_mma_wait(0, deps=(p,))
+        mbarrier.arrive(empty.index(stage))
+        return p, count + 1
+
+    @gluon.jit
+    def promote(acc0, acc1, acc2, acc3, p, c0, c1, c2, c3):
+        """``acc_i = fma(p_i, c_i, acc_i)`` over the four 32-column chunks of the partial
+        (``c_i``: the chunks' scale products, one FMA per value)."""
+        p0, p1, p2, p3 = quarters(p)
+        return (gl.fma(p0, c0, acc0), gl.fma(p1, c1, acc1), gl.fma(p2, c2, acc2),
+                gl.fma(p3, c3, acc3))
+
+    @gluon.jit
     def decode_scale(s, SCALE_FP32: gl.constexpr):
         """fp32 value of scales as stored (E8M0 bytes decoded)."""
         if SCALE_FP32:
@@ -219,23 +241,13 @@ if HAVE_GLUON:
                 s1 = decode_scale(gl.load(sb1 + k), SCALE_FP32)
                 s2 = decode_scale(gl.load(sb2 + k), SCALE_FP32)
                 s3 = decode_scale(gl.load(sb3 + k), SCALE_FP32)
-                stage = count % STAGES
-                mbarrier.wait(ready.index(stage), (count // STAGES) & 1)
-                p = warpgroup_mma(a_bufs.index(stage).slice(ROW0, 64),
-                                  b_bufs.index(stage).permute((1, 0)), p, use_acc=False,
-                                  is_async=True)
-                p = warpgroup_mma_wait(0, deps=(p,))
-                mbarrier.arrive(empty.index(stage))
-                count += 1
+                p, count = partial_step(a_bufs, b_bufs, ready, empty, p, count, STAGES, ROW0)
                 # promotion: the row scales broadcast over the tile (registers only), cut
-                # into the chunks like the partial
+                # into the chunks like the partial, times each chunk's weight scale
                 sa_full, _ = gl.broadcast(gl.expand_dims(sa, 1), zero)
                 a0, a1, a2, a3 = quarters(sa_full)
-                p0, p1, p2, p3 = quarters(p)
-                acc0 = gl.fma(p0, a0 * s0, acc0)
-                acc1 = gl.fma(p1, a1 * s1, acc1)
-                acc2 = gl.fma(p2, a2 * s2, acc2)
-                acc3 = gl.fma(p3, a3 * s3, acc3)
+                acc0, acc1, acc2, acc3 = promote(acc0, acc1, acc2, acc3, p, a0 * s0, a1 * s1,
+                                                 a2 * s2, a3 * s3)
 
             n0 = pid_n * OUT_TILE
             if SWIGLU:

@@ -33,7 +33,11 @@ import torch
 import triton
 import triton.language as tl
 
-from distmoe.kernels.base.checks import check_devices, check_offsets, check_tensor
+from distmoe.kernels.base.checks import (
+    check_devices,
+    check_expert_tables,
+    check_tensor,
+)
 from distmoe.kernels.base.config import next_power_of_2
 from distmoe.kernels.base.device import device_context
 from distmoe.kernels.base.tiles import tile_activation_rows, tile_expert
@@ -128,13 +132,7 @@ def quantize_tokens(rows: torch.Tensor | None, padded_offsets: torch.Tensor,
         check_tensor("gather_ptrs", gather_ptrs, dtypes=(torch.int64,), shape=[r_cap],
                      shape_text="[R_cap] (row addresses by padded row)")
         named["gather_ptrs"] = gather_ptrs
-    check_tensor("padded_offsets", padded_offsets, dtypes=(torch.int32,), ndim=1,
-                 shape_text="[E + 1]")
-    num_experts = padded_offsets.shape[0] - 1
-    if num_experts < 1:
-        raise ValueError(f"padded_offsets must have E + 1 >= 2 entries, got "
-                         f"{list(padded_offsets.shape)}")
-    check_offsets(padded_offsets, row_offsets, num_experts)
+    num_experts = check_expert_tables(padded_offsets, row_offsets)
     device = check_devices(named)
     if r_cap == 0 or cols == 0:
         return

@@ -35,13 +35,11 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (
         mbarrier,
         tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
     from distmoe.kernels.base.gluon import ring_barriers
-    from distmoe.kernels.scaled.gluon import decode_scale, quarters
+    from distmoe.kernels.scaled.gluon import decode_scale, partial_step, promote, quarters
 
 __all__ = ["GLUON_WGRAD_STAGES", "gluon_wgrad_reason", "launch_gluon_scaled_wgrad"]
 
@@ -122,24 +120,14 @@ if HAVE_GLUON:
                 # this block's scales: one row each of the block-major scale tables
                 sa = decode_scale(gl.load(sa_ptr + kb * M + m0 + i), SCALE_FP32)
                 sb = decode_scale(gl.load(sb_ptr + kb * N + n0 + j), SCALE_FP32)
-                stage = count % STAGES
-                mbarrier.wait(ready.index(stage), (count // STAGES) & 1)
-                p = warpgroup_mma(a_bufs.index(stage).slice(ROW0, 64),
-                                  b_bufs.index(stage).permute((1, 0)), p, use_acc=False,
-                                  is_async=True)
-                p = warpgroup_mma_wait(0, deps=(p,))
-                mbarrier.arrive(empty.index(stage))
-                count += 1
+                p, count = partial_step(a_bufs, b_bufs, ready, empty, p, count, STAGES, ROW0)
                 # both scale vectors broadcast over the tile (registers only), in chunks
                 sa_full, _ = gl.broadcast(gl.expand_dims(sa, 1), zero)
                 sb_full, _ = gl.broadcast(gl.expand_dims(sb, 0), zero)
                 a0, a1, a2, a3 = quarters(sa_full)
                 b0, b1, b2, b3 = quarters(sb_full)
-                p0, p1, p2, p3 = quarters(p)
-                acc0 = gl.fma(p0, a0 * b0, acc0)
-                acc1 = gl.fma(p1, a1 * b1, acc1)
-                acc2 = gl.fma(p2, a2 * b2, acc2)
-                acc3 = gl.fma(p3, a3 * b3, acc3)
+                acc0, acc1, acc2, acc3 = promote(acc0, acc1, acc2, acc3, p, a0 * b0, a1 * b1,
+                                                 a2 * b2, a3 * b3)
             _store_part(out_ptr, expert, m0, n0, acc0, M, N, ACCUMULATE)
             _store_part(out_ptr, expert, m0, n0 + 32, acc1, M, N, ACCUMULATE)
             _store_part(out_ptr, expert, m0, n0 + 64, acc2, M, N, ACCUMULATE)
