@@ -139,11 +139,24 @@ def _check_output(out, exact, tol, row_offsets):
                         f"{(err / tol).max().item():.3g} x the bound")
 
 
-def _run_case(case: Case, device="cpu", config=None, gpu=False):
+def _run_case(case: Case, device="cpu", config=None, gpu=False, mx=False):
+    """One case against the float64 bound and the plain-PyTorch reference. ``mx``: MXFP4
+    weights (E8M0 per 32, no global scale: the prologue's ``v * 2^(s - 127)`` is exact in
+    bf16 too, so the same bound with ``s_g = 1``), else NVFP4."""
+    from distmoe.kernels.scaled import mxfp4_weight_grouped_mm
+    from distmoe.quant.mxfp4 import mxfp4_dequantize, mxfp4_quantize
+
     num_experts = len(case.counts)
     rows = sum(case.counts) + case.spare_rows
     padded_offsets, row_offsets = _layout(case.counts, case.block_m, case.extra_pad)
     a, packed, scales, s_g = _operands(rows, case.k, num_experts, case.n, device)
+    group = 16
+    if mx:
+        g = torch.Generator().manual_seed(case.k + case.n)
+        w = (torch.randn(num_experts, case.n, case.k, generator=g)
+             * torch.logspace(-3, 3, case.k)).bfloat16().to(device)
+        packed, scales = mxfp4_quantize(w)
+        s_g, group = None, 32
     out_n = case.n // 2 if case.swiglu else case.n
     if config is None:
         config = ScaledGemmConfig(block_m=case.block_m, block_n=case.block_n,
@@ -152,11 +165,17 @@ def _run_case(case: Case, device="cpu", config=None, gpu=False):
     bp, bs = packed, scales
     if case.w13_view:
         bp = packed.view(num_experts, 2, out_n, case.k // 2)
-        bs = scales.view(num_experts, 2, out_n, case.k // 16)
+        bs = scales.view(num_experts, 2, out_n, case.k // group)
     out = torch.full((rows, out_n), float("nan"), dtype=torch.bfloat16, device=device)
-    nvfp4_weight_grouped_mm(a, bp, bs, s_g, *tables, out, swiglu=case.swiglu, config=config)
-    w = nvfp4_weight_values(packed, scales).double().cpu()
-    exact, tol = _expected_and_bound(a.double().cpu(), w, s_g.double().cpu(), padded_offsets,
+    if mx:
+        mxfp4_weight_grouped_mm(a, bp, bs, *tables, out, swiglu=case.swiglu, config=config)
+        w = mxfp4_dequantize(packed, scales, dtype=torch.float64).cpu()
+        sg64 = torch.ones(num_experts, dtype=torch.float64)
+    else:
+        nvfp4_weight_grouped_mm(a, bp, bs, s_g, *tables, out, swiglu=case.swiglu, config=config)
+        w = nvfp4_weight_values(packed, scales).double().cpu()
+        sg64 = s_g.double().cpu()
+    exact, tol = _expected_and_bound(a.double().cpu(), w, sg64, padded_offsets,
                                      row_offsets, out_n, case.swiglu, gpu)
     _check_output(out.cpu(), exact, tol, row_offsets)
     # the plain-PyTorch reference: same contract, same bound
@@ -164,7 +183,6 @@ def _run_case(case: Case, device="cpu", config=None, gpu=False):
     nvfp4_weight_grouped_mm_ref(a, bp, bs, s_g, *tables, ref, swiglu=case.swiglu,
                                 block_m=case.block_m)
     _check_output(ref.cpu(), exact, tol, row_offsets)
-
 
 CASES = {
     # an empty expert between two others; partial row tiles; K = 80 and N = 48 not multiples
@@ -281,42 +299,6 @@ def test_gpu_moderate_shape():
 
 
 # ---------------------------------------------------------------------------- MXFP4 weights
-def _run_mx_case(case: Case, device="cpu", config=None, gpu=False):
-    """The same check for MXFP4 weights (E8M0 per 32, no global scale): the prologue's
-    ``v * 2^(s - 127)`` is exact in bf16 too, so the same bound with ``s_g = 1``."""
-    from distmoe.kernels.scaled import mxfp4_weight_grouped_mm
-    from distmoe.quant.mxfp4 import mxfp4_dequantize, mxfp4_quantize
-
-    num_experts = len(case.counts)
-    rows = sum(case.counts) + case.spare_rows
-    padded_offsets, row_offsets = _layout(case.counts, case.block_m, case.extra_pad)
-    a, _, _, _ = _operands(rows, case.k, num_experts, case.n, device)
-    g = torch.Generator().manual_seed(case.k + case.n)
-    w = (torch.randn(num_experts, case.n, case.k, generator=g)
-         * torch.logspace(-3, 3, case.k)).bfloat16().to(device)
-    packed, scales = mxfp4_quantize(w)
-    out_n = case.n // 2 if case.swiglu else case.n
-    if config is None:
-        config = ScaledGemmConfig(block_m=case.block_m, block_n=case.block_n,
-                                  block_k=case.block_k, num_warps=4, num_stages=2)
-    tables = (padded_offsets.to(device), row_offsets.to(device))
-    bp, bs = packed, scales
-    if case.w13_view:
-        bp = packed.view(num_experts, 2, out_n, case.k // 2)
-        bs = scales.view(num_experts, 2, out_n, case.k // 32)
-    out = torch.full((rows, out_n), float("nan"), dtype=torch.bfloat16, device=device)
-    mxfp4_weight_grouped_mm(a, bp, bs, *tables, out, swiglu=case.swiglu, config=config)
-    wd = mxfp4_dequantize(packed, scales, dtype=torch.float64).cpu()
-    ones = torch.ones(num_experts, dtype=torch.float64)
-    exact, tol = _expected_and_bound(a.double().cpu(), wd, ones, padded_offsets, row_offsets,
-                                     out_n, case.swiglu, gpu)
-    _check_output(out.cpu(), exact, tol, row_offsets)
-    ref = torch.full_like(out, float("nan"))
-    nvfp4_weight_grouped_mm_ref(a, bp, bs, None, *tables, ref, swiglu=case.swiglu,
-                                block_m=case.block_m)
-    _check_output(ref.cpu(), exact, tol, row_offsets)
-
-
 MX_CASES = {
     # K = 96 (a partial K tile of 64), N = 48 (a partial column tile), an empty expert
     "partial_tiles": Case(counts=(5, 0, 19), k=96, n=48),
@@ -327,7 +309,7 @@ MX_CASES = {
 
 @pytest.mark.parametrize("name", list(MX_CASES))
 def test_mxfp4_against_float64_within_bound(name):
-    _run_mx_case(MX_CASES[name])
+    _run_case(MX_CASES[name], mx=True)
 
 
 def test_mxfp4_refusals():
@@ -353,4 +335,4 @@ def test_gpu_mxfp4_against_float64_within_bound():
     # GPT-OSS's widths: D = F = 2880, a partial 128-column tile
     case = Case(counts=(700, 0, 129, 300), k=2880, n=2880, block_m=128)
     cfg = ScaledGemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
-    _run_mx_case(case, device="cuda", config=cfg, gpu=True)
+    _run_case(case, device="cuda", config=cfg, gpu=True, mx=True)
