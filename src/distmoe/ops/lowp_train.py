@@ -57,9 +57,9 @@ one): the weight gradients use the operands the forward multiplied (``dequant(x_
 as the forward. Routes beyond the receive bound are not executed and get zero gradients.
 
 Not yet (issue 58): the saved state in the planner's activation buffer (here per-call
-tensors: x for the weight gradient, ``x_q`` + ``x_s`` ``R_b (D + D/B)`` bytes, or with FP8
-weight gradients x along tokens ``R_cap (D + D/32)`` (``4 R_cap D / 128`` scale bytes for
-fp8_block), ``h1`` ``4 R_b F`` and
+tensors: x for the weight gradient, ``x_q`` + ``x_s`` ``R_b (D + D/B)`` bytes (scales of
+4 bytes for fp8_block), or with FP8 weight gradients x along tokens ``R_cap D (1 + 1/128)``
+bytes (``1 + 4/128`` for fp8_block), ``h1`` ``4 R_b F`` and
 the owner's h3 rows ``2 T K D`` bytes per layer until its backward; the context's activation
 slots are not used); the context's CUDA graphs (every call eager); replay under a budget.
 
