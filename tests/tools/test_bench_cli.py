@@ -308,3 +308,19 @@ def test_launched_by_torchrun_counts_a_one_process_run(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert launched_by_torchrun()
+
+
+def test_cpu_smoke_run_low_precision(tmp_path):
+    # --precision: the distmoe provider runs its MXFP8 inference layer on weights prepared
+    # once, beside the rowwise-FP8 torch baseline; rows carry their bytes model's precision;
+    # the FP4 precisions are refused outside --mode fwd
+    out = tmp_path / "bench"
+    args = _parse(["--shapes", "smoke", "--device", "cpu", "--providers", "distmoe",
+                   "torch_fp8", "--mode", "fwd", "--precision", "mxfp8", "--warmup", "1",
+                   "--windows", "1", "--iters", "1", "--out", str(out)])
+    assert cli.run(args) == 0
+    rows = report.read_cases_csv(out / "cases.csv")
+    assert {(r["provider"], r["status"], r["precision"]) for r in rows} == {
+        ("distmoe", "ok", "mxfp8"), ("torch_fp8", "ok", "fp8_block")}
+    with pytest.raises(ValueError, match="--precision nvfp4 is inference only"):
+        cli.resolve_plan(_parse(["--precision", "nvfp4"]))

@@ -140,6 +140,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="forward (inference), forward+backward (training) or both (default)",
     )
     parser.add_argument(
+        "--precision",
+        choices=("bf16", "mxfp8", "fp8_block", "nvfp4", "mxfp4"),
+        default="bf16",
+        help="the distmoe provider's MoEConfig.precision (default bf16; its inference cases "
+             "take weights prepared once per weight version; nvfp4 and mxfp4 are inference "
+             "only: --mode fwd). The other providers run as they are (torch_fp8: rowwise FP8)",
+    )
+    parser.add_argument(
         "--imbalance",
         nargs="+",
         type=float,
@@ -360,6 +368,7 @@ class BenchPlan:
     suite: str = ""
     seed_kinds: tuple[str, ...] = ()
     pack_layers: int = 10
+    precision: str = "bf16"
 
     def tokens_for(self, shape: MoEShape) -> tuple[int, ...]:
         return self.tokens if self.tokens else (shape.tokens,)
@@ -449,6 +458,8 @@ def resolve_plan(args: argparse.Namespace) -> BenchPlan:
                          "chooses how a kept input's rows are read)")
     if args.activation_factor is not None and not args.activation_factor > 0:
         raise ValueError(f"--activation-factor ({args.activation_factor}) must be > 0")
+    if args.precision in ("nvfp4", "mxfp4") and args.mode != "fwd":
+        raise ValueError(f"--precision {args.precision} is inference only: it needs --mode fwd")
     if args.tokens and any(t < 1 for t in args.tokens):
         raise ValueError(f"--tokens values ({args.tokens}) must be >= 1")
     shapes = tuple(rank_share(SHAPES[n], args.rank_share_of) for n in names)
@@ -482,6 +493,7 @@ def resolve_plan(args: argparse.Namespace) -> BenchPlan:
         suite=suite,
         seed_kinds=seed_kinds,
         pack_layers=args.pack_layers,
+        precision=args.precision,
     )
 
 
@@ -518,7 +530,9 @@ def _base_result(
         top_k=shape.top_k,
         ep_size=ctx.bench_group.world_size,
         imbalance=imbalance,
-        precision="bf16",
+        # the bytes model's precision: distmoe's, torch_fp8's rowwise FP8 as block FP8's
+        precision={"distmoe": ctx.plan.precision, "torch_fp8": "fp8_block"}.get(provider,
+                                                                              "bf16"),
         mode=mode,
     )
 
@@ -743,6 +757,7 @@ def run_cases(
                                 save_route_outputs=plan.save_route_outputs,
                                 save_gathered_rows=plan.save_gathered_rows,
                                 gathered_rows_in_place=plan.gathered_rows_in_place,
+                                precision=plan.precision,
                             )
                         row = _base_result(ctx, p, shape, t, mode, f)
                         for r, value in run_case(ctx, built[p], inputs, row, y_ref):

@@ -93,8 +93,13 @@ def build_provider(
     save_route_outputs: bool = True,
     save_gathered_rows: bool = True,
     gathered_rows_in_place: bool | None = None,
+    precision: str = "bf16",
 ) -> Provider:
     """Build provider ``name`` for one (shape, tokens, mode); never raises for provider failures.
+
+    ``precision``: the distmoe provider's :attr:`~distmoe.MoEConfig.precision` (its
+    low-precision inference layer takes the case's bf16 weights prepared once per weight
+    version); the other providers ignore it.
 
     ``max_imbalance``: the largest imbalance factor the provider will see. At EP > 1 the
     tracked rank receives that many times its balanced rows, so distmoe's receive bound
@@ -121,6 +126,7 @@ def build_provider(
             save_route_outputs=save_route_outputs,
             save_gathered_rows=save_gathered_rows,
             gathered_rows_in_place=gathered_rows_in_place,
+            precision=precision,
         )
     if name == "transformers":
         return _build_transformers(shape=shape, bench_group=bench_group, device=device)
@@ -239,6 +245,7 @@ def _build_distmoe(
     *, shape: MoEShape, tokens: int, training: bool, bench_group: BenchGroup, receive_factor: float,
     activation_factor: float | None = None, save_route_outputs: bool = True,
     save_gathered_rows: bool = True, gathered_rows_in_place: bool | None = None,
+    precision: str = "bf16",
 ) -> Provider:
     try:
         import distmoe as dm
@@ -275,7 +282,7 @@ def _build_distmoe(
             num_experts=shape.num_experts,
             top_k=shape.top_k,
             max_tokens=tokens,
-            precision="bf16",
+            precision=precision,
             training=training,
             row_block=128,
             **kwargs,
@@ -289,12 +296,27 @@ def _build_distmoe(
         ctx = dm.MoEContext(cfg, group=bench_group.group)
     except Exception as exc:
         return Provider(name="distmoe", status="failed", note="MoEContext: " + error_text(exc))
+    layer: Layer = ctx
+    if precision != "bf16" and not training:
+        # prepared once per weight version, as a user prepares a checkpoint
+        cache: dict = {}
+
+        def layer(x, ids, scores, w13, w2, ctx=ctx, cache=cache):
+            key = (w13.data_ptr(), w13._version, w2.data_ptr(), w2._version)
+            if key not in cache:
+                cache.clear()
+                cache[key] = dm.prepare_weights(w13, w2, precision)
+            return ctx(x, ids, scores, *cache[key])
+
+        note = "; ".join(filter(None, [note, f"precision {precision}"]))
+    elif precision != "bf16":
+        note = "; ".join(filter(None, [note, f"precision {precision}"]))
     return Provider(
         name="distmoe",
         status="ok",
         note=note,
-        layer=ctx,
-        graph_safe=True,
+        layer=layer,
+        graph_safe=precision == "bf16",
         close=getattr(ctx, "close", lambda: None),
     )
 
