@@ -370,10 +370,11 @@ class MoEContext:
         self._lowp_train = (fp8_train_configs(cfg, self.device)
                             if cfg.training and self._lowp is not None else None)
         #: the captured calls (:mod:`distmoe.ops.graphs`; None: every call eager):
-        #: ForwardGraphs in inference contexts, TrainingGraphs in training contexts
-        #: (none at mxfp8 yet: its calls run eagerly)
+        #: ForwardGraphs in inference contexts (every precision), TrainingGraphs in bf16
+        #: training contexts (the FP8 training layer runs eagerly)
         self.graphs: ForwardGraphs | TrainingGraphs | None = None
-        if graphs and not check and self.device.type == "cuda" and self._lowp is None:
+        if graphs and not check and self.device.type == "cuda" and (
+                self._lowp is None or not cfg.training):
             pool = GraphPool(self.device)
             self.graphs = (TrainingGraphs if cfg.training else ForwardGraphs)(self, pool)
 
@@ -517,8 +518,12 @@ class MoEContext:
                                     "has no grad_fn and no gradient flows back through this "
                                     f"layer (use MoEConfig(precision={precision!r}, "
                                     "training=True) for gradients).")
-            with torch.no_grad():
-                y = lowp_forward(self, x, expert_ids, scores, w13, w2)
+            y = None
+            if isinstance(self.graphs, ForwardGraphs):  # inference contexts only
+                y = self.graphs(x, expert_ids, scores, w13, w2)
+            if y is None:
+                with torch.no_grad():
+                    y = lowp_forward(self, x, expert_ids, scores, w13, w2)
         else:
             if not self.cfg.training:
                 warn_inference_grad(x, scores, "this is an inference context (cfg.training is "
@@ -940,8 +945,10 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
         the gather table and the combine; the expert GEMMs are these)."""
         s = self._lowp
         fmt = getattr(s, "format", self.cfg.precision)
-        lines = [f"precision: {self.cfg.precision}, operand format {fmt} "
-                 f"({'training' if self.cfg.training else 'inference'}; every call eager)"]
+        mode = ("training; every call eager" if self.cfg.training else
+                "inference; " + ("eager calls replayed from its CUDA graphs"
+                                 if self.graphs is not None else "every call eager"))
+        lines = [f"precision: {self.cfg.precision}, operand format {fmt} ({mode})"]
         if fmt == "nvfp4":
             lines.append("  nvfp4      Triton NVFP4-weight grouped GEMM (kernels/scaled/nvfp4)")
         else:

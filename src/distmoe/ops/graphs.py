@@ -20,7 +20,9 @@ one y per distinct T. At most ``max_graphs`` keys get a graph; calls of later ke
 eagerly (no eviction: a stack of more layers than that, each captured again when its turn
 came, would pay a capture per call).
 Weights are keyed by address: a weight tensor updated in place keeps its graph; a new
-tensor at a new address gets a new one.
+tensor at a new address gets a new one. Low-precision inference contexts
+(:mod:`distmoe.ops.lowp`) capture their forward the same way, keyed by the prepared weights'
+qdata addresses.
 
 **Training** (:class:`TrainingGraphs`): a forward under autograd is keyed by the same call
 key plus the slot and the layer's index in it (the slot state a forward appends to), and
@@ -59,6 +61,14 @@ from .autograd import (
     backward_route_grads,
     backward_weight_grads,
 )
+from .lowp import lowp_forward
+
+
+def _address(w) -> int:
+    """A weight's address for a graph key: the tensor's, or a prepared low-precision weight's
+    qdata (:class:`~distmoe.quant.PreparedWeight`: a new object at a new address gets a new
+    graph; one quantised in place keeps its graph)."""
+    return (w.qdata if hasattr(w, "qdata") else w).data_ptr()
 
 
 class GraphPool:
@@ -102,7 +112,7 @@ class ForwardGraphs:
         self.captures = 0
 
     def key(self, x, expert_ids, scores, w13, w2) -> tuple:
-        return (x.shape[0], expert_ids.dtype, scores.dtype, w13.data_ptr(), w2.data_ptr())
+        return (x.shape[0], expert_ids.dtype, scores.dtype, _address(w13), _address(w2))
 
     def __call__(self, x, expert_ids, scores, w13, w2) -> torch.Tensor | None:
         """y for this call from a graph (capturing it on the key's second call), or ``None``
@@ -138,7 +148,11 @@ class ForwardGraphs:
         # The capture records the forward without running it; the caller's stream work so
         # far is ordered before it by torch.cuda.graph's own stream synchronisation.
         with torch.cuda.graph(graph, pool=self.pool.handle()):
-            ctx.forward_layer(ctx.input_buffer(T), ids_s, scores_s, w13, w2, out=out)
+            if ctx._lowp is None:
+                ctx.forward_layer(ctx.input_buffer(T), ids_s, scores_s, w13, w2, out=out)
+            else:  # a low-precision inference context (prepared weights)
+                with torch.no_grad():
+                    lowp_forward(ctx, ctx.input_buffer(T), ids_s, scores_s, w13, w2, out=out)
         self.graphs[key] = (graph, ids_s, scores_s)
         self.captures += 1
         return self.graphs[key]

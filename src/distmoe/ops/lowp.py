@@ -64,9 +64,9 @@ nothing per call but the output y (and the small routing tables, as in bf16). Th
 and GEMMs cover the ``R_b`` rows from the static bound (rows past the executed ones are
 quantised too and never read).
 
-Sync points: none on the host; the two barriers are the bf16 forward's. The context's own
-CUDA graphs are off for low-precision contexts (every call eager; capturing them is future
-work).
+Sync points: none on the host; the two barriers are the bf16 forward's. Eager calls replay
+from the context's own CUDA graphs as at bf16 (:mod:`distmoe.ops.graphs`: the second call of
+a key is captured; the prepared weights' qdata addresses are part of the key).
 """
 
 from __future__ import annotations
