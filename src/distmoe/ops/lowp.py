@@ -34,7 +34,8 @@ receive bound (legend of :mod:`distmoe.routing.tables`); steps 1-4a and 5c-7 are
         into its owner's combine slot (the GEMM's ``scatter_ptrs`` epilogue: 5b and 5c in
         one kernel)
 
-    nvfp4 (:func:`nvfp4_forward`; weights only: activations stay bf16 in this step):
+    nvfp4 and mxfp4 (:func:`nvfp4_forward`; weights only: activations stay bf16 in this
+    step; mxfp4: E8M0 scales per 32 and no global scale, :func:`mxfp4_weight_grouped_mm`):
     4c. W13 + SwiGLU: ``nvfp4_weight_grouped_mm(x_rows, w13, swiglu=True) -> h2 [R_b, F]``
         bf16 (E2M1 decoded to bf16 in the prologue, global scale in the epilogue)
     5b. W2: ``nvfp4_weight_grouped_mm(h2, w2) -> h3 [R_b, D]`` bf16, in x_rows' memory
@@ -57,7 +58,8 @@ weights (``v * s_b`` is exact in bf16) and the bf16 activations up to the fp32 s
 order, then the global scale (one fp32 rounding) and one bf16 rounding; against the bf16
 layer the error is the weights' NVFP4 quantisation only (tests/ops/test_nvfp4_forward.py).
 
-Memory, allocated once per context (:func:`allocate_lowp`): mxfp8: ``x_q`` ``R_b D``, ``x_s`` ``R_b D / 32``, ``h2_q`` ``R_b F``, ``h2_s`` ``R_b F / 32`` bytes
+Memory, allocated once per context (:func:`allocate_lowp`): mxfp8: ``x_q`` ``R_b D``,
+``x_s`` ``R_b D / 32``, ``h2_q`` ``R_b F``, ``h2_s`` ``R_b F / 32`` bytes
 (fp8_block: the scales ``4 R_b D / 128`` and ``4 R_b F / 128``);
 nvfp4: ``x_rows`` ``2 R_b D`` bytes; beside the context's own ``h2 [R_b, F]`` bf16 scratch;
 nothing per call but the output y (and the small routing tables, as in bf16). The quantisers
@@ -216,8 +218,8 @@ def allocate_nvfp4(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
                    device: torch.device) -> NVFP4Scratch:
     """The scratch of an NVFP4 inference context (module docstring, Memory); zeroed once."""
     if cfg.precision not in ("nvfp4", "mxfp4") or cfg.training:
-        raise ValueError(f"allocate_nvfp4 is for NVFP4 / MXFP4 inference contexts, got precision "
-                         f"{cfg.precision!r} with training={cfg.training}")
+        raise ValueError(f"allocate_nvfp4 is for NVFP4 / MXFP4 inference contexts, got "
+                         f"precision {cfg.precision!r} with training={cfg.training}")
     R, D, F, E = receive_bound, cfg.hidden, cfg.ffn, num_local_experts
     return NVFP4Scratch(
         x_rows=torch.zeros(R, D, dtype=torch.bfloat16, device=device),
