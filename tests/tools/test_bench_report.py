@@ -221,3 +221,13 @@ def test_table_columns_never_touch():
     # the columns line up: the ms title ends where the right-aligned values end
     end_ms = lines[0].index("graph ms") + len("graph ms")
     assert lines[3][:end_ms].endswith("1734.413") and lines[2][:end_ms].endswith("2.000")
+
+
+def test_git_sha_names_the_commit_a_remote_copy_was_sent_from(monkeypatch):
+    # a working-tree copy run on another machine may carry a stale .git: $DISTMOE_GIT_SHA,
+    # when set, is what the run records; unset, the checkout's own commit
+    monkeypatch.delenv("DISTMOE_GIT_SHA", raising=False)
+    own = report.environment(["bench"])["git_sha"]
+    assert own and own != "0123abc"
+    monkeypatch.setenv("DISTMOE_GIT_SHA", "0123abc")
+    assert report.environment(["bench"])["git_sha"] == "0123abc"

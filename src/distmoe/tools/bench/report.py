@@ -220,6 +220,12 @@ def error_text(exc: BaseException) -> str:
 
 
 def _git_sha(repo: Path) -> str:
+    """The checkout's commit (``-dirty`` with uncommitted changes to tracked files), or
+    ``$DISTMOE_GIT_SHA`` when set: a copy of a working tree run elsewhere (a remote GPU
+    machine) may carry a stale ``.git``, so the caller names the commit it sent."""
+    given = os.environ.get("DISTMOE_GIT_SHA", "").strip()
+    if given:
+        return given
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10
