@@ -41,7 +41,7 @@ receive bound (legend of :mod:`distmoe.routing.tables`); steps 1-4a and 5c-7 are
     5b. W2: ``nvfp4_weight_grouped_mm(h2, w2) -> h3 [R_b, D]`` bf16, in x_rows' memory
         (x_rows is dead once W13 has read it)
 
-    5c. nvfp4: scatter each live row of h3 to its route's slot in the owner's combine
+    5c. nvfp4, mxfp4: scatter each live row of h3 to its route's slot in the owner's combine
         buffer (:func:`~distmoe.kernels.movement.scatter_rows.scatter_rows` through
         ``tables.scatter_ptrs``; null rows skipped)
     6. barrier
@@ -339,6 +339,13 @@ def fp8_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedWei
     return scatter_and_combine(ctx, tables, None, x, expert_ids, scores, out)
 
 
+def _fp4_mm(a, w: PreparedWeight, po, ro, out, **kw):
+    """The FP4-weight grouped GEMM of ``w``'s precision: MXFP4 (no global scale) or NVFP4."""
+    if w.precision == "mxfp4":
+        return mxfp4_weight_grouped_mm(a, w.qdata, w.scales, po, ro, out, **kw)
+    return nvfp4_weight_grouped_mm(a, w.qdata, w.scales, w.global_scale, po, ro, out, **kw)
+
+
 def nvfp4_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedWeight, *,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """Steps 1-7 of the module docstring (nvfp4: weight-only, bf16 activations) on checked
@@ -347,15 +354,7 @@ def nvfp4_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedW
     tables = route_and_gather(ctx, x, expert_ids, s.x_rows)
     po, ro = tables.padded_offsets, tables.row_offsets
     h2 = ctx._h2
-    if ctx.cfg.precision == "mxfp4":
-        mxfp4_weight_grouped_mm(s.x_rows, w13.qdata, w13.scales, po, ro, h2, swiglu=True,
-                                config=s.w13_config)
-        h3 = s.x_rows  # the gathered rows are dead once W13 has read them
-        mxfp4_weight_grouped_mm(h2, w2.qdata, w2.scales, po, ro, h3, config=s.w2_config)
-    else:
-        nvfp4_weight_grouped_mm(s.x_rows, w13.qdata, w13.scales, w13.global_scale, po, ro,
-                                h2, swiglu=True, config=s.w13_config)
-        h3 = s.x_rows  # the gathered rows are dead once W13 has read them
-        nvfp4_weight_grouped_mm(h2, w2.qdata, w2.scales, w2.global_scale, po, ro, h3,
-                                config=s.w2_config)
+    _fp4_mm(s.x_rows, w13, po, ro, h2, swiglu=True, config=s.w13_config)
+    h3 = s.x_rows  # the gathered rows are dead once W13 has read them
+    _fp4_mm(h2, w2, po, ro, h3, config=s.w2_config)
     return scatter_and_combine(ctx, tables, h3, x, expert_ids, scores, out)

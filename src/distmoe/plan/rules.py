@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..kernels.base.config import pow2_clamped
+from ..kernels.base.gluon import gluon_device_reason
 from ..kernels.mega.gluon import FusedConfig
 from ..kernels.movement.combine import CombineConfig
 from ..kernels.scaled.config import ScaledGemmConfig
@@ -356,8 +357,6 @@ def scaled_gluon(device) -> bool:
     """Whether the FP8 layers on ``device`` take the Gluon forms (:data:`PICK_GLUON_SCALED`
     and a device that runs Gluon kernels): the ``gluon`` argument of :func:`scaled_gemm` and
     :func:`fp8_wgrad`."""
-    from ..kernels.base.gluon import gluon_device_reason
-
     return PICK_GLUON_SCALED and gluon_device_reason(device) is None
 
 

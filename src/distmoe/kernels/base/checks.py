@@ -86,15 +86,21 @@ def check_offsets(padded_offsets: object, row_offsets: object, num_experts: int)
                  shape_text="[E_local + 1] (live rows per expert, exclusive prefix sum)")
 
 
-def check_expert_tables(padded_offsets: object, row_offsets: object) -> int:
-    """The per-expert tables of a row-moving kernel: ``padded_offsets`` int32 ``[E + 1]`` with
-    E >= 1, ``row_offsets`` alike (:func:`check_offsets`); returns E."""
+def check_expert_count(padded_offsets: object) -> int:
+    """``padded_offsets`` int32 ``[E_local + 1]`` with E_local >= 1; returns E_local."""
     check_tensor("padded_offsets", padded_offsets, dtypes=(torch.int32,), ndim=1,
                  shape_text="[E_local + 1]")
     num_experts = padded_offsets.shape[0] - 1
     if num_experts < 1:
         raise ValueError(f"padded_offsets must have E_local + 1 >= 2 entries, got "
                          f"{list(padded_offsets.shape)}")
+    return num_experts
+
+
+def check_expert_tables(padded_offsets: object, row_offsets: object) -> int:
+    """The per-expert tables of a row-moving kernel: ``padded_offsets`` int32 ``[E + 1]`` with
+    E >= 1, ``row_offsets`` alike (:func:`check_offsets`); returns E."""
+    num_experts = check_expert_count(padded_offsets)
     check_offsets(padded_offsets, row_offsets, num_experts)
     return num_experts
 

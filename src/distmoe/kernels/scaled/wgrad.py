@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from distmoe.kernels.base.checks import check_devices, check_tensor
+from distmoe.kernels.base.checks import check_devices, check_expert_count, check_tensor
 from distmoe.kernels.base.config import is_power_of_2
 from distmoe.kernels.base.device import device_context, warn_gluon_fallback
 from distmoe.kernels.base.interpreter import interpreter_active
@@ -144,12 +144,7 @@ def _check(at_q, at_s, bt_q, bt_s, padded_offsets, out, format, accumulate):
                          f"{list(bt_q.shape)}")
     check_tensor("bt_s", bt_s, dtypes=(sd,), shape=[r_cap // TOKEN_BLOCK, n],
                  shape_text=f"[R_cap/{TOKEN_BLOCK}, N] ({format} scales)")
-    check_tensor("padded_offsets", padded_offsets, dtypes=(torch.int32,), ndim=1,
-                 shape_text="[E + 1]")
-    num_experts = padded_offsets.shape[0] - 1
-    if num_experts < 1:
-        raise ValueError(f"padded_offsets must have E + 1 >= 2 entries, got "
-                         f"{list(padded_offsets.shape)}")
+    num_experts = check_expert_count(padded_offsets)
     if not isinstance(accumulate, bool):
         raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
     dtypes = (torch.float32,) if accumulate else (torch.bfloat16, torch.float32)
