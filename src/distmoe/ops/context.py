@@ -221,7 +221,8 @@ class MoEContext:
             raise TypeError(f"cfg must be a distmoe.MoEConfig, got {type(cfg).__name__}")
         if cfg.precision not in ("bf16", *LOWP_PRECISIONS):
             raise ValueError(f"precision ({cfg.precision!r}) must be 'bf16', 'mxfp8' or "
-                             "'fp8_block' (training and inference) or 'nvfp4' (inference)")
+                             "'fp8_block' (training and inference) or 'nvfp4' or 'mxfp4' "
+                             "(inference)")
         if not isinstance(check, bool):
             raise TypeError(f"check must be a bool, got {type(check).__name__} ({check!r})")
         if not isinstance(graphs, bool):
@@ -949,8 +950,8 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
                 "inference; " + ("eager calls replayed from its CUDA graphs"
                                  if self.graphs is not None else "every call eager"))
         lines = [f"precision: {self.cfg.precision}, operand format {fmt} ({mode})"]
-        if fmt == "nvfp4":
-            lines.append("  nvfp4      Triton NVFP4-weight grouped GEMM (kernels/scaled/nvfp4)")
+        if fmt in ("nvfp4", "mxfp4"):
+            lines.append(f"  {fmt:<10} Triton FP4-weight grouped GEMM (kernels/scaled/nvfp4)")
         else:
             lines.append("  gemms      block-scaled grouped GEMM (kernels/scaled: Triton, or "
                          "the Gluon form where a config says gluon=True)")
