@@ -315,15 +315,12 @@ def prepare_weights(w13: torch.Tensor, w2: torch.Tensor, precision: str = "mxfp8
         raise ValueError(f"w2 must be on w13's device ({w13.device}), got {w2.device}")
     if precision == "nvfp4":
         return _prepare_nvfp4(w13, reference), _prepare_nvfp4(w2, reference)
-    if precision == "mxfp4":  # plain PyTorch: the same code with or without reference
+    plain = {"fp8_block": fp8_block_quantize_weight,
+             "mxfp4": lambda w: mxfp4_quantize(w, dim=-1)}.get(precision)
+    if plain is not None:  # plain PyTorch: the same code with or without reference
         with torch.no_grad():
-            prepared = [PreparedWeight(*mxfp4_quantize(w.detach(), dim=-1), tuple(w.shape),
-                                       precision) for w in (w13, w2)]
-        return prepared[0], prepared[1]
-    if precision == "fp8_block":  # plain PyTorch: the same code with or without reference
-        with torch.no_grad():
-            prepared = [PreparedWeight(*fp8_block_quantize_weight(w.detach()), tuple(w.shape),
-                                       precision) for w in (w13, w2)]
+            prepared = [PreparedWeight(*plain(w.detach()), tuple(w.shape), precision)
+                        for w in (w13, w2)]
         return prepared[0], prepared[1]
     quantize = mxfp8_quantize_weight_ref if reference else mxfp8_quantize_weight
     out = []

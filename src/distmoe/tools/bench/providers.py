@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from distmoe.quant.prepare import cached_per_object
 from distmoe.tools.bench.baseline import (
     grouped_mm_path,
     rowwise_fp8,
@@ -156,16 +157,11 @@ def _build_torch_fp8(*, training: bool, bench_group: BenchGroup,
         return Provider(name="torch_fp8", status="unavailable",
                         note="rowwise-FP8 torch baseline: EP = 1 inference only")
     path, reason = scaled_grouped_mm_path(device)
-    cache: dict = {}
 
     def quantised(w: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         # once per weight version (as the FP8 layers' prepared weights), not per call
-        key = (w.data_ptr(), w._version, rows)
-        if key not in cache:
-            if len(cache) > 8:
-                cache.clear()
-            cache[key] = rowwise_fp8(w.detach().reshape(w.shape[0], rows, -1))
-        return cache[key]
+        return cached_per_object(layer, "_rowwise_fp8", (w,), lambda: rowwise_fp8(
+            w.detach().reshape(w.shape[0], rows, -1)), size=2)
 
     def layer(x, ids, scores, w13, w2):
         return torch_fp8_moe(x, ids, scores, quantised(w13, 2 * w13.shape[2]),
@@ -298,15 +294,11 @@ def _build_distmoe(
         return Provider(name="distmoe", status="failed", note="MoEContext: " + error_text(exc))
     layer: Layer = ctx
     if precision != "bf16" and not training:
-        # prepared once per weight version, as a user prepares a checkpoint
-        cache: dict = {}
+        from distmoe.quant.prepare import prepare_cached
 
-        def layer(x, ids, scores, w13, w2, ctx=ctx, cache=cache):
-            key = (w13.data_ptr(), w13._version, w2.data_ptr(), w2._version)
-            if key not in cache:
-                cache.clear()
-                cache[key] = dm.prepare_weights(w13, w2, precision)
-            return ctx(x, ids, scores, *cache[key])
+        def layer(x, ids, scores, w13, w2, ctx=ctx):
+            # prepared once per weight version, as a user prepares a checkpoint
+            return ctx(x, ids, scores, *prepare_cached(layer, w13, w2, precision))
 
         note = "; ".join(filter(None, [note, f"precision {precision}"]))
     elif precision != "bf16":
