@@ -9,10 +9,12 @@ import torch
 from distmoe.quant import fp8_block_quantize, mxfp8_quantize, mxfp8_rebase
 from distmoe.quant.prepare import dequantize_rows, dequantize_rows_ref
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def _operands(fmt):
     g = torch.Generator().manual_seed(len(fmt))
-    x = (torch.randn(37, 384, generator=g) * torch.logspace(-6, 6, 384)).bfloat16()
+    x = (torch.randn(37, 384, generator=g) * torch.logspace(-6, 6, 384)).bfloat16().to(DEVICE)
     x[2, 5] = float("nan")
     if fmt == "fp8_block":
         return fp8_block_quantize(x)
@@ -40,7 +42,7 @@ def test_dequantize_rows_gives_the_reference_bits(fmt, dtype):
 def test_dequantize_rows_refusals():
     from distmoe.quant.dequant import dequantize_rows_2d
     q, s = _operands("fp8_block")
-    out = torch.empty(37, 384, dtype=torch.bfloat16)
+    out = torch.empty(37, 384, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(ValueError, match=r"fmt \('nvfp4'\) must be one of"):
         dequantize_rows_2d(q, s, "nvfp4", out)
     with pytest.raises(TypeError, match="scales must have dtype uint8"):

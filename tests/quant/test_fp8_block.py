@@ -1,6 +1,7 @@
 """Block-FP8 quantisers and the MXFP8 rebase (distmoe.quant.fp8_block), property-based
-(hypothesis): the Triton activation quantiser gives the plain-PyTorch reference's bits on any
-finite or non-finite float32 input, the round trip stays within the format's bound, and
+(hypothesis): the Triton activation quantisers (block FP8, MXFP8 and rebased MXFP8, on the GPU
+when there is one: its hardware E4M3 conversion) give the plain-PyTorch references' bits on
+any finite or non-finite float32 input, subnormals included, the round trip stays within the format's bound, and
 rebasing moves only values below E4M3's subnormal step at the group's scale, each by at most
 half that step. (The kernels' fixed cases: tests/kernels/scaled/test_block_scaled_mm.py.)"""
 
@@ -16,7 +17,13 @@ from distmoe.quant import (
     mxfp8_quantize_ref,
     mxfp8_rebase,
 )
-from distmoe.quant.mxfp8 import e8m0_to_float
+from distmoe.quant.mxfp8 import (
+    e8m0_to_float,
+    mxfp8_quantize,
+    mxfp8_quantize_rebased_2d,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 ROWS = st.tuples(st.integers(1, 3), st.sampled_from([128, 256]))
 
@@ -26,10 +33,27 @@ ROWS = st.tuples(st.integers(1, 3), st.sampled_from([128, 256]))
                                                        allow_infinity=True)))
 def test_kernel_gives_reference_bits(arr):
     x = torch.from_numpy(arr.copy())
-    q, s = fp8_block_quantize(x)
+    q, s = fp8_block_quantize(x.to(DEVICE))
     q_ref, s_ref = fp8_block_quantize_ref(x)
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
-    assert torch.equal(s, s_ref)
+    assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(s.cpu(), s_ref)
+
+
+@settings(max_examples=30, deadline=None)
+@given(hnp.arrays("float32", ROWS, elements=st.floats(width=32, allow_nan=True,
+                                                       allow_infinity=True)))
+def test_mxfp8_kernels_give_reference_bits(arr):
+    x = torch.from_numpy(arr.copy())
+    q, s = mxfp8_quantize(x.to(DEVICE))
+    q_ref, s_ref = mxfp8_quantize_ref(x)
+    assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(s.cpu(), s_ref)
+    qr = torch.empty_like(q)
+    sr = torch.empty(x.shape[0], x.shape[1] // 128, dtype=torch.uint8, device=DEVICE)
+    mxfp8_quantize_rebased_2d(x.to(DEVICE), qr, sr)
+    qr_ref, sr_ref, _ = mxfp8_rebase(q_ref, s_ref)
+    assert torch.equal(qr.cpu().view(torch.uint8), qr_ref.view(torch.uint8))
+    assert torch.equal(sr.cpu(), sr_ref)
 
 
 @settings(max_examples=40, deadline=None)

@@ -15,7 +15,8 @@ Shared here:
 * ``@triton.jit`` helpers: :func:`float32_bits` (a tile's float32 bit patterns),
   :func:`finite_abs_bits` (magnitude bits, 0 for NaN / Inf), :func:`e8m0_exponent` (the
   MXFP8 scale rule on an amax's bits), :func:`round_minifloat` (round-to-nearest-even of a
-  float32 magnitude onto a small float format, in integer arithmetic),
+  float32 magnitude onto a small float format, in integer arithmetic), :func:`round_e4m3`
+  (the same onto E4M3, by the hardware conversion in compiled kernels),
   :func:`e4m3_code_to_float`;
 * their plain-PyTorch counterparts for the references, written independently in float64
   (:func:`e8m0_exponent_ref`, :func:`round_minifloat_ref`, :func:`pow2_ref`,
@@ -23,10 +24,12 @@ Shared here:
 * input validation (:func:`check_quant_input`, :func:`check_block_dim`,
   :func:`check_launch_config`).
 
-The kernels round in integer arithmetic on float32 bit patterns (no libdevice call, nothing
-that flushes subnormals); the only float operations they use are IEEE float32 ones (NVFP4's
-scale steps: ``div_rn`` and multiplications). The references round in float64 with
-``torch.round`` (half to even). Both must agree bit for bit (tests/quant).
+The kernels round E2M1 in integer arithmetic on float32 bit patterns, and E4M3 with the GPU's
+conversion instruction (:func:`round_e4m3`; the interpreter takes the integer path, which
+gives the same codes); no libdevice call, nothing that flushes subnormals before rounding. The
+only other float operations are IEEE float32 ones (``div_rn`` and exact multiplications by
+powers of two). The references round in float64 with ``torch.round`` (half to even). Both
+must agree bit for bit (tests/quant, on the CPU and on the GPU).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from distmoe.kernels.base.interpreter import interpreter_active
 
 #: Largest finite E4M3 magnitude.
 E4M3_MAX = 448.0
@@ -56,6 +61,12 @@ E4M3_NAN = 0x7F
 QUANT_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: The E2M1 magnitudes in code order (code = index).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+#: Compiled kernels round to E4M3 with the hardware conversion (sm_89 and later: one
+#: ``cvt.rn.satfinite.e4m3x2.f32`` per two values, nearest even, saturating at 448), about a
+#: tenth of the integer path's instructions, which made the quantisers compute-bound.
+#: Triton 3.6's interpreter casts float32 to E4M3 wrongly (it truncates), so CPU runs keep
+#: the integer path; both give the same codes.
+E4M3_HARDWARE = tl.constexpr(not interpreter_active())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -203,6 +214,39 @@ def round_minifloat(abs_bits, exp_shift, MANT_BITS: tl.constexpr, EMIN: tl.const
     code = ((tl.maximum(unb, EMIN) - EMIN) << MANT_BITS) + q
     code = tl.minimum(code, MAX_CODE)
     return tl.where(abs_bits == 0, 0, code)
+
+
+@triton.jit
+def round_e4m3(abs_bits, exp_shift):
+    """``round_minifloat(abs_bits, exp_shift, 3, -6, 126)``: the E4M3 code (int32 in
+    [0, 126], sign excluded) of ``|v| * 2^-exp_shift`` rounded to nearest even, saturated at
+    448, for finite magnitude bits ``abs_bits`` (int32) and int32 ``exp_shift`` broadcast
+    against them.
+
+    Compiled (:data:`E4M3_HARDWARE`), the value is scaled by a float32 power of two built from
+    its bits, which is exact while the product is a float32 normal, and converted by the
+    hardware. The power is clamped to [2^-126, 2^127]: a shift above 126 is only met by values
+    below 2^116 (every caller's: rebase shifts apply to E4M3 values, MXFP8 scale exponents
+    are at most 120), whose results fall below 2^-10 and round to 0 either way; a product
+    below the float32 normals, exact or not, also rounds to 0. A float32 subnormal ``v`` is
+    scaled exactly (float32 multiplication keeps subnormals in Triton's compiled code)."""
+    if E4M3_HARDWARE:
+        t = tl.minimum(tl.maximum(-exp_shift, -126), 127)
+        y = abs_bits.to(tl.float32, bitcast=True) * ((t + 127) << 23).to(tl.float32, bitcast=True)
+        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        return round_minifloat(abs_bits, exp_shift, 3, -6, 126)
+
+
+@triton.jit
+def round_e4m3_unscaled(abs_bits):
+    """:func:`round_e4m3` with no shift: the E4M3 code of the finite float32 magnitudes
+    ``abs_bits`` themselves (for values already divided by their scale)."""
+    if E4M3_HARDWARE:
+        y = abs_bits.to(tl.float32, bitcast=True)
+        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        return round_minifloat(abs_bits, 0, 3, -6, 126)
 
 
 @triton.jit

@@ -52,7 +52,7 @@ from distmoe.quant.formats import (
     check_launch_config,
     finite_abs_bits,
     float32_bits,
-    round_minifloat,
+    round_e4m3_unscaled,
 )
 
 #: values per block-FP8 scale along K, and weight rows per scale
@@ -99,7 +99,7 @@ def fp8_block_encode(bits):
     s = tl.math.div_rn(amax, 448.0)
     s = tl.where(s > 0, s, 1.0)  # amax 0, or so small that the quotient underflows
     y = tl.math.div_rn(bits.to(tl.float32, bitcast=True), s[:, :, None])
-    code = round_minifloat(y.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0, 3, -6, 126)
+    code = round_e4m3_unscaled(y.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
     code = tl.where(abs_bits < 0x7F800000, code, 0x7F)  # NaN, Inf -> NaN
     return (code | ((bits >> 24) & 0x80)).to(tl.uint8), s
 

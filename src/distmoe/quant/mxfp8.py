@@ -55,7 +55,7 @@ from distmoe.quant.formats import (
     finite_abs_bits,
     float32_bits,
     pow2_ref,
-    round_minifloat,
+    round_e4m3,
     round_minifloat_ref,
     sign_bits,
 )
@@ -69,7 +69,7 @@ def mxfp8_encode(bits):
     compute."""
     abs_bits = bits & 0x7FFFFFFF
     e = e8m0_exponent(tl.max(finite_abs_bits(bits), axis=2))
-    code = round_minifloat(abs_bits, e[:, :, None], 3, -6, 126)
+    code = round_e4m3(abs_bits, e[:, :, None])
     code = tl.where(abs_bits < 0x7F800000, code, 0x7F)
     return (code | ((bits >> 24) & 0x80)).to(tl.uint8), e
 
@@ -85,7 +85,7 @@ def mxfp8_rebase_codes(bits, q, e, ROWS: tl.constexpr, GROUPS: tl.constexpr):
     e_max = tl.reshape(tl.broadcast_to(e_max[:, :, None], (ROWS, GROUPS // 4, 4)),
                        (ROWS, GROUPS))
     v_bits = e4m3_code_to_float(q.to(tl.int32) & 0x7F).to(tl.int32, bitcast=True)
-    code = round_minifloat(v_bits, (e_max - e)[:, :, None], 3, -6, 126)
+    code = round_e4m3(v_bits, (e_max - e)[:, :, None])
     code = tl.where((bits & 0x7FFFFFFF) < 0x7F800000, code, 0x7F)  # NaN, Inf -> NaN
     return (code | ((bits >> 24) & 0x80)).to(tl.uint8), e_max
 

@@ -38,7 +38,7 @@ from distmoe.quant.formats import (
     finite_abs_bits,
     float32_bits,
     pow2_ref,
-    round_minifloat,
+    round_e4m3,
     sign_bits,
 )
 from distmoe.quant.mxfp8 import encode_e4m3_ref
@@ -93,7 +93,7 @@ def _mxfp8_weight_kernel(w_ptr, q_ptr, s_ptr, num_groups, GROUPS: tl.constexpr):
     abs_bits = bits & 0x7FFFFFFF
     amax_bits = tl.max(tl.max(finite_abs_bits(bits), axis=2), axis=0)
     e = e8m0_exponent(amax_bits)
-    code = round_minifloat(abs_bits, e[None, :, None], 3, -6, 126)
+    code = round_e4m3(abs_bits, e[None, :, None])
     code = tl.where(abs_bits < 0x7F800000, code, 0x7F)  # NaN, Inf -> NaN
     sign = (bits >> 24) & 0x80
     tl.store(q_ptr + offs, (code | sign).to(tl.uint8), mask=ok3)

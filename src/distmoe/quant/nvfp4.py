@@ -61,6 +61,7 @@ from distmoe.quant.formats import (
     e4m3_code_to_float,
     finite_abs_bits,
     float32_bits,
+    round_e4m3_unscaled,
     round_minifloat,
     round_minifloat_ref,
     sign_bits,
@@ -143,7 +144,7 @@ def _nvfp4_quantize_kernel(x_ptr, packed_ptr, scales_ptr, gs_ptr, amax_ptr, rows
                      tl.max(((odd & 0x7FFFFFFF) >= 0x7F800000).to(tl.int32), axis=2))
     bamax = bamax_bits.to(tl.float32, bitcast=True)
     t = tl.math.div_rn(tl.math.div_rn(bamax, 6.0), s_g)
-    sb_code = round_minifloat(t.to(tl.int32, bitcast=True), 0, 3, -6, 126)
+    sb_code = round_e4m3_unscaled(t.to(tl.int32, bitcast=True))
     use = (sb_code > 0) & (bad == 0)
     D = e4m3_code_to_float(sb_code) * s_g
     D = tl.where(use, D, 1.0)[:, :, None]

@@ -26,17 +26,18 @@ QUANT = {"mxfp8": (32, torch.uint8, mxfp8_quantize_2d),
          "mxfp8_rebased": (128, torch.uint8, mxfp8_quantize_rebased_2d),
          "fp8_block": (128, torch.float32, fp8_block_quantize_2d)}
 PRECISIONS = list(QUANT)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _rows(rows, cols, seed):
     g = torch.Generator().manual_seed(seed)
     v = torch.randn(rows, cols, generator=g)
     return (v * torch.exp2(torch.randint(-6, 7, (rows, cols // 32), generator=g).float())
-            .repeat_interleave(32, 1)).bfloat16()
+            .repeat_interleave(32, 1)).bfloat16().to(DEV)
 
 
 def _poisoned(shape, dtype):
-    t = torch.empty(shape, dtype=dtype)
+    t = torch.empty(shape, dtype=dtype, device=DEV)
     t.view(torch.uint8).fill_(0xFF)  # NaN in every float format here
     return t
 
