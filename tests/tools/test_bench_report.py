@@ -231,3 +231,30 @@ def test_git_sha_names_the_commit_a_remote_copy_was_sent_from(monkeypatch):
     assert own and own != "0123abc"
     monkeypatch.setenv("DISTMOE_GIT_SHA", "0123abc")
     assert report.environment(["bench"])["git_sha"] == "0123abc"
+
+
+def test_output_check_tolerates_each_precisions_rounding():
+    """The forward check against the bf16 torch baseline flags an error past the precision's
+    tolerance (cli.OUTPUT_TOLERANCE): 0.1 of max |y| is a broken bf16 kernel but within FP8's
+    operand roundings; 0.3 is past FP8's and within FP4 weights'."""
+    from distmoe.tools.bench import cli
+    from distmoe.tools.bench.timing import ModeResults, TimingConfig, TimingResult, WindowStats
+
+    config = TimingConfig()
+    stats = WindowStats(iter_ms=1.0, min_ms=0.9, max_ms=1.1, window_ms=(1.0,) * 5)
+    res = ModeResults(graph=TimingResult(stats=stats, method="cuda_graph", config=config,
+                                         fallback_reason=""), eager=None)
+
+    def note(precision, err):
+        row = _case(provider="distmoe", precision=precision, max_rel_err_vs_torch=err)
+        (out,) = cli.case_rows(row, res)
+        return out.note
+
+    def flagged(precision, err):
+        return "OUTPUT DIFFERS" in note(precision, err)
+
+    assert flagged("bf16", 0.1) and not flagged("bf16", 0.01)
+    assert not flagged("fp8_block", 0.1) and not flagged("mxfp8", 0.1)
+    assert flagged("fp8_block", 0.3) and flagged("mxfp8", 0.3)
+    assert not flagged("nvfp4", 0.3) and flagged("nvfp4", 0.6)
+    assert "0.3 of max |y| > 0.25 at mxfp8" in note("mxfp8", 0.3)
