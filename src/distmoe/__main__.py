@@ -1,4 +1,4 @@
-"""Command line: ``python -m distmoe {demo,plan,bench,ab,profile,tune} ...``.
+"""Command line: ``python -m distmoe {demo,plan,bench,ab,profile,tune,scaling} ...``.
 
 * ``demo``: run the layer here (CPU ranks or every GPU) and check it against the reference;
 * ``plan``: the activation-memory plan of a layer, or its kernel plan (``--kernels``);
@@ -6,7 +6,9 @@
 * ``ab``: time kernel-plan variants of one layer against its plan, interleaved;
 * ``profile``: one layer step under torch.profiler, trace timelines, Nsight Compute stall
   tables, sm_90 register and spill reports;
-* ``tune``: time one kernel over its launch configs.
+* ``tune``: time one kernel over its launch configs;
+* ``scaling``: the expected time of a layer at EP = 8 to 256 from measured EP=1 times and the
+  links' bandwidths (docs/scaling.md).
 
 ``python -m distmoe CMD --help`` lists a command's options (no GPU needed).
 """
@@ -25,6 +27,7 @@ COMMANDS = {
     "ab": ("ab", "time kernel-plan variants of one layer against its plan, interleaved"),
     "profile": ("profile", "profile one layer step; read traces, ncu tables, ptxas reports"),
     "tune": ("tune", "time one kernel over its launch configs"),
+    "scaling": ("scaling", "model a layer's time past one node from measured EP=1 times"),
 }
 
 

@@ -324,3 +324,27 @@ def test_cpu_smoke_run_low_precision(tmp_path):
         ("distmoe", "ok", "mxfp8"), ("torch_fp8", "ok", "fp8_block")}
     with pytest.raises(ValueError, match="--precision nvfp4 is inference only"):
         cli.resolve_plan(_parse(["--precision", "nvfp4"]))
+
+
+def test_cpu_smoke_run_per_transport(tmp_path, capsys):
+    # --transport: the distmoe provider once per transport in one run (gloo stands in for
+    # NCCL on the CPU), each row naming its transport; the other providers once, with none
+    out = tmp_path / "bench"
+    args = _parse(["--shapes", "smoke", "--device", "cpu", "--providers", "distmoe", "torch",
+                   "--mode", "fwd", "--transport", "peer", "nccl", "--warmup", "1",
+                   "--windows", "1", "--iters", "1", "--no-plots", "--no-ceilings",
+                   "--out", str(out)])
+    plan = cli.resolve_plan(args)
+    assert plan.case_providers() == [("distmoe", "peer"), ("distmoe", "nccl"), ("torch", "")]
+    assert plan.num_cases() == 3
+    assert cli.run(args) == 0
+    rows = report.read_cases_csv(out / "cases.csv")
+    assert [(r["provider"], r["transport"], r["status"]) for r in rows] == [
+        ("distmoe", "peer", "ok"), ("distmoe", "nccl", "ok"), ("torch", "", "ok")], rows
+    # the two distmoe rows are different cases, and a row without the column is peer's
+    assert len({report.case_key(r) for r in rows}) == 3
+    assert report.case_key({**rows[0], "transport": ""}) == report.case_key(rows[0])
+    table = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("distmoe/nccl ") for line in table)
+    with pytest.raises(SystemExit):  # argparse: not a choice
+        _parse(["--transport", "tcp"])

@@ -148,6 +148,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "only: --mode fwd). The other providers run as they are (torch_fp8: rowwise FP8)",
     )
     parser.add_argument(
+        "--transport",
+        nargs="+",
+        choices=("auto", "peer", "nccl", "hierarchical"),
+        default=["auto"],
+        metavar="T",
+        help="the distmoe provider's MoEContext transport, one case per value in one run "
+             "(auto, peer, nccl, hierarchical; default auto: peer on one node). Rows name it "
+             "in the transport column",
+    )
+    parser.add_argument(
         "--imbalance",
         nargs="+",
         type=float,
@@ -369,6 +379,13 @@ class BenchPlan:
     seed_kinds: tuple[str, ...] = ()
     pack_layers: int = 10
     precision: str = "bf16"
+    transports: tuple[str, ...] = ("auto",)
+
+    def case_providers(self) -> list[tuple[str, str]]:
+        """``(provider, transport)`` of every provider case: distmoe once per transport, the
+        others once (transport ``""``)."""
+        return [(p, t) for p in self.providers
+                for t in (self.transports if p == "distmoe" else ("",))]
 
     def tokens_for(self, shape: MoEShape) -> tuple[int, ...]:
         return self.tokens if self.tokens else (shape.tokens,)
@@ -384,7 +401,7 @@ class BenchPlan:
             sum(len(self.tokens_for(s)) for s in self.shapes)
             * len(self.modes)
             * len(self.imbalances)
-            * len(self.providers)
+            * len(self.case_providers())
         )
 
 
@@ -494,6 +511,7 @@ def resolve_plan(args: argparse.Namespace) -> BenchPlan:
         seed_kinds=seed_kinds,
         pack_layers=args.pack_layers,
         precision=args.precision,
+        transports=tuple(dict.fromkeys(args.transport)),
     )
 
 
@@ -517,10 +535,12 @@ class _Context:
 
 
 def _base_result(
-    ctx: _Context, provider: str, shape: MoEShape, tokens: int, mode: str, imbalance: float
+    ctx: _Context, provider: str, shape: MoEShape, tokens: int, mode: str, imbalance: float,
+    transport: str = "",
 ) -> report.CaseResult:
     return report.CaseResult(
         provider=provider,
+        transport=transport,
         status="ok",
         shape=shape.name,
         tokens=tokens,
@@ -709,8 +729,8 @@ def run_cases(
             for t in plan.tokens_for(shape):
                 for mode in plan.modes:
                     for f in plan.imbalances:
-                        for p in plan.providers:
-                            row = _base_result(ctx, p, shape, t, mode, f)
+                        for p, tr in plan.case_providers():
+                            row = _base_result(ctx, p, shape, t, mode, f, tr)
                             row.status = "skipped"
                             row.note = (f"num_experts {shape.num_experts} not divisible "
                                         f"by EP {bg.world_size}")
@@ -731,7 +751,7 @@ def run_cases(
                     import torch._dynamo
 
                     torch._dynamo.reset()  # new static shapes: start from an empty cache
-                built: dict[str, Provider] = {}
+                built: dict[tuple[str, str], Provider] = {}
                 for f in plan.imbalances:
                     try:
                         inputs = make_layer_inputs(
@@ -748,17 +768,17 @@ def run_cases(
                             routing_kind=plan.routing,
                         )
                     except ValueError as exc:
-                        for p in plan.providers:
-                            row = _base_result(ctx, p, shape, t, mode, f)
+                        for p, tr in plan.case_providers():
+                            row = _base_result(ctx, p, shape, t, mode, f, tr)
                             row.status, row.note = "infeasible", str(exc)
                             results.append(row)
                             if progress:
                                 progress.update(1)
                         continue
                     y_ref = _reference_output(inputs, ctx)
-                    for p in plan.providers:
-                        if p not in built:
-                            built[p] = build_provider(
+                    for p, tr in plan.case_providers():
+                        if (p, tr) not in built:
+                            built[p, tr] = build_provider(
                                 p,
                                 shape=shape,
                                 tokens=t,
@@ -771,9 +791,12 @@ def run_cases(
                                 save_gathered_rows=plan.save_gathered_rows,
                                 gathered_rows_in_place=plan.gathered_rows_in_place,
                                 precision=plan.precision,
+                                transport=tr or "auto",
                             )
-                        row = _base_result(ctx, p, shape, t, mode, f)
-                        for r, value in run_case(ctx, built[p], inputs, row, y_ref):
+                        prov = built[p, tr]
+                        row = _base_result(ctx, p, shape, t, mode, f,
+                                           prov.transport or tr)
+                        for r, value in run_case(ctx, prov, inputs, row, y_ref):
                             if value is not None:
                                 intensity[id(r)] = value
                             results.append(r)
@@ -782,7 +805,8 @@ def run_cases(
                         if progress:
                             progress.update(1)
                             progress.set_postfix_str(
-                                f"{shape.name} T{t} {mode} x{f:g} {p}", refresh=False
+                                f"{shape.name} T{t} {mode} x{f:g} {p}"
+                                + (f" {tr}" if tr else ""), refresh=False
                             )
                     del inputs, y_ref
                 for prov in built.values():

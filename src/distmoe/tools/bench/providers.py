@@ -70,6 +70,7 @@ class Provider:
         layer: the callable (``None`` unless ok).
         graph_safe: False when the layer synchronises with the host (no CUDA-graph capture).
         baseline_path: grouped-GEMM path of the torch baseline (``""`` for distmoe).
+        transport: distmoe's resolved ``MoEContext.transport`` (``""`` for the others).
     """
 
     name: str
@@ -79,6 +80,7 @@ class Provider:
     graph_safe: bool = True
     baseline_path: str = ""
     close: Callable[[], None] = field(default=lambda: None, repr=False)
+    transport: str = ""
 
 
 def build_provider(
@@ -95,8 +97,12 @@ def build_provider(
     save_gathered_rows: bool = True,
     gathered_rows_in_place: bool | None = None,
     precision: str = "bf16",
+    transport: str = "auto",
 ) -> Provider:
     """Build provider ``name`` for one (shape, tokens, mode); never raises for provider failures.
+
+    ``transport``: the distmoe provider's ``MoEContext(transport=)`` (``Provider.transport``
+    names the one it resolved to); the other providers ignore it.
 
     ``precision``: the distmoe provider's :attr:`~distmoe.MoEConfig.precision` (its
     low-precision inference layer takes the case's bf16 weights prepared once per weight
@@ -128,6 +134,7 @@ def build_provider(
             save_gathered_rows=save_gathered_rows,
             gathered_rows_in_place=gathered_rows_in_place,
             precision=precision,
+            transport=transport,
         )
     if name == "transformers":
         return _build_transformers(shape=shape, bench_group=bench_group, device=device)
@@ -241,7 +248,7 @@ def _build_distmoe(
     *, shape: MoEShape, tokens: int, training: bool, bench_group: BenchGroup, receive_factor: float,
     activation_factor: float | None = None, save_route_outputs: bool = True,
     save_gathered_rows: bool = True, gathered_rows_in_place: bool | None = None,
-    precision: str = "bf16",
+    precision: str = "bf16", transport: str = "auto",
 ) -> Provider:
     try:
         import distmoe as dm
@@ -289,9 +296,10 @@ def _build_distmoe(
             in_place = rows_in_place(cfg, bench_group.world_size)
             notes.append(f"input kept, rows {'read in place' if in_place else 'copied'}")
         note = "; ".join(notes)
-        ctx = dm.MoEContext(cfg, group=bench_group.group)
+        ctx = dm.MoEContext(cfg, group=bench_group.group, transport=transport)
     except Exception as exc:
-        return Provider(name="distmoe", status="failed", note="MoEContext: " + error_text(exc))
+        return Provider(name="distmoe", status="failed", note="MoEContext: " + error_text(exc),
+                        transport=transport)
     layer: Layer = ctx
     if precision != "bf16" and not training:
         from distmoe.quant.prepare import prepare_cached
@@ -310,6 +318,7 @@ def _build_distmoe(
         layer=layer,
         graph_safe=precision == "bf16",
         close=getattr(ctx, "close", lambda: None),
+        transport=ctx.transport,
     )
 
 

@@ -56,6 +56,7 @@ CASE_COLUMNS: dict[str, type] = {
     "achieved_imbalance": float,
     "tracked_rows": int,
     "precision": str,
+    "transport": str,
     "mode": str,
     "timing_method": str,
     "iter_ms": float,
@@ -140,6 +141,7 @@ class CaseResult:
     imbalance: float
     precision: str
     mode: str
+    transport: str = ""  # distmoe's MoEContext transport ("" for the other providers)
     routing: str = "exact"
     achieved_imbalance: float | None = None
     tracked_rows: int | None = None
@@ -182,15 +184,19 @@ class CaseResult:
 assert set(CASE_COLUMNS) <= set(CaseResult.__dataclass_fields__), "CASE_COLUMNS out of sync"
 
 _KEY_FIELDS = ("provider", "shape", "tokens", "hidden", "ffn", "num_experts", "top_k", "ep_size",
-               "precision", "mode", "routing", "imbalance")
+               "precision", "mode", "routing", "imbalance", "transport")
 _KEY_DEFAULTS = {"precision": "bf16", "routing": "exact", "imbalance": 1.0}
 
 
 def case_key(case: CaseResult | Mapping) -> tuple:
-    """What makes a case (provider, shape, widths, EP, precision, mode, routing, imbalance):
-    the rows of its timings share it."""
+    """What makes a case (provider, shape, widths, EP, precision, mode, routing, imbalance,
+    transport): the rows of its timings share it. distmoe rows of files written before the
+    transport column (no value) are the peer transport's."""
     get = case.get if isinstance(case, Mapping) else lambda k, d=None: getattr(case, k, d)
-    return tuple(get(k, _KEY_DEFAULTS.get(k)) for k in _KEY_FIELDS)
+    key = [get(k, _KEY_DEFAULTS.get(k)) for k in _KEY_FIELDS]
+    if get("provider") == "distmoe" and not key[-1]:
+        key[-1] = "peer"
+    return tuple(key)
 
 
 def timing_slot(case: CaseResult | Mapping) -> str:
@@ -793,7 +799,8 @@ def merge_timings(cases: Sequence[CaseResult]) -> list[dict[str, CaseResult | No
 def format_table(cases: Sequence[CaseResult], ceilings: Sequence[Mapping] = ()) -> str:
     """A short table of the cases, then the ceilings, for the terminal.
 
-    One line per case: its graph figure (``n/a`` where the case could not be captured), its
+    One line per case (distmoe over another transport than peer as ``distmoe/<transport>``):
+    its graph figure (``n/a`` where the case could not be captured), its
     eager figure and its host time per call (``sync`` where the calls wait for the GPU) side
     by side; the window range and the rates are those of the graph figure where the case
     has one, else of the eager one. Each column is as wide as its title or its widest cell,
@@ -809,7 +816,7 @@ def format_table(cases: Sequence[CaseResult], ceilings: Sequence[Mapping] = ()) 
         graph_ms = _fmt(graph.iter_ms, ".3f") if graph is not None else ("n/a" if na else "-")
         rows.append(
             (
-                c.provider,
+                c.provider + (f"/{c.transport}" if c.transport not in ("", "peer") else ""),
                 c.shape,
                 str(c.tokens),
                 c.mode,
@@ -996,6 +1003,8 @@ def markdown_tables(
             for case in f["payload"]["cases"]:
                 if case.get("provider") not in (ours, baseline):
                     continue
+                if case.get("transport") not in (None, "", "peer"):
+                    continue  # the tables show the peer transport (the default on one node)
                 per = table.setdefault(_case_key(case), {})
                 held = per.get(case["provider"])
                 if held is None or held[0] is not f:
