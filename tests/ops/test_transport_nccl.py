@@ -50,6 +50,19 @@ def _nccl_rank(rank, world, seed, transport, node_size):
             with torch.no_grad():
                 out[name + " inference"] = inf(p.x, p.expert_ids, p.scores, p.w13, p.w2)
         out["depth"] = ctx.stats()["activations"]["slot_depth"]
+        # ids outside [-1, E) on every rank: never executed (y as with those routes
+        # inactive), counted once per rank of the group the ids are gathered over
+        before = inf.stats()["invalid_ids"]
+        p = split_global_problem(*make_problem(seed, world, T, D, F, E, K, "balanced"),
+                                 world)[rank]
+        bad = p.expert_ids.clone()
+        bad[0, 0], bad[1, 1] = E + 3, -5
+        inactive = bad.clone()
+        inactive[0, 0], inactive[1, 1] = -1, -1
+        with torch.no_grad():
+            out["invalid y"] = (inf(p.x, bad, p.scores, p.w13, p.w2),
+                                inf(p.x, inactive, p.scores, p.w13, p.w2))
+        out["invalid count"] = inf.stats()["invalid_ids"] - before
     return out
 
 
@@ -62,6 +75,8 @@ def test_collective_transports_match_the_reference(transport, EP, node_size):
         assert r["transport"] == (transport,) * 3
         assert r["explain"].startswith(f"transport: {transport}")
         assert r["depth"] == [0] * len(r["depth"])
+        assert torch.equal(*r["invalid y"])
+        assert r["invalid count"] == 2 * (EP // (node_size or 1))
     for i, name in enumerate(CASES):
         x, ids, scores, w13, w2 = make_problem(seed + i, EP, T, D, F, E, K, name)
         gy = _upstream(seed + i, EP * T)

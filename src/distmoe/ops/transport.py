@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import MoEConfig
+from ..kernels.movement.local_routes import local_routes
 from ..runtime.heap import gather_objects, solo
 
 TRANSPORTS = ("auto", "peer", "nccl", "hierarchical")
@@ -205,12 +206,11 @@ def nccl_call(ctx, x, expert_ids, scores, w13, w2, *, autograd: bool) -> torch.T
         dist.all_gather_into_tensor(scores_all, scores, group=group)
     # the invalid ids of every rank gathered from: every rank's with "nccl" (as the peer
     # transport counts them), the cross-node group's with "hierarchical"
-    ctx._invalid_ids += ((ids_all < -1) | (ids_all >= E)).sum()
-    local = ids_all - base
-    mine = (ids_all >= 0) & (ids_all < E) & (local >= 0) & (local < E_l)
-    ids_local = torch.where(mine, local, -1)
-    scores_local = torch.where(mine, scores_all, torch.zeros((), dtype=scores_all.dtype,
-                                                             device=ctx.device))
+    ids_local = torch.empty_like(ids_all)
+    local_routes(ids_all, ids_local, ctx._invalid_ids, base=base, num_local=E_l,
+                 num_experts=E)
+    scores_local = torch.where(ids_local >= 0, scores_all,
+                               torch.zeros((), dtype=scores_all.dtype, device=ctx.device))
     y_part = ctx.inner(x_all, ids_local, scores_local, w13, w2).float()
     if autograd:
         y = _ReduceScatter.apply(y_part, group)
