@@ -87,7 +87,7 @@ from ..runtime import create_heap
 from ..runtime.heap import gather_objects, round_up, solo
 from .activations import ActivationBuffer
 from .autograd import MoEFunction, backward_eager
-from .custom_ops import traced_call, tracing
+from .custom_ops import context_id, traced_call, tracing
 from .graphs import ForwardGraphs, GraphPool, TrainingGraphs
 from .lowp import LOWP_PRECISIONS, allocate_lowp, check_prepared, lowp_forward
 from .lowp_train import FP8TrainFunction, fp8_train_configs, train_weights
@@ -252,6 +252,8 @@ class MoEContext:
         #: "peer" (every rank maps every other's memory), "nccl" or "hierarchical"
         #: (:mod:`distmoe.ops.transport`)
         self.transport, node_size = resolve_transport(transport, group, node_size)
+        #: this context's number in traced graphs (:mod:`distmoe.ops.custom_ops`)
+        self.op_number = context_id(self)
         if self.transport in ("nccl", "hierarchical"):
             self._init_collective(cfg, group, node_size, device=device, backend=backend,
                                   check=check, overrides=overrides, graphs=graphs,

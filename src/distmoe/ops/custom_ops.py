@@ -19,10 +19,13 @@ the right shapes and dtypes and touches no buffer):
 
 What crosses the op boundary (ops take tensors and plain scalars only):
 
-* the context, as an ``int``: :func:`context_id` registers it in a process-wide table of
-  live contexts (weak references) the first time it is traced and returns its number, which
-  ``torch.compile`` bakes into the graph as a constant (the function is marked
-  ``assume_constant_result``, guarded on the context's identity: a new context recompiles);
+* the context, as an ``int``: its ``op_number``, given at construction by :func:`context_id`
+  (a process-wide table of live contexts, weak references). Dynamo reads it as an int
+  attribute of the context, a constant of the graph guarded on its value (a new context
+  recompiles, or passes its number as a graph input). Not through
+  ``torch.compiler.assume_constant_result`` on the context itself: torch 2.11's Dynamo cannot
+  turn a user-defined object into a constant argument there (its CUDA inductor test failed
+  so; torch 2.13 can);
 * the forward's per-call state (routing tables, slot record, executed ids, fp32 scores: the
   ``saved`` dict of :meth:`MoEContext.training_forward`, host objects), as ``call``: an int64
   ``[1]`` CPU tensor holding a call number, the key of a process-wide table of pending calls.
@@ -111,20 +114,14 @@ def tracing(x) -> bool:
 
 
 def context_id(moe) -> int:
-    """The number of ``moe`` in the table of live contexts (registered on first use). Dynamo
-    calls it while tracing and puts the result in the graph as a constant, guarded on the
-    context's identity (``torch.compiler.assume_constant_result``)."""
+    """The number of ``moe`` in the table of live contexts (registered on first use;
+    :class:`~distmoe.ops.context.MoEContext` keeps it as ``op_number``)."""
     number = _NUMBERS.get(moe)
     if number is None:
         number = next(_next_context)
         _NUMBERS[moe] = number
         _CONTEXTS[number] = moe
     return number
-
-
-# What torch.compiler.assume_constant_result(context_id) does, without importing Dynamo with
-# distmoe (1.7 s); tests/ops/test_custom_ops.py checks that the decorator still sets it.
-context_id._dynamo_marked_constant = True
 
 
 def _context(number: int):
@@ -140,7 +137,7 @@ def traced_call(moe, x, expert_ids, scores, w13, w2) -> torch.Tensor:
     """``moe(x, expert_ids, scores, w13, w2)`` through the custom ops (what
     :meth:`MoEContext.__call__` runs when :func:`tracing`): the autograd op where the eager
     call would take the autograd path, else the inference op."""
-    number = context_id(moe)
+    number = moe.op_number
     if (moe.cfg.training and torch.is_grad_enabled()
             and (x.requires_grad or scores.requires_grad or w13.requires_grad
                  or w2.requires_grad)):
