@@ -6,13 +6,17 @@ checks /dev/shm after the session too).
 
 A rank killed (SIGKILL) between a training forward and its backward: the survivor's backward
 raises within the timeout naming it, the context is unusable, no segment stays (its own
-processes: ``distmoe.launch`` stops the others as soon as it sees a death). Not covered: the
-GPU heaps, whose device barriers take no timeout yet.
+processes: ``distmoe.launch`` stops the others as soon as it sees a death).
+
+The GPU heaps (two ranks sharing one GPU, GPU only): a device barrier that waits past the
+timeout ends on the GPU (no spin forever) and the rank's next call raises naming the rank
+that did not arrive; the hung rank, back later, times out in turn.
 """
 
 import os
 import time
 
+import pytest
 import torch
 
 import distmoe as dm
@@ -142,3 +146,54 @@ def test_killed_rank_becomes_an_error_on_the_survivor(tmp_path):
 
 def _segments():
     return [n for n in os.listdir("/dev/shm") if n.startswith("distmoe")]
+
+
+# --------------------------------------------------------------------------------------------
+# The GPU heaps: a device barrier that times out (ranks sharing one GPU)
+# --------------------------------------------------------------------------------------------
+
+
+def _gpu_hang_rank(rank, world):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
+                       training=False, row_block=16, device_scratch_factor=float(world))
+    g = torch.Generator().manual_seed(rank)
+    e_local = E // world
+    args = [t.to(dev) for t in (
+        torch.randn(T, D, generator=g).bfloat16(),
+        torch.rand(T, E, generator=g).topk(K, dim=1).indices,
+        torch.rand(T, K, generator=g),
+        (torch.randn(e_local, 2, F, D, generator=g) / D**0.5).bfloat16(),
+        (torch.randn(e_local, D, F, generator=g) / F**0.5).bfloat16())]
+    out = {"errors": []}
+    ctx = dm.MoEContext(cfg, device=dev, graphs=False)  # the default timeout while compiling
+    with torch.no_grad():
+        ctx(*args)  # a healthy call first (every kernel compiled)
+        torch.cuda.synchronize()
+        ctx.heap.timeout = TIMEOUT
+        if rank == world - 1:
+            time.sleep(3 * TIMEOUT)  # hung: back long after its peer gave up
+        start = time.monotonic()
+        for _ in range(3):  # the waiting rank's barrier times out in the first of these
+            try:
+                ctx(*args)
+                torch.cuda.synchronize()  # returns: the GPU does not spin forever
+            except RuntimeError as exc:
+                out["errors"].append(str(exc))
+        out["seconds"] = time.monotonic() - start
+    out["failed"] = ctx.heap.failed
+    ctx.close()
+    return out
+
+
+@pytest.mark.gpu
+def test_device_barrier_timeout_becomes_an_error():
+    per_rank = dm.launch(_gpu_hang_rank, 2, device="cuda", gpus=[0], timeout=300)
+    waiting, hung = per_rank
+    # the waiting rank: its GPU gave up after TIMEOUT; its next calls raise, naming rank 1
+    assert len(waiting["errors"]) == 2, waiting
+    assert "waited" in waiting["errors"][0] and "for rank 1" in waiting["errors"][0], waiting
+    assert waiting["errors"][1].startswith("this MoEContext is unusable"), waiting
+    assert waiting["seconds"] < 3 * TIMEOUT, waiting["seconds"]
+    # the hung rank, back later: its peer is gone, so one of its barriers times out in turn
+    assert hung["errors"] and "for rank 0" in hung["failed"], hung

@@ -164,8 +164,12 @@ class MoEContext:
         timeout: seconds a host barrier waits for every rank (CPU ranks: the shared-memory
             heap's barriers) before every rank that is still there raises a RuntimeError
             naming the ranks that did not arrive and the step; the context is unusable after
-            (``None``: the process group's own timeout). The GPU heaps' barriers wait on the
-            device and take no timeout yet.
+            (``None``: the process group's own timeout). On the GPU heaps each device
+            barrier gives up after that many seconds and records which rank did not arrive
+            (:mod:`distmoe.runtime.barrier`); the host sees it without synchronising, and
+            this rank's next layer call raises a RuntimeError naming that rank (the call
+            whose barrier timed out returns invalid results; ``None``: the device barriers
+            wait without limit).
         main_grad: training only. The backward adds the weight gradients, accumulated in fp32,
             into each weight's ``main_grad`` attribute (an fp32 tensor of the weight's shape
             on ``device``, contiguous: Megatron's convention; the caller zeroes it) and gives

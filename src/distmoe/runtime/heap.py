@@ -85,8 +85,9 @@ class SymmetricHeap(ABC):
     #: ``torch.cuda.max_memory_allocated``).
     allocates_through_torch: bool = True
     #: seconds a host barrier waits for every rank before it raises naming the missing ones
-    #: (CPU backend; None: the process group's own timeout). The device barriers of the CUDA
-    #: backends wait on the GPU and take none yet.
+    #: (CPU backend; None: the process group's own timeout); on the CUDA backends the seconds
+    #: a device barrier waits before it records the rank that did not arrive and gives up
+    #: (None: no limit; :mod:`distmoe.runtime.barrier`).
     timeout: float | None = None
     #: why the heap became unusable (a barrier that failed), else None
     failed: str | None = None

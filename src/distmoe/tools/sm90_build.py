@@ -806,9 +806,12 @@ def other_kernel_cases() -> list[BuildCase]:
              BLOCK_D=regather._BLOCK_D, HAS_ENABLE=True), 4, 1,
         types={"gather_ptrs_ptr": "*i64", "padded_offsets_ptr": "*i32",
                "row_offsets_ptr": "*i32", "out_ptr": "*bf16", "enable_ptr": "*i32"}))
-    cases.append(BuildCase(
-        "device_barrier", barrier._device_barrier_kernel, dict(WORLD=EP), 1, 1,
-        types={"signal_bases_ptr": "*i64", "epoch_ptr": "*i64", "rank": "i32"}))
+    for timed in (False, True):
+        cases.append(BuildCase(
+            f"device_barrier timed={timed}", barrier._device_barrier_kernel,
+            dict(WORLD=EP, TIMED=timed), 1, 1,
+            types={"signal_bases_ptr": "*i64", "epoch_ptr": "*i64", "rank": "i32",
+                   "fail_addr": "i64", "timeout_ns": "i64"}))
     return cases
 
 
