@@ -8,6 +8,11 @@ Four views, one per run:
   scores and both weights through ``torch.autograd.grad``, as the bench takes them), sampled
   routing by default (``--routing exact``: every expert gets T*K/E rows). ``--graph`` profiles
   replays of one step captured in a CUDA graph; ``--trace FILE`` also writes a Chrome trace;
+  ``--quantities`` adds the kernel-profile quantities of the seed's Appendix A.16 (launches
+  per step, time per phase: PUT, GET, combine reduce, grouped GEMMs with their achieved
+  rate, weight gradients bf16 / FP8, FP8 quantisation, scale layout; the padding the GEMMs
+  run on; peak allocated memory of the forward and the backward;
+  :mod:`distmoe.tools.profile_quantities`), ``--json FILE`` writes them;
   ``--set SPEC`` changes the layer's kernel plan as an ``ab`` variant's SPEC does (e.g.
   ``layer:w13_phase_waves=2`` or ``w13:group_m=16``). Under ``torch.distributed.run`` every
   rank runs the shape's T tokens over an NCCL group and prints its own table, rank 0 first
@@ -126,6 +131,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     layer.add_argument("--set", action="append", default=[], metavar="SPEC",
                        help="a kernel-plan change as in `distmoe ab --variant` (e.g. "
                             "layer:w13_phase_waves=2 or w13:group_m=16); repeatable")
+    layer.add_argument("--quantities", action="store_true",
+                       help="also the kernel-profile quantities per step (phases, launches, "
+                            "GEMM rate, padding, peak memory by phase)")
+    layer.add_argument("--json", default=None, metavar="FILE",
+                       help="with --quantities: write them and the kernel rows here")
     layer.add_argument("--ep1-share", action="store_true",
                        help="under torch.distributed.run: every rank profiles its share of "
                             "the EP work at EP=1 (E / EP experts, one rank)")
@@ -200,6 +210,8 @@ def _check_layer_arguments(args) -> tuple[dict | None, bool]:
     overrides, x_in_buffer = overrides_from_specs(args.set)
     if x_in_buffer and args.mode == "fwdbwd":
         raise ValueError("--set input:buffer=True is for inference (--mode fwd)")
+    if args.json and not args.quantities:
+        raise ValueError("--json writes the --quantities: pass both")
     return overrides or None, x_in_buffer
 
 
@@ -209,7 +221,7 @@ def _profile_layer(args, joined, overrides, x_in_buffer) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from . import INTERPRETER_NOTE
-    from .bench.layer_step import ep1_share, layer_step
+    from .bench.layer_step import build_layer, draw_inputs, ep1_share
 
     rank, world, dev = joined.rank, joined.world, joined.device
     share_of = 1
@@ -218,9 +230,10 @@ def _profile_layer(args, joined, overrides, x_in_buffer) -> int:
             raise ValueError("--ep1-share needs EP > 1 (torch.distributed.run)")
         share_of, joined = world, ep1_share(joined)
     cuda = dev.type == "cuda"
-    ctx, step, T = layer_step(args.shape, args.mode, joined, tokens=args.tokens,
-                              share_of=share_of, routing=args.routing, overrides=overrides,
-                              precision=args.precision)
+    inputs = draw_inputs(args.shape, args.mode, joined, tokens=args.tokens, share_of=share_of,
+                         routing=args.routing)
+    ctx, step = build_layer(inputs, joined, overrides=overrides, precision=args.precision)
+    T = inputs.tokens
 
     def sync():
         if cuda:
@@ -234,6 +247,7 @@ def _profile_layer(args, joined, overrides, x_in_buffer) -> int:
         for _ in range(3 if cuda else 1):
             step(x_in_buffer)
         sync()
+        peaks = _phase_peaks(ctx, inputs, step, x_in_buffer) if args.quantities else {}
 
         def run_step():
             step(x_in_buffer)
@@ -281,9 +295,83 @@ def _profile_layer(args, joined, overrides, x_in_buffer) -> int:
             print("\n".join(lines), flush=True)
         if world > 1:
             dist.barrier()
+    if args.quantities:
+        _print_quantities(args, rows, inputs, ctx, joined, peaks)
     if args.trace:
         prof.export_chrome_trace(args.trace if world == 1 else f"{args.trace}.rank{rank}")
     return 0
+
+
+def _phase_peaks(ctx, inputs, step, x_in_buffer) -> dict:
+    """Peak allocated GiB (torch's allocator plus the heap's own buffers) of the forward and
+    of the backward of one step, each from a reset peak (synchronises: a tool, not the hot
+    path); None on the CPU."""
+    import torch
+
+    dev = inputs.x.device
+    if dev.type != "cuda":
+        return {"forward": None, "backward": None} if inputs.training else {"forward": None}
+    extra = ctx.heap.untracked_bytes
+
+    def peak(fn):
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        out = fn()
+        torch.cuda.synchronize(dev)
+        return out, (torch.cuda.max_memory_allocated(dev) + extra) / 2**30
+
+    if not inputs.training:
+        return {"forward": peak(lambda: step(x_in_buffer))[1]}
+    xs = inputs.x.detach().requires_grad_(True)
+    y, fwd = peak(lambda: ctx(xs, inputs.ids, inputs.scores, inputs.w13, inputs.w2))
+    _, bwd = peak(lambda: torch.autograd.grad(y, (xs, inputs.scores, inputs.w13, inputs.w2),
+                                              inputs.gy))
+    return {"forward": fwd, "backward": bwd}
+
+
+def _local_counts(inputs, ctx, joined) -> list[int]:
+    """Rows each of this rank's experts receives in the step (every rank's ids gathered)."""
+    import torch
+    import torch.distributed as dist
+
+    ids = inputs.ids.to(torch.int64)
+    if joined.world > 1:
+        every = torch.empty(joined.world * ids.numel(), dtype=torch.int64, device=ids.device)
+        dist.all_gather_into_tensor(every, ids.flatten().contiguous(), group=joined.group)
+        ids = every
+    e_local = ctx.num_local_experts
+    local = ids.flatten() - joined.rank * e_local
+    local = local[(local >= 0) & (local < e_local)]
+    return torch.bincount(local, minlength=e_local).tolist()
+
+
+def _print_quantities(args, rows, inputs, ctx, joined, peaks) -> None:
+    import torch.distributed as dist
+
+    from .profile_quantities import as_json, format_quantities, quantities
+
+    s = ctx.cfg
+    useful = 6 * inputs.tokens * s.top_k * s.hidden * s.ffn * (3 if inputs.training else 1)
+    q = quantities(rows, useful_tflop=useful / 1e12, counts=_local_counts(inputs, ctx, joined),
+                   row_block=s.row_block, peak_gib=peaks)
+    lines = [f"quantities per step (rank {joined.rank}):", *format_quantities(q)]
+    for r in range(joined.world):
+        if r == joined.rank:
+            print("\n".join(lines), flush=True)
+        if joined.world > 1:
+            dist.barrier()
+    if args.json:
+        import json
+
+        from .bench.report import environment
+
+        path = args.json if joined.world == 1 else f"{args.json}.rank{joined.rank}"
+        with open(path, "w") as f:
+            json.dump(dict(environment=environment(), shape=args.shape, mode=args.mode,
+                           precision=args.precision, tokens=inputs.tokens,
+                           graph=bool(args.graph), quantities=as_json(q),
+                           kernels=[dict(ms=ms, launches=n, name=name)
+                                    for ms, n, name in rows]), f, indent=1)
 
 
 def main(argv: list[str] | None = None) -> int:
