@@ -151,12 +151,28 @@ def train_weights(moe, w13: torch.Tensor, w2: torch.Tensor) -> TrainWeights:
     """The quantised forms of ``(w13, w2)`` at ``moe.cfg.precision``, made once per weight
     version and kept on ``moe``: for each of the last ``cfg.max_layers_per_slot`` weight pairs
     (the layers that share a context), keyed by the tensor objects themselves (weak
-    references, so a new tensor at a freed one's address never matches) and their version
-    counters (an in-place change, as an optimizer step, makes them again). Why: static
-    weights are quantised once per version, not once per call."""
+    references, so a new tensor at a freed one's address never matches). A new version of
+    the same tensors (an in-place change, as an optimizer step) is quantised again into the
+    same :class:`TrainWeights` tensors, so the forms keep their addresses (the context's CUDA
+    graphs read them there). Why: static weights are quantised once per version, not once
+    per call."""
     return cached_per_object(moe, "_distmoe_train_weights", (w13, w2),
                              lambda: _quantise_weights(moe, w13, w2),
-                             size=moe.cfg.max_layers_per_slot)
+                             size=moe.cfg.max_layers_per_slot,
+                             refresh=lambda tw: _refresh(tw, _quantise_weights(moe, w13, w2)))
+
+
+def _refresh(tw: TrainWeights, new: TrainWeights) -> None:
+    """Copy every form of ``new`` into ``tw``'s tensors (the same shapes and dtypes)."""
+    pairs = [(getattr(tw, n), getattr(new, n)) for n in
+             ("w13_q", "w13_s", "w2_q", "w2_s", "w2t_q", "w2t_s", "w13t_q", "w13t_s")]
+    pairs += [(tw.w13.qdata, new.w13.qdata), (tw.w13.scales, new.w13.scales),
+              (tw.w2.qdata, new.w2.qdata), (tw.w2.scales, new.w2.scales)]
+    done = set()
+    for old, fresh in pairs:  # the prepared weights may be the forms themselves
+        if old.data_ptr() not in done:
+            done.add(old.data_ptr())
+            old.copy_(fresh)
 
 
 def _quantise_weights(moe, w13: torch.Tensor, w2: torch.Tensor) -> TrainWeights:

@@ -345,18 +345,25 @@ def _prepare_nvfp4(w: torch.Tensor, reference: bool) -> PreparedWeight:
                           "nvfp4", gs.reshape(num_experts).contiguous())
 
 
-def cached_per_object(owner: object, name: str, objects: tuple, make, *, size: int):
+def cached_per_object(owner: object, name: str, objects: tuple, make, *, size: int,
+                      refresh=None):
     """``make()``, kept on ``owner`` (its attribute ``name``, a dict) for each of the last
     ``size`` tuples of ``objects`` it was asked for, keyed by the objects themselves (weak
     references: a new object at a freed one's address never matches) and, for tensors,
-    their version counters (an in-place change, as an optimizer step, makes it again). Why:
-    derived forms of static weights are made once per weight version, not once per call."""
+    their version counters (an in-place change, as an optimizer step, makes it again; with
+    ``refresh``, ``refresh(value)`` updates the kept value in place instead, so that its
+    tensors keep their addresses). Why: derived forms of static weights are made once per
+    weight version, not once per call."""
     cache = owner.__dict__.setdefault(name, {})
     key = tuple(id(o) for o in objects)
     versions = tuple(getattr(o, "_version", 0) for o in objects)
     hit = cache.get(key)
-    if (hit is not None and all(r() is o for r, o in zip(hit[0], objects, strict=True))
-            and hit[1] == versions):
+    same = hit is not None and all(r() is o for r, o in zip(hit[0], objects, strict=True))
+    if same and hit[1] == versions:
+        return hit[2]
+    if same and refresh is not None:
+        refresh(hit[2])
+        cache[key] = (hit[0], versions, hit[2])
         return hit[2]
     value = make()
     cache.pop(key, None)
