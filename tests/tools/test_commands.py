@@ -1,4 +1,4 @@
-"""``python -m distmoe``: the six commands, each one's ``--help`` without a GPU (in parallel:
+"""``python -m distmoe``: the seven commands, each one's ``--help`` without a GPU (in parallel:
 each process imports torch), and the top-level help listing them."""
 
 import os
@@ -12,8 +12,8 @@ from distmoe.__main__ import COMMANDS
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_six_commands():
-    assert list(COMMANDS) == ["demo", "plan", "bench", "ab", "profile", "tune"]
+def test_the_seven_commands():
+    assert list(COMMANDS) == ["demo", "plan", "bench", "ab", "profile", "tune", "scaling"]
 
 
 def test_every_command_help_works_without_a_gpu():

@@ -88,7 +88,7 @@ from ..runtime.heap import gather_objects, round_up, solo
 from .activations import ActivationBuffer
 from .autograd import MoEFunction, backward_eager
 from .custom_ops import context_id, traced_call, tracing
-from .graphs import ForwardGraphs, GraphPool, TrainingGraphs
+from .graphs import ForwardGraphs, FP8TrainGraphs, GraphPool, TrainingGraphs
 from .lowp import LOWP_PRECISIONS, allocate_lowp, check_prepared, lowp_forward
 from .lowp_train import FP8TrainFunction, fp8_train_configs, train_weights
 from .transport import inner_config, nccl_call, node_groups, resolve_transport
@@ -378,12 +378,13 @@ class MoEContext:
                             if cfg.training and self._lowp is not None else None)
         #: the captured calls (:mod:`distmoe.ops.graphs`; None: every call eager):
         #: ForwardGraphs in inference contexts (every precision), TrainingGraphs in bf16
-        #: training contexts (the FP8 training layer runs eagerly)
-        self.graphs: ForwardGraphs | TrainingGraphs | None = None
-        if graphs and not check and self.device.type == "cuda" and (
-                self._lowp is None or not cfg.training):
+        #: training contexts, FP8TrainGraphs in FP8 training contexts
+        self.graphs: ForwardGraphs | TrainingGraphs | FP8TrainGraphs | None = None
+        if graphs and not check and self.device.type == "cuda":
             pool = GraphPool(self.device)
-            self.graphs = (TrainingGraphs if cfg.training else ForwardGraphs)(self, pool)
+            kind = (ForwardGraphs if not cfg.training else
+                    TrainingGraphs if self._lowp is None else FP8TrainGraphs)
+            self.graphs = kind(self, pool)
 
     def _init_collective(self, cfg, group, node_size, **kwargs) -> None:
         """``transport`` "nccl" or "hierarchical" (:mod:`distmoe.ops.transport`): the group's
@@ -952,9 +953,9 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
         the gather table and the combine; the expert GEMMs are these)."""
         s = self._lowp
         fmt = getattr(s, "format", self.cfg.precision)
-        mode = ("training; every call eager" if self.cfg.training else
-                "inference; " + ("eager calls replayed from its CUDA graphs"
-                                 if self.graphs is not None else "every call eager"))
+        mode = (("training; " if self.cfg.training else "inference; ")
+                + ("eager calls replayed from its CUDA graphs" if self.graphs is not None
+                   else "every call eager"))
         lines = [f"precision: {self.cfg.precision}, operand format {fmt} ({mode})"]
         if fmt in ("nvfp4", "mxfp4"):
             lines.append(f"  {fmt:<10} Triton FP4-weight grouped GEMM (kernels/scaled/nvfp4)")

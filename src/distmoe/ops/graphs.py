@@ -62,6 +62,12 @@ from .autograd import (
     backward_weight_grads,
 )
 from .lowp import lowp_forward
+from .lowp_train import (
+    fp8_backward_finish,
+    fp8_backward_inputs,
+    fp8_backward_weights,
+    fp8_train_forward,
+)
 
 
 def _address(w) -> int:
@@ -340,4 +346,159 @@ class TrainingGraphs:
     def stats(self) -> dict:
         return dict(forward_graphs=len(self.forwards), backward_graphs=len(self.backwards),
                     weight_graphs=sum(len(b.weight_grads) for b in self.backwards.values()),
+                    captures=self.captures, replays=self.replays)
+
+
+class _FP8Entry:
+    """One captured FP8 training forward (one instance of its key: its saved state belongs
+    to one live call at a time) and, once captured, its backward graphs."""
+
+    graph: torch.cuda.CUDAGraph
+    pool: object  # its own memory pool (graph_pool_handle)
+    tw: object  # the TrainWeights the graph reads (kept alive: the key holds its id)
+    x: torch.Tensor
+    ids: torch.Tensor
+    scores: torch.Tensor
+    y: torch.Tensor
+    saved: dict
+    busy: bool = False
+    backward: tuple | None = None  # (inputs graph, finish graph, parts)
+    backward_seen: bool = False
+
+
+class _Lease:
+    """Marks an :class:`_FP8Entry` in use from its forward's replay until the call's saved
+    state goes (its backward ran, or autograd freed the graph of a dropped output)."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self, entry: _FP8Entry) -> None:
+        self.entry = entry
+        entry.busy = True
+
+    def __del__(self) -> None:
+        self.entry.busy = False
+
+
+class FP8TrainGraphs:
+    """The captured calls of an FP8 training :class:`~distmoe.ops.context.MoEContext`
+    (``precision="mxfp8" | "fp8_block"``, :mod:`distmoe.ops.lowp_train`).
+
+    A forward under autograd is keyed by ``(T, ids dtype, scores dtype, the weights' quantised
+    forms)`` (:func:`~distmoe.ops.lowp_train.train_weights` keeps those in the same tensors
+    across weight versions, so an optimizer step keeps the key). A key's first call runs
+    eagerly (it compiles the kernels); from its second on the forward replays a graph that
+    writes its saved state (routing tables, h1, the owner's h3 rows, the weight gradient's x)
+    into tensors of that graph. One graph serves one live call: while a call's state is held
+    (its backward has not run), another call of the key takes another instance of the graph,
+    captured on demand (at most :attr:`max_instances` per key; later ones run eagerly). A
+    call's backward replays two graphs of its instance, before and after the weight
+    gradients, and launches the weight gradients in between (their outputs are new tensors
+    each call, or the ``main_grad`` buffers); an instance's first backward runs eagerly and
+    captures them. The same kernels on the same values as the eager calls: the same bits.
+
+    Memory: each instance has a memory pool of its own, holding its saved state (about
+    ``R (D + 4F)`` bytes plus ``2 T K D`` for the h3 rows, at the receive bound R) and its
+    forward's and backward's temporaries. Own pools because instances replay in any order
+    while another instance's state is live: in a shared pool a capture may place its live
+    state in memory an earlier capture freed, which that earlier graph's replay overwrites.
+    An instance's own graphs always run in order (forward, backward, forward, ...), so they
+    share its pool.
+    Not used with ``check=True``, on CPU devices, inside a capture of the caller's, or with
+    ``graphs=False``; forwards without autograd run eagerly.
+    """
+
+    #: graph instances per key (live calls of one key at once)
+    max_instances = 4
+
+    def __init__(self, ctx, pool: GraphPool, *, max_graphs: int = 64) -> None:
+        self.ctx = ctx
+        self.pool = pool
+        self.max_graphs = max_graphs
+        self.forwards: dict = {}  # key -> [_FP8Entry]
+        self.seen: set = set()
+        self.replays = 0
+        self.captures = 0
+
+    def forward(self, x, expert_ids, scores, tw):
+        """``(y, saved)`` of :func:`~distmoe.ops.lowp_train.fp8_train_forward`, replayed where
+        the key has a free instance (``saved["entry"]`` names it, with the lease that keeps
+        it), else eagerly."""
+        ctx = self.ctx
+        if not torch.cuda.is_current_stream_capturing():
+            key = (x.shape[0], expert_ids.dtype, scores.dtype, id(tw))
+            entries = self.forwards.setdefault(key, [])
+            entry = next((e for e in entries if not e.busy), None)
+            if (entry is None and key in self.seen and len(entries) < self.max_instances
+                    and sum(map(len, self.forwards.values())) < self.max_graphs):
+                entry = self._capture_forward(entries, x, expert_ids, scores, tw)
+            if entry is not None:
+                entry.x.copy_(x)
+                entry.ids.copy_(expert_ids)
+                entry.scores.copy_(scores)
+                entry.graph.replay()
+                self.replays += 1
+                return entry.y.clone(), dict(entry.saved, entry=entry, lease=_Lease(entry))
+            self.seen.add(key)
+        return fp8_train_forward(ctx, x, expert_ids, scores, tw)
+
+    def _capture_forward(self, entries, x, expert_ids, scores, tw) -> _FP8Entry:
+        entry = _FP8Entry()
+        entry.tw = tw
+        entry.x, entry.ids, entry.scores = (torch.empty_like(t) for t in (x, expert_ids, scores))
+        entry.graph = torch.cuda.CUDAGraph()
+        entry.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(entry.graph, pool=entry.pool):
+            entry.y, entry.saved = fp8_train_forward(self.ctx, entry.x, entry.ids,
+                                                     entry.scores, tw)
+        entries.append(entry)
+        self.captures += 1
+        return entry
+
+    def backward(self, saved: dict, grad_y: torch.Tensor, weight_out):
+        """``(grad_x, grad_scores)`` of a replayed forward's backward from its instance's
+        graphs, the weight gradients launched between them; ``None`` where the caller runs
+        the eager backward (the forward ran eagerly, or inside a capture of the caller's).
+        The instance's first backward captures its graphs."""
+        entry = saved.get("entry")
+        if entry is None or torch.cuda.is_current_stream_capturing():
+            return None
+        ctx = self.ctx
+        T, K = saved["ids_executed"].shape
+        if entry.backward is None:
+            if not entry.backward_seen:  # the first backward of this instance: eager
+                entry.backward_seen = True
+                return None
+            entry.grad_y = torch.empty(T, ctx.cfg.hidden, dtype=torch.bfloat16,
+                                       device=ctx.device)
+            entry.grad_x = torch.empty_like(entry.grad_y)
+            entry.grad_scores = torch.empty(T, K, dtype=torch.float32, device=ctx.device)
+            # autograd runs backward on a worker thread: capture errors stay on this thread
+            inputs = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(inputs, pool=entry.pool,
+                                  capture_error_mode="thread_local"):
+                parts = fp8_backward_inputs(ctx, entry.saved, entry.grad_y, entry.grad_scores)
+            finish = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(finish, pool=entry.pool,
+                                  capture_error_mode="thread_local"):
+                fp8_backward_finish(ctx, entry.saved, entry.grad_x)
+            entry.backward = (inputs, finish, parts)
+            self.captures += 1
+        inputs, finish, parts = entry.backward
+        entry.grad_y.copy_(grad_y)
+        inputs.replay()
+        fp8_backward_weights(ctx, entry.saved, parts, weight_out)
+        finish.replay()
+        self.replays += 1
+        return entry.grad_x.clone(), entry.grad_scores.clone()
+
+    def clear(self) -> None:
+        """Drop every graph (their pool memory returns to torch's caching allocator)."""
+        self.forwards.clear()
+        self.seen.clear()
+
+    def stats(self) -> dict:
+        entries = [e for es in self.forwards.values() for e in es]
+        return dict(forward_graphs=len(entries),
+                    backward_graphs=sum(e.backward is not None for e in entries),
                     captures=self.captures, replays=self.replays)

@@ -61,7 +61,8 @@ tensors: x for the weight gradient, ``x_q`` + ``x_s`` ``R_b (D + D/B)`` bytes (s
 4 bytes for fp8_block), or with FP8 weight gradients x along tokens ``R_cap D (1 + 1/128)``
 bytes (``1 + 4/128`` for fp8_block), ``h1`` ``4 R_b F`` and
 the owner's h3 rows ``2 T K D`` bytes per layer until its backward; the context's activation
-slots are not used); the context's CUDA graphs (every call eager); replay under a budget.
+slots are not used); replay under a budget. Eager calls replay from the context's CUDA graphs
+(:class:`~distmoe.ops.graphs.FP8TrainGraphs`) on CUDA devices.
 
 Sync points: none on the host. Memory per backward: the quantised gh1 (``R_b 2F (1 + 1/B)``
 bytes), gh1, and x dequantised (bf16) or the token-axis operands (about one byte per value
@@ -243,26 +244,40 @@ def fp8_train_backward(moe, saved: dict, grad_y: torch.Tensor, weight_out):
     """Backward steps 1-5 (module docstring): ``(grad_x bf16 [T, D], grad_scores fp32
     [T, K])``; weight gradients into ``weight_out = (grad_w13, grad_w2)`` (each None where
     not needed; written whole, or added into fp32 ``main_grad`` buffers with
-    ``moe.main_grad``)."""
+    ``moe.main_grad``). Three phases (:func:`fp8_backward_inputs`,
+    :func:`fp8_backward_weights`, :func:`fp8_backward_finish`), which the context's CUDA
+    graphs capture apart (:class:`~distmoe.ops.graphs.FP8TrainGraphs`)."""
+    T, K = saved["ids_executed"].shape
+    grad_scores = torch.empty(T, K, dtype=torch.float32, device=moe.device)
+    grad_x = torch.empty(T, moe.cfg.hidden, dtype=torch.bfloat16, device=moe.device)
+    parts = fp8_backward_inputs(moe, saved, grad_y, grad_scores)
+    fp8_backward_weights(moe, saved, parts, weight_out)
+    fp8_backward_finish(moe, saved, grad_x)
+    return grad_x, grad_scores
+
+
+def fp8_backward_inputs(moe, saved: dict, grad_y: torch.Tensor,
+                        grad_scores: torch.Tensor) -> dict:
+    """Steps 1-3 but the weight gradients: the score gradients into ``grad_scores`` (fp32
+    ``[T, K]``), the route gradients pushed, and on the expert side gh2, the SwiGLU backward
+    and the input-gradient GEMM (rows stored into their owners' dispatch rows). Returns what
+    the weight gradients read: ``gh3``, ``h2``, ``gh1`` (activation rows)."""
     s, conf = moe._lowp, moe._lowp_train
     fmt = s.format
     block, _, quantize_2d, grouped_mm = FP8_FORMATS[fmt]
     tables, tw = saved["tables"], saved["weights"]
     ids_executed, scores_f32 = saved["ids_executed"], saved["scores_f32"]
-    T, K = ids_executed.shape
-    R, D = s.x_q.shape
+    R = s.x_q.shape[0]
     F = moe.cfg.ffn
     po, ro = tables.padded_offsets, tables.row_offsets
     bufs = moe.backward_buffers
-    heap = moe.heap
     grad_y = grad_y.to(torch.bfloat16).contiguous()
-    grad_scores = torch.empty(T, K, dtype=torch.float32, device=moe.device)
     # 1. owner: score gradients from the kept h3 rows; scored route gradients pushed
     route_grads(grad_y, saved["h3_routes"], ids_executed, scores_f32, None, grad_scores,
                 dest_rows=tables.dest_rows_TK, dest_bases=bufs.gh3_bases,
                 experts_per_rank=moe.num_local_experts)
     # 2. the route gradients visible to the experts
-    heap.barrier()
+    moe.heap.barrier()
     # 3. expert side
     gh3 = moe.activations.scratch["gh3"][:R]
     g_q, g_s = s.x_q, s.x_s  # free in backward: the forward keeps its own x_q
@@ -278,6 +293,18 @@ def fp8_train_backward(moe, saved: dict, grad_y: torch.Tensor, weight_out):
     # each route's input gradient row straight into its owner's dispatch row
     grouped_mm(gh1_q, gh1_s, tw.w13t_q, tw.w13t_s, po, ro, None, config=conf.w13_dgrad,
                scatter_ptrs=tables.bwd_scatter_ptrs)
+    return dict(gh3=gh3, h2=h2, gh1=gh1)
+
+
+def fp8_backward_weights(moe, saved: dict, parts: dict, weight_out) -> None:
+    """Step 3's weight gradients from :func:`fp8_backward_inputs`' ``parts`` into
+    ``weight_out = (grad_w13, grad_w2)`` (each None where not needed)."""
+    s, conf = moe._lowp, moe._lowp_train
+    fmt = s.format
+    tables = saved["tables"]
+    po, ro = tables.padded_offsets, tables.row_offsets
+    gh3, h2, gh1 = parts["gh3"], parts["h2"], parts["gh1"]
+    D, F = moe.cfg.hidden, moe.cfg.ffn
     grad_w13, grad_w2 = weight_out
     accumulate = moe.main_grad
     if conf.w13_wgrad is not None:  # FP8, operands quantised along tokens
@@ -298,12 +325,14 @@ def fp8_train_backward(moe, saved: dict, grad_y: torch.Tensor, weight_out):
         if grad_w13 is not None:
             w13_wgrad(gh1, dequantize_rows(*saved["wgrad_x"], fmt), po, ro, grad_w13,
                       accumulate=accumulate, config=moe.plan.w13_wgrad)
-    # 4. every route's input gradient has landed
-    heap.barrier()
-    # 5. owner
-    grad_x = torch.empty(T, D, dtype=torch.bfloat16, device=moe.device)
-    reduce_routes(bufs.dispatch[:T * K], ids_executed, grad_x)
-    return grad_x, grad_scores
+
+
+def fp8_backward_finish(moe, saved: dict, grad_x: torch.Tensor) -> None:
+    """Steps 4-5: once every route's input gradient has landed, ``grad_x`` (bf16 ``[T, D]``)
+    as the sum of its executed routes' rows."""
+    T, K = saved["ids_executed"].shape
+    moe.heap.barrier()
+    reduce_routes(moe.backward_buffers.dispatch[:T * K], saved["ids_executed"], grad_x)
 
 
 class FP8TrainFunction(torch.autograd.Function):
@@ -313,7 +342,10 @@ class FP8TrainFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, moe, x, expert_ids, scores, w13, w2):
         tw = train_weights(moe, w13, w2)
-        y, saved = fp8_train_forward(moe, x, expert_ids, scores, tw)
+        if moe.graphs is not None:  # an FP8 training context's are FP8TrainGraphs
+            y, saved = moe.graphs.forward(x, expert_ids, scores, tw)
+        else:
+            y, saved = fp8_train_forward(moe, x, expert_ids, scores, tw)
         ctx.moe, ctx.saved = moe, saved
         ctx.scores_dtype = scores.dtype
         ctx.weights = (w13, w2)
@@ -327,6 +359,9 @@ class FP8TrainFunction(torch.autograd.Function):
         moe.check_open()
         check_versions(ctx)
         weight_out = weight_grad_outputs(ctx, moe)
-        grad_x, grad_scores = fp8_train_backward(moe, ctx.saved, grad_y, weight_out)
+        out = None
+        if moe.graphs is not None:
+            out = moe.graphs.backward(ctx.saved, grad_y, weight_out)
+        grad_x, grad_scores = out or fp8_train_backward(moe, ctx.saved, grad_y, weight_out)
         ctx.saved = None  # the layer's tensors go now, not with the graph
         return backward_outputs(ctx, moe, grad_x, grad_scores, weight_out)
