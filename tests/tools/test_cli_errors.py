@@ -53,7 +53,7 @@ def test_run_script_help_needs_no_install():
     r = subprocess.run(["bash", "run", "--help"], cwd=ROOT, capture_output=True, text=True,
                        timeout=30)
     assert r.returncode == 0
-    assert r.stdout.startswith("usage: ./run {demo|test|plan|bench|ab|profile|tune}")
+    assert r.stdout.startswith("usage: ./run {demo|test|plan|bench|ab|profile|tune|scaling}")
 
 
 @pytest.mark.parametrize("cmd", [
