@@ -28,32 +28,30 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROWS = st.tuples(st.integers(1, 3), st.sampled_from([128, 256]))
 
 
+ANY_FLOAT32 = hnp.arrays("float32", ROWS, elements=st.floats(width=32, allow_nan=True,
+                                                               allow_infinity=True))
+
+
+def _same_bits(got, want):
+    return torch.equal(got.cpu().view(torch.uint8), want.reshape(got.shape).view(torch.uint8))
+
+
 @settings(max_examples=30, deadline=None)
-@given(hnp.arrays("float32", ROWS, elements=st.floats(width=32, allow_nan=True,
-                                                       allow_infinity=True)))
-def test_kernel_gives_reference_bits(arr):
+@given(ANY_FLOAT32)
+def test_kernels_give_reference_bits(arr):
     x = torch.from_numpy(arr.copy())
-    q, s = fp8_block_quantize(x.to(DEVICE))
+    xd = x.to(DEVICE)
+    q, s = fp8_block_quantize(xd)
     q_ref, s_ref = fp8_block_quantize_ref(x)
-    assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
-    assert torch.equal(s.cpu(), s_ref)
-
-
-@settings(max_examples=30, deadline=None)
-@given(hnp.arrays("float32", ROWS, elements=st.floats(width=32, allow_nan=True,
-                                                       allow_infinity=True)))
-def test_mxfp8_kernels_give_reference_bits(arr):
-    x = torch.from_numpy(arr.copy())
-    q, s = mxfp8_quantize(x.to(DEVICE))
+    assert _same_bits(q, q_ref) and _same_bits(s, s_ref)
+    q, s = mxfp8_quantize(xd)
     q_ref, s_ref = mxfp8_quantize_ref(x)
-    assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
-    assert torch.equal(s.cpu(), s_ref)
+    assert _same_bits(q, q_ref) and _same_bits(s, s_ref)
     qr = torch.empty_like(q)
     sr = torch.empty(x.shape[0], x.shape[1] // 128, dtype=torch.uint8, device=DEVICE)
-    mxfp8_quantize_rebased_2d(x.to(DEVICE), qr, sr)
+    mxfp8_quantize_rebased_2d(xd, qr, sr)
     qr_ref, sr_ref, _ = mxfp8_rebase(q_ref, s_ref)
-    assert torch.equal(qr.cpu().view(torch.uint8), qr_ref.view(torch.uint8))
-    assert torch.equal(sr.cpu(), sr_ref)
+    assert _same_bits(qr, qr_ref) and _same_bits(sr, sr_ref)
 
 
 @settings(max_examples=40, deadline=None)
