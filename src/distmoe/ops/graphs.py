@@ -403,7 +403,9 @@ class FP8TrainGraphs:
     while another instance's state is live: in a shared pool a capture may place its live
     state in memory an earlier capture freed, which that earlier graph's replay overwrites.
     An instance's own graphs always run in order (forward, backward, forward, ...), so they
-    share its pool.
+    share its pool. An instance also keeps the quantised weights it reads alive (the key
+    holds their object's id), at most :attr:`max_instances` per key and ``max_graphs`` in
+    all.
     Not used with ``check=True``, on CPU devices, inside a capture of the caller's, or with
     ``graphs=False``; forwards without autograd run eagerly.
     """
