@@ -6,8 +6,8 @@ qwen3-30b-a3b).
         [--precisions bf16 mxfp8 fp8_block] [--json out/fp8_training.json]
 
 One process, one GPU, EP = 1, sampled routing (each token draws K distinct experts), the
-public API as a training loop calls it (``MoEContext(cfg)`` with its defaults: the bf16
-context replays its own CUDA graphs, the FP8 contexts run every kernel eagerly). Timed by the
+public API as a training loop calls it (``MoEContext(cfg)`` with its defaults: every context
+replays its own CUDA graphs, :mod:`distmoe.ops.graphs`). Timed by the
 shared harness (:func:`distmoe.tools.bench.timing.benchmark`, eager CUDA-event windows, median
 window): ``fwd``, the training forward (autograd on, the graph dropped), and ``fwdbwd``,
 forward + ``torch.autograd.grad`` of every input. The FP8 weights are quantised once per

@@ -146,9 +146,10 @@ class MoEContext:
             an override that cannot apply raises ``ValueError`` before any buffer exists.
         graphs: contexts on a CUDA device replay eager calls from CUDA graphs they capture
             themselves, one per call key (T, id and score dtypes, weight addresses, and in
-            training the slot and layer; :mod:`distmoe.ops.graphs`), the forward and in
-            training the backward: the same bits at a fraction of the host time. ``False``
-            runs every call eagerly. Off with ``check=True``.
+            training the slot and layer, or at FP8 the weights' quantised forms and one
+            graph per live call; :mod:`distmoe.ops.graphs`), the forward and in training
+            the backward: the same bits at a fraction of the host time. ``False`` runs every
+            call eagerly. Off with ``check=True``.
         transport: how rows cross between ranks. ``"peer"``: every rank maps every other's
             memory (one host: CPU shared memory, CUDA IPC or symmetric memory), the kernels
             read and write peers' buffers. ``"nccl"``: torch.distributed collectives
