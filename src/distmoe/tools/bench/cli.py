@@ -634,6 +634,8 @@ def run_case(
             untracked = heap.untracked_bytes if heap is not None else 0
             row.peak_mem_gib = (torch.cuda.max_memory_allocated(ctx.device) + untracked) / 2**30
         rows = case_rows(row, res, provider.note)
+        if ctx.bench_group.world_size > 1:
+            _measure_nvlink(ctx, step, rows, group)
         out = [(r, fill_metrics(r, ctx.dense_tflops, ctx.dense_sustained_tflops)) for r in rows]
     except Exception as exc:  # a failing provider is a result, not a harness error
         row.status, row.note = "failed", report.error_text(exc)
@@ -652,6 +654,25 @@ def run_case(
 #: 4 * 2^-4 of its scale. FP4 weights (E2M1, 1 fraction bit): 2^-2 per weight, two GEMMs.
 OUTPUT_TOLERANCE = {"bf16": 0.05, "mxfp8": 0.25, "fp8_block": 0.25, "nvfp4": 0.5,
                     "mxfp4": 0.5}
+
+
+def _measure_nvlink(ctx: _Context, step, rows: list[report.CaseResult], group) -> None:
+    """NVLink bytes of one case measured through NVML GPM (:mod:`.nvlink`), collectively: every
+    rank runs the measuring calls or none does. Each row gets ``nvlink_measured_gbps`` at its
+    own iteration time, or a note saying why there is none."""
+    from . import nvlink
+    from .timing import _all_ranks_agree
+
+    counter, why = nvlink.counter_for(ctx.device)
+    if not _all_ranks_agree(counter is not None, group):
+        why = why or "another rank cannot measure"
+        for r in rows:
+            r.note = "; ".join(filter(None, [r.note, f"nvlink measured: n/a ({why})"]))
+        return
+    link = counter.measure(step, ctx.plan.timing.iters_per_window, ctx.device)
+    for r in rows:
+        if r.iter_ms:
+            r.nvlink_measured_gbps = link.per_direction / (r.iter_ms * 1e-3) / 1e9
 
 
 def case_rows(row: report.CaseResult, res: ModeResults, provider_note: str = ""

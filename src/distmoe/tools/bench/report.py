@@ -68,6 +68,7 @@ CASE_COLUMNS: dict[str, type] = {
     "pct_dense_sustained": float,
     "hbm_gbps": float,
     "nvlink_gbps": float,
+    "nvlink_measured_gbps": float,
     "sm_clock_mhz": float,
     "power_w": float,
     "peak_mem_gib": float,
@@ -155,6 +156,8 @@ class CaseResult:
     pct_dense_sustained: float | None = None
     hbm_gbps: float | None = None
     nvlink_gbps: float | None = None
+    #: NVLink bytes measured by NVML GPM per GPU and direction, per second (bench.nvlink)
+    nvlink_measured_gbps: float | None = None
     sm_clock_mhz: float | None = None
     power_w: float | None = None
     peak_mem_gib: float | None = None
