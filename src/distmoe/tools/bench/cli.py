@@ -69,7 +69,13 @@ from distmoe.tools.bench.providers import (
     build_provider,
     make_step,
 )
-from distmoe.tools.bench.timing import TIMING_CHOICES, ModeResults, TimingConfig, benchmark_modes
+from distmoe.tools.bench.timing import (
+    TIMING_CHOICES,
+    ModeResults,
+    TimingConfig,
+    all_ranks_agree,
+    benchmark_modes,
+)
 from distmoe.tools.bench.workloads import (
     DEFAULT_SHAPES,
     FULL_SHAPES,
@@ -661,10 +667,9 @@ def _measure_nvlink(ctx: _Context, step, rows: list[report.CaseResult], group) -
     rank runs the measuring calls or none does. Each row gets ``nvlink_measured_gbps`` at its
     own iteration time, or a note saying why there is none."""
     from . import nvlink
-    from .timing import _all_ranks_agree
 
     counter, why = nvlink.counter_for(ctx.device)
-    if not _all_ranks_agree(counter is not None, group):
+    if not all_ranks_agree(counter is not None, group):
         why = why or "another rank cannot measure"
         for r in rows:
             r.note = "; ".join(filter(None, [r.note, f"nvlink measured: n/a ({why})"]))

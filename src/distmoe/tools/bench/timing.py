@@ -252,7 +252,8 @@ def _allreduce_max(values: list[float], group: dist.ProcessGroup | None) -> list
     return [t.cpu().tolist()]
 
 
-def _all_ranks_agree(ok: bool, group: dist.ProcessGroup | None) -> bool:
+def all_ranks_agree(ok: bool, group: dist.ProcessGroup | None) -> bool:
+    """Whether ``ok`` holds on every rank of ``group`` (one all-reduce; collective)."""
     if _group_size(group) == 1:
         return ok
     t = torch.tensor([1 if ok else 0], dtype=torch.int32, device=_reduce_device(group))
@@ -341,7 +342,7 @@ def _try_capture(
                 pass
             _clear_rng_capture_state()
     # A collective inside fn must run the same way on every rank.
-    if not _all_ranks_agree(graph is not None, group) and graph is not None:
+    if not all_ranks_agree(graph is not None, group) and graph is not None:
         graph, reason = None, "capture failed on another rank"
     return graph, reason
 
