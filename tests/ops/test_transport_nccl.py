@@ -1,6 +1,6 @@
 """``MoEContext(..., transport="nccl" | "hierarchical")`` (distmoe.ops.transport) on CPU
 ranks, with gloo standing in for NCCL: the layer over all-gather / reduce-scatter collectives
-around a one-rank context per rank ("nccl", EP 2 and 3) or a peer-memory context per
+around a one-rank context per rank ("nccl", EP 2, 3 and 4) or a peer-memory context per
 "node" (4 ranks as 2 nodes of 2, ``node_size=2``: the CPU shared-memory heap inside a node,
 gloo between), against torch autograd of the reference, forward and every gradient, with
 skewed routing, inactive routes and a rank that receives no rows.
@@ -67,7 +67,7 @@ def _nccl_rank(rank, world, seed, transport, node_size):
 
 
 @pytest.mark.parametrize("transport, EP, node_size", [
-    ("nccl", 2, None), ("nccl", 3, None), ("hierarchical", 4, 2)])
+    ("nccl", 2, None), ("nccl", 3, None), ("nccl", 4, None), ("hierarchical", 4, 2)])
 def test_collective_transports_match_the_reference(transport, EP, node_size):
     seed = 900 + EP
     per_rank = dm.launch(_nccl_rank, EP, args=(seed, transport, node_size), timeout=600)
