@@ -41,9 +41,6 @@ SHAPES = {  # name: (T, D, F, E, K)
 }
 QUANTIZE_2D = {"mxfp8": mxfp8_quantize_2d, "mxfp8_rebased": mxfp8_quantize_rebased_2d,
                "fp8_block": fp8_block_quantize_2d}
-#: swiglu_quantize's precision argument per operand format
-SWIGLU_PRECISION = {"mxfp8": "mxfp8", "mxfp8_rebased": "mxfp8_rebased",
-                    "fp8_block": "fp8_block"}
 
 
 def _buffers(rows: int, cols: int, fmt: str, dev: torch.device):
@@ -73,8 +70,7 @@ def run_shape(shape: str, fmt: str, timing: TimingConfig, copy_gbps: float) -> l
         "gather_quantize": (lambda: gather_quantize(ptrs, seg, seg, q, s, format=fmt,
                                                     block_m=128),
                             rows.nbytes + out_bytes + ptrs.nbytes),
-        "swiglu_quantize": (lambda: swiglu_quantize(h1, h2, hq, hs,
-                                                    precision=SWIGLU_PRECISION[fmt]),
+        "swiglu_quantize": (lambda: swiglu_quantize(h1, h2, hq, hs, precision=fmt),
                             h1.nbytes + h2.nbytes + h_out),
     }
     out = []

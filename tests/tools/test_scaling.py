@@ -7,9 +7,11 @@ import json
 import pytest
 
 from distmoe.tools import scaling
-from distmoe.tools.scaling import Links, Shape, estimate, fit_exposed, nvlink_ms
+from distmoe.tools.bench.workloads import MoEShape
+from distmoe.tools.scaling import Links, estimate, fit_exposed, nvlink_ms
 
-SHAPE = Shape("toy", tokens=1000, hidden=500, ffn=100, num_experts=64, top_k=4)
+SHAPE = MoEShape(name="toy", tokens=1000, hidden=500, ffn=100, num_experts=64, top_k=4,
+                 description="")
 # round numbers: 1 GB/s = 1e6 bytes per ms
 LINKS = Links(nvlink_gbps=100.0, nic_gbps=10.0, nic_efficiency=0.5, hbm_gbps=1000.0,
               gpus_per_node=4)

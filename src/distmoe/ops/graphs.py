@@ -364,6 +364,9 @@ class _FP8Entry:
     busy: bool = False
     backward: tuple | None = None  # (inputs graph, finish graph, parts)
     backward_seen: bool = False
+    grad_y: torch.Tensor  # the backward graphs' static input and outputs
+    grad_x: torch.Tensor
+    grad_scores: torch.Tensor
 
 
 class _Lease:

@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .bench import report
-from .bench.workloads import get_shape
+from .bench.workloads import MoEShape, get_shape
 
 #: NIC bytes per GPU of an all-gather row: x (bf16) per D, then ids (int32) and scores (fp32)
 _ID_SCORE_BYTES = 8
@@ -68,16 +68,6 @@ class Links:
     nic_efficiency: float = 0.8
     hbm_gbps: float = 3350.0
     gpus_per_node: int = 8
-
-
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    tokens: int
-    hidden: int
-    ffn: int
-    num_experts: int
-    top_k: int
 
 
 @dataclass
@@ -102,7 +92,7 @@ class Estimate:
         return self.collective / self.total if self.total > 0 else 0.0
 
 
-def nvlink_ms(shape: Shape, ranks: int, links: Links) -> float:
+def nvlink_ms(shape: MoEShape, ranks: int, links: Links) -> float:
     """Time of the NVLink bytes of one forward at ``ranks`` GPUs of a node, nothing hidden."""
     if ranks <= 1:
         return 0.0
@@ -110,15 +100,19 @@ def nvlink_ms(shape: Shape, ranks: int, links: Links) -> float:
     return 2 * t * k * d * 2 * (ranks - 1) / ranks / (links.nvlink_gbps * 1e6)
 
 
-def fit_exposed(shape: Shape, mode: str, ep2_ratio: float, compute_ms: float,
+def ep2_byte_ms(shape: MoEShape, mode: str, links: Links) -> float:
+    """:func:`nvlink_ms` of a call at EP=2 (twice with the backward)."""
+    return nvlink_ms(shape, 2, links) * (2 if mode == "fwdbwd" else 1)
+
+
+def fit_exposed(shape: MoEShape, mode: str, ep2_ratio: float, compute_ms: float,
                 links: Links) -> float:
     """The share of the EP=2 NVLink time that showed: ``(ratio - 1) * compute`` over
-    :func:`nvlink_ms` at 2 ranks (times 2 with the backward)."""
-    byte_ms = nvlink_ms(shape, 2, links) * (2 if mode == "fwdbwd" else 1)
-    return max(0.0, (ep2_ratio - 1.0) * compute_ms / byte_ms)
+    :func:`ep2_byte_ms`."""
+    return max(0.0, (ep2_ratio - 1.0) * compute_ms / ep2_byte_ms(shape, mode, links))
 
 
-def estimate(shape: Shape, mode: str, ep: int, compute_ms: float, links: Links,
+def estimate(shape: MoEShape, mode: str, ep: int, compute_ms: float, links: Links,
              exposed: float = 1.0) -> Estimate | None:
     """The model's row for ``ep`` ranks (None where E does not divide by ``ep``)."""
     if ep < 1 or shape.num_experts % ep:
@@ -146,10 +140,10 @@ def estimate(shape: Shape, mode: str, ep: int, compute_ms: float, links: Links,
                     overlapped=overlapped, all_to_all=a2a)
 
 
-def ep1_times(paths: list[Path]) -> dict[tuple[str, str], tuple[Shape, float, str]]:
-    """``(shape, mode) -> (Shape, ms, source)`` of distmoe's EP=1 bf16 rows in bench results
+def ep1_times(paths: list[Path]) -> dict[tuple[str, str], tuple[MoEShape, float, str]]:
+    """``(shape, mode) -> (MoEShape, ms, source)`` of distmoe's EP=1 bf16 rows in bench results
     files: the CUDA-graph figure, sampled routing before exact, the later file first."""
-    found: dict[tuple[str, str], tuple[Shape, float, str, int]] = {}
+    found: dict[tuple[str, str], tuple[MoEShape, float, str, int]] = {}
     for path in paths:
         payload = json.loads(Path(path).read_text())
         for c in payload.get("cases", []):
@@ -163,8 +157,9 @@ def ep1_times(paths: list[Path]) -> dict[tuple[str, str], tuple[Shape, float, st
             key = (name, c["mode"])
             if key in found and found[key][3] > rank:
                 continue
-            shape = Shape(name, c["tokens"], c["hidden"], c["ffn"], c["num_experts"],
-                          c["top_k"])
+            shape = MoEShape(name=name, tokens=c["tokens"], hidden=c["hidden"], ffn=c["ffn"],
+                             num_experts=c["num_experts"], top_k=c["top_k"],
+                             description="from a results file")
             found[key] = (shape, float(c["iter_ms"]), f"{path} ({c.get('routing', 'exact')})",
                           rank)
     return {k: v[:3] for k, v in found.items()}
@@ -249,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 print(f"distmoe scaling: error: --ep2: {exc}", file=sys.stderr)
                 return 2
-            shape, ms = Shape(s.name, s.tokens, s.hidden, s.ffn, s.num_experts, s.top_k), 0.0
+            shape, ms = s, 0.0
         else:
             print(f"distmoe scaling: error: --ep2 names {name} {mode} without EP1_MS, and "
                   "--results lacks it", file=sys.stderr)
@@ -258,15 +253,14 @@ def run(args: argparse.Namespace) -> int:
         fitted.append((shape, mode, ratio, ms))
         fits.append(fit_exposed(shape, mode, ratio, ms, links))
         print(f"EP=2 {name} {mode}: ratio {ratio:.3f} -> {ms * (ratio - 1):.3f} ms over "
-              f"{nvlink_ms(shape, 2, links) * (2 if mode == 'fwdbwd' else 1):.3f} ms of NVLink "
+              f"{ep2_byte_ms(shape, mode, links):.3f} ms of NVLink "
               f"bytes: exposed {fits[-1]:.2f}")
     exposed = sum(fits) / len(fits) if fits else 1.0
     if len(fits) > 1:  # the check: each measurement against the fit of the others
         for i, (shape, mode, ratio, ms) in enumerate(fitted):
             name = shape.name
             others = (sum(fits) - fits[i]) / (len(fits) - 1)
-            byte_ms = nvlink_ms(shape, 2, links) * (2 if mode == "fwdbwd" else 1)
-            predicted = 1 + others * byte_ms / ms
+            predicted = 1 + others * ep2_byte_ms(shape, mode, links) / ms
             print(f"check {name} {mode}: EP=2 / EP=1 predicted {predicted:.3f} from the other "
                   f"fits, measured {ratio:.3f} ({100 * (predicted / ratio - 1):+.1f}%)")
     print(f"exposed share of the NVLink time: {exposed:.2f}"
