@@ -395,7 +395,8 @@ def test_slot_cursor_kernel_matches_torch_ops(ep, h3_bytes, mode):
         rows = torch.randint(0, 100, (ep,), generator=gen).to(dev)  # x smaller from 20
         cursors = (torch.randint(0, 200, (ep,), generator=gen) * 128).to(dev)
         later = trial % 4
-        args = dict(rank=trial % ep, slot_base=3 * 65536, input_bytes=1536, later=later,
+        layer = trial % 3  # the slot's depth before the layer: read on the device
+        args = dict(rank=trial % ep, input_bytes=1536, max_layers=layer + later + 1 + trial % 2,
                     # room for this layer's input and the later ones' (the invariant), and
                     # up to 16 KB more: saves of both states, and replays
                     slot_bytes=int(cursors.max()) + 1536 * (later + 1)
@@ -406,17 +407,32 @@ def test_slot_cursor_kernel_matches_torch_ops(ep, h3_bytes, mode):
                     act_bases=(torch.randint(1, 1 << 20, (ep,), generator=gen) * 4096).to(dev),
                     combine_bases=(torch.randint(1, 1 << 20, (ep,), generator=gen) * 4096).to(dev),
                     rows_origin=13 * 4096)
-        want_cur = cursors.clone()
+        args["slot_base"] = 3 * args["slot_bytes"]  # slot 3 of 5 is selected
+        # every slot's cursors (poison in the others: they must not move), the selection
+        # (slot 3, bound layer + later + 1), the depths and a clean error record
+        state = [torch.randint(0, 1 << 30, (5, ep), generator=gen).to(dev),
+                 torch.tensor([3, layer + later + 1], device=dev),
+                 torch.tensor([9, 0, 4, layer, 2], device=dev),
+                 torch.zeros(4, dtype=torch.int64, device=dev)]
+        state[0][3] = cursors
+        call = {k: v for k, v in args.items() if k != "slot_base"}
+        want_state = [t.clone() for t in state]
         want = [torch.full((ep,), -7, dtype=torch.int64, device=dev),
                 torch.ones(1, dtype=torch.bool, device=dev),
                 torch.full((4,), -7, dtype=torch.int64, device=dev),
                 torch.full((5,), -7, dtype=torch.int64, device=dev),
                 torch.full((ep,), -7, dtype=torch.int64, device=dev),
                 torch.full((3,), -7, dtype=torch.int32, device=dev)]
-        sc._begin_layer_torch(rows, want_cur, *want, **args)
-        got_cur = cursors.clone()
-        got = sc.begin_layer_on_device(rows, got_cur, **args)
-        assert torch.equal(got_cur, want_cur)
+        want_where = torch.full((3,), -7, dtype=torch.int64, device=dev)
+        sc._begin_layer_torch(rows, *want_state, want_where, *want, num_slots=5, **call)
+        got_state = [t.clone() for t in state]
+        *got, where = sc.begin_layer_on_device(rows, *got_state, **call)
+        for g, w in zip(got_state, want_state, strict=True):
+            assert torch.equal(g, w)
+        assert where.tolist() == want_where.tolist() == [3, layer, 1]
+        assert got_state[2].tolist() == [9, 0, 4, layer + 1, 2] and not got_state[3].any()
+        assert torch.equal(got_state[0][[0, 1, 2, 4]], state[0][[0, 1, 2, 4]])
+        got_cur = got_state[0][3]
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g, w), (trial, g, w)
         replayed, as_x, rebuild = got[5].tolist()

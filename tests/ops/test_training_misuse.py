@@ -56,6 +56,9 @@ def _inplace_rank(rank, world, what):
         except RuntimeError as exc:
             out["error"] = str(exc)
         out["depth"] = ctx.stats()["activations"]["slot_depth"]
+        with pytest.raises(RuntimeError, match="still owned by a backward"):
+            ctx.reset_slots()  # y's graph can still run the backward
+        del y
         ctx.reset_slots()
     return out
 

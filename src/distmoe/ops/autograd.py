@@ -117,6 +117,8 @@ bit-identical (the score parts are summed in a fixed order: no atomics).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -142,6 +144,7 @@ class MoEFunction(torch.autograd.Function):
         # it (a re-run would append to the slot during backward).
         ctx.saved = saved
         ctx.record = saved["record"]  # the layer's slot record (tools and tests read it)
+        ctx.record.owner = weakref.ref(ctx)  # reset_slots refuses while this graph lives
         ctx.scores_dtype = scores.dtype
         ctx.weights = (w13, w2)
         # ... so autograd's check of saved tensors' versions does not run: done by hand here

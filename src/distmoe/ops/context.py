@@ -807,17 +807,33 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
         return backward_eager(self, saved, grad_y, w13, w2, x_shape, weight_out)
 
     # ------------------------------------------------------------------ slots
-    def select_slot(self, slot: int) -> None:
-        """Select the activation slot that the next training forwards append to (host int in
-        ``[0, cfg.num_slots)``). A backward always uses the slot its forward recorded."""
+    def select_slot(self, slot: int | torch.Tensor,
+                    max_layers: int | torch.Tensor | None = None) -> None:
+        """Select the activation slot that the next training forwards append to, and the
+        layer-depth bound of its owner (how many layers it will put there; the save/replay
+        rule reserves replay inputs for the later ones; default and maximum
+        ``cfg.max_layers_per_slot``).
+
+        Each is a host int (``slot`` in ``[0, cfg.num_slots)``, checked here) or a one-element
+        integer tensor on this context's device, copied without synchronising: the forwards
+        read the selection on the device, so a CUDA graph that captured them replays with
+        whatever the tensors hold at replay time (a framework's schedule can write slot ids
+        from :func:`distmoe.memory.assign_slots` into them). A device selection the forward
+        finds invalid (slot out of range, bound out of range, slot already holding ``bound``
+        layers) keeps nothing and is reported by the next forward (RuntimeError) and by
+        ``stats()["activations"]["slot_errors"]``. A backward always uses the slot its forward
+        recorded (a device snapshot), whatever is selected later. While a device-selected
+        layer is live, this context's own CUDA graphs step aside (eager calls)."""
         self.check_open()
         self._require_training("select_slot")
-        self.activations.select_slot(slot)
+        self.activations.select_slot(slot, max_layers)
 
     def reset_slots(self) -> None:
         """*Call on every rank at the same point.* Empty every slot: after an aborted schedule
         or after training forwards whose outputs were dropped without a backward (those keep
-        their layer otherwise). A later backward of a forgotten layer raises."""
+        their layer otherwise). Refused (RuntimeError) while a layer's autograd graph is alive
+        (its backward can still run and owns its state: drop the outputs first). A later
+        backward of a forgotten layer raises. Clears the device's slot selection errors."""
         self.check_open()
         self._require_training("reset_slots")
         self.activations.reset_slots()

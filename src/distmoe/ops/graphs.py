@@ -212,10 +212,16 @@ class TrainingGraphs:
         self.replays = 0
         self.captures = 0
 
-    def key(self, x, expert_ids, scores, w13, w2) -> tuple:
+    def key(self, x, expert_ids, scores, w13, w2) -> tuple | None:
+        """The graph key, or None (run eagerly) where the host does not know the selected
+        slot and its depth: a key must never name two live layers, whose records would share
+        the graph's tensors."""
         acts = self.ctx.activations
+        depth = None if acts.slot is None else acts.host_depth(acts.slot)
+        if depth is None:
+            return None
         return (x.shape[0], expert_ids.dtype, scores.dtype, w13.data_ptr(), w2.data_ptr(),
-                acts.slot, len(acts.stacks[acts.slot]))
+                acts.slot, depth)
 
     def forward(self, x, expert_ids, scores, w13, w2):
         """``(y, saved)`` of a forward under autograd (see
@@ -225,6 +231,9 @@ class TrainingGraphs:
         ctx = self.ctx
         T = x.shape[0]
         key = self.key(x, expert_ids, scores, w13, w2)
+        if key is None:  # selected on the device: eager
+            y, saved = ctx.forward_layer(x, expert_ids, scores, w13, w2, save=True)
+            return y, dict(saved, graph_key=None, graphed=False)
         entry = self.forwards.get(key)
         if entry is None:
             if (torch.cuda.is_current_stream_capturing() or key not in self.seen
@@ -244,7 +253,7 @@ class TrainingGraphs:
         entry.graph.replay()
         self.replays += 1
         rec = dataclasses.replace(entry.record)  # a live record of this call, same tensors
-        acts.stacks[rec.slot].append(rec)
+        acts.push(rec)
         y = self.pool.static("y", (T, ctx.cfg.hidden), torch.bfloat16).clone()
         return y, dict(entry.saved, record=rec, graph_key=key, graphed=True)
 
@@ -256,14 +265,12 @@ class TrainingGraphs:
         y_s = self.pool.static("y", (T, D), torch.bfloat16)
         ids_s = torch.empty_like(expert_ids)
         scores_s = torch.empty_like(scores)
-        slot = acts.slot
-        depth = len(acts.stacks[slot])
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool.handle()):
             _, saved = ctx.forward_layer(x_s, ids_s, scores_s, w13, w2, save=True, out=y_s)
         # The capture ran nothing: the layer it appended is not in the slot yet.
-        rec = acts.stacks[slot].pop()
-        assert rec is saved["record"] and len(acts.stacks[slot]) == depth
+        rec = saved["record"]
+        acts.forget(rec)
         entry = _Forward(graph=graph, ids=ids_s, scores=scores_s, saved=saved, record=rec)
         self.forwards[key] = entry
         self.captures += 1
