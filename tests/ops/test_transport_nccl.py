@@ -32,36 +32,43 @@ def _cfg(world, training=True):
                         max_layers_per_slot=2)
 
 
-def _nccl_rank(rank, world, seed, transport, node_size):
+def _on(device, p):
+    return type(p)(*(t.to(device) for t in (p.x, p.expert_ids, p.scores, p.w13, p.w2)))
+
+
+def _nccl_rank(rank, world, seed, transport, node_size, device="cpu"):
     out = {}
-    kw = dict(transport=transport, node_size=node_size)
+    if device == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    kw = dict(transport=transport, node_size=node_size, device=device)
     with dm.MoEContext(_cfg(world), **kw) as ctx, \
             dm.MoEContext(_cfg(world, training=False), **kw) as inf:
         out["transport"] = (ctx.transport, ctx.stats()["transport"], inf.transport)
         out["explain"] = ctx.explain().splitlines()[0]
         for i, name in enumerate(CASES):
-            p = split_global_problem(*make_problem(seed + i, world, T, D, F, E, K, name),
-                                     world)[rank]
-            gy = _upstream(seed + i, world * T)[rank * T:(rank + 1) * T]
+            p = _on(device, split_global_problem(*make_problem(seed + i, world, T, D, F, E, K,
+                                                               name), world)[rank])
+            gy = _upstream(seed + i, world * T)[rank * T:(rank + 1) * T].to(device)
             leaves = [t.clone().requires_grad_(True) for t in (p.x, p.scores, p.w13, p.w2)]
             y = ctx(leaves[0], p.expert_ids, *leaves[1:])
             (y.float() * gy).sum().backward()
-            out[name] = [y.detach()] + [t.grad for t in leaves]
+            out[name] = [y.detach().cpu()] + [t.grad.cpu() for t in leaves]
             with torch.no_grad():
-                out[name + " inference"] = inf(p.x, p.expert_ids, p.scores, p.w13, p.w2)
+                out[name + " inference"] = inf(p.x, p.expert_ids, p.scores, p.w13,
+                                               p.w2).cpu()
         out["depth"] = ctx.stats()["activations"]["slot_depth"]
         # ids outside [-1, E) on every rank: never executed (y as with those routes
         # inactive), counted once per rank of the group the ids are gathered over
         before = inf.stats()["invalid_ids"]
-        p = split_global_problem(*make_problem(seed, world, T, D, F, E, K, "balanced"),
-                                 world)[rank]
+        p = _on(device, split_global_problem(*make_problem(seed, world, T, D, F, E, K,
+                                                           "balanced"), world)[rank])
         bad = p.expert_ids.clone()
         bad[0, 0], bad[1, 1] = E + 3, -5
         inactive = bad.clone()
         inactive[0, 0], inactive[1, 1] = -1, -1
         with torch.no_grad():
-            out["invalid y"] = (inf(p.x, bad, p.scores, p.w13, p.w2),
-                                inf(p.x, inactive, p.scores, p.w13, p.w2))
+            out["invalid y"] = (inf(p.x, bad, p.scores, p.w13, p.w2).cpu(),
+                                inf(p.x, inactive, p.scores, p.w13, p.w2).cpu())
         out["invalid count"] = inf.stats()["invalid_ids"] - before
     return out
 
@@ -71,6 +78,11 @@ def _nccl_rank(rank, world, seed, transport, node_size):
 def test_collective_transports_match_the_reference(transport, EP, node_size):
     seed = 900 + EP
     per_rank = dm.launch(_nccl_rank, EP, args=(seed, transport, node_size), timeout=600)
+    check_against_reference(per_rank, seed, transport, EP, node_size)
+
+
+def check_against_reference(per_rank, seed, transport, EP, node_size):
+    """Every rank's outputs and gradients (:func:`_nccl_rank`) against the reference."""
     for r in per_rank:
         assert r["transport"] == (transport,) * 3
         assert r["explain"].startswith(f"transport: {transport}")

@@ -64,3 +64,17 @@ def test_nccl_training_step_captures_in_one_cuda_graph():
         assert r["transport"] == "nccl"
         assert r["nonzero"] and all(r["same"]), r["same"]
         assert r["depth"] == [0] * len(r["depth"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("EP, node_size", [(2, 1), (4, 2)])
+def test_hierarchical_with_ranks_sharing_one_gpu(EP, node_size):
+    """Issue 61's one-GPU case: ranks sharing the GPU as nodes (CUDA IPC inside a "node",
+    the group's gloo backend between nodes), forward and every gradient against the
+    reference, as the CPU test checks them."""
+    from test_transport_nccl import _nccl_rank, check_against_reference
+
+    seed = 950 + EP
+    per_rank = dm.launch(_nccl_rank, EP, device="cuda", gpus=[0], timeout=600,
+                         args=(seed, "hierarchical", node_size, "cuda"))
+    check_against_reference(per_rank, seed, "hierarchical", EP, node_size)

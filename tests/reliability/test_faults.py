@@ -10,7 +10,10 @@ processes: ``distmoe.launch`` stops the others as soon as it sees a death).
 
 The GPU heaps (two ranks sharing one GPU, GPU only): a device barrier that waits past the
 timeout ends on the GPU (no spin forever) and the rank's next call raises naming the rank
-that did not arrive; the hung rank, back later, times out in turn.
+that did not arrive; the hung rank, back later, times out in turn. A rank killed (SIGKILL)
+between a training forward and its backward: the survivor's backward ends on the GPU within
+the timeout, its next call raises naming the dead rank, and once both processes are gone
+the GPU holds none of their memory (NVML's process list).
 """
 
 import os
@@ -197,3 +200,107 @@ def test_device_barrier_timeout_becomes_an_error():
     assert waiting["seconds"] < 3 * TIMEOUT, waiting["seconds"]
     # the hung rank, back later: its peer is gone, so one of its barriers times out in turn
     assert hung["errors"] and "for rank 0" in hung["failed"], hung
+
+
+def _gpu_killed_rank_process(rank, world, store_path, results):
+    import signal
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                            world_size=world)
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
+                       training=True, row_block=16, device_scratch_factor=float(world))
+    g = torch.Generator().manual_seed(rank)
+    e_local = E // world
+    x = torch.randn(T, D, generator=g).bfloat16().to(dev).requires_grad_(True)
+    ids = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(dev)
+    scores = torch.rand(T, K, generator=g).to(dev).requires_grad_(True)
+    w13 = (torch.randn(e_local, 2, F, D, generator=g) / D**0.5).bfloat16().to(dev)
+    w2 = (torch.randn(e_local, D, F, generator=g) / F**0.5).bfloat16().to(dev)
+    w13.requires_grad_(True)
+    w2.requires_grad_(True)
+    ctx = dm.MoEContext(cfg, device=dev, graphs=False)  # default timeout while compiling
+    ctx(x, ids, scores, w13, w2).float().sum().backward()  # every kernel compiled
+    torch.cuda.synchronize()
+    ctx.heap.timeout = TIMEOUT
+    results.put(("pid", rank, os.getpid()))
+    y = ctx(x, ids, scores, w13, w2)  # a healthy training forward; its backward is the fault
+    torch.cuda.synchronize()
+    dist.barrier()  # both forwards done
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # killed before the backward
+    start = time.monotonic()
+    try:
+        y.float().sum().backward()
+        torch.cuda.synchronize()  # returns: the GPU gave up waiting
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    seconds = time.monotonic() - start
+    try:
+        ctx(x.detach(), ids, scores.detach(), w13.detach(), w2.detach())
+        after = None
+    except RuntimeError as exc:
+        after = str(exc)
+    results.put(("done", error, seconds, after))
+    results.close()
+    results.join_thread()  # flushed before leaving
+    os._exit(0)  # the dead peer's IPC mappings: leave without a collective close
+
+
+@pytest.mark.gpu
+def test_killed_rank_on_a_gpu_heap_becomes_an_error(tmp_path):
+    import multiprocessing as mp
+
+    pynvml = pytest.importorskip("pynvml")
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    used_before = pynvml.nvmlDeviceGetMemoryInfo(handle).used
+    spawn = mp.get_context("spawn")
+    results = spawn.Queue()
+    procs = [spawn.Process(target=_gpu_killed_rank_process,
+                           args=(r, 2, str(tmp_path / "store"), results), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    pids, done, used_during = set(), None, 0
+    try:
+        while done is None:
+            item = results.get(timeout=240)
+            if item[0] == "pid":
+                pids.add(item[2])
+                used_during = pynvml.nvmlDeviceGetMemoryInfo(handle).used
+            else:
+                done = item[1:]
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    error, seconds, after = done
+    assert procs[1].exitcode == -9, procs[1].exitcode  # SIGKILL
+    # the survivor: its backward's device barrier gave up after TIMEOUT (no hang); at the
+    # latest its next call raises, naming the rank that never arrived
+    assert seconds < 4 * TIMEOUT, seconds
+    text = error or after
+    assert text is not None and "for rank 1" in text, (error, after)
+    assert after is not None and "unusable" in after, after
+    # both processes gone: none of their memory stays on the GPU (the device's used bytes
+    # back to where they were; while they ran, their contexts held hundreds of MiB)
+    try:
+        for _ in range(40):
+            used_after = pynvml.nvmlDeviceGetMemoryInfo(handle).used
+            if used_after <= used_before + (64 << 20):
+                break
+            time.sleep(0.5)
+    finally:
+        pynvml.nvmlShutdown()
+    assert len(pids) == 2 and used_during > used_before + (256 << 20), (used_before,
+                                                                        used_during)
+    assert used_after <= used_before + (64 << 20), (used_before, used_after)
+    print(f"survivor: backward {seconds:.1f} s, error {error!r}, next call {after!r}; GPU "
+          f"memory used {used_before >> 20} MiB before, {used_during >> 20} during, "
+          f"{used_after >> 20} after")
