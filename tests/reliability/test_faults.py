@@ -103,20 +103,29 @@ def _killed_rank_process(rank, world, store_path, results):
     y = ctx(x, ids, scores, w13, w2)  # a healthy training forward; its backward is the fault
     if rank == world - 1:
         os.kill(os.getpid(), signal.SIGKILL)  # killed before the backward, holding nothing
+    error, seconds, after = _backward_then_call(ctx, y, (x, ids, scores, w13, w2))
+    ctx.close()
+    results.put((error, seconds, after))
+
+
+def _backward_then_call(ctx, y, args):
+    """The survivor's side: ``y``'s backward (its error text or None, and seconds taken,
+    the device synchronised on a GPU), then one more call of ``ctx`` (its error or None)."""
     start = time.monotonic()
     try:
         y.float().sum().backward()
+        if y.is_cuda:
+            torch.cuda.synchronize()  # returns: the GPU gave up waiting
         error = None
     except RuntimeError as exc:
         error = str(exc)
     seconds = time.monotonic() - start
     try:
-        ctx(x.detach(), ids, scores.detach(), w13.detach(), w2.detach())
+        ctx(*(t.detach() for t in args))
         after = None
     except RuntimeError as exc:
         after = str(exc)
-    ctx.close()
-    results.put((error, seconds, after))
+    return error, seconds, after
 
 
 def test_killed_rank_becomes_an_error_on_the_survivor(tmp_path):
@@ -232,20 +241,7 @@ def _gpu_killed_rank_process(rank, world, store_path, results):
     dist.barrier()  # both forwards done
     if rank == world - 1:
         os.kill(os.getpid(), signal.SIGKILL)  # killed before the backward
-    start = time.monotonic()
-    try:
-        y.float().sum().backward()
-        torch.cuda.synchronize()  # returns: the GPU gave up waiting
-        error = None
-    except RuntimeError as exc:
-        error = str(exc)
-    seconds = time.monotonic() - start
-    try:
-        ctx(x.detach(), ids, scores.detach(), w13.detach(), w2.detach())
-        after = None
-    except RuntimeError as exc:
-        after = str(exc)
-    results.put(("done", error, seconds, after))
+    results.put(("done", *_backward_then_call(ctx, y, (x, ids, scores, w13, w2))))
     results.close()
     results.join_thread()  # flushed before leaving
     os._exit(0)  # the dead peer's IPC mappings: leave without a collective close

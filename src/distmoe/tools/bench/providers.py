@@ -315,8 +315,7 @@ def _build_distmoe(
         name="distmoe",
         status="ok",
         note=note,
-        layer=layer,
-        graph_safe=precision == "bf16",
+        layer=layer,  # every precision captures (its own graphs step aside in a capture)
         close=getattr(ctx, "close", lambda: None),
         transport=ctx.transport,
     )
