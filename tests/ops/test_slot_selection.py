@@ -152,6 +152,20 @@ def _invalid_rank(rank, world):
                 ctx.select_slot(bad)
         with pytest.raises(ValueError, match="max_layers"):
             ctx.select_slot(0, max_layers=3)
+        # two device-selected layers in slot 1, the lower one's backward first: the host
+        # cannot tell (it does not know their slot), the device refuses to rewind and says so
+        ctx.select_slot(torch.tensor([1]))
+        y1 = ctx(x, p.expert_ids, p.scores, w13, w2)
+        y2 = ctx(x, p.expert_ids, p.scores, w13, w2)
+        cursors = ctx.stats()["activations"]["slot_cursors"]
+        y1.sum().backward()
+        out["out_of_order"] = ctx.stats()["activations"]["slot_errors"]
+        out["kept"] = (ctx.stats()["activations"]["slot_cursors"] == cursors,
+                       ctx.stats()["activations"]["slot_depth"])
+        with pytest.raises(RuntimeError, match="out of order"):
+            ctx(x, p.expert_ids, p.scores, w13, w2)
+        del y2
+        ctx.reset_slots()
     return out
 
 
@@ -161,3 +175,5 @@ def test_invalid_device_selection_is_reported_and_writes_nothing():
         assert r["after_bad_slot"] == [1, 1, 5, 0]  # count, code 1 (slot), slot 5, layer 0
         assert r["full"] == [1, 3, 0, 1] and r["depth_full"] == [1, 0]  # code 3: slot full
         assert r["clean"] == [0, 0, 0, 0]
+        assert r["out_of_order"] == [1, 4, 1, 0]  # code 4: layer 0 of slot 1 was not on top
+        assert r["kept"] == (True, [0, 2])  # nothing rewound
