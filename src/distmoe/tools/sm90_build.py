@@ -789,17 +789,22 @@ def other_kernel_cases() -> list[BuildCase]:
         dict(E=E, E_LOCAL=E_LOCAL, EP=EP, ROW_BLOCK=128, EB=EB, EPB=EPB), 4, 1,
         types={"counts_ptr": "*i32", "scratch_ptr": "*i32", "rows_per_expert_ptr": "*i32",
                "executed_ep_ptr": "*i64", "RANK": "i32", "RECEIVE_BOUND": "i32"}))
-    i64 = ("slot_base", "slot_bytes", "input_bytes", "later", "kept_x_bytes", "h3_bytes",
+    i64 = ("num_slots", "max_layers", "slot_bytes", "input_bytes", "kept_x_bytes", "h3_bytes",
            "combine_address", "elements_address", "replay_h1_offset", "replay_x_offset",
            "rows_origin")
     cases.append(BuildCase(
         "begin_layer (slot cursor)", slot_cursor._begin_layer_kernel,
         dict(X_ROW_BYTES=2 * D, H1_ROW_BYTES=4 * 768, MODE=2, EP=EP, EP_POW2=EP), 1, 1,
-        types={**{n: "*i64" for n in ("rows_ptr", "cursors_ptr", "before_ptr", "offsets_ptr",
+        types={**{n: "*i64" for n in ("rows_ptr", "cursors_ptr", "selection_ptr", "depth_ptr",
+                                      "errors_ptr", "where_ptr", "before_ptr", "offsets_ptr",
                                       "backward_ptr", "act_bases_ptr", "combine_bases_ptr",
                                       "deltas_ptr")},
                "replay_ptr": "*i1", "flags_ptr": "*i32", "rank": "i32",
                **{n: "i64" for n in i64}}))
+    cases.append(BuildCase(
+        "end_layer (slot cursor)", slot_cursor._end_layer_kernel, dict(EP=EP, EP_POW2=EP), 1, 1,
+        types={n: "*i64" for n in ("where_ptr", "before_ptr", "cursors_ptr", "depth_ptr",
+                                   "errors_ptr")}))
     cases.append(BuildCase(
         "regather_rows", regather._regather_kernel,
         dict(HIDDEN=D, NUM_EXPERTS=E // EP, EXPERTS_POW2=E // EP, BLOCK_M=32,
