@@ -496,12 +496,17 @@ def time_graphs(ctx_old, ctx_new, inp, rounds: int, iters: int) -> dict:
             torch.cuda.synchronize()
         except Exception as exc:
             _end_failed_capture()
+            failed = f"graph capture of {name} failed: {_first_line(exc)}"
+        else:
+            failed = None
+        if failed is not None:  # (after the except block: its traceback held the outputs)
+            gc.collect()
             with contextlib.suppress(Exception):
                 ctx.reset_slots()  # a forward captured without its backward
             graphs.clear()
             gc.collect()
             torch.cuda.empty_cache()
-            return {"error": f"graph capture of {name} failed: {_first_line(exc)}"}
+            return {"error": failed}
         graphs[name] = g
         pool = g.pool()
     try:
@@ -525,14 +530,16 @@ def _timed(fn, *args) -> dict:
         import traceback
 
         traceback.print_exc()
+        res = {"error": _first_line(exc)}
+    if "error" in res:  # (after the except block: its traceback held the outputs)
         with contextlib.suppress(Exception):
             torch.cuda.synchronize()
+        gc.collect()
         for ctx in args[:2]:  # a forward that ran without its backward keeps its slot
             with contextlib.suppress(Exception):
                 ctx.reset_slots()
         gc.collect()
         torch.cuda.empty_cache()
-        res = {"error": _first_line(exc)}
     res["s"] = round(time.monotonic() - t0, 2)
     return res
 
