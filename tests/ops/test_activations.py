@@ -163,6 +163,35 @@ def test_buffer_bytes_equal_the_plan():
                 assert lo + view.numel() * 2 <= plan.activation_buffer_bytes, name
 
 
+def test_end_layer_kernel_matches_torch_ops():
+    """The backward's rewind (slot_cursor.end_layer_on_device): the Triton program against the
+    torch ops on the top layer (rewinds), a lower layer (error code 4, nothing moves) and a
+    forward whose selection was invalid (nothing moves, no error)."""
+    from distmoe.kernels.movement import slot_cursor as sc
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(5)
+    for where, want_code in (([1, 2, 1], 0), ([1, 0, 1], 4), ([7, 0, 0], 0)):
+        cursors = torch.randint(0, 1 << 20, (3, 2), generator=gen).to(dev)
+        depth = torch.tensor([1, 3, 0], device=dev)
+        before = torch.randint(0, 1 << 20, (2,), generator=gen).to(dev)
+        errors = torch.zeros(4, dtype=torch.int64, device=dev)
+        runs = []
+        for kernel in (True, False):
+            state = [cursors.clone(), depth.clone(), errors.clone()]
+            sc.end_layer_on_device(torch.tensor(where, device=dev), before, *state,
+                                   kernel=kernel)
+            runs.append(state)
+        for a, b in zip(*runs, strict=True):
+            assert torch.equal(a, b), where
+        got_cursors, got_depth, got_errors = runs[0]
+        if where == [1, 2, 1]:
+            assert torch.equal(got_cursors[1], before) and got_depth.tolist() == [1, 2, 0]
+        else:
+            assert torch.equal(got_cursors, cursors) and torch.equal(got_depth, depth)
+        assert got_errors.tolist() == ([1, 4, 1, 0] if want_code else [0, 0, 0, 0])
+
+
 def test_slot_arguments_are_checked():
     cfg = dm.MoEConfig(hidden=64, ffn=64, num_experts=4, top_k=2, max_tokens=8, num_slots=2)
     buf = ActivationBuffer(cfg, 1, 0, torch.device("cpu"))
@@ -426,7 +455,8 @@ def test_slot_cursor_kernel_matches_torch_ops(ep, h3_bytes, mode):
         want_where = torch.full((3,), -7, dtype=torch.int64, device=dev)
         sc._begin_layer_torch(rows, *want_state, want_where, *want, num_slots=5, **call)
         got_state = [t.clone() for t in state]
-        *got, where = sc.begin_layer_on_device(rows, *got_state, **call)
+        # the Triton program itself (on a CPU device: in the interpreter), never the torch ops
+        *got, where = sc.begin_layer_on_device(rows, *got_state, **call, kernel=True)
         for g, w in zip(got_state, want_state, strict=True):
             assert torch.equal(g, w)
         assert where.tolist() == want_where.tolist() == [3, layer, 1]

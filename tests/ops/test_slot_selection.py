@@ -96,7 +96,7 @@ def _schedule_rank(rank, world, seed):
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [2])
 def test_1f1b_with_device_selection_matches_each_microbatch_alone(world):
     _, slot_of, num_slots = schedule()
     assert num_slots > 1 and len(set(slot_of.values())) == num_slots  # slots are reused

@@ -262,8 +262,8 @@ def _begin_layer_torch(rows, cursors_all, selection, depth, errors, where, befor
                        slot_bytes, input_bytes, mode, h3_bytes, x_row_bytes, h1_row_bytes,
                        kept_x_bytes, combine_address, elements_address, replay_offsets,
                        act_bases, combine_bases, rows_origin=0):
-    """The same decision as torch ops: CPU tensors outside the Triton interpreter (where no
-    kernel can take them), and the reference of the kernel's tests."""
+    """The same decision as torch ops: CPU tensors (where the program would run only in
+    Triton's interpreter), and the reference of the kernel's tests."""
     def align(n):
         return (n + 127) // 128 * 128
 
@@ -332,8 +332,15 @@ def _end_layer_torch(where, before, cursors_all, depth, errors):
         depth[slot] = layer
 
 
-def _torch_path(dev: torch.device) -> bool:
-    return dev.type == "cpu" and not interpreter_active()
+def _torch_path(dev: torch.device, kernel: bool | None) -> bool:
+    """Torch ops instead of the kernel: on a CPU device unless ``kernel`` asks for the kernel
+    (which runs there only in Triton's interpreter, at a few milliseconds a launch for one
+    tiny program; the tests compare the two forms)."""
+    if kernel is None:
+        return dev.type == "cpu"
+    if kernel and dev.type == "cpu" and not interpreter_active():
+        raise ValueError("kernel=True on a CPU device needs Triton's interpreter")
+    return not kernel
 
 
 def begin_layer_on_device(
@@ -358,6 +365,7 @@ def begin_layer_on_device(
     act_bases: torch.Tensor | None = None,
     combine_bases: torch.Tensor | None = None,
     rows_origin: int = 0,
+    kernel: bool | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Launch the decision (module docstring) for the next layer of the selected slot.
 
@@ -378,8 +386,9 @@ def begin_layer_on_device(
 
     Returns ``(before, replay, offsets, backward, deltas, flags, where)``; ``where`` int64
     ``[3]`` is the backward's snapshot (slot, layer, valid). ``cursors``, ``depth`` and
-    ``errors`` change in place. Nothing is read back on the host. CPU tensors outside the
-    interpreter take the torch-op path."""
+    ``errors`` change in place. Nothing is read back on the host. ``kernel``: None runs the
+    Triton program on a GPU and the same decision as torch ops on a CPU; True / False force
+    one form (tests)."""
     num_slots, ep = cursors.shape
     dev = cursors.device
     if act_bases is None:
@@ -394,7 +403,7 @@ def begin_layer_on_device(
     flags = torch.empty(3, dtype=torch.int32, device=dev)
     where = torch.empty(3, dtype=torch.int64, device=dev)
     outs = (before, replay, offsets, backward, deltas, flags)
-    if _torch_path(dev):
+    if _torch_path(dev, kernel):
         _begin_layer_torch(
             rows, cursors, selection, depth, errors, where, *outs, rank=rank,
             num_slots=num_slots, max_layers=max_layers, slot_bytes=slot_bytes,
@@ -417,13 +426,15 @@ def begin_layer_on_device(
 
 
 def end_layer_on_device(where: torch.Tensor, before: torch.Tensor, cursors: torch.Tensor,
-                        depth: torch.Tensor, errors: torch.Tensor) -> None:
+                        depth: torch.Tensor, errors: torch.Tensor, *,
+                        kernel: bool | None = None) -> None:
     """A layer's backward leaves its slot (one device program): with ``where`` = (slot,
     layer, valid) from its forward, the slot's top layer must be ``layer`` (else error code
     4 is counted and nothing moves); then ``cursors[slot]`` = ``before`` (int64 ``[EP]``)
-    and ``depth[slot]`` = ``layer``. A forward whose selection was invalid moves nothing."""
+    and ``depth[slot]`` = ``layer``. A forward whose selection was invalid moves nothing.
+    ``kernel`` as in :func:`begin_layer_on_device`."""
     num_slots, ep = cursors.shape
-    if _torch_path(cursors.device):
+    if _torch_path(cursors.device, kernel):
         _end_layer_torch(where, before, cursors, depth, errors)
         return
     with device_context(cursors.device):
