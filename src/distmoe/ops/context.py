@@ -812,7 +812,8 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
         """Select the activation slot that the next training forwards append to, and the
         layer-depth bound of its owner (how many layers it will put there; the save/replay
         rule reserves replay inputs for the later ones; default and maximum
-        ``cfg.max_layers_per_slot``).
+        ``cfg.max_layers_per_slot``). Every rank must make the same selection before the
+        same forward: each rank keeps a replica of every rank's slot cursors.
 
         Each is a host int (``slot`` in ``[0, cfg.num_slots)``, checked here) or a one-element
         integer tensor on this context's device, copied without synchronising: the forwards
