@@ -28,18 +28,32 @@ D, F, T, E, K = 32, 32, 8, 4, 2
 TIMEOUT = 3.0
 
 
-def _hang_rank(rank, world):
-    cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
-                       training=False, row_block=16, device_scratch_factor=float(world))
+def _cfg(world, training):
+    return dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
+                        training=training, row_block=16, device_scratch_factor=float(world))
+
+
+def _rank_inputs(rank, world, device="cpu", grad=False):
+    """``(x, expert_ids, scores, w13, w2)`` of one rank (seeded by the rank) on ``device``;
+    with ``grad`` every float input requires grad."""
     g = torch.Generator().manual_seed(rank)
     e_local = E // world
-    args = (torch.randn(T, D, generator=g).bfloat16(),
-            torch.rand(T, E, generator=g).topk(K, dim=1).indices,
-            torch.rand(T, K, generator=g),
-            (torch.randn(e_local, 2, F, D, generator=g) / D**0.5).bfloat16(),
-            (torch.randn(e_local, D, F, generator=g) / F**0.5).bfloat16())
+    out = [t.to(device) for t in (
+        torch.randn(T, D, generator=g).bfloat16(),
+        torch.rand(T, E, generator=g).topk(K, dim=1).indices,
+        torch.rand(T, K, generator=g),
+        (torch.randn(e_local, 2, F, D, generator=g) / D**0.5).bfloat16(),
+        (torch.randn(e_local, D, F, generator=g) / F**0.5).bfloat16())]
+    if grad:
+        for i in (0, 2, 3, 4):
+            out[i].requires_grad_(True)
+    return tuple(out)
+
+
+def _hang_rank(rank, world):
+    args = _rank_inputs(rank, world)
     out = {}
-    ctx = dm.MoEContext(cfg, device="cpu", timeout=TIMEOUT)
+    ctx = dm.MoEContext(_cfg(world, False), device="cpu", timeout=TIMEOUT)
     with torch.no_grad():
         ctx(*args)  # a healthy call first
         if rank == world - 1:
@@ -90,16 +104,8 @@ def _killed_rank_process(rank, world, store_path, results):
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
                             world_size=world)
     dist.barrier()
-    cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
-                       training=True, row_block=16, device_scratch_factor=float(world))
-    g = torch.Generator().manual_seed(rank)
-    e_local = E // world
-    x = torch.randn(T, D, generator=g).bfloat16().requires_grad_(True)
-    ids = torch.rand(T, E, generator=g).topk(K, dim=1).indices
-    scores = torch.rand(T, K, generator=g).requires_grad_(True)
-    w13 = (torch.randn(e_local, 2, F, D, generator=g) / D**0.5).bfloat16().requires_grad_(True)
-    w2 = (torch.randn(e_local, D, F, generator=g) / F**0.5).bfloat16().requires_grad_(True)
-    ctx = dm.MoEContext(cfg, device="cpu", timeout=TIMEOUT)
+    x, ids, scores, w13, w2 = _rank_inputs(rank, world, grad=True)
+    ctx = dm.MoEContext(_cfg(world, True), device="cpu", timeout=TIMEOUT)
     y = ctx(x, ids, scores, w13, w2)  # a healthy training forward; its backward is the fault
     if rank == world - 1:
         os.kill(os.getpid(), signal.SIGKILL)  # killed before the backward, holding nothing
@@ -167,18 +173,9 @@ def _segments():
 
 def _gpu_hang_rank(rank, world):
     dev = torch.device("cuda", torch.cuda.current_device())
-    cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
-                       training=False, row_block=16, device_scratch_factor=float(world))
-    g = torch.Generator().manual_seed(rank)
-    e_local = E // world
-    args = [t.to(dev) for t in (
-        torch.randn(T, D, generator=g).bfloat16(),
-        torch.rand(T, E, generator=g).topk(K, dim=1).indices,
-        torch.rand(T, K, generator=g),
-        (torch.randn(e_local, 2, F, D, generator=g) / D**0.5).bfloat16(),
-        (torch.randn(e_local, D, F, generator=g) / F**0.5).bfloat16())]
+    args = _rank_inputs(rank, world, dev)
     out = {"errors": []}
-    ctx = dm.MoEContext(cfg, device=dev, graphs=False)  # the default timeout while compiling
+    ctx = dm.MoEContext(_cfg(world, False), device=dev, graphs=False)  # the default timeout while compiling
     with torch.no_grad():
         ctx(*args)  # a healthy call first (every kernel compiled)
         torch.cuda.synchronize()
@@ -220,18 +217,8 @@ def _gpu_killed_rank_process(rank, world, store_path, results):
                             world_size=world)
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
-    cfg = dm.MoEConfig(hidden=D, ffn=F, num_experts=E, top_k=K, max_tokens=T,
-                       training=True, row_block=16, device_scratch_factor=float(world))
-    g = torch.Generator().manual_seed(rank)
-    e_local = E // world
-    x = torch.randn(T, D, generator=g).bfloat16().to(dev).requires_grad_(True)
-    ids = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(dev)
-    scores = torch.rand(T, K, generator=g).to(dev).requires_grad_(True)
-    w13 = (torch.randn(e_local, 2, F, D, generator=g) / D**0.5).bfloat16().to(dev)
-    w2 = (torch.randn(e_local, D, F, generator=g) / F**0.5).bfloat16().to(dev)
-    w13.requires_grad_(True)
-    w2.requires_grad_(True)
-    ctx = dm.MoEContext(cfg, device=dev, graphs=False)  # default timeout while compiling
+    x, ids, scores, w13, w2 = _rank_inputs(rank, world, dev, grad=True)
+    ctx = dm.MoEContext(_cfg(world, True), device=dev, graphs=False)  # default timeout while compiling
     ctx(x, ids, scores, w13, w2).float().sum().backward()  # every kernel compiled
     torch.cuda.synchronize()
     ctx.heap.timeout = TIMEOUT
