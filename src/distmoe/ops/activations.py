@@ -95,6 +95,13 @@ class LayerRecord:
     state: str = "live"  # "live" -> "done" (its backward ran) or "reset" (reset_slots)
     owner: object = None  # weakref to what runs its backward (an autograd node), or None
 
+    def describe(self) -> str:
+        """``"layer L of slot S"``, with what the host does not know (a slot selected with
+        device tensors) said so."""
+        layer = self.layer if self.layer is not None else "?"
+        slot = self.slot if self.slot is not None else "(selected on the device)"
+        return f"layer {layer} of slot {slot}"
+
     def owned(self) -> bool:
         """A live layer whose backward can still run (its owner is alive)."""
         return self.state == "live" and self.owner is not None and self.owner() is not None
@@ -276,9 +283,7 @@ class ActivationBuffer:
             gc.collect()  # graphs held only through reference cycles
             owned = [rec for rec in owned if rec.owned()]
         if owned:
-            where = ", ".join(f"slot {rec.slot if rec.slot is not None else '(device)'} "
-                              f"layer {rec.layer if rec.layer is not None else '?'}"
-                              for rec in owned[:4])
+            where = ", ".join(rec.describe() for rec in owned[:4])
             raise RuntimeError(
                 f"reset_slots: {len(owned)} layer(s) still owned by a backward that can run "
                 f"({where}); run their backwards or drop their outputs first")
@@ -391,9 +396,7 @@ class ActivationBuffer:
                 why = (f"the slot holds {len(stack)} layers: the layers of a slot must run "
                        "their backwards in reverse order of their forwards")
         if why is not None:
-            layer = rec.layer if rec.layer is not None else "?"
-            slot = rec.slot if rec.slot is not None else "(selected on the device)"
-            raise RuntimeError(f"backward of layer {layer} of slot {slot}: {why}")
+            raise RuntimeError(f"backward of {rec.describe()}: {why}")
         self.records.remove(rec)
         rec.state = "done"
         if restore:

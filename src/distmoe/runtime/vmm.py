@@ -71,16 +71,17 @@ def _prop(tier: str, device_index: int):
     return prop
 
 
-def vmm_granularity(device: torch.device) -> int:
-    """Bytes every piece is rounded up to on ``device``: the larger of the two tiers'
-    minimum granularities (1 on a CPU device)."""
+def vmm_granularity(device: torch.device, tiers: Sequence[str] = TIERS) -> int:
+    """Bytes every piece is rounded up to on ``device``: the largest of ``tiers``' minimum
+    granularities (1 on a CPU device)."""
     device = torch.device(device)
     if device.type != "cuda":
         return 1
     driver = _driver()
     option = driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-    return max(int(_check(driver.cuMemGetAllocationGranularity(_prop(t, device.index), option),
-                          f"cuMemGetAllocationGranularity ({t})")) for t in TIERS)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return max(int(_check(driver.cuMemGetAllocationGranularity(_prop(t, index), option),
+                          f"cuMemGetAllocationGranularity ({t} tier)")) for t in set(tiers))
 
 
 class _CudaArray:
@@ -112,7 +113,8 @@ class TieredRange:
                 raise ValueError(f"pieces[{i}] tier ({tier!r}) must be one of {TIERS}")
             if isinstance(num_bytes, bool) or not isinstance(num_bytes, int) or num_bytes <= 0:
                 raise ValueError(f"pieces[{i}] bytes ({num_bytes!r}) must be a positive int")
-        gran = vmm_granularity(self.device)
+        # only the tiers in use: a device-only range needs no host-page support
+        gran = vmm_granularity(self.device, [tier for _, tier in pieces])
         offset, laid = 0, []
         for num_bytes, tier in pieces:
             size = -(-num_bytes // gran) * gran
