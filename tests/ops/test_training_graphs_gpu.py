@@ -10,6 +10,7 @@ import torch
 from forward_cases import make_problem
 
 import distmoe as dm
+from distmoe.ops.graphs import TrainingGraphs
 from distmoe.reference import split_global_problem
 
 D, F, E, K = 256, 128, 16, 4
@@ -96,8 +97,12 @@ def test_graphed_training_calls_give_the_eager_bits(EP, mode):
         keys = len(Ts) * LAYERS  # token counts x layers in the slot
         # step 0: every call eager; step 1: forward and backward captured (and replayed)
         assert stats["forward_graphs"] == keys and stats["backward_graphs"] == keys, stats
-        # weight gradients: graphed where the new .grad tensors land at an address seen
-        # before (the caching allocator repeats itself from step to step), else eager
-        assert stats["weight_graphs"] > 0, stats
+        # weight gradients: graphed where their outputs land at an address seen before, else
+        # eager. The main_grad buffers never move: graphed from the second call of a key on.
+        # New .grad tensors land where torch's caching allocator puts them (the eager
+        # context's calls interleave here), so their count is bounded, not predicted.
+        if mode.endswith("main_grad"):
+            assert stats["weight_graphs"] == keys, stats
+        assert stats["weight_graphs"] <= TrainingGraphs.max_weight_graphs * keys, stats
         assert stats["captures"] == 2 * keys + stats["weight_graphs"], stats
         assert depth == [0] * len(depth), depth  # every layer left its slot

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from distmoe.kernels.base.checks import check_devices, check_tensor
 from distmoe.kernels.base.device import device_context
-from distmoe.quant.formats import e4m3_byte_to_fp32, e8m0_to_fp32
+from distmoe.quant.formats import e4m3_byte_to_fp32, e8m0_to_fp32, tile_grid, tile_ids
 
 __all__ = ["DEQUANT_FORMATS", "dequantize_rows_2d"]
 
@@ -38,8 +38,9 @@ _BLOCK_R, _BLOCK_C = 32, 256
 @triton.jit
 def _dequant_rows_kernel(q_ptr, s_ptr, out_ptr, rows, COLS: tl.constexpr, GROUP: tl.constexpr,
                          E8M0: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    pid_r, pid_c = tile_ids(tl.cdiv(COLS, BLOCK_C))
+    r = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = (r < rows)[:, None] & (c < COLS)[None, :]
     offs = r[:, None] * COLS + c[None, :]
     v = e4m3_byte_to_fp32(tl.load(q_ptr + offs, mask=ok, other=0).to(tl.int32))
@@ -70,7 +71,7 @@ def dequantize_rows_2d(qdata: torch.Tensor, scales: torch.Tensor, fmt: str,
     device = check_devices(dict(qdata=qdata, scales=scales, out=out))
     if rows == 0 or cols == 0:
         return out
-    grid = (triton.cdiv(rows, _BLOCK_R), triton.cdiv(cols, _BLOCK_C))
+    grid = tile_grid(triton.cdiv(rows, _BLOCK_R), triton.cdiv(cols, _BLOCK_C))
     with device_context(device):
         _dequant_rows_kernel[grid](qdata.view(torch.uint8), scales, out, rows, COLS=cols,
                                    GROUP=group, E8M0=fmt != "fp8_block", BLOCK_R=_BLOCK_R,

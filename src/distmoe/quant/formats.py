@@ -146,6 +146,21 @@ def check_block_dim(name: str, x: torch.Tensor, dim: object, block: int) -> int:
 # --------------------------------------------------------------------------------------------
 
 
+def tile_grid(row_tiles: int, col_tiles: int) -> tuple[int]:
+    """A one-axis launch grid of ``row_tiles x col_tiles`` programs, read back by
+    :func:`tile_ids`: CUDA caps grid axes 1 and 2 at 65535 programs, fewer than the column tiles
+    of a flattened expert weight (``[E, 2F * D]`` at DeepSeek's size)."""
+    return (row_tiles * col_tiles,)
+
+
+@triton.jit
+def tile_ids(col_tiles):
+    """``(row tile, column tile)`` of this program in a :func:`tile_grid` grid (row-major: the
+    programs of one row tile are adjacent)."""
+    pid = tl.program_id(0)
+    return pid // col_tiles, pid % col_tiles
+
+
 @triton.jit
 def float32_bits(x):
     """Float32 bit patterns (int32) of a bf16, fp16 or fp32 tile, exact. bf16 is widened by a

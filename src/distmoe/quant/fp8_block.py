@@ -53,6 +53,8 @@ from distmoe.quant.formats import (
     finite_abs_bits,
     float32_bits,
     round_e4m3_unscaled,
+    tile_grid,
+    tile_ids,
 )
 
 #: values per block-FP8 scale along K, and weight rows per scale
@@ -107,8 +109,7 @@ def fp8_block_encode(bits):
 @triton.jit
 def _fp8_block_quantize_kernel(x_ptr, q_ptr, s_ptr, rows, num_groups,
                                BLOCK_R: tl.constexpr, GROUPS: tl.constexpr):
-    pid_r = tl.program_id(0)
-    pid_g = tl.program_id(1)
+    pid_r, pid_g = tile_ids(tl.cdiv(num_groups, GROUPS))
     r = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     g = pid_g * GROUPS + tl.arange(0, GROUPS)
     j = tl.arange(0, 128)
@@ -143,7 +144,7 @@ def fp8_block_quantize_2d(x: torch.Tensor, qdata: torch.Tensor, scales: torch.Te
         return
     # one 128-value group per program (sm_90 build: two groups of 32 rows spill registers)
     block_groups = 1
-    grid = (triton.cdiv(rows, config.block_rows), triton.cdiv(groups, block_groups))
+    grid = tile_grid(triton.cdiv(rows, config.block_rows), triton.cdiv(groups, block_groups))
     with device_context(x.device):
         _fp8_block_quantize_kernel[grid](x, qdata.view(torch.uint8), scales, rows, groups,
                                          BLOCK_R=config.block_rows, GROUPS=block_groups,

@@ -58,6 +58,8 @@ from distmoe.quant.formats import (
     round_e4m3,
     round_minifloat_ref,
     sign_bits,
+    tile_grid,
+    tile_ids,
 )
 
 
@@ -94,8 +96,7 @@ def mxfp8_rebase_codes(bits, q, e, ROWS: tl.constexpr, GROUPS: tl.constexpr):
 def _mxfp8_quantize_kernel(x_ptr, q_ptr, s_ptr, rows, num_groups,
                            BLOCK_R: tl.constexpr, GROUPS: tl.constexpr,
                            REBASE: tl.constexpr = False):
-    pid_r = tl.program_id(0)
-    pid_g = tl.program_id(1)
+    pid_r, pid_g = tile_ids(tl.cdiv(num_groups, GROUPS))
     r = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     g = pid_g * GROUPS + tl.arange(0, GROUPS)
     j = tl.arange(0, 32)
@@ -140,7 +141,7 @@ def mxfp8_quantize_rebased_2d(x: torch.Tensor, qdata: torch.Tensor, scales: torc
         return
     num_groups = cols // MXFP8_BLOCK
     block_groups = max(4, config.block_groups)  # whole 128-value groups per program
-    grid = (triton.cdiv(rows, config.block_rows), triton.cdiv(num_groups, block_groups))
+    grid = tile_grid(triton.cdiv(rows, config.block_rows), triton.cdiv(num_groups, block_groups))
     with device_context(x.device):
         _mxfp8_quantize_kernel[grid](x, qdata.view(torch.uint8), scales, rows, num_groups,
                                      BLOCK_R=config.block_rows, GROUPS=block_groups,
@@ -164,7 +165,8 @@ def mxfp8_quantize_2d(x: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor
     if x.numel() == 0:
         return
     num_groups = cols // MXFP8_BLOCK
-    grid = (triton.cdiv(rows, config.block_rows), triton.cdiv(num_groups, config.block_groups))
+    grid = tile_grid(triton.cdiv(rows, config.block_rows),
+                     triton.cdiv(num_groups, config.block_groups))
     with device_context(x.device):
         _mxfp8_quantize_kernel[grid](x, qdata.view(torch.uint8), scales, rows, num_groups,
                                      BLOCK_R=config.block_rows, GROUPS=config.block_groups,

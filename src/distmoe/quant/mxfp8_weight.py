@@ -40,6 +40,8 @@ from distmoe.quant.formats import (
     pow2_ref,
     round_e4m3,
     sign_bits,
+    tile_grid,
+    tile_ids,
 )
 from distmoe.quant.mxfp8 import encode_e4m3_ref
 
@@ -80,8 +82,7 @@ class MXFP8Weight:
 
 @triton.jit
 def _mxfp8_weight_kernel(w_ptr, q_ptr, s_ptr, num_groups, GROUPS: tl.constexpr):
-    pid_r = tl.program_id(0)  # one 32-row block of the [B * N, K] view
-    pid_g = tl.program_id(1)
+    pid_r, pid_g = tile_ids(tl.cdiv(num_groups, GROUPS))  # pid_r: a 32-row block of [B * N, K]
     r = pid_r.to(tl.int64) * 32 + tl.arange(0, 32)
     g = pid_g * GROUPS + tl.arange(0, GROUPS)
     j = tl.arange(0, 32)
@@ -120,7 +121,7 @@ def mxfp8_quantize_weight_2d(w: torch.Tensor, qdata: torch.Tensor, scales: torch
     if w.numel() == 0:
         return
     num_groups = cols // MXFP8_BLOCK
-    grid = (rows // MXFP8_BLOCK, triton.cdiv(num_groups, config.block_groups))
+    grid = tile_grid(rows // MXFP8_BLOCK, triton.cdiv(num_groups, config.block_groups))
     with device_context(w.device):
         _mxfp8_weight_kernel[grid](w, qdata.view(torch.uint8), scales, num_groups,
                                    GROUPS=config.block_groups, num_warps=config.num_warps)

@@ -65,6 +65,8 @@ from distmoe.quant.formats import (
     round_minifloat,
     round_minifloat_ref,
     sign_bits,
+    tile_grid,
+    tile_ids,
 )
 
 #: 448 * 6: the global scale maps the amax onto the largest block scale times the largest
@@ -79,8 +81,7 @@ Per = Literal["tensor", "row"]
 @triton.jit
 def _nvfp4_amax_kernel(x_ptr, amax_ptr, rows, cols, PER_ROW: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
+    pid_r, pid_c = tile_ids(tl.cdiv(cols, BLOCK_C))
     r = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = pid_c.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = (r[:, None] < rows) & (c[None, :] < cols)
@@ -107,8 +108,7 @@ def _e2m1_nibbles(bits, D, use):
 def _nvfp4_quantize_kernel(x_ptr, packed_ptr, scales_ptr, gs_ptr, amax_ptr, rows, num_groups,
                            HAS_GLOBAL: tl.constexpr, PER_ROW: tl.constexpr,
                            BLOCK_R: tl.constexpr, GROUPS: tl.constexpr):
-    pid_r = tl.program_id(0)
-    pid_g = tl.program_id(1)
+    pid_r, pid_g = tile_ids(tl.cdiv(num_groups, GROUPS))
     r = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     g = pid_g * GROUPS + tl.arange(0, GROUPS)
     j = tl.arange(0, 8)
@@ -207,11 +207,12 @@ def nvfp4_quantize_2d(x: torch.Tensor, packed: torch.Tensor, block_scales: torch
         if not given_global:
             amax = torch.zeros(rows if per_row else 1, dtype=torch.int32, device=x.device)
             block_c = NVFP4_BLOCK * config.block_groups
-            grid = (triton.cdiv(rows, config.block_rows), triton.cdiv(cols, block_c))
+            grid = tile_grid(triton.cdiv(rows, config.block_rows), triton.cdiv(cols, block_c))
             _nvfp4_amax_kernel[grid](x, amax, rows, cols, PER_ROW=per_row,
                                      BLOCK_R=config.block_rows, BLOCK_C=block_c,
                                      num_warps=config.num_warps)
-        grid = (triton.cdiv(rows, config.block_rows), triton.cdiv(num_groups, config.block_groups))
+        grid = tile_grid(triton.cdiv(rows, config.block_rows),
+                         triton.cdiv(num_groups, config.block_groups))
         _nvfp4_quantize_kernel[grid](x, packed, block_scales.view(torch.uint8), global_scale,
                                      amax, rows, num_groups, HAS_GLOBAL=given_global,
                                      PER_ROW=per_row, BLOCK_R=config.block_rows,
