@@ -519,9 +519,9 @@ class MoEContext:
             function = FP8TrainFunction if lowp else MoEFunction
             y = function.apply(self, x, expert_ids, scores, w13, w2)
         elif lowp:
-            if self.cfg.training:  # a call without autograd: the parameters' quantised forms
+            if self.cfg.training:  # a call without autograd: the parameters' forward forms
                 tw = train_weights(self, w13, w2)
-                w13, w2 = tw.w13, tw.w2
+                w13, w2 = (tw.w13_q, tw.w13_s), (tw.w2_q, tw.w2_s)
             else:
                 warn_inference_grad(x, scores, f"this is a {precision} inference context: y "
                                     "has no grad_fn and no gradient flows back through this "

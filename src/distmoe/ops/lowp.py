@@ -319,15 +319,24 @@ def scatter_and_combine(ctx, tables, h3: torch.Tensor | None, x, expert_ids, sco
     return y
 
 
-def fp8_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedWeight, *,
+def _fp8_operand(ctx, w, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(qdata, scales)`` of a weight for the GEMMs of format ``fmt``: a pair is already
+    in that format (a training context's forms), a :class:`PreparedWeight` is rebased where
+    the format asks."""
+    if isinstance(w, tuple):
+        return w
+    return rebased_weight(ctx, w) if fmt == "mxfp8_rebased" else (w.qdata, w.scales)
+
+
+def fp8_forward(ctx, x, expert_ids, scores, w13, w2, *,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Steps 1-7 of the module docstring (mxfp8, fp8_block) on checked inputs; returns
-    y [T, D] bf16 (into ``out`` when given)."""
+    y [T, D] bf16 (into ``out`` when given). ``w13`` / ``w2``: :class:`PreparedWeight`, or
+    ``(qdata, scales)`` pairs already in the context's operand format (a training context's
+    :class:`~distmoe.ops.lowp_train.TrainWeights` forms)."""
     s: FP8Scratch = ctx._lowp
     _, _, quantize_2d, grouped_mm = FP8_FORMATS[s.format]
-    (q13, s13), (q2, s2) = ((rebased_weight(ctx, w) for w in (w13, w2))
-                            if s.format == "mxfp8_rebased" else
-                            ((w.qdata, w.scales) for w in (w13, w2)))
+    (q13, s13), (q2, s2) = (_fp8_operand(ctx, w, s.format) for w in (w13, w2))
     tables, _ = route_and_quantize(ctx, x, expert_ids, s.x_q, s.x_s, s.format)
     po, ro = tables.padded_offsets, tables.row_offsets
     h2 = ctx._h2

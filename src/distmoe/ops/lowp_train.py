@@ -84,7 +84,7 @@ from ..kernels.scaled.wgrad import ScaledWgradConfig, scaled_wgrad
 from ..kernels.wgrad import w2_wgrad, w13_wgrad
 from ..plan import rules
 from ..quant.fp8_block import mxfp8_rebase
-from ..quant.prepare import PreparedWeight, cached_per_object, dequantize_rows, prepare_weights
+from ..quant.prepare import cached_per_object, dequantize_rows, prepare_weights
 from .autograd import backward_outputs, check_versions, record_versions, weight_grad_outputs
 from .lowp import FP8_FORMATS, fp8_format, route_and_quantize, scatter_and_combine
 
@@ -129,15 +129,15 @@ def fp8_train_configs(cfg, device: torch.device, *,
 
 @dataclass(frozen=True)
 class TrainWeights:
-    """One weight version's quantised forms: ``w13`` / ``w2`` as prepared
-    (:class:`PreparedWeight`, B x B blocks, ``B`` = 32 or 128), the forward GEMMs' operands
-    (``w13_q [E, 2, F, D]``, ``w2_q [E, D, F]`` and their scales) and the input-gradient
-    GEMMs' ``[E, N, K]`` operands, the same qdata and scales transposed (contiguous
-    copies): ``w2t_q [E, F, D]``, ``w13t_q [E, D, 2F]``. In the ``"mxfp8_rebased"`` format
-    the GEMM operands are rebased onto 128-wide K groups (scales ``[..., N/32, K/128]``)."""
+    """One weight version's quantised forms, the GEMM operands only (the weights' B x B
+    prepared blocks, ``B`` = 32 or 128, are not kept when the operands are a rebased copy of
+    them: a third of the forms' bytes): the forward GEMMs' operands (``w13_q [E, 2, F, D]``,
+    ``w2_q [E, D, F]`` and their scales), which a call without autograd reads too, and the
+    input-gradient GEMMs' ``[E, N, K]`` operands, the same qdata and scales transposed
+    (contiguous copies): ``w2t_q [E, F, D]``, ``w13t_q [E, D, 2F]``. In the
+    ``"mxfp8_rebased"`` format every operand is rebased onto 128-wide K groups (scales
+    ``[..., N/32, K/128]``)."""
 
-    w13: PreparedWeight
-    w2: PreparedWeight
     w13_q: torch.Tensor
     w13_s: torch.Tensor
     w2_q: torch.Tensor
@@ -165,15 +165,8 @@ def train_weights(moe, w13: torch.Tensor, w2: torch.Tensor) -> TrainWeights:
 
 def _refresh(tw: TrainWeights, new: TrainWeights) -> None:
     """Copy every form of ``new`` into ``tw``'s tensors (the same shapes and dtypes)."""
-    pairs = [(getattr(tw, n), getattr(new, n)) for n in
-             ("w13_q", "w13_s", "w2_q", "w2_s", "w2t_q", "w2t_s", "w13t_q", "w13t_s")]
-    pairs += [(tw.w13.qdata, new.w13.qdata), (tw.w13.scales, new.w13.scales),
-              (tw.w2.qdata, new.w2.qdata), (tw.w2.scales, new.w2.scales)]
-    done = set()
-    for old, fresh in pairs:  # the prepared weights may be the forms themselves
-        if old.data_ptr() not in done:
-            done.add(old.data_ptr())
-            old.copy_(fresh)
+    for n in ("w13_q", "w13_s", "w2_q", "w2_s", "w2t_q", "w2t_s", "w13t_q", "w13t_s"):
+        getattr(tw, n).copy_(getattr(new, n))
 
 
 def _quantise_weights(moe, w13: torch.Tensor, w2: torch.Tensor) -> TrainWeights:
@@ -187,7 +180,7 @@ def _quantise_weights(moe, w13: torch.Tensor, w2: torch.Tensor) -> TrainWeights:
     if moe._lowp.format == "mxfp8_rebased":  # every operand onto 128-wide K groups
         forms = [mxfp8_rebase(q, sc)[:2] for q, sc in forms]
     (q13, s13), (q2, s2), (q2t, s2t), (q13t, s13t) = forms
-    return TrainWeights(w13=p13, w2=p2, w13_q=q13, w13_s=s13, w2_q=q2, w2_s=s2, w2t_q=q2t,
+    return TrainWeights(w13_q=q13, w13_s=s13, w2_q=q2, w2_s=s2, w2t_q=q2t,
                         w2t_s=s2t, w13t_q=q13t, w13t_s=s13t)
 
 

@@ -365,8 +365,8 @@ def cached_per_object(owner: object, name: str, objects: tuple, make, *, size: i
         refresh(hit[2])
         cache[key] = (hit[0], versions, hit[2])
         return hit[2]
+    cache.pop(key, None)  # the stale value goes before the new one is made (peak memory)
     value = make()
-    cache.pop(key, None)
     while len(cache) >= size:
         cache.pop(next(iter(cache)))  # the oldest
     cache[key] = (tuple(weakref.ref(o) for o in objects), versions, value)
