@@ -26,7 +26,10 @@ matmul; the output says so). Outputs, in ``--out``:
 * ``loss.png``: both loss curves, and each step's time;
 * ``results.json``: device, date, command, versions, corpus, sizes, every step's loss and
   time per implementation, the median step time after warm-up, tokens per second, the
-  ratio of step times and the final losses' relative difference.
+  ratio of step times and the final losses' relative difference;
+* ``run-<implementation>.json``: each run's record, written as the run ends (a later run's
+  failure keeps it). A distmoe run that runs out of GPU memory is recorded in
+  ``results.json``'s ``failed_runs`` and the remaining runs go on.
 
 distmoe runs over a torch.distributed process group, even at one rank: the script creates
 a one-rank group (gloo on CPU, NCCL on CUDA) unless one exists. It runs on one rank only.
@@ -40,6 +43,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import json
 import math
 import os
@@ -283,6 +287,19 @@ def train(model: torch.nn.Module, impl: str, init_state: dict, data_V: torch.Ten
     return result
 
 
+def release_after_failure(model: torch.nn.Module, device: torch.device) -> None:
+    """What a run that raised left behind: its gradients, distmoe's contexts, the cached
+    blocks (the next run starts from the same memory as the first did)."""
+    import distmoe.integrations.transformers as dmt
+
+    for p in model.parameters():
+        p.grad = None
+    dmt.close_contexts()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def plot(path: Path, runs: list[dict], title: str, warmup: int) -> None:
     import matplotlib
 
@@ -390,9 +407,25 @@ def main(argv: list[str] | None = None) -> dict:
               f"{num_expert_params / num_params:.0%} in experts), {size}\n"
               f"baseline: {baseline_note}", flush=True)
 
-        runs = [train(model, "distmoe", init_state, data_V, starts, size, warmup, device,
-                      precision=p) for p in args.precisions]
-        runs.append(train(model, baseline, init_state, data_V, starts, size, warmup, device))
+        def finished(run: dict) -> dict:  # on disk as it ends: a later failure keeps it
+            (out / f"run-{run['implementation']}.json").write_text(json.dumps(run) + "\n")
+            return run
+
+        runs, failed = [], {}
+        for p in args.precisions:
+            name = "distmoe" if p == "bf16" else f"distmoe-{p}"
+            try:
+                runs.append(finished(train(model, "distmoe", init_state, data_V, starts, size,
+                                           warmup, device, precision=p)))
+            except torch.OutOfMemoryError as exc:  # the other runs still tell something
+                failed[name] = "out of GPU memory: " + str(exc).split(". ")[0]
+            if name in failed:  # outside the handler: its traceback no longer holds tensors
+                release_after_failure(model, device)
+                print(f"{name}: {failed[name]}; going on with the next run", flush=True)
+        if not runs:
+            raise SystemExit(f"every distmoe run failed: {failed}")
+        runs.append(finished(train(model, baseline, init_state, data_V, starts, size, warmup,
+                                   device)))
         ours, base = runs[0], runs[-1]
         ratio = base["median_step_s"] / ours["median_step_s"]
 
@@ -424,6 +457,7 @@ def main(argv: list[str] | None = None) -> dict:
             "baseline": baseline,
             "baseline_note": baseline_note,
             "runs": {r["implementation"]: r for r in runs},
+            "failed_runs": failed,
             "speedup": ratio,
             "final_loss_rel_diff": loss_diff,
             "final_loss_rel_diff_by_run": {r["implementation"]: rel_diff(r) for r in runs},

@@ -96,3 +96,7 @@ def _check_outputs(out, proc):
     assert png.stat().st_size > 10_000
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "median step" in proc.stdout and "final losses differ" in proc.stdout
+    results = json.loads((out / "results.json").read_text())
+    assert results["failed_runs"] == {}
+    for name, run in results["runs"].items():  # each run also on disk as it ended
+        assert json.loads((out / f"run-{name}.json").read_text()) == run
