@@ -1,6 +1,7 @@
-"""NVFP4 inference forward (``MoEConfig(precision="nvfp4", training=False)``: NVFP4 weights,
-bf16 activations) on CPU ranks (Triton interpreter), EP 1-3 (one launch each), against two
-references with bounds derived in the comments:
+"""NVFP4 inference forward (``MoEConfig(precision="nvfp4", training=False)``: NVFP4 weights;
+bf16 activations at EP = 1, rows packed as NVFP4 by their owners at EP > 1) on CPU ranks
+(Triton interpreter), EP 1-3 (one launch each), against two references with bounds derived
+in the comments:
 
 (a) the same arithmetic in plain PyTorch (prepared weights decoded exactly to ``v * s_b``,
     float64 dots rounded to fp32, times the global scale, SwiGLU in fp32, bf16 h2 and h3, the
@@ -24,7 +25,9 @@ from test_mxfp8_forward import executed_routes
 
 import distmoe as dm
 from distmoe.kernels.scaled.nvfp4 import nvfp4_weight_values
+from distmoe.plan import rules
 from distmoe.quant import PreparedWeight, prepare_weights
+from distmoe.quant.nvfp4 import nvfp4_quantize_ref
 from distmoe.reference import moe_reference, split_global_problem
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -89,10 +92,11 @@ def _refusals(dev, E):
 
 
 def _nvfp4_rank(rank, world, seed, T_, E, K_, cases, factors, device="cpu", check=True,
-                dims=(D, F)):
+                dims=(D, F), pull_all=None):
     """Per case: (y, stats, second call equal) of this rank's NVFP4 context with
     ``device_scratch_factor = factors[case]`` (unchecked where below the world size: the
-    receive bound is then exceeded on purpose); at EP 1 also the refusals."""
+    receive bound is then exceeded on purpose); at EP 1 also the refusals. ``pull_all``:
+    force how peer rows are copied (every peer row at once, or the named ones)."""
     dev = torch.device(device) if device == "cpu" else torch.device(
         "cuda", torch.cuda.current_device())
     out = []
@@ -104,7 +108,9 @@ def _nvfp4_rank(rank, world, seed, T_, E, K_, cases, factors, device="cpu", chec
         w13p, w2p = prepare_weights(mine.w13.to(dev), mine.w2.to(dev), "nvfp4",
                                     reference=device == "cpu")
         cfg = _cfg(E, T_, factors[case], dims, K_)
-        with dm.MoEContext(cfg, device=dev, check=check and factors[case] >= world) as ctx:
+        overrides = None if pull_all is None else {"layer": {"pull_all": pull_all}}
+        with dm.MoEContext(cfg, device=dev, check=check and factors[case] >= world,
+                           overrides=overrides) as ctx:
             args = [t.to(dev) for t in (mine.x, mine.expert_ids, mine.scores)]
             y = ctx(*args, w13p, w2p)
             y2 = ctx(*args, w13p, w2p)  # buffer reuse is clean: the same bits
@@ -147,10 +153,13 @@ def _combine(n, k, s, h3, dh3, Ntok, K_):
     return acc.bfloat16(), _bf16_ulp_allowance(acc.double(), dy)
 
 
-def reference_a(x, ids, scores, w13p, w2p, executed, sum_factor=1.0):
+def reference_a(x, ids, scores, w13p, w2p, executed, sum_factor=1.0, x_scale=None):
     """(y, bound): the NVFP4-weight layer in plain PyTorch and a per-element bound on |layer -
     reference|. Both read the same bits (the gathered rows are x's rows; the prepared weights
-    are bit-identical, test_prepared_weights_round_trip). Per GEMM with K values, S = sum
+    are bit-identical, test_prepared_weights_round_trip). With ``x_scale`` (rows packed by
+    their owners, EP > 1): ``x`` holds the rows' decoded ``v * s_b`` and ``x_scale [T]`` their
+    global scales, multiplied into the weights' in fp32 as the kernel does (the same product
+    on both sides: no extra term). Per GEMM with K values, S = sum
     |a w| over the decoded operands and s_g the expert's global scale: the kernel's fp32
     accumulator is within (K + 1) u S of the exact sum and its global-scale product adds u;
     the reference (float64, then fp32, then the product) adds 2 u |exact|: together
@@ -164,6 +173,8 @@ def reference_a(x, ids, scores, w13p, w2p, executed, sum_factor=1.0):
     v13 = nvfp4_weight_values(w13p.qdata, w13p.scales).double()  # [E, 2, F, D]
     v2 = nvfp4_weight_values(w2p.qdata, w2p.scales).double()  # [E, D, F]
     g13, g2 = w13p.global_scale[e][:, None], w2p.global_scale[e][:, None]
+    if x_scale is not None:
+        g13 = g13 * x_scale[n][:, None]
     D_, F_ = x.shape[1], v2.shape[2]
     g32 = _grouped(xr, v13[:, 0], e).float() * g13
     u32 = _grouped(xr, v13[:, 1], e).float() * g13
@@ -195,9 +206,19 @@ def weight_error_bound(w, p):
             + 6 * 2.0**-10 * s_g * (1 + 2.0**-21) + 2.0**-146)
 
 
-def reference_b(x, ids, scores, w13, w2, executed, sum_factor=1.0):
+def row_error_bound(x, packed_scales, global_scale):
+    """The section-4 bound for rows quantised with a global scale per row (``global_scale
+    [T, 1]``): the weights' formula with ``s_g`` per row."""
+    s_g = global_scale.double()
+    d_b = packed_scales.double().repeat_interleave(16, -1) * s_g
+    return ((2.0**-2 + 2.0**-21) * torch.maximum(x.double().abs(), d_b)
+            + 6 * 2.0**-10 * s_g * (1 + 2.0**-21) + 2.0**-146)
+
+
+def reference_b(x, ids, scores, w13, w2, executed, sum_factor=1.0, dx=None):
     """(y64, bound): the bf16 layer in float64 over the executed routes and a bound on |NVFP4
-    layer - y64|. Activations are exact (bf16 rows, never quantised); each weight carries
+    layer - y64|. Activations are exact (bf16 rows) or, with ``dx [T, D]`` (rows packed by
+    their owners), carry their own section-4 error bound ``dx``; each weight carries
     its section-4 error dw, so a dot errs by at most |a| @ dw (plus da @ (|w| + dw) where the
     input a carries da), plus the kernel's fp32 summation ((K + 2) u S', S' over |w| + dw).
     Carried through: silu is 1.1-Lipschitz; each bf16 rounding (h2, h3, y) adds 2^-8 of the
@@ -216,10 +237,10 @@ def reference_b(x, ids, scores, w13, w2, executed, sum_factor=1.0):
         return (_grouped(a.abs(), dw, e) + _grouped(da, w.abs() + dw, e)
                 + 1.01 * (width + 2) * U * sum_factor * big)
 
-    zero = torch.zeros_like(xr)
+    dxr = torch.zeros_like(xr) if dx is None else dx[n]
     g, u = _grouped(xr, w13r[:, 0], e), _grouped(xr, w13r[:, 1], e)
-    eg = dot_error(xr, zero, w13r[:, 0], dw13[:, 0], x.shape[1])
-    eu = dot_error(xr, zero, w13r[:, 1], dw13[:, 1], x.shape[1])
+    eg = dot_error(xr, dxr, w13r[:, 0], dw13[:, 0], x.shape[1])
+    eu = dot_error(xr, dxr, w13r[:, 1], dw13[:, 1], x.shape[1])
     h2 = torch.nn.functional.silu(g) * u
     e_h2 = (SILU_LIP * eg * (u.abs() + eu) + torch.nn.functional.silu(g).abs() * eu
             + 2.0**-20 * h2.abs())
@@ -238,12 +259,17 @@ def _check_case(y, seed, EP, T_, E, K_, case, receive_bound, sum_factor=1.0, dim
     executed = executed_routes(ids, EP, E, receive_bound)
     # a global scale per expert: all experts prepared at once give each rank's bits
     w13p, w2p = prepare_weights(w13, w2, "nvfp4", reference=True)
-    y_a, bound_a = reference_a(x, ids, scores, w13p, w2p, executed, sum_factor)
+    x_a, x_scale, dx = x, None, None
+    if rules.packs_nvfp4_rows(precision="nvfp4", ep_size=EP):  # rows packed by their owners
+        packed, scales, gs = nvfp4_quantize_ref(x, per="row")  # the kernel's bits
+        x_a, x_scale = nvfp4_weight_values(packed, scales), gs[:, 0]
+        dx = row_error_bound(x, scales, gs)
+    y_a, bound_a = reference_a(x_a, ids, scores, w13p, w2p, executed, sum_factor, x_scale)
     err_a = (y.double() - y_a.double()).abs()
     assert (err_a <= bound_a).all(), (
         f"{case}: (a) error {err_a.max():.3g} above its bound at "
         f"{(err_a > bound_a).nonzero()[0].tolist()}")
-    y64, bound_b = reference_b(x, ids, scores, w13, w2, executed, sum_factor)
+    y64, bound_b = reference_b(x, ids, scores, w13, w2, executed, sum_factor, dx)
     err_b = (y.double() - y64).abs()
     assert (err_b <= bound_b).all(), (
         f"{case}: (b) error {err_b.max():.3g} above its bound at "
@@ -292,6 +318,19 @@ def test_nvfp4_forward_against_both_references(EP, E):
             assert (~executed & (ids >= 0)).any()  # the bound was hit: routes dropped
     if EP == 1:
         _check_refusals(results[0][1])
+
+
+def test_packed_rows_pulled_at_once_or_as_named_give_the_same_bits():
+    """EP = 2: the packed rows copied from every peer at once (copy engines, their packed
+    bytes only) or as the tables name them give the same bits, within both references."""
+    seed, E, case = 71, 8, "inactive_mix"
+    ys = {}
+    for pull_all in (True, False):
+        results = dm.launch(_nvfp4_rank, 2, args=(seed, T, E, K, [case], {case: 2.0}, "cpu",
+                                                  True, (D, F), pull_all))
+        ys[pull_all] = torch.cat([r[0][0][0] for r in results])
+    assert torch.equal(ys[True].view(torch.int16), ys[False].view(torch.int16))
+    _check_case(ys[True], seed, 2, T, E, K, case, _cfg(E, T, 2.0).receive_bound(2))
 
 
 def _check_refusals(msgs):
@@ -398,3 +437,17 @@ def test_nvfp4_forward_gpu():
         y, stats, same = out[i]
         assert same and stats["dropped_rows"] == 0, case
         _check_case(y, 7, 1, T_, E, K_, case, bound, sum_factor=GPU_SUM_FACTOR, dims=dims)
+
+
+@pytest.mark.gpu
+def test_nvfp4_forward_gpu_two_ranks_sharing_it():
+    """EP = 2 as two ranks on one GPU (IPC heap): rows packed by their owners, the packed
+    bytes pulled, decoded by the gather and scaled in W13 (T = 256 per rank, D = 512,
+    F = 256, E = 16, K = 4), within both references with the GPU margin."""
+    T_, E, K_, dims, case = 256, 16, 4, (512, 256), "imbalance_8x"
+    results = dm.launch(_nvfp4_rank, 2, device="cuda", gpus=[0], timeout=600,
+                        args=(7, T_, E, K_, [case], {case: 2.0}, "cuda", True, dims))
+    y = torch.cat([r[0][0][0] for r in results])
+    assert all(r[0][0][2] for r in results)
+    bound = _cfg(E, T_, 2.0, dims, K_).receive_bound(2)
+    _check_case(y, 7, 2, T_, E, K_, case, bound, sum_factor=GPU_SUM_FACTOR, dims=dims)

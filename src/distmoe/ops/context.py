@@ -373,7 +373,8 @@ class MoEContext:
         # (distmoe.kernels.movement.call_counters).
         self._counters = torch.zeros(6, dtype=torch.int64, device=self.device)
         #: MXFP8 / block-FP8 / NVFP4 scratch (:mod:`distmoe.ops.lowp`); None at bf16
-        self._lowp = allocate_lowp(cfg, self.num_local_experts, self.receive_bound, self.device)
+        self._lowp = allocate_lowp(cfg, self.num_local_experts, self.receive_bound, self.device,
+                                   self.ep_size)
         #: the extra GEMM configs of an FP8 training context (:mod:`distmoe.ops.lowp_train`)
         self._lowp_train = (fp8_train_configs(cfg, self.device)
                             if cfg.training and self._lowp is not None else None)
@@ -548,17 +549,24 @@ class MoEContext:
             self._check_bound(y)
         return y
 
-    def _publish_and_route(self, x, expert_ids, pull_all: bool = False):
+    def _publish_and_route(self, x, expert_ids, pull_all: bool = False, *, pack=None,
+                           copy_elems: int | None = None):
+        """Steps 1-3. ``pack(x, slots)``: writes each token's row into its dispatch slot
+        (``slots``: the dispatch rows as uint8 ``[T_max, 2 D]``) in another format instead
+        of the bf16 copy; peers then copy the first ``copy_elems`` bf16 elements of a slot
+        (default all)."""
         T = x.shape[0]
         # T and the ids in one launch; an id outside [-1, E) becomes an invalid -2 (a plain
         # int16 copy would wrap ids beyond int16 into valid ones)
         publish_ids(expert_ids, self._ids[self.rank], self._headers[self.rank],
                     num_experts=self.cfg.num_experts)
-        if not self._reads_x(x) and not self._x_in_input_buffer(x):
+        if pack is not None:
+            pack(x, self._dispatch.view(torch.uint8))
+        elif not self._reads_x(x) and not self._x_in_input_buffer(x):
             self._dispatch[:T].copy_(x)
         self.heap.barrier()
         if pull_all:
-            self._start_pull_all()
+            self._start_pull_all(copy_elems)
         ids_EPTK = torch.stack([ids[:T] for ids in self._ids])
         tables = build_routing_tables(
             ids_EPTK, rank=self.rank, num_local_experts=self.num_local_experts,
@@ -577,17 +585,18 @@ class MoEContext:
                    tables.num_invalid_ids, header_bases=self.heap.base_table("routing"),
                    headers=self._headers, tokens=tokens)
 
-    def _start_pull_all(self) -> None:
+    def _start_pull_all(self, copy_elems: int | None = None) -> None:
         """Copy every peer's ``max_tokens`` token rows into the pull buffer (after the
         publish barrier), one copy per peer: on CUDA on a side stream, by the copy engines,
         so that it overlaps the routing tables; :meth:`gather_table` with ``pulled`` joins
-        it."""
+        it. ``copy_elems``: the first elements of each row only (packed rows)."""
         T = self.cfg.max_tokens
+        cols = slice(None) if copy_elems is None else slice(0, copy_elems)
 
         def copy():
             for r in range(self.ep_size):
                 if r != self.rank:
-                    self._pulled[r * T:(r + 1) * T].copy_(self._peer_tokens[r])
+                    self._pulled[r * T:(r + 1) * T, cols].copy_(self._peer_tokens[r][:, cols])
 
         if self.device.type != "cuda":
             copy()
@@ -604,7 +613,7 @@ class MoEContext:
         return self.ep_size == 1 and x.data_ptr() % 16 == 0
 
     def gather_table(self, gather_ptrs, enable=None, *, pulled: bool = False, x=None,
-                      phased: bool = False):
+                      phased: bool = False, copy_elems: int | None = None):
         """The table W13 reads its A rows through. At EP = 1: with ``x`` (a forward's input,
         where :meth:`_reads_x`) a copy of ``gather_ptrs`` that names x's rows, else
         ``gather_ptrs`` itself. At EP > 1 a copy whose peer tokens point at local copies,
@@ -612,7 +621,8 @@ class MoEContext:
         optional device predicate). With ``pulled`` (after :meth:`_start_pull_all`) the tokens are
         being copied already: the table is rewritten and the copy joined, or with ``phased``
         not joined yet but the row blocks that name peer tokens flagged
-        (:meth:`_run_w13` joins it between its two launches)."""
+        (:meth:`_run_w13` joins it between its two launches). ``copy_elems``: the first
+        elements of each pulled row only (packed rows)."""
         if self.ep_size == 1:
             if x is None or not self._reads_x(x):
                 return gather_ptrs
@@ -621,7 +631,8 @@ class MoEContext:
 
         out = pull_tokens(gather_ptrs, self.heap.base_table("dispatch"), self.rank,
                           self._pulled, self._pull_flags, self._pulled_ptrs, enable=enable,
-                          pulled=pulled, block_flags=self._block_peer if phased else None)
+                          pulled=pulled, block_flags=self._block_peer if phased else None,
+                          copy_elems=copy_elems)
         if pulled and not phased:
             self._join_pull()
         return out

@@ -91,6 +91,7 @@ from ..kernels.scaled import (
     nvfp4_weight_grouped_mm,
 )
 from ..kernels.scaled.gather_quant import gather_quantize
+from ..kernels.scaled.nvfp4_rows import gather_nvfp4_rows, nvfp4_row_layout, pack_nvfp4_rows
 from ..plan import rules
 from ..plan.rules import mxfp8_k_group
 from ..quant.fp8_block import fp8_block_quantize_2d, mxfp8_rebase
@@ -198,12 +199,15 @@ class NVFP4Scratch:
 
     Attributes:
         x_rows: bf16 ``[R_b, D]``: the gathered rows, then W2's output h3 (activation rows).
+        row_scale: float32 ``[R_b]``: the gathered rows' global scales where the owners pack
+            their rows as NVFP4 (:func:`~distmoe.plan.rules.packs_nvfp4_rows`), else None.
         w13_config / w2_config: the two grouped GEMMs' launch configs (``block_m`` = the
             routing's ``row_block``, the padding multiple).
         w13_shape / w2_shape: the prepared weights' shapes this context takes.
     """
 
     x_rows: torch.Tensor
+    row_scale: torch.Tensor | None
     w13_config: ScaledGemmConfig
     w2_config: ScaledGemmConfig
     w13_shape: tuple[int, ...]
@@ -211,11 +215,11 @@ class NVFP4Scratch:
 
     @property
     def nbytes(self) -> int:
-        return self.x_rows.nbytes
+        return self.x_rows.nbytes + (0 if self.row_scale is None else self.row_scale.nbytes)
 
 
 def allocate_nvfp4(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
-                   device: torch.device) -> NVFP4Scratch:
+                   device: torch.device, ep_size: int = 1) -> NVFP4Scratch:
     """The scratch of an NVFP4 inference context (module docstring, Memory); zeroed once."""
     if cfg.precision not in ("nvfp4", "mxfp4") or cfg.training:
         raise ValueError(f"allocate_nvfp4 is for NVFP4 / MXFP4 inference contexts, got "
@@ -223,6 +227,9 @@ def allocate_nvfp4(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
     R, D, F, E = receive_bound, cfg.hidden, cfg.ffn, num_local_experts
     return NVFP4Scratch(
         x_rows=torch.zeros(R, D, dtype=torch.bfloat16, device=device),
+        row_scale=(torch.zeros(R, dtype=torch.float32, device=device)
+                   if rules.packs_nvfp4_rows(precision=cfg.precision, ep_size=ep_size)
+                   else None),
         w13_config=nvfp4_weight_config(k=D, n=2 * F, swiglu=True, block_m=cfg.row_block),
         w2_config=nvfp4_weight_config(k=F, n=D, block_m=cfg.row_block),
         w13_shape=(E, 2, F, D),
@@ -231,12 +238,12 @@ def allocate_nvfp4(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
 
 
 def allocate_lowp(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
-                  device: torch.device) -> FP8Scratch | NVFP4Scratch | None:
+                  device: torch.device, ep_size: int = 1) -> FP8Scratch | NVFP4Scratch | None:
     """The low-precision scratch of a context at ``cfg.precision`` (None at bf16)."""
     if cfg.precision in FP8_FORMATS:
         return allocate_fp8(cfg, num_local_experts, receive_bound, device)
     if cfg.precision in ("nvfp4", "mxfp4"):
-        return allocate_nvfp4(cfg, num_local_experts, receive_bound, device)
+        return allocate_nvfp4(cfg, num_local_experts, receive_bound, device, ep_size)
     return None
 
 
@@ -348,6 +355,24 @@ def fp8_forward(ctx, x, expert_ids, scores, w13, w2, *,
     return scatter_and_combine(ctx, tables, None, x, expert_ids, scores, out)
 
 
+def route_and_gather_nvfp4(ctx, x, expert_ids, x_rows: torch.Tensor,
+                           row_scale: torch.Tensor):
+    """Steps 1-4a with rows packed by their owners (:mod:`~distmoe.kernels.scaled.nvfp4_rows`,
+    EP > 1): each rank packs its x into its dispatch slots, peers copy the packed bytes
+    only, and the executed rows are decoded into ``x_rows`` (``v * s_b``) with their global
+    scales in ``row_scale``; returns the routing tables."""
+    T = expert_ids.shape[0]
+    pull_all = ctx.plan.pulls_all(ctx.cfg, T)
+    _, _, num_bytes = nvfp4_row_layout(ctx.cfg.hidden)
+    copy_elems = -(-num_bytes // 16) * 8  # whole 16-byte vectors
+    tables = ctx._publish_and_route(x, expert_ids, pull_all, pack=pack_nvfp4_rows,
+                                    copy_elems=copy_elems)
+    ptrs = ctx.gather_table(tables.gather_ptrs, pulled=pull_all, copy_elems=copy_elems)
+    gather_nvfp4_rows(ptrs, tables.padded_offsets, tables.row_offsets, x_rows, row_scale,
+                      block_m=ctx.cfg.row_block)
+    return tables
+
+
 def _fp4_mm(a, w: PreparedWeight, po, ro, out, **kw):
     """The FP4-weight grouped GEMM of ``w``'s precision: MXFP4 (no global scale) or NVFP4."""
     if w.precision == "mxfp4":
@@ -360,10 +385,14 @@ def nvfp4_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedW
     """Steps 1-7 of the module docstring (nvfp4: weight-only, bf16 activations) on checked
     inputs; returns y [T, D] bf16 (into ``out`` when given)."""
     s: NVFP4Scratch = ctx._lowp
-    tables = route_and_gather(ctx, x, expert_ids, s.x_rows)
+    if s.row_scale is not None:  # rows packed by their owners
+        tables = route_and_gather_nvfp4(ctx, x, expert_ids, s.x_rows, s.row_scale)
+    else:
+        tables = route_and_gather(ctx, x, expert_ids, s.x_rows)
     po, ro = tables.padded_offsets, tables.row_offsets
     h2 = ctx._h2
-    _fp4_mm(s.x_rows, w13, po, ro, h2, swiglu=True, config=s.w13_config)
+    extra = {} if s.row_scale is None else {"a_row_scale": s.row_scale}
+    _fp4_mm(s.x_rows, w13, po, ro, h2, swiglu=True, config=s.w13_config, **extra)
     h3 = s.x_rows  # the gathered rows are dead once W13 has read them
     _fp4_mm(h2, w2, po, ro, h3, config=s.w2_config)
     return scatter_and_combine(ctx, tables, h3, x, expert_ids, scores, out)

@@ -309,6 +309,16 @@ def pull_all(*, ep_size: int, top_k: int, tokens: int, max_tokens: int,
     return used >= thresholds(device_class).value("pull_all_fraction")
 
 
+def packs_nvfp4_rows(*, precision: str, ep_size: int) -> bool:
+    """Whether token owners pack their rows as NVFP4 before the experts read them
+    (:mod:`distmoe.kernels.scaled.nvfp4_rows`): nvfp4 at EP > 1, where rows cross between
+    GPUs and the packed row is 3.6x fewer bytes. At EP = 1 the expert reads x in place (a
+    pack would read and write it once more and add the activations' quantisation error for
+    no bytes saved); mxfp4 keeps bf16 activations (GPT-OSS's recipe quantises weights
+    only)."""
+    return precision == "nvfp4" and ep_size > 1
+
+
 def w13_phases(*, max_tokens: int, top_k: int, num_experts: int,
                device_class: DeviceClass = "generic") -> bool:
     """Whether W13 runs in two launches around the peer copy (where its tiles are the

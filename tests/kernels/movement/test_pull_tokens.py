@@ -191,3 +191,25 @@ def test_own_src_is_checked_before_running():
         pull_tokens(ptrs, bases, 0, dst, None, out, pulled=True,
                     own_src=torch.zeros(4, 64, device=DEVICE))
     assert (out == POISON_PTR).all()
+
+
+def test_pull_tokens_copies_the_first_copy_elems_only():
+    """copy_elems (rows holding a packed format in their first bytes): each pulled slot gets
+    its token's first copy_elems values bit for bit, and the rest of the slot keeps the
+    poison; a width that is not a multiple of 8 in [8, D] is refused."""
+    ep, rank, t_max, D, r_cap, copy = 2, 1, 12, 64, 40, 24
+    heap, bases, src, row, ptrs = _problem(ep, t_max, D, r_cap, rank, seed=7)
+    dst = torch.full((ep * t_max, D), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    flags = torch.zeros(ep * t_max, dtype=torch.int8, device=DEVICE)
+    out = torch.full((r_cap,), POISON_PTR, dtype=torch.int64, device=DEVICE)
+    pull_tokens(ptrs, bases, rank, dst, flags, out, copy_elems=copy)
+    pulled = (ptrs.cpu() != 0) & (src != rank) & (row < t_max)
+    assert pulled.any()
+    got, want = dst.cpu(), heap.cpu()
+    for s, r in set(zip(src[pulled].tolist(), row[pulled].tolist(), strict=True)):
+        slot = got[s * t_max + r]
+        assert torch.equal(slot[:copy].view(torch.int16), want[s, r, :copy].view(torch.int16))
+        assert bool(slot[copy:].isnan().all())
+    for bad in (0, 12, D + 8, 8.0):
+        with pytest.raises(ValueError, match="copy_elems"):
+            pull_tokens(ptrs, bases, rank, dst, flags, out, copy_elems=bad)

@@ -86,20 +86,22 @@ def _operands(rows, k, num_experts, n, device="cpu"):
     return (a.bfloat16(), *_quantize_experts(w.bfloat16()))
 
 
-def _bound(a, w, s_g, gpu):
+def _bound(a, w, s_g, gpu, scale_roundings=1):
     """|kernel - exact| before the bf16 rounding, for ``a [M, K] @ w [N, K]^T`` (float64,
     decoded) times ``s_g``: every product is exact in fp32; an element passes through at most
     K additions (K - 1 inside the dots, one per K tile into the accumulator: fewer than K + 1
     in all), each rounding relatively by u; then one rounding by the global scale:
     ((K + 1) u S + u |acc|) s_g <= (K + 2) u S s_g with S = sum |a_k w_k| (first order; 1.01
     covers the second). The GPU's bf16 WGMMA adds in fp32 (a margin of the same size again
-    is allowed: a model to confirm there)."""
+    is allowed: a model to confirm there). With a per-row activation scale the scale is a
+    product of two fp32 values first (``scale_roundings=2``: one more u)."""
     k = a.shape[1]
-    rel = (k + 2) * U32 * (2 if gpu else 1)
+    rel = (k + 1 + scale_roundings) * U32 * (2 if gpu else 1)
     return 1.01 * rel * (a.abs() @ w.abs().T) * s_g + 2.0**-149
 
 
-def _expected_and_bound(a, w, s_g, padded_offsets, row_offsets, out_n, swiglu, gpu):
+def _expected_and_bound(a, w, s_g, padded_offsets, row_offsets, out_n, swiglu, gpu,
+                        scale_roundings=1):
     rows = int(row_offsets[-1])
     exact = torch.zeros(rows, out_n, dtype=torch.float64, device=a.device)
     tol = torch.zeros_like(exact)
@@ -109,7 +111,7 @@ def _expected_and_bound(a, w, s_g, padded_offsets, row_offsets, out_n, swiglu, g
         if lo == hi:
             continue
         acc = (a[lo:hi] @ w[e].T) * s_g[e]
-        gamma = _bound(a[lo:hi], w[e], s_g[e], gpu)
+        gamma = _bound(a[lo:hi], w[e], s_g[e], gpu, scale_roundings)
         if swiglu:
             g, u = acc[:, :out_n], acc[:, out_n:]
             gg, gu = gamma[:, :out_n], gamma[:, out_n:]
@@ -139,10 +141,11 @@ def _check_output(out, exact, tol, row_offsets):
                         f"{(err / tol).max().item():.3g} x the bound")
 
 
-def _run_case(case: Case, device="cpu", config=None, gpu=False, mx=False):
+def _run_case(case: Case, device="cpu", config=None, gpu=False, mx=False, row_scale=False):
     """One case against the float64 bound and the plain-PyTorch reference. ``mx``: MXFP4
     weights (E8M0 per 32, no global scale: the prologue's ``v * 2^(s - 127)`` is exact in
-    bf16 too, so the same bound with ``s_g = 1``), else NVFP4."""
+    bf16 too, so the same bound with ``s_g = 1``), else NVFP4. ``row_scale``: a float32
+    factor per activation row (NVFP4 activation rows' global scales), over many decades."""
     from distmoe.kernels.scaled import mxfp4_weight_grouped_mm
     from distmoe.quant.mxfp4 import mxfp4_dequantize, mxfp4_quantize
 
@@ -167,21 +170,30 @@ def _run_case(case: Case, device="cpu", config=None, gpu=False, mx=False):
         bp = packed.view(num_experts, 2, out_n, case.k // 2)
         bs = scales.view(num_experts, 2, out_n, case.k // group)
     out = torch.full((rows, out_n), float("nan"), dtype=torch.bfloat16, device=device)
+    rs = None
+    if row_scale:
+        g = torch.Generator().manual_seed(rows)
+        rs = (torch.exp2(torch.randint(-12, 12, (rows,), generator=g).float())
+              * (1 + torch.rand(rows, generator=g))).to(device)
     if mx:
         mxfp4_weight_grouped_mm(a, bp, bs, *tables, out, swiglu=case.swiglu, config=config)
         w = mxfp4_dequantize(packed, scales, dtype=torch.float64).cpu()
         sg64 = torch.ones(num_experts, dtype=torch.float64)
     else:
-        nvfp4_weight_grouped_mm(a, bp, bs, s_g, *tables, out, swiglu=case.swiglu, config=config)
+        nvfp4_weight_grouped_mm(a, bp, bs, s_g, *tables, out, swiglu=case.swiglu, config=config,
+                                a_row_scale=rs)
         w = nvfp4_weight_values(packed, scales).double().cpu()
         sg64 = s_g.double().cpu()
-    exact, tol = _expected_and_bound(a.double().cpu(), w, sg64, padded_offsets,
-                                     row_offsets, out_n, case.swiglu, gpu)
+    a64 = a.double().cpu()
+    if rs is not None:  # exact in float64: the factor moves onto the rows
+        a64 = a64 * rs.double().cpu()[:, None]
+    exact, tol = _expected_and_bound(a64, w, sg64, padded_offsets, row_offsets, out_n,
+                                     case.swiglu, gpu, scale_roundings=1 if rs is None else 2)
     _check_output(out.cpu(), exact, tol, row_offsets)
     # the plain-PyTorch reference: same contract, same bound
     ref = torch.full_like(out, float("nan"))
     nvfp4_weight_grouped_mm_ref(a, bp, bs, s_g, *tables, ref, swiglu=case.swiglu,
-                                block_m=case.block_m)
+                                block_m=case.block_m, a_row_scale=rs)
     _check_output(ref.cpu(), exact, tol, row_offsets)
 
 CASES = {
@@ -201,6 +213,11 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_against_float64_within_bound(name):
     _run_case(CASES[name])
+
+
+@pytest.mark.parametrize("name", ["partial_tiles", "swiglu_w13"])
+def test_row_scale_against_float64_within_bound(name):
+    _run_case(CASES[name], row_scale=True)
 
 
 def test_decoded_weights_exact_in_bf16():
@@ -296,6 +313,7 @@ def test_gpu_moderate_shape():
         from distmoe.kernels.scaled import nvfp4_weight_config
         cfg = nvfp4_weight_config(k=case.k, n=case.n, swiglu=case.swiglu, block_m=128)
         _run_case(case, device="cuda", config=cfg, gpu=True)
+        _run_case(case, device="cuda", config=cfg, gpu=True, row_scale=True)
 
 
 # ---------------------------------------------------------------------------- MXFP4 weights

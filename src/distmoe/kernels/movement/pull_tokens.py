@@ -94,8 +94,9 @@ def _mark_tokens_kernel(src_ptrs_ptr, bases_ptr, out_ptrs_ptr, flags_ptr, enable
 
 @triton.jit
 def _pull_tokens_kernel(bases_ptr, flags_ptr, dst_ptr, enable_ptr, T_MAX: tl.constexpr,
-                        EP: tl.constexpr, ROW_ELEMS: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_D: tl.constexpr, HAS_ENABLE: tl.constexpr):
+                        EP: tl.constexpr, ROW_ELEMS: tl.constexpr, COPY_ELEMS: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                        HAS_ENABLE: tl.constexpr):
     if HAS_ENABLE:
         if tl.load(enable_ptr) == 0:
             return
@@ -111,9 +112,9 @@ def _pull_tokens_kernel(bases_ptr, flags_ptr, dst_ptr, enable_ptr, T_MAX: tl.con
             (base + (slots - owner * T_MAX) * (ROW_ELEMS * 2)).to(tl.pointer_type(tl.bfloat16)),
             16)
         dst_rows = tl.multiple_of(dst_ptr + slots * ROW_ELEMS, 16)
-        for d in range(0, ROW_ELEMS, BLOCK_D):
+        for d in range(0, COPY_ELEMS, BLOCK_D):
             cols = d + tl.arange(0, BLOCK_D)
-            mask = need[:, None] & (cols < ROW_ELEMS)[None, :]
+            mask = need[:, None] & (cols < COPY_ELEMS)[None, :]
             vals = tl.load(src_rows[:, None] + cols[None, :], mask=mask)
             tl.store(dst_rows[:, None] + cols[None, :], vals, mask=mask)
         tl.store(flags_ptr + slots, tl.zeros([BLOCK_T], dtype=tl.int8), mask=need)
@@ -123,7 +124,8 @@ def pull_tokens(src_ptrs: torch.Tensor, bases: torch.Tensor, rank: int,
                 dst: torch.Tensor | None, flags: torch.Tensor | None, out_ptrs: torch.Tensor, *,
                 enable: torch.Tensor | None = None, pulled: bool = False,
                 own_src: torch.Tensor | None = None, t_max: int | None = None,
-                block_flags: torch.Tensor | None = None) -> torch.Tensor:
+                block_flags: torch.Tensor | None = None,
+                copy_elems: int | None = None) -> torch.Tensor:
     """Copy the peer tokens ``src_ptrs`` names into ``dst`` once each; returns ``out_ptrs``,
     the table W13 reads instead (see the module docstring). With ``pulled``, every peer
     token is already in ``dst`` (copied by the caller): only the table is written and
@@ -154,6 +156,9 @@ def pull_tokens(src_ptrs: torch.Tensor, bases: torch.Tensor, rank: int,
             padded rows names a peer token (a row rewritten to ``dst``), else 0; the W13 row
             blocks that :mod:`distmoe.kernels.w13_forward.phases` may run before the peer tokens
             have landed are the zeros.
+        copy_elems: the first ``copy_elems`` elements of each pulled row only (a multiple of
+            8, default D): rows that hold a packed format in their first bytes
+            (:mod:`distmoe.kernels.scaled.nvfp4_rows`); the rest of a dst slot is untouched.
     Returns:
         ``out_ptrs``.
     """
@@ -186,6 +191,12 @@ def pull_tokens(src_ptrs: torch.Tensor, bases: torch.Tensor, rank: int,
             raise ValueError(f"dst rows must be 16-byte aligned, got D={row_elems} at address "
                              f"{dst.data_ptr():#x}")
         device, dst_base = dst.device, dst.data_ptr()
+    if copy_elems is None:
+        copy_elems = row_elems
+    elif (isinstance(copy_elems, bool) or not isinstance(copy_elems, int)
+          or not 8 <= copy_elems <= row_elems or copy_elems % 8):
+        raise ValueError(f"copy_elems ({copy_elems!r}) must be a multiple of 8 (16-byte "
+                         f"vectors) in [8, D = {row_elems}]")
     if not pulled:
         check_tensor("flags", flags, dtypes=(torch.int8,), shape=[ep * t_max],
                      shape_text="[EP * T_max]")
@@ -229,7 +240,8 @@ def pull_tokens(src_ptrs: torch.Tensor, bases: torch.Tensor, rank: int,
         if not pulled:
             _pull_tokens_kernel[(triton.cdiv(ep * t_max, _BLOCK_T),)](
                 bases, flags, dst, enable_arg, T_MAX=t_max, EP=ep, ROW_ELEMS=row_elems,
-                BLOCK_T=_BLOCK_T, BLOCK_D=min(_BLOCK_D, next_power_of_2(row_elems)),
+                COPY_ELEMS=copy_elems, BLOCK_T=_BLOCK_T,
+                BLOCK_D=min(_BLOCK_D, next_power_of_2(copy_elems)),
                 HAS_ENABLE=enable is not None,
             )
     return out_ptrs

@@ -93,7 +93,7 @@ NVFP4_BLOCK = 16
 
 
 @triton.jit
-def _e2m1_to_fp32(nib):
+def e2m1_to_fp32(nib):
     """fp32 value of E2M1 nibbles (int32, ``sign << 3 | code``), exact: code ``2 e + m`` is
     ``m / 2`` for e = 0, else ``2^(e - 1) (1 + m / 2)``."""
     e = (nib >> 1) & 3
@@ -104,7 +104,7 @@ def _e2m1_to_fp32(nib):
 
 
 @triton.jit
-def _e4m3_to_fp32(b):
+def e4m3_to_fp32(b):
     """fp32 value of E4M3 bytes (int32 0..255), exact: NaN for ``0x7F`` / ``0xFF``,
     ``m * 2^-9`` for exponent field 0."""
     e = (b >> 3) & 15
@@ -136,9 +136,9 @@ def _load_weight_tile(packed_rows, scale_rows, kb, col_ok, K: tl.constexpr,
     if E8M0:  # MXFP4: a power of two per 32 values
         scale = e8m0_to_fp32(sb)
     else:
-        scale = _e4m3_to_fp32(sb)
-    even = (_e2m1_to_fp32(byte & 15) * scale).to(tl.bfloat16)
-    odd = (_e2m1_to_fp32(byte >> 4) * scale).to(tl.bfloat16)
+        scale = e4m3_to_fp32(sb)
+    even = (e2m1_to_fp32(byte & 15) * scale).to(tl.bfloat16)
+    odd = (e2m1_to_fp32(byte >> 4) * scale).to(tl.bfloat16)
     return even, odd
 
 
@@ -148,6 +148,7 @@ def _nvfp4_tile(
     b_ptr,
     sb_ptr,
     gs_ptr,
+    rs_ptr,
     padded_offsets_ptr,
     row_offsets_ptr,
     out_ptr,
@@ -166,6 +167,7 @@ def _nvfp4_tile(
     SCALE_GROUP: tl.constexpr,
     E8M0: tl.constexpr,
     HAS_GLOBAL: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr,
 ):
     """One ``BLOCK_M x BLOCK_N`` output tile of the padded row tile at ``row_start``."""
     KB: tl.constexpr = K // 2  # bytes of a packed weight row
@@ -217,6 +219,8 @@ def _nvfp4_tile(
             s_g = tl.load(gs_ptr + expert)
         else:
             s_g = 1.0
+        if HAS_ROW_SCALE:  # the activations' global scale per row, times the weights'
+            s_g = (s_g * tl.load(rs_ptr + rows, mask=is_live, other=0.0))[:, None]
         if SWIGLU:
             g = acc_g * s_g
             val = g * tl.sigmoid(g) * (acc_u * s_g)
@@ -233,6 +237,7 @@ def _nvfp4_weight_grouped_mm_kernel(
     b_ptr,
     sb_ptr,
     gs_ptr,
+    rs_ptr,
     padded_offsets_ptr,
     row_offsets_ptr,
     out_ptr,
@@ -251,6 +256,7 @@ def _nvfp4_weight_grouped_mm_kernel(
     SCALE_GROUP: tl.constexpr = 16,
     E8M0: tl.constexpr = False,
     HAS_GLOBAL: tl.constexpr = True,
+    HAS_ROW_SCALE: tl.constexpr = False,
 ):
     NUM_PID_N: tl.constexpr = (OUT_N + BLOCK_N - 1) // BLOCK_N
     pid_m, pid_n = swizzle_tile(tl.program_id(0), num_pid_m, NUM_PID_N, GROUP_M)
@@ -259,9 +265,10 @@ def _nvfp4_weight_grouped_mm_kernel(
     # were padded further. A while loop (not range) keeps the interpreter working too.
     row_start = pid_m * BLOCK_M
     while row_start < total_rows:
-        _nvfp4_tile(a_ptr, b_ptr, sb_ptr, gs_ptr, padded_offsets_ptr, row_offsets_ptr, out_ptr,
-                    row_start, pid_n, NUM_EXPERTS, EXPERTS_POW2, K, N, OUT_N, BLOCK_M, BLOCK_N,
-                    BLOCK_K, EVEN_K, SWIGLU, SCALE_GROUP, E8M0, HAS_GLOBAL)
+        _nvfp4_tile(a_ptr, b_ptr, sb_ptr, gs_ptr, rs_ptr, padded_offsets_ptr, row_offsets_ptr,
+                    out_ptr, row_start, pid_n, NUM_EXPERTS, EXPERTS_POW2, K, N, OUT_N, BLOCK_M,
+                    BLOCK_N, BLOCK_K, EVEN_K, SWIGLU, SCALE_GROUP, E8M0, HAS_GLOBAL,
+                    HAS_ROW_SCALE)
         row_start += num_pid_m * BLOCK_M
 
 
@@ -364,6 +371,7 @@ def nvfp4_weight_grouped_mm(
     *,
     swiglu: bool = False,
     config: ScaledGemmConfig | None = None,
+    a_row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per expert ``e``: ``out[rows of e] = a @ dequant(b[e])^T`` (or its SwiGLU) with NVFP4
     weights decoded to bf16 in the prologue, bf16 tensor-core dots into fp32, the global scale
@@ -386,11 +394,15 @@ def nvfp4_weight_grouped_mm(
             ``[0, row_offsets[E])``; every other row is left untouched.
         swiglu: ``out = silu(gate) * up`` from the two scaled fp32 accumulators, rounded once.
         config: launch configuration; default :func:`nvfp4_weight_config`.
+        a_row_scale: optional float32 ``[R]``: a factor per activation row (NVFP4 activation
+            rows' global scales, :mod:`~distmoe.kernels.scaled.nvfp4_rows`), multiplied into
+            the weight's global scale in fp32 before the accumulator is scaled.
 
     Returns ``out``. No host synchronisation; nothing allocated.
     """
     return _fp4_weight_grouped_mm(a, b_packed, b_block_scales, b_global, padded_offsets,
-                                  row_offsets, out, swiglu=swiglu, config=config, mx=False)
+                                  row_offsets, out, swiglu=swiglu, config=config, mx=False,
+                                  a_row_scale=a_row_scale)
 
 
 def mxfp4_weight_grouped_mm(
@@ -414,11 +426,19 @@ def mxfp4_weight_grouped_mm(
                                   out, swiglu=swiglu, config=config, mx=True)
 
 
+def _check_row_scale(a_row_scale: object, a: torch.Tensor) -> None:
+    if a_row_scale is not None:
+        check_tensor("a_row_scale", a_row_scale, dtypes=(torch.float32,), shape=[a.shape[0]],
+                     shape_text="[R] (one factor per activation row)")
+        check_devices({"a": a, "a_row_scale": a_row_scale})
+
+
 def _fp4_weight_grouped_mm(a, b_packed, b_block_scales, b_global, padded_offsets, row_offsets,
-                           out, *, swiglu, config, mx):
+                           out, *, swiglu, config, mx, a_row_scale=None):
     b_packed, b_scales, rows, k, num_experts, n = check_nvfp4_weight_grouped_mm_args(
         a, b_packed, b_block_scales, b_global, padded_offsets, row_offsets, out, swiglu=swiglu,
         mx=mx)
+    _check_row_scale(a_row_scale, a)
     if config is None:
         config = nvfp4_weight_config(k=k, n=n, swiglu=swiglu)
     elif not isinstance(config, ScaledGemmConfig):
@@ -429,9 +449,10 @@ def _fp4_weight_grouped_mm(a, b_packed, b_block_scales, b_global, padded_offsets
                                             swiglu=swiglu)
     with device_context(a.device):
         _nvfp4_weight_grouped_mm_kernel[grid](
-            a, b_packed, b_scales, b_scales if b_global is None else b_global, padded_offsets,
-            row_offsets, out, num_pid_m, SCALE_GROUP=MXFP4_BLOCK if mx else NVFP4_BLOCK,
-            E8M0=mx, HAS_GLOBAL=not mx, **kwargs,
+            a, b_packed, b_scales, b_scales if b_global is None else b_global,
+            b_scales if a_row_scale is None else a_row_scale, padded_offsets, row_offsets, out,
+            num_pid_m, SCALE_GROUP=MXFP4_BLOCK if mx else NVFP4_BLOCK, E8M0=mx,
+            HAS_GLOBAL=not mx, HAS_ROW_SCALE=a_row_scale is not None, **kwargs,
         )
     return out
 
@@ -459,6 +480,7 @@ def nvfp4_weight_grouped_mm_ref(
     *,
     swiglu: bool = False,
     block_m: int = 128,
+    a_row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-PyTorch :func:`nvfp4_weight_grouped_mm` (any device; synchronises; for tests);
     with ``b_global=None``, of :func:`mxfp4_weight_grouped_mm` (MXFP4 weights, ``b_block_scales``
@@ -485,8 +507,11 @@ def nvfp4_weight_grouped_mm_ref(
         if count == 0:
             continue
         acc = (a64[act_start:act_start + count] @ w[e].T).float()
-        if not mx:
-            acc = acc * b_global[e]
+        scale = torch.ones((), device=a.device) if mx else b_global[e]
+        if a_row_scale is not None:
+            scale = (scale * a_row_scale[act_start:act_start + count])[:, None]
+        if not mx or a_row_scale is not None:
+            acc = acc * scale
         if swiglu:
             acc = torch.nn.functional.silu(acc[:, :out_n]) * acc[:, out_n:]
         out[act_start:act_start + count] = acc.to(torch.bfloat16)
