@@ -93,12 +93,11 @@ def test_gather_matches_the_reference(hidden):
     assert torch.equal(out[:n].view(torch.int16), want[:n].view(torch.int16))
     assert torch.equal(scale[:n], want_scale[:n]) and bool((scale[:n] >= 0).all())
     assert bool(out[n:].isnan().all()) and bool(scale[n:].isnan().all())  # spare rows
-    nulls = (ptrs[:0] == 0)  # some live row is null, and it read zeros
-    for e in range(len(live)):
-        seg = ptrs[int(padded[e]):int(padded[e]) + live[e]]
-        nulls = torch.cat([nulls, seg == 0])
+    # the live rows' addresses in activation order: some are null, and those read zeros
+    nulls = torch.cat([ptrs[int(padded[e]):int(padded[e]) + count] == 0
+                       for e, count in enumerate(live)])
     assert bool(nulls.any())
-    assert bool((out[:n][nulls.to(DEV)] == 0).all()) and bool((scale[:n][nulls] == 0).all())
+    assert bool((out[:n][nulls] == 0).all()) and bool((scale[:n][nulls] == 0).all())
 
 
 def test_refusals():
