@@ -354,3 +354,20 @@ def test_fp8_training_gpu(precision, F):
     worst = _check([out], 1, E, D, F, precision, tokens=tokens,
                    tol_recipe=TOL_RECIPE_SM90_128 if wide else TOL_RECIPE)
     print(precision, {f"{a} {b}": f"{v:.2e}" for (a, b), v in worst.items()})
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_fp8_training_contexts_allocate_no_slots(precision):
+    """An FP8 training context's layers keep their state in per-call tensors: its activation
+    buffer is the plan's scratch alone (no slots left empty), a bf16 one the whole plan."""
+    cfg = dm.MoEConfig(hidden=64, ffn=32, num_experts=4, top_k=2, max_tokens=16,
+                       training=True, precision=precision, max_layers_per_slot=2)
+    plan = dm.plan_memory(cfg, 1)
+    with dm.MoEContext(cfg, device="cpu") as ctx:
+        acts = ctx.activations
+        if precision == "bf16":
+            assert acts.slot_bytes == plan.slot_capacity_bytes > 0
+            assert acts.storage.numel() == plan.activation_buffer_bytes
+        else:
+            assert acts.slot_bytes == 0 and acts.storage.numel() == plan.scratch_bytes
+            assert ctx.stats()["activations"]["slot_capacity_bytes"] == 0

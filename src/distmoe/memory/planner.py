@@ -763,6 +763,14 @@ def format_saves(trace: SaveTrace) -> list[str]:
 
 
 # --------------------------------------------------------------------------- entry point
+def keeps_state_in_slots(cfg: MoEConfig) -> bool:
+    """Whether a training context's layers keep their saved state in the activation slots.
+    bf16 layers do. The FP8 training layers keep theirs in per-call tensors until their slots
+    exist (issue 58): their contexts allocate the plan's scratch only, not slots they would
+    leave empty (at the example's full size, 9 GiB)."""
+    return cfg.training and cfg.precision == "bf16"
+
+
 def plan_memory(
     cfg: MoEConfig,
     ep_size: int,

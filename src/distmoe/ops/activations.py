@@ -6,6 +6,9 @@ plan_memory`), laid out as the plan's regions::
     [ slot 0 | slot 1 | ... | slot S-1 | scratch ]
       each slot_capacity_bytes           scratch_bytes (device tier)
 
+(An FP8 training context has the scratch only: its layers keep their state in per-call
+tensors, :func:`~distmoe.memory.keeps_state_in_slots`.)
+
 **Slots** keep what backward needs until the backward runs. The layers of one slot pack one
 after the other from the slot's cursor. For layer ``l`` of ``L = cfg.max_layers_per_slot`` in
 a slot, every rank evaluates on its device, with every rank's executed rows ``R_r`` (the
@@ -43,6 +46,7 @@ over h1 instead).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from dataclasses import dataclass
 
@@ -54,7 +58,7 @@ from ..kernels.movement.slot_cursor import (
     begin_layer_on_device,
     end_layer_on_device,
 )
-from ..memory import MemoryPlan, align128, plan_memory, rows_in_place
+from ..memory import MemoryPlan, align128, keeps_state_in_slots, plan_memory, rows_in_place
 
 
 @dataclass(eq=False)  # identity: the host's live list removes records by identity
@@ -130,6 +134,8 @@ class ActivationBuffer:
                 "is not implemented; leave it None"
             )
         plan = plan_memory(cfg, ep_size)
+        if not keeps_state_in_slots(cfg):  # an FP8 training context: scratch only
+            plan = dataclasses.replace(plan, slot_capacity_bytes=0)
         self.plan: MemoryPlan = plan
         self.cfg = cfg
         self.ep_size, self.rank, self.device = ep_size, rank, device
