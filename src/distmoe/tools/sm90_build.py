@@ -754,8 +754,8 @@ def other_kernel_cases() -> list[BuildCase]:
     for enable in (False, True):
         cases.append(BuildCase(
             f"pull_tokens enable={enable}", pull._pull_tokens_kernel,
-            dict(T_MAX=T, EP=EP, ROW_ELEMS=D, BLOCK_T=pull._BLOCK_T, BLOCK_D=pull._BLOCK_D,
-                 HAS_ENABLE=enable),
+            dict(T_MAX=T, EP=EP, ROW_ELEMS=D, COPY_ELEMS=D if enable else D // 2,
+                 BLOCK_T=pull._BLOCK_T, BLOCK_D=pull._BLOCK_D, HAS_ENABLE=enable),
             4, 1, types={"bases_ptr": "*i64", "flags_ptr": "*i8"}))
     EB = max(16, 1 << (E + 2 - 1).bit_length())
     EPB = max(2, EP)
@@ -937,14 +937,25 @@ def lowp_kernel_cases() -> list[BuildCase]:
     for (name, k, n, swiglu), mx in itertools.product(shapes[:2], (False, True)):
         cfg = nvfp4_weight_config(k=k, n=n, swiglu=swiglu)
         out_n = n // 2 if swiglu else n
-        cases.append(BuildCase(
-            f"{'mxfp4' if mx else 'nvfp4'} weights {name}", nvfp4._nvfp4_weight_grouped_mm_kernel,
-            dict(NUM_EXPERTS=E, EXPERTS_POW2=next_power_of_2(E), K=k, N=n, OUT_N=out_n,
-                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                 GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0, SWIGLU=swiglu,
-                 SCALE_GROUP=32 if mx else 16, E8M0=mx, HAS_GLOBAL=not mx),
-            cfg.num_warps, cfg.num_stages,
-            types={"b_ptr": "*u8", "sb_ptr": "*u8", "gs_ptr": "*fp32"}))
+        # W13 of an nvfp4 layer at EP > 1 reads the packed rows' global scales too
+        for row_scale in (False, True) if swiglu and not mx else (False,):
+            cases.append(BuildCase(
+                f"{'mxfp4' if mx else 'nvfp4'} weights {name}"
+                + (" row scale" if row_scale else ""), nvfp4._nvfp4_weight_grouped_mm_kernel,
+                dict(NUM_EXPERTS=E, EXPERTS_POW2=next_power_of_2(E), K=k, N=n, OUT_N=out_n,
+                     BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                     GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0, SWIGLU=swiglu,
+                     SCALE_GROUP=32 if mx else 16, E8M0=mx, HAS_GLOBAL=not mx,
+                     HAS_ROW_SCALE=row_scale),
+                cfg.num_warps, cfg.num_stages,
+                types={"b_ptr": "*u8", "sb_ptr": "*u8", "gs_ptr": "*fp32", "rs_ptr": "*fp32"}))
+    from distmoe.kernels.scaled import nvfp4_rows
+    _, global_at, _ = nvfp4_rows.nvfp4_row_layout(D)
+    cases.append(BuildCase(
+        "gather nvfp4 rows", nvfp4_rows._gather_nvfp4_kernel,
+        dict(HIDDEN=D, BLOCK_B=nvfp4_rows._BLOCK_BYTES, GLOBAL_AT=global_at, NUM_EXPERTS=E,
+             EXPERTS_POW2=next_power_of_2(E), BLOCK_M=nvfp4_rows._BLOCK_ROWS), 4, 1,
+        types={"gather_ptrs_ptr": "*i64", "out_ptr": "*bf16", "scale_ptr": "*fp32"}))
     quant_types = {"q_ptr": "*u8", "rows": "i32", "num_groups": "i32"}
     for rebase in (False, True):
         cases.append(BuildCase(

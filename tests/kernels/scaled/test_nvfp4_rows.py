@@ -55,7 +55,7 @@ def test_pack_writes_the_quantiser_bits_and_nothing_past_them(hidden):
     assert bool((slots[tokens:] == POISON).all())
 
 
-@pytest.mark.parametrize("hidden", [48, 256])
+@pytest.mark.parametrize("hidden", [48, 256, 608])  # 608: three column tiles, one partial
 def test_gather_matches_the_reference(hidden):
     gen = torch.Generator().manual_seed(7 + hidden)
     block_m = 16

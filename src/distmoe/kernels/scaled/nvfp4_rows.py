@@ -26,7 +26,7 @@ The W13 GEMM multiplies its fp32 accumulator by ``row_scale`` with the weights' 
 (:func:`~distmoe.kernels.scaled.nvfp4.nvfp4_weight_grouped_mm`'s ``a_row_scale``), so the
 layer computes exactly on the decoded values of both operands. Padding rows are not read and
 no other row is written. Grid: ``R_cap / BLOCK_M`` row tiles (``BLOCK_M`` divides the padding
-multiple) from the static bounds. No host synchronisation.
+multiple) times the column tiles, from the static bounds. No host synchronisation.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ __all__ = ["gather_nvfp4_rows", "gather_nvfp4_rows_ref", "nvfp4_row_layout", "pa
            "unpack_nvfp4_rows"]
 
 _BLOCK_ROWS = 16
+_BLOCK_BYTES = 128  # packed bytes per program along a row: 256 values
 
 
 def nvfp4_row_layout(hidden: int) -> tuple[int, int, int]:
@@ -116,9 +117,11 @@ def unpack_nvfp4_rows(slots: torch.Tensor, hidden: int
 
 @triton.jit
 def _gather_nvfp4_kernel(gather_ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, out_ptr,
-                         scale_ptr, HIDDEN: tl.constexpr, HALF_POW2: tl.constexpr,
+                         scale_ptr, HIDDEN: tl.constexpr, BLOCK_B: tl.constexpr,
                          GLOBAL_AT: tl.constexpr, NUM_EXPERTS: tl.constexpr,
                          EXPERTS_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One tile: ``BLOCK_M`` padded rows by ``BLOCK_B`` packed bytes (``2 BLOCK_B`` values);
+    the column tile 0 also copies the rows' global scales."""
     row_start = tl.program_id(0) * BLOCK_M
     expert = tile_expert(padded_offsets_ptr, row_start, NUM_EXPERTS, EXPERTS_POW2)
     act_start, num_live = tile_activation_rows(padded_offsets_ptr, row_offsets_ptr, expert,
@@ -128,9 +131,9 @@ def _gather_nvfp4_kernel(gather_ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, o
         is_live = idx < num_live
         src = tl.load(gather_ptrs_ptr + row_start + idx, mask=is_live, other=0)
         rows = src.to(tl.pointer_type(tl.uint8))
-        has = (src != 0)[:, None]
-        j = tl.arange(0, HALF_POW2)  # byte j holds values 2 j (low nibble) and 2 j + 1
-        ok = has & (j < HIDDEN // 2)[None, :]
+        # byte j holds values 2 j (low nibble) and 2 j + 1
+        j = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+        ok = (src != 0)[:, None] & (j < HIDDEN // 2)[None, :]
         byte = tl.load(rows[:, None] + j[None, :], mask=ok, other=0).to(tl.int32)
         # a block scale per 8 bytes (16 values)
         sb = tl.load(rows[:, None] + (HIDDEN // 2 + j // 8)[None, :], mask=ok,
@@ -138,14 +141,15 @@ def _gather_nvfp4_kernel(gather_ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, o
         scale = e4m3_to_fp32(sb)
         even = (e2m1_to_fp32(byte & 15) * scale).to(tl.bfloat16)
         odd = (e2m1_to_fp32(byte >> 4) * scale).to(tl.bfloat16)
-        vals = tl.reshape(tl.join(even, odd), (BLOCK_M, 2 * HALF_POW2))  # interleave
+        vals = tl.reshape(tl.join(even, odd), (BLOCK_M, 2 * BLOCK_B))  # interleave
         dst = out_ptr + (act_start + idx).to(tl.int64) * HIDDEN
-        cols = tl.arange(0, 2 * HALF_POW2)
+        cols = 2 * tl.program_id(1) * BLOCK_B + tl.arange(0, 2 * BLOCK_B)
         tl.store(dst[:, None] + cols[None, :], vals,
                  mask=is_live[:, None] & (cols < HIDDEN)[None, :])
-        g = tl.load((rows + GLOBAL_AT).to(tl.pointer_type(tl.float32)), mask=src != 0,
-                    other=0.0)
-        tl.store(scale_ptr + act_start + idx, g, mask=is_live)
+        if tl.program_id(1) == 0:
+            g = tl.load((rows + GLOBAL_AT).to(tl.pointer_type(tl.float32)), mask=src != 0,
+                        other=0.0)
+            tl.store(scale_ptr + act_start + idx, g, mask=is_live)
 
 
 def _check_gather(gather_ptrs, padded_offsets, row_offsets, out, row_scale, block_m,
@@ -187,13 +191,15 @@ def gather_nvfp4_rows(gather_ptrs: torch.Tensor, padded_offsets: torch.Tensor,
     if r_cap == 0 or out.shape[0] == 0:
         return out
     block_rows = min(_BLOCK_ROWS, block_m)
+    block_b = min(_BLOCK_BYTES, next_power_of_2(hidden // 2))
     _, global_at, _ = nvfp4_row_layout(hidden)
+    grid = (r_cap // block_rows, triton.cdiv(hidden // 2, block_b))
     with device_context(out.device):
-        _gather_nvfp4_kernel[(r_cap // block_rows,)](
+        _gather_nvfp4_kernel[grid](
             gather_ptrs, padded_offsets, row_offsets, out, row_scale, HIDDEN=hidden,
-            HALF_POW2=next_power_of_2(hidden // 2), GLOBAL_AT=global_at,
-            NUM_EXPERTS=num_experts, EXPERTS_POW2=max(2, next_power_of_2(num_experts)),
-            BLOCK_M=block_rows, num_warps=4,
+            BLOCK_B=block_b, GLOBAL_AT=global_at, NUM_EXPERTS=num_experts,
+            EXPERTS_POW2=max(2, next_power_of_2(num_experts)), BLOCK_M=block_rows,
+            num_warps=4,
         )  # fmt: skip
     return out
 
