@@ -152,6 +152,8 @@ def test_cpu_smoke_run_writes_outputs(tmp_path, capsys):
     assert {r["status"] for r in rows} == {"ok"}
     assert {r["timing_method"] for r in rows} == {"cpu"}
     assert {r["achieved_imbalance"] for r in rows} == {1.0, 2.0}
+    # exact routing gives every expert rows: the HBM model reads every expert's weights
+    assert {r["active_experts"] for r in rows} == {rows[0]["num_experts"]}
     assert all(r["max_rel_err_vs_torch"] == 0.0 for r in rows)  # the reference is the baseline
     assert {r["baseline_path"] for r in rows} == {baseline.grouped_mm_path("cpu")[0]}
     data = json.loads((out / "results.json").read_text())
@@ -242,11 +244,14 @@ def test_sampled_routing_run_and_rules(tmp_path, capsys):
     out = tmp_path / "bench"
     args = _parse(["--shapes", "smoke", "--device", "cpu", "--providers", "torch",
                    "--mode", "fwd", "--routing", "sampled", "--warmup", "1", "--windows", "2",
-                   "--iters", "1", "--no-plots", "--no-ceilings", "--out", str(out)])
+                   "--iters", "1", "--no-plots", "--no-ceilings", "--tokens", "1",
+                   "--out", str(out)])
     assert cli.resolve_plan(args).routing == "sampled"
     assert cli.run(args) == 0
     rows = report.read_cases_csv(out / "cases.csv")
     assert [(r["routing"], r["status"]) for r in rows] == [("sampled", "ok")], rows
+    # one token: the HBM model reads the weights of its K experts only
+    assert rows[0]["active_experts"] == rows[0]["top_k"] < rows[0]["num_experts"]
     table = capsys.readouterr().out.splitlines()
     assert any(line.startswith("torch") and " smp " in line for line in table)
     assert not any(line.startswith("routing: exact") for line in table)

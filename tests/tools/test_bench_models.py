@@ -49,6 +49,12 @@ def test_modeled_hbm_bytes_modes_rows_and_precision():
     assert models.modeled_hbm_bytes(**kw, precision="mxfp8") == pytest.approx(586)
     with pytest.raises(ValueError, match="precision"):
         models.modeled_hbm_bytes(**kw, precision="fp16")
+    # one of the three local experts routed to: its weights only, 576 / 3 = 192
+    assert models.modeled_hbm_bytes(**kw, active_experts=1) == 896 - 384
+    assert models.modeled_hbm_bytes(**kw, active_experts=3) == 896
+    for bad in (-1, 4):
+        with pytest.raises(ValueError, match="active_experts"):
+            models.modeled_hbm_bytes(**kw, active_experts=bad)
 
 
 def test_hbm_bytes_issue_a_shape():

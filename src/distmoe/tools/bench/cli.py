@@ -569,7 +569,7 @@ def case_work(row: report.CaseResult) -> tuple[float, float, float]:
     flops = models.useful_flops(ffn=row.ffn, **kw)
     hbm = models.modeled_hbm_bytes(
         ffn=row.ffn, num_local_experts=row.num_experts // row.ep_size,
-        precision=row.precision or "bf16", **kw
+        precision=row.precision or "bf16", active_experts=row.active_experts, **kw
     )
     nvlink = models.nvlink_bytes(ep_size=row.ep_size, **kw).total
     return flops, hbm, nvlink
@@ -606,6 +606,8 @@ def run_case(
     row.routing = ctx.plan.routing
     row.achieved_imbalance = inputs.routing.achieved_imbalance
     row.tracked_rows = inputs.routing.tracked_rows
+    if row.ep_size == 1:  # the experts whose weights a call reads (decode: a few of them)
+        row.active_experts = sum(c > 0 for c in inputs.routing.rows_per_expert_E)
     if provider.status != "ok":
         row.status, row.note = provider.status, provider.note
         return [(row, None)]

@@ -21,14 +21,16 @@ DRAM counters) and not what any one implementation moves. The forward pass of on
     x            [T, D]          read              2*T*D
     expert_ids   [T, K]  int32   read              4*T*K
     scores       [T, K]  fp32    read              4*T*K
-    w13, w2      [E_local, 3F, D] read once        6*E_local*D*F     (x elem bytes, see below)
+    w13, w2      [E_a, 3F, D]    read once         6*E_a*D*F         (x elem bytes, see below)
     routed rows  [R, D]          read by W13       2*R*D             (x elem bytes, see below)
     h1 = [g|u]   [R, 2F]         written           4*R*F
     h2           [R, F]          written           2*R*F
     h3           [R, D]          written (routes)  2*R*D
     y            [T, D]          written           2*T*D
 
-For ``precision="mxfp8"`` / ``"nvfp4"`` the weights and routed input rows are counted at their
+``E_a`` is the local experts that receive at least one row (``active_experts``; all
+``E_local`` where it is not known): a decode step of T tokens reads the weights of at most
+T*K experts, not all of them. For ``precision="mxfp8"`` / ``"nvfp4"`` the weights and routed input rows are counted at their
 quantised size including scales (mxfp8: 1 + 1/32 bytes per value, one E8M0 scale per 32;
 nvfp4: 1/2 + 1/16 bytes per value, one E4M3 scale per 16); everything else stays as listed.
 Backward is modeled as 2x the forward bytes and fwdbwd as 3x (the coarse model of the
@@ -143,17 +145,25 @@ def forward_hbm_bytes(
     num_local_experts: int,
     rows: int | None = None,
     precision: str = "bf16",
+    active_experts: int | None = None,
 ) -> HbmBytes:
     """Per-tensor modeled HBM bytes of one forward pass on one rank.
 
     Args:
         tokens, hidden, ffn, top_k: T, D, F, K.
-        num_local_experts: E_local, whose weights the rank reads.
+        num_local_experts: E_local.
         rows: routed rows R this rank executes; default the balanced T*K.
         precision: operand format of the weights and routed input rows.
+        active_experts: the local experts with at least one routed row, whose weights the
+            rank reads (0 to E_local); default all E_local.
     """
     _check_positive(tokens=tokens, hidden=hidden, ffn=ffn, top_k=top_k)
     _check_positive(num_local_experts=num_local_experts)
+    if active_experts is None:
+        active_experts = num_local_experts
+    elif not 0 <= active_experts <= num_local_experts:
+        raise ValueError(f"active_experts ({active_experts}) must be in [0, num_local_experts "
+                         f"= {num_local_experts}]")
     t, d, f, k = tokens, hidden, ffn, top_k
     r = t * k if rows is None else rows
     if r < 0:
@@ -163,7 +173,7 @@ def forward_hbm_bytes(
         x=2.0 * t * d,
         expert_ids=4.0 * t * k,
         scores=4.0 * t * k,
-        weights=q * num_local_experts * 3 * d * f,
+        weights=q * active_experts * 3 * d * f,
         routed_rows=q * r * d,
         h1=2.0 * r * 2 * f,
         h2=2.0 * r * f,
@@ -182,6 +192,7 @@ def modeled_hbm_bytes(
     mode: Mode = "fwd",
     rows: int | None = None,
     precision: str = "bf16",
+    active_experts: int | None = None,
 ) -> float:
     """Modeled HBM bytes of one iteration: forward total x 1 (fwd), 2 (bwd) or 3 (fwdbwd)."""
     _check_mode(mode)
@@ -193,6 +204,7 @@ def modeled_hbm_bytes(
         num_local_experts=num_local_experts,
         rows=rows,
         precision=precision,
+        active_experts=active_experts,
     )
     return _MODE_FACTOR[mode] * fwd.total
 

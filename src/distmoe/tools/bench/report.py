@@ -55,6 +55,7 @@ CASE_COLUMNS: dict[str, type] = {
     "routing": str,
     "achieved_imbalance": float,
     "tracked_rows": int,
+    "active_experts": int,
     "precision": str,
     "transport": str,
     "mode": str,
@@ -146,6 +147,9 @@ class CaseResult:
     routing: str = "exact"
     achieved_imbalance: float | None = None
     tracked_rows: int | None = None
+    #: local experts with at least one routed row (EP = 1: from the routing; else None, and
+    #: the HBM model counts every local expert's weights)
+    active_experts: int | None = None
     timing_method: str = ""
     iter_ms: float | None = None
     window_min_ms: float | None = None
