@@ -54,7 +54,8 @@ class MoEConfig:
             from it.
         precision: ``"bf16"``, ``"mxfp8"``, ``"fp8_block"`` (DeepSeek-V3's block FP8),
             ``"nvfp4"`` or ``"mxfp4"`` (GPT-OSS's expert format; the two FP4 precisions are
-            inference only, weights in FP4 and activations bf16).
+            inference only, weights in FP4; activations bf16, except that nvfp4 at EP > 1
+            packs the rows that cross between GPUs as NVFP4 too: docs/numerics.md section 8).
         training: keep state for backward.
         row_block: rows of one GEMM tile; each local expert's rows are padded to a multiple
             of it. A power of two in [16, 256].
