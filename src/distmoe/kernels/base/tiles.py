@@ -119,6 +119,26 @@ def tile_activation_rows(padded_offsets_ptr, row_offsets_ptr, expert, row_start)
 
 
 @triton.jit
+def tile_row_addresses(table_ptr, padded_offsets_ptr, row_offsets_ptr,
+                       NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr,
+                       BLOCK_M: tl.constexpr):
+    """This program's row tile (grid axis 0: ``BLOCK_M`` padded rows, inside one expert's
+    segment) in a table of one int64 address per padded row (gather or scatter pointers).
+
+    Returns ``(act_start, num_live, idx, is_live, addresses)``: :func:`tile_activation_rows`'s
+    pair, ``idx = arange(BLOCK_M)``, ``is_live = idx < num_live`` and the live rows' table
+    entries (0 elsewhere: padding rows' entries are never read)."""
+    row_start = tl.program_id(0) * BLOCK_M
+    expert = tile_expert(padded_offsets_ptr, row_start, NUM_EXPERTS, EXPERTS_POW2)
+    act_start, num_live = tile_activation_rows(padded_offsets_ptr, row_offsets_ptr, expert,
+                                               row_start)
+    idx = tl.arange(0, BLOCK_M)
+    is_live = idx < num_live
+    addresses = tl.load(table_ptr + row_start + idx, mask=is_live, other=0)
+    return act_start, num_live, idx, is_live, addresses
+
+
+@triton.jit
 def tile_live_rows(padded_offsets_ptr, row_offsets_ptr, expert, row_start):
     """:func:`tile_activation_rows` with an int32 ``act_start``: the backward kernels use it
     as a TMA row coordinate (int32) and in int32 row arithmetic."""

@@ -31,7 +31,7 @@ from distmoe.kernels.base.checks import (
 )
 from distmoe.kernels.base.config import next_power_of_2
 from distmoe.kernels.base.device import device_context
-from distmoe.kernels.base.tiles import tile_activation_rows, tile_expert
+from distmoe.kernels.base.tiles import tile_row_addresses
 
 __all__ = ["regather_rows"]
 
@@ -47,14 +47,10 @@ def _regather_kernel(gather_ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, out_p
     if HAS_ENABLE:
         run = tl.load(enable_ptr) != 0
     if run:
-        row_start = tl.program_id(0) * BLOCK_M
-        expert = tile_expert(padded_offsets_ptr, row_start, NUM_EXPERTS, EXPERTS_POW2)
-        act_start, num_live = tile_activation_rows(padded_offsets_ptr, row_offsets_ptr,
-                                                   expert, row_start)
+        act_start, num_live, idx, is_live, src = tile_row_addresses(
+            gather_ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2,
+            BLOCK_M)
         if num_live > 0:  # live rows come first in a segment
-            idx = tl.arange(0, BLOCK_M)
-            is_live = idx < num_live
-            src = tl.load(gather_ptrs_ptr + row_start + idx, mask=is_live, other=0)
             rows = tl.multiple_of(src.to(tl.pointer_type(tl.bfloat16)), 16)
             cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
             in_row = (cols < HIDDEN)[None, :]

@@ -38,7 +38,7 @@ from distmoe.kernels.base.checks import (
 from distmoe.kernels.base.config import next_power_of_2
 from distmoe.kernels.base.device import device_context
 from distmoe.kernels.base.rows import activation_segments, write_rows_at
-from distmoe.kernels.base.tiles import tile_activation_rows, tile_expert
+from distmoe.kernels.base.tiles import tile_row_addresses
 
 __all__ = ["scatter_rows", "scatter_rows_ref"]
 
@@ -50,14 +50,9 @@ def _scatter_rows_kernel(rows_ptr, scatter_ptrs_ptr, padded_offsets_ptr, row_off
                          HIDDEN: tl.constexpr, NUM_EXPERTS: tl.constexpr,
                          EXPERTS_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_D: tl.constexpr):
-    row_start = tl.program_id(0) * BLOCK_M
-    expert = tile_expert(padded_offsets_ptr, row_start, NUM_EXPERTS, EXPERTS_POW2)
-    act_start, num_live = tile_activation_rows(padded_offsets_ptr, row_offsets_ptr, expert,
-                                               row_start)
+    act_start, num_live, idx, is_live, dst = tile_row_addresses(
+        scatter_ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2, BLOCK_M)
     if num_live > 0:  # live rows come first in a segment
-        idx = tl.arange(0, BLOCK_M)
-        is_live = idx < num_live
-        dst = tl.load(scatter_ptrs_ptr + row_start + idx, mask=is_live, other=0)
         is_stored = is_live & (dst != 0)
         dst_rows = tl.multiple_of(dst.to(tl.pointer_type(tl.bfloat16)), 16)
         cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)

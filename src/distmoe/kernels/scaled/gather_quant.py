@@ -35,7 +35,7 @@ from distmoe.kernels.base.checks import (
 )
 from distmoe.kernels.base.config import next_power_of_2
 from distmoe.kernels.base.device import device_context
-from distmoe.kernels.base.tiles import tile_activation_rows, tile_expert
+from distmoe.kernels.base.tiles import tile_row_addresses
 from distmoe.quant.formats import float32_bits
 from distmoe.quant.fp8_block import fp8_block_encode
 from distmoe.quant.mxfp8 import mxfp8_encode, mxfp8_rebase_codes
@@ -57,15 +57,10 @@ def _gather_quant_kernel(gather_ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, q
                          BLOCK_FP8: tl.constexpr):
     """One tile of ``BLOCK_M`` padded rows by ``BLOCKS`` quantisation blocks of ``UNIT``
     values (32 for MXFP8, 128 for block FP8)."""
-    row_start = tl.program_id(0) * BLOCK_M
-    expert = tile_expert(padded_offsets_ptr, row_start, NUM_EXPERTS, EXPERTS_POW2)
-    act_start, num_live = tile_activation_rows(padded_offsets_ptr, row_offsets_ptr, expert,
-                                               row_start)
+    act_start, num_live, idx, is_live, src = tile_row_addresses(
+        gather_ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2, BLOCK_M)
     if num_live > 0:  # live rows come first in a segment
         NB: tl.constexpr = HIDDEN // UNIT  # blocks of a row
-        idx = tl.arange(0, BLOCK_M)
-        is_live = idx < num_live
-        src = tl.load(gather_ptrs_ptr + row_start + idx, mask=is_live, other=0)
         rows = tl.multiple_of(src.to(tl.pointer_type(tl.bfloat16)), 16)
         g = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
         cols = g[None, :, None] * UNIT + tl.arange(0, UNIT)[None, None, :]

@@ -44,7 +44,7 @@ from distmoe.kernels.base.checks import (
 )
 from distmoe.kernels.base.config import next_power_of_2
 from distmoe.kernels.base.device import device_context
-from distmoe.kernels.base.tiles import tile_activation_rows, tile_expert
+from distmoe.kernels.base.tiles import tile_row_addresses
 from distmoe.kernels.scaled.nvfp4 import e2m1_to_fp32, e4m3_to_fp32
 from distmoe.quant.formats import NVFP4_BLOCK
 from distmoe.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
@@ -122,14 +122,9 @@ def _gather_nvfp4_kernel(gather_ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, o
                          EXPERTS_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
     """One tile: ``BLOCK_M`` padded rows by ``BLOCK_B`` packed bytes (``2 BLOCK_B`` values);
     the column tile 0 also copies the rows' global scales."""
-    row_start = tl.program_id(0) * BLOCK_M
-    expert = tile_expert(padded_offsets_ptr, row_start, NUM_EXPERTS, EXPERTS_POW2)
-    act_start, num_live = tile_activation_rows(padded_offsets_ptr, row_offsets_ptr, expert,
-                                               row_start)
+    act_start, num_live, idx, is_live, src = tile_row_addresses(
+        gather_ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, NUM_EXPERTS, EXPERTS_POW2, BLOCK_M)
     if num_live > 0:  # live rows come first in a segment
-        idx = tl.arange(0, BLOCK_M)
-        is_live = idx < num_live
-        src = tl.load(gather_ptrs_ptr + row_start + idx, mask=is_live, other=0)
         rows = src.to(tl.pointer_type(tl.uint8))
         # byte j holds values 2 j (low nibble) and 2 j + 1
         j = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
