@@ -15,9 +15,11 @@ receive bound (legend of :mod:`distmoe.routing.tables`); steps 1-4a and 5c-7 are
          the plan's choice to pull every peer token at EP > 1)
     4a. gather: the executed rows in compact activation order, read through
         ``ctx.gather_table`` (x in place at EP = 1, peer tokens pulled once into local memory
-        at EP > 1): nvfp4 copies them into ``x_rows [R_b, D]`` bf16 (``regather_rows``); the
-        FP8 formats quantise them as they read them (4a and 4b in one kernel,
-        :func:`~distmoe.kernels.scaled.gather_quant.gather_quantize`)
+        at EP > 1): nvfp4 copies them into ``x_rows [R_b, D]`` bf16 (``regather_rows``), or
+        at EP > 1, where the owners packed their rows as NVFP4 in step 1
+        (:func:`route_and_gather_nvfp4`), decodes them to ``v * s_b`` with each row's global
+        scale beside; the FP8 formats quantise them as they read them (4a and 4b in one
+        kernel, :func:`~distmoe.kernels.scaled.gather_quant.gather_quantize`)
 
     mxfp8 and fp8_block (:func:`fp8_forward`; ``B`` = 32 with E8M0 scales for exact mxfp8,
     128 with E8M0 scales for mxfp8 rebased onto 128-wide groups (where D and F are
@@ -34,10 +36,11 @@ receive bound (legend of :mod:`distmoe.routing.tables`); steps 1-4a and 5c-7 are
         into its owner's combine slot (the GEMM's ``scatter_ptrs`` epilogue: 5b and 5c in
         one kernel)
 
-    nvfp4 and mxfp4 (:func:`nvfp4_forward`; weights only: activations stay bf16 in this
-    step; mxfp4: E8M0 scales per 32 and no global scale, :func:`mxfp4_weight_grouped_mm`):
+    nvfp4 and mxfp4 (:func:`nvfp4_forward`; the GEMMs read bf16 activations; mxfp4: E8M0
+    scales per 32 and no global scale, :func:`mxfp4_weight_grouped_mm`):
     4c. W13 + SwiGLU: ``nvfp4_weight_grouped_mm(x_rows, w13, swiglu=True) -> h2 [R_b, F]``
-        bf16 (E2M1 decoded to bf16 in the prologue, global scale in the epilogue)
+        bf16 (E2M1 decoded to bf16 in the prologue, global scale in the epilogue, times the
+        rows' own global scales where they were packed)
     5b. W2: ``nvfp4_weight_grouped_mm(h2, w2) -> h3 [R_b, D]`` bf16, in x_rows' memory
         (x_rows is dead once W13 has read it)
 
@@ -56,7 +59,8 @@ error is the quantisation of both operands of both GEMMs, at most 2^-4 relative 
 nvfp4 arithmetic (docs/numerics.md, the NVFP4 section): each GEMM is exact in the decoded
 weights (``v * s_b`` is exact in bf16) and the bf16 activations up to the fp32 summation
 order, then the global scale (one fp32 rounding) and one bf16 rounding; against the bf16
-layer the error is the weights' NVFP4 quantisation only (tests/ops/test_nvfp4_forward.py).
+layer the error is the weights' NVFP4 quantisation, plus at EP > 1 the packed activations'
+(tests/ops/test_nvfp4_forward.py).
 
 Memory, allocated once per context (:func:`allocate_lowp`): mxfp8: ``x_q`` ``R_b D``,
 ``x_s`` ``R_b D / 32``, ``h2_q`` ``R_b F``, ``h2_s`` ``R_b F / 32`` bytes
