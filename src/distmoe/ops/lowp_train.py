@@ -130,8 +130,9 @@ def fp8_train_configs(cfg, device: torch.device, *,
 @dataclass(frozen=True)
 class TrainWeights:
     """One weight version's quantised forms, the GEMM operands only (the weights' B x B
-    prepared blocks, ``B`` = 32 or 128, are not kept when the operands are a rebased copy of
-    them: a third of the forms' bytes): the forward GEMMs' operands (``w13_q [E, 2, F, D]``,
+    prepared blocks, ``B`` = 32 or 128, are the forward operands where no rebase applies;
+    where the operands are rebased copies the blocks are dropped, a third of the forms'
+    bytes): the forward GEMMs' operands (``w13_q [E, 2, F, D]``,
     ``w2_q [E, D, F]`` and their scales), which a call without autograd reads too, and the
     input-gradient GEMMs' ``[E, N, K]`` operands, the same qdata and scales transposed
     (contiguous copies): ``w2t_q [E, F, D]``, ``w13t_q [E, D, 2F]``. In the

@@ -17,6 +17,26 @@ QUANTIZE = {"mxfp8": mxfp8_quantize_2d, "mxfp8_rebased": mxfp8_quantize_rebased_
             "fp8_block": fp8_block_quantize_2d}
 
 
+def row_table(live, block_m, tokens, base, row_bytes, gen):
+    """A gather table over ``tokens`` rows at ``base``, ``row_bytes`` apart, for experts with
+    ``live`` rows each: ``(ptrs [R_cap] int64, padded_offsets, row_offsets int32)`` on the test
+    device. Live rows name random tokens (with repeats), 15% of them null; padding rows,
+    and a spare row tile after the last expert, hold address 8, which must never be read."""
+    padded, act = [0], [0]
+    for n in live:
+        padded.append(padded[-1] + -(-n // block_m) * block_m)
+        act.append(act[-1] + n)
+    r_cap = padded[-1] + block_m
+    which = torch.randint(0, tokens, (r_cap,), generator=gen)
+    ptrs = base + which * row_bytes
+    ptrs = torch.where(torch.rand(r_cap, generator=gen) < 0.15, torch.zeros_like(ptrs), ptrs)
+    for e, n in enumerate(live):
+        ptrs[padded[e] + n:padded[e + 1]] = 8
+    ptrs[padded[-1]:] = 8
+    return (ptrs.to(DEV), torch.tensor(padded, dtype=torch.int32, device=DEV),
+            torch.tensor(act, dtype=torch.int32, device=DEV))
+
+
 def _poisoned(rows, hidden, fmt):
     group, sdtype = GATHER_QUANT_FORMATS[fmt]
     q = torch.full((rows, hidden), 0x7F, dtype=torch.uint8, device=DEV)  # E4M3 NaN
@@ -30,25 +50,13 @@ def _poisoned(rows, hidden, fmt):
 def test_gather_quantize_matches_regather_then_quantize(fmt, hidden):
     gen = torch.Generator().manual_seed(hidden)
     block_m = 16
-    live = [5, 0, 16, 35, 1]
-    padded, act = [0], [0]
-    for n in live:
-        padded.append(padded[-1] + -(-n // block_m) * block_m)
-        act.append(act[-1] + n)
-    r_cap = padded[-1] + block_m
-    padded, act = torch.tensor(padded, dtype=torch.int32), torch.tensor(act, dtype=torch.int32)
     tokens = 29
     src = (torch.randn(tokens, hidden, generator=gen)
            * torch.logspace(-6, 6, hidden)[torch.randperm(hidden, generator=gen)])
     src = src.bfloat16().to(DEV)
-    which = torch.randint(0, tokens, (r_cap,), generator=gen)
-    ptrs = src.data_ptr() + which * hidden * 2
-    ptrs = torch.where(torch.rand(r_cap, generator=gen) < 0.15, torch.zeros_like(ptrs), ptrs)
-    for e, n in enumerate(live):  # padding rows: addresses never to be read
-        ptrs[padded[e] + n:padded[e + 1]] = 8
-    ptrs[padded[-1]:] = 8
+    ptrs, padded, act = row_table([5, 0, 16, 35, 1], block_m, tokens, src.data_ptr(),
+                                  hidden * 2, gen)
     rows = int(act[-1]) + 3
-    ptrs, padded, act = ptrs.to(DEV), padded.to(DEV), act.to(DEV)
 
     q, s = _poisoned(rows, hidden, fmt)
     gather_quantize(ptrs, padded, act, q.view(torch.float8_e4m3fn), s, format=fmt,

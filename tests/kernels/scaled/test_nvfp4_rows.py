@@ -7,6 +7,7 @@ W13 GEMM's per-row scale against its reference is in test_nvfp4_weight_mm.py."""
 
 import pytest
 import torch
+from test_gather_quant import row_table
 
 from distmoe.kernels.scaled.nvfp4_rows import (
     gather_nvfp4_rows,
@@ -60,24 +61,11 @@ def test_gather_matches_the_reference(hidden):
     gen = torch.Generator().manual_seed(7 + hidden)
     block_m = 16
     live = [5, 0, 16, 21, 1]
-    padded, act = [0], [0]
-    for n in live:
-        padded.append(padded[-1] + -(-n // block_m) * block_m)
-        act.append(act[-1] + n)
-    r_cap = padded[-1] + block_m
     tokens = 23
     slots = torch.full((tokens, 2 * hidden), POISON, dtype=torch.uint8, device=DEV)
     pack_nvfp4_rows(_rows(tokens, hidden, hidden + 1), slots)
-    which = torch.randint(0, tokens, (r_cap,), generator=gen)
-    ptrs = slots.data_ptr() + which * 2 * hidden
-    ptrs = torch.where(torch.rand(r_cap, generator=gen) < 0.15, torch.zeros_like(ptrs), ptrs)
-    for e, n in enumerate(live):  # padding rows: addresses never to be read
-        ptrs[padded[e] + n:padded[e + 1]] = 8
-    ptrs[padded[-1]:] = 8
-    rows = act[-1] + 3
-    ptrs = ptrs.to(DEV)
-    padded = torch.tensor(padded, dtype=torch.int32, device=DEV)
-    act = torch.tensor(act, dtype=torch.int32, device=DEV)
+    ptrs, padded, act = row_table(live, block_m, tokens, slots.data_ptr(), 2 * hidden, gen)
+    rows = int(act[-1]) + 3
 
     def poisoned():
         return (torch.full((rows, hidden), float("nan"), dtype=torch.bfloat16, device=DEV),

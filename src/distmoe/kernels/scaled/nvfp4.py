@@ -93,7 +93,7 @@ NVFP4_BLOCK = 16
 
 
 @triton.jit
-def e2m1_to_fp32(nib):
+def _e2m1_to_fp32(nib):
     """fp32 value of E2M1 nibbles (int32, ``sign << 3 | code``), exact: code ``2 e + m`` is
     ``m / 2`` for e = 0, else ``2^(e - 1) (1 + m / 2)``."""
     e = (nib >> 1) & 3
@@ -101,6 +101,15 @@ def e2m1_to_fp32(nib):
     bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
     bits = bits | ((nib & 8) << 28)
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_pairs_to_bf16(byte, scale):
+    """``(even, odd)``: the bf16 values ``v * scale`` of the low and high E2M1 nibbles of
+    packed bytes (int32), exact for an E4M3 or E8M0 ``scale`` (fp32, broadcast to ``byte``)."""
+    even = (_e2m1_to_fp32(byte & 15) * scale).to(tl.bfloat16)
+    odd = (_e2m1_to_fp32(byte >> 4) * scale).to(tl.bfloat16)
+    return even, odd
 
 
 @triton.jit
@@ -137,9 +146,7 @@ def _load_weight_tile(packed_rows, scale_rows, kb, col_ok, K: tl.constexpr,
         scale = e8m0_to_fp32(sb)
     else:
         scale = e4m3_to_fp32(sb)
-    even = (e2m1_to_fp32(byte & 15) * scale).to(tl.bfloat16)
-    odd = (e2m1_to_fp32(byte >> 4) * scale).to(tl.bfloat16)
-    return even, odd
+    return e2m1_pairs_to_bf16(byte, scale)
 
 
 @triton.jit
@@ -507,11 +514,10 @@ def nvfp4_weight_grouped_mm_ref(
         if count == 0:
             continue
         acc = (a64[act_start:act_start + count] @ w[e].T).float()
-        scale = torch.ones((), device=a.device) if mx else b_global[e]
-        if a_row_scale is not None:
+        scale = torch.ones((), device=a.device) if mx else b_global[e]  # x 1: exact
+        if a_row_scale is not None:  # the kernel's fp32 product of the two, first
             scale = (scale * a_row_scale[act_start:act_start + count])[:, None]
-        if not mx or a_row_scale is not None:
-            acc = acc * scale
+        acc = acc * scale
         if swiglu:
             acc = torch.nn.functional.silu(acc[:, :out_n]) * acc[:, out_n:]
         out[act_start:act_start + count] = acc.to(torch.bfloat16)

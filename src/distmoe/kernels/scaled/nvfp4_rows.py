@@ -45,9 +45,9 @@ from distmoe.kernels.base.checks import (
 from distmoe.kernels.base.config import next_power_of_2
 from distmoe.kernels.base.device import device_context
 from distmoe.kernels.base.tiles import tile_row_addresses
-from distmoe.kernels.scaled.nvfp4 import e2m1_to_fp32, e4m3_to_fp32
+from distmoe.kernels.scaled.nvfp4 import e2m1_pairs_to_bf16, e4m3_to_fp32, nvfp4_weight_values
 from distmoe.quant.formats import NVFP4_BLOCK
-from distmoe.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
+from distmoe.quant.nvfp4 import nvfp4_quantize
 
 __all__ = ["gather_nvfp4_rows", "gather_nvfp4_rows_ref", "nvfp4_row_layout", "pack_nvfp4_rows",
            "unpack_nvfp4_rows"]
@@ -133,9 +133,7 @@ def _gather_nvfp4_kernel(gather_ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, o
         # a block scale per 8 bytes (16 values)
         sb = tl.load(rows[:, None] + (HIDDEN // 2 + j // 8)[None, :], mask=ok,
                      other=0).to(tl.int32)
-        scale = e4m3_to_fp32(sb)
-        even = (e2m1_to_fp32(byte & 15) * scale).to(tl.bfloat16)
-        odd = (e2m1_to_fp32(byte >> 4) * scale).to(tl.bfloat16)
+        even, odd = e2m1_pairs_to_bf16(byte, e4m3_to_fp32(sb))
         vals = tl.reshape(tl.join(even, odd), (BLOCK_M, 2 * BLOCK_B))  # interleave
         dst = out_ptr + (act_start + idx).to(tl.int64) * HIDDEN
         cols = 2 * tl.program_id(1) * BLOCK_B + tl.arange(0, 2 * BLOCK_B)
@@ -147,8 +145,7 @@ def _gather_nvfp4_kernel(gather_ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, o
             tl.store(scale_ptr + act_start + idx, g, mask=is_live)
 
 
-def _check_gather(gather_ptrs, padded_offsets, row_offsets, out, row_scale, block_m,
-                  for_kernel=True):
+def _check_gather(gather_ptrs, padded_offsets, row_offsets, out, row_scale, block_m):
     check_tensor("gather_ptrs", gather_ptrs, dtypes=(torch.int64,), ndim=1,
                  shape_text="[R_cap] (packed row addresses by padded row)")
     check_tensor("out", out, dtypes=(torch.bfloat16,), ndim=2, shape_text="[R_act, D]")
@@ -159,8 +156,7 @@ def _check_gather(gather_ptrs, padded_offsets, row_offsets, out, row_scale, bloc
     check_block_m(block_m)
     check_gather_r_cap(gather_ptrs.shape[0], block_m)
     check_devices(dict(gather_ptrs=gather_ptrs, padded_offsets=padded_offsets,
-                       row_offsets=row_offsets, out=out, row_scale=row_scale),
-                  for_kernel=for_kernel)
+                       row_offsets=row_offsets, out=out, row_scale=row_scale))
     return num_experts
 
 
@@ -206,7 +202,6 @@ def gather_nvfp4_rows_ref(slots_of, gather_ptrs: torch.Tensor, padded_offsets: t
     returns the uint8 ``[2 D]`` slot at a row address (the caller knows its buffers)."""
     hidden = out.shape[1]
     po, ro = padded_offsets.tolist(), row_offsets.tolist()
-    one = torch.ones((), dtype=torch.float32, device=out.device)
     for e in range(len(po) - 1):
         for j in range(ro[e + 1] - ro[e]):
             address = int(gather_ptrs[po[e] + j])
@@ -216,6 +211,6 @@ def gather_nvfp4_rows_ref(slots_of, gather_ptrs: torch.Tensor, padded_offsets: t
                 row_scale[a] = 0
                 continue
             packed, scales, gs = unpack_nvfp4_rows(slots_of(address)[None], hidden)
-            out[a] = nvfp4_dequantize(packed[0], scales[0], one).to(torch.bfloat16)
+            out[a] = nvfp4_weight_values(packed[0], scales[0]).to(torch.bfloat16)
             row_scale[a] = gs[0, 0]
     return out
