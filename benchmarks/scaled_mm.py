@@ -17,6 +17,11 @@ its range):
   ``fp8_block`` (DeepSeek-V3's 1 x 128 / 128 x 128 float32 scales); ``--sweep`` also times
   a few configs of each and reports the best; the two 128-group variants also run the
   warp-specialised Gluon kernel (``<variant>_gluon``; ``--sweep``: ring depths 4-6);
+  ``nvfp4_bf16`` / ``nvfp4_fp8``: NVFP4 weights (issue 59 item 4) expanded to bf16 operands
+  beside bf16 rows (:func:`~distmoe.kernels.scaled.nvfp4_weight_grouped_mm`) or to E4M3
+  beside 1 x 128 FP8 rows (:func:`~distmoe.kernels.scaled.nvfp4.nvfp4_weight_fp8_mm`);
+  ``nvfp4_fp8_quant`` also times the rows' quantisation (``fp8_block_quantize_2d``) in each
+  call, as a layer would pay it;
 * ``torch_scaled_grouped``: ``torch._scaled_grouped_mm`` with rowwise FP8 scales (one per
   row and per weight column; no SwiGLU epilogue), where this torch has it;
 * ``bf16_grouped``: ``torch._grouped_mm`` on the same rows and weights in bf16 (the GEMM only,
@@ -38,9 +43,18 @@ from pathlib import Path
 
 import torch
 
-from distmoe.kernels.scaled import ScaledGemmConfig, fp8_block_grouped_mm, mxfp8_grouped_mm
+from distmoe.kernels.scaled import (
+    ScaledGemmConfig,
+    fp8_block_grouped_mm,
+    mxfp8_grouped_mm,
+    nvfp4_weight_config,
+    nvfp4_weight_grouped_mm,
+)
+from distmoe.kernels.scaled.nvfp4 import fp4_weight_fp8_config, nvfp4_weight_fp8_mm
 from distmoe.quant import (
     fp8_block_quantize,
+    fp8_block_quantize_2d,
+    nvfp4_quantize,
     fp8_block_quantize_weight,
     mxfp8_quantize,
     mxfp8_quantize_weight,
@@ -50,13 +64,49 @@ from distmoe.tools.bench.report import environment
 from distmoe.tools.bench.timing import TimingConfig, benchmark
 
 DENSE = 8192
-VARIANTS = ("mxfp8", "mxfp8_rebased", "fp8_block")
+VARIANTS = ("mxfp8", "mxfp8_rebased", "fp8_block", "nvfp4_bf16", "nvfp4_fp8")
+FP4_VARIANTS = ("nvfp4_bf16", "nvfp4_fp8")
 SWEEP = ({"block_n": 256, "num_stages": 3}, {"block_n": 128, "num_stages": 4})
 
 
 def _rate(flops: float, res) -> dict:
     return {"ms": res.iter_ms, "min_ms": res.stats.min_ms, "max_ms": res.stats.max_ms,
             "tflops": flops / (res.iter_ms * 1e-3) / 1e12, "method": res.method}
+
+
+def _time_fp4(variant, x, w, padded_offsets, row_offsets, y, args, flops, timing, dev, out):
+    """Time one FP4-weight variant (module docstring) into ``out[variant]`` (and
+    ``out["nvfp4_fp8_quant"]``)."""
+    e, n, k = w.shape
+    packed, scales, gs = nvfp4_quantize(w.reshape(e, -1), dim=-1, per="row")
+    packed, scales = packed.view(e, n, k // 2), scales.view(e, n, k // 16)
+    gs = gs.reshape(e).contiguous()
+    calls = {}
+    if variant == "nvfp4_bf16":
+        cfg = nvfp4_weight_config(k=k, n=n, swiglu=args.swiglu)
+        calls[variant] = lambda: nvfp4_weight_grouped_mm(
+            x, packed, scales, gs, padded_offsets, row_offsets, y, swiglu=args.swiglu,
+            config=cfg)
+    else:
+        cfg = fp4_weight_fp8_config(k=k, n=n, swiglu=args.swiglu)
+        a_q, a_s = fp8_block_quantize(x)
+
+        def gemm():
+            return nvfp4_weight_fp8_mm(a_q, a_s, packed, scales, gs, padded_offsets,
+                                       row_offsets, y, swiglu=args.swiglu, config=cfg)
+
+        def quant_and_gemm():
+            fp8_block_quantize_2d(x, a_q, a_s)
+            return gemm()
+
+        calls[variant], calls[variant + "_quant"] = gemm, quant_and_gemm
+    for name, fn in calls.items():
+        try:
+            res = benchmark(fn, config=timing, device=dev)
+        except Exception as exc:  # a config that fails to compile: reported, skipped
+            print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc)[:300]}")
+            continue
+        out[name] = _rate(flops, res) | {"config": dataclasses.asdict(cfg)}
 
 
 def main(argv=None) -> int:
@@ -108,7 +158,9 @@ def main(argv=None) -> int:
     overrides = {name: v for name, v in (("block_n", args.block_n), ("block_k", args.block_k),
                                          ("num_warps", args.warps), ("num_stages", args.stages))
                  if v is not None}
-    for variant in args.variants:
+    for variant in [v for v in args.variants if v in FP4_VARIANTS]:
+        _time_fp4(variant, x, w, padded_offsets, row_offsets, y, args, flops, timing, dev, out)
+    for variant in [v for v in args.variants if v not in FP4_VARIANTS]:
         if variant == "fp8_block":
             a_q, a_s = fp8_block_quantize(x)
             b_q, b_s = fp8_block_quantize_weight(w)
@@ -185,7 +237,7 @@ def main(argv=None) -> int:
 
     dense = out["dense_fp8"]["tflops"]
     print(f"{out['env']['gpu']}  R={r} E={e} K={k} N={n} swiglu={args.swiglu}")
-    names = [v + g for v in args.variants for g in ("", "_gluon")]
+    names = [v + g for v in args.variants for g in ("", "_gluon", "_quant")]
     for name in ("dense_fp8", *names, "torch_scaled_grouped", "bf16_grouped"):
         if name not in out:
             continue

@@ -86,7 +86,7 @@ def _operands(rows, k, num_experts, n, device="cpu"):
     return (a.bfloat16(), *_quantize_experts(w.bfloat16()))
 
 
-def _bound(a, w, s_g, gpu, scale_roundings=1):
+def _bound(a, w, s_g, gpu, scale_roundings=1, rel=None):
     """|kernel - exact| before the bf16 rounding, for ``a [M, K] @ w [N, K]^T`` (float64,
     decoded) times ``s_g``: every product is exact in fp32; an element passes through at most
     K additions (K - 1 inside the dots, one per K tile into the accumulator: fewer than K + 1
@@ -94,14 +94,18 @@ def _bound(a, w, s_g, gpu, scale_roundings=1):
     ((K + 1) u S + u |acc|) s_g <= (K + 2) u S s_g with S = sum |a_k w_k| (first order; 1.01
     covers the second). The GPU's bf16 WGMMA adds in fp32 (a margin of the same size again
     is allowed: a model to confirm there). With a per-row activation scale the scale is a
-    product of two fp32 values first (``scale_roundings=2``: one more u)."""
+    product of two fp32 values first (``scale_roundings=2``: one more u). ``rel``: another
+    kernel's accumulation bound in units of S (the scale roundings are added to it)."""
     k = a.shape[1]
-    rel = (k + 1 + scale_roundings) * U32 * (2 if gpu else 1)
+    if rel is None:
+        rel = (k + 1 + scale_roundings) * U32 * (2 if gpu else 1)
+    else:
+        rel = rel + scale_roundings * U32
     return 1.01 * rel * (a.abs() @ w.abs().T) * s_g + 2.0**-149
 
 
 def _expected_and_bound(a, w, s_g, padded_offsets, row_offsets, out_n, swiglu, gpu,
-                        scale_roundings=1):
+                        scale_roundings=1, rel=None):
     rows = int(row_offsets[-1])
     exact = torch.zeros(rows, out_n, dtype=torch.float64, device=a.device)
     tol = torch.zeros_like(exact)
@@ -111,7 +115,7 @@ def _expected_and_bound(a, w, s_g, padded_offsets, row_offsets, out_n, swiglu, g
         if lo == hi:
             continue
         acc = (a[lo:hi] @ w[e].T) * s_g[e]
-        gamma = _bound(a[lo:hi], w[e], s_g[e], gpu, scale_roundings)
+        gamma = _bound(a[lo:hi], w[e], s_g[e], gpu, scale_roundings, rel)
         if swiglu:
             g, u = acc[:, :out_n], acc[:, out_n:]
             gg, gu = gamma[:, :out_n], gamma[:, out_n:]

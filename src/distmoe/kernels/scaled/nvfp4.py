@@ -77,15 +77,19 @@ from distmoe.kernels.base.checks import (
     check_tensor,
 )
 from distmoe.kernels.base.device import device_context
+from distmoe.kernels.base.interpreter import interpreter_active
 from distmoe.kernels.base.rows import activation_segments
 from distmoe.kernels.base.tiles import swizzle_tile, tile_activation_rows, tile_expert
 from distmoe.kernels.scaled.config import ScaledGemmConfig
-from distmoe.quant.formats import e8m0_to_fp32
+from distmoe.quant.formats import e8m0_to_fp32, finite_abs_bits, float32_bits, round_e4m3
 from distmoe.quant.mxfp4 import MXFP4_BLOCK, mxfp4_dequantize
 from distmoe.quant.nvfp4 import nvfp4_dequantize
 
 #: values per NVFP4 block scale along K
 NVFP4_BLOCK = 16
+#: values of K per activation scale and per weight shift of the FP8-operand kernel
+#: (:func:`nvfp4_weight_fp8_mm`): one promotion per 128-wide K group, block FP8's activations
+FP8_GROUP = 128
 
 # --------------------------------------------------------------------------------------------
 # Kernels
@@ -279,6 +283,196 @@ def _nvfp4_weight_grouped_mm_kernel(
         row_start += num_pid_m * BLOCK_M
 
 
+@triton.jit
+def _weight_tile_fp8(packed_rows, scale_rows, kb, col_ok, BLOCK_N: tl.constexpr,
+                     FP8_K: tl.constexpr, SCALE_GROUP: tl.constexpr, E8M0: tl.constexpr):
+    """The weight rows ``[block_n]`` at K group ``kb`` (``FP8_K`` values) as E4M3 dot operands:
+    ``(even, odd, sw)``, ``even`` / ``odd`` ``[FP8_K / 2, block_n]`` float8e4nv holding
+    ``RNE_e4m3(v * s_b / sw)`` at K = 2 j and 2 j + 1, ``sw [block_n]`` fp32 the column's
+    power of two ``2^(e - 5)``, ``e`` the exponent of the largest block scale of the column in
+    the group (module docstring of :func:`nvfp4_weight_fp8_mm`). NaN scales give NaN codes;
+    masked columns read 0 and ``sw`` 1."""
+    HALF: tl.constexpr = FP8_K // 2
+    j = kb * HALF + tl.arange(0, HALF)
+    ok = col_ok[None, :]
+    byte = tl.load(packed_rows[None, :] + j[:, None], mask=ok, other=0).to(tl.int32)
+    sb = tl.load(scale_rows[None, :] + (j // (SCALE_GROUP // 2))[:, None], mask=ok,
+                 other=0).to(tl.int32)
+    if E8M0:
+        scale = e8m0_to_fp32(sb)
+        # the largest scale is 2^e (clamped so that 2^(e - 5) stays a normal fp32: scales
+        # below 2^-121 only lose more values to E4M3's subnormals)
+        e = tl.maximum(tl.max(sb, axis=0) - 127, -121)
+        is_nan = sb == 255
+    else:
+        scale = e4m3_to_fp32(sb)
+        top = tl.max(sb & 0x7F, axis=0)  # positive E4M3 bytes order like their values
+        e = tl.where(top >= 8, (top >> 3) - 7, -6)  # largest scale in [2^e, 2^(e+1))
+        is_nan = (sb & 0x7F) == 0x7F
+    # every |v * s_b| < 6 * 2^(e+1), so |v * s_b| * 2^(5 - e) < 384 <= 448: no saturation
+    shift = (e - 5)[None, :]
+    even = _fp8_code(_e2m1_to_fp32(byte & 15) * scale, shift, is_nan)
+    odd = _fp8_code(_e2m1_to_fp32(byte >> 4) * scale, shift, is_nan)
+    sw = ((e - 5 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - 5), e - 5 >= -126
+    return even, odd, tl.where(col_ok, sw, 1.0)
+
+
+@triton.jit
+def _fp8_code(val, shift, is_nan):
+    """float8e4nv of ``val * 2^-shift`` (fp32 ``val``, exact products of E2M1 values and
+    scales), rounded to nearest even by bits (the same code on the GPU and the interpreter);
+    NaN where ``is_nan``."""
+    bits = float32_bits(val)
+    code = round_e4m3(finite_abs_bits(bits), shift)
+    code = tl.where(is_nan, 0x7F, code) | ((bits >> 24) & 0x80)
+    return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _fp8_dot_kn(a, b, acc, INTERPRET: tl.constexpr):
+    """``acc + a [M, G] @ b [G, N]`` of E4M3 tiles in fp32: FP8 tensor-core dots, or under
+    the interpreter fp32 dots of the exactly widened values, NaN codes kept NaN."""
+    if INTERPRET:
+        a_nan = (a.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F
+        b_nan = (b.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F
+        a32 = tl.where(a_nan, float("nan"), a.to(tl.float32))
+        b32 = tl.where(b_nan, float("nan"), b.to(tl.float32))
+        return tl.dot(a32, b32, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _fp4_fp8_tile(
+    a_ptr,
+    sa_ptr,
+    b_ptr,
+    sb_ptr,
+    gs_ptr,
+    rs_ptr,
+    padded_offsets_ptr,
+    row_offsets_ptr,
+    out_ptr,
+    row_start,
+    pid_n,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    OUT_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8_K: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    SCALE_GROUP: tl.constexpr,
+    E8M0: tl.constexpr,
+    HAS_GLOBAL: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """One ``BLOCK_M x BLOCK_N`` output tile of :func:`nvfp4_weight_fp8_mm` at ``row_start``."""
+    KB: tl.constexpr = K // 2
+    KS: tl.constexpr = K // SCALE_GROUP
+    NUM_KG: tl.constexpr = K // FP8_K
+    expert = tile_expert(padded_offsets_ptr, row_start, NUM_EXPERTS, EXPERTS_POW2)
+    act_start, num_live = tile_activation_rows(
+        padded_offsets_ptr, row_offsets_ptr, expert, row_start
+    )
+    if num_live > 0:
+        idx = tl.arange(0, BLOCK_M)
+        is_live = idx < num_live
+        rows = act_start + idx
+        a_rows = a_ptr + rows * K
+        sa_rows = sa_ptr + rows * NUM_KG
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        is_col = cols < OUT_N
+        e64 = expert.to(tl.int64)
+        g_rows = b_ptr + e64 * (N * KB) + cols * KB
+        g_srows = sb_ptr + e64 * (N * KS) + cols * KS
+        u_rows = g_rows + OUT_N * KB
+        u_srows = g_srows + OUT_N * KS
+        offs_k = 2 * tl.arange(0, FP8_K // 2)
+
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kg in range(0, NUM_KG):
+            kk = kg * FP8_K + offs_k
+            # masked rows read zeros and scale 1: their terms are 0 and are never stored
+            a_even = tl.load(a_rows[:, None] + kk[None, :], mask=is_live[:, None], other=0.0)
+            a_odd = tl.load(a_rows[:, None] + (kk + 1)[None, :], mask=is_live[:, None],
+                            other=0.0)
+            sa = tl.load(sa_rows + kg, mask=is_live, other=1.0)
+            w_even, w_odd, sw = _weight_tile_fp8(g_rows, g_srows, kg, is_col, BLOCK_N, FP8_K,
+                                                 SCALE_GROUP, E8M0)
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            part = _fp8_dot_kn(a_even, w_even, part, INTERPRET)
+            part = _fp8_dot_kn(a_odd, w_odd, part, INTERPRET)
+            acc_g += part * (sa[:, None] * sw[None, :])
+            if SWIGLU:
+                u_even, u_odd, su = _weight_tile_fp8(u_rows, u_srows, kg, is_col, BLOCK_N,
+                                                     FP8_K, SCALE_GROUP, E8M0)
+                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                part = _fp8_dot_kn(a_even, u_even, part, INTERPRET)
+                part = _fp8_dot_kn(a_odd, u_odd, part, INTERPRET)
+                acc_u += part * (sa[:, None] * su[None, :])
+
+        if HAS_GLOBAL:
+            s_g = tl.load(gs_ptr + expert)
+        else:
+            s_g = 1.0
+        if HAS_ROW_SCALE:
+            s_g = (s_g * tl.load(rs_ptr + rows, mask=is_live, other=0.0))[:, None]
+        if SWIGLU:
+            g = acc_g * s_g
+            val = g * tl.sigmoid(g) * (acc_u * s_g)
+        else:
+            val = acc_g * s_g
+        out_rows = out_ptr + rows * OUT_N
+        tl.store(out_rows[:, None] + cols[None, :], val.to(tl.bfloat16),
+                 mask=is_live[:, None] & is_col[None, :])
+
+
+@triton.jit
+def _fp4_weight_fp8_mm_kernel(
+    a_ptr,
+    sa_ptr,
+    b_ptr,
+    sb_ptr,
+    gs_ptr,
+    rs_ptr,
+    padded_offsets_ptr,
+    row_offsets_ptr,
+    out_ptr,
+    num_pid_m,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    OUT_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    SCALE_GROUP: tl.constexpr = 16,
+    E8M0: tl.constexpr = False,
+    HAS_GLOBAL: tl.constexpr = True,
+    HAS_ROW_SCALE: tl.constexpr = False,
+    INTERPRET: tl.constexpr = False,
+):
+    NUM_PID_N: tl.constexpr = (OUT_N + BLOCK_N - 1) // BLOCK_N
+    pid_m, pid_n = swizzle_tile(tl.program_id(0), num_pid_m, NUM_PID_N, GROUP_M)
+    total_rows = tl.load(padded_offsets_ptr + NUM_EXPERTS)
+    row_start = pid_m * BLOCK_M
+    while row_start < total_rows:
+        _fp4_fp8_tile(a_ptr, sa_ptr, b_ptr, sb_ptr, gs_ptr, rs_ptr, padded_offsets_ptr,
+                      row_offsets_ptr, out_ptr, row_start, pid_n, NUM_EXPERTS, EXPERTS_POW2, K,
+                      N, OUT_N, BLOCK_M, BLOCK_N, BLOCK_K, SWIGLU, SCALE_GROUP, E8M0,
+                      HAS_GLOBAL, HAS_ROW_SCALE, INTERPRET)
+        row_start += num_pid_m * BLOCK_M
+
+
 # --------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------
@@ -296,21 +490,33 @@ def check_nvfp4_weight_grouped_mm_args(
     swiglu: object,
     for_kernel: bool = True,
     mx: bool = False,
+    a_scales: object = False,
 ) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int]:
     """Validate :func:`nvfp4_weight_grouped_mm`'s arguments (no synchronisation); return the
     weights seen as ``[E, N, K/2]`` uint8 / ``[E, N, K/G]`` uint8 and ``(R, K, E, N)``.
     ``mx``: MXFP4 weights (:func:`mxfp4_weight_grouped_mm`: E8M0 scales per 32, no global
-    scale) instead of NVFP4's (E4M3 per 16 and a global scale)."""
+    scale) instead of NVFP4's (E4M3 per 16 and a global scale). ``a_scales`` (anything but
+    False): FP8 activations (:func:`nvfp4_weight_fp8_mm`): ``a`` float8_e4m3fn with these
+    float32 scales, one per 128 values along K (K a multiple of 128)."""
     if not isinstance(swiglu, bool):
         raise TypeError(f"swiglu must be a bool, got {type(swiglu).__name__}")
     group = MXFP4_BLOCK if mx else NVFP4_BLOCK
     kind = "E8M0, one per 32 values along K" if mx else "E4M3, one per 16 values along K"
     scale_dtypes = (torch.uint8,) if mx else (torch.float8_e4m3fn, torch.uint8)
-    check_tensor("a", a, dtypes=(torch.bfloat16,), ndim=2, shape_text="[R, K]")
+    fp8_a = a_scales is not False
+    check_tensor("a", a, dtypes=(torch.float8_e4m3fn,) if fp8_a else (torch.bfloat16,), ndim=2,
+                 shape_text="[R, K]")
     rows, k = a.shape
     if k <= 0 or k % group:
         raise ValueError(f"K ({k}, a.shape[1]) must be a positive multiple of {group} (one "
                          f"{'E8M0' if mx else 'E4M3'} block scale per {group} values)")
+    if fp8_a:
+        if k % FP8_GROUP:
+            raise ValueError(f"K ({k}, a.shape[1]) must be a multiple of {FP8_GROUP} with FP8 "
+                             f"activations (one activation scale per {FP8_GROUP} values)")
+        check_tensor("a_scales", a_scales, dtypes=(torch.float32,),
+                     shape=[rows, k // FP8_GROUP],
+                     shape_text=f"[R, K/{FP8_GROUP}] (float32, one per {FP8_GROUP} values)")
     if not isinstance(b_packed, torch.Tensor):
         raise TypeError(f"b_packed must be a torch.Tensor, got {type(b_packed).__name__}")
     if swiglu and b_packed.dim() == 4:
@@ -344,6 +550,8 @@ def check_nvfp4_weight_grouped_mm_args(
                  shape=[num_experts, n, k // group], shape_text=f"[E, N, K/{group}] ({kind})")
     named = {"a": a, "b_packed": b_packed, "b_block_scales": b_block_scales,
              "padded_offsets": padded_offsets, "row_offsets": row_offsets, "out": out}
+    if fp8_a:
+        named["a_scales"] = a_scales
     if mx:
         if b_global is not None:
             raise ValueError("b_global must be None for MXFP4 weights (no global scale), got "
@@ -464,9 +672,143 @@ def _fp4_weight_grouped_mm(a, b_packed, b_block_scales, b_global, padded_offsets
     return out
 
 
+def fp4_weight_fp8_config(*, k: int, n: int, swiglu: bool = False,
+                          block_m: int = 128) -> ScaledGemmConfig:
+    """The default launch config of :func:`nvfp4_weight_fp8_mm`: :meth:`ScaledGemmConfig.
+    for_widths` at 128-wide K groups (``block_k`` 128, one promotion per group; a starting
+    point, untuned)."""
+    return ScaledGemmConfig.for_widths(k=k, n=n, swiglu=swiglu, block_m=block_m,
+                                       k_group=FP8_GROUP)
+
+
+def nvfp4_weight_fp8_mm(
+    a_q: torch.Tensor,
+    a_scales: torch.Tensor,
+    b_packed: torch.Tensor,
+    b_block_scales: torch.Tensor,
+    b_global: torch.Tensor | None,
+    padded_offsets: torch.Tensor,
+    row_offsets: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    swiglu: bool = False,
+    config: ScaledGemmConfig | None = None,
+    a_row_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`nvfp4_weight_grouped_mm` on FP8 tensor cores: FP8 activations, the FP4 weights
+    expanded to E4M3 in the prologue. (MXFP4 weights: ``b_global=None`` and
+    ``b_block_scales`` their E8M0 scales per 32.)
+
+    Per expert ``e``, K group ``g`` of 128 values and output column ``n``::
+
+        x       = max over the group's block scales of column n; e = its exponent
+                  (x in [2^e, 2^(e+1)); E4M3 subnormal scales: e = -6)
+        w8[n,k] = RNE_e4m3(v[n, k] * s_b[n, k // 16] * 2^(5 - e))   (|.| < 6*2^(e+1)*2^(5-e)
+                                                                      = 384 <= 448: no clip)
+        P_g     = sum_{k in g} a_q[a, k] * w8[n, k]                 (FP8 dots, fp32)
+        acc    += P_g * (sa[a, g] * 2^(e - 5))                      (promotion, fp32)
+        out     = bf16(acc * s_g[e] (* a_row_scale[a]))  or its SwiGLU, as the bf16 kernel
+
+    Arithmetic: the activations are whatever quantiser made ``a_q``; the weights lose only
+    the rounding of ``v * s_b`` (at most 2 + 4 = 6 significant bits) to E4M3's 4: relative
+    error at most 2^-4 per weight while ``v * s_b * 2^(5 - e) >= 2^-6`` (E4M3's smallest
+    normal), else an absolute error of at most 2^-10 * 2^(e - 5) (half the subnormal
+    quantum). MXFP4 weights (``v * 2^s``, 2 significant bits) are exact unless their block's
+    scale is 2^13 or more below the group's largest. Each product of E4M3 values is exact in
+    fp32; the sum is the tensor core's (docs/numerics.md section 6 states the SM90 FP8
+    accumulation model). Against the reference :func:`nvfp4_weight_fp8_mm_ref`, which
+    computes ``w8`` the same way, only the summation order differs.
+
+    Args:
+        a_q: float8_e4m3fn ``[R, K]``, K a multiple of 128; activation rows in expert-major
+            order (``row_offsets``), e.g. from :func:`~distmoe.quant.fp8_block_quantize_2d`
+            or :func:`~distmoe.kernels.scaled.gather_quant.gather_quantize`
+            (``format="fp8_block"``).
+        a_scales: float32 ``[R, K/128]``: each row's scale per 128 values.
+        b_packed, b_block_scales, b_global, padded_offsets, row_offsets, out, swiglu,
+        a_row_scale: as :func:`nvfp4_weight_grouped_mm`.
+        config: launch config with ``block_k`` 128; default :func:`fp4_weight_fp8_config`.
+
+    Returns ``out``. No host synchronisation; nothing allocated. Why: Hopper's FP8 tensor
+    cores run twice bf16's rate; whether that beats the extra activation pass is measured
+    (:func:`distmoe.plan.rules.fp4_fp8_operands`).
+    """
+    mx = b_global is None
+    b_packed, b_scales, rows, k, num_experts, n = check_nvfp4_weight_grouped_mm_args(
+        a_q, b_packed, b_block_scales, b_global, padded_offsets, row_offsets, out,
+        swiglu=swiglu, mx=mx, a_scales=a_scales)
+    _check_row_scale(a_row_scale, a_q)
+    if config is None:
+        config = fp4_weight_fp8_config(k=k, n=n, swiglu=swiglu)
+    elif not isinstance(config, ScaledGemmConfig):
+        raise TypeError(f"config must be a ScaledGemmConfig, got {type(config).__name__}")
+    if config.block_k != FP8_GROUP:
+        raise ValueError(f"config.block_k ({config.block_k}) must be {FP8_GROUP} (one "
+                         "promotion per activation scale group)")
+    if rows == 0:
+        return out
+    grid, num_pid_m, kwargs = config.launch(rows=rows, k=k, n=n, num_experts=num_experts,
+                                            swiglu=swiglu)
+    with device_context(a_q.device):
+        _fp4_weight_fp8_mm_kernel[grid](
+            a_q, a_scales, b_packed, b_scales, b_scales if mx else b_global,
+            b_scales if a_row_scale is None else a_row_scale, padded_offsets, row_offsets,
+            out, num_pid_m, SCALE_GROUP=MXFP4_BLOCK if mx else NVFP4_BLOCK, E8M0=mx,
+            HAS_GLOBAL=not mx, HAS_ROW_SCALE=a_row_scale is not None,
+            INTERPRET=interpreter_active(), **kwargs,
+        )
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Reference
 # --------------------------------------------------------------------------------------------
+
+
+def fp4_weight_fp8_values(b_packed: torch.Tensor, b_scales: torch.Tensor, *,
+                          mx: bool) -> torch.Tensor:
+    """float64 effective weights of :func:`nvfp4_weight_fp8_mm`: ``w8 * 2^(e - 5)`` per value
+    (its docstring), ``b_packed``'s shape with the last dim doubled; ``b_scales`` uint8 (or
+    float8_e4m3fn) NVFP4 E4M3 scales per 16, or with ``mx`` E8M0 bytes per 32. Plain
+    PyTorch."""
+    b_scales = b_scales.view(torch.uint8)
+    group = MXFP4_BLOCK if mx else NVFP4_BLOCK
+    if mx:
+        vals = mxfp4_dequantize(b_packed, b_scales, dtype=torch.float32)
+        e = b_scales.to(torch.int32) - 127
+    else:
+        vals = nvfp4_weight_values(b_packed, b_scales)
+        code = b_scales.to(torch.int32) & 0x7F
+        e = torch.where(code >= 8, (code >> 3) - 7, -6)
+    k = vals.shape[-1]
+    per = FP8_GROUP // group  # block scales per K group
+    e = e.unflatten(-1, (k // FP8_GROUP, per)).amax(-1)  # [..., K/128]
+    if mx:
+        e = e.clamp(min=-121)
+    nan = (b_scales == 255) if mx else ((b_scales & 0x7F) == 0x7F)
+    shift = torch.ldexp(torch.ones_like(e, dtype=torch.float64), (e - 5).to(torch.float64))
+    shift = shift.repeat_interleave(FP8_GROUP, dim=-1)
+    w8 = (vals.double() / shift).to(torch.float8_e4m3fn).double()  # exact / 2^k, then RNE
+    w8 = torch.where(nan.repeat_interleave(group, dim=-1), torch.nan, w8)
+    return w8 * shift
+
+
+def nvfp4_weight_fp8_mm_ref(a_q, a_scales, b_packed, b_block_scales, b_global, padded_offsets,
+                            row_offsets, out, *, swiglu=False, block_m=128, a_row_scale=None):
+    """Plain-PyTorch :func:`nvfp4_weight_fp8_mm` (synchronises; for tests): the dequantised
+    activations times :func:`fp4_weight_fp8_values`, one float64 matmul per expert rounded to
+    fp32, then the epilogue of :func:`nvfp4_weight_grouped_mm_ref`."""
+    mx = b_global is None
+    b_packed, b_scales, rows, k, num_experts, n = check_nvfp4_weight_grouped_mm_args(
+        a_q, b_packed, b_block_scales, b_global, padded_offsets, row_offsets, out,
+        swiglu=swiglu, for_kernel=False, mx=mx, a_scales=a_scales)
+    a64 = a_q.double() * a_scales.double().repeat_interleave(FP8_GROUP, dim=1)
+    w = fp4_weight_fp8_values(b_packed, b_scales, mx=mx)
+    return _fp4_ref_epilogue(a64, w, b_global, padded_offsets, row_offsets, out, n=n,
+                             swiglu=swiglu, block_m=block_m, rows=rows,
+                             a_row_scale=a_row_scale)
+
+
 
 
 def nvfp4_weight_values(b_packed: torch.Tensor, b_block_scales: torch.Tensor) -> torch.Tensor:
@@ -503,18 +845,29 @@ def nvfp4_weight_grouped_mm_ref(
     b_packed, b_scales, rows, k, num_experts, n = check_nvfp4_weight_grouped_mm_args(
         a, b_packed, b_block_scales, b_global, padded_offsets, row_offsets, out, swiglu=swiglu,
         for_kernel=False, mx=mx)
-    check_padded_offsets_host(padded_offsets, block_m=block_m,
-                              r_cap=int(padded_offsets[-1].item()))
-    check_row_offsets_host(padded_offsets, row_offsets, r_act=rows)
     a64 = a.double()
     w = (mxfp4_dequantize(b_packed, b_scales, dtype=torch.float64) if mx else
          nvfp4_weight_values(b_packed, b_scales).double())
+    return _fp4_ref_epilogue(a64, w, b_global, padded_offsets, row_offsets, out, n=n,
+                             swiglu=swiglu, block_m=block_m, rows=rows,
+                             a_row_scale=a_row_scale)
+
+
+def _fp4_ref_epilogue(a64, w, b_global, padded_offsets, row_offsets, out, *, n, swiglu,
+                      block_m, rows, a_row_scale):
+    """The references' common part: the tables checked on the host, one float64 matmul of
+    ``a64 [R, K]`` and ``w [E, N, K]`` per expert rounded to fp32, times the global scale
+    (``b_global`` None: 1) and the row scale in fp32, SwiGLU in fp32, one bf16 rounding into
+    the live rows of ``out``."""
+    check_padded_offsets_host(padded_offsets, block_m=block_m,
+                              r_cap=int(padded_offsets[-1].item()))
+    check_row_offsets_host(padded_offsets, row_offsets, r_act=rows)
     out_n = n // 2 if swiglu else n
     for e, (_, act_start, count) in enumerate(activation_segments(padded_offsets, row_offsets)):
         if count == 0:
             continue
         acc = (a64[act_start:act_start + count] @ w[e].T).float()
-        scale = torch.ones((), device=a.device) if mx else b_global[e]  # x 1: exact
+        scale = torch.ones((), device=a64.device) if b_global is None else b_global[e]
         if a_row_scale is not None:  # the kernel's fp32 product of the two, first
             scale = (scale * a_row_scale[act_start:act_start + count])[:, None]
         acc = acc * scale
