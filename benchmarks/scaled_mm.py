@@ -74,39 +74,60 @@ def _rate(flops: float, res) -> dict:
             "tflops": flops / (res.iter_ms * 1e-3) / 1e12, "method": res.method}
 
 
+#: (block_m, block_n, block_k, num_warps, num_stages) tried by ``--sweep`` for the FP4-weight
+#: variants (block_m divides the 128-row padding; the FP8-operand kernel needs block_k 128)
+FP4_SWEEP = ((16, 64, 64, 4, 3), (16, 64, 128, 4, 3), (16, 128, 128, 4, 3),
+             (32, 64, 128, 4, 3), (64, 64, 128, 4, 3), (64, 128, 128, 8, 3),
+             (128, 64, 128, 8, 2), (128, 128, 64, 8, 3))
+
+
 def _time_fp4(variant, x, w, padded_offsets, row_offsets, y, args, flops, timing, dev, out):
     """Time one FP4-weight variant (module docstring) into ``out[variant]`` (and
-    ``out["nvfp4_fp8_quant"]``)."""
+    ``out["nvfp4_fp8_quant"]``); with ``--sweep`` every :data:`FP4_SWEEP` config that applies,
+    the best kept."""
     e, n, k = w.shape
     packed, scales, gs = nvfp4_quantize(w.reshape(e, -1), dim=-1, per="row")
     packed, scales = packed.view(e, n, k // 2), scales.view(e, n, k // 16)
     gs = gs.reshape(e).contiguous()
-    calls = {}
-    if variant == "nvfp4_bf16":
-        cfg = nvfp4_weight_config(k=k, n=n, swiglu=args.swiglu)
-        calls[variant] = lambda: nvfp4_weight_grouped_mm(
-            x, packed, scales, gs, padded_offsets, row_offsets, y, swiglu=args.swiglu,
-            config=cfg)
-    else:
-        cfg = fp4_weight_fp8_config(k=k, n=n, swiglu=args.swiglu)
+    fp8 = variant == "nvfp4_fp8"
+    base = (fp4_weight_fp8_config if fp8 else nvfp4_weight_config)(k=k, n=n, swiglu=args.swiglu)
+    configs = [base]
+    if args.sweep:
+        for bm, bn, bk, warps, stages in FP4_SWEEP:
+            if fp8 and bk != 128:
+                continue
+            cfg = ScaledGemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
+                                   num_stages=stages)
+            if cfg not in configs:
+                configs.append(cfg)
+    if fp8:
         a_q, a_s = fp8_block_quantize(x)
+    for cfg in configs:
+        calls = {}
+        if not fp8:
+            calls[variant] = lambda cfg=cfg: nvfp4_weight_grouped_mm(
+                x, packed, scales, gs, padded_offsets, row_offsets, y, swiglu=args.swiglu,
+                config=cfg)
+        else:
+            def gemm(cfg=cfg):
+                return nvfp4_weight_fp8_mm(a_q, a_s, packed, scales, gs, padded_offsets,
+                                           row_offsets, y, swiglu=args.swiglu, config=cfg)
 
-        def gemm():
-            return nvfp4_weight_fp8_mm(a_q, a_s, packed, scales, gs, padded_offsets,
-                                       row_offsets, y, swiglu=args.swiglu, config=cfg)
+            def quant_and_gemm(gemm=gemm):
+                fp8_block_quantize_2d(x, a_q, a_s)
+                return gemm()
 
-        def quant_and_gemm():
-            fp8_block_quantize_2d(x, a_q, a_s)
-            return gemm()
-
-        calls[variant], calls[variant + "_quant"] = gemm, quant_and_gemm
-    for name, fn in calls.items():
-        try:
-            res = benchmark(fn, config=timing, device=dev)
-        except Exception as exc:  # a config that fails to compile: reported, skipped
-            print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc)[:300]}")
-            continue
-        out[name] = _rate(flops, res) | {"config": dataclasses.asdict(cfg)}
+            calls[variant], calls[variant + "_quant"] = gemm, quant_and_gemm
+        for name, fn in calls.items():
+            try:
+                res = benchmark(fn, config=timing, device=dev)
+            except Exception as exc:  # a config that fails to compile: reported, skipped
+                print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc)[:300]}")
+                continue
+            entry = _rate(flops, res) | {"config": dataclasses.asdict(cfg)}
+            out.setdefault(name + "_configs", []).append(entry)
+            if name not in out or entry["tflops"] > out[name]["tflops"]:
+                out[name] = entry
 
 
 def main(argv=None) -> int:
@@ -248,6 +269,11 @@ def main(argv=None) -> int:
               f"[{v['min_ms']:.3f}, {v['max_ms']:.3f}] ({v['method']})  "
               f"{v['tflops'] / dense:.3f} of dense FP8  "
               + (str(v["config"]) if "config" in v else ""))
+    for name in (v + g for v in FP4_VARIANTS for g in ("", "_quant")):
+        for entry in out.get(name + "_configs", [])[1:] and out[name + "_configs"]:
+            c = entry["config"]
+            print(f"    {name:18s} {entry['ms']:.3f} ms  bm {c['block_m']} bn {c['block_n']} "
+                  f"bk {c['block_k']} w {c['num_warps']} s {c['num_stages']}")
     for variant in args.variants:
         if variant + "_rebase_changed" in out:
             print(f"  {variant}: values changed by rebasing {out[variant + '_rebase_changed']}")

@@ -949,6 +949,19 @@ def lowp_kernel_cases() -> list[BuildCase]:
                      HAS_ROW_SCALE=row_scale),
                 cfg.num_warps, cfg.num_stages,
                 types={"b_ptr": "*u8", "sb_ptr": "*u8", "gs_ptr": "*fp32", "rs_ptr": "*fp32"}))
+        # the same weights on FP8 operands (1 x 128 FP8 rows, E4M3-expanded weights)
+        cfg = nvfp4.fp4_weight_fp8_config(k=k, n=n, swiglu=swiglu)
+        cases.append(BuildCase(
+            f"{'mxfp4' if mx else 'nvfp4'} weights fp8 operands {name}",
+            nvfp4._fp4_weight_fp8_mm_kernel,
+            dict(NUM_EXPERTS=E, EXPERTS_POW2=next_power_of_2(E), K=k, N=n, OUT_N=out_n,
+                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                 GROUP_M=cfg.group_m, EVEN_K=True, SWIGLU=swiglu,
+                 SCALE_GROUP=32 if mx else 16, E8M0=mx, HAS_GLOBAL=not mx,
+                 HAS_ROW_SCALE=False, INTERPRET=False),
+            cfg.num_warps, cfg.num_stages,
+            types={"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*u8", "sb_ptr": "*u8",
+                   "gs_ptr": "*fp32", "rs_ptr": "*fp32"}))
     from distmoe.kernels.scaled import nvfp4_rows
     _, global_at, _ = nvfp4_rows.nvfp4_row_layout(D)
     cases.append(BuildCase(

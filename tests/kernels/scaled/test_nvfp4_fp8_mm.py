@@ -72,7 +72,8 @@ def _run(case: Case, *, device="cpu", config=None, gpu=False, mx=False, row_scal
     a_q, a_s = fp8_block_quantize(a)
     out_n = case.n // 2 if case.swiglu else case.n
     if config is None:
-        config = ScaledGemmConfig(block_m=case.block_m, block_n=case.block_n, block_k=128,
+        config = ScaledGemmConfig(block_m=case.tile_m or case.block_m, block_n=case.block_n,
+                                  block_k=128,
                                   num_warps=4, num_stages=2)
     tables = (padded_offsets.to(device), row_offsets.to(device))
     bp, bs = packed, scales
@@ -113,6 +114,8 @@ CASES = {
     "extra_padding": Case(counts=(7, 2), k=128, n=32, extra_pad=1),
     # no live row at all: nothing written
     "no_rows": Case(counts=(0, 0), k=128, n=32),
+    # 16-row tiles inside segments padded to 64 (decode)
+    "tiles_inside_padding": Case(counts=(3, 0, 70), k=128, n=32, block_m=64, tile_m=16),
 }
 
 

@@ -47,9 +47,10 @@ class Case:
     w13_view: bool = False  # pass the weights as w13's [E, 2, F, K/2] (swiglu)
     spare_rows: int = 3  # rows of capacity beyond the live ones (left untouched)
     extra_pad: int = 0  # whole padding tiles added to expert 0's segment
-    block_m: int = 16
+    block_m: int = 16  # the padding multiple of the segments
     block_n: int = 32
     block_k: int = 64
+    tile_m: int | None = None  # the kernel's block_m where smaller than the padding multiple
 
 
 def _layout(counts, block_m, extra_pad=0):
@@ -166,7 +167,7 @@ def _run_case(case: Case, device="cpu", config=None, gpu=False, mx=False, row_sc
         s_g, group = None, 32
     out_n = case.n // 2 if case.swiglu else case.n
     if config is None:
-        config = ScaledGemmConfig(block_m=case.block_m, block_n=case.block_n,
+        config = ScaledGemmConfig(block_m=case.tile_m or case.block_m, block_n=case.block_n,
                                   block_k=case.block_k, num_warps=4, num_stages=2)
     tables = (padded_offsets.to(device), row_offsets.to(device))
     bp, bs = packed, scales
@@ -211,6 +212,9 @@ CASES = {
     "extra_padding": Case(counts=(7, 2), k=32, n=32, extra_pad=1, block_k=32),
     # no live row at all: nothing written
     "no_rows": Case(counts=(0, 0), k=16, n=32, block_k=32),
+    # 16-row tiles inside segments padded to 64 (decode: a few live rows per segment), a
+    # segment of 70 rows over two padded blocks
+    "tiles_inside_padding": Case(counts=(3, 0, 70), k=64, n=32, block_m=64, tile_m=16),
 }
 
 
