@@ -74,11 +74,14 @@ def _rate(flops: float, res) -> dict:
             "tflops": flops / (res.iter_ms * 1e-3) / 1e12, "method": res.method}
 
 
-#: (block_m, block_n, block_k, num_warps, num_stages) tried by ``--sweep`` for the FP4-weight
-#: variants (block_m divides the 128-row padding; the FP8-operand kernel needs block_k 128)
-FP4_SWEEP = ((16, 64, 64, 4, 3), (16, 64, 128, 4, 3), (16, 128, 128, 4, 3),
-             (32, 64, 128, 4, 3), (64, 64, 128, 4, 3), (64, 128, 128, 8, 3),
-             (128, 64, 128, 8, 2), (128, 128, 64, 8, 3))
+#: (block_m, block_n, block_k, num_warps, num_stages, swap_ab) tried by ``--sweep`` for the
+#: FP4-weight variants (block_m divides the 128-row padding; the FP8-operand kernel needs
+#: block_k 128 and no swap)
+FP4_SWEEP = ((16, 64, 64, 4, 3, False), (16, 64, 128, 4, 3, False),
+             (64, 64, 128, 4, 3, False), (128, 64, 128, 8, 2, False),
+             (128, 128, 64, 8, 3, False),
+             (16, 64, 128, 4, 3, True), (16, 128, 128, 8, 3, True), (32, 64, 128, 4, 3, True),
+             (64, 128, 64, 8, 3, True), (128, 128, 64, 8, 2, True))
 
 
 def _time_fp4(variant, x, w, padded_offsets, row_offsets, y, args, flops, timing, dev, out):
@@ -93,11 +96,11 @@ def _time_fp4(variant, x, w, padded_offsets, row_offsets, y, args, flops, timing
     base = (fp4_weight_fp8_config if fp8 else nvfp4_weight_config)(k=k, n=n, swiglu=args.swiglu)
     configs = [base]
     if args.sweep:
-        for bm, bn, bk, warps, stages in FP4_SWEEP:
-            if fp8 and bk != 128:
+        for bm, bn, bk, warps, stages, swap in FP4_SWEEP:
+            if fp8 and (bk != 128 or swap):
                 continue
             cfg = ScaledGemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
-                                   num_stages=stages)
+                                   num_stages=stages, swap_ab=swap)
             if cfg not in configs:
                 configs.append(cfg)
     if fp8:
@@ -270,10 +273,12 @@ def main(argv=None) -> int:
               f"{v['tflops'] / dense:.3f} of dense FP8  "
               + (str(v["config"]) if "config" in v else ""))
     for name in (v + g for v in FP4_VARIANTS for g in ("", "_quant")):
-        for entry in out.get(name + "_configs", [])[1:] and out[name + "_configs"]:
+        swept = out.get(name + "_configs", [])
+        for entry in swept if len(swept) > 1 else ():
             c = entry["config"]
             print(f"    {name:18s} {entry['ms']:.3f} ms  bm {c['block_m']} bn {c['block_n']} "
-                  f"bk {c['block_k']} w {c['num_warps']} s {c['num_stages']}")
+                  f"bk {c['block_k']} w {c['num_warps']} s {c['num_stages']}"
+                  + (" swap" if c["swap_ab"] else ""))
     for variant in args.variants:
         if variant + "_rebase_changed" in out:
             print(f"  {variant}: values changed by rebasing {out[variant + '_rebase_changed']}")

@@ -51,6 +51,7 @@ class Case:
     block_n: int = 32
     block_k: int = 64
     tile_m: int | None = None  # the kernel's block_m where smaller than the padding multiple
+    swap_ab: bool = False  # the transposed tile (ScaledGemmConfig.swap_ab)
 
 
 def _layout(counts, block_m, extra_pad=0):
@@ -168,7 +169,8 @@ def _run_case(case: Case, device="cpu", config=None, gpu=False, mx=False, row_sc
     out_n = case.n // 2 if case.swiglu else case.n
     if config is None:
         config = ScaledGemmConfig(block_m=case.tile_m or case.block_m, block_n=case.block_n,
-                                  block_k=case.block_k, num_warps=4, num_stages=2)
+                                  block_k=case.block_k, num_warps=4, num_stages=2,
+                                  swap_ab=case.swap_ab)
     tables = (padded_offsets.to(device), row_offsets.to(device))
     bp, bs = packed, scales
     if case.w13_view:
@@ -215,6 +217,13 @@ CASES = {
     # 16-row tiles inside segments padded to 64 (decode: a few live rows per segment), a
     # segment of 70 rows over two padded blocks
     "tiles_inside_padding": Case(counts=(3, 0, 70), k=64, n=32, block_m=64, tile_m=16),
+    # the transposed tile (weights as the dot's first operand): partial tiles, K = 80 not a
+    # multiple of block_k; SwiGLU with a partial column tile; 16-row tiles in 64-row padding
+    "swap_partial": Case(counts=(5, 0, 19), k=80, n=48, swap_ab=True),
+    "swap_swiglu": Case(counts=(0, 17, 3, 0), k=64, n=80, swiglu=True, w13_view=True,
+                        swap_ab=True),
+    "swap_inside_padding": Case(counts=(3, 0, 70), k=64, n=64, block_m=64, tile_m=16,
+                                swap_ab=True),
 }
 
 
@@ -223,7 +232,7 @@ def test_against_float64_within_bound(name):
     _run_case(CASES[name])
 
 
-@pytest.mark.parametrize("name", ["partial_tiles", "swiglu_w13"])
+@pytest.mark.parametrize("name", ["partial_tiles", "swiglu_w13", "swap_swiglu"])
 def test_row_scale_against_float64_within_bound(name):
     _run_case(CASES[name], row_scale=True)
 
@@ -322,6 +331,10 @@ def test_gpu_moderate_shape():
         cfg = nvfp4_weight_config(k=case.k, n=case.n, swiglu=case.swiglu, block_m=128)
         _run_case(case, device="cuda", config=cfg, gpu=True)
         _run_case(case, device="cuda", config=cfg, gpu=True, row_scale=True)
+        # the transposed tile, 16 token rows inside the 128-row padding
+        swapped = ScaledGemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4,
+                                   num_stages=3, swap_ab=True)
+        _run_case(case, device="cuda", config=swapped, gpu=True, row_scale=True)
 
 
 # ---------------------------------------------------------------------------- MXFP4 weights
@@ -331,6 +344,10 @@ MX_CASES = {
     # SwiGLU on w13's [E, 2, F, K/2] layout, F = 40 a partial column tile
     "swiglu_w13": Case(counts=(0, 17, 3), k=64, n=80, swiglu=True, w13_view=True),
 }
+
+
+MX_CASES["swap_swiglu"] = Case(counts=(0, 17, 3), k=64, n=80, swiglu=True, w13_view=True,
+                               swap_ab=True)
 
 
 @pytest.mark.parametrize("name", list(MX_CASES))

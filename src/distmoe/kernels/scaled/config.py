@@ -46,6 +46,13 @@ class ScaledGemmConfig:
     #: (:func:`~distmoe.kernels.scaled.gluon.gluon_scaled_reason`). Elsewhere the Triton
     #: kernel runs this config (with a ``RuntimeWarning`` that says why).
     gluon: bool = False
+    #: FP4-weight GEMMs only (:mod:`distmoe.kernels.scaled.nvfp4`): compute each tile
+    #: transposed, ``out^T = W x^T``, so that the decoded weight rows are the MMA's M side
+    #: (read from registers; ``block_n`` rows, 64 per warpgroup) and the token rows its N side
+    #: (``block_m`` >= 16): Hopper's wgmma takes its A operand from registers, its B from
+    #: shared memory, so the expanded weights skip the shared-memory round trip, and a few
+    #: decode tokens fill N instead of wasting M. The FP8 GEMMs refuse it.
+    swap_ab: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("block_m", 16), ("block_n", SCALE_BLOCK), ("block_k", SCALE_BLOCK)):
@@ -56,8 +63,10 @@ class ScaledGemmConfig:
                 raise ValueError(f"{name} ({value}) must be a power of two in [{low}, 256]")
         if self.num_warps not in (4, 8) or isinstance(self.num_warps, bool):
             raise ValueError(f"num_warps ({self.num_warps!r}) must be 4 or 8")
-        if not isinstance(self.gluon, bool):
-            raise TypeError(f"gluon must be a bool, got {type(self.gluon).__name__}")
+        for name in ("gluon", "swap_ab"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got "
+                                f"{type(getattr(self, name)).__name__}")
         for name in ("num_stages", "group_m"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -243,6 +243,116 @@ def _nvfp4_tile(
 
 
 @triton.jit
+def _load_weight_rows(packed_rows, scale_rows, kb, col_ok, K: tl.constexpr,
+                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SCALE_GROUP: tl.constexpr,
+                      E8M0: tl.constexpr):
+    """:func:`_load_weight_tile` row-major: ``(even, odd)``, each ``[block_n, BLOCK_K / 2]``
+    bf16 (the swapped tile's A operands, contiguous bytes along K per weight row)."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    j = kb * HALF + tl.arange(0, HALF)
+    if EVEN_K:
+        ok = col_ok[:, None]
+    else:
+        ok = col_ok[:, None] & (j < K // 2)[None, :]
+    byte = tl.load(packed_rows[:, None] + j[None, :], mask=ok, other=0).to(tl.int32)
+    sb = tl.load(scale_rows[:, None] + (j // (SCALE_GROUP // 2))[None, :], mask=ok,
+                 other=0).to(tl.int32)
+    if E8M0:
+        scale = e8m0_to_fp32(sb)
+    else:
+        scale = e4m3_to_fp32(sb)
+    return e2m1_pairs_to_bf16(byte, scale)
+
+
+@triton.jit
+def _nvfp4_tile_swapped(
+    a_ptr,
+    b_ptr,
+    sb_ptr,
+    gs_ptr,
+    rs_ptr,
+    padded_offsets_ptr,
+    row_offsets_ptr,
+    out_ptr,
+    row_start,
+    pid_n,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    OUT_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    SCALE_GROUP: tl.constexpr,
+    E8M0: tl.constexpr,
+    HAS_GLOBAL: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr,
+):
+    """:func:`_nvfp4_tile` transposed (``config.swap_ab``): ``acc [BLOCK_N, BLOCK_M] =
+    W_tile x_tile^T``, the decoded weights as the dot's first operand; same sums, same
+    epilogue, stored transposed."""
+    KB: tl.constexpr = K // 2
+    KS: tl.constexpr = K // SCALE_GROUP
+    NUM_KB: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    expert = tile_expert(padded_offsets_ptr, row_start, NUM_EXPERTS, EXPERTS_POW2)
+    act_start, num_live = tile_activation_rows(
+        padded_offsets_ptr, row_offsets_ptr, expert, row_start
+    )
+    if num_live > 0:
+        idx = tl.arange(0, BLOCK_M)
+        is_live = idx < num_live
+        rows = act_start + idx
+        a_rows = a_ptr + rows * K
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        is_col = cols < OUT_N
+        e64 = expert.to(tl.int64)
+        g_rows = b_ptr + e64 * (N * KB) + cols * KB
+        g_srows = sb_ptr + e64 * (N * KS) + cols * KS
+        u_rows = g_rows + OUT_N * KB
+        u_srows = g_srows + OUT_N * KS
+        offs_k = 2 * tl.arange(0, BLOCK_K // 2)
+
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for kb in range(0, NUM_KB):
+            kk = kb * BLOCK_K + offs_k
+            if EVEN_K:
+                a_ok = is_live[None, :]
+            else:
+                a_ok = is_live[None, :] & (kk < K)[:, None]
+            # the activations K-major: [BLOCK_K / 2, BLOCK_M] per parity
+            a_even = tl.load(a_rows[None, :] + kk[:, None], mask=a_ok, other=0.0)
+            a_odd = tl.load(a_rows[None, :] + (kk + 1)[:, None], mask=a_ok, other=0.0)
+            w_even, w_odd = _load_weight_rows(g_rows, g_srows, kb, is_col, K, BLOCK_K, EVEN_K,
+                                              SCALE_GROUP, E8M0)
+            acc_g = tl.dot(w_even, a_even, acc_g)
+            acc_g = tl.dot(w_odd, a_odd, acc_g)
+            if SWIGLU:
+                u_even, u_odd = _load_weight_rows(u_rows, u_srows, kb, is_col, K, BLOCK_K,
+                                                  EVEN_K, SCALE_GROUP, E8M0)
+                acc_u = tl.dot(u_even, a_even, acc_u)
+                acc_u = tl.dot(u_odd, a_odd, acc_u)
+
+        if HAS_GLOBAL:
+            s_g = tl.load(gs_ptr + expert)
+        else:
+            s_g = 1.0
+        if HAS_ROW_SCALE:
+            s_g = (s_g * tl.load(rs_ptr + rows, mask=is_live, other=0.0))[None, :]
+        if SWIGLU:
+            g = acc_g * s_g
+            val = g * tl.sigmoid(g) * (acc_u * s_g)
+        else:
+            val = acc_g * s_g
+        out_rows = out_ptr + rows * OUT_N
+        tl.store(out_rows[None, :] + cols[:, None], val.to(tl.bfloat16),
+                 mask=is_live[None, :] & is_col[:, None])
+
+
+@triton.jit
 def _nvfp4_weight_grouped_mm_kernel(
     a_ptr,
     b_ptr,
@@ -268,6 +378,7 @@ def _nvfp4_weight_grouped_mm_kernel(
     E8M0: tl.constexpr = False,
     HAS_GLOBAL: tl.constexpr = True,
     HAS_ROW_SCALE: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False,
 ):
     NUM_PID_N: tl.constexpr = (OUT_N + BLOCK_N - 1) // BLOCK_N
     pid_m, pid_n = swizzle_tile(tl.program_id(0), num_pid_m, NUM_PID_N, GROUP_M)
@@ -276,10 +387,16 @@ def _nvfp4_weight_grouped_mm_kernel(
     # were padded further. A while loop (not range) keeps the interpreter working too.
     row_start = pid_m * BLOCK_M
     while row_start < total_rows:
-        _nvfp4_tile(a_ptr, b_ptr, sb_ptr, gs_ptr, rs_ptr, padded_offsets_ptr, row_offsets_ptr,
-                    out_ptr, row_start, pid_n, NUM_EXPERTS, EXPERTS_POW2, K, N, OUT_N, BLOCK_M,
-                    BLOCK_N, BLOCK_K, EVEN_K, SWIGLU, SCALE_GROUP, E8M0, HAS_GLOBAL,
-                    HAS_ROW_SCALE)
+        if SWAP_AB:
+            _nvfp4_tile_swapped(a_ptr, b_ptr, sb_ptr, gs_ptr, rs_ptr, padded_offsets_ptr,
+                                row_offsets_ptr, out_ptr, row_start, pid_n, NUM_EXPERTS,
+                                EXPERTS_POW2, K, N, OUT_N, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                                SWIGLU, SCALE_GROUP, E8M0, HAS_GLOBAL, HAS_ROW_SCALE)
+        else:
+            _nvfp4_tile(a_ptr, b_ptr, sb_ptr, gs_ptr, rs_ptr, padded_offsets_ptr,
+                        row_offsets_ptr, out_ptr, row_start, pid_n, NUM_EXPERTS, EXPERTS_POW2,
+                        K, N, OUT_N, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SWIGLU, SCALE_GROUP,
+                        E8M0, HAS_GLOBAL, HAS_ROW_SCALE)
         row_start += num_pid_m * BLOCK_M
 
 
@@ -667,7 +784,8 @@ def _fp4_weight_grouped_mm(a, b_packed, b_block_scales, b_global, padded_offsets
             a, b_packed, b_scales, b_scales if b_global is None else b_global,
             b_scales if a_row_scale is None else a_row_scale, padded_offsets, row_offsets, out,
             num_pid_m, SCALE_GROUP=MXFP4_BLOCK if mx else NVFP4_BLOCK, E8M0=mx,
-            HAS_GLOBAL=not mx, HAS_ROW_SCALE=a_row_scale is not None, **kwargs,
+            HAS_GLOBAL=not mx, HAS_ROW_SCALE=a_row_scale is not None,
+            SWAP_AB=config.swap_ab, **kwargs,
         )
     return out
 
@@ -742,6 +860,9 @@ def nvfp4_weight_fp8_mm(
         config = fp4_weight_fp8_config(k=k, n=n, swiglu=swiglu)
     elif not isinstance(config, ScaledGemmConfig):
         raise TypeError(f"config must be a ScaledGemmConfig, got {type(config).__name__}")
+    if config.swap_ab:
+        raise ValueError("config.swap_ab is not implemented for the FP8-operand kernel; "
+                         "take swap_ab=False")
     if config.block_k != FP8_GROUP:
         raise ValueError(f"config.block_k ({config.block_k}) must be {FP8_GROUP} (one "
                          "promotion per activation scale group)")
