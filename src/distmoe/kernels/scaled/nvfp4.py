@@ -117,6 +117,63 @@ def e2m1_pairs_to_bf16(byte, scale):
 
 
 @triton.jit
+def _e2m1_times_2_14(nib):
+    """fp32 ``v * 2^-14`` of E2M1 nibbles (int32, ``sign << 3 | code``), exact, in five
+    integer operations and one conversion: the code's three bits placed as an fp16's exponent
+    and fraction (``2^(e - 15) (1 + m / 2)``, or the subnormal ``m * 2^-15`` for e = 0) are
+    the value times 2^-14."""
+    bits = ((nib & 7) << 9) | ((nib & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _fp4_pairs(byte, scale, E8M0: tl.constexpr):
+    """``(even, odd)`` bf16 ``v * s_b`` of packed bytes (int32) with their block scale
+    ``scale`` (fp32, broadcast to ``byte``; NVFP4: ``s_b * 2^14`` as
+    :func:`_block_scale_tile` gives it, MXFP4: ``s_b``), exact."""
+    if E8M0:
+        return e2m1_pairs_to_bf16(byte, scale)
+    even = (_e2m1_times_2_14(byte & 15) * scale).to(tl.bfloat16)
+    odd = (_e2m1_times_2_14(byte >> 4) * scale).to(tl.bfloat16)
+    return even, odd
+
+
+@triton.jit
+def _block_scale_tile(scale_rows, kb, col_ok, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                      EVEN_K: tl.constexpr, SCALE_GROUP: tl.constexpr, E8M0: tl.constexpr,
+                      ROW_MAJOR: tl.constexpr):
+    """The block scales of K tile ``kb`` decoded once per block and repeated over the
+    block's packed bytes: ``[block_n, BLOCK_K / 2]`` (``ROW_MAJOR``) or ``[BLOCK_K / 2,
+    block_n]`` fp32, byte ``j`` of the tile taking block ``j // (SCALE_GROUP / 2)``'s scale
+    (NVFP4: ``s_b * 2^14``, exact, for :func:`_fp4_pairs`). Masked columns and blocks past K
+    read 0."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    PER: tl.constexpr = SCALE_GROUP // 2  # packed bytes per block scale
+    NB: tl.constexpr = HALF // PER
+    b = kb * NB + tl.arange(0, NB)
+    if ROW_MAJOR:
+        ok = col_ok[:, None]
+        if not EVEN_K:
+            ok = ok & (b < K // SCALE_GROUP)[None, :]
+        sb = tl.load(scale_rows[:, None] + b[None, :], mask=ok, other=0).to(tl.int32)
+    else:
+        ok = col_ok[None, :]
+        if not EVEN_K:
+            ok = ok & (b < K // SCALE_GROUP)[:, None]
+        sb = tl.load(scale_rows[None, :] + b[:, None], mask=ok, other=0).to(tl.int32)
+    if E8M0:
+        sc = e8m0_to_fp32(sb)
+    else:
+        sc = e4m3_to_fp32(sb) * 16384.0
+    if ROW_MAJOR:
+        n: tl.constexpr = sc.shape[0]
+        return tl.reshape(tl.broadcast_to(sc[:, :, None], (n, NB, PER)), (n, HALF))
+    else:
+        n: tl.constexpr = sc.shape[1]
+        return tl.reshape(tl.broadcast_to(sc[:, None, :], (NB, PER, n)), (HALF, n))
+
+
+@triton.jit
 def e4m3_to_fp32(b):
     """fp32 value of E4M3 bytes (int32 0..255), exact: NaN for ``0x7F`` / ``0xFF``,
     ``m * 2^-9`` for exponent field 0."""
@@ -144,13 +201,9 @@ def _load_weight_tile(packed_rows, scale_rows, kb, col_ok, K: tl.constexpr,
     else:
         ok = col_ok[None, :] & (j < K // 2)[:, None]
     byte = tl.load(packed_rows[None, :] + j[:, None], mask=ok, other=0).to(tl.int32)
-    sb = tl.load(scale_rows[None, :] + (j // (SCALE_GROUP // 2))[:, None], mask=ok,
-                 other=0).to(tl.int32)
-    if E8M0:  # MXFP4: a power of two per 32 values
-        scale = e8m0_to_fp32(sb)
-    else:
-        scale = e4m3_to_fp32(sb)
-    return e2m1_pairs_to_bf16(byte, scale)
+    scale = _block_scale_tile(scale_rows, kb, col_ok, K, BLOCK_K, EVEN_K, SCALE_GROUP, E8M0,
+                              False)
+    return _fp4_pairs(byte, scale, E8M0)
 
 
 @triton.jit
@@ -255,13 +308,9 @@ def _load_weight_rows(packed_rows, scale_rows, kb, col_ok, K: tl.constexpr,
     else:
         ok = col_ok[:, None] & (j < K // 2)[None, :]
     byte = tl.load(packed_rows[:, None] + j[None, :], mask=ok, other=0).to(tl.int32)
-    sb = tl.load(scale_rows[:, None] + (j // (SCALE_GROUP // 2))[None, :], mask=ok,
-                 other=0).to(tl.int32)
-    if E8M0:
-        scale = e8m0_to_fp32(sb)
-    else:
-        scale = e4m3_to_fp32(sb)
-    return e2m1_pairs_to_bf16(byte, scale)
+    scale = _block_scale_tile(scale_rows, kb, col_ok, K, BLOCK_K, EVEN_K, SCALE_GROUP, E8M0,
+                              True)
+    return _fp4_pairs(byte, scale, E8M0)
 
 
 @triton.jit
