@@ -117,3 +117,15 @@ def test_threshold_tables_have_reasons_and_evidence():
     assert thresholds("h100").value("wgrad_wide_tile_min_rows") == 0
     with pytest.raises(ValueError, match=r"device_class \('a100'\) must be one of"):
         thresholds("a100")
+
+
+def test_fp4_weight_gemm_swaps_tiles_at_decode_only():
+    from distmoe.plan import rules
+
+    swap = thresholds("h100").value("fp4_swap_rows")
+    decode = rules.fp4_weight_gemm(k=4096, n=4096, swiglu=True, block_m=128,
+                                   rows_per_expert=swap - 1, device_class="h100")
+    assert decode.swap_ab and decode.block_m == 16 and 128 % decode.block_m == 0
+    prefill = rules.fp4_weight_gemm(k=4096, n=4096, swiglu=True, block_m=128,
+                                    rows_per_expert=swap, device_class="h100")
+    assert not prefill.swap_ab and prefill.block_m == 128

@@ -91,12 +91,11 @@ from ..kernels.scaled import (
     fp8_block_grouped_mm,
     mxfp4_weight_grouped_mm,
     mxfp8_grouped_mm,
-    nvfp4_weight_config,
     nvfp4_weight_grouped_mm,
 )
 from ..kernels.scaled.gather_quant import gather_quantize
 from ..kernels.scaled.nvfp4_rows import gather_nvfp4_rows, nvfp4_row_layout, pack_nvfp4_rows
-from ..plan import rules
+from ..plan import device_class, rules
 from ..plan.rules import mxfp8_k_group
 from ..quant.fp8_block import fp8_block_quantize_2d, mxfp8_rebase
 from ..quant.mxfp8 import mxfp8_quantize_2d, mxfp8_quantize_rebased_2d
@@ -229,13 +228,15 @@ def allocate_nvfp4(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
         raise ValueError(f"allocate_nvfp4 is for NVFP4 / MXFP4 inference contexts, got "
                          f"precision {cfg.precision!r} with training={cfg.training}")
     R, D, F, E = receive_bound, cfg.hidden, cfg.ffn, num_local_experts
+    keys = dict(block_m=cfg.row_block, rows_per_expert=max(1, cfg.max_tokens * cfg.top_k // E),
+                device_class=device_class(device))
     return NVFP4Scratch(
         x_rows=torch.zeros(R, D, dtype=torch.bfloat16, device=device),
         row_scale=(torch.zeros(R, dtype=torch.float32, device=device)
                    if rules.packs_nvfp4_rows(precision=cfg.precision, ep_size=ep_size)
                    else None),
-        w13_config=nvfp4_weight_config(k=D, n=2 * F, swiglu=True, block_m=cfg.row_block),
-        w2_config=nvfp4_weight_config(k=F, n=D, block_m=cfg.row_block),
+        w13_config=rules.fp4_weight_gemm(k=D, n=2 * F, swiglu=True, **keys),
+        w2_config=rules.fp4_weight_gemm(k=F, n=D, **keys),
         w13_shape=(E, 2, F, D),
         w2_shape=(E, D, F),
     )

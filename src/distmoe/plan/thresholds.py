@@ -68,6 +68,7 @@ class Thresholds:
     long_segment_rows: Row
     pull_all_fraction: Row
     w13_phases_min_own_rows: Row
+    fp4_swap_rows: Row
 
     def value(self, name: str):
         """The value of threshold ``name``."""
@@ -150,6 +151,11 @@ _H100 = Thresholds(
         "W13 in two launches around the peer copy from this many rows per local expert "
         "from one source rank: own blocks share weight tiles with the rest",
         "run-32"),
+    fp4_swap_rows=_row(
+        64,
+        "FP4-weight GEMMs below this many rows per expert compute transposed tiles of 16 "
+        "token rows (decoded weights as the MMA's M side) instead of 128-row tiles",
+        "run-75"),
 )
 
 _TABLES: dict[str, Thresholds] = {
