@@ -54,11 +54,11 @@ from distmoe.kernels.scaled.nvfp4 import fp4_weight_fp8_config, nvfp4_weight_fp8
 from distmoe.quant import (
     fp8_block_quantize,
     fp8_block_quantize_2d,
-    nvfp4_quantize,
     fp8_block_quantize_weight,
     mxfp8_quantize,
     mxfp8_quantize_weight,
     mxfp8_rebase,
+    nvfp4_quantize,
 )
 from distmoe.tools.bench.report import environment
 from distmoe.tools.bench.timing import TimingConfig, benchmark
