@@ -92,7 +92,7 @@ def _refusals(dev, E):
 
 
 def _nvfp4_rank(rank, world, seed, T_, E, K_, cases, factors, device="cpu", check=True,
-                dims=(D, F), pull_all=None):
+                dims=(D, F), pull_all=None, fp8_operands=None):
     """Per case: (y, stats, second call equal) of this rank's NVFP4 context with
     ``device_scratch_factor = factors[case]`` (unchecked where below the world size: the
     receive bound is then exceeded on purpose); at EP 1 also the refusals. ``pull_all``:
@@ -108,7 +108,9 @@ def _nvfp4_rank(rank, world, seed, T_, E, K_, cases, factors, device="cpu", chec
         w13p, w2p = prepare_weights(mine.w13.to(dev), mine.w2.to(dev), "nvfp4",
                                     reference=device == "cpu")
         cfg = _cfg(E, T_, factors[case], dims, K_)
-        overrides = None if pull_all is None else {"layer": {"pull_all": pull_all}}
+        layer = {k: v for k, v in (("pull_all", pull_all), ("fp8_operands", fp8_operands))
+                 if v is not None}
+        overrides = {"layer": layer} if layer else None
         with dm.MoEContext(cfg, device=dev, check=check and factors[case] >= world,
                            overrides=overrides) as ctx:
             args = [t.to(dev) for t in (mine.x, mine.expert_ids, mine.scores)]
@@ -215,14 +217,25 @@ def row_error_bound(x, packed_scales, global_scale):
             + 6 * 2.0**-10 * s_g * (1 + 2.0**-21) + 2.0**-146)
 
 
-def reference_b(x, ids, scores, w13, w2, executed, sum_factor=1.0, dx=None):
+def fp8_operand_error(v, row_quantum):
+    """The E4M3 rounding of FP8 operands (docs/numerics.md, the FP4 weights on FP8
+    operands), for values of magnitude up to ``v`` (float64): at most 2^-4 of the value while
+    an E4M3 normal, plus ``row_quantum`` times the row's largest ``v`` (the subnormal step:
+    2^-10 of a 1 x 128 block's scale amax / 448 for activations, 2^-10 * 2^(e - 5) <= 2^-15 of
+    the row's largest weight for the expanded weights)."""
+    return 2.0**-4 * v + row_quantum * v.amax(-1, keepdim=True)
+
+
+def reference_b(x, ids, scores, w13, w2, executed, sum_factor=1.0, dx=None, fp8_ops=False):
     """(y64, bound): the bf16 layer in float64 over the executed routes and a bound on |NVFP4
     layer - y64|. Activations are exact (bf16 rows) or, with ``dx [T, D]`` (rows packed by
     their owners), carry their own section-4 error bound ``dx``; each weight carries
     its section-4 error dw, so a dot errs by at most |a| @ dw (plus da @ (|w| + dw) where the
     input a carries da), plus the kernel's fp32 summation ((K + 2) u S', S' over |w| + dw).
     Carried through: silu is 1.1-Lipschitz; each bf16 rounding (h2, h3, y) adds 2^-8 of the
-    value; the combine adds K u per term."""
+    value; the combine adds K u per term. ``fp8_ops``: the GEMMs on FP8 operands, so x and
+    h2 carry their E4M3 1 x 128 quantisation and each weight its E4M3 expansion too
+    (:func:`fp8_operand_error`)."""
     n, k = executed.nonzero(as_tuple=True)
     e, s = ids[n, k], scores[n, k].double()
     y64 = moe_reference(x.double(), torch.where(executed, ids, -1),
@@ -238,6 +251,10 @@ def reference_b(x, ids, scores, w13, w2, executed, sum_factor=1.0, dx=None):
                 + 1.01 * (width + 2) * U * sum_factor * big)
 
     dxr = torch.zeros_like(xr) if dx is None else dx[n]
+    if fp8_ops:
+        dxr = dxr + fp8_operand_error(xr.abs() + dxr, 2.0**-10 / 448)
+        dw13 = dw13 + fp8_operand_error(w13r.abs() + dw13, 2.0**-15)
+        dw2 = dw2 + fp8_operand_error(w2r.abs() + dw2, 2.0**-15)
     g, u = _grouped(xr, w13r[:, 0], e), _grouped(xr, w13r[:, 1], e)
     eg = dot_error(xr, dxr, w13r[:, 0], dw13[:, 0], x.shape[1])
     eu = dot_error(xr, dxr, w13r[:, 1], dw13[:, 1], x.shape[1])
@@ -245,6 +262,8 @@ def reference_b(x, ids, scores, w13, w2, executed, sum_factor=1.0, dx=None):
     e_h2 = (SILU_LIP * eg * (u.abs() + eu) + torch.nn.functional.silu(g).abs() * eu
             + 2.0**-20 * h2.abs())
     e_h2 = e_h2 + 2.0**-8 * (h2.abs() + e_h2)  # bf16 rounding of h2
+    if fp8_ops:  # h2 quantised for W2
+        e_h2 = e_h2 + fp8_operand_error(h2.abs() + e_h2, 2.0**-10 / 448)
     h3 = _grouped(h2, w2r, e)
     e_h3 = dot_error(h2, e_h2, w2r, dw2, w2.shape[2])
     e_h3 = e_h3 + 2.0**-8 * (h3.abs() + e_h3)  # bf16 rounding of h3
@@ -331,6 +350,33 @@ def test_packed_rows_pulled_at_once_or_as_named_give_the_same_bits():
         ys[pull_all] = torch.cat([r[0][0][0] for r in results])
     assert torch.equal(ys[True].view(torch.int16), ys[False].view(torch.int16))
     _check_case(ys[True], seed, 2, T, E, K, case, _cfg(E, T, 2.0).receive_bound(2))
+
+
+@pytest.mark.parametrize("EP", [1, 2])
+def test_fp8_operands_within_the_bf16_layer_bound(EP):
+    """The plan's FP8-operand form (``overrides={"layer": {"fp8_operands": True}}``: x and
+    h2 quantised to E4M3 in 1 x 128 blocks, the weights expanded to E4M3): against the bf16
+    layer in float64, reference (b) with the E4M3 roundings added, at EP 1 (x gathered and
+    quantised in one kernel) and EP 2 (packed rows decoded, then quantised). D = F = 128."""
+    seed, E, case, dims = 83 + EP, 8, "inactive_mix", (128, 128)
+    results = dm.launch(_nvfp4_rank, EP, args=(seed, T, E, K, [case], {case: float(EP)},
+                                               "cpu", True, dims, None, True))
+    y = torch.cat([r[0][0][0] for r in results])
+    assert all(r[0][0][2] for r in results), "second call differs"
+    x, ids, scores, w13, w2 = _problem(seed, EP, T, E, K, case, dims)
+    executed = executed_routes(ids, EP, E, _cfg(E, T, float(EP), dims).receive_bound(EP))
+    dx = None
+    if rules.packs_nvfp4_rows(precision="nvfp4", ep_size=EP):
+        _, scales, gs = nvfp4_quantize_ref(x, per="row")
+        dx = row_error_bound(x, scales, gs)
+    y64, bound = reference_b(x, ids, scores, w13, w2, executed, 2.0, dx, fp8_ops=True)
+    err = (y.double() - y64).abs()
+    assert (err <= bound).all(), f"error {err.max():.3g} above its bound"
+    # not the bf16-operand layer's bits: the FP8 path ran
+    y_bf16 = torch.cat([r[0][0][0] for r in dm.launch(
+        _nvfp4_rank, EP, args=(seed, T, E, K, [case], {case: float(EP)}, "cpu", True, dims,
+                               None, False))])
+    assert not torch.equal(y.view(torch.int16), y_bf16.view(torch.int16))
 
 
 def _check_refusals(msgs):

@@ -374,7 +374,7 @@ class MoEContext:
         self._counters = torch.zeros(6, dtype=torch.int64, device=self.device)
         #: MXFP8 / block-FP8 / NVFP4 scratch (:mod:`distmoe.ops.lowp`); None at bf16
         self._lowp = allocate_lowp(cfg, self.num_local_experts, self.receive_bound, self.device,
-                                   self.ep_size)
+                                   self.ep_size, self.plan.fp4_fp8_operands(cfg))
         #: the extra GEMM configs of an FP8 training context (:mod:`distmoe.ops.lowp_train`)
         self._lowp_train = (fp8_train_configs(cfg, self.device)
                             if cfg.training and self._lowp is not None else None)

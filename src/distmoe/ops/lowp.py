@@ -94,6 +94,7 @@ from ..kernels.scaled import (
     nvfp4_weight_grouped_mm,
 )
 from ..kernels.scaled.gather_quant import gather_quantize
+from ..kernels.scaled.nvfp4 import FP8_GROUP, fp4_weight_fp8_config, nvfp4_weight_fp8_mm
 from ..kernels.scaled.nvfp4_rows import gather_nvfp4_rows, nvfp4_row_layout, pack_nvfp4_rows
 from ..plan import device_class, rules
 from ..plan.rules import mxfp8_k_group
@@ -207,6 +208,10 @@ class NVFP4Scratch:
         w13_config / w2_config: the two grouped GEMMs' launch configs (``block_m`` = the
             routing's ``row_block``, the padding multiple).
         w13_shape / w2_shape: the prepared weights' shapes this context takes.
+        fp8: where the GEMMs run on FP8 operands (:meth:`KernelPlan.fp4_fp8_operands
+            <distmoe.plan.KernelPlan.fp4_fp8_operands>`), the quantised activations ``(x_q
+            [R_b, D] e4m3, x_s [R_b, D/128] float32, h2_q [R_b, F], h2_s [R_b, F/128])``;
+            else None.
     """
 
     x_rows: torch.Tensor
@@ -215,40 +220,62 @@ class NVFP4Scratch:
     w2_config: ScaledGemmConfig
     w13_shape: tuple[int, ...]
     w2_shape: tuple[int, ...]
+    fp8: tuple[torch.Tensor, ...] | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.x_rows.nbytes + (0 if self.row_scale is None else self.row_scale.nbytes)
+        extra = (0 if self.row_scale is None else self.row_scale.nbytes) + sum(
+            t.nbytes for t in self.fp8 or ())
+        return self.x_rows.nbytes + extra
 
 
 def allocate_nvfp4(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
-                   device: torch.device, ep_size: int = 1) -> NVFP4Scratch:
-    """The scratch of an NVFP4 inference context (module docstring, Memory); zeroed once."""
+                   device: torch.device, ep_size: int = 1,
+                   fp8_operands: bool = False) -> NVFP4Scratch:
+    """The scratch of an NVFP4 inference context (module docstring, Memory); zeroed once.
+    ``fp8_operands``: the GEMMs on FP8 operands (D and F multiples of 128)."""
     if cfg.precision not in ("nvfp4", "mxfp4") or cfg.training:
         raise ValueError(f"allocate_nvfp4 is for NVFP4 / MXFP4 inference contexts, got "
                          f"precision {cfg.precision!r} with training={cfg.training}")
     R, D, F, E = receive_bound, cfg.hidden, cfg.ffn, num_local_experts
     keys = dict(block_m=cfg.row_block, rows_per_expert=max(1, cfg.max_tokens * cfg.top_k // E),
                 device_class=device_class(device))
+    fp8 = None
+    if fp8_operands:
+        if D % FP8_GROUP or F % FP8_GROUP:
+            raise ValueError(f"FP8 operands for {cfg.precision} need hidden ({D}) and ffn "
+                             f"({F}) multiples of {FP8_GROUP}")
+        fp8 = tuple(torch.zeros(R, c, dtype=dt, device=device)
+                    for c, dt in ((D, torch.float8_e4m3fn), (D // FP8_GROUP, torch.float32),
+                                  (F, torch.float8_e4m3fn), (F // FP8_GROUP, torch.float32)))
+        gemm = functools.partial(fp4_weight_fp8_config, block_m=cfg.row_block)
+        w13_config, w2_config = gemm(k=D, n=2 * F, swiglu=True), gemm(k=F, n=D)
+    else:
+        w13_config = rules.fp4_weight_gemm(k=D, n=2 * F, swiglu=True, **keys)
+        w2_config = rules.fp4_weight_gemm(k=F, n=D, **keys)
     return NVFP4Scratch(
         x_rows=torch.zeros(R, D, dtype=torch.bfloat16, device=device),
         row_scale=(torch.zeros(R, dtype=torch.float32, device=device)
                    if rules.packs_nvfp4_rows(precision=cfg.precision, ep_size=ep_size)
                    else None),
-        w13_config=rules.fp4_weight_gemm(k=D, n=2 * F, swiglu=True, **keys),
-        w2_config=rules.fp4_weight_gemm(k=F, n=D, **keys),
+        w13_config=w13_config,
+        w2_config=w2_config,
         w13_shape=(E, 2, F, D),
         w2_shape=(E, D, F),
+        fp8=fp8,
     )
 
 
 def allocate_lowp(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
-                  device: torch.device, ep_size: int = 1) -> FP8Scratch | NVFP4Scratch | None:
-    """The low-precision scratch of a context at ``cfg.precision`` (None at bf16)."""
+                  device: torch.device, ep_size: int = 1,
+                  fp8_operands: bool = False) -> FP8Scratch | NVFP4Scratch | None:
+    """The low-precision scratch of a context at ``cfg.precision`` (None at bf16);
+    ``fp8_operands``: FP4-weight GEMMs on FP8 operands (:func:`allocate_nvfp4`)."""
     if cfg.precision in FP8_FORMATS:
         return allocate_fp8(cfg, num_local_experts, receive_bound, device)
     if cfg.precision in ("nvfp4", "mxfp4"):
-        return allocate_nvfp4(cfg, num_local_experts, receive_bound, device, ep_size)
+        return allocate_nvfp4(cfg, num_local_experts, receive_bound, device, ep_size,
+                              fp8_operands)
     return None
 
 
@@ -378,8 +405,13 @@ def route_and_gather_nvfp4(ctx, x, expert_ids, x_rows: torch.Tensor,
     return tables
 
 
-def _fp4_mm(a, w: PreparedWeight, po, ro, out, **kw):
-    """The FP4-weight grouped GEMM of ``w``'s precision: MXFP4 (no global scale) or NVFP4."""
+def _fp4_mm(a, w: PreparedWeight, po, ro, out, *, fp8_a=None, **kw):
+    """The FP4-weight grouped GEMM of ``w``'s precision: MXFP4 (no global scale) or NVFP4;
+    ``fp8_a = (a_q, a_s)``: on FP8 operands (``a`` unused)."""
+    if fp8_a is not None:
+        return nvfp4_weight_fp8_mm(*fp8_a, w.qdata, w.scales,
+                                   None if w.precision == "mxfp4" else w.global_scale, po, ro,
+                                   out, **kw)
     if w.precision == "mxfp4":
         return mxfp4_weight_grouped_mm(a, w.qdata, w.scales, po, ro, out, **kw)
     return nvfp4_weight_grouped_mm(a, w.qdata, w.scales, w.global_scale, po, ro, out, **kw)
@@ -390,14 +422,23 @@ def nvfp4_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedW
     """Steps 1-7 of the module docstring (nvfp4: weight-only, bf16 activations) on checked
     inputs; returns y [T, D] bf16 (into ``out`` when given)."""
     s: NVFP4Scratch = ctx._lowp
+    x_fp8 = h2_fp8 = None
+    if s.fp8 is not None:
+        x_fp8, h2_fp8 = s.fp8[:2], s.fp8[2:]
     if s.row_scale is not None:  # rows packed by their owners
         tables = route_and_gather_nvfp4(ctx, x, expert_ids, s.x_rows, s.row_scale)
+        if x_fp8 is not None:  # the decoded rows (v * s_b, exact in bf16) quantised
+            fp8_block_quantize_2d(s.x_rows, *x_fp8)
+    elif x_fp8 is not None:  # gathered and quantised in one kernel
+        tables, _ = route_and_quantize(ctx, x, expert_ids, *x_fp8, "fp8_block")
     else:
         tables = route_and_gather(ctx, x, expert_ids, s.x_rows)
     po, ro = tables.padded_offsets, tables.row_offsets
     h2 = ctx._h2
     extra = {} if s.row_scale is None else {"a_row_scale": s.row_scale}
-    _fp4_mm(s.x_rows, w13, po, ro, h2, swiglu=True, config=s.w13_config, **extra)
+    _fp4_mm(s.x_rows, w13, po, ro, h2, swiglu=True, config=s.w13_config, fp8_a=x_fp8, **extra)
+    if h2_fp8 is not None:
+        fp8_block_quantize_2d(h2, *h2_fp8)
     h3 = s.x_rows  # the gathered rows are dead once W13 has read them
-    _fp4_mm(h2, w2, po, ro, h3, config=s.w2_config)
+    _fp4_mm(h2, w2, po, ro, h3, config=s.w2_config, fp8_a=h2_fp8)
     return scatter_and_combine(ctx, tables, h3, x, expert_ids, scores, out)

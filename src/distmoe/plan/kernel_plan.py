@@ -63,6 +63,9 @@ LAYER_SWITCHES: dict[str, tuple[tuple[type, ...], str]] = {
     "mega_lag": ((int,), "row-block groups between a group's W13 and W2 tiles in Mega"),
     "mega_pingpong": ((bool,), "Mega's tiles: ping-pong (True) or cooperative (False)"),
     "mega_dynamic": ((bool,), "Mega's tiles handed out at run time (True) or static"),
+    "fp8_operands": ((bool, type(None)), "NVFP4 / MXFP4 inference: FP8 activations and the "
+                     "weights expanded to E4M3 (True), bf16 activations (False), or the rule "
+                     "(None)"),
 }
 
 
@@ -90,6 +93,7 @@ class LayerSwitches:
     mega_lag: int = 3
     mega_pingpong: bool = True
     mega_dynamic: bool = False
+    fp8_operands: bool | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,6 +165,18 @@ class KernelPlan:
             return self.layer.pull_all
         return rules.pull_all(ep_size=self.ep_size, top_k=cfg.top_k, tokens=tokens,
                               max_tokens=cfg.max_tokens, device_class=self.device_class)
+
+    def fp4_fp8_operands(self, cfg: MoEConfig) -> bool:
+        """Whether an NVFP4 / MXFP4 inference layer runs its GEMMs on FP8 operands (the
+        override, else :func:`distmoe.plan.rules.fp4_fp8_operands`); False at every other
+        precision."""
+        if cfg.precision not in ("nvfp4", "mxfp4") or cfg.training:
+            return False
+        if self.layer.fp8_operands is not None:
+            return self.layer.fp8_operands
+        return rules.fp4_fp8_operands(hidden=cfg.hidden, ffn=cfg.ffn,
+                                      rows_per_expert=self.rows_per_expert,
+                                      device_class=self.device_class)
 
     def phased_w13(self, cfg: MoEConfig) -> bool:
         """Whether, with every peer token copied, W13 runs in two launches by the plan (the

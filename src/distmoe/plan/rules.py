@@ -324,6 +324,18 @@ def fp4_weight_gemm(*, k: int, n: int, swiglu: bool = False, block_m: int,
     return ScaledGemmConfig.for_widths(k=k, n=n, swiglu=swiglu, block_m=block_m)
 
 
+def fp4_fp8_operands(*, hidden: int, ffn: int, rows_per_expert: int,
+                     device_class: DeviceClass = "generic") -> bool:
+    """Whether an NVFP4 / MXFP4 inference layer quantises its activations to FP8 (1 x 128
+    blocks) and expands the weights to E4M3 (:func:`~distmoe.kernels.scaled.nvfp4.
+    nvfp4_weight_fp8_mm`: FP8 tensor cores, two extra quantisation passes) instead of
+    expanding them to bf16 beside bf16 activations: from the ``fp4_fp8_min_rows`` threshold
+    of rows per expert, where D and F are multiples of 128."""
+    if hidden % 128 or ffn % 128:
+        return False
+    return rows_per_expert >= thresholds(device_class).value("fp4_fp8_min_rows")
+
+
 def packs_nvfp4_rows(*, precision: str, ep_size: int) -> bool:
     """Whether token owners pack their rows as NVFP4 before the experts read them
     (:mod:`distmoe.kernels.scaled.nvfp4_rows`): nvfp4 at EP > 1, where rows cross between

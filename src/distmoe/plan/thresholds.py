@@ -69,6 +69,7 @@ class Thresholds:
     pull_all_fraction: Row
     w13_phases_min_own_rows: Row
     fp4_swap_rows: Row
+    fp4_fp8_min_rows: Row
 
     def value(self, name: str):
         """The value of threshold ``name``."""
@@ -155,6 +156,11 @@ _H100 = Thresholds(
         64,
         "FP4-weight GEMMs below this many rows per expert compute transposed tiles of 16 "
         "token rows (decoded weights as the MMA's M side) instead of 128-row tiles",
+        "run-75"),
+    fp4_fp8_min_rows=_row(
+        2**31,
+        "FP4-weight layers from this many rows per expert run on FP8 operands; never until "
+        "measured faster than the bf16 operands at the layer",
         "run-75"),
 )
 
