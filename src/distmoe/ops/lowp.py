@@ -43,6 +43,12 @@ receive bound (legend of :mod:`distmoe.routing.tables`); steps 1-4a and 5c-7 are
         rows' own global scales where they were packed)
     5b. W2: ``nvfp4_weight_grouped_mm(h2, w2) -> h3 [R_b, D]`` bf16, in x_rows' memory
         (x_rows is dead once W13 has read it)
+    (configs from :func:`distmoe.plan.rules.fp4_weight_gemm`: transposed 16-row tiles at
+    decode.) Where the plan takes FP8 operands (:meth:`~distmoe.plan.KernelPlan.
+    fp4_fp8_operands`; D and F multiples of 128), 4a gathers and quantises x to 1 x 128 E4M3
+    blocks in one kernel (packed rows: decoded, then quantised), h2 is quantised before W2,
+    and both GEMMs are :func:`~distmoe.kernels.scaled.nvfp4.nvfp4_weight_fp8_mm` (the weights
+    expanded to E4M3 in the prologue, FP8 tensor cores).
 
     5c. nvfp4, mxfp4: scatter each live row of h3 to its route's slot in the owner's combine
         buffer (:func:`~distmoe.kernels.movement.scatter_rows.scatter_rows` through
@@ -65,7 +71,8 @@ layer the error is the weights' NVFP4 quantisation, plus at EP > 1 the packed ac
 Memory, allocated once per context (:func:`allocate_lowp`): mxfp8: ``x_q`` ``R_b D``,
 ``x_s`` ``R_b D / 32``, ``h2_q`` ``R_b F``, ``h2_s`` ``R_b F / 32`` bytes
 (fp8_block: the scales ``4 R_b D / 128`` and ``4 R_b F / 128``);
-nvfp4: ``x_rows`` ``2 R_b D`` bytes; beside the context's own ``h2 [R_b, F]`` bf16 scratch;
+nvfp4: ``x_rows`` ``2 R_b D`` bytes (FP8 operands: ``R_b (D + F) (1 + 4/128)`` more);
+beside the context's own ``h2 [R_b, F]`` bf16 scratch;
 nothing per call but the output y (and the small routing tables, as in bf16). The quantisers
 and GEMMs cover the ``R_b`` rows from the static bound (rows past the executed ones are
 quantised too and never read).
