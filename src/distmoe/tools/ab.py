@@ -23,7 +23,7 @@ round (> 1: the variant is faster). ``--out FILE`` writes the same as JSON.
   ``w13``, ``w2``, ``combine``, ``w2_dgrad``, ``w13_dgrad``, ``w2_wgrad``, ``w13_wgrad`` (the
   backward ones with ``--mode fwdbwd``), or ``wgrad`` for both WGRADs;
 * ``layer:NAME=VALUE``: a layer switch (``pull_all``, ``w13_phases``, ``w13_phase_waves``,
-  ``mega``, ``mega_lag``, ``mega_pingpong``, ``mega_dynamic``; see
+  ``mega``, ``mega_lag``, ``mega_pingpong``, ``mega_dynamic``, ``fp8_operands``; see
   :data:`distmoe.plan.LAYER_SWITCHES`);
 * ``input:buffer=True|False``: x passed as the context's ``input_buffer`` (inference: no copy
   of x in the forward).
@@ -214,7 +214,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.epilog = ("SPEC: KERNEL:FIELD=VALUE[,FIELD=VALUE...] (KERNEL: w13, w2, combine, "
                 "w2_dgrad, w13_dgrad, w2_wgrad, w13_wgrad, or wgrad for both WGRADs), "
                 "layer:NAME=VALUE (pull_all, w13_phases, w13_phase_waves, mega, mega_lag, "
-                "mega_pingpong, mega_dynamic) or input:buffer=True|False; VALUE an int, "
+                "mega_pingpong, mega_dynamic, fp8_operands) or input:buffer=True|False; VALUE an int, "
                 "True/False, None or 1x2x3. Example: --variant g16=w13:group_m=16+w2:"
                 "num_stages=5. Under torch.distributed.run every rank is one EP rank.")
     p.add_argument("--shape", default=None, choices=sorted(SHAPES), metavar="NAME",
@@ -226,6 +226,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="a variant against the plan's rules (the base); repeatable")
     p.add_argument("--tokens", type=int, default=None,
                    help="tokens per rank instead of the shape's own T (e.g. 64 for decode)")
+    p.add_argument("--precision", default="bf16",
+                   choices=["bf16", "mxfp8", "fp8_block", "nvfp4", "mxfp4"],
+                   help="the layer's precision; the low ones with --mode fwd (inference on "
+                        "prepared weights), e.g. nvfp4 with --variant "
+                        "fp8=layer:fp8_operands=True (default: bf16)")
     p.add_argument("--rounds", type=int, default=None,
                    help="rounds, each replaying every variant's graph once (default: 15; "
                         "--budget: 7)")
@@ -363,6 +368,10 @@ def _run(args, variants: dict[str, Variant], joined) -> int:
     if args.ep1_share and joined.world == 1:
         raise ValueError("--ep1-share needs EP > 1 (torch.distributed.run)")
     training = args.mode == "fwdbwd"
+    if args.precision != "bf16" and training:
+        raise ValueError(f"--precision {args.precision} runs with --mode fwd (inference on "
+                         "prepared weights) in ab")
+    low = {"precision": args.precision}
     check_variants(args.shape, args.mode, args.tokens, joined.world, joined.device,
                    {n: v.overrides for n, v in variants.items()})
     inputs = draw_inputs(args.shape, args.mode, joined, tokens=args.tokens,
@@ -370,9 +379,9 @@ def _run(args, variants: dict[str, Variant], joined) -> int:
     T = inputs.tokens
     layers: dict[str, tuple[object, object, bool]] = {}  # name -> (ctx, step, x_in_buffer)
     try:
-        layers["base"] = (*build_layer(inputs, joined), False)
+        layers["base"] = (*build_layer(inputs, joined, **low), False)
         for name, v in variants.items():
-            layers[name] = (*build_layer(inputs, joined, overrides=v.overrides),
+            layers[name] = (*build_layer(inputs, joined, overrides=v.overrides, **low),
                             v.x_in_buffer)
         if args.replay:
             layers["replay"] = (*build_layer(inputs, joined, activation_factor=0.0), False)
