@@ -153,9 +153,10 @@ _H100 = Thresholds(
         "from one source rank: own blocks share weight tiles with the rest",
         "run-32"),
     fp4_swap_rows=_row(
-        64,
+        0,
         "FP4-weight GEMMs below this many rows per expert compute transposed tiles of 16 "
-        "token rows (decoded weights as the MMA's M side) instead of 128-row tiles",
+        "token rows (decoded weights as the MMA's M side) instead of 128-row tiles; none "
+        "until measured on a GPU (candidate: 64, decode)",
         "run-75"),
     fp4_fp8_min_rows=_row(
         2**31,
