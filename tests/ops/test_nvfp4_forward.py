@@ -118,6 +118,7 @@ def _nvfp4_rank(rank, world, seed, T_, E, K_, cases, factors, device="cpu", chec
             y2 = ctx(*args, w13p, w2p)  # buffer reuse is clean: the same bits
             stats = ctx.stats()
             assert ctx.graphs is None, "NVFP4 contexts run eagerly"
+            assert (ctx._lowp.fp8 is not None) == bool(fp8_operands), "the planned operands"
         out.append((y.cpu(), stats, torch.equal(y.view(torch.int16), y2.view(torch.int16))))
     refusals = _refusals(dev, 4) if world == 1 and device == "cpu" else None
     return out, refusals
@@ -372,11 +373,6 @@ def test_fp8_operands_within_the_bf16_layer_bound(EP):
     y64, bound = reference_b(x, ids, scores, w13, w2, executed, 2.0, dx, fp8_ops=True)
     err = (y.double() - y64).abs()
     assert (err <= bound).all(), f"error {err.max():.3g} above its bound"
-    # not the bf16-operand layer's bits: the FP8 path ran
-    y_bf16 = torch.cat([r[0][0][0] for r in dm.launch(
-        _nvfp4_rank, EP, args=(seed, T, E, K, [case], {case: float(EP)}, "cpu", True, dims,
-                               None, False))])
-    assert not torch.equal(y.view(torch.int16), y_bf16.view(torch.int16))
 
 
 def _check_refusals(msgs):

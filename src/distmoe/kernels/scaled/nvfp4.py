@@ -81,7 +81,13 @@ from distmoe.kernels.base.interpreter import interpreter_active
 from distmoe.kernels.base.rows import activation_segments
 from distmoe.kernels.base.tiles import swizzle_tile, tile_activation_rows, tile_expert
 from distmoe.kernels.scaled.config import ScaledGemmConfig
-from distmoe.quant.formats import e8m0_to_fp32, finite_abs_bits, float32_bits, round_e4m3
+from distmoe.quant.formats import (
+    e4m3_byte_to_fp32,
+    e8m0_to_fp32,
+    finite_abs_bits,
+    float32_bits,
+    round_e4m3,
+)
 from distmoe.quant.mxfp4 import MXFP4_BLOCK, mxfp4_dequantize
 from distmoe.quant.nvfp4 import nvfp4_dequantize
 
@@ -164,25 +170,13 @@ def _block_scale_tile(scale_rows, kb, col_ok, K: tl.constexpr, BLOCK_K: tl.const
     if E8M0:
         sc = e8m0_to_fp32(sb)
     else:
-        sc = e4m3_to_fp32(sb) * 16384.0
+        sc = e4m3_byte_to_fp32(sb) * 16384.0
     if ROW_MAJOR:
         n: tl.constexpr = sc.shape[0]
         return tl.reshape(tl.broadcast_to(sc[:, :, None], (n, NB, PER)), (n, HALF))
     else:
         n: tl.constexpr = sc.shape[1]
         return tl.reshape(tl.broadcast_to(sc[:, None, :], (NB, PER, n)), (HALF, n))
-
-
-@triton.jit
-def e4m3_to_fp32(b):
-    """fp32 value of E4M3 bytes (int32 0..255), exact: NaN for ``0x7F`` / ``0xFF``,
-    ``m * 2^-9`` for exponent field 0."""
-    e = (b >> 3) & 15
-    m = b & 7
-    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125,
-                   (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True))
-    mag = tl.where((b & 0x7F) == 0x7F, float("nan"), mag)
-    return tl.where((b & 0x80) != 0, -mag, mag)
 
 
 @triton.jit
@@ -471,7 +465,7 @@ def _weight_tile_fp8(packed_rows, scale_rows, kb, col_ok, BLOCK_N: tl.constexpr,
         e = tl.maximum(tl.max(sb, axis=0) - 127, -121)
         is_nan = sb == 255
     else:
-        scale = e4m3_to_fp32(sb)
+        scale = e4m3_byte_to_fp32(sb)
         top = tl.max(sb & 0x7F, axis=0)  # positive E4M3 bytes order like their values
         e = tl.where(top >= 8, (top >> 3) - 7, -6)  # largest scale in [2^e, 2^(e+1))
         is_nan = (sb & 0x7F) == 0x7F

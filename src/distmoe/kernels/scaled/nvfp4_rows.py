@@ -45,8 +45,8 @@ from distmoe.kernels.base.checks import (
 from distmoe.kernels.base.config import next_power_of_2
 from distmoe.kernels.base.device import device_context
 from distmoe.kernels.base.tiles import tile_row_addresses
-from distmoe.kernels.scaled.nvfp4 import e2m1_pairs_to_bf16, e4m3_to_fp32, nvfp4_weight_values
-from distmoe.quant.formats import NVFP4_BLOCK
+from distmoe.kernels.scaled.nvfp4 import e2m1_pairs_to_bf16, nvfp4_weight_values
+from distmoe.quant.formats import NVFP4_BLOCK, e4m3_byte_to_fp32
 from distmoe.quant.nvfp4 import nvfp4_quantize
 
 __all__ = ["gather_nvfp4_rows", "gather_nvfp4_rows_ref", "nvfp4_row_layout", "pack_nvfp4_rows",
@@ -133,7 +133,7 @@ def _gather_nvfp4_kernel(gather_ptrs_ptr, padded_offsets_ptr, row_offsets_ptr, o
         # a block scale per 8 bytes (16 values)
         sb = tl.load(rows[:, None] + (HIDDEN // 2 + j // 8)[None, :], mask=ok,
                      other=0).to(tl.int32)
-        even, odd = e2m1_pairs_to_bf16(byte, e4m3_to_fp32(sb))
+        even, odd = e2m1_pairs_to_bf16(byte, e4m3_byte_to_fp32(sb))
         vals = tl.reshape(tl.join(even, odd), (BLOCK_M, 2 * BLOCK_B))  # interleave
         dst = out_ptr + (act_start + idx).to(tl.int64) * HIDDEN
         cols = 2 * tl.program_id(1) * BLOCK_B + tl.arange(0, 2 * BLOCK_B)
