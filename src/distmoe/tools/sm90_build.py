@@ -123,8 +123,15 @@ def build(case: BuildCase) -> BuildReport:
         return BuildReport(case, error="TRITON_INTERPRET is set: run in a process without it")
     kernel = case.kernel
     sig, attrs = {}, {}
+    constexprs = dict(case.constexprs)
     for i, name in enumerate(kernel.arg_names):
-        if name in case.constexprs:
+        param = kernel.params[i] if hasattr(kernel, "params") else None
+        if (name not in constexprs and param is not None and param.is_constexpr
+                and param.has_default):
+            # a constexpr left to its default is built as the launch would build it, never
+            # as a run-time argument (which would keep both sides of its branches)
+            constexprs[name] = param.default
+        if name in constexprs:
             sig[name] = "constexpr"
             continue
         sig[name] = case.types.get(name, _default_type(name))
@@ -136,7 +143,7 @@ def build(case: BuildCase) -> BuildReport:
         from triton.experimental.gluon._runtime import GluonASTSource as source_type
     try:
         compiled = triton.compile(
-            source_type(kernel, sig, constexprs=case.constexprs, attrs=attrs),
+            source_type(kernel, sig, constexprs=constexprs, attrs=attrs),
             target=GPUTarget("cuda", 90, 32),
             options=dict(num_warps=case.num_warps, num_stages=case.num_stages, **case.options),
         )
@@ -946,7 +953,7 @@ def lowp_kernel_cases() -> list[BuildCase]:
                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                      GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0, SWIGLU=swiglu,
                      SCALE_GROUP=32 if mx else 16, E8M0=mx, HAS_GLOBAL=not mx,
-                     HAS_ROW_SCALE=row_scale),
+                     HAS_ROW_SCALE=row_scale, SWAP_AB=False),
                 cfg.num_warps, cfg.num_stages,
                 types={"b_ptr": "*u8", "sb_ptr": "*u8", "gs_ptr": "*fp32", "rs_ptr": "*fp32"}))
         # the transposed tile (config.swap_ab: decoded weights as the dot's first operand),
