@@ -970,12 +970,12 @@ def lowp_kernel_cases() -> list[BuildCase]:
         cfg = nvfp4.fp4_weight_fp8_config(k=k, n=n, swiglu=swiglu)
         cases.append(BuildCase(
             f"{'mxfp4' if mx else 'nvfp4'} weights fp8 operands {name}",
-            nvfp4._fp4_weight_fp8_mm_kernel,
+            nvfp4._nvfp4_weight_grouped_mm_kernel,
             dict(NUM_EXPERTS=E, EXPERTS_POW2=next_power_of_2(E), K=k, N=n, OUT_N=out_n,
                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                  GROUP_M=cfg.group_m, EVEN_K=True, SWIGLU=swiglu,
                  SCALE_GROUP=32 if mx else 16, E8M0=mx, HAS_GLOBAL=not mx,
-                 HAS_ROW_SCALE=False, INTERPRET=False),
+                 HAS_ROW_SCALE=False, SWAP_AB=False, FP8_A=True, INTERPRET=False),
             cfg.num_warps, cfg.num_stages,
             types={"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*u8", "sb_ptr": "*u8",
                    "gs_ptr": "*fp32", "rs_ptr": "*fp32"}))

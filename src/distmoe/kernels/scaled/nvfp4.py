@@ -201,6 +201,38 @@ def _load_weight_tile(packed_rows, scale_rows, kb, col_ok, K: tl.constexpr,
 
 
 @triton.jit
+def _fp4_store(acc_g, acc_u, gs_ptr, rs_ptr, expert, rows, is_live, cols, is_col, out_ptr,
+               OUT_N: tl.constexpr, SWIGLU: tl.constexpr, HAS_GLOBAL: tl.constexpr,
+               HAS_ROW_SCALE: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The FP4-weight GEMMs' epilogue: the expert's global scale (times each row's own
+    scale, one fp32 product) on the fp32 accumulators ``[rows, cols]`` (``TRANSPOSED``:
+    ``[cols, rows]``), SwiGLU in fp32, one bf16 rounding, the live rows stored at their
+    activation rows."""
+    if HAS_GLOBAL:
+        s_g = tl.load(gs_ptr + expert)
+    else:
+        s_g = 1.0
+    if HAS_ROW_SCALE:  # the activations' global scale per row, times the weights'
+        s_row = s_g * tl.load(rs_ptr + rows, mask=is_live, other=0.0)
+        if TRANSPOSED:
+            s_g = s_row[None, :]
+        else:
+            s_g = s_row[:, None]
+    if SWIGLU:
+        g = acc_g * s_g
+        val = g * tl.sigmoid(g) * (acc_u * s_g)
+    else:
+        val = acc_g * s_g
+    out_rows = out_ptr + rows * OUT_N
+    if TRANSPOSED:
+        tl.store(out_rows[None, :] + cols[:, None], val.to(tl.bfloat16),
+                 mask=is_live[None, :] & is_col[:, None])
+    else:
+        tl.store(out_rows[:, None] + cols[None, :], val.to(tl.bfloat16),
+                 mask=is_live[:, None] & is_col[None, :])
+
+
+@triton.jit
 def _nvfp4_tile(
     a_ptr,
     b_ptr,
@@ -273,20 +305,8 @@ def _nvfp4_tile(
                 acc_u = tl.dot(a_even, u_even, acc_u)
                 acc_u = tl.dot(a_odd, u_odd, acc_u)
 
-        if HAS_GLOBAL:
-            s_g = tl.load(gs_ptr + expert)
-        else:
-            s_g = 1.0
-        if HAS_ROW_SCALE:  # the activations' global scale per row, times the weights'
-            s_g = (s_g * tl.load(rs_ptr + rows, mask=is_live, other=0.0))[:, None]
-        if SWIGLU:
-            g = acc_g * s_g
-            val = g * tl.sigmoid(g) * (acc_u * s_g)
-        else:
-            val = acc_g * s_g
-        out_rows = out_ptr + rows * OUT_N
-        tl.store(out_rows[:, None] + cols[None, :], val.to(tl.bfloat16),
-                 mask=is_live[:, None] & is_col[None, :])
+        _fp4_store(acc_g, acc_u, gs_ptr, rs_ptr, expert, rows, is_live, cols, is_col, out_ptr,
+                   OUT_N, SWIGLU, HAS_GLOBAL, HAS_ROW_SCALE, False)
 
 
 @triton.jit
@@ -379,25 +399,14 @@ def _nvfp4_tile_swapped(
                 acc_u = tl.dot(u_even, a_even, acc_u)
                 acc_u = tl.dot(u_odd, a_odd, acc_u)
 
-        if HAS_GLOBAL:
-            s_g = tl.load(gs_ptr + expert)
-        else:
-            s_g = 1.0
-        if HAS_ROW_SCALE:
-            s_g = (s_g * tl.load(rs_ptr + rows, mask=is_live, other=0.0))[None, :]
-        if SWIGLU:
-            g = acc_g * s_g
-            val = g * tl.sigmoid(g) * (acc_u * s_g)
-        else:
-            val = acc_g * s_g
-        out_rows = out_ptr + rows * OUT_N
-        tl.store(out_rows[None, :] + cols[:, None], val.to(tl.bfloat16),
-                 mask=is_live[None, :] & is_col[:, None])
+        _fp4_store(acc_g, acc_u, gs_ptr, rs_ptr, expert, rows, is_live, cols, is_col, out_ptr,
+                   OUT_N, SWIGLU, HAS_GLOBAL, HAS_ROW_SCALE, True)
 
 
 @triton.jit
 def _nvfp4_weight_grouped_mm_kernel(
     a_ptr,
+    sa_ptr,
     b_ptr,
     sb_ptr,
     gs_ptr,
@@ -422,7 +431,13 @@ def _nvfp4_weight_grouped_mm_kernel(
     HAS_GLOBAL: tl.constexpr = True,
     HAS_ROW_SCALE: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False,
+    FP8_A: tl.constexpr = False,
+    INTERPRET: tl.constexpr = False,
 ):
+    """Every FP4-weight grouped GEMM: bf16 activations with the weights expanded to bf16
+    (:func:`_nvfp4_tile`, or transposed with ``SWAP_AB``, :func:`_nvfp4_tile_swapped`), or
+    FP8 activations (``sa_ptr`` their scales) with the weights expanded to E4M3
+    (``FP8_A``, :func:`_fp4_fp8_tile`)."""
     NUM_PID_N: tl.constexpr = (OUT_N + BLOCK_N - 1) // BLOCK_N
     pid_m, pid_n = swizzle_tile(tl.program_id(0), num_pid_m, NUM_PID_N, GROUP_M)
     total_rows = tl.load(padded_offsets_ptr + NUM_EXPERTS)
@@ -430,7 +445,12 @@ def _nvfp4_weight_grouped_mm_kernel(
     # were padded further. A while loop (not range) keeps the interpreter working too.
     row_start = pid_m * BLOCK_M
     while row_start < total_rows:
-        if SWAP_AB:
+        if FP8_A:
+            _fp4_fp8_tile(a_ptr, sa_ptr, b_ptr, sb_ptr, gs_ptr, rs_ptr, padded_offsets_ptr,
+                          row_offsets_ptr, out_ptr, row_start, pid_n, NUM_EXPERTS,
+                          EXPERTS_POW2, K, N, OUT_N, BLOCK_M, BLOCK_N, BLOCK_K, SWIGLU,
+                          SCALE_GROUP, E8M0, HAS_GLOBAL, HAS_ROW_SCALE, INTERPRET)
+        elif SWAP_AB:
             _nvfp4_tile_swapped(a_ptr, b_ptr, sb_ptr, gs_ptr, rs_ptr, padded_offsets_ptr,
                                 row_offsets_ptr, out_ptr, row_start, pid_n, NUM_EXPERTS,
                                 EXPERTS_POW2, K, N, OUT_N, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
@@ -576,61 +596,8 @@ def _fp4_fp8_tile(
                 part = _fp8_dot_kn(a_odd, u_odd, part, INTERPRET)
                 acc_u += part * (sa[:, None] * su[None, :])
 
-        if HAS_GLOBAL:
-            s_g = tl.load(gs_ptr + expert)
-        else:
-            s_g = 1.0
-        if HAS_ROW_SCALE:
-            s_g = (s_g * tl.load(rs_ptr + rows, mask=is_live, other=0.0))[:, None]
-        if SWIGLU:
-            g = acc_g * s_g
-            val = g * tl.sigmoid(g) * (acc_u * s_g)
-        else:
-            val = acc_g * s_g
-        out_rows = out_ptr + rows * OUT_N
-        tl.store(out_rows[:, None] + cols[None, :], val.to(tl.bfloat16),
-                 mask=is_live[:, None] & is_col[None, :])
-
-
-@triton.jit
-def _fp4_weight_fp8_mm_kernel(
-    a_ptr,
-    sa_ptr,
-    b_ptr,
-    sb_ptr,
-    gs_ptr,
-    rs_ptr,
-    padded_offsets_ptr,
-    row_offsets_ptr,
-    out_ptr,
-    num_pid_m,
-    NUM_EXPERTS: tl.constexpr,
-    EXPERTS_POW2: tl.constexpr,
-    K: tl.constexpr,
-    N: tl.constexpr,
-    OUT_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    SCALE_GROUP: tl.constexpr = 16,
-    E8M0: tl.constexpr = False,
-    HAS_GLOBAL: tl.constexpr = True,
-    HAS_ROW_SCALE: tl.constexpr = False,
-    INTERPRET: tl.constexpr = False,
-):
-    NUM_PID_N: tl.constexpr = (OUT_N + BLOCK_N - 1) // BLOCK_N
-    pid_m, pid_n = swizzle_tile(tl.program_id(0), num_pid_m, NUM_PID_N, GROUP_M)
-    total_rows = tl.load(padded_offsets_ptr + NUM_EXPERTS)
-    row_start = pid_m * BLOCK_M
-    while row_start < total_rows:
-        _fp4_fp8_tile(a_ptr, sa_ptr, b_ptr, sb_ptr, gs_ptr, rs_ptr, padded_offsets_ptr,
-                      row_offsets_ptr, out_ptr, row_start, pid_n, NUM_EXPERTS, EXPERTS_POW2, K,
-                      N, OUT_N, BLOCK_M, BLOCK_N, BLOCK_K, SWIGLU, SCALE_GROUP, E8M0,
-                      HAS_GLOBAL, HAS_ROW_SCALE, INTERPRET)
-        row_start += num_pid_m * BLOCK_M
+        _fp4_store(acc_g, acc_u, gs_ptr, rs_ptr, expert, rows, is_live, cols, is_col, out_ptr,
+                   OUT_N, SWIGLU, HAS_GLOBAL, HAS_ROW_SCALE, False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -824,7 +791,7 @@ def _fp4_weight_grouped_mm(a, b_packed, b_block_scales, b_global, padded_offsets
                                             swiglu=swiglu)
     with device_context(a.device):
         _nvfp4_weight_grouped_mm_kernel[grid](
-            a, b_packed, b_scales, b_scales if b_global is None else b_global,
+            a, a, b_packed, b_scales, b_scales if b_global is None else b_global,
             b_scales if a_row_scale is None else a_row_scale, padded_offsets, row_offsets, out,
             num_pid_m, SCALE_GROUP=MXFP4_BLOCK if mx else NVFP4_BLOCK, E8M0=mx,
             HAS_GLOBAL=not mx, HAS_ROW_SCALE=a_row_scale is not None,
@@ -914,11 +881,11 @@ def nvfp4_weight_fp8_mm(
     grid, num_pid_m, kwargs = config.launch(rows=rows, k=k, n=n, num_experts=num_experts,
                                             swiglu=swiglu)
     with device_context(a_q.device):
-        _fp4_weight_fp8_mm_kernel[grid](
+        _nvfp4_weight_grouped_mm_kernel[grid](
             a_q, a_scales, b_packed, b_scales, b_scales if mx else b_global,
             b_scales if a_row_scale is None else a_row_scale, padded_offsets, row_offsets,
             out, num_pid_m, SCALE_GROUP=MXFP4_BLOCK if mx else NVFP4_BLOCK, E8M0=mx,
-            HAS_GLOBAL=not mx, HAS_ROW_SCALE=a_row_scale is not None,
+            HAS_GLOBAL=not mx, HAS_ROW_SCALE=a_row_scale is not None, FP8_A=True,
             INTERPRET=interpreter_active(), **kwargs,
         )
     return out
