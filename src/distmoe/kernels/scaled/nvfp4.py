@@ -1,5 +1,5 @@
 """Grouped GEMM over experts with NVFP4 weights and bf16 activations (weight-only; Triton),
-optionally with SwiGLU.
+optionally with SwiGLU; and the same weights on FP8 operands (:func:`nvfp4_weight_fp8_mm`).
 
 Weights come from :func:`~distmoe.quant.prepare_weights` (``precision="nvfp4"``): per expert
 ``e``, E2M1 codes packed two per byte along K (``b_packed [E, N, K/2]``, the element of even
@@ -37,8 +37,12 @@ is a subnormal (no flush on the GPU's ``mul.f32``) or 0.
 
 Hopper has no FP4 tensor cores: the gain of this kernel is the bytes it streams (0.5 + 1/16
 bytes per weight value instead of 2), which bounds decode; the tensor-core work is bf16's.
-Correct first (issue 59): the E2M1 decode runs on CUDA cores per K tile and per output tile,
-with no attempt yet to hide it behind the MMAs.
+Correct first (issue 59): the E2M1 decode runs on CUDA cores per K tile and per output tile
+(each block scale decoded once, each code through fp16 bits: a few integer operations), with
+no attempt yet to hide it behind the MMAs. Two more tile forms share the kernel entry and
+its epilogue: transposed tiles (``config.swap_ab``: the decoded weights as the MMA's
+register operand, a few token rows as its N side, for decode) and FP8 operands
+(:func:`nvfp4_weight_fp8_mm`: the weights expanded to E4M3 beside 1 x 128 FP8 rows).
 
 CPU: under Triton's interpreter the kernel decodes E4M3 scale bytes itself, by bits (the
 interpreter decodes the E4M3 NaN codes as +-480); it always does, so GPU and CPU run the same
