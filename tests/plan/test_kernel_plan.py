@@ -134,3 +134,14 @@ def test_fp4_weight_gemm_swaps_tiles_at_decode_only():
     prefill = rules.fp4_weight_gemm(k=4096, n=4096, swiglu=True, block_m=128,
                                     rows_per_expert=64, swap_rows=64)
     assert not prefill.swap_ab and prefill.block_m == 128
+
+
+def test_fp8_operands_override_needs_128_multiples():
+    cfg = dm.MoEConfig(hidden=64, ffn=32, num_experts=4, top_k=2, max_tokens=8,
+                       precision="nvfp4", training=False)
+    plan = plan_kernels(cfg, device_class="generic",
+                        overrides={"layer": {"fp8_operands": True}})
+    with pytest.raises(ValueError, match=r"overrides\['layer'\]\['fp8_operands'\]: FP8 "
+                                         r"operands need hidden \(64\) and ffn \(32\)"):
+        plan.fp4_fp8_operands(cfg)
+    assert not plan_kernels(cfg, device_class="generic").fp4_fp8_operands(cfg)

@@ -44,11 +44,12 @@ receive bound (legend of :mod:`distmoe.routing.tables`); steps 1-4a and 5c-7 are
     5b. W2: ``nvfp4_weight_grouped_mm(h2, w2) -> h3 [R_b, D]`` bf16, in x_rows' memory
         (x_rows is dead once W13 has read it)
     (configs from :func:`distmoe.plan.rules.fp4_weight_gemm`: transposed 16-row tiles
-    below its row threshold, off until measured.) Where the plan takes FP8 operands (:meth:`~distmoe.plan.KernelPlan.
-    fp4_fp8_operands`; D and F multiples of 128), 4a gathers and quantises x to 1 x 128 E4M3
-    blocks in one kernel (packed rows: decoded, then quantised), h2 is quantised before W2,
-    and both GEMMs are :func:`~distmoe.kernels.scaled.nvfp4.nvfp4_weight_fp8_mm` (the weights
-    expanded to E4M3 in the prologue, FP8 tensor cores).
+    below its row threshold, off until measured.) Where the plan takes FP8 operands
+    (:meth:`~distmoe.plan.KernelPlan.fp4_fp8_operands`; D and F multiples of 128), 4a
+    gathers and quantises x to 1 x 128 E4M3 blocks in one kernel (packed rows: decoded,
+    then quantised), h2 is quantised before W2, and both GEMMs are
+    :func:`~distmoe.kernels.scaled.nvfp4.nvfp4_weight_fp8_mm` (the weights expanded to E4M3
+    in the prologue, FP8 tensor cores).
 
     5c. nvfp4, mxfp4: scatter each live row of h3 to its route's slot in the owner's combine
         buffer (:func:`~distmoe.kernels.movement.scatter_rows.scatter_rows` through

@@ -169,11 +169,18 @@ class KernelPlan:
     def fp4_fp8_operands(self, cfg: MoEConfig) -> bool:
         """Whether an NVFP4 / MXFP4 inference layer runs its GEMMs on FP8 operands (the
         override, else :func:`distmoe.plan.rules.fp4_fp8_operands`); False at every other
-        precision."""
+        precision. ValueError for the override where D or F is not a multiple of 128."""
         if cfg.precision not in ("nvfp4", "mxfp4") or cfg.training:
             return False
+        if self.layer.fp8_operands:
+            if cfg.hidden % 128 or cfg.ffn % 128:
+                raise ValueError(
+                    f"overrides['layer']['fp8_operands']: FP8 operands need hidden "
+                    f"({cfg.hidden}) and ffn ({cfg.ffn}) multiples of 128 (one activation "
+                    "scale per 128 values)")
+            return True
         if self.layer.fp8_operands is not None:
-            return self.layer.fp8_operands
+            return False
         return rules.fp4_fp8_operands(hidden=cfg.hidden, ffn=cfg.ffn,
                                       rows_per_expert=self.rows_per_expert,
                                       device_class=self.device_class)
