@@ -53,13 +53,13 @@ from distmoe.kernels.scaled import (
 from distmoe.kernels.scaled.nvfp4 import fp4_weight_fp8_config, nvfp4_weight_fp8_mm
 from distmoe.quant import (
     fp8_block_quantize,
-    fp8_block_quantize_2d,
     fp8_block_quantize_weight,
     mxfp8_quantize,
     mxfp8_quantize_weight,
     mxfp8_rebase,
     nvfp4_quantize,
 )
+from distmoe.quant.fp8_block import fp8_block_quantize_2d
 from distmoe.tools.bench.report import environment
 from distmoe.tools.bench.timing import TimingConfig, benchmark
 
@@ -72,6 +72,21 @@ SWEEP = ({"block_n": 256, "num_stages": 3}, {"block_n": 128, "num_stages": 4})
 def _rate(flops: float, res) -> dict:
     return {"ms": res.iter_ms, "min_ms": res.stats.min_ms, "max_ms": res.stats.max_ms,
             "tflops": flops / (res.iter_ms * 1e-3) / 1e12, "method": res.method}
+
+
+def _time_config(out, name, fn, cfg, flops, timing, dev) -> None:
+    """Time ``fn`` (one config ``cfg`` of entry ``name``) into ``out[name + "_configs"]``,
+    keeping the fastest as ``out[name]``; a config that fails to compile is reported and
+    skipped."""
+    try:
+        res = benchmark(fn, config=timing, device=dev)
+    except Exception as exc:
+        print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc)[:300]}")
+        return
+    entry = _rate(flops, res) | {"config": dataclasses.asdict(cfg)}
+    out.setdefault(name + "_configs", []).append(entry)
+    if name not in out or entry["tflops"] > out[name]["tflops"]:
+        out[name] = entry
 
 
 #: (block_m, block_n, block_k, num_warps, num_stages, swap_ab) tried by ``--sweep`` for the
@@ -122,15 +137,7 @@ def _time_fp4(variant, x, w, padded_offsets, row_offsets, y, args, flops, timing
 
             calls[variant], calls[variant + "_quant"] = gemm, quant_and_gemm
         for name, fn in calls.items():
-            try:
-                res = benchmark(fn, config=timing, device=dev)
-            except Exception as exc:  # a config that fails to compile: reported, skipped
-                print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc)[:300]}")
-                continue
-            entry = _rate(flops, res) | {"config": dataclasses.asdict(cfg)}
-            out.setdefault(name + "_configs", []).append(entry)
-            if name not in out or entry["tflops"] > out[name]["tflops"]:
-                out[name] = entry
+            _time_config(out, name, fn, cfg, flops, timing, dev)
 
 
 def main(argv=None) -> int:
@@ -228,15 +235,7 @@ def main(argv=None) -> int:
                         for stages in ((4, 5, 6) if args.sweep else (5,))]
         for cfg in configs:
             name = variant + ("_gluon" if cfg.gluon else "")
-            try:
-                res = benchmark(lambda cfg=cfg: call(cfg), config=timing, device=dev)
-            except Exception as exc:  # a config that fails to compile: reported, skipped
-                print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc)[:200]}")
-                continue
-            entry = _rate(flops, res) | {"config": dataclasses.asdict(cfg)}
-            out.setdefault(name + "_configs", []).append(entry)
-            if name not in out or entry["tflops"] > out[name]["tflops"]:
-                out[name] = entry
+            _time_config(out, name, lambda cfg=cfg: call(cfg), cfg, flops, timing, dev)
         del a_q, a_s, b_q, b_s
 
     # torch's rowwise-FP8 grouped GEMM (where present): one scale per row and weight column
