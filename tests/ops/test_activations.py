@@ -1,6 +1,8 @@
 """The activation buffer: planner-sized allocation, device-side save/replay, slots, replay in
 backward (bit-identical gradients), torch.utils.checkpoint."""
 
+import functools
+
 import pytest
 import torch
 import torch.utils.checkpoint as ckpt
@@ -281,11 +283,24 @@ def _stack_rank(rank, world, seed, mode, checkpointed=None, save_route_outputs=T
                     buffer=stats["activation_buffer_bytes"])
 
 
+@functools.cache
+def _stack_runs(world, *args):
+    """``dm.launch(_stack_rank, world, args=(seed, ...))``, once per process: the stack tests
+    compare against the same few runs (the saved reference, the default mixed slot), which
+    cost seconds each under the interpreter. The tests only read the results."""
+    return dm.launch(_stack_rank, world, args=args)
+
+
+# one worker runs the stack tests (./run test: --dist loadgroup), so the runs above are shared
+stack_group = pytest.mark.xdist_group("activation_stack")
+
+
+@stack_group
 def test_six_layer_stack_replay_is_bit_identical_to_save_all():
     seed, world = 99, 2
-    saved = dm.launch(_stack_rank, world, args=(seed, "save"))
+    saved = _stack_runs(world, seed, "save")
     _assert_nontrivial(saved)
-    mixed = dm.launch(_stack_rank, world, args=(seed, "mixed"))
+    mixed = _stack_runs(world, seed, "mixed")
     checkpointed = dm.launch(_stack_rank, world,
                              args=(seed, "mixed", {2: True, 4: False}))
     for rank in range(world):
@@ -305,12 +320,13 @@ def test_six_layer_stack_replay_is_bit_identical_to_save_all():
             assert run["depth"] == [0] and run["cursors"] == [[0, 0]]  # all rewound
 
 
+@stack_group
 def test_stack_without_route_outputs_in_the_slot_gives_the_same_bits():
     """save_route_outputs=False: saved layers keep x_rows and h1 only (their h3 returns to
     the combine buffer), slots hold more layers whole in the same bytes; the outputs and every
     gradient are bit-identical to the default, saved or replayed."""
     seed, world = 99, 2
-    saved = dm.launch(_stack_rank, world, args=(seed, "save"))
+    saved = _stack_runs(world, seed, "save")
     _assert_nontrivial(saved)
     for mode in ("save", "mixed"):
         lean = dm.launch(_stack_rank, world, args=(seed, mode, None, False))
@@ -324,6 +340,7 @@ def test_stack_without_route_outputs_in_the_slot_gives_the_same_bits():
             assert m["depth"] == [0] and m["cursors"] == [[0, 0]]
 
 
+@stack_group
 @pytest.mark.parametrize("world", [1, 2])
 def test_stack_regathering_rows_gives_the_same_bits(world):
     """save_gathered_rows=False: saved layers keep their input instead of their gathered
@@ -333,9 +350,9 @@ def test_stack_regathering_rows_gives_the_same_bits(world):
     too). At EP = 1 a saved layer keeps T rows instead of T*K, so the same mixed slot saves a
     longer run of layers whole."""
     seed = 99
-    saved = dm.launch(_stack_rank, world, args=(seed, "save"))
+    saved = _stack_runs(world, seed, "save")
     _assert_nontrivial(saved)
-    default_mixed = dm.launch(_stack_rank, world, args=(seed, "mixed"))
+    default_mixed = _stack_runs(world, seed, "mixed")
     runs = [("save", False, None), ("mixed", False, None), ("mixed", True, None)]
     if world == 1:  # in place (the rule copies at these few rows per expert)
         runs += [("save", False, True), ("mixed", False, True)]
@@ -508,6 +525,7 @@ def test_slot_cursor_kernel_matches_torch_ops(ep, h3_bytes, mode):
     assert outcomes == want[mode], outcomes  # every way a layer can go was compared
 
 
+@stack_group
 @pytest.mark.parametrize("world", [1, 2])
 def test_stack_choosing_rows_or_x_gives_the_same_bits(world):
     """save_gathered_rows='auto': in the mixed slot each layer keeps its rows, x (its backward
@@ -518,7 +536,7 @@ def test_stack_choosing_rows_or_x_gives_the_same_bits(world):
     gathered_rows_in_place the W13 WGRAD reads x's rows through the table and kept rows in
     order, in one launch (the same bits again)."""
     seed = 99
-    saved = dm.launch(_stack_rank, world, args=(seed, "save"))
+    saved = _stack_runs(world, seed, "save")
     _assert_nontrivial(saved)
     roomy = dm.launch(_stack_rank, world, args=(seed, "save", None, True, "auto"))
     mixed = dm.launch(_stack_rank, world, args=(seed, "x4", None, True, "auto"))

@@ -194,27 +194,23 @@ def test_cpu_smoke_run_distmoe_training(tmp_path):
     assert rows[0]["max_rel_err_vs_torch"] < 0.05
     assert rows[0]["routing"] == "exact"
     assert "activation_factor" not in rows[0]["note"]
-    # --activation-factor reaches the context (a larger slot) and the row's note
+    # --activation-factor (a larger slot) and --drop-route-outputs (a smaller peak) reach
+    # the config and the row's note (one run for both)
     out2 = tmp_path / "bench2"
     args = _parse(["--shapes", "smoke", "--device", "cpu", "--providers", "distmoe",
                    "--mode", "fwdbwd", "--warmup", "1", "--windows", "2", "--iters", "1",
-                   "--activation-factor", "2", "--no-plots", "--no-ceilings", "--out", str(out2)])
-    assert cli.resolve_plan(args).activation_factor == 2.0
+                   "--activation-factor", "2", "--drop-route-outputs", "--no-plots",
+                   "--no-ceilings", "--out", str(out2)])
+    bench = cli.resolve_plan(args)
+    assert bench.activation_factor == 2.0 and bench.save_route_outputs is False
     assert cli.run(args) == 0
     rows = report.read_cases_csv(out2 / "cases.csv")
-    assert rows[0]["status"] == "ok" and "activation_factor=2" in rows[0]["note"], rows
+    assert rows[0]["status"] == "ok", rows
+    assert "activation_factor=2" in rows[0]["note"], rows
+    assert "no route outputs in the slot" in rows[0]["note"], rows
+    assert rows[0]["max_rel_err_vs_torch"] < 0.05
     with pytest.raises(ValueError, match=r"--activation-factor \(0.0\) must be > 0"):
         cli.resolve_plan(_parse(["--activation-factor", "0"]))
-    # --drop-route-outputs reaches the config (a smaller peak) and the row's note
-    out3 = tmp_path / "bench3"
-    args = _parse(["--shapes", "smoke", "--device", "cpu", "--providers", "distmoe",
-                   "--mode", "fwdbwd", "--warmup", "1", "--windows", "2", "--iters", "1",
-                   "--drop-route-outputs", "--no-plots", "--no-ceilings", "--out", str(out3)])
-    assert cli.resolve_plan(args).save_route_outputs is False
-    assert cli.run(args) == 0
-    lean = report.read_cases_csv(out3 / "cases.csv")
-    assert lean[0]["status"] == "ok" and "no route outputs in the slot" in lean[0]["note"], lean
-    assert lean[0]["max_rel_err_vs_torch"] < 0.05
     # --regather-rows (and --rows-in-place) reach the config and the row's note
     for way, note in (("auto", "input kept, rows copied"),
                       ("on", "input kept, rows read in place")):

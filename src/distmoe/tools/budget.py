@@ -177,8 +177,11 @@ def _run(args, factors, modes, joined) -> int:
         times = interleaved({name: runner(name) for name in ctxs}, rounds=args.rounds,
                             iters=args.iters, warmup=args.warmup, device=dev,
                             share_pool=True)  # each graph's gradients: GBs, never read
-        for name in ctxs:  # one eager step each: what every layer kept
-            runner(name)()
+        # what every layer kept, from an eager step: on a GPU the timed steps were graph
+        # replays, so one more step each; elsewhere they were eager and their flags stand
+        for name in ctxs:
+            if dev.type == "cuda" or name not in kept:
+                runner(name)()
         letters = {name: kept_letters([f.tolist() for f in flags])
                    for name, flags in kept.items()}
         rows = []

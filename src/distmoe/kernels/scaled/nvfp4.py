@@ -237,6 +237,32 @@ def _fp4_store(acc_g, acc_u, gs_ptr, rs_ptr, expert, rows, is_live, cols, is_col
 
 
 @triton.jit
+def _fp4_tile_operands(a_ptr, b_ptr, sb_ptr, expert, act_start, num_live, pid_n,
+                       K: tl.constexpr, N: tl.constexpr, OUT_N: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       SCALE_GROUP: tl.constexpr):
+    """The row and column operands every FP4-weight tile starts from: ``(rows, is_live,
+    a_rows, cols, is_col, g_rows, g_srows, u_rows, u_srows)`` -- the tile's int64 activation
+    rows and their live mask, the activation row pointers (``a_ptr``'s element type, K per
+    row), the output columns and their mask, and the packed-byte and block-scale row
+    pointers of the gate (or only) weight rows and of the up rows ``OUT_N`` further (used
+    with SwiGLU only)."""
+    KB: tl.constexpr = K // 2  # bytes of a packed weight row
+    KS: tl.constexpr = K // SCALE_GROUP  # block scales of a weight row
+    idx = tl.arange(0, BLOCK_M)
+    is_live = idx < num_live
+    rows = act_start + idx  # int64 activation rows
+    a_rows = a_ptr + rows * K
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    is_col = cols < OUT_N
+    e64 = expert.to(tl.int64)
+    g_rows = b_ptr + e64 * (N * KB) + cols * KB
+    g_srows = sb_ptr + e64 * (N * KS) + cols * KS
+    return (rows, is_live, a_rows, cols, is_col, g_rows, g_srows, g_rows + OUT_N * KB,
+            g_srows + OUT_N * KS)
+
+
+@triton.jit
 def _nvfp4_tile(
     a_ptr,
     b_ptr,
@@ -264,8 +290,6 @@ def _nvfp4_tile(
     HAS_ROW_SCALE: tl.constexpr,
 ):
     """One ``BLOCK_M x BLOCK_N`` output tile of the padded row tile at ``row_start``."""
-    KB: tl.constexpr = K // 2  # bytes of a packed weight row
-    KS: tl.constexpr = K // SCALE_GROUP  # block scales of a weight row
     NUM_KB: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     expert = tile_expert(padded_offsets_ptr, row_start, NUM_EXPERTS, EXPERTS_POW2)
     act_start, num_live = tile_activation_rows(
@@ -273,18 +297,9 @@ def _nvfp4_tile(
     )
     # Live rows come first in a segment: a tile starting at a padding row has none.
     if num_live > 0:
-        idx = tl.arange(0, BLOCK_M)
-        is_live = idx < num_live
-        rows = act_start + idx  # int64 activation rows
-        a_rows = a_ptr + rows * K
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        is_col = cols < OUT_N
-        e64 = expert.to(tl.int64)
-        # gate (or the only) weight rows, and the up rows OUT_N further with SwiGLU
-        g_rows = b_ptr + e64 * (N * KB) + cols * KB
-        g_srows = sb_ptr + e64 * (N * KS) + cols * KS
-        u_rows = g_rows + OUT_N * KB
-        u_srows = g_srows + OUT_N * KS
+        rows, is_live, a_rows, cols, is_col, g_rows, g_srows, u_rows, u_srows = \
+            _fp4_tile_operands(a_ptr, b_ptr, sb_ptr, expert, act_start, num_live, pid_n, K, N,
+                               OUT_N, BLOCK_M, BLOCK_N, SCALE_GROUP)
         # the activation's K split by parity, matching the weight tiles' even / odd halves
         offs_k = 2 * tl.arange(0, BLOCK_K // 2)
 
@@ -361,25 +376,15 @@ def _nvfp4_tile_swapped(
     """:func:`_nvfp4_tile` transposed (``config.swap_ab``): ``acc [BLOCK_N, BLOCK_M] =
     W_tile x_tile^T``, the decoded weights as the dot's first operand; same sums, same
     epilogue, stored transposed."""
-    KB: tl.constexpr = K // 2
-    KS: tl.constexpr = K // SCALE_GROUP
     NUM_KB: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     expert = tile_expert(padded_offsets_ptr, row_start, NUM_EXPERTS, EXPERTS_POW2)
     act_start, num_live = tile_activation_rows(
         padded_offsets_ptr, row_offsets_ptr, expert, row_start
     )
     if num_live > 0:
-        idx = tl.arange(0, BLOCK_M)
-        is_live = idx < num_live
-        rows = act_start + idx
-        a_rows = a_ptr + rows * K
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        is_col = cols < OUT_N
-        e64 = expert.to(tl.int64)
-        g_rows = b_ptr + e64 * (N * KB) + cols * KB
-        g_srows = sb_ptr + e64 * (N * KS) + cols * KS
-        u_rows = g_rows + OUT_N * KB
-        u_srows = g_srows + OUT_N * KS
+        rows, is_live, a_rows, cols, is_col, g_rows, g_srows, u_rows, u_srows = \
+            _fp4_tile_operands(a_ptr, b_ptr, sb_ptr, expert, act_start, num_live, pid_n, K, N,
+                               OUT_N, BLOCK_M, BLOCK_N, SCALE_GROUP)
         offs_k = 2 * tl.arange(0, BLOCK_K // 2)
 
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -555,26 +560,16 @@ def _fp4_fp8_tile(
     INTERPRET: tl.constexpr,
 ):
     """One ``BLOCK_M x BLOCK_N`` output tile of :func:`nvfp4_weight_fp8_mm` at ``row_start``."""
-    KB: tl.constexpr = K // 2
-    KS: tl.constexpr = K // SCALE_GROUP
     NUM_KG: tl.constexpr = K // FP8_K
     expert = tile_expert(padded_offsets_ptr, row_start, NUM_EXPERTS, EXPERTS_POW2)
     act_start, num_live = tile_activation_rows(
         padded_offsets_ptr, row_offsets_ptr, expert, row_start
     )
     if num_live > 0:
-        idx = tl.arange(0, BLOCK_M)
-        is_live = idx < num_live
-        rows = act_start + idx
-        a_rows = a_ptr + rows * K
+        rows, is_live, a_rows, cols, is_col, g_rows, g_srows, u_rows, u_srows = \
+            _fp4_tile_operands(a_ptr, b_ptr, sb_ptr, expert, act_start, num_live, pid_n, K, N,
+                               OUT_N, BLOCK_M, BLOCK_N, SCALE_GROUP)
         sa_rows = sa_ptr + rows * NUM_KG
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        is_col = cols < OUT_N
-        e64 = expert.to(tl.int64)
-        g_rows = b_ptr + e64 * (N * KB) + cols * KB
-        g_srows = sb_ptr + e64 * (N * KS) + cols * KS
-        u_rows = g_rows + OUT_N * KB
-        u_srows = g_srows + OUT_N * KS
         offs_k = 2 * tl.arange(0, FP8_K // 2)
 
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
