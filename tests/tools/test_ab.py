@@ -184,8 +184,8 @@ def test_replay_and_regather_rows_time_the_same_layer(tmp_path, distmoe_cli):
     backward replays the forward, timed in the same rounds as the saved layer;
     ``--regather``: one whose saved layers keep their input instead of their rows, with
     ``--regather-in-place both`` another that reads those rows in place."""
-    r = distmoe_cli("ab", "--shape", "smoke", "--tokens", "48", "--mode", "fwdbwd",
-                    "--rounds", "2", "--iters", "1", "--warmup", "1", "--replay", "--regather",
+    r = distmoe_cli("ab", "--shape", "smoke", "--tokens", "16", "--mode", "fwdbwd",
+                    "--rounds", "1", "--iters", "1", "--warmup", "1", "--replay", "--regather",
                     "--regather-in-place", "both", "--routing", "exact", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     caps, name = {}, None
