@@ -4,6 +4,10 @@
 #
 #   bash benchmarks/fp4_gpu_check.sh [BUDGET_S]
 #
+# With OLD_SRC_TAR set to a tarball of an older tree's src/ (git archive -o FILE REV src;
+# carry it), step 3 also runs the NVFP4 decode cases on that tree first, in the same call,
+# for a ratio on one machine.
+#
 # 1. the GPU tests of the FP4 GEMMs (all three tile forms), the one-axis quantiser grids and
 #    the NVFP4 layer (incl. two ranks sharing the GPU);
 # 2. the FP4 GEMM configs at decode (8 rows, K = N = 4096) and prefill (qwen3-30b-a3b's W13):
@@ -31,6 +35,14 @@ for spec in "--rows 8 --k 4096 --n 4096" "--rows 32768 --experts 128 --k 2048 --
     --sweep --json "$OUT/fp4_$name.json" 2>&1 | grep -v "^ *$" | tail -30
 done
 echo "== layer decode, nvfp4 then bf16 $(el)s"
+if [ -n "${OLD_SRC_TAR:-}" ] && [ -f "$OLD_SRC_TAR" ]; then
+  OLD=$(mktemp -d) && tar -xf "$OLD_SRC_TAR" -C "$OLD"
+  echo "-- nvfp4 on the old tree ($OLD_SRC_TAR)"
+  PYTHONPATH="$OLD/src" timeout -k 5 60 python -m distmoe bench --providers distmoe \
+    --precision nvfp4 --mode fwd --tokens 1 8 32 --shapes dense-e32 deepseek-v3 \
+    --timing graph --no-plots --out "$OUT/layer-nvfp4-old" 2>&1 \
+    | grep "distmoe \|ceiling\|Error" | tail -14
+fi
 for p in nvfp4 bf16; do
   timeout -k 5 60 python -m distmoe bench --providers distmoe --precision $p --mode fwd \
     --tokens 1 8 32 --shapes dense-e32 deepseek-v3 --timing graph --no-plots \

@@ -40,6 +40,10 @@ import distmoe as dm
 import distmoe.integrations.transformers as dmt
 from distmoe.reference import moe_reference
 
+# one xdist worker runs the group (./run test: --dist loadgroup), so that the launches
+# its fixtures share run once, not once per worker
+pytestmark = pytest.mark.xdist_group("transformers_parity")
+
 BASELINE = "distmoe_test_bf16"  # the test's "PyTorch at bf16" experts implementation
 BATCH, SEQ, VOCAB = 2, 8, 64  # T = 16 tokens per rank
 D, F, E, K = 32, 32, 4, 2

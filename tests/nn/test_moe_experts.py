@@ -16,6 +16,10 @@ import distmoe as dm
 from distmoe.nn import MoEExperts
 from distmoe.reference import moe_reference, random_routing
 
+# one xdist worker runs the group (./run test: --dist loadgroup), so that the launches
+# its fixtures share run once, not once per worker
+pytestmark = pytest.mark.xdist_group("moe_experts")
+
 T, D, F, E, K = 16, 64, 32, 4, 2
 
 

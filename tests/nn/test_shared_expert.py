@@ -22,6 +22,10 @@ from distmoe.nn import MoEExperts
 from distmoe.nn.shared_expert import shared_expert_ref
 from distmoe.reference import moe_reference, random_routing
 
+# one xdist worker runs the group (./run test: --dist loadgroup), so that the launches
+# its fixtures share run once, not once per worker
+pytestmark = pytest.mark.xdist_group("shared_expert")
+
 T, D, F, E, K = 16, 64, 32, 4, 2
 FS = 48  # the shared expert's width, unlike F so that a mix-up shows
 SEED = 7

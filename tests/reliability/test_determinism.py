@@ -17,6 +17,10 @@ from fuzz_cases import bits, determinism_rank, same_bits
 
 import distmoe as dm
 
+# one xdist worker runs the group (./run test: --dist loadgroup), so that the launches
+# its fixtures share run once, not once per worker
+pytestmark = pytest.mark.xdist_group("reliability_suite")
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 

@@ -32,6 +32,10 @@ sharing GPU 0 (the ``cuda_ipc`` heap).
 import pytest
 from fuzz_cases import check_forward
 
+# one xdist worker runs the group (./run test: --dist loadgroup), so that the launches
+# its fixtures share run once, not once per worker
+pytestmark = pytest.mark.xdist_group("reliability_suite")
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 

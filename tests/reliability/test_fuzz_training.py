@@ -20,6 +20,10 @@ on a GPU); ``DISTMOE_FUZZ_SEED`` draws other cases (tests/reliability/fuzz_plan.
 import pytest
 from fuzz_cases import check_training
 
+# one xdist worker runs the group (./run test: --dist loadgroup), so that the launches
+# its fixtures share run once, not once per worker
+pytestmark = pytest.mark.xdist_group("reliability_suite")
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 

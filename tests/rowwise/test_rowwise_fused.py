@@ -34,6 +34,10 @@ from distmoe.kernels.scaled.swiglu_quant import swiglu_backward_quantize, swiglu
 from distmoe.quant import mxfp8_dequantize, mxfp8_quantize
 from distmoe.reference import moe_reference, random_routing
 
+# one xdist worker runs the group (./run test: --dist loadgroup), so that the launches
+# its fixtures share run once, not once per worker
+pytestmark = pytest.mark.xdist_group("rowwise_fused")
+
 T, E, K = 6, 4, 2  # tokens per rank, experts, routes per token
 SHAPES = {"mxfp8": (64, 32), "fp8_block": (128, 128)}  # (D, F): multiples of the block
 BLOCK = {"mxfp8": 32, "fp8_block": 128}

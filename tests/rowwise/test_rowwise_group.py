@@ -31,6 +31,10 @@ from distmoe.kernels.movement.rowwise_put import rowwise_put_ref
 from distmoe.rowwise.combine import combine_get_diff_ref
 from distmoe.rowwise.dispatch import dispatch_put_ref
 
+# one xdist worker runs the group (./run test: --dist loadgroup), so that the launches
+# its fixtures share run once, not once per worker
+pytestmark = pytest.mark.xdist_group("rowwise_group")
+
 SEED, BAD_SEED = 5, 6
 WORLDS = [1, 2, 3, 4]
 

@@ -20,6 +20,10 @@ from distmoe.kernels.movement.rowwise_put import rowwise_put_ref
 from distmoe.quant import mxfp8_quantize, mxfp8_quantize_ref
 from distmoe.rowwise.scaled import combine_get_scaled_ref
 
+# one xdist worker runs the group (./run test: --dist loadgroup), so that the launches
+# its fixtures share run once, not once per worker
+pytestmark = pytest.mark.xdist_group("rowwise_scaled")
+
 SEED, BAD_SEED, D = 15, 16, 64
 POISON_BYTE = 0x5A  # a finite E4M3 value and an E8M0 byte no quantiser here produces
 

@@ -237,6 +237,47 @@ def test_row_scale_against_float64_within_bound(name):
     _run_case(CASES[name], row_scale=True)
 
 
+@pytest.mark.parametrize("form", ["plain", "swapped", "fp8_operands", "mxfp4"])
+def test_pair_loads_give_the_same_bits(form):
+    """``config.pair_loads`` changes how the activations are loaded (pairs split by bits, or
+    the even and odd K values apart), not a value: every tile form gives the same bits with
+    it off, with partial K (the masked tail) and partial tiles."""
+    from distmoe.kernels.scaled import mxfp4_weight_grouped_mm, nvfp4_weight_fp8_mm
+    from distmoe.quant import fp8_block_quantize
+    from distmoe.quant.mxfp4 import mxfp4_quantize
+
+    counts, n = (5, 0, 19), 80
+    # a masked K tail (block_k 64) but for the FP8 operands (whole 128-wide K groups);
+    # MXFP4 scales per 32
+    k = {"fp8_operands": 256, "mxfp4": 96}.get(form, 80)
+    padded_offsets, row_offsets = _layout(counts, 32)
+    a, packed, scales, s_g = _operands(sum(counts), k, len(counts), n)
+    a[3, :] = -a[3, :]  # negative values in the low half of a pair word
+    outs = []
+    for pair_loads in (True, False):
+        cfg = ScaledGemmConfig(block_m=32, block_n=32, block_k=128 if form == "fp8_operands"
+                               else 64, num_warps=4, num_stages=2, swap_ab=form == "swapped",
+                               pair_loads=pair_loads)
+        out = torch.full((sum(counts), n // 2), float("nan"), dtype=torch.bfloat16)
+        if form == "fp8_operands":
+            a_q, a_s = fp8_block_quantize(a)
+            nvfp4_weight_fp8_mm(a_q, a_s, packed, scales, s_g, padded_offsets, row_offsets,
+                                out, swiglu=True, config=cfg)
+        elif form == "mxfp4":
+            w = torch.randn(len(counts), n, k, generator=torch.Generator().manual_seed(1))
+            mp, ms = mxfp4_quantize(w.bfloat16())
+            mxfp4_weight_grouped_mm(a, mp, ms, padded_offsets, row_offsets, out, swiglu=True,
+                                    config=cfg)
+        else:
+            nvfp4_weight_grouped_mm(a, packed, scales, s_g, padded_offsets, row_offsets, out,
+                                    swiglu=True, config=cfg)
+        outs.append(out)
+    live = torch.cat([torch.arange(int(row_offsets[e]), int(row_offsets[e + 1]))
+                      for e in range(len(counts))])
+    assert not outs[0][live].isnan().any() and outs[0][live].abs().max() > 0
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+
+
 def test_decoded_weights_exact_in_bf16():
     # the range argument: every E2M1 value (2 significant bits, 0.5 to 6) times every finite
     # E4M3 scale (at most 4 significant bits, 2^-9 to 448) has at most 6 significant bits and

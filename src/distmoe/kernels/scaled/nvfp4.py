@@ -56,8 +56,10 @@ Algorithm: one program per ``block_m x block_n`` output tile on a 1-D grid sized
 ``cdiv(N_out, block_n)`` column tiles, group-M order); a program walks its row tiles below
 ``padded_offsets[E]``; a tile's expert, activation rows and live row count come from the two
 tables on the device. Per K tile (``block_k`` values, a multiple of 16 wide) it loads the
-``block_m x block_k`` bf16 rows, the ``block_n x block_k / 2`` packed bytes and the matching
-block scales (gate and up with SwiGLU), decodes, and takes one bf16 dot per half.
+``block_m x block_k`` bf16 rows (as pairs of values split by bits, ``config.pair_loads``,
+so that every load of the loop is staged asynchronously), the ``block_n x block_k / 2``
+packed bytes and the matching block scales (as 4-byte words where whole words tile the K
+step; gate and up with SwiGLU), decodes, and takes one bf16 dot per half.
 
 Memory: nothing is allocated. Sync points: none on the host.
 
@@ -160,17 +162,34 @@ def _block_scale_tile(scale_rows, kb, col_ok, K: tl.constexpr, BLOCK_K: tl.const
     HALF: tl.constexpr = BLOCK_K // 2
     PER: tl.constexpr = SCALE_GROUP // 2  # packed bytes per block scale
     NB: tl.constexpr = HALF // PER
-    b = kb * NB + tl.arange(0, NB)
-    if ROW_MAJOR:
-        ok = col_ok[:, None]
-        if not EVEN_K:
-            ok = ok & (b < K // SCALE_GROUP)[None, :]
-        sb = tl.load(scale_rows[:, None] + b[None, :], mask=ok, other=0).to(tl.int32)
+    # whole 4-byte words of scales per row and tile (every row 4-byte aligned): one int32
+    # load per four scales, which the pipeliner stages asynchronously (byte loads it did not)
+    WORDS: tl.constexpr = EVEN_K and NB % 4 == 0 and (K // SCALE_GROUP) % 4 == 0
+    if WORDS:
+        NW: tl.constexpr = NB // 4
+        w = kb * NW + tl.arange(0, NW)
+        shift = 8 * tl.arange(0, 4)
+        words = scale_rows.to(tl.pointer_type(tl.int32))
+        if ROW_MAJOR:
+            sw = tl.load(words[:, None] + w[None, :], mask=col_ok[:, None], other=0)
+            sb = tl.reshape((sw[:, :, None] >> shift[None, None, :]) & 0xFF,
+                            (sw.shape[0], NB))
+        else:
+            sw = tl.load(words[None, :] + w[:, None], mask=col_ok[None, :], other=0)
+            sb = tl.reshape((sw[:, None, :] >> shift[None, :, None]) & 0xFF,
+                            (NB, sw.shape[1]))
     else:
-        ok = col_ok[None, :]
-        if not EVEN_K:
-            ok = ok & (b < K // SCALE_GROUP)[:, None]
-        sb = tl.load(scale_rows[None, :] + b[:, None], mask=ok, other=0).to(tl.int32)
+        b = kb * NB + tl.arange(0, NB)
+        if ROW_MAJOR:
+            ok = col_ok[:, None]
+            if not EVEN_K:
+                ok = ok & (b < K // SCALE_GROUP)[None, :]
+            sb = tl.load(scale_rows[:, None] + b[None, :], mask=ok, other=0).to(tl.int32)
+        else:
+            ok = col_ok[None, :]
+            if not EVEN_K:
+                ok = ok & (b < K // SCALE_GROUP)[:, None]
+            sb = tl.load(scale_rows[None, :] + b[:, None], mask=ok, other=0).to(tl.int32)
     if E8M0:
         sc = e8m0_to_fp32(sb)
     else:
@@ -242,24 +261,49 @@ def _fp4_tile_operands(a_ptr, b_ptr, sb_ptr, expert, act_start, num_live, pid_n,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        SCALE_GROUP: tl.constexpr):
     """The row and column operands every FP4-weight tile starts from: ``(rows, is_live,
-    a_rows, cols, is_col, g_rows, g_srows, u_rows, u_srows)`` -- the tile's int64 activation
-    rows and their live mask, the activation row pointers (``a_ptr``'s element type, K per
-    row), the output columns and their mask, and the packed-byte and block-scale row
-    pointers of the gate (or only) weight rows and of the up rows ``OUT_N`` further (used
-    with SwiGLU only)."""
+    a_pairs, cols, is_col, g_rows, g_srows, u_rows, u_srows)`` -- the tile's int64
+    activation rows and their live mask, the activation rows as pointers to pairs of
+    consecutive values (int32 words for bf16 ``a``, int16 for FP8: pair ``j`` holds K = 2 j
+    and 2 j + 1, :func:`_pairs`), the output columns and their mask, and the packed-byte and
+    block-scale row pointers of the gate (or only) weight rows and of the up rows ``OUT_N``
+    further (used with SwiGLU only)."""
     KB: tl.constexpr = K // 2  # bytes of a packed weight row
     KS: tl.constexpr = K // SCALE_GROUP  # block scales of a weight row
+    PAIR: tl.constexpr = tl.int32 if a_ptr.dtype.element_ty.primitive_bitwidth == 16 \
+        else tl.int16
     idx = tl.arange(0, BLOCK_M)
     is_live = idx < num_live
     rows = act_start + idx  # int64 activation rows
-    a_rows = a_ptr + rows * K
+    a_pairs = a_ptr.to(tl.pointer_type(PAIR)) + rows * KB
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     is_col = cols < OUT_N
     e64 = expert.to(tl.int64)
     g_rows = b_ptr + e64 * (N * KB) + cols * KB
     g_srows = sb_ptr + e64 * (N * KS) + cols * KS
-    return (rows, is_live, a_rows, cols, is_col, g_rows, g_srows, g_rows + OUT_N * KB,
+    return (rows, is_live, a_pairs, cols, is_col, g_rows, g_srows, g_rows + OUT_N * KB,
             g_srows + OUT_N * KS)
+
+
+@triton.jit
+def _pairs(pairs_ptr, mask, DTYPE: tl.constexpr, PAIR_LOADS: tl.constexpr):
+    """``(even, odd)``: the two ``DTYPE`` (bf16, or float8e4nv) values at K = 2 j and 2 j + 1
+    of each pair ``pairs_ptr`` points to (int32, or int16 words). ``PAIR_LOADS``: one
+    contiguous load per pair, split by bits (the even-K value in the low half,
+    little-endian), which Triton's pipeliner stages asynchronously like the weight bytes, at
+    the cost of shared memory and registers for the staged tiles; else two loads of every
+    other element (2 or 1 bytes wide), which it does not stage: each K step waits for them.
+    Masked pairs read 0."""
+    if not PAIR_LOADS:
+        values = pairs_ptr.to(tl.pointer_type(DTYPE))  # the pair's first value
+        return (tl.load(values, mask=mask, other=0.0),
+                tl.load(values + 1, mask=mask, other=0.0))
+    w = tl.load(pairs_ptr, mask=mask, other=0)
+    if DTYPE == tl.bfloat16:
+        return (w.to(tl.int16).to(tl.bfloat16, bitcast=True),  # truncation: the low half
+                (w >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True))
+    else:
+        return (w.to(tl.int8).to(DTYPE, bitcast=True),
+                (w >> 8).to(tl.int8).to(DTYPE, bitcast=True))
 
 
 @triton.jit
@@ -288,6 +332,7 @@ def _nvfp4_tile(
     E8M0: tl.constexpr,
     HAS_GLOBAL: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr,
+    PAIR_LOADS: tl.constexpr,
 ):
     """One ``BLOCK_M x BLOCK_N`` output tile of the padded row tile at ``row_start``."""
     NUM_KB: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
@@ -297,23 +342,23 @@ def _nvfp4_tile(
     )
     # Live rows come first in a segment: a tile starting at a padding row has none.
     if num_live > 0:
-        rows, is_live, a_rows, cols, is_col, g_rows, g_srows, u_rows, u_srows = \
+        rows, is_live, a_pairs, cols, is_col, g_rows, g_srows, u_rows, u_srows = \
             _fp4_tile_operands(a_ptr, b_ptr, sb_ptr, expert, act_start, num_live, pid_n, K, N,
                                OUT_N, BLOCK_M, BLOCK_N, SCALE_GROUP)
         # the activation's K split by parity, matching the weight tiles' even / odd halves
-        offs_k = 2 * tl.arange(0, BLOCK_K // 2)
+        offs_j = tl.arange(0, BLOCK_K // 2)
 
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, NUM_KB):
-            kk = kb * BLOCK_K + offs_k
+            j = kb * (BLOCK_K // 2) + offs_j  # pairs: K = 2 j, 2 j + 1
             if EVEN_K:
                 a_ok = is_live[:, None]
             else:
-                a_ok = is_live[:, None] & (kk < K)[None, :]  # K even: 2 j + 1 < K iff 2 j < K
+                a_ok = is_live[:, None] & (j < K // 2)[None, :]
             # masked rows and K read zeros: their terms are 0 and reach no stored element
-            a_even = tl.load(a_rows[:, None] + kk[None, :], mask=a_ok, other=0.0)
-            a_odd = tl.load(a_rows[:, None] + (kk + 1)[None, :], mask=a_ok, other=0.0)
+            a_even, a_odd = _pairs(a_pairs[:, None] + j[None, :], a_ok, tl.bfloat16,
+                                   PAIR_LOADS)
             w_even, w_odd = _load_weight_tile(g_rows, g_srows, kb, is_col, K, BLOCK_N, BLOCK_K,
                                               EVEN_K, SCALE_GROUP, E8M0)
             acc_g = tl.dot(a_even, w_even, acc_g)
@@ -372,6 +417,7 @@ def _nvfp4_tile_swapped(
     E8M0: tl.constexpr,
     HAS_GLOBAL: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr,
+    PAIR_LOADS: tl.constexpr,
 ):
     """:func:`_nvfp4_tile` transposed (``config.swap_ab``): ``acc [BLOCK_N, BLOCK_M] =
     W_tile x_tile^T``, the decoded weights as the dot's first operand; same sums, same
@@ -382,22 +428,22 @@ def _nvfp4_tile_swapped(
         padded_offsets_ptr, row_offsets_ptr, expert, row_start
     )
     if num_live > 0:
-        rows, is_live, a_rows, cols, is_col, g_rows, g_srows, u_rows, u_srows = \
+        rows, is_live, a_pairs, cols, is_col, g_rows, g_srows, u_rows, u_srows = \
             _fp4_tile_operands(a_ptr, b_ptr, sb_ptr, expert, act_start, num_live, pid_n, K, N,
                                OUT_N, BLOCK_M, BLOCK_N, SCALE_GROUP)
-        offs_k = 2 * tl.arange(0, BLOCK_K // 2)
+        offs_j = tl.arange(0, BLOCK_K // 2)
 
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for kb in range(0, NUM_KB):
-            kk = kb * BLOCK_K + offs_k
+            j = kb * (BLOCK_K // 2) + offs_j
             if EVEN_K:
                 a_ok = is_live[None, :]
             else:
-                a_ok = is_live[None, :] & (kk < K)[:, None]
+                a_ok = is_live[None, :] & (j < K // 2)[:, None]
             # the activations K-major: [BLOCK_K / 2, BLOCK_M] per parity
-            a_even = tl.load(a_rows[None, :] + kk[:, None], mask=a_ok, other=0.0)
-            a_odd = tl.load(a_rows[None, :] + (kk + 1)[:, None], mask=a_ok, other=0.0)
+            a_even, a_odd = _pairs(a_pairs[None, :] + j[:, None], a_ok, tl.bfloat16,
+                                   PAIR_LOADS)
             w_even, w_odd = _load_weight_rows(g_rows, g_srows, kb, is_col, K, BLOCK_K, EVEN_K,
                                               SCALE_GROUP, E8M0)
             acc_g = tl.dot(w_even, a_even, acc_g)
@@ -441,6 +487,7 @@ def _nvfp4_weight_grouped_mm_kernel(
     HAS_ROW_SCALE: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False,
     FP8_A: tl.constexpr = False,
+    PAIR_LOADS: tl.constexpr = True,
     INTERPRET: tl.constexpr = False,
 ):
     """Every FP4-weight grouped GEMM: bf16 activations with the weights expanded to bf16
@@ -458,17 +505,19 @@ def _nvfp4_weight_grouped_mm_kernel(
             _fp4_fp8_tile(a_ptr, sa_ptr, b_ptr, sb_ptr, gs_ptr, rs_ptr, padded_offsets_ptr,
                           row_offsets_ptr, out_ptr, row_start, pid_n, NUM_EXPERTS,
                           EXPERTS_POW2, K, N, OUT_N, BLOCK_M, BLOCK_N, BLOCK_K, SWIGLU,
-                          SCALE_GROUP, E8M0, HAS_GLOBAL, HAS_ROW_SCALE, INTERPRET)
+                          SCALE_GROUP, E8M0, HAS_GLOBAL, HAS_ROW_SCALE, PAIR_LOADS,
+                          INTERPRET)
         elif SWAP_AB:
             _nvfp4_tile_swapped(a_ptr, b_ptr, sb_ptr, gs_ptr, rs_ptr, padded_offsets_ptr,
                                 row_offsets_ptr, out_ptr, row_start, pid_n, NUM_EXPERTS,
                                 EXPERTS_POW2, K, N, OUT_N, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
-                                SWIGLU, SCALE_GROUP, E8M0, HAS_GLOBAL, HAS_ROW_SCALE)
+                                SWIGLU, SCALE_GROUP, E8M0, HAS_GLOBAL, HAS_ROW_SCALE,
+                                PAIR_LOADS)
         else:
             _nvfp4_tile(a_ptr, b_ptr, sb_ptr, gs_ptr, rs_ptr, padded_offsets_ptr,
                         row_offsets_ptr, out_ptr, row_start, pid_n, NUM_EXPERTS, EXPERTS_POW2,
                         K, N, OUT_N, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SWIGLU, SCALE_GROUP,
-                        E8M0, HAS_GLOBAL, HAS_ROW_SCALE)
+                        E8M0, HAS_GLOBAL, HAS_ROW_SCALE, PAIR_LOADS)
         row_start += num_pid_m * BLOCK_M
 
 
@@ -557,6 +606,7 @@ def _fp4_fp8_tile(
     E8M0: tl.constexpr,
     HAS_GLOBAL: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr,
+    PAIR_LOADS: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """One ``BLOCK_M x BLOCK_N`` output tile of :func:`nvfp4_weight_fp8_mm` at ``row_start``."""
@@ -566,20 +616,19 @@ def _fp4_fp8_tile(
         padded_offsets_ptr, row_offsets_ptr, expert, row_start
     )
     if num_live > 0:
-        rows, is_live, a_rows, cols, is_col, g_rows, g_srows, u_rows, u_srows = \
+        rows, is_live, a_pairs, cols, is_col, g_rows, g_srows, u_rows, u_srows = \
             _fp4_tile_operands(a_ptr, b_ptr, sb_ptr, expert, act_start, num_live, pid_n, K, N,
                                OUT_N, BLOCK_M, BLOCK_N, SCALE_GROUP)
         sa_rows = sa_ptr + rows * NUM_KG
-        offs_k = 2 * tl.arange(0, FP8_K // 2)
+        offs_j = tl.arange(0, FP8_K // 2)
 
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kg in range(0, NUM_KG):
-            kk = kg * FP8_K + offs_k
+            j = kg * (FP8_K // 2) + offs_j
             # masked rows read zeros and scale 1: their terms are 0 and are never stored
-            a_even = tl.load(a_rows[:, None] + kk[None, :], mask=is_live[:, None], other=0.0)
-            a_odd = tl.load(a_rows[:, None] + (kk + 1)[None, :], mask=is_live[:, None],
-                            other=0.0)
+            a_even, a_odd = _pairs(a_pairs[:, None] + j[None, :], is_live[:, None],
+                                   tl.float8e4nv, PAIR_LOADS)
             sa = tl.load(sa_rows + kg, mask=is_live, other=1.0)
             w_even, w_odd, sw = _weight_tile_fp8(g_rows, g_srows, kg, is_col, BLOCK_N, FP8_K,
                                                  SCALE_GROUP, E8M0)
@@ -794,7 +843,7 @@ def _fp4_weight_grouped_mm(a, b_packed, b_block_scales, b_global, padded_offsets
             b_scales if a_row_scale is None else a_row_scale, padded_offsets, row_offsets, out,
             num_pid_m, SCALE_GROUP=MXFP4_BLOCK if mx else NVFP4_BLOCK, E8M0=mx,
             HAS_GLOBAL=not mx, HAS_ROW_SCALE=a_row_scale is not None,
-            SWAP_AB=config.swap_ab, **kwargs,
+            SWAP_AB=config.swap_ab, PAIR_LOADS=config.pair_loads, **kwargs,
         )
     return out
 
@@ -885,7 +934,7 @@ def nvfp4_weight_fp8_mm(
             b_scales if a_row_scale is None else a_row_scale, padded_offsets, row_offsets,
             out, num_pid_m, SCALE_GROUP=MXFP4_BLOCK if mx else NVFP4_BLOCK, E8M0=mx,
             HAS_GLOBAL=not mx, HAS_ROW_SCALE=a_row_scale is not None, FP8_A=True,
-            INTERPRET=interpreter_active(), **kwargs,
+            PAIR_LOADS=config.pair_loads, INTERPRET=interpreter_active(), **kwargs,
         )
     return out
 
