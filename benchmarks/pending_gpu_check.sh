@@ -6,7 +6,8 @@
 #
 # 1. GPU tests rewritten or added since they last passed on a GPU: the bf16 training graphs
 #    (the .grad-address check rewritten after run 74), the VMM tiered range (free memory now
-#    read without torch's cache), device-selected slots in one CUDA graph (-m gpu only);
+#    read without torch's cache), device-selected slots in one CUDA graph, the host-backed
+#    (VMM) inference scratch with two ranks on the GPU (-m gpu only);
 # 2. issue 66's figures at every suite shape: the bench with eager and graph timing side by
 #    side and the host time per call, distmoe against the torch baseline, sampled routing;
 # 3. issue 66's decode case (T = 64 at dense-e32, forward): eager against graph replay and
@@ -22,7 +23,7 @@ nvidia-smi -L | tee "$OUT/nvidia-smi.txt"
 echo "== tests $(el)s"
 timeout -k 5 200 python -m pytest -q -m gpu -p no:cacheprovider --timeout 150 -rfE \
   tests/ops/test_training_graphs_gpu.py tests/runtime/test_vmm.py \
-  tests/ops/test_slot_selection_gpu.py > "$OUT/tests.log" 2>&1
+  tests/ops/test_slot_selection_gpu.py tests/ops/test_host_tier.py > "$OUT/tests.log" 2>&1
 grep -E "passed|failed|FAILED|Error" "$OUT/tests.log" | tail -20
 echo "== suite shapes, eager and graph, distmoe and torch $(el)s"
 timeout -k 5 $(( BUDGET - $(el) - 90 )) python -m distmoe bench --providers distmoe torch \

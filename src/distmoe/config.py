@@ -68,6 +68,9 @@ class MoEConfig:
             from device scratch.
         total_scratch_factor: optional larger receive bound whose scratch beyond the device
             tier is backed by pinned host pages (VMM tier); ``None`` = device tier only.
+            A bf16 inference context on the peer transport takes it (rows past the device
+            bound run from host-backed scratch, slower but not dropped); training and
+            low-precision contexts refuse it (``MoEContext``), the planner models it.
         num_slots: activation slots (pipeline stage-microbatch owners alive at once).
         max_layers_per_slot: MoE layers whose state one slot holds.
         save_route_outputs: a saved layer keeps its returned route results

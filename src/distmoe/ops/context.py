@@ -53,7 +53,10 @@ CUDA graph and replayed with new inputs written into the same tensors):
 
 Barrier 6 also makes the next call's step 1 safe: no peer still reads this rank's dispatch.
 
-Receive bound: a rank executes at most R_b = cfg.receive_bound(EP) rows. Routes beyond are
+Receive bound: a rank executes at most R_b = cfg.receive_bound(EP, total=True) rows (the
+device bound, or with ``cfg.total_scratch_factor`` in bf16 inference the larger one, whose
+rows beyond the device bound keep their h2 scratch in pinned host pages of the same virtual
+range, :class:`~distmoe.runtime.vmm.TieredRange`). Routes beyond are
 never written anywhere; they are counted on the device
 (:meth:`MoEContext.stats`), their owners leave them out of the combine, and
 ``check=True`` turns them into a RuntimeError naming the rank, the rows and the bound.
@@ -85,6 +88,7 @@ from ..quant.prepare import PreparedWeight
 from ..routing import build_routing_tables, row_capacity
 from ..runtime import create_heap
 from ..runtime.heap import gather_objects, round_up, solo
+from ..runtime.vmm import TieredRange
 from .activations import ActivationBuffer
 from .autograd import MoEFunction, backward_eager
 from .custom_ops import context_id, traced_call, tracing
@@ -243,6 +247,7 @@ class MoEContext:
         if main_grad and not cfg.training:
             raise ValueError("main_grad=True needs a training context (cfg.training=True): "
                              "it says where the weight gradients go")
+        _check_host_tier(cfg)
         if device is not None:
             try:
                 kind = torch.device(device).type
@@ -257,6 +262,11 @@ class MoEContext:
         #: "peer" (every rank maps every other's memory), "nccl" or "hierarchical"
         #: (:mod:`distmoe.ops.transport`)
         self.transport, node_size = resolve_transport(transport, group, node_size)
+        if cfg.total_scratch_factor is not None and self.transport != "peer":
+            raise ValueError(f"total_scratch_factor ({cfg.total_scratch_factor:g}): "
+                             "host-backed (VMM) scratch needs the peer transport, this "
+                             f"context resolved {transport!r} to {self.transport!r}; leave it "
+                             "None")
         #: this context's number in traced graphs (:mod:`distmoe.ops.custom_ops`)
         self.op_number = context_id(self)
         if self.transport in ("nccl", "hierarchical"):
@@ -295,7 +305,11 @@ class MoEContext:
         self.device = self.heap.device
         self.num_local_experts = cfg.experts_per_rank(self.ep_size)
         T, K, D, F = cfg.max_tokens, cfg.top_k, cfg.hidden, cfg.ffn
-        self.receive_bound = cfg.receive_bound(self.ep_size)
+        #: rows a rank executes at most: with ``cfg.total_scratch_factor`` (bf16 inference)
+        #: those beyond :attr:`device_rows` keep their scratch in pinned host pages
+        self.receive_bound = cfg.receive_bound(self.ep_size, total=True)
+        #: rows whose scratch is device memory
+        self.device_rows = cfg.receive_bound(self.ep_size)
         self.row_capacity = row_capacity(self.receive_bound, self.num_local_experts,
                                          cfg.row_block)
         self.row_bytes = D * 2
@@ -311,6 +325,8 @@ class MoEContext:
         self._dispatch = heap.view("dispatch", self.rank, torch.bfloat16, (T * K, D))
         self._combine = heap.view("combine", self.rank, torch.bfloat16, (T * K, D))
         self.activations: ActivationBuffer | None = None
+        #: the inference scratch's tiers where some of it is host-backed (VMM), else None
+        self.scratch_range: TieredRange | None = None
         if cfg.training:
             # On the heap: the owners write their routes' output gradients straight into the
             # experts' scratch gh3 rows in backward (distmoe.ops.autograd, step 1).
@@ -335,6 +351,21 @@ class MoEContext:
                                             device=self.device),
                 table_origin=self._table_origin,
                 score_parts=-(-F // self.plan.w2_dgrad.block_n))
+        elif self.receive_bound > self.device_rows:
+            # h2 [R, F], the only scratch sized by the rows: row r at byte 2 F r of one
+            # virtual range, device pages for the rows below the device bound, pinned host
+            # pages for the rest (the kernels index rows as ever; a call with few rows stays
+            # in device memory)
+            try:
+                self.scratch_range = TieredRange(
+                    [(self.device_rows * F * 2, "device"),
+                     ((self.receive_bound - self.device_rows) * F * 2, "host")], self.device)
+            except BaseException:
+                heap.close()  # every rank fails alike (the same driver)
+                self._closed = True
+                raise
+            self._h2 = self.scratch_range.tensor[:self.receive_bound * F * 2].view(
+                torch.bfloat16).view(self.receive_bound, F)
         else:
             self._h2 = torch.empty(self.receive_bound, F, dtype=torch.bfloat16,
                                    device=self.device)
@@ -398,7 +429,8 @@ class MoEContext:
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.ep_size = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.num_local_experts = cfg.experts_per_rank(self.ep_size)
-        self.receive_bound = cfg.receive_bound(self.ep_size)
+        self.receive_bound = self.device_rows = cfg.receive_bound(self.ep_size)
+        self.scratch_range = None
         self._bound_seen = (0, 0)
         self._closed = False
         self._serial = self._number_on_group()
@@ -888,15 +920,24 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
                                  self._w13_starts]
         pull = sum(t.nbytes for t in pull_tensors)
         out = dict(rank=self.rank, transport=self.transport, receive_bound=self.receive_bound,
-                   row_capacity=self.row_capacity, pull_buffer_bytes=pull,
+                   device_rows=self.device_rows, row_capacity=self.row_capacity,
+                   pull_buffer_bytes=pull,
                    last_recv_rows=last, max_recv_rows=mx,
                    dropped_rows=dropped, invalid_ids=invalid, calls=calls,
                    token_count_mismatches=mismatches)
         if self.activations is not None:
             out["activations"] = self.activations.stats()
+        if self.scratch_range is not None:
+            out["scratch_tiers"] = self.scratch_range.tier_bytes
         if self.graphs is not None:
             out["graphs"] = self.graphs.stats()
         return out
+
+    def _bound_factor(self) -> str:
+        """``"<name> <value>"`` of the factor that sets :attr:`receive_bound`."""
+        if self.cfg.total_scratch_factor is not None:
+            return f"total_scratch_factor {self.cfg.total_scratch_factor:g}"
+        return f"device_scratch_factor {self.cfg.device_scratch_factor:g}"
 
     def _check_bound(self, y: torch.Tensor) -> None:
         """``check`` mode, after a call: whether any rank saw invalid ids or dropped routes
@@ -915,12 +956,11 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
         elif s["last_recv_rows"] > self.receive_bound or dropped:
             problem = ("RuntimeError",
                        f"rank {self.rank} received {s['last_recv_rows']} rows, above its "
-                       f"receive bound of {self.receive_bound} rows (device_scratch_factor "
-                       f"{self.cfg.device_scratch_factor} x T_max*K {self.cfg.balanced_rows}, "
-                       "at most EP*T_max*min(K, E_local) = "
-                       f"{self.cfg.max_possible_rows(self.ep_size)}); "
-                       f"{dropped} routes were not executed. Raise device_scratch_factor, up "
-                       "to that maximum.")
+                       f"receive bound of {self.receive_bound} rows ({self._bound_factor()} "
+                       f"x T_max*K {self.cfg.balanced_rows}, at most EP*T_max*min(K, "
+                       f"E_local) = {self.cfg.max_possible_rows(self.ep_size)}); "
+                       f"{dropped} routes were not executed. Raise "
+                       f"{self._bound_factor().split()[0]}, up to that maximum.")
         outcomes = gather_objects(problem, self.group, self.ep_size)
         bad = [(r, o) for r, o in enumerate(outcomes) if o is not None]
         if not bad:
@@ -946,6 +986,10 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
         if self.graphs is not None:
             self.graphs.clear()
             self.graphs.pool.clear()
+        if self.scratch_range is not None:
+            if self.device.type == "cuda":  # no kernel may still use the pages
+                torch.cuda.synchronize(self.device)
+            self.scratch_range.close()
         self.heap.close()
 
     def check_open(self) -> None:
@@ -1015,6 +1059,25 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_host_tier(cfg: MoEConfig) -> None:
+    """ValueError where ``cfg.total_scratch_factor`` asks for host-backed scratch that this
+    context cannot give: it serves bf16 inference (its one row-sized scratch, h2, is this
+    rank's own). A training context's scratch rows and slots are written by peers (route
+    gradients, returned routes), and host-backed VMM pages cannot be shared with them; the
+    low-precision scratch is device memory."""
+    if cfg.total_scratch_factor is None:
+        return
+    why = None
+    if cfg.training:
+        why = ("a training context's scratch rows and slots are written by its peers, and "
+               "host-backed pages cannot be mapped by them")
+    elif cfg.precision != "bf16":
+        why = f"the {cfg.precision} layer's scratch is device memory only"
+    if why is not None:
+        raise ValueError(f"total_scratch_factor ({cfg.total_scratch_factor:g}): host-backed "
+                         f"(VMM) scratch serves bf16 inference only: {why}; leave it None")
 
 
 def _shifted_returns(tables, deltas_EP: torch.Tensor, routes_per_rank: int) -> torch.Tensor:
