@@ -15,7 +15,8 @@
 # 3. the NVFP4 layer at decode beside bf16 (issue 59: 2.5x faster at T <= 32, 70% of copy);
 # 4. the NVFP4 layer at prefill with FP8 operands against its plan (ab, interleaved).
 # The numbers decide rules.fp4_weight_gemm's fp4_swap_rows and fp4_fp8_operands'
-# fp4_fp8_min_rows (plan/thresholds.py), both off until then.
+# fp4_fp8_min_rows (plan/thresholds.py), both off until then, and whether
+# ScaledGemmConfig.interleave_k stays on (the sweep's <variant>_split rows).
 set -u
 BUDGET=${1:-560}
 OUT=${OUT:-./out}

@@ -21,8 +21,8 @@ its range):
   beside bf16 rows (:func:`~distmoe.kernels.scaled.nvfp4_weight_grouped_mm`) or to E4M3
   beside 1 x 128 FP8 rows (:func:`~distmoe.kernels.scaled.nvfp4.nvfp4_weight_fp8_mm`);
   ``nvfp4_fp8_quant`` also times the rows' quantisation (``fp8_block_quantize_2d``) in each
-  call, as a layer would pay it; ``nvfp4_bf16_strided``: the plan's config (and with
-  ``--sweep`` the first transposed one) with ``pair_loads=False``;
+  call, as a layer would pay it; ``<variant>_split``: the plan's config (and with ``--sweep``
+  the first transposed one) with ``interleave_k=False`` (a dot per K parity);
 * ``torch_scaled_grouped``: ``torch._scaled_grouped_mm`` with rowwise FP8 scales (one per
   row and per weight column; no SwiGLU epilogue), where this torch has it;
 * ``bf16_grouped``: ``torch._grouped_mm`` on the same rows and weights in bf16 (the GEMM only,
@@ -119,10 +119,10 @@ def _time_fp4(variant, x, w, padded_offsets, row_offsets, y, args, flops, timing
                                    num_stages=stages, swap_ab=swap)
             if cfg not in configs:
                 configs.append(cfg)
-    if not fp8:  # the activations loaded apart (config.pair_loads): the plan's config and
-        # the first transposed one, reported as "<variant>_strided"
-        swapped = [c for c in configs if c.swap_ab][:1]
-        configs += [dataclasses.replace(c, pair_loads=False) for c in [base, *swapped]]
+    # a dot per K parity (config.interleave_k False): the plan's config and the first
+    # transposed one, reported as "<variant>_split"
+    swapped = [c for c in configs if c.swap_ab][:1]
+    configs += [dataclasses.replace(c, interleave_k=False) for c in [base, *swapped]]
     if fp8:
         a_q, a_s = fp8_block_quantize(x)
     for cfg in configs:
@@ -142,7 +142,7 @@ def _time_fp4(variant, x, w, padded_offsets, row_offsets, y, args, flops, timing
 
             calls[variant], calls[variant + "_quant"] = gemm, quant_and_gemm
         for name, fn in calls.items():
-            _time_config(out, name if cfg.pair_loads else name + "_strided", fn, cfg, flops,
+            _time_config(out, name if cfg.interleave_k else name + "_split", fn, cfg, flops,
                          timing, dev)
 
 
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
 
     dense = out["dense_fp8"]["tflops"]
     print(f"{out['env']['gpu']}  R={r} E={e} K={k} N={n} swiglu={args.swiglu}")
-    names = [v + g for v in args.variants for g in ("", "_gluon", "_quant", "_strided")]
+    names = [v + g for v in args.variants for g in ("", "_gluon", "_quant", "_split")]
     for name in ("dense_fp8", *names, "torch_scaled_grouped", "bf16_grouped"):
         if name not in out:
             continue
@@ -277,13 +277,13 @@ def main(argv=None) -> int:
               f"[{v['min_ms']:.3f}, {v['max_ms']:.3f}] ({v['method']})  "
               f"{v['tflops'] / dense:.3f} of dense FP8  "
               + (str(v["config"]) if "config" in v else ""))
-    for name in (v + g for v in FP4_VARIANTS for g in ("", "_quant", "_strided")):
+    for name in (v + g for v in FP4_VARIANTS for g in ("", "_quant", "_split")):
         swept = out.get(name + "_configs", [])
         for entry in swept if len(swept) > 1 else ():
             c = entry["config"]
             print(f"    {name:18s} {entry['ms']:.3f} ms  bm {c['block_m']} bn {c['block_n']} "
                   f"bk {c['block_k']} w {c['num_warps']} s {c['num_stages']}"
-                  + (" swap" if c["swap_ab"] else "") + ("" if c["pair_loads"] else " strided"))
+                  + (" swap" if c["swap_ab"] else "") + ("" if c["interleave_k"] else " split"))
     for variant in args.variants:
         if variant + "_rebase_changed" in out:
             print(f"  {variant}: values changed by rebasing {out[variant + '_rebase_changed']}")

@@ -956,14 +956,14 @@ def lowp_kernel_cases() -> list[BuildCase]:
                      HAS_ROW_SCALE=row_scale, SWAP_AB=False),
                 cfg.num_warps, cfg.num_stages,
                 types={"b_ptr": "*u8", "sb_ptr": "*u8", "gs_ptr": "*fp32", "rs_ptr": "*fp32"}))
-        if not mx:  # config.pair_loads=False: the activations' even and odd K loaded apart
+        if not mx:  # config.interleave_k=False: a dot per K parity, strided activation loads
             cases.append(BuildCase(
-                f"nvfp4 weights strided loads {name}", nvfp4._nvfp4_weight_grouped_mm_kernel,
+                f"nvfp4 weights split K {name}", nvfp4._nvfp4_weight_grouped_mm_kernel,
                 dict(NUM_EXPERTS=E, EXPERTS_POW2=next_power_of_2(E), K=k, N=n, OUT_N=out_n,
                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                      GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0, SWIGLU=swiglu,
                      SCALE_GROUP=16, E8M0=False, HAS_GLOBAL=True, HAS_ROW_SCALE=False,
-                     SWAP_AB=False, PAIR_LOADS=False),
+                     SWAP_AB=False, INTERLEAVE_K=False),
                 cfg.num_warps, cfg.num_stages,
                 types={"b_ptr": "*u8", "sb_ptr": "*u8", "gs_ptr": "*fp32", "rs_ptr": "*fp32"}))
         # the transposed tile (config.swap_ab: decoded weights as the dot's first operand),

@@ -401,11 +401,11 @@ def test_refuses_bad_config():
         ScaledGemmConfig(block_n=96)
     with pytest.raises(ValueError, match=r"num_warps \(2\) must be 4 or 8"):
         ScaledGemmConfig(num_warps=2)
-    for fp4_only in (dict(swap_ab=True), dict(pair_loads=False)):
+    for fp4_only in (dict(swap_ab=True), dict(interleave_k=False)):
         with pytest.raises(ValueError, match=r"are for the FP4-weight GEMMs"):
             _call(_good(), config=ScaledGemmConfig(block_m=16, **fp4_only))
-    with pytest.raises(TypeError, match=r"pair_loads must be a bool, got int"):
-        ScaledGemmConfig(pair_loads=1)
+    with pytest.raises(TypeError, match=r"interleave_k must be a bool, got int"):
+        ScaledGemmConfig(interleave_k=1)
 
 
 def test_configs_fit_hopper():

@@ -237,45 +237,25 @@ def test_row_scale_against_float64_within_bound(name):
     _run_case(CASES[name], row_scale=True)
 
 
-@pytest.mark.parametrize("form", ["plain", "swapped", "fp8_operands", "mxfp4"])
-def test_pair_loads_give_the_same_bits(form):
-    """``config.pair_loads`` changes how the activations are loaded (pairs split by bits, or
-    the even and odd K values apart), not a value: every tile form gives the same bits with
-    it off, with partial K (the masked tail) and partial tiles."""
-    from distmoe.kernels.scaled import mxfp4_weight_grouped_mm, nvfp4_weight_fp8_mm
-    from distmoe.quant import fp8_block_quantize
-    from distmoe.quant.mxfp4 import mxfp4_quantize
+@pytest.mark.parametrize("form", ["plain", "swapped", "mxfp4", "fp8_operands"])
+def test_split_k_form_within_bound(form):
+    """``config.interleave_k=False``: two dots per weight tile, one per K parity, over the
+    even and odd activation columns loaded apart (the default interleaves the decoded
+    weights into K order and takes one dot): the same float64 bound and the same reference,
+    with partial tiles and, but for the FP8 operands (whole 128-wide groups), a masked K
+    tail."""
+    from test_nvfp4_fp8_mm import CASES as FP8_CASES
+    from test_nvfp4_fp8_mm import _run as run_fp8
 
-    counts, n = (5, 0, 19), 80
-    # a masked K tail (block_k 64) but for the FP8 operands (whole 128-wide K groups);
-    # MXFP4 scales per 32
-    k = {"fp8_operands": 256, "mxfp4": 96}.get(form, 80)
-    padded_offsets, row_offsets = _layout(counts, 32)
-    a, packed, scales, s_g = _operands(sum(counts), k, len(counts), n)
-    a[3, :] = -a[3, :]  # negative values in the low half of a pair word
-    outs = []
-    for pair_loads in (True, False):
-        cfg = ScaledGemmConfig(block_m=32, block_n=32, block_k=128 if form == "fp8_operands"
-                               else 64, num_warps=4, num_stages=2, swap_ab=form == "swapped",
-                               pair_loads=pair_loads)
-        out = torch.full((sum(counts), n // 2), float("nan"), dtype=torch.bfloat16)
-        if form == "fp8_operands":
-            a_q, a_s = fp8_block_quantize(a)
-            nvfp4_weight_fp8_mm(a_q, a_s, packed, scales, s_g, padded_offsets, row_offsets,
-                                out, swiglu=True, config=cfg)
-        elif form == "mxfp4":
-            w = torch.randn(len(counts), n, k, generator=torch.Generator().manual_seed(1))
-            mp, ms = mxfp4_quantize(w.bfloat16())
-            mxfp4_weight_grouped_mm(a, mp, ms, padded_offsets, row_offsets, out, swiglu=True,
-                                    config=cfg)
-        else:
-            nvfp4_weight_grouped_mm(a, packed, scales, s_g, padded_offsets, row_offsets, out,
-                                    swiglu=True, config=cfg)
-        outs.append(out)
-    live = torch.cat([torch.arange(int(row_offsets[e]), int(row_offsets[e + 1]))
-                      for e in range(len(counts))])
-    assert not outs[0][live].isnan().any() and outs[0][live].abs().max() > 0
-    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    case = {"plain": CASES["partial_tiles"], "swapped": CASES["swap_swiglu"],
+            "mxfp4": MX_CASES["partial_tiles"], "fp8_operands": FP8_CASES["swiglu_w13"]}[form]
+    cfg = ScaledGemmConfig(block_m=case.tile_m or case.block_m, block_n=case.block_n,
+                           block_k=128 if form == "fp8_operands" else case.block_k,
+                           num_warps=4, num_stages=2, swap_ab=case.swap_ab, interleave_k=False)
+    if form == "fp8_operands":
+        run_fp8(case, config=cfg)
+    else:
+        _run_case(case, config=cfg, mx=form == "mxfp4")
 
 
 def test_decoded_weights_exact_in_bf16():

@@ -53,13 +53,14 @@ class ScaledGemmConfig:
     #: shared memory, so the expanded weights skip the shared-memory round trip, and a few
     #: decode tokens fill N instead of wasting M. The FP8 GEMMs refuse it.
     swap_ab: bool = False
-    #: FP4-weight GEMMs only: load the activations as pairs of consecutive values (one int32
-    #: word per two bf16, int16 per two E4M3) and split them by bits, so that Triton's
-    #: pipeliner stages them asynchronously with the weight bytes; ``False`` loads the even
-    #: and odd K values apart, which it does not stage (each K step waits on them) but which
-    #: needs no shared memory for them (sm_90a: fewer registers, more programs per SM). The
-    #: same values either way. The FP8 GEMMs refuse ``False``.
-    pair_loads: bool = True
+    #: FP4-weight GEMMs only: interleave the decoded even-K and odd-K weight tiles into one
+    #: tile in K order (a register permutation), so that each weight tile is one dot over
+    #: the activation tile as it lies in memory (contiguous: the pipeliner stages it with the
+    #: weight bytes); ``False``: two dots per weight tile, one per parity, over the even and
+    #: odd activation columns loaded apart (strided loads the pipeliner does not stage: each
+    #: K step waits on them). The same products, summed in another order. The FP8 GEMMs
+    #: refuse ``False``.
+    interleave_k: bool = True
 
     def __post_init__(self) -> None:
         for name, low in (("block_m", 16), ("block_n", SCALE_BLOCK), ("block_k", SCALE_BLOCK)):
@@ -70,7 +71,7 @@ class ScaledGemmConfig:
                 raise ValueError(f"{name} ({value}) must be a power of two in [{low}, 256]")
         if self.num_warps not in (4, 8) or isinstance(self.num_warps, bool):
             raise ValueError(f"num_warps ({self.num_warps!r}) must be 4 or 8")
-        for name in ("gluon", "swap_ab", "pair_loads"):
+        for name in ("gluon", "swap_ab", "interleave_k"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got "
                                 f"{type(getattr(self, name)).__name__}")

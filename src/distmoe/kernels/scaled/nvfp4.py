@@ -47,19 +47,24 @@ register operand, a few token rows as its N side, for decode) and FP8 operands
 CPU: under Triton's interpreter the kernel decodes E4M3 scale bytes itself, by bits (the
 interpreter decodes the E4M3 NaN codes as +-480); it always does, so GPU and CPU run the same
 decode. A weight tile is loaded K-major and its low and high nibbles (the values at even and
-odd K) decoded into two tiles, each a dot operand with the activation's even or odd columns
-(two dots per K tile: a sum over K in any order; no interleave of register tiles, which
-Triton 3.6 failed to lower for Hopper MMA).
+odd K) decoded into two tiles, interleaved in registers back into K order
+(``config.interleave_k``, the default: ``join`` then ``reshape``; it lowers for Hopper MMA
+with Triton 3.6) for one dot over the activation tile as it lies in memory; with
+``interleave_k=False`` each parity tile is a dot operand with the activation's even or odd
+columns (two dots per K tile, the activation loaded with stride 2). Either way a sum over K
+in some order.
 
 Algorithm: one program per ``block_m x block_n`` output tile on a 1-D grid sized from ``R``
 (``a.shape[0]``) and N, never from routed counts (``cdiv(R, block_m) + E - 1`` row tiles by
 ``cdiv(N_out, block_n)`` column tiles, group-M order); a program walks its row tiles below
 ``padded_offsets[E]``; a tile's expert, activation rows and live row count come from the two
 tables on the device. Per K tile (``block_k`` values, a multiple of 16 wide) it loads the
-``block_m x block_k`` bf16 rows (as pairs of values split by bits, ``config.pair_loads``,
-so that every load of the loop is staged asynchronously), the ``block_n x block_k / 2``
-packed bytes and the matching block scales (as 4-byte words where whole words tile the K
-step; gate and up with SwiGLU), decodes, and takes one bf16 dot per half.
+``block_m x block_k`` bf16 rows, the ``block_n x block_k / 2`` packed bytes and the matching
+block scales (as 4-byte words where whole words tile the K step; gate and up with SwiGLU),
+decodes, and takes one bf16 dot (two with ``interleave_k=False``). With ``interleave_k``
+every load of the loop is contiguous and staged asynchronously by the pipeliner (sm_90a
+TTGIR); the strided activation loads and byte-wide scale loads were not, so each K step
+waited on them.
 
 Memory: nothing is allocated. Sync points: none on the host.
 
@@ -209,8 +214,8 @@ def _load_weight_tile(packed_rows, scale_rows, kb, col_ok, K: tl.constexpr,
     """The bf16 values ``v * s_b`` of weight rows ``[block_n]`` at K tile ``kb``, transposed
     and split by parity: ``(even, odd)``, each ``[BLOCK_K / 2, block_n]``, row j holding the
     values at K = 2 j and 2 j + 1 of the tile (the low and high nibbles of byte j; exact).
-    Masked rows and K past the end read 0. (Loaded K-major so that each is a dot operand as
-    it stands: no interleave, reshape or transpose of a register tile before the MMA.)"""
+    Masked rows and K past the end read 0. (Loaded K-major: each is a dot operand as it
+    stands, or the two interleave into one, :func:`_k_major_interleaved`.)"""
     HALF: tl.constexpr = BLOCK_K // 2
     j = kb * HALF + tl.arange(0, HALF)  # byte index along K: values 2 j, 2 j + 1
     if EVEN_K:
@@ -261,49 +266,42 @@ def _fp4_tile_operands(a_ptr, b_ptr, sb_ptr, expert, act_start, num_live, pid_n,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        SCALE_GROUP: tl.constexpr):
     """The row and column operands every FP4-weight tile starts from: ``(rows, is_live,
-    a_pairs, cols, is_col, g_rows, g_srows, u_rows, u_srows)`` -- the tile's int64
-    activation rows and their live mask, the activation rows as pointers to pairs of
-    consecutive values (int32 words for bf16 ``a``, int16 for FP8: pair ``j`` holds K = 2 j
-    and 2 j + 1, :func:`_pairs`), the output columns and their mask, and the packed-byte and
-    block-scale row pointers of the gate (or only) weight rows and of the up rows ``OUT_N``
-    further (used with SwiGLU only)."""
+    a_rows, cols, is_col, g_rows, g_srows, u_rows, u_srows)`` -- the tile's int64 activation
+    rows and their live mask, the activation row pointers (``a_ptr``'s element type, K per
+    row), the output columns and their mask, and the packed-byte and block-scale row
+    pointers of the gate (or only) weight rows and of the up rows ``OUT_N`` further (used
+    with SwiGLU only)."""
     KB: tl.constexpr = K // 2  # bytes of a packed weight row
     KS: tl.constexpr = K // SCALE_GROUP  # block scales of a weight row
-    PAIR: tl.constexpr = tl.int32 if a_ptr.dtype.element_ty.primitive_bitwidth == 16 \
-        else tl.int16
     idx = tl.arange(0, BLOCK_M)
     is_live = idx < num_live
     rows = act_start + idx  # int64 activation rows
-    a_pairs = a_ptr.to(tl.pointer_type(PAIR)) + rows * KB
+    a_rows = a_ptr + rows * K
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     is_col = cols < OUT_N
     e64 = expert.to(tl.int64)
     g_rows = b_ptr + e64 * (N * KB) + cols * KB
     g_srows = sb_ptr + e64 * (N * KS) + cols * KS
-    return (rows, is_live, a_pairs, cols, is_col, g_rows, g_srows, g_rows + OUT_N * KB,
+    return (rows, is_live, a_rows, cols, is_col, g_rows, g_srows, g_rows + OUT_N * KB,
             g_srows + OUT_N * KS)
 
 
 @triton.jit
-def _pairs(pairs_ptr, mask, DTYPE: tl.constexpr, PAIR_LOADS: tl.constexpr):
-    """``(even, odd)``: the two ``DTYPE`` (bf16, or float8e4nv) values at K = 2 j and 2 j + 1
-    of each pair ``pairs_ptr`` points to (int32, or int16 words). ``PAIR_LOADS``: one
-    contiguous load per pair, split by bits (the even-K value in the low half,
-    little-endian), which Triton's pipeliner stages asynchronously like the weight bytes, at
-    the cost of shared memory and registers for the staged tiles; else two loads of every
-    other element (2 or 1 bytes wide), which it does not stage: each K step waits for them.
-    Masked pairs read 0."""
-    if not PAIR_LOADS:
-        values = pairs_ptr.to(tl.pointer_type(DTYPE))  # the pair's first value
-        return (tl.load(values, mask=mask, other=0.0),
-                tl.load(values + 1, mask=mask, other=0.0))
-    w = tl.load(pairs_ptr, mask=mask, other=0)
-    if DTYPE == tl.bfloat16:
-        return (w.to(tl.int16).to(tl.bfloat16, bitcast=True),  # truncation: the low half
-                (w >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True))
-    else:
-        return (w.to(tl.int8).to(DTYPE, bitcast=True),
-                (w >> 8).to(tl.int8).to(DTYPE, bitcast=True))
+def _k_major_interleaved(even, odd):
+    """``[2 H, n]`` from the ``[H, n]`` tiles of the values at even and odd K (row ``2 j + p``
+    holding row ``j`` of the parity ``p`` tile): the decoded weights in K order, one dot
+    operand instead of two."""
+    H: tl.constexpr = even.shape[0]
+    n: tl.constexpr = even.shape[1]
+    return tl.reshape(tl.permute(tl.join(even, odd), (0, 2, 1)), (2 * H, n))
+
+
+@triton.jit
+def _row_major_interleaved(even, odd):
+    """``[n, 2 H]`` from ``[n, H]`` tiles of the values at even and odd K: in K order."""
+    H: tl.constexpr = even.shape[1]
+    n: tl.constexpr = even.shape[0]
+    return tl.reshape(tl.join(even, odd), (n, 2 * H))
 
 
 @triton.jit
@@ -332,7 +330,7 @@ def _nvfp4_tile(
     E8M0: tl.constexpr,
     HAS_GLOBAL: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr,
-    PAIR_LOADS: tl.constexpr,
+    INTERLEAVE_K: tl.constexpr,
 ):
     """One ``BLOCK_M x BLOCK_N`` output tile of the padded row tile at ``row_start``."""
     NUM_KB: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
@@ -342,32 +340,43 @@ def _nvfp4_tile(
     )
     # Live rows come first in a segment: a tile starting at a padding row has none.
     if num_live > 0:
-        rows, is_live, a_pairs, cols, is_col, g_rows, g_srows, u_rows, u_srows = \
+        rows, is_live, a_rows, cols, is_col, g_rows, g_srows, u_rows, u_srows = \
             _fp4_tile_operands(a_ptr, b_ptr, sb_ptr, expert, act_start, num_live, pid_n, K, N,
                                OUT_N, BLOCK_M, BLOCK_N, SCALE_GROUP)
-        # the activation's K split by parity, matching the weight tiles' even / odd halves
-        offs_j = tl.arange(0, BLOCK_K // 2)
+        # INTERLEAVE_K: the activation tile in K order, the decoded weights interleaved to
+        # match; else the activation's K split by parity, matching the even / odd halves
+        if INTERLEAVE_K:
+            offs_k = tl.arange(0, BLOCK_K)
+        else:
+            offs_k = 2 * tl.arange(0, BLOCK_K // 2)
 
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, NUM_KB):
-            j = kb * (BLOCK_K // 2) + offs_j  # pairs: K = 2 j, 2 j + 1
+            kk = kb * BLOCK_K + offs_k
             if EVEN_K:
                 a_ok = is_live[:, None]
             else:
-                a_ok = is_live[:, None] & (j < K // 2)[None, :]
+                a_ok = is_live[:, None] & (kk < K)[None, :]  # K even: 2 j + 1 < K iff 2 j < K
             # masked rows and K read zeros: their terms are 0 and reach no stored element
-            a_even, a_odd = _pairs(a_pairs[:, None] + j[None, :], a_ok, tl.bfloat16,
-                                   PAIR_LOADS)
             w_even, w_odd = _load_weight_tile(g_rows, g_srows, kb, is_col, K, BLOCK_N, BLOCK_K,
                                               EVEN_K, SCALE_GROUP, E8M0)
-            acc_g = tl.dot(a_even, w_even, acc_g)
-            acc_g = tl.dot(a_odd, w_odd, acc_g)
             if SWIGLU:
                 u_even, u_odd = _load_weight_tile(u_rows, u_srows, kb, is_col, K, BLOCK_N,
                                                   BLOCK_K, EVEN_K, SCALE_GROUP, E8M0)
-                acc_u = tl.dot(a_even, u_even, acc_u)
-                acc_u = tl.dot(a_odd, u_odd, acc_u)
+            if INTERLEAVE_K:
+                a = tl.load(a_rows[:, None] + kk[None, :], mask=a_ok, other=0.0)
+                acc_g = tl.dot(a, _k_major_interleaved(w_even, w_odd), acc_g)
+                if SWIGLU:
+                    acc_u = tl.dot(a, _k_major_interleaved(u_even, u_odd), acc_u)
+            else:
+                a_even = tl.load(a_rows[:, None] + kk[None, :], mask=a_ok, other=0.0)
+                a_odd = tl.load(a_rows[:, None] + (kk + 1)[None, :], mask=a_ok, other=0.0)
+                acc_g = tl.dot(a_even, w_even, acc_g)
+                acc_g = tl.dot(a_odd, w_odd, acc_g)
+                if SWIGLU:
+                    acc_u = tl.dot(a_even, u_even, acc_u)
+                    acc_u = tl.dot(a_odd, u_odd, acc_u)
 
         _fp4_store(acc_g, acc_u, gs_ptr, rs_ptr, expert, rows, is_live, cols, is_col, out_ptr,
                    OUT_N, SWIGLU, HAS_GLOBAL, HAS_ROW_SCALE, False)
@@ -417,7 +426,7 @@ def _nvfp4_tile_swapped(
     E8M0: tl.constexpr,
     HAS_GLOBAL: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr,
-    PAIR_LOADS: tl.constexpr,
+    INTERLEAVE_K: tl.constexpr,
 ):
     """:func:`_nvfp4_tile` transposed (``config.swap_ab``): ``acc [BLOCK_N, BLOCK_M] =
     W_tile x_tile^T``, the decoded weights as the dot's first operand; same sums, same
@@ -428,31 +437,41 @@ def _nvfp4_tile_swapped(
         padded_offsets_ptr, row_offsets_ptr, expert, row_start
     )
     if num_live > 0:
-        rows, is_live, a_pairs, cols, is_col, g_rows, g_srows, u_rows, u_srows = \
+        rows, is_live, a_rows, cols, is_col, g_rows, g_srows, u_rows, u_srows = \
             _fp4_tile_operands(a_ptr, b_ptr, sb_ptr, expert, act_start, num_live, pid_n, K, N,
                                OUT_N, BLOCK_M, BLOCK_N, SCALE_GROUP)
-        offs_j = tl.arange(0, BLOCK_K // 2)
+        if INTERLEAVE_K:
+            offs_k = tl.arange(0, BLOCK_K)
+        else:
+            offs_k = 2 * tl.arange(0, BLOCK_K // 2)
 
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for kb in range(0, NUM_KB):
-            j = kb * (BLOCK_K // 2) + offs_j
+            kk = kb * BLOCK_K + offs_k
             if EVEN_K:
                 a_ok = is_live[None, :]
             else:
-                a_ok = is_live[None, :] & (j < K // 2)[:, None]
-            # the activations K-major: [BLOCK_K / 2, BLOCK_M] per parity
-            a_even, a_odd = _pairs(a_pairs[None, :] + j[:, None], a_ok, tl.bfloat16,
-                                   PAIR_LOADS)
+                a_ok = is_live[None, :] & (kk < K)[:, None]
             w_even, w_odd = _load_weight_rows(g_rows, g_srows, kb, is_col, K, BLOCK_K, EVEN_K,
                                               SCALE_GROUP, E8M0)
-            acc_g = tl.dot(w_even, a_even, acc_g)
-            acc_g = tl.dot(w_odd, a_odd, acc_g)
             if SWIGLU:
                 u_even, u_odd = _load_weight_rows(u_rows, u_srows, kb, is_col, K, BLOCK_K,
                                                   EVEN_K, SCALE_GROUP, E8M0)
-                acc_u = tl.dot(u_even, a_even, acc_u)
-                acc_u = tl.dot(u_odd, a_odd, acc_u)
+            # the activations K-major: [BLOCK_K, BLOCK_M] in K order, or per parity
+            if INTERLEAVE_K:
+                a = tl.load(a_rows[None, :] + kk[:, None], mask=a_ok, other=0.0)
+                acc_g = tl.dot(_row_major_interleaved(w_even, w_odd), a, acc_g)
+                if SWIGLU:
+                    acc_u = tl.dot(_row_major_interleaved(u_even, u_odd), a, acc_u)
+            else:
+                a_even = tl.load(a_rows[None, :] + kk[:, None], mask=a_ok, other=0.0)
+                a_odd = tl.load(a_rows[None, :] + (kk + 1)[:, None], mask=a_ok, other=0.0)
+                acc_g = tl.dot(w_even, a_even, acc_g)
+                acc_g = tl.dot(w_odd, a_odd, acc_g)
+                if SWIGLU:
+                    acc_u = tl.dot(u_even, a_even, acc_u)
+                    acc_u = tl.dot(u_odd, a_odd, acc_u)
 
         _fp4_store(acc_g, acc_u, gs_ptr, rs_ptr, expert, rows, is_live, cols, is_col, out_ptr,
                    OUT_N, SWIGLU, HAS_GLOBAL, HAS_ROW_SCALE, True)
@@ -487,7 +506,7 @@ def _nvfp4_weight_grouped_mm_kernel(
     HAS_ROW_SCALE: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False,
     FP8_A: tl.constexpr = False,
-    PAIR_LOADS: tl.constexpr = True,
+    INTERLEAVE_K: tl.constexpr = True,
     INTERPRET: tl.constexpr = False,
 ):
     """Every FP4-weight grouped GEMM: bf16 activations with the weights expanded to bf16
@@ -505,19 +524,19 @@ def _nvfp4_weight_grouped_mm_kernel(
             _fp4_fp8_tile(a_ptr, sa_ptr, b_ptr, sb_ptr, gs_ptr, rs_ptr, padded_offsets_ptr,
                           row_offsets_ptr, out_ptr, row_start, pid_n, NUM_EXPERTS,
                           EXPERTS_POW2, K, N, OUT_N, BLOCK_M, BLOCK_N, BLOCK_K, SWIGLU,
-                          SCALE_GROUP, E8M0, HAS_GLOBAL, HAS_ROW_SCALE, PAIR_LOADS,
+                          SCALE_GROUP, E8M0, HAS_GLOBAL, HAS_ROW_SCALE, INTERLEAVE_K,
                           INTERPRET)
         elif SWAP_AB:
             _nvfp4_tile_swapped(a_ptr, b_ptr, sb_ptr, gs_ptr, rs_ptr, padded_offsets_ptr,
                                 row_offsets_ptr, out_ptr, row_start, pid_n, NUM_EXPERTS,
                                 EXPERTS_POW2, K, N, OUT_N, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
                                 SWIGLU, SCALE_GROUP, E8M0, HAS_GLOBAL, HAS_ROW_SCALE,
-                                PAIR_LOADS)
+                                INTERLEAVE_K)
         else:
             _nvfp4_tile(a_ptr, b_ptr, sb_ptr, gs_ptr, rs_ptr, padded_offsets_ptr,
                         row_offsets_ptr, out_ptr, row_start, pid_n, NUM_EXPERTS, EXPERTS_POW2,
                         K, N, OUT_N, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SWIGLU, SCALE_GROUP,
-                        E8M0, HAS_GLOBAL, HAS_ROW_SCALE, PAIR_LOADS)
+                        E8M0, HAS_GLOBAL, HAS_ROW_SCALE, INTERLEAVE_K)
         row_start += num_pid_m * BLOCK_M
 
 
@@ -606,7 +625,7 @@ def _fp4_fp8_tile(
     E8M0: tl.constexpr,
     HAS_GLOBAL: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr,
-    PAIR_LOADS: tl.constexpr,
+    INTERLEAVE_K: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """One ``BLOCK_M x BLOCK_N`` output tile of :func:`nvfp4_weight_fp8_mm` at ``row_start``."""
@@ -616,33 +635,50 @@ def _fp4_fp8_tile(
         padded_offsets_ptr, row_offsets_ptr, expert, row_start
     )
     if num_live > 0:
-        rows, is_live, a_pairs, cols, is_col, g_rows, g_srows, u_rows, u_srows = \
+        rows, is_live, a_rows, cols, is_col, g_rows, g_srows, u_rows, u_srows = \
             _fp4_tile_operands(a_ptr, b_ptr, sb_ptr, expert, act_start, num_live, pid_n, K, N,
                                OUT_N, BLOCK_M, BLOCK_N, SCALE_GROUP)
         sa_rows = sa_ptr + rows * NUM_KG
-        offs_j = tl.arange(0, FP8_K // 2)
+        if INTERLEAVE_K:
+            offs_k = tl.arange(0, FP8_K)
+        else:
+            offs_k = 2 * tl.arange(0, FP8_K // 2)
 
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kg in range(0, NUM_KG):
-            j = kg * (FP8_K // 2) + offs_j
+            kk = kg * FP8_K + offs_k
             # masked rows read zeros and scale 1: their terms are 0 and are never stored
-            a_even, a_odd = _pairs(a_pairs[:, None] + j[None, :], is_live[:, None],
-                                   tl.float8e4nv, PAIR_LOADS)
             sa = tl.load(sa_rows + kg, mask=is_live, other=1.0)
             w_even, w_odd, sw = _weight_tile_fp8(g_rows, g_srows, kg, is_col, BLOCK_N, FP8_K,
                                                  SCALE_GROUP, E8M0)
-            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            part = _fp8_dot_kn(a_even, w_even, part, INTERPRET)
-            part = _fp8_dot_kn(a_odd, w_odd, part, INTERPRET)
-            acc_g += part * (sa[:, None] * sw[None, :])
             if SWIGLU:
                 u_even, u_odd, su = _weight_tile_fp8(u_rows, u_srows, kg, is_col, BLOCK_N,
                                                      FP8_K, SCALE_GROUP, E8M0)
+            if INTERLEAVE_K:
+                a = tl.load(a_rows[:, None] + kk[None, :], mask=is_live[:, None], other=0.0)
+                part = _fp8_dot_kn(a, _k_major_interleaved(w_even, w_odd),
+                                   tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), INTERPRET)
+                acc_g += part * (sa[:, None] * sw[None, :])
+                if SWIGLU:
+                    part = _fp8_dot_kn(a, _k_major_interleaved(u_even, u_odd),
+                                       tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
+                                       INTERPRET)
+                    acc_u += part * (sa[:, None] * su[None, :])
+            else:
+                a_even = tl.load(a_rows[:, None] + kk[None, :], mask=is_live[:, None],
+                                 other=0.0)
+                a_odd = tl.load(a_rows[:, None] + (kk + 1)[None, :], mask=is_live[:, None],
+                                other=0.0)
                 part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                part = _fp8_dot_kn(a_even, u_even, part, INTERPRET)
-                part = _fp8_dot_kn(a_odd, u_odd, part, INTERPRET)
-                acc_u += part * (sa[:, None] * su[None, :])
+                part = _fp8_dot_kn(a_even, w_even, part, INTERPRET)
+                part = _fp8_dot_kn(a_odd, w_odd, part, INTERPRET)
+                acc_g += part * (sa[:, None] * sw[None, :])
+                if SWIGLU:
+                    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    part = _fp8_dot_kn(a_even, u_even, part, INTERPRET)
+                    part = _fp8_dot_kn(a_odd, u_odd, part, INTERPRET)
+                    acc_u += part * (sa[:, None] * su[None, :])
 
         _fp4_store(acc_g, acc_u, gs_ptr, rs_ptr, expert, rows, is_live, cols, is_col, out_ptr,
                    OUT_N, SWIGLU, HAS_GLOBAL, HAS_ROW_SCALE, False)
@@ -843,7 +879,7 @@ def _fp4_weight_grouped_mm(a, b_packed, b_block_scales, b_global, padded_offsets
             b_scales if a_row_scale is None else a_row_scale, padded_offsets, row_offsets, out,
             num_pid_m, SCALE_GROUP=MXFP4_BLOCK if mx else NVFP4_BLOCK, E8M0=mx,
             HAS_GLOBAL=not mx, HAS_ROW_SCALE=a_row_scale is not None,
-            SWAP_AB=config.swap_ab, PAIR_LOADS=config.pair_loads, **kwargs,
+            SWAP_AB=config.swap_ab, INTERLEAVE_K=config.interleave_k, **kwargs,
         )
     return out
 
@@ -934,7 +970,7 @@ def nvfp4_weight_fp8_mm(
             b_scales if a_row_scale is None else a_row_scale, padded_offsets, row_offsets,
             out, num_pid_m, SCALE_GROUP=MXFP4_BLOCK if mx else NVFP4_BLOCK, E8M0=mx,
             HAS_GLOBAL=not mx, HAS_ROW_SCALE=a_row_scale is not None, FP8_A=True,
-            PAIR_LOADS=config.pair_loads, INTERPRET=interpreter_active(), **kwargs,
+            INTERLEAVE_K=config.interleave_k, INTERPRET=interpreter_active(), **kwargs,
         )
     return out
 

@@ -435,8 +435,8 @@ def scaled_grouped_mm(a_q, a_scales, b_q, b_scales, padded_offsets, row_offsets,
     if config.block_k < layout.k_group:
         raise ValueError(f"config.block_k ({config.block_k}) must be at least the K group of "
                          f"the scales ({layout.k_group}, {layout.name})")
-    if config.swap_ab or not config.pair_loads:
-        raise ValueError("config.swap_ab and config.pair_loads=False are for the FP4-weight "
+    if config.swap_ab or not config.interleave_k:
+        raise ValueError("config.swap_ab and config.interleave_k=False are for the FP4-weight "
                          "GEMMs (distmoe.kernels.scaled.nvfp4); the FP8 GEMMs take the "
                          "defaults")
     if rows == 0:
