@@ -22,7 +22,9 @@ Two costs are cut as well, with the same results (:func:`patch_interpreter_neste
   nothing left to patch but costs a large share of a small layer forward on the CPU;
 * ``tl.xor_sum`` (in every compare-and-swap step of ``tl.sort``) falls to the interpreter's
   element-by-element Python reduction; the patch makes it one numpy ``bitwise_xor``
-  reduction, as sums already are.
+  reduction, as sums already are;
+* the numpy dtype of a Triton type is looked up once per type instead of rebuilding the
+  interpreter's table at every load, store and cast.
 """
 
 from __future__ import annotations
@@ -109,9 +111,13 @@ def patch_interpreter_nested_calls() -> None:
     running = []  # one set per running kernel: ids of the language modules it patched
     kept = _KeptScope()
 
+    seen: dict = {}  # function -> ids of the language modules its globals hold
+
     def _patch_lang(fn):
-        langs = {id(v) for v in fn.__globals__.values()
-                 if inspect.ismodule(v) and v in (tl, tl.core)}
+        langs = seen.get(fn)
+        if langs is None:  # a module's imports do not change while kernels run
+            langs = seen[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                         if inspect.ismodule(v) and v in (tl, tl.core))
         if running and langs <= running[-1]:
             return kept
         scope = original_patch(fn)
@@ -125,6 +131,22 @@ def patch_interpreter_nested_calls() -> None:
             return original_grid_call(self, *args, **kwargs)
         finally:
             running.pop()
+
+    # the numpy dtype of a Triton type: the interpreter builds a 20-entry dict on every
+    # call (every load, store, cast and constant); the same answer, looked up once per type
+    original_np_dtype = interp._get_np_dtype
+    np_dtypes: dict = {}
+
+    def _get_np_dtype(tt_dtype):
+        try:
+            return np_dtypes[tt_dtype]
+        except KeyError:
+            value = np_dtypes[tt_dtype] = original_np_dtype(tt_dtype)
+            return value
+        except TypeError:  # an unhashable type: not cached
+            return original_np_dtype(tt_dtype)
+
+    interp._get_np_dtype = _get_np_dtype
 
     original_reduce = interp.ReduceOps.apply_impl
 
