@@ -40,6 +40,7 @@ def _tier_rank(rank, world, seed, device="cpu"):
         with dm.MoEContext(cfg, device=dev) as ctx:
             y = ctx(*args)
             stats = ctx.stats()
+            stats["explain"] = ctx.explain()
             if ctx.scratch_range is not None:
                 last = max(stats["last_recv_rows"] - 1, 0)  # the last executed row's h2
                 stats["last_row_tier"] = ctx.scratch_range.location_of(last * F * 2)
@@ -64,6 +65,8 @@ def _check(per_rank, world, seed):
         if s["last_recv_rows"] * F * 2 > tiers["device"]:
             assert s["last_row_tier"] == "host"
         assert s["first_row_tier"] == "device"
+        assert (f"receive bound: {s['receive_bound']} rows, h2 scratch of the first "
+                f"{s['device_rows']} in device memory") in s["explain"]
         y_all, s_all = r["all_device"]
         assert s_all["dropped_rows"] == 0 and "scratch_tiers" not in s_all
         assert torch.equal(y, y_all), "the host tier changed a bit"

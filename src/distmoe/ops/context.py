@@ -1017,6 +1017,11 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
                     "reduce-scatter; distmoe.ops.transport)\n"
                     + self.inner.explain(None if tokens is None else tokens * nodes))
         text = f"transport: {self.transport}\n" + self.plan.describe(self.cfg, tokens)
+        if self.scratch_range is not None:
+            tiers = self.scratch_range.tier_bytes
+            text += (f"\nreceive bound: {self.receive_bound} rows, h2 scratch of the first "
+                     f"{self.device_rows} in device memory ({tiers['device']:,} B), the rest "
+                     f"in pinned host pages ({tiers['host']:,} B; total_scratch_factor)")
         if self._lowp is not None:
             text += "\n" + self._describe_lowp()
         return text
