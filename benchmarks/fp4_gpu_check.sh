@@ -17,18 +17,10 @@
 # The numbers decide rules.fp4_weight_gemm's fp4_swap_rows and fp4_fp8_operands'
 # fp4_fp8_min_rows (plan/thresholds.py), both off until then, and whether
 # ScaledGemmConfig.interleave_k stays on (the sweep's <variant>_split rows).
-set -u
-BUDGET=${1:-560}
-OUT=${OUT:-./out}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-S=$(date +%s); el() { echo $(( $(date +%s) - S )); }
-nvidia-smi -L | tee "$OUT/nvidia-smi.txt"
-echo "== tests $(el)s"
-timeout -k 5 180 python -m pytest -q -m gpu -p no:cacheprovider --timeout 120 -rfE \
-  tests/kernels/scaled/test_nvfp4_weight_mm.py tests/kernels/scaled/test_nvfp4_fp8_mm.py \
-  tests/quant/test_wide_grids.py tests/ops/test_nvfp4_forward.py > "$OUT/tests.log" 2>&1
-grep -E "passed|failed|FAILED|Error" "$OUT/tests.log" | tail -20
+source benchmarks/gpu_check_lib.sh
+gpu_tests 180 tests/kernels/scaled/test_nvfp4_weight_mm.py \
+  tests/kernels/scaled/test_nvfp4_fp8_mm.py tests/quant/test_wide_grids.py \
+  tests/ops/test_nvfp4_forward.py
 echo "== FP4 GEMM configs $(el)s"
 for spec in "--rows 8 --k 4096 --n 4096" "--rows 32768 --experts 128 --k 2048 --n 1536"; do
   name=$(echo "$spec" | tr -d ' -')

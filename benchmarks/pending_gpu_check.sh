@@ -13,18 +13,9 @@
 # 3. issue 66's decode case (T = 64 at dense-e32, forward): eager against graph replay and
 #    the share of the copy rate (the bench's HBM column against its ceilings).
 # Every step runs even after a failure; step 2 gets what step 1 leaves, less step 3's share.
-set -u
-BUDGET=${1:-560}
-OUT=${OUT:-./out}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-S=$(date +%s); el() { echo $(( $(date +%s) - S )); }
-nvidia-smi -L | tee "$OUT/nvidia-smi.txt"
-echo "== tests $(el)s"
-timeout -k 5 200 python -m pytest -q -m gpu -p no:cacheprovider --timeout 150 -rfE \
-  tests/ops/test_training_graphs_gpu.py tests/runtime/test_vmm.py \
-  tests/ops/test_slot_selection_gpu.py tests/ops/test_host_tier.py > "$OUT/tests.log" 2>&1
-grep -E "passed|failed|FAILED|Error" "$OUT/tests.log" | tail -20
+source benchmarks/gpu_check_lib.sh
+gpu_tests 200 tests/ops/test_training_graphs_gpu.py tests/runtime/test_vmm.py \
+  tests/ops/test_slot_selection_gpu.py tests/ops/test_host_tier.py
 echo "== suite shapes, eager and graph, distmoe and torch $(el)s"
 timeout -k 5 $(( BUDGET - $(el) - 90 )) python -m distmoe bench --providers distmoe torch \
   --routing sampled --timing both --mode both --no-plots --out "$OUT/suite" 2>&1 \
