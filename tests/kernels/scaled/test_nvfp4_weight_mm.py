@@ -258,6 +258,37 @@ def test_split_k_form_within_bound(form):
         _run_case(case, config=cfg, mx=form == "mxfp4")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_scales_off_a_word_boundary(device):
+    """Block scales that start off a 4-byte boundary (a view into a larger buffer): the
+    kernel reads scale rows as 4-byte words, so the launcher hands it an aligned copy (on a
+    GPU a misaligned word load faults; the interpreter would read it like x86); the output
+    is the aligned scales' output, bit for bit."""
+    from distmoe.kernels.scaled.nvfp4 import check_nvfp4_weight_grouped_mm_args
+
+    counts, k, n = (5, 0, 19), 128, 64
+    padded_offsets, row_offsets = (t.to(device) for t in _layout(counts, 32))
+    a, packed, scales, s_g = _operands(sum(counts), k, len(counts), n, device)
+    raw = scales.view(torch.uint8)
+    buffer = torch.empty(raw.numel() + 1, dtype=torch.uint8, device=device)
+    buffer[1:] = raw.flatten()
+    shifted = buffer[1:].view(raw.shape).view(scales.dtype)
+    assert shifted.data_ptr() % 4 == 1
+    out = torch.empty(sum(counts), n, dtype=torch.bfloat16, device=device)
+    given = check_nvfp4_weight_grouped_mm_args(a, packed, shifted, s_g, padded_offsets,
+                                               row_offsets, out, swiglu=False, mx=False)[1]
+    assert given.data_ptr() % 4 == 0 and torch.equal(given, raw)
+    cfg = ScaledGemmConfig(block_m=32, block_n=32, block_k=64, num_warps=4, num_stages=2)
+    outs = []
+    for sc in (scales, shifted):
+        out = torch.full((sum(counts), n), float("nan"), dtype=torch.bfloat16, device=device)
+        nvfp4_weight_grouped_mm(a, packed, sc, s_g, padded_offsets, row_offsets, out,
+                                config=cfg)
+        outs.append(out)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    assert not outs[0][:5].isnan().any()
+
+
 def test_decoded_weights_exact_in_bf16():
     # the range argument: every E2M1 value (2 significant bits, 0.5 to 6) times every finite
     # E4M3 scale (at most 4 significant bits, 2^-9 to 448) has at most 6 significant bits and

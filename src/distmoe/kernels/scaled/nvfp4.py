@@ -776,7 +776,12 @@ def check_nvfp4_weight_grouped_mm_args(
     check_tensor("out", out, dtypes=(torch.bfloat16,), shape=[rows, out_n],
                  shape_text="[R, F = N/2] (swiglu)" if swiglu else "[R, N]")
     check_devices(named, for_kernel=for_kernel)
-    return b_packed, b_block_scales.view(torch.uint8), rows, k, num_experts, n
+    scales = b_block_scales.view(torch.uint8)
+    if for_kernel and scales.data_ptr() % 4:
+        # the kernels read whole rows of scales as 4-byte words (_block_scale_tile): a view
+        # that starts off a word boundary is copied to one that does (the same bytes)
+        scales = scales.clone()
+    return b_packed, scales, rows, k, num_experts, n
 
 
 def nvfp4_weight_config(*, k: int, n: int, swiglu: bool = False,
