@@ -247,7 +247,6 @@ class MoEContext:
         if main_grad and not cfg.training:
             raise ValueError("main_grad=True needs a training context (cfg.training=True): "
                              "it says where the weight gradients go")
-        _check_host_tier(cfg)
         if device is not None:
             try:
                 kind = torch.device(device).type
@@ -262,11 +261,7 @@ class MoEContext:
         #: "peer" (every rank maps every other's memory), "nccl" or "hierarchical"
         #: (:mod:`distmoe.ops.transport`)
         self.transport, node_size = resolve_transport(transport, group, node_size)
-        if cfg.total_scratch_factor is not None and self.transport != "peer":
-            raise ValueError(f"total_scratch_factor ({cfg.total_scratch_factor:g}): "
-                             "host-backed (VMM) scratch needs the peer transport, this "
-                             f"context resolved {transport!r} to {self.transport!r}; leave it "
-                             "None")
+        _check_host_tier(cfg, transport, self.transport)
         #: this context's number in traced graphs (:mod:`distmoe.ops.custom_ops`)
         self.op_number = context_id(self)
         if self.transport in ("nccl", "hierarchical"):
@@ -933,11 +928,11 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
             out["graphs"] = self.graphs.stats()
         return out
 
-    def _bound_factor(self) -> str:
-        """``"<name> <value>"`` of the factor that sets :attr:`receive_bound`."""
+    def _bound_factor(self) -> tuple[str, float]:
+        """The name and value of the config factor that sets :attr:`receive_bound`."""
         if self.cfg.total_scratch_factor is not None:
-            return f"total_scratch_factor {self.cfg.total_scratch_factor:g}"
-        return f"device_scratch_factor {self.cfg.device_scratch_factor:g}"
+            return "total_scratch_factor", self.cfg.total_scratch_factor
+        return "device_scratch_factor", self.cfg.device_scratch_factor
 
     def _check_bound(self, y: torch.Tensor) -> None:
         """``check`` mode, after a call: whether any rank saw invalid ids or dropped routes
@@ -954,13 +949,14 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
             problem = ("ValueError", f"rank {self.rank}: {invalid} expert ids outside "
                        f"[-1, {self.cfg.num_experts}) were seen (treated as inactive)")
         elif s["last_recv_rows"] > self.receive_bound or dropped:
+            factor, value = self._bound_factor()
             problem = ("RuntimeError",
                        f"rank {self.rank} received {s['last_recv_rows']} rows, above its "
-                       f"receive bound of {self.receive_bound} rows ({self._bound_factor()} "
+                       f"receive bound of {self.receive_bound} rows ({factor} {value:g} "
                        f"x T_max*K {self.cfg.balanced_rows}, at most EP*T_max*min(K, "
                        f"E_local) = {self.cfg.max_possible_rows(self.ep_size)}); "
-                       f"{dropped} routes were not executed. Raise "
-                       f"{self._bound_factor().split()[0]}, up to that maximum.")
+                       f"{dropped} routes were not executed. Raise {factor}, up to that "
+                       "maximum.")
         outcomes = gather_objects(problem, self.group, self.ep_size)
         bad = [(r, o) for r, o in enumerate(outcomes) if o is not None]
         if not bad:
@@ -1066,14 +1062,19 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
         self.close()
 
 
-def _check_host_tier(cfg: MoEConfig) -> None:
+def _check_host_tier(cfg: MoEConfig, asked: str, resolved: str) -> None:
     """ValueError where ``cfg.total_scratch_factor`` asks for host-backed scratch that this
-    context cannot give: it serves bf16 inference (its one row-sized scratch, h2, is this
-    rank's own). A training context's scratch rows and slots are written by peers (route
-    gradients, returned routes), and host-backed VMM pages cannot be shared with them; the
-    low-precision scratch is device memory."""
+    context cannot give: it serves bf16 inference on the peer transport (its one row-sized
+    scratch, h2, is this rank's own; ``asked`` / ``resolved``: the transport argument and
+    what it resolved to). A training context's scratch rows and slots are written by peers
+    (route gradients, returned routes), and host-backed VMM pages cannot be shared with
+    them; the low-precision scratch is device memory."""
     if cfg.total_scratch_factor is None:
         return
+    if resolved != "peer":
+        raise ValueError(f"total_scratch_factor ({cfg.total_scratch_factor:g}): host-backed "
+                         "(VMM) scratch needs the peer transport, this context resolved "
+                         f"{asked!r} to {resolved!r}; leave it None")
     why = None
     if cfg.training:
         why = ("a training context's scratch rows and slots are written by its peers, and "

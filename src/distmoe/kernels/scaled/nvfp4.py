@@ -287,6 +287,17 @@ def _fp4_tile_operands(a_ptr, b_ptr, sb_ptr, expert, act_start, num_live, pid_n,
 
 
 @triton.jit
+def _step_columns(STEP_K: tl.constexpr, INTERLEAVE_K: tl.constexpr):
+    """The activation columns a K step of ``STEP_K`` values loads, from the step's start:
+    all of them in K order (``INTERLEAVE_K``: the decoded weights interleaved to match), or
+    the even ones (the odd ones are these plus 1), matching the weights' parity tiles."""
+    if INTERLEAVE_K:
+        return tl.arange(0, STEP_K)
+    else:
+        return 2 * tl.arange(0, STEP_K // 2)
+
+
+@triton.jit
 def _k_major_interleaved(even, odd):
     """``[2 H, n]`` from the ``[H, n]`` tiles of the values at even and odd K (row ``2 j + p``
     holding row ``j`` of the parity ``p`` tile): the decoded weights in K order, one dot
@@ -343,12 +354,7 @@ def _nvfp4_tile(
         rows, is_live, a_rows, cols, is_col, g_rows, g_srows, u_rows, u_srows = \
             _fp4_tile_operands(a_ptr, b_ptr, sb_ptr, expert, act_start, num_live, pid_n, K, N,
                                OUT_N, BLOCK_M, BLOCK_N, SCALE_GROUP)
-        # INTERLEAVE_K: the activation tile in K order, the decoded weights interleaved to
-        # match; else the activation's K split by parity, matching the even / odd halves
-        if INTERLEAVE_K:
-            offs_k = tl.arange(0, BLOCK_K)
-        else:
-            offs_k = 2 * tl.arange(0, BLOCK_K // 2)
+        offs_k = _step_columns(BLOCK_K, INTERLEAVE_K)
 
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -440,10 +446,7 @@ def _nvfp4_tile_swapped(
         rows, is_live, a_rows, cols, is_col, g_rows, g_srows, u_rows, u_srows = \
             _fp4_tile_operands(a_ptr, b_ptr, sb_ptr, expert, act_start, num_live, pid_n, K, N,
                                OUT_N, BLOCK_M, BLOCK_N, SCALE_GROUP)
-        if INTERLEAVE_K:
-            offs_k = tl.arange(0, BLOCK_K)
-        else:
-            offs_k = 2 * tl.arange(0, BLOCK_K // 2)
+        offs_k = _step_columns(BLOCK_K, INTERLEAVE_K)
 
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -639,10 +642,7 @@ def _fp4_fp8_tile(
             _fp4_tile_operands(a_ptr, b_ptr, sb_ptr, expert, act_start, num_live, pid_n, K, N,
                                OUT_N, BLOCK_M, BLOCK_N, SCALE_GROUP)
         sa_rows = sa_ptr + rows * NUM_KG
-        if INTERLEAVE_K:
-            offs_k = tl.arange(0, FP8_K)
-        else:
-            offs_k = 2 * tl.arange(0, FP8_K // 2)
+        offs_k = _step_columns(FP8_K, INTERLEAVE_K)
 
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
