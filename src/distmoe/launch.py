@@ -11,8 +11,9 @@ exits when the launching process is gone, and a rank's ``sys.exit`` is reported 
 ``RankFailed`` rather than ending the launching program.
 
 Ranks start from a fork server (where the platform has one; else spawn) that imported torch
-once, when the process's first launch started it: a rank starts in well under a second where
-a spawned one spends about 3 s of CPU importing torch again. Each rank still gets the
+(and, where kernels run in Triton's interpreter, triton and distmoe) once, when the process's
+first launch started it: a rank starts in well under a second where a spawned one spends
+about 3 s of CPU importing torch again. Each rank still gets the
 launching process's environment as it is at that launch (``OMP_NUM_THREADS`` sets torch's
 CPU threads, as at a torch import), except what torch's libraries read only while being
 imported: for that, the environment of the first launch holds. ``fn`` and ``args`` travel by
@@ -35,6 +36,7 @@ from typing import Any, Literal
 import torch
 import torch.multiprocessing as mp
 
+from .kernels.base.interpreter import interpreter_active
 from .runtime.cpu_shm import PREFIX_ENV, SHM_DIR
 
 
@@ -140,8 +142,15 @@ def _rank_context():
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
+    preload = ["torch", "torch.distributed"]
+    if interpreter_active():
+        # Ranks running kernels through Triton's interpreter also get triton and distmoe from
+        # the server (their imports cost a rank 1-2 s of CPU). Only there: importing distmoe
+        # without TRITON_INTERPRET set asks torch whether CUDA exists, which initialises the
+        # driver, and a process forked after that cannot use CUDA.
+        preload += ["triton", "distmoe"]
     # effective only before the server starts (the first launch in this process)
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    ctx.set_forkserver_preload(preload)
     return ctx
 
 
