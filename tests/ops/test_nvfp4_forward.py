@@ -48,9 +48,9 @@ def _problem(seed, EP, T, E, K, case, dims=(D, F)):
     return make_problem(seed, EP, T, dims[0], dims[1], E, K, case)
 
 
-def _cfg(E, T_, factor, dims=(D, F), K_=K):
+def _cfg(E, T_, factor, dims=(D, F), K_=K, row_block=16):
     return dm.MoEConfig(hidden=dims[0], ffn=dims[1], num_experts=E, top_k=K_, max_tokens=T_,
-                        precision="nvfp4", training=False, row_block=16,
+                        precision="nvfp4", training=False, row_block=row_block,
                         device_scratch_factor=factor)
 
 
@@ -92,11 +92,12 @@ def _refusals(dev, E):
 
 
 def _nvfp4_rank(rank, world, seed, T_, E, K_, cases, factors, device="cpu", check=True,
-                dims=(D, F), pull_all=None, fp8_operands=None):
+                dims=(D, F), pull_all=None, fp8_operands=None, row_block=16):
     """Per case: (y, stats, second call equal) of this rank's NVFP4 context with
     ``device_scratch_factor = factors[case]`` (unchecked where below the world size: the
     receive bound is then exceeded on purpose); at EP 1 also the refusals. ``pull_all``:
-    force how peer rows are copied (every peer row at once, or the named ones)."""
+    force how peer rows are copied (every peer row at once, or the named ones). The stats
+    carry ``swapped``: whether the plan gave both GEMMs transposed tiles."""
     dev = torch.device(device) if device == "cpu" else torch.device(
         "cuda", torch.cuda.current_device())
     out = []
@@ -107,7 +108,7 @@ def _nvfp4_rank(rank, world, seed, T_, E, K_, cases, factors, device="cpu", chec
         # round_trip; far faster under the interpreter), the kernel on a GPU
         w13p, w2p = prepare_weights(mine.w13.to(dev), mine.w2.to(dev), "nvfp4",
                                     reference=device == "cpu")
-        cfg = _cfg(E, T_, factors[case], dims, K_)
+        cfg = _cfg(E, T_, factors[case], dims, K_, row_block)
         layer = {k: v for k, v in (("pull_all", pull_all), ("fp8_operands", fp8_operands))
                  if v is not None}
         overrides = {"layer": layer} if layer else None
@@ -117,6 +118,7 @@ def _nvfp4_rank(rank, world, seed, T_, E, K_, cases, factors, device="cpu", chec
             y = ctx(*args, w13p, w2p)
             y2 = ctx(*args, w13p, w2p)  # buffer reuse is clean: the same bits
             stats = ctx.stats()
+            stats["swapped"] = ctx._lowp.w13_config.swap_ab and ctx._lowp.w2_config.swap_ab
             assert ctx.graphs is None, "NVFP4 contexts run eagerly"
             assert (ctx._lowp.fp8 is not None) == bool(fp8_operands), "the planned operands"
         out.append((y.cpu(), stats, torch.equal(y.view(torch.int16), y2.view(torch.int16))))
@@ -340,6 +342,23 @@ def test_nvfp4_forward_against_both_references(EP, E):
         _check_refusals(results[0][1])
 
 
+@pytest.mark.parametrize("EP", [1, 2])
+def test_decode_plan_with_transposed_tiles_within_both_references(EP):
+    """A decode-sized layer (rows per expert below the plan's ``fp4_swap_rows``, padding
+    multiple 32) runs both GEMMs on transposed tiles (decoded weights as the MMA's M side),
+    within the same references and bounds as the padded tiles."""
+    seed, E, case = 71 + EP, 8, "imbalance_8x"
+    results = dm.launch(_swap_rank, EP, args=(seed, E, case))
+    y = torch.cat([r[0][0][0] for r in results])
+    assert all(r[0][0][1]["swapped"] and r[0][0][2] for r in results)
+    bound = _cfg(E, T, 1.0 * EP, row_block=32).receive_bound(EP)
+    _check_case(y, seed, EP, T, E, K, case, bound)
+
+
+def _swap_rank(rank, world, seed, E, case):
+    return _nvfp4_rank(rank, world, seed, T, E, K, [case], {case: 1.0 * world}, row_block=32)
+
+
 def test_packed_rows_pulled_at_once_or_as_named_give_the_same_bits():
     """EP = 2: the packed rows copied from every peer at once (copy engines, their packed
     bytes only) or as the tables name them give the same bits, within both references."""
@@ -467,17 +486,20 @@ def test_prepare_weights_refusals():
 
 
 @pytest.mark.gpu
-def test_nvfp4_forward_gpu():
-    """One GPU at a moderate shape (EP = 1, T = 512, D = 512, F = 256, E = 16, K = 4): both
-    references, with the GPU margin on the fp32 summation terms (a model to confirm)."""
-    T_, E, K_, dims = 512, 16, 4, (512, 256)
+@pytest.mark.parametrize("T_, row_block", [(512, 16), (16, 128)], ids=["padded", "decode"])
+def test_nvfp4_forward_gpu(T_, row_block):
+    """One GPU at a moderate shape (EP = 1, T = 512, D = 512, F = 256, E = 16, K = 4), and at
+    decode (T = 16, 128-row padding: the plan's transposed tiles): both references, with the
+    GPU margin on the fp32 summation terms (a model to confirm)."""
+    E, K_, dims = 16, 4, (512, 256)
     cases = ["balanced", "imbalance_8x", "inactive_mix"]
     out, _ = _nvfp4_rank(0, 1, 7, T_, E, K_, cases, {c: 1.0 for c in cases}, device="cuda",
-                         dims=dims)
-    bound = _cfg(E, T_, 1.0, dims, K_).receive_bound(1)
+                         dims=dims, row_block=row_block)
+    bound = _cfg(E, T_, 1.0, dims, K_, row_block).receive_bound(1)
     for i, case in enumerate(cases):
         y, stats, same = out[i]
         assert same and stats["dropped_rows"] == 0, case
+        assert stats["swapped"] == (T_ * K_ // E < 32), case
         _check_case(y, 7, 1, T_, E, K_, case, bound, sum_factor=GPU_SUM_FACTOR, dims=dims)
 
 

@@ -122,18 +122,21 @@ def test_threshold_tables_have_reasons_and_evidence():
 def test_fp4_weight_gemm_swaps_tiles_at_decode_only():
     from distmoe.plan import rules
 
-    # the threshold (0: off until measured on a GPU) keeps the padded tiles at its line
     line = thresholds("h100").value("fp4_swap_rows")
+    assert line > 0  # measured (run 76): on at decode
+    decode = rules.fp4_weight_gemm(k=4096, n=4096, swiglu=True, block_m=128,
+                                   rows_per_expert=line - 1, device_class="h100")
+    assert decode.swap_ab and decode.block_m == 32 and 128 % decode.block_m == 0
     kept = rules.fp4_weight_gemm(k=4096, n=4096, swiglu=True, block_m=128,
                                  rows_per_expert=line, device_class="h100")
     assert not kept.swap_ab and kept.block_m == 128
-    # the rule's two sides at the candidate line
-    decode = rules.fp4_weight_gemm(k=4096, n=4096, swiglu=True, block_m=128,
-                                   rows_per_expert=63, swap_rows=64)
-    assert decode.swap_ab and decode.block_m == 16 and 128 % decode.block_m == 0
-    prefill = rules.fp4_weight_gemm(k=4096, n=4096, swiglu=True, block_m=128,
-                                    rows_per_expert=64, swap_rows=64)
-    assert not prefill.swap_ab and prefill.block_m == 128
+    # a padding multiple the transposed tile does not divide keeps the padded tiles
+    odd = rules.fp4_weight_gemm(k=4096, n=4096, swiglu=True, block_m=16,
+                                rows_per_expert=1, device_class="h100")
+    assert not odd.swap_ab and odd.block_m == 16
+    # an explicit line
+    assert not rules.fp4_weight_gemm(k=4096, n=4096, block_m=128, rows_per_expert=1,
+                                     swap_rows=0).swap_ab
 
 
 def test_fp8_operands_override_needs_128_multiples():

@@ -314,14 +314,16 @@ def fp4_weight_gemm(*, k: int, n: int, swiglu: bool = False, block_m: int,
                     swap_rows: int | None = None) -> ScaledGemmConfig:
     """The FP4-weight grouped GEMM's config (NVFP4 / MXFP4 inference, bf16 activations):
     below ``swap_rows`` rows per expert (default: the ``fp4_swap_rows`` threshold; decode),
-    transposed tiles (``swap_ab``) of 16 token rows by 128 weight rows, K in steps of 128:
-    a 128-row tile would spend 8x the tensor-core work of its few live rows while the
-    weights, at a quarter of bf16's bytes, stream 4x faster; else
-    :meth:`ScaledGemmConfig.for_widths` at the padding multiple ``block_m``."""
+    transposed tiles (``swap_ab``) of 32 token rows by 64 weight rows, K in steps of 128, one
+    warpgroup: the decoded weights feed the MMA from registers and a few tokens fill its N
+    side, where a 128-row tile would spend 16x the tensor-core work of its live rows and
+    hold fewer programs per SM (the sweep of docs/performance.md run 76: 2.1x faster at
+    8 rows); else :meth:`ScaledGemmConfig.for_widths` at the padding multiple ``block_m``
+    (which the transposed tile's 32 rows must divide)."""
     if swap_rows is None:
         swap_rows = thresholds(device_class).value("fp4_swap_rows")
-    if rows_per_expert < swap_rows and block_m % 16 == 0:
-        return ScaledGemmConfig(block_m=16, block_n=128, block_k=128, num_warps=8,
+    if rows_per_expert < swap_rows and block_m % 32 == 0:
+        return ScaledGemmConfig(block_m=32, block_n=64, block_k=128, num_warps=4,
                                 num_stages=3, group_m=1, swap_ab=True)
     return ScaledGemmConfig.for_widths(k=k, n=n, swiglu=swiglu, block_m=block_m)
 

@@ -981,16 +981,21 @@ def lowp_kernel_cases() -> list[BuildCase]:
                      SWAP_AB=False, INTERLEAVE_K=False),
                 cfg.num_warps, cfg.num_stages,
                 types={"b_ptr": "*u8", "sb_ptr": "*u8", "gs_ptr": "*fp32", "rs_ptr": "*fp32"}))
-        # the transposed tile (config.swap_ab: decoded weights as the dot's first operand),
-        # 16 decode rows and 128 weight rows per tile
+        # the transposed tile (config.swap_ab: decoded weights as the dot's first operand)
+        # as the plan picks it at decode
+        swap = rules.fp4_weight_gemm(k=k, n=n, swiglu=swiglu, block_m=128, rows_per_expert=1,
+                                     device_class="h100")
+        assert swap.swap_ab, swap
         cases.append(BuildCase(
             f"{'mxfp4' if mx else 'nvfp4'} weights swapped {name}",
             nvfp4._nvfp4_weight_grouped_mm_kernel,
             dict(NUM_EXPERTS=E, EXPERTS_POW2=next_power_of_2(E), K=k, N=n, OUT_N=out_n,
-                 BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, EVEN_K=True, SWIGLU=swiglu,
+                 BLOCK_M=swap.block_m, BLOCK_N=swap.block_n, BLOCK_K=swap.block_k,
+                 GROUP_M=swap.group_m, EVEN_K=k % swap.block_k == 0, SWIGLU=swiglu,
                  SCALE_GROUP=32 if mx else 16, E8M0=mx, HAS_GLOBAL=not mx,
                  HAS_ROW_SCALE=False, SWAP_AB=True),
-            8, 3, types={"b_ptr": "*u8", "sb_ptr": "*u8", "gs_ptr": "*fp32", "rs_ptr": "*fp32"}))
+            swap.num_warps, swap.num_stages,
+            types={"b_ptr": "*u8", "sb_ptr": "*u8", "gs_ptr": "*fp32", "rs_ptr": "*fp32"}))
         # the same weights on FP8 operands (1 x 128 FP8 rows, E4M3-expanded weights)
         cfg = nvfp4.fp4_weight_fp8_config(k=k, n=n, swiglu=swiglu)
         cases.append(BuildCase(
