@@ -317,9 +317,9 @@ def fp4_weight_gemm(*, k: int, n: int, swiglu: bool = False, block_m: int,
     transposed tiles (``swap_ab``) of 32 token rows by 64 weight rows, K in steps of 128, one
     warpgroup: the decoded weights feed the MMA from registers and a few tokens fill its N
     side, where a 128-row tile would spend 16x the tensor-core work of its live rows and
-    hold fewer programs per SM (the sweep of docs/performance.md run 76: 2.1x faster at
-    8 rows); else :meth:`ScaledGemmConfig.for_widths` at the padding multiple ``block_m``
-    (which the transposed tile's 32 rows must divide)."""
+    hold fewer programs per SM (measured: the threshold's row); else
+    :meth:`ScaledGemmConfig.for_widths` at the padding multiple ``block_m`` (which the
+    transposed tile's 32 rows must divide)."""
     if swap_rows is None:
         swap_rows = thresholds(device_class).value("fp4_swap_rows")
     if rows_per_expert < swap_rows and block_m % 32 == 0:

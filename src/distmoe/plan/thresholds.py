@@ -155,15 +155,14 @@ _H100 = Thresholds(
     fp4_swap_rows=_row(
         32,
         "FP4-weight GEMMs below this many rows per expert compute transposed tiles of 32 "
-        "token rows (decoded weights as the MMA's M side) instead of 128-row tiles: 2.1x "
-        "faster at 8 rows, 4% slower at 256 (the line between not measured: one transposed "
-        "tile holds the rows)",
+        "token rows (decoded weights as the MMA's M side) instead of 128-row tiles: faster "
+        "at decode, slightly slower at prefill (the line between not measured: where one "
+        "transposed tile holds an expert's rows)",
         "run-76"),
     fp4_fp8_min_rows=_row(
         2**31,
         "FP4-weight layers from this many rows per expert run on FP8 operands; never: the "
-        "bf16 operands were faster at the layer (qwen3-30b-a3b prefill 2.12 against 3.25 ms) "
-        "and at the GEMM at decode and prefill",
+        "bf16 operands were faster at the layer and at the GEMM, at decode and prefill",
         "run-76"),
 )
 
