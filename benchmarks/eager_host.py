@@ -17,8 +17,9 @@ shape and mode (``fwd``: inference forward; ``fwdbwd``: training forward + backw
 
 Providers: ``distmoe`` (the context's own graphs on, the default), ``distmoe-nog``
 (``MoEContext(..., graphs=False)``: every call through the launch path), in training
-``distmoe-mg`` (``main_grad=True``: weight gradients added into fp32 ``main_grad`` buffers)
-and ``torch`` (the
+``distmoe-mg`` (``main_grad=True``: weight gradients added into fp32 ``main_grad`` buffers),
+``distmoe-wb`` (``TrainingGraphs.whole_backward``: one graph of the whole backward per
+weight-gradient outputs, not three) and ``torch`` (the
 grouped-GEMM baseline of :mod:`distmoe.tools.bench.baseline`). Results go to stdout and,
 with ``--out``, to ``eager_host.json`` with the GPU, versions, date and command.
 """
@@ -181,6 +182,9 @@ def main(argv=None) -> int:
                     w.main_grad = torch.zeros_like(w, dtype=torch.float32)
                 ctxs.append(dm.MoEContext(cfg, device=dev, main_grad=True))
                 providers["distmoe-mg"] = ctxs[2]
+                ctxs.append(dm.MoEContext(cfg, device=dev))
+                ctxs[3].graphs.whole_backward = True
+                providers["distmoe-wb"] = ctxs[3]
             if args.cprofile:
                 _cprofile(_step_fn(ctxs[0], inputs, training), args.cprofile,
                           f"{name} {mode}", args.out)

@@ -14,9 +14,9 @@
 #    bf16 operands, the transposed tile (swap_ab), FP8 operands, against torch._grouped_mm;
 # 3. the NVFP4 layer at decode beside bf16 (issue 59: 2.5x faster at T <= 32, 70% of copy);
 # 4. the NVFP4 layer at prefill with FP8 operands against its plan (ab, interleaved).
-# The numbers decide rules.fp4_weight_gemm's fp4_swap_rows and fp4_fp8_operands'
-# fp4_fp8_min_rows (plan/thresholds.py), both off until then, and whether
-# ScaledGemmConfig.interleave_k stays on (the sweep's <variant>_split rows).
+# Run 76 set fp4_swap_rows and fp4_fp8_min_rows (plan/thresholds.py) and kept
+# ScaledGemmConfig.interleave_k on from these numbers; rerun it after a change to the FP4
+# GEMMs (the sweep's <variant>_split rows time the split-K form).
 source benchmarks/gpu_check_lib.sh
 gpu_tests 180 tests/kernels/scaled/test_nvfp4_weight_mm.py \
   tests/kernels/scaled/test_nvfp4_fp8_mm.py tests/quant/test_wide_grids.py \

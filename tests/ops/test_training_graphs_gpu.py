@@ -41,7 +41,7 @@ def _step(ctx, weights, inputs, gys):
     return [y.detach() for y in outs] + list(grads)
 
 
-def _graphs_rank(rank, world, Ts, mode):
+def _graphs_rank(rank, world, Ts, mode, whole=False):
     dev = torch.device("cuda", torch.cuda.current_device())
     main_grad = mode.endswith("main_grad")
     cfg = _cfg(world, max(Ts), mode.removesuffix("_main_grad"))
@@ -49,6 +49,7 @@ def _graphs_rank(rank, world, Ts, mode):
     with dm.MoEContext(cfg, device=dev, main_grad=main_grad) as fast, \
             dm.MoEContext(cfg, device=dev, graphs=False, main_grad=main_grad) as slow:
         assert fast.graphs is not None and slow.graphs is None
+        fast.graphs.whole_backward = whole
         weights = {fast: [], slow: []}  # the same values, main_grad buffers of their own
         for i in range(LAYERS):
             p = split_global_problem(*make_problem(100 + i, world, max(Ts), D, F, E, K,
@@ -86,12 +87,13 @@ def _graphs_rank(rank, world, Ts, mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("whole", [False, True], ids=["three_parts", "whole_backward"])
 @pytest.mark.parametrize("mode", ["save", "replay", "save_main_grad"])
 @pytest.mark.parametrize("EP", [1, 2])
-def test_graphed_training_calls_give_the_eager_bits(EP, mode):
+def test_graphed_training_calls_give_the_eager_bits(EP, mode, whole):
     Ts = (64, 200)
     for results, stats, depth in dm.launch(_graphs_rank, EP, device="cuda", gpus=[0],
-                                           timeout=600, args=(Ts, mode)):
+                                           timeout=600, args=(Ts, mode, whole)):
         for step, T, same, finite in results:
             assert finite and same, (step, T, mode)
         keys = len(Ts) * LAYERS  # token counts x layers in the slot
@@ -101,8 +103,11 @@ def test_graphed_training_calls_give_the_eager_bits(EP, mode):
         # eager. The main_grad buffers never move: graphed from the second call of a key on.
         # New .grad tensors land where torch's caching allocator puts them (the eager
         # context's calls interleave here), so their count is bounded, not predicted.
+        # With whole_backward those addresses get a graph of the whole backward instead.
+        graphed = stats["whole_backward_graphs" if whole else "weight_graphs"]
+        assert stats["whole_backward_graphs" if not whole else "weight_graphs"] == 0, stats
         if mode.endswith("main_grad"):
-            assert stats["weight_graphs"] == keys, stats
-        assert stats["weight_graphs"] <= TrainingGraphs.max_weight_graphs * keys, stats
-        assert stats["captures"] == 2 * keys + stats["weight_graphs"], stats
+            assert graphed == keys, stats
+        assert graphed <= TrainingGraphs.max_weight_graphs * keys, stats
+        assert stats["captures"] == 2 * keys + graphed, stats
         assert depth == [0] * len(depth), depth  # every layer left its slot

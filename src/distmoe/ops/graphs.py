@@ -37,7 +37,9 @@ per call, because autograd keeps them as ``.grad`` (a static output would have t
 copied, a full weight's bytes): their graph is keyed by the new tensors' addresses, which
 torch's caching allocator gives again in a steady training loop; a call whose tensors land
 elsewhere launches those two kernels eagerly (an address seen twice gets a graph, at most
-:attr:`TrainingGraphs.max_weight_graphs` per key). A key's backward is captured once a
+:attr:`TrainingGraphs.max_weight_graphs` per key; with :attr:`TrainingGraphs.whole_backward`
+such an address gets one graph of the whole backward instead, replayed alone). A key's
+backward is captured once a
 backward of that key ran eagerly (its kernels compiled), from a forward replayed from its
 graph. The same bits as the eager calls: the same kernels, configs and values. Memory: the
 saved tensors of every captured key stay in the pool (routing tables and the slot record,
@@ -186,12 +188,19 @@ class _Forward:
 
 @dataclasses.dataclass
 class _Backward:
-    """One key's captured backward: up to the W2 DGRAD, and from the W13 DGRAD on."""
+    """One key's captured backward: up to the W2 DGRAD, and from the W13 DGRAD on; with
+    :attr:`TrainingGraphs.whole_backward`, whole backwards per weight-gradient outputs."""
 
     route_grads: torch.cuda.CUDAGraph
     input_grads: torch.cuda.CUDAGraph
     weight_grads: dict = dataclasses.field(default_factory=dict)  # out addresses -> graph
     weight_seen: set = dataclasses.field(default_factory=set)  # out addresses launched once
+    whole: dict = dataclasses.field(default_factory=dict)  # out addresses -> whole backward
+
+
+def _out_key(grad_w13, grad_w2) -> tuple:
+    """The weight-gradient outputs' addresses (a graph writes to the addresses it captured)."""
+    return tuple(None if t is None else (t.data_ptr(), t.dtype) for t in (grad_w13, grad_w2))
 
 
 class TrainingGraphs:
@@ -200,6 +209,11 @@ class TrainingGraphs:
 
     #: weight-gradient graphs per key (one per pair of output addresses)
     max_weight_graphs = 4
+    #: Where the weight-gradient outputs come at an address seen before, replay one graph
+    #: of the whole backward (its three parts captured together) instead of three: two
+    #: graph launches fewer per call (issue 66's host time). Off until a GPU run measures
+    #: it; the same kernels and bits either way.
+    whole_backward = False
 
     def __init__(self, ctx, pool: GraphPool, *, max_graphs: int = 256) -> None:
         self.ctx = ctx
@@ -293,9 +307,17 @@ class TrainingGraphs:
         T, K = saved["ids_executed"].shape
         D = self.ctx.cfg.hidden
         self.pool.static("grad_y", (T, D), torch.bfloat16).copy_(grad_y)
-        entry.route_grads.replay()
-        self._weight_grads(entry, saved, *weight_out)
-        entry.input_grads.replay()
+        wkey = _out_key(*weight_out)
+        whole = entry.whole.get(wkey)
+        if (whole is None and self.whole_backward and wkey in entry.weight_seen
+                and len(entry.whole) < self.max_weight_graphs):
+            whole = entry.whole[wkey] = self._capture_whole(saved, w13, w2, weight_out)
+        if whole is not None:
+            whole.replay()
+        else:
+            entry.route_grads.replay()
+            self._weight_grads(entry, saved, *weight_out)
+            entry.input_grads.replay()
         self.replays += 1
         grad_x = self.pool.static("grad_x", (T, D), torch.bfloat16).clone()
         grad_scores = self.pool.static("grad_scores", (T, K), torch.float32).clone()
@@ -305,8 +327,7 @@ class TrainingGraphs:
         """:func:`~distmoe.ops.autograd.backward_weight_grads` into these outputs: from the
         graph of their addresses, captured when the addresses come a second time, else
         launched eagerly."""
-        wkey = tuple(None if t is None else (t.data_ptr(), t.dtype)
-                     for t in (grad_w13, grad_w2))
+        wkey = _out_key(grad_w13, grad_w2)
         graph = entry.weight_grads.get(wkey)
         if graph is None:
             if (wkey not in entry.weight_seen
@@ -343,6 +364,24 @@ class TrainingGraphs:
         self.captures += 1
         return entry
 
+    def _capture_whole(self, saved, w13, w2, weight_out) -> torch.cuda.CUDAGraph:
+        """The three parts of a backward (:meth:`_capture_backward`'s two and the weight
+        gradients into ``weight_out``) captured as one graph on the same static tensors."""
+        ctx = self.ctx
+        T, K = saved["ids_executed"].shape
+        D = ctx.cfg.hidden
+        grad_y = self.pool.static("grad_y", (T, D), torch.bfloat16)
+        grad_x = self.pool.static("grad_x", (T, D), torch.bfloat16)
+        grad_scores = self.pool.static("grad_scores", (T, K), torch.float32)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool.handle(),
+                              capture_error_mode="thread_local"):
+            backward_route_grads(ctx, saved, w13, w2, grad_y)
+            backward_weight_grads(ctx, saved, *weight_out)
+            backward_input_grads(ctx, saved, w13, grad_x, grad_scores)
+        self.captures += 1
+        return graph
+
     def clear(self) -> None:
         """Drop every graph (their pool memory returns to torch's caching allocator)."""
         self.forwards.clear()
@@ -353,6 +392,7 @@ class TrainingGraphs:
     def stats(self) -> dict:
         return dict(forward_graphs=len(self.forwards), backward_graphs=len(self.backwards),
                     weight_graphs=sum(len(b.weight_grads) for b in self.backwards.values()),
+                    whole_backward_graphs=sum(len(b.whole) for b in self.backwards.values()),
                     captures=self.captures, replays=self.replays)
 
 
@@ -503,6 +543,24 @@ class FP8TrainGraphs:
         finish.replay()
         self.replays += 1
         return entry.grad_x.clone(), entry.grad_scores.clone()
+
+    def _capture_whole(self, saved, w13, w2, weight_out) -> torch.cuda.CUDAGraph:
+        """The three parts of a backward (:meth:`_capture_backward`'s two and the weight
+        gradients into ``weight_out``) captured as one graph on the same static tensors."""
+        ctx = self.ctx
+        T, K = saved["ids_executed"].shape
+        D = ctx.cfg.hidden
+        grad_y = self.pool.static("grad_y", (T, D), torch.bfloat16)
+        grad_x = self.pool.static("grad_x", (T, D), torch.bfloat16)
+        grad_scores = self.pool.static("grad_scores", (T, K), torch.float32)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool.handle(),
+                              capture_error_mode="thread_local"):
+            backward_route_grads(ctx, saved, w13, w2, grad_y)
+            backward_weight_grads(ctx, saved, *weight_out)
+            backward_input_grads(ctx, saved, w13, grad_x, grad_scores)
+        self.captures += 1
+        return graph
 
     def clear(self) -> None:
         """Drop every graph (their pool memory returns to torch's caching allocator)."""
