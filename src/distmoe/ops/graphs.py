@@ -335,52 +335,48 @@ class TrainingGraphs:
                 entry.weight_seen.add(wkey)
                 backward_weight_grads(self.ctx, saved, grad_w13, grad_w2)
                 return
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool.handle(),
-                                  capture_error_mode="thread_local"):
-                backward_weight_grads(self.ctx, saved, grad_w13, grad_w2)
+            graph = self._capture(
+                lambda: backward_weight_grads(self.ctx, saved, grad_w13, grad_w2))
             entry.weight_grads[wkey] = graph
             self.captures += 1
         graph.replay()
 
-    def _capture_backward(self, key, saved, w13, w2, x_shape) -> _Backward:
+    def _capture(self, *parts) -> torch.cuda.CUDAGraph:
+        """One graph of ``parts()`` in order, in the context's pool (autograd runs backward
+        on a worker thread: capture errors stay on this thread)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool.handle(),
+                              capture_error_mode="thread_local"):
+            for part in parts:
+                part()
+        return graph
+
+    def _backward_parts(self, saved, w13, w2) -> tuple:
+        """The backward before and after the weight gradients, on the static grad_y (in) and
+        grad_x, grad_scores (out) of the call's token count."""
         ctx = self.ctx
         T, K = saved["ids_executed"].shape
         D = ctx.cfg.hidden
         grad_y = self.pool.static("grad_y", (T, D), torch.bfloat16)
         grad_x = self.pool.static("grad_x", (T, D), torch.bfloat16)
         grad_scores = self.pool.static("grad_scores", (T, K), torch.float32)
-        # autograd runs backward on a worker thread: capture errors stay on this thread
-        route_grads = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(route_grads, pool=self.pool.handle(),
-                              capture_error_mode="thread_local"):
-            backward_route_grads(ctx, saved, w13, w2, grad_y)
-        input_grads = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(input_grads, pool=self.pool.handle(),
-                              capture_error_mode="thread_local"):
-            backward_input_grads(ctx, saved, w13, grad_x, grad_scores)
-        entry = self.backwards[key] = _Backward(route_grads=route_grads,
-                                                input_grads=input_grads)
+        return (lambda: backward_route_grads(ctx, saved, w13, w2, grad_y),
+                lambda: backward_input_grads(ctx, saved, w13, grad_x, grad_scores))
+
+    def _capture_backward(self, key, saved, w13, w2, x_shape) -> _Backward:
+        route, inputs = self._backward_parts(saved, w13, w2)
+        entry = self.backwards[key] = _Backward(route_grads=self._capture(route),
+                                                input_grads=self._capture(inputs))
         self.captures += 1
         return entry
 
     def _capture_whole(self, saved, w13, w2, weight_out) -> torch.cuda.CUDAGraph:
         """The three parts of a backward (:meth:`_capture_backward`'s two and the weight
         gradients into ``weight_out``) captured as one graph on the same static tensors."""
-        ctx = self.ctx
-        T, K = saved["ids_executed"].shape
-        D = ctx.cfg.hidden
-        grad_y = self.pool.static("grad_y", (T, D), torch.bfloat16)
-        grad_x = self.pool.static("grad_x", (T, D), torch.bfloat16)
-        grad_scores = self.pool.static("grad_scores", (T, K), torch.float32)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool.handle(),
-                              capture_error_mode="thread_local"):
-            backward_route_grads(ctx, saved, w13, w2, grad_y)
-            backward_weight_grads(ctx, saved, *weight_out)
-            backward_input_grads(ctx, saved, w13, grad_x, grad_scores)
+        route, inputs = self._backward_parts(saved, w13, w2)
         self.captures += 1
-        return graph
+        return self._capture(
+            route, lambda: backward_weight_grads(self.ctx, saved, *weight_out), inputs)
 
     def clear(self) -> None:
         """Drop every graph (their pool memory returns to torch's caching allocator)."""
@@ -543,24 +539,6 @@ class FP8TrainGraphs:
         finish.replay()
         self.replays += 1
         return entry.grad_x.clone(), entry.grad_scores.clone()
-
-    def _capture_whole(self, saved, w13, w2, weight_out) -> torch.cuda.CUDAGraph:
-        """The three parts of a backward (:meth:`_capture_backward`'s two and the weight
-        gradients into ``weight_out``) captured as one graph on the same static tensors."""
-        ctx = self.ctx
-        T, K = saved["ids_executed"].shape
-        D = ctx.cfg.hidden
-        grad_y = self.pool.static("grad_y", (T, D), torch.bfloat16)
-        grad_x = self.pool.static("grad_x", (T, D), torch.bfloat16)
-        grad_scores = self.pool.static("grad_scores", (T, K), torch.float32)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool.handle(),
-                              capture_error_mode="thread_local"):
-            backward_route_grads(ctx, saved, w13, w2, grad_y)
-            backward_weight_grads(ctx, saved, *weight_out)
-            backward_input_grads(ctx, saved, w13, grad_x, grad_scores)
-        self.captures += 1
-        return graph
 
     def clear(self) -> None:
         """Drop every graph (their pool memory returns to torch's caching allocator)."""
