@@ -29,6 +29,7 @@ import of transformers).
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -332,6 +333,14 @@ def _parity_rank(rank, world, seed):
 @pytest.fixture(scope="module")
 def parity():
     """Per EP size, the per-rank results of :func:`_parity_rank` (one launch each)."""
+    return _parity()
+
+
+@functools.cache
+def _parity():
+    # cached in the process: pytest-xdist may set a module fixture up again on the same
+    # worker (its items of one module need not arrive together), and a launch costs seconds
+    # in Triton's interpreter; the tests only read the results
     return {world: dm.launch(_parity_rank, world, args=(3,), device="cpu")
             for world in (1, 2)}
 

@@ -9,6 +9,8 @@ way. Everything else (weights, checkpoints, gradients of the same kernels on the
 is compared bit for bit.
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -199,6 +201,14 @@ def _refusals_rank(rank, world):
 @pytest.fixture(scope="module")
 def saved():
     """Per EP size: (per-rank (y, state dict), merged full state dict), same seed."""
+    return _saved()
+
+
+@functools.cache
+def _saved():
+    # cached in the process: pytest-xdist may set a module fixture up again on the same
+    # worker (its items of one module need not arrive together), and a launch costs seconds
+    # in Triton's interpreter; the tests only read the results
     out = {}
     for world in (1, 2):
         per_rank = dm.launch(_forward_rank, world, args=(7,))

@@ -14,6 +14,8 @@ tokens, compared with the gradient of that rank's copy in the reference. Weights
 and loads are compared bit for bit.
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -140,6 +142,14 @@ def _rank(rank, world, checkpoint):
 @pytest.fixture(scope="module")
 def runs():
     """Per EP size, the per-rank results; EP 2 also loads EP 1's gated checkpoint."""
+    return _runs()
+
+
+@functools.cache
+def _runs():
+    # cached in the process: pytest-xdist may set a module fixture up again on the same
+    # worker (its items of one module need not arrive together), and a launch costs seconds
+    # in Triton's interpreter; the tests only read the results
     one = dm.launch(_rank, 1, args=(None,))
     return {1: one, 2: dm.launch(_rank, 2, args=(one[0][True]["init"],))}
 

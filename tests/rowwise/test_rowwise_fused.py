@@ -24,6 +24,8 @@ docstring.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from rowwise_cases import assert_bits_equal
@@ -160,10 +162,17 @@ def _rank(rank, world):
     return res
 
 
+@functools.cache
+def _runs(world):
+    """``dm.launch(_rank, world)``, once per process: pytest may set the parametrised module
+    fixture below up more than once per EP size (its order interleaves them), and each run
+    costs seconds in Triton's interpreter. The tests only read the results."""
+    return dm.launch(_rank, world, timeout=300)
+
+
 @pytest.fixture(scope="module", params=[1, 2], ids=["ep1", "ep2"])
 def group(request):
-    world = request.param
-    return world, dm.launch(_rank, world, timeout=300)
+    return request.param, _runs(request.param)
 
 
 def _documented_saved(precision, recompute, rows, e_local):

@@ -18,6 +18,7 @@ check what each rank returned against references built here from the same proble
   oracle magnitude (results that round to neighbouring bf16 values).
 """
 
+import functools
 import re
 
 import pytest
@@ -157,8 +158,16 @@ GROUPS = [pytest.param((w, "cpu"), id=f"ep{w}") for w in WORLDS] + [
 @pytest.fixture(scope="module", params=GROUPS)
 def group(request):
     world, device = request.param
-    return world, distmoe.launch(_scenarios, world, device=device, gpus=[0] if device == "cuda"
-                                 else None, timeout=120, args=(device,))
+    return world, _group_runs(world, device)
+
+
+@functools.cache
+def _group_runs(world, device):
+    # cached in the process: pytest-xdist may set a module fixture up again on the same
+    # worker (its items of one module need not arrive together), and a launch costs seconds
+    # in Triton's interpreter; the tests only read the results
+    return distmoe.launch(_scenarios, world, device=device, gpus=[0] if device == "cuda"
+                          else None, timeout=120, args=(device,))
 
 
 # --------------------------------------------------------------------------------------------
@@ -393,6 +402,14 @@ def _argument_errors(bufs, p, rank):
 
 @pytest.fixture(scope="module")
 def errors():
+    return _errors_run()
+
+
+@functools.cache
+def _errors_run():
+    # cached in the process: pytest-xdist may set a module fixture up again on the same
+    # worker (its items of one module need not arrive together), and a launch costs seconds
+    # in Triton's interpreter; the tests only read the results
     return distmoe.launch(_errors, 2, timeout=120)
 
 

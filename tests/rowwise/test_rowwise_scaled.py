@@ -10,6 +10,8 @@ the CPU heap, Triton's interpreter), EP 1 to 3; EP 1 and 2 also as GPU ranks sha
   ``rtol = 1e-5`` (a few fp32 ulps of a sum of D = 64 terms in another order).
 """
 
+import functools
+
 import pytest
 import torch
 from rowwise_cases import make_problem, on_device, to_cpu
@@ -71,9 +73,16 @@ GROUPS = [pytest.param((w, "cpu"), id=f"ep{w}") for w in (1, 2, 3)] + [
 @pytest.fixture(scope="module", params=GROUPS)
 def group(request):
     world, device = request.param
-    return world, distmoe.launch(_rank, world, device=device,
-                                 gpus=[0] if device == "cuda" else None, timeout=180,
-                                 args=(device,))
+    return world, _group_runs(world, device)
+
+
+@functools.cache
+def _group_runs(world, device):
+    # cached in the process: pytest-xdist may set a module fixture up again on the same
+    # worker (its items of one module need not arrive together), and a launch costs seconds
+    # in Triton's interpreter; the tests only read the results
+    return distmoe.launch(_rank, world, device=device, gpus=[0] if device == "cuda" else None,
+                          timeout=180, args=(device,))
 
 
 @pytest.mark.parametrize("key,seed,bad", [("good", SEED, False), ("bad", BAD_SEED, True)])
