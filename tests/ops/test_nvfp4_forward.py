@@ -359,6 +359,28 @@ def _swap_rank(rank, world, seed, E, case):
     return _nvfp4_rank(rank, world, seed, T, E, K, [case], {case: 1.0 * world}, row_block=32)
 
 
+def test_decode_call_on_a_prefill_sized_context_takes_the_transposed_tiles():
+    """A context planned for many rows per expert (max_tokens 256: padded tiles) gives a call
+    of few tokens the transposed configs (chosen per call from its token count) and a full
+    call the planned ones; the decode call within both references, and explain() lists
+    both pairs."""
+    seed, E, case, T_max = 81, 8, "imbalance_8x", 256
+    cfg = _cfg(E, T_max, 1.0, row_block=32)
+    x, ids, scores, w13, w2 = _problem(seed, 1, T, E, K, case)
+    w13p, w2p = prepare_weights(w13, w2, "nvfp4", reference=True)
+    with dm.MoEContext(cfg, device="cpu") as ctx:
+        s = ctx._lowp
+        planned = (s.w13_config, s.w2_config)
+        assert not planned[0].swap_ab and s.decode is not None
+        assert all(c.swap_ab for c in s.configs(T, K)), "a decode call: transposed tiles"
+        assert s.configs(T_max, K) == planned
+        text = ctx.explain()
+        assert "w13 decode" in text and "transposed" in text, text
+        y = ctx(x, ids, scores, w13p, w2p)
+        assert ctx.stats()["dropped_rows"] == 0
+    _check_case(y, seed, 1, T, E, K, case, cfg.receive_bound(1))
+
+
 def test_packed_rows_pulled_at_once_or_as_named_give_the_same_bits():
     """EP = 2: the packed rows copied from every peer at once (copy engines, their packed
     bytes only) or as the tables name them give the same bits, within both references."""

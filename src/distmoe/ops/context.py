@@ -1037,6 +1037,10 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
             lines.append("  gemms      block-scaled grouped GEMM (kernels/scaled: Triton, or "
                          "the Gluon form where a config says gluon=True)")
         named = [("w13", s.w13_config), ("w2", s.w2_config)]
+        if getattr(s, "decode", None) is not None:  # FP4: calls below decode_rows per expert
+            lines.append(f"  (calls under {s.decode_rows} rows per local expert: the "
+                         "transposed configs below)")
+            named += [("w13 decode", s.decode[0]), ("w2 decode", s.decode[1])]
         wgrads = []
         if self._lowp_train is not None:
             t = self._lowp_train
@@ -1046,7 +1050,8 @@ first_blocks`), for the plan's W13 config and phase waves (host arithmetic)."""
             lines.append(f"  {name:<10} block_m={c.block_m}, block_n={c.block_n}, "
                          f"block_k={c.block_k}, num_warps={c.num_warps}, "
                          f"num_stages={c.num_stages}, group_m={c.group_m}"
-                         + (", gluon" if c.gluon else ""))
+                         + (", gluon" if c.gluon else "")
+                         + (", transposed" if getattr(c, "swap_ab", False) else ""))
         for name, c in wgrads:
             lines.append(f"  {name:<10} " + (
                 "bf16 (the plan's WGRAD above)" if c is None else

@@ -220,6 +220,11 @@ class NVFP4Scratch:
             <distmoe.plan.KernelPlan.fp4_fp8_operands>`), the quantised activations ``(x_q
             [R_b, D] e4m3, x_s [R_b, D/128] float32, h2_q [R_b, F], h2_s [R_b, F/128])``;
             else None.
+        decode: the two GEMMs' configs for a call of few rows per expert where the planned
+            ones (sized by ``max_tokens``) are not those of :func:`~distmoe.plan.rules.
+            fp4_weight_gemm` at few rows (a context sized for prefill serving a decode
+            step), with ``decode_rows``, the rows per local expert below which a call takes
+            them (:meth:`configs`); else None.
     """
 
     x_rows: torch.Tensor
@@ -229,6 +234,16 @@ class NVFP4Scratch:
     w13_shape: tuple[int, ...]
     w2_shape: tuple[int, ...]
     fp8: tuple[torch.Tensor, ...] | None = None
+    decode: tuple[ScaledGemmConfig, ScaledGemmConfig] | None = None
+    decode_rows: int = 0
+
+    def configs(self, tokens: int, top_k: int) -> tuple[ScaledGemmConfig, ScaledGemmConfig]:
+        """The (W13, W2) configs of a call of ``tokens`` tokens on this rank: the decode ones
+        where ``tokens * top_k`` over the local experts falls below ``decode_rows`` (a
+        host integer: the call's shape, no synchronisation), else the planned ones."""
+        if self.decode is not None and tokens * top_k < self.decode_rows * self.w13_shape[0]:
+            return self.decode
+        return self.w13_config, self.w2_config
 
     @property
     def nbytes(self) -> int:
@@ -261,6 +276,12 @@ def allocate_nvfp4(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
     else:
         w13_config = rules.fp4_weight_gemm(k=D, n=2 * F, swiglu=True, **keys)
         w2_config = rules.fp4_weight_gemm(k=F, n=D, **keys)
+    decode, decode_rows = None, 0
+    few = dict(keys, rows_per_expert=1)
+    if fp8 is None and rules.fp4_weight_gemm(k=D, n=2 * F, swiglu=True, **few) != w13_config:
+        decode = (rules.fp4_weight_gemm(k=D, n=2 * F, swiglu=True, **few),
+                  rules.fp4_weight_gemm(k=F, n=D, **few))
+        decode_rows = rules.fp4_swap_rows(keys["device_class"])
     return NVFP4Scratch(
         x_rows=torch.zeros(R, D, dtype=torch.bfloat16, device=device),
         row_scale=(torch.zeros(R, dtype=torch.float32, device=device)
@@ -271,6 +292,8 @@ def allocate_nvfp4(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
         w13_shape=(E, 2, F, D),
         w2_shape=(E, D, F),
         fp8=fp8,
+        decode=decode,
+        decode_rows=decode_rows,
     )
 
 
@@ -444,9 +467,10 @@ def nvfp4_forward(ctx, x, expert_ids, scores, w13: PreparedWeight, w2: PreparedW
     po, ro = tables.padded_offsets, tables.row_offsets
     h2 = ctx._h2
     extra = {} if s.row_scale is None else {"a_row_scale": s.row_scale}
-    _fp4_mm(s.x_rows, w13, po, ro, h2, swiglu=True, config=s.w13_config, fp8_a=x_fp8, **extra)
+    w13_config, w2_config = s.configs(x.shape[0], ctx.cfg.top_k)
+    _fp4_mm(s.x_rows, w13, po, ro, h2, swiglu=True, config=w13_config, fp8_a=x_fp8, **extra)
     if h2_fp8 is not None:
         fp8_block_quantize_2d(h2, *h2_fp8)
     h3 = s.x_rows  # the gathered rows are dead once W13 has read them
-    _fp4_mm(h2, w2, po, ro, h3, config=s.w2_config, fp8_a=h2_fp8)
+    _fp4_mm(h2, w2, po, ro, h3, config=w2_config, fp8_a=h2_fp8)
     return scatter_and_combine(ctx, tables, h3, x, expert_ids, scores, out)

@@ -321,11 +321,18 @@ def fp4_weight_gemm(*, k: int, n: int, swiglu: bool = False, block_m: int,
     :meth:`ScaledGemmConfig.for_widths` at the padding multiple ``block_m`` (which the
     transposed tile's 32 rows must divide)."""
     if swap_rows is None:
-        swap_rows = thresholds(device_class).value("fp4_swap_rows")
+        swap_rows = fp4_swap_rows(device_class)
     if rows_per_expert < swap_rows and block_m % 32 == 0:
         return ScaledGemmConfig(block_m=32, block_n=64, block_k=128, num_warps=4,
                                 num_stages=3, group_m=1, swap_ab=True)
     return ScaledGemmConfig.for_widths(k=k, n=n, swiglu=swiglu, block_m=block_m)
+
+
+def fp4_swap_rows(device_class: DeviceClass = "generic") -> int:
+    """The rows per expert below which :func:`fp4_weight_gemm` picks transposed tiles (the
+    ``fp4_swap_rows`` threshold); an inference context also compares each call's rows with
+    it (:meth:`distmoe.ops.lowp.NVFP4Scratch.configs`)."""
+    return thresholds(device_class).value("fp4_swap_rows")
 
 
 def fp4_fp8_operands(*, hidden: int, ffn: int, rows_per_expert: int,
