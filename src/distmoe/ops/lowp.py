@@ -278,9 +278,9 @@ def allocate_nvfp4(cfg: MoEConfig, num_local_experts: int, receive_bound: int,
         w2_config = rules.fp4_weight_gemm(k=F, n=D, **keys)
     decode, decode_rows = None, 0
     few = dict(keys, rows_per_expert=1)
-    if fp8 is None and rules.fp4_weight_gemm(k=D, n=2 * F, swiglu=True, **few) != w13_config:
-        decode = (rules.fp4_weight_gemm(k=D, n=2 * F, swiglu=True, **few),
-                  rules.fp4_weight_gemm(k=F, n=D, **few))
+    decode_w13 = rules.fp4_weight_gemm(k=D, n=2 * F, swiglu=True, **few)
+    if fp8 is None and decode_w13 != w13_config:
+        decode = (decode_w13, rules.fp4_weight_gemm(k=F, n=D, **few))
         decode_rows = rules.fp4_swap_rows(keys["device_class"])
     return NVFP4Scratch(
         x_rows=torch.zeros(R, D, dtype=torch.bfloat16, device=device),
